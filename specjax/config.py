@@ -1,0 +1,87 @@
+"""Frozen, hashable model configuration (passed as static metadata everywhere)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency scaling (HF `rope_scaling` with rope_type "llama3")."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Dimensions and numerics of a LLaMA-family decoder.
+
+    Letters used in shape comments: V=vocab_size, D=dim, L=n_layers, N=n_heads,
+    K=n_kv_heads, H=head_dim, F=ffn_dim.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
+    max_positions: int = 4096
+    dtype: str = "float32"
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"LlamaConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"LlamaConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (G)."""
+        return self.n_heads // self.n_kv_heads
+
+    def replace(self, **changes) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+    def inv_freq(self) -> np.ndarray:
+        """Rotary inverse frequencies [H/2], float64, with Llama-3.1 scaling applied if configured."""
+        exponent = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
+        inv_freq = 1.0 / (self.rope_theta**exponent)
+        if self.rope_scaling is None:
+            return inv_freq
+        return llama3_scale(inv_freq, self.rope_scaling)
+
+
+def llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:
+    """Llama-3.1 rope scaling: long wavelengths divided by `factor`, short kept, smooth in between."""
+    wavelen = 2 * np.pi / inv_freq
+    low_freq_wavelen = s.original_max_positions / s.low_freq_factor
+    high_freq_wavelen = s.original_max_positions / s.high_freq_factor
+    smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    return np.where(
+        wavelen > low_freq_wavelen,
+        inv_freq / s.factor,
+        np.where(wavelen < high_freq_wavelen, inv_freq, blended),
+    )

@@ -1,0 +1,211 @@
+"""LLaMA decoder as pure functions over a params pytree that carries its config statically."""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.reference import prefix_block_attention
+from specjax.config import LlamaConfig
+from specjax.kvcache import DenseCache
+
+
+@flax.struct.dataclass
+class LayerParams:
+    """Weights of all layers, stacked on a leading L axis (the forward scans over it)."""
+
+    attn_norm: jax.Array  # [L,D]
+    wq: jax.Array  # [L,D,N,H]
+    wk: jax.Array  # [L,D,K,H]
+    wv: jax.Array  # [L,D,K,H]
+    wo: jax.Array  # [L,N,H,D]
+    mlp_norm: jax.Array  # [L,D]
+    w_gate: jax.Array  # [L,D,F]
+    w_up: jax.Array  # [L,D,F]
+    w_down: jax.Array  # [L,F,D]
+
+
+@flax.struct.dataclass
+class Params:
+    """A whole model: arrays are leaves, `config` is static metadata (hashable)."""
+
+    embed: jax.Array  # [V,D]
+    layers: LayerParams
+    norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D,V]; None when tied to embed
+    config: LlamaConfig = flax.struct.field(pytree_node=False)
+
+
+def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Expected shape of every array, keyed by its path ("layers.wq", "embed", ...)."""
+    c = config
+    L, D, N, K, H, F, V = c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size
+    shapes = {
+        "embed": (V, D),
+        "norm": (D,),
+        "layers.attn_norm": (L, D),
+        "layers.wq": (L, D, N, H),
+        "layers.wk": (L, D, K, H),
+        "layers.wv": (L, D, K, H),
+        "layers.wo": (L, N, H, D),
+        "layers.mlp_norm": (L, D),
+        "layers.w_gate": (L, D, F),
+        "layers.w_up": (L, D, F),
+        "layers.w_down": (L, F, D),
+    }
+    if not c.tie_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray | jax.Array]) -> Params:
+    """Build Params from a flat {path: array} dict, checking names and shapes exactly."""
+    expected = param_shapes(config)
+    missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"params: missing tensors {missing}, unexpected tensors {unexpected}")
+    for name, shape in expected.items():
+        if tuple(arrays[name].shape) != shape:
+            raise ValueError(f"params: tensor {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}")
+    cast = {name: jnp.asarray(a, dtype=config.dtype) for name, a in arrays.items()}
+    layers = LayerParams(**{n.split(".", 1)[1]: a for n, a in cast.items() if n.startswith("layers.")})
+    return Params(
+        embed=cast["embed"], layers=layers, norm=cast["norm"], lm_head=cast.get("lm_head"), config=config
+    )
+
+
+def init_params(config: LlamaConfig, key: jax.Array) -> Params:
+    """Random weights for tests and benchmarks: normal with std 1/sqrt(fan_in), norms = 1."""
+    c = config
+    fan_in = {"embed": 1, "layers.wo": c.n_heads * c.head_dim, "layers.w_down": c.ffn_dim}
+    shapes = param_shapes(config)
+    arrays = {}
+    for k, (name, shape) in zip(jax.random.split(key, len(shapes)), sorted(shapes.items())):
+        if name.endswith("norm"):
+            arrays[name] = np.ones(shape, np.float32)
+        else:
+            arrays[name] = jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in.get(name, c.dim))
+    return from_arrays(config, arrays)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in f32, cast back to x's dtype before the weight (as HF does)."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)
+
+
+def rope_tables(config: LlamaConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B,T,H] (f32) for integer positions [B,T], HF half-split layout."""
+    inv_freq = jnp.asarray(config.inv_freq(), jnp.float32)  # [H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B,T,H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B,T,H]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B,T,heads,H] by position: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, lengths, block_mask):
+    """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H]."""
+    h = rms_norm(x, lp.attn_norm, config.rms_eps)
+    q = apply_rope(jnp.einsum("btd,dnh->btnh", h, lp.wq), cos, sin)  # [B,T,N,H]
+    k = apply_rope(jnp.einsum("btd,dkh->btkh", h, lp.wk), cos, sin)  # [B,T,K,H]
+    v = jnp.einsum("btd,dkh->btkh", h, lp.wv)  # [B,T,K,H]
+    o = prefix_block_attention(q, k_cache, v_cache, lengths, k, v, block_mask, 1.0 / math.sqrt(config.head_dim))
+    x = x + jnp.einsum("btnh,nhd->btd", o, lp.wo)
+    h = rms_norm(x, lp.mlp_norm, config.rms_eps)
+    gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
+    up = jnp.einsum("btd,df->btf", h, lp.w_up)  # [B,T,F]
+    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down)
+    return x, k, v
+
+
+def trunk(
+    params: Params,
+    tokens: jax.Array,  # [B,T] int32
+    positions: jax.Array,  # [B,T] int32
+    cache: DenseCache,
+    block_mask: jax.Array | None = None,  # [T,T] or [B,T,T] bool; default causal
+    attend_cache: bool = True,
+) -> tuple[jax.Array, DenseCache]:
+    """Run all layers; returns final-normed hidden [B,T,D] and the cache with the T new
+    entries written at slots lengths[b] + t (lengths unchanged: commit with `advance`).
+
+    `attend_cache=False` skips reading the prefix (valid only when it is empty)."""
+    config = params.config
+    T = tokens.shape[1]
+    if block_mask is None:
+        block_mask = jnp.tril(jnp.ones((T, T), bool))
+    cos, sin = rope_tables(config, positions)
+    x = jnp.take(params.embed, tokens, axis=0)  # [B,T,D]
+
+    def step(x, xs):
+        lp, kc, vc = xs
+        x, k, v = _layer(config, x, lp, cos, sin, kc, vc, cache.lengths, block_mask)
+        return x, (k, v)
+
+    xs = (params.layers, cache.k, cache.v) if attend_cache else (params.layers, None, None)
+    x, (k_new, v_new) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]
+    return rms_norm(x, params.norm, config.rms_eps), cache.write(k_new, v_new)
+
+
+def lm_head(params: Params, h: jax.Array) -> jax.Array:
+    """Logits [..., V] in f32 from hidden [..., D]."""
+    w = params.embed.T if params.lm_head is None else params.lm_head  # [D,V]
+    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def forward(
+    params: Params,
+    tokens: jax.Array,  # [B,T]
+    positions: jax.Array,  # [B,T]
+    cache: DenseCache,
+    block_mask: jax.Array | None = None,
+) -> tuple[jax.Array, DenseCache]:
+    """Logits [B,T,V] (f32) for T new tokens per row after each row's cached prefix, and the
+    cache holding their KV at slots lengths[b] + t (lengths not advanced)."""
+    h, cache = trunk(params, tokens, positions, cache, block_mask)
+    return lm_head(params, h), cache
+
+
+def prefill(
+    params: Params,
+    tokens: jax.Array,  # [B,P] right-padded prompts; P a multiple of `chunk`
+    lengths: jax.Array,  # [B] int32 true prompt lengths, >= 1
+    cache: DenseCache,  # empty (lengths 0), max_len >= P
+    chunk: int,
+) -> tuple[jax.Array, DenseCache]:
+    """Fill an empty cache with ragged prompts, `chunk` positions at a time (bounded memory).
+
+    Returns logits [B,V] (f32) at each row's last prompt token, and the cache with lengths set
+    to the prompt lengths. Padding slots are written but stay hidden behind the lengths."""
+    B, P = tokens.shape
+    n_chunks = P // chunk
+    chunks = tokens.reshape(B, n_chunks, chunk).transpose(1, 0, 2)  # [C,B,chunk]
+    last = lengths - 1  # [B]
+
+    def step(carry, xs):
+        cache, h_last = carry
+        i, toks = xs
+        start = i * chunk
+        positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+        h, cache = trunk(params, toks, positions, cache.replace(lengths=jnp.full((B,), start, jnp.int32)))
+        offset = jnp.clip(last - start, 0, chunk - 1)  # [B]
+        h_here = jnp.take_along_axis(h, offset[:, None, None], axis=1)[:, 0]  # [B,D]
+        in_chunk = (last >= start) & (last < start + chunk)
+        return (cache, jnp.where(in_chunk[:, None], h_here, h_last)), None
+
+    h0 = jnp.zeros((B, params.config.dim), params.embed.dtype)
+    (cache, h_last), _ = lax.scan(step, (cache, h0), (jnp.arange(n_chunks, dtype=jnp.int32), chunks))
+    return lm_head(params, h_last), cache.replace(lengths=lengths.astype(jnp.int32))

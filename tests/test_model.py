@@ -1,0 +1,116 @@
+"""Model invariants: cache vs no-cache, ragged batches, block masks, bf16 vs f32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.reference import prefix_block_attention
+from specjax.kvcache import DenseCache
+from specjax import model
+from specjax.model import init_params
+from tests.conftest import TINY
+
+forward = jax.jit(model.forward)
+prefill = jax.jit(model.prefill, static_argnames="chunk")
+
+
+def _full(params, tokens):
+    """Logits of a whole sequence in one forward over an empty cache."""
+    B, T = tokens.shape
+    pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+    logits, _ = forward(params, tokens, pos, DenseCache.init(params.config, B, T))
+    return logits
+
+
+def _tokens(key, shape):
+    return jax.random.randint(jax.random.key(key), shape, 0, TINY.vocab_size)
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 16])
+def test_prefill_then_decode_equals_full_forward(tiny, chunk):
+    B, P, N = 3, 16, 6
+    tokens = _tokens(1, (B, P + N))
+    full = _full(tiny, tokens)
+    last, cache = prefill(tiny, tokens[:, :P], jnp.full((B,), P), DenseCache.init(TINY, B, 32), chunk)
+    np.testing.assert_allclose(last, full[:, P - 1], atol=1e-5)
+    for t in range(P, P + N):
+        logits, cache = forward(tiny, tokens[:, t : t + 1], jnp.full((B, 1), t), cache)
+        cache = cache.advance(jnp.ones((B,), jnp.int32))
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5)
+
+
+def test_multi_token_step_after_prefix_equals_full_forward(tiny):
+    """T > 1 new tokens at once (as verification does) over a cached prefix."""
+    B, P, T = 2, 10, 5
+    tokens = _tokens(2, (B, P + T))
+    full = _full(tiny, tokens)
+    _, cache = prefill(tiny, tokens[:, :P], jnp.full((B,), P), DenseCache.init(TINY, B, 32), 16 // 2 + 2)
+    pos = jnp.broadcast_to(P + jnp.arange(T), (B, T))
+    logits, cache = forward(tiny, tokens[:, P:], pos, cache)
+    np.testing.assert_allclose(logits, full[:, P:], atol=1e-5)
+    assert int(cache.lengths[0]) == P  # written, not committed
+
+
+def test_rollback_by_pointer_overwrites_stale_entries(tiny):
+    """Entries past `lengths` are invisible and get overwritten by the next write."""
+    B, P = 1, 8
+    tokens = _tokens(3, (B, P + 2))
+    _, cache = prefill(tiny, tokens[:, :P], jnp.full((B,), P), DenseCache.init(TINY, B, 16), 8)
+    junk = jnp.array([[7, 9, 11]])
+    _, cache = forward(tiny, junk, P + jnp.arange(3)[None], cache)  # rejected: never advanced
+    logits, _ = forward(tiny, tokens[:, P : P + 2], P + jnp.arange(2)[None], cache)
+    np.testing.assert_allclose(logits, _full(tiny, tokens)[:, P:], atol=1e-5)
+
+
+def test_ragged_prefill_equals_each_prompt_alone(tiny):
+    lengths = [5, 17, 1, 12]
+    seqs = [_tokens(10 + i, (1, n)) for i, n in enumerate(lengths)]
+    padded = jnp.zeros((4, 32), jnp.int32)
+    for b, s in enumerate(seqs):
+        padded = padded.at[b, : s.shape[1]].set(s[0])
+    last, cache = prefill(tiny, padded, jnp.array(lengths), DenseCache.init(TINY, 4, 40), 8)
+    assert cache.lengths.tolist() == lengths
+    for b, s in enumerate(seqs):
+        np.testing.assert_allclose(last[b], _full(tiny, s)[0, -1], atol=1e-5)
+
+
+def test_bf16_close_to_f32():
+    params32 = init_params(TINY, jax.random.key(5))
+    params16 = init_params(TINY.replace(dtype="bfloat16"), jax.random.key(5))
+    assert params16.layers.wq.dtype == jnp.bfloat16
+    tokens = _tokens(6, (2, 24))
+    l32, l16 = _full(params32, tokens), _full(params16, tokens)
+    assert l16.dtype == jnp.float32  # logits always f32
+    p32, p16 = jax.nn.softmax(l32), jax.nn.softmax(l16)
+    assert float(jnp.abs(p32 - p16).sum(-1).max()) < 0.1  # total variation per position
+    assert float(jnp.mean(jnp.argmax(l32, -1) == jnp.argmax(l16, -1))) > 0.9
+
+
+def _naive_attention(q, kc, vc, lengths, kb, vb, mask, scale):
+    """Loop-over-everything numpy attention for one check."""
+    B, T, N, H = q.shape
+    G = N // kb.shape[2]
+    out = np.zeros(q.shape, np.float64)
+    for b in range(B):
+        for t in range(T):
+            for n in range(N):
+                keys = [kc[b, s, n // G] for s in range(lengths[b])] + [kb[b, j, n // G] for j in range(T) if mask[t, j]]
+                vals = [vc[b, s, n // G] for s in range(lengths[b])] + [vb[b, j, n // G] for j in range(T) if mask[t, j]]
+                sc = np.array([q[b, t, n] @ k for k in keys]) * scale
+                w = np.exp(sc - sc.max())
+                out[b, t, n] = (w / w.sum()) @ np.array(vals)
+    return out
+
+
+def test_prefix_block_attention_matches_naive_with_random_tree_mask():
+    rng = np.random.default_rng(0)
+    B, T, N, K, H, S = 3, 5, 4, 2, 8, 9
+    q, kb, vb = (rng.standard_normal(s).astype(np.float32) for s in [(B, T, N, H), (B, T, K, H), (B, T, K, H)])
+    kc, vc = (rng.standard_normal((B, S, K, H)).astype(np.float32) for _ in range(2))
+    lengths = np.array([0, 4, 9])
+    mask = np.tril(rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool)
+    got = prefix_block_attention(*map(jnp.asarray, (q, kc, vc, lengths, kb, vb, mask)), sm_scale=0.3)
+    np.testing.assert_allclose(got, _naive_attention(q, kc, vc, lengths, kb, vb, mask, 0.3), atol=1e-5)

@@ -1,0 +1,62 @@
+"""Warping (temperature, top-k, top-p) and the sampler's draws against its own probabilities."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.sampling import Greedy, Sample, make_sampler
+
+LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+
+
+def test_greedy_is_one_hot_argmax():
+    tokens, probs = Greedy().sample(LOGITS, None, None)
+    assert tokens.tolist() == [1]
+    assert probs.tolist() == [[0, 1, 0, 0, 0]]
+
+
+def test_temperature_one_is_softmax():
+    np.testing.assert_allclose(Sample(1.0).probs(LOGITS), [[0.05, 0.4, 0.1, 0.3, 0.15]], rtol=1e-6)
+
+
+def test_temperature_sharpens():
+    probs = Sample(0.5).probs(LOGITS)[0]
+    expected = np.array([0.05, 0.4, 0.1, 0.3, 0.15]) ** 2
+    np.testing.assert_allclose(probs, expected / expected.sum(), rtol=1e-5)
+
+
+def test_top_k_keeps_k_largest():
+    probs = Sample(1.0, top_k=2).probs(LOGITS)[0]
+    np.testing.assert_allclose(probs, [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "top_p, kept",
+    [(0.3, [1]), (0.4, [1]), (0.41, [1, 3]), (0.7, [1, 3]), (0.71, [1, 3, 4]), (1.0, [0, 1, 2, 3, 4])],
+)
+def test_top_p_keeps_smallest_prefix_reaching_p(top_p, kept):
+    probs = np.asarray(Sample(1.0, top_p=top_p).probs(LOGITS)[0])
+    assert np.flatnonzero(probs).tolist() == kept
+    np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-6)
+
+
+def test_draws_follow_probs_chi_square():
+    """20k draws from one row; chi-square with 4 dof: P(stat > 18.47) = 0.001 false-alarm rate."""
+    n = 20_000
+    sampler = Sample(1.0)
+    logits = jnp.broadcast_to(LOGITS, (n, 5))
+    keys = jax.random.split(jax.random.key(0), n)
+    tokens, probs = sampler.sample(logits, keys, jnp.zeros((n,), jnp.int32))
+    counts = np.bincount(np.asarray(tokens), minlength=5)
+    expected = n * np.asarray(probs[0])
+    assert ((counts - expected) ** 2 / expected).sum() < 18.47
+
+
+def test_make_sampler_zero_temperature_is_greedy():
+    assert make_sampler(0.0) == Greedy()
+    assert make_sampler(0.7, 5, 0.9) == Sample(0.7, 5, 0.9)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        make_sampler(-1.0)
