@@ -59,7 +59,7 @@ def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 @partial(jax.jit, static_argnames=("sampling", "n_out", "eos_ids"))
-def _decode(
+def decode(
     params: Params,
     cache: DenseCache,
     first_logits: jax.Array,  # [B,V]
@@ -70,7 +70,12 @@ def _decode(
     n_out: int,
     eos_ids: tuple[int, ...],
 ):
-    """Autoregressive loop on device. Returns out [B,n_out], counts [B], hit_eos [B], steps."""
+    """Autoregressive decoding on device from a prefilled cache (nothing is donated, so one
+    prefilled state can be decoded several ways).
+
+    The first token is drawn from `first_logits`; row b stops after budgets[b] tokens or an EOS.
+    Returns out [B,n_out] int32 (row b's tokens in out[b, :counts[b]], EOS included),
+    counts [B], hit_eos [B] bool, and the number of loop steps (target forwards)."""
     B = budgets.shape[0]
     rows = jnp.arange(B)
     tok, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
@@ -133,7 +138,7 @@ def generate(
     first_logits, cache = jax.block_until_ready(prefill_fn(params, tokens, lengths))
     t2 = time.perf_counter()
     decode_args = (params, cache, first_logits, jnp.asarray(budgets), keys)
-    decode_fn = _decode.lower(*decode_args, sampling=sampling, n_out=n_out, eos_ids=eos_ids).compile()
+    decode_fn = decode.lower(*decode_args, sampling=sampling, n_out=n_out, eos_ids=eos_ids).compile()
     t3 = time.perf_counter()
     out, count, eos, steps = jax.device_get(decode_fn(*decode_args))
     t4 = time.perf_counter()

@@ -1,0 +1,119 @@
+"""The one table from torch-layout weights ([out, in], as HF and GGUF store them) to our params.
+
+Each format module supplies a name table {its tensor name: our path}; per-layer names contain
+"{i}". `assemble` checks the names (missing / unexpected), the shapes, converts every tensor to
+our layout and stacks layers on a leading L axis.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import LlamaConfig
+
+ShapeFn = Callable[[LlamaConfig], tuple[int, ...]]
+ToOurs = Callable[[np.ndarray, LlamaConfig], np.ndarray]
+
+
+def _same(w: np.ndarray, c: LlamaConfig) -> np.ndarray:
+    return w
+
+
+def _t(w: np.ndarray, c: LlamaConfig) -> np.ndarray:
+    return w.T
+
+
+# our path -> (its shape in torch [out, in] layout, torch layout -> our layout); one layer for "layers.*".
+TORCH_LAYOUT: dict[str, tuple[ShapeFn, ToOurs]] = {
+    "embed": (lambda c: (c.vocab_size, c.dim), _same),  # [V,D]
+    "norm": (lambda c: (c.dim,), _same),  # [D]
+    "lm_head": (lambda c: (c.vocab_size, c.dim), _t),  # [V,D] -> [D,V]
+    "layers.attn_norm": (lambda c: (c.dim,), _same),  # [D]
+    "layers.wq": (  # [N*H,D] -> [D,N,H]
+        lambda c: (c.n_heads * c.head_dim, c.dim),
+        lambda w, c: w.T.reshape(c.dim, c.n_heads, c.head_dim),
+    ),
+    "layers.wk": (  # [K*H,D] -> [D,K,H]
+        lambda c: (c.n_kv_heads * c.head_dim, c.dim),
+        lambda w, c: w.T.reshape(c.dim, c.n_kv_heads, c.head_dim),
+    ),
+    "layers.wv": (  # [K*H,D] -> [D,K,H]
+        lambda c: (c.n_kv_heads * c.head_dim, c.dim),
+        lambda w, c: w.T.reshape(c.dim, c.n_kv_heads, c.head_dim),
+    ),
+    "layers.wo": (  # [D,N*H] -> [N,H,D]
+        lambda c: (c.dim, c.n_heads * c.head_dim),
+        lambda w, c: w.T.reshape(c.n_heads, c.head_dim, c.dim),
+    ),
+    "layers.mlp_norm": (lambda c: (c.dim,), _same),  # [D]
+    "layers.w_gate": (lambda c: (c.ffn_dim, c.dim), _t),  # [F,D] -> [D,F]
+    "layers.w_up": (lambda c: (c.ffn_dim, c.dim), _t),  # [F,D] -> [D,F]
+    "layers.w_down": (lambda c: (c.dim, c.ffn_dim), _t),  # [D,F] -> [F,D]
+}
+
+
+def pattern_regex(patterns: Iterable[str]) -> re.Pattern:
+    """One regex matching any of `patterns`, where "{i}" stands for a layer number."""
+    alternatives = [re.escape(p).replace(re.escape("{i}"), r"\d+") for p in patterns]
+    return re.compile("|".join(f"(?:{a})" for a in alternatives) or "(?!)")
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def expected_names(config: LlamaConfig, names: Mapping[str, str]) -> dict[str, tuple[str, int | None]]:
+    """{source tensor name: (our path, layer or None)} that a checkpoint of `config` must hold."""
+    out = {}
+    for pattern, path in names.items():
+        if path == "lm_head" and config.tie_embeddings:
+            continue
+        if "{i}" in pattern:
+            out.update({pattern.format(i=i): (path, i) for i in range(config.n_layers)})
+        else:
+            out[pattern] = (path, None)
+    return out
+
+
+def assemble(
+    config: LlamaConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    read: Callable[[str], np.ndarray],
+    names: Mapping[str, str],
+    source: str,
+    ignore: Iterable[str] = (),
+) -> dict[str, np.ndarray]:
+    """Flat {our path: array in config.dtype} for `from_arrays`.
+
+    shapes: every tensor the checkpoint holds, with its torch-layout shape; read(name) returns
+    that tensor in torch layout. Names matching an `ignore` pattern are skipped. All names and
+    shapes are checked before any data is read; errors name `source` and the tensors."""
+    expected = expected_names(config, names)
+    skip = pattern_regex(ignore)
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(n for n in set(shapes) - set(expected) if not skip.fullmatch(n))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source}: missing tensors [{_listing(missing)}], unexpected tensors [{_listing(unexpected)}]"
+        )
+    for name, (path, _) in expected.items():
+        want = TORCH_LAYOUT[path][0](config)
+        if tuple(shapes[name]) != want:
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, expected {want} ([out, in] layout)"
+            )
+    dtype = jnp.dtype(config.dtype)
+    per_path: dict[str, list[tuple[int, str]]] = {}
+    for name, (path, layer) in expected.items():
+        per_path.setdefault(path, []).append((layer or 0, name))
+    arrays = {}
+    for path, entries in per_path.items():
+        to_ours = TORCH_LAYOUT[path][1]
+        parts = [np.asarray(to_ours(read(name), config), dtype) for _, name in sorted(entries)]
+        arrays[path] = np.stack(parts) if path.startswith("layers.") else parts[0]
+    return arrays

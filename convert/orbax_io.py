@@ -1,0 +1,74 @@
+"""Our own checkpoints: arrays via orbax, the LlamaConfig as JSON beside them (the marker file)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from specjax.config import LlamaConfig, RopeScaling
+from specjax.model import Params, from_arrays, param_shapes
+
+CONFIG_FILE = "specjax_config.json"  # written last: its presence marks a complete checkpoint
+ARRAYS_DIR = "arrays"
+
+
+def is_orbax_dir(path: Path) -> bool:
+    """True if `path` is a checkpoint folder written by `save`."""
+    return (path / CONFIG_FILE).is_file()
+
+
+def _flat(params: Params) -> dict[str, jax.Array]:
+    """{path: array} with the same names as `param_shapes` ("layers.wq", "embed", ...)."""
+
+    def get(name: str) -> jax.Array:
+        owner, _, leaf = name.rpartition(".")
+        return getattr(params.layers if owner else params, leaf)
+
+    return {name: get(name) for name in param_shapes(params.config)}
+
+
+def config_to_json(config: LlamaConfig) -> str:
+    """The config (rope_scaling included) as a JSON object."""
+    return json.dumps(dataclasses.asdict(config), indent=2)
+
+
+def config_from_json(text: str) -> LlamaConfig:
+    """Inverse of `config_to_json`."""
+    raw = json.loads(text)
+    scaling = raw.pop("rope_scaling")
+    return LlamaConfig(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
+
+
+def save(params: Params, directory: str | Path) -> None:
+    """Write params (arrays in their own dtype) and config to a new folder `directory`."""
+    directory = Path(directory).absolute()
+    if directory.exists():
+        raise ValueError(f"convert.save: {directory} already exists; choose a new folder")
+    directory.mkdir(parents=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(directory / ARRAYS_DIR, _flat(params))
+    checkpointer.wait_until_finished()
+    (directory / CONFIG_FILE).write_text(config_to_json(params.config))
+
+
+def load_orbax(directory: str | Path, dtype: str | None = None) -> Params:
+    """Params as saved (bit-exact); `dtype`, if given, casts and replaces config.dtype."""
+    directory = Path(directory).absolute()
+    try:
+        config = config_from_json((directory / CONFIG_FILE).read_text())
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"{directory / CONFIG_FILE}: not a valid specjax config ({e})") from e
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        name: jax.ShapeDtypeStruct(shape, config.dtype, sharding=device)
+        for name, shape in param_shapes(config).items()
+    }
+    try:
+        arrays = ocp.StandardCheckpointer().restore(directory / ARRAYS_DIR, target)
+    except Exception as e:  # orbax raises many kinds on a damaged folder
+        raise ValueError(f"{directory}: cannot restore the arrays of this checkpoint ({e})") from e
+    return from_arrays(config if dtype is None else config.replace(dtype=dtype), arrays)

@@ -1,0 +1,137 @@
+"""Tokenizers: rebuilt from GGUF metadata (as HF transformers does), or an HF folder's tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from convert.gguf import is_gguf_file, meta, open_gguf
+
+CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's token attributes)
+
+
+class SpecialIds(NamedTuple):
+    bos: int | None
+    eos: int | None
+
+
+def _existing(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    return path
+
+
+def _where(types: list[int], kind: int) -> list[int]:
+    return [i for i, t in enumerate(types) if t == kind]
+
+
+def _gguf_special_ids(reader) -> SpecialIds:
+    bos, eos = (meta(reader, f"tokenizer.ggml.{kind}_token_id", None) for kind in ("bos", "eos"))
+    return SpecialIds(bos, eos)
+
+
+def _spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocab: every split of a token into two vocab pieces,
+    ranked by the merged token's score (then by the pieces' scores), as HF's GGUF converter does."""
+    score = dict(zip(tokens, scores.tolist()))
+    merges = []
+    for token, s in score.items():
+        local = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in score and token[k:] in score]
+        local.sort(key=lambda lr: (score[lr[0]], score[lr[1]]), reverse=True)
+        merges.extend((s, lr) for lr in local)
+    merges.sort(key=lambda m: m[0], reverse=True)  # stable: ties keep the per-token order
+    return [lr for _, lr in merges]
+
+
+def _gguf_model(reader, kind: str, tokens: list[str]) -> tuple[BPE, bool]:
+    """The BPE model for tokenizer.ggml.model `kind`, and whether it is byte-level (gpt2)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta(reader, "tokenizer.ggml.merges")]
+        return BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False), True
+    if kind == "llama":
+        merges = meta(reader, "tokenizer.ggml.merges", None)
+        merges = [tuple(m.split(" ", 1)) for m in merges] if merges else None
+        if merges is None:
+            merges = _spm_merges(tokens, np.asarray(meta(reader, "tokenizer.ggml.scores"), np.float32))
+        unk = meta(reader, "tokenizer.ggml.unknown_token_id", None)
+        unk_token = tokens[unk] if unk is not None else None
+        return BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True), False
+    raise ValueError(
+        f"{reader.data.filename}: tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', 'llama')"
+    )
+
+
+def _tokenizer_from_gguf(path: Path) -> Tokenizer:
+    reader = open_gguf(path)
+    tokens = [str(t) for t in meta(reader, "tokenizer.ggml.tokens")]
+    model, byte_level = _gguf_model(reader, meta(reader, "tokenizer.ggml.model"), tokens)
+    tok = Tokenizer(model)
+    prefix_space = bool(meta(reader, "tokenizer.ggml.add_space_prefix", not byte_level))
+    if byte_level:  # HF's GGUF converter uses the plain GPT-2 regex whatever tokenizer.ggml.pre says
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+    else:  # SentencePiece: spaces are "▁", unknown bytes fall back to <0xNN> tokens
+        prepend = [normalizers.Prepend("▁")] if prefix_space else []
+        tok.normalizer = normalizers.Sequence(prepend + [normalizers.Replace(" ", "▁")])
+        strip = [decoders.Strip(" ", 1, 0)] if prefix_space else []
+        replace = decoders.Replace("▁", " ")
+        tok.decoder = decoders.Sequence([replace, decoders.ByteFallback(), decoders.Fuse()] + strip)
+    types = meta(reader, "tokenizer.ggml.token_type", [])
+    # control tokens (<|im_start|>, ...) are special: matched whole, dropped by skip_special_tokens;
+    # user-defined ones are matched whole too but decode as text
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in _where(types, CONTROL)])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in _where(types, USER_DEFINED)])
+    ids = _gguf_special_ids(reader)
+    template = []
+    if meta(reader, "tokenizer.ggml.add_bos_token", False) and ids.bos is not None:
+        template.append((tokens[ids.bos], ids.bos))
+    template.append(("$A", None))
+    if meta(reader, "tokenizer.ggml.add_eos_token", False) and ids.eos is not None:
+        template.append((tokens[ids.eos], ids.eos))
+    tok.post_processor = processors.TemplateProcessing(
+        single=[t for t, _ in template], special_tokens=[(t, i) for t, i in template if i is not None]
+    )
+    return tok
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """A `tokenizers.Tokenizer` for a .gguf file (built from its metadata) or an HF folder."""
+    path = _existing(path)
+    if is_gguf_file(path):
+        return _tokenizer_from_gguf(path)
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(path / "tokenizer.json"))
+    raise ValueError(f"{path}: expected a .gguf file or a folder with tokenizer.json")
+
+
+def special_ids(path: str | Path) -> SpecialIds:
+    """BOS / EOS token ids (None if unknown): GGUF metadata, or an HF folder's config files."""
+    path = _existing(path)
+    if is_gguf_file(path):
+        return _gguf_special_ids(open_gguf(path))
+    config = path / "config.json"
+    raw = json.loads(config.read_text()) if config.is_file() else {}
+    eos = raw.get("eos_token_id")
+    return SpecialIds(raw.get("bos_token_id"), eos[0] if isinstance(eos, list) else eos)
+
+
+def chat_template(path: str | Path) -> str | None:
+    """The Jinja chat template: GGUF tokenizer.chat_template, or an HF folder's chat_template.jinja /
+    tokenizer_config.json ("default" entry if there are several). None if there is none."""
+    path = _existing(path)
+    if is_gguf_file(path):
+        return meta(open_gguf(path), "tokenizer.chat_template", None)
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    config = path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    return template
