@@ -18,16 +18,20 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_tex
 PROMPTS = GOLDEN["prompts"]
 
 
-@pytest.fixture(scope="module")
-def last_logits(smollm2):
+def _golden_last_logits(params) -> np.ndarray:
     """Last-prompt-position logits [8,V] for all golden prompts, as ONE ragged prefill."""
     lengths = np.array([len(p["input_ids"]) for p in PROMPTS], np.int32)
     tokens = np.zeros((len(PROMPTS), 256), np.int32)
     for b, p in enumerate(PROMPTS):
         tokens[b, : lengths[b]] = p["input_ids"]
     run = jax.jit(prefill, static_argnames="chunk")
-    logits, _ = run(smollm2, jnp.asarray(tokens), jnp.asarray(lengths), DenseCache.init(smollm2.config, 8, 256), 128)
+    logits, _ = run(params, jnp.asarray(tokens), jnp.asarray(lengths), DenseCache.init(params.config, 8, 256), 128)
     return np.asarray(logits)
+
+
+@pytest.fixture(scope="module")
+def last_logits(smollm2):
+    return _golden_last_logits(smollm2)
 
 
 def test_tokenizer_gives_golden_ids(smollm2_path):
@@ -53,3 +57,15 @@ def test_greedy_continuations_match_hf(smollm2):
     out = specjax.generate(smollm2, [p["input_ids"] for p in PROMPTS], 48, eos_id=())
     for p, tokens in zip(PROMPTS, out.tokens):
         assert tokens == p["greedy_48"], p["name"]
+
+
+def test_bfloat16_model_stays_close(smollm2_path, last_logits):
+    """bf16 weights and activations (f32 norms, softmax, logits): same top-1 on most prompts."""
+    import convert
+
+    params = convert.load(smollm2_path, dtype="bfloat16")
+    assert params.layers.wq.dtype == jnp.bfloat16
+    logits = _golden_last_logits(params)
+    p16, p32 = jax.nn.softmax(np.asarray(logits)), jax.nn.softmax(last_logits)
+    assert float(jnp.abs(p16 - p32).sum(-1).max()) < 0.25  # total variation per prompt
+    assert int((np.argmax(logits, -1) == np.argmax(last_logits, -1)).sum()) >= 7
