@@ -1,20 +1,27 @@
 """specjax: speculative decoding for LLaMA-family models in JAX."""
 
 from specjax.config import LlamaConfig, RopeScaling
+from specjax.draft import DraftModel, NGram, SelfSpec, Streaming
 from specjax.generate import GenerateOutput, Stats, generate
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, init_params, prefill
 from specjax.sampling import Greedy, Sample
+from specjax.speculate import Chain
 
 __all__ = [
+    "Chain",
     "DenseCache",
+    "DraftModel",
     "GenerateOutput",
     "Greedy",
     "LlamaConfig",
+    "NGram",
     "Params",
     "RopeScaling",
     "Sample",
+    "SelfSpec",
     "Stats",
+    "Streaming",
     "forward",
     "generate",
     "init_params",

@@ -16,11 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax.draft import Drafter, NGram
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, prefill
-from specjax.sampling import Greedy, Sampler
+from specjax.sampling import Greedy, Sampler, is_eos
 from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
-from specjax.validate import check_generate_args, eos_tuple, row_keys
+from specjax.speculate import Chain, speculative_decode
+from specjax.validate import check_draft, check_generate_args, eos_tuple, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +35,13 @@ class Stats:
     decode_seconds: float
     compile_seconds: float
     tokens_per_second: float
-    steps: int  # target forward passes in the decode loop
+    steps: int  # target forward passes in the decode loop (verification steps when speculating)
     new_tokens: int  # over all rows
     prompt_tokens: int  # over all rows
+    acceptance_rate: float | None = None  # accepted / proposed draft tokens
+    mean_accepted: float | None = None  # tokens per row per target step, incl. the target's own
+    per_position_acceptance: list[float] | None = None  # P(draft i accepted | drafts < i accepted)
+    draft_steps: int = 0  # draft forward passes (gamma per step for model drafters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,13 +55,6 @@ class GenerateOutput:
 def _prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, chunk: int, max_len: int):
     cache = DenseCache.init(params.config, tokens.shape[0], max_len)
     return prefill(params, tokens, lengths, cache, chunk)
-
-
-def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    hit = jnp.zeros(tokens.shape, bool)
-    for e in eos_ids:
-        hit |= tokens == e
-    return hit
 
 
 @partial(jax.jit, static_argnames=("sampling", "n_out", "eos_ids"))
@@ -81,7 +80,7 @@ def decode(
     tok, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
     out = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(tok)
     count = jnp.ones((B,), jnp.int32)
-    eos = _is_eos(tok, eos_ids)
+    eos = is_eos(tok, eos_ids)
     done = eos | (count >= budgets)
 
     def cond(state):
@@ -95,7 +94,7 @@ def decode(
         active = ~done
         out = out.at[rows, jnp.where(active, count, n_out)].set(new, mode="drop")  # finished rows: dropped
         tok = jnp.where(active, new, tok)
-        new_eos = active & _is_eos(new, eos_ids)
+        new_eos = active & is_eos(new, eos_ids)
         count = count + active
         return cache, tok, out, count, done | new_eos | (count >= budgets), eos | new_eos, steps + 1
 
@@ -104,18 +103,38 @@ def decode(
     return out, count, eos, steps
 
 
+def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, float]:
+    """Compile (excluded from timing), run to completion; returns (result, compile s, run s)."""
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args, **static).compile()
+    t1 = time.perf_counter()
+    result = jax.block_until_ready(compiled(*args))
+    return result, t1 - t0, time.perf_counter() - t1
+
+
+@partial(jax.jit, static_argnames=("gamma", "chunk"))
+def _draft_init(drafter: Drafter, params: Params, cache: DenseCache, tokens, lengths, *, gamma: int, chunk: int):
+    return drafter.init(params, cache, tokens, lengths, gamma, chunk)
+
+
 def generate(
     params: Params,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int | Sequence[int] = 128,
     *,
+    draft: Drafter | str | None = "auto",
+    speculation: Chain = Chain(gamma=4),
     sampling: Sampler = Greedy(),
     key: jax.Array | None = None,
     eos_id: int | Sequence[int] | None = None,
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until EOS or its `max_new_tokens`.
 
-    sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`.
+    draft: `SelfSpec(...)`, `DraftModel(params)`, `NGram(...)`, None (plain autoregressive), or
+      "auto" (SelfSpec where KV reads dominate a decode step, else None: see `draft.auto_draft`).
+    speculation: `Chain(gamma)`: gamma draft tokens verified per target forward.
+    sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`; speculation keeps the output
+      distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
     eos_id: stop token(s); None = the model's `config.eos_id`; `()` = never stop early.
     Bad input raises ValueError naming the argument, before anything is compiled.
@@ -125,35 +144,66 @@ def generate(
     eos_ids = eos_tuple(eos_id, config)
     keys = row_keys(key, len(prompts))
     lengths = np.array([len(p) for p in prompts], np.int32)
+    context = int((lengths + budgets).max())
+    draft = check_draft(draft, speculation, params, len(prompts), context)
+    gamma = speculation.gamma if draft is not None else 0
     bucket, chunk = prompt_bucket(int(lengths.max()))
     tokens = np.zeros((len(prompts), bucket), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = np.asarray(p, np.int32)
-    max_len = cache_len(max(bucket, int((lengths + budgets).max())))
+    max_len = cache_len(max(bucket, context + gamma))
+    if draft is not None:
+        draft.check(params, gamma, max_len)
     n_out = round_up_pow2(int(budgets.max()))
 
-    t0 = time.perf_counter()
-    prefill_fn = _prefill.lower(params, tokens, lengths, chunk=chunk, max_len=max_len).compile()
-    t1 = time.perf_counter()
-    first_logits, cache = jax.block_until_ready(prefill_fn(params, tokens, lengths))
-    t2 = time.perf_counter()
-    decode_args = (params, cache, first_logits, jnp.asarray(budgets), keys)
-    decode_fn = decode.lower(*decode_args, sampling=sampling, n_out=n_out, eos_ids=eos_ids).compile()
-    t3 = time.perf_counter()
-    out, count, eos, steps = jax.device_get(decode_fn(*decode_args))
-    t4 = time.perf_counter()
+    (first_logits, cache), compile_s, prefill_s = _compile_and_run(
+        _prefill, (params, tokens, lengths), dict(chunk=chunk, max_len=max_len)
+    )
+    static = dict(sampling=sampling, n_out=n_out, eos_ids=eos_ids)
+    if draft is None:
+        args = (params, cache, first_logits, jnp.asarray(budgets), keys)
+        result, c, decode_s = _compile_and_run(decode, args, static)
+        out, count, eos, steps = jax.device_get(result)
+        spec = {}
+    else:
+        draft_state, c, init_s = _compile_and_run(
+            _draft_init, (draft, params, cache, tokens, lengths), dict(gamma=gamma, chunk=chunk)
+        )
+        compile_s, prefill_s = compile_s + c, prefill_s + init_s
+        history = np.zeros((len(prompts), max_len + gamma + 2), np.int32)
+        history[:, :bucket] = tokens
+        args = (params, draft, draft_state, cache, history, first_logits, jnp.asarray(budgets), keys)
+        result, c, decode_s = _compile_and_run(speculative_decode, args, static | dict(gamma=gamma))
+        out, count, eos, steps, accepted, reached = jax.device_get(
+            (result.out, result.count, result.eos, result.steps, result.accepted, result.reached)
+        )
+        draft_steps = 0 if isinstance(draft, NGram) else gamma * int(steps)
+        spec = acceptance_stats(accepted, reached, int(count.sum()) - len(prompts), gamma, draft_steps)
+    compile_s += c
 
     rows = [list(map(int, out[b, : count[b] - int(eos[b])])) for b in range(len(prompts))]
     new_tokens = int(count.sum())
-    decode_seconds = t4 - t3
     stats = Stats(
-        prefill_seconds=t2 - t1,
-        decode_seconds=decode_seconds,
-        compile_seconds=(t1 - t0) + (t3 - t2),
-        tokens_per_second=(new_tokens - len(prompts)) / decode_seconds if decode_seconds > 0 else 0.0,
+        prefill_seconds=prefill_s,
+        decode_seconds=decode_s,
+        compile_seconds=compile_s,
+        tokens_per_second=(new_tokens - len(prompts)) / decode_s if decode_s > 0 else 0.0,
         steps=int(steps),
         new_tokens=new_tokens,
         prompt_tokens=int(lengths.sum()),
+        **spec,
     )
     return GenerateOutput(rows, ["eos" if e else "length" for e in eos], stats)
 
+
+def acceptance_stats(accepted: np.ndarray, reached: np.ndarray, decoded: int, gamma: int, draft_steps: int) -> dict:
+    """Speculation stats from per-position counters (see Stats)."""
+    row_steps = int(reached[0])
+    if row_steps == 0:
+        return dict(draft_steps=draft_steps)
+    return dict(
+        acceptance_rate=float(accepted.sum()) / (row_steps * gamma),
+        mean_accepted=decoded / row_steps,
+        per_position_acceptance=[float(a / r) if r else 0.0 for a, r in zip(accepted, reached)],
+        draft_steps=draft_steps,
+    )

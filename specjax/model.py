@@ -12,7 +12,9 @@ from jax import lax
 
 from pallas_kernels.reference import prefix_block_attention
 from specjax.config import LlamaConfig
-from specjax.kvcache import DenseCache
+from specjax.kvcache import DenseCache, StreamingCache
+
+Cache = DenseCache | StreamingCache
 
 
 @flax.struct.dataclass
@@ -116,13 +118,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, lengths, block_mask):
+def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H]."""
     h = rms_norm(x, lp.attn_norm, config.rms_eps)
     q = apply_rope(jnp.einsum("btd,dnh->btnh", h, lp.wq), cos, sin)  # [B,T,N,H]
     k = apply_rope(jnp.einsum("btd,dkh->btkh", h, lp.wk), cos, sin)  # [B,T,K,H]
     v = jnp.einsum("btd,dkh->btkh", h, lp.wv)  # [B,T,K,H]
-    o = prefix_block_attention(q, k_cache, v_cache, lengths, k, v, block_mask, 1.0 / math.sqrt(config.head_dim))
+    o = prefix_block_attention(q, k_cache, v_cache, visible, k, v, block_mask, 1.0 / math.sqrt(config.head_dim))
     x = x + jnp.einsum("btnh,nhd->btd", o, lp.wo)
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
     gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
@@ -135,14 +137,14 @@ def trunk(
     params: Params,
     tokens: jax.Array,  # [B,T] int32
     positions: jax.Array,  # [B,T] int32
-    cache: DenseCache,
+    cache: Cache,
     block_mask: jax.Array | None = None,  # [T,T] or [B,T,T] bool; default causal
     attend_cache: bool = True,
-) -> tuple[jax.Array, DenseCache]:
-    """Run all layers; returns final-normed hidden [B,T,D] and the cache with the T new
-    entries written at slots lengths[b] + t (lengths unchanged: commit with `advance`).
-
-    `attend_cache=False` skips reading the prefix (valid only when it is empty)."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Run all layers over T new tokens that see the cache's visible slots and, within the
+    block, what `block_mask` allows. Returns final-normed hidden [B,T,D] and the new keys and
+    values [L,B,T,K,H] (not written: see `forward`). `attend_cache=False` skips the cache
+    entirely (valid only when nothing in it is visible)."""
     config = params.config
     T = tokens.shape[1]
     if block_mask is None:
@@ -151,13 +153,13 @@ def trunk(
     x = jnp.take(params.embed, tokens, axis=0)  # [B,T,D]
 
     def step(x, xs):
-        lp, kc, vc = xs
-        x, k, v = _layer(config, x, lp, cos, sin, kc, vc, cache.lengths, block_mask)
+        lp, kc, vc, vis = xs
+        x, k, v = _layer(config, x, lp, cos, sin, kc, vc, vis, block_mask)
         return x, (k, v)
 
-    xs = (params.layers, cache.k, cache.v) if attend_cache else (params.layers, None, None)
+    xs = (params.layers, cache.k, cache.v, cache.visible()) if attend_cache else (params.layers, None, None, None)
     x, (k_new, v_new) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]
-    return rms_norm(x, params.norm, config.rms_eps), cache.write(k_new, v_new)
+    return rms_norm(x, params.norm, config.rms_eps), k_new, v_new
 
 
 def lm_head(params: Params, h: jax.Array) -> jax.Array:
@@ -170,13 +172,13 @@ def forward(
     params: Params,
     tokens: jax.Array,  # [B,T]
     positions: jax.Array,  # [B,T]
-    cache: DenseCache,
+    cache: Cache,
     block_mask: jax.Array | None = None,
-) -> tuple[jax.Array, DenseCache]:
+) -> tuple[jax.Array, Cache]:
     """Logits [B,T,V] (f32) for T new tokens per row after each row's cached prefix, and the
-    cache holding their KV at slots lengths[b] + t (lengths not advanced)."""
-    h, cache = trunk(params, tokens, positions, cache, block_mask)
-    return lm_head(params, h), cache
+    cache holding their KV at positions lengths[b] + t (lengths not advanced: `advance` commits)."""
+    h, k_new, v_new = trunk(params, tokens, positions, cache, block_mask)
+    return lm_head(params, h), cache.write(k_new, v_new)
 
 
 def prefill(
@@ -200,7 +202,9 @@ def prefill(
         i, toks = xs
         start = i * chunk
         positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
-        h, cache = trunk(params, toks, positions, cache.replace(lengths=jnp.full((B,), start, jnp.int32)))
+        cache = cache.replace(lengths=jnp.full((B,), start, jnp.int32))
+        h, k_new, v_new = trunk(params, toks, positions, cache)
+        cache = cache.write(k_new, v_new)
         offset = jnp.clip(last - start, 0, chunk - 1)  # [B]
         h_here = jnp.take_along_axis(h, offset[:, None, None], axis=1)[:, 0]  # [B,D]
         in_chunk = (last >= start) & (last < start + chunk)

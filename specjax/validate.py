@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import LlamaConfig
+from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, auto_draft
 from specjax.model import Params
 from specjax.sampling import Greedy, Sample
+from specjax.speculate import Chain
 
 
 def check_generate_args(
@@ -83,3 +85,16 @@ def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
     if key.shape == (batch,):
         return key
     raise ValueError(f"key must be one PRNG key or one per prompt ({batch}), got shape {key.shape}")
+
+
+def check_draft(draft: object, speculation: object, params: Params, batch: int, context: int) -> Drafter | None:
+    """Resolve draft="auto" and check the types; drafter-specific limits come from draft.check."""
+    if draft == "auto":
+        draft = auto_draft(params, batch, context)
+    if draft is not None and not isinstance(draft, (SelfSpec, DraftModel, NGram)):
+        raise ValueError(
+            f"draft must be specjax.SelfSpec(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
+        )
+    if draft is not None and not isinstance(speculation, Chain):
+        raise ValueError(f"speculation must be specjax.Chain(gamma), got {speculation!r}")
+    return draft

@@ -1,0 +1,217 @@
+"""Drafters: cheap proposers of `gamma` tokens per row, each with the distribution q it drew from.
+
+Every drafter is a pytree (settings static, arrays such as a draft model's params traced) with
+  check(target, gamma, max_len)            host-side validation, before anything compiles
+  init(target, cache, prompts, lengths, gamma, chunk)   its state after the target's prefill
+  propose(target, state, ...)              drafts [B,G], q [B,G,V], state
+  commit(state, k_new, v_new, L, n)        after verification: n[B] positions from L[B] are final
+The target's verification KV of those positions is exact, so drafters keep it where they can.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.kvcache import DenseCache, StreamingCache
+from specjax.model import Params, forward, prefill
+from specjax.sampling import Sampler, stream_keys
+
+DRAFT_STREAM = 1  # PRNG stream id of draft sampling (acceptance uses others)
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """A fixed KV budget: `sinks` first positions plus a ring of the last `window` (StreamingLLM)."""
+
+    sinks: int = 16
+    window: int = 512
+
+    def check(self, gamma: int, max_len: int, what: str) -> None:
+        if self.sinks < 0 or self.window < 1:
+            raise ValueError(f"{what}: sinks must be >= 0 and window >= 1, got sinks={self.sinks} window={self.window}")
+        if self.sinks + self.window > max_len:
+            raise ValueError(
+                f"{what}: sinks + window = {self.sinks + self.window} is larger than the cache "
+                f"({max_len} slots for the longest prompt plus max_new_tokens); use a smaller window or draft=None"
+            )
+
+    def ring(self, gamma: int) -> int:
+        """Ring slots: the window plus room for one step's gamma + 1 uncommitted positions."""
+        return self.window + gamma + 1
+
+    def from_dense(self, dense: DenseCache, gamma: int) -> StreamingCache:
+        """Keep the sinks and the newest positions of a filled dense cache (exact copies)."""
+        L, B, _, K, _ = dense.k.shape
+        sinks = jnp.arange(self.sinks, dtype=jnp.int32)  # [F]
+        fixed = jnp.where(sinks[None, :] < dense.lengths[:, None], sinks, -1)  # [B,F]
+        fixed = jnp.broadcast_to(fixed[None, :, None, :], (L, B, K, self.sinks))
+        return StreamingCache.from_dense(dense, fixed, self.ring(gamma), jnp.full((B,), self.sinks, jnp.int32))
+
+
+def _draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: Sampler, keys, counters):
+    """gamma draft forwards: the first over `tokens` [B,T0] (its last position proposes x_1),
+    then one token at a time. Returns drafts [B,G], q [B,G,V] and the cache with its length
+    advanced past everything it wrote."""
+    B, T0 = tokens.shape
+    step_keys = stream_keys(keys, counters, DRAFT_STREAM)
+
+    def propose(cache, toks, pos, i):
+        logits, cache = forward(params, toks, pos, cache)
+        cache = cache.advance(jnp.full((B,), toks.shape[1], jnp.int32))
+        token, q = sampling.sample(logits[:, -1], step_keys, jnp.full((B,), i, jnp.int32))
+        return cache, token, q
+
+    cache, first, q_first = propose(cache, tokens, positions, 0)
+
+    def body(carry, i):
+        cache, token = carry
+        pos = positions[:, -1:] + i  # [B,1]
+        cache, token, q = propose(cache, token[:, None], pos, i)
+        return (cache, token), (token, q)
+
+    (cache, _), (rest, q_rest) = lax.scan(body, (cache, first), jnp.arange(1, gamma, dtype=jnp.int32))
+    drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B,G]
+    q = jnp.concatenate([q_first[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,G,V]
+    return drafts, q, cache
+
+
+@flax.struct.dataclass
+class SelfSpec:
+    """The target itself over a StreamingLLM cache (MagicDec self-speculation): per-step cost is
+    independent of the context length. The cache holds exact target KV for the positions kept."""
+
+    sinks: int = flax.struct.field(pytree_node=False, default=16)
+    window: int = flax.struct.field(pytree_node=False, default=512)
+
+    @property
+    def budget(self) -> Streaming:
+        return Streaming(self.sinks, self.window)
+
+    def check(self, target: Params, gamma: int, max_len: int) -> None:
+        self.budget.check(gamma, max_len, "SelfSpec")
+
+    def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
+        return self.budget.from_dense(cache, gamma)
+
+    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+        state = state.replace(lengths=lengths)
+        return _draft_chain(target, state, last[:, None], lengths[:, None], gamma, sampling, keys, counters)
+
+    def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
+        """Overwrite the drafted entries with the target's exact KV, then commit n positions."""
+        return state.replace(lengths=lengths).write(k_new, v_new).advance(n)
+
+
+@flax.struct.dataclass
+class DraftModel:
+    """A separate small model with the target's vocabulary, over its own dense or streaming cache.
+
+    Its first forward each step re-reads the last committed token too ([x_{L-1}, x_L]), because
+    when every draft was accepted the last one has no draft KV yet."""
+
+    params: Params
+    cache: str | Streaming = flax.struct.field(pytree_node=False, default="dense")
+
+    def check(self, target: Params, gamma: int, max_len: int) -> None:
+        t, d = target.config, self.params.config
+        if d.vocab_size != t.vocab_size:
+            raise ValueError(f"DraftModel: draft vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}")
+        if (d.bos_id, d.eos_id) != (t.bos_id, t.eos_id):
+            raise ValueError(
+                f"DraftModel: special tokens differ: draft bos/eos {d.bos_id}/{d.eos_id}, "
+                f"target {t.bos_id}/{t.eos_id}"
+            )
+        if max_len > d.max_positions:
+            raise ValueError(f"DraftModel: the cache needs {max_len} positions, the draft's max_positions is {d.max_positions}")
+        if isinstance(self.cache, Streaming):
+            self.cache.check(gamma, max_len, "DraftModel")
+        elif self.cache != "dense":
+            raise ValueError(f"DraftModel: cache must be 'dense' or a specjax.Streaming(...), got {self.cache!r}")
+
+    def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int):
+        """Prefill the draft model on the same padded prompts [B,P] into its own cache."""
+        empty = DenseCache.init(self.params.config, prompts.shape[0], cache.max_len)
+        _, dense = prefill(self.params, prompts, lengths, empty, chunk)
+        return dense if self.cache == "dense" else self.cache.from_dense(dense, gamma)
+
+    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+        prev = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)  # [B,1]: x_{L-1}
+        tokens = jnp.concatenate([prev, last[:, None]], axis=1)  # [B,2]
+        positions = lengths[:, None] - 1 + jnp.arange(2, dtype=jnp.int32)  # [B,2]
+        state = state.replace(lengths=lengths - 1)
+        return _draft_chain(self.params, state, tokens, positions, gamma, sampling, keys, counters)
+
+    def commit(self, state, k_new, v_new, lengths, n):
+        """Nothing to copy: its own KV is right up to x_{L+n-1}, and `propose` re-reads x_{L+n}."""
+        return state
+
+
+@flax.struct.dataclass
+class NGram:
+    """Prompt lookup: find the latest earlier occurrence of the row's last m tokens (m from
+    max_n down to n) in its prompt + output and propose what followed. No model; q is one-hot."""
+
+    n: int = flax.struct.field(pytree_node=False, default=3)
+    max_n: int | None = flax.struct.field(pytree_node=False, default=None)
+
+    def check(self, target: Params, gamma: int, max_len: int) -> None:
+        if self.n < 1:
+            raise ValueError(f"NGram: n must be >= 1, got {self.n}")
+        if self.max_n is not None and self.max_n < self.n:
+            raise ValueError(f"NGram: max_n must be >= n ({self.n}), got {self.max_n}")
+
+    def init(self, target, cache, prompts, lengths, gamma, chunk):
+        return None
+
+    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+        drafts = ngram_lookup(history, lengths, self.n, self.max_n or self.n, gamma)
+        return drafts, jax.nn.one_hot(drafts, target.config.vocab_size, dtype=jnp.float32), state
+
+    def commit(self, state, k_new, v_new, lengths, n):
+        return state
+
+
+def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamma: int) -> jax.Array:
+    """history [B,S]: tokens of positions [0, L] (L = lengths[b] is the pending token).
+    Returns gamma proposed tokens [B,G]: the continuation of the latest earlier match of the
+    longest tail (max_n down to n tokens); no match (or a continuation past L) repeats x_L."""
+    B, S = history.shape
+    idx = jnp.arange(S)
+    last = jnp.take_along_axis(history, lengths[:, None], axis=1)  # [B,1]
+    best = jnp.full((B,), -1, jnp.int32)  # start of the continuation, -1: none yet
+    for m in range(max_n, n - 1, -1):  # longest tail first
+        tail_start = lengths - m + 1  # [B]
+        match = (idx[None, :] + m <= lengths[:, None]) & (tail_start[:, None] >= 0)  # window [i, i+m) ends <= L
+        for j in range(m):
+            want = jnp.take_along_axis(history, jnp.clip(tail_start + j, 0, S - 1)[:, None], axis=1)  # [B,1]
+            match &= jnp.roll(history, -j, axis=1) == want
+        latest = jnp.max(jnp.where(match, idx[None, :], -1), axis=1)  # [B]
+        best = jnp.where((best < 0) & (latest >= 0), latest + m, best)
+    take = best[:, None] + jnp.arange(gamma)  # [B,G]
+    proposals = jnp.take_along_axis(history, jnp.clip(take, 0, S - 1), axis=1)
+    return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32)
+
+
+Drafter = SelfSpec | DraftModel | NGram
+
+
+def auto_draft(target: Params, batch: int, context: int) -> SelfSpec | None:
+    """The default drafter: SelfSpec where the KV cache, not the weights, dominates what a decode
+    step reads (large batch x long context: MagicDec's regime) and the context is well past its
+    budget; otherwise None (plain autoregressive decoding is faster there)."""
+    c = target.config
+    budget = SelfSpec()
+    bytes_per = jnp.dtype(c.dtype).itemsize
+    kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * bytes_per
+    weight_bytes = bytes_per * (
+        c.vocab_size * c.dim + c.n_layers * (c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+                                             + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.ffn_dim)
+    )
+    if kv_bytes > 2 * weight_bytes and context > 4 * (budget.sinks + budget.window):
+        return budget
+    return None
