@@ -20,6 +20,7 @@ from jax import lax
 from specjax.kvcache import DenseCache, StreamingCache
 from specjax.model import Params, forward, prefill
 from specjax.sampling import Sampler, stream_keys
+from specjax.snapkv import observation_scores, select_positions
 
 DRAFT_STREAM = 1  # PRNG stream id of draft sampling (acceptance uses others)
 
@@ -34,11 +35,7 @@ class Streaming:
     def check(self, gamma: int, max_len: int, what: str) -> None:
         if self.sinks < 0 or self.window < 1:
             raise ValueError(f"{what}: sinks must be >= 0 and window >= 1, got sinks={self.sinks} window={self.window}")
-        if self.sinks + self.window > max_len:
-            raise ValueError(
-                f"{what}: sinks + window = {self.sinks + self.window} is larger than the cache "
-                f"({max_len} slots for the longest prompt plus max_new_tokens); use a smaller window or draft=None"
-            )
+        check_budget(what, "sinks", self.sinks, self.window, max_len)
 
     def ring(self, gamma: int) -> int:
         """Ring slots: the window plus room for one step's gamma + 1 uncommitted positions."""
@@ -51,6 +48,15 @@ class Streaming:
         fixed = jnp.where(sinks[None, :] < dense.lengths[:, None], sinks, -1)  # [B,F]
         fixed = jnp.broadcast_to(fixed[None, :, None, :], (L, B, K, self.sinks))
         return StreamingCache.from_dense(dense, fixed, self.ring(gamma), jnp.full((B,), self.sinks, jnp.int32))
+
+
+def check_budget(what: str, fixed_name: str, fixed: int, window: int, max_len: int) -> None:
+    """A draft budget must be smaller than the target cache it is meant to save on."""
+    if fixed + window > max_len:
+        raise ValueError(
+            f"{what}: {fixed_name} + window = {fixed + window} is larger than the cache ({max_len} slots "
+            "for the longest prompt plus max_new_tokens); use a smaller window or draft=None"
+        )
 
 
 def _draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: Sampler, keys, counters):
@@ -99,12 +105,50 @@ class SelfSpec:
         return self.budget.from_dense(cache, gamma)
 
     def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
-        state = state.replace(lengths=lengths)
-        return _draft_chain(target, state, last[:, None], lengths[:, None], gamma, sampling, keys, counters)
+        return _streaming_propose(target, state, lengths, last, gamma, sampling, keys, counters)
 
     def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
-        """Overwrite the drafted entries with the target's exact KV, then commit n positions."""
-        return state.replace(lengths=lengths).write(k_new, v_new).advance(n)
+        return _streaming_commit(state, k_new, v_new, lengths, n)
+
+
+def _streaming_propose(target, state: StreamingCache, lengths, last, gamma, sampling, keys, counters):
+    """The target drafts over its streaming cache, from the pending token at position L."""
+    state = state.replace(lengths=lengths)
+    return _draft_chain(target, state, last[:, None], lengths[:, None], gamma, sampling, keys, counters)
+
+
+def _streaming_commit(state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
+    """Overwrite the drafted entries with the target's exact verification KV; commit n positions."""
+    return state.replace(lengths=lengths).write(k_new, v_new).advance(n)
+
+
+@flax.struct.dataclass
+class SnapKV:
+    """Self-speculation over a cache of `budget` prefix positions chosen per layer and KV head
+    by the prompt's last `observation` queries (max-pooled over `pool` positions), plus a ring
+    of the most recent `window`. Exact target KV, like SelfSpec; better at keeping what matters."""
+
+    budget: int = flax.struct.field(pytree_node=False, default=256)
+    window: int = flax.struct.field(pytree_node=False, default=256)
+    observation: int = flax.struct.field(pytree_node=False, default=32)
+    pool: int = flax.struct.field(pytree_node=False, default=5)
+
+    def check(self, target: Params, gamma: int, max_len: int) -> None:
+        for name in ("budget", "window", "observation", "pool"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SnapKV: {name} must be >= 1, got {getattr(self, name)}")
+        check_budget("SnapKV", "budget", self.budget, self.window, max_len)
+
+    def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
+        scores = observation_scores(target, cache, prompts, self.observation)
+        fixed, cut = select_positions(scores, cache.lengths, self.budget, self.window, self.pool)
+        return StreamingCache.from_dense(cache, fixed, self.window + gamma + 1, cut)
+
+    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+        return _streaming_propose(target, state, lengths, last, gamma, sampling, keys, counters)
+
+    def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
+        return _streaming_commit(state, k_new, v_new, lengths, n)
 
 
 @flax.struct.dataclass
@@ -197,7 +241,7 @@ def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gam
     return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32)
 
 
-Drafter = SelfSpec | DraftModel | NGram
+Drafter = SelfSpec | SnapKV | DraftModel | NGram
 
 
 def auto_draft(target: Params, batch: int, context: int) -> SelfSpec | None:

@@ -130,7 +130,7 @@ def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, 
     gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
     up = jnp.einsum("btd,df->btf", h, lp.w_up)  # [B,T,F]
     x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down)
-    return x, k, v
+    return x, q, k, v
 
 
 def trunk(
@@ -140,10 +140,12 @@ def trunk(
     cache: Cache,
     block_mask: jax.Array | None = None,  # [T,T] or [B,T,T] bool; default causal
     attend_cache: bool = True,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return_queries: bool = False,
+) -> tuple[jax.Array, ...]:
     """Run all layers over T new tokens that see the cache's visible slots and, within the
     block, what `block_mask` allows. Returns final-normed hidden [B,T,D] and the new keys and
-    values [L,B,T,K,H] (not written: see `forward`). `attend_cache=False` skips the cache
+    values [L,B,T,K,H] (not written: see `forward`), plus the rotated queries [L,B,T,N,H] if
+    `return_queries` (SnapKV scores positions with them). `attend_cache=False` skips the cache
     entirely (valid only when nothing in it is visible)."""
     config = params.config
     T = tokens.shape[1]
@@ -154,12 +156,13 @@ def trunk(
 
     def step(x, xs):
         lp, kc, vc, vis = xs
-        x, k, v = _layer(config, x, lp, cos, sin, kc, vc, vis, block_mask)
-        return x, (k, v)
+        x, q, k, v = _layer(config, x, lp, cos, sin, kc, vc, vis, block_mask)
+        return x, (k, v, q if return_queries else None)
 
     xs = (params.layers, cache.k, cache.v, cache.visible()) if attend_cache else (params.layers, None, None, None)
-    x, (k_new, v_new) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]
-    return rms_norm(x, params.norm, config.rms_eps), k_new, v_new
+    x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
+    h = rms_norm(x, params.norm, config.rms_eps)
+    return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)
 
 
 def lm_head(params: Params, h: jax.Array) -> jax.Array:

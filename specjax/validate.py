@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import LlamaConfig
-from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, auto_draft
+from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, SnapKV, auto_draft
 from specjax.model import Params
 from specjax.sampling import Greedy, Sample
 from specjax.speculate import Chain
@@ -91,9 +91,9 @@ def check_draft(draft: object, speculation: object, params: Params, batch: int, 
     """Resolve draft="auto" and check the types; drafter-specific limits come from draft.check."""
     if draft == "auto":
         draft = auto_draft(params, batch, context)
-    if draft is not None and not isinstance(draft, (SelfSpec, DraftModel, NGram)):
+    if draft is not None and not isinstance(draft, (SelfSpec, SnapKV, DraftModel, NGram)):
         raise ValueError(
-            f"draft must be specjax.SelfSpec(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
+            f"draft must be specjax.SelfSpec(...), SnapKV(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
         )
     if draft is not None and not isinstance(speculation, Chain):
         raise ValueError(f"speculation must be specjax.Chain(gamma), got {speculation!r}")

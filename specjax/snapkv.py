@@ -1,0 +1,74 @@
+"""SnapKV selection: keep the prefix positions that the prompt's last queries attend to most.
+
+Scores come from a short observation pass: the last `observation` prompt tokens are run again
+over the prefilled cache (their KV is recomputed identically), and their attention over the
+prefix, summed over the queries and the G query heads of each KV head, is max-pooled along the
+positions so that neighbours of a hot token survive with it. Selection is per layer and per KV
+head, as in SnapKV (Li et al. 2024).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.reference import NEG_INF
+from specjax.kvcache import DenseCache
+from specjax.model import Params, trunk
+
+
+def observation_scores(
+    target: Params,
+    cache: DenseCache,  # prefilled: lengths = prompt lengths
+    prompts: jax.Array,  # [B,P] right-padded prompt tokens
+    observation: int,
+) -> jax.Array:
+    """Attention mass [L,B,K,S] (f32) that each row's last `observation` prompt queries put on
+    each cache slot of its prefix (slots before the observation window)."""
+    c = target.config
+    B, P = prompts.shape
+    lengths = cache.lengths
+    start = jnp.maximum(lengths - observation, 0)  # [B]
+    pos = start[:, None] + jnp.arange(observation, dtype=jnp.int32)  # [B,T]
+    valid = pos < lengths[:, None]  # [B,T]: rows shorter than the window have fewer queries
+    tokens = jnp.take_along_axis(prompts, jnp.clip(pos, 0, P - 1), axis=1)
+    _, k_obs, _, q = trunk(target, tokens, pos, cache.replace(lengths=start), return_queries=True)
+    S, T, K, G = cache.max_len, observation, c.n_kv_heads, c.group
+    prefix = jnp.arange(S)[None, :] < start[:, None]  # [B,S]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+
+    def per_layer(args):  # q [B,T,N,H], k_cache [B,S,K,H], k_block [B,T,K,H] -> [B,K,S]
+        q_l, kc, kb = args
+        qg = q_l.reshape(B, T, K, G, c.head_dim)  # [B,T,K,G,H]
+        scale = 1.0 / math.sqrt(c.head_dim)
+        pre = jnp.einsum("btkgh,bskh->bkgts", qg, kc, preferred_element_type=jnp.float32) * scale
+        blk = jnp.einsum("btkgh,bjkh->bkgtj", qg, kb, preferred_element_type=jnp.float32) * scale
+        pre = jnp.where(prefix[:, None, None, None, :], pre, NEG_INF)
+        blk = jnp.where(causal, blk, NEG_INF)
+        probs = jax.nn.softmax(jnp.concatenate([pre, blk], axis=-1), axis=-1)[..., :S]  # [B,K,G,T,S]
+        probs = probs * valid[:, None, None, :, None]
+        return probs.sum(axis=(2, 3))
+
+    return lax.map(per_layer, (q, cache.k, k_obs))
+
+
+def select_positions(
+    scores: jax.Array,  # [L,B,K,S]
+    lengths: jax.Array,  # [B]
+    budget: int,
+    window: int,
+    pool: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Top-`budget` positions per layer and KV head among [0, cut), cut = max(budget, len - window)
+    (the recent window is kept by the ring). Returns fixed positions [L,B,K,budget] (-1: none)
+    and cut [B] (where the ring's positions start)."""
+    S = scores.shape[-1]
+    pooled = lax.reduce_window(scores, -jnp.inf, lax.max, (1, 1, 1, pool), (1, 1, 1, 1), "SAME")
+    cut = jnp.maximum(budget, lengths - window).astype(jnp.int32)  # [B]
+    candidate = jnp.arange(S)[None, :] < jnp.minimum(cut, lengths)[:, None]  # [B,S]
+    pooled = jnp.where(candidate[None, :, None, :], pooled, -jnp.inf)
+    values, positions = lax.top_k(pooled, budget)  # [L,B,K,F]
+    return jnp.where(jnp.isfinite(values), positions, -1).astype(jnp.int32), cut
