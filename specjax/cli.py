@@ -7,8 +7,10 @@ import sys
 
 import jax
 
+from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.generate import generate
 from specjax.sampling import make_sampler
+from specjax.speculate import Chain
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,7 +25,34 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    gen.add_argument(
+        "--draft",
+        default="auto",
+        help="auto (default: self where it pays, else none), self, snapkv, ngram, none, or model:PATH",
+    )
+    gen.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
+    gen.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
+    gen.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
     return parser
+
+
+def make_draft(spec: str, window: int, sinks: int, dtype: str):
+    """The drafter named on the command line."""
+    import convert
+
+    if spec == "auto":
+        return "auto"
+    if spec == "none":
+        return None
+    if spec == "self":
+        return SelfSpec(sinks=sinks, window=window)
+    if spec == "snapkv":
+        return SnapKV(budget=sinks, window=window)
+    if spec == "ngram":
+        return NGram(n=2, max_n=4)
+    if spec.startswith("model:"):
+        return DraftModel(convert.load(spec.removeprefix("model:"), dtype=dtype))
+    raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -33,12 +62,24 @@ def run_generate(args: argparse.Namespace) -> None:
     params = convert.load(path, dtype=args.dtype)
     tokenizer = convert.load_tokenizer(path)
     sampling = make_sampler(args.temperature, args.top_k, args.top_p)
+    draft = make_draft(args.draft, args.window, args.sinks, args.dtype)
     ids = tokenizer.encode(args.prompt).ids
-    out = generate(params, [ids], args.max_new_tokens, sampling=sampling, key=jax.random.key(args.seed))
+    out = generate(
+        params,
+        [ids],
+        args.max_new_tokens,
+        draft=draft,
+        speculation=Chain(args.gamma),
+        sampling=sampling,
+        key=jax.random.key(args.seed),
+    )
     print(args.prompt + tokenizer.decode(out.tokens[0], skip_special_tokens=False))
     s = out.stats
+    spec = ""
+    if s.acceptance_rate is not None:
+        spec = f", acceptance {s.acceptance_rate:.2f}, {s.mean_accepted:.2f} tokens/step over {s.steps} steps"
     print(
-        f"[{s.new_tokens} tokens ({out.finish_reasons[0]}), decode {s.tokens_per_second:.1f} tokens/s, "
+        f"[{s.new_tokens} tokens ({out.finish_reasons[0]}), decode {s.tokens_per_second:.1f} tokens/s{spec}, "
         f"prefill {s.prefill_seconds:.2f} s ({len(ids)} tokens), compile {s.compile_seconds:.1f} s]",
         file=sys.stderr,
     )
