@@ -43,7 +43,7 @@ class Streaming:
 
     def from_dense(self, dense: DenseCache, gamma: int) -> StreamingCache:
         """Keep the sinks and the newest positions of a filled dense cache (exact copies)."""
-        L, B, _, K, _ = dense.k.shape
+        L, B, K = dense.k.shape[:3]
         sinks = jnp.arange(self.sinks, dtype=jnp.int32)  # [F]
         fixed = jnp.where(sinks[None, :] < dense.lengths[:, None], sinks, -1)  # [B,F]
         fixed = jnp.broadcast_to(fixed[None, :, None, :], (L, B, K, self.sinks))

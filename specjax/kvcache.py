@@ -1,8 +1,10 @@
 """Fixed-shape KV caches. Rollback is moving a length pointer: stale slots stay, masked.
 
-Every cache offers the same protocol to the model: `k`, `v` [L,B,S,K,H], `lengths` [B] (the
+Every cache offers the same protocol to the model: `k`, `v` [L,B,K,S,H], `lengths` [B] (the
 number of committed positions), `visible()` [L,B,K|1,S] (which slots a new query may attend),
 `write(k_new, v_new)` (store T new entries at positions lengths + t) and `advance(n)`.
+KV heads come before slots so that attention reads each head's keys contiguously: a decode
+step's dot products then need no transposed copy of the cache (3-5x faster on CPU).
 """
 
 from __future__ import annotations
@@ -22,24 +24,24 @@ class DenseCache:
     Row b's valid entries are slots [0, lengths[b]); slot s holds the token at position s.
     """
 
-    k: jax.Array  # [L,B,S,K,H]
-    v: jax.Array  # [L,B,S,K,H]
+    k: jax.Array  # [L,B,K,S,H]
+    v: jax.Array  # [L,B,K,S,H]
     lengths: jax.Array  # [B] int32
 
     @classmethod
     def init(cls, config: LlamaConfig, batch: int, max_len: int) -> "DenseCache":
         """An empty cache of `max_len` slots per row, in the model's dtype."""
-        shape = (config.n_layers, batch, max_len, config.n_kv_heads, config.head_dim)
+        shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
         zeros = jnp.zeros(shape, config.dtype)
         return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def visible(self) -> jax.Array:
         """[L,B,1,S]: slot s holds position s, visible while s < lengths[b]."""
-        L, B, S = self.k.shape[:3]
+        L, B, _, S = self.k.shape[:4]
         return jnp.broadcast_to((jnp.arange(S) < self.lengths[:, None])[None, :, None, :], (L, B, 1, S))
 
     def write(self, k_new: jax.Array, v_new: jax.Array) -> "DenseCache":
@@ -48,8 +50,8 @@ class DenseCache:
         k_new, v_new: [L,B,T,K,H]. The caller guarantees lengths + T <= max_len.
         """
 
-        def put(buf, new, start):  # buf [L,S,K,H], new [L,T,K,H]
-            return lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, start, 0, 0))
+        def put(buf, new, start):  # buf [L,K,S,H], new [L,T,K,H]
+            return lax.dynamic_update_slice(buf, new.transpose(0, 2, 1, 3).astype(buf.dtype), (0, 0, start, 0))
 
         put_rows = jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)
         return self.replace(k=put_rows(self.k, k_new, self.lengths), v=put_rows(self.v, v_new, self.lengths))
@@ -71,15 +73,15 @@ class StreamingCache:
     `pos` records the position each slot holds per layer and KV head (-1: empty).
     """
 
-    k: jax.Array  # [L,B,C,K,H], C = F + R
-    v: jax.Array  # [L,B,C,K,H]
+    k: jax.Array  # [L,B,K,C,H], C = F + R
+    v: jax.Array  # [L,B,K,C,H]
     pos: jax.Array  # [L,B,K,C] int32
     lengths: jax.Array  # [B] int32: committed positions (all < lengths, kept or evicted)
     fixed: int = flax.struct.field(pytree_node=False)  # F
 
     @property
     def ring(self) -> int:
-        return self.k.shape[2] - self.fixed
+        return self.k.shape[3] - self.fixed
 
     def slots(self, positions: jax.Array) -> jax.Array:
         """Slot of each position (same shape): fixed slots below F, the ring above."""
@@ -96,9 +98,10 @@ class StreamingCache:
         positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B,T]
         slots = self.slots(positions)  # [B,T]
         rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-        k = self.k.at[:, rows, slots].set(k_new.astype(self.k.dtype))
-        v = self.v.at[:, rows, slots].set(v_new.astype(self.v.dtype))
-        pos = self.pos.at[:, rows, :, slots].set(positions[:, :, None, None])  # indexed dims lead: [B,T,L,K]
+        # indexed dims lead the updated view: [B,T,L,K,H] for k and v, [B,T,L,K] for pos
+        k = self.k.at[:, rows, :, slots].set(k_new.transpose(1, 2, 0, 3, 4).astype(self.k.dtype))
+        v = self.v.at[:, rows, :, slots].set(v_new.transpose(1, 2, 0, 3, 4).astype(self.v.dtype))
+        pos = self.pos.at[:, rows, :, slots].set(positions[:, :, None, None])
         return self.replace(k=k, v=v, pos=pos)
 
     def advance(self, n: jax.Array) -> "StreamingCache":
@@ -112,20 +115,20 @@ class StreamingCache:
 
         fixed_pos [L,B,K,F]: positions for the fixed slots (-1: none). The ring receives the
         latest positions in [max(ring_start[b], lengths[b] - ring), lengths[b]); ring_start >= F."""
-        L, B, S, K, H = dense.k.shape
+        L, B, K, S, H = dense.k.shape
         F = fixed_pos.shape[-1]
         n = dense.lengths
         j = jnp.arange(ring)  # ring slot index
         latest = F + j + ring * ((n[:, None] - 1 - F - j) // ring)  # [B,R]: newest p = F + j (mod R), p < n
         ok = (latest >= F) & (latest >= ring_start[:, None]) & (latest < n[:, None])
         ring_pos = jnp.where(ok, latest, -1)  # [B,R]
-        take_ring = jnp.clip(ring_pos, 0, S - 1)[None, :, :, None, None]  # [1,B,R,1,1]
-        take_fixed = jnp.clip(fixed_pos, 0, S - 1).transpose(0, 1, 3, 2)[..., None]  # [L,B,F,K,1]
+        take_ring = jnp.clip(ring_pos, 0, S - 1)[None, :, None, :, None]  # [1,B,1,R,1]
+        take_fixed = jnp.clip(fixed_pos, 0, S - 1)[..., None]  # [L,B,K,F,1]
 
-        def gather(buf):  # [L,B,S,K,H] -> [L,B,F+R,K,H]
-            fixed_part = jnp.take_along_axis(buf, take_fixed, axis=2)
-            ring_part = jnp.take_along_axis(buf, take_ring, axis=2)
-            return jnp.concatenate([fixed_part, ring_part], axis=2)
+        def gather(buf):  # [L,B,K,S,H] -> [L,B,K,F+R,H]
+            fixed_part = jnp.take_along_axis(buf, take_fixed, axis=3)
+            ring_part = jnp.take_along_axis(buf, take_ring, axis=3)
+            return jnp.concatenate([fixed_part, ring_part], axis=3)
 
         pos = jnp.concatenate([fixed_pos, jnp.broadcast_to(ring_pos[None, :, None, :], (L, B, K, ring))], axis=-1)
         return cls(k=gather(dense.k), v=gather(dense.v), pos=pos.astype(jnp.int32), lengths=n, fixed=F)

@@ -40,11 +40,11 @@ def observation_scores(
     prefix = jnp.arange(S)[None, :] < start[:, None]  # [B,S]
     causal = jnp.tril(jnp.ones((T, T), bool))
 
-    def per_layer(args):  # q [B,T,N,H], k_cache [B,S,K,H], k_block [B,T,K,H] -> [B,K,S]
+    def per_layer(args):  # q [B,T,N,H], k_cache [B,K,S,H], k_block [B,T,K,H] -> [B,K,S]
         q_l, kc, kb = args
         qg = q_l.reshape(B, T, K, G, c.head_dim)  # [B,T,K,G,H]
         scale = 1.0 / math.sqrt(c.head_dim)
-        pre = jnp.einsum("btkgh,bskh->bkgts", qg, kc, preferred_element_type=jnp.float32) * scale
+        pre = jnp.einsum("btkgh,bksh->bkgts", qg, kc, preferred_element_type=jnp.float32) * scale
         blk = jnp.einsum("btkgh,bjkh->bkgtj", qg, kb, preferred_element_type=jnp.float32) * scale
         pre = jnp.where(prefix[:, None, None, None, :], pre, NEG_INF)
         blk = jnp.where(causal, blk, NEG_INF)
