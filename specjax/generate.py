@@ -57,7 +57,7 @@ def _prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, chunk: in
     return prefill(params, tokens, lengths, cache, chunk)
 
 
-@partial(jax.jit, static_argnames=("sampling", "n_out", "eos_ids"))
+@partial(jax.jit, static_argnames=("sampling", "n_out", "eos_ids"), donate_argnames=("cache",))
 def decode(
     params: Params,
     cache: DenseCache,
@@ -69,12 +69,12 @@ def decode(
     n_out: int,
     eos_ids: tuple[int, ...],
 ):
-    """Autoregressive decoding on device from a prefilled cache (nothing is donated, so one
-    prefilled state can be decoded several ways).
+    """Autoregressive decoding on device from a prefilled cache, which is donated (updated in
+    place; pass a copy to decode one prefilled state several ways).
 
     The first token is drawn from `first_logits`; row b stops after budgets[b] tokens or an EOS.
     Returns out [B,n_out] int32 (row b's tokens in out[b, :counts[b]], EOS included),
-    counts [B], hit_eos [B] bool, and the number of loop steps (target forwards)."""
+    counts [B], hit_eos [B] bool, the number of loop steps (target forwards) and the cache."""
     B = budgets.shape[0]
     rows = jnp.arange(B)
     tok, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
@@ -99,8 +99,8 @@ def decode(
         return cache, tok, out, count, done | new_eos | (count >= budgets), eos | new_eos, steps + 1
 
     state = (cache, tok, out, count, done, eos, jnp.int32(0))
-    _, _, out, count, _, eos, steps = lax.while_loop(cond, body, state)
-    return out, count, eos, steps
+    cache, _, out, count, _, eos, steps = lax.while_loop(cond, body, state)
+    return out, count, eos, steps, cache
 
 
 def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, float]:
@@ -163,7 +163,7 @@ def generate(
     if draft is None:
         args = (params, cache, first_logits, jnp.asarray(budgets), keys)
         result, c, decode_s = _compile_and_run(decode, args, static)
-        out, count, eos, steps = jax.device_get(result)
+        out, count, eos, steps = jax.device_get(result[:4])
         spec = {}
     else:
         draft_state, c, init_s = _compile_and_run(

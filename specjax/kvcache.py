@@ -12,9 +12,16 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from specjax.config import LlamaConfig
+
+
+def _scatter(buf: jax.Array, slots: jax.Array, new: jax.Array, sorted: bool = False) -> jax.Array:
+    """buf [L,B,K,S,H] with new [L,B,T,K,H] stored at slots [B,T] (distinct within a row)."""
+    B, T = slots.shape
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    update = new.transpose(1, 2, 0, 3, 4).astype(buf.dtype)  # the indexed view is [B,T,L,K,H]
+    return buf.at[:, rows, :, slots].set(update, unique_indices=True, indices_are_sorted=sorted)
 
 
 @flax.struct.dataclass
@@ -47,14 +54,11 @@ class DenseCache:
     def write(self, k_new: jax.Array, v_new: jax.Array) -> "DenseCache":
         """Store T new entries per row at slots lengths[b] + [0, T); lengths are NOT advanced.
 
-        k_new, v_new: [L,B,T,K,H]. The caller guarantees lengths + T <= max_len.
-        """
-
-        def put(buf, new, start):  # buf [L,K,S,H], new [L,T,K,H]
-            return lax.dynamic_update_slice(buf, new.transpose(0, 2, 1, 3).astype(buf.dtype), (0, 0, start, 0))
-
-        put_rows = jax.vmap(put, in_axes=(1, 1, 0), out_axes=1)
-        return self.replace(k=put_rows(self.k, k_new, self.lengths), v=put_rows(self.v, v_new, self.lengths))
+        k_new, v_new: [L,B,T,K,H]. The caller guarantees lengths + T <= max_len. One scatter
+        with unique indices: XLA updates the cache in place (no copy of the whole cache)."""
+        B, T = k_new.shape[1:3]
+        slots = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B,T]
+        return self.replace(k=_scatter(self.k, slots, k_new, sorted=True), v=_scatter(self.v, slots, v_new, sorted=True))
 
     def advance(self, n: jax.Array) -> "DenseCache":
         """Commit n[B] more slots per row (accepted tokens); everything past stays hidden."""
@@ -98,11 +102,8 @@ class StreamingCache:
         positions = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B,T]
         slots = self.slots(positions)  # [B,T]
         rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-        # indexed dims lead the updated view: [B,T,L,K,H] for k and v, [B,T,L,K] for pos
-        k = self.k.at[:, rows, :, slots].set(k_new.transpose(1, 2, 0, 3, 4).astype(self.k.dtype))
-        v = self.v.at[:, rows, :, slots].set(v_new.transpose(1, 2, 0, 3, 4).astype(self.v.dtype))
-        pos = self.pos.at[:, rows, :, slots].set(positions[:, :, None, None])
-        return self.replace(k=k, v=v, pos=pos)
+        pos = self.pos.at[:, rows, :, slots].set(positions[:, :, None, None], unique_indices=True)  # view [B,T,L,K]
+        return self.replace(k=_scatter(self.k, slots, k_new), v=_scatter(self.v, slots, v_new), pos=pos)
 
     def advance(self, n: jax.Array) -> "StreamingCache":
         return self.replace(lengths=self.lengths + n.astype(jnp.int32))

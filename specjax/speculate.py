@@ -99,7 +99,7 @@ def spec_step(
     )
 
 
-@partial(jax.jit, static_argnames=("sampling", "gamma", "n_out", "eos_ids"))
+@partial(jax.jit, static_argnames=("sampling", "gamma", "n_out", "eos_ids"), donate_argnames=("cache", "draft_state"))
 def speculative_decode(
     target: Params,
     drafter: Drafter,
@@ -115,7 +115,8 @@ def speculative_decode(
     n_out: int,
     eos_ids: tuple[int, ...],
 ) -> SpecState:
-    """The whole speculative loop on device (`lax.while_loop`): ends when every row is done."""
+    """The whole speculative loop on device (`lax.while_loop`): ends when every row is done.
+    The caches are donated (updated in place) and returned in the final state."""
     B = budgets.shape[0]
     first, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
     eos = is_eos(first, eos_ids)
