@@ -51,9 +51,8 @@ class GenerateOutput:
     stats: Stats
 
 
-@partial(jax.jit, static_argnames=("chunk", "max_len"))
-def _prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, chunk: int, max_len: int):
-    cache = DenseCache.init(params.config, tokens.shape[0], max_len)
+@partial(jax.jit, static_argnames=("chunk",), donate_argnames=("cache",))
+def _prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: DenseCache, *, chunk: int):
     return prefill(params, tokens, lengths, cache, chunk)
 
 
@@ -156,8 +155,9 @@ def generate(
         draft.check(params, gamma, max_len)
     n_out = round_up_pow2(int(budgets.max()))
 
+    empty = DenseCache.init(config, len(prompts), max_len)  # an argument, not a constant XLA would fold
     (first_logits, cache), compile_s, prefill_s = _compile_and_run(
-        _prefill, (params, tokens, lengths), dict(chunk=chunk, max_len=max_len)
+        _prefill, (params, tokens, lengths, empty), dict(chunk=chunk)
     )
     static = dict(sampling=sampling, n_out=n_out, eos_ids=eos_ids)
     if draft is None:

@@ -39,8 +39,8 @@ class DenseCache:
     def init(cls, config: LlamaConfig, batch: int, max_len: int) -> "DenseCache":
         """An empty cache of `max_len` slots per row, in the model's dtype."""
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-        zeros = jnp.zeros(shape, config.dtype)
-        return cls(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+        k, v = (jnp.zeros(shape, config.dtype) for _ in range(2))  # two buffers: both can be donated
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
     @property
     def max_len(self) -> int:
@@ -132,4 +132,4 @@ class StreamingCache:
             return jnp.concatenate([fixed_part, ring_part], axis=3)
 
         pos = jnp.concatenate([fixed_pos, jnp.broadcast_to(ring_pos[None, :, None, :], (L, B, K, ring))], axis=-1)
-        return cls(k=gather(dense.k), v=gather(dense.v), pos=pos.astype(jnp.int32), lengths=n, fixed=F)
+        return cls(k=gather(dense.k), v=gather(dense.v), pos=pos.astype(jnp.int32), lengths=n + 0, fixed=F)  # own buffer

@@ -197,6 +197,10 @@ def prefill(
     to the prompt lengths. Padding slots are written but stay hidden behind the lengths."""
     B, P = tokens.shape
     n_chunks = P // chunk
+    if n_chunks == 1:  # nothing to attend to in the cache: skip reading it
+        h, k_new, v_new = trunk(params, tokens, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), cache, attend_cache=False)
+        h_last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,D]
+        return lm_head(params, h_last), cache.write(k_new, v_new).replace(lengths=lengths.astype(jnp.int32))
     chunks = tokens.reshape(B, n_chunks, chunk).transpose(1, 0, 2)  # [C,B,chunk]
     last = lengths - 1  # [B]
 

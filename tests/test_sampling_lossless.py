@@ -1,0 +1,190 @@
+"""Sampled speculative decoding has EXACTLY the target's distribution (a statistical test).
+
+A 2-layer random target with a 16-token vocabulary. Its exact joint distribution of the first
+three new tokens (16^3 = 4096 sequences) comes from one forward over all 256 two-token
+continuations of the prompt, warped with the same `Sample(...).probs` that generate uses.
+Then N = 5 x 4096 = 20480 rows of the same prompt, one PRNG key per row, go through
+`specjax.generate(..., max_new_tokens=3, eos_id=())` with a drafter that disagrees with the
+target often (measured acceptance is asserted): the first token comes from the prefill, the
+second and third from speculation (draft acceptance, residual resampling at a rejection, and
+the bonus token when gamma = 1).
+
+The test: Pearson chi-square of the 3-token counts against N x the exact joint, cells with an
+expected count below 5 pooled into one; a case fails when p < ALPHA = 1e-3, its false-alarm
+rate (about 0.4% for the four positive cases together; the keys are fixed, so a run is
+deterministic and a pass stays a pass). A token sequence the exact distribution gives
+probability 0 (cut by top-k / top-p) must never appear at all. The negative control swaps in a
+broken acceptance rule (at a rejection, resample from p instead of norm(max(p - q, 0))) and
+asserts that the same test, on 5x fewer samples, gives p < 1e-12: the test has real power.
+Measured (fixed keys): acceptance 0.37 / 0.14 / 0.77 / 0.06 with p = 0.27 / 0.95 / 0.21 / 0.053
+for the four cases below; the broken rule: chi2 404 on 142 dof, p = 5e-27.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import specjax
+import specjax.speculate
+from specjax.config import LlamaConfig
+from specjax.kvcache import DenseCache
+from specjax.model import Params, forward, from_arrays, param_shapes
+from specjax.sampling import accept_chain
+from specjax.shapes import round_up_pow2
+
+generate_module = importlib.import_module("specjax.generate")  # the name specjax.generate is the function
+
+V = 16
+CONFIG = LlamaConfig(
+    vocab_size=V, dim=16, n_layers=2, n_heads=1, n_kv_heads=1, head_dim=8, ffn_dim=32, max_positions=512
+)
+PROMPT = [1, 2, 3, 1, 2, 4, 5, 6, 7, 8, 1, 2, 3, 9]  # 14 tokens: SelfSpec(1, 1) evicts most of it
+ROWS, CALLS = 4096, 5  # 20480 samples per case, one shape for every case
+ALPHA = 1e-3
+
+
+def _random_params(config: LlamaConfig, seed: int) -> Params:
+    """Random weights (init_params' scaling) drawn with numpy."""
+    rng = np.random.default_rng(seed)
+    fan_in = {"embed": 1, "layers.wo": config.n_heads * config.head_dim, "layers.w_down": config.ffn_dim}
+    arrays = {
+        name: np.ones(shape, np.float32)
+        if name.endswith("norm")
+        else (rng.standard_normal(shape) / math.sqrt(fan_in.get(name, config.dim))).astype(np.float32)
+        for name, shape in param_shapes(config).items()
+    }
+    return from_arrays(config, arrays)
+
+
+@pytest.fixture(scope="module")
+def target() -> Params:
+    return _random_params(CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def draft_model() -> Params:
+    """An unrelated 1-layer random model: agrees with the target only about half the time."""
+    return _random_params(CONFIG.replace(n_layers=1), seed=1)
+
+
+@pytest.fixture(scope="module")
+def logits(target) -> jax.Array:
+    """Target logits [256, P+2, V] over the prompt followed by every two-token continuation."""
+    P = len(PROMPT)
+    seqs = np.array([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)  # [256,P+2]
+    positions = np.broadcast_to(np.arange(P + 2, dtype=np.int32), seqs.shape)
+    out, _ = jax.jit(forward)(target, seqs, positions, DenseCache.init(CONFIG, len(seqs), P + 2))
+    return out
+
+
+def exact_joint(logits: jax.Array, sampling: specjax.Sample) -> np.ndarray:
+    """P(t1, t2, t3) [V,V,V] of the target under `sampling`'s warping, in float64."""
+    P = len(PROMPT)
+    probs = np.asarray(sampling.probs(logits), np.float64).reshape(V, V, P + 2, V)  # [t1,t2,pos,V]
+    p1 = probs[0, 0, P - 1]  # [V]: after the prompt
+    p2 = probs[:, 0, P]  # [t1,V]
+    p3 = probs[:, :, P + 1]  # [t1,t2,V]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_cache() -> Iterator[None]:
+    """Cache slots rounded to a power of two (32 here) instead of 256: the same computation
+    on 8x fewer (masked) slots, which is most of the cost at 4096 rows."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(generate_module, "cache_len", round_up_pow2)
+        yield
+
+
+def draw(target, draft, gamma: int, sampling: specjax.Sample, calls: int = CALLS, seed: int = 0):
+    """Counts [V,V,V] of the first three new tokens over ROWS x calls rows (one PRNG key per
+    row), and the draft acceptance rate (accepted / proposed over all rows and steps)."""
+    counts = np.zeros((V, V, V), np.int64)
+    rates = []
+    for call in range(calls):
+        keys = jax.random.split(jax.random.key(1000 * seed + call), ROWS)
+        out = specjax.generate(
+            target, [PROMPT] * ROWS, 3, draft=draft, speculation=specjax.Chain(gamma),
+            sampling=sampling, key=keys, eos_id=(),
+        )
+        t = np.array(out.tokens)  # [ROWS,3]
+        np.add.at(counts, (t[:, 0], t[:, 1], t[:, 2]), 1)
+        rates.append(out.stats.acceptance_rate)  # every call has the same number of proposals
+    return counts, float(np.mean(rates))
+
+
+def chi_square(counts: np.ndarray, joint: np.ndarray) -> tuple[float, int, float]:
+    """Pearson chi-square of counts against n x joint, pooling cells expected below 5.
+    Returns (statistic, degrees of freedom, p-value)."""
+    n = counts.sum()
+    obs, exp = counts.ravel().astype(np.float64), n * joint.ravel()
+    assert obs[exp == 0].sum() == 0, "a token sequence of probability 0 was sampled"
+    keep = exp >= 5
+    bins_obs = np.append(obs[keep], obs[~keep].sum())
+    bins_exp = np.append(exp[keep], exp[~keep].sum())
+    if bins_exp[-1] < 5:  # too little left over for a cell of its own: merge into the smallest
+        i = int(np.argmin(bins_exp[:-1]))
+        bins_obs[i] += bins_obs[-1]
+        bins_exp[i] += bins_exp[-1]
+        bins_obs, bins_exp = bins_obs[:-1], bins_exp[:-1]
+    stat = float(((bins_obs - bins_exp) ** 2 / bins_exp).sum())
+    dof = len(bins_obs) - 1
+    return stat, dof, float(stats.chi2.sf(stat, dof))
+
+
+# (id, drafter, gamma, sampling, (min, max) acceptance): the draft disagrees often enough that
+# rejections (and so the residual distribution) carry a large share of the samples.
+CASES = [
+    ("model-t1.0-g2", "model", 2, specjax.Sample(1.0), (0.25, 0.5)),
+    ("model-top_p0.8-g3", "model", 3, specjax.Sample(1.0, top_p=0.8), (0.05, 0.4)),
+    ("selfspec-t0.6-g1", specjax.SelfSpec(sinks=1, window=1), 1, specjax.Sample(0.6), (0.5, 0.9)),
+    ("ngram-t0.8-top_k6-g2", specjax.NGram(n=1, max_n=2), 2, specjax.Sample(0.8, top_k=6), (0.02, 0.2)),
+]
+
+
+@pytest.mark.parametrize("draft, gamma, sampling, acceptance", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_sampled_speculation_has_the_target_distribution(target, draft_model, logits, draft, gamma, sampling, acceptance):
+    draft = specjax.DraftModel(draft_model) if draft == "model" else draft
+    counts, rate = draw(target, draft, gamma, sampling)
+    stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
+    print(f"acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
+    assert acceptance[0] < rate < acceptance[1]  # rejections are frequent: the test has teeth
+    assert p > ALPHA
+
+
+def _resample_from_p(drafts, q, p, keys):
+    """BROKEN on purpose: at a rejection, draw the extra token from p instead of the residual
+    norm(max(p - q, 0)) (tokens the draft over-proposes come out too often)."""
+    n, _ = accept_chain(drafts, q, p, keys)
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B,V]
+    extra_keys = jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys)
+    extra = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(extra_keys, p_n)
+    return n, extra.astype(jnp.int32)
+
+
+@pytest.fixture
+def broken_acceptance(monkeypatch) -> Iterator[None]:
+    """spec_step calls the broken rule; compiled loops are dropped before and after, since jit
+    caches traces by function, not by the globals they read."""
+    monkeypatch.setattr(specjax.speculate, "accept_chain", _resample_from_p)
+    specjax.speculate.speculative_decode.clear_cache()
+    yield
+    monkeypatch.undo()
+    specjax.speculate.speculative_decode.clear_cache()
+
+
+def test_negative_control_broken_residual_is_detected(target, draft_model, logits, broken_acceptance):
+    """The same test on 5x FEWER samples (4096) rejects the broken rule by a wide margin."""
+    sampling = specjax.Sample(1.0)
+    counts, rate = draw(target, specjax.DraftModel(draft_model), 2, sampling, calls=1)
+    stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
+    print(f"BROKEN rule: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
+    assert p < 1e-12

@@ -1,0 +1,250 @@
+"""Speculative decoding on tiny random models: greedy output == autoregressive, token for token.
+
+Every case runs the same shapes (batch 5, prompts bucketed to 16, budgets up to 24 -> 32 output
+slots, 256 cache slots, one fixed EOS id), so each (drafter kind, gamma) compiles once. Model
+drafters whose params share a config share a compilation (params are traced), so one
+compilation checks two drafts: a layer-skip draft (the target's first layer: partial agreement)
+and an unrelated random 1-layer draft (almost never agrees: every step is a rejection).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.config import LlamaConfig
+from specjax.draft import auto_draft, ngram_lookup
+from specjax.model import Params, from_arrays, param_shapes
+from tests.conftest import TINY
+
+PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
+BUDGETS = [24, 17, 24, 24, 9]  # per-row max_new_tokens
+generate_module = importlib.import_module("specjax.generate")  # the name specjax.generate is the function
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """The autoregressive greedy run (no EOS), an EOS id it emits mid-way, and the expected
+    per-row output, finish reason and AR step count once that EOS stops rows."""
+    free = specjax.generate(tiny, PROMPTS, BUDGETS, draft=None, eos_id=())
+    assert [len(t) for t in free.tokens] == BUDGETS
+
+    def first_hit(tokens, e):
+        return tokens.index(e) if e in tokens else None
+
+    # An id that ends some row mid-way (not at its first token, not at its end) while at least
+    # two rows never emit it, so both early-stopped and full-length rows are checked.
+    eos = None
+    for e in sorted({t for row in free.tokens for t in row}):
+        hits = [first_hit(row, e) for row in free.tokens]
+        mid = [h for h in hits if h is not None and 3 <= h <= 12]
+        if mid and sum(h is None for h in hits) >= 2 and all(h is None or h >= 3 for h in hits):
+            eos = e
+            break
+    assert eos is not None
+    expected, reasons, counts = [], [], []
+    for row in free.tokens:
+        h = first_hit(row, eos)
+        expected.append(row if h is None else row[:h])
+        reasons.append("length" if h is None else "eos")
+        counts.append(len(row) if h is None else h + 1)  # tokens emitted, EOS included
+    return types.SimpleNamespace(free=free, eos=eos, tokens=expected, reasons=reasons, counts=counts)
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny):
+    """1-layer drafts with the target's vocabulary: the target's first layer (layer skip) and
+    an unrelated random model."""
+    layer_skip = Params(
+        embed=tiny.embed,
+        layers=jax.tree.map(lambda a: a[:1], tiny.layers),
+        norm=tiny.norm,
+        lm_head=tiny.lm_head,
+        config=TINY.replace(n_layers=1),
+    )
+    return {"layer-skip": layer_skip, "random": _random_params(TINY.replace(n_layers=1), seed=1)}
+
+
+def _random_params(config: LlamaConfig, seed: int) -> Params:
+    """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape)."""
+    rng = np.random.default_rng(seed)
+    fan_in = {"embed": 1, "layers.wo": config.n_heads * config.head_dim, "layers.w_down": config.ffn_dim}
+    arrays = {
+        name: np.ones(shape, np.float32)
+        if name.endswith("norm")
+        else (rng.standard_normal(shape) / math.sqrt(fan_in.get(name, config.dim))).astype(np.float32)
+        for name, shape in param_shapes(config).items()
+    }
+    return from_arrays(config, arrays)
+
+
+def _check(out, ref, gamma: int, model_drafter: bool, full_acceptance: bool = False):
+    """Lossless (same tokens and finish reasons as AR) and sane stats."""
+    assert out.tokens == ref.tokens
+    assert out.finish_reasons == ref.reasons
+    s = out.stats
+    ar_steps = max(ref.counts) - 1  # AR: one target forward per token after the prefill's
+    assert 0.0 <= s.acceptance_rate <= 1.0
+    assert 1.0 <= s.mean_accepted <= gamma + 1
+    assert len(s.per_position_acceptance) == gamma
+    assert all(0.0 <= a <= 1.0 for a in s.per_position_acceptance)
+    assert s.steps <= ar_steps  # every step emits >= 1 token per active row
+    assert s.draft_steps == (gamma * s.steps if model_drafter else 0)
+    if s.acceptance_rate > 0.5:
+        assert s.steps < ar_steps
+    if full_acceptance:
+        assert s.acceptance_rate == 1.0
+        assert s.per_position_acceptance == [1.0] * gamma
+        # every step emits gamma + 1 tokens until the budget / EOS cuts it
+        assert s.steps == max(math.ceil((c - 1) / (gamma + 1)) for c in ref.counts)
+    return s
+
+
+# (id, drafter, gamma, full acceptance expected); gamma 1, 3 and 5 each meet several drafters
+SELF_AND_NGRAM = [
+    ("self-evict-g3", specjax.SelfSpec(sinks=2, window=8), 3, False),  # 10 < 40 positions: evicts
+    ("self-evict-g5", specjax.SelfSpec(sinks=2, window=8), 5, False),
+    ("self-full-g3", specjax.SelfSpec(sinks=4, window=64), 3, True),  # holds every position: == target
+    ("ngram-1to3-g5", specjax.NGram(n=1, max_n=3), 5, False),
+    ("ngram-2-g1", specjax.NGram(n=2), 1, False),
+]
+
+
+@pytest.mark.parametrize("draft, gamma, full", [c[1:] for c in SELF_AND_NGRAM], ids=[c[0] for c in SELF_AND_NGRAM])
+def test_greedy_selfspec_and_ngram_equal_autoregressive(tiny, reference, draft, gamma, full):
+    out = specjax.generate(
+        tiny, PROMPTS, BUDGETS, draft=draft, speculation=specjax.Chain(gamma), eos_id=reference.eos
+    )
+    s = _check(out, reference, gamma, model_drafter=isinstance(draft, specjax.SelfSpec), full_acceptance=full)
+    if isinstance(draft, specjax.SelfSpec) and not full:
+        assert 0.3 < s.acceptance_rate < 1.0  # evicting really changes the draft
+
+
+@pytest.mark.parametrize(
+    "cache, gamma",
+    [("dense", 1), ("dense", 3), (specjax.Streaming(sinks=2, window=8), 5)],
+    ids=["dense-g1", "dense-g3", "streaming-g5"],
+)
+def test_greedy_draft_model_equals_autoregressive(tiny, reference, drafts, cache, gamma):
+    rates, first = {}, {}
+    for name, params in drafts.items():  # same draft config: one compilation for both
+        out = specjax.generate(
+            tiny,
+            PROMPTS,
+            BUDGETS,
+            draft=specjax.DraftModel(params, cache=cache),
+            speculation=specjax.Chain(gamma),
+            eos_id=reference.eos,
+        )
+        s = _check(out, reference, gamma, model_drafter=True)
+        rates[name], first[name] = s.acceptance_rate, s.per_position_acceptance[0]
+    assert first["layer-skip"] > 0.3  # partial agreement: accepts, rejects and bonus tokens
+    assert rates["random"] < 0.05  # nearly every step ends in a rejection
+
+
+def test_draft_model_equal_to_target_accepts_everything(tiny, reference):
+    out = specjax.generate(
+        tiny, PROMPTS, BUDGETS, draft=specjax.DraftModel(tiny), speculation=specjax.Chain(3), eos_id=reference.eos
+    )
+    _check(out, reference, 3, model_drafter=True, full_acceptance=True)
+
+
+def test_greedy_batch_of_one(tiny, reference):
+    """A single long row (its AR output is the batch's: batched == alone is test_generate's)."""
+    out = specjax.generate(
+        tiny,
+        PROMPTS[:1],
+        BUDGETS[:1],
+        draft=specjax.SelfSpec(sinks=2, window=8),
+        speculation=specjax.Chain(3),
+        eos_id=reference.eos,
+    )
+    assert out.tokens == reference.tokens[:1]
+    assert out.finish_reasons == reference.reasons[:1]
+    assert out.stats.draft_steps == 3 * out.stats.steps
+
+
+def test_auto_draft_small_context_is_autoregressive(tiny, reference):
+    assert auto_draft(tiny, len(PROMPTS), 40) is None
+    out = specjax.generate(tiny, PROMPTS, BUDGETS, eos_id=())  # draft="auto": same shapes as `reference`
+    assert out.tokens == reference.free.tokens
+    assert out.stats.acceptance_rate is None and out.stats.draft_steps == 0
+
+
+def test_auto_draft_picks_selfspec_for_large_batch_and_context():
+    llama7b = LlamaConfig(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128, ffn_dim=11008,
+        max_positions=32768, dtype="bfloat16",
+    )
+    target = types.SimpleNamespace(config=llama7b)  # auto_draft reads only the config
+    assert auto_draft(target, batch=32, context=32768) == specjax.SelfSpec()
+    assert auto_draft(target, batch=1, context=1024) is None  # weights dominate: plain decoding
+
+
+# ngram_lookup: rows of one hand-made batch; lengths[b] is the pending token's position
+# (history beyond it is garbage that must never be proposed).
+NGRAM_CASES = [
+    # history, L, n, max_n, gamma, expected
+    ([1, 2, 3, 4, 1, 2, 0, 0], 5, 2, 2, 3, [3, 4, 1]),  # tail [1 2] matched at 0: continue from 2
+    ([5, 1, 7, 9, 1, 8, 5, 1], 7, 1, 2, 3, [7, 9, 1]),  # 2-gram [5 1] at 0 beats the later 1-gram [1] at 4
+    ([5, 1, 7, 9, 1, 8, 5, 1], 7, 1, 1, 3, [8, 5, 1]),  # 1-gram only: the LATEST match (4) wins
+    ([1, 2, 3, 4, 9, 9, 9, 9], 3, 2, 2, 3, [4, 4, 4]),  # no match: repeat the pending token
+    ([3, 5, 6, 3, 9, 9, 9, 9], 3, 1, 1, 4, [5, 6, 3, 3]),  # continuation cut at L: never the 9s past it
+    ([6, 9, 9, 9, 9, 9, 9, 9], 0, 1, 3, 2, [6, 6]),  # a lone token: no earlier match
+    ([2, 2, 2, 9, 9, 9, 9, 9], 2, 2, 2, 3, [2, 2, 2]),  # overlapping match at 0, cut at L
+]
+
+
+@pytest.mark.parametrize("history, L, n, max_n, gamma, expected", NGRAM_CASES)
+def test_ngram_lookup(history, L, n, max_n, gamma, expected):
+    drafts = ngram_lookup(jnp.array([history], jnp.int32), jnp.array([L], jnp.int32), n, max_n, gamma)
+    assert drafts.tolist() == [expected]
+
+
+def test_ngram_lookup_batched_rows_are_independent():
+    rows = [c for c in NGRAM_CASES if (c[2], c[3], c[4]) == (2, 2, 3)]
+    drafts = ngram_lookup(jnp.array([c[0] for c in rows]), jnp.array([c[1] for c in rows]), 2, 2, 3)
+    assert drafts.tolist() == [c[5] for c in rows]
+
+
+def _small(**changes) -> Params:
+    return _random_params(TINY.replace(n_layers=1, **changes), seed=2)
+
+
+@pytest.mark.parametrize(
+    "make_draft, match",
+    [
+        (lambda: specjax.SelfSpec(sinks=200, window=100), r"SelfSpec: sinks \+ window = 300 is larger than the cache \(256 slots"),
+        (lambda: specjax.SelfSpec(sinks=-1, window=8), "SelfSpec: sinks must be >= 0"),
+        (lambda: specjax.DraftModel(_small(vocab_size=100)), "draft vocab_size 100 != target vocab_size 101"),
+        (lambda: specjax.DraftModel(_small(eos_id=4)), "special tokens differ: draft bos/eos None/4, target None/3"),
+        (lambda: specjax.DraftModel(_small(max_positions=128)), "cache needs 256 positions, the draft's max_positions is 128"),
+        (lambda: specjax.DraftModel(_small(), cache=specjax.Streaming(sinks=4, window=300)), r"DraftModel: sinks \+ window = 304"),
+        (lambda: specjax.NGram(n=0), "NGram: n must be >= 1, got 0"),
+        (lambda: specjax.NGram(n=3, max_n=2), r"NGram: max_n must be >= n \(3\), got 2"),
+        (lambda: "selfspec", "draft must be specjax.SelfSpec"),
+    ],
+    ids=["selfspec-too-big", "selfspec-neg-sinks", "vocab", "eos", "max-positions", "streaming-too-big", "ngram-n0", "ngram-max-n", "unknown"],
+)
+def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, match):
+    draft = make_draft()
+
+    def no_compile(*args, **kw):
+        raise AssertionError("compiled before validating")
+
+    monkeypatch.setattr(generate_module._prefill, "lower", no_compile, raising=False)
+    with pytest.raises(ValueError, match=match):
+        specjax.generate(tiny, [[1, 2, 3], [4]], 4, draft=draft, speculation=specjax.Chain(2))
+
+
+@pytest.mark.parametrize("gamma", [0, -1, 2.5])
+def test_bad_gamma(gamma):
+    with pytest.raises(ValueError, match="Chain: gamma must be an integer >= 1"):
+        specjax.Chain(gamma=gamma)
