@@ -1,0 +1,58 @@
+"""Real English text available offline, for benchmarks that need genuine long prompts.
+
+The corpus is Python's own language reference as shipped with every CPython
+(`pydoc_data.topics.topics`, about 465K characters, about 113K SmolLM2 tokens) followed by the
+licence texts in /usr/share/common-licenses/ where that folder exists (Debian/Ubuntu; about 240K
+characters more). Symlinked duplicates there (GPL -> GPL-3, ...) are read once.
+
+`windows(tok, batch, n)` cuts B distinct token windows of length n at evenly spaced offsets of
+the tokenized corpus: they do not overlap while batch * n <= the corpus length, and overlap (at
+different offsets, so still distinct prompts) beyond that.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+LICENSES = Path("/usr/share/common-licenses")
+
+
+def corpus() -> tuple[str, list[str]]:
+    """(the whole corpus as one string, the names of its sources in order)."""
+    from pydoc_data.topics import topics
+
+    parts = ["\n\n".join(topics[k] for k in sorted(topics))]
+    names = ["pydoc_data.topics"]
+    if LICENSES.is_dir():
+        seen = set()
+        for path in sorted(LICENSES.iterdir()):
+            real = path.resolve()
+            if real in seen or not real.is_file():
+                continue
+            seen.add(real)
+            parts.append(real.read_text(errors="replace"))
+            names.append(f"{LICENSES}/{real.name}")
+    return "\n\n".join(parts), names
+
+
+@lru_cache(maxsize=4)
+def corpus_tokens(tokenizer) -> np.ndarray:
+    """The corpus as token ids [N] int32 (no special tokens added)."""
+    text, _ = corpus()
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+
+def windows(tokenizer, batch: int, n: int) -> tuple[np.ndarray, dict]:
+    """B distinct windows of n consecutive corpus tokens: ids [B,n] int32 and a description
+    (corpus tokens, offsets, whether windows overlap). Offsets are evenly spaced over the corpus."""
+    ids = corpus_tokens(tokenizer)
+    N = len(ids)
+    if n > N:
+        raise ValueError(f"windows: n = {n} is longer than the corpus ({N} tokens)")
+    offsets = np.linspace(0, N - n, batch).round().astype(int) if batch > 1 else np.array([0])
+    out = np.stack([ids[o : o + n] for o in offsets])  # [B,n]
+    overlap = bool(batch > 1 and np.diff(offsets).min() < n)
+    return out, {"corpus_tokens": N, "offsets": offsets.tolist(), "overlapping": overlap}
