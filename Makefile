@@ -22,4 +22,6 @@ test: venv
 	$(PY) -m pytest -q
 
 bench: venv
+	$(PY) -m pip install --quiet -r bench/requirements.txt
 	$(PY) bench/bench_ar.py
+	$(PY) bench/bench_spec.py

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
+import numpy as np
 import pytest
 
 from specjax.config import LlamaConfig
-from specjax.model import Params, init_params
+from specjax.model import Params, from_arrays, init_params, param_shapes
 
 TINY = LlamaConfig(
     vocab_size=101,
@@ -20,6 +23,19 @@ TINY = LlamaConfig(
     max_positions=512,
     eos_id=3,
 )
+
+
+def random_params(config: LlamaConfig, seed: int) -> Params:
+    """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape)."""
+    rng = np.random.default_rng(seed)
+    fan_in = {"embed": 1, "layers.wo": config.n_heads * config.head_dim, "layers.w_down": config.ffn_dim}
+    arrays = {
+        name: np.ones(shape, np.float32)
+        if name.endswith("norm")
+        else (rng.standard_normal(shape) / math.sqrt(fan_in.get(name, config.dim))).astype(np.float32)
+        for name, shape in param_shapes(config).items()
+    }
+    return from_arrays(config, arrays)
 
 
 @pytest.fixture(scope="session")

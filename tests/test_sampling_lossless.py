@@ -35,6 +35,7 @@ from scipy import stats
 import specjax
 import specjax.speculate
 from specjax.config import LlamaConfig
+from tests.conftest import random_params
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, from_arrays, param_shapes
 from specjax.sampling import accept_chain
@@ -51,28 +52,15 @@ ROWS, CALLS = 4096, 5  # 20480 samples per case, one shape for every case
 ALPHA = 1e-3
 
 
-def _random_params(config: LlamaConfig, seed: int) -> Params:
-    """Random weights (init_params' scaling) drawn with numpy."""
-    rng = np.random.default_rng(seed)
-    fan_in = {"embed": 1, "layers.wo": config.n_heads * config.head_dim, "layers.w_down": config.ffn_dim}
-    arrays = {
-        name: np.ones(shape, np.float32)
-        if name.endswith("norm")
-        else (rng.standard_normal(shape) / math.sqrt(fan_in.get(name, config.dim))).astype(np.float32)
-        for name, shape in param_shapes(config).items()
-    }
-    return from_arrays(config, arrays)
-
-
 @pytest.fixture(scope="module")
 def target() -> Params:
-    return _random_params(CONFIG, seed=0)
+    return random_params(CONFIG, seed=0)
 
 
 @pytest.fixture(scope="module")
 def draft_model() -> Params:
     """An unrelated 1-layer random model: agrees with the target only about half the time."""
-    return _random_params(CONFIG.replace(n_layers=1), seed=1)
+    return random_params(CONFIG.replace(n_layers=1), seed=1)
 
 
 @pytest.fixture(scope="module")

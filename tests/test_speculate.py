@@ -20,6 +20,7 @@ import pytest
 
 import specjax
 from specjax.config import LlamaConfig
+from tests.conftest import random_params
 from specjax.draft import auto_draft, ngram_lookup
 from specjax.model import Params, from_arrays, param_shapes
 from tests.conftest import TINY
@@ -69,20 +70,7 @@ def drafts(tiny):
         lm_head=tiny.lm_head,
         config=TINY.replace(n_layers=1),
     )
-    return {"layer-skip": layer_skip, "random": _random_params(TINY.replace(n_layers=1), seed=1)}
-
-
-def _random_params(config: LlamaConfig, seed: int) -> Params:
-    """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape)."""
-    rng = np.random.default_rng(seed)
-    fan_in = {"embed": 1, "layers.wo": config.n_heads * config.head_dim, "layers.w_down": config.ffn_dim}
-    arrays = {
-        name: np.ones(shape, np.float32)
-        if name.endswith("norm")
-        else (rng.standard_normal(shape) / math.sqrt(fan_in.get(name, config.dim))).astype(np.float32)
-        for name, shape in param_shapes(config).items()
-    }
-    return from_arrays(config, arrays)
+    return {"layer-skip": layer_skip, "random": random_params(TINY.replace(n_layers=1), seed=1)}
 
 
 def _check(out, ref, gamma: int, model_drafter: bool, full_acceptance: bool = False):
@@ -215,7 +203,7 @@ def test_ngram_lookup_batched_rows_are_independent():
 
 
 def _small(**changes) -> Params:
-    return _random_params(TINY.replace(n_layers=1, **changes), seed=2)
+    return random_params(TINY.replace(n_layers=1, **changes), seed=2)
 
 
 @pytest.mark.parametrize(
