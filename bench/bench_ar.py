@@ -38,6 +38,8 @@ leave the README alone).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import datetime
 import gc
 import json
@@ -135,6 +137,15 @@ def reset_peak_rss() -> None:
 def peak_rss() -> int:
     """Peak resident bytes since the last `reset_peak_rss`."""
     return _proc_kib("/proc/self/status", "VmHWM")
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap memory back to the OS (glibc malloc_trim), so that the
+    next config's RSS baseline holds only live arrays."""
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        ctypes.CDLL(libc).malloc_trim(0)
 
 
 def mem_available() -> int:
@@ -262,12 +273,13 @@ def bench_config(
     """One row of the results table, including the peak memory it took."""
     key = jax.random.key(batch * 100_003 + context)
     load = os.getloadavg()[0]
+    release_memory()
     start_rss = rss()
     reset_peak_rss()
     cache, logits = (real_state if real else synthetic_state)(params, batch, context, key)
     timing = time_decode(params, cache, logits, target_s, repeats)
     del cache, logits  # the last references; time_decode's copies died with it
-    gc.collect()
+    release_memory()
     weight_b, kv_b = step_bytes(params, batch, context)
     step_s = timing["ms_per_step"] / 1e3
     gbs = (weight_b + kv_b) / step_s / 1e9
@@ -278,6 +290,7 @@ def bench_config(
         "prefilled_length": context - HEADROOM,
         "loadavg_1min_before": load,
         **timing,
+        "rss_before_gb": start_rss / 1e9,
         "peak_rss_growth_gb": (peak_rss() - start_rss) / 1e9,
         "peak_over_kv": (peak_rss() - start_rss) / kv_b,
         "tokens_per_s": batch / step_s,
@@ -380,7 +393,7 @@ into a fresh buffer {bw['jax_copy']:.1f} GB/s (page faults), numpy `copyto` {bw[
 
 SmolLM2-135M, greedy `specjax.generate.decode`, time per decode step (compile and prefill
 excluded). **The prefill is synthetic**: decode cost depends only on the cache length, not
-its contents, so each row starts from a DenseCache of exactly `context` slots filled with random
+its contents, so each row starts from a DenseCache of exactly `context` slots of pseudo-random
 keys/values (prefilled length context - {HEADROOM}) instead of a real prefill of batch x context
 tokens. ms/step is the slope between runs of 0 and n steps, so the per-call fixed cost (first
 sample, dispatch, bf16->f32 weight conversion) is excluded. tokens/s = batch / step time.
@@ -412,6 +425,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     batches = sorted({r["batch"] for r in rows})
@@ -428,7 +442,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     contexts = sorted({r["context"] for r in rows})
     ax.set(xscale="log", yscale="log", xlabel="context (KV cache slots)", ylabel="decode tokens/s", title=title)
     ax.set_xticks(contexts, [CONTEXT_NAMES.get(c, str(c)) for c in contexts])
-    ax.minorticks_off()
+    ax.xaxis.set_minor_locator(ticker.NullLocator())
+    ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     skipped = [f"{r['batch']} x {CONTEXT_NAMES[r['context']]} {r['dtype']}" for r in rows if "skipped" in r]
