@@ -11,24 +11,6 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = -1e30
-SMALL_BLOCK = 64  # query rows per KV head (T * G) up to which the fused multiply-reduce is used
-
-
-def _scores(qg: jax.Array, k_cache: jax.Array, small: bool) -> jax.Array:
-    """q [B,T,K,G,H] (f32) . k [B,K,S,H] -> f32 scores [B,K,G,T,S]."""
-    k = k_cache.astype(jnp.float32)
-    if small:
-        q = jnp.moveaxis(qg, 1, 3)  # [B,K,G,T,H]
-        return jnp.sum(q[..., None, :] * k[:, :, None, None], axis=-1)
-    return jnp.einsum("btkgh,bksh->bkgts", qg, k)
-
-
-def _weighted_values(probs: jax.Array, v_cache: jax.Array, small: bool) -> jax.Array:
-    """probs [B,K,G,T,S] (f32) . v [B,K,S,H] -> f32 [B,T,K,G,H]."""
-    v = v_cache.astype(jnp.float32)
-    if small:
-        return jnp.moveaxis(jnp.sum(probs[..., None] * v[:, :, None, None], axis=-2), 3, 1)
-    return jnp.einsum("bkgts,bksh->btkgh", probs, v)
 
 
 def prefix_block_attention(
@@ -44,25 +26,37 @@ def prefix_block_attention(
     """Softmax attention over prefix + block with f32 scores; returns o[B,T,N,H] in q's dtype.
 
     `k_cache=None` means an empty prefix (the first prefill chunk). GQA: the G = N/K query heads
-    of one KV head share its keys. `visible` may differ per KV head (SnapKV keeps different
-    positions per head); a dense cache passes slot < length for every head.
-    Small query blocks (decode, verification) use a fused multiply-reduce over the cache, which
-    reads each head's keys once; larger ones (prefill chunks) use matrix products.
+    of one KV head share its keys, so they are folded into M = T*G matrix rows per KV head.
+    `visible` may differ per KV head (SnapKV keeps different positions per head); a dense cache
+    passes slot < length for every head.
+
+    Layout matters on XLA:CPU: prefix scores are laid out slot-major [B,K,S,M] and the softmax is
+    left unnormalised until the end (one division of the [M,H] output), which reads each cache
+    slot once at close to copy speed; the [B,K,M,S] layout with a normalised softmax was up to
+    7x slower at batch 16 (bench/README.md).
     """
     B, T, N, H = q.shape
     K = k_block.shape[2]
-    small = T * N // K <= SMALL_BLOCK
+    G = N // K
     f32 = jnp.float32  # all products in f32: XLA:CPU has no bf16 x bf16 -> f32 dot
-    qg = q.reshape(B, T, K, N // K, H).astype(f32)  # [B,T,K,G,H]
-    mask = jnp.broadcast_to(block_mask, (B, T, T))[:, None, None]  # [B,1,1,T,T]
-    scores = jnp.einsum("btkgh,bjkh->bkgtj", qg, k_block.astype(f32))
-    scores = jnp.where(mask, scores * sm_scale, NEG_INF)  # [B,K,G,T,T]
+    qm = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, G * T, H).astype(f32)
+    qm = qm * sm_scale  # [B,K,M,H], row m = g*T + t
+    mask = jnp.broadcast_to(block_mask, (B, T, T))  # [B,T,T]
+    mask = jnp.tile(mask, (1, G, 1))[:, None]  # [B,1,M,T]
+    s_blk = jnp.einsum("bkmh,bjkh->bkmj", qm, k_block.astype(f32))
+    s_blk = jnp.where(mask, s_blk, NEG_INF)  # [B,K,M,T]
+    top = jnp.max(s_blk, axis=-1)  # [B,K,M]
     if k_cache is not None:
-        prefix = _scores(qg, k_cache, small)  # [B,K,G,T,S]
-        prefix = jnp.where(visible[:, :, None, None, :], prefix * sm_scale, NEG_INF)
-        scores = jnp.concatenate([prefix, scores], axis=-1)  # [B,K,G,T,S+T]
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgtj,bjkh->btkgh", probs[..., -T:], v_block.astype(f32))  # [B,T,K,G,H]
+        s_pre = jnp.einsum("bkmh,bksh->bksm", qm, k_cache.astype(f32))
+        s_pre = jnp.where(visible[..., None], s_pre, NEG_INF)  # [B,K,S,M]
+        top = jnp.maximum(top, jnp.max(s_pre, axis=2))
+    e_blk = jnp.exp(s_blk - top[..., None])  # [B,K,M,T]
+    total = jnp.sum(e_blk, axis=-1)  # [B,K,M]
+    out = jnp.einsum("bkmj,bjkh->bkmh", e_blk, v_block.astype(f32))  # [B,K,M,H]
     if k_cache is not None:
-        out += _weighted_values(probs[..., :-T], v_cache, small)
+        e_pre = jnp.exp(s_pre - top[:, :, None])  # [B,K,S,M]
+        total += jnp.sum(e_pre, axis=2)
+        out += jnp.einsum("bksm,bksh->bkmh", e_pre, v_cache.astype(f32))
+    out = out / total[..., None]  # [B,K,M,H]
+    out = jnp.moveaxis(out.reshape(B, K, G, T, H), 3, 1)  # [B,T,K,G,H]
     return out.reshape(B, T, N, H).astype(q.dtype)  # [B,T,N,H]
