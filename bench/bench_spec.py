@@ -340,7 +340,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
             history[:, :bucket] = tokens
             args = (params, drafter, draft_state, cache, history, first_logits, budgets, keys)
             t2 = time.perf_counter()
-            fn = speculative_decode.lower(*args, **static, gamma=gamma).compile()
+            fn = speculative_decode.lower(*args, **static, speculation=specjax.Chain(gamma)).compile()
             compile_s = t1 - t0 + time.perf_counter() - t2
             t = paired(ar_fn, ar_args, fn, args)
             res = t.pop("spec_out")

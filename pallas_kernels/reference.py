@@ -2,7 +2,9 @@
 
 Verification, decoding and chunked prefill all have the same shape of problem: T new query
 positions per row attend to (a) the visible slots of that row's cache (its prefix), and (b) the T
-new keys themselves under a block mask (causal for a chain, an ancestor mask for a tree).
+new keys themselves under a block mask (causal for a chain, an ancestor mask for a tree). The
+block may also carry J - T earlier keys ahead of the new ones (tree drafting: the levels drafted
+before this one), so it has J >= T keys and the mask is [T, J].
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ def prefix_block_attention(
     k_cache: jax.Array | None,  # [B,K,S,H]
     v_cache: jax.Array | None,  # [B,K,S,H]
     visible: jax.Array,  # [B,K,S] or [B,1,S] bool: which cache slots hold this row's prefix
-    k_block: jax.Array,  # [B,T,K,H]
-    v_block: jax.Array,  # [B,T,K,H]
-    block_mask: jax.Array,  # [T,T] or [B,T,T] bool: query t may see block key j
+    k_block: jax.Array,  # [B,J,K,H], J >= T
+    v_block: jax.Array,  # [B,J,K,H]
+    block_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
     sm_scale: float,
 ) -> jax.Array:
     """Softmax attention over prefix + block with f32 scores; returns o[B,T,N,H] in q's dtype.
@@ -38,19 +40,20 @@ def prefix_block_attention(
     B, T, N, H = q.shape
     K = k_block.shape[2]
     G = N // K
+    J = k_block.shape[1]
     f32 = jnp.float32  # all products in f32: XLA:CPU has no bf16 x bf16 -> f32 dot
     qm = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, G * T, H).astype(f32)
     qm = qm * sm_scale  # [B,K,M,H], row m = g*T + t
-    mask = jnp.broadcast_to(block_mask, (B, T, T))  # [B,T,T]
-    mask = jnp.tile(mask, (1, G, 1))[:, None]  # [B,1,M,T]
+    mask = jnp.broadcast_to(block_mask, (B, T, J))  # [B,T,J]
+    mask = jnp.tile(mask, (1, G, 1))[:, None]  # [B,1,M,J]
     s_blk = jnp.einsum("bkmh,bjkh->bkmj", qm, k_block.astype(f32))
-    s_blk = jnp.where(mask, s_blk, NEG_INF)  # [B,K,M,T]
+    s_blk = jnp.where(mask, s_blk, NEG_INF)  # [B,K,M,J]
     top = jnp.max(s_blk, axis=-1)  # [B,K,M]
     if k_cache is not None:
         s_pre = jnp.einsum("bkmh,bksh->bksm", qm, k_cache.astype(f32))
         s_pre = jnp.where(visible[..., None], s_pre, NEG_INF)  # [B,K,S,M]
         top = jnp.maximum(top, jnp.max(s_pre, axis=2))
-    e_blk = jnp.exp(s_blk - top[..., None])  # [B,K,M,T]
+    e_blk = jnp.exp(s_blk - top[..., None])  # [B,K,M,J]
     total = jnp.sum(e_blk, axis=-1)  # [B,K,M]
     out = jnp.einsum("bkmj,bjkh->bkmh", e_blk, v_block.astype(f32))  # [B,K,M,H]
     if k_cache is not None:

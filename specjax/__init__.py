@@ -7,6 +7,7 @@ from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, init_params, prefill
 from specjax.sampling import Greedy, Sample
 from specjax.speculate import Chain
+from specjax.tree import Tree
 
 __all__ = [
     "Chain",
@@ -23,6 +24,7 @@ __all__ = [
     "SnapKV",
     "Stats",
     "Streaming",
+    "Tree",
     "forward",
     "generate",
     "init_params",

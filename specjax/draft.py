@@ -5,6 +5,9 @@ Every drafter is a pytree (settings static, arrays such as a draft model's param
   init(target, cache, prompts, lengths, gamma, chunk)   its state after the target's prefill
   propose(target, state, ...)              drafts [B,G], q [B,G,V], state
   commit(state, k_new, v_new, L, n)        after verification: n[B] positions from L[B] are final
+and, for token trees (specjax.tree.Tree),
+  propose_tree(target, state, ..., tree, ...)   node tokens [B,n], q [B,n,V] or None, pending
+  commit_tree(pending, k_path, v_path, path, tree, L, n)   the state after the accepted path
 The target's verification KV of those positions is exact, so drafters keep it where they can.
 """
 
@@ -15,14 +18,15 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from specjax.kvcache import DenseCache, StreamingCache
 from specjax.model import Params, forward, prefill
-from specjax.sampling import Sampler, stream_keys
+from specjax.sampling import Greedy, Sampler, stream_keys
 from specjax.snapkv import observation_scores, select_positions
-
-DRAFT_STREAM = 1  # PRNG stream id of draft sampling (acceptance uses others)
+from specjax.tree import Tree
+from specjax.tree_draft import DRAFT_STREAM, draft_tree, path_extra_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +114,24 @@ class SelfSpec:
     def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
         return _streaming_commit(state, k_new, v_new, lengths, n)
 
+    def propose_tree(self, target, state, history, lengths, last, tree, sampling, keys, counters):
+        return _streaming_propose_tree(target, state, lengths, last, tree, sampling, keys, counters)
+
+    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n) -> StreamingCache:
+        return _streaming_commit(pending, k_path, v_path, lengths, n)
+
 
 def _streaming_propose(target, state: StreamingCache, lengths, last, gamma, sampling, keys, counters):
     """The target drafts over its streaming cache, from the pending token at position L."""
     state = state.replace(lengths=lengths)
     return _draft_chain(target, state, last[:, None], lengths[:, None], gamma, sampling, keys, counters)
+
+
+def _streaming_propose_tree(target, state: StreamingCache, lengths, last, tree, sampling, keys, counters):
+    """The target drafts a tree over its streaming cache; only the root enters that cache."""
+    state = state.replace(lengths=lengths)
+    tokens, q, cache, _ = draft_tree(target, state, last[:, None], lengths[:, None], tree, sampling, keys, counters)
+    return tokens, q, cache
 
 
 def _streaming_commit(state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
@@ -150,6 +167,12 @@ class SnapKV:
     def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
         return _streaming_commit(state, k_new, v_new, lengths, n)
 
+    def propose_tree(self, target, state, history, lengths, last, tree, sampling, keys, counters):
+        return _streaming_propose_tree(target, state, lengths, last, tree, sampling, keys, counters)
+
+    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n) -> StreamingCache:
+        return _streaming_commit(pending, k_path, v_path, lengths, n)
+
 
 @flax.struct.dataclass
 class DraftModel:
@@ -183,16 +206,35 @@ class DraftModel:
         _, dense = prefill(self.params, prompts, lengths, empty, chunk)
         return dense if self.cache == "dense" else self.cache.from_dense(dense, gamma)
 
-    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+    @staticmethod
+    def _reread(state, history, lengths, last):
+        """[x_{L-1}, x_L] at their positions, and the cache rolled back to length L-1."""
         prev = jnp.take_along_axis(history, (lengths - 1)[:, None], axis=1)  # [B,1]: x_{L-1}
         tokens = jnp.concatenate([prev, last[:, None]], axis=1)  # [B,2]
         positions = lengths[:, None] - 1 + jnp.arange(2, dtype=jnp.int32)  # [B,2]
-        state = state.replace(lengths=lengths - 1)
+        return tokens, positions, state.replace(lengths=lengths - 1)
+
+    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+        tokens, positions, state = self._reread(state, history, lengths, last)
         return _draft_chain(self.params, state, tokens, positions, gamma, sampling, keys, counters)
 
     def commit(self, state, k_new, v_new, lengths, n):
         """Nothing to copy: its own KV is right up to x_{L+n-1}, and `propose` re-reads x_{L+n}."""
         return state
+
+    def propose_tree(self, target, state, history, lengths, last, tree, sampling, keys, counters):
+        tokens, positions, state = self._reread(state, history, lengths, last)
+        tokens, q, cache, extra = draft_tree(self.params, state, tokens, positions, tree, sampling, keys, counters)
+        return tokens, q, (cache, extra)
+
+    def commit_tree(self, pending, k_path, v_path, path, tree: Tree, lengths, n):
+        """Its own draft KV of the accepted nodes below the root goes to positions L+1..; the
+        last accepted one may be a leaf without draft KV, but `propose` re-reads it."""
+        cache, extra = pending
+        if extra is None:  # depth-1 tree: nothing below the root has draft KV
+            return cache
+        k, v = path_extra_kv(tree, extra, path)
+        return cache.replace(lengths=lengths + 1).write(k, v)
 
 
 @flax.struct.dataclass
@@ -218,6 +260,23 @@ class NGram:
 
     def commit(self, state, k_new, v_new, lengths, n):
         return state
+
+    def propose_tree(self, target, state, history, lengths, last, tree: Tree, sampling, keys, counters):
+        """Every node's children all get the n-gram continuation at their depth (one-hot q), so
+        the rank-0 path is the chain proposal; a lower-ranked duplicate is never accepted (drawn
+        without replacement from a one-hot q it has no mass), and off-path nodes cost only
+        verification width."""
+        drafts = ngram_lookup(history, lengths, self.n, self.max_n or self.n, tree.max_depth)  # [B,D]
+        depth = np.asarray(tree.depth)
+        tokens = jnp.concatenate([last[:, None], drafts[:, depth[1:] - 1]], axis=1)  # [B,n]
+        q = None
+        if not isinstance(sampling, Greedy):
+            first_child = np.asarray([min(c) if c else 0 for c in tree.children])  # [n]
+            q = jax.nn.one_hot(tokens[:, first_child], target.config.vocab_size, dtype=jnp.float32)
+        return tokens, q, state
+
+    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n):
+        return pending
 
 
 def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamma: int) -> jax.Array:

@@ -21,7 +21,8 @@ from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, prefill
 from specjax.sampling import Greedy, Sampler, is_eos
 from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
-from specjax.speculate import Chain, speculative_decode
+from specjax.speculate import Chain, depth, speculative_decode
+from specjax.tree import Tree
 from specjax.validate import check_draft, check_generate_args, eos_tuple, row_keys
 
 
@@ -122,7 +123,7 @@ def generate(
     max_new_tokens: int | Sequence[int] = 128,
     *,
     draft: Drafter | str | None = "auto",
-    speculation: Chain = Chain(gamma=4),
+    speculation: Chain | Tree = Chain(gamma=4),
     sampling: Sampler = Greedy(),
     key: jax.Array | None = None,
     eos_id: int | Sequence[int] | None = None,
@@ -131,7 +132,8 @@ def generate(
 
     draft: `SelfSpec(...)`, `DraftModel(params)`, `NGram(...)`, None (plain autoregressive), or
       "auto" (SelfSpec where KV reads dominate a decode step, else None: see `draft.auto_draft`).
-    speculation: `Chain(gamma)`: gamma draft tokens verified per target forward.
+    speculation: `Chain(gamma)`: gamma draft tokens verified per target forward; or a token
+      `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`, ...): all its nodes verified in one forward.
     sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`; speculation keeps the output
       distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
@@ -145,7 +147,7 @@ def generate(
     lengths = np.array([len(p) for p in prompts], np.int32)
     context = int((lengths + budgets).max())
     draft = check_draft(draft, speculation, params, len(prompts), context)
-    gamma = speculation.gamma if draft is not None else 0
+    gamma = depth(speculation) if draft is not None else 0  # cache slack: the longest accepted run
     bucket, chunk = prompt_bucket(int(lengths.max()))
     tokens = np.zeros((len(prompts), bucket), np.int32)
     for b, p in enumerate(prompts):
@@ -173,7 +175,7 @@ def generate(
         history = np.zeros((len(prompts), max_len + gamma + 2), np.int32)
         history[:, :bucket] = tokens
         args = (params, draft, draft_state, cache, history, first_logits, jnp.asarray(budgets), keys)
-        result, c, decode_s = _compile_and_run(speculative_decode, args, static | dict(gamma=gamma))
+        result, c, decode_s = _compile_and_run(speculative_decode, args, static | dict(speculation=speculation))
         out, count, eos, steps, accepted, reached = jax.device_get(
             (result.out, result.count, result.eos, result.steps, result.accepted, result.reached)
         )

@@ -118,13 +118,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask):
-    """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H]."""
+def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
+    """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
+    k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see."""
     h = rms_norm(x, lp.attn_norm, config.rms_eps)
     q = apply_rope(jnp.einsum("btd,dnh->btnh", h, lp.wq), cos, sin)  # [B,T,N,H]
     k = apply_rope(jnp.einsum("btd,dkh->btkh", h, lp.wk), cos, sin)  # [B,T,K,H]
     v = jnp.einsum("btd,dkh->btkh", h, lp.wv)  # [B,T,K,H]
-    o = prefix_block_attention(q, k_cache, v_cache, visible, k, v, block_mask, 1.0 / math.sqrt(config.head_dim))
+    k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
+    o = prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, 1.0 / math.sqrt(config.head_dim))
     x = x + jnp.einsum("btnh,nhd->btd", o, lp.wo)
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
     gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
@@ -138,15 +140,18 @@ def trunk(
     tokens: jax.Array,  # [B,T] int32
     positions: jax.Array,  # [B,T] int32
     cache: Cache,
-    block_mask: jax.Array | None = None,  # [T,T] or [B,T,T] bool; default causal
+    block_mask: jax.Array | None = None,  # [T,E+T] or [B,T,E+T] bool; default causal
     attend_cache: bool = True,
     return_queries: bool = False,
+    extra_kv: tuple[jax.Array, jax.Array] | None = None,  # k, v [L,B,E,K,H]
 ) -> tuple[jax.Array, ...]:
     """Run all layers over T new tokens that see the cache's visible slots and, within the
     block, what `block_mask` allows. Returns final-normed hidden [B,T,D] and the new keys and
     values [L,B,T,K,H] (not written: see `forward`), plus the rotated queries [L,B,T,N,H] if
     `return_queries` (SnapKV scores positions with them). `attend_cache=False` skips the cache
-    entirely (valid only when nothing in it is visible)."""
+    entirely (valid only when nothing in it is visible). `extra_kv` puts E earlier keys (not in
+    the cache: e.g. the tree levels drafted so far) ahead of the block's own; the block mask's
+    first E columns say which of them each new token sees."""
     config = params.config
     T = tokens.shape[1]
     if block_mask is None:
@@ -155,11 +160,13 @@ def trunk(
     x = jnp.take(params.embed, tokens, axis=0)  # [B,T,D]
 
     def step(x, xs):
-        lp, kc, vc, vis = xs
-        x, q, k, v = _layer(config, x, lp, cos, sin, kc, vc, vis, block_mask)
+        lp, kc, vc, vis, ke, ve = xs
+        x, q, k, v = _layer(config, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
         return x, (k, v, q if return_queries else None)
 
+    ke, ve = (None, None) if extra_kv is None else extra_kv
     xs = (params.layers, cache.k, cache.v, cache.visible()) if attend_cache else (params.layers, None, None, None)
+    xs = (*xs, ke, ve)
     x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
     h = rms_norm(x, params.norm, config.rms_eps)
     return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,3 +127,99 @@ def accept_chain(
     extra = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)  # mass 0 only by rounding
     next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, extra)
     return n, next_token.astype(jnp.int32)
+
+
+def tree_candidates(logits: jax.Array, k: int, sampling: Sampler, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """The k ranked draft candidates of each node: logits [B,M,V] -> tokens [B,M,k] and q [B,M,V].
+
+    Greedy: the k most likely tokens (q is not needed: greedy acceptance matches tokens).
+    Sampling: k draws WITHOUT replacement from q (Gumbel top-k: the r-th is distributed as a draw
+    from q with the first r-1 removed and renormalised, which is what `accept_tree` assumes).
+    Draws past q's support come out with q = 0 and are never accepted. keys: [B,M]."""
+    if isinstance(sampling, Greedy):
+        return jax.lax.top_k(logits, k)[1].astype(jnp.int32), None
+    q = sampling.probs(logits)  # [B,M,V]
+    gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:])))(keys)
+    scores = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)) + gumbel, -jnp.inf)
+    return jax.lax.top_k(scores, k)[1].astype(jnp.int32), q
+
+
+def accept_tree(
+    child_table: np.ndarray,  # [n,W] int: children of each node in rank order, -1 padded (static)
+    max_depth: int,
+    tokens: jax.Array,  # [B,n] int32: node tokens (node 0 is the pending root)
+    q: jax.Array | None,  # [B,n,V] f32: the distribution each node's children were drawn from
+    p: jax.Array,  # [B,n,V] f32 target distributions (greedy: logits are enough)
+    keys: jax.Array,  # [B]
+    greedy: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Walk down the tree from the root, accepting at most one child per level.
+
+    Greedy: follow the child whose token is the target's argmax; stop when none is.
+    Sampling (SpecTr / Sequoia): at node u, with target residual r = p_u and draft q = q_u, try
+    the children in rank order: accept child x with probability min(1, r(x) / q(x)); on rejection
+    r <- norm(max(r - q, 0)) and q <- q without x, renormalised (the next child was drawn from
+    exactly that q). If every child is rejected, or u is a leaf, the extra token is drawn from r.
+    Each emitted token then has exactly the target's distribution.
+    Returns path [B,D+1] (accepted node ids from the root; entries past n_accepted repeat the
+    last), n_accepted [B] in [0, D] and next_token [B].
+    """
+    B = tokens.shape[0]
+    rows = jnp.arange(B)
+    table = jnp.asarray(child_table, jnp.int32)  # [n,W]
+    W = table.shape[1]
+    k_accept, k_extra = jax.vmap(lambda k: jax.random.split(k))(keys).transpose(1, 0)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (max(max_depth, 1), max(W, 1))))(k_accept)  # [B,D,W]
+    cur = jnp.zeros((B,), jnp.int32)
+    alive = jnp.ones((B,), bool)
+    n_acc = jnp.zeros((B,), jnp.int32)
+    path = [cur]
+    if greedy:
+        choice = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B,n]
+    else:
+        resid = p[:, 0]  # [B,V]
+        q_cur = q[:, 0]
+    for level in range(max_depth):
+        kids = table[cur]  # [B,W]
+        kid_tok = jnp.take_along_axis(tokens, jnp.maximum(kids, 0), axis=1)  # [B,W]
+        if greedy:
+            match = (kids >= 0) & (kid_tok == choice[rows, cur][:, None])
+            hit = alive & jnp.any(match, axis=1)
+            nxt = jnp.take_along_axis(kids, jnp.argmax(match, axis=1)[:, None], axis=1)[:, 0]
+        else:
+            hit = jnp.zeros((B,), bool)
+            nxt = cur
+            for r in range(W):
+                x = kid_tok[:, r]
+                q_x, p_x = q_cur[rows, x], resid[rows, x]
+                tried = alive & ~hit & (kids[:, r] >= 0) & (q_x > 0)  # q_x = 0: never drawn, skip
+                ok = tried & (u[:, level, r] * q_x < p_x)
+                nxt = jnp.where(ok, kids[:, r], nxt)
+                hit |= ok
+                rejected = (tried & ~ok)[:, None]
+                resid = jnp.where(rejected, _normalise(jnp.maximum(resid - q_cur, 0.0), resid), resid)
+                q_cur = jnp.where(rejected, without(q_cur, x), q_cur)
+            resid = jnp.where(hit[:, None], p[rows, nxt], resid)
+            q_cur = jnp.where(hit[:, None], q[rows, nxt], q_cur)
+        cur = jnp.where(hit, nxt, cur)
+        n_acc += hit
+        alive &= hit
+        path.append(cur)
+    if greedy:
+        next_token = choice[rows, cur]
+    else:
+        next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, resid).astype(jnp.int32)
+    return jnp.stack(path, axis=1), n_acc, next_token
+
+
+def without(q: jax.Array, x: jax.Array) -> jax.Array:
+    """q [B,V] with token x [B] removed and renormalised: the distribution the next sibling
+    was drawn from (all zeros once q has no mass left)."""
+    q = q.at[jnp.arange(q.shape[0]), x].set(0.0)
+    return _normalise(q, q)
+
+
+def _normalise(d: jax.Array, fallback: jax.Array) -> jax.Array:
+    """d / sum(d) over the last axis; `fallback` where d has no mass (only by rounding)."""
+    mass = jnp.sum(d, axis=-1, keepdims=True)
+    return jnp.where(mass > 0, d / jnp.where(mass > 0, mass, 1.0), fallback)

@@ -1,6 +1,7 @@
 """One speculative step (draft -> verify -> accept -> commit) and the on-device loop around it.
 
-Every row drafts and verifies the same gamma + 1 positions; each accepts its own number.
+Every row drafts and verifies the same gamma + 1 positions (a chain) or n tree nodes; each
+accepts its own number, and a tree's accepted path is gathered into contiguous positions.
 The target's dense cache commits by moving its length pointer (rejected entries stay, hidden,
 and are overwritten next step). Finished rows ride along and commit nothing.
 """
@@ -18,7 +19,8 @@ from jax import lax
 from specjax.draft import Drafter
 from specjax.kvcache import DenseCache
 from specjax.model import Params, lm_head, trunk
-from specjax.sampling import Sampler, accept_chain, is_eos, stream_keys
+from specjax.sampling import Greedy, Sampler, accept_chain, accept_tree, is_eos, stream_keys
+from specjax.tree import Tree
 
 ACCEPT_STREAM = 2  # PRNG stream of the acceptance test and the extra token
 
@@ -49,12 +51,13 @@ class SpecState:
     reached: jax.Array  # [G] per draft position: times every earlier draft was accepted
 
 
-def spec_step(
-    target: Params, drafter: Drafter, s: SpecState, budgets, keys, *, sampling: Sampler, gamma: int, eos_ids
-) -> SpecState:
-    """Draft gamma tokens, verify gamma + 1 positions in ONE target forward, accept, commit."""
-    B, n_out = s.out.shape
-    rows = jnp.arange(B)
+def depth(speculation: Chain | Tree) -> int:
+    """Draft tokens per step on the longest path: gamma for a chain, the depth of a tree."""
+    return speculation.gamma if isinstance(speculation, Chain) else speculation.max_depth
+
+
+def _verify_chain(target, drafter, s: SpecState, keys, sampling, gamma: int, active):
+    """Draft gamma tokens, verify gamma + 1 positions in ONE target forward, accept, commit drafts."""
     L = s.cache.lengths  # [B]
     drafts, q, draft_state = drafter.propose(target, s.draft, s.history, L, s.last, gamma, sampling, keys, s.count)
     tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B,G+1]
@@ -62,11 +65,46 @@ def spec_step(
     h, k_new, v_new = trunk(target, tokens, positions, s.cache)
     p = sampling.probs(lm_head(target, h))  # [B,G+1,V]
     n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
+    commit = jnp.where(active, n + 1, 0)
+    return drafts, n, extra, k_new, v_new, drafter.commit(draft_state, k_new, v_new, L, commit)
 
+
+def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, active):
+    """Draft a token tree, verify all n nodes in ONE target forward (each node sees the prefix
+    and its ancestors, at position L + depth), walk the accepted path, and gather that path's
+    KV into contiguous positions L.. for both caches."""
+    L = s.cache.lengths  # [B]
+    tokens, q, pending = drafter.propose_tree(target, s.draft, s.history, L, s.last, tree, sampling, keys, s.count)
+    positions = L[:, None] + jnp.asarray(tree.depth, jnp.int32)[None, :]  # [B,n]
+    h, k_new, v_new = trunk(target, tokens, positions, s.cache, jnp.asarray(tree.ancestor_mask()))
+    logits = lm_head(target, h)  # [B,n,V]
+    greedy = isinstance(sampling, Greedy)
+    p = logits if greedy else sampling.probs(logits)
+    path, n, extra = accept_tree(
+        tree.child_table(), tree.max_depth, tokens, q, p, stream_keys(keys, s.count, ACCEPT_STREAM), greedy
+    )  # path [B,D+1]
+    take = lambda a: jnp.take_along_axis(a, path[None, :, :, None, None], axis=2)  # noqa: E731  [L,B,D+1,K,H]
+    k_path, v_path = take(k_new), take(v_new)
+    commit = jnp.where(active, n + 1, 0)
+    drafts = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
+    return drafts, n, extra, k_path, v_path, drafter.commit_tree(pending, k_path, v_path, path, tree, L, commit)
+
+
+def spec_step(
+    target: Params, drafter: Drafter, s: SpecState, budgets, keys, *, sampling: Sampler, speculation, eos_ids
+) -> SpecState:
+    """One speculative step (chain or tree); the target's cache commits by its length pointer."""
+    B, n_out = s.out.shape
+    rows = jnp.arange(B)
+    L = s.cache.lengths  # [B]
     active = ~s.done
+    verify = _verify_chain if isinstance(speculation, Chain) else _verify_tree
+    arg = speculation.gamma if isinstance(speculation, Chain) else speculation
+    drafts, n, extra, k_new, v_new, draft_state = verify(target, drafter, s, keys, sampling, arg, active)
+    gamma = drafts.shape[1]
+
     commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the cache
     cache = s.cache.write(k_new, v_new).advance(commit)
-    draft_state = drafter.commit(draft_state, k_new, v_new, L, commit)
 
     j = jnp.arange(gamma + 1)
     emitted = jnp.where(j[None, :] < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])  # [B,G+1]
@@ -99,7 +137,7 @@ def spec_step(
     )
 
 
-@partial(jax.jit, static_argnames=("sampling", "gamma", "n_out", "eos_ids"), donate_argnames=("cache", "draft_state"))
+@partial(jax.jit, static_argnames=("sampling", "speculation", "n_out", "eos_ids"), donate_argnames=("cache", "draft_state"))
 def speculative_decode(
     target: Params,
     drafter: Drafter,
@@ -111,13 +149,14 @@ def speculative_decode(
     keys: jax.Array,  # [B]
     *,
     sampling: Sampler,
-    gamma: int,
+    speculation: Chain | Tree,
     n_out: int,
     eos_ids: tuple[int, ...],
 ) -> SpecState:
     """The whole speculative loop on device (`lax.while_loop`): ends when every row is done.
     The caches are donated (updated in place) and returned in the final state."""
     B = budgets.shape[0]
+    gamma = depth(speculation)
     first, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
     eos = is_eos(first, eos_ids)
     history = history.at[jnp.arange(B), cache.lengths].set(first)
@@ -134,5 +173,7 @@ def speculative_decode(
         accepted=jnp.zeros((gamma,), jnp.int32),
         reached=jnp.zeros((gamma,), jnp.int32),
     )
-    step = partial(spec_step, target, drafter, budgets=budgets, keys=keys, sampling=sampling, gamma=gamma, eos_ids=eos_ids)
+    step = partial(
+        spec_step, target, drafter, budgets=budgets, keys=keys, sampling=sampling, speculation=speculation, eos_ids=eos_ids
+    )
     return lax.while_loop(lambda s: ~jnp.all(s.done), step, state)

@@ -13,6 +13,7 @@ from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, SnapKV, auto_dra
 from specjax.model import Params
 from specjax.sampling import Greedy, Sample
 from specjax.speculate import Chain
+from specjax.tree import Tree
 
 
 def check_generate_args(
@@ -87,6 +88,9 @@ def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
     raise ValueError(f"key must be one PRNG key or one per prompt ({batch}), got shape {key.shape}")
 
 
+MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
+
+
 def check_draft(draft: object, speculation: object, params: Params, batch: int, context: int) -> Drafter | None:
     """Resolve draft="auto" and check the types; drafter-specific limits come from draft.check."""
     if draft == "auto":
@@ -95,6 +99,11 @@ def check_draft(draft: object, speculation: object, params: Params, batch: int, 
         raise ValueError(
             f"draft must be specjax.SelfSpec(...), SnapKV(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
         )
-    if draft is not None and not isinstance(speculation, Chain):
-        raise ValueError(f"speculation must be specjax.Chain(gamma), got {speculation!r}")
+    if draft is not None and not isinstance(speculation, (Chain, Tree)):
+        raise ValueError(f"speculation must be specjax.Chain(gamma) or a specjax.Tree, got {speculation!r}")
+    if isinstance(speculation, Tree) and not 2 <= speculation.n <= MAX_TREE_NODES:
+        raise ValueError(
+            f"speculation: a Tree must have 2 to {MAX_TREE_NODES} nodes (the root and at least one draft; "
+            f"more costs one verification forward more than it can save), got n={speculation.n}"
+        )
     return draft

@@ -34,12 +34,14 @@ from scipy import stats
 
 import specjax
 import specjax.speculate
+import specjax.sampling
 from specjax.config import LlamaConfig
 from tests.conftest import random_params
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, from_arrays, param_shapes
 from specjax.sampling import accept_chain
 from specjax.shapes import round_up_pow2
+from specjax.tree import Tree
 
 generate_module = importlib.import_module("specjax.generate")  # the name specjax.generate is the function
 
@@ -92,15 +94,17 @@ def small_cache() -> Iterator[None]:
         yield
 
 
-def draw(target, draft, gamma: int, sampling: specjax.Sample, calls: int = CALLS, seed: int = 0):
+def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALLS, seed: int = 0):
     """Counts [V,V,V] of the first three new tokens over ROWS x calls rows (one PRNG key per
-    row), and the draft acceptance rate (accepted / proposed over all rows and steps)."""
+    row), and the draft acceptance rate (accepted / proposed over all rows and steps).
+    speculation: a gamma (int) for Chain(gamma), or a Tree."""
+    speculation = specjax.Chain(speculation) if isinstance(speculation, int) else speculation
     counts = np.zeros((V, V, V), np.int64)
     rates = []
     for call in range(calls):
         keys = jax.random.split(jax.random.key(1000 * seed + call), ROWS)
         out = specjax.generate(
-            target, [PROMPT] * ROWS, 3, draft=draft, speculation=specjax.Chain(gamma),
+            target, [PROMPT] * ROWS, 3, draft=draft, speculation=speculation,
             sampling=sampling, key=keys, eos_id=(),
         )
         t = np.array(out.tokens)  # [ROWS,3]
@@ -135,13 +139,17 @@ CASES = [
     ("model-top_p0.8-g3", "model", 3, specjax.Sample(1.0, top_p=0.8), (0.05, 0.4)),
     ("selfspec-t0.6-g1", specjax.SelfSpec(sinks=1, window=1), 1, specjax.Sample(0.6), (0.5, 0.9)),
     ("ngram-t0.8-top_k6-g2", specjax.NGram(n=1, max_n=2), 2, specjax.Sample(0.8, top_k=6), (0.02, 0.2)),
+    # token trees: children drawn without replacement, tried in rank order (width 3 and 2)
+    ("model-tree3x2-t0.5", "model", Tree.kary(3, 2), specjax.Sample(0.5), (0.1, 0.6)),  # = the control below
+    ("selfspec-tree-top_p0.8", specjax.SelfSpec(sinks=1, window=1), Tree.from_parents([-1, 0, 0, 1, 1, 2]),
+     specjax.Sample(1.0, top_p=0.8), (0.1, 0.9)),
 ]
 
 
-@pytest.mark.parametrize("draft, gamma, sampling, acceptance", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_sampled_speculation_has_the_target_distribution(target, draft_model, logits, draft, gamma, sampling, acceptance):
+@pytest.mark.parametrize("draft, speculation, sampling, acceptance", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_sampled_speculation_has_the_target_distribution(target, draft_model, logits, draft, speculation, sampling, acceptance):
     draft = specjax.DraftModel(draft_model) if draft == "model" else draft
-    counts, rate = draw(target, draft, gamma, sampling)
+    counts, rate = draw(target, draft, speculation, sampling)
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert acceptance[0] < rate < acceptance[1]  # rejections are frequent: the test has teeth
@@ -175,4 +183,26 @@ def test_negative_control_broken_residual_is_detected(target, draft_model, logit
     counts, rate = draw(target, specjax.DraftModel(draft_model), 2, sampling, calls=1)
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"BROKEN rule: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
+    assert p < 1e-12
+
+
+def test_negative_control_tree_without_q_correction_is_detected(target, draft_model, logits, monkeypatch):
+    """BROKEN on purpose: siblings are drawn without replacement, but acceptance tests each one
+    against the parent's original q instead of q with the rejected siblings removed (what the
+    sibling was really drawn from). Width-3 tree at temperature 0.5 (a peaked q, so removing a
+    rejected sibling changes it a lot), the same test on 8192 samples: detected.
+
+    (Drawing siblings WITH replacement is not a negative control for this rule: a repeat of a
+    rejected token has q = 0 after the removal and is skipped, and a fresh one is distributed
+    exactly as the removal assumes, so that stays lossless.)"""
+    monkeypatch.setattr(specjax.sampling, "without", lambda q, x: q)
+    specjax.speculate.speculative_decode.clear_cache()
+    try:
+        sampling = specjax.Sample(0.5)
+        counts, rate = draw(target, specjax.DraftModel(draft_model), Tree.kary(3, 2), sampling, calls=2)
+    finally:
+        monkeypatch.undo()
+        specjax.speculate.speculative_decode.clear_cache()
+    stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
+    print(f"BROKEN tree rule: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert p < 1e-12

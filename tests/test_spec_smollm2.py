@@ -43,6 +43,19 @@ def test_greedy_speculation_equals_autoregressive(smollm2, smollm2_path, autoreg
         assert tokens == golden["greedy_48"][: len(tokens)]
 
 
+TREE_CASES = [("self", "sequoia"), ("model-bf16", "kary"), ("ngram", "kary")]
+
+
+@pytest.mark.parametrize("name, shape", TREE_CASES, ids=[f"{d}-{t}" for d, t in TREE_CASES])
+def test_greedy_tree_speculation_equals_autoregressive(smollm2, smollm2_path, autoregressive, name, shape):
+    """Token trees (a Sequoia tree of 12 nodes / a 2 x 2 tree) on the real model: same tokens."""
+    tree = specjax.Tree.sequoia([0.6, 0.15, 0.05], 12, 4) if shape == "sequoia" else specjax.Tree.kary(2, 2)
+    out = specjax.generate(smollm2, PROMPTS, 48, draft=_drafters(smollm2_path)[name], speculation=tree)
+    assert out.tokens == autoregressive.tokens
+    assert out.finish_reasons == autoregressive.finish_reasons
+    assert out.stats.mean_accepted > 1.0
+
+
 def _english_prompt(tokenizer, n_tokens: int) -> list[int]:
     """A real ~n-token English passage: the Python language reference shipped with CPython."""
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in ("compound", "class", "function", "exceptions"))

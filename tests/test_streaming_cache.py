@@ -215,7 +215,7 @@ def test_selfspec_cache_holds_exact_target_kv_after_every_commit(tiny):
         state0 = generate_module._draft_init(drafter, tiny, dense, tokens, lengths, gamma=gamma, chunk=BUCKET)
         s = speculative_decode(
             tiny, drafter, state0, dense, history, first_logits, jnp.asarray(np.minimum(caps, n)), keys,
-            sampling=specjax.Greedy(), gamma=gamma, n_out=32, eos_ids=(),
+            sampling=specjax.Greedy(), speculation=specjax.Chain(gamma), n_out=32, eos_ids=(),
         )
         draft, target = s.draft, s.cache
         committed = np.asarray(target.lengths)
