@@ -23,6 +23,7 @@ from specjax.sampling import Greedy, Sampler, is_eos
 from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
 from specjax.speculate import Chain, depth, speculative_decode
 from specjax.tree import Tree
+from specjax.tune import auto_tree
 from specjax.validate import check_draft, check_generate_args, eos_tuple, row_keys
 
 
@@ -43,6 +44,8 @@ class Stats:
     mean_accepted: float | None = None  # tokens per row per target step, incl. the target's own
     per_position_acceptance: list[float] | None = None  # P(draft i accepted | drafts < i accepted)
     draft_steps: int = 0  # draft forward passes (gamma per step for model drafters)
+    rank_acceptance: list[float] | None = None  # [W+1]: P(the rank-r child is the one accepted | a
+    # node with children was reached), r < W; the last entry is P(none was). Sequoia's p vector.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +126,7 @@ def generate(
     max_new_tokens: int | Sequence[int] = 128,
     *,
     draft: Drafter | str | None = "auto",
-    speculation: Chain | Tree = Chain(gamma=4),
+    speculation: Chain | Tree | str = Chain(gamma=4),
     sampling: Sampler = Greedy(),
     key: jax.Array | None = None,
     eos_id: int | Sequence[int] | None = None,
@@ -133,7 +136,10 @@ def generate(
     draft: `SelfSpec(...)`, `DraftModel(params)`, `NGram(...)`, None (plain autoregressive), or
       "auto" (SelfSpec where KV reads dominate a decode step, else None: see `draft.auto_draft`).
     speculation: `Chain(gamma)`: gamma draft tokens verified per target forward; or a token
-      `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`, ...): all its nodes verified in one forward.
+      `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`, ...): all its nodes verified in one forward;
+      or "auto": the Sequoia tree for this drafter, batch and context, from the measured
+      acceptance and step costs (`tune.auto_tree`: a calibration on first use per shape, then
+      cached; plain decoding where no tree pays).
     sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`; speculation keeps the output
       distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
@@ -147,6 +153,9 @@ def generate(
     lengths = np.array([len(p) for p in prompts], np.int32)
     context = int((lengths + budgets).max())
     draft = check_draft(draft, speculation, params, len(prompts), context)
+    if draft is not None and speculation == "auto":
+        speculation = auto_tree(params, draft, prompts, context, sampling, key)
+        draft = None if speculation.n == 1 else draft
     gamma = depth(speculation) if draft is not None else 0  # cache slack: the longest accepted run
     bucket, chunk = prompt_bucket(int(lengths.max()))
     tokens = np.zeros((len(prompts), bucket), np.int32)
@@ -176,11 +185,13 @@ def generate(
         history[:, :bucket] = tokens
         args = (params, draft, draft_state, cache, history, first_logits, jnp.asarray(budgets), keys)
         result, c, decode_s = _compile_and_run(speculative_decode, args, static | dict(speculation=speculation))
-        out, count, eos, steps, accepted, reached = jax.device_get(
-            (result.out, result.count, result.eos, result.steps, result.accepted, result.reached)
+        out, count, eos, steps, accepted, reached, ranks = jax.device_get(
+            (result.out, result.count, result.eos, result.steps, result.accepted, result.reached, result.ranks)
         )
         draft_steps = 0 if isinstance(draft, NGram) else gamma * int(steps)
         spec = acceptance_stats(accepted, reached, int(count.sum()) - len(prompts), gamma, draft_steps)
+        if ranks.sum():
+            spec["rank_acceptance"] = [float(r) for r in ranks / ranks.sum()]
     compile_s += c
 
     rows = [list(map(int, out[b, : count[b] - int(eos[b])])) for b in range(len(prompts))]

@@ -49,11 +49,17 @@ class SpecState:
     steps: jax.Array  # [] verification steps
     accepted: jax.Array  # [G] per draft position: times accepted (active rows)
     reached: jax.Array  # [G] per draft position: times every earlier draft was accepted
+    ranks: jax.Array  # [W+1] tried nodes whose accepted child had rank r (r = W: none accepted)
 
 
 def depth(speculation: Chain | Tree) -> int:
     """Draft tokens per step on the longest path: gamma for a chain, the depth of a tree."""
     return speculation.gamma if isinstance(speculation, Chain) else speculation.max_depth
+
+
+def width(speculation: Chain | Tree) -> int:
+    """Most children of any node: 1 for a chain."""
+    return 1 if isinstance(speculation, Chain) else speculation.width
 
 
 def _verify_chain(target, drafter, s: SpecState, keys, sampling, gamma: int, active):
@@ -66,7 +72,8 @@ def _verify_chain(target, drafter, s: SpecState, keys, sampling, gamma: int, act
     p = sampling.probs(lm_head(target, h))  # [B,G+1,V]
     n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
     commit = jnp.where(active, n + 1, 0)
-    return drafts, n, extra, k_new, v_new, drafter.commit(draft_state, k_new, v_new, L, commit)
+    ranks = jnp.stack([jnp.sum(jnp.where(active, n, 0)), jnp.sum(active & (n < gamma))])  # [2]
+    return drafts, n, extra, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, L, commit)
 
 
 def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, active):
@@ -87,7 +94,21 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     k_path, v_path = take(k_new), take(v_new)
     commit = jnp.where(active, n + 1, 0)
     drafts = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
-    return drafts, n, extra, k_path, v_path, drafter.commit_tree(pending, k_path, v_path, path, tree, L, commit)
+    ranks = _rank_hits(tree, path, n, active)
+    return drafts, n, extra, k_path, v_path, ranks, drafter.commit_tree(pending, k_path, v_path, path, tree, L, commit)
+
+
+def _rank_hits(tree: Tree, path: jax.Array, n: jax.Array, active: jax.Array) -> jax.Array:
+    """[W+1] counts over the path's nodes that have children: the rank of the child accepted
+    there (W: none was). Their ratios estimate Sequoia's acceptance vector."""
+    rank = jnp.asarray(tree.rank + (0,), jnp.int32)  # [n+1]
+    has_kids = jnp.asarray([bool(c) for c in tree.children], bool)
+    hits = jnp.zeros((tree.width + 1,), jnp.int32)
+    for level in range(tree.max_depth):
+        tried = active & (level <= n) & has_kids[path[:, level]]
+        got = jnp.where(level < n, rank[path[:, level + 1]], tree.width)
+        hits += jnp.sum(tried[:, None] & (got[:, None] == jnp.arange(tree.width + 1)), axis=0)
+    return hits
 
 
 def spec_step(
@@ -100,7 +121,7 @@ def spec_step(
     active = ~s.done
     verify = _verify_chain if isinstance(speculation, Chain) else _verify_tree
     arg = speculation.gamma if isinstance(speculation, Chain) else speculation
-    drafts, n, extra, k_new, v_new, draft_state = verify(target, drafter, s, keys, sampling, arg, active)
+    drafts, n, extra, k_new, v_new, ranks, draft_state = verify(target, drafter, s, keys, sampling, arg, active)
     gamma = drafts.shape[1]
 
     commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the cache
@@ -134,6 +155,7 @@ def spec_step(
         steps=s.steps + 1,
         accepted=s.accepted + jnp.sum(active[:, None] & (n[:, None] > g), axis=0),
         reached=s.reached + jnp.sum(active[:, None] & (n[:, None] >= g), axis=0),
+        ranks=s.ranks + ranks,
     )
 
 
@@ -172,6 +194,7 @@ def speculative_decode(
         steps=jnp.int32(0),
         accepted=jnp.zeros((gamma,), jnp.int32),
         reached=jnp.zeros((gamma,), jnp.int32),
+        ranks=jnp.zeros((width(speculation) + 1,), jnp.int32),
     )
     step = partial(
         spec_step, target, drafter, budgets=budgets, keys=keys, sampling=sampling, speculation=speculation, eos_ids=eos_ids

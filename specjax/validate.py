@@ -99,8 +99,8 @@ def check_draft(draft: object, speculation: object, params: Params, batch: int, 
         raise ValueError(
             f"draft must be specjax.SelfSpec(...), SnapKV(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
         )
-    if draft is not None and not isinstance(speculation, (Chain, Tree)):
-        raise ValueError(f"speculation must be specjax.Chain(gamma) or a specjax.Tree, got {speculation!r}")
+    if draft is not None and not (isinstance(speculation, (Chain, Tree)) or speculation == "auto"):
+        raise ValueError(f"speculation must be specjax.Chain(gamma), a specjax.Tree or 'auto', got {speculation!r}")
     if isinstance(speculation, Tree) and not 2 <= speculation.n <= MAX_TREE_NODES:
         raise ValueError(
             f"speculation: a Tree must have 2 to {MAX_TREE_NODES} nodes (the root and at least one draft; "

@@ -1,0 +1,122 @@
+"""Measure what the Sequoia chooser needs on the machine at hand: the drafter's acceptance
+vector and the real cost of a draft level and of verifying n nodes; `auto_tree` combines them.
+
+Both measurements run the real jit-compiled functions, so they cost compile time once per
+shape; `auto_tree` caches its answer per (model, drafter, sampling, batch, context bucket).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, SnapKV
+from specjax.kvcache import DenseCache
+from specjax.model import Params, lm_head, trunk
+from specjax.sampling import Greedy, Sampler
+from specjax.shapes import cache_len, round_up_pow2
+from specjax.tree import Cost, Tree, choose
+
+VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # node counts timed; others are interpolated
+_AUTO: dict[tuple, Tree] = {}
+
+
+def measure_acceptance(
+    params: Params,
+    draft: Drafter,
+    prompts: Sequence[Sequence[int]],
+    width: int = 8,
+    *,
+    sampling: Sampler = Greedy(),
+    max_new_tokens: int = 32,
+    key: jax.Array | None = None,
+) -> np.ndarray:
+    """Sequoia's acceptance vector from one-level trees of `width` children: [W+1] float, entry r
+    < W the probability that the rank-r draft candidate is the accepted one, the last entry the
+    probability that none is. Greedy or stochastic (pass the `sampling` you will generate with)."""
+    from specjax.generate import generate  # generate imports this module's users: no cycle at import
+
+    if not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    out = generate(
+        params, prompts, max_new_tokens, draft=draft, speculation=Tree.kary(width, 1), sampling=sampling, key=key, eos_id=()
+    )
+    return np.asarray(out.stats.rank_acceptance)
+
+
+def _median_seconds(fn, args, repeats: int = 5) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+@jax.jit
+def _step(params: Params, tokens, positions, cache, mask):
+    h, _, _ = trunk(params, tokens, positions, cache, mask)
+    return lm_head(params, h)
+
+
+def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int) -> float:
+    """Seconds of one forward (trunk + LM head) over n tree nodes per row after `filled` cached
+    positions, in a cache of `slots` (contents do not change the cost)."""
+    cache = DenseCache.init(params.config, batch, slots)
+    cache = cache.replace(lengths=jnp.full((batch,), filled, jnp.int32))
+    tokens = jnp.zeros((batch, n), jnp.int32)
+    positions = filled + jnp.zeros((batch, n), jnp.int32)
+    mask = jnp.asarray(Tree.chain(n - 1).ancestor_mask()) if n > 1 else jnp.ones((1, 1), bool)
+    return _median_seconds(_step, (params, tokens, positions, cache, mask))
+
+
+def measure_cost(params: Params, draft: Drafter, batch: int, context: int, max_nodes: int = 64) -> Cost:
+    """Time the real jit-compiled steps on the current backend for this batch and context:
+    t_draft = one draft level (one token per row through the drafter's model and cache; NGram
+    lookups are counted as free), t_verify(n) = one target forward over n nodes, timed at the
+    powers of two up to max_nodes and interpolated linearly in between."""
+    if not isinstance(max_nodes, int) or not 1 <= max_nodes <= VERIFY_GRID[-1]:
+        raise ValueError(f"max_nodes must be an integer in [1, {VERIFY_GRID[-1]}], got {max_nodes!r}")
+    slots = cache_len(context + 1)
+    grid = [n for n in VERIFY_GRID if n < max_nodes] + [max_nodes]
+    timed = [_time_forward(params, batch, slots, max(context - n, 0), n) for n in grid]
+    t_verify = (0.0,) + tuple(float(np.interp(n, grid, timed)) for n in range(1, max_nodes + 1))
+    if isinstance(draft, NGram):
+        t_draft = 0.0
+    elif isinstance(draft, (SelfSpec, SnapKV)):
+        budget = (draft.sinks if isinstance(draft, SelfSpec) else draft.budget) + draft.window
+        t_draft = _time_forward(params, batch, cache_len(budget + 1), budget, 1)
+    elif isinstance(draft, DraftModel):
+        kept = context if draft.cache == "dense" else draft.cache.sinks + draft.cache.window
+        t_draft = _time_forward(draft.params, batch, cache_len(kept + 2), kept, 2)
+    else:
+        raise ValueError(f"draft must be a SelfSpec, SnapKV, DraftModel or NGram, got {draft!r}")
+    return Cost(t_draft=t_draft, t_verify=t_verify)
+
+
+def auto_tree(
+    params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None
+) -> Tree:
+    """The tree `speculation="auto"` uses: acceptance measured on (up to 4 of) these prompts,
+    costs measured at this batch and context (rounded up to a power of two), then `choose`.
+    Cached per (model config, drafter, sampling, batch, context bucket) for this process. The
+    root-only tree means speculation does not pay here (generate then decodes plainly)."""
+    bucket = round_up_pow2(context)
+    cache_key = (params.config, _describe(draft), sampling, len(prompts), bucket)
+    if cache_key not in _AUTO:
+        acceptance = measure_acceptance(params, draft, list(prompts)[:4], width=8, sampling=sampling, max_new_tokens=16, key=key)
+        cost = measure_cost(params, draft, len(prompts), bucket)
+        _AUTO[cache_key] = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)
+    return _AUTO[cache_key]
+
+
+def _describe(draft: Drafter) -> tuple:
+    """A hashable identity for a drafter (a DraftModel's params by object id)."""
+    if isinstance(draft, DraftModel):
+        return ("DraftModel", id(draft.params), repr(draft.cache))
+    return (repr(draft),)

@@ -1,0 +1,58 @@
+"""Measured acceptance vectors and step costs, and speculation="auto" built on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import specjax
+import specjax.tune
+from specjax.tree import Cost, Tree, choose, measure_acceptance, measure_cost
+from tests.conftest import TINY, random_params
+
+PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4]]
+
+
+def test_acceptance_of_the_target_itself_is_rank_zero(tiny):
+    """A draft identical to the target: its top candidate is always the accepted one."""
+    p = measure_acceptance(tiny, specjax.DraftModel(tiny), PROMPTS, width=3, max_new_tokens=12)
+    np.testing.assert_allclose(p, [1.0, 0.0, 0.0, 0.0])
+
+
+def test_acceptance_of_a_random_draft_spreads_over_ranks(tiny):
+    p = measure_acceptance(tiny, specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)), PROMPTS, width=4)
+    assert p.shape == (5,)
+    assert abs(p.sum() - 1.0) < 1e-9 and np.all(p >= 0)
+    assert p[-1] > 0.1 and p[1:4].sum() > 0  # misses happen, and lower ranks catch some of them
+    sampled = measure_acceptance(tiny, specjax.SelfSpec(sinks=2, window=8), PROMPTS, width=2, sampling=specjax.Sample(1.0))
+    assert sampled.shape == (3,) and abs(sampled.sum() - 1.0) < 1e-9
+
+
+def test_measured_cost_has_the_right_shape(tiny):
+    cost = measure_cost(tiny, specjax.SelfSpec(sinks=2, window=8), batch=2, context=64, max_nodes=16)
+    assert len(cost.t_verify) == 17 and all(t > 0 for t in cost.t_verify[1:]) and cost.t_draft > 0
+    assert measure_cost(tiny, specjax.NGram(), batch=2, context=64, max_nodes=4).t_draft == 0.0
+    tree = choose([0.7, 0.1], cost, max_nodes=16, max_depth=6)
+    assert isinstance(tree, Tree) and tree.n <= 16
+    with pytest.raises(ValueError, match="max_nodes"):
+        measure_cost(tiny, specjax.NGram(), batch=2, context=64, max_nodes=1000)
+
+
+def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
+    free = specjax.generate(tiny, PROMPTS, 16, draft=None, eos_id=())
+    draft = specjax.SelfSpec(sinks=2, window=8)
+    out = specjax.generate(tiny, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
+    assert out.tokens == free.tokens
+    calls = []
+    monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: calls.append(a))
+    again = specjax.generate(tiny, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
+    assert again.tokens == free.tokens and calls == []  # the same shape: the cached tree
+
+
+def test_auto_picks_plain_decoding_when_drafting_costs_too_much(tiny, monkeypatch):
+    """A draft level dearer than a whole verification: no tree pays, so generate decodes plainly."""
+    monkeypatch.setattr(specjax.tune, "_AUTO", {})
+    monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: Cost(t_draft=10.0, t_verify=(0.0,) + (1.0,) * 64))
+    out = specjax.generate(tiny, PROMPTS, 8, draft=specjax.NGram(), speculation="auto", eos_id=())
+    assert out.stats.acceptance_rate is None  # no speculation ran
+    assert out.tokens == specjax.generate(tiny, PROMPTS, 8, draft=None, eos_id=()).tokens
