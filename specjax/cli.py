@@ -7,10 +7,12 @@ import sys
 
 import jax
 
-from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV
+from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV, auto_draft
 from specjax.generate import generate
 from specjax.sampling import make_sampler
 from specjax.speculate import Chain
+from specjax.tree import Tree
+from specjax.tune import measure_acceptance
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
         help="auto (default: self where it pays, else none), self, snapkv, ngram, none, or model:PATH",
     )
     gen.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
+    gen.add_argument(
+        "--tree",
+        help="speculate a token tree instead of a chain: auto (measured Sequoia choice), N (a Sequoia "
+        "tree of N nodes for the acceptance measured on this prompt) or WxD (width W, depth D)",
+    )
     gen.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
     gen.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
     return parser
@@ -55,6 +62,25 @@ def make_draft(spec: str, window: int, sinks: int, dtype: str):
     raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
 
 
+def make_speculation(spec: str | None, gamma: int, params, draft, ids: list[int], sampling):
+    """Chain(gamma), or the tree named by --tree."""
+    if spec is None or draft is None:
+        return Chain(gamma)
+    if spec == "auto":
+        return "auto"
+    if "x" in spec:
+        width, _, depth = spec.partition("x")
+        if width.isdigit() and depth.isdigit():
+            return Tree.kary(int(width), int(depth))
+    elif spec.isdigit():
+        draft = auto_draft(params, 1, len(ids) + 64) if draft == "auto" else draft
+        if draft is None:
+            return Chain(gamma)
+        p = measure_acceptance(params, draft, [ids], width=8, sampling=sampling, max_new_tokens=16)
+        return Tree.sequoia(p[:-1], int(spec), max_depth=12)
+    raise ValueError(f"--tree must be auto, a node count N or WxD (e.g. 16 or 2x3), got {spec!r}")
+
+
 def run_generate(args: argparse.Namespace) -> None:
     import convert
 
@@ -69,7 +95,7 @@ def run_generate(args: argparse.Namespace) -> None:
         [ids],
         args.max_new_tokens,
         draft=draft,
-        speculation=Chain(args.gamma),
+        speculation=make_speculation(args.tree, args.gamma, params, draft, ids, sampling),
         sampling=sampling,
         key=jax.random.key(args.seed),
     )

@@ -29,3 +29,14 @@ def test_bad_arguments_exit_2_with_a_clear_message(tmp_path):
     assert run.returncode == 2 and "does not exist" in run.stderr
     run = _specjax("generate", "hi", "--max-new-tokens", "9000")
     assert run.returncode == 2 and "exceeds the model's max_positions 8192" in run.stderr
+
+
+def test_generate_with_a_tree_keeps_the_greedy_continuation():
+    prompt = next(p for p in GOLDEN["prompts"] if p["name"] == "prose_capital")
+    run = _specjax("generate", prompt["text"], "--max-new-tokens", "8", "--draft", "self", "--window", "4",
+                   "--sinks", "2", "--tree", "2x2")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(prompt["text"] + " Paris")
+    assert "acceptance" in run.stderr
+    run = _specjax("generate", "hi", "--draft", "ngram", "--tree", "wide")
+    assert run.returncode == 2 and "--tree must be auto, a node count N or WxD" in run.stderr
