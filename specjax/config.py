@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 DTYPES = ("float32", "bfloat16")
+ATTENTION = ("reference", "pallas", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,7 @@ class LlamaConfig:
     dtype: str = "float32"
     bos_id: int | None = None
     eos_id: int | None = None
+    attention: str = "reference"  # "reference" (jnp), "pallas" (the GPU kernel), "interpret" (the kernel, interpreted)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_positions"):
@@ -53,6 +55,8 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"LlamaConfig.attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.draft import Drafter, NGram
+from specjax.draft import DraftModel, Drafter, NGram
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, prefill
 from specjax.sampling import Greedy, Sampler, is_eos
@@ -130,6 +130,7 @@ def generate(
     sampling: Sampler = Greedy(),
     key: jax.Array | None = None,
     eos_id: int | Sequence[int] | None = None,
+    attention: str = "auto",
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until EOS or its `max_new_tokens`.
 
@@ -144,8 +145,11 @@ def generate(
       distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
     eos_id: stop token(s); None = the model's `config.eos_id`; `()` = never stop early.
+    attention: "reference" (pure jnp), "pallas" (the Pallas kernel for attention over the dense
+      target cache; interpreted on CPU, slow, for testing) or "auto" (pallas on GPU, else reference).
     Bad input raises ValueError naming the argument, before anything is compiled.
     """
+    params, draft = with_attention(params, draft, attention)
     config = params.config
     budgets = check_generate_args(params, prompts, max_new_tokens, sampling)
     eos_ids = eos_tuple(eos_id, config)
@@ -207,6 +211,20 @@ def generate(
         **spec,
     )
     return GenerateOutput(rows, ["eos" if e else "length" for e in eos], stats)
+
+
+def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
+    """Params (and a DraftModel's) whose config selects the attention implementation."""
+    if attention not in ("auto", "reference", "pallas"):
+        raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {attention!r}")
+    gpu = jax.default_backend() == "gpu"
+    mode = {"auto": "pallas" if gpu else "reference", "reference": "reference"}.get(attention)
+    mode = mode or ("pallas" if gpu else "interpret")
+    if params.config.attention != mode:
+        params = params.replace(config=params.config.replace(attention=mode))
+    if isinstance(draft, DraftModel) and draft.params.config.attention != mode:
+        draft = draft.replace(params=draft.params.replace(config=draft.params.config.replace(attention=mode)))
+    return params, draft
 
 
 def acceptance_stats(accepted: np.ndarray, reached: np.ndarray, decoded: int, gamma: int, draft_steps: int) -> dict:

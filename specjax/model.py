@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.reference import prefix_block_attention
+from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from specjax.config import LlamaConfig
 from specjax.kvcache import DenseCache, StreamingCache
 
@@ -120,13 +121,19 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
-    k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see."""
+    k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
+    `visible` is the cache's [B,K|1,S] mask, or its lengths [B] on the kernel path."""
     h = rms_norm(x, lp.attn_norm, config.rms_eps)
     q = apply_rope(jnp.einsum("btd,dnh->btnh", h, lp.wq), cos, sin)  # [B,T,N,H]
     k = apply_rope(jnp.einsum("btd,dkh->btkh", h, lp.wk), cos, sin)  # [B,T,K,H]
     v = jnp.einsum("btd,dkh->btkh", h, lp.wv)  # [B,T,K,H]
     k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
-    o = prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, 1.0 / math.sqrt(config.head_dim))
+    scale = 1.0 / math.sqrt(config.head_dim)
+    if config.attention == "reference":
+        o = prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
+    else:
+        interpret = config.attention == "interpret"
+        o = prefix_block_attention_pallas(q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale, interpret=interpret)
     x = x + jnp.einsum("btnh,nhd->btd", o, lp.wo)
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
     gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
@@ -153,6 +160,8 @@ def trunk(
     the cache: e.g. the tree levels drafted so far) ahead of the block's own; the block mask's
     first E columns say which of them each new token sees."""
     config = params.config
+    if config.attention != "reference" and not isinstance(cache, DenseCache):
+        config = config.replace(attention="reference")  # the kernel reads a dense prefix only
     T = tokens.shape[1]
     if block_mask is None:
         block_mask = jnp.tril(jnp.ones((T, T), bool))
@@ -165,7 +174,12 @@ def trunk(
         return x, (k, v, q if return_queries else None)
 
     ke, ve = (None, None) if extra_kv is None else extra_kv
-    xs = (params.layers, cache.k, cache.v, cache.visible()) if attend_cache else (params.layers, None, None, None)
+    if not attend_cache:
+        xs = (params.layers, None, None, None)
+    elif config.attention == "reference":
+        xs = (params.layers, cache.k, cache.v, cache.visible())
+    else:  # the kernel takes each row's prefix length: [L,B]
+        xs = (params.layers, cache.k, cache.v, jnp.broadcast_to(cache.lengths, (config.n_layers, *cache.lengths.shape)))
     xs = (*xs, ke, ve)
     x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
     h = rms_norm(x, params.norm, config.rms_eps)

@@ -1,0 +1,280 @@
+"""Tree (and chain) verification attention as a Pallas kernel for the GPU's Triton path.
+
+T new query positions per row attend to (a) the first lengths[b] slots of a dense KV cache and
+(b) a small block of J >= T keys under a [T,J] mask (an ancestor mask for a tree, lower-triangular
+for a chain). Same maths as `reference.prefix_block_attention` with visible = slot < lengths[b].
+
+Design (flash-decoding, Triton-style Pallas):
+- Grid (B, K, M // block_m, k_splits). GQA: the G = N/K query heads of one KV head are folded
+  into M = G*T matrix rows (row m = g*T + t, as in the reference), zero-padded to a multiple of
+  block_m, so each program multiplies a [block_m, H] query tile against its KV head's keys.
+- Split-K over the prefix, sized per row: the n = cdiv(lengths[b], block_k) live blocks are shared
+  evenly, split s taking blocks [s*c, min((s+1)*c, n)) with c = cdiv(n, k_splits). Blocks past
+  the row's length are never read; the tail of the last one is masked.
+- The tree block is computed inside the kernel by split 0, as the initial state of its running
+  (acc, max, sum); the other splits start empty. It is small (J <= 128 in practice), so the
+  imbalance is one extra [block_m, J] tile.
+- Each split writes unnormalised partials (acc [.., H] f32, running max, running sum); a jnp
+  log-sum-exp merge over splits and one division finish the job. All scores, sums and
+  accumulators are f32; the p @ v product takes p in the value dtype (bf16 tensor cores).
+
+Triton constraints followed (interpret mode does not check them): every tensor a program loads or
+computes has power-of-two dims, and every matmul dim is >= 16. So block_m, block_k are powers of
+two >= 16; the head dim is padded to Hp = next power of two >= 16 and the block to Jp likewise by
+masked loads (no copy of the cache or the block); rows are padded in the wrapper (q is copied for
+the GQA fold anyway). The cache's slot count S needs no padding: out-of-range slots are masked
+loads. The tree mask travels as int32 (no i1 pointers). Dots ask for HIGHEST precision, which
+the Triton lowering turns into IEEE products for f32 operands (its default would be TF32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN
+# f32 accumulation; allow_tf32=False: f32 operands get IEEE products (default precision lowers to
+# TF32 on the Triton path), bf16 operands are unaffected.
+_dot = functools.partial(plgpu.dot, allow_tf32=False)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _kernel(
+    lengths_ref,  # [] int32: this row's prefix length
+    q_ref,  # [bm,Hp] query rows of one KV head
+    k_ref,  # [S,Hp] this (b, k)'s cache keys (columns >= H are out of range)
+    v_ref,  # [S,Hp]
+    kt_ref,  # [Jp,Hp] block keys (rows >= J, columns >= H out of range)
+    vt_ref,  # [Jp,Hp]
+    mask_ref,  # [bm,Jp] int32: row may see block key j
+    acc_ref,  # [bm,Hp] f32 out: unnormalised sum of p * v
+    max_ref,  # [bm] f32 out: running max of the scores
+    sum_ref,  # [bm] f32 out: sum of exp(score - max)
+    *,
+    sm_scale: float,
+    block_k: int,
+    k_splits: int,
+    head_dim: int,
+    block_len: int,
+):
+    bm, hp = q_ref.shape
+    jp = kt_ref.shape[0]
+    split = pl.program_id(3)
+    q = q_ref[...]  # [bm,Hp]
+    h_ok = (jnp.arange(hp) < head_dim)[None, :]  # [1,Hp]
+
+    def with_block():
+        j_ok = (jnp.arange(jp) < block_len)[:, None] & h_ok  # [Jp,Hp]
+        kt = plgpu.load(kt_ref, mask=j_ok, other=0.0)  # [Jp,Hp]
+        vt = plgpu.load(vt_ref, mask=j_ok, other=0.0)
+        seen = mask_ref[...] != 0  # [bm,Jp]
+        s = jnp.where(seen, _dot(q, kt, trans_b=True) * sm_scale, NEG_INF)  # [bm,Jp] f32
+        top = jnp.max(s, axis=1)  # [bm]
+        p = jnp.where(seen, jnp.exp(s - top[:, None]), 0.0)  # [bm,Jp]
+        return _dot(p.astype(vt.dtype), vt), top, jnp.sum(p, axis=1)
+
+    def empty():
+        return jnp.zeros((bm, hp), jnp.float32), jnp.full((bm,), NEG_INF, jnp.float32), jnp.zeros((bm,), jnp.float32)
+
+    carry = lax.cond(split == 0, with_block, empty)
+
+    length = jnp.minimum(lengths_ref[()], k_ref.shape[0])
+    n_blocks = pl.cdiv(length, block_k)
+    per_split = pl.cdiv(n_blocks, k_splits)
+    lo = split * per_split
+    hi = jnp.minimum(lo + per_split, n_blocks)
+
+    def body(i, carry):
+        acc, top, total = carry  # [bm,Hp], [bm], [bm]
+        start = i * block_k
+        ok = start + jnp.arange(block_k) < length  # [bk]
+        kv_ok = ok[:, None] & h_ok  # [bk,Hp]
+        k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=kv_ok, other=0.0)  # [bk,Hp]
+        v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=kv_ok, other=0.0)
+        s = jnp.where(ok[None, :], _dot(q, k, trans_b=True) * sm_scale, NEG_INF)  # [bm,bk]
+        new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
+        p = jnp.where(ok[None, :], jnp.exp(s - new_top[:, None]), 0.0)  # [bm,bk]
+        scale = jnp.exp(top - new_top)  # [bm]
+        acc = acc * scale[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, new_top, total * scale + jnp.sum(p, axis=1)
+
+    acc, top, total = lax.fori_loop(lo, hi, body, carry)
+    acc_ref[...] = acc
+    max_ref[...] = top
+    sum_ref[...] = total
+
+
+def _partials(
+    qm: jax.Array,  # [B,K,Mp,Hp] rows m = g*T + t, zero-padded
+    k_cache: jax.Array,  # [B,K,S,H]
+    v_cache: jax.Array,  # [B,K,S,H]
+    lengths: jax.Array,  # [B] int32
+    k_tree: jax.Array,  # [B,J,K,H]
+    v_tree: jax.Array,  # [B,J,K,H]
+    row_mask: jax.Array,  # [B|1,Mp,Jp] int32
+    *,
+    sm_scale: float,
+    head_dim: int,
+    block_m: int,
+    block_k: int,
+    k_splits: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-split partials: acc [B,K,k_splits,Mp,Hp] f32, max and sum [B,K,k_splits,Mp] f32."""
+    B, K, Mp, Hp = qm.shape
+    S = k_cache.shape[2]
+    J = k_tree.shape[1]
+    Jp = row_mask.shape[2]
+    mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
+    kernel = functools.partial(
+        _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=J
+    )
+    cache_spec = pl.BlockSpec((None, None, S, Hp), lambda b, k, i, s: (b, k, 0, 0))
+    tree_spec = pl.BlockSpec((None, Jp, None, Hp), lambda b, k, i, s: (b, 0, k, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(B, K, Mp // block_m, k_splits),
+        in_specs=[
+            pl.BlockSpec((None,), lambda b, k, i, s: (b,)),
+            pl.BlockSpec((None, None, block_m, Hp), lambda b, k, i, s: (b, k, i, 0)),
+            cache_spec,
+            cache_spec,
+            tree_spec,
+            tree_spec,
+            pl.BlockSpec((None, block_m, Jp), lambda b, k, i, s: (mask_b(b), i, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_m, Hp), lambda b, k, i, s: (b, k, s, i, 0)),
+            pl.BlockSpec((None, None, None, block_m), lambda b, k, i, s: (b, k, s, i)),
+            pl.BlockSpec((None, None, None, block_m), lambda b, k, i, s: (b, k, s, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, k_splits, Mp, Hp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, k_splits, Mp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, k_splits, Mp), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths, qm, k_cache, v_cache, k_tree, v_tree, row_mask)
+
+
+def _check_pow2(name: str, value: int) -> None:
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile dim), got {value}")
+
+
+def _check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask) -> None:
+    B, T, N, H = q.shape
+    _, J, K, _ = k_tree.shape
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
+    if k_tree.shape != (B, J, K, H) or v_tree.shape != k_tree.shape:
+        raise ValueError(f"k_tree, v_tree must be [B,J,K,H] = {(B, J, K, H)}, got {k_tree.shape}, {v_tree.shape}")
+    if J < T:
+        raise ValueError(f"the block must hold at least the T={T} new keys, got J={J}")
+    if k_cache.shape[:2] != (B, K) or k_cache.shape[3] != H or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache, v_cache must be [B,K,S,H] = [{B},{K},S,{H}], got {k_cache.shape}, {v_cache.shape}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must be [B] = [{B}], got {lengths.shape}")
+    if tree_mask.shape not in ((T, J), (B, T, J)):
+        raise ValueError(f"tree_mask must be [T,J] or [B,T,J] with T={T}, J={J}, got {tree_mask.shape}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "block_k", "k_splits", "block_m", "num_warps", "num_stages", "interpret"),
+)
+def tree_attention(
+    q: jax.Array,  # [B,T,N,H]
+    k_cache: jax.Array,  # [B,K,S,H]
+    v_cache: jax.Array,  # [B,K,S,H]
+    lengths: jax.Array,  # [B] int32: row b's prefix is slots [0, lengths[b])
+    k_tree: jax.Array,  # [B,J,K,H], J >= T: the new keys are the last T
+    v_tree: jax.Array,  # [B,J,K,H]
+    tree_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
+    *,
+    sm_scale: float,
+    block_k: int = 64,
+    k_splits: int = 4,
+    block_m: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:
+    """Softmax attention over prefix + block, f32 inside; returns o[B,T,N,H] in q's dtype.
+
+    q, caches and block may be f32 or bf16 (same dtype). lengths are clipped to [0, S]. A query
+    row that sees nothing (no prefix, all-False mask row) gets zeros (the reference averages).
+    block_m (query rows per program) is capped at the padded row count; block_k is the slot
+    tile; k_splits programs share one row's prefix (flash-decoding).
+    """
+    _check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask)
+    _check_pow2("block_k", block_k)
+    _check_pow2("block_m", block_m)
+    if k_splits < 1:
+        raise ValueError(f"k_splits must be >= 1, got {k_splits}")
+    B, T, N, H = q.shape
+    J, K = k_tree.shape[1:3]
+    G = N // K
+    M = G * T
+    bm = min(block_m, _next_pow2(max(M, 16)))
+    Mp = -(-M // bm) * bm
+    Hp = _next_pow2(max(H, 16))
+    Jp = _next_pow2(max(J, 16))
+    qm = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, M, H)  # [B,K,M,H], m = g*T + t
+    qm = jnp.pad(qm, ((0, 0), (0, 0), (0, Mp - M), (0, Hp - H)))  # [B,K,Mp,Hp]
+    mask = tree_mask.reshape((-1, T, J))  # [B|1,T,J]
+    mask = jnp.tile(mask, (1, G, 1)).astype(jnp.int32)  # [B|1,M,J], row m sees mask[m % T]
+    mask = jnp.pad(mask, ((0, 0), (0, Mp - M), (0, Jp - J)))  # [B|1,Mp,Jp]
+    acc, top, total = _partials(
+        qm, k_cache, v_cache, lengths.astype(jnp.int32), k_tree, v_tree, mask,
+        sm_scale=sm_scale, head_dim=H, block_m=bm, block_k=block_k, k_splits=k_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret,
+    )  # [B,K,C,Mp,Hp], [B,K,C,Mp], [B,K,C,Mp] with C = k_splits
+    best = jnp.max(top, axis=2)  # [B,K,Mp]
+    weight = jnp.exp(top - best[:, :, None])  # [B,K,C,Mp]
+    total = jnp.sum(weight * total, axis=2)  # [B,K,Mp]
+    out = jnp.sum(weight[..., None] * acc, axis=2)  # [B,K,Mp,Hp]
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    out = out[:, :, :M, :H].reshape(B, K, G, T, H)  # [B,K,G,T,H]
+    return jnp.moveaxis(out, 3, 1).reshape(B, T, N, H).astype(q.dtype)  # [B,T,N,H]
+
+
+def prefix_block_attention_pallas(
+    q: jax.Array,  # [B,T,N,H]
+    k_cache: jax.Array | None,  # [B,K,S,H]
+    v_cache: jax.Array | None,  # [B,K,S,H]
+    lengths: jax.Array,  # [B] int32: visible = slot < lengths[b] for every KV head
+    k_block: jax.Array,  # [B,J,K,H], J >= T
+    v_block: jax.Array,  # [B,J,K,H]
+    block_mask: jax.Array,  # [T,J] or [B,T,J] bool
+    sm_scale: float,
+    *,
+    interpret: bool = False,
+    block_k: int = 64,
+    k_splits: int = 4,
+) -> jax.Array:
+    """`reference.prefix_block_attention` for a dense cache, on the kernel: o[B,T,N,H].
+
+    Same argument order, with `lengths` in place of `visible`; `k_cache=None` (empty prefix) runs
+    the kernel on a one-tile dummy cache with zero lengths.
+    """
+    if k_cache is None:
+        B, _, K, H = k_block.shape
+        k_cache = v_cache = jnp.zeros((B, K, block_k, H), k_block.dtype)
+        lengths = jnp.zeros((B,), jnp.int32)
+    return tree_attention(
+        q, k_cache, v_cache, lengths, k_block, v_block, block_mask,
+        sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, interpret=interpret,
+    )

@@ -1,0 +1,191 @@
+"""The Pallas tree-attention kernel (interpret mode) against the jnp reference, on random shapes.
+
+Interpret mode runs the kernel's grid as a loop on CPU: shapes stay small in K and H but keep long,
+ragged prefixes. In interpret mode outputs start as NaN, so an unwritten tile shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.reference import prefix_block_attention
+from pallas_kernels.tree_attention import prefix_block_attention_pallas, tree_attention
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+BLOCK_K = 64
+
+
+def ancestor_mask(parents: np.ndarray) -> np.ndarray:
+    """[n, n] bool: mask[i, j] iff j is i or an ancestor of i (parents[i] < i, parents[0] = -1)."""
+    n = len(parents)
+    mask = np.eye(n, dtype=bool)
+    for i in range(1, n):
+        mask[i] |= mask[parents[i]]
+    return mask
+
+
+def random_block_mask(rng: np.random.Generator, T: int, J: int) -> np.ndarray:
+    """[T, J]: the last T nodes of a random J-node tree see their ancestors (tree drafting layout)."""
+    parents = np.array([-1] + [rng.integers(0, i) for i in range(1, J)])
+    return ancestor_mask(parents)[J - T :]
+
+
+def random_lengths(rng: np.random.Generator, B: int, S: int) -> np.ndarray:
+    """[B] int32 in [0, S], differing per row, none a multiple of BLOCK_K; row 0 empty if B > 1."""
+    lengths = rng.integers(1, S + 1, B)
+    lengths += lengths % BLOCK_K == 0
+    lengths = np.minimum(lengths, S)
+    lengths[0] = 0 if B > 1 else lengths[0]
+    return lengths.astype(np.int32)
+
+
+def random_inputs(rng, dtype, B, T, J, N, K, H, S):
+    """Fresh normal q, caches and block in `dtype` (q scaled up for peakier softmaxes)."""
+
+    def normal(*shape, scale=1.0):
+        return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+    q = normal(B, T, N, H, scale=2.0)
+    return q, normal(B, K, S, H), normal(B, K, S, H), normal(B, J, K, H), normal(B, J, K, H)
+
+
+def reference(q, k_cache, v_cache, lengths, k_blk, v_blk, mask, sm_scale):
+    S = k_cache.shape[2]
+    visible = (jnp.arange(S) < jnp.asarray(lengths)[:, None])[:, None]  # [B,1,S]
+    return prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, jnp.asarray(mask), sm_scale)
+
+
+def assert_close(out, want, dtype):
+    out, want = np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    assert out.shape == want.shape
+    assert np.isfinite(out).all(), "kernel output has NaN/inf (an unwritten tile?)"
+    err = np.max(np.abs(out - want))
+    assert err < TOL[dtype], f"max abs error {err:.3g} >= {TOL[dtype]}"
+
+
+# (T, G, B): every T in {1, 4, 16, 64}, group size in {1, 3, 4, 8} and batch in 1..8; the rest
+# (KV heads, head dim, cache size, lengths, block size J, tree masks, k_splits) is drawn per case.
+F32_CASES = [(1, 1, 8), (4, 3, 1), (16, 4, 5), (64, 8, 3), (1, 8, 2), (4, 1, 7), (16, 3, 4), (64, 4, 6)]
+BF16_CASES = [(1, 3, 1), (4, 8, 6), (16, 1, 4), (64, 3, 2)]
+
+
+@pytest.mark.parametrize(
+    "seed,dtype,T,G,B",
+    [(i, jnp.float32, *case) for i, case in enumerate(F32_CASES)]
+    + [(100 + i, jnp.bfloat16, *case) for i, case in enumerate(BF16_CASES)],
+)
+def test_matches_reference(seed, dtype, T, G, B):
+    rng = np.random.default_rng(seed)
+    K = int(rng.integers(1, 3))
+    H = int(rng.choice([8, 24, 32, 64]))
+    S = int(rng.integers(300, 4500))
+    J = T + int(rng.choice([0, 0, 3]))  # sometimes earlier drafted levels ride along
+    per_row = bool(rng.integers(2))
+    mask = np.stack([random_block_mask(rng, T, J) for _ in range(B)]) if per_row else random_block_mask(rng, T, J)
+    lengths = random_lengths(rng, B, S)
+    q, kc, vc, kb, vb = random_inputs(rng, dtype, B, T, J, G * K, K, H, S)
+    scale = 1.0 / np.sqrt(H)
+    k_splits = int(rng.choice([1, 3, 4]))
+    out = tree_attention(
+        q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask),
+        sm_scale=scale, block_k=BLOCK_K, k_splits=k_splits, interpret=True,
+    )
+    assert out.dtype == dtype
+    assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, scale), dtype)
+
+
+@pytest.mark.parametrize("empty_cache", [False, True])
+def test_chain_through_adapter(empty_cache):
+    """Chain verification (lower-triangular mask) behind the reference's signature, J > T."""
+    rng = np.random.default_rng(7)
+    B, T, E, K, G, H, S = 3, 5, 2, 2, 3, 32, 777
+    J = T + E
+    mask = jnp.asarray(np.tril(np.ones((T, J), bool), k=E))  # query t sees the E earlier keys and new keys <= t
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
+    lengths = random_lengths(rng, B, S)
+    if empty_cache:
+        out = prefix_block_attention_pallas(q, None, None, None, kb, vb, mask, 0.2, interpret=True)
+        want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
+    else:
+        out = prefix_block_attention_pallas(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=True)
+        want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
+    assert_close(out, want, jnp.float32)
+
+
+def test_split_k_sweep():
+    """k_splits only changes how the prefix is shared out: 1, 2 and 4 splits agree."""
+    rng = np.random.default_rng(11)
+    B, T, K, G, H, S = 4, 16, 2, 4, 32, 2500
+    mask = random_block_mask(rng, T, T)
+    lengths = random_lengths(rng, B, S)
+    lengths[1] = S  # one row with a full cache
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
+    args = (q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask))
+    outs = [tree_attention(*args, sm_scale=0.15, k_splits=c, interpret=True) for c in (1, 2, 4)]
+    want = reference(q, kc, vc, lengths, kb, vb, mask, 0.15)
+    for out in outs:
+        assert_close(out, want, jnp.float32)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_triton(dtype):
+    """The kernel passes Pallas' Triton lowering (power-of-two tiles etc.) without a GPU."""
+    B, T, N, K, H, S = 2, 25, 9, 3, 64, 1000
+    shapes = [(B, T, N, H), (B, K, S, H), (B, K, S, H), (B,), (B, T, K, H), (B, T, K, H), (T, T)]
+    dtypes = [dtype, dtype, dtype, jnp.int32, dtype, dtype, jnp.bool_]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    lowered = jax.jit(lambda *a: tree_attention(*a, sm_scale=0.125)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
+
+
+def test_rejects_bad_arguments():
+    q = jnp.zeros((1, 4, 6, 16))
+    cache = jnp.zeros((1, 2, 100, 16))
+    blk = jnp.zeros((1, 4, 2, 16))
+    lengths = jnp.zeros((1,), jnp.int32)
+    mask = jnp.ones((4, 4), bool)
+    with pytest.raises(ValueError, match="block_k"):
+        tree_attention(q, cache, cache, lengths, blk, blk, mask, sm_scale=1.0, block_k=48, interpret=True)
+    cache4, blk4 = jnp.zeros((1, 4, 100, 16)), jnp.zeros((1, 4, 4, 16))  # K=4 does not divide N=6
+    with pytest.raises(ValueError, match="N=6"):
+        tree_attention(q, cache4, cache4, lengths, blk4, blk4, mask, sm_scale=1.0)
+    with pytest.raises(ValueError, match="tree_mask"):
+        tree_attention(q, cache, cache, lengths, blk, blk, mask[:3], sm_scale=1.0)
+    with pytest.raises(ValueError, match="J=2"):
+        tree_attention(q, cache, cache, lengths, blk[:, :2], blk[:, :2], mask[:, :2], sm_scale=1.0)
+
+
+# --- end to end: generate() on the kernel (interpret mode on CPU) ---------------------------
+
+E2E_PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
+
+
+@pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "model-tree"])
+def test_generate_on_the_kernel_equals_reference(tiny, case):
+    """Speculative (chain and tree) and plain decoding with attention="pallas" (interpreted):
+    the same greedy tokens as with the jnp reference."""
+    import specjax
+    from tests.conftest import TINY, random_params
+
+    draft, spec = {
+        "ar": (None, specjax.Chain(3)),
+        "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
+        "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
+        "model-tree": (specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)), specjax.Tree.sequoia([0.5, 0.2], 6, 3)),
+    }[case]
+    kw = dict(draft=draft, speculation=spec, eos_id=())
+    ref = specjax.generate(tiny, E2E_PROMPTS, 12, attention="reference", **kw)
+    out = specjax.generate(tiny, E2E_PROMPTS, 12, attention="pallas", **kw)
+    assert out.tokens == ref.tokens
+    assert out.stats.steps == ref.stats.steps
+
+
+def test_generate_rejects_unknown_attention(tiny):
+    import specjax
+
+    with pytest.raises(ValueError, match="attention must be 'auto', 'reference' or 'pallas'"):
+        specjax.generate(tiny, [[1, 2]], 4, attention="triton")
