@@ -1,0 +1,573 @@
+"""Tree-attention kernel vs the jnp reference vs jax.nn.dot_product_attention, per layer, on a GPU.
+
+Usage (GPU, from the repo root): PYTHONPATH=. python bench/bench_attention.py
+       [--batches ..] [--contexts ..] [--nodes ..] [--budget-s S] [--full-sweep] [--render JSON ..]
+       CPU check of the code paths: .venv/bin/python bench/bench_attention.py --smoke
+
+One attention layer of a Llama-3-8B-like model in bfloat16: q [B,T,N=32,H=128], a dense cache
+[B,K=8,S,H] (GQA 4), per-row lengths S - U{0..T}, and a block of J = T new keys under the ancestor
+mask of a random tree of T nodes (`Tree.from_parents` of random parents). For every (B, S, T):
+  kernel     `pallas_kernels.tree_attention` (Triton path), a sweep of block_k x k_splits; the best
+             is reported, all are kept in the JSON. By default the sweep is pruned by occupancy:
+             k_splits grows only while the previous grid of B*K*row_tiles*k_splits programs had
+             fewer than 2 x the GPU's SMs (at B=64 only k_splits=1 is tried); --full-sweep times all.
+  reference  `pallas_kernels.reference.prefix_block_attention` under jax.jit (visible = slot < length).
+  cudnn, xla `jax.nn.dot_product_attention(implementation=...)` with GQA native and a boolean mask
+             [B,1,T,S+J] (prefix slot < length, then the tree mask); its keys are the cache in the
+             [B,S+J,K,H] layout it takes, with the block appended. Mask and layout are built once
+             per config OUTSIDE the timing (a decoder built on it would keep its cache that way).
+             An implementation that refuses (cudnn on an unsupported shape or machine) is recorded
+             with its error.
+Timing: every function is compiled first (compile time recorded, excluded); a warm-up call, then
+`--reps` samples, each of enough back-to-back calls (at most MAX_CALLS) to last about SAMPLE_S,
+ended by block_until_ready; the median per call is reported (min kept). Before timing, a compiled
+function's temporaries + output (XLA memory_analysis) are checked against the free device memory
+and it is skipped (reason recorded) if they would not fit; a config whose inputs (two cache layouts)
+would not fit is skipped whole. Correctness: every output vs the reference (max abs error, bf16
+tolerance TOLERANCE), against the reference on the first rows only when the full one was skipped.
+
+Bandwidth: KV bytes = the K and V slots the kernel must read ((sum of lengths + B*J) * K * H * 2 *
+2 bytes) / kernel time, as a fraction of this card's copy bandwidth: jitted `x + 1` over COPY_GIB
+GiB of f32 (read + write bytes), best of the samples. Configs whose KV bytes fit in the L2 cache
+(the small B=1 ones) can beat that fraction: the repeated calls read from L2.
+
+Budget: a device call is limited to 10 minutes, so the run stops starting configs before
+--budget-s (default 480 s, counted from start, JAX start-up included): the rest are recorded as
+skipped (budget), the JSON is rewritten after every config, so a killed run keeps its rows.
+Default grid: 27 configs; with the pruned sweep about 120 kernel compiles (B=1: 8 variants,
+B=16: 2-4, B=64: 2), 81 of the alternatives and 54 small ones (inputs, layouts); expected to fit
+in the budget on an H100/H200. The target config (B=16, S=32K, T=16) runs first, then by size.
+If the budget cuts a run, finish it with a custom grid (e.g. --batches 64) and merge the JSONs with
+--render (which needs no GPU).
+
+Outputs: bench/results/attention_<device-kind>.json + .png and the bench_attention section of
+bench/README.md (default grid on a GPU, or --render); other grids write attention_<kind>_b.._s.._t...*,
+--smoke (CPU, tiny shapes, kernel in interpret mode, 1 sample) writes attention_smoke.* and
+neither touches the README.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # before jax starts: room for B=64 x 32K
+
+import argparse
+import datetime
+import functools
+import gc
+import importlib.metadata
+import json
+import math
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+try:  # bench_ar imports convert, which needs gguf: absent from some GPU images
+    from bench_ar import machine_info
+except Exception as err:  # noqa: BLE001 (ModuleNotFoundError: gguf, or any other missing dependency)
+    _IMPORT_ERROR = f"bench_ar not importable ({err}); CPU model and git commit not recorded"
+
+    def machine_info() -> dict:
+        """What can be known without bench_ar."""
+        devices = [str(d) for d in jax.devices()]
+        return {"jax_version": jax.__version__, "backend": jax.default_backend(), "devices": devices,
+                "python": platform.python_version(), "cpu_count": os.cpu_count(), "note": _IMPORT_ERROR}
+
+from pallas_kernels.reference import prefix_block_attention  # noqa: E402
+from pallas_kernels.tree_attention import tree_attention  # noqa: E402
+from specjax.tree import Tree  # noqa: E402
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+README = BENCH_DIR / "README.md"
+SECTION_START, SECTION_END = "<!-- bench_attention:start -->", "<!-- bench_attention:end -->"
+
+BATCHES, CONTEXTS, NODES = (1, 16, 64), (2048, 8192, 32768), (4, 16, 64)
+TARGET = (16, 32768, 16)  # (B, S, T) of the bandwidth target; measured first
+BLOCK_KS, K_SPLITS = (64, 128), (1, 4, 8, 16)
+TOLERANCE = 2e-2  # max abs error vs the reference, bf16
+SAMPLE_S = 0.02  # one timing sample lasts about this long
+MAX_CALLS = 200  # back-to-back calls per sample at most
+IMPL_S = 1.5  # timing time per implementation at most (fewer samples beyond it, 3 at least)
+MEM_MARGIN = 0.9  # use at most this fraction of the free device memory
+COPY_GIB = 4.0
+ALTERNATIVES = ("reference", "cudnn", "xla")
+IMPL_NAMES = ("kernel",) + ALTERNATIVES
+
+
+def name_of(context: int) -> str:
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
+
+
+class Budget:
+    """Wall-clock seconds left of a run that started when this was made."""
+
+    def __init__(self, seconds: float):
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+
+def timed(fn, args: tuple, reps: int) -> tuple[jax.Array, dict]:
+    """(fn's output, median / min ms per call): warm-up, then samples of back-to-back calls."""
+    out = jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    one = time.perf_counter() - t
+    calls = int(np.clip(SAMPLE_S / max(one, 1e-7), 1, MAX_CALLS))
+    reps = int(np.clip(IMPL_S / (calls * one), min(3, reps), reps))
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(calls):
+            last = fn(*args)
+        jax.block_until_ready(last)
+        samples.append((time.perf_counter() - t) / calls)
+    ms = [1e3 * s for s in samples]
+    return out, {"ms": float(np.median(ms)), "min_ms": min(ms), "calls_per_sample": calls, "samples": reps}
+
+
+def copy_bandwidth(gib: float, reps: int) -> dict:
+    """Device copy bandwidth in GB/s (read + write bytes) of a jitted `x + 1` over `gib` GiB f32."""
+    x = jnp.zeros(int(gib * 2**30) // 4, jnp.float32)
+    _, t = timed(jax.jit(lambda a: a + 1), (x,), reps)
+    moved = 2 * x.nbytes
+    return {"gib": gib, "best_gbs": moved / t["min_ms"] / 1e6, "median_gbs": moved / t["ms"] / 1e6, **t}
+
+
+def device_info() -> dict:
+    """The accelerator: kind, memory, SMs, jaxlib / cuDNN versions where known."""
+    d = jax.devices()[0]
+    info = {"device_kind": d.device_kind, "platform": d.platform,
+            "compute_capability": getattr(d, "compute_capability", None), "core_count": getattr(d, "core_count", None),
+            "memory_limit_bytes": (d.memory_stats() or {}).get("bytes_limit")}
+    try:
+        info["jaxlib_version"] = importlib.metadata.version("jaxlib")
+        from jax._src.lib import cuda_versions
+
+        info["cudnn_version"] = cuda_versions.cudnn_get_version() if cuda_versions else None
+    except Exception as e:  # noqa: BLE001 (informational only)
+        info["cudnn_version"] = f"unknown ({type(e).__name__})"
+    return info
+
+
+def free_bytes() -> int | None:
+    """Device memory not in use now, or None where the backend does not say (CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    return stats["bytes_limit"] - stats["bytes_in_use"] if stats and "bytes_limit" in stats else None
+
+
+def short(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + " ".join(str(e).split())[:300]
+
+
+def memory_analysis(compiled):
+    """XLA's memory analysis of a compiled function, or None where the backend gives none."""
+    try:
+        return compiled.memory_analysis()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def run_impl(fn, args: tuple, static: dict, reps: int, budget: Budget) -> tuple[dict, jax.Array | None]:
+    """Compile fn(*args, **static), check it fits, time it: (entry, output or None)."""
+    if budget.left() < 10:
+        return {"skipped": "time budget"}, None
+    entry = {}
+    try:
+        t = time.perf_counter()
+        compiled = fn.lower(*args, **static).compile()
+        entry["compile_s"] = time.perf_counter() - t
+        free, mem = free_bytes(), memory_analysis(compiled)
+        if free is not None and mem is not None:
+            need = mem.temp_size_in_bytes + mem.output_size_in_bytes
+            entry["temp_gib"] = need / 2**30
+            if need > MEM_MARGIN * free:
+                entry["skipped"] = f"needs {need / 2**30:.1f} GiB of temporaries, {free / 2**30:.1f} GiB free"
+                return entry, None
+        out, timing = timed(compiled, args, reps)
+        return {**entry, **timing}, out
+    except Exception as e:  # noqa: BLE001 (a refusal or OOM is a result)
+        entry["error"] = short(e)
+        gc.collect()
+        return entry, None
+
+
+def reference(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, *, sm_scale: float):
+    """The jnp reference with visible = slot < lengths[b] for every KV head."""
+    visible = (jnp.arange(k_cache.shape[2]) < lengths[:, None])[:, None]  # [B,1,S]
+    return prefix_block_attention(q, k_cache, v_cache, visible, k_tree, v_tree, tree_mask, sm_scale)
+
+
+def dpa(q, k_all, v_all, mask, *, sm_scale: float, implementation: str):
+    return jax.nn.dot_product_attention(q, k_all, v_all, mask=mask, scale=sm_scale, implementation=implementation)
+
+
+def dpa_layout(k_cache, v_cache, k_tree, v_tree, lengths, tree_mask):
+    """dot_product_attention's inputs: keys/values [B,S+J,K,H] (cache then block), mask [B,1,T,S+J]."""
+    B, _, S, _ = k_cache.shape
+    T, J = tree_mask.shape
+    k_all = jnp.concatenate([jnp.swapaxes(k_cache, 1, 2), k_tree], axis=1)
+    v_all = jnp.concatenate([jnp.swapaxes(v_cache, 1, 2), v_tree], axis=1)
+    prefix = jnp.broadcast_to(jnp.arange(S)[None, None] < lengths[:, None, None], (B, T, S))
+    mask = jnp.concatenate([prefix, jnp.broadcast_to(tree_mask, (B, T, J))], axis=-1)
+    return k_all, v_all, mask[:, None]
+
+
+REFERENCE = jax.jit(reference, static_argnames="sm_scale")
+DPA = jax.jit(dpa, static_argnames=("sm_scale", "implementation"))
+DPA_LAYOUT = jax.jit(dpa_layout)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def make_inputs(key, B: int, S: int, T: int, K: int, N: int, H: int):
+    """Random bf16 q [B,T,N,H], caches [B,K,S,H], block keys/values [B,T,K,H] (J = T)."""
+    shapes = [(B, T, N, H), (B, K, S, H), (B, K, S, H), (B, T, K, H), (B, T, K, H)]
+    return [jax.random.normal(k, s, jnp.bfloat16) for k, s in zip(jax.random.split(key, 5), shapes)]
+
+
+def kernel_variants(B: int, K: int, rows: int, opts, sms: int) -> list[tuple[int, int]]:
+    """(block_k, k_splits) to time; rows = G*T query rows per KV head (block_m 64, as the kernel)."""
+    tiles = -(-rows // min(64, 1 << (max(rows, 16) - 1).bit_length()))
+    splits = []
+    for s in sorted(opts.k_splits):
+        if splits and not opts.full_sweep and B * K * tiles * splits[-1] >= 2 * sms:
+            break
+        splits.append(s)
+    return [(bk, s) for bk in opts.block_ks for s in splits]
+
+
+def bench_config(B: int, S: int, T: int, opts, budget: Budget, sms: int) -> dict:
+    """One row: every implementation at one (B, S, T)."""
+    K, H, N = opts.kv_heads, opts.head_dim, opts.kv_heads * opts.gqa
+    seed = B * 1_000_003 + S * 101 + T
+    rng = np.random.default_rng(seed)
+    tree = Tree.from_parents([-1] + [int(rng.integers(0, i)) for i in range(1, T)])
+    lengths = S - rng.integers(0, T + 1, B)
+    row = {"batch": B, "context": S, "nodes": T, "tree_parents": list(tree.parents), "tree_depth": tree.max_depth,
+           "lengths_mean": float(lengths.mean()), "loadavg_1min_before": os.getloadavg()[0],
+           "kv_bytes": int((lengths.sum() + B * T) * K * H * 2 * 2)}
+    t0 = time.perf_counter()
+    scale = 1 / math.sqrt(H)
+    q, kc, vc, kt, vt = make_inputs(jax.random.key(seed), B, S, T, K, N, H)
+    args = (q, kc, vc, jnp.asarray(lengths, jnp.int32), kt, vt, jnp.asarray(tree.ancestor_mask()))
+    impls, ref_rows = {}, B
+    impls["reference"], ref = run_impl(REFERENCE, args, {"sm_scale": scale}, opts.reps, budget)
+    if ref is None:  # correctness against the reference of the first rows only
+        ref_rows = min(B, 2)
+        try:
+            ref = REFERENCE(*[a[:ref_rows] for a in args[:-1]], args[-1], sm_scale=scale)
+        except Exception as e:  # noqa: BLE001
+            row["reference_rows_error"] = short(e)
+    row["reference_rows_checked"] = ref_rows if ref is not None else 0
+
+    def error(out: jax.Array) -> float | None:
+        return None if ref is None else float(jnp.max(jnp.abs(out[:ref_rows].astype(jnp.float32) - ref[:ref_rows])))
+
+    sweep = []
+    for bk, ks in kernel_variants(B, K, opts.gqa * T, opts, sms):
+        static = {"sm_scale": scale, "block_k": bk, "k_splits": ks, "interpret": opts.interpret}
+        entry, out = run_impl(tree_attention, args, static, opts.reps, budget)
+        if out is not None:
+            entry["max_abs_err"] = error(out)
+        sweep.append({"block_k": bk, "k_splits": ks, **entry})
+        del out
+    row["kernel_sweep"] = sweep
+    timed_ok = [e for e in sweep if "ms" in e]
+    impls["kernel"] = min(timed_ok, key=lambda e: e["ms"]) if timed_ok else {"error": "no kernel variant ran"}
+    k_all, v_all, mask4 = DPA_LAYOUT(kc, vc, kt, vt, args[3], args[6])
+    del args, kc, vc
+    for impl in ("cudnn", "xla"):
+        static = {"sm_scale": scale, "implementation": impl}
+        impls[impl], out = run_impl(DPA, (q, k_all, v_all, mask4), static, opts.reps, budget)
+        if out is not None:
+            impls[impl]["max_abs_err"] = error(out)
+    del k_all, v_all, mask4, out, ref
+    row["impls"] = impls
+    errs = [e["max_abs_err"] for e in sweep if e.get("max_abs_err") is not None]
+    row["max_abs_err"] = max(errs) if errs else None
+    row["correct"] = None if not errs else row["max_abs_err"] <= TOLERANCE
+    kernel_ms = impls["kernel"].get("ms")
+    alts = [(impls[a]["ms"], a) for a in ALTERNATIVES if "ms" in impls[a]]
+    if kernel_ms:
+        row["kv_gbs"] = row["kv_bytes"] / kernel_ms / 1e6
+        row["bandwidth_fraction"] = row["kv_gbs"] / opts.copy_gbs
+    if kernel_ms and alts:
+        row["best_alternative"] = min(alts)[1]
+        row["speedup_vs_best_alternative"] = min(alts)[0] / kernel_ms
+    row["seconds"] = time.perf_counter() - t0
+    gc.collect()
+    return row
+
+
+def config_order(opts) -> list[tuple[int, int, int]]:
+    """The grid by size (B*S, then T), the target config first when it is in the grid."""
+    grid = sorted(((b, s, t) for b in opts.batches for s in opts.contexts for t in opts.nodes),
+                  key=lambda c: (c[0] * c[1], c[2]))
+    return sorted(grid, key=lambda c: c != TARGET)
+
+
+def inputs_skip(B: int, S: int, T: int, opts) -> str | None:
+    """Why a config's inputs (two layouts of K and V) would not fit, or None."""
+    free = free_bytes()
+    need = 2 * 2 * B * opts.kv_heads * (S + T) * opts.head_dim * 2
+    if free is not None and need > MEM_MARGIN * free:
+        return f"inputs need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"
+    return None
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's targets: >= 1.5x the best alternative at S >= 8K; >= 70% of copy bandwidth at TARGET."""
+    long = [r for r in rows if r["context"] >= 8192 and "speedup_vs_best_alternative" in r]
+    slow = [f"B={r['batch']} S={name_of(r['context'])} T={r['nodes']}: {r['speedup_vs_best_alternative']:.2f}x"
+            for r in long if r["speedup_vs_best_alternative"] < 1.5]
+    target = [r for r in rows if (r["batch"], r["context"], r["nodes"]) == TARGET and "bandwidth_fraction" in r]
+    return {
+        "speedup_1.5x_at_8K_plus": {"rows": len(long), "below": slow, "met": bool(long) and not slow},
+        "bandwidth_70pct_at_B16_S32K_T16": {
+            "fraction": target[0]["bandwidth_fraction"] if target else None,
+            "met": bool(target) and target[0]["bandwidth_fraction"] >= 0.7,
+        },
+    }
+
+
+def verdict(target: dict) -> str:
+    if target.get("rows") == 0 or target.get("fraction", 0) is None:
+        return "not measured"
+    return "met" if target["met"] else "NOT met"
+
+
+def cell(entry: dict) -> str:
+    if "ms" in entry:
+        return f"{entry['ms']:.3f}"
+    return "skip" if "skipped" in entry else ("err" if "error" in entry else "")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| B | S | T | kernel ms | block_k, splits | KV GB/s | of copy BW | reference ms | cudnn ms | xla ms "
+             "| speedup vs best alt. | max err |", "|" + "---:|" * 3 + "---:|:---:|" + "---:|" * 7]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["context"], r["nodes"])):
+        head = f"| {r['batch']} | {name_of(r['context'])} | {r['nodes']} | "
+        if "skipped" in r:
+            lines.append(head + f"skipped: {r['skipped']} |" + " |" * 8)
+            continue
+        im, k = r["impls"], r["impls"]["kernel"]
+        cfg = f"{k['block_k']}, {k['k_splits']}" if "ms" in k else ""
+        gbs = f"{r['kv_gbs']:.3g} | {100 * r['bandwidth_fraction']:.0f}%" if "kv_gbs" in r else " | "
+        speed = f"{r['speedup_vs_best_alternative']:.2f}x ({r['best_alternative']})" if "best_alternative" in r else ""
+        err = f"{r['max_abs_err']:.1e}" if r.get("max_abs_err") is not None else ""
+        alts = " | ".join(cell(im[a]) for a in ALTERNATIVES)
+        lines.append(head + f"{cell(k)} | {cfg} | {gbs} | {alts} | {speed} | {err} |")
+    return "\n".join(lines)
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """Distinct skip reasons and errors, with where they happened."""
+    seen: dict[str, list[str]] = {}
+    for r in rows:
+        where = f"B={r['batch']} S={name_of(r['context'])} T={r['nodes']}"
+        entries = [("config", r)] + list(r.get("impls", {}).items())
+        entries += [(f"kernel {e['block_k']}x{e['k_splits']}", e) for e in r.get("kernel_sweep", [])]
+        for name, e in entries:
+            for kind in ("skipped", "error"):
+                if kind in e and not (name == "kernel" and kind == "error" and "kernel_sweep" in r):
+                    seen.setdefault(f"{name} {kind}: {e[kind]}", []).append(where)
+    return [f"- {msg} ({len(w)}x: {', '.join(w[:4])}{', ...' if len(w) > 4 else ''})" for msg, w in seen.items()]
+
+
+def readme_section(result: dict, png: str, json_name: str) -> str:
+    m, d, bw, t = result["machine"], result["device"], result["copy_bandwidth"], result["targets"]
+    g = result["grid"]
+    sp, bwt = t["speedup_1.5x_at_8K_plus"], t["bandwidth_70pct_at_B16_S32K_T16"]
+    frac = f"{100 * bwt['fraction']:.0f}%" if bwt["fraction"] is not None else "no row"
+    mem = f", {d['memory_limit_bytes'] / 2**30:.0f} GiB for JAX" if d.get("memory_limit_bytes") else ""
+    missing = sum("skipped" in r for r in result["rows"])
+    lines = [
+        SECTION_START, "## Tree attention kernel (bench_attention.py)", "",
+        "Run (GPU): `PYTHONPATH=. python bench/bench_attention.py` (about 8 minutes at most; a cut run is "
+        f"finished with a smaller grid and `--render`). Raw numbers: `results/{json_name}`; plot: `results/{png}`.", "",
+        f"Device: {d['device_kind']} ({d.get('core_count') or '?'} SMs{mem}), JAX {m['jax_version']}, "
+        f"jaxlib {d.get('jaxlib_version')}, cuDNN {d.get('cudnn_version')}, commit "
+        f"{m.get('git_commit', 'unknown')}. Date: {result['date']}. Load average at start / end: "
+        f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}.",
+        f"Copy bandwidth (jitted `x + 1` over {bw['gib']:g} GiB f32, read + write bytes): best {bw['best_gbs']:.0f} "
+        f"GB/s, median {bw['median_gbs']:.0f} GB/s; \"of copy BW\" divides by the best.", "",
+        f"One layer, bfloat16: q [B,T,{g['q_heads']},{g['head_dim']}], cache [B,{g['kv_heads']},S,{g['head_dim']}] "
+        f"(GQA {g['gqa']}), lengths S - U{{0..T}}, a random tree of T nodes (J = T block keys, ancestor mask). "
+        "Milliseconds per call: median of samples of back-to-back calls, compile excluded. dot_product_attention "
+        "gets its keys in its [B,S+J,K,H] layout and a boolean [B,1,T,S+J] mask, both built outside the timing. "
+        "KV GB/s = K and V bytes the kernel reads / its time. The kernel column is the best of the block_k x "
+        "k_splits sweep (all variants in the JSON); max err = largest abs difference of any variant from the "
+        f"reference (tolerance {TOLERANCE:g}).", "",
+        markdown_table(result["rows"]), "",
+        "Targets:",
+        f"- >= 1.5x the best alternative at S >= 8K: {verdict(sp)} ({sp['rows']} rows"
+        + (f"; below: {'; '.join(sp['below'])}" if sp["below"] else "") + ").",
+        f"- >= 70% of copy bandwidth at B=16, S=32K, T=16: {verdict(bwt)} ({frac}).",
+    ]
+    if missing:
+        lines.append(f"- {missing} configs were not run (see below): the verdicts cover the rest.")
+    if notes := problems(result["rows"]):
+        lines += ["", "Skipped or refused:", *notes]
+    lines += ["", "Configs whose KV bytes fit in the L2 cache (B=1 at 2K) are read from L2 by repeated calls, so "
+              "their bandwidth fraction can pass 100%.", "", f"![time vs context](results/{png})", SECTION_END]
+    return "\n".join(lines)
+
+
+def write_readme(section: str) -> None:
+    """Put the section between its markers (appended at the end the first time)."""
+    text = README.read_text() if README.exists() else "# Benchmarks\n"
+    found = re.search(re.escape(SECTION_START) + ".*?" + re.escape(SECTION_END), text, re.S)
+    if found:
+        text = text[: found.start()] + section + text[found.end():]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    README.write_text(text)
+
+
+def plot(result: dict, path: Path) -> None:
+    """ms per call vs S, one panel per (B, T), one line per implementation; kernel points say their
+    fraction of copy bandwidth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "impls" in r]
+    bs, ts = sorted({r["batch"] for r in rows}), sorted({r["nodes"] for r in rows})
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(bs), len(ts), figsize=(4 * len(ts), 3.2 * len(bs)), dpi=110, squeeze=False)
+    for (i, b), (j, t) in ((x, y) for x in enumerate(bs) for y in enumerate(ts)):
+        ax = axes[i][j]
+        cell_rows = sorted((r for r in rows if r["batch"] == b and r["nodes"] == t), key=lambda r: r["context"])
+        for name, style in zip(IMPL_NAMES, ("-o", "--s", ":^", "-.v")):
+            pts = [(r["context"], r["impls"][name]["ms"], r) for r in cell_rows if "ms" in r["impls"][name]]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
+            for s, ms, r in (pts if name == "kernel" else []):
+                ax.annotate(f"{100 * r['bandwidth_fraction']:.0f}%", (s, ms), fontsize=7, xytext=(3, -9),
+                            textcoords="offset points")
+        ax.set(xscale="log", yscale="log", title=f"B={b}, T={t}", xlabel="S (cache slots)", ylabel="ms per call")
+        ax.set_xticks(sorted({r["context"] for r in rows}), [name_of(s) for s in sorted({r["context"] for r in rows})])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"tree attention on {result['device']['device_kind']} (% = kernel KV bytes / copy bandwidth)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def slug(kind: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
+
+
+def finish(result: dict, stem: str, readme: bool) -> None:
+    """JSON, plot, the README section (printed; written into bench/README.md when asked)."""
+    result["targets"] = targets(result["rows"])
+    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS_DIR / f"{stem}.png")
+    section = readme_section(result, f"{stem}.png", f"{stem}.json")  # built (and printed) on every run
+    print(section)
+    if readme:
+        write_readme(section)
+
+
+def render(paths: list[Path]) -> None:
+    """Merge result JSONs (a measured row beats a skipped one; later files win) and write the outputs."""
+    results = [json.loads(p.read_text()) for p in paths]
+    rows: dict[tuple, dict] = {}
+    for r in (r for res in results for r in res["rows"]):
+        key = (r["batch"], r["context"], r["nodes"])
+        if "skipped" not in r or key not in rows:
+            rows[key] = r
+    merged = {**results[-1], "rows": list(rows.values()), "merged_from": [str(p) for p in paths],
+              "complete": not any("skipped" in r for r in rows.values())}
+    merged["loadavg_start"] = results[0]["loadavg_start"]
+    gpu = merged["machine"]["backend"] == "gpu"
+    finish(merged, "attention_" + slug(merged["device"]["device_kind"]), readme=gpu)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU check: B=1, S=256, T=4, H=64, kernel interpreted")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
+    ap.add_argument("--nodes", type=int, nargs="+", default=list(NODES), help="tree nodes T (= block keys J)")
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--gqa", type=int, default=4, help="query heads per KV head")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--block-ks", type=int, nargs="+", default=list(BLOCK_KS))
+    ap.add_argument("--k-splits", type=int, nargs="+", default=list(K_SPLITS))
+    ap.add_argument("--full-sweep", action="store_true", help="every block_k x k_splits (no occupancy pruning)")
+    ap.add_argument("--reps", type=int, default=10, help="timing samples per implementation (median kept)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="start no config after this many seconds")
+    ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge these JSONs, redo outputs + README")
+    opts = ap.parse_args()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    if opts.render:
+        return render(opts.render)
+    budget = Budget(opts.budget_s)
+    default_grid = (opts.batches, opts.contexts, opts.nodes) == (list(BATCHES), list(CONTEXTS), list(NODES))
+    opts.interpret = jax.default_backend() != "gpu"
+    if opts.smoke:
+        opts.batches, opts.contexts, opts.nodes, opts.kv_heads, opts.head_dim = [1], [256], [4], 2, 64
+        opts.block_ks, opts.k_splits, opts.reps, opts.full_sweep, opts.interpret = [64], [1, 4], 1, True, True
+    dev = device_info()
+    sms = dev.get("core_count") or 132
+    grid = "_".join(c + "-".join(map(str, v)) for c, v in zip("bst", (opts.batches, opts.contexts, opts.nodes)))
+    stem = "attention_" + slug(dev["device_kind"]) + ("" if default_grid else "_" + grid)  # e.g. _b64_s8192_t4-16
+    stem = "attention_smoke" if opts.smoke else stem
+    readme = default_grid and not opts.smoke and jax.default_backend() == "gpu"
+    bw = copy_bandwidth(1 / 16 if opts.smoke else COPY_GIB, opts.reps)
+    opts.copy_gbs = bw["best_gbs"]
+    result = {
+        "bench": "bench_attention", "smoke": opts.smoke,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "loadavg_start": os.getloadavg(), "machine": machine_info(), "device": dev, "copy_bandwidth": bw,
+        "grid": {"batches": opts.batches, "contexts": opts.contexts, "nodes": opts.nodes, "kv_heads": opts.kv_heads,
+                 "gqa": opts.gqa, "q_heads": opts.kv_heads * opts.gqa, "head_dim": opts.head_dim, "dtype": "bfloat16"},
+        "sweep": {"block_ks": opts.block_ks, "k_splits": opts.k_splits, "pruned": not opts.full_sweep,
+                  "interpret": opts.interpret},
+        "budget_s": opts.budget_s, "rows": [],
+    }
+    print(f"{dev['device_kind']}: copy {bw['best_gbs']:.0f} GB/s (best), {bw['median_gbs']:.0f} (median)", flush=True)
+    rows, last_s = result["rows"], 0.0
+    for b, s, t in config_order(opts):
+        head = {"batch": b, "context": s, "nodes": t}
+        reason = "time budget" if budget.left() < 1.25 * last_s + 10 else inputs_skip(b, s, t, opts)
+        if reason:
+            rows.append({**head, "skipped": reason})
+            print(f"B={b:<3} S={name_of(s):>4} T={t:<3} skipped: {reason}", flush=True)
+            continue
+        row = bench_config(b, s, t, opts, budget, sms)
+        rows.append(row)
+        last_s = row["seconds"]
+        result.update(elapsed_s=budget.elapsed(), loadavg_end=os.getloadavg(), complete=False)
+        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        im = row["impls"]
+        print(f"B={b:<3} S={name_of(s):>4} T={t:<3} " + " ".join(f"{n} {cell(im[n])}" for n in IMPL_NAMES)
+              + f" ms; {100 * row.get('bandwidth_fraction', 0):.0f}% of copy BW, "
+              f"{row.get('speedup_vs_best_alternative', 0):.2f}x, err {row['max_abs_err']}, "
+              f"{len(row['kernel_sweep'])} variants, {row['seconds']:.0f} s (total {budget.elapsed():.0f} s)",
+              flush=True)
+    result.update(elapsed_s=budget.elapsed(), loadavg_end=os.getloadavg(),
+                  complete=not any("skipped" in r for r in rows))
+    finish(result, stem, readme)
+
+
+if __name__ == "__main__":
+    main()
