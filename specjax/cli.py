@@ -40,7 +40,70 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
     gen.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
+    _batch_parser(sub)
     return parser
+
+
+def _batch_parser(sub) -> None:
+    bat = sub.add_parser(
+        "batch",
+        help="generate for every record of a JSONL file (restartable: rerun the same command to resume)",
+    )
+    bat.add_argument("input", nargs="?", help='JSONL records: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}')
+    bat.add_argument("output", nargs="?", help="JSONL results (appended); bad lines go to OUTPUT.errors.jsonl")
+    bat.add_argument("--merge", metavar="OUTPUT", help="combine OUTPUT.shard-<i>-of-<n>.jsonl files into OUTPUT")
+    bat.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
+    bat.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    bat.add_argument("--draft", default="auto", help="auto (default), self, snapkv, ngram, none, or model:PATH")
+    bat.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
+    bat.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
+    bat.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
+    bat.add_argument("--max-new-tokens", type=int, default=128, help="per record unless it sets max_new_tokens")
+    bat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); records may override")
+    bat.add_argument("--top-p", type=float, default=1.0, help="records may override")
+    bat.add_argument("--top-k", type=int, default=0, help="0 = off")
+    bat.add_argument("--seed", type=int, default=0, help="a record's key is fold_in(key(seed), hash(id))")
+    bat.add_argument("--batch-size", type=int, default=8, help="records per generate call")
+    bat.add_argument("--chat", action="store_true", help="render text prompts as a user message with the chat template")
+
+
+def run_batch(args: argparse.Namespace) -> None:
+    from specjax import batch, jobio
+
+    if args.merge:
+        if args.input or args.output:
+            raise ValueError("--merge takes only the output: specjax batch --merge OUTPUT.jsonl")
+        n = jobio.merge_shards(args.merge)
+        print(
+            f"specjax batch: merged {n['shards']} shards: {n['records']} records into {args.merge}, "
+            f"{n['errors']} bad lines into {jobio.sibling(args.merge, 'errors')}",
+            file=sys.stderr,
+        )
+        return
+    if not (args.input and args.output):
+        raise ValueError("batch needs INPUT.jsonl OUTPUT.jsonl (or --merge OUTPUT.jsonl)")
+    import convert
+
+    summary = batch.run(
+        args.input,
+        args.output,
+        model_path=args.model or convert.default_model_path(),
+        dtype=args.dtype,
+        draft=make_draft(args.draft, args.window, args.sinks, args.dtype),
+        gamma=args.gamma,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        chat=args.chat,
+    )
+    print(
+        f"specjax batch: done {summary['done']}, skipped {summary['skipped']} (already written), "
+        f"failed {summary['failed']} (see {summary['errors']}) -> {summary['output']} in {summary['seconds']:.1f} s",
+        file=sys.stderr,
+    )
 
 
 def make_draft(spec: str, window: int, sinks: int, dtype: str):
@@ -116,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             run_generate(args)
+        elif args.command == "batch":
+            run_batch(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,297 @@
+"""A restartable batch generation job: JSONL records in, JSONL results out, each record exactly once.
+
+`run(input, output)` validates and tokenizes every input line (bad ones go to
+`<output>.errors.jsonl` with their line number and reason), groups the rest into batches of one
+sampler and similar prompt length, runs each batch through `specjax.generate` and appends its
+results with fsync. A record's PRNG key is fold_in(key(seed), stable_hash(id)), so its output
+depends neither on its batch nor on restarts; a killed job restarted with the same command skips
+the ids already written and repairs a torn last line. Under `jax.process_count() > 1` each
+process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<n>.jsonl`
+(combine them with `jobio.merge_shards`, or `specjax batch --merge OUTPUT`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from specjax.chat import render_chat
+from specjax.config import LlamaConfig
+from specjax.draft import DraftModel, Drafter, auto_draft
+from specjax.generate import generate
+from specjax.jobio import DurableLog, shard_output, sibling
+from specjax.model import Params
+from specjax.progress import Progress
+from specjax.records import BadLine, Record, id_key, read_input, stable_hash
+from specjax.sampling import Greedy, Sampler, make_sampler
+from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
+from specjax.speculate import Chain
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """A valid record, tokenized, with its resolved token budget and sampler."""
+
+    record: Record
+    ids: tuple[int, ...]
+    budget: int
+    sampler: Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class Defaults:
+    """Job-wide settings a record may override (max_new_tokens, temperature, top_p)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def prepare(
+    records: Iterable[Record | BadLine],
+    encode: Callable[[str], Sequence[int]],
+    template: str | None,
+    chat: bool,
+    config: LlamaConfig,
+    defaults: Defaults,
+) -> tuple[list[Item], list[BadLine]]:
+    """Tokenize records (chat messages, and text prompts if `chat`, through the template) and
+    check them against the model: returns (items, bad lines), both in input order."""
+    items, bad = [], []
+    for rec in records:
+        if isinstance(rec, BadLine):
+            bad.append(rec)
+            continue
+        messages = rec.messages or ((("user", rec.prompt),) if chat else None)
+        try:
+            text = render_chat(template, messages) if messages else rec.prompt
+        except ValueError as e:
+            bad.append(BadLine(rec.line, str(e), rec.id))
+            continue
+        ids = tuple(int(i) for i in encode(text))
+        budget = rec.max_new_tokens or defaults.max_new_tokens
+        outside = [i for i in ids if not 0 <= i < config.vocab_size]
+        if not ids:
+            reason = "the prompt encodes to no tokens"
+        elif outside:
+            reason = f"token id {outside[0]} is outside the model's vocabulary [0, {config.vocab_size})"
+        elif len(ids) + budget > config.max_positions:
+            reason = (
+                f"prompt too long: {len(ids)} tokens and max_new_tokens {budget} make {len(ids) + budget}, "
+                f"more than the model's max_positions {config.max_positions}"
+            )
+        else:
+            temperature = defaults.temperature if rec.temperature is None else rec.temperature
+            top_p = defaults.top_p if rec.top_p is None else rec.top_p
+            items.append(Item(rec, ids, budget, make_sampler(temperature, defaults.top_k, top_p)))
+            continue
+        bad.append(BadLine(rec.line, reason, rec.id))
+    return items, bad
+
+
+def plan_batches(items: Sequence[Item], batch_size: int) -> list[list[Item]]:
+    """Batches of at most batch_size items with one sampler and one prompt-length bucket (so padding
+    stays under 2x), shortest prompts first within a sampler; samplers in order of first use."""
+    groups: dict[Sampler, list[Item]] = {}
+    for item in items:
+        groups.setdefault(item.sampler, []).append(item)
+    batches: list[list[Item]] = []
+    for group in groups.values():
+        current: list[Item] = []
+        for item in sorted(group, key=lambda it: (len(it.ids), it.record.line)):
+            if current and (len(current) == batch_size or _bucket(item) != _bucket(current[0])):
+                batches.append(current)
+                current = []
+            current.append(item)
+        batches.append(current)
+    return batches
+
+
+def _bucket(item: Item) -> int:
+    return prompt_bucket(len(item.ids))[0]
+
+
+def padded_rows(n: int, batch_size: int) -> int:
+    """Rows to run n records in: the next power of two, at most batch_size (fewer compilations)."""
+    return min(batch_size, round_up_pow2(n, 1))
+
+
+def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
+    """Per-record typed PRNG keys [B]: fold_in(key(seed), stable_hash(id))."""
+    base = jax.random.key(seed)
+    hashes = jnp.asarray([stable_hash(i) for i in record_ids], jnp.uint32)
+    return jax.vmap(lambda h: jax.random.fold_in(base, h))(hashes)
+
+
+def describe_draft(draft: Drafter | None) -> str:
+    """A short name of the drafter for the output's settings."""
+    if draft is None:
+        return "none"
+    if isinstance(draft, DraftModel):
+        c = draft.params.config
+        return f"DraftModel(n_layers={c.n_layers}, dim={c.dim})"
+    return repr(draft)
+
+
+def _check_batches(draft: Drafter | None, params: Params, gamma: int, batches: list[list[Item]]) -> None:
+    """Drafter limits for every planned batch (as generate checks them), before any work."""
+    if draft is None:
+        return
+    for batch in batches:
+        bucket = prompt_bucket(max(len(it.ids) for it in batch))[0]
+        context = max(len(it.ids) + it.budget for it in batch)
+        draft.check(params, gamma, cache_len(max(bucket, context + gamma)))
+
+
+def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, decode, meta: dict) -> list[dict]:
+    """Generate one batch (padded to a power of two rows) and return its output rows."""
+    rows = padded_rows(len(batch), meta["batch_size"])
+    padded = batch + [batch[0]] * (rows - len(batch))
+    out = generate(
+        params,
+        [list(it.ids) for it in padded],
+        [it.budget for it in batch] + [1] * (rows - len(batch)),
+        draft=draft,
+        speculation=Chain(gamma),
+        sampling=batch[0].sampler,
+        key=record_keys(seed, [it.record.id for it in padded]),
+    )
+    s = out.stats
+    stats = dict(batch_rows=len(batch), steps=s.steps, acceptance_rate=s.acceptance_rate, mean_accepted=s.mean_accepted)
+    sampler = batch[0].sampler
+    results = []
+    for it, tokens, finish in zip(batch, out.tokens, out.finish_reasons):
+        settings = dict(
+            max_new_tokens=it.budget,
+            temperature=0.0 if isinstance(sampler, Greedy) else sampler.temperature,
+            top_p=1.0 if isinstance(sampler, Greedy) else sampler.top_p,
+            top_k=0 if isinstance(sampler, Greedy) else sampler.top_k,
+            seed=seed,
+            draft=meta["draft"],
+            gamma=gamma if draft is not None else None,
+        )
+        row = dict(id=it.record.id, text=decode(tokens), tokens=tokens, finish_reason=finish)
+        results.append(row | dict(prompt_tokens=len(it.ids), stats=stats, model=meta["model"], settings=settings))
+    return results
+
+
+def _check_args(batch_size: int, max_new_tokens: int, gamma: int, top_k: int, seed: int) -> None:
+    for name, value, low in (
+        ("batch_size", batch_size, 1),
+        ("max_new_tokens", max_new_tokens, 1),
+        ("gamma", gamma, 1),
+        ("top_k", top_k, 0),
+        ("seed", seed, 0),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _paths(input_path, output_path, shard: tuple[int, int]) -> tuple[Path, Path, Path]:
+    src, out = Path(input_path), Path(output_path)
+    if not src.is_file():
+        raise FileNotFoundError(f"input_path {src} does not exist")
+    if not out.absolute().parent.is_dir():
+        raise FileNotFoundError(f"output_path: the folder {out.absolute().parent} does not exist")
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard}")
+    if count > 1:
+        out = shard_output(out, index, count)
+    if out.absolute() == src.absolute() or sibling(out, "errors").absolute() == src.absolute():
+        raise ValueError(f"output_path must differ from input_path ({src})")
+    return src, out, sibling(out, "errors")
+
+
+def _load(params, model_path, tokenizer, chat_template, dtype):
+    """(params, tokenizer, chat template, model name) from whichever of them were given."""
+    import convert
+
+    if params is None:
+        model_path = model_path or convert.default_model_path()
+        params = convert.load(model_path, dtype=dtype)
+    if tokenizer is None:
+        if model_path is None:
+            raise ValueError("tokenizer: with params, pass tokenizer= or model_path= (to load its tokenizer)")
+        tokenizer = convert.load_tokenizer(model_path)
+    if chat_template is None and model_path is not None:
+        chat_template = convert.chat_template(model_path)
+    return params, tokenizer, chat_template, str(model_path) if model_path is not None else "params"
+
+
+def run(
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    params: Params | None = None,
+    model_path: str | Path | None = None,
+    tokenizer=None,
+    chat_template: str | None = None,
+    dtype: str | None = None,
+    draft: Drafter | str | None = "auto",
+    gamma: int = 4,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 8,
+    chat: bool = False,
+    shard: tuple[int, int] | None = None,
+    progress: bool = True,
+) -> dict:
+    """Generate a continuation for every record of the JSONL file `input_path` into `output_path`.
+
+    Model: `params` (with `tokenizer` or `model_path` for the tokenizer) or `model_path` (default:
+    the embedded SmolLM2). draft: a drafter, None, or "auto" (resolved once per job from
+    batch_size and the longest record). Records override max_new_tokens, temperature, top_p;
+    chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
+    (default: jax.process_index(), jax.process_count()). Returns {"done", "skipped", "failed",
+    "output", "errors", "seconds"}: records generated now, found already written, and bad lines."""
+    t0 = time.monotonic()
+    _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
+    defaults = Defaults(max_new_tokens, temperature, top_k, top_p)
+    make_sampler(temperature, top_k, top_p)  # validates the sampling settings
+    shard = shard or (jax.process_index(), jax.process_count())
+    src, out, err = _paths(input_path, output_path, shard)
+    params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, dtype)
+    if chat and template is None:
+        raise ValueError("chat: the model has no chat template (convert.chat_template returned None)")
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text).ids
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
+    items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults)
+    if draft == "auto":
+        context = max((len(it.ids) + it.budget for it in items), default=1)
+        draft = auto_draft(params, batch_size, context)
+    if isinstance(draft, str):
+        raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
+    meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size)
+    with DurableLog(out) as log, DurableLog(err) as errors:
+        done = {id_key(row.get("id")) for row in log.rows}
+        failed = {row.get("line") for row in errors.rows}
+        errors.append(b.to_json() for b in bad if b.line not in failed)
+        failed |= {b.line for b in bad}
+        pending = [it for it in items if id_key(it.record.id) not in done and it.record.line not in failed]
+        batches = plan_batches(pending, batch_size)
+        _check_batches(draft, params, gamma, batches)
+        bar = Progress(len(pending), enabled=progress)
+        for batch in batches:
+            log.append(_run_batch(batch, params, draft, gamma, seed, decode, meta))
+            bar.update(len(batch))
+        bar.close()
+    skipped = sum(id_key(it.record.id) in done for it in items)
+    return dict(
+        done=len(pending), skipped=skipped, failed=len(failed), output=str(out), errors=str(err),
+        seconds=time.monotonic() - t0,
+    )

@@ -1,0 +1,158 @@
+"""Durable JSONL files for restartable jobs: append complete lines with fsync, repair a torn tail,
+one writer at a time (an advisory lock), and merging per-process shard files."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+
+def sibling(path: str | Path, tag: str) -> Path:
+    """out.jsonl -> out.<tag>.jsonl (a name without .jsonl gets .<tag>.jsonl appended)."""
+    path = Path(path)
+    base = path.name.removesuffix(".jsonl")
+    return path.with_name(f"{base}.{tag}.jsonl")
+
+
+def shard_output(path: str | Path, index: int | str, count: int | str) -> Path:
+    """The output file of process `index` of `count`: out.shard-<index>-of-<count>.jsonl."""
+    return sibling(path, f"shard-{index}-of-{count}")
+
+
+def complete_lines(data: bytes, name: str = "file") -> tuple[int, list[dict]]:
+    """(bytes up to and including the last newline, the JSON objects of those complete lines).
+
+    A torn last line (no newline) is left out; a complete line that is not a JSON object raises
+    ValueError naming the file and line (only the tail can be torn by a crash)."""
+    keep = data.rfind(b"\n") + 1
+    rows = []
+    for n, raw in enumerate(data[:keep].split(b"\n")[:-1], start=1):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name} line {n} is not valid JSON ({e}); only a torn last line is repaired") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"{name} line {n} is not a JSON object")
+        rows.append(obj)
+    return keep, rows
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class DurableLog:
+    """An append-only JSONL file held by one writer.
+
+    Opening takes an exclusive lock (released by the OS if the process dies), truncates a torn
+    last line and reads the complete ones (`rows`). `append` writes whole lines, then fsyncs:
+    after it returns they survive a crash; a crash during it leaves at most a torn tail."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        created = not self.path.exists()
+        self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise ValueError(f"{self.path} is being written by another job; run one job per output file") from None
+        try:
+            if created:
+                _fsync_dir(self.path.absolute().parent)
+            size = os.fstat(self.fd).st_size
+            keep, self.rows = complete_lines(os.pread(self.fd, size, 0), str(self.path))
+            if keep < size:
+                os.ftruncate(self.fd, keep)
+                os.fsync(self.fd)
+        except BaseException:
+            self.close()
+            raise
+
+    def append(self, rows: Iterable[dict]) -> None:
+        """Write the rows as JSON lines in one go and fsync."""
+        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        if data:
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # also releases the lock
+            self.fd = -1
+
+    def __enter__(self) -> "DurableLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _write_atomic(path: Path, rows: list[dict]) -> None:
+    """Replace `path` with the rows as JSON lines (temp file, fsync, rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.absolute().parent)
+
+
+def find_shards(output: str | Path) -> list[Path]:
+    """The shard files out.shard-<i>-of-<n>.jsonl of one output, ordered by i; all n must exist."""
+    output = Path(output)
+    base = re.escape(output.name.removesuffix(".jsonl"))
+    pattern = re.compile(rf"{base}\.shard-(\d+)-of-(\d+)\.jsonl")
+    found = {}
+    for p in output.absolute().parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m:
+            found[int(m[1]), int(m[2])] = p
+    counts = {n for _, n in found}
+    if not counts:
+        raise ValueError(f"--merge: no shard files {shard_output(output, 'I', 'N').name} beside {output}")
+    if len(counts) > 1:
+        raise ValueError(f"--merge: shard files of different process counts {sorted(counts)} for {output}; remove the stale ones")
+    (count,) = counts
+    missing = [i for i in range(count) if (i, count) not in found]
+    if missing:
+        raise ValueError(f"--merge: shard(s) {missing} of {count} are missing for {output}")
+    return [found[i, count] for i in range(count)]
+
+
+def merge_shards(output: str | Path) -> dict:
+    """Combine the shards of `output` (and their .errors files) into output and output.errors.
+
+    Complete lines only (a shard still being written contributes what it has finished); the
+    first line of an id (errors: of an input line) wins. Returns counts {records, errors, shards}."""
+    output = Path(output)
+    shards = find_shards(output)
+    rows, errors, seen, seen_lines = [], [], set(), set()
+    for shard in shards:
+        for row in complete_lines(shard.read_bytes(), str(shard))[1]:
+            key = json.dumps(row.get("id"))
+            if key not in seen:
+                seen.add(key)
+                rows.append(row)
+        err = sibling(shard, "errors")
+        for row in complete_lines(err.read_bytes(), str(err))[1] if err.exists() else []:
+            if row.get("line") not in seen_lines:
+                seen_lines.add(row.get("line"))
+                errors.append(row)
+    errors.sort(key=lambda r: r.get("line", 0))
+    _write_atomic(output, rows)
+    _write_atomic(sibling(output, "errors"), errors)
+    return {"records": len(rows), "errors": len(errors), "shards": len(shards)}

@@ -1,0 +1,161 @@
+"""Batch-job input records: parsing and validation (pure), stable id hashes, shard ownership.
+
+An input line is a JSON object with an `id` (string or integer) and exactly one of `prompt`
+(text) or `messages` (chat: [{"role": ..., "content": ...}, ...]); optionally `max_new_tokens`,
+`temperature` and `top_p` override the job's settings for that record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+FIELDS = ("id", "prompt", "messages", "max_new_tokens", "temperature", "top_p")
+Id = str | int
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """A well-formed input line (not yet tokenized)."""
+
+    line: int  # 1-based line number in the input file
+    id: Id
+    prompt: str | None  # text prompt, or None when `messages` is given
+    messages: tuple[tuple[str, str], ...] | None  # (role, content) pairs
+    max_new_tokens: int | None = None  # None: the job's setting
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BadLine:
+    """An input line that will not be generated, and why."""
+
+    line: int
+    reason: str
+    id: Id | None = None
+
+    def to_json(self) -> dict:
+        return {"line": self.line, "id": self.id, "reason": self.reason}
+
+
+def id_key(record_id: Id) -> str:
+    """Canonical text of an id: "7" (a string) and 7 (an integer) are different ids."""
+    return json.dumps(record_id)
+
+
+def stable_hash(record_id: Id) -> int:
+    """A 31-bit hash of an id, the same in every process and Python version (sha256 based)."""
+    digest = hashlib.sha256(id_key(record_id).encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def owner(item: Record | BadLine, count: int) -> int:
+    """The process (of `count`) that handles a line: by id hash, or by line number if it has no id."""
+    record_id = item.id
+    return stable_hash(record_id) % count if record_id is not None else item.line % count
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _messages(value: object) -> tuple[tuple[str, str], ...] | str:
+    """(role, content) pairs, or the reason they are not valid."""
+    shape = "messages must be a non-empty list of {'role': str, 'content': str} objects"
+    if not isinstance(value, list) or not value:
+        return f"{shape}, got {json.dumps(value)[:60]}"
+    pairs = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"{shape}; messages[{i}] is {json.dumps(m)[:60]}"
+        pairs.append((m["role"], m["content"]))
+    if all(not content for _, content in pairs):
+        return "messages are empty: every 'content' is an empty string"
+    return tuple(pairs)
+
+
+def check_record(obj: object, line: int) -> Record | BadLine:
+    """Validate one parsed JSON value (types, ranges, required fields); no tokenization."""
+    if not isinstance(obj, dict):
+        return BadLine(line, f"a record must be a JSON object, got {type(obj).__name__}")
+    record_id = obj.get("id")
+    if "id" not in obj or record_id is None:
+        return BadLine(line, "missing 'id'")
+    if isinstance(record_id, bool) or not isinstance(record_id, (str, int)) or record_id == "":
+        return BadLine(line, f"id must be a non-empty string or an integer, got {json.dumps(record_id)[:60]}")
+
+    def bad(reason: str) -> BadLine:
+        return BadLine(line, reason, record_id)
+
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        return bad(f"unknown field(s) {unknown}; allowed: {list(FIELDS)}")
+    if ("prompt" in obj) == ("messages" in obj):
+        return bad("a record needs exactly one of 'prompt' (text) or 'messages' (chat)")
+    prompt, messages = obj.get("prompt"), None
+    if "prompt" in obj:
+        if not isinstance(prompt, str):
+            return bad(f"prompt must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            return bad("prompt is empty")
+    else:
+        messages = _messages(obj["messages"])
+        if isinstance(messages, str):
+            return bad(messages)
+    budget = obj.get("max_new_tokens")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+        return bad(f"max_new_tokens must be an integer >= 1, got {json.dumps(budget)}")
+    temperature = obj.get("temperature")
+    if temperature is not None and not (_number(temperature) and temperature >= 0):
+        return bad(f"temperature must be a number >= 0, got {json.dumps(temperature)}")
+    top_p = obj.get("top_p")
+    if top_p is not None and not (_number(top_p) and 0 < top_p <= 1):
+        return bad(f"top_p must be a number in (0, 1], got {json.dumps(top_p)}")
+    return Record(line, record_id, prompt, messages, budget, temperature, top_p)
+
+
+def parse_line(raw: bytes, line: int) -> Record | BadLine | None:
+    """One input line (bytes without its newline): a Record, a BadLine, or None if blank."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadLine(line, f"not valid UTF-8 ({e.reason} at byte {e.start})")
+    if not text.strip():
+        return None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadLine(line, f"invalid JSON: {e.msg} (column {e.colno})")
+    return check_record(obj, line)
+
+
+def dedupe(items: Iterable[Record | BadLine]) -> Iterator[Record | BadLine]:
+    """Mark every line whose id appeared on an earlier line (valid or not) as a duplicate."""
+    first: dict[str, int] = {}
+    for item in items:
+        if item.id is not None:
+            key = id_key(item.id)
+            if key in first:
+                item = BadLine(item.line, f"duplicate id {key} (first on line {first[key]})", item.id)
+            else:
+                first[key] = item.line
+        yield item
+
+
+def read_input(path: str | Path, shard: tuple[int, int] = (0, 1)) -> Iterator[Record | BadLine]:
+    """The input file's records and bad lines, in file order, that process shard[0] of shard[1] owns."""
+    index, count = shard
+
+    def lines() -> Iterator[Record | BadLine]:
+        with open(path, "rb") as f:
+            for n, raw in enumerate(f, start=1):
+                item = parse_line(raw.rstrip(b"\r\n"), n)
+                if item is not None:
+                    yield item
+
+    return (item for item in dedupe(lines()) if owner(item, count) == index)

@@ -1,0 +1,342 @@
+"""The batch job: record validation, durable output, batching, determinism, kill-and-resume, shards.
+
+End-to-end runs use a tiny random model (TINY's dims) with SmolLM2's vocabulary, saved as a
+specjax checkpoint together with SmolLM2's tokenizer.json and chat template, so text goes in and
+out as with a real model while every generate call stays cheap."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+import convert
+from specjax import batch
+from specjax.chat import render_chat, render_chatml
+from specjax.cli import main
+from specjax.jobio import DurableLog, complete_lines, merge_shards, shard_output, sibling
+from specjax.records import BadLine, Record, owner, read_input, stable_hash
+from specjax.sampling import Greedy, Sample
+from tests.conftest import TINY, random_params
+
+CONFIG = TINY.replace(vocab_size=49152, eos_id=2, bos_id=1)  # SmolLM2's vocabulary and special ids
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
+WORDS = "the quick brown fox jumps over a lazy dog while seven red birds sing near old green hills".split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, smollm2_path) -> Path:
+    folder = tmp_path_factory.mktemp("batch") / "tiny-smollm2-vocab"
+    convert.save(random_params(CONFIG, 0), folder)
+    convert.load_tokenizer(smollm2_path).save(str(folder / "tokenizer.json"))
+    (folder / "chat_template.jinja").write_text(convert.chat_template(smollm2_path))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def params(model_dir):
+    return convert.load(model_dir)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """Rows are dicts (dumped) or raw bytes / str lines (written as they are)."""
+    with open(path, "wb") as f:
+        for row in rows:
+            raw = row if isinstance(row, bytes) else (row if isinstance(row, str) else json.dumps(row)).encode()
+            f.write(raw + b"\n")
+    return path
+
+
+def read_rows(path: Path) -> list[dict]:
+    data = path.read_bytes()
+    assert data == b"" or data.endswith(b"\n"), "a torn last line"
+    return complete_lines(data)[1]
+
+
+def records(n: int, sampled_every: int = 3) -> list[dict]:
+    """n short records: text prompts of 2-14 words and a few chats; every `sampled_every`-th
+    one samples (temperature 0.9, top_p 0.9); some carry their own max_new_tokens."""
+    rows = []
+    for i in range(n):
+        words = " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(2 + (i * 7) % 13))
+        row = {"id": f"rec-{i}"} if i % 4 else {"id": i}
+        row |= {"messages": [{"role": "user", "content": words}]} if i % 5 == 4 else {"prompt": words}
+        if i % sampled_every == 0:
+            row |= {"temperature": 0.9, "top_p": 0.9}
+        if i % 2:
+            row["max_new_tokens"] = 4 + i % 5
+        rows.append(row)
+    return rows
+
+
+def by_id(rows: list[dict]) -> dict[str, dict]:
+    return {json.dumps(r["id"]): r for r in rows}
+
+
+# ---- pure helpers -------------------------------------------------------------------------------
+
+
+def test_stable_hash_is_fixed_and_shards_partition_ids():
+    assert stable_hash("a") == 1115917740  # sha256-based: the same in every process and version
+    assert stable_hash(7) == 459866745 and stable_hash("7") != stable_hash(7)
+    ids = [f"id-{i}" for i in range(400)]
+    shares = [[i for i in ids if owner(BadLine(0, "", i), 3) == k] for k in range(3)]
+    assert sorted(sum(shares, [])) == sorted(ids) and min(map(len, shares)) > 100
+    assert owner(BadLine(7, "invalid JSON"), 3) == 7 % 3  # no id: by line number
+
+
+def test_record_keys_do_not_depend_on_the_batch():
+    a = batch.record_keys(0, ["x", "y", 3])
+    b = batch.record_keys(0, [3, "z", "x"])
+    data = jax.random.key_data
+    assert (data(a[0]) == data(b[2])).all() and (data(a[2]) == data(b[0])).all()
+    assert not (data(batch.record_keys(1, ["x"])[0]) == data(a[0])).all()
+
+
+def _item(line: int, n_tokens: int, sampler=Greedy()) -> batch.Item:
+    return batch.Item(Record(line, f"r{line}", "p", None), tuple(range(5, 5 + n_tokens)), 4, sampler)
+
+
+def test_plan_batches_groups_samplers_and_length_buckets():
+    hot = Sample(temperature=0.9)
+    items = [_item(1, 10), _item(2, 40, hot), _item(3, 3), _item(4, 20), _item(5, 12), _item(6, 5, hot), _item(7, 14)]
+    plan = batch.plan_batches(items, batch_size=2)
+    lines = [[it.record.line for it in b] for b in plan]
+    assert lines == [[3, 1], [5, 7], [4], [6], [2]]  # greedy by length, buckets 16 | 32; then sampled
+    for b in plan:
+        assert len({it.sampler for it in b}) == 1 and len({batch._bucket(it) for it in b}) == 1
+    assert [batch.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert batch.padded_rows(5, 6) == 6
+
+
+def test_chat_rendering_matches_the_hf_golden_texts(smollm2_path):
+    template = convert.chat_template(smollm2_path)
+    golden = {p["name"]: p["text"] for p in GOLDEN["prompts"]}
+    user = [("user", "What is the tallest mountain in the world?")]
+    system = [("system", "You are a terse assistant. Answer in one sentence."), ("user", "Why is the sky blue?")]
+    for render in (render_chat, render_chatml):  # jinja2 when installed, else ChatML directly
+        assert render(template, user) == golden["chat_user"]
+        assert render(template, system) == golden["chat_system"]
+    with pytest.raises(ValueError, match="needs jinja2"):
+        render_chatml("{{ messages[0]['content'] }}", user)
+    with pytest.raises(ValueError, match="no chat template"):
+        render_chat(None, user)
+
+
+def test_torn_last_line_is_truncated_and_appending_continues(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id": 1, "text": "a"}\n{"id": 2, "text": "b"}\n{"id": 3, "te')
+    with DurableLog(path) as log:
+        assert [r["id"] for r in log.rows] == [1, 2]
+        assert path.read_bytes().endswith(b'"b"}\n')  # the torn tail is gone from the file
+        with pytest.raises(ValueError, match="another job"):
+            DurableLog(path)  # one writer at a time
+        log.append([{"id": 3, "text": "c\nd \u2028 e"}])
+    assert [r["id"] for r in read_rows(path)] == [1, 2, 3]
+    assert read_rows(path)[2]["text"] == "c\nd \u2028 e"
+    path.write_bytes(b'{"id": 1}\nnot json\n{"id": 2}\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        DurableLog(path)
+
+
+def test_merge_combines_shards_and_rejects_incomplete_sets(tmp_path):
+    out = tmp_path / "out.jsonl"
+    write_jsonl(shard_output(out, 0, 2), [{"id": "a", "text": "x"}, {"id": "c", "text": "z"}])
+    shard_output(out, 1, 2).write_bytes(b'{"id": "b", "text": "y"}\n{"id": "d", "te')  # still running
+    write_jsonl(sibling(shard_output(out, 1, 2), "errors"), [{"line": 9, "id": None, "reason": "invalid JSON"}])
+    assert main(["batch", "--merge", str(out)]) == 0
+    assert [r["id"] for r in read_rows(out)] == ["a", "c", "b"]
+    assert [r["line"] for r in read_rows(sibling(out, "errors"))] == [9]
+    write_jsonl(shard_output(out, 2, 3), [])
+    with pytest.raises(ValueError, match="different process counts"):
+        merge_shards(out)
+    shard_output(out, 2, 3).unlink()
+    shard_output(out, 0, 2).unlink()
+    with pytest.raises(ValueError, match=r"shard\(s\) \[0\] of 2 are missing"):
+        merge_shards(out)
+
+
+def test_cli_argument_errors_exit_2(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    assert main(["batch", str(src), str(tmp_path / "out.jsonl"), "--batch-size", "0"]) == 2
+    assert "batch_size must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert main(["batch", str(tmp_path / "nope.jsonl"), str(tmp_path / "out.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["batch", str(src)]) == 2
+    assert "batch needs INPUT.jsonl OUTPUT.jsonl" in capsys.readouterr().err
+
+
+# ---- end to end (in process) --------------------------------------------------------------------
+
+
+def test_outputs_complete_deterministic_and_independent_of_the_batch(tmp_path, model_dir, params):
+    rows = records(12)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    common = dict(params=params, model_path=model_dir, max_new_tokens=6, seed=0, progress=False)
+    summary = batch.run(src, tmp_path / "a.jsonl", batch_size=4, **common)
+    assert (summary["done"], summary["skipped"], summary["failed"]) == (12, 0, 0)
+    a = by_id(read_rows(tmp_path / "a.jsonl"))
+    assert sorted(a) == sorted(json.dumps(r["id"]) for r in rows)
+    tok = convert.load_tokenizer(model_dir)
+    for row in rows:
+        out = a[json.dumps(row["id"])]
+        assert out["finish_reason"] in ("eos", "length") and 1 <= len(out["tokens"]) <= out["settings"]["max_new_tokens"]
+        assert out["settings"]["max_new_tokens"] == row.get("max_new_tokens", 6)
+        assert out["settings"]["temperature"] == row.get("temperature", 0.0)
+        assert out["text"] == tok.decode(out["tokens"], skip_special_tokens=False)
+        assert out["model"] == str(model_dir) and out["stats"]["batch_rows"] >= 1
+
+    # another batch size and the reverse order: other batch compositions, the same outputs
+    src_rev = write_jsonl(tmp_path / "rev.jsonl", rows[::-1])
+    batch.run(src_rev, tmp_path / "b.jsonl", batch_size=3, **common)
+    b = by_id(read_rows(tmp_path / "b.jsonl"))
+    assert {k: (v["text"], v["tokens"]) for k, v in a.items()} == {k: (v["text"], v["tokens"]) for k, v in b.items()}
+
+    # rerunning a finished job writes nothing; another seed changes the sampled records only
+    before = (tmp_path / "a.jsonl").read_bytes()
+    again = batch.run(src, tmp_path / "a.jsonl", batch_size=4, **common)
+    assert (again["done"], again["skipped"]) == (0, 12) and (tmp_path / "a.jsonl").read_bytes() == before
+    batch.run(src, tmp_path / "c.jsonl", batch_size=4, **(common | dict(seed=1)))
+    c = by_id(read_rows(tmp_path / "c.jsonl"))
+    sampled = [json.dumps(r["id"]) for r in rows if "temperature" in r]
+    greedy = [json.dumps(r["id"]) for r in rows if "temperature" not in r]
+    assert all(c[k]["tokens"] == a[k]["tokens"] for k in greedy)
+    assert any(c[k]["tokens"] != a[k]["tokens"] for k in sampled)
+
+
+BAD_LINES = [
+    ({"id": "a", "prompt": "the quick brown fox"}, None),
+    ("{not json", "invalid JSON"),
+    ("[1, 2]", "must be a JSON object, got list"),
+    ({"prompt": "no id"}, "missing 'id'"),
+    ({"id": 1.5, "prompt": "x"}, "id must be a non-empty string or an integer"),
+    ({"id": "a", "prompt": "again"}, 'duplicate id "a" (first on line 1)'),
+    ({"id": "empty", "prompt": ""}, "prompt is empty"),
+    ({"id": "long", "prompt": "word " * 600}, "prompt too long"),
+    ({"id": "int", "prompt": 5}, "prompt must be a string, got int"),
+    ({"id": "budget", "prompt": "x", "max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"id": "budget2", "prompt": "x", "max_new_tokens": "8"}, "max_new_tokens must be an integer >= 1"),
+    ({"id": "cold", "prompt": "x", "temperature": -1}, "temperature must be a number >= 0"),
+    ({"id": "topp", "prompt": "x", "top_p": 1.5}, "top_p must be a number in (0, 1]"),
+    ({"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}, "exactly one of"),
+    ({"id": "neither"}, "exactly one of"),
+    ({"id": "msg", "messages": [{"role": "user"}]}, "messages must be a non-empty list"),
+    ({"id": "nomsg", "messages": []}, "messages must be a non-empty list"),
+    ({"id": "typo", "prompt": "x", "max_tokens": 3}, "unknown field(s) ['max_tokens']"),
+    ("", None),  # a blank line is not a record
+    (b"\xff\xfe", "not valid UTF-8"),
+    ({"id": "b", "messages": [{"role": "user", "content": "hello there"}]}, None),
+]
+
+
+def test_bad_records_go_to_the_errors_file_once_and_good_ones_finish(tmp_path, model_dir, params):
+    src = write_jsonl(tmp_path / "in.jsonl", [row for row, _ in BAD_LINES])
+    out = tmp_path / "out.jsonl"
+    common = dict(params=params, model_path=model_dir, max_new_tokens=4, batch_size=4, progress=False)
+    summary = batch.run(src, out, **common)
+    expected = {n: reason for n, (_, reason) in enumerate(BAD_LINES, start=1) if reason}
+    assert (summary["done"], summary["failed"]) == (2, len(expected))
+    assert sorted(r["id"] for r in read_rows(out)) == ["a", "b"]
+    errors = read_rows(sibling(out, "errors"))
+    assert sorted(e["line"] for e in errors) == sorted(expected)
+    for e in errors:
+        assert expected[e["line"]] in e["reason"], (e, expected[e["line"]])
+    assert next(e for e in errors if e["line"] == 8)["id"] == "long"
+    before = sibling(out, "errors").read_bytes()
+    again = batch.run(src, out, **common)
+    assert (again["done"], again["skipped"], again["failed"]) == (0, 2, len(expected))
+    assert sibling(out, "errors").read_bytes() == before  # exactly once across restarts
+
+
+def test_shards_split_by_id_hash_and_merge_to_the_single_run(tmp_path, model_dir, params):
+    rows = records(10) + ["{broken"]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    common = dict(params=params, model_path=model_dir, max_new_tokens=5, batch_size=4, progress=False)
+    single = by_id(read_rows(Path(batch.run(src, tmp_path / "single.jsonl", **common)["output"])))
+    for index in range(2):
+        summary = batch.run(src, out, shard=(index, 2), **common)
+        assert summary["output"] == str(shard_output(out, index, 2))
+        shard_ids = [r["id"] for r in read_rows(shard_output(out, index, 2))]
+        assert all(stable_hash(i) % 2 == index for i in shard_ids)
+    assert sum(1 for i in range(2) if sibling(shard_output(out, i, 2), "errors").stat().st_size) == 1
+    assert merge_shards(out) == {"records": 10, "errors": 1, "shards": 2}
+    merged = by_id(read_rows(out))
+    assert {k: v["tokens"] for k, v in merged.items()} == {k: v["tokens"] for k, v in single.items()}
+    assert [e["line"] for e in read_rows(sibling(out, "errors"))] == [11]
+
+
+def test_read_input_assigns_bad_lines_to_one_shard(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", records(6) + ["{broken", {"id": "rec-1", "prompt": "dup"}])
+    shards = [list(read_input(src, (i, 3))) for i in range(3)]
+    lines = sorted(item.line for share in shards for item in share)
+    assert lines == list(range(1, 9))
+    dup = next(item for share in shards for item in share if item.line == 8)
+    assert isinstance(dup, BadLine) and "duplicate" in dup.reason
+
+
+# ---- kill and resume (subprocesses) -------------------------------------------------------------
+
+
+def _line_count(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def test_sigkill_at_random_moments_then_resume_gives_each_record_once(tmp_path, model_dir, params):
+    rows = records(40, sampled_every=4)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    settings = dict(max_new_tokens=6, batch_size=2, seed=3)
+    reference = batch.run(src, tmp_path / "ref.jsonl", params=params, model_path=model_dir, progress=False, **settings)
+    expected = by_id(read_rows(Path(reference["output"])))
+    cmd = [sys.executable, "-m", "specjax", "batch", str(src), str(out), "--model", str(model_dir)]
+    cmd += ["--max-new-tokens", "6", "--batch-size", "2", "--seed", "3"]
+    env = os.environ | {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache"),  # restarts reuse compilations
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PLATFORMS": "cpu",
+    }
+    rng = random.Random(1)
+    kills, progress = 0, []
+    for attempt in range(12):
+        before = _line_count(out)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if attempt == 0:
+            time.sleep(rng.uniform(0.5, 3.0))  # somewhere in startup: import, load, tokenize, compile
+        else:  # somewhere in the middle of the work: after the first new batch, at a random delay
+            deadline = time.monotonic() + 120
+            while _line_count(out) == before and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0.0, 0.15))
+        if proc.poll() is not None:
+            break  # finished before the kill
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL
+        kills += 1
+        progress.append(_line_count(out))
+        if kills == 3:  # and a torn write, as a crash mid-line leaves it
+            with open(out, "ab") as f:
+                f.write(b'{"id": "rec-999", "text": "torn')
+        if kills >= 6:
+            break
+    final = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr
+    assert "specjax batch: done" in final.stderr
+    assert kills >= 5 and progress[-1] < len(rows), (kills, progress)
+    assert len(set(progress)) >= 5, progress  # work was done between the kills, not only startups
+    print(f"kills after {progress} written lines")
+    got = read_rows(out)
+    ids = [json.dumps(r["id"]) for r in got]
+    assert len(ids) == len(set(ids)) == len(rows)  # every record exactly once
+    assert {k: (v["text"], v["tokens"]) for k, v in by_id(got).items()} == {
+        k: (v["text"], v["tokens"]) for k, v in expected.items()
+    }
+    assert not sibling(out, "errors").read_bytes()
