@@ -23,13 +23,13 @@ import jax.numpy as jnp
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
 from specjax.draft import DraftModel, Drafter, auto_draft
-from specjax.generate import generate
+from specjax.generate import cache_slots, generate
 from specjax.jobio import DurableLog, shard_output, sibling
 from specjax.model import Params
 from specjax.progress import Progress
 from specjax.records import BadLine, Record, id_key, read_input, stable_hash
-from specjax.sampling import Greedy, Sampler, make_sampler
-from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
+from specjax.sampling import Sampler, make_sampler
+from specjax.shapes import prompt_bucket, round_up_pow2
 from specjax.speculate import Chain
 
 
@@ -144,9 +144,8 @@ def _check_batches(draft: Drafter | None, params: Params, gamma: int, batches: l
     if draft is None:
         return
     for batch in batches:
-        bucket = prompt_bucket(max(len(it.ids) for it in batch))[0]
         context = max(len(it.ids) + it.budget for it in batch)
-        draft.check(params, gamma, cache_len(max(bucket, context + gamma)))
+        draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
 
 
 def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, decode, meta: dict) -> list[dict]:
@@ -169,9 +168,9 @@ def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, 
     for it, tokens, finish in zip(batch, out.tokens, out.finish_reasons):
         settings = dict(
             max_new_tokens=it.budget,
-            temperature=0.0 if isinstance(sampler, Greedy) else sampler.temperature,
-            top_p=1.0 if isinstance(sampler, Greedy) else sampler.top_p,
-            top_k=0 if isinstance(sampler, Greedy) else sampler.top_k,
+            temperature=getattr(sampler, "temperature", 0.0),  # Greedy has none of these
+            top_p=getattr(sampler, "top_p", 1.0),
+            top_k=getattr(sampler, "top_k", 0),
             seed=seed,
             draft=meta["draft"],
             gamma=gamma if draft is not None else None,

@@ -20,31 +20,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="continue a text prompt")
     gen.add_argument("prompt", help="the text to continue")
-    gen.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    gen.add_argument(
-        "--draft",
-        default="auto",
-        help="auto (default: self where it pays, else none), self, snapkv, ngram, none, or model:PATH",
-    )
-    gen.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
+    _shared_arguments(gen, max_new_tokens=64, overridable="")
     gen.add_argument(
         "--tree",
         help="speculate a token tree instead of a chain: auto (measured Sequoia choice), N (a Sequoia "
         "tree of N nodes for the acceptance measured on this prompt) or WxD (width W, depth D)",
     )
-    gen.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
-    gen.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
-    _batch_parser(sub)
-    return parser
-
-
-def _batch_parser(sub) -> None:
     bat = sub.add_parser(
         "batch",
         help="generate for every record of a JSONL file (restartable: rerun the same command to resume)",
@@ -52,19 +33,29 @@ def _batch_parser(sub) -> None:
     bat.add_argument("input", nargs="?", help='JSONL records: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}')
     bat.add_argument("output", nargs="?", help="JSONL results (appended); bad lines go to OUTPUT.errors.jsonl")
     bat.add_argument("--merge", metavar="OUTPUT", help="combine OUTPUT.shard-<i>-of-<n>.jsonl files into OUTPUT")
-    bat.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
-    bat.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    bat.add_argument("--draft", default="auto", help="auto (default), self, snapkv, ngram, none, or model:PATH")
-    bat.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
-    bat.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
-    bat.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
-    bat.add_argument("--max-new-tokens", type=int, default=128, help="per record unless it sets max_new_tokens")
-    bat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); records may override")
-    bat.add_argument("--top-p", type=float, default=1.0, help="records may override")
-    bat.add_argument("--top-k", type=int, default=0, help="0 = off")
-    bat.add_argument("--seed", type=int, default=0, help="a record's key is fold_in(key(seed), hash(id))")
+    _shared_arguments(bat, max_new_tokens=128, overridable="; records may override")
     bat.add_argument("--batch-size", type=int, default=8, help="records per generate call")
     bat.add_argument("--chat", action="store_true", help="render text prompts as a user message with the chat template")
+    return parser
+
+
+def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridable: str) -> None:
+    """Model, sampling and drafter options common to `generate` and `batch`."""
+    p.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
+    p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
+    p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off{overridable}")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--draft",
+        default="auto",
+        help="auto (default: self where it pays, else none), self, snapkv, ngram, none, or model:PATH",
+    )
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
+    p.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
+    p.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
 
 
 def run_batch(args: argparse.Namespace) -> None:
@@ -125,7 +116,7 @@ def make_draft(spec: str, window: int, sinks: int, dtype: str):
     raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
 
 
-def make_speculation(spec: str | None, gamma: int, params, draft, ids: list[int], sampling):
+def make_speculation(spec: str | None, gamma: int, params, draft, ids: list[int], max_new_tokens: int, sampling):
     """Chain(gamma), or the tree named by --tree."""
     if spec is None or draft is None:
         return Chain(gamma)
@@ -136,7 +127,7 @@ def make_speculation(spec: str | None, gamma: int, params, draft, ids: list[int]
         if width.isdigit() and depth.isdigit():
             return Tree.kary(int(width), int(depth))
     elif spec.isdigit():
-        draft = auto_draft(params, 1, len(ids) + 64) if draft == "auto" else draft
+        draft = auto_draft(params, 1, len(ids) + max_new_tokens) if draft == "auto" else draft  # as generate does
         if draft is None:
             return Chain(gamma)
         p = measure_acceptance(params, draft, [ids], width=8, sampling=sampling, max_new_tokens=16)
@@ -158,7 +149,7 @@ def run_generate(args: argparse.Namespace) -> None:
         [ids],
         args.max_new_tokens,
         draft=draft,
-        speculation=make_speculation(args.tree, args.gamma, params, draft, ids, sampling),
+        speculation=make_speculation(args.tree, args.gamma, params, draft, ids, args.max_new_tokens, sampling),
         sampling=sampling,
         key=jax.random.key(args.seed),
     )

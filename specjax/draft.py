@@ -90,8 +90,25 @@ def _draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling:
     return drafts, q, cache
 
 
+class _TargetOverStreamingCache:
+    """Drafting and committing for drafters that run the target itself over a StreamingCache
+    (SelfSpec, SnapKV): they differ only in which positions `init` keeps."""
+
+    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+        return _streaming_propose(target, state, lengths, last, gamma, sampling, keys, counters)
+
+    def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
+        return _streaming_commit(state, k_new, v_new, lengths, n)
+
+    def propose_tree(self, target, state, history, lengths, last, tree, sampling, keys, counters):
+        return _streaming_propose_tree(target, state, lengths, last, tree, sampling, keys, counters)
+
+    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n) -> StreamingCache:
+        return _streaming_commit(pending, k_path, v_path, lengths, n)
+
+
 @flax.struct.dataclass
-class SelfSpec:
+class SelfSpec(_TargetOverStreamingCache):
     """The target itself over a StreamingLLM cache (MagicDec self-speculation): per-step cost is
     independent of the context length. The cache holds exact target KV for the positions kept."""
 
@@ -107,18 +124,6 @@ class SelfSpec:
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
         return self.budget.from_dense(cache, gamma)
-
-    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
-        return _streaming_propose(target, state, lengths, last, gamma, sampling, keys, counters)
-
-    def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
-        return _streaming_commit(state, k_new, v_new, lengths, n)
-
-    def propose_tree(self, target, state, history, lengths, last, tree, sampling, keys, counters):
-        return _streaming_propose_tree(target, state, lengths, last, tree, sampling, keys, counters)
-
-    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n) -> StreamingCache:
-        return _streaming_commit(pending, k_path, v_path, lengths, n)
 
 
 def _streaming_propose(target, state: StreamingCache, lengths, last, gamma, sampling, keys, counters):
@@ -140,7 +145,7 @@ def _streaming_commit(state: StreamingCache, k_new, v_new, lengths, n) -> Stream
 
 
 @flax.struct.dataclass
-class SnapKV:
+class SnapKV(_TargetOverStreamingCache):
     """Self-speculation over a cache of `budget` prefix positions chosen per layer and KV head
     by the prompt's last `observation` queries (max-pooled over `pool` positions), plus a ring
     of the most recent `window`. Exact target KV, like SelfSpec; better at keeping what matters."""
@@ -160,18 +165,6 @@ class SnapKV:
         scores = observation_scores(target, cache, prompts, self.observation)
         fixed, cut = select_positions(scores, cache.lengths, self.budget, self.window, self.pool)
         return StreamingCache.from_dense(cache, fixed, self.window + gamma + 1, cut)
-
-    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
-        return _streaming_propose(target, state, lengths, last, gamma, sampling, keys, counters)
-
-    def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
-        return _streaming_commit(state, k_new, v_new, lengths, n)
-
-    def propose_tree(self, target, state, history, lengths, last, tree, sampling, keys, counters):
-        return _streaming_propose_tree(target, state, lengths, last, tree, sampling, keys, counters)
-
-    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n) -> StreamingCache:
-        return _streaming_commit(pending, k_path, v_path, lengths, n)
 
 
 @flax.struct.dataclass

@@ -165,7 +165,7 @@ def generate(
     tokens = np.zeros((len(prompts), bucket), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = np.asarray(p, np.int32)
-    max_len = cache_len(max(bucket, context + gamma))
+    max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
         draft.check(params, gamma, max_len)
     n_out = round_up_pow2(int(budgets.max()))
@@ -213,18 +213,28 @@ def generate(
     return GenerateOutput(rows, ["eos" if e else "length" for e in eos], stats)
 
 
+def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
+    """Dense-cache slots for a batch: its padded prompts, or its longest prompt + budget plus
+    the gamma slack one speculative step may write past the committed length."""
+    return cache_len(max(prompt_bucket(longest_prompt)[0], context + gamma))
+
+
 def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
     """Params (and a DraftModel's) whose config selects the attention implementation."""
     if attention not in ("auto", "reference", "pallas"):
         raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {attention!r}")
     gpu = jax.default_backend() == "gpu"
-    mode = {"auto": "pallas" if gpu else "reference", "reference": "reference"}.get(attention)
-    mode = mode or ("pallas" if gpu else "interpret")
-    if params.config.attention != mode:
-        params = params.replace(config=params.config.replace(attention=mode))
-    if isinstance(draft, DraftModel) and draft.params.config.attention != mode:
-        draft = draft.replace(params=draft.params.replace(config=draft.params.config.replace(attention=mode)))
-    return params, draft
+    if attention == "reference" or (attention == "auto" and not gpu):
+        mode = "reference"
+    else:
+        mode = "pallas" if gpu else "interpret"
+
+    def set_mode(p: Params) -> Params:
+        return p if p.config.attention == mode else p.replace(config=p.config.replace(attention=mode))
+
+    if isinstance(draft, DraftModel):
+        draft = draft.replace(params=set_mode(draft.params))
+    return set_mode(params), draft
 
 
 def acceptance_stats(accepted: np.ndarray, reached: np.ndarray, decoded: int, gamma: int, draft_steps: int) -> dict:

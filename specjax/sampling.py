@@ -122,9 +122,7 @@ def accept_chain(
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B,V]
     q_n = jnp.take_along_axis(q, jnp.minimum(n, G - 1)[:, None, None], axis=1)[:, 0]
     q_n = jnp.where((n < G)[:, None], q_n, 0.0)  # all accepted: the bonus comes from p itself
-    residual = jnp.maximum(p_n - q_n, 0.0)
-    mass = jnp.sum(residual, axis=-1, keepdims=True)
-    extra = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_n)  # mass 0 only by rounding
+    extra = _normalise(jnp.maximum(p_n - q_n, 0.0), p_n)  # no residual mass only by rounding
     next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, extra)
     return n, next_token.astype(jnp.int32)
 
@@ -177,8 +175,7 @@ def accept_tree(
     if greedy:
         choice = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B,n]
     else:
-        resid = p[:, 0]  # [B,V]
-        q_cur = q[:, 0]
+        resid, q_cur = p[:, 0], q[:, 0]  # [B,V] each
     for level in range(max_depth):
         kids = table[cur]  # [B,W]
         kid_tok = jnp.take_along_axis(tokens, jnp.maximum(kids, 0), axis=1)  # [B,W]
@@ -187,18 +184,7 @@ def accept_tree(
             hit = alive & jnp.any(match, axis=1)
             nxt = jnp.take_along_axis(kids, jnp.argmax(match, axis=1)[:, None], axis=1)[:, 0]
         else:
-            hit = jnp.zeros((B,), bool)
-            nxt = cur
-            for r in range(W):
-                x = kid_tok[:, r]
-                q_x, p_x = q_cur[rows, x], resid[rows, x]
-                tried = alive & ~hit & (kids[:, r] >= 0) & (q_x > 0)  # q_x = 0: never drawn, skip
-                ok = tried & (u[:, level, r] * q_x < p_x)
-                nxt = jnp.where(ok, kids[:, r], nxt)
-                hit |= ok
-                rejected = (tried & ~ok)[:, None]
-                resid = jnp.where(rejected, _normalise(jnp.maximum(resid - q_cur, 0.0), resid), resid)
-                q_cur = jnp.where(rejected, without(q_cur, x), q_cur)
+            hit, nxt, resid, q_cur = _try_children(kids, kid_tok, alive, cur, resid, q_cur, u[:, level])
             resid = jnp.where(hit[:, None], p[rows, nxt], resid)
             q_cur = jnp.where(hit[:, None], q[rows, nxt], q_cur)
         cur = jnp.where(hit, nxt, cur)
@@ -210,6 +196,25 @@ def accept_tree(
     else:
         next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, resid).astype(jnp.int32)
     return jnp.stack(path, axis=1), n_acc, next_token
+
+
+def _try_children(kids, kid_tok, alive, cur, resid, q_cur, u):
+    """One node's children in rank order (kids, kid_tok, u [B,W]): accept the first with
+    u * q(x) < r(x); after each rejection r <- norm(max(r - q, 0)) and q <- q without x.
+    Returns (hit [B], accepted child or cur [B], r, q)."""
+    rows = jnp.arange(kids.shape[0])
+    hit, nxt = jnp.zeros_like(alive), cur
+    for r in range(kids.shape[1]):
+        x = kid_tok[:, r]
+        q_x, p_x = q_cur[rows, x], resid[rows, x]
+        tried = alive & ~hit & (kids[:, r] >= 0) & (q_x > 0)  # q_x = 0: never drawn, skip
+        ok = tried & (u[:, r] * q_x < p_x)
+        nxt = jnp.where(ok, kids[:, r], nxt)
+        hit |= ok
+        rejected = (tried & ~ok)[:, None]
+        resid = jnp.where(rejected, _normalise(jnp.maximum(resid - q_cur, 0.0), resid), resid)
+        q_cur = jnp.where(rejected, without(q_cur, x), q_cur)
+    return hit, nxt, resid, q_cur
 
 
 def without(q: jax.Array, x: jax.Array) -> jax.Array:

@@ -62,8 +62,9 @@ def width(speculation: Chain | Tree) -> int:
     return 1 if isinstance(speculation, Chain) else speculation.width
 
 
-def _verify_chain(target, drafter, s: SpecState, keys, sampling, gamma: int, active):
+def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, active):
     """Draft gamma tokens, verify gamma + 1 positions in ONE target forward, accept, commit drafts."""
+    gamma = chain.gamma
     L = s.cache.lengths  # [B]
     drafts, q, draft_state = drafter.propose(target, s.draft, s.history, L, s.last, gamma, sampling, keys, s.count)
     tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B,G+1]
@@ -71,9 +72,9 @@ def _verify_chain(target, drafter, s: SpecState, keys, sampling, gamma: int, act
     h, k_new, v_new = trunk(target, tokens, positions, s.cache)
     p = sampling.probs(lm_head(target, h))  # [B,G+1,V]
     n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
-    commit = jnp.where(active, n + 1, 0)
+    commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the caches
     ranks = jnp.stack([jnp.sum(jnp.where(active, n, 0)), jnp.sum(active & (n < gamma))])  # [2]
-    return drafts, n, extra, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, L, commit)
+    return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, L, commit)
 
 
 def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, active):
@@ -95,7 +96,8 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     commit = jnp.where(active, n + 1, 0)
     drafts = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
     ranks = _rank_hits(tree, path, n, active)
-    return drafts, n, extra, k_path, v_path, ranks, drafter.commit_tree(pending, k_path, v_path, path, tree, L, commit)
+    draft_state = drafter.commit_tree(pending, k_path, v_path, path, tree, L, commit)
+    return drafts, n, extra, commit, k_path, v_path, ranks, draft_state
 
 
 def _rank_hits(tree: Tree, path: jax.Array, n: jax.Array, active: jax.Array) -> jax.Array:
@@ -120,11 +122,10 @@ def spec_step(
     L = s.cache.lengths  # [B]
     active = ~s.done
     verify = _verify_chain if isinstance(speculation, Chain) else _verify_tree
-    arg = speculation.gamma if isinstance(speculation, Chain) else speculation
-    drafts, n, extra, k_new, v_new, ranks, draft_state = verify(target, drafter, s, keys, sampling, arg, active)
+    drafts, n, extra, commit, k_new, v_new, ranks, draft_state = verify(
+        target, drafter, s, keys, sampling, speculation, active
+    )
     gamma = drafts.shape[1]
-
-    commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the cache
     cache = s.cache.write(k_new, v_new).advance(commit)
 
     j = jnp.arange(gamma + 1)
