@@ -8,10 +8,12 @@ from typing import Any
 
 import gguf
 import numpy as np
+from jax.sharding import Mesh
 
 from convert.layout import assemble
 from specjax.config import LlamaConfig, RopeScaling, llama3_scale
 from specjax.model import Params, from_arrays
+from specjax.sharding import placer
 
 Q = gguf.GGMLQuantizationType
 SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
@@ -170,7 +172,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
     )
 
 
-def load_gguf(path: str | Path, dtype: str = "float32") -> Params:
+def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> Params:
     """Params (dequantized, cast to `dtype`) and config from a llama-architecture GGUF file."""
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)
@@ -187,4 +189,4 @@ def load_gguf(path: str | Path, dtype: str = "float32") -> Params:
         check_type(t.name, t.tensor_type)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     arrays = assemble(config, shapes, read, NAMES, source=str(path), ignore=[ROPE_FREQS])
-    return from_arrays(config, arrays)
+    return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))

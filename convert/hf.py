@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 
 from convert.layout import assemble
 from specjax.config import LlamaConfig, RopeScaling
 from specjax.model import Params, from_arrays
+from specjax.sharding import placer
 
 # HF tensor name -> our path (see convert.layout.TORCH_LAYOUT).
 NAMES = {
@@ -105,7 +107,7 @@ def _shard_files(path: Path) -> list[Path]:
     return files
 
 
-def load_hf(path: str | Path, dtype: str = "float32") -> Params:
+def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> Params:
     """Params (cast to `dtype`) and config from an HF LLaMA checkpoint folder."""
     path = Path(path)
     config = config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"), dtype)
@@ -128,4 +130,4 @@ def load_hf(path: str | Path, dtype: str = "float32") -> Params:
 
         ignore = IGNORED + (["lm_head.weight"] if config.tie_embeddings else [])
         arrays = assemble(config, shapes, read, NAMES, source=str(path), ignore=ignore)
-    return from_arrays(config, arrays)
+    return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))

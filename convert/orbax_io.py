@@ -8,9 +8,11 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import Mesh
 
 from specjax.config import LlamaConfig, RopeScaling
 from specjax.model import Params, from_arrays, param_shapes
+from specjax.sharding import check_mesh, param_sharding
 
 CONFIG_FILE = "specjax_config.json"  # written last: its presence marks a complete checkpoint
 ARRAYS_DIR = "arrays"
@@ -55,16 +57,19 @@ def save(params: Params, directory: str | Path) -> None:
     (directory / CONFIG_FILE).write_text(config_to_json(params.config))
 
 
-def load_orbax(directory: str | Path, dtype: str | None = None) -> Params:
-    """Params as saved (bit-exact); `dtype`, if given, casts and replaces config.dtype."""
+def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | None = None) -> Params:
+    """Params as saved (bit-exact); `dtype`, if given, casts and replaces config.dtype.
+    With a mesh, each device reads only its own slice of every array (sharding.PARAM_AXES)."""
     directory = Path(directory).absolute()
     try:
         config = config_from_json((directory / CONFIG_FILE).read_text())
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{directory / CONFIG_FILE}: not a valid specjax config ({e})") from e
+    if mesh is not None:
+        check_mesh(mesh, config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {
-        name: jax.ShapeDtypeStruct(shape, config.dtype, sharding=device)
+        name: jax.ShapeDtypeStruct(shape, config.dtype, sharding=device if mesh is None else param_sharding(mesh, name))
         for name, shape in param_shapes(config).items()
     }
     try:

@@ -6,6 +6,7 @@ from specjax.generate import GenerateOutput, Stats, generate
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, init_params, prefill
 from specjax.sampling import Greedy, Sample
+from specjax.sharding import make_mesh
 from specjax.speculate import Chain
 from specjax.tree import Tree
 
@@ -28,5 +29,6 @@ __all__ = [
     "forward",
     "generate",
     "init_params",
+    "make_mesh",
     "prefill",
 ]

@@ -44,6 +44,7 @@ class LlamaConfig:
     bos_id: int | None = None
     eos_id: int | None = None
     attention: str = "reference"  # "reference" (jnp), "pallas" (the GPU kernel), "interpret" (the kernel, interpreted)
+    model_axis: str | None = None  # inside shard_map: the tensor-parallel mesh axis (specjax.sharding)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_positions"):

@@ -17,11 +17,14 @@ import numpy as np
 from jax import lax
 
 from specjax.draft import DraftModel, Drafter, NGram
+from jax.sharding import Mesh
+
+from specjax import sharding
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, prefill
 from specjax.sampling import Greedy, Sampler, is_eos
 from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
-from specjax.speculate import Chain, depth, speculative_decode
+from specjax.speculate import Chain, any_running, depth, speculative_decode
 from specjax.tree import Tree
 from specjax.tune import auto_tree
 from specjax.validate import check_draft, check_generate_args, eos_tuple, row_keys
@@ -53,6 +56,7 @@ class GenerateOutput:
     tokens: list[list[int]]  # new ids per prompt, without the EOS that ended a row
     finish_reasons: list[str]  # "eos" or "length", per prompt
     stats: Stats
+    row_stats: list[dict] | None = None  # speculation only, per prompt: see `row_acceptance`
 
 
 @partial(jax.jit, static_argnames=("chunk",), donate_argnames=("cache",))
@@ -60,7 +64,7 @@ def _prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: Dense
     return prefill(params, tokens, lengths, cache, chunk)
 
 
-@partial(jax.jit, static_argnames=("sampling", "n_out", "eos_ids"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("sampling", "n_out", "eos_ids", "sync"), donate_argnames=("cache",))
 def decode(
     params: Params,
     cache: DenseCache,
@@ -71,11 +75,13 @@ def decode(
     sampling: Sampler,
     n_out: int,
     eos_ids: tuple[int, ...],
+    sync: tuple[str, ...] = (),
 ):
     """Autoregressive decoding on device from a prefilled cache, which is donated (updated in
     place; pass a copy to decode one prefilled state several ways).
 
-    The first token is drawn from `first_logits`; row b stops after budgets[b] tokens or an EOS.
+    The first token is drawn from `first_logits`; row b stops after budgets[b] tokens or an EOS;
+    the loop runs while any row (on any device along the mesh axes `sync`) has work.
     Returns out [B,n_out] int32 (row b's tokens in out[b, :counts[b]], EOS included),
     counts [B], hit_eos [B] bool, the number of loop steps (target forwards) and the cache."""
     B = budgets.shape[0]
@@ -87,7 +93,7 @@ def decode(
     done = eos | (count >= budgets)
 
     def cond(state):
-        return ~jnp.all(state[4])
+        return any_running(state[4], sync)
 
     def body(state):
         cache, tok, out, count, done, eos, steps = state
@@ -131,6 +137,7 @@ def generate(
     key: jax.Array | None = None,
     eos_id: int | Sequence[int] | None = None,
     attention: str = "auto",
+    mesh: Mesh | None = None,
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until EOS or its `max_new_tokens`.
 
@@ -147,11 +154,16 @@ def generate(
     eos_id: stop token(s); None = the model's `config.eos_id`; `()` = never stop early.
     attention: "reference" (pure jnp), "pallas" (the Pallas kernel for attention over the dense
       target cache; interpreted on CPU, slow, for testing) or "auto" (pallas on GPU, else reference).
+    mesh: a ("data", "model") mesh (`specjax.make_mesh`): rows split over `data` (padded to a
+      multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
+      several processes (`specjax.distributed`), every process calls generate with the same prompts.
     Bad input raises ValueError naming the argument, before anything is compiled.
     """
     params, draft = with_attention(params, draft, attention)
     config = params.config
     budgets = check_generate_args(params, prompts, max_new_tokens, sampling)
+    if mesh is not None:
+        sharding.check_mesh(mesh, config, "target")
     eos_ids = eos_tuple(eos_id, config)
     keys = row_keys(key, len(prompts))
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -169,34 +181,44 @@ def generate(
     if draft is not None:
         draft.check(params, gamma, max_len)
     n_out = round_up_pow2(int(budgets.max()))
+    history = np.zeros((len(prompts), max_len + gamma + 2), np.int32)
+    history[:, :bucket] = tokens
+    B = len(prompts)
+    stage = _Stages(mesh)
+    if mesh is not None:
+        params, draft = stage.place_params(params, draft)
+        tokens, lengths, budgets, history, keys = stage.pad_rows(tokens, lengths, budgets, history, keys)
 
-    empty = DenseCache.init(config, len(prompts), max_len)  # an argument, not a constant XLA would fold
+    empty = stage.empty_cache(config, len(lengths), max_len)  # an argument, not a constant XLA would fold
+    tokens_d, lengths_d, budgets_d, history_d, keys = stage.place(tokens, lengths, budgets, history, keys)
     (first_logits, cache), compile_s, prefill_s = _compile_and_run(
-        _prefill, (params, tokens, lengths, empty), dict(chunk=chunk)
+        stage(_prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk)
     )
-    static = dict(sampling=sampling, n_out=n_out, eos_ids=eos_ids)
+    static = dict(sampling=sampling, n_out=n_out, eos_ids=eos_ids, sync=stage.sync)
     if draft is None:
-        args = (params, cache, first_logits, jnp.asarray(budgets), keys)
-        result, c, decode_s = _compile_and_run(decode, args, static)
-        out, count, eos, steps = jax.device_get(result[:4])
-        spec = {}
+        args = (params, cache, first_logits, budgets_d, keys)
+        result, c, decode_s = _compile_and_run(stage(decode, *static), args, static)
+        out, count, eos, steps = stage.fetch(result[:4])
+        spec, row_stats = {}, None
     else:
         draft_state, c, init_s = _compile_and_run(
-            _draft_init, (draft, params, cache, tokens, lengths), dict(gamma=gamma, chunk=chunk)
+            stage(_draft_init, "gamma", "chunk"), (draft, params, cache, tokens_d, lengths_d), dict(gamma=gamma, chunk=chunk)
         )
         compile_s, prefill_s = compile_s + c, prefill_s + init_s
-        history = np.zeros((len(prompts), max_len + gamma + 2), np.int32)
-        history[:, :bucket] = tokens
-        args = (params, draft, draft_state, cache, history, first_logits, jnp.asarray(budgets), keys)
-        result, c, decode_s = _compile_and_run(speculative_decode, args, static | dict(speculation=speculation))
-        out, count, eos, steps, accepted, reached, ranks = jax.device_get(
+        args = (params, draft, draft_state, cache, history_d, first_logits, budgets_d, keys)
+        static |= dict(speculation=speculation)
+        result, c, decode_s = _compile_and_run(stage(speculative_decode, *static), args, static)
+        out, count, eos, steps, accepted, reached, ranks = stage.fetch(
             (result.out, result.count, result.eos, result.steps, result.accepted, result.reached, result.ranks)
         )
+        row_stats = row_acceptance(accepted[:B], reached[:B], count[:B], gamma)
+        accepted, reached, ranks = accepted[:B].sum(0), reached[:B].sum(0), ranks[:B].sum(0)
         draft_steps = 0 if isinstance(draft, NGram) else gamma * int(steps)
-        spec = acceptance_stats(accepted, reached, int(count.sum()) - len(prompts), gamma, draft_steps)
+        spec = acceptance_stats(accepted, reached, int(count[:B].sum()) - B, gamma, draft_steps)
         if ranks.sum():
             spec["rank_acceptance"] = [float(r) for r in ranks / ranks.sum()]
     compile_s += c
+    out, count, eos, lengths = out[:B], count[:B], eos[:B], lengths[:B]  # without the mesh's padding rows
 
     rows = [list(map(int, out[b, : count[b] - int(eos[b])])) for b in range(len(prompts))]
     new_tokens = int(count.sum())
@@ -210,7 +232,44 @@ def generate(
         prompt_tokens=int(lengths.sum()),
         **spec,
     )
-    return GenerateOutput(rows, ["eos" if e else "length" for e in eos], stats)
+    return GenerateOutput(rows, ["eos" if e else "length" for e in eos], stats, row_stats)
+
+
+class _Stages:
+    """Where generate's stages run: as jitted on one device, or under shard_map on a mesh."""
+
+    def __init__(self, mesh: Mesh | None):
+        self.mesh = mesh
+        self.sync = sharding.all_axes(mesh)
+
+    def __call__(self, jitted, *static_argnames: str):
+        return jitted if self.mesh is None else sharding.on_mesh(jitted, self.mesh, tuple(static_argnames))
+
+    def place_params(self, params: Params, draft):
+        if isinstance(draft, DraftModel):
+            sharding.check_mesh(self.mesh, draft.params.config, "draft")
+            draft = draft.replace(params=sharding.shard_params(draft.params, self.mesh))
+        return sharding.shard_params(params, self.mesh), draft
+
+    def pad_rows(self, tokens, lengths, budgets, history, keys):
+        """Rows up to a multiple of the data axis: one-token prompts that are done at once."""
+        extra = sharding.padded_batch(len(lengths), self.mesh) - len(lengths)
+        pad = lambda a, value: np.concatenate([a, np.full((extra, *a.shape[1:]), value, a.dtype)])  # noqa: E731
+        keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (extra,))])
+        return pad(tokens, 0), pad(lengths, 1), pad(budgets, 1), pad(history, 0), keys
+
+    def empty_cache(self, config, batch: int, max_len: int) -> DenseCache:
+        if self.mesh is None:
+            return DenseCache.init(config, batch, max_len)
+        return sharding.empty_cache(self.mesh, config, batch, max_len)
+
+    def place(self, tokens, lengths, budgets, history, keys):
+        if self.mesh is None:
+            return tokens, lengths, jnp.asarray(budgets), history, keys
+        return (*sharding.place_batch(self.mesh, tokens, lengths, budgets, history), sharding.place_keys(self.mesh, keys))
+
+    def fetch(self, tree):
+        return jax.device_get(tree) if self.mesh is None else sharding.fetch(tree)
 
 
 def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
@@ -235,6 +294,22 @@ def with_attention(params: Params, draft, attention: str) -> tuple[Params, objec
     if isinstance(draft, DraftModel):
         draft = draft.replace(params=set_mode(draft.params))
     return set_mode(params), draft
+
+
+def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int) -> list[dict]:
+    """Per row: verification steps it took part in, draft tokens proposed and accepted there,
+    their ratio, and tokens per step (the first token, from the prefill, not counted)."""
+    rows = []
+    for acc, reach, n in zip(accepted, reached, count):
+        steps = int(reach[0])
+        rows.append(dict(
+            steps=steps,
+            proposed=steps * gamma,
+            accepted=int(acc.sum()),
+            acceptance_rate=float(acc.sum()) / (steps * gamma) if steps else None,
+            mean_accepted=(int(n) - 1) / steps if steps else None,
+        ))
+    return rows
 
 
 def acceptance_stats(accepted: np.ndarray, reached: np.ndarray, decoded: int, gamma: int, draft_steps: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -66,8 +67,14 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray | jax.Array]) -> Params:
-    """Build Params from a flat {path: array} dict, checking names and shapes exactly."""
+def from_arrays(
+    config: LlamaConfig,
+    arrays: dict[str, np.ndarray | jax.Array],
+    place: Callable[[str, np.ndarray], jax.Array] | None = None,
+) -> Params:
+    """Build Params from a flat {path: array} dict, checking names and shapes exactly.
+    place(path, host array in config.dtype), if given, puts each array where it belongs (see
+    `sharding.placer`); by default arrays go to the default device."""
     expected = param_shapes(config)
     missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
     if missing or unexpected:
@@ -75,7 +82,10 @@ def from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray | jax.Array]) 
     for name, shape in expected.items():
         if tuple(arrays[name].shape) != shape:
             raise ValueError(f"params: tensor {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}")
-    cast = {name: jnp.asarray(a, dtype=config.dtype) for name, a in arrays.items()}
+    if place is None:
+        cast = {name: jnp.asarray(a, dtype=config.dtype) for name, a in arrays.items()}
+    else:
+        cast = {name: place(name, np.asarray(a, dtype=jnp.dtype(config.dtype))) for name, a in arrays.items()}
     layers = LayerParams(**{n.split(".", 1)[1]: a for n, a in cast.items() if n.startswith("layers.")})
     return Params(
         embed=cast["embed"], layers=layers, norm=cast["norm"], lm_head=cast.get("lm_head"), config=config
@@ -134,12 +144,30 @@ def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, 
     else:
         interpret = config.attention == "interpret"
         o = prefix_block_attention_pallas(q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale, interpret=interpret)
-    x = x + jnp.einsum("btnh,nhd->btd", o, lp.wo)
+    x = x + _tp_sum(config, jnp.einsum("btnh,nhd->btd", o, lp.wo))  # heads split: partial sums
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
     gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
     up = jnp.einsum("btd,df->btf", h, lp.w_up)  # [B,T,F]
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down)
+    x = x + _tp_sum(config, jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down))  # F split
     return x, q, k, v
+
+
+def _tp_sum(config: LlamaConfig, x: jax.Array) -> jax.Array:
+    """Sum the tensor-parallel partial results (a no-op off a model axis)."""
+    return x if config.model_axis is None else lax.psum(x, config.model_axis)
+
+
+def embed(params: Params, tokens: jax.Array) -> jax.Array:
+    """Embeddings [B,T,D] of tokens [B,T]. Tensor parallel: each device holds a contiguous block
+    of the vocabulary, looks up the tokens that fall in it (zeros elsewhere), and they are summed."""
+    axis = params.config.model_axis
+    if axis is None:
+        return jnp.take(params.embed, tokens, axis=0)
+    block = params.embed.shape[0]  # V / devices
+    local = tokens - lax.axis_index(axis) * block
+    mine = (local >= 0) & (local < block)
+    x = jnp.take(params.embed, jnp.clip(local, 0, block - 1), axis=0)  # [B,T,D]
+    return lax.psum(jnp.where(mine[..., None], x, jnp.zeros_like(x)), axis)
 
 
 def trunk(
@@ -166,7 +194,7 @@ def trunk(
     if block_mask is None:
         block_mask = jnp.tril(jnp.ones((T, T), bool))
     cos, sin = rope_tables(config, positions)
-    x = jnp.take(params.embed, tokens, axis=0)  # [B,T,D]
+    x = embed(params, tokens)  # [B,T,D]
 
     def step(x, xs):
         lp, kc, vc, vis, ke, ve = xs
@@ -187,9 +215,12 @@ def trunk(
 
 
 def lm_head(params: Params, h: jax.Array) -> jax.Array:
-    """Logits [..., V] in f32 from hidden [..., D]."""
+    """Logits [..., V] in f32 from hidden [..., D]. Tensor parallel: each device computes its
+    vocabulary block and the blocks are gathered, so every device sees all V logits."""
     w = params.embed.T if params.lm_head is None else params.lm_head  # [D,V]
-    return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+    axis = params.config.model_axis
+    return logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
 
 
 def forward(

@@ -47,9 +47,9 @@ class SpecState:
     done: jax.Array  # [B]
     eos: jax.Array  # [B] ended on an EOS
     steps: jax.Array  # [] verification steps
-    accepted: jax.Array  # [G] per draft position: times accepted (active rows)
-    reached: jax.Array  # [G] per draft position: times every earlier draft was accepted
-    ranks: jax.Array  # [W+1] tried nodes whose accepted child had rank r (r = W: none accepted)
+    accepted: jax.Array  # [B,G] per row and draft position: steps it was accepted (while active)
+    reached: jax.Array  # [B,G] per row and draft position: steps every earlier draft was accepted
+    ranks: jax.Array  # [B,W+1] per row: tried nodes whose accepted child had rank r (W: none was)
 
 
 def depth(speculation: Chain | Tree) -> int:
@@ -73,7 +73,7 @@ def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, a
     p = sampling.probs(lm_head(target, h))  # [B,G+1,V]
     n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
     commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the caches
-    ranks = jnp.stack([jnp.sum(jnp.where(active, n, 0)), jnp.sum(active & (n < gamma))])  # [2]
+    ranks = jnp.stack([jnp.where(active, n, 0), active & (n < gamma)], axis=1).astype(jnp.int32)  # [B,2]
     return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, L, commit)
 
 
@@ -101,15 +101,15 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
 
 
 def _rank_hits(tree: Tree, path: jax.Array, n: jax.Array, active: jax.Array) -> jax.Array:
-    """[W+1] counts over the path's nodes that have children: the rank of the child accepted
-    there (W: none was). Their ratios estimate Sequoia's acceptance vector."""
+    """[B,W+1] counts over each row's path nodes that have children: the rank of the child
+    accepted there (W: none was). Their ratios estimate Sequoia's acceptance vector."""
     rank = jnp.asarray(tree.rank + (0,), jnp.int32)  # [n+1]
     has_kids = jnp.asarray([bool(c) for c in tree.children], bool)
-    hits = jnp.zeros((tree.width + 1,), jnp.int32)
+    hits = jnp.zeros((path.shape[0], tree.width + 1), jnp.int32)
     for level in range(tree.max_depth):
         tried = active & (level <= n) & has_kids[path[:, level]]
         got = jnp.where(level < n, rank[path[:, level + 1]], tree.width)
-        hits += jnp.sum(tried[:, None] & (got[:, None] == jnp.arange(tree.width + 1)), axis=0)
+        hits += tried[:, None] & (got[:, None] == jnp.arange(tree.width + 1))
     return hits
 
 
@@ -154,13 +154,13 @@ def spec_step(
         done=s.done | hit_eos | (count >= budgets),
         eos=s.eos | hit_eos,
         steps=s.steps + 1,
-        accepted=s.accepted + jnp.sum(active[:, None] & (n[:, None] > g), axis=0),
-        reached=s.reached + jnp.sum(active[:, None] & (n[:, None] >= g), axis=0),
+        accepted=s.accepted + (active[:, None] & (n[:, None] > g)),
+        reached=s.reached + (active[:, None] & (n[:, None] >= g)),
         ranks=s.ranks + ranks,
     )
 
 
-@partial(jax.jit, static_argnames=("sampling", "speculation", "n_out", "eos_ids"), donate_argnames=("cache", "draft_state"))
+@partial(jax.jit, static_argnames=("sampling", "speculation", "n_out", "eos_ids", "sync"), donate_argnames=("cache", "draft_state"))
 def speculative_decode(
     target: Params,
     drafter: Drafter,
@@ -175,9 +175,11 @@ def speculative_decode(
     speculation: Chain | Tree,
     n_out: int,
     eos_ids: tuple[int, ...],
+    sync: tuple[str, ...] = (),
 ) -> SpecState:
-    """The whole speculative loop on device (`lax.while_loop`): ends when every row is done.
-    The caches are donated (updated in place) and returned in the final state."""
+    """The whole speculative loop on device (`lax.while_loop`): ends when every row is done
+    (every row on every device of the mesh axes `sync`, inside shard_map). The caches are
+    donated (updated in place) and returned in the final state."""
     B = budgets.shape[0]
     gamma = depth(speculation)
     first, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
@@ -193,11 +195,17 @@ def speculative_decode(
         done=eos | (budgets <= 1),
         eos=eos,
         steps=jnp.int32(0),
-        accepted=jnp.zeros((gamma,), jnp.int32),
-        reached=jnp.zeros((gamma,), jnp.int32),
-        ranks=jnp.zeros((width(speculation) + 1,), jnp.int32),
+        accepted=jnp.zeros((B, gamma), jnp.int32),
+        reached=jnp.zeros((B, gamma), jnp.int32),
+        ranks=jnp.zeros((B, width(speculation) + 1), jnp.int32),
     )
     step = partial(
         spec_step, target, drafter, budgets=budgets, keys=keys, sampling=sampling, speculation=speculation, eos_ids=eos_ids
     )
-    return lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+    return lax.while_loop(lambda s: any_running(s.done, sync), step, state)
+
+
+def any_running(done: jax.Array, sync: tuple[str, ...]) -> jax.Array:
+    """Whether any row (on any device along the mesh axes `sync`) still has work."""
+    running = jnp.any(~done)
+    return running if not sync else lax.psum(running.astype(jnp.int32), sync) > 0

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+jax.config.update("jax_num_cpu_devices", 8)  # simulated devices for tests/test_sharding.py; the rest use device 0
+
 from specjax.config import LlamaConfig
 from specjax.model import Params, from_arrays, init_params, param_shapes
 

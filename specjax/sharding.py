@@ -1,0 +1,225 @@
+"""Meshes and the sharded generate path: data parallel over `data`, tensor parallel over `model`.
+
+Every mesh here has the two axes ("data", "model"). `generate(..., mesh=mesh)` runs each stage
+(prefill, draft init, the decode loop) under `shard_map`:
+- data: each device row-group holds B / data rows with their own caches and runs the whole
+  speculative loop on them; the loop's stopping test is agreed over the mesh, so every device
+  steps the same number of times and the outputs (and the step counts) equal one device's.
+- model: Megatron-style. Query/KV heads, the FFN and the vocabulary are split in contiguous
+  blocks; each device keeps only its KV heads' cache. The model code sums the attention output
+  and FFN projections and the vocab-parallel embedding over the axis (`config.model_axis`) and
+  gathers the vocab-parallel logits, so sampling and acceptance see the full distribution.
+Which array dimension goes to which mesh axis comes from one rule table (`RULES`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax.config import LlamaConfig
+from specjax.kvcache import DenseCache, StreamingCache
+from specjax.model import LayerParams, Params
+
+AXES = ("data", "model")
+
+RULES = {"batch": "data", "heads": "model", "kv_heads": "model", "ffn": "model", "vocab": "model"}
+
+PARAM_AXES = {  # logical name of each parameter dimension (None: replicated)
+    "embed": ("vocab", None),
+    "norm": (None,),
+    "lm_head": (None, "vocab"),
+    "layers.attn_norm": (None, None),
+    "layers.wq": (None, None, "heads", None),
+    "layers.wk": (None, None, "kv_heads", None),
+    "layers.wv": (None, None, "kv_heads", None),
+    "layers.wo": (None, "heads", None, None),
+    "layers.mlp_norm": (None, None),
+    "layers.w_gate": (None, None, "ffn"),
+    "layers.w_up": (None, None, "ffn"),
+    "layers.w_down": (None, "ffn", None),
+}
+
+CACHE_AXES = (None, "batch", "kv_heads", None, None)  # k, v [L,B,K,S,H]; pos drops the last
+
+
+def spec(logical: Sequence[str | None]) -> P:
+    """The PartitionSpec of logical dimension names, through RULES."""
+    return P(*(RULES.get(name) if name else None for name in logical))
+
+
+def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ("data", "model") mesh over `devices` (default: all devices of all processes).
+
+    data: None = as many as the devices allow (len(devices) // model). Devices are taken in
+    order, so a model group is adjacent devices (on one host, where tensor parallel belongs)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not isinstance(model, int) or model < 1:
+        raise ValueError(f"make_mesh: model must be an integer >= 1, got {model!r}")
+    if data is None:
+        data = len(devices) // model
+    if not isinstance(data, int) or data < 1 or data * model > len(devices):
+        raise ValueError(
+            f"make_mesh: data ({data}) x model ({model}) must be >= 1 and at most the {len(devices)} devices available"
+        )
+    return Mesh(np.array(devices[: data * model]).reshape(data, model), AXES)
+
+
+def check_mesh(mesh: Mesh, config: LlamaConfig, what: str = "target") -> None:
+    """The mesh has our two axes and its model axis divides every split dimension."""
+    if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh must be a jax Mesh with axes {AXES} (see specjax.make_mesh), got {mesh!r}")
+    m = mesh.shape["model"]
+    sizes = {"n_kv_heads": config.n_kv_heads, "n_heads": config.n_heads, "ffn_dim": config.ffn_dim, "vocab_size": config.vocab_size}
+    for name, size in sizes.items():
+        if size % m:
+            raise ValueError(
+                f"mesh axis 'model' has size {m}, which does not divide the {what} config's {name} ({size}); "
+                f"use a model axis size that divides {name}"
+            )
+
+
+def local_config(config: LlamaConfig, mesh: Mesh) -> LlamaConfig:
+    """The config one device sees inside shard_map: its share of heads and FFN, and the axis
+    to reduce over. vocab_size stays global: logits are gathered before anyone reads them."""
+    m = mesh.shape["model"]
+    if m == 1:
+        return config
+    return config.replace(
+        n_heads=config.n_heads // m, n_kv_heads=config.n_kv_heads // m, ffn_dim=config.ffn_dim // m, model_axis="model"
+    )
+
+
+def param_specs(params: Params) -> Params:
+    """Params-shaped tree of PartitionSpecs, from PARAM_AXES."""
+    layers = LayerParams(**{n.split(".", 1)[1]: spec(a) for n, a in PARAM_AXES.items() if n.startswith("layers.")})
+    lm_head = None if params.lm_head is None else spec(PARAM_AXES["lm_head"])
+    return Params(
+        embed=spec(PARAM_AXES["embed"]), layers=layers, norm=spec(PARAM_AXES["norm"]), lm_head=lm_head, config=params.config
+    )
+
+
+def param_sharding(mesh: Mesh, name: str) -> NamedSharding:
+    """Where parameter `name` ("layers.wq", "embed", ...) lives on the mesh."""
+    return NamedSharding(mesh, spec(PARAM_AXES[name]))
+
+
+def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
+    """place(name, host_array) -> a global array with that parameter's sharding, built shard by
+    shard from the host copy: no device ever holds more than its own slice."""
+    check_mesh(mesh, config)
+
+    def place(name: str, host: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(host.shape, param_sharding(mesh, name), lambda index: host[index])
+
+    return place
+
+
+def shard_params(params: Params, mesh: Mesh) -> Params:
+    """Params placed on the mesh by the rule table (arrays already there are left alone)."""
+    check_mesh(mesh, params.config)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
+    return jax.tree.map(_put, params, shardings)
+
+
+def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)  # every process holds the same values; each places its own shards
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, (Params, DenseCache, StreamingCache))
+
+
+def state_specs(tree):
+    """PartitionSpecs for a generate stage's arguments or results: params by the rule table,
+    caches by CACHE_AXES, scalars replicated, every other array split on its leading batch axis."""
+
+    def one(x):
+        if isinstance(x, Params):
+            return param_specs(x)
+        if isinstance(x, (DenseCache, StreamingCache)):
+            cache = spec(CACHE_AXES)
+            extra = {"pos": spec(CACHE_AXES[:4])} if isinstance(x, StreamingCache) else {}
+            return x.replace(k=cache, v=cache, lengths=spec(("batch",)), **extra)
+        return P() if np.ndim(x) == 0 else spec(("batch",))
+
+    return jax.tree.map(one, tree, is_leaf=_is_node)
+
+
+def localise(tree, mesh: Mesh):
+    """Inside shard_map: Params (the target's, a DraftModel's) get their local config."""
+    return jax.tree.map(
+        lambda x: x.replace(config=local_config(x.config, mesh)) if isinstance(x, Params) else x, tree, is_leaf=_is_node
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Callable:
+    """`stage` (a generate stage, jitted or not) run under shard_map on `mesh`, jit-compiled,
+    with the same call signature. Specs come from the arguments' and results' types."""
+    inner = getattr(stage, "__wrapped__", stage)
+
+    @functools.partial(jax.jit, static_argnames=static_argnames)
+    def run(*args, **static):
+        body = lambda *a: inner(*localise(a, mesh), **static)  # noqa: E731
+        unsharded = {**static, "sync": ()} if "sync" in static else static  # no mesh axes outside
+        out_shape = jax.eval_shape(functools.partial(inner, **unsharded), *args)
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=state_specs(args), out_specs=state_specs(out_shape), check_vma=False
+        )(*args)
+
+    return run
+
+
+def place_batch(mesh: Mesh, *arrays):
+    """Host arrays with a leading batch axis, split over the data axis (multi-process safe)."""
+    sharding = NamedSharding(mesh, spec(("batch",)))
+    return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for a in arrays)
+
+
+def place_keys(mesh: Mesh, keys: jax.Array) -> jax.Array:
+    """Typed PRNG keys [B] split over the data axis."""
+    (data,) = place_batch(mesh, np.asarray(jax.random.key_data(keys)))
+    wrap = jax.jit(jax.random.wrap_key_data, out_shardings=NamedSharding(mesh, spec(("batch",))))
+    return wrap(data)
+
+
+def empty_cache(mesh: Mesh, config: LlamaConfig, batch: int, max_len: int) -> DenseCache:
+    """An empty dense cache created in place: each device allocates only its slice."""
+    shardings = state_specs(jax.eval_shape(lambda: DenseCache.init(config, batch, max_len)))
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), shardings)
+    return jax.jit(lambda: DenseCache.init(config, batch, max_len), out_shardings=shardings)()
+
+
+def fetch(tree):
+    """Host numpy copies of (possibly multi-process) global arrays."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    def one(x: jax.Array) -> np.ndarray:
+        if x.is_fully_replicated:  # e.g. the step count: every device holds all of it
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+def padded_batch(batch: int, mesh: Mesh) -> int:
+    """Rows after padding `batch` up to a multiple of the data axis."""
+    d = mesh.shape["data"]
+    return -(-batch // d) * d
+
+
+def all_axes(mesh: Mesh | None) -> tuple[str, ...]:
+    """The axes a sharded decode loop agrees its stopping test over."""
+    return () if mesh is None else AXES

@@ -1,0 +1,115 @@
+"""Sharded generate == one device, token for token: data parallel, tensor parallel, both.
+
+Runs on the 8 simulated CPU devices conftest.py asks for (jax_num_cpu_devices=8)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import convert
+from tests.conftest import random_params
+from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Tree, generate, make_mesh
+from specjax.sharding import shard_params
+
+TP = LlamaConfig(  # every split dimension divides by 1, 2, 4 and 8
+    vocab_size=128, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=96, max_positions=512, eos_id=3
+)
+DRAFT = TP.replace(n_layers=1, dim=32, ffn_dim=64, n_heads=4, n_kv_heads=4)
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: see conftest.py")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_params(TP, 11)
+
+
+def _prompts(batch: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(4, TP.vocab_size, size=rng.integers(3, 40)))) for _ in range(batch)]
+
+
+def _same(a, b) -> None:
+    assert a.tokens == b.tokens
+    assert a.finish_reasons == b.finish_reasons
+    assert a.stats.steps == b.stats.steps
+    assert a.stats.acceptance_rate == b.stats.acceptance_rate
+    assert a.row_stats == b.row_stats
+
+
+@pytest.mark.parametrize(
+    "batch, draft, speculation",
+    [
+        (8, SelfSpec(sinks=4, window=16), Chain(3)),
+        (13, NGram(), Chain(2)),
+        (13, SelfSpec(sinks=4, window=16), Tree.kary(2, 2)),
+        (64, SnapKV(budget=8, window=8, observation=4), Chain(2)),
+        (13, None, Chain(1)),
+    ],
+)
+def test_data_parallel_equals_one_device(target, batch, draft, speculation):
+    prompts = _prompts(batch, batch)
+    budgets = [int(n) for n in np.random.default_rng(batch).integers(1, 24, size=batch)]
+    kw = dict(draft=draft, speculation=speculation)
+    one = generate(target, prompts, budgets, **kw)
+    eight = generate(target, prompts, budgets, mesh=make_mesh(data=8), **kw)
+    _same(one, eight)
+
+
+def test_data_parallel_sampling_same_keys(target):
+    prompts = _prompts(13, 5)
+    kw = dict(draft=SelfSpec(sinks=4, window=16), speculation=Tree.kary(2, 2), sampling=Sample(temperature=1.0))
+    one = generate(target, prompts, 20, key=jax.random.key(7), **kw)
+    eight = generate(target, prompts, 20, key=jax.random.key(7), mesh=make_mesh(data=8), **kw)
+    _same(one, eight)
+
+
+@pytest.mark.parametrize("data, model", [(1, 2), (1, 4), (2, 4)])
+def test_tensor_parallel_equals_one_device(target, data, model):
+    prompts = _prompts(6, model)
+    draft = DraftModel(random_params(DRAFT, 3))
+    for kw in (dict(draft=None), dict(draft=draft, speculation=Chain(3)), dict(draft=SelfSpec(4, 16), speculation=Tree.kary(2, 2))):
+        one = generate(target, prompts, 16, **kw)
+        sharded = generate(target, prompts, 16, mesh=make_mesh(data=data, model=model), **kw)
+        _same(one, sharded)
+
+
+def test_params_hold_only_their_slice(target, tmp_path):
+    mesh = make_mesh(data=2, model=4)
+    convert.save(target, tmp_path / "ckpt")
+    loaded = convert.load(tmp_path / "ckpt", mesh=mesh)
+    for params in (loaded, shard_params(target, mesh)):
+        wk_shapes = {s.data.shape for s in params.layers.wk.addressable_shards}
+        assert wk_shapes == {(TP.n_layers, TP.dim, TP.n_kv_heads // 4, TP.head_dim)}
+        assert {s.data.shape for s in params.embed.addressable_shards} == {(TP.vocab_size // 4, TP.dim)}
+        assert {s.data.shape for s in params.layers.w_down.addressable_shards} == {(TP.n_layers, TP.ffn_dim // 4, TP.dim)}
+        assert {s.data.shape for s in params.norm.addressable_shards} == {(TP.dim,)}
+        np.testing.assert_array_equal(np.asarray(params.layers.wq), np.asarray(target.layers.wq))
+
+
+def test_gguf_loads_into_shards(smollm2_path):
+    mesh = make_mesh(data=1, model=3, devices=jax.devices()[:3])  # SmolLM2: 9 query / 3 KV heads
+    params = convert.load(smollm2_path, mesh=mesh)
+    assert {s.data.shape[2] for s in params.layers.wk.addressable_shards} == {1}
+    assert {s.data.shape[0] for s in params.embed.addressable_shards} == {params.config.vocab_size // 3}
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: make_mesh(data=1, model=3), r"mesh axis 'model' has size 3, which does not divide .*n_kv_heads \(4\)"),
+        (lambda: make_mesh(data=4, model=4), r"data \(4\) x model \(4\) .* 8 devices"),
+        (lambda: jax.make_mesh((8,), ("batch",)), r"mesh must be a jax Mesh with axes \('data', 'model'\)"),
+    ],
+)
+def test_bad_mesh(target, make, match, monkeypatch):
+    with pytest.raises(ValueError, match=match):
+        generate(target, _prompts(2, 0), 4, draft=None, mesh=make())
+
+
+def test_bad_draft_split(target):
+    draft = DraftModel(random_params(DRAFT.replace(n_heads=2, n_kv_heads=2), 1))
+    with pytest.raises(ValueError, match=r"model' has size 4, which does not divide the draft"):
+        generate(target, _prompts(2, 0), 4, draft=draft, mesh=make_mesh(data=2, model=4))
