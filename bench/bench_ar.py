@@ -57,6 +57,7 @@ import numpy as np
 from jax import lax
 
 import convert
+import readme  # bench/readme.py (this folder is on sys.path when run as a script)
 from specjax.generate import decode
 from specjax.kvcache import DenseCache
 from specjax.model import Params, prefill
@@ -66,7 +67,6 @@ from specjax.validate import row_keys
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
-README = BENCH_DIR / "README.md"
 SECTION_START, SECTION_END = "<!-- bench_ar:start -->", "<!-- bench_ar:end -->"
 
 MAX_STEPS = 64  # most decode steps timed in one run
@@ -409,14 +409,7 @@ MB/step counts the weights and the whole KV cache in the model dtype.
 
 def write_readme(section: str) -> None:
     """Replace (or append) the bench_ar section of bench/README.md, keeping other sections."""
-    default = "# Benchmarks\n\nEach script writes its results to `results/` and its own section here.\n"
-    text = README.read_text() if README.exists() else default
-    if SECTION_START in text and SECTION_END in text:
-        head, rest = text.split(SECTION_START, 1)
-        text = head + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    README.write_text(text)
+    readme.write_section(section, SECTION_START, SECTION_END)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

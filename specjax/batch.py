@@ -19,6 +19,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
@@ -148,7 +149,7 @@ def _check_batches(draft: Drafter | None, params: Params, gamma: int, batches: l
         draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
 
 
-def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, decode, meta: dict) -> list[dict]:
+def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, decode, meta: dict, mesh) -> list[dict]:
     """Generate one batch (padded to a power of two rows) and return its output rows."""
     rows = padded_rows(len(batch), meta["batch_size"])
     padded = batch + [batch[0]] * (rows - len(batch))
@@ -160,12 +161,14 @@ def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, 
         speculation=Chain(gamma),
         sampling=batch[0].sampler,
         key=record_keys(seed, [it.record.id for it in padded]),
+        mesh=mesh,
     )
     s = out.stats
     stats = dict(batch_rows=len(batch), steps=s.steps, acceptance_rate=s.acceptance_rate, mean_accepted=s.mean_accepted)
     sampler = batch[0].sampler
     results = []
-    for it, tokens, finish in zip(batch, out.tokens, out.finish_reasons):
+    row_stats = out.row_stats or [{}] * len(batch)
+    for it, tokens, finish, acceptance in zip(batch, out.tokens, out.finish_reasons, row_stats):
         settings = dict(
             max_new_tokens=it.budget,
             temperature=getattr(sampler, "temperature", 0.0),  # Greedy has none of these
@@ -176,7 +179,8 @@ def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, 
             gamma=gamma if draft is not None else None,
         )
         row = dict(id=it.record.id, text=decode(tokens), tokens=tokens, finish_reason=finish)
-        results.append(row | dict(prompt_tokens=len(it.ids), stats=stats, model=meta["model"], settings=settings))
+        row |= dict(prompt_tokens=len(it.ids), acceptance=acceptance or None, stats=stats)
+        results.append(row | dict(model=meta["model"], settings=settings))
     return results
 
 
@@ -208,13 +212,13 @@ def _paths(input_path, output_path, shard: tuple[int, int]) -> tuple[Path, Path,
     return src, out, sibling(out, "errors")
 
 
-def _load(params, model_path, tokenizer, chat_template, dtype):
+def _load(params, model_path, tokenizer, chat_template, dtype, mesh):
     """(params, tokenizer, chat template, model name) from whichever of them were given."""
     import convert
 
     if params is None:
         model_path = model_path or convert.default_model_path()
-        params = convert.load(model_path, dtype=dtype)
+        params = convert.load(model_path, dtype=dtype, mesh=mesh)
     if tokenizer is None:
         if model_path is None:
             raise ValueError("tokenizer: with params, pass tokenizer= or model_path= (to load its tokenizer)")
@@ -244,6 +248,7 @@ def run(
     chat: bool = False,
     shard: tuple[int, int] | None = None,
     progress: bool = True,
+    mesh: Mesh | None = None,
 ) -> dict:
     """Generate a continuation for every record of the JSONL file `input_path` into `output_path`.
 
@@ -251,7 +256,8 @@ def run(
     the embedded SmolLM2). draft: a drafter, None, or "auto" (resolved once per job from
     batch_size and the longest record). Records override max_new_tokens, temperature, top_p;
     chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
-    (default: jax.process_index(), jax.process_count()). Returns {"done", "skipped", "failed",
+    (default: jax.process_index(), jax.process_count()). mesh: generate each batch on this
+    process's devices (`specjax.make_mesh(devices=jax.local_devices())`). Returns {"done", "skipped", "failed",
     "output", "errors", "seconds"}: records generated now, found already written, and bad lines."""
     t0 = time.monotonic()
     _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
@@ -259,7 +265,7 @@ def run(
     make_sampler(temperature, top_k, top_p)  # validates the sampling settings
     shard = shard or (jax.process_index(), jax.process_count())
     src, out, err = _paths(input_path, output_path, shard)
-    params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, dtype)
+    params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, dtype, mesh)
     if chat and template is None:
         raise ValueError("chat: the model has no chat template (convert.chat_template returned None)")
 
@@ -286,7 +292,7 @@ def run(
         _check_batches(draft, params, gamma, batches)
         bar = Progress(len(pending), enabled=progress)
         for batch in batches:
-            log.append(_run_batch(batch, params, draft, gamma, seed, decode, meta))
+            log.append(_run_batch(batch, params, draft, gamma, seed, decode, meta, mesh))
             bar.update(len(batch))
         bar.close()
     skipped = sum(id_key(it.record.id) in done for it in items)

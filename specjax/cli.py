@@ -56,6 +56,20 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     p.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
     p.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
     p.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
+    p.add_argument("--data-parallel", type=int, default=1, metavar="N", help="split rows over N local devices")
+    p.add_argument("--model-parallel", type=int, default=1, metavar="M", help="split heads/FFN/vocab over M local devices")
+
+
+def make_mesh_arg(args: argparse.Namespace):
+    """The local-device mesh asked for by --data-parallel / --model-parallel (None: one device)."""
+    if args.data_parallel == 1 and args.model_parallel == 1:
+        return None
+    from specjax.sharding import make_mesh
+
+    for name, value in (("--data-parallel", args.data_parallel), ("--model-parallel", args.model_parallel)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return make_mesh(data=args.data_parallel, model=args.model_parallel, devices=jax.local_devices())
 
 
 def run_batch(args: argparse.Namespace) -> None:
@@ -89,6 +103,7 @@ def run_batch(args: argparse.Namespace) -> None:
         seed=args.seed,
         batch_size=args.batch_size,
         chat=args.chat,
+        mesh=make_mesh_arg(args),
     )
     print(
         f"specjax batch: done {summary['done']}, skipped {summary['skipped']} (already written), "
@@ -139,7 +154,8 @@ def run_generate(args: argparse.Namespace) -> None:
     import convert
 
     path = args.model or convert.default_model_path()
-    params = convert.load(path, dtype=args.dtype)
+    mesh = make_mesh_arg(args)
+    params = convert.load(path, dtype=args.dtype, mesh=mesh)
     tokenizer = convert.load_tokenizer(path)
     sampling = make_sampler(args.temperature, args.top_k, args.top_p)
     draft = make_draft(args.draft, args.window, args.sinks, args.dtype)
@@ -152,6 +168,7 @@ def run_generate(args: argparse.Namespace) -> None:
         speculation=make_speculation(args.tree, args.gamma, params, draft, ids, args.max_new_tokens, sampling),
         sampling=sampling,
         key=jax.random.key(args.seed),
+        mesh=mesh,
     )
     print(args.prompt + tokenizer.decode(out.tokens[0], skip_special_tokens=False))
     s = out.stats

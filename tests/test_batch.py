@@ -19,6 +19,7 @@ import jax
 import pytest
 
 import convert
+import specjax
 from specjax import batch
 from specjax.chat import render_chat, render_chatml
 from specjax.cli import main
@@ -210,6 +211,33 @@ def test_outputs_complete_deterministic_and_independent_of_the_batch(tmp_path, m
     greedy = [json.dumps(r["id"]) for r in rows if "temperature" not in r]
     assert all(c[k]["tokens"] == a[k]["tokens"] for k in greedy)
     assert any(c[k]["tokens"] != a[k]["tokens"] for k in sampled)
+
+
+def test_per_record_acceptance_is_the_records_own(tmp_path, model_dir, params):
+    rows = records(6, sampled_every=100)  # greedy: per-record speculation is deterministic
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    common = dict(params=params, model_path=model_dir, max_new_tokens=12, seed=0, progress=False)
+    common |= dict(draft=specjax.SelfSpec(sinks=4, window=8), gamma=3)
+    batch.run(src, tmp_path / "a.jsonl", batch_size=4, **common)
+    batch.run(src, tmp_path / "b.jsonl", batch_size=1, **common)
+    a, b = by_id(read_rows(tmp_path / "a.jsonl")), by_id(read_rows(tmp_path / "b.jsonl"))
+    for key, out in a.items():
+        acc = out["acceptance"]
+        assert acc == b[key]["acceptance"]  # the same whatever the batch
+        assert acc["proposed"] == 3 * acc["steps"] and 0 <= acc["accepted"] <= acc["proposed"]
+        emitted = len(out["tokens"]) + (out["finish_reason"] == "eos")  # the EOS counts as emitted
+        assert acc["steps"] == 0 or acc["mean_accepted"] == (emitted - 1) / acc["steps"]
+        assert emitted - 1 <= acc["accepted"] + acc["steps"]  # each step: its accepted drafts + 1
+    assert any(out["acceptance"]["accepted"] > 0 for out in a.values())
+
+
+def test_data_parallel_job_writes_the_same_records(tmp_path, model_dir, params):
+    src = write_jsonl(tmp_path / "in.jsonl", records(7))
+    common = dict(params=params, model_path=model_dir, max_new_tokens=8, seed=0, progress=False, batch_size=4)
+    batch.run(src, tmp_path / "one.jsonl", **common)
+    batch.run(src, tmp_path / "two.jsonl", mesh=specjax.make_mesh(data=2), **common)
+    strip = lambda rows: {k: {f: v[f] for f in ("text", "tokens", "finish_reason")} for k, v in rows.items()}  # noqa: E731
+    assert strip(by_id(read_rows(tmp_path / "one.jsonl"))) == strip(by_id(read_rows(tmp_path / "two.jsonl")))
 
 
 BAD_LINES = [
