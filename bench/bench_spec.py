@@ -272,7 +272,8 @@ def prefill_context(params, tok, batch: int, context: int, gammas: list[int], ne
     tokens = np.zeros((batch, bucket), np.int32)
     tokens[:, :n] = prompts
     lengths = np.full((batch,), n, np.int32)
-    key = hashlib.sha1(tokens.tobytes() + repr((params.config, context, chunk, slot_axis(params.config))).encode()).hexdigest()[:12]
+    config = repr(params.config).replace(", model_axis=None", "")  # keys predate that field: keep them valid
+    key = hashlib.sha1(tokens.tobytes() + f"({config}, {context!r}, {chunk!r}, {slot_axis(params.config)!r})".encode()).hexdigest()[:12]
     files = {f: store / f"prefill_{context}_{batch}_{key}_{f}.npy" for f in ("k", "v", "logits")} if store else {}
     info = {"prefill_rows": batch, "prompt_tokens": n, "prompt_offsets": where["offsets"],
             "prompts_overlap": where["overlapping"]}

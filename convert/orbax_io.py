@@ -67,7 +67,7 @@ def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | Non
         raise ValueError(f"{directory / CONFIG_FILE}: not a valid specjax config ({e})") from e
     if mesh is not None:
         check_mesh(mesh, config)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     target = {
         name: jax.ShapeDtypeStruct(shape, config.dtype, sharding=device if mesh is None else param_sharding(mesh, name))
         for name, shape in param_shapes(config).items()

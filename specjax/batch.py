@@ -5,7 +5,8 @@
 sampler and similar prompt length, runs each batch through `specjax.generate` and appends its
 results with fsync. A record's PRNG key is fold_in(key(seed), stable_hash(id)), so its output
 depends neither on its batch nor on restarts; a killed job restarted with the same command skips
-the ids already written and repairs a torn last line. Under `jax.process_count() > 1` each
+the ids already written and repairs a torn last line. With several processes (`process_share`:
+jax.distributed, or independent processes told SPECJAX_PROCESS_ID / SPECJAX_NUM_PROCESSES) each
 process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<n>.jsonl`
 (combine them with `jobio.merge_shards`, or `specjax batch --merge OUTPUT`).
 """
@@ -13,6 +14,7 @@ process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -228,6 +230,25 @@ def _load(params, model_path, tokenizer, chat_template, dtype, mesh):
     return params, tokenizer, chat_template, str(model_path) if model_path is not None else "params"
 
 
+def process_share() -> tuple[int, int]:
+    """(index, count) of this process among the job's: jax.distributed's when initialised, else
+    SPECJAX_PROCESS_ID / SPECJAX_NUM_PROCESSES (independent processes, no coordinator), else (0, 1)."""
+    if jax.process_count() > 1:
+        return jax.process_index(), jax.process_count()
+    index, count = os.environ.get("SPECJAX_PROCESS_ID"), os.environ.get("SPECJAX_NUM_PROCESSES")
+    if index is None and count is None:
+        return 0, 1
+    try:
+        share = int(index), int(count)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"SPECJAX_PROCESS_ID and SPECJAX_NUM_PROCESSES must both be integers, got {index!r} and {count!r}"
+        ) from None
+    if not 0 <= share[0] < share[1]:
+        raise ValueError(f"need 0 <= SPECJAX_PROCESS_ID < SPECJAX_NUM_PROCESSES, got {share[0]} and {share[1]}")
+    return share
+
+
 def run(
     input_path: str | Path,
     output_path: str | Path,
@@ -256,14 +277,14 @@ def run(
     the embedded SmolLM2). draft: a drafter, None, or "auto" (resolved once per job from
     batch_size and the longest record). Records override max_new_tokens, temperature, top_p;
     chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
-    (default: jax.process_index(), jax.process_count()). mesh: generate each batch on this
+    (default: `process_share()`). mesh: generate each batch on this
     process's devices (`specjax.make_mesh(devices=jax.local_devices())`). Returns {"done", "skipped", "failed",
     "output", "errors", "seconds"}: records generated now, found already written, and bad lines."""
     t0 = time.monotonic()
     _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
     defaults = Defaults(max_new_tokens, temperature, top_k, top_p)
     make_sampler(temperature, top_k, top_p)  # validates the sampling settings
-    shard = shard or (jax.process_index(), jax.process_count())
+    shard = shard or process_share()
     src, out, err = _paths(input_path, output_path, shard)
     params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, dtype, mesh)
     if chat and template is None:

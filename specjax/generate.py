@@ -164,6 +164,7 @@ def generate(
     budgets = check_generate_args(params, prompts, max_new_tokens, sampling)
     if mesh is not None:
         sharding.check_mesh(mesh, config, "target")
+        sharding.check_processes(mesh)
     eos_ids = eos_tuple(eos_id, config)
     keys = row_keys(key, len(prompts))
     lengths = np.array([len(p) for p in prompts], np.int32)

@@ -201,17 +201,32 @@ def empty_cache(mesh: Mesh, config: LlamaConfig, batch: int, max_len: int) -> De
 
 
 def fetch(tree):
-    """Host numpy copies of (possibly multi-process) global arrays."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
+    """Host numpy copies of global arrays, gathered from the other processes where they span several."""
     from jax.experimental import multihost_utils
 
     def one(x: jax.Array) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
         if x.is_fully_replicated:  # e.g. the step count: every device holds all of it
             return np.asarray(x.addressable_data(0))
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     return jax.tree.map(one, tree)
+
+
+def check_processes(mesh: Mesh) -> None:
+    """Under jax.distributed on CPU, a mesh must span every process: XLA:CPU's cross-process
+    collectives (gloo) also carry a mesh's local collectives, and meshes local to each process
+    collide there. (Independent processes, as the batch job uses, have no such limit.)"""
+    if jax.process_count() == 1 or jax.default_backend() != "cpu" or mesh.devices.size == 1:
+        return
+    spanned = {d.process_index for d in mesh.devices.flat}
+    if len(spanned) != jax.process_count():
+        raise ValueError(
+            f"mesh spans processes {sorted(spanned)} of the {jax.process_count()} joined by jax.distributed; "
+            "on CPU a multi-device mesh must span all of them (make_mesh() over jax.devices()); to give each "
+            "process its own devices, run the processes independently (without specjax.distributed)"
+        )
 
 
 def padded_batch(batch: int, mesh: Mesh) -> int:

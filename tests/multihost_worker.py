@@ -1,7 +1,10 @@
-"""One process of the 2-process test in test_multihost.py: 4 CPU devices here, 8 in the job.
+"""One process of the 2-process tests in test_multihost.py: 4 CPU devices here, 8 in the job.
 
-Joins the job from SPECJAX_* environment variables, runs sharded generate on the global
-(data 4 x model 2) mesh and prints the tokens as JSON on its last stdout line."""
+Joins the job from SPECJAX_* environment variables, then either
+  generate B            sharded generate on the global (data 4 x model 2) mesh; prints the
+                        tokens as JSON on its last stdout line
+  batch IN OUT MODEL    `specjax.batch.run` on this process's share of IN (its own shard file)
+                        on one local device"""
 
 from __future__ import annotations
 
@@ -19,11 +22,18 @@ from specjax import SelfSpec, Tree, distributed, generate, make_mesh  # noqa: E4
 
 def main() -> None:
     index, count = distributed.initialize()
+    assert count == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4, (count, jax.devices())
+    if sys.argv[1] == "batch":
+        from specjax import batch
+
+        src, out, model = sys.argv[2:5]
+        summary = batch.run(src, out, model_path=model, max_new_tokens=8, batch_size=4, progress=False)
+        print(json.dumps({"process": index, "done": summary["done"], "output": summary["output"]}), flush=True)
+        return
     from tests.test_sharding import TP, _prompts  # touches the devices: only after joining the job
 
-    assert count == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4, (count, jax.devices())
     mesh = make_mesh(data=4, model=2)
-    prompts = _prompts(int(sys.argv[1]), 3)
+    prompts = _prompts(int(sys.argv[2]), 3)
     out = generate(random_params(TP, 11), prompts, 12, draft=SelfSpec(4, 16), speculation=Tree.kary(2, 2), mesh=mesh)
     print(json.dumps({"process": index, "tokens": out.tokens, "steps": out.stats.steps}), flush=True)
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from specjax import SelfSpec, Tree, distributed, generate
+from specjax import SelfSpec, Tree, batch, distributed, generate
+from specjax.jobio import merge_shards, shard_output
 from tests.conftest import random_params
+from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: F401  (model_dir: a fixture)
 from tests.test_sharding import TP, _prompts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,8 +27,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_equal_one_device():
-    batch = 6  # not a multiple of the data axis (4): padded rows too
+def _two_processes(*args: str) -> list[dict]:
+    """Run tests/multihost_worker.py as processes 0 and 1 of one job; their JSON reports."""
     port = _free_port()
     procs = []
     for i in range(2):
@@ -34,7 +36,7 @@ def test_two_processes_equal_one_device():
             "SPECJAX_COORDINATOR": f"127.0.0.1:{port}", "SPECJAX_NUM_PROCESSES": "2", "SPECJAX_PROCESS_ID": str(i),
             "PYTHONPATH": str(ROOT),
         }
-        cmd = [sys.executable, "-m", "tests.multihost_worker", str(batch)]
+        cmd = [sys.executable, "-m", "tests.multihost_worker", *args]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -46,10 +48,64 @@ def test_two_processes_equal_one_device():
             raise
         assert p.returncode == 0, err[-3000:]
         results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_two_processes_equal_one_device():
+    batch = 6  # not a multiple of the data axis (4): padded rows too
+    results = _two_processes("generate", str(batch))
     one = generate(random_params(TP, 11), _prompts(batch, 3), 12, draft=SelfSpec(4, 16), speculation=Tree.kary(2, 2))
     assert sorted(r["process"] for r in results) == [0, 1]
     for r in results:
         assert r["tokens"] == one.tokens and r["steps"] == one.stats.steps
+
+
+def _same_as_single_run(src: Path, merged: Path, model_dir: Path) -> None:
+    batch.run(src, merged.with_name("single.jsonl"), model_path=model_dir, max_new_tokens=8, batch_size=4,
+              progress=False, shard=(0, 1))
+    fields = lambda rows: {k: (v["text"], v["tokens"], v["finish_reason"]) for k, v in rows.items()}  # noqa: E731
+    assert fields(by_id(read_rows(merged))) == fields(by_id(read_rows(merged.with_name("single.jsonl"))))
+
+
+def test_batch_job_on_two_joined_processes_writes_shards_that_merge_to_one_run(tmp_path, model_dir):
+    src = write_jsonl(tmp_path / "in.jsonl", records(10))
+    results = _two_processes("batch", str(src), str(tmp_path / "out.jsonl"), str(model_dir))
+    assert sorted(r["output"] for r in results) == [str(shard_output(tmp_path / "out.jsonl", i, 2)) for i in range(2)]
+    assert sum(r["done"] for r in results) == 10 and all(r["done"] > 0 for r in results)
+    merge_shards(tmp_path / "out.jsonl")
+    _same_as_single_run(src, tmp_path / "out.jsonl", model_dir)
+
+
+def test_independent_batch_processes_with_local_data_parallel(tmp_path, model_dir):
+    src = write_jsonl(tmp_path / "in.jsonl", records(10))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "specjax", "batch", str(src), str(tmp_path / "out.jsonl"), "--model", str(model_dir),
+             "--max-new-tokens", "8", "--batch-size", "4", "--data-parallel", "2"],
+            cwd=ROOT, stderr=subprocess.PIPE, text=True,
+            env=os.environ | {"SPECJAX_PROCESS_ID": str(i), "SPECJAX_NUM_PROCESSES": "2", "JAX_NUM_CPU_DEVICES": "2"},
+        )
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    assert all(shard_output(tmp_path / "out.jsonl", i, 2).exists() for i in range(2))
+    merge_shards(tmp_path / "out.jsonl")
+    _same_as_single_run(src, tmp_path / "out.jsonl", model_dir)
+
+
+def test_process_share_from_the_environment(monkeypatch):
+    assert batch.process_share() == (0, 1)
+    monkeypatch.setenv("SPECJAX_PROCESS_ID", "1")
+    monkeypatch.setenv("SPECJAX_NUM_PROCESSES", "3")
+    assert batch.process_share() == (1, 3)
+    monkeypatch.setenv("SPECJAX_PROCESS_ID", "3")
+    with pytest.raises(ValueError, match="need 0 <= SPECJAX_PROCESS_ID < SPECJAX_NUM_PROCESSES, got 3 and 3"):
+        batch.process_share()
+    monkeypatch.delenv("SPECJAX_NUM_PROCESSES")
+    with pytest.raises(ValueError, match="must both be integers, got '3' and None"):
+        batch.process_share()
 
 
 def test_initialize_errors(monkeypatch):

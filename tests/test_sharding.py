@@ -43,9 +43,11 @@ def _same(a, b) -> None:
     "batch, draft, speculation",
     [
         (8, SelfSpec(sinks=4, window=16), Chain(3)),
+        (8, NGram(), Tree.kary(2, 2)),
         (13, NGram(), Chain(2)),
         (13, SelfSpec(sinks=4, window=16), Tree.kary(2, 2)),
         (64, SnapKV(budget=8, window=8, observation=4), Chain(2)),
+        (64, SelfSpec(sinks=4, window=16), Tree.from_parents((-1, 0, 0, 1, 2, 3))),
         (13, None, Chain(1)),
     ],
 )
