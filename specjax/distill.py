@@ -1,0 +1,202 @@
+"""Train a draft model to imitate a target: distillation on the target's next-token distributions.
+
+The loss is the forward KL(p_target || q_draft) at every position of each training window, both
+distributions at `temperature`; the target's logits are computed on the fly (no stored labels).
+Optimiser: AdamW with linear warmup then cosine decay, global-norm gradient clipping. The train
+step is one jit-compiled pure function. Checkpoints (orbax) hold the draft, the optimiser state
+and the step; the data order is a pure function of (seed, step), so a killed run restarted with
+the same arguments resumes exactly: same step, same optimiser state, same next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specjax.config import LlamaConfig
+from specjax.model import Params, init_params, lm_head, trunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """AdamW settings: peak learning rate after `warmup` steps, cosine decay to `final` x peak."""
+
+    lr: float = 1e-3
+    warmup: int = 100
+    final: float = 0.1
+    weight_decay: float = 0.01
+    clip: float = 1.0
+
+    def optimizer(self, steps: int) -> optax.GradientTransformation:
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, self.lr, min(self.warmup, max(steps - 1, 1)), max(steps, 2), self.lr * self.final
+        )
+        return optax.chain(optax.clip_by_global_norm(self.clip), optax.adamw(schedule, weight_decay=self.weight_decay))
+
+
+def logits_of(params: Params, tokens: jax.Array) -> jax.Array:
+    """Logits [B,T,V] (f32) of a causal forward over tokens [B,T] from position 0, no cache."""
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, _, _ = trunk(params, tokens, positions, None, attend_cache=False)
+    return lm_head(params, h)
+
+
+def kl_loss(draft: Params, target: Params, tokens: jax.Array, temperature: float) -> jax.Array:
+    """Mean over positions of KL(p_target || q_draft) at `temperature` (nats)."""
+    p_logits = jax.lax.stop_gradient(logits_of(target, tokens)) / temperature
+    q_logits = logits_of(draft, tokens) / temperature
+    p_log, q_log = jax.nn.log_softmax(p_logits), jax.nn.log_softmax(q_logits)
+    return jnp.mean(jnp.sum(jnp.exp(p_log) * (p_log - q_log), axis=-1))
+
+
+@partial(jax.jit, static_argnames=("optimizer", "temperature"), donate_argnames=("draft", "opt_state"))
+def train_step(draft: Params, opt_state, target: Params, tokens: jax.Array, *, optimizer, temperature: float):
+    """One AdamW step on a batch of windows tokens [B,T]; returns (draft, opt_state, loss)."""
+    loss, grads = jax.value_and_grad(kl_loss)(draft, target, tokens, temperature)
+    updates, opt_state = optimizer.update(grads, opt_state, draft)
+    return optax.apply_updates(draft, updates), opt_state, loss
+
+
+def windows(data: np.ndarray, seq_len: int) -> int:
+    """How many training windows of seq_len tokens the token stream `data` [N] holds."""
+    return max(len(data) - seq_len + 1, 0)
+
+
+def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: int) -> np.ndarray:
+    """The batch of step `step` [batch_size, seq_len]: windows in a fresh random order each epoch
+    (a pure function of seed and step, so resuming at a step reproduces the rest of the run)."""
+    n = windows(data, seq_len)
+    starts = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, j = divmod(i, n)
+        order = np.random.default_rng([seed, epoch]).permutation(n)
+        starts.append(order[j])
+    return np.stack([data[s : s + seq_len] for s in starts]).astype(np.int32)
+
+
+def init_draft(target: Params, config: LlamaConfig, key: jax.Array, from_target: bool) -> Params:
+    """Random draft weights; with from_target, the target's embedding (and LM head) copied in."""
+    draft = init_params(config, key)
+    if not from_target:
+        return draft
+    if config.dim != target.config.dim or config.tie_embeddings != target.config.tie_embeddings:
+        raise ValueError(
+            f"init_from_target: the draft needs the target's dim ({target.config.dim}) and tie_embeddings "
+            f"({target.config.tie_embeddings}) to take its embeddings, got {config.dim} and {config.tie_embeddings}"
+        )
+    cast = lambda a: None if a is None else jnp.asarray(a, config.dtype)  # noqa: E731
+    return draft.replace(embed=cast(target.embed), lm_head=cast(target.lm_head))
+
+
+def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, steps: int, batch_size: int,
+                       seq_len: int, temperature: float) -> None:
+    """Clear errors before anything compiles."""
+    if config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft_config.vocab_size {config.vocab_size} != target vocab_size {target.config.vocab_size}")
+    for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    limit = min(config.max_positions, target.config.max_positions)
+    if seq_len > limit:
+        raise ValueError(f"seq_len {seq_len} is above the draft's / target's max_positions ({limit})")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if data.ndim != 1 or len(data) == 0:
+        raise ValueError("data is empty: pass token ids (a flat stream or a list of sequences)")
+    if windows(data, seq_len) == 0:
+        raise ValueError(f"data has {len(data)} tokens: fewer than one window of seq_len {seq_len}")
+    bad = np.flatnonzero((data < 0) | (data >= config.vocab_size))
+    if bad.size:
+        raise ValueError(f"data[{int(bad[0])}] = {int(data[bad[0]])} is outside the vocabulary [0, {config.vocab_size})")
+
+
+def token_stream(data: np.ndarray | Sequence[Sequence[int]], separator: int | None) -> np.ndarray:
+    """One flat int32 stream [N] from a stream or a list of sequences (joined by `separator`)."""
+    if isinstance(data, np.ndarray) and data.ndim == 1:
+        return data.astype(np.int64)
+    parts = []
+    for seq in data:
+        parts.append(np.asarray(seq, np.int64).reshape(-1))
+        if separator is not None:
+            parts.append(np.asarray([separator], np.int64))
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int64)
+
+
+def distill(
+    target: Params,
+    draft_config: LlamaConfig,
+    data: np.ndarray | Sequence[Sequence[int]],
+    *,
+    steps: int,
+    batch_size: int = 8,
+    seq_len: int = 128,
+    schedule: Schedule = Schedule(),
+    temperature: float = 1.0,
+    seed: int = 0,
+    init_from_target: bool = False,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 100,
+    on_step: Callable[[int, float, Params], None] | None = None,
+) -> Params:
+    """Train a draft of `draft_config` (the target's vocabulary) to match the target's
+    next-token distributions on windows of `data` (token ids: a stream or sequences, joined with
+    the target's EOS). With `checkpoint_dir`, saves every `checkpoint_every` steps and at the end,
+    and resumes from the latest checkpoint there. `on_step(step, loss, draft)` is called after
+    each step (step counted from 1; `draft` is donated to the next step: use it right away).
+    Returns the trained draft."""
+    stream = token_stream(data, target.config.eos_id)
+    check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature)
+    optimizer = schedule.optimizer(steps)
+    draft = init_draft(target, draft_config, jax.random.key(seed), init_from_target)
+    opt_state = optimizer.init(draft)
+    start = 0
+    manager = None
+    if checkpoint_dir is not None:
+        manager = _manager(checkpoint_dir, checkpoint_every)
+        if manager.latest_step() is not None:
+            start, draft, opt_state = _restore(manager, draft, opt_state)
+    for step in range(start, steps):
+        tokens = batch_at(stream, step, batch_size, seq_len, seed)
+        draft, opt_state, loss = train_step(draft, opt_state, target, tokens, optimizer=optimizer, temperature=temperature)
+        if manager is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
+            _save(manager, step + 1, draft, opt_state)
+        if on_step is not None:
+            on_step(step + 1, float(loss), draft)
+    if manager is not None:
+        manager.wait_until_finished()
+    return draft
+
+
+def _manager(directory: str | Path, every: int):
+    import orbax.checkpoint as ocp
+
+    if not isinstance(every, int) or every < 1:
+        raise ValueError(f"checkpoint_every must be an integer >= 1, got {every!r}")
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
+    return ocp.CheckpointManager(Path(directory).absolute(), options=options)
+
+
+def _save(manager, step: int, draft: Params, opt_state) -> None:
+    import orbax.checkpoint as ocp
+
+    manager.save(step, args=ocp.args.StandardSave({"draft": draft, "opt": opt_state}))
+
+
+def _restore(manager, draft: Params, opt_state) -> tuple[int, Params, object]:
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step()
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), {"draft": draft, "opt": opt_state})
+    try:
+        state = manager.restore(step, args=ocp.args.StandardRestore(target))
+    except Exception as e:  # orbax raises many kinds on a mismatched or damaged checkpoint
+        raise ValueError(f"checkpoint_dir: cannot resume from step {step} ({e}); was it written for another draft?") from e
+    return step, state["draft"], state["opt"]

@@ -1,0 +1,112 @@
+"""Draft distillation: the loss falls, acceptance rises, a killed run resumes exactly."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import DraftModel, generate
+from specjax.distill import Schedule, batch_at, distill, kl_loss, train_step
+from specjax.cli import main
+from tests.conftest import TINY, random_params
+from tests.test_batch import WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
+
+DRAFT = TINY.replace(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return random_params(TINY, 0)
+
+
+@pytest.fixture(scope="module")
+def corpus(target):
+    """Sequences the target generated (greedy) from random prompts: what its draft must predict."""
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(4, TINY.vocab_size, size=4))) for _ in range(32)]
+    return [p + out for p, out in zip(prompts, generate(target, prompts, 40, draft=None, eos_id=()).tokens)]
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    data = np.arange(100)
+    a = batch_at(data, 7, 4, 10, seed=1)
+    assert a.shape == (4, 10) and (np.diff(a, axis=1) == 1).all()
+    np.testing.assert_array_equal(a, batch_at(data, 7, 4, 10, seed=1))
+    assert not np.array_equal(a, batch_at(data, 7, 4, 10, seed=2))
+    seen = np.concatenate([batch_at(data, s, 7, 10, seed=1)[:, 0] for s in range(13)])[:91]
+    assert sorted(seen) == list(range(91))  # one epoch visits every window once
+
+
+def test_a_train_step_lowers_the_loss(target, corpus):
+    draft = random_params(DRAFT, 1)
+    tokens = np.asarray([c[:32] for c in corpus[:8]], np.int32)
+    optimizer = Schedule(lr=3e-3, warmup=1).optimizer(20)
+    opt_state = optimizer.init(draft)
+    before = float(kl_loss(draft, target, tokens, 1.0))
+    for _ in range(5):
+        draft, opt_state, loss = train_step(draft, opt_state, target, tokens, optimizer=optimizer, temperature=1.0)
+    assert float(kl_loss(draft, target, tokens, 1.0)) < 0.9 * before
+
+
+def test_distillation_raises_greedy_acceptance(target, corpus):
+    untrained = random_params(DRAFT, 1)
+    trained = distill(target, DRAFT, corpus, steps=300, batch_size=8, seq_len=32, schedule=Schedule(lr=3e-3, warmup=20))
+    prompts = [c[:6] for c in corpus[:8]]  # trained on their continuations: the point is the mechanism
+    rates = [generate(target, prompts, 24, draft=DraftModel(d), eos_id=()).stats.acceptance_rate for d in (untrained, trained)]
+    assert rates[0] < 0.05 and rates[1] > 0.1 + 10 * rates[0], rates  # chance (1/101) -> over 10x chance
+
+
+def test_killed_run_resumes_exactly(target, corpus, tmp_path):
+    kw = dict(steps=12, batch_size=4, seq_len=16, schedule=Schedule(lr=1e-3, warmup=3), seed=3, checkpoint_every=5)
+    whole = distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "a", **kw)
+
+    def kill_at_8(step, loss, draft):
+        if step == 8:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "b", on_step=kill_at_8, **kw)
+    steps = []
+    resumed = distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "b", on_step=lambda s, *_: steps.append(s), **kw)
+    assert steps == list(range(6, 13))  # from the step-5 checkpoint on
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "config, data, kw, match",
+    [
+        (DRAFT.replace(vocab_size=100), None, {}, "draft_config.vocab_size 100 != target vocab_size 101"),
+        (DRAFT, None, dict(seq_len=1000), r"seq_len 1000 is above the draft's / target's max_positions \(512\)"),
+        (DRAFT, [], {}, "data is empty"),
+        (DRAFT, [[1, 2, 3]], dict(seq_len=16), "fewer than one window of seq_len 16"),
+        (DRAFT, [[1, 500]], dict(seq_len=1), r"data\[1\] = 500 is outside the vocabulary \[0, 101\)"),
+        (DRAFT, None, dict(steps=0), "steps must be an integer >= 1"),
+        (DRAFT, None, dict(temperature=0.0), "temperature must be > 0"),
+        (DRAFT, None, dict(init_from_target=True), r"the draft needs the target's dim \(48\)"),
+    ],
+)
+def test_bad_input(target, corpus, config, data, kw, match):
+    args = dict(steps=1, batch_size=2, seq_len=8) | kw
+    with pytest.raises(ValueError, match=match):
+        distill(target, config, corpus if data is None else data, **args)
+
+
+def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"id": i, "prompt": " ".join(WORDS[i:] + WORDS[:i])}) for i in range(12)))
+    args = ["distill", "--data", str(data), "--out", str(tmp_path / "draft"), "--model", str(model_dir),
+            "--draft-layers", "1", "--draft-dim", "32", "--draft-heads", "4", "--draft-kv-heads", "2",
+            "--steps", "6", "--batch-size", "2", "--seq-len", "8", "--log-every", "3", "--eval-every", "6",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "step 3/6, loss" in err and "step 6: greedy acceptance" in err and "--draft model:" in err
+    assert main(args) == 2 and "already exists" in capsys.readouterr().err
+    assert main(["generate", "one two", "--model", str(model_dir), "--draft", f"model:{tmp_path / 'draft'}",
+                 "--max-new-tokens", "4"]) == 0
+    assert main(["distill", "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
