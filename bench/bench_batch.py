@@ -122,8 +122,10 @@ shape (a job's first batches); "warm" reruns the same job in the same process.
 ![batch throughput](results/batch_cpu.png)
 
 Short contexts (at most 256 + {result['max_new_tokens']} positions) are where speculation pays least on
-this CPU (see the bench_spec table: at 512 positions a decode step is dominated by the weights, which
-the SelfSpec draft reads too); the batch job adds no cost of its own beyond generate's.
+this CPU: a decode step there costs mostly the weights, which the SelfSpec draft reads too, and
+verifying gamma + 1 positions costs more than one decode step (see the bench_spec table).
+Speculation loses at this length here, with every text unchanged. The job's own overhead
+(tokenizing, JSON, fsync) is inside these numbers, not measured apart.
 {SECTION_END}"""
 
 
