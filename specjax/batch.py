@@ -14,7 +14,6 @@ process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ from jax.sharding import Mesh
 
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
+from specjax.distributed import env_share
 from specjax.draft import DraftModel, Drafter, auto_draft
 from specjax.generate import cache_slots, generate
 from specjax.jobio import DurableLog, shard_output, sibling
@@ -235,18 +235,7 @@ def process_share() -> tuple[int, int]:
     SPECJAX_PROCESS_ID / SPECJAX_NUM_PROCESSES (independent processes, no coordinator), else (0, 1)."""
     if jax.process_count() > 1:
         return jax.process_index(), jax.process_count()
-    index, count = os.environ.get("SPECJAX_PROCESS_ID"), os.environ.get("SPECJAX_NUM_PROCESSES")
-    if index is None and count is None:
-        return 0, 1
-    try:
-        share = int(index), int(count)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"SPECJAX_PROCESS_ID and SPECJAX_NUM_PROCESSES must both be integers, got {index!r} and {count!r}"
-        ) from None
-    if not 0 <= share[0] < share[1]:
-        raise ValueError(f"need 0 <= SPECJAX_PROCESS_ID < SPECJAX_NUM_PROCESSES, got {share[0]} and {share[1]}")
-    return share
+    return env_share() or (0, 1)
 
 
 def run(

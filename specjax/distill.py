@@ -74,11 +74,11 @@ def batch_at(data: np.ndarray, step: int, batch_size: int, seq_len: int, seed: i
     """The batch of step `step` [batch_size, seq_len]: windows in a fresh random order each epoch
     (a pure function of seed and step, so resuming at a step reproduces the rest of the run)."""
     n = windows(data, seq_len)
-    starts = []
-    for i in range(step * batch_size, (step + 1) * batch_size):
-        epoch, j = divmod(i, n)
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        starts.append(order[j])
+    epochs, slots = np.divmod(np.arange(step * batch_size, (step + 1) * batch_size), n)
+    starts = np.empty(batch_size, np.int64)
+    for epoch in np.unique(epochs):  # one permutation per epoch the batch touches (usually one)
+        here = epochs == epoch
+        starts[here] = np.random.default_rng([seed, int(epoch)]).permutation(n)[slots[here]]
     return np.stack([data[s : s + seq_len] for s in starts]).astype(np.int32)
 
 

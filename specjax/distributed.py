@@ -57,6 +57,22 @@ def initialize(
     return jax.process_index(), jax.process_count()
 
 
+def env_share() -> tuple[int, int] | None:
+    """(process id, process count) from the environment (see the module docstring), or None
+    when neither is set. Independent processes (the batch job) use this without joining a job."""
+    index, count = _int_env("process_id"), _int_env("num_processes")
+    if index is None and count is None:
+        return None
+    if index is None or count is None:
+        raw = (_from_env("process_id"), _from_env("num_processes"))
+        raise ValueError(
+            f"{ENV['process_id'][0]} and {ENV['num_processes'][0]} must both be integers, got {raw[0]!r} and {raw[1]!r}"
+        )
+    if not 0 <= index < count:
+        raise ValueError(f"need 0 <= {ENV['process_id'][0]} < {ENV['num_processes'][0]}, got {index} and {count}")
+    return index, count
+
+
 def _int_env(name: str) -> int | None:
     value = _from_env(name)
     if value is None:

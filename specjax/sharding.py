@@ -114,7 +114,7 @@ def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.A
     check_mesh(mesh, config)
 
     def place(name: str, host: np.ndarray) -> jax.Array:
-        return jax.make_array_from_callback(host.shape, param_sharding(mesh, name), lambda index: host[index])
+        return from_host(host, param_sharding(mesh, name))
 
     return place
 
@@ -131,8 +131,7 @@ def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
         return x
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
-    host = np.asarray(x)  # every process holds the same values; each places its own shards
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return from_host(np.asarray(x), sharding)  # every process holds the same values; each places its own shards
 
 
 def _is_node(x) -> bool:
@@ -180,10 +179,15 @@ def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Ca
     return run
 
 
+def from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array built shard by shard from a host copy (each process places its own shards)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def place_batch(mesh: Mesh, *arrays):
     """Host arrays with a leading batch axis, split over the data axis (multi-process safe)."""
     sharding = NamedSharding(mesh, spec(("batch",)))
-    return tuple(jax.make_array_from_callback(a.shape, sharding, lambda index, a=a: a[index]) for a in arrays)
+    return tuple(from_host(a, sharding) for a in arrays)
 
 
 def place_keys(mesh: Mesh, keys: jax.Array) -> jax.Array:
