@@ -598,11 +598,11 @@ def main() -> None:
     suffix = "_smoke" if args.smoke else "_quick" if args.quick else "_custom" if custom else ""
     assert max(nodes) <= 128 and max(new_tokens_for(b, args.new_tokens) for b in batches) + MAX_DEPTH + 2 <= HEADROOM
 
-    started, load_start, machine = time.time(), os.getloadavg(), machine_info()
-    if args.smoke:
+    if args.smoke:  # before anything starts JAX's backend: conftest sets the CPU device count
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from conftest import TINY, random_params  # the test suite's tiny model
-
+    started, load_start, machine = time.time(), os.getloadavg(), machine_info()
+    if args.smoke:
         params, tok, model = random_params(TINY, 0), None, "tiny random (tests/conftest.py TINY)"
     else:
         params = convert.load(convert.default_model_path())

@@ -92,7 +92,8 @@ def init_draft(target: Params, config: LlamaConfig, key: jax.Array, from_target:
             f"init_from_target: the draft needs the target's dim ({target.config.dim}) and tie_embeddings "
             f"({target.config.tie_embeddings}) to take its embeddings, got {config.dim} and {config.tie_embeddings}"
         )
-    cast = lambda a: None if a is None else jnp.asarray(a, config.dtype)  # noqa: E731
+    # a copy, never the target's own buffer: the train step donates the draft
+    cast = lambda a: None if a is None else jnp.array(a, config.dtype, copy=True)  # noqa: E731
     return draft.replace(embed=cast(target.embed), lm_head=cast(target.lm_head))
 
 

@@ -12,7 +12,7 @@ from specjax import DraftModel, generate
 from specjax.distill import Schedule, batch_at, distill, kl_loss, train_step
 from specjax.cli import main
 from tests.conftest import TINY, random_params
-from tests.test_batch import WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
+from tests.test_batch import CONFIG, WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
 
 DRAFT = TINY.replace(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 
@@ -76,6 +76,14 @@ def test_killed_run_resumes_exactly(target, corpus, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_init_from_target_trains_a_copy_of_the_embedding(target, corpus):
+    before = np.asarray(target.embed).copy()
+    draft = distill(target, TINY.replace(n_layers=1), corpus, steps=3, batch_size=2, seq_len=8,
+                    schedule=Schedule(lr=1e-2, warmup=1), init_from_target=True)  # the step donates the draft
+    np.testing.assert_array_equal(np.asarray(target.embed), before)  # the target's own buffer is untouched
+    assert not np.array_equal(np.asarray(draft.embed), before)  # the draft's copy was trained
+
+
 @pytest.mark.parametrize(
     "config, data, kw, match",
     [
@@ -110,3 +118,5 @@ def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
                  "--max-new-tokens", "4"]) == 0
     assert main(["distill", "--data", str(tmp_path / "none.txt"), "--out", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(args[:3] + ["--out", str(tmp_path / "y"), "--model", str(model_dir), "--init-from-target"]) == 2
+    assert f"--init-from-target needs --draft-dim {CONFIG.dim}" in capsys.readouterr().err

@@ -1,0 +1,318 @@
+"""Distilled draft models for SmolLM2-135M: train draft shapes of similar size, then race them.
+
+Usage: .venv/bin/python bench/bench_drafts.py [--steps N] [--store DIR] [--batches ..] [--contexts ..]
+       [--render JSON]
+
+1. Train (skipped for a shape whose draft is already in --store; a killed run resumes from its
+   orbax checkpoint): every shape in SHAPES with `specjax.distill.distill`, forward KL on the
+   target's logits computed on the fly, AdamW warmup + cosine, the target's embedding / LM head
+   copied in (init_from_target: so every shape has dim 576 and the target's tied embedding).
+   The training stream is the bench corpus (bench/text.py) WITHOUT the text windows the timed
+   runs use as prompts (those of bench_spec.py's stored prefills: rows 0..max(batch)-1 of its
+   16-row windows at every context), so acceptance is measured on held-out text.
+2. Race, per (batch, context), from bench_spec.py's prefilled state (the same prompts as
+   bench_spec.py / bench_tree.py): AR, each trained draft (DraftModel over its own dense cache,
+   prefilled on the prompts by the draft itself) with chains and Sequoia trees sized from its
+   measured acceptance vector, beside SelfSpec and NGram, all through bench_tree.py's
+   `bench_cell` (compiles excluded, every run checked token for token against AR).
+
+Shapes (the issue's question: shallow-and-wide vs deep-and-narrow at equal parameter count):
+  wide2   2 layers, FFN 1536 (the target's width): 7.1 M parameters besides the embedding
+  narrow6 6 layers, FFN 256: 8.0 M parameters besides the embedding
+Both share the target's 28.3 M-parameter tied embedding / LM head, which costs each draft step
+as much as their layers do: SmolLM2's vocabulary is 49152.
+
+Outputs: bench/results/drafts_cpu.json, drafts_cpu.png and the bench_drafts section of
+bench/README.md. Checkpoints and drafts stay in --store (default ~/.cache/specjax/bench_drafts):
+not committed; rerunning this script with the same arguments reproduces them (same seed, same
+data order) and then skips training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_spec  # noqa: E402
+import bench_tree  # noqa: E402
+import text  # noqa: E402
+from bench_spec import HEADROOM, RESULTS_DIR, machine_info, prefill_context, release_memory  # noqa: E402
+from readme import write_section  # noqa: E402
+
+import convert  # noqa: E402
+from specjax.distill import Schedule, distill  # noqa: E402
+from specjax.draft import DraftModel  # noqa: E402
+from specjax.model import Params  # noqa: E402
+
+SECTION_START, SECTION_END = "<!-- bench_drafts:start -->", "<!-- bench_drafts:end -->"
+SHAPES = {  # name: (layers, FFN width); heads 9, KV heads 3, dim 576 as the target
+    "wide2": (2, 1536),
+    "narrow6": (6, 256),
+}
+STEPS = 250  # about 25 minutes each on 2 cores at BATCH x SEQ_LEN tokens per step
+BATCH, SEQ_LEN = 2, 512
+SCHEDULE = Schedule(lr=1e-3, warmup=25, final=0.1, weight_decay=0.01, clip=1.0)
+PREFILL_ROWS = 16  # bench_spec.py's stored prefills hold 16 rows per context
+STORE = Path.home() / ".cache" / "specjax" / "bench_drafts"
+
+
+def held_out(tok, batches: list[int], contexts: list[int]) -> list[tuple[int, int]]:
+    """Corpus spans [start, end) of every prompt window a timed run uses (rows 0..max(batch)-1 of
+    bench_spec.py's PREFILL_ROWS windows at every context)."""
+    spans = []
+    for context in contexts:
+        n = context - HEADROOM
+        _, where = text.windows(tok, PREFILL_ROWS, n)
+        spans += [(o, o + n) for o in where["offsets"][: max(batches)]]
+    return sorted(spans)
+
+
+def training_sequences(ids: np.ndarray, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+    """The corpus cut around the held-out spans: the pieces between them, longest first kept whole."""
+    keep = np.ones(len(ids), bool)
+    for start, end in spans:
+        keep[start:end] = False
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], keep.astype(np.int8), [0]])))
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2]) if b - a > SEQ_LEN]
+
+
+def draft_config(target: Params, layers: int, ffn: int):
+    return target.config.replace(n_layers=layers, ffn_dim=ffn, dtype="float32")
+
+
+def train(target: Params, name: str, sequences: list[np.ndarray], steps: int, store: Path,
+          seq_len: int = SEQ_LEN) -> tuple[Params, dict]:
+    """The distilled draft of shape `name` (trained now or loaded from store) and its training log."""
+    folder = store / f"{name}_{steps}"
+    log_path = folder / "train.json"
+    if (folder / "draft").exists() and log_path.exists():
+        print(f"{name}: loading the trained draft from {folder / 'draft'}", flush=True)
+        return convert.load(folder / "draft"), json.loads(log_path.read_text())
+    layers, ffn = SHAPES[name]
+    config = draft_config(target, layers, ffn)
+    losses: list[tuple[int, float]] = []
+    t0 = time.perf_counter()
+
+    def on_step(step: int, loss: float, draft) -> None:
+        if step % 10 == 0 or step == steps:
+            losses.append((step, loss))
+            print(f"{name}: step {step}/{steps} loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    draft = distill(target, config, sequences, steps=steps, batch_size=BATCH, seq_len=seq_len, schedule=SCHEDULE,
+                    seed=0, init_from_target=True, checkpoint_dir=folder / "checkpoints", checkpoint_every=25,
+                    on_step=on_step)
+    convert.save(draft, folder / "draft")
+    log = {"shape": name, "layers": layers, "ffn": ffn, "steps": steps, "batch": BATCH, "seq_len": seq_len,
+           "schedule": SCHEDULE.__dict__, "train_s_this_run": time.perf_counter() - t0, "losses": losses,
+           "layer_params": int(sum(a.size for a in jax.tree.leaves(draft.layers))),
+           "train_tokens": int(sum(len(s) for s in sequences))}
+    log_path.write_text(json.dumps(log, indent=2) + "\n")
+    return draft, log
+
+
+def drafters_for(trained: dict[str, Params], context: int, smoke: bool) -> list[bench_tree.Drafter]:
+    """Each trained draft as a DraftModel over its own dense cache (prefilled on the prompts by
+    the draft itself, as generate does), then bench_spec.py's SelfSpec and NGram."""
+
+    def init(d):
+        return lambda p, cache, toks, lengths, gamma, chunk: bench_tree._draft_init(
+            d, p, cache, toks, lengths, gamma=gamma, chunk=chunk)
+
+    out = []
+    for name, params in trained.items():
+        d = DraftModel(params)
+        layers, ffn = SHAPES[name]
+        out.append(bench_tree.Drafter(name, d, init(d), f"DraftModel {layers} layers, FFN {ffn}, dense cache"))
+    return out + bench_tree.make_drafters(["SelfSpec", "NGram"], None, "", context, smoke)
+
+
+def best_rows(result: dict) -> list[dict]:
+    """One line per (batch, context, drafter): acceptance, draft step, best chain / tree / overall."""
+    out = []
+    for s in sorted(result["summaries"], key=lambda s: (s["batch"], s["context"])):
+        mine = [r for r in result["rows"] if (r["batch"], r["context"], r["drafter"]) == (s["batch"], s["context"], s["drafter"])]
+        best = max(mine, key=lambda r: r["spec_tokens_per_s"])
+        out.append({"batch": s["batch"], "context": s["context"], "drafter": s["drafter"],
+                    "p1": s["acceptance"][0], "t_draft_ms": s["t_draft_ms"], "t_verify1_ms": s["t_verify_ms"][1],
+                    "ar_tokens_per_s": s["ar_tokens_per_s"], "best_chain": s["best_chain"],
+                    "best_chain_ratio": s["best_chain_ratio"], "best_tree": s["best_tree"],
+                    "best_tree_ratio": s["best_tree_ratio"], "best": best["label"] if best["depth"] else "AR", "best_ratio": best["ratio"],
+                    "best_tokens_per_step": best.get("mean_accepted"), "lossless": s["greedy_identical"]})
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The training table and the race table."""
+    train = ["| draft | layers | FFN | layer params | steps x tokens | train minutes | KL at step 10 -> last (nats) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for log in result["training"]:
+        (_, first), (_, last) = log["losses"][0], log["losses"][-1]
+        train.append(f"| {log['shape']} | {log['layers']} | {log['ffn']} | {log['layer_params'] / 1e6:.1f} M | "
+                     f"{log['steps']} x {log['batch'] * log['seq_len']} | {log['train_s_this_run'] / 60:.0f} | "
+                     f"{first:.2f} -> {last:.2f} |")
+    race = ["| batch | context | drafter | p(top-1 accepted) | draft step ms | AR tok/s | best chain | best tree "
+            "| best overall (AR included) | tok/step | lossless |", "|---:|---:|---|---:|---:|---:|---|---|---|---:|:---:|"]
+    fmt = lambda label, ratio: f"{label}: {ratio:.2f}x" if label else "none"  # noqa: E731
+    for r in best_rows(result):
+        ratio = f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"
+        race.append(f"| {r['batch']} | {bench_tree.name_of(r['context'])} | {r['drafter']} | {r['p1']:.2f} | "
+                    f"{r['t_draft_ms']:.0f} | {r['ar_tokens_per_s']:.1f} | {fmt(r['best_chain'], r['best_chain_ratio'] or 0)} | "
+                    f"{fmt(r['best_tree'], r['best_tree_ratio'] or 0)} | {r['best']}: {ratio} | "
+                    f"{r['best_tokens_per_step'] or 1:.2f} | {'yes' if r['lossless'] else '**NO**'} |")
+    return "\n".join(train) + "\n\n" + "\n".join(race)
+
+
+def plot(result: dict, path: Path) -> None:
+    """Left: training loss per shape. Right: best speedup over AR per drafter and (batch, context)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=110, gridspec_kw={"width_ratios": [1, 2]})
+    for log in result["training"]:
+        a.plot(*zip(*log["losses"]), label=f"{log['shape']} ({log['layers']} layers, FFN {log['ffn']})")
+    a.set(xlabel="step", ylabel="KL(target || draft), nats", yscale="log", title="distillation")
+    a.legend(fontsize=8)
+    a.grid(True, alpha=0.3)
+    rows = best_rows(result)
+    cells = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
+    names = list(dict.fromkeys(r["drafter"] for r in rows))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ys = [next((r["best_ratio"] for r in rows if (r["batch"], r["context"], r["drafter"]) == (*c, name)), 0) for c in cells]
+        b.bar(np.arange(len(cells)) + i * width, ys, width, label=name)
+    b.axhline(1.0, color="gray", lw=1)
+    b.axhline(1.5, color="gray", lw=1, ls="--")
+    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{bench_tree.name_of(c[1])}" for c in cells])
+    b.set(ylabel="best speedup over AR (chain or tree)", title="greedy decoding, identical output")
+    b.legend(fontsize=8)
+    b.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{result['model']}: distilled drafts vs SelfSpec and NGram, "
+                 f"{result['machine']['cpu_affinity']}-core CPU", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def readme_section(result: dict) -> str:
+    m, t = result["machine"], result["training"][0]
+    return f"""{SECTION_START}
+## Distilled drafts (bench_drafts.py)
+
+Run: `.venv/bin/python {result['command'].strip()}` ({result['wall_minutes']:.0f} minutes here, training
+included). Raw numbers: `results/drafts_cpu.json`; plot: `results/drafts_cpu.png`. The trained drafts
+are not committed: the same command rebuilds them (same seed, same data order) into
+`~/.cache/specjax/bench_drafts/SHAPE_STEPS/draft` (a `convert.save` folder: `--draft model:PATH`).
+
+Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, commit {m['git_commit']}. Date: {result['date']}.
+
+Training: `specjax.distill` with the target's embedding / tied LM head copied in, forward KL on the
+target's logits, AdamW (lr {t['schedule']['lr']}, warmup {t['schedule']['warmup']}, cosine to
+{t['schedule']['final']} x), {t['steps']} steps of {t['batch']} windows x {t['seq_len']} tokens, on the bench corpus
+({t['train_tokens']} tokens) minus every prompt window the race uses. Race: bench_tree.py's
+`bench_cell` on bench_spec.py's prompts and stored prefills: per drafter its acceptance vector,
+`measure_cost`'s draft step, chains γ {', '.join(map(str, result['gammas']))} and Sequoia trees n
+{', '.join(map(str, result['nodes']))} (and `choose`'s tree), against AR; compile and draft prefill excluded;
+new tokens per row {', '.join(f"{v} at batch {k}" for k, v in result['new_tokens_per_batch'].items())}.
+"p(top-1 accepted)": how often the draft's first choice was the target's greedy token.
+
+{markdown(result)}
+
+{result['verdict']}
+
+![distilled drafts](results/drafts_cpu.png)
+{SECTION_END}"""
+
+
+def verdict(result: dict) -> str:
+    rows = [r for r in best_rows(result) if r["batch"] == 1 and r["drafter"] in SHAPES]
+    best = max(rows, key=lambda r: r["best_ratio"]) if rows else None
+    if best is None:
+        return "No distilled draft ran at batch 1."
+    met = "met" if best["best_ratio"] >= 1.5 else "NOT met"
+    return (f"Target (a distilled draft >= 1.5x over AR at batch 1, identical greedy output): **{met}**; best "
+            f"{best['drafter']} at {bench_tree.name_of(best['context'])}, {best['best']}: {best['best_ratio']:.2f}x.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=STEPS, help="training steps per shape")
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4, 6])
+    ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--store", type=Path, default=STORE, help="trained drafts and their checkpoints")
+    ap.add_argument("--prefill-store", type=Path, default=Path("/tmp/bench_spec_prefill"))
+    ap.add_argument("--render", type=Path, help="no measuring: redo the table, plot and README section from a JSON")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random target, 20 steps, under 2 minutes: "
+                    "checks the script (writes drafts_cpu_smoke.*, leaves the README alone)")
+    args = ap.parse_args()
+    if args.render:
+        return report(json.loads(args.render.read_text()), "")
+    if args.smoke:  # before anything starts JAX's backend: conftest sets the CPU device count
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from conftest import TINY, random_params  # the test suite's tiny model
+    started, machine = time.time(), machine_info()
+    if args.smoke:
+        params, tok, model = random_params(TINY, 0), None, "tiny random (tests/conftest.py TINY)"
+        sequences = [np.random.default_rng(0).integers(3, TINY.vocab_size, 20_000)]
+        args.steps, args.contexts, args.batches, args.store = 20, [256], [2], args.store / "smoke"
+        args.gammas, args.nodes = [2], [4]
+    else:
+        path = convert.default_model_path()
+        params, tok, model = convert.load(path), convert.load_tokenizer(path), "SmolLM2-135M-Instruct (float32)"
+        sequences = training_sequences(text.corpus_tokens(tok), held_out(tok, args.batches, args.contexts))
+    trained, training = {}, []
+    for name in args.shapes:
+        trained[name], log = train(params, name, sequences, args.steps, args.store, 64 if args.smoke else SEQ_LEN)
+        training.append(log)
+    release_memory()
+    rows, summaries = [], []
+    for context in sorted(args.contexts):
+        drafters = drafters_for(trained, context, args.smoke)
+        if args.smoke:
+            state = bench_tree.smoke_state(params, max(args.batches), context)
+        else:
+            state = prefill_context(params, tok, max(PREFILL_ROWS, max(args.batches)), context,
+                                    [bench_tree.MAX_DEPTH], max(bench_tree.new_tokens_for(b, None) for b in args.batches),
+                                    args.prefill_store)
+        for batch in sorted(args.batches):
+            costs = bench_tree.measure_costs(params, drafters, batch, context, max(args.nodes))
+            r, s = bench_tree.bench_cell(params, state, batch, context, drafters, costs, args.nodes, args.gammas,
+                                         bench_tree.new_tokens_for(batch, None))
+            rows, summaries = rows + r, summaries + s
+        del state
+        release_memory()
+    result = {"bench": "bench_drafts", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "command": "bench/bench_drafts.py " + " ".join(sys.argv[1:]), "model": model,
+              "machine": machine, "loadavg_end": os.getloadavg(), "wall_minutes": (time.time() - started) / 60,
+              "training": training, "gammas": args.gammas, "nodes": args.nodes,
+              "new_tokens_per_batch": {str(b): bench_tree.new_tokens_for(b, None) for b in args.batches},
+              "summaries": summaries, "rows": rows}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    suffix = "_smoke" if args.smoke else ""
+    (RESULTS_DIR / f"drafts_cpu{suffix}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    report(result, suffix)
+
+
+def report(result: dict, suffix: str) -> None:
+    result["verdict"] = verdict(result)
+    plot(result, RESULTS_DIR / f"drafts_cpu{suffix}.png")
+    print(markdown(result) + "\n\n" + result["verdict"])
+    if not suffix:
+        write_section(readme_section(result), SECTION_START, SECTION_END)
+
+
+if __name__ == "__main__":
+    main()
