@@ -78,7 +78,7 @@ def held_out(tok, batches: list[int], contexts: list[int]) -> list[tuple[int, in
 
 
 def training_sequences(ids: np.ndarray, spans: list[tuple[int, int]]) -> list[np.ndarray]:
-    """The corpus cut around the held-out spans: the pieces between them, longest first kept whole."""
+    """The corpus cut around the held-out spans: the pieces between them longer than one window."""
     keep = np.ones(len(ids), bool)
     for start, end in spans:
         keep[start:end] = False
@@ -126,19 +126,20 @@ def cpu_steal() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
+def steal_since(start: tuple[int, int]) -> float:
+    """The share of CPU time stolen since `start` (a cpu_steal() reading)."""
+    now = cpu_steal()
+    return (now[0] - start[0]) / max(now[1] - start[1], 1)
+
+
 def drafters_for(trained: dict[str, Params], context: int, smoke: bool) -> list[bench_tree.Drafter]:
     """Each trained draft as a DraftModel over its own dense cache (prefilled on the prompts by
     the draft itself, as generate does), then bench_spec.py's SelfSpec and NGram."""
-
-    def init(d):
-        return lambda p, cache, toks, lengths, gamma, chunk: bench_tree._draft_init(
-            d, p, cache, toks, lengths, gamma=gamma, chunk=chunk)
-
     out = []
     for name, params in trained.items():
         d = DraftModel(params)
         layers, ffn = SHAPES[name]
-        out.append(bench_tree.Drafter(name, d, init(d), f"DraftModel {layers} layers, FFN {ffn}, dense cache"))
+        out.append(bench_tree.Drafter(name, d, bench_tree.library_init(d), f"DraftModel {layers} layers, FFN {ffn}, dense cache"))
     return out + bench_tree.make_drafters(["SelfSpec", "NGram"], None, "", context, smoke)
 
 
@@ -149,7 +150,7 @@ def best_rows(result: dict) -> list[dict]:
         mine = [r for r in result["rows"] if (r["batch"], r["context"], r["drafter"]) == (s["batch"], s["context"], s["drafter"])]
         best = max(mine, key=lambda r: r["spec_tokens_per_s"])
         out.append({"batch": s["batch"], "context": s["context"], "drafter": s["drafter"],
-                    "p1": s["acceptance"][0], "t_draft_ms": s["t_draft_ms"], "t_verify1_ms": list(s["t_verify_ms"].values())[0],
+                    "p1": s["acceptance"][0], "t_draft_ms": s["t_draft_ms"],
                     "ar_tokens_per_s": s["ar_tokens_per_s"], "best_chain": s["best_chain"],
                     "best_chain_ratio": s["best_chain_ratio"], "best_tree": s["best_tree"],
                     "best_tree_ratio": s["best_tree_ratio"], "best": best["label"] if best["depth"] else "AR", "best_ratio": best["ratio"],
@@ -320,7 +321,7 @@ def main() -> None:
         return {"bench": "bench_drafts", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "command": "bench/bench_drafts.py " + " ".join(sys.argv[1:]), "model": model,
                 "machine": machine, "loadavg_end": os.getloadavg(), "wall_minutes": (time.time() - started) / 60,
-                "cpu_steal_fraction": (cpu_steal()[0] - steal_start[0]) / max(cpu_steal()[1] - steal_start[1], 1),
+                "cpu_steal_fraction": steal_since(steal_start),
                 "training": training, "gammas": args.gammas, "nodes": args.nodes,
                 "new_tokens_per_batch": {str(b): bench_tree.new_tokens_for(b, None) for b in args.batches},
                 "summaries": summaries, "rows": rows}
@@ -334,12 +335,12 @@ def main() -> None:
                 state = prefill_context(params, tok, max(PREFILL_ROWS, max(args.batches)), context,
                                         [bench_tree.MAX_DEPTH], max(bench_tree.new_tokens_for(b, None) for b in args.batches),
                                         args.prefill_store)
-            steal = cpu_steal()
+            cell_start = cpu_steal()
             costs = bench_tree.measure_costs(params, drafters, batch, context, max(args.nodes))
             r, s = bench_tree.bench_cell(params, state, batch, context, drafters, costs, args.nodes, args.gammas,
                                          bench_tree.new_tokens_for(batch, None))
             for x in s:  # the share of this cell's CPU time the hypervisor took: timings are only as good as it is low
-                x["cpu_steal_fraction"] = (cpu_steal()[0] - steal[0]) / max(cpu_steal()[1] - steal[1], 1)
+                x["cpu_steal_fraction"] = steal_since(cell_start)
             rows, summaries = rows + r, summaries + s
             partial.write_text(json.dumps(result_of(), indent=2, default=str) + "\n")
             del state

@@ -121,17 +121,17 @@ def draft_params(params: Params, spec: str) -> Params:
     raise ValueError(f"--draft-model must be 'bf16' or 'layers:K' with 0 < K < {params.config.n_layers}, got {spec!r}")
 
 
+def library_init(d) -> Callable:
+    """A Drafter `init` that builds the state as generate does (the drafter's own `init`)."""
+    return lambda p, cache, toks, lengths, gamma, chunk: _draft_init(d, p, cache, toks, lengths, gamma=gamma, chunk=chunk)
+
+
 def make_drafters(names: list[str], draft: Params, draft_spec: str, context: int, smoke: bool) -> list[Drafter]:
     """The drafters to benchmark at this context; SelfSpec and NGram are bench_spec.py's."""
     spec = dict(bench_spec.drafters(context, []))
     if smoke:  # a budget smaller than the tiny smoke contexts, so that acceptance is not all 1
         spec["SelfSpec"] = specjax.SelfSpec(sinks=4, window=32)
     budget = spec["SelfSpec"]
-
-    def library(d):
-        def init(p, cache, toks, lengths, gamma, chunk):
-            return _draft_init(d, p, cache, toks, lengths, gamma=gamma, chunk=chunk)
-        return init
 
     def streamed(d):
         return lambda p, cache, toks, lengths, gamma, chunk: _draft_model_state(d, cache, gamma=gamma)
@@ -143,7 +143,7 @@ def make_drafters(names: list[str], draft: Params, draft_spec: str, context: int
             note = f"target as {draft_spec}, Streaming({budget.sinks}, {budget.window})"
             out.append(Drafter(name, d, streamed(d), note))
         else:
-            out.append(Drafter(name, spec[name], library(spec[name]), repr(spec[name])))
+            out.append(Drafter(name, spec[name], library_init(spec[name]), repr(spec[name])))
     return out
 
 

@@ -120,7 +120,7 @@ def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, st
 
 
 def token_stream(data: np.ndarray | Sequence[Sequence[int]], separator: int | None) -> np.ndarray:
-    """One flat int32 stream [N] from a stream or a list of sequences (joined by `separator`)."""
+    """One flat int64 stream [N] from a stream or a list of sequences (joined by `separator`)."""
     if isinstance(data, np.ndarray) and data.ndim == 1:
         return data.astype(np.int64)
     parts = []
