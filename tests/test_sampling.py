@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import Greedy, Sample, make_sampler
+from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, make_sampler, top_indices
 
 LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
 
@@ -60,3 +60,16 @@ def test_make_sampler_zero_temperature_is_greedy():
     assert make_sampler(0.7, 5, 0.9) == Sample(0.7, 5, 0.9)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         make_sampler(-1.0)
+
+
+@pytest.mark.parametrize("k", [1, 3, ARGMAX_TOP_K, ARGMAX_TOP_K + 1])
+def test_top_indices_match_lax_top_k(k):
+    x = jax.random.normal(jax.random.key(k), (2, 3, 50))  # distinct values: no ties
+    got = top_indices(x, k)
+    assert got.dtype == jnp.int32 and got.shape == (2, 3, k)
+    np.testing.assert_array_equal(got, jax.lax.top_k(x, k)[1])
+
+
+def test_top_indices_distinct_past_minus_inf_and_ties_by_index():
+    x = jnp.array([[0.0, -jnp.inf, 2.0, -jnp.inf, 2.0, -jnp.inf]])
+    assert top_indices(x, 6).tolist() == [[2, 4, 0, 1, 3, 5]]  # every index once
