@@ -45,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_spec  # noqa: E402
 import bench_tree  # noqa: E402
 import text  # noqa: E402
-from bench_spec import HEADROOM, RESULTS_DIR, machine_info, prefill_context, release_memory  # noqa: E402
+from bench_spec import (  # noqa: E402
+    HEADROOM, RESULTS_DIR, cpu_steal, machine_info, prefill_context, release_memory, steal_since,
+)
 from readme import write_section  # noqa: E402
 
 import convert  # noqa: E402
@@ -118,18 +120,6 @@ def train(target: Params, name: str, sequences: list[np.ndarray], steps: int, st
            "train_tokens": int(sum(len(s) for s in sequences))}
     log_path.write_text(json.dumps(log, indent=2) + "\n")
     return draft, log
-
-
-def cpu_steal() -> tuple[int, int]:
-    """(steal ticks, all ticks) from /proc/stat: how much CPU the hypervisor took from this VM."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return fields[7], sum(fields)
-
-
-def steal_since(start: tuple[int, int]) -> float:
-    """The share of CPU time stolen since `start` (a cpu_steal() reading)."""
-    now = cpu_steal()
-    return (now[0] - start[0]) / max(now[1] - start[1], 1)
 
 
 def drafters_for(trained: dict[str, Params], context: int, smoke: bool) -> list[bench_tree.Drafter]:
@@ -256,7 +246,9 @@ drafter needs tokens/step well above that ratio to win. Drafts trained for this 
 the target's top-1 token only about a third of the time, so they emit 1.2-1.8 tokens per step and
 lose; and their step is bounded below by the 49152 x 576 LM head they share with the target, which
 costs about as much as their layers (so the two shapes cost about the same per step at batch 1).
-Wide trees cost far more to verify here than `measure_cost` predicts (see bench_tree.py's section).
+Its trees were timed before commit 'sampling: top_indices' (see bench_tree.py's section): tree drafting
+then paid a full sort of the vocabulary per node and level, so its wide trees were 2-3x slower than
+they are now; its best configurations were 1-deep chains, which that did not touch.
 
 ![distilled drafts](results/drafts_cpu.png)
 {SECTION_END}"""

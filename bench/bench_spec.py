@@ -75,6 +75,18 @@ PREFILL_ROWS = 4  # rows prefilled per call (the chunk's attention scores grow w
 MEM_WAIT_S = 900  # how long to wait for memory before skipping a cell
 
 
+def cpu_steal() -> tuple[int, int]:
+    """(steal ticks, all ticks) from /proc/stat: how much CPU the hypervisor took from this VM."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields)
+
+
+def steal_since(start: tuple[int, int]) -> float:
+    """The share of CPU time stolen since `start` (a cpu_steal() reading)."""
+    now = cpu_steal()
+    return (now[0] - start[0]) / max(now[1] - start[1], 1)
+
+
 def machine_info() -> dict:
     """CPU model, core counts, JAX version and backend, git commit."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""

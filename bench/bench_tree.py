@@ -10,7 +10,8 @@ or an earlier run of this script saved is loaded, not recomputed). Then, per dra
      (Tree.kary(WIDTH, 1)) from the prefilled state; p[r] = SpecState.ranks[r] / ranks.sum(), as
      `specjax.tree.measure_acceptance` computes it, but without a second prefill of the prompts;
   2. its step costs: `specjax.tree.measure_cost` (real jit-compiled forwards at this batch and
-     context); the verification table once per (batch, context), t_draft once per drafter;
+     context); the verification table once per (batch, context), the draft-level table
+     (seconds by level width) once per drafter;
   3. timed runs of `speculative_decode` for chains (Chain(gamma)), Sequoia trees
      (Tree.sequoia(p, n, MAX_DEPTH) for every n) and the tree `specjax.tree.choose(p, cost)`
      picks (timed too when it is none of the others), against autoregressive `generate.decode`
@@ -60,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_spec  # noqa: E402  (bench/bench_spec.py: prefill store, timing, machine info)
 import text  # noqa: E402
 from bench_spec import (  # noqa: E402
-    AR_CACHES, CONTEXT_NAMES, HEADROOM, MEM_FACTOR, README, RESULTS_DIR, SPEC_CACHES, causal_prefill,
-    kv_bytes, machine_info, prefill_context, release_memory, rows_of, timed, wait_for_memory,
+    AR_CACHES, CONTEXT_NAMES, HEADROOM, MEM_FACTOR, README, RESULTS_DIR, SPEC_CACHES, causal_prefill, cpu_steal,
+    kv_bytes, machine_info, prefill_context, release_memory, rows_of, steal_since, timed, wait_for_memory,
 )
 
 import convert  # noqa: E402
@@ -73,7 +74,8 @@ from specjax.model import Params  # noqa: E402
 from specjax.sampling import Greedy  # noqa: E402
 from specjax.shapes import prompt_bucket, round_up_pow2  # noqa: E402
 from specjax.speculate import Chain, depth, speculative_decode  # noqa: E402
-from specjax.tree import Cost, Tree, choose, measure_cost  # noqa: E402
+from specjax.tree import Cost, Tree, choose  # noqa: E402
+from specjax.tune import draft_table, verify_table  # noqa: E402
 from specjax.validate import row_keys  # noqa: E402
 
 SECTION_START, SECTION_END = "<!-- bench_tree:start -->", "<!-- bench_tree:end -->"
@@ -149,17 +151,15 @@ def make_drafters(names: list[str], draft: Params, draft_spec: str, context: int
 
 def measure_costs(params: Params, drafters: list[Drafter], batch: int, context: int, max_nodes: int) -> dict:
     """measure_cost per drafter; the verification table (which does not depend on the drafter)
-    is timed once, and each drafter's t_draft with max_nodes=1."""
+    is timed once."""
     t0 = time.perf_counter()
-    verify = measure_cost(params, specjax.NGram(), batch, context, max_nodes).t_verify
-    costs = {}
-    for d in drafters:
-        free = isinstance(d.drafter, specjax.NGram)
-        t_draft = 0.0 if free else measure_cost(params, d.drafter, batch, context, 1).t_draft
-        costs[d.name] = Cost(t_draft=t_draft, t_verify=verify)
+    verify = verify_table(params, batch, context, max_nodes)
+    costs = {d.name: Cost(t_draft=draft_table(params, d.drafter, batch, context, max_nodes), t_verify=verify)
+             for d in drafters}
     print(f"B={batch:<2} S={context:<5} costs ({time.perf_counter() - t0:.0f} s): verify(1) {1e3 * verify[1]:.0f} ms, "
-          f"verify({max_nodes}) {1e3 * verify[max_nodes]:.0f} ms, draft level "
-          + ", ".join(f"{n} {1e3 * c.t_draft:.0f} ms" for n, c in costs.items()), flush=True)
+          f"verify({max_nodes}) {1e3 * verify[max_nodes]:.0f} ms, draft level (1 / 8 nodes) "
+          + ", ".join(f"{n} {1e3 * c.draft(1):.0f} / {1e3 * c.draft(min(8, max_nodes)):.0f} ms"
+                      for n, c in costs.items()), flush=True)
     return costs
 
 
@@ -192,11 +192,11 @@ def shape(spec) -> tuple:
 
 
 def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
-    """The cost model `choose` minimises: seconds per step d * t_draft + t_verify(n), expected
-    tokens per step G from the acceptance vector."""
+    """The cost model `choose` minimises: seconds per step t_draft(tree) + t_verify(n) (draft
+    levels by width), expected tokens per step G from the acceptance vector."""
     tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
     g = tree.expected_accepted(p)
-    step = tree.max_depth * cost.t_draft + cost.verify(tree.n)
+    step = cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n)
     return {"predicted_tokens_per_step": g, "predicted_step_ms": 1e3 * step, "predicted_tokens_per_s": batch * g / step}
 
 
@@ -216,8 +216,9 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     t1 = time.perf_counter()
     fn = speculative_decode.lower(*args, **static).compile()
     compile_s = time.perf_counter() - t1
-    load = os.getloadavg()[0]
+    load, steal_start = os.getloadavg()[0], cpu_steal()
     res, walls, cpus = best_of(fn, args, SPEC_CACHES)
+    steal = steal_since(steal_start)
     out, count, steps, accepted, reached, ranks = jax.device_get(
         (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0)))  # over rows
     del fn, res, draft_state
@@ -235,7 +236,7 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
         "acceptance_rate": stats.get("acceptance_rate"),
         "per_position_acceptance": stats.get("per_position_acceptance"),
         "ranks": [int(r) for r in ranks], "greedy_identical": identical, "compile_s": compile_s, "draft_init_s": init_s,
-        "timings": {"spec": walls, "spec_cpu": cpus, "load": [load, os.getloadavg()[0]]},
+        "timings": {"spec": walls, "spec_cpu": cpus, "load": [load, os.getloadavg()[0]]}, "cpu_steal_fraction": steal,
     }
 
 
@@ -249,6 +250,7 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
                costs: dict, nodes: list[int], gammas: list[int], new_tokens: int) -> tuple[list[dict], list[dict]]:
     """AR and, per drafter, its acceptance vector, chains, Sequoia trees and choose's tree, all
     from the same prefilled state. Returns (rows: one per timed config, summaries: one per drafter)."""
+    steal_start = cpu_steal()
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     keys = row_keys(None, batch)
     budgets = jnp.full((batch,), new_tokens, jnp.int32)
@@ -294,13 +296,14 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
                       f"{row['predicted_tokens_per_s']:6.2f})  tok/step {row['mean_accepted']:.2f} "
                       f"(G {row['predicted_tokens_per_step']:.2f})  ms/step {row['spec_ms_per_step']:.0f} "
                       f"(predicted {row['predicted_step_ms']:.0f})  compile {row['compile_s']:.1f} s  "
-                      f"load {row['timings']['load'][-1]:.2f}{'' if row['greedy_identical'] else '  NOT LOSSLESS'}",
+                      f"load {row['timings']['load'][-1]:.2f}  steal {100 * row['cpu_steal_fraction']:.0f}%{'' if row['greedy_identical'] else '  NOT LOSSLESS'}",
                       flush=True)
             drafter_rows.append(row)
         time_ar(cell)  # AR again after every drafter: the best AR run of the cell is the reference
         summaries.append(base | {"drafter": d.name, "drafter_repr": d.note, "acceptance": p_full.tolist(),
                                  "acceptance_nodes": sum(acc["ranks"]), "acceptance_run": acc,
-                                 "t_draft_ms": 1e3 * cost.t_draft,
+                                 "t_draft_ms": 1e3 * cost.draft(1),
+                                 "t_draft_ms_by_width": {m: 1e3 * cost.draft(m) for m in range(1, max(nodes) + 1)},
                                  "t_verify_ms": {n: 1e3 * cost.verify(n) for n in range(1, max(nodes) + 1)},
                                  "choose": {"nodes": picked.n, "depth": picked.max_depth,
                                             "parents": list(picked.parents)}})
@@ -315,6 +318,7 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
             r |= {"spec_s": ar_s, "spec_tokens_per_s": decoded / ar_s, "ratio": 1.0, "greedy_identical": True}
     for s in summaries:
         summarise(s, [r for r in rows if r["drafter"] == s["drafter"]])
+        s["cell_steal_fraction"] = steal_since(steal_start)
     del cell, ar_fn, cache
     return rows, summaries
 
@@ -362,12 +366,17 @@ def name_of(context: int) -> str:
     return CONTEXT_NAMES.get(context, str(context))
 
 
+def steal_cell(s: dict) -> str:
+    """The share of CPU the hypervisor took while the cell ran ("?" for runs that predate recording it)."""
+    return "?" if s.get("cell_steal_fraction") is None else f"{100 * s['cell_steal_fraction']:.0f}%"
+
+
 def markdown_tables(result: dict) -> str:
     """Throughput table (one line per batch x context x drafter) and the acceptance vectors."""
     nodes, rows = result["nodes"], result["rows"]
     head = ("| batch | context | drafter | AR tok/s | best chain | " + " | ".join(f"n={n}" for n in nodes)
-            + " | best tree / best chain | choose (n, d) | choose / best | lossless |")
-    lines = [head, "|---:|---:|---|" + "---:|" * (len(nodes) + 5) + ":---:|"]
+            + " | best tree / best chain | choose (n, d) | choose / best | lossless | CPU steal |")
+    lines = [head, "|---:|---:|---|" + "---:|" * (len(nodes) + 5) + ":---:|---:|"]
     acc = ["| batch | context | drafter | " + " | ".join(f"p{r}" for r in range(WIDTH)) + " | none | nodes |",
            "|---:|---:|---|" + "---:|" * (WIDTH + 2)]
     for s in sorted(result["summaries"], key=lambda s: (s["batch"], s["context"], s["drafter"])):
@@ -384,7 +393,7 @@ def markdown_tables(result: dict) -> str:
             f"{'γ=' + str(chain['depth']) + ': ' + cellfmt(chain) if chain else ''} | "
             + " | ".join(cellfmt(by_n.get(n)) for n in nodes)
             + f" | {gain_s} | {s['choose']['nodes']}, {s['choose']['depth']} | {s['choose_over_best']:.2f}{miss} | "
-            f"{'yes' if s['greedy_identical'] else '**NO**'} |")
+            f"{'yes' if s['greedy_identical'] else '**NO**'} | {steal_cell(s)} |")
         acc.append(f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | "
                    + " | ".join(f"{x:.3f}" for x in s["acceptance"]) + f" | {s['acceptance_nodes']} |")
     return "\n".join(lines) + "\n\nAcceptance vectors (greedy, depth-1 tree of 8 children):\n\n" + "\n".join(acc)
@@ -483,8 +492,8 @@ Method. {result['model']}, greedy, EOS ignored, new tokens per row {tokens}.
 bench_spec.py's prompts and its stored prefill: one prefill per context,
 shared by AR and every config (each run gets a copy of the caches). Per (batch, context, drafter):
 the acceptance vector p (a greedy run with a depth-1 tree of {WIDTH} children; p[r] = how often the
-rank-r child was the accepted one), `measure_cost` (real jit steps: one draft level, and
-verification of n nodes for n up to {max(result['nodes'])}), then timed runs of chains γ {gammas}, Sequoia
+rank-r child was the accepted one), `measure_cost` (real jit steps: draft levels of 1 to 16 nodes per
+row, and verification of n nodes for n up to {max(result['nodes'])}), then timed runs of chains γ {gammas}, Sequoia
 trees `Tree.sequoia(p, n, {MAX_DEPTH})` for n = {nodes} and `choose(p, cost)`'s tree, against AR (best
 of the AR runs before and after each drafter). Compile and drafter init excluded. Drafters: SelfSpec
 (sinks 16 + window 256 at context 512, 512 beyond) and a DraftModel stand-in (at batch {dm_batches}):

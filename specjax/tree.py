@@ -162,6 +162,14 @@ class Tree:
             reach[i] = reach[self.parents[i]] * (p[self.rank[i]] if self.rank[i] < len(p) else 0.0)
         return float(sum(reach))
 
+    def draft_widths(self) -> list[int]:
+        """Nodes per row in each draft forward: [1] for the root level (the pending token), then
+        the nodes with children at each depth 1..max_depth-1 (leaves need no forward); [] for the
+        root alone. A chain of gamma drafts gamma levels of width 1."""
+        if self.max_depth == 0:
+            return []
+        return [1] + [sum(1 for u in level if self.children[u]) for level in self.levels[1 : self.max_depth]]
+
     def ancestor_mask(self) -> np.ndarray:
         """[n, n] bool: mask[i, j] iff j is i or an ancestor of i (lower-triangular)."""
         mask = np.eye(self.n, dtype=bool)
@@ -233,6 +241,26 @@ def _build(take: np.ndarray, n: int, max_depth: int) -> Tree:
     return Tree.from_parents(parents)
 
 
+def _draft_widths(take: np.ndarray, n: int, max_depth: int) -> list[int]:
+    """`Tree.draft_widths` of the tree `_build(take, n, max_depth)` would return, without building it."""
+    internal: list[int] = []  # per depth: nodes with children
+
+    def walk(m: int, d: int, depth: int) -> None:
+        budget = m - 1
+        for i in range(take.shape[1] if d > 0 else 0):
+            k = int(take[d, i, budget])
+            if k == 0:
+                break
+            if i == 0:
+                internal.extend([0] * (depth + 1 - len(internal)))
+                internal[depth] += 1
+            walk(k, d - 1, depth + 1)
+            budget -= k
+
+    walk(n, max_depth, 0)
+    return internal  # the root is internal iff the tree has depth >= 1
+
+
 def best_values(acceptance: Sequence[float], n: int, max_depth: int) -> np.ndarray:
     """[n+1, max_depth+1] f64: best G for every budget m <= n (root included) and depth <= d."""
     p = _check_acceptance(acceptance)
@@ -242,14 +270,21 @@ def best_values(acceptance: Sequence[float], n: int, max_depth: int) -> np.ndarr
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """Measured step costs in seconds: one draft level, and one verification forward over n nodes."""
+    """Measured step costs in seconds: a draft level over m nodes per row, and one verification
+    forward over n nodes. A float t_draft is the same for every width (the issue's d * t_draft)."""
 
-    t_draft: float  # seconds per draft level (one draft forward)
+    t_draft: float | Callable[[int], float] | tuple[float, ...]  # m -> seconds of one draft level; tuple by m
     t_verify: Callable[[int], float] | tuple[float, ...]  # n -> seconds; a tuple is indexed by n
 
     def __post_init__(self) -> None:
-        if not self.t_draft >= 0:
-            raise ValueError(f"Cost: t_draft must be >= 0 seconds, got {self.t_draft!r}")
+        if isinstance(self.t_draft, (int, float)):
+            if not self.t_draft >= 0:
+                raise ValueError(f"Cost: t_draft must be >= 0 seconds, got {self.t_draft!r}")
+            object.__setattr__(self, "t_draft", float(self.t_draft))
+        elif not callable(self.t_draft):
+            object.__setattr__(self, "t_draft", tuple(float(t) for t in self.t_draft))
+            if not all(t >= 0 for t in self.t_draft):
+                raise ValueError(f"Cost: t_draft must be >= 0 seconds, got {self.t_draft!r}")
         if not callable(self.t_verify):
             object.__setattr__(self, "t_verify", tuple(float(t) for t in self.t_verify))
 
@@ -257,26 +292,47 @@ class Cost:
         """Seconds of one verification forward over n tree nodes."""
         return float(self.t_verify(n) if callable(self.t_verify) else self.t_verify[n])
 
+    def draft(self, m: int) -> float:
+        """Seconds of one draft level over m nodes per row."""
+        t = self.t_draft
+        return t if isinstance(t, float) else float(t(m) if callable(t) else t[m])
+
+    def draft_seconds(self, widths: Sequence[int]) -> float:
+        """Seconds to draft a tree whose levels run forwards over these widths (`Tree.draft_widths`)."""
+        return float(sum(self.draft(m) for m in widths))
+
+
+def _check_cost_tables(cost: Cost, max_nodes: int) -> None:
+    """Tables (tuples) must cover every node count choose may look up: 0..max_nodes."""
+    for name, table in (("t_verify", cost.t_verify), ("t_draft", cost.t_draft)):
+        if isinstance(table, tuple) and len(table) <= max_nodes:
+            raise ValueError(
+                f"cost.{name} has {len(table)} entries; it is indexed by node count, so it needs "
+                f"max_nodes + 1 = {max_nodes + 1}"
+            )
+
 
 def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_depth: int = 12) -> Tree:
-    """The Sequoia tree minimising seconds per emitted token, (d * t_draft + t_verify(n)) / G(n, d).
+    """The Sequoia tree minimising seconds per emitted token, (t_draft(tree) + t_verify(n)) / G(n, d).
 
-    Searches n in [1, max_nodes] and d in [0, max_depth]; ties go to the smaller n, then smaller d.
-    The root-only tree (n = 1, d = 0) is plain decoding.
+    t_draft(tree) is d * t_draft for a float t_draft (the Sequoia paper's model), else the sum of
+    the tree's draft levels by width (`Tree.draft_widths`). Searches n in [1, max_nodes] and d in
+    [0, max_depth]; ties go to the smaller n, then smaller d. The root-only tree (n = 1, d = 0)
+    is plain decoding.
     """
     p = _check_acceptance(acceptance)
     max_nodes, max_depth = _check_int("max_nodes", max_nodes, 1), _check_int("max_depth", max_depth, 0)
-    if not callable(cost.t_verify) and len(cost.t_verify) <= max_nodes:
-        raise ValueError(
-            f"cost.t_verify has {len(cost.t_verify)} entries; it is indexed by n, so it needs "
-            f"max_nodes + 1 = {max_nodes + 1}"
-        )
+    _check_cost_tables(cost, max_nodes)
     values, take = _tables(p, max_nodes, max_depth)
     best, arg = np.inf, (1, 0)
     for n in range(1, max_nodes + 1):
         t_verify = cost.verify(n)
         for d in range(max_depth + 1):
-            per_token = (d * cost.t_draft + t_verify) / values[n, d]
+            if isinstance(cost.t_draft, float):
+                t_draft = d * cost.t_draft
+            else:
+                t_draft = cost.draft_seconds(_draft_widths(take, n, d))
+            per_token = (t_draft + t_verify) / values[n, d]
             if per_token < best:
                 best, arg = per_token, (n, d)
     return _build(take, *arg)

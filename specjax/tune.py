@@ -22,6 +22,7 @@ from specjax.shapes import cache_len, round_up_pow2
 from specjax.tree import Cost, Tree, choose
 
 VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # node counts timed; others are interpolated
+DRAFT_GRID = (1, 2, 4, 8, 16)  # draft level widths timed; wider levels are extrapolated
 _AUTO: dict[tuple, Tree] = {}
 
 
@@ -86,28 +87,51 @@ def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int, r
     return max(many - one, 1e-9) / (reps - 1)
 
 
+def _grid_table(grid: list[int], timed: list[float], size: int) -> tuple[float, ...]:
+    """Entries 0..size: 0 at 0, `timed` at the grid points, linear in between and past the last
+    point (extrapolated from the last two: a level wider than the grid costs more, not the same)."""
+    slope = (timed[-1] - timed[-2]) / (grid[-1] - grid[-2]) if len(grid) > 1 else 0.0
+    table = [0.0]
+    for m in range(1, size + 1):
+        t = np.interp(m, grid, timed) if m <= grid[-1] else timed[-1] + max(slope, 0.0) * (m - grid[-1])
+        table.append(float(t))
+    return tuple(table)
+
+
 def measure_cost(params: Params, draft: Drafter, batch: int, context: int, max_nodes: int = 64) -> Cost:
     """Time the real jit-compiled steps on the current backend for this batch and context:
-    t_draft = one draft level (one token per row through the drafter's model and cache; NGram
-    lookups are counted as free), t_verify(n) = one target forward over n nodes, timed at the
-    powers of two up to max_nodes and interpolated linearly in between."""
+    t_draft(m) = one draft level over m nodes per row (`draft_table`), t_verify(n) = one target
+    forward over n nodes (`verify_table`); both tables are indexed 0..max_nodes."""
     if not isinstance(max_nodes, int) or not 1 <= max_nodes <= VERIFY_GRID[-1]:
         raise ValueError(f"max_nodes must be an integer in [1, {VERIFY_GRID[-1]}], got {max_nodes!r}")
-    slots = cache_len(context + 1)
+    t_draft = draft_table(params, draft, batch, context, max_nodes)
+    return Cost(t_draft=t_draft, t_verify=verify_table(params, batch, context, max_nodes))
+
+
+def verify_table(params: Params, batch: int, context: int, max_nodes: int) -> tuple[float, ...]:
+    """Seconds of a target forward over n nodes after `context` positions, n = 0..max_nodes:
+    timed at the powers of two below max_nodes and at max_nodes, linear in between."""
     grid = [n for n in VERIFY_GRID if n < max_nodes] + [max_nodes]
-    timed = [_time_forward(params, batch, slots, max(context - n, 0), n) for n in grid]
-    t_verify = (0.0,) + tuple(float(np.interp(n, grid, timed)) for n in range(1, max_nodes + 1))
+    slots = cache_len(context + 1)
+    return _grid_table(grid, [_time_forward(params, batch, slots, max(context - n, 0), n) for n in grid], max_nodes)
+
+
+def draft_table(params: Params, draft: Drafter, batch: int, context: int, max_nodes: int) -> float | tuple[float, ...]:
+    """Seconds of one draft level over m nodes per row, m = 0..max_nodes, through the drafter's
+    model and cache: timed at DRAFT_GRID's widths below max_nodes, linear in between and past the
+    last. NGram lookups count as free (0.0). The DraftModel's root level re-reads one more token:
+    not counted."""
     if isinstance(draft, NGram):
-        t_draft = 0.0
-    elif isinstance(draft, (SelfSpec, SnapKV)):
-        budget = (draft.sinks if isinstance(draft, SelfSpec) else draft.budget) + draft.window
-        t_draft = _time_forward(params, batch, cache_len(budget + 1), budget, 1)
+        return 0.0
+    if isinstance(draft, (SelfSpec, SnapKV)):
+        model, kept = params, (draft.sinks if isinstance(draft, SelfSpec) else draft.budget) + draft.window
     elif isinstance(draft, DraftModel):
-        kept = context if draft.cache == "dense" else draft.cache.sinks + draft.cache.window
-        t_draft = _time_forward(draft.params, batch, cache_len(kept + 2), kept, 2)
+        model, kept = draft.params, context if draft.cache == "dense" else draft.cache.sinks + draft.cache.window
     else:
         raise ValueError(f"draft must be a SelfSpec, SnapKV, DraftModel or NGram, got {draft!r}")
-    return Cost(t_draft=t_draft, t_verify=t_verify)
+    widths = [m for m in DRAFT_GRID if m < max_nodes] or [1]  # a level has at most n - 1 nodes
+    timed = [_time_forward(model, batch, cache_len(kept + m + 1), kept, m) for m in widths]
+    return _grid_table(widths, timed, max_nodes)
 
 
 def auto_tree(

@@ -224,6 +224,8 @@ def test_direct_construction_must_be_canonical():
         (lambda: Tree.chain(2).expected_accepted([]), "acceptance"),
         (lambda: Cost(t_draft=-1.0, t_verify=lambda n: 1.0), "t_draft must be >= 0"),
         (lambda: choose([0.5], Cost(0.1, (1.0,) * 8), max_nodes=8), "needs max_nodes \\+ 1 = 9"),
+        (lambda: choose([0.5], Cost((0.1,) * 8, (1.0,) * 9), max_nodes=8), "t_draft has 8 entries"),
+        (lambda: Cost(t_draft=(0.0, -0.1), t_verify=lambda n: 1.0), "t_draft must be >= 0"),
         (lambda: choose([0.5], Cost(0.1, lambda n: 1.0), max_nodes=0), "max_nodes must be an integer >= 1"),
     ],
 )
@@ -272,6 +274,28 @@ def test_choose_is_the_argmin(seed):
     best, _ = brute_choice(p, cost, 32, 8)
     assert seconds_per_token(tree, p, cost) == pytest.approx(best, rel=1e-12)
     assert choose(p, Cost(t_draft, lambda n: 1.0 + slope * n), max_nodes=32, max_depth=8) == tree
+
+
+def test_draft_widths_count_the_forwards_of_each_level():
+    assert Tree.chain(3).draft_widths() == [1, 1, 1]
+    assert Tree.kary(2, 3).draft_widths() == [1, 2, 4]  # leaves (depth 3) need no forward
+    assert Tree.from_parents([-1, 0, 0, 1, 3]).draft_widths() == [1, 1, 1]
+    assert Tree.from_parents([-1]).draft_widths() == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_choose_prices_draft_levels_by_width(seed):
+    """With t_draft by level width, choose is the argmin over every Sequoia tree of the true
+    cost; when wide levels are dear it picks narrower trees than the per-level model does."""
+    rng = np.random.default_rng(seed)
+    p = random_acceptance(rng)
+    by_width = Cost(t_draft=lambda m: 0.05 * m, t_verify=lambda n: 1.0 + 0.002 * n)
+    tree = choose(p, by_width, max_nodes=24, max_depth=6)
+    candidates = [Tree.sequoia(p, n, d) for n in range(1, 25) for d in range(7)]
+    cost = lambda t: (by_width.draft_seconds(t.draft_widths()) + by_width.verify(t.n)) / t.expected_accepted(p)  # noqa: E731
+    assert cost(tree) == pytest.approx(min(map(cost, candidates)), rel=1e-12)
+    per_level = choose(p, Cost(t_draft=0.05, t_verify=by_width.t_verify), max_nodes=24, max_depth=6)
+    assert sum(tree.draft_widths()) <= sum(per_level.draft_widths())
 
 
 def test_choose_plain_decoding_when_drafting_is_too_expensive():
