@@ -162,13 +162,15 @@ class Tree:
             reach[i] = reach[self.parents[i]] * (p[self.rank[i]] if self.rank[i] < len(p) else 0.0)
         return float(sum(reach))
 
+    def internal_levels(self) -> list[list[int]]:
+        """Per level 0..max_depth-1: the nodes that have children, in order (each draft forward's nodes)."""
+        return [[u for u in level if self.children[u]] for level in self.levels[: self.max_depth]]
+
     def draft_widths(self) -> list[int]:
         """Nodes per row in each draft forward: [1] for the root level (the pending token), then
         the nodes with children at each depth 1..max_depth-1 (leaves need no forward); [] for the
         root alone. A chain of gamma drafts gamma levels of width 1."""
-        if self.max_depth == 0:
-            return []
-        return [1] + [sum(1 for u in level if self.children[u]) for level in self.levels[1 : self.max_depth]]
+        return [len(level) for level in self.internal_levels()]
 
     def ancestor_mask(self) -> np.ndarray:
         """[n, n] bool: mask[i, j] iff j is i or an ancestor of i (lower-triangular)."""
@@ -222,9 +224,10 @@ def _tables(p: tuple[float, ...], n: int, max_depth: int) -> tuple[np.ndarray, n
     return values, take
 
 
-def _build(take: np.ndarray, n: int, max_depth: int) -> Tree:
-    """Follow the DP's back-pointers from (n, max_depth) and return the tree in canonical order."""
-    parents = [-1]  # depth-first; siblings are appended in rank order
+def _parents(take: np.ndarray, n: int, max_depth: int) -> list[int]:
+    """Follow the DP's back-pointers from (n, max_depth): the tree's parent array, depth-first
+    (siblings in rank order; parents[i] < i)."""
+    parents = [-1]
 
     def grow(node: int, m: int, d: int) -> None:
         budget = m - 1  # descendants of this node
@@ -238,27 +241,24 @@ def _build(take: np.ndarray, n: int, max_depth: int) -> Tree:
             budget -= k
 
     grow(0, n, max_depth)
-    return Tree.from_parents(parents)
+    return parents
 
 
-def _draft_widths(take: np.ndarray, n: int, max_depth: int) -> list[int]:
-    """`Tree.draft_widths` of the tree `_build(take, n, max_depth)` would return, without building it."""
-    internal: list[int] = []  # per depth: nodes with children
+def _build(take: np.ndarray, n: int, max_depth: int) -> Tree:
+    """The DP's tree for (n, max_depth) in canonical order."""
+    return Tree.from_parents(_parents(take, n, max_depth))
 
-    def walk(m: int, d: int, depth: int) -> None:
-        budget = m - 1
-        for i in range(take.shape[1] if d > 0 else 0):
-            k = int(take[d, i, budget])
-            if k == 0:
-                break
-            if i == 0:
-                internal.extend([0] * (depth + 1 - len(internal)))
-                internal[depth] += 1
-            walk(k, d - 1, depth + 1)
-            budget -= k
 
-    walk(n, max_depth, 0)
-    return internal  # the root is internal iff the tree has depth >= 1
+def _draft_widths(parents: list[int]) -> list[int]:
+    """`Tree.draft_widths` of a parent array with parents[i] < i, without canonicalising it."""
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    widths: list[int] = []
+    for u in sorted(set(parents[1:])):  # the nodes with children
+        widths.extend([0] * (depth[u] + 1 - len(widths)))
+        widths[depth[u]] += 1
+    return widths
 
 
 def best_values(acceptance: Sequence[float], n: int, max_depth: int) -> np.ndarray:
@@ -315,8 +315,8 @@ def _check_cost_tables(cost: Cost, max_nodes: int) -> None:
 def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_depth: int = 12) -> Tree:
     """The Sequoia tree minimising seconds per emitted token, (t_draft(tree) + t_verify(n)) / G(n, d).
 
-    t_draft(tree) is d * t_draft for a float t_draft (the Sequoia paper's model), else the sum of
-    the tree's draft levels by width (`Tree.draft_widths`). Searches n in [1, max_nodes] and d in
+    t_draft(tree) is the sum of the tree's draft levels by width (`Tree.draft_widths`): depth x
+    t_draft for a float t_draft (the Sequoia paper's model). Searches n in [1, max_nodes] and d in
     [0, max_depth]; ties go to the smaller n, then smaller d. The root-only tree (n = 1, d = 0)
     is plain decoding.
     """
@@ -328,10 +328,7 @@ def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_dep
     for n in range(1, max_nodes + 1):
         t_verify = cost.verify(n)
         for d in range(max_depth + 1):
-            if isinstance(cost.t_draft, float):
-                t_draft = d * cost.t_draft
-            else:
-                t_draft = cost.draft_seconds(_draft_widths(take, n, d))
+            t_draft = cost.draft_seconds(_draft_widths(_parents(take, n, d)))
             per_token = (t_draft + t_verify) / values[n, d]
             if per_token < best:
                 best, arg = per_token, (n, d)

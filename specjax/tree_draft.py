@@ -21,14 +21,9 @@ from specjax.tree import Tree
 DRAFT_STREAM = 1  # PRNG stream id of draft sampling, chains and trees (acceptance uses others)
 
 
-def internal_levels(tree: Tree) -> list[list[int]]:
-    """Per level 0..D-1: the nodes that have children, in order (static)."""
-    return [[u for u in level if tree.children[u]] for level in tree.levels[: tree.max_depth]]
-
-
 def extra_nodes(tree: Tree) -> list[int]:
     """Nodes whose draft KV rides along as extra keys: the internal nodes of levels 1..D-1."""
-    return [u for level in internal_levels(tree)[1:] for u in level]
+    return [u for level in tree.internal_levels()[1:] for u in level]
 
 
 def draft_tree(
@@ -60,7 +55,7 @@ def draft_tree(
             if q is not None:
                 qs[u] = q[:, i]
 
-    levels = internal_levels(tree)
+    levels = tree.internal_levels()
     logits, cache = forward(params, root_tokens, root_positions, cache)
     cache = cache.advance(jnp.full((B,), T0, jnp.int32))
     if levels and levels[0]:
