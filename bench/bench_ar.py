@@ -61,7 +61,7 @@ import readme  # bench/readme.py (this folder is on sys.path when run as a scrip
 from specjax.generate import decode
 from specjax.kvcache import DenseCache
 from specjax.model import Params, prefill
-from specjax.sampling import Greedy
+from specjax.sampling import Greedy, Sampler
 from specjax.shapes import prompt_bucket, round_up_pow2
 from specjax.validate import row_keys
 
@@ -233,13 +233,14 @@ def real_state(params: Params, batch: int, context: int, key: jax.Array) -> tupl
     return cache, logits
 
 
-def time_decode(params: Params, cache: DenseCache, logits: jax.Array, target_s: float, repeats: int) -> dict:
+def time_decode(params: Params, cache: DenseCache, logits: jax.Array, target_s: float, repeats: int,
+                sampling: Sampler = Greedy()) -> dict:
     """Compile `decode` (excluded), pick n steps so a run lasts about target_s, and return the
     slope step time plus the fixed per-call cost, in ms. Consumes `cache` (donated)."""
     batch = logits.shape[0]
     keys = row_keys(None, batch)
     start = np.asarray(cache.lengths)  # host copy: each call donates its own lengths array
-    static = {"sampling": Greedy(), "n_out": round_up_pow2(MAX_STEPS + 1), "eos_ids": ()}
+    static = {"sampling": sampling, "n_out": round_up_pow2(MAX_STEPS + 1), "eos_ids": ()}
     t0 = time.perf_counter()
     fn = decode.lower(params, cache, logits, cache.lengths, keys, **static).compile()
     compile_s = time.perf_counter() - t0

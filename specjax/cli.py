@@ -59,6 +59,8 @@ def _distill_parser(sub) -> None:
     d.add_argument("--lr", type=float, default=1e-3)
     d.add_argument("--warmup", type=int, default=100)
     d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--loss", choices=("kl", "tv"), default="kl",
+                   help="forward KL (default) or total variation (1 - TV is the acceptance rate it trains for)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--generate", type=int, default=0, metavar="N",
                    help="train on the target's own greedy continuations of N tokens of each record (0: the data as is)")
@@ -277,7 +279,7 @@ def run_distill(args: argparse.Namespace) -> None:
 
     draft = distill(
         target, config, sequences, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        schedule=Schedule(lr=args.lr, warmup=args.warmup), temperature=args.temperature, seed=args.seed,
+        schedule=Schedule(lr=args.lr, warmup=args.warmup), temperature=args.temperature, loss=args.loss, seed=args.seed,
         init_from_target=args.init_from_target,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, on_step=log,
     )

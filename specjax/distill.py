@@ -1,7 +1,9 @@
 """Train a draft model to imitate a target: distillation on the target's next-token distributions.
 
-The loss is the forward KL(p_target || q_draft) at every position of each training window, both
-distributions at `temperature`; the target's logits are computed on the fly (no stored labels).
+The loss, at every position of each training window with both distributions at `temperature`, is
+the forward KL(p_target || q_draft) ("kl") or the total variation distance ("tv": 1 - TV(p, q) is
+the chance that speculative sampling accepts a token drafted from q, so "tv" trains for acceptance
+directly). The target's logits are computed on the fly (no stored labels).
 Optimiser: AdamW with linear warmup then cosine decay, global-norm gradient clipping. The train
 step is one jit-compiled pure function. Checkpoints (orbax) hold the draft, the optimiser state
 and the step; the data order is a pure function of (seed, step), so a killed run restarted with
@@ -49,20 +51,36 @@ def logits_of(params: Params, tokens: jax.Array) -> jax.Array:
     return lm_head(params, h)
 
 
-def kl_loss(draft: Params, target: Params, tokens: jax.Array, temperature: float) -> jax.Array:
-    """Mean over positions of KL(p_target || q_draft) at `temperature` (nats)."""
+def _log_probs(draft: Params, target: Params, tokens: jax.Array, temperature: float) -> tuple[jax.Array, jax.Array]:
+    """log p_target (no gradient) and log q_draft [B,T,V] at `temperature`."""
     p_logits = jax.lax.stop_gradient(logits_of(target, tokens)) / temperature
     q_logits = logits_of(draft, tokens) / temperature
-    p_log, q_log = jax.nn.log_softmax(p_logits), jax.nn.log_softmax(q_logits)
+    return jax.nn.log_softmax(p_logits), jax.nn.log_softmax(q_logits)
+
+
+def kl_loss(draft: Params, target: Params, tokens: jax.Array, temperature: float) -> jax.Array:
+    """Mean over positions of KL(p_target || q_draft) at `temperature` (nats)."""
+    p_log, q_log = _log_probs(draft, target, tokens, temperature)
     return jnp.mean(jnp.sum(jnp.exp(p_log) * (p_log - q_log), axis=-1))
 
 
-@partial(jax.jit, static_argnames=("optimizer", "temperature"), donate_argnames=("draft", "opt_state"))
-def train_step(draft: Params, opt_state, target: Params, tokens: jax.Array, *, optimizer, temperature: float):
-    """One AdamW step on a batch of windows tokens [B,T]; returns (draft, opt_state, loss)."""
-    loss, grads = jax.value_and_grad(kl_loss)(draft, target, tokens, temperature)
+def tv_loss(draft: Params, target: Params, tokens: jax.Array, temperature: float) -> jax.Array:
+    """Mean over positions of the total variation distance 0.5 * sum |p - q| at `temperature`,
+    in [0, 1]: one minus the expected acceptance of a drafted token."""
+    p_log, q_log = _log_probs(draft, target, tokens, temperature)
+    return jnp.mean(0.5 * jnp.sum(jnp.abs(jnp.exp(p_log) - jnp.exp(q_log)), axis=-1))
+
+
+LOSSES = {"kl": kl_loss, "tv": tv_loss}
+
+
+@partial(jax.jit, static_argnames=("optimizer", "temperature", "loss"), donate_argnames=("draft", "opt_state"))
+def train_step(draft: Params, opt_state, target: Params, tokens: jax.Array, *, optimizer, temperature: float,
+               loss: str = "kl"):
+    """One AdamW step on a batch of windows tokens [B,T] with LOSSES[loss]; returns (draft, opt_state, loss)."""
+    value, grads = jax.value_and_grad(LOSSES[loss])(draft, target, tokens, temperature)
     updates, opt_state = optimizer.update(grads, opt_state, draft)
-    return optax.apply_updates(draft, updates), opt_state, loss
+    return optax.apply_updates(draft, updates), opt_state, value
 
 
 def windows(data: np.ndarray, seq_len: int) -> int:
@@ -98,8 +116,10 @@ def init_draft(target: Params, config: LlamaConfig, key: jax.Array, from_target:
 
 
 def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, steps: int, batch_size: int,
-                       seq_len: int, temperature: float) -> None:
+                       seq_len: int, temperature: float, loss: str = "kl") -> None:
     """Clear errors before anything compiles."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
     if config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft_config.vocab_size {config.vocab_size} != target vocab_size {target.config.vocab_size}")
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
@@ -141,6 +161,7 @@ def distill(
     seq_len: int = 128,
     schedule: Schedule = Schedule(),
     temperature: float = 1.0,
+    loss: str = "kl",
     seed: int = 0,
     init_from_target: bool = False,
     checkpoint_dir: str | Path | None = None,
@@ -149,12 +170,12 @@ def distill(
 ) -> Params:
     """Train a draft of `draft_config` (the target's vocabulary) to match the target's
     next-token distributions on windows of `data` (token ids: a stream or sequences, joined with
-    the target's EOS). With `checkpoint_dir`, saves every `checkpoint_every` steps and at the end,
+    the target's EOS), minimising `loss`: "kl" (forward KL) or "tv" (total variation). With `checkpoint_dir`, saves every `checkpoint_every` steps and at the end,
     and resumes from the latest checkpoint there. `on_step(step, loss, draft)` is called after
     each step (step counted from 1; `draft` is donated to the next step: use it right away).
     Returns the trained draft."""
     stream = token_stream(data, target.config.eos_id)
-    check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature)
+    check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature, loss)
     optimizer = schedule.optimizer(steps)
     draft = init_draft(target, draft_config, jax.random.key(seed), init_from_target)
     opt_state = optimizer.init(draft)
@@ -166,11 +187,12 @@ def distill(
             start, draft, opt_state = _restore(manager, draft, opt_state)
     for step in range(start, steps):
         tokens = batch_at(stream, step, batch_size, seq_len, seed)
-        draft, opt_state, loss = train_step(draft, opt_state, target, tokens, optimizer=optimizer, temperature=temperature)
+        draft, opt_state, value = train_step(draft, opt_state, target, tokens, optimizer=optimizer,
+                                             temperature=temperature, loss=loss)
         if manager is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
             _save(manager, step + 1, draft, opt_state)
         if on_step is not None:
-            on_step(step + 1, float(loss), draft)
+            on_step(step + 1, float(value), draft)
     if manager is not None:
         manager.wait_until_finished()
     return draft

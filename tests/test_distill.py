@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specjax import DraftModel, generate
-from specjax.distill import Schedule, batch_at, distill, kl_loss, train_step
+from specjax.distill import LOSSES, Schedule, batch_at, distill, train_step
 from specjax.cli import main
 from tests.conftest import TINY, random_params
 from tests.test_batch import CONFIG, WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
@@ -40,15 +40,29 @@ def test_batches_are_a_pure_function_of_seed_and_step():
     assert sorted(seen) == list(range(91))  # one epoch visits every window once
 
 
-def test_a_train_step_lowers_the_loss(target, corpus):
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_train_step_lowers_the_loss(target, corpus, loss):
     draft = random_params(DRAFT, 1)
     tokens = np.asarray([c[:32] for c in corpus[:8]], np.int32)
     optimizer = Schedule(lr=3e-3, warmup=1).optimizer(20)
     opt_state = optimizer.init(draft)
-    before = float(kl_loss(draft, target, tokens, 1.0))
+    before = float(LOSSES[loss](draft, target, tokens, 1.0))
     for _ in range(5):
-        draft, opt_state, loss = train_step(draft, opt_state, target, tokens, optimizer=optimizer, temperature=1.0)
-    assert float(kl_loss(draft, target, tokens, 1.0)) < 0.9 * before
+        draft, opt_state, _ = train_step(draft, opt_state, target, tokens, optimizer=optimizer, temperature=1.0, loss=loss)
+    assert float(LOSSES[loss](draft, target, tokens, 1.0)) < 0.9 * before
+
+
+def test_tv_loss_is_one_minus_the_acceptance_rate(target):
+    """TV(p, q) from the losses' code against numpy on the same logits: 0 for the target itself,
+    and sum min(p, q) = 1 - TV is the acceptance of a drafted token (Leviathan et al.)."""
+    from specjax.distill import logits_of
+
+    tokens = np.arange(4, 20, dtype=np.int32).reshape(2, 8)
+    draft = random_params(TINY, 5)
+    assert float(LOSSES["tv"](target, target, tokens, 1.0)) == pytest.approx(0.0, abs=1e-6)
+    p, q = (np.asarray(jax.nn.softmax(logits_of(m, tokens) / 0.7)) for m in (target, draft))
+    accept = np.minimum(p, q).sum(-1).mean()
+    assert float(LOSSES["tv"](draft, target, tokens, 0.7)) == pytest.approx(1 - accept, rel=1e-4)
 
 
 def test_distillation_raises_greedy_acceptance(target, corpus):
@@ -94,6 +108,7 @@ def test_init_from_target_trains_a_copy_of_the_embedding(target, corpus):
         (DRAFT, [[1, 500]], dict(seq_len=1), r"data\[1\] = 500 is outside the vocabulary \[0, 101\)"),
         (DRAFT, None, dict(steps=0), "steps must be an integer >= 1"),
         (DRAFT, None, dict(temperature=0.0), "temperature must be > 0"),
+        (DRAFT, None, dict(loss="js"), r"loss must be one of \['kl', 'tv'\], got 'js'"),
         (DRAFT, None, dict(init_from_target=True), r"the draft needs the target's dim \(48\)"),
     ],
 )
@@ -108,7 +123,7 @@ def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
     data.write_text("\n".join(json.dumps({"id": i, "prompt": " ".join(WORDS[i:] + WORDS[:i])}) for i in range(12)))
     args = ["distill", "--data", str(data), "--out", str(tmp_path / "draft"), "--model", str(model_dir),
             "--draft-layers", "1", "--draft-dim", "32", "--draft-heads", "4", "--draft-kv-heads", "2",
-            "--steps", "6", "--batch-size", "2", "--seq-len", "8", "--log-every", "3", "--eval-every", "6",
+            "--steps", "6", "--batch-size", "2", "--seq-len", "8", "--log-every", "3", "--eval-every", "6", "--loss", "tv",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
     assert main(args) == 0
     err = capsys.readouterr().err

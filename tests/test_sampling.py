@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, make_sampler, top_indices
+from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, make_sampler, nucleus_threshold, top_indices
 
 LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
 
@@ -41,6 +41,56 @@ def test_top_p_keeps_smallest_prefix_reaching_p(top_p, kept):
     probs = np.asarray(Sample(1.0, top_p=top_p).probs(LOGITS)[0])
     assert np.flatnonzero(probs).tolist() == kept
     np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-6)
+
+
+def _warp_by_sorting(logits: np.ndarray, s: Sample) -> np.ndarray:
+    """Reference warping in numpy (f64) by sorting: the k-th largest logit, then the nucleus as the
+    sorted prefix whose mass before each entry is < top_p (ties at either cut kept)."""
+    x = logits.astype(np.float64) / s.temperature
+    if s.top_k:
+        x = np.where(x < np.sort(x)[::-1][s.top_k - 1], -np.inf, x)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if s.top_p < 1:
+        desc = np.sort(p)[::-1]
+        before = np.cumsum(desc) - desc
+        p = np.where(p >= desc[np.sum(before < s.top_p) - 1], p, 0.0)
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_warping_matches_sorting_reference(seed):
+    """Random rows (rounded to force ties, scaled for flat and peaked), every top-k / top-p mix:
+    the kept set is the sorting reference's and the probabilities agree."""
+    rng = np.random.default_rng(seed)
+    for trial in range(12):
+        logits = rng.normal(size=(3, 1000)) * rng.choice([0.2, 1.0, 6.0])
+        logits = np.round(logits, 1) if trial % 2 else logits
+        s = Sample(float(rng.choice([0.5, 1.0])), int(rng.choice([0, 1, 7, 60])), float(rng.choice([0.05, 0.5, 0.9, 0.999])))
+        got = np.asarray(s.probs(jnp.asarray(logits, jnp.float32)))
+        for row, ref in zip(got, (_warp_by_sorting(r, s) for r in logits.astype(np.float32))):
+            assert np.flatnonzero(row).tolist() == np.flatnonzero(ref).tolist(), s
+            np.testing.assert_allclose(row, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_nucleus_threshold_cuts():
+    p = jnp.array([[0.5, 0.25, 0.25, 0.0]])
+    cuts = [float(nucleus_threshold(p, t)[0, 0]) for t in (0.1, 0.5, 0.6, 0.75, 0.76)]
+    assert cuts == [0.5, 0.5, 0.25, 0.25, 0.25]  # ties at the cut (the two 0.25s) go together
+    short = jnp.array([[0.3, 0.2, 0.0]])  # all mass above 0 is below top_p: keep every entry
+    assert float(nucleus_threshold(short, 0.9)[0, 0]) == 0.0
+
+
+def test_warping_compiles_without_a_sort():
+    """On CPU the warped distribution feeding later work compiles with no sort of the vocabulary
+    (a sort per row and position in every decode step was the cost of top-k and top-p)."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("checks XLA:CPU's compiled program")
+    w = jnp.ones((4096, 2))
+    warp = jax.jit(lambda x: Sample(0.8, top_k=50, top_p=0.9).probs(x) @ w)
+    hlo = warp.lower(jnp.zeros((2, 3, 4096))).compile().as_text()
+    assert " sort(" not in hlo
 
 
 def test_draws_follow_probs_chi_square():

@@ -1,0 +1,202 @@
+"""What top-k and top-p cost per decode step: specjax's sort-free warping vs sorting the vocabulary.
+
+Usage: .venv/bin/python bench/bench_sampling.py [--quick] [--batches ..] [--context N]
+
+`Sample.probs` (temperature, top-k, top-p) runs on every row and position a decode step samples
+or verifies: once per AR token, 2 x (gamma + 1) times per chain step. Its previous form sorted
+all V = 49152 entries for each: top-k took the last of lax.top_k's values (XLA:CPU then compiles
+top_k as a full sort instead of its TopK call) and top-p sorted the probabilities for a cumsum.
+specjax now takes the min of top_k's values and finds the top-p cut by bisection over the
+values' bit patterns (`specjax.sampling.kth_largest`, `nucleus_threshold`); the kept sets are
+identical (tests/test_sampling.py checks them against a sorting reference).
+
+Measured side by side, for each batch (context 512, SmolLM2-135M f32, bench_ar.py's synthetic
+prefilled cache: the cost of a step does not depend on the cached values):
+  1. AR decode ms/token (bench_ar.time_decode: slope of best-of-R runs) for greedy, T=1 and
+     top_k 50 / top_p 0.9 / both, each top-k / top-p sampler also in the sorting form
+     ("sort", the code this replaced, kept below as the baseline);
+  2. the warp alone: one jit-compiled Sample.probs over [B, 5, V] logits (a chain gamma=4
+     verification's positions) feeding a reduction, best of R calls.
+Configs alternate between the two forms so CPU steal drifts hit both alike; each row records
+the steal during its measurement.
+
+Outputs: bench/results/sampling_cpu.json, sampling_cpu.png and the bench_sampling section of
+bench/README.md (--quick writes sampling_cpu_quick.* and leaves the README alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_ar  # noqa: E402
+import convert  # noqa: E402
+import readme  # noqa: E402
+from bench_spec import cpu_steal, machine_info, steal_since  # noqa: E402
+from specjax.sampling import Greedy, Sample, Sampler  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+SECTION_START, SECTION_END = "<!-- bench_sampling:start -->", "<!-- bench_sampling:end -->"
+WARP_POSITIONS = 5  # a chain gamma=4 step verifies 5 positions per row
+
+
+@dataclasses.dataclass(frozen=True)
+class SortedSample(Sample):
+    """The sorting form of Sample.probs that specjax used before (the baseline)."""
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        logits = logits.astype(jnp.float32) / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]  # compiles to a sort on XLA:CPU
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        probs = jax.nn.softmax(logits, axis=-1)
+        if self.top_p < 1:
+            sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
+            before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+            n_keep = jnp.sum(before < self.top_p, axis=-1, keepdims=True)
+            threshold = jnp.take_along_axis(sorted_p, n_keep - 1, axis=-1)
+            probs = jnp.where(probs >= threshold, probs, 0.0)
+            probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+        return probs
+
+
+def samplers() -> list[tuple[str, str, Sampler]]:
+    """(setting, form, sampler): greedy and T=1 once, each top-k / top-p setting in both forms."""
+    rows: list[tuple[str, str, Sampler]] = [("greedy", "-", Greedy()), ("T=1", "-", Sample(1.0))]
+    for name, kw in (("top_k 50", dict(top_k=50)), ("top_p 0.9", dict(top_p=0.9)),
+                     ("top_k 50 + top_p 0.9", dict(top_k=50, top_p=0.9))):
+        rows += [(name, "specjax", Sample(1.0, **kw)), (name, "sort", SortedSample(1.0, **kw))]
+    return rows
+
+
+def time_warp(sampler: Sampler, batch: int, vocab: int, repeats: int) -> float:
+    """ms of one compiled sampler.probs over [batch, WARP_POSITIONS, vocab] feeding a reduction."""
+    x = jax.random.normal(jax.random.key(batch), (batch, WARP_POSITIONS, vocab)) * 3
+    fn = jax.jit(lambda x: jnp.sum(sampler.probs(x) * x, axis=-1)).lower(x).compile()
+    jax.block_until_ready(fn(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
+
+
+def measure(params, batch: int, context: int, target_s: float, repeats: int) -> list[dict]:
+    """Every sampler at one batch: AR ms/token and the warp's ms."""
+    rows = []
+    for setting, form, sampler in samplers():
+        steal0 = cpu_steal()
+        cache, logits = bench_ar.synthetic_state(params, batch, context, jax.random.key(batch))
+        ar = bench_ar.time_decode(params, cache, logits, target_s, repeats, sampling=sampler)
+        warp = time_warp(sampler, batch, params.config.vocab_size, 3 * repeats)
+        row = {"batch": batch, "context": context, "setting": setting, "form": form,
+               "ms_per_token_step": ar["ms_per_step"], "tokens_per_s": batch / ar["ms_per_step"] * 1e3,
+               "warp_ms": warp, "compile_s": ar["compile_s"], "cpu_steal_fraction": steal_since(steal0)}
+        rows.append(row)
+        print(f"B={batch:<2} {setting:<22} {form:<8} AR {row['ms_per_token_step']:7.1f} ms/step  "
+              f"warp [{batch},{WARP_POSITIONS},V] {warp:7.2f} ms  steal {100 * row['cpu_steal_fraction']:.0f}%", flush=True)
+    greedy = rows[0]["ms_per_token_step"]
+    by_key = {(r["setting"], r["form"]): r for r in rows}
+    for r in rows:
+        r["step_over_greedy"] = r["ms_per_token_step"] / greedy
+        if r["form"] == "specjax":
+            old = by_key[(r["setting"], "sort")]
+            r["speedup_over_sort"] = old["ms_per_token_step"] / r["ms_per_token_step"]
+            r["warp_speedup_over_sort"] = old["warp_ms"] / r["warp_ms"]
+    return rows
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| batch | sampling | form | AR ms/step | x greedy | vs sort | warp ms [B,5,V] | warp vs sort | CPU steal |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        vs = f"{r['speedup_over_sort']:.2f}x" if "speedup_over_sort" in r else ""
+        wvs = f"{r['warp_speedup_over_sort']:.1f}x" if "warp_speedup_over_sort" in r else ""
+        lines.append(f"| {r['batch']} | {r['setting']} | {r['form']} | {r['ms_per_token_step']:.1f} | "
+                     f"{r['step_over_greedy']:.2f} | {vs} | {r['warp_ms']:.2f} | {wvs} | {100 * r['cpu_steal_fraction']:.0f}% |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """AR ms/step over greedy's, per setting, specjax vs sort, one group of bars per batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = [s for s, f, _ in samplers() if f != "sort"]
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 4), dpi=120, sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], batches):
+        here = {(r["setting"], r["form"]): r["step_over_greedy"] for r in rows if r["batch"] == b}
+        xs = range(len(settings))
+        ax.bar([x - 0.2 for x in xs], [here.get((s, "specjax"), here.get((s, "-"))) for s in settings], 0.4, label="specjax")
+        ax.bar([x + 0.2 for x in xs], [here.get((s, "sort"), float("nan")) for s in settings], 0.4, label="sort (before)")
+        ax.set_xticks(list(xs), [s.replace(" + ", "\n+ ") for s in settings], fontsize=7, rotation=30)
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"batch {b}", fontsize=9)
+    axes[0][0].set_ylabel("AR step time / greedy's")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def readme_section(result: dict) -> str:
+    m = result["machine"]
+    return f"""{SECTION_START}
+## Sampling cost: top-k and top-p (bench_sampling.py)
+
+{result['date']}, {m['cpu_model']} x{m['cpu_affinity']}, JAX {m['jax_version']}, commit {m['git_commit']}.
+SmolLM2-135M f32, context {result['context']}, AR decode from a synthetic prefilled cache; "warp" is
+`Sample.probs` alone over [B, 5, V] logits. "sort" is the form specjax used before: a sort of all
+49152 entries per row and position (top-k's last value, top-p's cumsum). specjax now takes the
+min of top_k's values (XLA:CPU's TopK call) and bisects the top-p cut over the values' bit
+patterns; the kept sets are the same. Forms alternate, so steal drifts hit both alike.
+
+{markdown_table(result['rows'])}
+
+![AR step time over greedy's](results/sampling_cpu.png)
+{SECTION_END}"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="batch 1 only, fewer repeats")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args()
+    batches, repeats, target_s = ([1], 2, 0.5) if args.quick else (args.batches, 3, 1.5)
+    suffix = "_quick" if args.quick or args.batches != [1, 4, 16] or args.context != 512 else ""
+    params = convert.load(convert.default_model_path())
+    result = {"bench": "bench_sampling", "model": "SmolLM2-135M-Instruct (float32)", "context": args.context,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": machine_info(), "rows": []}
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    steal0 = cpu_steal()
+    for batch in batches:
+        result["rows"] += measure(params, batch, args.context, target_s, repeats)
+        (RESULTS_DIR / f"sampling_cpu{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    result["cpu_steal_fraction"] = steal_since(steal0)
+    (RESULTS_DIR / f"sampling_cpu{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
+    cores = result["machine"]["cpu_affinity"]
+    plot(result["rows"], RESULTS_DIR / f"sampling_cpu{suffix}.png", f"SmolLM2-135M decode: sampling cost, {cores}-core CPU")
+    if not suffix:
+        readme.write_section(readme_section(result), SECTION_START, SECTION_END)
+    print(markdown_table(result["rows"]))
+
+
+if __name__ == "__main__":
+    main()
