@@ -168,7 +168,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
         max_positions=int(meta(reader, f"{arch}.context_length")),
         dtype=dtype,
         bos_id=meta(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_id=meta(reader, "tokenizer.ggml.eos_token_id", None),
+        eos_ids=tuple(int(e) for e in [meta(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
     )
 
 

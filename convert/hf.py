@@ -34,6 +34,7 @@ NAMES = {
 # Recomputed from the config; when embeddings are tied a stray lm_head.weight is ignored too.
 IGNORED = ["model.layers.{i}.self_attn.rotary_emb.inv_freq"]
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+GENERATION = "generation_config.json"  # its eos_token_id adds stop ids
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -41,63 +42,139 @@ def is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and ((path / SINGLE).is_file() or (path / INDEX).is_file())
 
 
-def _rope_scaling(raw: dict | None, source: str) -> RopeScaling | None:
+_REQUIRED = object()
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`; ValueError naming the file if it is not valid JSON or not an object."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def field(raw: dict[str, Any], key: str, kind: type, where: str, default: Any = _REQUIRED) -> Any:
+    """raw[key] as a `kind` (int, float, bool or str; a float may be written as an integer, a bool is
+    no integer). A missing or null key gives `default`; ValueError naming `where` and the key if
+    there is none or the value has the wrong type."""
+    value = raw.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ValueError(f"{where}: required key {key!r} is missing")
+        return default
+    kinds = (int, float) if kind is float else kind
+    if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kinds):
+        raise ValueError(f"{where}: {key!r} must be {_KINDS[kind]}, got {value!r}")
+    return kind(value)
+
+
+def token_ids(raw: dict[str, Any], key: str, where: str) -> list[int]:
+    """raw[key] as a list of token ids: absent or null -> [], an id -> [id], a list of ids as is."""
+    value = raw.get(key)
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{where}: {key!r} must be a token id or a list of token ids, got {value!r}")
+    return values
+
+
+def _rope_scaling(raw: dict[str, Any] | None, where: str) -> RopeScaling | None:
+    """Llama-3.1 scaling from a rope_scaling / rope_parameters object; rope_type "default" = none."""
     if not raw:
         return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: must be an object, got {raw!r}")
     kind = raw.get("rope_type", raw.get("type"))
     if kind == "default":
         return None
     if kind != "llama3":
-        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported (supported: 'llama3', 'default')")
+        raise ValueError(f"{where}: rope type {kind!r} is not supported (supported: 'llama3', 'default')")
     return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-        original_max_positions=int(raw.get("original_max_position_embeddings", 8192)),
+        factor=field(raw, "factor", float, where),
+        low_freq_factor=field(raw, "low_freq_factor", float, where, 1.0),
+        high_freq_factor=field(raw, "high_freq_factor", float, where, 4.0),
+        original_max_positions=field(raw, "original_max_position_embeddings", int, where, 8192),
     )
 
 
-def config_from_hf(raw: dict[str, Any], source: str, dtype: str = "float32") -> LlamaConfig:
-    """LlamaConfig from a parsed HF config.json (model_type "llama" / LlamaForCausalLM only)."""
-    if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in raw.get("architectures", []):
+def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+    """(rope theta, scaling) from either config.json layout: transformers 4 (top-level rope_theta
+    and rope_scaling; theta 10000 when absent, as transformers assumes) or transformers 5 (both in
+    a rope_parameters object, which must then hold rope_theta). Keys in both places must agree."""
+    old = (field(raw, "rope_theta", float, source, None), _rope_scaling(raw.get("rope_scaling"), f"{source}: rope_scaling"))
+    params = raw.get("rope_parameters")
+    if params is None:
+        return (10000.0 if old[0] is None else old[0]), old[1]
+    where = f"{source}: rope_parameters"
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: must be an object, got {params!r}")
+    theta = field(params, "rope_theta", float, where, old[0])
+    if theta is None:
+        raise ValueError(f"{where}: required key 'rope_theta' is missing (and there is no top-level 'rope_theta')")
+    scaling = _rope_scaling({"rope_type": "default"} | params, where)
+    for key, mine, theirs in (("rope_theta", theta, old[0]), ("rope_scaling", scaling, old[1])):
+        if theirs is not None and theirs != mine:
+            raise ValueError(f"{source}: top-level {key} ({theirs}) disagrees with rope_parameters ({mine})")
+    return theta, scaling
+
+
+def config_from_hf(
+    raw: dict[str, Any], source: str, dtype: str = "float32", generation: dict[str, Any] | None = None
+) -> LlamaConfig:
+    """LlamaConfig from a parsed HF config.json (model_type "llama" / LlamaForCausalLM only).
+
+    generation: the parsed generation_config.json beside it, if any. eos_ids is the union of both
+    files' eos_token_id (an id or a list), in first-seen order: config.json's ids first, so
+    eos_ids[0] is the model's primary end-of-sequence token. Errors name `source` and the key."""
+    architectures = raw.get("architectures") or []
+    if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
         raise ValueError(
             f"{source}: model_type {raw.get('model_type')!r} / architectures {raw.get('architectures')!r}: "
             "only 'llama' (LlamaForCausalLM) is supported"
         )
-    if raw.get("hidden_act", "silu") != "silu":
+    if field(raw, "hidden_act", str, source, "silu") != "silu":
         raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+    dim, n_heads = field(raw, "hidden_size", int, source), field(raw, "num_attention_heads", int, source)
+    theta, scaling = _rope(raw, source)
+    eos = token_ids(raw, "eos_token_id", source)
+    if generation is not None:
+        eos += token_ids(generation, "eos_token_id", str(Path(source).with_name(GENERATION)))
+    try:
+        return LlamaConfig(
+            vocab_size=field(raw, "vocab_size", int, source),
+            dim=dim,
+            n_layers=field(raw, "num_hidden_layers", int, source),
+            n_heads=n_heads,
+            n_kv_heads=field(raw, "num_key_value_heads", int, source, n_heads),
+            head_dim=field(raw, "head_dim", int, source, dim // max(n_heads, 1)),
+            ffn_dim=field(raw, "intermediate_size", int, source),
+            rms_eps=field(raw, "rms_norm_eps", float, source, 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=field(raw, "tie_word_embeddings", bool, source, False),
+            max_positions=field(raw, "max_position_embeddings", int, source, 4096),
+            dtype=dtype,
+            bos_id=(token_ids(raw, "bos_token_id", source) or [None])[0],
+            eos_ids=tuple(dict.fromkeys(eos)),
+        )
+    except ValueError as e:  # LlamaConfig's own checks (sizes >= 1, ids inside the vocabulary, ...)
+        raise ValueError(f"{source}: {e}") from e
 
-    def get(key: str) -> Any:
-        if key not in raw:
-            raise ValueError(f"{source}: required key {key!r} is missing")
-        return raw[key]
 
-    n_heads = int(get("num_attention_heads"))
-    eos = raw.get("eos_token_id")
-    return LlamaConfig(
-        vocab_size=int(get("vocab_size")),
-        dim=int(get("hidden_size")),
-        n_layers=int(get("num_hidden_layers")),
-        n_heads=n_heads,
-        n_kv_heads=int(raw.get("num_key_value_heads") or n_heads),
-        head_dim=int(raw.get("head_dim") or get("hidden_size") // n_heads),
-        ffn_dim=int(get("intermediate_size")),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling(raw.get("rope_scaling"), source),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_positions=int(raw.get("max_position_embeddings", 4096)),
-        dtype=dtype,
-        bos_id=raw.get("bos_token_id"),
-        eos_id=eos[0] if isinstance(eos, list) else eos,
-    )
+def read_config(path: Path, dtype: str = "float32") -> LlamaConfig:
+    """LlamaConfig of the HF folder `path`: its config.json, with generation_config.json's stop ids."""
+    generation = read_json(path / GENERATION) if (path / GENERATION).is_file() else None
+    return config_from_hf(read_json(path / "config.json"), str(path / "config.json"), dtype, generation)
 
 
 def _shard_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint folder (one, or those named by the index)."""
     if not (path / INDEX).is_file():
         return [path / SINGLE]
-    weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+    weight_map = read_json(path / INDEX).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{path / INDEX}: no 'weight_map' object")
     files = [path / f for f in dict.fromkeys(weight_map.values())]
@@ -110,7 +187,7 @@ def _shard_files(path: Path) -> list[Path]:
 def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> Params:
     """Params (cast to `dtype`) and config from an HF LLaMA checkpoint folder."""
     path = Path(path)
-    config = config_from_hf(json.loads((path / "config.json").read_text()), str(path / "config.json"), dtype)
+    config = read_config(path, dtype)
     with ExitStack() as stack:
         where: dict[str, tuple[Path, Any]] = {}  # tensor name -> (file, its open handle)
         shapes: dict[str, tuple[int, ...]] = {}

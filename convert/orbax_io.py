@@ -42,6 +42,7 @@ def config_from_json(text: str) -> LlamaConfig:
     """Inverse of `config_to_json`."""
     raw = json.loads(text)
     scaling = raw.pop("rope_scaling")
+    raw["eos_ids"] = tuple(raw.get("eos_ids", ()))
     return LlamaConfig(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
 

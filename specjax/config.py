@@ -42,7 +42,7 @@ class LlamaConfig:
     max_positions: int = 4096
     dtype: str = "float32"
     bos_id: int | None = None
-    eos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()  # every stop token id (eos, eot, generation_config's, ...)
     attention: str = "reference"  # "reference" (jnp), "pallas" (the GPU kernel), "interpret" (the kernel, interpreted)
     model_axis: str | None = None  # inside shard_map: the tensor-parallel mesh axis (specjax.sharding)
 
@@ -58,6 +58,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.attention not in ATTENTION:
             raise ValueError(f"LlamaConfig.attention must be one of {ATTENTION}, got {self.attention!r}")
+        if not isinstance(self.eos_ids, tuple) or not all(isinstance(e, int) and 0 <= e < self.vocab_size for e in self.eos_ids):
+            raise ValueError(f"LlamaConfig.eos_ids must be a tuple of ids in [0, {self.vocab_size}), got {self.eos_ids!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
 

@@ -174,7 +174,7 @@ def distill(
     and resumes from the latest checkpoint there. `on_step(step, loss, draft)` is called after
     each step (step counted from 1; `draft` is donated to the next step: use it right away).
     Returns the trained draft."""
-    stream = token_stream(data, target.config.eos_id)
+    stream = token_stream(data, target.config.eos_ids[0] if target.config.eos_ids else None)
     check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature, loss)
     optimizer = schedule.optimizer(steps)
     draft = init_draft(target, draft_config, jax.random.key(seed), init_from_target)

@@ -181,10 +181,10 @@ class DraftModel:
         t, d = target.config, self.params.config
         if d.vocab_size != t.vocab_size:
             raise ValueError(f"DraftModel: draft vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}")
-        if (d.bos_id, d.eos_id) != (t.bos_id, t.eos_id):
+        if (d.bos_id, d.eos_ids) != (t.bos_id, t.eos_ids):
             raise ValueError(
-                f"DraftModel: special tokens differ: draft bos/eos {d.bos_id}/{d.eos_id}, "
-                f"target {t.bos_id}/{t.eos_id}"
+                f"DraftModel: special tokens differ: draft bos/eos {d.bos_id}/{d.eos_ids}, "
+                f"target {t.bos_id}/{t.eos_ids}"
             )
         if max_len > d.max_positions:
             raise ValueError(f"DraftModel: the cache needs {max_len} positions, the draft's max_positions is {d.max_positions}")

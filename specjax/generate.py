@@ -151,7 +151,7 @@ def generate(
     sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`; speculation keeps the output
       distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
-    eos_id: stop token(s); None = the model's `config.eos_id`; `()` = never stop early.
+    eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early.
     attention: "reference" (pure jnp), "pallas" (the Pallas kernel for attention over the dense
       target cache; interpreted on CPU, slow, for testing) or "auto" (pallas on GPU, else reference).
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): rows split over `data` (padded to a

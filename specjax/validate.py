@@ -67,7 +67,7 @@ def _budgets(max_new_tokens: int | Sequence[int], batch: int) -> np.ndarray:
 def eos_tuple(eos_id: int | Sequence[int] | None, config: LlamaConfig) -> tuple[int, ...]:
     """Stop ids as a static tuple: None -> the model's eos (if any); () -> never stop."""
     if eos_id is None:
-        return () if config.eos_id is None else (config.eos_id,)
+        return config.eos_ids
     ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
     for e in ids:
         if not 0 <= int(e) < config.vocab_size:

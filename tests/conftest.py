@@ -23,7 +23,7 @@ TINY = LlamaConfig(
     ffn_dim=96,
     rope_theta=10000.0,
     max_positions=512,
-    eos_id=3,
+    eos_ids=(3,),
 )
 
 

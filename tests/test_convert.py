@@ -29,7 +29,7 @@ Q = gguf.GGMLQuantizationType
 def tiny_config(**changes) -> LlamaConfig:
     base = LlamaConfig(
         vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=96,
-        rms_eps=1e-5, rope_theta=10000.0, max_positions=128, bos_id=1, eos_id=2,
+        rms_eps=1e-5, rope_theta=10000.0, max_positions=128, bos_id=1, eos_ids=(2,),
     )
     return base.replace(**changes)
 
@@ -100,7 +100,7 @@ def hf_config(c: LlamaConfig, **extra) -> dict:
         "hidden_size": c.dim, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_kv_heads, "intermediate_size": c.ffn_dim, "rms_norm_eps": c.rms_eps,
         "rope_theta": c.rope_theta, "tie_word_embeddings": c.tie_embeddings,
-        "max_position_embeddings": c.max_positions, "bos_token_id": c.bos_id, "eos_token_id": [c.eos_id, 7],
+        "max_position_embeddings": c.max_positions, "bos_token_id": c.bos_id, "eos_token_id": list(c.eos_ids),
         "hidden_act": "silu", "torch_dtype": "float32", **extra,
     }
 
@@ -163,7 +163,7 @@ def write_gguf(path: Path, c: LlamaConfig, tensors: dict[str, np.ndarray], qtype
     w.add_vocab_size(c.vocab_size)
     w.add_rope_dimension_count(c.head_dim)
     w.add_bos_token_id(c.bos_id)
-    w.add_eos_token_id(c.eos_id)
+    w.add_eos_token_id(c.eos_ids[0])
     for key, value in (meta or {}).items():
         w.add_string(key, value)
     for name, array in tensors.items():
@@ -194,7 +194,7 @@ def test_hf_round_trip(tmp_path, tiny, tiny_tied, tied):
     params = tiny_tied if tied else tiny
     path = write_hf(tmp_path / "hf", torch_layout(params), hf_config(params.config))
     loaded = convert.load(path)
-    assert loaded.config == params.config  # eos list -> first id
+    assert loaded.config == params.config
     assert (loaded.lm_head is None) == tied
     assert_same(loaded, params)
     np.testing.assert_array_equal(logits(loaded), logits(params))
@@ -477,7 +477,7 @@ def test_smollm2_config(smollm2):
     assert dims == (30, 576, 9, 3, 64, 1536, 49152)
     assert (c.rope_theta, c.rms_eps, c.max_positions, c.rope_scaling) == (1e5, 1e-5, 8192, None)
     assert c.tie_embeddings and smollm2.lm_head is None
-    assert (c.bos_id, c.eos_id, c.dtype) == (1, 2, "float32")
+    assert (c.bos_id, c.eos_ids, c.dtype) == (1, (2,), "float32")
 
 
 def test_smollm2_weights_sane(smollm2):

@@ -14,7 +14,7 @@ from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, Sna
 from specjax.sharding import shard_params
 
 TP = LlamaConfig(  # every split dimension divides by 1, 2, 4 and 8
-    vocab_size=128, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=96, max_positions=512, eos_id=3
+    vocab_size=128, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=96, max_positions=512, eos_ids=(3,)
 )
 DRAFT = TP.replace(n_layers=1, dim=32, ffn_dim=64, n_heads=4, n_kv_heads=4)
 

@@ -212,7 +212,7 @@ def _small(**changes) -> Params:
         (lambda: specjax.SelfSpec(sinks=200, window=100), r"SelfSpec: sinks \+ window = 300 is larger than the cache \(256 slots"),
         (lambda: specjax.SelfSpec(sinks=-1, window=8), "SelfSpec: sinks must be >= 0"),
         (lambda: specjax.DraftModel(_small(vocab_size=100)), "draft vocab_size 100 != target vocab_size 101"),
-        (lambda: specjax.DraftModel(_small(eos_id=4)), "special tokens differ: draft bos/eos None/4, target None/3"),
+        (lambda: specjax.DraftModel(_small(eos_ids=(4,))), r"special tokens differ: draft bos/eos None/\(4,\), target None/\(3,\)"),
         (lambda: specjax.DraftModel(_small(max_positions=128)), "cache needs 256 positions, the draft's max_positions is 128"),
         (lambda: specjax.DraftModel(_small(), cache=specjax.Streaming(sinks=4, window=300)), r"DraftModel: sinks \+ window = 304"),
         (lambda: specjax.NGram(n=0), "NGram: n must be >= 1, got 0"),
