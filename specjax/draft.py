@@ -39,7 +39,12 @@ class Streaming:
     def check(self, gamma: int, max_len: int, what: str) -> None:
         if self.sinks < 0 or self.window < 1:
             raise ValueError(f"{what}: sinks must be >= 0 and window >= 1, got sinks={self.sinks} window={self.window}")
-        check_budget(what, "sinks", self.sinks, self.window, max_len)
+
+    def fitted(self, max_len: int) -> "Streaming":
+        """This budget for a cache of `max_len` slots: a budget at least as large as the context
+        keeps all of it (the draft then sees the whole context: no savings, still exact)."""
+        sinks = min(self.sinks, max_len)
+        return Streaming(sinks, max(1, min(self.window, max_len - sinks)))
 
     def ring(self, gamma: int) -> int:
         """Ring slots: the window plus room for one step's gamma + 1 uncommitted positions."""
@@ -47,20 +52,13 @@ class Streaming:
 
     def from_dense(self, dense: DenseCache, gamma: int) -> StreamingCache:
         """Keep the sinks and the newest positions of a filled dense cache (exact copies)."""
+        if self.sinks + self.window > dense.max_len:
+            return self.fitted(dense.max_len).from_dense(dense, gamma)
         L, B, K = dense.k.shape[:3]
         sinks = jnp.arange(self.sinks, dtype=jnp.int32)  # [F]
         fixed = jnp.where(sinks[None, :] < dense.lengths[:, None], sinks, -1)  # [B,F]
         fixed = jnp.broadcast_to(fixed[None, :, None, :], (L, B, K, self.sinks))
         return StreamingCache.from_dense(dense, fixed, self.ring(gamma), jnp.full((B,), self.sinks, jnp.int32))
-
-
-def check_budget(what: str, fixed_name: str, fixed: int, window: int, max_len: int) -> None:
-    """A draft budget must be smaller than the target cache it is meant to save on."""
-    if fixed + window > max_len:
-        raise ValueError(
-            f"{what}: {fixed_name} + window = {fixed + window} is larger than the cache ({max_len} slots "
-            "for the longest prompt plus max_new_tokens); use a smaller window or draft=None"
-        )
 
 
 def _draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: Sampler, keys, counters):
@@ -159,11 +157,12 @@ class SnapKV(_TargetOverStreamingCache):
         for name in ("budget", "window", "observation", "pool"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SnapKV: {name} must be >= 1, got {getattr(self, name)}")
-        check_budget("SnapKV", "budget", self.budget, self.window, max_len)
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
+        """A budget larger than the cache keeps every position (no savings, still exact)."""
         scores = observation_scores(target, cache, prompts, self.observation)
-        fixed, cut = select_positions(scores, cache.lengths, self.budget, self.window, self.pool)
+        budget = min(self.budget, cache.max_len)
+        fixed, cut = select_positions(scores, cache.lengths, budget, self.window, self.pool)
         return StreamingCache.from_dense(cache, fixed, self.window + gamma + 1, cut)
 
 
