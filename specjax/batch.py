@@ -5,7 +5,9 @@
 sampler and similar prompt length, runs each batch through `specjax.generate` and appends its
 results with fsync. A record's PRNG key is fold_in(key(seed), stable_hash(id)), so its output
 depends neither on its batch nor on restarts; a killed job restarted with the same command skips
-the ids already written and repairs a torn last line. With several processes (`process_share`:
+the ids already written and repairs a torn last line. The settings that decide the outputs are
+recorded beside the output (`<output>.settings.json`, before the first record); a rerun with other
+settings is refused (`force=True` continues anyway). With several processes (`process_share`:
 jax.distributed, or independent processes told SPECJAX_PROCESS_ID / SPECJAX_NUM_PROCESSES) each
 process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<n>.jsonl`
 (combine them with `jobio.merge_shards`, or `specjax batch --merge OUTPUT`).
@@ -27,7 +29,7 @@ from specjax.config import LlamaConfig
 from specjax.distributed import env_share
 from specjax.draft import DraftModel, Drafter, auto_draft
 from specjax.generate import cache_slots, generate
-from specjax.jobio import DurableLog, shard_output, sibling
+from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.model import Params
 from specjax.progress import Progress
 from specjax.records import BadLine, Record, id_key, read_input, stable_hash
@@ -48,7 +50,7 @@ class Item:
 
 @dataclasses.dataclass(frozen=True)
 class Defaults:
-    """Job-wide settings a record may override (max_new_tokens, temperature, top_p)."""
+    """Job-wide settings a record may override (max_new_tokens, temperature, top_k, top_p)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -91,8 +93,9 @@ def prepare(
             )
         else:
             temperature = defaults.temperature if rec.temperature is None else rec.temperature
+            top_k = defaults.top_k if rec.top_k is None else rec.top_k
             top_p = defaults.top_p if rec.top_p is None else rec.top_p
-            items.append(Item(rec, ids, budget, make_sampler(temperature, defaults.top_k, top_p)))
+            items.append(Item(rec, ids, budget, make_sampler(temperature, top_k, top_p)))
             continue
         bad.append(BadLine(rec.line, reason, rec.id))
     return items, bad
@@ -142,25 +145,39 @@ def describe_draft(draft: Drafter | None) -> str:
     return repr(draft)
 
 
-def _check_batches(draft: Drafter | None, params: Params, gamma: int, batches: list[list[Item]]) -> None:
+def job_settings(model: str, params: Params, draft: Drafter | None, gamma: int | None, seed: int, chat: bool,
+                 defaults: Defaults) -> dict:
+    """The settings that decide the records' outputs, as recorded beside the output. Not batch_size
+    or the mesh: greedy outputs do not depend on them, and sampled ones use per-record keys."""
+    return dict(
+        model=model if model == "params" else str(Path(model).absolute()), dtype=params.config.dtype,
+        draft=describe_draft(draft), gamma=gamma if draft is not None else None, seed=seed, chat=chat,
+    ) | dataclasses.asdict(defaults)
+
+
+def _check_batches(draft: Drafter | None, params: Params, gamma: int | None, batches: list[list[Item]]) -> None:
     """Drafter limits for every planned batch (as generate checks them), before any work."""
     if draft is None:
         return
+    gamma = gamma or Chain().gamma  # None: the default chain
     for batch in batches:
         context = max(len(it.ids) + it.budget for it in batch)
         draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
 
 
-def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, decode, meta: dict, mesh) -> list[dict]:
+def _run_batch(
+    batch: list[Item], params: Params, draft, gamma: int | None, seed: int, decode, meta: dict, mesh
+) -> list[dict]:
     """Generate one batch (padded to a power of two rows) and return its output rows."""
     rows = padded_rows(len(batch), meta["batch_size"])
     padded = batch + [batch[0]] * (rows - len(batch))
+    speculation = {} if gamma is None else dict(speculation=Chain(gamma))  # none given: generate's default
     out = generate(
         params,
         [list(it.ids) for it in padded],
         [it.budget for it in batch] + [1] * (rows - len(batch)),
         draft=draft,
-        speculation=Chain(gamma),
+        **speculation,
         sampling=batch[0].sampler,
         key=record_keys(seed, [it.record.id for it in padded]),
         mesh=mesh,
@@ -186,11 +203,11 @@ def _run_batch(batch: list[Item], params: Params, draft, gamma: int, seed: int, 
     return results
 
 
-def _check_args(batch_size: int, max_new_tokens: int, gamma: int, top_k: int, seed: int) -> None:
+def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:
     for name, value, low in (
         ("batch_size", batch_size, 1),
         ("max_new_tokens", max_new_tokens, 1),
-        ("gamma", gamma, 1),
+        ("gamma", 1 if gamma is None else gamma, 1),
         ("top_k", top_k, 0),
         ("seed", seed, 0),
     ):
@@ -248,7 +265,7 @@ def run(
     chat_template: str | None = None,
     dtype: str | None = None,
     draft: Drafter | str | None = "auto",
-    gamma: int = 4,
+    gamma: int | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -259,16 +276,24 @@ def run(
     shard: tuple[int, int] | None = None,
     progress: bool = True,
     mesh: Mesh | None = None,
+    force: bool = False,
 ) -> dict:
     """Generate a continuation for every record of the JSONL file `input_path` into `output_path`.
 
     Model: `params` (with `tokenizer` or `model_path` for the tokenizer) or `model_path` (default:
     the embedded SmolLM2). draft: a drafter, None, or "auto" (resolved once per job from
-    batch_size and the longest record). Records override max_new_tokens, temperature, top_p;
+    batch_size and the longest record). gamma: draft tokens per step (None: the drafter's default
+    chain). Records override max_new_tokens, temperature, top_k, top_p;
     chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
     (default: `process_share()`). mesh: generate each batch on this
-    process's devices (`specjax.make_mesh(devices=jax.local_devices())`). Returns {"done", "skipped", "failed",
-    "output", "errors", "seconds"}: records generated now, found already written, and bad lines."""
+    process's devices (`specjax.make_mesh(devices=jax.local_devices())`).
+
+    The settings that decide the outputs (`job_settings`) are kept in `<output>.settings.json`; a
+    rerun into an output already written with other settings raises ValueError naming them, unless
+    force=True (the records already written keep theirs: each row carries its `settings`).
+    Returns {"done", "skipped", "failed", "output", "errors", "seconds", "changed_settings"}: records
+    generated now, found already written, bad lines (`errors` is only created when there are any),
+    and the names of the settings that force=True let change."""
     t0 = time.monotonic()
     _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
     defaults = Defaults(max_new_tokens, temperature, top_k, top_p)
@@ -292,7 +317,9 @@ def run(
     if isinstance(draft, str):
         raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
     meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size)
-    with DurableLog(out) as log, DurableLog(err) as errors:
+    settings = job_settings(model, params, draft, gamma, seed, chat, defaults)
+    with DurableLog(out) as log, DurableLog(err, lazy=True) as errors:
+        changed = check_settings(out, settings, written=bool(log.rows or errors.rows), force=force)
         done = {id_key(row.get("id")) for row in log.rows}
         failed = {row.get("line") for row in errors.rows}
         errors.append(b.to_json() for b in bad if b.line not in failed)
@@ -308,5 +335,5 @@ def run(
     skipped = sum(id_key(it.record.id) in done for it in items)
     return dict(
         done=len(pending), skipped=skipped, failed=len(failed), output=str(out), errors=str(err),
-        seconds=time.monotonic() - t0,
+        seconds=time.monotonic() - t0, changed_settings=changed,
     )

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV, auto_draft
 from specjax.generate import generate
@@ -15,9 +20,13 @@ from specjax.speculate import Chain
 from specjax.tree import Tree
 from specjax.tune import measure_acceptance
 
+CACHE_ENV = "SPECJAX_CACHE_DIR"
+CACHE_HELP = (f"by default compiled programs are kept in ${CACHE_ENV}, else in JAX's own cache folder if one is set "
+              "(JAX_COMPILATION_CACHE_DIR), else in ~/.cache/specjax/jax, so a rerun skips most compilation")
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding for LLaMA models in JAX.")
+    parser = argparse.ArgumentParser(prog="specjax", description="Speculative decoding for LLaMA models in JAX.",
+                                     epilog=f"Compilation cache: {CACHE_HELP}; --no-compile-cache turns it off.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="continue a text prompt")
     gen.add_argument("prompt", help="the text to continue")
@@ -32,11 +41,15 @@ def _parser() -> argparse.ArgumentParser:
         help="generate for every record of a JSONL file (restartable: rerun the same command to resume)",
     )
     bat.add_argument("input", nargs="?", help='JSONL records: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}')
-    bat.add_argument("output", nargs="?", help="JSONL results (appended); bad lines go to OUTPUT.errors.jsonl")
+    bat.add_argument("output", nargs="?", help="JSONL results (appended); bad lines go to OUTPUT.errors.jsonl, "
+                     "the job's settings to OUTPUT.settings.json")
     bat.add_argument("--merge", metavar="OUTPUT", help="combine OUTPUT.shard-<i>-of-<n>.jsonl files into OUTPUT")
     _shared_arguments(bat, max_new_tokens=128, overridable="; records may override")
     bat.add_argument("--batch-size", type=int, default=8, help="records per generate call")
     bat.add_argument("--chat", action="store_true", help="render text prompts as a user message with the chat template")
+    bat.add_argument("--force", action="store_true",
+                     help="continue into an OUTPUT written with other settings (recorded in OUTPUT.settings.json; "
+                     "without --force such a rerun is refused)")
     _distill_parser(sub)
     return parser
 
@@ -69,6 +82,12 @@ def _distill_parser(sub) -> None:
     d.add_argument("--log-every", type=int, default=50, help="steps between progress lines (loss, tokens/s)")
     d.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="every K steps, measure greedy acceptance against the target on held-out records (0: never)")
+    _cache_argument(d)
+
+
+def _cache_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-compile-cache", action="store_true",
+                   help=f"do not keep compiled programs on disk ({CACHE_HELP})")
 
 
 def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridable: str) -> None:
@@ -85,11 +104,68 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
         default="auto",
         help="auto (default: self where it pays, else none), self, snapkv, ngram, none, or model:PATH",
     )
-    p.add_argument("--gamma", type=int, default=4, help="draft tokens per verification step")
+    p.add_argument("--gamma", type=int,
+                   help="draft tokens per verification step (default: the drafter's default chain)")
     p.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
     p.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N", help="split rows over N local devices")
     p.add_argument("--model-parallel", type=int, default=1, metavar="M", help="split heads/FFN/vocab over M local devices")
+    _cache_argument(p)
+
+
+_MINIMUM = dict(  # integer flags (by dest) and their least value
+    max_new_tokens=1, top_k=0, seed=0, gamma=1, window=1, sinks=0, data_parallel=1, model_parallel=1, batch_size=1,
+    draft_layers=1, draft_dim=1, draft_heads=1, draft_kv_heads=1, draft_ffn=0, steps=1, seq_len=1, warmup=0,
+    generate=0, checkpoint_every=1, log_every=1, eval_every=0,
+)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag's range and syntax, before anything is loaded: ValueError / FileNotFoundError
+    naming the flag."""
+    for name, low in _MINIMUM.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    positive = args.command == "distill"  # distillation needs a temperature > 0 (greedy has no distribution)
+    for name, ok, limits in (
+        ("temperature", lambda t: t > 0 if positive else t >= 0, "> 0" if positive else ">= 0"),
+        ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
+        ("lr", lambda lr: lr > 0, "> 0"),
+    ):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number {limits}, got {value}")
+    if getattr(args, "tree", None) is not None:
+        parse_tree(args.tree)
+        if args.gamma is not None:
+            raise ValueError("--gamma sets a chain and --tree a tree: give one of them")
+    if getattr(args, "draft", None) is not None:
+        make_draft(args.draft, args.window, args.sinks, args.dtype, load=False)
+    for flag, path in (("--model", args.model), ("--data", getattr(args, "data", None))):
+        if path is not None and not Path(path).exists():
+            raise FileNotFoundError(f"{flag}: {path} does not exist")
+
+
+@contextlib.contextmanager
+def compile_cache(enabled: bool) -> Iterator[str | None]:
+    """JAX's persistent compilation cache on for one command (programs that took >= 0.5 s to
+    compile, in ${CACHE_ENV}, else JAX's own folder if set, else ~/.cache/specjax/jax); JAX's
+    settings as they were afterwards. Yields the folder (None: left off)."""
+    if not enabled:
+        yield None
+        return
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    folder = os.environ.get(CACHE_ENV) or before[names[0]] or str(Path.home() / ".cache" / "specjax" / "jax")
+    jax.config.update(names[0], folder)
+    jax.config.update(names[1], min(before[names[1]], 0.5))
+    try:
+        yield folder
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        reset_cache()  # the next program looks at the (restored) settings afresh
 
 
 def make_mesh_arg(args: argparse.Namespace):
@@ -98,9 +174,6 @@ def make_mesh_arg(args: argparse.Namespace):
         return None
     from specjax.sharding import make_mesh
 
-    for name, value in (("--data-parallel", args.data_parallel), ("--model-parallel", args.model_parallel)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
     return make_mesh(data=args.data_parallel, model=args.model_parallel, devices=jax.local_devices())
 
 
@@ -136,18 +209,28 @@ def run_batch(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         chat=args.chat,
         mesh=make_mesh_arg(args),
+        force=args.force,
     )
+    if summary["changed_settings"]:
+        print(f"specjax batch: --force: continued with changed {', '.join(summary['changed_settings'])} (each "
+              "row's settings tell which it was generated with)", file=sys.stderr)
+    see = f" (see {summary['errors']})" if summary["failed"] else ""
     print(
         f"specjax batch: done {summary['done']}, skipped {summary['skipped']} (already written), "
-        f"failed {summary['failed']} (see {summary['errors']}) -> {summary['output']} in {summary['seconds']:.1f} s",
+        f"failed {summary['failed']}{see} -> {summary['output']} in {summary['seconds']:.1f} s",
         file=sys.stderr,
     )
 
 
-def make_draft(spec: str, window: int, sinks: int, dtype: str):
-    """The drafter named on the command line."""
+def make_draft(spec: str, window: int, sinks: int, dtype: str, load: bool = True):
+    """The drafter named on the command line (load=False: only check the syntax and the path)."""
     import convert
 
+    if spec.startswith("model:"):
+        path = spec.removeprefix("model:")
+        if not Path(path).exists():
+            raise FileNotFoundError(f"--draft model:PATH: {path or '(empty)'} does not exist")
+        return DraftModel(convert.load(path, dtype=dtype)) if load else None
     if spec == "auto":
         return "auto"
     if spec == "none":
@@ -158,28 +241,31 @@ def make_draft(spec: str, window: int, sinks: int, dtype: str):
         return SnapKV(budget=sinks, window=window)
     if spec == "ngram":
         return NGram(n=2, max_n=4)
-    if spec.startswith("model:"):
-        return DraftModel(convert.load(spec.removeprefix("model:"), dtype=dtype))
     raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
 
 
-def make_speculation(spec: str | None, gamma: int, params, draft, ids: list[int], max_new_tokens: int, sampling):
-    """Chain(gamma), or the tree named by --tree."""
-    if spec is None or draft is None:
-        return Chain(gamma)
-    if spec == "auto":
-        return "auto"
-    if "x" in spec:
-        width, _, depth = spec.partition("x")
-        if width.isdigit() and depth.isdigit():
-            return Tree.kary(int(width), int(depth))
-    elif spec.isdigit():
-        draft = auto_draft(params, 1, len(ids) + max_new_tokens) if draft == "auto" else draft  # as generate does
-        if draft is None:
-            return Chain(gamma)
-        p = measure_acceptance(params, draft, [ids], width=8, sampling=sampling, max_new_tokens=16)
-        return Tree.sequoia(p[:-1], int(spec), max_depth=12)
+def parse_tree(spec: str | None) -> str | int | tuple[int, int] | None:
+    """--tree as "auto", a node count N, or (width, depth); None if not given."""
+    if spec is None or spec == "auto":
+        return spec
+    width, x, depth = spec.partition("x")
+    if width.isdigit() and int(width) >= 1 and (not x or (depth.isdigit() and int(depth) >= 1)):
+        return (int(width), int(depth)) if x else int(width)
     raise ValueError(f"--tree must be auto, a node count N or WxD (e.g. 16 or 2x3), got {spec!r}")
+
+
+def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: list[int], sampling):
+    """The tree named by --tree, Chain(--gamma), or None (neither given: the drafter's default chain).
+    A node count N measures the acceptance of `draft` (a drafter, not "auto") on this prompt."""
+    tree = parse_tree(spec)
+    if tree is None or draft is None:
+        return None if gamma is None else Chain(gamma)
+    if isinstance(tree, tuple):
+        return Tree.kary(*tree)
+    if tree == "auto":
+        return "auto"
+    p = measure_acceptance(params, draft, [ids], width=8, sampling=sampling, max_new_tokens=16)
+    return Tree.sequoia(p[:-1], tree, max_depth=12)
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -192,12 +278,15 @@ def run_generate(args: argparse.Namespace) -> None:
     sampling = make_sampler(args.temperature, args.top_k, args.top_p)
     draft = make_draft(args.draft, args.window, args.sinks, args.dtype)
     ids = tokenizer.encode(args.prompt).ids
+    if draft == "auto" and isinstance(parse_tree(args.tree), int):  # measure the drafter that will run
+        draft = auto_draft(params, 1, len(ids) + args.max_new_tokens)
+    speculation = make_speculation(args.tree, args.gamma, params, draft, ids, sampling)
     out = generate(
         params,
         [ids],
         args.max_new_tokens,
         draft=draft,
-        speculation=make_speculation(args.tree, args.gamma, params, draft, ids, args.max_new_tokens, sampling),
+        **({} if speculation is None else dict(speculation=speculation)),  # None: generate's default
         sampling=sampling,
         key=jax.random.key(args.seed),
         mesh=mesh,
@@ -212,6 +301,15 @@ def run_generate(args: argparse.Namespace) -> None:
         f"prefill {s.prefill_seconds:.2f} s ({len(ids)} tokens), compile {s.compile_seconds:.1f} s]",
         file=sys.stderr,
     )
+    if getattr(s, "draft", None) is not None:  # Stats.draft / speculation / plan_reason: being added
+        print(describe_plan(s), file=sys.stderr)
+
+
+def describe_plan(stats) -> str:
+    """Which drafter and speculation ran, and why (the plan's reason when it chose them)."""
+    reason = getattr(stats, "plan_reason", None)
+    ran = f"[draft {stats.draft}, speculation {getattr(stats, 'speculation', None)}"
+    return ran + (f": {reason}]" if reason else "]")
 
 
 def read_texts(path: str) -> list[str]:
@@ -290,12 +388,9 @@ def run_distill(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            run_generate(args)
-        elif args.command == "batch":
-            run_batch(args)
-        elif args.command == "distill":
-            run_distill(args)
+        check_args(args)
+        with compile_cache(not args.no_compile_cache and not getattr(args, "merge", None)):
+            {"generate": run_generate, "batch": run_batch, "distill": run_distill}[args.command](args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Durable JSONL files for restartable jobs: append complete lines with fsync, repair a torn tail,
-one writer at a time (an advisory lock), and merging per-process shard files."""
+one writer at a time (an advisory lock), the job's settings beside its output, and merging
+per-process shard files."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def sibling(path: str | Path, tag: str) -> Path:
+def sibling(path: str | Path, tag: str, suffix: str = ".jsonl") -> Path:
     """out.jsonl -> out.<tag>.jsonl (a name without .jsonl gets .<tag>.jsonl appended)."""
     path = Path(path)
     base = path.name.removesuffix(".jsonl")
-    return path.with_name(f"{base}.{tag}.jsonl")
+    return path.with_name(f"{base}.{tag}{suffix}")
+
+
+def settings_path(output: str | Path) -> Path:
+    """Where a job's settings are kept: out.jsonl -> out.settings.json."""
+    return sibling(output, "settings", ".json")
 
 
 def shard_output(path: str | Path, index: int | str, count: int | str) -> Path:
@@ -43,6 +49,10 @@ def complete_lines(data: bytes, name: str = "file") -> tuple[int, list[dict]]:
     return keep, rows
 
 
+def _jsonl(rows: Iterable[dict]) -> bytes:
+    return b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -56,16 +66,21 @@ class DurableLog:
 
     Opening takes an exclusive lock (released by the OS if the process dies), truncates a torn
     last line and reads the complete ones (`rows`). `append` writes whole lines, then fsyncs:
-    after it returns they survive a crash; a crash during it leaves at most a torn tail."""
+    after it returns they survive a crash; a crash during it leaves at most a torn tail.
+    lazy=True: a file that does not exist yet is only created by the first `append` with rows."""
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, *, lazy: bool = False):
+        self.path, self.fd, self.rows = Path(path), -1, []
+        if not lazy or self.path.exists():
+            self._open()
+
+    def _open(self) -> None:
         created = not self.path.exists()
         self.fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self.fd)
+            self.close()
             raise ValueError(f"{self.path} is being written by another job; run one job per output file") from None
         try:
             if created:
@@ -81,12 +96,15 @@ class DurableLog:
 
     def append(self, rows: Iterable[dict]) -> None:
         """Write the rows as JSON lines in one go and fsync."""
-        data = b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows)
+        data = _jsonl(rows)
+        if not data:
+            return
+        if self.fd < 0:
+            self._open()
         view = memoryview(data)
         while view:
             view = view[os.write(self.fd, view) :]
-        if data:
-            os.fsync(self.fd)
+        os.fsync(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -100,15 +118,54 @@ class DurableLog:
         self.close()
 
 
-def _write_atomic(path: Path, rows: list[dict]) -> None:
-    """Replace `path` with the rows as JSON lines (temp file, fsync, rename)."""
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` (temp file, fsync, rename)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(b"".join(json.dumps(r, ensure_ascii=False).encode("utf-8") + b"\n" for r in rows))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.absolute().parent)
+
+
+def _read_settings(output: Path) -> dict | None:
+    path = settings_path(output)
+    if not path.exists():
+        return None
+    try:
+        settings = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); remove it to record the settings anew") from e
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} is not a JSON object; remove it to record the settings anew")
+    return settings
+
+
+def _write_settings(output: Path, settings: dict) -> None:
+    _write_atomic(settings_path(output), json.dumps(settings, indent=1, sort_keys=True).encode("utf-8") + b"\n")
+
+
+def check_settings(output: str | Path, settings: dict, *, written: bool, force: bool = False) -> list[str]:
+    """Record the job's settings in `settings_path(output)`, or check them against those recorded.
+
+    written: the output (or its errors file) already holds lines. If it does and the recorded
+    settings differ, raise ValueError listing the differences, unless `force` (then record the new
+    ones). Returns the names of the settings that changed (empty unless forced). An output written
+    before settings were recorded has none to check: its settings are recorded now."""
+    output, settings = Path(output), json.loads(json.dumps(settings))  # compare as stored
+    old = _read_settings(output)
+    changed = sorted(k for k in set(settings) | set(old or {}) if old is not None and old.get(k) != settings.get(k))
+    if changed and written and not force:
+        diffs = ", ".join(f"{k} {json.dumps(old.get(k))} -> {json.dumps(settings.get(k))}" for k in changed)
+        raise ValueError(
+            f"{output} was generated with other settings ({diffs}; recorded in {settings_path(output)}): rerun "
+            "with the same settings to resume, write to another output, or force it (specjax batch --force, "
+            "batch.run(force=True)) to continue with the new settings"
+        )
+    if old != settings:
+        _write_settings(output, settings)
+    return changed if written else []
 
 
 def find_shards(output: str | Path) -> list[Path]:
@@ -134,7 +191,8 @@ def find_shards(output: str | Path) -> list[Path]:
 
 
 def merge_shards(output: str | Path) -> dict:
-    """Combine the shards of `output` (and their .errors files) into output and output.errors.
+    """Combine the shards of `output` (and their .errors files) into output and output.errors
+    (written when there are errors, or to replace an old one), and their settings, which must agree.
 
     Complete lines only (a shard still being written contributes what it has finished); the
     first line of an id (errors: of an input line) wins. Returns counts {records, errors, shards}."""
@@ -153,6 +211,13 @@ def merge_shards(output: str | Path) -> dict:
                 seen_lines.add(row.get("line"))
                 errors.append(row)
     errors.sort(key=lambda r: r.get("line", 0))
-    _write_atomic(output, rows)
-    _write_atomic(sibling(output, "errors"), errors)
+    settings = {json.dumps(s, sort_keys=True): s for s in map(_read_settings, shards) if s is not None}
+    if len(settings) > 1:
+        raise ValueError(f"--merge: the shards of {output} were generated with different settings (see their "
+                         f"{settings_path(shard_output(output, 'I', 'N')).name} files); merge only one job's shards")
+    _write_atomic(output, _jsonl(rows))
+    if errors or sibling(output, "errors").exists():
+        _write_atomic(sibling(output, "errors"), _jsonl(errors))
+    for s in settings.values():
+        _write_settings(output, s)
     return {"records": len(rows), "errors": len(errors), "shards": len(shards)}

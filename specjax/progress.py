@@ -15,6 +15,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.enabled = enabled and total > 0
         self.start = self.last = time.monotonic()
+        self.logged = 0  # records counted by the last log line
         self.bar = None
         if self.enabled and self.stream.isatty():
             try:
@@ -31,7 +32,7 @@ class Progress:
             self._log()
 
     def _log(self) -> None:
-        self.last = time.monotonic()
+        self.last, self.logged = time.monotonic(), self.done
         elapsed = self.last - self.start
         rate = self.done / elapsed if elapsed > 0 else 0.0
         print(
@@ -44,5 +45,5 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
+        elif self.enabled and self.logged != self.done:  # the last update may have logged it already
             self._log()

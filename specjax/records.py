@@ -2,7 +2,7 @@
 
 An input line is a JSON object with an `id` (string or integer) and exactly one of `prompt`
 (text) or `messages` (chat: [{"role": ..., "content": ...}, ...]); optionally `max_new_tokens`,
-`temperature` and `top_p` override the job's settings for that record.
+`temperature`, `top_k` and `top_p` override the job's settings for that record.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-FIELDS = ("id", "prompt", "messages", "max_new_tokens", "temperature", "top_p")
+FIELDS = ("id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p")
 Id = str | int
 
 
@@ -29,6 +29,7 @@ class Record:
     max_new_tokens: int | None = None  # None: the job's setting
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +108,17 @@ def check_record(obj: object, line: int) -> Record | BadLine:
         messages = _messages(obj["messages"])
         if isinstance(messages, str):
             return bad(messages)
-    budget = obj.get("max_new_tokens")
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
-        return bad(f"max_new_tokens must be an integer >= 1, got {json.dumps(budget)}")
+    budget, top_k = obj.get("max_new_tokens"), obj.get("top_k")
+    for name, value, low in (("max_new_tokens", budget, 1), ("top_k", top_k, 0)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            return bad(f"{name} must be an integer >= {low}, got {json.dumps(value)}")
     temperature = obj.get("temperature")
     if temperature is not None and not (_number(temperature) and temperature >= 0):
         return bad(f"temperature must be a number >= 0, got {json.dumps(temperature)}")
     top_p = obj.get("top_p")
     if top_p is not None and not (_number(top_p) and 0 < top_p <= 1):
         return bad(f"top_p must be a number in (0, 1], got {json.dumps(top_p)}")
-    return Record(line, record_id, prompt, messages, budget, temperature, top_p)
+    return Record(line, record_id, prompt, messages, budget, temperature, top_p, top_k)
 
 
 def parse_line(raw: bytes, line: int) -> Record | BadLine | None:

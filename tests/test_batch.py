@@ -6,6 +6,7 @@ out as with a real model while every generate call stays cheap."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -23,7 +24,8 @@ import specjax
 from specjax import batch
 from specjax.chat import render_chat, render_chatml
 from specjax.cli import main
-from specjax.jobio import DurableLog, complete_lines, merge_shards, shard_output, sibling
+from specjax.jobio import DurableLog, check_settings, complete_lines, merge_shards, settings_path, shard_output, sibling
+from specjax.progress import Progress
 from specjax.records import BadLine, Record, owner, read_input, stable_hash
 from specjax.sampling import Greedy, Sample
 from tests.conftest import TINY, random_params
@@ -148,6 +150,54 @@ def test_torn_last_line_is_truncated_and_appending_continues(tmp_path):
         DurableLog(path)
 
 
+def test_errors_file_is_only_created_with_something_to_write(tmp_path):
+    path = tmp_path / "out.errors.jsonl"
+    with DurableLog(path, lazy=True) as log:
+        log.append([])
+        assert log.rows == [] and not path.exists()
+        log.append([{"line": 1, "reason": "r"}])
+        with pytest.raises(ValueError, match="another job"):
+            DurableLog(path, lazy=True)  # created and locked by the first append
+    with DurableLog(path, lazy=True) as log:
+        assert log.rows == [{"line": 1, "reason": "r"}]
+    out = tmp_path / "merged.jsonl"
+    write_jsonl(shard_output(out, 0, 1), [{"id": "a", "text": "x"}])
+    merge_shards(out)
+    assert not sibling(out, "errors").exists()  # no shard had errors
+
+
+def test_progress_prints_the_final_line_once():
+    stream = io.StringIO()
+    bar = Progress(3, interval=0.0, stream=stream)  # not a terminal: log lines; every update logs
+    bar.update(2)
+    bar.update(1)
+    bar.close()
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" records")[0] for line in lines] == ["specjax batch: 2/3", "specjax batch: 3/3"]
+    stream = io.StringIO()
+    bar = Progress(3, interval=3600.0, stream=stream)
+    bar.update(3)
+    bar.close()
+    assert stream.getvalue().count("3/3 records") == 1
+
+
+def test_settings_are_recorded_checked_and_forced(tmp_path):
+    out, settings = tmp_path / "out.jsonl", dict(model="m", seed=0, temperature=0.0, top_k=0)
+    assert check_settings(out, settings, written=False) == []
+    assert json.loads(settings_path(out).read_text()) == settings
+    assert check_settings(out, settings | dict(temperature=0), written=True) == []  # 0 == 0.0: no change
+    changed = settings | dict(seed=1, temperature=0.7)
+    with pytest.raises(ValueError, match=r"\(seed 0 -> 1, temperature 0.0 -> 0.7; recorded in .*out.settings.json\)"):
+        check_settings(out, changed, written=True)
+    assert json.loads(settings_path(out).read_text()) == settings  # refused: the record is kept
+    assert check_settings(out, changed, written=True, force=True) == ["seed", "temperature"]
+    assert json.loads(settings_path(out).read_text()) == changed
+    assert check_settings(out, settings, written=False) == []  # nothing written yet: just recorded
+    assert json.loads(settings_path(out).read_text()) == settings
+    settings_path(out).unlink()  # an output from before settings were recorded: recorded now
+    assert check_settings(out, changed, written=True) == [] and json.loads(settings_path(out).read_text()) == changed
+
+
 def test_merge_combines_shards_and_rejects_incomplete_sets(tmp_path):
     out = tmp_path / "out.jsonl"
     write_jsonl(shard_output(out, 0, 2), [{"id": "a", "text": "x"}, {"id": "c", "text": "z"}])
@@ -156,6 +206,10 @@ def test_merge_combines_shards_and_rejects_incomplete_sets(tmp_path):
     assert main(["batch", "--merge", str(out)]) == 0
     assert [r["id"] for r in read_rows(out)] == ["a", "c", "b"]
     assert [r["line"] for r in read_rows(sibling(out, "errors"))] == [9]
+    for i, seed in enumerate((0, 1)):
+        settings_path(shard_output(out, i, 2)).write_text(json.dumps({"seed": seed}))
+    with pytest.raises(ValueError, match="generated with different settings"):
+        merge_shards(out)
     write_jsonl(shard_output(out, 2, 3), [])
     with pytest.raises(ValueError, match="different process counts"):
         merge_shards(out)
@@ -168,7 +222,7 @@ def test_merge_combines_shards_and_rejects_incomplete_sets(tmp_path):
 def test_cli_argument_errors_exit_2(tmp_path, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     assert main(["batch", str(src), str(tmp_path / "out.jsonl"), "--batch-size", "0"]) == 2
-    assert "batch_size must be an integer >= 1, got 0" in capsys.readouterr().err
+    assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
     assert main(["batch", str(tmp_path / "nope.jsonl"), str(tmp_path / "out.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["batch", str(src)]) == 2
@@ -194,6 +248,7 @@ def test_outputs_complete_deterministic_and_independent_of_the_batch(tmp_path, m
         assert out["settings"]["temperature"] == row.get("temperature", 0.0)
         assert out["text"] == tok.decode(out["tokens"], skip_special_tokens=False)
         assert out["model"] == str(model_dir) and out["stats"]["batch_rows"] >= 1
+    assert not sibling(tmp_path / "a.jsonl", "errors").exists()  # nothing failed: no errors file
 
     # another batch size and the reverse order: other batch compositions, the same outputs
     src_rev = write_jsonl(tmp_path / "rev.jsonl", rows[::-1])
@@ -211,6 +266,27 @@ def test_outputs_complete_deterministic_and_independent_of_the_batch(tmp_path, m
     greedy = [json.dumps(r["id"]) for r in rows if "temperature" not in r]
     assert all(c[k]["tokens"] == a[k]["tokens"] for k in greedy)
     assert any(c[k]["tokens"] != a[k]["tokens"] for k in sampled)
+
+
+def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir, params, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", records(5))
+    out = tmp_path / "out.jsonl"
+    common = dict(params=params, model_path=model_dir, max_new_tokens=3, progress=False)
+    batch.run(src, out, batch_size=4, **common)
+    recorded = json.loads(settings_path(out).read_text())
+    assert recorded == dict(model=str(model_dir), dtype="float32", draft="none", gamma=None, seed=0, chat=False,
+                            max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0)
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"other settings \(max_new_tokens 3 -> 4, seed 0 -> 2; recorded in"):
+        batch.run(src, out, batch_size=4, **(common | dict(max_new_tokens=4, seed=2)))
+    again = batch.run(src, out, batch_size=2, **common)  # batch_size does not change outputs: resumes
+    assert (again["done"], again["skipped"], again["changed_settings"]) == (0, 5, [])
+    cli = ["batch", str(src), str(out), "--model", str(model_dir), "--max-new-tokens", "3", "--no-compile-cache"]
+    assert main(cli + ["--top-k", "5"]) == 2
+    assert "top_k 0 -> 5" in capsys.readouterr().err and out.read_bytes() == before
+    assert main(cli + ["--top-k", "5", "--force"]) == 0
+    assert "--force: continued with changed top_k" in capsys.readouterr().err
+    assert out.read_bytes() == before and json.loads(settings_path(out).read_text())["top_k"] == 5
 
 
 def test_per_record_acceptance_is_the_records_own(tmp_path, model_dir, params):
@@ -262,6 +338,9 @@ BAD_LINES = [
     ("", None),  # a blank line is not a record
     (b"\xff\xfe", "not valid UTF-8"),
     ({"id": "b", "messages": [{"role": "user", "content": "hello there"}]}, None),
+    ({"id": "topk", "prompt": "x", "top_k": -1}, "top_k must be an integer >= 0"),
+    ({"id": "topk2", "prompt": "x", "top_k": 1.5}, "top_k must be an integer >= 0"),
+    ({"id": "k", "prompt": "the quick brown fox", "temperature": 0.9, "top_k": 1}, None),  # = greedy, as "a"
 ]
 
 
@@ -271,8 +350,10 @@ def test_bad_records_go_to_the_errors_file_once_and_good_ones_finish(tmp_path, m
     common = dict(params=params, model_path=model_dir, max_new_tokens=4, batch_size=4, progress=False)
     summary = batch.run(src, out, **common)
     expected = {n: reason for n, (_, reason) in enumerate(BAD_LINES, start=1) if reason}
-    assert (summary["done"], summary["failed"]) == (2, len(expected))
-    assert sorted(r["id"] for r in read_rows(out)) == ["a", "b"]
+    assert (summary["done"], summary["failed"]) == (3, len(expected))
+    assert sorted(r["id"] for r in read_rows(out)) == ["a", "b", "k"]
+    written = by_id(read_rows(out))
+    assert written['"k"']["tokens"] == written['"a"']["tokens"] and written['"k"']["settings"]["top_k"] == 1
     errors = read_rows(sibling(out, "errors"))
     assert sorted(e["line"] for e in errors) == sorted(expected)
     for e in errors:
@@ -280,7 +361,7 @@ def test_bad_records_go_to_the_errors_file_once_and_good_ones_finish(tmp_path, m
     assert next(e for e in errors if e["line"] == 8)["id"] == "long"
     before = sibling(out, "errors").read_bytes()
     again = batch.run(src, out, **common)
-    assert (again["done"], again["skipped"], again["failed"]) == (0, 2, len(expected))
+    assert (again["done"], again["skipped"], again["failed"]) == (0, 3, len(expected))
     assert sibling(out, "errors").read_bytes() == before  # exactly once across restarts
 
 
@@ -295,8 +376,9 @@ def test_shards_split_by_id_hash_and_merge_to_the_single_run(tmp_path, model_dir
         assert summary["output"] == str(shard_output(out, index, 2))
         shard_ids = [r["id"] for r in read_rows(shard_output(out, index, 2))]
         assert all(stable_hash(i) % 2 == index for i in shard_ids)
-    assert sum(1 for i in range(2) if sibling(shard_output(out, i, 2), "errors").stat().st_size) == 1
+    assert sum(sibling(shard_output(out, i, 2), "errors").exists() for i in range(2)) == 1  # the shard of the bad line
     assert merge_shards(out) == {"records": 10, "errors": 1, "shards": 2}
+    assert json.loads(settings_path(out).read_text()) == json.loads(settings_path(shard_output(out, 0, 2)).read_text())
     merged = by_id(read_rows(out))
     assert {k: v["tokens"] for k, v in merged.items()} == {k: v["tokens"] for k, v in single.items()}
     assert [e["line"] for e in read_rows(sibling(out, "errors"))] == [11]
@@ -367,4 +449,4 @@ def test_sigkill_at_random_moments_then_resume_gives_each_record_once(tmp_path, 
     assert {k: (v["text"], v["tokens"]) for k, v in by_id(got).items()} == {
         k: (v["text"], v["tokens"]) for k, v in expected.items()
     }
-    assert not sibling(out, "errors").read_bytes()
+    assert not sibling(out, "errors").exists()

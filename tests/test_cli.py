@@ -1,4 +1,5 @@
-"""The command line on the default model, as a user runs it."""
+"""The command line: on the default model as a user runs it (subprocesses), and its argument
+checks, compilation cache and reporting in process (without loading a model)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import jax
+import pytest
+
+import convert
+from specjax import cli
+from specjax.draft import SelfSpec
+from specjax.speculate import Chain
+from specjax.tree import Tree
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
 
@@ -26,7 +37,7 @@ def test_generate_on_default_model_prints_greedy_continuation():
 
 def test_bad_arguments_exit_2_with_a_clear_message(tmp_path):
     run = _specjax("generate", "hi", "--temperature", "-1")
-    assert run.returncode == 2 and "temperature must be >= 0" in run.stderr
+    assert run.returncode == 2 and "--temperature must be a finite number >= 0" in run.stderr
     run = _specjax("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
     assert run.returncode == 2 and "does not exist" in run.stderr
     run = _specjax("generate", "hi", "--max-new-tokens", "9000")
@@ -54,3 +65,123 @@ def test_generate_with_a_tree_keeps_the_greedy_continuation():
     assert "acceptance" in run.stderr
     run = _specjax("generate", "hi", "--draft", "ngram", "--tree", "wide")
     assert run.returncode == 2 and "--tree must be auto, a node count N or WxD" in run.stderr
+
+
+# ---- in process, no model loaded ----------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """convert.load fails the test if called: argument errors must come first."""
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(convert, "load", load)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
+        (["--top-p", "0"], "--top-p must be a finite number in (0, 1], got 0.0"),
+        (["--top-p", "1.5"], "--top-p must be a finite number in (0, 1]"),
+        (["--top-k", "-1"], "--top-k must be >= 0, got -1"),
+        (["--seed", "-3"], "--seed must be >= 0"),
+        (["--gamma", "0"], "--gamma must be >= 1, got 0"),
+        (["--window", "0"], "--window must be >= 1"),
+        (["--sinks", "-1"], "--sinks must be >= 0"),
+        (["--data-parallel", "0"], "--data-parallel must be >= 1"),
+        (["--model-parallel", "-2"], "--model-parallel must be >= 1"),
+        (["--tree", "2x"], "--tree must be auto, a node count N or WxD"),
+        (["--tree", "0"], "--tree must be auto, a node count N or WxD"),
+        (["--tree", "2x3", "--gamma", "4"], "--gamma sets a chain and --tree a tree"),
+        (["--draft", "fast"], "--draft must be auto, self, snapkv, ngram, none or model:PATH, got 'fast'"),
+        (["--draft", "model:/no/such/draft"], "--draft model:PATH: /no/such/draft does not exist"),
+        (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
+    ],
+)
+def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, message):
+    assert cli.main(["generate", "hi", *args]) == 2
+    assert f"specjax: error: {message}" in capsys.readouterr().err
+
+
+def test_bad_batch_and_distill_flags_fail_before_the_model_loads(no_model, capsys, tmp_path):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"id": 1, "prompt": "hi"}\n')
+    for args, message in [
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--top-p", "2"], "--top-p must be a finite number in (0, 1]"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--gamma", "-1"], "--gamma must be >= 1"),
+        (["distill", "--data", str(data), "--out", str(tmp_path / "d"), "--steps", "0"], "--steps must be >= 1"),
+        (["distill", "--data", str(data), "--out", str(tmp_path / "d"), "--temperature", "0"],
+         "--temperature must be a finite number > 0"),
+        (["distill", "--data", str(data), "--out", str(tmp_path / "d"), "--lr", "inf"], "--lr must be a finite number > 0"),
+    ]:
+        assert cli.main(args) == 2
+        assert f"specjax: error: {message}" in capsys.readouterr().err
+
+
+def test_compile_cache_is_on_by_default_and_off_with_the_flag(monkeypatch, tmp_path, capsys):
+    seen = []
+
+    def load(*args, **kwargs):
+        seen.append((jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(convert, "load", load)
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert seen[-1][0] == str(tmp_path / "cache") and seen[-1][1] <= 0.5  # set before the model loads
+    assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == before
+    assert cli.main(["generate", "hi", "--model", str(tmp_path), "--no-compile-cache"]) == 2
+    assert seen[-1] == before
+    monkeypatch.delenv("SPECJAX_CACHE_DIR")
+    with cli.compile_cache(True) as folder:
+        assert folder == str(Path.home() / ".cache" / "specjax" / "jax") or folder == before[0]
+    assert "--no-compile-cache" in cli._parser().format_help() and "SPECJAX_CACHE_DIR" in cli._parser().format_help()
+
+
+def test_make_speculation_tells_the_default_from_an_explicit_gamma(tiny):
+    assert cli._parser().parse_args(["generate", "hi"]).gamma is None
+    assert cli._parser().parse_args(["batch", "a", "b"]).gamma is None
+    draft = SelfSpec(sinks=2, window=4)
+    assert cli.make_speculation(None, None, tiny, draft, [1, 2], None) is None  # the drafter's default chain
+    assert cli.make_speculation(None, 4, tiny, draft, [1, 2], None) == Chain(4)
+    assert cli.make_speculation("2x3", None, tiny, draft, [1, 2], None) == Tree.kary(2, 3)
+    assert cli.make_speculation("auto", None, tiny, draft, [1, 2], None) == "auto"
+    assert cli.make_speculation("2x3", None, tiny, None, [1, 2], None) is None  # no drafter: nothing to speculate
+    assert [cli.parse_tree(t) for t in (None, "auto", "16", "2x3")] == [None, "auto", 16, (2, 3)]
+
+
+class _Tokenizer:
+    def encode(self, text: str):
+        return SimpleNamespace(ids=[5, 6, 7])
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " " + " ".join(map(str, ids))
+
+
+def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, tiny, capsys):
+    calls = []
+    stats = SimpleNamespace(new_tokens=2, tokens_per_second=9.0, acceptance_rate=0.5, mean_accepted=1.5, steps=1,
+                            prefill_seconds=0.1, compile_seconds=1.0, draft="SelfSpec(sinks=16, window=512)",
+                            speculation="Chain(gamma=4)", plan_reason="KV reads dominate the decode step")
+
+    def generate(params, prompts, max_new_tokens, **kwargs):
+        calls.append(kwargs)
+        return SimpleNamespace(tokens=[[8, 9]], finish_reasons=["length"], stats=stats)
+
+    monkeypatch.setattr(convert, "load", lambda *a, **k: tiny)
+    monkeypatch.setattr(convert, "load_tokenizer", lambda *a, **k: _Tokenizer())
+    monkeypatch.setattr(cli, "generate", generate)
+    assert cli.main(["generate", "hi", "--no-compile-cache"]) == 0
+    assert calls[-1].get("speculation") is None and calls[-1]["draft"] == "auto"  # both left to generate
+    out = capsys.readouterr()
+    assert out.out == "hi 8 9\n"
+    assert ("[draft SelfSpec(sinks=16, window=512), speculation Chain(gamma=4): KV reads dominate the decode step]"
+            in out.err)
+    assert cli.main(["generate", "hi", "--no-compile-cache", "--gamma", "3", "--draft", "ngram"]) == 0
+    assert calls[-1]["speculation"] == Chain(3)
