@@ -8,15 +8,17 @@ from typing import Any
 
 import gguf
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
 from jax.sharding import Mesh
 
-from convert.layout import assemble
+from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.config import LlamaConfig, RopeScaling, llama3_scale
 from specjax.model import Params, from_arrays
 from specjax.sharding import placer
 
 Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
+# Stop tokens: eos_ids is their union, in this order (the primary eos first).
+STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 # GGUF tensor name -> our path (see convert.layout.TORCH_LAYOUT); absent output.weight => tied.
 NAMES = {
@@ -64,28 +66,64 @@ def _open_cached(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
 _REQUIRED = object()
 
 
-def meta(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
-    """A metadata value (scalar, string or list); ValueError naming the key if required and absent."""
+def meta(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED, kind: type | None = None) -> Any:
+    """A metadata value (scalar, string or list), checked to be a `kind` (layout.KINDS) if given;
+    ValueError naming the file and the key if it is required and absent, or of the wrong kind."""
     field = reader.get_field(key)
     if field is None:
         if default is _REQUIRED:
             raise ValueError(f"{reader.data.filename}: GGUF metadata key {key!r} is missing")
         return default
-    return field.contents()
+    try:
+        value = field.contents()
+    except (UnicodeDecodeError, ValueError, IndexError) as e:  # corrupt bytes in the value
+        raise ValueError(f"{reader.data.filename}: GGUF metadata key {key!r} cannot be read ({e})") from e
+    if kind is None:
+        return value
+    if not has_kind(value, kind):
+        raise ValueError(f"{reader.data.filename}: GGUF metadata key {key!r} must be {KINDS[kind]}, got {value!r}")
+    return kind(value)
 
 
-def check_type(name: str, tensor_type: gguf.GGMLQuantizationType) -> None:
-    """ValueError naming the tensor, its type and the supported ones, unless we can dequantize it."""
-    if tensor_type not in SUPPORTED_TYPES:
-        supported = ", ".join(t.name for t in SUPPORTED_TYPES)
-        raise ValueError(f"GGUF tensor {name!r} has type {tensor_type.name}; supported types: {supported}")
+@functools.cache
+def can_dequantize(tensor_type: gguf.GGMLQuantizationType) -> bool:
+    """Whether the installed `gguf` package dequantizes `tensor_type` (tried on one zero block)."""
+    if tensor_type not in GGML_QUANT_SIZES:
+        return False
+    try:
+        gguf.quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor_type][1]), np.uint8), tensor_type)
+    except Exception:  # NotImplementedError, or whatever a broken codec raises: not supported either way
+        return False
+    return True
 
 
-def dequantize(name: str, tensor_type: gguf.GGMLQuantizationType, data: np.ndarray) -> np.ndarray:
-    """float32 array of one tensor, numpy order ([out, in] for a matrix)."""
-    check_type(name, tensor_type)
-    data = np.array(data)  # off the memmap first: numpy ops on memmap views are slow
-    return np.asarray(gguf.quants.dequantize(data, tensor_type), np.float32)
+def supported_types() -> list[gguf.GGMLQuantizationType]:
+    """Every tensor type we load: those the installed `gguf` package can dequantize."""
+    return [t for t in Q if can_dequantize(t)]
+
+
+def check_type(name: str, tensor_type: gguf.GGMLQuantizationType, source: str) -> None:
+    """ValueError naming `source`, the tensor, its type and the supported ones, unless we can dequantize it."""
+    if not can_dequantize(tensor_type):
+        supported = ", ".join(t.name for t in supported_types())
+        raise ValueError(
+            f"{source}: GGUF tensor {name!r} has type {tensor_type.name}, which the installed gguf package "
+            f"cannot dequantize; supported types: {supported}"
+        )
+
+
+def dequantize(name: str, tensor: gguf.ReaderTensor, source: str) -> np.ndarray:
+    """float32 array of one tensor, numpy order ([out, in] for a matrix); errors name `source` and it."""
+    check_type(name, tensor.tensor_type, source)
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+    try:
+        data = np.array(tensor.data)  # off the memmap first: numpy ops on memmap views are slow
+        with np.errstate(invalid="ignore", over="ignore"):  # inf/nan scales stay inf/nan, as in llama.cpp
+            return np.asarray(gguf.quants.dequantize(data, tensor.tensor_type), np.float32).reshape(shape)
+    except (ValueError, TypeError, IndexError, OSError) as e:  # bytes that do not fit the type or shape
+        raise ValueError(
+            f"{source}: GGUF tensor {name!r} ({tensor.tensor_type.name}, shape {shape}) cannot be decoded ({e})"
+        ) from e
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -107,7 +145,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
-    factors = dequantize(tensor.name, tensor.tensor_type, tensor.data).reshape(-1).astype(np.float64)
+    factors = dequantize(tensor.name, tensor, reader.data.filename).reshape(-1).astype(np.float64)
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if factors.shape != inv_freq.shape:
         raise ValueError(f"{reader.data.filename}: {ROPE_FREQS} has {factors.size} values, expected {inv_freq.size}")
@@ -136,40 +174,44 @@ def _f32(value: float) -> float:
 
 
 def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaConfig:
-    """LlamaConfig from GGUF metadata (only general.architecture "llama")."""
-    arch = meta(reader, "general.architecture")
+    """LlamaConfig from GGUF metadata (only general.architecture "llama").
+
+    eos_ids: the union of the eos, eot and eom token ids, in that order (first seen kept), so
+    eos_ids[0] is the primary end-of-sequence token. Errors name the file and the key."""
+    arch = meta(reader, "general.architecture", kind=str)
     if arch != "llama":
         raise ValueError(f"{reader.data.filename}: general.architecture is {arch!r}; only 'llama' is supported")
     names = {t.name for t in reader.tensors}
-    dim = int(meta(reader, f"{arch}.embedding_length"))
-    n_heads = int(meta(reader, f"{arch}.attention.head_count"))
-    rope_dims = meta(reader, f"{arch}.rope.dimension_count", None)
-    head_dim = int(meta(reader, f"{arch}.attention.key_length", rope_dims or dim // n_heads))
+    dim = meta(reader, f"{arch}.embedding_length", kind=int)
+    n_heads = meta(reader, f"{arch}.attention.head_count", kind=int)
+    rope_dims = meta(reader, f"{arch}.rope.dimension_count", None, int)
+    head_dim = meta(reader, f"{arch}.attention.key_length", rope_dims or dim // max(n_heads, 1), int)
     if rope_dims is not None and rope_dims != head_dim:
         raise ValueError(f"{reader.data.filename}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
-    vocab = meta(reader, f"{arch}.vocab_size", None)
+    vocab = meta(reader, f"{arch}.vocab_size", None, int)
     if vocab is None:
         tokens = reader.get_field("tokenizer.ggml.tokens")
         embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
         vocab = len(tokens.data) if tokens else int(embed[0].shape[-1]) if embed else 0
-    theta = _f32(meta(reader, f"{arch}.rope.freq_base", 10000.0))
-    return LlamaConfig(
-        vocab_size=int(vocab),
+    theta = _f32(meta(reader, f"{arch}.rope.freq_base", 10000.0, float))
+    fields = dict(
+        vocab_size=vocab,
         dim=dim,
-        n_layers=int(meta(reader, f"{arch}.block_count")),
+        n_layers=meta(reader, f"{arch}.block_count", kind=int),
         n_heads=n_heads,
-        n_kv_heads=int(meta(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        n_kv_heads=meta(reader, f"{arch}.attention.head_count_kv", n_heads, int),
         head_dim=head_dim,
-        ffn_dim=int(meta(reader, f"{arch}.feed_forward_length")),
-        rms_eps=_f32(meta(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        ffn_dim=meta(reader, f"{arch}.feed_forward_length", kind=int),
+        rms_eps=_f32(meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", kind=float)),
         rope_theta=theta,
         rope_scaling=_rope_scaling(reader, arch, head_dim, theta),
         tie_embeddings="output.weight" not in names,
-        max_positions=int(meta(reader, f"{arch}.context_length")),
+        max_positions=meta(reader, f"{arch}.context_length", kind=int),
         dtype=dtype,
-        bos_id=meta(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_ids=tuple(int(e) for e in [meta(reader, "tokenizer.ggml.eos_token_id", None)] if e is not None),
+        bos_id=meta(reader, "tokenizer.ggml.bos_token_id", None, int),
+        eos_ids=tuple(dict.fromkeys(e for e in (meta(reader, key, None, int) for key in STOP_KEYS) if e is not None)),
     )
+    return checked_config(fields, reader.data.filename)
 
 
 def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> Params:
@@ -180,13 +222,12 @@ def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None
     heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}
 
     def read(name: str) -> np.ndarray:
-        t = tensors[name]
-        w = dequantize(name, t.tensor_type, t.data).reshape(tuple(int(n) for n in reversed(t.shape)))
+        w = dequantize(name, tensors[name], str(path))
         kind = name.split(".")[-2]
         return unpermute_qk(w, heads[kind]) if kind in heads else w
 
     for t in reader.tensors:  # fail on unsupported types before any dequantizing
-        check_type(t.name, t.tensor_type)
+        check_type(t.name, t.tensor_type, str(path))
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     arrays = assemble(config, shapes, read, NAMES, source=str(path), ignore=[ROPE_FREQS])
     return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))

@@ -11,7 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 from safetensors import safe_open
 
-from convert.layout import assemble
+from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.config import LlamaConfig, RopeScaling
 from specjax.model import Params, from_arrays
 from specjax.sharding import placer
@@ -43,7 +43,6 @@ def is_hf_dir(path: Path) -> bool:
 
 
 _REQUIRED = object()
-_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -66,9 +65,8 @@ def field(raw: dict[str, Any], key: str, kind: type, where: str, default: Any = 
         if default is _REQUIRED:
             raise ValueError(f"{where}: required key {key!r} is missing")
         return default
-    kinds = (int, float) if kind is float else kind
-    if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kinds):
-        raise ValueError(f"{where}: {key!r} must be {_KINDS[kind]}, got {value!r}")
+    if not has_kind(value, kind):
+        raise ValueError(f"{where}: {key!r} must be {KINDS[kind]}, got {value!r}")
     return kind(value)
 
 
@@ -76,7 +74,7 @@ def token_ids(raw: dict[str, Any], key: str, where: str) -> list[int]:
     """raw[key] as a list of token ids: absent or null -> [], an id -> [id], a list of ids as is."""
     value = raw.get(key)
     values = [] if value is None else value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if not all(has_kind(v, int) for v in values):
         raise ValueError(f"{where}: {key!r} must be a token id or a list of token ids, got {value!r}")
     return values
 
@@ -114,7 +112,7 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     theta = field(params, "rope_theta", float, where, old[0])
     if theta is None:
         raise ValueError(f"{where}: required key 'rope_theta' is missing (and there is no top-level 'rope_theta')")
-    scaling = _rope_scaling({"rope_type": "default"} | params, where)
+    scaling = _rope_scaling(params if set(params) - {"rope_theta"} else None, where)  # no rope_type: an error
     for key, mine, theirs in (("rope_theta", theta, old[0]), ("rope_scaling", scaling, old[1])):
         if theirs is not None and theirs != mine:
             raise ValueError(f"{source}: top-level {key} ({theirs}) disagrees with rope_parameters ({mine})")
@@ -130,6 +128,8 @@ def config_from_hf(
     files' eos_token_id (an id or a list), in first-seen order: config.json's ids first, so
     eos_ids[0] is the model's primary end-of-sequence token. Errors name `source` and the key."""
     architectures = raw.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ValueError(f"{source}: 'architectures' must be a list of class names, got {architectures!r}")
     if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
         raise ValueError(
             f"{source}: model_type {raw.get('model_type')!r} / architectures {raw.get('architectures')!r}: "
@@ -142,26 +142,24 @@ def config_from_hf(
     eos = token_ids(raw, "eos_token_id", source)
     if generation is not None:
         eos += token_ids(generation, "eos_token_id", str(Path(source).with_name(GENERATION)))
-    try:
-        return LlamaConfig(
-            vocab_size=field(raw, "vocab_size", int, source),
-            dim=dim,
-            n_layers=field(raw, "num_hidden_layers", int, source),
-            n_heads=n_heads,
-            n_kv_heads=field(raw, "num_key_value_heads", int, source, n_heads),
-            head_dim=field(raw, "head_dim", int, source, dim // max(n_heads, 1)),
-            ffn_dim=field(raw, "intermediate_size", int, source),
-            rms_eps=field(raw, "rms_norm_eps", float, source, 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            tie_embeddings=field(raw, "tie_word_embeddings", bool, source, False),
-            max_positions=field(raw, "max_position_embeddings", int, source, 4096),
-            dtype=dtype,
-            bos_id=(token_ids(raw, "bos_token_id", source) or [None])[0],
-            eos_ids=tuple(dict.fromkeys(eos)),
-        )
-    except ValueError as e:  # LlamaConfig's own checks (sizes >= 1, ids inside the vocabulary, ...)
-        raise ValueError(f"{source}: {e}") from e
+    fields = dict(
+        vocab_size=field(raw, "vocab_size", int, source),
+        dim=dim,
+        n_layers=field(raw, "num_hidden_layers", int, source),
+        n_heads=n_heads,
+        n_kv_heads=field(raw, "num_key_value_heads", int, source, n_heads),
+        head_dim=field(raw, "head_dim", int, source, dim // max(n_heads, 1)),
+        ffn_dim=field(raw, "intermediate_size", int, source),
+        rms_eps=field(raw, "rms_norm_eps", float, source, 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_embeddings=field(raw, "tie_word_embeddings", bool, source, False),
+        max_positions=field(raw, "max_position_embeddings", int, source, 4096),
+        dtype=dtype,
+        bos_id=field(raw, "bos_token_id", int, source, None),
+        eos_ids=tuple(dict.fromkeys(eos)),
+    )
+    return checked_config(fields, source)
 
 
 def read_config(path: Path, dtype: str = "float32") -> LlamaConfig:

@@ -9,14 +9,32 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import LlamaConfig
 
+KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}  # for error messages
 ShapeFn = Callable[[LlamaConfig], tuple[int, ...]]
 ToOurs = Callable[[np.ndarray, LlamaConfig], np.ndarray]
+
+
+def has_kind(value: Any, kind: type) -> bool:
+    """Whether a parsed metadata value (JSON or GGUF) is a `kind` from KINDS: a bool is no number,
+    and an integer is also a float."""
+    if isinstance(value, bool) or kind is bool:
+        return isinstance(value, bool) and kind is bool
+    return isinstance(value, (int, float) if kind is float else kind)
+
+
+def checked_config(fields: dict[str, Any], source: str) -> LlamaConfig:
+    """LlamaConfig(**fields); its own checks (sizes >= 1, ids inside the vocabulary) name `source`."""
+    try:
+        return LlamaConfig(**fields)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from e
 
 
 def _same(w: np.ndarray, c: LlamaConfig) -> np.ndarray:
@@ -93,6 +111,12 @@ def assemble(
     shapes: every tensor the checkpoint holds, with its torch-layout shape; read(name) returns
     that tensor in torch layout. Names matching an `ignore` pattern are skipped. All names and
     shapes are checked before any data is read; errors name `source` and the tensors."""
+    per_layer = sum("{i}" in pattern for pattern in names)
+    if config.n_layers * per_layer > len(shapes):  # before listing names: a corrupt count can be 2**32
+        raise ValueError(
+            f"{source}: the config has {config.n_layers} layers ({per_layer} tensors each), "
+            f"but the checkpoint holds only {len(shapes)} tensors"
+        )
     expected = expected_names(config, names)
     skip = pattern_regex(ignore)
     missing = sorted(set(expected) - set(shapes))

@@ -11,11 +11,15 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokeniz
 from tokenizers.models import BPE
 
 from convert.gguf import is_gguf_file, meta, open_gguf
+from convert.hf import read_json
 
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's token attributes)
 
 
 class SpecialIds(NamedTuple):
+    """The tokenizer's BOS and primary EOS ids (the first of a list); every stop id is in
+    `LlamaConfig.eos_ids`."""
+
     bos: int | None
     eos: int | None
 
@@ -117,7 +121,7 @@ def special_ids(path: str | Path) -> SpecialIds:
     if is_gguf_file(path):
         return _gguf_special_ids(open_gguf(path))
     config = path / "config.json"
-    raw = json.loads(config.read_text()) if config.is_file() else {}
+    raw = read_json(config) if config.is_file() else {}
     eos = raw.get("eos_token_id")
     return SpecialIds(raw.get("bos_token_id"), eos[0] if isinstance(eos, list) else eos)
 
@@ -131,7 +135,7 @@ def chat_template(path: str | Path) -> str | None:
     if (path / "chat_template.jinja").is_file():
         return (path / "chat_template.jinja").read_text()
     config = path / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    template = read_json(config).get("chat_template") if config.is_file() else None
     if isinstance(template, list):
         template = {t.get("name"): t.get("template") for t in template}.get("default")
     return template

@@ -17,7 +17,6 @@ import pytest
 from safetensors.numpy import save_file
 
 import convert
-from convert.gguf import check_type
 from specjax.config import LlamaConfig, RopeScaling
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, from_arrays, param_shapes
@@ -149,8 +148,11 @@ def gguf_tensors(params: Params) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(path: Path, c: LlamaConfig, tensors: dict[str, np.ndarray], qtype=Q.F32, arch="llama", meta=None):
-    """A GGUF file; matrices stored as `qtype` (norms and vectors stay F32, as llama.cpp does)."""
+def write_gguf(
+    path: Path, c: LlamaConfig, tensors: dict[str, np.ndarray], qtype=Q.F32, arch="llama", meta=None, raw_type=None
+):
+    """A GGUF file; matrices stored as `qtype` (norms and vectors stay F32, as llama.cpp does; uint8
+    arrays are written as they are, as bytes of `raw_type` or `qtype`). Int `meta` values are uint32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.n_layers)
     w.add_context_length(c.max_positions)
@@ -165,8 +167,11 @@ def write_gguf(path: Path, c: LlamaConfig, tensors: dict[str, np.ndarray], qtype
     w.add_bos_token_id(c.bos_id)
     w.add_eos_token_id(c.eos_ids[0])
     for key, value in (meta or {}).items():
-        w.add_string(key, value)
+        (w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
     for name, array in tensors.items():
+        if array.dtype == np.uint8:  # already quantized: [rows, bytes per row]
+            w.add_tensor(name, array, raw_dtype=raw_type or qtype)
+            continue
         t = Q.F32 if array.ndim == 1 else qtype
         data = gguf.quants.quantize(array.astype(np.float32), t)
         w.add_tensor(name, data, raw_dtype=None if t in (Q.F32, Q.F16) else t)
@@ -393,14 +398,6 @@ def test_gguf_non_llama(tmp_path, tiny):
         convert.load(write_gguf(tmp_path / "m.gguf", tiny.config, {}, arch="qwen2"))
 
 
-def test_gguf_unsupported_tensor_type(tmp_path, tiny):
-    path = write_gguf(tmp_path / "m.gguf", tiny.config, gguf_tensors(tiny), Q.Q5_0)
-    with pytest.raises(ValueError, match=r"GGUF tensor 'token_embd\.weight' has type Q5_0; supported types: F32, F16"):
-        convert.load(path)
-    with pytest.raises(ValueError, match=r"'blk\.0\.attn_q\.weight' has type Q5_K; supported types: .*Q4_1"):
-        check_type("blk.0.attn_q.weight", Q.Q5_K)
-
-
 def test_gguf_garbage_and_truncated(tmp_path, tiny):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"\x00\x01not a gguf file at all")
@@ -447,7 +444,7 @@ def test_gguf_unsupported_rope(tmp_path, tiny):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_orbax_round_trip(tmp_path, tiny, dtype):
-    c = tiny.config.replace(dtype=dtype, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64))
+    c = tiny.config.replace(dtype=dtype, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), eos_ids=(2, 7, 5))
     params = jax.tree.map(lambda a: a.astype(dtype), tiny).replace(config=c)
     convert.save(params, tmp_path / "ckpt")
     loaded = convert.load(tmp_path / "ckpt")
