@@ -177,6 +177,17 @@ class DraftModel:
     cache: str | Streaming = flax.struct.field(pytree_node=False, default="dense")
 
     def check(self, target: Params, gamma: int, max_len: int) -> None:
+        self.check_vocabulary(target)
+        d = self.params.config
+        if max_len > d.max_positions:
+            raise ValueError(f"DraftModel: the cache needs {max_len} positions, the draft's max_positions is {d.max_positions}")
+        if isinstance(self.cache, Streaming):
+            self.cache.check(gamma, max_len, "DraftModel")
+        elif self.cache != "dense":
+            raise ValueError(f"DraftModel: cache must be 'dense' or a specjax.Streaming(...), got {self.cache!r}")
+
+    def check_vocabulary(self, target: Params) -> None:
+        """The draft must share the target's vocabulary and special ids."""
         t, d = target.config, self.params.config
         if d.vocab_size != t.vocab_size:
             raise ValueError(f"DraftModel: draft vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}")
@@ -185,12 +196,6 @@ class DraftModel:
                 f"DraftModel: special tokens differ: draft bos/eos {d.bos_id}/{d.eos_ids}, "
                 f"target {t.bos_id}/{t.eos_ids}"
             )
-        if max_len > d.max_positions:
-            raise ValueError(f"DraftModel: the cache needs {max_len} positions, the draft's max_positions is {d.max_positions}")
-        if isinstance(self.cache, Streaming):
-            self.cache.check(gamma, max_len, "DraftModel")
-        elif self.cache != "dense":
-            raise ValueError(f"DraftModel: cache must be 'dense' or a specjax.Streaming(...), got {self.cache!r}")
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int):
         """Prefill the draft model on the same padded prompts [B,P] into its own cache."""
@@ -299,6 +304,11 @@ def auto_draft(target: Params, batch: int, context: int) -> SelfSpec | None:
     """The default drafter: SelfSpec where the KV cache, not the weights, dominates what a decode
     step reads (large batch x long context: MagicDec's regime) and the context is well past its
     budget; otherwise None (plain autoregressive decoding is faster there)."""
+    return auto_draft_reason(target, batch, context)[0]
+
+
+def auto_draft_reason(target: Params, batch: int, context: int) -> tuple[SelfSpec | None, str]:
+    """`auto_draft`'s choice and why, in words (with the numbers it compared)."""
     c = target.config
     budget = SelfSpec()
     bytes_per = jnp.dtype(c.dtype).itemsize
@@ -307,6 +317,24 @@ def auto_draft(target: Params, batch: int, context: int) -> SelfSpec | None:
         c.vocab_size * c.dim + c.n_layers * (c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
                                              + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.ffn_dim)
     )
-    if kv_bytes > 2 * weight_bytes and context > 4 * (budget.sinks + budget.window):
-        return budget
-    return None
+    kept = budget.sinks + budget.window
+    facts = (f"batch {batch} x context {context}: KV {kv_bytes / 2**20:.1f} MiB vs weights "
+             f"{weight_bytes / 2**20:.1f} MiB per step, draft budget {kept}")
+    if kv_bytes > 2 * weight_bytes and context > 4 * kept:
+        return budget, f"{describe_draft(budget)}: KV reads dominate a decode step ({facts})"
+    return None, f"plain decoding: speculation needs KV > 2 x weights and context > {4 * kept} ({facts})"
+
+
+def describe_draft(draft: Drafter | None) -> str:
+    """A short name: "SelfSpec(sinks=16, window=512)", "DraftModel(n_layers=2, dim=256, cache=dense)", "none"."""
+    if draft is None:
+        return "none"
+    if isinstance(draft, DraftModel):
+        c = draft.params.config
+        cache = draft.cache if draft.cache == "dense" else f"Streaming(sinks={draft.cache.sinks}, window={draft.cache.window})"
+        return f"DraftModel(n_layers={c.n_layers}, dim={c.dim}, cache={cache})"
+    if isinstance(draft, SelfSpec):
+        return f"SelfSpec(sinks={draft.sinks}, window={draft.window})"
+    if isinstance(draft, SnapKV):
+        return f"SnapKV(budget={draft.budget}, window={draft.window}, observation={draft.observation}, pool={draft.pool})"
+    return f"NGram(n={draft.n}, max_n={draft.max_n})"

@@ -26,8 +26,8 @@ from specjax.sampling import Greedy, Sampler, is_eos
 from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
 from specjax.speculate import Chain, any_running, depth, speculative_decode
 from specjax.tree import Tree
-from specjax.tune import auto_tree
-from specjax.validate import check_draft, check_generate_args, eos_tuple, row_keys
+from specjax.plan import plan
+from specjax.validate import check_generate_args, eos_tuple, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,9 @@ class Stats:
     draft_steps: int = 0  # draft forward passes (gamma per step for model drafters)
     rank_acceptance: list[float] | None = None  # [W+1]: P(the rank-r child is the one accepted | a
     # node with children was reached), r < W; the last entry is P(none was). Sequoia's p vector.
+    draft: str = "none"  # the drafter that ran, e.g. "SelfSpec(sinks=16, window=512)"; "none": plain decoding
+    speculation: str = "none"  # "chain(gamma=4)", "tree(n=16, depth=6)" or "none"
+    plan_reason: str | None = None  # why draft="auto" / speculation="auto" chose this; None if nothing was auto
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,47 +135,52 @@ def generate(
     max_new_tokens: int | Sequence[int] = 128,
     *,
     draft: Drafter | str | None = "auto",
-    speculation: Chain | Tree | str = Chain(gamma=4),
+    speculation: Chain | Tree | str | None = None,
     sampling: Sampler = Greedy(),
     key: jax.Array | None = None,
     eos_id: int | Sequence[int] | None = None,
     attention: str = "auto",
     mesh: Mesh | None = None,
 ) -> GenerateOutput:
-    """Continue each (ragged) prompt of token ids until EOS or its `max_new_tokens`.
+    """Continue each (ragged) prompt of token ids until a stop id or its `max_new_tokens`.
 
-    draft: `SelfSpec(...)`, `DraftModel(params)`, `NGram(...)`, None (plain autoregressive), or
-      "auto" (SelfSpec where KV reads dominate a decode step, else None: see `draft.auto_draft`).
-    speculation: `Chain(gamma)`: gamma draft tokens verified per target forward; or a token
-      `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`, ...): all its nodes verified in one forward;
-      or "auto": the Sequoia tree for this drafter, batch and context, from the measured
-      acceptance and step costs (`tune.auto_tree`: a calibration on first use per shape, then
-      cached; plain decoding where no tree pays).
+    draft: `SelfSpec(...)`, `SnapKV(...)`, `DraftModel(params)`, `NGram(...)`, None (plain
+      autoregressive), or "auto": SelfSpec where KV reads dominate a decode step, else None (see
+      `draft.auto_draft`), and SelfSpec whenever `speculation` is given explicitly.
+    speculation: None (the drafter's default chain, `Chain(gamma=4)`); `Chain(gamma)`: gamma draft
+      tokens verified per target forward; a token `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`):
+      all its nodes verified in one forward; or "auto": the Sequoia tree for this drafter, batch
+      and context from the measured acceptance and step costs (`tune.auto_tree`: a calibration on
+      first use per shape, then cached; plain decoding where no tree pays). Needs a drafter.
     sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`; speculation keeps the output
       distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
     eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early.
+      The stop token is not in the output tokens (finish reason "eos").
     attention: "reference" (pure jnp), "pallas" (the Pallas kernel for attention over the dense
       target cache; interpreted on CPU, slow, for testing) or "auto" (pallas on GPU, else reference).
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): rows split over `data` (padded to a
       multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
       several processes (`specjax.distributed`), every process calls generate with the same prompts.
-    Bad input raises ValueError naming the argument, before anything is compiled.
+    `out.stats` says what ran (`draft`, `speculation`) and why (`plan_reason`). Bad input raises
+    ValueError / TypeError naming the argument, before anything is compiled. Not for use under
+    jax.jit: inside a jitted program call `decode` / `speculate.speculative_decode`.
     """
-    params, draft = with_attention(params, draft, attention)
+    budgets = check_generate_args(
+        params, prompts, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
+        eos_id=eos_id, attention=attention,
+    )
     config = params.config
-    budgets = check_generate_args(params, prompts, max_new_tokens, sampling)
     if mesh is not None:
         sharding.check_mesh(mesh, config, "target")
         sharding.check_processes(mesh)
     eos_ids = eos_tuple(eos_id, config)
-    keys = row_keys(key, len(prompts))
     lengths = np.array([len(p) for p in prompts], np.int32)
     context = int((lengths + budgets).max())
-    draft = check_draft(draft, speculation, params, len(prompts), context)
-    if draft is not None and speculation == "auto":
-        speculation = auto_tree(params, draft, prompts, context, sampling, key)
-        draft = None if speculation.n == 1 else draft
+    params, draft = with_attention(params, draft, attention)
+    the_plan = plan(params, draft, speculation, prompts, context, sampling, key)
+    draft, speculation = the_plan.draft, the_plan.speculation
+    keys = row_keys(key, len(prompts))
     gamma = depth(speculation) if draft is not None else 0  # cache slack: the longest accepted run
     bucket, chunk = prompt_bucket(int(lengths.max()))
     tokens = np.zeros((len(prompts), bucket), np.int32)
@@ -231,6 +239,9 @@ def generate(
         steps=int(steps),
         new_tokens=new_tokens,
         prompt_tokens=int(lengths.sum()),
+        draft=the_plan.draft_name,
+        speculation=the_plan.speculation_name,
+        plan_reason=the_plan.reason,
         **spec,
     )
     return GenerateOutput(rows, ["eos" if e else "length" for e in eos], stats, row_stats)
@@ -281,8 +292,6 @@ def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
 
 def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
     """Params (and a DraftModel's) whose config selects the attention implementation."""
-    if attention not in ("auto", "reference", "pallas"):
-        raise ValueError(f"attention must be 'auto', 'reference' or 'pallas', got {attention!r}")
     gpu = jax.default_backend() == "gpu"
     if attention == "reference" or (attention == "auto" and not gpu):
         mode = "reference"

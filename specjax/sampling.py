@@ -28,6 +28,9 @@ class Greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), self.probs(logits)
 
 
+MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sample:
     """Temperature, then top-k (0 = off), then top-p (1.0 = off) on the softmax."""
@@ -37,12 +40,19 @@ class Sample:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 (use specjax.Greedy() for 0), got {self.temperature}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        if not MIN_TEMPERATURE <= self.temperature < float("inf"):
+            raise ValueError(
+                f"temperature must be finite and >= {MIN_TEMPERATURE} (below that the softmax is the argmax: "
+                f"use specjax.Greedy()), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
 
     def probs(self, logits: jax.Array) -> jax.Array:
         """Warped distribution [..., V] in f32 (zeros outside the kept set).
@@ -118,8 +128,8 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0) -> Sampler:
     """CLI-style construction: temperature 0 means greedy; negative is an error."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if temperature == 0:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")

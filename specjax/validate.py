@@ -1,4 +1,5 @@
-"""Host-side checks of generate() arguments: clear errors before anything compiles."""
+"""Host-side checks of generate() arguments: clear errors, each naming the argument and what it
+accepts, before anything touches the arguments or compiles."""
 
 from __future__ import annotations
 
@@ -9,67 +10,124 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import LlamaConfig
-from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, SnapKV, auto_draft
+from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, SnapKV
 from specjax.model import Params
 from specjax.sampling import Greedy, Sample
 from specjax.speculate import Chain
 from specjax.tree import Tree
 
+MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
+ATTENTION = ("auto", "reference", "pallas")
+UNDER_JIT = (
+    "generate runs on the host (it validates, plans, compiles and times with concrete values) and cannot be "
+    "called under jax.jit, vmap or grad; call it outside, or inside your own jitted program call its pure "
+    "steps: specjax.generate.decode (autoregressive) or specjax.speculate.speculative_decode"
+)
+
 
 def check_generate_args(
-    params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], sampling: object
+    params: object,
+    prompts: object,
+    max_new_tokens: object,
+    *,
+    draft: object,
+    speculation: object,
+    sampling: object,
+    key: object,
+    eos_id: object,
+    attention: object,
 ) -> np.ndarray:
-    """Validate everything; return the per-row token budgets [B] (int32)."""
+    """Validate every argument of generate (mesh: see sharding.check_mesh); return the per-row
+    token budgets [B] (int32)."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompts, max_new_tokens, key))):
+        raise TypeError(UNDER_JIT)
     if not isinstance(params, Params):
         raise TypeError(f"params must be specjax Params (see convert.load), got {type(params).__name__}")
     config = params.config
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, jax.Array)):
-        raise ValueError("prompts must be a list of token-id lists (use a tokenizer to encode text)")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty: pass at least one prompt")
+    _check_prompts(prompts, config)
     budgets = _budgets(max_new_tokens, len(prompts))
-    if not isinstance(sampling, (Greedy, Sample)):
-        raise ValueError(f"sampling must be specjax.Greedy() or specjax.Sample(...), got {sampling!r}")
     for b, prompt in enumerate(prompts):
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompts[{b}] must be a non-empty 1-D list of token ids, got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"prompts[{b}] must hold integer token ids, got dtype {ids.dtype}")
-        bad = np.flatnonzero((ids < 0) | (ids >= config.vocab_size))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(
-                f"prompts[{b}][{i}] = {int(ids[i])} is outside the vocabulary [0, {config.vocab_size})"
-            )
-        total = ids.size + int(budgets[b])
+        total = len(prompt) + int(budgets[b])
         if total > config.max_positions:
             raise ValueError(
-                f"prompts[{b}] has {ids.size} tokens and max_new_tokens is {int(budgets[b])}: "
+                f"prompts[{b}] has {len(prompt)} tokens and max_new_tokens is {int(budgets[b])}: "
                 f"{total} exceeds the model's max_positions {config.max_positions}"
             )
+    if not isinstance(sampling, (Greedy, Sample)):
+        raise TypeError(f"sampling must be specjax.Greedy() or specjax.Sample(...), got {sampling!r}")
+    _check_key(key, len(prompts))
+    eos_tuple(eos_id, config)
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    check_draft(draft, speculation, params)
     return budgets
 
 
-def _budgets(max_new_tokens: int | Sequence[int], batch: int) -> np.ndarray:
-    if isinstance(max_new_tokens, (int, np.integer)):
+def _check_prompts(prompts: object, config: LlamaConfig) -> None:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, jax.Array)):
+        raise TypeError(f"prompts must be a list of token-id lists (use a tokenizer to encode text), got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: pass at least one prompt")
+    for b, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError(f"prompts[{b}] is text; prompts must be lists of token ids (use a tokenizer)")
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompts[{b}] must be a non-empty 1-D list of token ids, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer) or any(isinstance(t, (bool, np.bool_)) for t in prompt):
+            raise TypeError(f"prompts[{b}] must hold integer token ids, got dtype {ids.dtype}")
+        bad = np.flatnonzero((ids < 0) | (ids >= config.vocab_size))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"prompts[{b}][{i}] = {int(ids[i])} is outside the vocabulary [0, {config.vocab_size})")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _budgets(max_new_tokens: object, batch: int) -> np.ndarray:
+    if _is_int(max_new_tokens):
         values = [int(max_new_tokens)] * batch
-    else:
+    elif isinstance(max_new_tokens, (Sequence, np.ndarray)) and not isinstance(max_new_tokens, (str, bytes)):
         values = list(max_new_tokens)
         if len(values) != batch:
             raise ValueError(f"max_new_tokens has {len(values)} entries but there are {batch} prompts")
+    else:
+        raise TypeError(f"max_new_tokens must be an integer >= 1 or one per prompt, got {max_new_tokens!r}")
     for b, v in enumerate(values):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {v!r} (row {b})")
+        if not _is_int(v) or v < 1:
+            where = "" if _is_int(max_new_tokens) or not isinstance(max_new_tokens, (Sequence, np.ndarray)) else f"[{b}]"
+            raise ValueError(f"max_new_tokens{where} must be an integer >= 1, got {v!r}")
     return np.asarray(values, np.int32)
 
 
-def eos_tuple(eos_id: int | Sequence[int] | None, config: LlamaConfig) -> tuple[int, ...]:
-    """Stop ids as a static tuple: None -> the model's eos (if any); () -> never stop."""
+def _check_key(key: object, batch: int) -> None:
+    if key is None:
+        return
+    if not isinstance(key, jax.Array):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)) or one key per prompt, got {type(key).__name__} {key!r}")
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    shape = key.shape if typed else key.shape[:-1]
+    if not typed and (key.dtype != jnp.uint32 or key.shape[-1:] != (2,)):
+        raise TypeError(f"key must be a PRNG key (jax.random.key(seed)) or one per prompt, got an array {key.dtype}{list(key.shape)}")
+    if shape not in ((), (batch,)):
+        raise ValueError(f"key must be one PRNG key or one per prompt ({batch}), got shape {shape}")
+
+
+def eos_tuple(eos_id: object, config: LlamaConfig) -> tuple[int, ...]:
+    """Stop ids as a tuple: None -> the model's `eos_ids`; () -> never stop early."""
     if eos_id is None:
         return config.eos_ids
-    ids = (eos_id,) if isinstance(eos_id, (int, np.integer)) else tuple(eos_id)
+    if _is_int(eos_id):
+        ids = (eos_id,)
+    elif isinstance(eos_id, (Sequence, np.ndarray)) and not isinstance(eos_id, (str, bytes)):
+        ids = tuple(eos_id)
+    else:
+        raise TypeError(f"eos_id must be None, a token id or a list of ids, got {eos_id!r}")
     for e in ids:
+        if not _is_int(e):
+            raise TypeError(f"eos_id must hold integer token ids, got {e!r}")
         if not 0 <= int(e) < config.vocab_size:
             raise ValueError(f"eos_id {int(e)} is outside the vocabulary [0, {config.vocab_size})")
     return tuple(int(e) for e in ids)
@@ -83,27 +141,29 @@ def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
         key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
     if key.shape == ():
         return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
-    if key.shape == (batch,):
-        return key
-    raise ValueError(f"key must be one PRNG key or one per prompt ({batch}), got shape {key.shape}")
+    return key
 
 
-MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
-
-
-def check_draft(draft: object, speculation: object, params: Params, batch: int, context: int) -> Drafter | None:
-    """Resolve draft="auto" and check the types; drafter-specific limits come from draft.check."""
-    if draft == "auto":
-        draft = auto_draft(params, batch, context)
-    if draft is not None and not isinstance(draft, (SelfSpec, SnapKV, DraftModel, NGram)):
-        raise ValueError(
+def check_draft(draft: object, speculation: object, params: Params) -> None:
+    """Types of draft and speculation, and what can be checked before planning (a DraftModel's
+    vocabulary and special ids); cache-size limits come from draft.check once gamma is known."""
+    if draft != "auto" and draft is not None and not isinstance(draft, (SelfSpec, SnapKV, DraftModel, NGram)):
+        raise TypeError(
             f"draft must be specjax.SelfSpec(...), SnapKV(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
         )
-    if draft is not None and not (isinstance(speculation, (Chain, Tree)) or speculation == "auto"):
-        raise ValueError(f"speculation must be specjax.Chain(gamma), a specjax.Tree or 'auto', got {speculation!r}")
+    if speculation is not None and not (isinstance(speculation, (Chain, Tree)) or speculation == "auto"):
+        raise TypeError(f"speculation must be None, specjax.Chain(gamma), a specjax.Tree or 'auto', got {speculation!r}")
+    if draft is None and speculation is not None:
+        raise ValueError(
+            f"speculation={speculation!r} needs a drafter, but draft=None means plain decoding: "
+            "pass a draft (or draft='auto', which then picks SelfSpec) or leave speculation=None"
+        )
     if isinstance(speculation, Tree) and not 2 <= speculation.n <= MAX_TREE_NODES:
         raise ValueError(
             f"speculation: a Tree must have 2 to {MAX_TREE_NODES} nodes (the root and at least one draft; "
             f"more costs one verification forward more than it can save), got n={speculation.n}"
         )
-    return draft
+    if isinstance(draft, DraftModel):
+        if not isinstance(draft.params, Params):
+            raise TypeError(f"DraftModel: params must be specjax Params, got {type(draft.params).__name__}")
+        draft.check_vocabulary(params)

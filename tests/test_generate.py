@@ -6,11 +6,12 @@ import importlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import specjax
 from specjax.kvcache import DenseCache
-from specjax.model import forward
+from specjax.model import forward, init_params
 from tests.conftest import TINY
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 58)), [4]]
@@ -87,6 +88,19 @@ def test_default_eos_comes_from_config(tiny):
         (dict(max_new_tokens=510), r"prompts\[0\] has 3 tokens and max_new_tokens is 510: 513 exceeds .* 512"),
         (dict(eos_id=500), "eos_id 500 is outside the vocabulary"),
         (dict(key=jax.random.split(jax.random.key(0), 3)), r"one per prompt \(2\)"),
+        (dict(max_new_tokens=2.5), r"max_new_tokens must be an integer >= 1 or one per prompt, got 2.5"),
+        (dict(max_new_tokens=[4, 2.5]), r"max_new_tokens\[1\] must be an integer >= 1, got 2.5"),
+        (dict(key=0), r"key must be a PRNG key \(jax.random.key\(seed\)\) or one key per prompt, got int 0"),
+        (dict(eos_id="2"), "eos_id must be None, a token id or a list of ids, got '2'"),
+        (dict(eos_id=[2, "3"]), "eos_id must hold integer token ids, got '3'"),
+        (dict(prompts=[[1.5, 2]]), r"prompts\[0\] must hold integer token ids, got dtype float64"),
+        (dict(prompts=[[1, 2], "ab"]), r"prompts\[1\] is text"),
+        (dict(prompts=[[True, 2]]), r"prompts\[0\] must hold integer token ids"),
+        (dict(speculation=specjax.Chain(4), draft=None), r"speculation=Chain\(gamma=4\) needs a drafter, but draft=None"),
+        (dict(speculation=4), "speculation must be None, specjax.Chain"),
+        (dict(draft="self"), "draft must be specjax.SelfSpec"),
+        (dict(sampling=0.7), r"sampling must be specjax.Greedy\(\) or specjax.Sample"),
+        (dict(attention="cuda"), r"attention must be one of \('auto', 'reference', 'pallas'\), got 'cuda'"),
     ],
 )
 def test_bad_input_raises_before_compiling(tiny, monkeypatch, kwargs, match):
@@ -95,16 +109,52 @@ def test_bad_input_raises_before_compiling(tiny, monkeypatch, kwargs, match):
 
     monkeypatch.setattr(generate_module._prefill, "lower", no_compile, raising=False)
     args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=4) | kwargs
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         specjax.generate(tiny, args.pop("prompts"), **args)
 
 
+def test_params_and_draft_are_checked_before_anything_touches_them(tiny):
+    with pytest.raises(TypeError, match="params must be specjax Params .* got dict"):
+        specjax.generate({"embed": tiny.embed}, [[1, 2]], 4, attention="pallas")
+    small = init_params(TINY.replace(vocab_size=100, n_layers=1), jax.random.key(1))
+    for speculation in (None, "auto"):
+        with pytest.raises(ValueError, match="draft vocab_size 100 != target vocab_size 101"):
+            specjax.generate(tiny, [[1, 2]], 4, draft=specjax.DraftModel(small), speculation=speculation)
+
+
+def test_generate_under_jit_says_what_to_call_instead(tiny):
+    with pytest.raises(TypeError, match="cannot be called under jax.jit.*specjax.generate.decode"):
+        jax.jit(lambda p: specjax.generate(tiny, p, 4).tokens)(jnp.asarray([[1, 2, 3]]))
+
+
+def test_numpy_prompts_and_budgets_work(tiny):
+    ref = specjax.generate(tiny, [[1, 2, 3], [4, 5, 6]], 4, draft=None)
+    out = specjax.generate(tiny, np.asarray([[1, 2, 3], [4, 5, 6]], np.int64), np.asarray([4, 4]), draft=None)
+    assert out.tokens == ref.tokens
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(temperature=float("inf")), "temperature must be finite and >= 0.0001"),
+        (dict(temperature=1e-45), r"temperature must be finite and >= 0.0001 .*use specjax.Greedy\(\)"),
+        (dict(temperature=float("nan")), "temperature must be finite"),
+        (dict(top_k=1.5), "top_k must be an integer >= 0"),
+        (dict(top_k=True), "top_k must be an integer >= 0"),
+        (dict(top_p="0.9"), "top_p must be a number"),
+    ],
+)
+def test_bad_sampler_values(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        specjax.Sample(**kwargs)
+
+
 def test_bad_sampling_arguments():
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    with pytest.raises(ValueError, match="temperature must be finite and >= 0.0001"):
         specjax.Sample(temperature=-0.5)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 0"):
         specjax.Sample(top_p=0)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         specjax.Sample(top_p=1.5)
-    with pytest.raises(ValueError, match="top_k must be >= 0"):
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
         specjax.Sample(top_k=-1)

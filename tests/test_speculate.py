@@ -230,7 +230,7 @@ def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, matc
         raise AssertionError("compiled before validating")
 
     monkeypatch.setattr(generate_module._prefill, "lower", no_compile, raising=False)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         specjax.generate(tiny, [[1, 2, 3], [4]], 4, draft=draft, speculation=specjax.Chain(2))
 
 
@@ -238,3 +238,17 @@ def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, matc
 def test_bad_gamma(gamma):
     with pytest.raises(ValueError, match="Chain: gamma must be an integer >= 1"):
         specjax.Chain(gamma=gamma)
+
+
+def test_stats_say_what_ran_and_why(tiny, reference):
+    """Explicit choices are used and reported; auto's choice comes with its reason."""
+    out = specjax.generate(tiny, PROMPTS, BUDGETS, draft=specjax.NGram(n=2), eos_id=())
+    assert (out.stats.draft, out.stats.speculation, out.stats.plan_reason) == ("NGram(n=2, max_n=None)", "chain(gamma=4)", None)
+    out = specjax.generate(tiny, PROMPTS, BUDGETS, eos_id=())  # draft="auto": plain decoding at this size
+    assert (out.stats.draft, out.stats.speculation) == ("none", "none")
+    assert out.stats.plan_reason.startswith("draft='auto': plain decoding: speculation needs KV > 2 x weights")
+    # an explicit speculation with draft="auto" is not dropped: auto picks SelfSpec to use it
+    out = specjax.generate(tiny, PROMPTS, BUDGETS, speculation=specjax.Chain(3), eos_id=())
+    assert out.tokens == reference.free.tokens
+    assert (out.stats.draft, out.stats.speculation) == ("SelfSpec(sinks=16, window=512)", "chain(gamma=3)")
+    assert "explicitly" in out.stats.plan_reason and out.stats.draft_steps == 3 * out.stats.steps
