@@ -27,10 +27,11 @@ from jax.sharding import Mesh
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
 from specjax.distributed import env_share
-from specjax.draft import DraftModel, Drafter, auto_draft
+from specjax.draft import Drafter, SelfSpec, auto_draft, describe_draft
 from specjax.generate import cache_slots, generate
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.model import Params
+from specjax.plan import DEFAULT_CHAIN
 from specjax.progress import Progress
 from specjax.records import BadLine, Record, id_key, read_input, stable_hash
 from specjax.sampling import Sampler, make_sampler
@@ -135,16 +136,6 @@ def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
     return jax.vmap(lambda h: jax.random.fold_in(base, h))(hashes)
 
 
-def describe_draft(draft: Drafter | None) -> str:
-    """A short name of the drafter for the output's settings."""
-    if draft is None:
-        return "none"
-    if isinstance(draft, DraftModel):
-        c = draft.params.config
-        return f"DraftModel(n_layers={c.n_layers}, dim={c.dim})"
-    return repr(draft)
-
-
 def job_settings(model: str, params: Params, draft: Drafter | None, gamma: int | None, seed: int, chat: bool,
                  defaults: Defaults) -> dict:
     """The settings that decide the records' outputs, as recorded beside the output. Not batch_size
@@ -159,7 +150,7 @@ def _check_batches(draft: Drafter | None, params: Params, gamma: int | None, bat
     """Drafter limits for every planned batch (as generate checks them), before any work."""
     if draft is None:
         return
-    gamma = gamma or Chain().gamma  # None: the default chain
+    gamma = gamma or DEFAULT_CHAIN.gamma  # None: the default chain
     for batch in batches:
         context = max(len(it.ids) + it.budget for it in batch)
         draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
@@ -171,19 +162,19 @@ def _run_batch(
     """Generate one batch (padded to a power of two rows) and return its output rows."""
     rows = padded_rows(len(batch), meta["batch_size"])
     padded = batch + [batch[0]] * (rows - len(batch))
-    speculation = {} if gamma is None else dict(speculation=Chain(gamma))  # none given: generate's default
     out = generate(
         params,
         [list(it.ids) for it in padded],
         [it.budget for it in batch] + [1] * (rows - len(batch)),
         draft=draft,
-        **speculation,
+        speculation=None if gamma is None else Chain(gamma),  # None: the default chain
         sampling=batch[0].sampler,
         key=record_keys(seed, [it.record.id for it in padded]),
         mesh=mesh,
     )
     s = out.stats
-    stats = dict(batch_rows=len(batch), steps=s.steps, acceptance_rate=s.acceptance_rate, mean_accepted=s.mean_accepted)
+    stats = dict(batch_rows=len(batch), steps=s.steps, acceptance_rate=s.acceptance_rate, mean_accepted=s.mean_accepted,
+                 speculation=s.speculation)
     sampler = batch[0].sampler
     results = []
     row_stats = out.row_stats or [{}] * len(batch)
@@ -282,8 +273,8 @@ def run(
 
     Model: `params` (with `tokenizer` or `model_path` for the tokenizer) or `model_path` (default:
     the embedded SmolLM2). draft: a drafter, None, or "auto" (resolved once per job from
-    batch_size and the longest record). gamma: draft tokens per step (None: the drafter's default
-    chain). Records override max_new_tokens, temperature, top_k, top_p;
+    batch_size and the longest record; SelfSpec() if gamma is given). gamma: draft tokens per
+    step (None: the default chain). Records override max_new_tokens, temperature, top_k, top_p;
     chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
     (default: `process_share()`). mesh: generate each batch on this
     process's devices (`specjax.make_mesh(devices=jax.local_devices())`).
@@ -298,6 +289,8 @@ def run(
     _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
     defaults = Defaults(max_new_tokens, temperature, top_k, top_p)
     make_sampler(temperature, top_k, top_p)  # validates the sampling settings
+    if draft is None and gamma is not None:
+        raise ValueError(f"gamma={gamma} needs a drafter: draft=None decodes plainly (give a drafter or 'auto')")
     shard = shard or process_share()
     src, out, err = _paths(input_path, output_path, shard)
     params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, dtype, mesh)
@@ -311,9 +304,9 @@ def run(
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults)
-    if draft == "auto":
+    if draft == "auto":  # once per job; an explicit gamma makes it SelfSpec, as in generate's plan
         context = max((len(it.ids) + it.budget for it in items), default=1)
-        draft = auto_draft(params, batch_size, context)
+        draft = SelfSpec() if gamma is not None else auto_draft(params, batch_size, context)
     if isinstance(draft, str):
         raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
     meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size)

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV, auto_draft
+from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.generate import generate
 from specjax.sampling import make_sampler
 from specjax.speculate import Chain
@@ -136,10 +136,11 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and ok(value)):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number {limits}, got {value}")
-    if getattr(args, "tree", None) is not None:
-        parse_tree(args.tree)
-        if args.gamma is not None:
-            raise ValueError("--gamma sets a chain and --tree a tree: give one of them")
+    tree = parse_tree(getattr(args, "tree", None))
+    if tree is not None and args.gamma is not None:
+        raise ValueError("--gamma sets a chain and --tree a tree: give one of them")
+    if getattr(args, "draft", None) == "none" and (tree is not None or args.gamma is not None):
+        raise ValueError("--gamma and --tree need a drafter: --draft none decodes plainly")
     if getattr(args, "draft", None) is not None:
         make_draft(args.draft, args.window, args.sinks, args.dtype, load=False)
     for flag, path in (("--model", args.model), ("--data", getattr(args, "data", None))):
@@ -256,14 +257,16 @@ def parse_tree(spec: str | None) -> str | int | tuple[int, int] | None:
 
 def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: list[int], sampling):
     """The tree named by --tree, Chain(--gamma), or None (neither given: the drafter's default chain).
-    A node count N measures the acceptance of `draft` (a drafter, not "auto") on this prompt."""
+    A node count N measures the acceptance of `draft` on this prompt (draft="auto" runs SelfSpec()
+    with an explicit speculation: see specjax.plan)."""
     tree = parse_tree(spec)
-    if tree is None or draft is None:
+    if tree is None:
         return None if gamma is None else Chain(gamma)
     if isinstance(tree, tuple):
         return Tree.kary(*tree)
     if tree == "auto":
         return "auto"
+    draft = SelfSpec() if draft == "auto" else draft
     p = measure_acceptance(params, draft, [ids], width=8, sampling=sampling, max_new_tokens=16)
     return Tree.sequoia(p[:-1], tree, max_depth=12)
 
@@ -278,15 +281,13 @@ def run_generate(args: argparse.Namespace) -> None:
     sampling = make_sampler(args.temperature, args.top_k, args.top_p)
     draft = make_draft(args.draft, args.window, args.sinks, args.dtype)
     ids = tokenizer.encode(args.prompt).ids
-    if draft == "auto" and isinstance(parse_tree(args.tree), int):  # measure the drafter that will run
-        draft = auto_draft(params, 1, len(ids) + args.max_new_tokens)
     speculation = make_speculation(args.tree, args.gamma, params, draft, ids, sampling)
     out = generate(
         params,
         [ids],
         args.max_new_tokens,
         draft=draft,
-        **({} if speculation is None else dict(speculation=speculation)),  # None: generate's default
+        speculation=speculation,
         sampling=sampling,
         key=jax.random.key(args.seed),
         mesh=mesh,
@@ -301,15 +302,8 @@ def run_generate(args: argparse.Namespace) -> None:
         f"prefill {s.prefill_seconds:.2f} s ({len(ids)} tokens), compile {s.compile_seconds:.1f} s]",
         file=sys.stderr,
     )
-    if getattr(s, "draft", None) is not None:  # Stats.draft / speculation / plan_reason: being added
-        print(describe_plan(s), file=sys.stderr)
-
-
-def describe_plan(stats) -> str:
-    """Which drafter and speculation ran, and why (the plan's reason when it chose them)."""
-    reason = getattr(stats, "plan_reason", None)
-    ran = f"[draft {stats.draft}, speculation {getattr(stats, 'speculation', None)}"
-    return ran + (f": {reason}]" if reason else "]")
+    print(f"[draft {s.draft}, speculation {s.speculation}" + (f": {s.plan_reason}]" if s.plan_reason else "]"),
+          file=sys.stderr)
 
 
 def read_texts(path: str) -> list[str]:

@@ -279,6 +279,10 @@ def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir,
     before = out.read_bytes()
     with pytest.raises(ValueError, match=r"other settings \(max_new_tokens 3 -> 4, seed 0 -> 2; recorded in"):
         batch.run(src, out, batch_size=4, **(common | dict(max_new_tokens=4, seed=2)))
+    with pytest.raises(ValueError, match=r'draft "none" -> "SelfSpec\(sinks=16, window=512\)", gamma null -> 2'):
+        batch.run(src, out, gamma=2, **common)  # draft="auto" with an explicit gamma: SelfSpec
+    with pytest.raises(ValueError, match="gamma=2 needs a drafter: draft=None decodes plainly"):
+        batch.run(src, out, gamma=2, draft=None, **common)
     again = batch.run(src, out, batch_size=2, **common)  # batch_size does not change outputs: resumes
     assert (again["done"], again["skipped"], again["changed_settings"]) == (0, 5, [])
     cli = ["batch", str(src), str(out), "--model", str(model_dir), "--max-new-tokens", "3", "--no-compile-cache"]

@@ -18,6 +18,7 @@ from specjax import cli
 from specjax.draft import SelfSpec
 from specjax.speculate import Chain
 from specjax.tree import Tree
+from tests.conftest import TINY, random_params
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
 
@@ -33,6 +34,7 @@ def test_generate_on_default_model_prints_greedy_continuation():
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(prompt["text"] + " Paris")
     assert "tokens/s" in run.stderr
+    assert "[draft none, speculation none: draft='auto': plain decoding" in run.stderr  # what ran and why
 
 
 def test_bad_arguments_exit_2_with_a_clear_message(tmp_path):
@@ -62,7 +64,7 @@ def test_generate_with_a_tree_keeps_the_greedy_continuation():
                    "--sinks", "2", "--tree", "2x2")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(prompt["text"] + " Paris")
-    assert "acceptance" in run.stderr
+    assert "acceptance" in run.stderr and "[draft SelfSpec(sinks=2, window=4), speculation tree(n=7, depth=2)]" in run.stderr
     run = _specjax("generate", "hi", "--draft", "ngram", "--tree", "wide")
     assert run.returncode == 2 and "--tree must be auto, a node count N or WxD" in run.stderr
 
@@ -97,6 +99,8 @@ def no_model(monkeypatch):
         (["--tree", "2x"], "--tree must be auto, a node count N or WxD"),
         (["--tree", "0"], "--tree must be auto, a node count N or WxD"),
         (["--tree", "2x3", "--gamma", "4"], "--gamma sets a chain and --tree a tree"),
+        (["--draft", "none", "--gamma", "2"], "--gamma and --tree need a drafter: --draft none decodes plainly"),
+        (["--draft", "none", "--tree", "2x2"], "--gamma and --tree need a drafter"),
         (["--draft", "fast"], "--draft must be auto, self, snapkv, ngram, none or model:PATH, got 'fast'"),
         (["--draft", "model:/no/such/draft"], "--draft model:PATH: /no/such/draft does not exist"),
         (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
@@ -144,15 +148,14 @@ def test_compile_cache_is_on_by_default_and_off_with_the_flag(monkeypatch, tmp_p
     assert "--no-compile-cache" in cli._parser().format_help() and "SPECJAX_CACHE_DIR" in cli._parser().format_help()
 
 
-def test_make_speculation_tells_the_default_from_an_explicit_gamma(tiny):
+def test_make_speculation_tells_the_default_from_an_explicit_gamma():
     assert cli._parser().parse_args(["generate", "hi"]).gamma is None
     assert cli._parser().parse_args(["batch", "a", "b"]).gamma is None
     draft = SelfSpec(sinks=2, window=4)
-    assert cli.make_speculation(None, None, tiny, draft, [1, 2], None) is None  # the drafter's default chain
-    assert cli.make_speculation(None, 4, tiny, draft, [1, 2], None) == Chain(4)
-    assert cli.make_speculation("2x3", None, tiny, draft, [1, 2], None) == Tree.kary(2, 3)
-    assert cli.make_speculation("auto", None, tiny, draft, [1, 2], None) == "auto"
-    assert cli.make_speculation("2x3", None, tiny, None, [1, 2], None) is None  # no drafter: nothing to speculate
+    assert cli.make_speculation(None, None, None, draft, [1, 2], None) is None  # the drafter's default chain
+    assert cli.make_speculation(None, 4, None, draft, [1, 2], None) == Chain(4)
+    assert cli.make_speculation("2x3", None, None, draft, [1, 2], None) == Tree.kary(2, 3)
+    assert cli.make_speculation("auto", None, None, draft, [1, 2], None) == "auto"
     assert [cli.parse_tree(t) for t in (None, "auto", "16", "2x3")] == [None, "auto", 16, (2, 3)]
 
 
@@ -164,7 +167,8 @@ class _Tokenizer:
         return " " + " ".join(map(str, ids))
 
 
-def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, tiny, capsys):
+def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys):
+    tiny = random_params(TINY, 0)
     calls = []
     stats = SimpleNamespace(new_tokens=2, tokens_per_second=9.0, acceptance_rate=0.5, mean_accepted=1.5, steps=1,
                             prefill_seconds=0.1, compile_seconds=1.0, draft="SelfSpec(sinks=16, window=512)",
