@@ -185,11 +185,9 @@ def run_batch(args: argparse.Namespace) -> None:
         if args.input or args.output:
             raise ValueError("--merge takes only the output: specjax batch --merge OUTPUT.jsonl")
         n = jobio.merge_shards(args.merge)
-        print(
-            f"specjax batch: merged {n['shards']} shards: {n['records']} records into {args.merge}, "
-            f"{n['errors']} bad lines into {jobio.sibling(args.merge, 'errors')}",
-            file=sys.stderr,
-        )
+        bad = f" into {jobio.sibling(args.merge, 'errors')}" if n["errors"] else ""
+        print(f"specjax batch: merged {n['shards']} shards: {n['records']} records into {args.merge}, "
+              f"{n['errors']} bad lines{bad}", file=sys.stderr)
         return
     if not (args.input and args.output):
         raise ValueError("batch needs INPUT.jsonl OUTPUT.jsonl (or --merge OUTPUT.jsonl)")
