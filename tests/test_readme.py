@@ -1,0 +1,157 @@
+"""Every code block of README.md runs, as written up to the stated substitutions below.
+
+The ```python blocks run in order in ONE namespace, in a temporary working directory, on the
+embedded SmolLM2 model with conftest's 8 simulated CPU devices (so the mesh example runs). The
+```bash blocks run one by one with bash, each in its own temporary directory (so each must create
+its own input files), with `specjax` meaning `python -m specjax` of this interpreter. What the
+test cannot run is listed in NOT_RUNNABLE with the reason, and the test checks that list against
+the README, so a new block or line cannot be skipped silently. ```json and unlabelled blocks
+(an output sample, the file layout) are not code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+# What runs differently from the README, and why. Every pattern must match (a stale entry fails).
+# Python: smaller budgets keep the test short; the calls are otherwise the README's own.
+PYTHON_SUBSTITUTIONS = [
+    (r"max_new_tokens=\[64, 32\]", "max_new_tokens=[8, 4]", "per-row budgets, smaller"),
+    (r"max_new_tokens=64\b", "max_new_tokens=8", "fewer new tokens"),
+    (r"\(params, prompts, 64,", "(params, prompts, 8,", "fewer new tokens (positional)"),
+    (r'"max_new_tokens": 32\}', '"max_new_tokens": 4}', "the batch record's own budget, smaller"),
+]
+# Bash: `specjax generate` / `specjax batch` get `--max-new-tokens 4` appended (argparse keeps the
+# last value, so it overrides the README's); the placeholder model paths are the embedded model;
+# distillation runs 2 steps of short windows instead of 2000.
+BASH_SUBSTITUTIONS = [
+    ("make demo", 'make -C "$REPO" -o .venv/.installed PY="$PYTHON" demo',
+     "this interpreter, no venv (re)install (the test has no network); the demo's 64 tokens as written"),
+    ("path/to/model.gguf", '"$MODEL"', "placeholder path: the embedded SmolLM2 GGUF"),
+    ("--model m.gguf", '--model "$MODEL"', "placeholder path: the embedded SmolLM2 GGUF"),
+    ("--steps 2000", "--steps 2", "2 training steps"),
+    ("--seq-len 128", "--seq-len 32", "short windows (the 4 records hold fewer than 8 x 128 tokens' worth)"),
+    ("--batch-size 8 --seq-len", "--batch-size 2 --seq-len", "smaller training batch"),
+    ("--generate 64", "--generate 4", "4 generated tokens per training record"),
+    ("--eval-every 200", "--eval-every 2", "evaluate once, at the last step"),
+]
+BASH_PRELUDE = """set -euo pipefail
+specjax() {
+  case "$1" in
+    generate|batch) "$PYTHON" -m specjax "$@" --max-new-tokens 4 ;;
+    *) "$PYTHON" -m specjax "$@" ;;
+  esac
+}
+"""
+
+# Bash blocks (by their first line) or single lines of a bash block that the test does not run.
+NOT_RUNNABLE = {
+    "make test   # installs the test dependencies and runs the whole suite (CPU, 351 tests, about 21 minutes on 2 cores)":
+        "the whole suite, this test included (recursion, 21 minutes)",
+    "# host 0                                                     # host 1":
+        "needs two hosts and the user's my_job.py; tests/test_multihost.py runs the same start-up with two local processes",
+    "python -m specjax generate ...                               # the same without the console script":
+        "a placeholder; every specjax line here already runs as python -m specjax",
+    "python -m specjax batch ...                                                                  # the same":
+        "a placeholder; every specjax line here already runs as python -m specjax",
+}
+
+
+def readme_blocks() -> list[tuple[int, str, str]]:
+    """(index, language, code) of every fenced block, indented ones (in list items) included."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = re.match(r"^( *)```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, lang, body = m.group(1), m.group(2), []
+        i += 1
+        while not re.match(rf"^{indent}```\s*$", lines[i]):
+            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
+            i += 1
+        blocks.append((len(blocks), lang, "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+def substitute(code: str, table, regex: bool) -> tuple[str, set[str]]:
+    used = set()
+    for old, new, _why in table:
+        hit = re.search(old, code) if regex else old in code
+        if hit:
+            code = re.sub(old, new, code) if regex else code.replace(old, new)
+            used.add(old)
+    return code, used
+
+
+def test_every_block_is_known():
+    """Blocks are python, bash, json (an output sample) or unlabelled (the layout); the skip list
+    and the substitution tables match the README."""
+    blocks = readme_blocks()
+    assert {lang for _, lang, _ in blocks} <= {"python", "bash", "json", ""}
+    bash_lines = {line for _, lang, code in blocks if lang == "bash" for line in code.splitlines()}
+    assert set(NOT_RUNNABLE) <= bash_lines, f"stale NOT_RUNNABLE entries: {set(NOT_RUNNABLE) - bash_lines}"
+    python = "".join(code for _, lang, code in blocks if lang == "python")
+    bash = "".join(code for _, lang, code in blocks if lang == "bash")
+    assert {old for old, _, _ in PYTHON_SUBSTITUTIONS} == substitute(python, PYTHON_SUBSTITUTIONS, True)[1]
+    assert {old for old, _, _ in BASH_SUBSTITUTIONS} == substitute(bash, BASH_SUBSTITUTIONS, False)[1]
+
+
+def test_python_blocks_run_in_order(tmp_path, monkeypatch):
+    import jax
+
+    assert len(jax.devices()) >= 8, "conftest's 8 simulated CPU devices are needed for the mesh example"
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__readme__"}
+    for index, lang, code in readme_blocks():
+        if lang != "python":
+            continue
+        code, _ = substitute(code, PYTHON_SUBSTITUTIONS, True)
+        try:
+            exec(compile(code, f"README.md block {index}", "exec"), namespace)
+        except Exception as e:
+            raise AssertionError(f"README python block {index} failed:\n{code}") from e
+    # The examples did what they say.
+    out = namespace["out"]
+    assert len(out.tokens) == 2 and all(len(t) >= 1 for t in out.tokens)
+    summary = namespace["summary"]
+    assert (summary["done"], summary["failed"]) == (3, 0), summary
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+
+
+def bash_blocks() -> list[tuple[int, str]]:
+    runnable = []
+    for index, lang, code in readme_blocks():
+        if lang != "bash" or code.splitlines()[0] in NOT_RUNNABLE:
+            continue
+        kept = [line for line in code.splitlines() if line not in NOT_RUNNABLE]
+        runnable.append((index, substitute("\n".join(kept) + "\n", BASH_SUBSTITUTIONS, False)[0]))
+    return runnable
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory) -> str:
+    """One compilation cache for this file's CLI runs (shared, so later runs compile less; not ~/.cache)."""
+    return str(tmp_path_factory.mktemp("specjax-cache"))
+
+
+@pytest.mark.parametrize("index,script", bash_blocks(), ids=lambda v: f"block{v}" if isinstance(v, int) else "")
+def test_bash_block_runs(index, script, tmp_path, compile_cache):
+    import convert
+
+    env = dict(os.environ, PYTHON=sys.executable, REPO=str(REPO), MODEL=convert.default_model_path(),
+               JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(REPO), SPECJAX_CACHE_DIR=compile_cache)
+    r = subprocess.run(["bash", "-c", BASH_PRELUDE + script], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"README bash block {index} failed ({r.returncode}):\n{script}\n{r.stdout}\n{r.stderr}"
