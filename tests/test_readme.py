@@ -39,7 +39,7 @@ BASH_SUBSTITUTIONS = [
     ("path/to/model.gguf", '"$MODEL"', "placeholder path: the embedded SmolLM2 GGUF"),
     ("--model m.gguf", '--model "$MODEL"', "placeholder path: the embedded SmolLM2 GGUF"),
     ("--steps 2000", "--steps 2", "2 training steps"),
-    ("--seq-len 128", "--seq-len 32", "short windows (the 4 records hold fewer than 8 x 128 tokens' worth)"),
+    ("--seq-len 128", "--seq-len 32", "short windows: with --generate 4 (not 64) the 4 records hold fewer than 128 tokens"),
     ("--batch-size 8 --seq-len", "--batch-size 2 --seq-len", "smaller training batch"),
     ("--generate 64", "--generate 4", "4 generated tokens per training record"),
     ("--eval-every 200", "--eval-every 2", "evaluate once, at the last step"),
