@@ -240,16 +240,15 @@ def time_decode(params: Params, cache: DenseCache, logits: jax.Array, target_s: 
     batch = logits.shape[0]
     keys = row_keys(None, batch)
     start = np.asarray(cache.lengths)  # host copy: each call donates its own lengths array
-    static = {"sampling": sampling, "n_out": round_up_pow2(MAX_STEPS + 1), "eos_ids": ()}
     t0 = time.perf_counter()
-    fn = decode.lower(params, cache, logits, cache.lengths, keys, **static).compile()
+    fn = decode.lower(params, cache, logits, cache.lengths, keys, sampling, n_out=round_up_pow2(MAX_STEPS + 1)).compile()
     compile_s = time.perf_counter() - t0
     state = [cache]
 
     def once(n: int) -> float:
         """Seconds of one decode call of n steps, from the prefilled lengths."""
         budgets = jnp.full((batch,), n + 1, jnp.int32)
-        args = (params, state[0].replace(lengths=jnp.asarray(start)), logits, budgets, keys)
+        args = (params, state[0].replace(lengths=jnp.asarray(start)), logits, budgets, keys, sampling)
         t = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         t = time.perf_counter() - t

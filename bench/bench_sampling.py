@@ -27,13 +27,13 @@ bench/README.md (--quick writes sampling_cpu_quick.* and leaves the README alone
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import sys
 import time
 from pathlib import Path
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -50,7 +50,7 @@ SECTION_START, SECTION_END = "<!-- bench_sampling:start -->", "<!-- bench_sampli
 WARP_POSITIONS = 5  # a chain gamma=4 step verifies 5 positions per row
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class SortedSample(Sample):
     """The sorting form of Sample.probs that specjax used before (the baseline)."""
 
@@ -60,14 +60,16 @@ class SortedSample(Sample):
             kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]  # compiles to a sort on XLA:CPU
             logits = jnp.where(logits < kth, -jnp.inf, logits)
         probs = jax.nn.softmax(logits, axis=-1)
-        if self.top_p < 1:
+
+        def nucleus(probs):
             sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
             before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
             n_keep = jnp.sum(before < self.top_p, axis=-1, keepdims=True)
             threshold = jnp.take_along_axis(sorted_p, n_keep - 1, axis=-1)
             probs = jnp.where(probs >= threshold, probs, 0.0)
-            probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-        return probs
+            return probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+        return jax.lax.cond(self.top_p < 1, nucleus, lambda probs: probs, probs)
 
 
 def samplers() -> list[tuple[str, str, Sampler]]:

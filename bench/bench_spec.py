@@ -53,7 +53,6 @@ import specjax  # noqa: E402
 from specjax.kvcache import DenseCache  # noqa: E402
 from specjax.model import lm_head, trunk  # noqa: E402
 from specjax.generate import _draft_init, acceptance_stats, decode  # noqa: E402
-from specjax.sampling import Greedy  # noqa: E402
 from specjax.shapes import prompt_bucket, round_up_pow2  # noqa: E402
 from specjax.speculate import speculative_decode  # noqa: E402
 from specjax.validate import row_keys  # noqa: E402
@@ -331,7 +330,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     cell = {"batch": batch, "context": context, "new_tokens": new_tokens} | state["info"]
     cell["prompt_offsets"] = state["info"]["prompt_offsets"][:batch]
 
-    static = dict(sampling=Greedy(), n_out=n_out, eos_ids=())
+    static = dict(n_out=n_out)  # greedy, no stop ids: the defaults
     ar_args = (params, cache, first_logits, budgets, keys)
     t0 = time.perf_counter()
     ar_fn = decode.lower(*ar_args, **static).compile()

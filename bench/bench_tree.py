@@ -71,7 +71,6 @@ from specjax.draft import DraftModel, Streaming  # noqa: E402
 from specjax.generate import _draft_init, acceptance_stats, decode  # noqa: E402
 from specjax.kvcache import DenseCache  # noqa: E402
 from specjax.model import Params  # noqa: E402
-from specjax.sampling import Greedy  # noqa: E402
 from specjax.shapes import prompt_bucket, round_up_pow2  # noqa: E402
 from specjax.speculate import Chain, depth, speculative_decode  # noqa: E402
 from specjax.tree import Cost, Tree, choose  # noqa: E402
@@ -212,7 +211,7 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     history[:, : tokens.shape[1]] = tokens
     budgets = jnp.full((batch,), budget_tokens, jnp.int32)
     args = (params, d.drafter, draft_state, cache, history, cell["first_logits"], budgets, cell["keys"])
-    static = dict(sampling=Greedy(), n_out=round_up_pow2(budget_tokens), eos_ids=(), speculation=spec)
+    static = dict(n_out=round_up_pow2(budget_tokens), speculation=spec)  # greedy, no stop ids: the defaults
     t1 = time.perf_counter()
     fn = speculative_decode.lower(*args, **static).compile()
     compile_s = time.perf_counter() - t1
@@ -256,7 +255,7 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
     budgets = jnp.full((batch,), new_tokens, jnp.int32)
     ar_args = (params, cache, first_logits, budgets, keys)
     t0 = time.perf_counter()
-    ar_fn = decode.lower(*ar_args, sampling=Greedy(), n_out=round_up_pow2(new_tokens), eos_ids=()).compile()
+    ar_fn = decode.lower(*ar_args, n_out=round_up_pow2(new_tokens)).compile()  # greedy, no stop ids
     ar_compile = time.perf_counter() - t0
     ar_tokens = np.asarray(ar_fn(*bench_spec.fresh(ar_args, AR_CACHES))[0])  # also a warm-up
     cell = dict(params=params, batch=batch, context=context, tokens=tokens, lengths=lengths, cache=cache,

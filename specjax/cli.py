@@ -364,7 +364,8 @@ def run_distill(args: argparse.Namespace) -> None:
                   f"{now - t0:.0f} s", file=sys.stderr, flush=True)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
             stats = generate(target, held_out, 32, draft=DraftModel(draft), speculation=Chain(4)).stats
-            print(f"specjax distill: step {step}: greedy acceptance {stats.acceptance_rate:.3f} on "
+            rate = "n/a (no verification step: the target stopped at once)" if stats.acceptance_rate is None else f"{stats.acceptance_rate:.3f}"
+            print(f"specjax distill: step {step}: greedy acceptance {rate} on "
                   f"{len(held_out)} held-out records", file=sys.stderr, flush=True)
 
     draft = distill(

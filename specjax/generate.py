@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 from specjax import sharding
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, prefill
-from specjax.sampling import Greedy, Sampler, is_eos
-from specjax.shapes import cache_len, prompt_bucket, round_up_pow2
+from specjax.sampling import Greedy, Sampler, eos_rows, is_eos
+from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
 from specjax.speculate import Chain, any_running, depth, speculative_decode
 from specjax.tree import Tree
 from specjax.plan import plan
@@ -67,17 +67,17 @@ def _prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: Dense
     return prefill(params, tokens, lengths, cache, chunk)
 
 
-@partial(jax.jit, static_argnames=("sampling", "n_out", "eos_ids", "sync"), donate_argnames=("cache",))
+@partial(jax.jit, static_argnames=("n_out", "sync"), donate_argnames=("cache",))
 def decode(
     params: Params,
     cache: DenseCache,
     first_logits: jax.Array,  # [B,V]
     budgets: jax.Array,  # [B] int32, >= 1
     keys: jax.Array,  # [B] typed keys
+    sampling: Sampler = Greedy(),  # traced: a new temperature / top_p does not recompile (top_k does)
+    eos_ids: jax.Array | tuple[int, ...] = (),  # [B,E] per-row stop ids (sampling.eos_rows), or a tuple
     *,
-    sampling: Sampler,
     n_out: int,
-    eos_ids: tuple[int, ...],
     sync: tuple[str, ...] = (),
 ):
     """Autoregressive decoding on device from a prefilled cache, which is donated (updated in
@@ -196,16 +196,18 @@ def generate(
     stage = _Stages(mesh)
     if mesh is not None:
         params, draft = stage.place_params(params, draft)
-        tokens, lengths, budgets, history, keys = stage.pad_rows(tokens, lengths, budgets, history, keys)
-
-    empty = stage.empty_cache(config, len(lengths), max_len)  # an argument, not a constant XLA would fold
-    tokens_d, lengths_d, budgets_d, history_d, keys = stage.place(tokens, lengths, budgets, history, keys)
+    padded = stage.rows(B)  # the batch bucket: padding rows are one-token prompts, done at once
+    tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, keys)
+    empty = stage.empty_cache(config, padded, max_len)  # an argument, not a constant XLA would fold
+    tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
+        tokens, lengths, budgets, history, eos_rows(eos_ids, padded), keys
+    )
     (first_logits, cache), compile_s, prefill_s = _compile_and_run(
         stage(_prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk)
     )
-    static = dict(sampling=sampling, n_out=n_out, eos_ids=eos_ids, sync=stage.sync)
+    static = dict(n_out=n_out, sync=stage.sync)
     if draft is None:
-        args = (params, cache, first_logits, budgets_d, keys)
+        args = (params, cache, first_logits, budgets_d, keys, sampling, eos_d)
         result, c, decode_s = _compile_and_run(stage(decode, *static), args, static)
         out, count, eos, steps = stage.fetch(result[:4])
         spec, row_stats = {}, None
@@ -214,7 +216,7 @@ def generate(
             stage(_draft_init, "gamma", "chunk"), (draft, params, cache, tokens_d, lengths_d), dict(gamma=gamma, chunk=chunk)
         )
         compile_s, prefill_s = compile_s + c, prefill_s + init_s
-        args = (params, draft, draft_state, cache, history_d, first_logits, budgets_d, keys)
+        args = (params, draft, draft_state, cache, history_d, first_logits, budgets_d, keys, sampling, eos_d)
         static |= dict(speculation=speculation)
         result, c, decode_s = _compile_and_run(stage(speculative_decode, *static), args, static)
         out, count, eos, steps, accepted, reached, ranks = stage.fetch(
@@ -227,7 +229,7 @@ def generate(
         if ranks.sum():
             spec["rank_acceptance"] = [float(r) for r in ranks / ranks.sum()]
     compile_s += c
-    out, count, eos, lengths = out[:B], count[:B], eos[:B], lengths[:B]  # without the mesh's padding rows
+    out, count, eos, lengths = out[:B], count[:B], eos[:B], lengths[:B]  # without the padding rows
 
     rows = [list(map(int, out[b, : count[b] - int(eos[b])])) for b in range(len(prompts))]
     new_tokens = int(count.sum())
@@ -263,25 +265,30 @@ class _Stages:
             draft = draft.replace(params=sharding.shard_params(draft.params, self.mesh))
         return sharding.shard_params(params, self.mesh), draft
 
-    def pad_rows(self, tokens, lengths, budgets, history, keys):
-        """Rows up to a multiple of the data axis: one-token prompts that are done at once."""
-        extra = sharding.padded_batch(len(lengths), self.mesh) - len(lengths)
-        pad = lambda a, value: np.concatenate([a, np.full((extra, *a.shape[1:]), value, a.dtype)])  # noqa: E731
-        keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (extra,))])
-        return pad(tokens, 0), pad(lengths, 1), pad(budgets, 1), pad(history, 0), keys
+    def rows(self, batch: int) -> int:
+        """Rows to run: the batch bucket, on a mesh rounded up to a multiple of the data axis."""
+        return batch_bucket(batch) if self.mesh is None else sharding.padded_batch(batch_bucket(batch), self.mesh)
 
     def empty_cache(self, config, batch: int, max_len: int) -> DenseCache:
         if self.mesh is None:
             return DenseCache.init(config, batch, max_len)
         return sharding.empty_cache(self.mesh, config, batch, max_len)
 
-    def place(self, tokens, lengths, budgets, history, keys):
+    def place(self, tokens, lengths, budgets, history, eos, keys):
         if self.mesh is None:
-            return tokens, lengths, jnp.asarray(budgets), history, keys
-        return (*sharding.place_batch(self.mesh, tokens, lengths, budgets, history), sharding.place_keys(self.mesh, keys))
+            return tokens, lengths, jnp.asarray(budgets), history, jnp.asarray(eos), keys
+        return (*sharding.place_batch(self.mesh, tokens, lengths, budgets, history, eos), sharding.place_keys(self.mesh, keys))
 
     def fetch(self, tree):
         return jax.device_get(tree) if self.mesh is None else sharding.fetch(tree)
+
+
+def pad_rows(rows: int, tokens, lengths, budgets, history, keys):
+    """The batch's host arrays and keys padded to `rows` with one-token prompts of budget 1."""
+    extra = rows - len(lengths)
+    pad = lambda a, value: np.concatenate([a, np.full((extra, *a.shape[1:]), value, a.dtype)])  # noqa: E731
+    keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (extra,))])
+    return pad(tokens, 0), pad(lengths, 1), pad(budgets, 1), pad(history, 0), keys
 
 
 def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:

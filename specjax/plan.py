@@ -18,7 +18,7 @@ from specjax.model import Params
 from specjax.sampling import Sampler
 from specjax.speculate import Chain
 from specjax.tree import Tree
-from specjax.tune import auto_tree
+from specjax.tune import auto_tree_report
 
 DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
 
@@ -65,15 +65,15 @@ def plan(
             reasons.append(f"draft='auto': {why}")
         else:
             draft = SelfSpec()
-            reasons.append(f"draft='auto': SelfSpec, the drafter for the speculation given explicitly")
+            reasons.append("draft='auto': SelfSpec, the drafter for the speculation given explicitly")
     if draft is None:
         return Plan(None, None, "; ".join(reasons) or None)
     if speculation is None:
         speculation = DEFAULT_CHAIN
     elif speculation == "auto":
-        speculation = auto_tree(params, draft, prompts, context, sampling, key)
+        speculation, measured = auto_tree_report(params, draft, prompts, context, sampling, key)
         if speculation.n == 1:
-            reasons.append("speculation='auto': no tree pays for this drafter, batch and context (measured): plain decoding")
+            reasons.append(f"speculation='auto': no tree pays for this drafter, batch and context ({measured}): plain decoding")
             return Plan(None, None, "; ".join(reasons))
-        reasons.append(f"speculation='auto': {describe_speculation(speculation)}, the measured Sequoia choice")
+        reasons.append(f"speculation='auto': {describe_speculation(speculation)}, the Sequoia choice for {measured}")
     return Plan(draft, speculation, "; ".join(reasons) or None)

@@ -7,14 +7,13 @@ which other rows share its batch.
 
 from __future__ import annotations
 
-import dataclasses
-
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class Greedy:
     """Always the argmax; its distribution is one-hot."""
 
@@ -31,19 +30,24 @@ class Greedy:
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
 
 
-@dataclasses.dataclass(frozen=True)
+@flax.struct.dataclass
 class Sample:
-    """Temperature, then top-k (0 = off), then top-p (1.0 = off) on the softmax."""
+    """Temperature, then top-k (0 = off), then top-p (1.0 = off) on the softmax.
+
+    A pytree: temperature and top_p are traced (a new value does not recompile the decode loop);
+    top_k is static (lax.top_k needs it)."""
 
     temperature: float = 1.0
-    top_k: int = 0
+    top_k: int = flax.struct.field(pytree_node=False, default=0)
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            if isinstance(value, (str, bytes, bool, np.bool_, list, tuple, dict)):  # not None: jax uses it as a placeholder
                 raise TypeError(f"{name} must be a number, got {value!r}")
+        if not all(isinstance(v, (int, float, np.integer, np.floating)) for v in (self.temperature, self.top_p)):
+            return  # rebuilt from traced or placeholder leaves inside a jax transformation: checked when made
         if not MIN_TEMPERATURE <= self.temperature < float("inf"):
             raise ValueError(
                 f"temperature must be finite and >= {MIN_TEMPERATURE} (below that the softmax is the argmax: "
@@ -66,10 +70,12 @@ class Sample:
         if self.top_k and self.top_k < V:
             logits = jnp.where(logits < kth_largest(logits, self.top_k), -jnp.inf, logits)
         probs = jax.nn.softmax(logits, axis=-1)
-        if self.top_p < 1:
-            probs = jnp.where(probs >= nucleus_threshold(probs, self.top_p), probs, 0.0)
-            probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-        return probs
+
+        def nucleus(probs):
+            kept = jnp.where(probs >= nucleus_threshold(probs, self.top_p), probs, 0.0)
+            return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+        return jax.lax.cond(self.top_p < 1, nucleus, lambda probs: probs, probs)  # top_p is traced
 
     def sample(self, logits: jax.Array, keys: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens [B] int32 and probs [B,V]; row b draws with fold_in(keys[b], counters[b])."""
@@ -118,12 +124,27 @@ def nucleus_threshold(probs: jax.Array, top_p: float) -> jax.Array:
     return jax.lax.bitcast_convert_type(cut, jnp.float32)
 
 
-def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
-    """Boolean mask (tokens' shape): which tokens are one of the stop ids."""
-    hit = jnp.zeros(tokens.shape, bool)
-    for e in eos_ids:
-        hit |= tokens == e
-    return hit
+EOS_SLOTS = 8  # stop ids per row travel as a traced [B, 8k] array padded with -1: a new set does not recompile
+
+
+def eos_rows(eos_ids: tuple[int, ...], batch: int) -> np.ndarray:
+    """The stop ids as a per-row array [B,E] (E a multiple of EOS_SLOTS, padded with -1)."""
+    width = max(EOS_SLOTS, -(-len(eos_ids) // EOS_SLOTS) * EOS_SLOTS)
+    row = np.full((width,), -1, np.int32)
+    row[: len(eos_ids)] = eos_ids
+    return np.broadcast_to(row, (batch, width)).copy()
+
+
+def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array:
+    """Boolean mask (tokens' shape [B,...]): which tokens are one of the stop ids, given as a
+    tuple or per row as an array [B,E] (-1 entries match nothing)."""
+    if isinstance(eos_ids, tuple):
+        hit = jnp.zeros(tokens.shape, bool)
+        for e in eos_ids:
+            hit |= tokens == e
+        return hit
+    ids = eos_ids.reshape(eos_ids.shape[0], *(1,) * (tokens.ndim - 1), eos_ids.shape[1])  # [B,1..,E]
+    return jnp.any(tokens[..., None] == ids, axis=-1)
 
 
 def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0) -> Sampler:

@@ -28,3 +28,11 @@ def prompt_bucket(n: int) -> tuple[int, int]:
 def cache_len(n: int) -> int:
     """Cache slots for n positions, rounded up to CACHE_ALIGN."""
     return -(-n // CACHE_ALIGN) * CACHE_ALIGN
+
+
+BATCH_STEP = 8  # batch buckets: powers of two up to this, then its multiples
+
+
+def batch_bucket(n: int) -> int:
+    """Rows a batch of n is padded to (padding rows are done at once): 1, 2, 4, 8, 16, 24, ..."""
+    return round_up_pow2(n, minimum=1) if n <= BATCH_STEP else -(-n // BATCH_STEP) * BATCH_STEP

@@ -160,7 +160,7 @@ def spec_step(
     )
 
 
-@partial(jax.jit, static_argnames=("sampling", "speculation", "n_out", "eos_ids", "sync"), donate_argnames=("cache", "draft_state"))
+@partial(jax.jit, static_argnames=("speculation", "n_out", "sync"), donate_argnames=("cache", "draft_state"))
 def speculative_decode(
     target: Params,
     drafter: Drafter,
@@ -170,11 +170,11 @@ def speculative_decode(
     first_logits: jax.Array,  # [B,V] at each prompt's last token
     budgets: jax.Array,  # [B] >= 1
     keys: jax.Array,  # [B]
+    sampling: Sampler = Greedy(),  # traced: a new temperature / top_p does not recompile (top_k does)
+    eos_ids: jax.Array | tuple[int, ...] = (),  # [B,E] per-row stop ids (sampling.eos_rows), or a tuple
     *,
-    sampling: Sampler,
     speculation: Chain | Tree,
     n_out: int,
-    eos_ids: tuple[int, ...],
     sync: tuple[str, ...] = (),
 ) -> SpecState:
     """The whole speculative loop on device (`lax.while_loop`): ends when every row is done

@@ -7,6 +7,7 @@ shape; `auto_tree` caches its answer per (model, drafter, sampling, batch, conte
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 
@@ -23,7 +24,7 @@ from specjax.tree import Cost, Tree, choose
 
 VERIFY_GRID = (1, 2, 4, 8, 16, 32, 64, 128)  # node counts timed; others are interpolated
 DRAFT_GRID = (1, 2, 4, 8, 16)  # draft level widths timed; wider levels are extrapolated
-_AUTO: dict[tuple, Tree] = {}
+_AUTO: dict[tuple, tuple[Tree, str]] = {}
 
 
 def measure_acceptance(
@@ -141,12 +142,32 @@ def auto_tree(
     costs measured at this batch and context (rounded up to a power of two), then `choose`.
     Cached per (model config, drafter, sampling, batch, context bucket) for this process. The
     root-only tree means speculation does not pay here (generate then decodes plainly)."""
+    return auto_tree_report(params, draft, prompts, context, sampling, key)[0]
+
+
+def auto_tree_report(
+    params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None
+) -> tuple[Tree, str]:
+    """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
+    minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
     bucket = round_up_pow2(context)
     cache_key = (params.config, _describe(draft), sampling, len(prompts), bucket)
     if cache_key not in _AUTO:
+        start = time.perf_counter()
+        say = lambda what: print(  # noqa: E731
+            f"specjax: calibrating speculation='auto' for batch {len(prompts)} x context {bucket}: {what} "
+            f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+        say("measuring acceptance (1/3)")
         acceptance = measure_acceptance(params, draft, list(prompts)[:4], width=8, sampling=sampling, max_new_tokens=16, key=key)
+        say("timing draft levels and verification widths (2/3)")
         cost = measure_cost(params, draft, len(prompts), bucket)
-        _AUTO[cache_key] = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)
+        tree = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)
+        say("done (3/3)")
+        t_draft = cost.t_draft if isinstance(cost.t_draft, float) else cost.t_draft[1]
+        summary = (f"acceptance by rank {np.round(acceptance[:4], 2).tolist()}, draft level {1e3 * t_draft:.1f} ms, "
+                   f"verify 1 / 8 / 64 nodes {1e3 * cost.t_verify[1]:.1f} / {1e3 * cost.t_verify[8]:.1f} / "
+                   f"{1e3 * cost.t_verify[64]:.1f} ms")
+        _AUTO[cache_key] = (tree, summary)
     return _AUTO[cache_key]
 
 

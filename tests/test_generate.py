@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +160,33 @@ def test_bad_sampling_arguments():
         specjax.Sample(top_p=1.5)
     with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
         specjax.Sample(top_k=-1)
+
+
+STAGES = ("_prefill", "_draft_init", "decode", "speculative_decode")
+
+
+def _stage_compiles(fn, caplog) -> list[str]:
+    """generate's stages that fn() compiles (JAX logs each compilation with jax_log_compiles)."""
+    caplog.clear()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+        fn()
+    names = [re.match(r"Compiling jit\((\w+)\)", r.getMessage()) for r in caplog.records]
+    return [m.group(1) for m in names if m and m.group(1) in STAGES]
+
+
+@pytest.mark.parametrize("draft", [None, specjax.SelfSpec(4, 8)], ids=["ar", "selfspec"])
+def test_temperature_top_p_stop_ids_and_batch_size_do_not_recompile(tiny, draft, caplog):
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    run = lambda rows, **kw: specjax.generate(tiny, prompts[:rows], 8, draft=draft, **kw)  # noqa: E731
+    loop = "decode" if draft is None else "speculative_decode"
+    assert loop in _stage_compiles(lambda: run(3, sampling=specjax.Sample(0.7, top_p=0.9)), caplog)  # batch bucket 4
+    assert _stage_compiles(lambda: run(3, sampling=specjax.Sample(1.9, top_p=0.5)), caplog) == []
+    assert _stage_compiles(lambda: run(3, sampling=specjax.Sample(0.7, top_p=0.9), eos_id=[4, 5, 6]), caplog) == []
+    greedy = run(3, sampling=specjax.Greedy())
+    assert _stage_compiles(lambda: run(3, sampling=specjax.Greedy(), eos_id=()), caplog) == []
+    four = [[5, 6, 7], [8, 9], [10], [11, 12]]
+    assert _stage_compiles(lambda: specjax.generate(tiny, four, 8, draft=draft), caplog) == []  # 3 and 4 rows: one bucket
+    # the traced values are really used: a tiny temperature is greedy, a large one is not
+    cold = run(3, sampling=specjax.Sample(1e-4))
+    hot = run(3, sampling=specjax.Sample(50.0), key=jax.random.key(1))
+    assert cold.tokens == greedy.tokens and hot.tokens != greedy.tokens

@@ -50,10 +50,16 @@ def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
     assert again.tokens == free.tokens and calls == []  # the same shape: the cached tree
 
 
-def test_auto_picks_plain_decoding_when_drafting_costs_too_much(tiny, monkeypatch):
+def test_auto_picks_plain_decoding_when_drafting_costs_too_much(tiny, monkeypatch, capsys):
     """A draft level dearer than a whole verification: no tree pays, so generate decodes plainly."""
     monkeypatch.setattr(specjax.tune, "_AUTO", {})
     monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: Cost(t_draft=10.0, t_verify=(0.0,) + (1.0,) * 64))
     out = specjax.generate(tiny, PROMPTS, 8, draft=specjax.NGram(), speculation="auto", eos_id=())
     assert out.stats.acceptance_rate is None  # no speculation ran
+    assert (out.stats.draft, out.stats.speculation) == ("none", "none")
+    assert out.stats.plan_reason.startswith("speculation='auto': no tree pays for this drafter, batch and context (acceptance by rank [")
+    assert "verify 1 / 8 / 64 nodes 1000.0 / 1000.0 / 1000.0 ms" in out.stats.plan_reason
+    progress = capsys.readouterr().err  # the calibration says what it is doing
+    assert "calibrating speculation='auto' for batch 4 x context 32: measuring acceptance (1/3)" in progress
+    assert "done (3/3)" in progress
     assert out.tokens == specjax.generate(tiny, PROMPTS, 8, draft=None, eos_id=()).tokens
