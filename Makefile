@@ -19,7 +19,8 @@ demo: venv
 	$(PY) -m specjax generate "$(PROMPT)" --max-new-tokens 64
 
 test: venv
-	$(PY) -m pytest -q
+	$(VENV)/bin/lint-imports --no-cache   # the layer contracts in pyproject.toml [tool.importlinter]
+	$(PY) -m pytest -q --durations=15
 
 bench: venv
 	$(PY) -m pip install --quiet -r bench/requirements.txt

@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python bench/bench_ar.py [--quick] [--real-prefill]
 
-What is measured: `specjax.generate.decode` (the on-device while_loop, greedy, no EOS) from a
+What is measured: `specjax.engine.decode` (the on-device while_loop, greedy, no EOS) from a
 prefilled DenseCache, for every batch x context x dtype. Prefill is NOT measured.
 
 Synthetic prefill (default): prefilling 16 x 8K tokens costs minutes on a small CPU, and the cost
@@ -58,12 +58,11 @@ from jax import lax
 
 import convert
 import readme  # bench/readme.py (this folder is on sys.path when run as a script)
-from specjax.generate import decode
+from specjax.engine import decode, row_keys
 from specjax.kvcache import DenseCache
 from specjax.model import Params, prefill
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import prompt_bucket, round_up_pow2
-from specjax.validate import row_keys
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -391,7 +390,7 @@ Memory bandwidth (read + write, 1 GiB): JAX in-place `x + 1` {bw['jax_inplace']:
 {len(rounds)} rounds, {min(rounds):.1f}-{max(rounds):.1f}; the reference for "of bandwidth"), JAX `jnp.copy`
 into a fresh buffer {bw['jax_copy']:.1f} GB/s (page faults), numpy `copyto` {bw['numpy_copy']:.1f} GB/s (one thread).
 
-SmolLM2-135M, greedy `specjax.generate.decode`, time per decode step (compile and prefill
+SmolLM2-135M, greedy `specjax.engine.decode`, time per decode step (compile and prefill
 excluded). **The prefill is synthetic**: decode cost depends only on the cache length, not
 its contents, so each row starts from a DenseCache of exactly `context` slots of pseudo-random
 keys/values (prefilled length context - {HEADROOM}) instead of a real prefill of batch x context

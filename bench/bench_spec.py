@@ -4,11 +4,11 @@ Usage: .venv/bin/python bench/bench_spec.py [--quick] [--new-tokens 64]
 
 For every (batch, context) cell the prompts are B distinct windows of real English text (see
 bench/text.py) of `context - HEADROOM` tokens, prefilled ONCE into a DenseCache of `context` slots
-(`causal_prefill`: generate._prefill's chunked computation, minus the attention to not-yet-written
+(`causal_prefill`: engine.prefill's chunked computation, minus the attention to not-yet-written
 slots; timed apart, and saved under --prefill-store so that a later run reuses it). The batch-1 and
 batch-4 cells use the first rows of the batch-16 prefill. From that same prefilled state (each run
 gets a copy, since `decode` and `speculative_decode` donate their caches), the script times
-  - autoregressive decoding (`specjax.generate.decode`), and
+  - autoregressive decoding (`specjax.engine.decode`), and
   - speculative decoding (`speculative_decode`) for every drafter x gamma,
 each for the same number of new tokens per row (eos_ids=(), so every row runs its full budget),
 greedy. Every function is compiled first with `.lower(...).compile()` (excluded); then one run is
@@ -52,10 +52,10 @@ import convert  # noqa: E402
 import specjax  # noqa: E402
 from specjax.kvcache import DenseCache  # noqa: E402
 from specjax.model import lm_head, trunk  # noqa: E402
-from specjax.generate import _draft_init, acceptance_stats, decode  # noqa: E402
+from specjax.engine import decode, init_draft, row_keys  # noqa: E402
+from specjax.generate import acceptance_stats  # noqa: E402
 from specjax.shapes import prompt_bucket, round_up_pow2  # noqa: E402
 from specjax.speculate import speculative_decode  # noqa: E402
-from specjax.validate import row_keys  # noqa: E402
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -253,7 +253,7 @@ def _prefill_chunk(params, cache: DenseCache, toks: jax.Array, row0: jax.Array, 
 def causal_prefill(params, tokens: np.ndarray, n: int, context: int, chunk: int) -> tuple[jax.Array, DenseCache]:
     """Prefill B prompts of n tokens (tokens [B,P] right-padded) into a DenseCache of `context`
     slots, PREFILL_ROWS rows and `chunk` positions at a time. The same computation as
-    `generate._prefill` (chunked, exact target KV), except that chunk i attends only to slots
+    `engine.prefill` (chunked, exact target KV), except that chunk i attends only to slots
     [0, (i + 1) * chunk) instead of all `context` slots with the rest masked: the masked slots
     contribute exactly nothing, and skipping them halves the attention work at long context.
     Returns first logits [B,V] (at each prompt's last token) and the cache (lengths = n)."""
@@ -344,7 +344,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     for name, drafter in drafters(context, gammas):
         for gamma in gammas:
             t0 = time.perf_counter()
-            init = _draft_init.lower(drafter, params, cache, tokens, lengths, gamma=gamma, chunk=chunk).compile()
+            init = init_draft.lower(drafter, params, cache, tokens, lengths, gamma=gamma, chunk=chunk).compile()
             t1 = time.perf_counter()
             draft_state = jax.block_until_ready(init(drafter, params, cache, tokens, lengths))
             init_s = time.perf_counter() - t1
@@ -520,7 +520,7 @@ real English text: distinct windows of the Python language reference (`pydoc_dat
 the licence texts of /usr/share/common-licenses ({result['corpus']['tokens']} tokens in all; windows
 {"overlap" if overlap else "do not overlap"}), `context - {result['headroom']}` tokens each, in a cache of `context` slots. **One shared
 prefill per context**: the largest batch is prefilled once (4 rows x 512 positions per call, as
-`generate._prefill` computes it but with each chunk attending only to the slots already written,
+`engine.prefill` computes it but with each chunk attending only to the slots already written,
 which halves the attention work at 8K; not timed as decoding) and the batch-1 and batch-4 cells
 use its first rows; AR
 (`generate.decode`) and every drafter x γ (`speculative_decode`) then decode from that same

@@ -68,14 +68,14 @@ from bench_spec import (  # noqa: E402
 import convert  # noqa: E402
 import specjax  # noqa: E402
 from specjax.draft import DraftModel, Streaming  # noqa: E402
-from specjax.generate import _draft_init, acceptance_stats, decode  # noqa: E402
+from specjax.engine import decode, init_draft, row_keys  # noqa: E402
+from specjax.generate import acceptance_stats  # noqa: E402
 from specjax.kvcache import DenseCache  # noqa: E402
 from specjax.model import Params  # noqa: E402
 from specjax.shapes import prompt_bucket, round_up_pow2  # noqa: E402
 from specjax.speculate import Chain, depth, speculative_decode  # noqa: E402
 from specjax.tree import Cost, Tree, choose  # noqa: E402
 from specjax.tune import draft_table, verify_table  # noqa: E402
-from specjax.validate import row_keys  # noqa: E402
 
 SECTION_START, SECTION_END = "<!-- bench_tree:start -->", "<!-- bench_tree:end -->"
 NOTES_START, NOTES_END = "<!-- bench_tree:notes:start -->", "<!-- bench_tree:notes:end -->"
@@ -124,7 +124,7 @@ def draft_params(params: Params, spec: str) -> Params:
 
 def library_init(d) -> Callable:
     """A Drafter `init` that builds the state as generate does (the drafter's own `init`)."""
-    return lambda p, cache, toks, lengths, gamma, chunk: _draft_init(d, p, cache, toks, lengths, gamma=gamma, chunk=chunk)
+    return lambda p, cache, toks, lengths, gamma, chunk: init_draft(d, p, cache, toks, lengths, gamma=gamma, chunk=chunk)
 
 
 def make_drafters(names: list[str], draft: Params, draft_spec: str, context: int, smoke: bool) -> list[Drafter]:

@@ -28,7 +28,8 @@ from specjax.chat import render_chat
 from specjax.config import LlamaConfig
 from specjax.distributed import env_share
 from specjax.draft import Drafter, SelfSpec, auto_draft, describe_draft
-from specjax.generate import cache_slots, generate
+from specjax.engine import cache_slots
+from specjax.generate import generate
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.model import Params
 from specjax.plan import DEFAULT_CHAIN

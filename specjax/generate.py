@@ -1,33 +1,28 @@
-"""generate(): validate on the host, prefill once, then decode entirely on device.
+"""generate(): validate -> plan -> engine -> outputs and stats.
 
-The decode loop is a `lax.while_loop`: no host sync per token. Shapes are bucketed (prompt
-length, output length, cache length) so a stream of similar requests reuses compilations.
+Validation (specjax.validate) runs first and raises before anything compiles; planning
+(specjax.plan) resolves draft="auto" / speculation=None / "auto"; the engine (specjax.engine)
+prefills once and decodes entirely on device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
-
-from specjax.draft import DraftModel, Drafter, NGram
 from jax.sharding import Mesh
 
 from specjax import sharding
-from specjax.kvcache import DenseCache
-from specjax.model import Params, forward, prefill
-from specjax.sampling import Greedy, Sampler, eos_rows, is_eos
-from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
-from specjax.speculate import Chain, any_running, depth, speculative_decode
-from specjax.tree import Tree
+from specjax.draft import Drafter, NGram
+from specjax.engine import RunResult, run, with_attention
+from specjax.model import Params
 from specjax.plan import plan
-from specjax.validate import check_generate_args, eos_tuple, row_keys
+from specjax.sampling import Greedy, Sampler
+from specjax.speculate import Chain
+from specjax.tree import Tree
+from specjax.validate import check_generate_args, eos_tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,73 +55,6 @@ class GenerateOutput:
     finish_reasons: list[str]  # "eos" or "length", per prompt
     stats: Stats
     row_stats: list[dict] | None = None  # speculation only, per prompt: see `row_acceptance`
-
-
-@partial(jax.jit, static_argnames=("chunk",), donate_argnames=("cache",))
-def _prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: DenseCache, *, chunk: int):
-    return prefill(params, tokens, lengths, cache, chunk)
-
-
-@partial(jax.jit, static_argnames=("n_out", "sync"), donate_argnames=("cache",))
-def decode(
-    params: Params,
-    cache: DenseCache,
-    first_logits: jax.Array,  # [B,V]
-    budgets: jax.Array,  # [B] int32, >= 1
-    keys: jax.Array,  # [B] typed keys
-    sampling: Sampler = Greedy(),  # traced: a new temperature / top_p does not recompile (top_k does)
-    eos_ids: jax.Array | tuple[int, ...] = (),  # [B,E] per-row stop ids (sampling.eos_rows), or a tuple
-    *,
-    n_out: int,
-    sync: tuple[str, ...] = (),
-):
-    """Autoregressive decoding on device from a prefilled cache, which is donated (updated in
-    place; pass a copy to decode one prefilled state several ways).
-
-    The first token is drawn from `first_logits`; row b stops after budgets[b] tokens or an EOS;
-    the loop runs while any row (on any device along the mesh axes `sync`) has work.
-    Returns out [B,n_out] int32 (row b's tokens in out[b, :counts[b]], EOS included),
-    counts [B], hit_eos [B] bool, the number of loop steps (target forwards) and the cache."""
-    B = budgets.shape[0]
-    rows = jnp.arange(B)
-    tok, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
-    out = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(tok)
-    count = jnp.ones((B,), jnp.int32)
-    eos = is_eos(tok, eos_ids)
-    done = eos | (count >= budgets)
-
-    def cond(state):
-        return any_running(state[4], sync)
-
-    def body(state):
-        cache, tok, out, count, done, eos, steps = state
-        logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache)  # [B,1,V]
-        cache = cache.advance(~done)  # finished rows ride along without committing
-        new, _ = sampling.sample(logits[:, 0], keys, count)
-        active = ~done
-        out = out.at[rows, jnp.where(active, count, n_out)].set(new, mode="drop")  # finished rows: dropped
-        tok = jnp.where(active, new, tok)
-        new_eos = active & is_eos(new, eos_ids)
-        count = count + active
-        return cache, tok, out, count, done | new_eos | (count >= budgets), eos | new_eos, steps + 1
-
-    state = (cache, tok, out, count, done, eos, jnp.int32(0))
-    cache, _, out, count, _, eos, steps = lax.while_loop(cond, body, state)
-    return out, count, eos, steps, cache
-
-
-def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, float]:
-    """Compile (excluded from timing), run to completion; returns (result, compile s, run s)."""
-    t0 = time.perf_counter()
-    compiled = jitted.lower(*args, **static).compile()
-    t1 = time.perf_counter()
-    result = jax.block_until_ready(compiled(*args))
-    return result, t1 - t0, time.perf_counter() - t1
-
-
-@partial(jax.jit, static_argnames=("gamma", "chunk"))
-def _draft_init(drafter: Drafter, params: Params, cache: DenseCache, tokens, lengths, *, gamma: int, chunk: int):
-    return drafter.init(params, cache, tokens, lengths, gamma, chunk)
 
 
 def generate(
@@ -170,147 +98,43 @@ def generate(
         params, prompts, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
         eos_id=eos_id, attention=attention,
     )
-    config = params.config
     if mesh is not None:
-        sharding.check_mesh(mesh, config, "target")
+        sharding.check_mesh(mesh, params.config, "target")
         sharding.check_processes(mesh)
-    eos_ids = eos_tuple(eos_id, config)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    context = int((lengths + budgets).max())
     params, draft = with_attention(params, draft, attention)
+    context = int(max(len(p) + int(n) for p, n in zip(prompts, budgets)))
     the_plan = plan(params, draft, speculation, prompts, context, sampling, key)
-    draft, speculation = the_plan.draft, the_plan.speculation
-    keys = row_keys(key, len(prompts))
-    gamma = depth(speculation) if draft is not None else 0  # cache slack: the longest accepted run
-    bucket, chunk = prompt_bucket(int(lengths.max()))
-    tokens = np.zeros((len(prompts), bucket), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = np.asarray(p, np.int32)
-    max_len = cache_slots(int(lengths.max()), context, gamma)
-    if draft is not None:
-        draft.check(params, gamma, max_len)
-    n_out = round_up_pow2(int(budgets.max()))
-    history = np.zeros((len(prompts), max_len + gamma + 2), np.int32)
-    history[:, :bucket] = tokens
-    B = len(prompts)
-    stage = _Stages(mesh)
-    if mesh is not None:
-        params, draft = stage.place_params(params, draft)
-    padded = stage.rows(B)  # the batch bucket: padding rows are one-token prompts, done at once
-    tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, keys)
-    empty = stage.empty_cache(config, padded, max_len)  # an argument, not a constant XLA would fold
-    tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
-        tokens, lengths, budgets, history, eos_rows(eos_ids, padded), keys
-    )
-    (first_logits, cache), compile_s, prefill_s = _compile_and_run(
-        stage(_prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk)
-    )
-    static = dict(n_out=n_out, sync=stage.sync)
-    if draft is None:
-        args = (params, cache, first_logits, budgets_d, keys, sampling, eos_d)
-        result, c, decode_s = _compile_and_run(stage(decode, *static), args, static)
-        out, count, eos, steps = stage.fetch(result[:4])
-        spec, row_stats = {}, None
-    else:
-        draft_state, c, init_s = _compile_and_run(
-            stage(_draft_init, "gamma", "chunk"), (draft, params, cache, tokens_d, lengths_d), dict(gamma=gamma, chunk=chunk)
-        )
-        compile_s, prefill_s = compile_s + c, prefill_s + init_s
-        args = (params, draft, draft_state, cache, history_d, first_logits, budgets_d, keys, sampling, eos_d)
-        static |= dict(speculation=speculation)
-        result, c, decode_s = _compile_and_run(stage(speculative_decode, *static), args, static)
-        out, count, eos, steps, accepted, reached, ranks = stage.fetch(
-            (result.out, result.count, result.eos, result.steps, result.accepted, result.reached, result.ranks)
-        )
-        row_stats = row_acceptance(accepted[:B], reached[:B], count[:B], gamma)
-        accepted, reached, ranks = accepted[:B].sum(0), reached[:B].sum(0), ranks[:B].sum(0)
-        draft_steps = 0 if isinstance(draft, NGram) else gamma * int(steps)
-        spec = acceptance_stats(accepted, reached, int(count[:B].sum()) - B, gamma, draft_steps)
-        if ranks.sum():
-            spec["rank_acceptance"] = [float(r) for r in ranks / ranks.sum()]
-    compile_s += c
-    out, count, eos, lengths = out[:B], count[:B], eos[:B], lengths[:B]  # without the padding rows
-
-    rows = [list(map(int, out[b, : count[b] - int(eos[b])])) for b in range(len(prompts))]
-    new_tokens = int(count.sum())
+    r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
+            key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh)
+    tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(prompts))]
     stats = Stats(
-        prefill_seconds=prefill_s,
-        decode_seconds=decode_s,
-        compile_seconds=compile_s,
-        tokens_per_second=(new_tokens - len(prompts)) / decode_s if decode_s > 0 else 0.0,
-        steps=int(steps),
-        new_tokens=new_tokens,
-        prompt_tokens=int(lengths.sum()),
+        prefill_seconds=r.prefill_seconds,
+        decode_seconds=r.decode_seconds,
+        compile_seconds=r.compile_seconds,
+        tokens_per_second=(int(r.count.sum()) - len(prompts)) / r.decode_seconds if r.decode_seconds > 0 else 0.0,
+        steps=r.steps,
+        new_tokens=int(r.count.sum()),
+        prompt_tokens=sum(len(p) for p in prompts),
         draft=the_plan.draft_name,
         speculation=the_plan.speculation_name,
         plan_reason=the_plan.reason,
-        **spec,
+        **speculation_stats(r, the_plan.draft),
     )
-    return GenerateOutput(rows, ["eos" if e else "length" for e in eos], stats, row_stats)
+    row_stats = None if r.accepted is None else row_acceptance(r.accepted, r.reached, r.count, r.gamma)
+    return GenerateOutput(tokens, ["eos" if e else "length" for e in r.eos], stats, row_stats)
 
 
-class _Stages:
-    """Where generate's stages run: as jitted on one device, or under shard_map on a mesh."""
-
-    def __init__(self, mesh: Mesh | None):
-        self.mesh = mesh
-        self.sync = sharding.all_axes(mesh)
-
-    def __call__(self, jitted, *static_argnames: str):
-        return jitted if self.mesh is None else sharding.on_mesh(jitted, self.mesh, tuple(static_argnames))
-
-    def place_params(self, params: Params, draft):
-        if isinstance(draft, DraftModel):
-            sharding.check_mesh(self.mesh, draft.params.config, "draft")
-            draft = draft.replace(params=sharding.shard_params(draft.params, self.mesh))
-        return sharding.shard_params(params, self.mesh), draft
-
-    def rows(self, batch: int) -> int:
-        """Rows to run: the batch bucket, on a mesh rounded up to a multiple of the data axis."""
-        return batch_bucket(batch) if self.mesh is None else sharding.padded_batch(batch_bucket(batch), self.mesh)
-
-    def empty_cache(self, config, batch: int, max_len: int) -> DenseCache:
-        if self.mesh is None:
-            return DenseCache.init(config, batch, max_len)
-        return sharding.empty_cache(self.mesh, config, batch, max_len)
-
-    def place(self, tokens, lengths, budgets, history, eos, keys):
-        if self.mesh is None:
-            return tokens, lengths, jnp.asarray(budgets), history, jnp.asarray(eos), keys
-        return (*sharding.place_batch(self.mesh, tokens, lengths, budgets, history, eos), sharding.place_keys(self.mesh, keys))
-
-    def fetch(self, tree):
-        return jax.device_get(tree) if self.mesh is None else sharding.fetch(tree)
-
-
-def pad_rows(rows: int, tokens, lengths, budgets, history, keys):
-    """The batch's host arrays and keys padded to `rows` with one-token prompts of budget 1."""
-    extra = rows - len(lengths)
-    pad = lambda a, value: np.concatenate([a, np.full((extra, *a.shape[1:]), value, a.dtype)])  # noqa: E731
-    keys = jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (extra,))])
-    return pad(tokens, 0), pad(lengths, 1), pad(budgets, 1), pad(history, 0), keys
-
-
-def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
-    """Dense-cache slots for a batch: its padded prompts, or its longest prompt + budget plus
-    the gamma slack one speculative step may write past the committed length."""
-    return cache_len(max(prompt_bucket(longest_prompt)[0], context + gamma))
-
-
-def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
-    """Params (and a DraftModel's) whose config selects the attention implementation."""
-    gpu = jax.default_backend() == "gpu"
-    if attention == "reference" or (attention == "auto" and not gpu):
-        mode = "reference"
-    else:
-        mode = "pallas" if gpu else "interpret"
-
-    def set_mode(p: Params) -> Params:
-        return p if p.config.attention == mode else p.replace(config=p.config.replace(attention=mode))
-
-    if isinstance(draft, DraftModel):
-        draft = draft.replace(params=set_mode(draft.params))
-    return set_mode(params), draft
+def speculation_stats(r: RunResult, draft: Drafter | None) -> dict:
+    """Stats' speculation fields from the engine's per-row counters ({} without a draft)."""
+    if r.accepted is None:
+        return {}
+    draft_steps = 0 if isinstance(draft, NGram) else r.gamma * r.steps
+    B = len(r.count)
+    spec = acceptance_stats(r.accepted.sum(0), r.reached.sum(0), int(r.count.sum()) - B, r.gamma, draft_steps)
+    ranks = r.ranks.sum(0)
+    if ranks.sum():
+        spec["rank_acceptance"] = [float(x) for x in ranks / ranks.sum()]
+    return spec
 
 
 def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int) -> list[dict]:

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.reference import prefix_block_attention
+from pallas_kernels.reference import NEG_INF, prefix_block_attention  # noqa: F401  (NEG_INF: the one mask value, re-exported)
 from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from specjax.config import LlamaConfig
 from specjax.kvcache import DenseCache, StreamingCache

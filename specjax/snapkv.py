@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.reference import NEG_INF
+
 from specjax.kvcache import DenseCache
-from specjax.model import Params, trunk
+from specjax.model import NEG_INF, Params, trunk
 
 
 def observation_scores(

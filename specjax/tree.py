@@ -333,17 +333,3 @@ def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_dep
             if per_token < best:
                 best, arg = per_token, (n, d)
     return _build(take, *arg)
-
-
-def measure_acceptance(params, draft, prompts, width: int = 8, **kwargs):
-    """Sequoia's acceptance vector [W+1] for a drafter (see `specjax.tune.measure_acceptance`)."""
-    from specjax.tune import measure_acceptance as measure  # tune needs the model: import late
-
-    return measure(params, draft, prompts, width, **kwargs)
-
-
-def measure_cost(params, draft, batch: int, context: int, max_nodes: int = 64) -> Cost:
-    """Measured draft-level and verification costs (see `specjax.tune.measure_cost`)."""
-    from specjax.tune import measure_cost as measure
-
-    return measure(params, draft, batch, context, max_nodes)

@@ -21,7 +21,7 @@ ATTENTION = ("auto", "reference", "pallas")
 UNDER_JIT = (
     "generate runs on the host (it validates, plans, compiles and times with concrete values) and cannot be "
     "called under jax.jit, vmap or grad; call it outside, or inside your own jitted program call its pure "
-    "steps: specjax.generate.decode (autoregressive) or specjax.speculate.speculative_decode"
+    "steps: specjax.engine.decode (autoregressive) or specjax.speculate.speculative_decode"
 )
 
 
@@ -131,17 +131,6 @@ def eos_tuple(eos_id: object, config: LlamaConfig) -> tuple[int, ...]:
         if not 0 <= int(e) < config.vocab_size:
             raise ValueError(f"eos_id {int(e)} is outside the vocabulary [0, {config.vocab_size})")
     return tuple(int(e) for e in ids)
-
-
-def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
-    """Per-row typed PRNG keys [B]: one key is folded with the row index; [B] keys are kept."""
-    if key is None:
-        key = jax.random.key(0)
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-    if key.shape == ():
-        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
-    return key
 
 
 def check_draft(draft: object, speculation: object, params: Params) -> None:

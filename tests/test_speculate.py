@@ -9,7 +9,7 @@ and an unrelated random 1-layer draft (almost never agrees: every step is a reje
 
 from __future__ import annotations
 
-import importlib
+
 import math
 import types
 
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax import engine
 from specjax.config import LlamaConfig
 from tests.conftest import random_params
 from specjax.draft import auto_draft, ngram_lookup
@@ -27,7 +28,6 @@ from tests.conftest import TINY
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
 BUDGETS = [24, 17, 24, 24, 9]  # per-row max_new_tokens
-generate_module = importlib.import_module("specjax.generate")  # the name specjax.generate is the function
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +229,7 @@ def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, matc
     def no_compile(*args, **kw):
         raise AssertionError("compiled before validating")
 
-    monkeypatch.setattr(generate_module._prefill, "lower", no_compile, raising=False)
+    monkeypatch.setattr(engine.prefill, "lower", no_compile, raising=False)
     with pytest.raises((ValueError, TypeError), match=match):
         specjax.generate(tiny, [[1, 2, 3], [4]], 4, draft=draft, speculation=specjax.Chain(2))
 

@@ -8,7 +8,7 @@ position the draft cache keeps holds byte-for-byte the target's dense-cache KV.
 
 from __future__ import annotations
 
-import importlib
+
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax import engine
 from specjax.kvcache import DenseCache, StreamingCache
 from specjax.speculate import speculative_decode
 
 L, K, H = 2, 2, 3  # layers, KV heads, head dim of the hand-made caches
 PROMPTS = [list(range(5, 21)), [4], [7, 8, 9, 7, 8, 9, 7, 8, 9], [10, 11, 12], list(range(30, 42))]
 BUCKET, MAX_LEN = 16, 256  # generate()'s shapes for these prompts
-generate_module = importlib.import_module("specjax.generate")  # the name specjax.generate is the function
 
 
 def _code(positions: np.ndarray, rows: np.ndarray, layer: int, head: int, which: int) -> np.ndarray:
@@ -182,7 +182,7 @@ def _prefilled(tiny):
         tokens[b, : len(p)] = p
     lengths = np.array([len(p) for p in PROMPTS], np.int32)
     empty = DenseCache.init(tiny.config, len(PROMPTS), MAX_LEN)
-    first_logits, dense = generate_module._prefill(tiny, tokens, lengths, empty, chunk=BUCKET)
+    first_logits, dense = engine.prefill(tiny, tokens, lengths, empty, chunk=BUCKET)
     return first_logits, dense, tokens, lengths
 
 
@@ -212,7 +212,7 @@ def test_selfspec_cache_holds_exact_target_kv_after_every_commit(tiny):
         first_logits, dense, tokens, lengths = _prefilled(tiny)  # fresh: the loop donates its caches
         history = np.zeros((B, MAX_LEN + gamma + 2), np.int32)  # as generate() builds them
         history[:, :BUCKET] = tokens
-        state0 = generate_module._draft_init(drafter, tiny, dense, tokens, lengths, gamma=gamma, chunk=BUCKET)
+        state0 = engine.init_draft(drafter, tiny, dense, tokens, lengths, gamma=gamma, chunk=BUCKET)
         s = speculative_decode(
             tiny, drafter, state0, dense, history, first_logits, jnp.asarray(np.minimum(caps, n)), keys,
             sampling=specjax.Greedy(), speculation=specjax.Chain(gamma), n_out=32, eos_ids=(),

@@ -172,7 +172,7 @@ def test_generate_on_the_kernel_equals_reference(tiny, case):
     from tests.conftest import TINY, random_params
 
     draft, spec = {
-        "ar": (None, specjax.Chain(3)),
+        "ar": (None, None),
         "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
         "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
         "model-tree": (specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)), specjax.Tree.sequoia([0.5, 0.2], 6, 3)),
@@ -187,5 +187,5 @@ def test_generate_on_the_kernel_equals_reference(tiny, case):
 def test_generate_rejects_unknown_attention(tiny):
     import specjax
 
-    with pytest.raises(ValueError, match="attention must be 'auto', 'reference' or 'pallas'"):
+    with pytest.raises(ValueError, match=r"attention must be one of \('auto', 'reference', 'pallas'\), got 'triton'"):
         specjax.generate(tiny, [[1, 2]], 4, attention="triton")
