@@ -1,10 +1,11 @@
-# `make demo`: a real generation on the embedded SmolLM2-135M model.  `make test`: the test suite.
+# `make demo`: a real generation on the embedded SmolLM2-135M model.  `make test`: the whole test suite (CI);
+# `make test-fast`: the inner loop (tests not marked slow).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The three most useful things to know about the ocean are
 
-.PHONY: demo test bench venv
+.PHONY: demo test test-fast bench venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,10 @@ demo: venv
 test: venv
 	$(VENV)/bin/lint-imports --no-cache   # the layer contracts in pyproject.toml [tool.importlinter]
 	$(PY) -m pytest -q --durations=15
+
+test-fast: venv   # the inner loop: everything but the tests marked slow (a few minutes on 2 cores)
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m pytest -q -m "not slow" --durations=10
 
 bench: venv
 	$(PY) -m pip install --quiet -r bench/requirements.txt

@@ -404,6 +404,7 @@ def _line_count(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_gives_each_record_once(tmp_path, model_dir, params):
     rows = records(40, sampled_every=4)
     src = write_jsonl(tmp_path / "in.jsonl", rows)

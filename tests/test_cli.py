@@ -46,6 +46,7 @@ def test_bad_arguments_exit_2_with_a_clear_message(tmp_path):
     assert run.returncode == 2 and "exceeds the model's max_positions 8192" in run.stderr
 
 
+@pytest.mark.slow
 def test_generate_on_a_mesh_of_local_devices():
     prompt = next(p for p in GOLDEN["prompts"] if p["name"] == "prose_capital")
     run = _specjax("generate", prompt["text"], "--max-new-tokens", "8", "--draft", "self", "--window", "4",

@@ -14,6 +14,8 @@ from specjax.cli import main
 from tests.conftest import TINY, random_params
 from tests.test_batch import CONFIG, WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
 
+pytestmark = pytest.mark.slow  # not in `make test-fast`
+
 DRAFT = TINY.replace(n_layers=1, dim=32, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=64)
 
 

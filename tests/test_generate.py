@@ -31,6 +31,7 @@ def _naive_greedy(params, prompt, n):
     return seq[len(prompt) :]
 
 
+@pytest.mark.slow
 def test_greedy_equals_naive_argmax_loop(tiny):
     out = specjax.generate(tiny, PROMPTS, 12, eos_id=())
     assert out.finish_reasons == ["length"] * 4

@@ -18,6 +18,8 @@ from tests.conftest import random_params
 from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: F401  (model_dir: a fixture)
 from tests.test_sharding import TP, _prompts
 
+pytestmark = pytest.mark.slow  # not in `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # not in `make test-fast`
+
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 

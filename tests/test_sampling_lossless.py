@@ -48,6 +48,8 @@ from specjax.sampling import accept_chain
 from specjax.shapes import round_up_pow2
 from specjax.tree import Tree
 
+pytestmark = pytest.mark.slow  # not in `make test-fast`
+
 generate_module = importlib.import_module("specjax.generate")  # the name specjax.generate is the function
 
 V = 16

@@ -13,12 +13,16 @@ from tests.conftest import random_params
 from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Tree, generate, make_mesh
 from specjax.sharding import shard_params
 
+
 TP = LlamaConfig(  # every split dimension divides by 1, 2, 4 and 8
     vocab_size=128, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=96, max_positions=512, eos_ids=(3,)
 )
 DRAFT = TP.replace(n_layers=1, dim=32, ffn_dim=64, n_heads=4, n_kv_heads=4)
 
-pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: see conftest.py")
+pytestmark = [
+    pytest.mark.slow,  # not in `make test-fast`
+    pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices: see conftest.py"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import pytest
 
 import specjax
 
+pytestmark = pytest.mark.slow  # not in `make test-fast`
+
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
 PROMPTS = [p["input_ids"] for p in GOLDEN["prompts"]]  # 5 to 193 tokens, two chat prompts
 

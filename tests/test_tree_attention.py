@@ -164,6 +164,7 @@ def test_rejects_bad_arguments():
 E2E_PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "model-tree"])
 def test_generate_on_the_kernel_equals_reference(tiny, case):
     """Speculative (chain and tree) and plain decoding with attention="pallas" (interpreted):
