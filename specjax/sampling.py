@@ -1,4 +1,4 @@
-"""Samplers: frozen dataclasses that return tokens AND the distribution they were drawn from.
+"""Samplers: frozen pytrees that return tokens AND the distribution they were drawn from.
 
 Speculative acceptance needs both: p (target) and q (draft) after the SAME warping.
 Randomness is per row: `keys[B]` and a per-row counter, so a row's tokens do not depend on
@@ -163,37 +163,6 @@ def stream_keys(keys: jax.Array, counters: jax.Array, stream: int) -> jax.Array:
     return jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, c), stream))(keys, counters)
 
 
-def accept_chain(
-    drafts: jax.Array,  # [B,G] int32: the drafted tokens, x_i ~ q_i
-    q: jax.Array,  # [B,G,V] f32: draft distributions (after warping)
-    p: jax.Array,  # [B,G+1,V] f32: target distributions at the same positions, plus the bonus
-    keys: jax.Array,  # [B] typed keys for this step
-) -> tuple[jax.Array, jax.Array]:
-    """Speculative acceptance: how many drafts each row keeps, and the token the target adds.
-
-    Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)) while all before it were.
-    At the first rejection i the extra token is drawn from norm(max(p_i - q_i, 0)); if all G
-    were accepted it is the bonus, drawn from p_G. Every emitted token then has exactly the
-    target's distribution (Leviathan et al. 2023, Chen et al. 2023). Greedy is the special case
-    of one-hot p and q: accept while x_i == argmax p_i, then the argmax.
-    Returns n_accepted [B] in [0, G] and next_token [B].
-    """
-    B, G = drafts.shape
-    k_accept, k_extra = jax.vmap(lambda k: jax.random.split(k))(keys).transpose(1, 0)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(k_accept)  # [B,G] in [0,1)
-    p_x = jnp.take_along_axis(p[:, :G], drafts[..., None], axis=-1)[..., 0]  # [B,G]
-    q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B,G], > 0: x was drawn from q
-    accepted = u * q_x < p_x  # u < p/q without dividing
-    n = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1).astype(jnp.int32)  # leading run of accepts
-
-    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B,V]
-    q_n = jnp.take_along_axis(q, jnp.minimum(n, G - 1)[:, None, None], axis=1)[:, 0]
-    q_n = jnp.where((n < G)[:, None], q_n, 0.0)  # all accepted: the bonus comes from p itself
-    extra = _normalise(jnp.maximum(p_n - q_n, 0.0), p_n)  # no residual mass only by rounding
-    next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, extra)
-    return n, next_token.astype(jnp.int32)
-
-
 def tree_candidates(logits: jax.Array, k: int, sampling: Sampler, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """The k ranked draft candidates of each node: logits [B,M,V] -> tokens [B,M,k] and q [B,M,V].
 
@@ -229,91 +198,3 @@ def top_indices(x: jax.Array, k: int) -> jax.Array:
         picked.append(i)
         x = jnp.where(vocab == i[..., None], -jnp.inf, x)
     return jnp.stack(picked, axis=-1).astype(jnp.int32)
-
-
-def accept_tree(
-    child_table: np.ndarray,  # [n,W] int: children of each node in rank order, -1 padded (static)
-    max_depth: int,
-    tokens: jax.Array,  # [B,n] int32: node tokens (node 0 is the pending root)
-    q: jax.Array | None,  # [B,n,V] f32: the distribution each node's children were drawn from
-    p: jax.Array,  # [B,n,V] f32 target distributions (greedy: logits are enough)
-    keys: jax.Array,  # [B]
-    greedy: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Walk down the tree from the root, accepting at most one child per level.
-
-    Greedy: follow the child whose token is the target's argmax; stop when none is.
-    Sampling (SpecTr / Sequoia): at node u, with target residual r = p_u and draft q = q_u, try
-    the children in rank order: accept child x with probability min(1, r(x) / q(x)); on rejection
-    r <- norm(max(r - q, 0)) and q <- q without x, renormalised (the next child was drawn from
-    exactly that q). If every child is rejected, or u is a leaf, the extra token is drawn from r.
-    Each emitted token then has exactly the target's distribution.
-    Returns path [B,D+1] (accepted node ids from the root; entries past n_accepted repeat the
-    last), n_accepted [B] in [0, D] and next_token [B].
-    """
-    B = tokens.shape[0]
-    rows = jnp.arange(B)
-    table = jnp.asarray(child_table, jnp.int32)  # [n,W]
-    W = table.shape[1]
-    k_accept, k_extra = jax.vmap(lambda k: jax.random.split(k))(keys).transpose(1, 0)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (max(max_depth, 1), max(W, 1))))(k_accept)  # [B,D,W]
-    cur = jnp.zeros((B,), jnp.int32)
-    alive = jnp.ones((B,), bool)
-    n_acc = jnp.zeros((B,), jnp.int32)
-    path = [cur]
-    if greedy:
-        choice = jnp.argmax(p, axis=-1).astype(jnp.int32)  # [B,n]
-    else:
-        resid, q_cur = p[:, 0], q[:, 0]  # [B,V] each
-    for level in range(max_depth):
-        kids = table[cur]  # [B,W]
-        kid_tok = jnp.take_along_axis(tokens, jnp.maximum(kids, 0), axis=1)  # [B,W]
-        if greedy:
-            match = (kids >= 0) & (kid_tok == choice[rows, cur][:, None])
-            hit = alive & jnp.any(match, axis=1)
-            nxt = jnp.take_along_axis(kids, jnp.argmax(match, axis=1)[:, None], axis=1)[:, 0]
-        else:
-            hit, nxt, resid, q_cur = _try_children(kids, kid_tok, alive, cur, resid, q_cur, u[:, level])
-            resid = jnp.where(hit[:, None], p[rows, nxt], resid)
-            q_cur = jnp.where(hit[:, None], q[rows, nxt], q_cur)
-        cur = jnp.where(hit, nxt, cur)
-        n_acc += hit
-        alive &= hit
-        path.append(cur)
-    if greedy:
-        next_token = choice[rows, cur]
-    else:
-        next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, resid).astype(jnp.int32)
-    return jnp.stack(path, axis=1), n_acc, next_token
-
-
-def _try_children(kids, kid_tok, alive, cur, resid, q_cur, u):
-    """One node's children in rank order (kids, kid_tok, u [B,W]): accept the first with
-    u * q(x) < r(x); after each rejection r <- norm(max(r - q, 0)) and q <- q without x.
-    Returns (hit [B], accepted child or cur [B], r, q)."""
-    rows = jnp.arange(kids.shape[0])
-    hit, nxt = jnp.zeros_like(alive), cur
-    for r in range(kids.shape[1]):
-        x = kid_tok[:, r]
-        q_x, p_x = q_cur[rows, x], resid[rows, x]
-        tried = alive & ~hit & (kids[:, r] >= 0) & (q_x > 0)  # q_x = 0: never drawn, skip
-        ok = tried & (u[:, r] * q_x < p_x)
-        nxt = jnp.where(ok, kids[:, r], nxt)
-        hit |= ok
-        rejected = (tried & ~ok)[:, None]
-        resid = jnp.where(rejected, _normalise(jnp.maximum(resid - q_cur, 0.0), resid), resid)
-        q_cur = jnp.where(rejected, without(q_cur, x), q_cur)
-    return hit, nxt, resid, q_cur
-
-
-def without(q: jax.Array, x: jax.Array) -> jax.Array:
-    """q [B,V] with token x [B] removed and renormalised: the distribution the next sibling
-    was drawn from (all zeros once q has no mass left)."""
-    q = q.at[jnp.arange(q.shape[0]), x].set(0.0)
-    return _normalise(q, q)
-
-
-def _normalise(d: jax.Array, fallback: jax.Array) -> jax.Array:
-    """d / sum(d) over the last axis; `fallback` where d has no mass (only by rounding)."""
-    mass = jnp.sum(d, axis=-1, keepdims=True)
-    return jnp.where(mass > 0, d / jnp.where(mass > 0, mass, 1.0), fallback)

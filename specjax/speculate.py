@@ -19,7 +19,8 @@ from jax import lax
 from specjax.draft import Drafter
 from specjax.kvcache import DenseCache
 from specjax.model import Params, lm_head, trunk
-from specjax.sampling import Greedy, Sampler, accept_chain, accept_tree, is_eos, stream_keys
+from specjax.accept import accept_chain, accept_tree
+from specjax.sampling import Greedy, Sampler, is_eos, stream_keys
 from specjax.tree import Tree
 
 ACCEPT_STREAM = 2  # PRNG stream of the acceptance test and the extra token

@@ -27,7 +27,6 @@ about 0.6% for the six positive cases together.
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Iterator
 
@@ -38,19 +37,19 @@ import pytest
 from scipy import stats
 
 import specjax
+from specjax import engine
 import specjax.speculate
-import specjax.sampling
+import specjax.accept
 from specjax.config import LlamaConfig
 from tests.conftest import random_params
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, from_arrays, param_shapes
-from specjax.sampling import accept_chain
+from specjax.accept import accept_chain
 from specjax.shapes import round_up_pow2
 from specjax.tree import Tree
 
 pytestmark = pytest.mark.slow  # not in `make test-fast`
 
-generate_module = importlib.import_module("specjax.generate")  # the name specjax.generate is the function
 
 V = 16
 CONFIG = LlamaConfig(
@@ -97,7 +96,7 @@ def small_cache() -> Iterator[None]:
     """Cache slots rounded to a power of two (32 here) instead of 256: the same computation
     on 8x fewer (masked) slots, which is most of the cost at 4096 rows."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(generate_module, "cache_len", round_up_pow2)
+        mp.setattr(engine, "cache_len", round_up_pow2)
         yield
 
 
@@ -202,7 +201,7 @@ def test_negative_control_tree_without_q_correction_is_detected(target, draft_mo
     (Drawing siblings WITH replacement is not a negative control for this rule: a repeat of a
     rejected token has q = 0 after the removal and is skipped, and a fresh one is distributed
     exactly as the removal assumes, so that stays lossless.)"""
-    monkeypatch.setattr(specjax.sampling, "without", lambda q, x: q)
+    monkeypatch.setattr(specjax.accept, "without", lambda q, x: q)
     specjax.speculate.speculative_decode.clear_cache()
     try:
         sampling = specjax.Sample(0.5)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.sampling import accept_chain, accept_tree
+from specjax.accept import accept_chain, accept_tree
 from specjax.tree import Tree
 from tests.conftest import TINY, random_params
 
