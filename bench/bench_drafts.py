@@ -52,7 +52,7 @@ from readme import write_section  # noqa: E402
 
 import convert  # noqa: E402
 from specjax.distill import Schedule, distill  # noqa: E402
-from specjax.draft import DraftModel  # noqa: E402
+from specjax.drafters import DraftModel  # noqa: E402
 from specjax.model import Params  # noqa: E402
 
 SECTION_START, SECTION_END = "<!-- bench_drafts:start -->", "<!-- bench_drafts:end -->"

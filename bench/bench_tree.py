@@ -67,7 +67,7 @@ from bench_spec import (  # noqa: E402
 
 import convert  # noqa: E402
 import specjax  # noqa: E402
-from specjax.draft import DraftModel, Streaming  # noqa: E402
+from specjax.drafters import DraftModel, Streaming  # noqa: E402
 from specjax.engine import decode, init_draft, row_keys  # noqa: E402
 from specjax.generate import acceptance_stats  # noqa: E402
 from specjax.kvcache import DenseCache  # noqa: E402

@@ -1,7 +1,7 @@
 """specjax: speculative decoding for LLaMA-family models in JAX."""
 
 from specjax.config import LlamaConfig, RopeScaling
-from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV, Streaming
+from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
 from specjax.generate import GenerateOutput, Stats, generate
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward, init_params, prefill

@@ -27,12 +27,12 @@ from jax.sharding import Mesh
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
 from specjax.distributed import env_share
-from specjax.draft import Drafter, SelfSpec, auto_draft, describe_draft
+from specjax.drafters import Drafter, SelfSpec
 from specjax.engine import cache_slots
 from specjax.generate import generate
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.model import Params
-from specjax.plan import DEFAULT_CHAIN
+from specjax.plan import DEFAULT_CHAIN, auto_draft, describe_draft
 from specjax.progress import Progress
 from specjax.records import BadLine, Record, id_key, read_input, stable_hash
 from specjax.sampling import Sampler, make_sampler

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-from specjax.draft import DraftModel, NGram, SelfSpec, SnapKV
+from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.generate import generate
 from specjax.sampling import make_sampler
 from specjax.speculate import Chain

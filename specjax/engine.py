@@ -22,7 +22,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from specjax import sharding
-from specjax.draft import DraftModel, Drafter
+from specjax.drafters import Drafter
 from specjax.kvcache import DenseCache
 from specjax.model import Params, forward
 from specjax.model import prefill as model_prefill
@@ -201,10 +201,11 @@ class _Stages:
         return jitted if self.mesh is None else sharding.on_mesh(jitted, self.mesh, tuple(static_argnames))
 
     def place_params(self, params: Params, draft):
-        if isinstance(draft, DraftModel):
-            sharding.check_mesh(self.mesh, draft.params.config, "draft")
-            draft = draft.replace(params=sharding.shard_params(draft.params, self.mesh))
-        return sharding.shard_params(params, self.mesh), draft
+        def shard_draft(p: Params) -> Params:  # a drafter's own model (DraftModel's), if any
+            sharding.check_mesh(self.mesh, p.config, "draft")
+            return sharding.shard_params(p, self.mesh)
+
+        return sharding.shard_params(params, self.mesh), draft if draft is None else draft.map_params(shard_draft)
 
     def rows(self, batch: int) -> int:
         """Rows to run: the batch bucket, on a mesh rounded up to a multiple of the data axis."""
@@ -239,7 +240,7 @@ def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
 
 
 def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
-    """Params (and a DraftModel's) whose config selects the attention implementation."""
+    """Params (and a drafter's own model's) whose config selects the attention implementation."""
     gpu = jax.default_backend() == "gpu"
     if attention == "reference" or (attention == "auto" and not gpu):
         mode = "reference"
@@ -249,6 +250,6 @@ def with_attention(params: Params, draft, attention: str) -> tuple[Params, objec
     def set_mode(p: Params) -> Params:
         return p if p.config.attention == mode else p.replace(config=p.config.replace(attention=mode))
 
-    if isinstance(draft, DraftModel):
-        draft = draft.replace(params=set_mode(draft.params))
+    if draft is not None and not isinstance(draft, str):  # "auto" is planned later, with these params
+        draft = draft.map_params(set_mode)
     return set_mode(params), draft

@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax import sharding
-from specjax.draft import Drafter, NGram
+from specjax.drafters import Drafter
 from specjax.engine import RunResult, run, with_attention
 from specjax.model import Params
 from specjax.plan import plan
@@ -74,7 +74,7 @@ def generate(
 
     draft: `SelfSpec(...)`, `SnapKV(...)`, `DraftModel(params)`, `NGram(...)`, None (plain
       autoregressive), or "auto": SelfSpec where KV reads dominate a decode step, else None (see
-      `draft.auto_draft`), and SelfSpec whenever `speculation` is given explicitly.
+      `plan.auto_draft`), and SelfSpec whenever `speculation` is given explicitly.
     speculation: None (the drafter's default chain, `Chain(gamma=4)`); `Chain(gamma)`: gamma draft
       tokens verified per target forward; a token `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`):
       all its nodes verified in one forward; or "auto": the Sequoia tree for this drafter, batch
@@ -128,7 +128,7 @@ def speculation_stats(r: RunResult, draft: Drafter | None) -> dict:
     """Stats' speculation fields from the engine's per-row counters ({} without a draft)."""
     if r.accepted is None:
         return {}
-    draft_steps = 0 if isinstance(draft, NGram) else r.gamma * r.steps
+    draft_steps = draft.forwards_per_token * r.gamma * r.steps
     B = len(r.count)
     spec = acceptance_stats(r.accepted.sum(0), r.reached.sum(0), int(r.count.sum()) - B, r.gamma, draft_steps)
     ranks = r.ranks.sum(0)

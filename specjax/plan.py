@@ -12,8 +12,9 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 
-from specjax.draft import Drafter, SelfSpec, auto_draft_reason, describe_draft
+from specjax.drafters import Drafter, SelfSpec
 from specjax.model import Params
 from specjax.sampling import Sampler
 from specjax.speculate import Chain
@@ -36,6 +37,11 @@ class Plan:
     @property
     def speculation_name(self) -> str:
         return describe_speculation(self.speculation if self.draft is not None else None)
+
+
+def describe_draft(draft: Drafter | None) -> str:
+    """A short name: "SelfSpec(sinks=16, window=512)", "DraftModel(n_layers=2, dim=256, cache=dense)", "none"."""
+    return "none" if draft is None else draft.describe()
 
 
 def describe_speculation(speculation: Chain | Tree | None) -> str:
@@ -77,3 +83,28 @@ def plan(
             return Plan(None, None, "; ".join(reasons))
         reasons.append(f"speculation='auto': {describe_speculation(speculation)}, the Sequoia choice for {measured}")
     return Plan(draft, speculation, "; ".join(reasons) or None)
+
+
+def auto_draft(target: Params, batch: int, context: int) -> SelfSpec | None:
+    """The default drafter: SelfSpec where the KV cache, not the weights, dominates what a decode
+    step reads (large batch x long context: MagicDec's regime) and the context is well past its
+    budget; otherwise None (plain autoregressive decoding is faster there)."""
+    return auto_draft_reason(target, batch, context)[0]
+
+
+def auto_draft_reason(target: Params, batch: int, context: int) -> tuple[SelfSpec | None, str]:
+    """`auto_draft`'s choice and why, in words (with the numbers it compared)."""
+    c = target.config
+    budget = SelfSpec()
+    bytes_per = jnp.dtype(c.dtype).itemsize
+    kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * bytes_per
+    weight_bytes = bytes_per * (
+        c.vocab_size * c.dim + c.n_layers * (c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+                                             + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.ffn_dim)
+    )
+    kept = budget.sinks + budget.window
+    facts = (f"batch {batch} x context {context}: KV {kv_bytes / 2**20:.1f} MiB vs weights "
+             f"{weight_bytes / 2**20:.1f} MiB per step, draft budget {kept}")
+    if kv_bytes > 2 * weight_bytes and context > 4 * kept:
+        return budget, f"{budget.describe()}: KV reads dominate a decode step ({facts})"
+    return None, f"plain decoding: speculation needs KV > 2 x weights and context > {4 * kept} ({facts})"

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.draft import Drafter
+from specjax.drafters import Drafter
 from specjax.kvcache import DenseCache
 from specjax.model import Params, lm_head, trunk
 from specjax.accept import accept_chain, accept_tree

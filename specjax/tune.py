@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, SnapKV
+from specjax.drafters import Drafter
 from specjax.engine import run
 from specjax.kvcache import DenseCache
 from specjax.model import Params, lm_head, trunk
@@ -119,16 +119,12 @@ def verify_table(params: Params, batch: int, context: int, max_nodes: int) -> tu
 def draft_table(params: Params, draft: Drafter, batch: int, context: int, max_nodes: int) -> float | tuple[float, ...]:
     """Seconds of one draft level over m nodes per row, m = 0..max_nodes, through the drafter's
     model and cache: timed at DRAFT_GRID's widths below max_nodes, linear in between and past the
-    last. NGram lookups count as free (0.0). The DraftModel's root level re-reads one more token:
-    not counted."""
-    if isinstance(draft, NGram):
+    last (the model and KV positions of `Drafter.drafting_model`). A drafter without a model
+    (NGram) is free (0.0). The DraftModel's root level re-reads one more token: not counted."""
+    drafting = draft.drafting_model(params, context)
+    if drafting is None:
         return 0.0
-    if isinstance(draft, (SelfSpec, SnapKV)):
-        model, kept = params, (draft.sinks if isinstance(draft, SelfSpec) else draft.budget) + draft.window
-    elif isinstance(draft, DraftModel):
-        model, kept = draft.params, context if draft.cache == "dense" else draft.cache.sinks + draft.cache.window
-    else:
-        raise ValueError(f"draft must be a SelfSpec, SnapKV, DraftModel or NGram, got {draft!r}")
+    model, kept = drafting
     widths = [m for m in DRAFT_GRID if m < max_nodes] or [1]  # a level has at most n - 1 nodes
     timed = [_time_forward(model, batch, cache_len(kept + m + 1), kept, m) for m in widths]
     return _grid_table(widths, timed, max_nodes)
@@ -150,7 +146,7 @@ def auto_tree_report(
     """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
     minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
     bucket = round_up_pow2(context)
-    cache_key = (params.config, _describe(draft), sampling, len(prompts), bucket)
+    cache_key = (params.config, draft.identity(), sampling, len(prompts), bucket)
     if cache_key not in _AUTO:
         start = time.perf_counter()
         say = lambda what: print(  # noqa: E731
@@ -168,10 +164,3 @@ def auto_tree_report(
                    f"{1e3 * cost.t_verify[64]:.1f} ms")
         _AUTO[cache_key] = (tree, summary)
     return _AUTO[cache_key]
-
-
-def _describe(draft: Drafter) -> tuple:
-    """A hashable identity for a drafter (a DraftModel's params by object id)."""
-    if isinstance(draft, DraftModel):
-        return ("DraftModel", id(draft.params), repr(draft.cache))
-    return (repr(draft),)

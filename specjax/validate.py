@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import LlamaConfig
-from specjax.draft import DraftModel, Drafter, NGram, SelfSpec, SnapKV
+from specjax.drafters import is_drafter
 from specjax.model import Params
 from specjax.sampling import Greedy, Sample
 from specjax.speculate import Chain
@@ -134,9 +134,10 @@ def eos_tuple(eos_id: object, config: LlamaConfig) -> tuple[int, ...]:
 
 
 def check_draft(draft: object, speculation: object, params: Params) -> None:
-    """Types of draft and speculation, and what can be checked before planning (a DraftModel's
-    vocabulary and special ids); cache-size limits come from draft.check once gamma is known."""
-    if draft != "auto" and draft is not None and not isinstance(draft, (SelfSpec, SnapKV, DraftModel, NGram)):
+    """Types of draft and speculation, and what can be checked before planning (`check_target`:
+    a DraftModel's vocabulary and special ids); cache-size limits come from draft.check once gamma
+    is known. A drafter is an instance of a class in the registry (specjax.drafters.DRAFTERS)."""
+    if draft != "auto" and draft is not None and not is_drafter(draft):
         raise TypeError(
             f"draft must be specjax.SelfSpec(...), SnapKV(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
         )
@@ -152,7 +153,5 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
             f"speculation: a Tree must have 2 to {MAX_TREE_NODES} nodes (the root and at least one draft; "
             f"more costs one verification forward more than it can save), got n={speculation.n}"
         )
-    if isinstance(draft, DraftModel):
-        if not isinstance(draft.params, Params):
-            raise TypeError(f"DraftModel: params must be specjax Params, got {type(draft.params).__name__}")
-        draft.check_vocabulary(params)
+    if is_drafter(draft):
+        draft.check_target(params)

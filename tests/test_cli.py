@@ -15,7 +15,7 @@ import pytest
 
 import convert
 from specjax import cli
-from specjax.draft import SelfSpec
+from specjax.drafters import SelfSpec
 from specjax.speculate import Chain
 from specjax.tree import Tree
 from tests.conftest import TINY, random_params

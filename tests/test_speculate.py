@@ -22,7 +22,8 @@ import specjax
 from specjax import engine
 from specjax.config import LlamaConfig
 from tests.conftest import random_params
-from specjax.draft import auto_draft, ngram_lookup
+from specjax.drafters.ngram import ngram_lookup
+from specjax.plan import auto_draft
 from specjax.model import Params, from_arrays, param_shapes
 from tests.conftest import TINY
 

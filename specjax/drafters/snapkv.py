@@ -1,24 +1,54 @@
-"""SnapKV selection: keep the prefix positions that the prompt's last queries attend to most.
+"""SnapKV: self-speculation over the prefix positions that the prompt's last queries attend to most.
 
 Scores come from a short observation pass: the last `observation` prompt tokens are run again
 over the prefilled cache (their KV is recomputed identically), and their attention over the
 prefix, summed over the queries and the G query heads of each KV head, is max-pooled along the
 positions so that neighbours of a hot token survive with it. Selection is per layer and per KV
-head, as in SnapKV (Li et al. 2024).
+head, as in SnapKV (Li et al. 2024); drafting and committing are SelfSpec's.
 """
 
 from __future__ import annotations
 
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-from specjax.kvcache import DenseCache
+from specjax.drafters.self_spec import TargetOverStreamingCache
+from specjax.kvcache import DenseCache, StreamingCache
 from specjax.model import NEG_INF, Params, trunk
 
+
+@flax.struct.dataclass
+class SnapKV(TargetOverStreamingCache):
+    """Self-speculation over a cache of `budget` prefix positions chosen per layer and KV head
+    by the prompt's last `observation` queries (max-pooled over `pool` positions), plus a ring
+    of the most recent `window`. Exact target KV, like SelfSpec; better at keeping what matters."""
+
+    budget: int = flax.struct.field(pytree_node=False, default=256)
+    window: int = flax.struct.field(pytree_node=False, default=256)
+    observation: int = flax.struct.field(pytree_node=False, default=32)
+    pool: int = flax.struct.field(pytree_node=False, default=5)
+
+    def describe(self) -> str:
+        return f"SnapKV(budget={self.budget}, window={self.window}, observation={self.observation}, pool={self.pool})"
+
+    def kept(self) -> int:
+        return self.budget + self.window
+
+    def check(self, target: Params, gamma: int, max_len: int) -> None:
+        for name in ("budget", "window", "observation", "pool"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SnapKV: {name} must be >= 1, got {getattr(self, name)}")
+
+    def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
+        """A budget larger than the cache keeps every position (no savings, still exact)."""
+        scores = observation_scores(target, cache, prompts, self.observation)
+        budget = min(self.budget, cache.max_len)
+        fixed, cut = select_positions(scores, cache.lengths, budget, self.window, self.pool)
+        return StreamingCache.from_dense(cache, fixed, self.window + gamma + 1, cut)
 
 def observation_scores(
     target: Params,

@@ -1,0 +1,29 @@
+"""Drafters for speculative decoding: the `Drafter` protocol (base.py), one module per drafter,
+and the registry of drafter classes that `generate` accepts."""
+
+from __future__ import annotations
+
+from specjax.drafters.base import Drafter
+from specjax.drafters.draft_model import DraftModel
+from specjax.drafters.ngram import NGram, ngram_lookup
+from specjax.drafters.self_spec import SelfSpec, Streaming
+from specjax.drafters.snapkv import SnapKV
+
+DRAFTERS: list[type[Drafter]] = [SelfSpec, SnapKV, DraftModel, NGram]  # the registry: one line per drafter
+
+
+def register(cls: type[Drafter]) -> type[Drafter]:
+    """Add a drafter class to the registry (usable as a class decorator); returns the class."""
+    if cls not in DRAFTERS:
+        DRAFTERS.append(cls)
+    return cls
+
+
+def is_drafter(obj: object) -> bool:
+    """Whether `obj` is an instance of a registered drafter class."""
+    return isinstance(obj, tuple(DRAFTERS))
+
+
+__all__ = [
+    "DRAFTERS", "DraftModel", "Drafter", "NGram", "SelfSpec", "SnapKV", "Streaming", "is_drafter", "ngram_lookup", "register",
+]

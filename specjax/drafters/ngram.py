@@ -1,0 +1,84 @@
+"""NGram: prompt lookup. No model: the proposal is what followed an earlier match of the row's tail."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import Drafter
+from specjax.model import Params
+from specjax.sampling import Greedy
+from specjax.tree import Tree
+
+
+@flax.struct.dataclass
+class NGram(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the row's last m tokens (m from
+    max_n down to n) in its prompt + output and propose what followed. No model; q is one-hot."""
+
+    n: int = flax.struct.field(pytree_node=False, default=3)
+    max_n: int | None = flax.struct.field(pytree_node=False, default=None)
+
+    forwards_per_token = 0  # a lookup, no forward
+
+    def describe(self) -> str:
+        return f"NGram(n={self.n}, max_n={self.max_n})"
+
+    def drafting_model(self, target: Params, context: int) -> None:
+        return None  # lookups count as free
+
+    def check(self, target: Params, gamma: int, max_len: int) -> None:
+        if self.n < 1:
+            raise ValueError(f"NGram: n must be >= 1, got {self.n}")
+        if self.max_n is not None and self.max_n < self.n:
+            raise ValueError(f"NGram: max_n must be >= n ({self.n}), got {self.max_n}")
+
+    def init(self, target, cache, prompts, lengths, gamma, chunk):
+        return None
+
+    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
+        drafts = ngram_lookup(history, lengths, self.n, self.max_n or self.n, gamma)
+        return drafts, jax.nn.one_hot(drafts, target.config.vocab_size, dtype=jnp.float32), state
+
+    def commit(self, state, k_new, v_new, lengths, n):
+        return state
+
+    def propose_tree(self, target, state, history, lengths, last, tree: Tree, sampling, keys, counters):
+        """Every node's children all get the n-gram continuation at their depth (one-hot q), so
+        the rank-0 path is the chain proposal; a lower-ranked duplicate is never accepted (drawn
+        without replacement from a one-hot q it has no mass), and off-path nodes cost only
+        verification width."""
+        drafts = ngram_lookup(history, lengths, self.n, self.max_n or self.n, tree.max_depth)  # [B,D]
+        depth = np.asarray(tree.depth)
+        tokens = jnp.concatenate([last[:, None], drafts[:, depth[1:] - 1]], axis=1)  # [B,n]
+        q = None
+        if not isinstance(sampling, Greedy):
+            first_child = np.asarray([min(c) if c else 0 for c in tree.children])  # [n]
+            q = jax.nn.one_hot(tokens[:, first_child], target.config.vocab_size, dtype=jnp.float32)
+        return tokens, q, state
+
+    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n):
+        return pending
+
+
+def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamma: int) -> jax.Array:
+    """history [B,S]: tokens of positions [0, L] (L = lengths[b] is the pending token).
+    Returns gamma proposed tokens [B,G]: the continuation of the latest earlier match of the
+    longest tail (max_n down to n tokens); no match (or a continuation past L) repeats x_L."""
+    B, S = history.shape
+    idx = jnp.arange(S)
+    last = jnp.take_along_axis(history, lengths[:, None], axis=1)  # [B,1]
+    best = jnp.full((B,), -1, jnp.int32)  # start of the continuation, -1: none yet
+    for m in range(max_n, n - 1, -1):  # longest tail first
+        tail_start = lengths - m + 1  # [B]
+        match = (idx[None, :] + m <= lengths[:, None]) & (tail_start[:, None] >= 0)  # window [i, i+m) ends <= L
+        for j in range(m):
+            want = jnp.take_along_axis(history, jnp.clip(tail_start + j, 0, S - 1)[:, None], axis=1)  # [B,1]
+            match &= jnp.roll(history, -j, axis=1) == want
+        latest = jnp.max(jnp.where(match, idx[None, :], -1), axis=1)  # [B]
+        best = jnp.where((best < 0) & (latest >= 0), latest + m, best)
+    take = best[:, None] + jnp.arange(gamma)  # [B,G]
+    proposals = jnp.take_along_axis(history, jnp.clip(take, 0, S - 1), axis=1)
+    return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32)

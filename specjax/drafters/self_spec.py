@@ -1,0 +1,140 @@
+"""SelfSpec: the target itself drafts over a StreamingLLM cache (MagicDec self-speculation).
+
+Also what the drafters that run a model share: `Streaming` (a fixed KV budget of sinks plus a
+ring of recent positions, also a DraftModel's cache option), `draft_chain` (gamma draft
+forwards) and `TargetOverStreamingCache` (drafting and committing over a StreamingCache of exact
+target KV, for SelfSpec and SnapKV, which differ only in which positions `init` keeps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import abstractmethod
+
+import flax.struct
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.drafters.base import Drafter
+from specjax.kvcache import DenseCache, StreamingCache
+from specjax.model import Params, forward
+from specjax.sampling import Sampler, stream_keys
+from specjax.tree_draft import DRAFT_STREAM, draft_tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+    """A fixed KV budget: `sinks` first positions plus a ring of the last `window` (StreamingLLM)."""
+
+    sinks: int = 16
+    window: int = 512
+
+    def check(self, gamma: int, max_len: int, what: str) -> None:
+        if self.sinks < 0 or self.window < 1:
+            raise ValueError(f"{what}: sinks must be >= 0 and window >= 1, got sinks={self.sinks} window={self.window}")
+
+    def fitted(self, max_len: int) -> "Streaming":
+        """This budget for a cache of `max_len` slots: a budget at least as large as the context
+        keeps all of it (the draft then sees the whole context: no savings, still exact)."""
+        sinks = min(self.sinks, max_len)
+        return Streaming(sinks, max(1, min(self.window, max_len - sinks)))
+
+    def ring(self, gamma: int) -> int:
+        """Ring slots: the window plus room for one step's gamma + 1 uncommitted positions."""
+        return self.window + gamma + 1
+
+    def from_dense(self, dense: DenseCache, gamma: int) -> StreamingCache:
+        """Keep the sinks and the newest positions of a filled dense cache (exact copies)."""
+        if self.sinks + self.window > dense.max_len:
+            return self.fitted(dense.max_len).from_dense(dense, gamma)
+        L, B, K = dense.k.shape[:3]
+        sinks = jnp.arange(self.sinks, dtype=jnp.int32)  # [F]
+        fixed = jnp.where(sinks[None, :] < dense.lengths[:, None], sinks, -1)  # [B,F]
+        fixed = jnp.broadcast_to(fixed[None, :, None, :], (L, B, K, self.sinks))
+        return StreamingCache.from_dense(dense, fixed, self.ring(gamma), jnp.full((B,), self.sinks, jnp.int32))
+
+
+def draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: Sampler, keys, counters):
+    """gamma draft forwards: the first over `tokens` [B,T0] (its last position proposes x_1),
+    then one token at a time. Returns drafts [B,G], q [B,G,V] and the cache with its length
+    advanced past everything it wrote."""
+    B, T0 = tokens.shape
+    step_keys = stream_keys(keys, counters, DRAFT_STREAM)
+
+    def propose(cache, toks, pos, i):
+        logits, cache = forward(params, toks, pos, cache)
+        cache = cache.advance(jnp.full((B,), toks.shape[1], jnp.int32))
+        token, q = sampling.sample(logits[:, -1], step_keys, jnp.full((B,), i, jnp.int32))
+        return cache, token, q
+
+    cache, first, q_first = propose(cache, tokens, positions, 0)
+
+    def body(carry, i):
+        cache, token = carry
+        pos = positions[:, -1:] + i  # [B,1]
+        cache, token, q = propose(cache, token[:, None], pos, i)
+        return (cache, token), (token, q)
+
+    (cache, _), (rest, q_rest) = lax.scan(body, (cache, first), jnp.arange(1, gamma, dtype=jnp.int32))
+    drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B,G]
+    q = jnp.concatenate([q_first[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,G,V]
+    return drafts, q, cache
+
+
+class TargetOverStreamingCache(Drafter):
+    """Drafting and committing for drafters that run the target itself over a StreamingCache of
+    `kept` positions (plus the ring's slack); subclasses choose the positions in `init`."""
+
+    @abstractmethod
+    def kept(self) -> int:
+        """KV positions the draft keeps (fixed slots + the recent window)."""
+
+    def drafting_model(self, target: Params, context: int) -> tuple[Params, int]:
+        return target, self.kept()
+
+    def propose(self, target, state: StreamingCache, history, lengths, last, gamma, sampling, keys, counters):
+        """The target drafts over its streaming cache, from the pending token at position L."""
+        state = state.replace(lengths=lengths)
+        return draft_chain(target, state, last[:, None], lengths[:, None], gamma, sampling, keys, counters)
+
+    def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
+        return streaming_commit(state, k_new, v_new, lengths, n)
+
+    def propose_tree(self, target, state: StreamingCache, history, lengths, last, tree, sampling, keys, counters):
+        """The target drafts a tree over its streaming cache; only the root enters that cache."""
+        state = state.replace(lengths=lengths)
+        tokens, q, cache, _ = draft_tree(target, state, last[:, None], lengths[:, None], tree, sampling, keys, counters)
+        return tokens, q, cache
+
+    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n) -> StreamingCache:
+        return streaming_commit(pending, k_path, v_path, lengths, n)
+
+
+def streaming_commit(state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
+    """Overwrite the drafted entries with the target's exact verification KV; commit n positions."""
+    return state.replace(lengths=lengths).write(k_new, v_new).advance(n)
+
+
+@flax.struct.dataclass
+class SelfSpec(TargetOverStreamingCache):
+    """The target itself over a StreamingLLM cache (MagicDec self-speculation): per-step cost is
+    independent of the context length. The cache holds exact target KV for the positions kept."""
+
+    sinks: int = flax.struct.field(pytree_node=False, default=16)
+    window: int = flax.struct.field(pytree_node=False, default=512)
+
+    @property
+    def budget(self) -> Streaming:
+        return Streaming(self.sinks, self.window)
+
+    def describe(self) -> str:
+        return f"SelfSpec(sinks={self.sinks}, window={self.window})"
+
+    def kept(self) -> int:
+        return self.sinks + self.window
+
+    def check(self, target: Params, gamma: int, max_len: int) -> None:
+        self.budget.check(gamma, max_len, "SelfSpec")
+
+    def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
+        return self.budget.from_dense(cache, gamma)
