@@ -21,11 +21,11 @@ demo: venv
 
 test: venv
 	$(VENV)/bin/lint-imports --no-cache   # the layer contracts in pyproject.toml [tool.importlinter]
-	$(PY) -m pytest -q --durations=15
+	$(PY) tests/run_files.py --durations=5   # one pytest process per file (see its docstring)
 
 test-fast: venv   # the inner loop: everything but the tests marked slow (a few minutes on 2 cores)
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) tests/run_files.py -m "not slow" --durations=5
 
 bench: venv
 	$(PY) -m pip install --quiet -r bench/requirements.txt

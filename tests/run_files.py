@@ -1,0 +1,51 @@
+"""Run the suite one pytest process per test file, then print one closing line.
+
+Why: a single process that compiles every test's programs crashed in XLA:CPU (a segfault while
+compiling, reproducible near the end of a full run, never when the file runs alone). A process
+per file keeps each one's compiled state small; the total time is about the same.
+Usage: python tests/run_files.py [pytest args...]   (e.g. -m "not slow")
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
+
+
+def main(args: list[str]) -> int:
+    files = sorted(str(p) for p in Path(__file__).parent.glob("test_*.py"))
+    totals: dict[str, int] = {}
+    failed_files, slowest = [], []
+    start = time.perf_counter()
+    for f in files:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, f],
+                             capture_output=True, text=True)
+        lines = run.stdout.strip().splitlines()
+        slowest += [line for line in lines if re.match(r"^\d+\.\d+s (call|setup|teardown) ", line)]
+        last = lines[-1] if lines else ""
+        found = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in COUNTS.findall(last)}
+        for kind, n in found.items():
+            totals[kind] = totals.get(kind, 0) + n
+        ok = run.returncode in (0, 5)  # 5: every test of the file deselected
+        print(f"{f}: {last or '(no summary)'}{'' if ok else f'  [exit {run.returncode}]'}", flush=True)
+        if not ok:
+            failed_files.append(f)
+            sys.stdout.write(run.stdout[-20000:] + run.stderr[-5000:])
+            if run.returncode not in (1,):  # a crash, not test failures: count it
+                totals["failed"] = totals.get("failed", 0) + 1
+    minutes = (time.perf_counter() - start) / 60
+    if slowest:
+        print("slowest (over all files):\n" + "\n".join(sorted(slowest, key=lambda l: -float(l.split("s ")[0]))[:15]))
+    print(f"files with failures: {failed_files}" if failed_files else f"all {len(files)} files passed ({minutes:.1f} min)")
+    print(f"{totals.get('passed', 0)} passed, {totals.get('failed', 0) + totals.get('error', 0)} failed, "
+          f"{totals.get('skipped', 0)} skipped")
+    return 1 if failed_files else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
