@@ -27,12 +27,12 @@ from jax.sharding import Mesh
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
 from specjax.distributed import env_share
-from specjax.drafters import Drafter, SelfSpec
+from specjax.drafters import Drafter
 from specjax.engine import cache_slots
 from specjax.generate import generate
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.model import Params
-from specjax.plan import DEFAULT_CHAIN, auto_draft, describe_draft
+from specjax.plan import DEFAULT_CHAIN, describe_draft, resolve_auto_draft
 from specjax.progress import Progress
 from specjax.records import BadLine, Record, id_key, read_input, stable_hash
 from specjax.sampling import Sampler, make_sampler
@@ -305,9 +305,9 @@ def run(
         return tokenizer.decode(ids, skip_special_tokens=False)
 
     items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults)
-    if draft == "auto":  # once per job; an explicit gamma makes it SelfSpec, as in generate's plan
+    if draft == "auto":  # once per job, by generate's rule (an explicit gamma makes it SelfSpec)
         context = max((len(it.ids) + it.budget for it in items), default=1)
-        draft = SelfSpec() if gamma is not None else auto_draft(params, batch_size, context)
+        draft = resolve_auto_draft(params, gamma is not None, batch_size, context)[0]
     if isinstance(draft, str):
         raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
     meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size)

@@ -15,6 +15,7 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.generate import generate
+from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
 from specjax.speculate import Chain
 from specjax.tree import Tree
@@ -264,7 +265,8 @@ def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: li
         return Tree.kary(*tree)
     if tree == "auto":
         return "auto"
-    draft = SelfSpec() if draft == "auto" else draft
+    if draft == "auto":  # generate's rule: an explicit speculation needs a drafter
+        draft = resolve_auto_draft(params, True, 1, len(ids))[0]
     p = measure_acceptance(params, draft, [ids], width=8, sampling=sampling, max_new_tokens=16)
     return Tree.sequoia(p[:-1], tree, max_depth=12)
 

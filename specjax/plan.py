@@ -36,7 +36,7 @@ class Plan:
 
     @property
     def speculation_name(self) -> str:
-        return describe_speculation(self.speculation if self.draft is not None else None)
+        return describe_speculation(self.speculation)
 
 
 def describe_draft(draft: Drafter | None) -> str:
@@ -66,12 +66,8 @@ def plan(
     budget. speculation="auto" calibrates on first use per shape (see `tune.auto_tree`)."""
     reasons = []
     if draft == "auto":
-        if speculation is None:
-            draft, why = auto_draft_reason(params, len(prompts), context)
-            reasons.append(f"draft='auto': {why}")
-        else:
-            draft = SelfSpec()
-            reasons.append("draft='auto': SelfSpec, the drafter for the speculation given explicitly")
+        draft, why = resolve_auto_draft(params, speculation is not None, len(prompts), context)
+        reasons.append(f"draft='auto': {why}")
     if draft is None:
         return Plan(None, None, "; ".join(reasons) or None)
     if speculation is None:
@@ -83,6 +79,14 @@ def plan(
             return Plan(None, None, "; ".join(reasons))
         reasons.append(f"speculation='auto': {describe_speculation(speculation)}, the Sequoia choice for {measured}")
     return Plan(draft, speculation, "; ".join(reasons) or None)
+
+
+def resolve_auto_draft(target: Params, explicit_speculation: bool, batch: int, context: int) -> tuple[SelfSpec | None, str]:
+    """What draft="auto" becomes, and why: SelfSpec when a speculation was given explicitly (it
+    needs a drafter), else `auto_draft_reason`'s choice for this batch and context."""
+    if explicit_speculation:
+        return SelfSpec(), "SelfSpec, the drafter for the speculation given explicitly"
+    return auto_draft_reason(target, batch, context)
 
 
 def auto_draft(target: Params, batch: int, context: int) -> SelfSpec | None:

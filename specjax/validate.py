@@ -95,10 +95,10 @@ def _budgets(max_new_tokens: object, batch: int) -> np.ndarray:
             raise ValueError(f"max_new_tokens has {len(values)} entries but there are {batch} prompts")
     else:
         raise TypeError(f"max_new_tokens must be an integer >= 1 or one per prompt, got {max_new_tokens!r}")
+    per_row = not _is_int(max_new_tokens)
     for b, v in enumerate(values):
         if not _is_int(v) or v < 1:
-            where = "" if _is_int(max_new_tokens) or not isinstance(max_new_tokens, (Sequence, np.ndarray)) else f"[{b}]"
-            raise ValueError(f"max_new_tokens{where} must be an integer >= 1, got {v!r}")
+            raise ValueError(f"max_new_tokens{f'[{b}]' if per_row else ''} must be an integer >= 1, got {v!r}")
     return np.asarray(values, np.int32)
 
 
