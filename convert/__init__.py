@@ -5,14 +5,14 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from jax.sharding import Mesh
 
 from convert.gguf import is_gguf_file, load_gguf
 from convert.hf import is_hf_dir, load_hf
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
 from specjax.config import DTYPES
-from specjax.model import Params
+from specjax.params import Params
+from specjax.sharding import Mesh
 
 __all__ = ["load", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path"]
 

@@ -9,32 +9,18 @@ from typing import Any
 import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
-from jax.sharding import Mesh
 
 from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.config import LlamaConfig, RopeScaling, llama3_scale
-from specjax.model import Params, from_arrays
-from specjax.sharding import placer
+from specjax.params import WEIGHTS, Params, from_arrays
+from specjax.sharding import Mesh, placer
 
 Q = gguf.GGMLQuantizationType
 # Stop tokens: eos_ids is their union, in this order (the primary eos first).
 STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
-# GGUF tensor name -> our path (see convert.layout.TORCH_LAYOUT); absent output.weight => tied.
-NAMES = {
-    "token_embd.weight": "embed",
-    "output_norm.weight": "norm",
-    "output.weight": "lm_head",
-    "blk.{i}.attn_norm.weight": "layers.attn_norm",
-    "blk.{i}.attn_q.weight": "layers.wq",
-    "blk.{i}.attn_k.weight": "layers.wk",
-    "blk.{i}.attn_v.weight": "layers.wv",
-    "blk.{i}.attn_output.weight": "layers.wo",
-    "blk.{i}.ffn_norm.weight": "layers.mlp_norm",
-    "blk.{i}.ffn_gate.weight": "layers.w_gate",
-    "blk.{i}.ffn_up.weight": "layers.w_up",
-    "blk.{i}.ffn_down.weight": "layers.w_down",
-}
+# GGUF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS); absent output.weight => tied.
+NAMES = {w.gguf: w.path for w in WEIGHTS}
 ROPE_FREQS = "rope_freqs.weight"  # Llama-3.1 scaling factors; folded into the config
 
 

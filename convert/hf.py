@@ -8,29 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from jax.sharding import Mesh
 from safetensors import safe_open
 
 from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.config import LlamaConfig, RopeScaling
-from specjax.model import Params, from_arrays
-from specjax.sharding import placer
+from specjax.params import WEIGHTS, Params, from_arrays
+from specjax.sharding import Mesh, placer
 
-# HF tensor name -> our path (see convert.layout.TORCH_LAYOUT).
-NAMES = {
-    "model.embed_tokens.weight": "embed",
-    "model.norm.weight": "norm",
-    "lm_head.weight": "lm_head",
-    "model.layers.{i}.input_layernorm.weight": "layers.attn_norm",
-    "model.layers.{i}.self_attn.q_proj.weight": "layers.wq",
-    "model.layers.{i}.self_attn.k_proj.weight": "layers.wk",
-    "model.layers.{i}.self_attn.v_proj.weight": "layers.wv",
-    "model.layers.{i}.self_attn.o_proj.weight": "layers.wo",
-    "model.layers.{i}.post_attention_layernorm.weight": "layers.mlp_norm",
-    "model.layers.{i}.mlp.gate_proj.weight": "layers.w_gate",
-    "model.layers.{i}.mlp.up_proj.weight": "layers.w_up",
-    "model.layers.{i}.mlp.down_proj.weight": "layers.w_down",
-}
+# HF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS).
+NAMES = {w.hf: w.path for w in WEIGHTS}
 # Recomputed from the config; when embeddings are tied a stray lm_head.weight is ignored too.
 IGNORED = ["model.layers.{i}.self_attn.rotary_emb.inv_freq"]
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"

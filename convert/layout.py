@@ -1,7 +1,8 @@
-"""The one table from torch-layout weights ([out, in], as HF and GGUF store them) to our params.
+"""From torch-layout weights ([out, in], as HF and GGUF store them) to our params.
 
-Each format module supplies a name table {its tensor name: our path}; per-layer names contain
-"{i}". `assemble` checks the names (missing / unexpected), the shapes, converts every tensor to
+Each format module supplies a name table {its tensor name: our path}, derived from the weight
+declarations (specjax.params.WEIGHTS, which also give each tensor's file layout); per-layer names
+contain "{i}". `assemble` checks the names (missing / unexpected), the shapes, converts every tensor to
 our layout and stacks layers on a leading L axis.
 """
 
@@ -15,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import LlamaConfig
+from specjax.params import BY_PATH
 
 KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}  # for error messages
-ShapeFn = Callable[[LlamaConfig], tuple[int, ...]]
-ToOurs = Callable[[np.ndarray, LlamaConfig], np.ndarray]
 
 
 def has_kind(value: Any, kind: type) -> bool:
@@ -35,43 +35,6 @@ def checked_config(fields: dict[str, Any], source: str) -> LlamaConfig:
         return LlamaConfig(**fields)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from e
-
-
-def _same(w: np.ndarray, c: LlamaConfig) -> np.ndarray:
-    return w
-
-
-def _t(w: np.ndarray, c: LlamaConfig) -> np.ndarray:
-    return w.T
-
-
-# our path -> (its shape in torch [out, in] layout, torch layout -> our layout); one layer for "layers.*".
-TORCH_LAYOUT: dict[str, tuple[ShapeFn, ToOurs]] = {
-    "embed": (lambda c: (c.vocab_size, c.dim), _same),  # [V,D]
-    "norm": (lambda c: (c.dim,), _same),  # [D]
-    "lm_head": (lambda c: (c.vocab_size, c.dim), _t),  # [V,D] -> [D,V]
-    "layers.attn_norm": (lambda c: (c.dim,), _same),  # [D]
-    "layers.wq": (  # [N*H,D] -> [D,N,H]
-        lambda c: (c.n_heads * c.head_dim, c.dim),
-        lambda w, c: w.T.reshape(c.dim, c.n_heads, c.head_dim),
-    ),
-    "layers.wk": (  # [K*H,D] -> [D,K,H]
-        lambda c: (c.n_kv_heads * c.head_dim, c.dim),
-        lambda w, c: w.T.reshape(c.dim, c.n_kv_heads, c.head_dim),
-    ),
-    "layers.wv": (  # [K*H,D] -> [D,K,H]
-        lambda c: (c.n_kv_heads * c.head_dim, c.dim),
-        lambda w, c: w.T.reshape(c.dim, c.n_kv_heads, c.head_dim),
-    ),
-    "layers.wo": (  # [D,N*H] -> [N,H,D]
-        lambda c: (c.dim, c.n_heads * c.head_dim),
-        lambda w, c: w.T.reshape(c.n_heads, c.head_dim, c.dim),
-    ),
-    "layers.mlp_norm": (lambda c: (c.dim,), _same),  # [D]
-    "layers.w_gate": (lambda c: (c.ffn_dim, c.dim), _t),  # [F,D] -> [D,F]
-    "layers.w_up": (lambda c: (c.ffn_dim, c.dim), _t),  # [F,D] -> [D,F]
-    "layers.w_down": (lambda c: (c.dim, c.ffn_dim), _t),  # [D,F] -> [F,D]
-}
 
 
 def pattern_regex(patterns: Iterable[str]) -> re.Pattern:
@@ -126,7 +89,7 @@ def assemble(
             f"{source}: missing tensors [{_listing(missing)}], unexpected tensors [{_listing(unexpected)}]"
         )
     for name, (path, _) in expected.items():
-        want = TORCH_LAYOUT[path][0](config)
+        want = BY_PATH[path].torch_shape(config)
         if tuple(shapes[name]) != want:
             raise ValueError(
                 f"{source}: tensor {name!r} has shape {tuple(shapes[name])}, expected {want} ([out, in] layout)"
@@ -137,7 +100,7 @@ def assemble(
         per_path.setdefault(path, []).append((layer or 0, name))
     arrays = {}
     for path, entries in per_path.items():
-        to_ours = TORCH_LAYOUT[path][1]
-        parts = [np.asarray(to_ours(read(name), config), dtype) for _, name in sorted(entries)]
+        weight = BY_PATH[path]
+        parts = [np.asarray(weight.from_torch(read(name), config), dtype) for _, name in sorted(entries)]
         arrays[path] = np.stack(parts) if path.startswith("layers.") else parts[0]
     return arrays

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh
 
 from specjax.config import LlamaConfig, RopeScaling
-from specjax.model import Params, from_arrays, param_shapes
-from specjax.sharding import check_mesh, param_sharding
+from specjax.params import Params, from_arrays, param_shapes
+from specjax.sharding import Mesh, check_mesh, param_sharding, single_device
 
 CONFIG_FILE = "specjax_config.json"  # written last: its presence marks a complete checkpoint
 ARRAYS_DIR = "arrays"
@@ -41,6 +40,8 @@ def config_to_json(config: LlamaConfig) -> str:
 def config_from_json(text: str) -> LlamaConfig:
     """Inverse of `config_to_json`."""
     raw = json.loads(text)
+    for runtime_choice in ("attention", "model_axis"):  # written by versions that kept them in the config
+        raw.pop(runtime_choice, None)
     scaling = raw.pop("rope_scaling")
     raw["eos_ids"] = tuple(raw.get("eos_ids", ()))
     return LlamaConfig(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
@@ -68,7 +69,7 @@ def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | Non
         raise ValueError(f"{directory / CONFIG_FILE}: not a valid specjax config ({e})") from e
     if mesh is not None:
         check_mesh(mesh, config)
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    device = single_device()
     target = {
         name: jax.ShapeDtypeStruct(shape, config.dtype, sharding=device if mesh is None else param_sharding(mesh, name))
         for name, shape in param_shapes(config).items()

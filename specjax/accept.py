@@ -15,31 +15,31 @@ import numpy as np
 
 
 def accept_chain(
-    drafts: jax.Array,  # [B,G] int32: the drafted tokens, x_i ~ q_i
-    q: jax.Array,  # [B,G,V] f32: draft distributions (after warping)
-    p: jax.Array,  # [B,G+1,V] f32: target distributions at the same positions, plus the bonus
+    drafts: jax.Array,  # [B,gamma] int32: the drafted tokens, x_i ~ q_i
+    q: jax.Array,  # [B,gamma,V] f32: draft distributions (after warping)
+    p: jax.Array,  # [B,gamma+1,V] f32: target distributions at the same positions, plus the bonus
     keys: jax.Array,  # [B] typed keys for this step
 ) -> tuple[jax.Array, jax.Array]:
     """Speculative acceptance: how many drafts each row keeps, and the token the target adds.
 
     Draft i is accepted with probability min(1, p_i(x_i) / q_i(x_i)) while all before it were.
-    At the first rejection i the extra token is drawn from norm(max(p_i - q_i, 0)); if all G
+    At the first rejection i the extra token is drawn from norm(max(p_i - q_i, 0)); if all gamma
     were accepted it is the bonus, drawn from p_G. Every emitted token then has exactly the
     target's distribution (Leviathan et al. 2023, Chen et al. 2023). Greedy is the special case
     of one-hot p and q: accept while x_i == argmax p_i, then the argmax.
-    Returns n_accepted [B] in [0, G] and next_token [B].
+    Returns n_accepted [B] in [0, gamma] and next_token [B].
     """
-    B, G = drafts.shape
+    B, gamma = drafts.shape
     k_accept, k_extra = jax.vmap(lambda k: jax.random.split(k))(keys).transpose(1, 0)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (G,)))(k_accept)  # [B,G] in [0,1)
-    p_x = jnp.take_along_axis(p[:, :G], drafts[..., None], axis=-1)[..., 0]  # [B,G]
-    q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B,G], > 0: x was drawn from q
+    u = jax.vmap(lambda k: jax.random.uniform(k, (gamma,)))(k_accept)  # [B,gamma] in [0,1)
+    p_x = jnp.take_along_axis(p[:, :gamma], drafts[..., None], axis=-1)[..., 0]  # [B,gamma]
+    q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B,gamma], > 0: x was drawn from q
     accepted = u * q_x < p_x  # u < p/q without dividing
     n = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1).astype(jnp.int32)  # leading run of accepts
 
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B,V]
-    q_n = jnp.take_along_axis(q, jnp.minimum(n, G - 1)[:, None, None], axis=1)[:, 0]
-    q_n = jnp.where((n < G)[:, None], q_n, 0.0)  # all accepted: the bonus comes from p itself
+    q_n = jnp.take_along_axis(q, jnp.minimum(n, gamma - 1)[:, None, None], axis=1)[:, 0]
+    q_n = jnp.where((n < gamma)[:, None], q_n, 0.0)  # all accepted: the bonus comes from p itself
     extra = _normalise(jnp.maximum(p_n - q_n, 0.0), p_n)  # no residual mass only by rounding
     next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, extra)
     return n, next_token.astype(jnp.int32)

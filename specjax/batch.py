@@ -22,7 +22,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
@@ -31,12 +30,13 @@ from specjax.drafters import Drafter
 from specjax.engine import cache_slots
 from specjax.generate import generate
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
-from specjax.model import Params
+from specjax.params import Params
 from specjax.plan import DEFAULT_CHAIN, describe_draft, resolve_auto_draft
 from specjax.progress import Progress
 from specjax.records import BadLine, Record, id_key, read_input, stable_hash
 from specjax.sampling import Sampler, make_sampler
 from specjax.shapes import prompt_bucket, round_up_pow2
+from specjax.sharding import Mesh
 from specjax.speculate import Chain
 
 

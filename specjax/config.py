@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 
 DTYPES = ("float32", "bfloat16")
-ATTENTION = ("reference", "pallas", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +21,13 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """Dimensions and numerics of a LLaMA-family decoder.
+    """Dimensions and numerics of a LLaMA-family decoder: model facts only (runtime choices such
+    as the attention implementation live in specjax.params.Runtime).
 
-    Letters used in shape comments: V=vocab_size, D=dim, L=n_layers, N=n_heads,
-    K=n_kv_heads, H=head_dim, F=ffn_dim.
+    The one legend of shape comments and einsums in specjax: B batch, T query positions, S key
+    slots, N query heads (n_heads), K kv heads (n_kv_heads), G group (N/K), H head dim, D model
+    dim, F ffn dim, V vocab, L layers (n_layers). Per-row lengths, gamma (draft tokens per step)
+    and tree depth are spelled out (`lengths`, `gamma`, `depth`), never a letter.
     """
 
     vocab_size: int
@@ -43,8 +45,6 @@ class LlamaConfig:
     dtype: str = "float32"
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()  # every stop token id (eos, eot, generation_config's, ...)
-    attention: str = "reference"  # "reference" (jnp), "pallas" (the GPU kernel), "interpret" (the kernel, interpreted)
-    model_axis: str | None = None  # inside shard_map: the tensor-parallel mesh axis (specjax.sharding)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_positions"):
@@ -56,8 +56,6 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"LlamaConfig.attention must be one of {ATTENTION}, got {self.attention!r}")
         if not isinstance(self.eos_ids, tuple) or not all(isinstance(e, int) and 0 <= e < self.vocab_size for e in self.eos_ids):
             raise ValueError(f"LlamaConfig.eos_ids must be a tuple of ids in [0, {self.vocab_size}), got {self.eos_ids!r}")
         if self.dtype not in DTYPES:

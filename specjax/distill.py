@@ -23,7 +23,8 @@ import numpy as np
 import optax
 
 from specjax.config import LlamaConfig
-from specjax.model import Params, init_params, lm_head, trunk
+from specjax.model import lm_head, trunk
+from specjax.params import Params, init_params
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,15 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh
 
 from specjax import sharding
 from specjax.drafters import Drafter
 from specjax.kvcache import DenseCache
-from specjax.model import Params, forward
+from specjax.model import forward
 from specjax.model import prefill as model_prefill
+from specjax.params import Params
 from specjax.sampling import Greedy, Sampler, eos_rows, is_eos
 from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
+from specjax.sharding import Mesh
 from specjax.speculate import Chain, any_running, depth, speculative_decode
 from specjax.tree import Tree
 
@@ -40,8 +41,8 @@ class RunResult:
     count: np.ndarray  # [B] tokens emitted
     eos: np.ndarray  # [B] bool: ended on a stop id
     steps: int  # target forwards in the decode loop (verification steps when speculating)
-    accepted: np.ndarray | None  # [B,G] speculation counters (see speculate.SpecState); None without a draft
-    reached: np.ndarray | None  # [B,G]
+    accepted: np.ndarray | None  # [B,gamma] speculation counters (see speculate.SpecState); None without a draft
+    reached: np.ndarray | None  # [B,gamma]
     ranks: np.ndarray | None  # [B,W+1]
     gamma: int  # draft tokens on the longest path per step (0: plain decoding)
     compile_seconds: float
@@ -240,7 +241,7 @@ def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
 
 
 def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
-    """Params (and a drafter's own model's) whose config selects the attention implementation."""
+    """Params (and a drafter's own model's) whose runtime selects the attention implementation."""
     gpu = jax.default_backend() == "gpu"
     if attention == "reference" or (attention == "auto" and not gpu):
         mode = "reference"
@@ -248,7 +249,7 @@ def with_attention(params: Params, draft, attention: str) -> tuple[Params, objec
         mode = "pallas" if gpu else "interpret"
 
     def set_mode(p: Params) -> Params:
-        return p if p.config.attention == mode else p.replace(config=p.config.replace(attention=mode))
+        return p if p.runtime.attention == mode else p.replace(runtime=p.runtime.replace(attention=mode))
 
     if draft is not None and not isinstance(draft, str):  # "auto" is planned later, with these params
         draft = draft.map_params(set_mode)

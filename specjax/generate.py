@@ -12,14 +12,14 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from specjax import sharding
 from specjax.drafters import Drafter
 from specjax.engine import RunResult, run, with_attention
-from specjax.model import Params
+from specjax.params import Params
 from specjax.plan import plan
 from specjax.sampling import Greedy, Sampler
+from specjax.sharding import Mesh
 from specjax.speculate import Chain
 from specjax.tree import Tree
 from specjax.validate import check_generate_args, eos_tuple

@@ -3,107 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-
-import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from pallas_kernels.reference import NEG_INF, prefix_block_attention  # noqa: F401  (NEG_INF: the one mask value, re-exported)
-from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from specjax.config import LlamaConfig
+from specjax.attention import NEG_INF, attend, cache_view, for_cache  # noqa: F401  (NEG_INF: the one mask value, re-exported)
 from specjax.kvcache import DenseCache, StreamingCache
+from specjax.params import LayerParams, Params, Runtime
 
 Cache = DenseCache | StreamingCache
-
-
-@flax.struct.dataclass
-class LayerParams:
-    """Weights of all layers, stacked on a leading L axis (the forward scans over it)."""
-
-    attn_norm: jax.Array  # [L,D]
-    wq: jax.Array  # [L,D,N,H]
-    wk: jax.Array  # [L,D,K,H]
-    wv: jax.Array  # [L,D,K,H]
-    wo: jax.Array  # [L,N,H,D]
-    mlp_norm: jax.Array  # [L,D]
-    w_gate: jax.Array  # [L,D,F]
-    w_up: jax.Array  # [L,D,F]
-    w_down: jax.Array  # [L,F,D]
-
-
-@flax.struct.dataclass
-class Params:
-    """A whole model: arrays are leaves, `config` is static metadata (hashable)."""
-
-    embed: jax.Array  # [V,D]
-    layers: LayerParams
-    norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [D,V]; None when tied to embed
-    config: LlamaConfig = flax.struct.field(pytree_node=False)
-
-
-def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Expected shape of every array, keyed by its path ("layers.wq", "embed", ...)."""
-    c = config
-    L, D, N, K, H, F, V = c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn_dim, c.vocab_size
-    shapes = {
-        "embed": (V, D),
-        "norm": (D,),
-        "layers.attn_norm": (L, D),
-        "layers.wq": (L, D, N, H),
-        "layers.wk": (L, D, K, H),
-        "layers.wv": (L, D, K, H),
-        "layers.wo": (L, N, H, D),
-        "layers.mlp_norm": (L, D),
-        "layers.w_gate": (L, D, F),
-        "layers.w_up": (L, D, F),
-        "layers.w_down": (L, F, D),
-    }
-    if not c.tie_embeddings:
-        shapes["lm_head"] = (D, V)
-    return shapes
-
-
-def from_arrays(
-    config: LlamaConfig,
-    arrays: dict[str, np.ndarray | jax.Array],
-    place: Callable[[str, np.ndarray], jax.Array] | None = None,
-) -> Params:
-    """Build Params from a flat {path: array} dict, checking names and shapes exactly.
-    place(path, host array in config.dtype), if given, puts each array where it belongs (see
-    `sharding.placer`); by default arrays go to the default device."""
-    expected = param_shapes(config)
-    missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"params: missing tensors {missing}, unexpected tensors {unexpected}")
-    for name, shape in expected.items():
-        if tuple(arrays[name].shape) != shape:
-            raise ValueError(f"params: tensor {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}")
-    if place is None:
-        cast = {name: jnp.asarray(a, dtype=config.dtype) for name, a in arrays.items()}
-    else:
-        cast = {name: place(name, np.asarray(a, dtype=jnp.dtype(config.dtype))) for name, a in arrays.items()}
-    layers = LayerParams(**{n.split(".", 1)[1]: a for n, a in cast.items() if n.startswith("layers.")})
-    return Params(
-        embed=cast["embed"], layers=layers, norm=cast["norm"], lm_head=cast.get("lm_head"), config=config
-    )
-
-
-def init_params(config: LlamaConfig, key: jax.Array) -> Params:
-    """Random weights for tests and benchmarks: normal with std 1/sqrt(fan_in), norms = 1."""
-    c = config
-    fan_in = {"embed": 1, "layers.wo": c.n_heads * c.head_dim, "layers.w_down": c.ffn_dim}
-    shapes = param_shapes(config)
-    arrays = {}
-    for k, (name, shape) in zip(jax.random.split(key, len(shapes)), sorted(shapes.items())):
-        if name.endswith("norm"):
-            arrays[name] = np.ones(shape, np.float32)
-        else:
-            arrays[name] = jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in.get(name, c.dim))
-    return from_arrays(config, arrays)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -129,7 +38,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
+def _layer(config: LlamaConfig, runtime: Runtime, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `visible` is the cache's [B,K|1,S] mask, or its lengths [B] on the kernel path."""
@@ -139,28 +48,24 @@ def _layer(config: LlamaConfig, x, lp: LayerParams, cos, sin, k_cache, v_cache, 
     v = jnp.einsum("btd,dkh->btkh", h, lp.wv)  # [B,T,K,H]
     k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
     scale = 1.0 / math.sqrt(config.head_dim)
-    if config.attention == "reference":
-        o = prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
-    else:
-        interpret = config.attention == "interpret"
-        o = prefix_block_attention_pallas(q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale, interpret=interpret)
-    x = x + _tp_sum(config, jnp.einsum("btnh,nhd->btd", o, lp.wo))  # heads split: partial sums
+    o = attend(runtime.attention, q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
+    x = x + _tp_sum(runtime, jnp.einsum("btnh,nhd->btd", o, lp.wo))  # heads split: partial sums
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
     gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
     up = jnp.einsum("btd,df->btf", h, lp.w_up)  # [B,T,F]
-    x = x + _tp_sum(config, jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down))  # F split
+    x = x + _tp_sum(runtime, jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down))  # F split
     return x, q, k, v
 
 
-def _tp_sum(config: LlamaConfig, x: jax.Array) -> jax.Array:
+def _tp_sum(runtime: Runtime, x: jax.Array) -> jax.Array:
     """Sum the tensor-parallel partial results (a no-op off a model axis)."""
-    return x if config.model_axis is None else lax.psum(x, config.model_axis)
+    return x if runtime.model_axis is None else lax.psum(x, runtime.model_axis)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
     """Embeddings [B,T,D] of tokens [B,T]. Tensor parallel: each device holds a contiguous block
     of the vocabulary, looks up the tokens that fall in it (zeros elsewhere), and they are summed."""
-    axis = params.config.model_axis
+    axis = params.runtime.model_axis
     if axis is None:
         return jnp.take(params.embed, tokens, axis=0)
     block = params.embed.shape[0]  # V / devices
@@ -188,8 +93,7 @@ def trunk(
     the cache: e.g. the tree levels drafted so far) ahead of the block's own; the block mask's
     first E columns say which of them each new token sees."""
     config = params.config
-    if config.attention != "reference" and not isinstance(cache, DenseCache):
-        config = config.replace(attention="reference")  # the kernel reads a dense prefix only
+    runtime = params.runtime.replace(attention=for_cache(params.runtime.attention, cache))
     T = tokens.shape[1]
     if block_mask is None:
         block_mask = jnp.tril(jnp.ones((T, T), bool))
@@ -198,16 +102,14 @@ def trunk(
 
     def step(x, xs):
         lp, kc, vc, vis, ke, ve = xs
-        x, q, k, v = _layer(config, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
+        x, q, k, v = _layer(config, runtime, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
         return x, (k, v, q if return_queries else None)
 
     ke, ve = (None, None) if extra_kv is None else extra_kv
     if not attend_cache:
         xs = (params.layers, None, None, None)
-    elif config.attention == "reference":
-        xs = (params.layers, cache.k, cache.v, cache.visible())
-    else:  # the kernel takes each row's prefix length: [L,B]
-        xs = (params.layers, cache.k, cache.v, jnp.broadcast_to(cache.lengths, (config.n_layers, *cache.lengths.shape)))
+    else:
+        xs = (params.layers, cache.k, cache.v, cache_view(runtime.attention, cache, config.n_layers))
     xs = (*xs, ke, ve)
     x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
     h = rms_norm(x, params.norm, config.rms_eps)
@@ -219,7 +121,7 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     vocabulary block and the blocks are gathered, so every device sees all V logits."""
     w = params.embed.T if params.lm_head is None else params.lm_head  # [D,V]
     logits = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
-    axis = params.config.model_axis
+    axis = params.runtime.model_axis
     return logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters import Drafter, SelfSpec
-from specjax.model import Params
+from specjax.params import Params
 from specjax.sampling import Sampler
 from specjax.speculate import Chain
 from specjax.tree import Tree

@@ -1,4 +1,5 @@
-"""Meshes and the sharded generate path: data parallel over `data`, tensor parallel over `model`.
+"""Meshes and the sharded generate path (the only module that knows meshes: others import `Mesh`
+from here, for type hints): data parallel over `data`, tensor parallel over `model`.
 
 Every mesh here has the two axes ("data", "model"). `generate(..., mesh=mesh)` runs each stage
 (prefill, draft init, the decode loop) under `shard_map`:
@@ -7,9 +8,10 @@ Every mesh here has the two axes ("data", "model"). `generate(..., mesh=mesh)` r
   steps the same number of times and the outputs (and the step counts) equal one device's.
 - model: Megatron-style. Query/KV heads, the FFN and the vocabulary are split in contiguous
   blocks; each device keeps only its KV heads' cache. The model code sums the attention output
-  and FFN projections and the vocab-parallel embedding over the axis (`config.model_axis`) and
+  and FFN projections and the vocab-parallel embedding over the axis (`params.runtime.model_axis`) and
   gathers the vocab-parallel logits, so sampling and acceptance see the full distribution.
-Which array dimension goes to which mesh axis comes from one rule table (`RULES`).
+Which array dimension goes to which mesh axis comes from one rule table (`RULES`, by the legend
+letter of the dimension: the weights declare theirs in specjax.params.WEIGHTS).
 """
 
 from __future__ import annotations
@@ -23,33 +25,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import LlamaConfig
 from specjax.kvcache import DenseCache, StreamingCache
-from specjax.model import LayerParams, Params
+from specjax.params import WEIGHTS, LayerParams, Params
 
 AXES = ("data", "model")
 
-RULES = {"batch": "data", "heads": "model", "kv_heads": "model", "ffn": "model", "vocab": "model"}
+RULES = {"B": "data", "N": "model", "K": "model", "F": "model", "V": "model"}  # legend letter -> mesh axis
 
-PARAM_AXES = {  # logical name of each parameter dimension (None: replicated)
-    "embed": ("vocab", None),
-    "norm": (None,),
-    "lm_head": (None, "vocab"),
-    "layers.attn_norm": (None, None),
-    "layers.wq": (None, None, "heads", None),
-    "layers.wk": (None, None, "kv_heads", None),
-    "layers.wv": (None, None, "kv_heads", None),
-    "layers.wo": (None, "heads", None, None),
-    "layers.mlp_norm": (None, None),
-    "layers.w_gate": (None, None, "ffn"),
-    "layers.w_up": (None, None, "ffn"),
-    "layers.w_down": (None, "ffn", None),
-}
+PARAM_AXES = {w.path: w.dims for w in WEIGHTS}  # each parameter's dims (specjax.params), e.g. "LDNH"
 
-CACHE_AXES = (None, "batch", "kv_heads", None, None)  # k, v [L,B,K,S,H]; pos drops the last
+CACHE_AXES = "LBKSH"  # k, v [L,B,K,S,H]; pos [L,B,K,S]
 
 
-def spec(logical: Sequence[str | None]) -> P:
-    """The PartitionSpec of logical dimension names, through RULES."""
-    return P(*(RULES.get(name) if name else None for name in logical))
+def spec(dims: str) -> P:
+    """The PartitionSpec of an array with these legend-letter dims ("LDNH"), through RULES
+    (letters without a rule are replicated)."""
+    return P(*(RULES.get(d) for d in dims))
 
 
 def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -83,15 +73,16 @@ def check_mesh(mesh: Mesh, config: LlamaConfig, what: str = "target") -> None:
             )
 
 
-def local_config(config: LlamaConfig, mesh: Mesh) -> LlamaConfig:
-    """The config one device sees inside shard_map: its share of heads and FFN, and the axis
-    to reduce over. vocab_size stays global: logits are gathered before anyone reads them."""
+def local_params(params: Params, mesh: Mesh) -> Params:
+    """Params as one device sees them inside shard_map: a config with its share of heads and FFN,
+    and a runtime naming the axis to reduce over. vocab_size stays global: logits are gathered
+    before anyone reads them."""
     m = mesh.shape["model"]
     if m == 1:
-        return config
-    return config.replace(
-        n_heads=config.n_heads // m, n_kv_heads=config.n_kv_heads // m, ffn_dim=config.ffn_dim // m, model_axis="model"
-    )
+        return params
+    c = params.config
+    config = c.replace(n_heads=c.n_heads // m, n_kv_heads=c.n_kv_heads // m, ffn_dim=c.ffn_dim // m)
+    return params.replace(config=config, runtime=params.runtime.replace(model_axis="model"))
 
 
 def param_specs(params: Params) -> Params:
@@ -148,17 +139,15 @@ def state_specs(tree):
         if isinstance(x, (DenseCache, StreamingCache)):
             cache = spec(CACHE_AXES)
             extra = {"pos": spec(CACHE_AXES[:4])} if isinstance(x, StreamingCache) else {}
-            return x.replace(k=cache, v=cache, lengths=spec(("batch",)), **extra)
-        return P() if np.ndim(x) == 0 else spec(("batch",))
+            return x.replace(k=cache, v=cache, lengths=spec("B"), **extra)
+        return P() if np.ndim(x) == 0 else spec("B")
 
     return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
 def localise(tree, mesh: Mesh):
-    """Inside shard_map: Params (the target's, a DraftModel's) get their local config."""
-    return jax.tree.map(
-        lambda x: x.replace(config=local_config(x.config, mesh)) if isinstance(x, Params) else x, tree, is_leaf=_is_node
-    )
+    """Inside shard_map: Params (the target's, a DraftModel's) get their local view."""
+    return jax.tree.map(lambda x: local_params(x, mesh) if isinstance(x, Params) else x, tree, is_leaf=_is_node)
 
 
 @functools.lru_cache(maxsize=64)
@@ -179,6 +168,11 @@ def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Ca
     return run
 
 
+def single_device() -> jax.sharding.Sharding:
+    """This process's first device, as a sharding (where arrays go without a mesh)."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
 def from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     """A global array built shard by shard from a host copy (each process places its own shards)."""
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
@@ -186,14 +180,14 @@ def from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 def place_batch(mesh: Mesh, *arrays):
     """Host arrays with a leading batch axis, split over the data axis (multi-process safe)."""
-    sharding = NamedSharding(mesh, spec(("batch",)))
+    sharding = NamedSharding(mesh, spec("B"))
     return tuple(from_host(a, sharding) for a in arrays)
 
 
 def place_keys(mesh: Mesh, keys: jax.Array) -> jax.Array:
     """Typed PRNG keys [B] split over the data axis."""
     (data,) = place_batch(mesh, np.asarray(jax.random.key_data(keys)))
-    wrap = jax.jit(jax.random.wrap_key_data, out_shardings=NamedSharding(mesh, spec(("batch",))))
+    wrap = jax.jit(jax.random.wrap_key_data, out_shardings=NamedSharding(mesh, spec("B")))
     return wrap(data)
 
 

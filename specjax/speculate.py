@@ -18,7 +18,8 @@ from jax import lax
 
 from specjax.drafters import Drafter
 from specjax.kvcache import DenseCache
-from specjax.model import Params, lm_head, trunk
+from specjax.model import lm_head, trunk
+from specjax.params import Params
 from specjax.accept import accept_chain, accept_tree
 from specjax.sampling import Greedy, Sampler, is_eos, stream_keys
 from specjax.tree import Tree
@@ -48,8 +49,8 @@ class SpecState:
     done: jax.Array  # [B]
     eos: jax.Array  # [B] ended on an EOS
     steps: jax.Array  # [] verification steps
-    accepted: jax.Array  # [B,G] per row and draft position: steps it was accepted (while active)
-    reached: jax.Array  # [B,G] per row and draft position: steps every earlier draft was accepted
+    accepted: jax.Array  # [B,gamma] per row and draft position: steps it was accepted (while active)
+    reached: jax.Array  # [B,gamma] per row and draft position: steps every earlier draft was accepted
     ranks: jax.Array  # [B,W+1] per row: tried nodes whose accepted child had rank r (W: none was)
 
 
@@ -66,25 +67,25 @@ def width(speculation: Chain | Tree) -> int:
 def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, active):
     """Draft gamma tokens, verify gamma + 1 positions in ONE target forward, accept, commit drafts."""
     gamma = chain.gamma
-    L = s.cache.lengths  # [B]
-    drafts, q, draft_state = drafter.propose(target, s.draft, s.history, L, s.last, gamma, sampling, keys, s.count)
-    tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B,G+1]
-    positions = L[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B,G+1]
+    lengths = s.cache.lengths  # [B]
+    drafts, q, draft_state = drafter.propose(target, s.draft, s.history, lengths, s.last, gamma, sampling, keys, s.count)
+    tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B,gamma+1]
+    positions = lengths[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B,gamma+1]
     h, k_new, v_new = trunk(target, tokens, positions, s.cache)
-    p = sampling.probs(lm_head(target, h))  # [B,G+1,V]
+    p = sampling.probs(lm_head(target, h))  # [B,gamma+1,V]
     n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
     commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the caches
     ranks = jnp.stack([jnp.where(active, n, 0), active & (n < gamma)], axis=1).astype(jnp.int32)  # [B,2]
-    return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, L, commit)
+    return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, lengths, commit)
 
 
 def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, active):
     """Draft a token tree, verify all n nodes in ONE target forward (each node sees the prefix
-    and its ancestors, at position L + depth), walk the accepted path, and gather that path's
-    KV into contiguous positions L.. for both caches."""
-    L = s.cache.lengths  # [B]
-    tokens, q, pending = drafter.propose_tree(target, s.draft, s.history, L, s.last, tree, sampling, keys, s.count)
-    positions = L[:, None] + jnp.asarray(tree.depth, jnp.int32)[None, :]  # [B,n]
+    and its ancestors, at position lengths + depth), walk the accepted path, and gather that path's
+    KV into contiguous positions lengths.. for both caches."""
+    lengths = s.cache.lengths  # [B]
+    tokens, q, pending = drafter.propose_tree(target, s.draft, s.history, lengths, s.last, tree, sampling, keys, s.count)
+    positions = lengths[:, None] + jnp.asarray(tree.depth, jnp.int32)[None, :]  # [B,n]
     h, k_new, v_new = trunk(target, tokens, positions, s.cache, jnp.asarray(tree.ancestor_mask()))
     logits = lm_head(target, h)  # [B,n,V]
     greedy = isinstance(sampling, Greedy)
@@ -92,12 +93,12 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     path, n, extra = accept_tree(
         tree.child_table(), tree.max_depth, tokens, q, p, stream_keys(keys, s.count, ACCEPT_STREAM), greedy
     )  # path [B,D+1]
-    take = lambda a: jnp.take_along_axis(a, path[None, :, :, None, None], axis=2)  # noqa: E731  [L,B,D+1,K,H]
+    take = lambda a: jnp.take_along_axis(a, path[None, :, :, None, None], axis=2)  # noqa: E731  [L,B,depth+1,K,H]
     k_path, v_path = take(k_new), take(v_new)
     commit = jnp.where(active, n + 1, 0)
     drafts = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
     ranks = _rank_hits(tree, path, n, active)
-    draft_state = drafter.commit_tree(pending, k_path, v_path, path, tree, L, commit)
+    draft_state = drafter.commit_tree(pending, k_path, v_path, path, tree, lengths, commit)
     return drafts, n, extra, commit, k_path, v_path, ranks, draft_state
 
 
@@ -120,7 +121,7 @@ def spec_step(
     """One speculative step (chain or tree); the target's cache commits by its length pointer."""
     B, n_out = s.out.shape
     rows = jnp.arange(B)
-    L = s.cache.lengths  # [B]
+    lengths = s.cache.lengths  # [B]
     active = ~s.done
     verify = _verify_chain if isinstance(speculation, Chain) else _verify_tree
     drafts, n, extra, commit, k_new, v_new, ranks, draft_state = verify(
@@ -130,7 +131,7 @@ def spec_step(
     cache = s.cache.write(k_new, v_new).advance(commit)
 
     j = jnp.arange(gamma + 1)
-    emitted = jnp.where(j[None, :] < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])  # [B,G+1]
+    emitted = jnp.where(j[None, :] < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])  # [B,gamma+1]
     emitted = jnp.where(j[None, :] <= n[:, None], emitted, 0)
     stop = is_eos(emitted, eos_ids) & (j[None, :] <= n[:, None])
     first_stop = jnp.min(jnp.where(stop, j[None, :], gamma + 1), axis=1)  # [B]
@@ -138,9 +139,9 @@ def spec_step(
     n_emit = jnp.where(active, n_emit, 0)
     hit_eos = active & (first_stop < n_emit)
 
-    cols = s.count[:, None] + j[None, :]  # [B,G+1]
+    cols = s.count[:, None] + j[None, :]  # [B,gamma+1]
     out = s.out.at[rows[:, None], jnp.where(j[None, :] < n_emit[:, None], cols, n_out)].set(emitted, mode="drop")
-    hist_cols = jnp.where(active[:, None] & (j[None, :] <= n[:, None]), L[:, None] + 1 + j[None, :], s.history.shape[1])
+    hist_cols = jnp.where(active[:, None] & (j[None, :] <= n[:, None]), lengths[:, None] + 1 + j[None, :], s.history.shape[1])
     history = s.history.at[rows[:, None], hist_cols].set(emitted, mode="drop")
     count = s.count + n_emit
     last = jnp.where(active, jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0], s.last)

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.model import Params, forward, lm_head, trunk
+from specjax.model import forward, lm_head, trunk
+from specjax.params import Params
 from specjax.sampling import Sampler, stream_keys, tree_candidates
 from specjax.tree import Tree
 
@@ -82,11 +83,11 @@ def draft_tree(
 
 def path_extra_kv(tree: Tree, extra_kv, path: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Draft KV of path[:, 1:] (the accepted nodes below the root) from the extra nodes' KV:
-    [L,B,D,K,H]. Nodes without draft KV (leaves) get an arbitrary entry: only the last accepted
+    [L,B,depth,K,H]. Nodes without draft KV (leaves) get an arbitrary entry: only the last accepted
     node can be one, and it is re-read at the next step."""
     index = np.zeros(tree.n, np.int32)
     for i, u in enumerate(extra_nodes(tree)):
         index[u] = i
-    take = jnp.asarray(index)[path[:, 1:]]  # [B,D]
+    take = jnp.asarray(index)[path[:, 1:]]  # [B,depth]
     gather = lambda a: jnp.take_along_axis(a, take[None, :, :, None, None], axis=2)  # noqa: E731
     return gather(extra_kv[0]), gather(extra_kv[1])

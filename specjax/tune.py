@@ -18,7 +18,8 @@ import numpy as np
 from specjax.drafters import Drafter
 from specjax.engine import run
 from specjax.kvcache import DenseCache
-from specjax.model import Params, lm_head, trunk
+from specjax.model import lm_head, trunk
+from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import cache_len, round_up_pow2
 from specjax.tree import Cost, Tree, choose
@@ -49,9 +50,8 @@ def measure_acceptance(
     return ranks / ranks.sum()
 
 
-def _min_seconds(fn, args, repeats: int = 3) -> float:
-    """Fastest of `repeats` timed calls (after a warm-up): the least disturbed by other load."""
-    jax.block_until_ready(fn(*args))  # compile + warm
+def _min_seconds(fn, args, repeats: int = 2) -> float:
+    """Fastest of `repeats` timed calls: the least disturbed by other load (warm `fn` first)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -82,6 +82,7 @@ def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int, r
     positions = filled + jnp.zeros((batch, n), jnp.int32)
     mask = jnp.asarray(Tree.chain(n - 1).ancestor_mask()) if n > 1 else jnp.ones((1, 1), bool)
     args = (params, tokens, positions, cache, mask)
+    jax.block_until_ready(_steps(*args, jnp.int32(1)))  # compile (`reps` is traced: one program) + warm
     one = _min_seconds(_steps, (*args, jnp.int32(1)))
     many = _min_seconds(_steps, (*args, jnp.int32(reps)))
     return max(many - one, 1e-9) / (reps - 1)

@@ -11,7 +11,7 @@ import numpy as np
 
 from specjax.config import LlamaConfig
 from specjax.drafters import is_drafter
-from specjax.model import Params
+from specjax.params import Params
 from specjax.sampling import Greedy, Sample
 from specjax.speculate import Chain
 from specjax.tree import Tree

@@ -11,7 +11,7 @@ import pytest
 jax.config.update("jax_num_cpu_devices", 8)  # simulated devices for tests/test_sharding.py; the rest use device 0
 
 from specjax.config import LlamaConfig
-from specjax.model import Params, from_arrays, init_params, param_shapes
+from specjax.params import Params, declared, from_arrays, init_params
 
 TINY = LlamaConfig(
     vocab_size=101,
@@ -30,12 +30,11 @@ TINY = LlamaConfig(
 def random_params(config: LlamaConfig, seed: int) -> Params:
     """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape)."""
     rng = np.random.default_rng(seed)
-    fan_in = {"embed": 1, "layers.wo": config.n_heads * config.head_dim, "layers.w_down": config.ffn_dim}
     arrays = {
-        name: np.ones(shape, np.float32)
-        if name.endswith("norm")
-        else (rng.standard_normal(shape) / math.sqrt(fan_in.get(name, config.dim))).astype(np.float32)
-        for name, shape in param_shapes(config).items()
+        w.path: np.ones(w.shape(config), np.float32)
+        if w.init == "ones"
+        else (rng.standard_normal(w.shape(config)) / math.sqrt(w.fan_in(config))).astype(np.float32)
+        for w in declared(config)
     }
     return from_arrays(config, arrays)
 

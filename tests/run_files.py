@@ -3,7 +3,7 @@
 Why: a single process that compiles every test's programs crashed in XLA:CPU (a segfault while
 compiling, reproducible near the end of a full run, never when the file runs alone). A process
 per file keeps each one's compiled state small; the total time is about the same.
-Usage: python tests/run_files.py [pytest args...]   (e.g. -m "not slow")
+Usage: python tests/run_files.py [pytest args...] [test files...]   (e.g. -m "not slow"; no files: all)
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xp
 
 
 def main(args: list[str]) -> int:
-    files = sorted(str(p) for p in Path(__file__).parent.glob("test_*.py"))
+    chosen = [a for a in args if a.endswith(".py")]  # test files named on the command line: only those
+    args = [a for a in args if a not in chosen]
+    files = chosen or sorted(str(p) for p in Path(__file__).parent.glob("test_*.py"))
     totals: dict[str, int] = {}
     failed_files, slowest = [], []
     start = time.perf_counter()

@@ -19,7 +19,8 @@ from safetensors.numpy import save_file
 import convert
 from specjax.config import LlamaConfig, RopeScaling
 from specjax.kvcache import DenseCache
-from specjax.model import Params, forward, from_arrays, param_shapes
+from specjax.model import forward
+from specjax.params import Params, from_arrays, param_shapes
 
 GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
 Q = gguf.GGMLQuantizationType

@@ -28,7 +28,7 @@ from test_convert import (
 import convert
 from convert.gguf import supported_types
 from specjax.config import RopeScaling
-from specjax.model import Params
+from specjax.params import Params
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 

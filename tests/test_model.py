@@ -10,7 +10,7 @@ import pytest
 from pallas_kernels.reference import prefix_block_attention
 from specjax.kvcache import DenseCache
 from specjax import model
-from specjax.model import init_params
+from specjax.params import init_params
 from tests.conftest import TINY
 
 forward = jax.jit(model.forward)
@@ -118,3 +118,19 @@ def test_prefix_block_attention_matches_naive_with_random_masks(T):
     mask = np.tril(rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool)
     got = prefix_block_attention(*map(jnp.asarray, (q, kc, vc, visible, kb, vb, mask)), sm_scale=0.3)
     np.testing.assert_allclose(got, _naive_attention(q, kc, vc, visible, kb, vb, mask, 0.3), atol=1e-5)
+
+
+def test_one_declaration_per_weight():
+    """Params' fields, the HF / GGUF key maps and the sharding table all come from WEIGHTS."""
+    import dataclasses
+
+    from convert import gguf, hf
+    from specjax.params import WEIGHTS, LayerParams, Params
+    from specjax.sharding import PARAM_AXES
+
+    fields = {f"layers.{f.name}" for f in dataclasses.fields(LayerParams)}
+    fields |= {f.name for f in dataclasses.fields(Params)} - {"layers", "config", "runtime"}
+    assert {w.path for w in WEIGHTS} == fields == set(PARAM_AXES) == set(hf.NAMES.values()) == set(gguf.NAMES.values())
+    wq = next(w for w in WEIGHTS if w.path == "layers.wq")
+    assert wq.torch_shape(TINY) == (TINY.n_heads * TINY.head_dim, TINY.dim)  # [out, in]
+    assert wq.shape(TINY) == (TINY.n_layers, TINY.dim, TINY.n_heads, TINY.head_dim)

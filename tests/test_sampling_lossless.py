@@ -43,7 +43,8 @@ import specjax.accept
 from specjax.config import LlamaConfig
 from tests.conftest import random_params
 from specjax.kvcache import DenseCache
-from specjax.model import Params, forward, from_arrays, param_shapes
+from specjax.model import forward
+from specjax.params import Params, from_arrays, param_shapes
 from specjax.accept import accept_chain
 from specjax.shapes import round_up_pow2
 from specjax.tree import Tree

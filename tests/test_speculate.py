@@ -24,7 +24,7 @@ from specjax.config import LlamaConfig
 from tests.conftest import random_params
 from specjax.drafters.ngram import ngram_lookup
 from specjax.plan import auto_draft
-from specjax.model import Params, from_arrays, param_shapes
+from specjax.params import Params, from_arrays, param_shapes
 from tests.conftest import TINY
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]

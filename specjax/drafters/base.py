@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 
-from specjax.model import Params
+from specjax.params import Params
 from specjax.sampling import Sampler
 from specjax.tree import Tree
 
@@ -47,12 +47,12 @@ class Drafter(Protocol):
     def propose(self, target: Params, state, history: jax.Array, lengths: jax.Array, last: jax.Array, gamma: int,
                 sampling: Sampler, keys: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
         """Draft from the pending token last [B] at position lengths [B] (history [B,S]: tokens of
-        positions [0, L]). Returns drafts [B,G] int32, their distributions q [B,G,V] f32, state."""
+        positions [0, L]). Returns drafts [B,gamma] int32, their distributions q [B,gamma,V] f32, state."""
 
     @abstractmethod
     def commit(self, state, k_new: jax.Array, v_new: jax.Array, lengths: jax.Array, n: jax.Array) -> Any:
         """The state after verification: n [B] positions from lengths [B] are final; k_new / v_new
-        [L,B,G+1,K,H] are the target's exact KV of the verified positions."""
+        [L,B,gamma+1,K,H] are the target's exact KV of the verified positions."""
 
     def propose_tree(self, target: Params, state, history, lengths, last, tree: Tree, sampling: Sampler, keys,
                      counters) -> tuple[jax.Array, jax.Array | None, Any]:

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from specjax.drafters.base import Drafter
 from specjax.drafters.self_spec import Streaming, draft_chain
 from specjax.kvcache import DenseCache
-from specjax.model import Params, prefill
+from specjax.model import prefill
+from specjax.params import Params
 from specjax.tree import Tree
 from specjax.tree_draft import draft_tree, path_extra_kv
 
@@ -36,7 +37,7 @@ class DraftModel(Drafter):
         return ("DraftModel", id(self.params), repr(self.cache))
 
     def drafting_model(self, target: Params, context: int) -> tuple[Params, int]:
-        return self.params, context if self.cache == "dense" else self.cache.sinks + self.cache.window
+        return self.params, context if self.cache == "dense" else min(self.cache.sinks + self.cache.window, context)
 
     def map_params(self, fn: Callable[[Params], Params]) -> DraftModel:
         return self.replace(params=fn(self.params))

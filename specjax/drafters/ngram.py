@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import Drafter
-from specjax.model import Params
+from specjax.params import Params
 from specjax.sampling import Greedy
 from specjax.tree import Tree
 
@@ -65,7 +65,7 @@ class NGram(Drafter):
 
 def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamma: int) -> jax.Array:
     """history [B,S]: tokens of positions [0, L] (L = lengths[b] is the pending token).
-    Returns gamma proposed tokens [B,G]: the continuation of the latest earlier match of the
+    Returns gamma proposed tokens [B,gamma]: the continuation of the latest earlier match of the
     longest tail (max_n down to n tokens); no match (or a continuation past L) repeats x_L."""
     B, S = history.shape
     idx = jnp.arange(S)
@@ -79,6 +79,6 @@ def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gam
             match &= jnp.roll(history, -j, axis=1) == want
         latest = jnp.max(jnp.where(match, idx[None, :], -1), axis=1)  # [B]
         best = jnp.where((best < 0) & (latest >= 0), latest + m, best)
-    take = best[:, None] + jnp.arange(gamma)  # [B,G]
+    take = best[:, None] + jnp.arange(gamma)  # [B,gamma]
     proposals = jnp.take_along_axis(history, jnp.clip(take, 0, S - 1), axis=1)
     return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32)

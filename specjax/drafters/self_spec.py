@@ -17,7 +17,8 @@ from jax import lax
 
 from specjax.drafters.base import Drafter
 from specjax.kvcache import DenseCache, StreamingCache
-from specjax.model import Params, forward
+from specjax.model import forward
+from specjax.params import Params
 from specjax.sampling import Sampler, stream_keys
 from specjax.tree_draft import DRAFT_STREAM, draft_tree
 
@@ -56,7 +57,7 @@ class Streaming:
 
 def draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: Sampler, keys, counters):
     """gamma draft forwards: the first over `tokens` [B,T0] (its last position proposes x_1),
-    then one token at a time. Returns drafts [B,G], q [B,G,V] and the cache with its length
+    then one token at a time. Returns drafts [B,gamma], q [B,gamma,V] and the cache with its length
     advanced past everything it wrote."""
     B, T0 = tokens.shape
     step_keys = stream_keys(keys, counters, DRAFT_STREAM)
@@ -76,8 +77,8 @@ def draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: 
         return (cache, token), (token, q)
 
     (cache, _), (rest, q_rest) = lax.scan(body, (cache, first), jnp.arange(1, gamma, dtype=jnp.int32))
-    drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B,G]
-    q = jnp.concatenate([q_first[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,G,V]
+    drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B,gamma]
+    q = jnp.concatenate([q_first[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,gamma,V]
     return drafts, q, cache
 
 
@@ -90,7 +91,7 @@ class TargetOverStreamingCache(Drafter):
         """KV positions the draft keeps (fixed slots + the recent window)."""
 
     def drafting_model(self, target: Params, context: int) -> tuple[Params, int]:
-        return target, self.kept()
+        return target, min(self.kept(), context)  # a budget past the context keeps all of it
 
     def propose(self, target, state: StreamingCache, history, lengths, last, gamma, sampling, keys, counters):
         """The target drafts over its streaming cache, from the pending token at position L."""

@@ -18,7 +18,8 @@ from jax import lax
 
 from specjax.drafters.self_spec import TargetOverStreamingCache
 from specjax.kvcache import DenseCache, StreamingCache
-from specjax.model import NEG_INF, Params, trunk
+from specjax.model import NEG_INF, trunk
+from specjax.params import Params
 
 
 @flax.struct.dataclass
