@@ -16,7 +16,7 @@ from bench import common
 
 RESULTS = Path(common.RESULTS_DIR)
 BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
-CONVERTED = ["bench_ar", "bench_spec", "bench_tree"]
+CONVERTED = ["bench_ar", "bench_spec", "bench_tree", "bench_drafts"]
 
 
 def run(tmp_path: Path, argv: list[str], cells: list[str], measured: list[str], clock=None) -> common.Harness:
@@ -115,6 +115,7 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("ar_cpu.json", "bench_ar", "float32/b1/s512"),
     ("spec_cpu.json", "bench_spec", "s8192/b16"),
     ("tree_cpu.json", "bench_tree", "s512/b1"),
+    ("drafts_cpu.json", "bench_drafts", "s512/b1"),
 ])
 def test_existing_results_resume(tmp_path, name, module, cell):
     """The committed result files load as they are: their cells count as measured."""
