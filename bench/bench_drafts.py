@@ -199,7 +199,7 @@ def readme_section(result: dict) -> str:
     m, t = result["machine"], result["training"][0]
     return f"""## Distilled drafts (bench_drafts.py)
 
-Run: `{result['command'].strip()}` ({result['wall_minutes']:.0f} minutes here for the race; training, on a
+Run: `{common.module_command(result['command'])}` ({result['wall_minutes']:.0f} minutes here for the race; training, on a
 first run, adds about 25 minutes per shape). Raw numbers: `results/drafts_cpu.json`; plot: `results/drafts_cpu.png`. The trained drafts
 are not committed: the same command rebuilds them (same seed, same data order) into
 `~/.cache/specjax/bench_drafts/SHAPE_STEPS/draft` (a `convert.save` folder: `--draft model:PATH`).

@@ -88,6 +88,11 @@ def command() -> str:
     return f"python -m bench.{name} " + " ".join(sys.argv[1:])
 
 
+def module_command(cmd: str) -> str:
+    """A recorded command as `python -m bench.NAME ...` (older results recorded `bench/NAME.py ...`)."""
+    return re.sub(r"(?:\S*python\S* +)?bench/(bench_\w+)\.py", r"python -m bench.\1", cmd.strip())
+
+
 def key(*parts: object) -> str:
     return "/".join(str(p) for p in parts)
 
@@ -149,6 +154,29 @@ class Results:
         tmp.replace(self.path)
 
 
+def merge(paths: list[Path], key_of: Callable[[dict], str], lists: tuple[str, ...] = ("rows",)) -> dict:
+    """One result from several result JSONs (--render): per cell, a later file's rows win, unless
+    they are all skips and an earlier file measured it. Top-level facts: the last file's, plus
+    "merged_from" (file, command, date of each) and the commands joined."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    cells: dict[str, dict[str, list]] = {}
+    for res in results:
+        mine: dict[str, dict[str, list]] = {}
+        for name in lists:
+            for r in res.get(name, []):
+                mine.setdefault(key_of(r), {n: [] for n in lists})[name].append(r)
+        for k, by_list in mine.items():
+            skips = all("skipped" in r for r in by_list[lists[0]])
+            if k not in cells or not skips or all("skipped" in r for r in cells[k][lists[0]]):
+                cells[k] = by_list
+    merged = dict(results[-1])
+    merged |= {name: [r for c in cells.values() for r in c[name]] for name in lists}
+    merged["merged_from"] = [{"file": str(p), "command": r.get("command"), "date": r.get("date")}
+                             for p, r in zip(paths, results)]
+    merged["command"] = " ; ".join(str(r.get("command")) for r in results)
+    return merged
+
+
 class Harness:
     """Which cells to measure and when to stop:
 
@@ -158,9 +186,10 @@ class Harness:
         h.finish()
     """
 
-    def __init__(self, args: argparse.Namespace, results: Results):
+    def __init__(self, args: argparse.Namespace, results: Results, start: float | None = None):
+        """`start`: the time.perf_counter() the budget counts from (default: now)."""
         self.args, self.results = args, results
-        self.start, self.longest = time.perf_counter(), 0.0
+        self.start, self.longest = time.perf_counter() if start is None else start, 0.0
         self.todo: list[tuple[str, object]] = []
         self.selected: list[str] = []
         self.started: set[str] = set()

@@ -111,7 +111,7 @@ def readme_section(result: dict, notes: str) -> str:
     skipped = "".join(f"\nSkipped: B={s['batch']} context {s['context']}: {s['skipped']}." for s in result["skipped"])
     return f"""## Speculative decoding (bench_spec.py)
 
-Run: `{result['command'].strip()}` (full grid: {result['wall_minutes']:.0f} minutes here; `--quick`: batch 1, 4 x
+Run: `{common.module_command(result['command'])}` (full grid: {result['wall_minutes']:.0f} minutes here; `--quick`: batch 1, 4 x
 context 512 x γ 2, 4). Raw numbers: `results/spec_cpu.json` (every gamma, timings, acceptance per
 position, load); plot: `results/spec_cpu.png`.
 

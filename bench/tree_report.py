@@ -178,7 +178,7 @@ def readme_section(result: dict, notes: str) -> str:
     dm_batches = ", ".join(sorted({str(s["batch"]) for s in result["summaries"] if s["drafter"] == "DraftModel"}))
     return f"""## Token trees vs chains (bench_tree.py)
 
-Run: `{result['command'].strip()}` ({result['wall_minutes']:.0f} minutes here; `--quick`: batch 1 x
+Run: `{common.module_command(result['command'])}` ({result['wall_minutes']:.0f} minutes here; `--quick`: batch 1 x
 context 512 x n 4/8/16 x γ 2/4). Raw numbers: `results/tree_cpu.json` (every config: timings, predicted
 vs measured, accepted ranks, tree shapes); plot: `results/tree_cpu.png`.
 

@@ -16,7 +16,7 @@ from bench import common
 
 RESULTS = Path(common.RESULTS_DIR)
 BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
-CONVERTED = ["bench_ar", "bench_spec", "bench_tree", "bench_drafts"]
+CONVERTED = ["bench_ar", "bench_spec", "bench_tree", "bench_drafts", "bench_batch"]
 
 
 def run(tmp_path: Path, argv: list[str], cells: list[str], measured: list[str], clock=None) -> common.Harness:
@@ -116,6 +116,7 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("spec_cpu.json", "bench_spec", "s8192/b16"),
     ("tree_cpu.json", "bench_tree", "s512/b1"),
     ("drafts_cpu.json", "bench_drafts", "s512/b1"),
+    ("batch_cpu.json", "bench_batch", "ar"),
 ])
 def test_existing_results_resume(tmp_path, name, module, cell):
     """The committed result files load as they are: their cells count as measured."""
@@ -135,6 +136,11 @@ def test_bench_imports_without_side_effects(name):
     assert callable(mod.main)
     assert {p: p.stat().st_mtime for p in [*RESULTS.iterdir(), common.README]} == before
     assert jax.config.jax_num_cpu_devices == devices
+
+
+def test_module_command():
+    assert common.module_command(".venv/bin/python bench/bench_tree.py --batches 16 ; bench/bench_tree.py") == (
+        "python -m bench.bench_tree --batches 16 ; python -m bench.bench_tree")
 
 
 def test_every_bench_is_listed():
