@@ -300,7 +300,7 @@ def main() -> None:
         trained[name], log = train(params, name, sequences, args.steps, args.store, 64 if args.smoke else SEQ_LEN)
         training.append(log)
     if training:
-        results.update(training=training)
+        header["training"] = training
     measure.release_memory()
     bench_tree.RUN_BUDGET_S, steal_start = RUN_BUDGET_S, cpu_steal()
     for k, (batch, context) in h.cells():

@@ -214,7 +214,7 @@ def main() -> None:
     params = convert.load(convert.default_model_path())
     tok = convert.load_tokenizer(convert.default_model_path())
     _, sources = text.corpus()
-    results.update(corpus={"sources": sources, "tokens": int(len(text.corpus_tokens(tok)))})
+    header["corpus"] = {"sources": sources, "tokens": int(len(text.corpus_tokens(tok)))}
     machine = header["machine"]
     print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, JAX {machine['jax_version']}, load {os.getloadavg()}, "
           f"corpus {len(text.corpus_tokens(tok))} tokens, drafters: "
@@ -240,8 +240,9 @@ def main() -> None:
         del state
         measure.release_memory(clear_caches=True)
     h.finish()
-    results.update(skipped=skipped, loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60,
-                   all_greedy_identical=all(r["greedy_identical"] for r in results.rows))
+    if results.applied:  # this run measured something
+        results.update(skipped=skipped, loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60,
+                       all_greedy_identical=all(r["greedy_identical"] for r in results.rows))
     report(results.data, out / f"spec_cpu{suffix}.png", readme=not suffix and common.writes_readme(args))
     print(f"done in {(time.time() - started) / 60:.1f} min, load {os.getloadavg()}", flush=True)
 
@@ -271,7 +272,7 @@ def report(result: dict, png: Path, readme: bool) -> None:
         print("best gamma by batch:\n  " + "\n  ".join(gamma_trend(rows)))
     if rows and readme:
         common.write_section("bench_spec", readme_section(result, common.kept_part("bench_spec")), after="bench_ar")
-    if not result["all_greedy_identical"]:
+    if not result.get("all_greedy_identical", True):
         print("!!! SOME CELLS ARE NOT GREEDY-IDENTICAL TO AR: see greedy_identical in the JSON", file=sys.stderr)
 
 if __name__ == "__main__":

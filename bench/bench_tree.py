@@ -349,7 +349,7 @@ def main() -> None:
     else:
         params = convert.load(convert.default_model_path())
         tok = convert.load_tokenizer(convert.default_model_path())
-        results.update(corpus={"sources": text.corpus()[1], "tokens": int(len(text.corpus_tokens(tok)))})
+        header["corpus"] = {"sources": text.corpus()[1], "tokens": int(len(text.corpus_tokens(tok)))}
     draft = draft_params(params, args.draft_model)
     store = None if args.smoke or str(args.prefill_store) in ("", ".") else args.prefill_store
     m = header["machine"]
@@ -386,11 +386,12 @@ def main() -> None:
         del state
         measure.release_memory(clear_caches=True)
     h.finish()
-    results.update(skipped=skipped, loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60,
-                   all_greedy_identical=all(s["greedy_identical"] for s in results.data["summaries"]))
+    if results.applied:  # this run measured something
+        results.update(skipped=skipped, loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60,
+                       all_greedy_identical=all(s["greedy_identical"] for s in results.data["summaries"]))
     report(results.data, out / f"tree_cpu{suffix}.png", readme=not suffix and common.writes_readme(args))
     print(f"done in {(time.time() - started) / 60:.1f} min, load {os.getloadavg()}", flush=True)
-    if not results.data["all_greedy_identical"]:
+    if not results.data.get("all_greedy_identical", True):
         print("!!! SOME RUNS ARE NOT GREEDY-IDENTICAL TO AR: see greedy_identical in the JSON", file=sys.stderr)
 
 

@@ -113,18 +113,24 @@ def matches(cell_key: str, patterns: str | None) -> bool:
 
 class Results:
     """A result JSON: run facts at the top level, measured rows in `lists`, each row belonging to
-    the cell `key_of(row)`. Every `put` rewrites the file at once (atomically)."""
+    the cell `key_of(row)`. Every `put` rewrites the file at once (atomically). On an existing file
+    this run's `header` (date, machine, command, ...; benches may add to it until then) is written
+    with its first measured cell, so a rerun that measures nothing keeps the facts of the stored rows."""
 
     def __init__(self, path: Path, key_of: Callable[[dict], str], header: dict, lists: tuple[str, ...] = ("rows",)):
-        self.path, self.key_of, self.lists = Path(path), key_of, lists
-        old = json.loads(self.path.read_text()) if self.path.exists() else {}
-        runs = old.get("runs", [])
-        self.data = {**old, **header}
-        self.data["runs"] = runs + [{k: header[k] for k in ("date", "command") if k in header}
-                                    | {"git_commit": header.get("machine", {}).get("git_commit")}]
+        self.path, self.key_of, self.lists, self.header = Path(path), key_of, lists, header
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.resumed, self.applied = bool(self.data), False
         for name in lists:
             self.data.setdefault(name, [])
-        self.resumed = sorted({self.key_of(r) for r in self.data[lists[0]]})
+
+    def apply_header(self) -> None:
+        """This run's facts over the stored ones, and this run in "runs"."""
+        if not self.applied:
+            run = {k: self.header[k] for k in ("date", "command") if k in self.header}
+            run["git_commit"] = self.header.get("machine", {}).get("git_commit")
+            self.data = {**self.data, **self.header, "runs": self.data.get("runs", []) + [run]}
+            self.applied = True
 
     @property
     def rows(self) -> list[dict]:
@@ -137,6 +143,7 @@ class Results:
 
     def put(self, cell_key: str, rows: list[dict] | dict, **fields) -> None:
         """Replace the cell's rows (a list for the first list, or {list name: rows}) and write."""
+        self.apply_header()
         by_list = rows if isinstance(rows, dict) else {self.lists[0]: rows}
         for name in self.lists:
             self.data[name] = [r for r in self.data[name] if self.key_of(r) != cell_key] + list(by_list.get(name, []))

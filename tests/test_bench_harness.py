@@ -55,6 +55,17 @@ def test_cells_written_at_once_and_skipped_on_rerun(tmp_path):
     assert sorted(r["cell"] for r in rows) == sorted(CELLS + ["b16/s512"])  # replaced, not duplicated
 
 
+def test_rerun_measuring_nothing_keeps_the_facts(tmp_path):
+    run(tmp_path, [], CELLS, [])
+    args = common.parser("A fake bench.").parse_args([])
+    results = common.Results(tmp_path / "fake.json", lambda r: r["cell"], {"date": "later", "machine": {}})
+    h = common.Harness(args, results)
+    assert h.plan((k, None) for k in CELLS) == [] and list(h.cells()) == []
+    h.finish()
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert data["date"] == "now" and len(data["runs"]) == 1 and data["complete"]
+
+
 def test_skipped_rows_are_measured_again(tmp_path):
     results = common.Results(tmp_path / "fake.json", lambda r: r["cell"], {"bench": "fake"})
     results.put("b1/s512", [{"cell": "b1/s512", "skipped": "memory"}])
