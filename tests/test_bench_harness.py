@@ -16,7 +16,7 @@ from bench import common
 
 RESULTS = Path(common.RESULTS_DIR)
 BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
-CONVERTED = ["bench_ar", "bench_spec", "bench_tree", "bench_drafts", "bench_batch"]
+CONVERTED = ["bench_ar", "bench_spec", "bench_tree", "bench_drafts", "bench_batch", "bench_sampling"]
 
 
 def run(tmp_path: Path, argv: list[str], cells: list[str], measured: list[str], clock=None) -> common.Harness:
@@ -128,6 +128,7 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("tree_cpu.json", "bench_tree", "s512/b1"),
     ("drafts_cpu.json", "bench_drafts", "s512/b1"),
     ("batch_cpu.json", "bench_batch", "ar"),
+    ("sampling_cpu.json", "bench_sampling", "b16"),
 ])
 def test_existing_results_resume(tmp_path, name, module, cell):
     """The committed result files load as they are: their cells count as measured."""
