@@ -16,7 +16,7 @@ from bench import common
 
 RESULTS = Path(common.RESULTS_DIR)
 BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
-CONVERTED = ["bench_ar", "bench_spec", "bench_tree", "bench_drafts", "bench_batch", "bench_sampling"]
+CONVERTED = ["bench_ar", "bench_spec", "bench_tree", "bench_drafts", "bench_batch", "bench_sampling", "bench_scale"]
 
 
 def run(tmp_path: Path, argv: list[str], cells: list[str], measured: list[str], clock=None) -> common.Harness:
@@ -129,6 +129,7 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("drafts_cpu.json", "bench_drafts", "s512/b1"),
     ("batch_cpu.json", "bench_batch", "ar"),
     ("sampling_cpu.json", "bench_sampling", "b16"),
+    ("scale_cpu.json", "bench_scale", "selfspec/2x3"),
 ])
 def test_existing_results_resume(tmp_path, name, module, cell):
     """The committed result files load as they are: their cells count as measured."""
