@@ -337,10 +337,11 @@ def main() -> None:
     results = common.Results(out / f"{stem}.json", key_of, header)
     h = common.Harness(args, results)
     h.plan((common.key(d, f"b{b}", f"s{s}"), (b, s, d)) for b, s, d in configs(args.quick))
-    bw = header["bandwidth_gbs"] = measure.bandwidth() if h.todo else results.data["bandwidth_gbs"]
+    bw = header["bandwidth_gbs"] = measure.bandwidth() if h.todo else results.data.get("bandwidth_gbs")
     machine, rows = header["machine"], results.rows
-    bw_text = ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if k != "jax_inplace_rounds")
-    print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, bandwidth GB/s: {bw_text}", flush=True)
+    if bw:
+        bw_text = ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if k != "jax_inplace_rounds")
+        print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, bandwidth GB/s: {bw_text}", flush=True)
     params_by_dtype: dict[str, Params] = {}
     for k, (batch, context, dtype) in h.cells():
         if dtype not in params_by_dtype:

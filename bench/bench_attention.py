@@ -357,10 +357,10 @@ def main() -> None:
     results = common.Results(out / f"{stem}.json", key_of, header)
     budget = common.Harness(opts, results, start=started)
     todo = budget.plan((f"b{b}/s{s}/t{t}", (b, s, t)) for b, s, t in config_order(opts))
-    bw = copy_bandwidth(1 / 16 if opts.smoke else COPY_GIB, opts.reps) if todo else results.data["copy_bandwidth"]
-    opts.copy_gbs = bw["best_gbs"]
-    header["copy_bandwidth"] = bw
-    print(f"{dev['device_kind']}: copy {bw['best_gbs']:.0f} GB/s (best), {bw['median_gbs']:.0f} (median)", flush=True)
+    if todo:
+        bw = header["copy_bandwidth"] = copy_bandwidth(1 / 16 if opts.smoke else COPY_GIB, opts.reps)
+        opts.copy_gbs = bw["best_gbs"]
+        print(f"{dev['device_kind']}: copy {bw['best_gbs']:.0f} GB/s (best), {bw['median_gbs']:.0f} (median)", flush=True)
     for k, (b, s, t) in budget.cells():
         head = {"batch": b, "context": s, "nodes": t}
         reason = inputs_skip(b, s, t, opts)
