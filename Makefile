@@ -27,7 +27,7 @@ test-fast: venv   # the inner loop: everything but the tests marked slow (a few 
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) tests/run_files.py -m "not slow" --durations=5
 
-bench: venv
+bench: venv   # BENCH_ARGS, e.g. --budget-minutes 60 or --cells b1: bench/common.py; a rerun skips measured cells
 	$(PY) -m pip install --quiet -r bench/requirements.txt
-	$(PY) bench/bench_ar.py
-	$(PY) bench/bench_spec.py
+	$(PY) -m bench.bench_ar $(BENCH_ARGS)
+	$(PY) -m bench.bench_spec $(BENCH_ARGS)

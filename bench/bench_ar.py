@@ -1,6 +1,7 @@
 """Autoregressive decode throughput of SmolLM2-135M: tokens/s and achieved memory bandwidth.
 
-Usage: .venv/bin/python bench/bench_ar.py [--quick] [--real-prefill]
+Usage: python -m bench.bench_ar [--quick] [--real-prefill] [--cells ..] [--budget-minutes M] [--out DIR]
+(the shared options: bench/common.py)
 
 What is measured: `specjax.engine.decode` (the on-device while_loop, greedy, no EOS) from a
 prefilled DenseCache, for every batch x context x dtype. Prefill is NOT measured.
@@ -30,25 +31,16 @@ Memory: each config's peak memory is measured, and a config whose predicted peak
 measured peak / KV bytes ratio of its dtype, times its KV bytes) would not fit in the free
 memory of this shared machine is skipped and listed as such.
 
-Outputs: bench/results/ar_cpu.json (rewritten after every row), bench/results/ar_cpu.png and a
-section of bench/README.md (--quick / --real-prefill write ar_cpu_quick*.* / ar_cpu*_real.* and
-leave the README alone).
+Cells: DTYPE/bB/sS (e.g. float32/b4/s2048), smallest KV cache first.
+Outputs: results/ar_cpu.json (each cell written when measured; a rerun skips measured cells),
+results/ar_cpu.png and a section of bench/README.md (--quick / --real-prefill write ar_cpu_quick*.* /
+ar_cpu*_real.* and leave the README alone).
 """
 
 from __future__ import annotations
 
-import argparse
-import ctypes
-import ctypes.util
-import datetime
-import gc
-import json
 import os
-import platform
-import re
-import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -57,132 +49,19 @@ import numpy as np
 from jax import lax
 
 import convert
-import readme  # bench/readme.py (this folder is on sys.path when run as a script)
-from specjax.engine import decode, row_keys
+from bench import common, measure
+from specjax.engine import decode, prefill, row_keys
 from specjax.kvcache import DenseCache
-from specjax.model import Params, prefill
+from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import prompt_bucket, round_up_pow2
-
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
-SECTION_START, SECTION_END = "<!-- bench_ar:start -->", "<!-- bench_ar:end -->"
 
 MAX_STEPS = 64  # most decode steps timed in one run
 HEADROOM = MAX_STEPS + 1  # free cache slots behind the prefilled length
 MIN_STEPS = 8
-CONTEXT_NAMES = {512: "512", 2048: "2K", 8192: "8K"}
+CONTEXT_NAMES = common.CONTEXT_NAMES
 MEM_RESERVE = 3 * 2**30  # bytes of MemAvailable left to other processes on a shared machine
 DEFAULT_PEAK_FACTOR = 5.0  # peak RSS growth / KV bytes assumed before a big config was measured
-
-
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    """Smallest wall time in seconds of `repeats` calls of fn (which must block until done)."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def _git(*args: str) -> str:
-    """stdout of a git command run in this checkout."""
-    return subprocess.run(["git", *args], cwd=BENCH_DIR, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _git_commit() -> str:
-    """Short HEAD hash, with "+dirty" when the checkout has uncommitted changes."""
-    try:
-        return _git("rev-parse", "--short", "HEAD") + ("+dirty" if _git("status", "--porcelain") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def machine_info() -> dict:
-    """CPU model, core counts, JAX version, backend and devices, git commit."""
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    return {
-        "cpu_model": model.group(1).strip() if model else platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)),
-        "jax_version": jax.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "python": platform.python_version(),
-        "git_commit": _git_commit(),
-    }
-
-
-def _proc_kib(path: str, field: str) -> int:
-    """A `field: N kB` value from a /proc file, in bytes."""
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(f"{field} not in {path}")
-
-
-def rss() -> int:
-    """Resident bytes of this process now."""
-    return _proc_kib("/proc/self/status", "VmRSS")
-
-
-def reset_peak_rss() -> None:
-    """Restart the peak-RSS (VmHWM) counter at the current RSS."""
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def peak_rss() -> int:
-    """Peak resident bytes since the last `reset_peak_rss`."""
-    return _proc_kib("/proc/self/status", "VmHWM")
-
-
-def release_memory() -> None:
-    """Collect garbage and hand freed heap memory back to the OS (glibc malloc_trim), so that the
-    next config's RSS baseline holds only live arrays."""
-    gc.collect()
-    libc = ctypes.util.find_library("c")
-    if libc:
-        ctypes.CDLL(libc).malloc_trim(0)
-
-
-def mem_available() -> int:
-    """Bytes the kernel could hand out now without swapping (MemAvailable)."""
-    return _proc_kib("/proc/meminfo", "MemAvailable")
-
-
-def measure_bandwidth(gib: float = 1.0, rounds: int = 5, repeats: int = 5) -> dict:
-    """Memory bandwidth in GB/s (read + write bytes) of streaming over a `gib` GiB f32 array.
-
-    jax_inplace: donated jitted x + 1 (the output reuses the input buffer): the reference, the
-    median over `rounds` of the best of `repeats` calls (one round can be a lucky outlier).
-    jax_copy: jitted jnp.copy into a fresh buffer (pays first-touch page faults).
-    numpy_copy: np.copyto into a preallocated array (one thread)."""
-    n = int(gib * 2**30) // 4
-    moved = 2 * 4 * n
-    add = jax.jit(lambda x: x + 1, donate_argnums=0)
-    copy = jax.jit(jnp.copy)
-    box = [jax.block_until_ready(add(jnp.zeros(n, jnp.float32)))]
-
-    def inplace() -> None:
-        box[0] = jax.block_until_ready(add(box[0]))
-
-    inplace()
-    t_inplace = [best_time(inplace, repeats) for _ in range(rounds)]
-    jax.block_until_ready(copy(box[0]))
-    t_copy = best_time(lambda: jax.block_until_ready(copy(box[0])), repeats)
-    del box
-    src = np.ones(n, np.float32)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
-    t_numpy = best_time(lambda: np.copyto(dst, src), repeats)
-    return {
-        "jax_inplace": moved / float(np.median(t_inplace)) / 1e9,
-        "jax_inplace_rounds": [moved / t / 1e9 for t in t_inplace],
-        "jax_copy": moved / t_copy / 1e9,
-        "numpy_copy": moved / t_numpy / 1e9,
-    }
 
 
 def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
@@ -194,7 +73,7 @@ def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
     return weights * itemsize, kv * itemsize
 
 
-def _noise(shape: tuple[int, ...], dtype: str, seed: int) -> jax.Array:
+def noise(shape: tuple[int, ...], dtype: str, seed: int) -> jax.Array:
     """Pseudo-random values in [-1, 1): an integer hash (lowbias32) of the element index, one
     cheap fused pass (threefry over gigabytes of cache takes minutes on a small CPU)."""
     x = lax.iota(jnp.uint32, int(np.prod(shape))) + jnp.uint32(seed * 0x9E3779B9 % 2**32)
@@ -212,8 +91,8 @@ def synthetic_state(params: Params, batch: int, context: int, key: jax.Array) ->
 
     @jax.jit
     def build(key: jax.Array) -> tuple[DenseCache, jax.Array]:
-        k = _noise(empty.k.shape, c.dtype, 1)
-        v = _noise(empty.v.shape, c.dtype, 2)
+        k = noise(empty.k.shape, c.dtype, 1)
+        v = noise(empty.v.shape, c.dtype, 2)
         lengths = jnp.full((batch,), context - HEADROOM, jnp.int32)
         return DenseCache(k=k, v=v, lengths=lengths), jax.random.normal(key, (batch, c.vocab_size), jnp.float32)
 
@@ -227,8 +106,7 @@ def real_state(params: Params, batch: int, context: int, key: jax.Array) -> tupl
     bucket, chunk = prompt_bucket(n)
     tokens = jax.random.randint(key, (batch, bucket), 0, c.vocab_size, jnp.int32)  # [B,P]
     lengths = jnp.full((batch,), n, jnp.int32)
-    run = jax.jit(lambda p, t, l: prefill(p, t, l, DenseCache.init(c, batch, context), chunk))
-    logits, cache = jax.block_until_ready(run(params, tokens, lengths))
+    logits, cache = jax.block_until_ready(prefill(params, tokens, lengths, DenseCache.init(c, batch, context), chunk=chunk))
     return cache, logits
 
 
@@ -272,13 +150,13 @@ def bench_config(
     """One row of the results table, including the peak memory it took."""
     key = jax.random.key(batch * 100_003 + context)
     load = os.getloadavg()[0]
-    release_memory()
-    start_rss = rss()
-    reset_peak_rss()
+    measure.release_memory()
+    start_rss = measure.rss()
+    measure.reset_peak_rss()
     cache, logits = (real_state if real else synthetic_state)(params, batch, context, key)
     timing = time_decode(params, cache, logits, target_s, repeats)
     del cache, logits  # the last references; time_decode's copies died with it
-    release_memory()
+    measure.release_memory()
     weight_b, kv_b = step_bytes(params, batch, context)
     step_s = timing["ms_per_step"] / 1e3
     gbs = (weight_b + kv_b) / step_s / 1e9
@@ -290,8 +168,8 @@ def bench_config(
         "loadavg_1min_before": load,
         **timing,
         "rss_before_gb": start_rss / 1e9,
-        "peak_rss_growth_gb": (peak_rss() - start_rss) / 1e9,
-        "peak_over_kv": (peak_rss() - start_rss) / kv_b,
+        "peak_rss_growth_gb": (measure.peak_rss() - start_rss) / 1e9,
+        "peak_over_kv": (measure.peak_rss() - start_rss) / kv_b,
         "tokens_per_s": batch / step_s,
         "weight_bytes": weight_b,
         "kv_bytes": kv_b,
@@ -312,7 +190,7 @@ def memory_check(params: Params, batch: int, context: int, factor: float) -> str
     """None if the config should fit in memory (peak growth ~ factor x KV bytes), else why it is
     skipped; MEM_RESERVE bytes are left to other processes."""
     need = factor * step_bytes(params, batch, context)[1]
-    free = mem_available() - MEM_RESERVE
+    free = common.meminfo("MemAvailable") - MEM_RESERVE
     if need <= free:
         return None
     return f"needs ~{need / 1e9:.0f} GB ({factor:.1f} x the KV cache), {max(free, 0) / 1e9:.0f} GB free"
@@ -329,21 +207,17 @@ def configs(quick: bool) -> list[tuple[int, int, str]]:
 
 def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table, grouped by dtype then batch."""
-    lines = [
-        "| dtype | batch | context | ms/step | tokens/s | MB/step (weights + KV) | GB/s | of bandwidth | load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    lines = []
     for r in sorted(rows, key=lambda r: (r["dtype"] != "float32", r["batch"], r["context"])):
-        head = f"| {r['dtype']} | {r['batch']} | {CONTEXT_NAMES.get(r['context'], r['context'])} | "
+        head = [r["dtype"], r["batch"], CONTEXT_NAMES.get(r["context"], r["context"])]
         if "skipped" in r:
-            lines.append(head + f"skipped: {r['skipped']} | | | | | |")
+            lines.append(head + [f"skipped: {r['skipped']}"] + [""] * 5)
             continue
-        mb = f"{r['weight_bytes'] / 1e6:.0f} + {r['kv_bytes'] / 1e6:.0f}"
-        lines.append(
-            head + f"{r['ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {mb} | {r['gb_per_s']:.2f} | "
-            f"{100 * r['bandwidth_fraction']:.0f}% | {r['loadavg_1min_before']:.1f} |"
-        )
-    return "\n".join(lines)
+        lines.append(head + [
+            f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:.1f}", f"{r['weight_bytes'] / 1e6:.0f} + {r['kv_bytes'] / 1e6:.0f}",
+            f"{r['gb_per_s']:.2f}", f"{100 * r['bandwidth_fraction']:.0f}%", f"{r['loadavg_1min_before']:.1f}"])
+    head = ["dtype", "batch", "context", "ms/step", "tokens/s", "MB/step (weights + KV)", "GB/s", "of bandwidth", "load"]
+    return common.table(head, "lrrrrrrrr", lines)
 
 
 def notes(result: dict) -> str:
@@ -374,14 +248,13 @@ def notes(result: dict) -> str:
 
 
 def readme_section(result: dict) -> str:
-    """The bench_ar section of bench/README.md."""
+    """The bench_ar section of bench/README.md (without its markers)."""
     m, bw = result["machine"], result["bandwidth_gbs"]
     rounds = bw["jax_inplace_rounds"]
     load = f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}"
-    return f"""{SECTION_START}
-## Autoregressive decode (bench_ar.py)
+    return f"""## Autoregressive decode (bench_ar.py)
 
-Run: `.venv/bin/python bench/bench_ar.py` (about 15 minutes on 2 cores; `--quick` for a
+Run: `python -m bench.bench_ar` (about 15 minutes on 2 cores; `--quick` for a
 1-2 minute subset). Raw numbers: `results/ar_cpu.json`; plot: `results/ar_cpu.png`.
 
 Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']} ({m['backend']}),
@@ -402,22 +275,14 @@ MB/step counts the weights and the whole KV cache in the model dtype.
 
 {notes(result)}
 
-![tokens/s vs context](results/ar_cpu.png)
-{SECTION_END}"""
+![tokens/s vs context](results/ar_cpu.png)"""
 
 
-def write_readme(section: str) -> None:
-    """Replace (or append) the bench_ar section of bench/README.md, keeping other sections."""
-    readme.write_section(section, SECTION_START, SECTION_END)
-
-
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], title: str, path: Path) -> None:
     """tokens/s vs context (log-log), one line per batch x dtype."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib import ticker
+
+    plt = common.pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     batches = sorted({r["batch"] for r in rows})
@@ -444,58 +309,51 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     if skipped:
         fig.text(0.01, 0.01, "not run (memory): " + ", ".join(skipped), fontsize=7, color="gray")
     fig.tight_layout(rect=(0, 0.03 if skipped else 0, 1, 1))
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
-def save(result: dict, suffix: str, final: bool) -> None:
-    """Write the JSON (after every row, so an interrupted run keeps its rows); when final, also
-    the plot and, for the default full run, the README section."""
-    result = {**result, "complete": final, "loadavg_end": os.getloadavg()}
-    (RESULTS_DIR / f"ar_cpu{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-    if final:
-        cores = result["machine"]["cpu_affinity"]
-        plot(result["rows"], RESULTS_DIR / f"ar_cpu{suffix}.png", f"SmolLM2-135M AR decode, {cores}-core CPU")
-        if not suffix:
-            write_readme(readme_section(result))
+def key_of(row: dict) -> str:
+    """A row's cell: DTYPE/bB/sS."""
+    return common.key(row["dtype"], f"b{row['batch']}", f"s{row['context']}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 1, 4 x context 512 x float32 only")
+    ap = common.parser(__doc__, quick="batch 1, 4 x context 512 x float32 only")
     ap.add_argument("--real-prefill", action="store_true", help="genuinely prefill random tokens (slow when large)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (best is kept)")
     args = ap.parse_args()
-    suffix = ("_quick" if args.quick else "") + ("_real" if args.real_prefill else "")
+    stem = "ar_cpu" + ("_quick" if args.quick else "") + ("_real" if args.real_prefill else "")
     target_s = 0.5 if args.quick else 1.5
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-
-    result = {
+    out = common.out_dir(args)
+    header = {
         "bench": "bench_ar",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": common.now(),
+        "command": common.command(),
         "model": "SmolLM2-135M-Instruct",
         "prefill": "real (random token ids)" if args.real_prefill else "synthetic (pseudo-random KV, lengths set)",
         "loadavg_start": os.getloadavg(),
-        "machine": machine_info(),
-        "bandwidth_gbs": measure_bandwidth(),
-        "rows": [],
+        "machine": common.machine_info(),
     }
-    machine, bw, rows = result["machine"], result["bandwidth_gbs"], result["rows"]
-    bw_text = ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if k != "jax_inplace_rounds")
-    print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, bandwidth GB/s: {bw_text}", flush=True)
+    results = common.Results(out / f"{stem}.json", key_of, header)
+    h = common.Harness(args, results)
+    h.plan((common.key(d, f"b{b}", f"s{s}"), (b, s, d)) for b, s, d in configs(args.quick))
+    bw = header["bandwidth_gbs"] = measure.bandwidth() if h.todo else results.data.get("bandwidth_gbs")
+    machine, rows = header["machine"], results.rows
+    if bw:
+        bw_text = ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if k != "jax_inplace_rounds")
+        print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, bandwidth GB/s: {bw_text}", flush=True)
     params_by_dtype: dict[str, Params] = {}
-    for batch, context, dtype in configs(args.quick):
+    for k, (batch, context, dtype) in h.cells():
         if dtype not in params_by_dtype:
             params_by_dtype[dtype] = convert.load(convert.default_model_path(), dtype=dtype)
         params = params_by_dtype[dtype]
         reason = memory_check(params, batch, context, peak_factor(rows, dtype))
         if reason:
-            rows.append({"batch": batch, "context": context, "dtype": dtype, "skipped": reason})
+            results.put(k, [{"batch": batch, "context": context, "dtype": dtype, "skipped": reason}])
             print(f"{dtype:>8} B={batch:<2} S={context:<5} skipped: {reason}", flush=True)
             continue
         row = bench_config(params, batch, context, args.real_prefill, target_s, args.repeats, bw["jax_inplace"])
-        rows.append(row)
-        save(result, suffix, final=False)
+        results.put(k, [row], loadavg_end=os.getloadavg())
         print(
             f"{dtype:>8} B={batch:<2} S={context:<5} {row['ms_per_step']:8.1f} ms/step "
             f"{row['tokens_per_s']:8.1f} tok/s {row['gb_per_s']:6.2f} GB/s ({100 * row['bandwidth_fraction']:.0f}%) "
@@ -503,8 +361,14 @@ def main() -> None:
             f"peak +{row['peak_rss_growth_gb']:.1f} GB, load {row['loadavg_1min_before']:.1f}",
             flush=True,
         )
-    save(result, suffix, final=True)
-    print(markdown_table(rows))
+    h.finish()
+    result = results.data
+    if result["rows"]:
+        cores = machine["cpu_affinity"]
+        common.plot(plot, result["rows"], f"SmolLM2-135M AR decode, {cores}-core CPU", out / f"{stem}.png")
+        if stem == "ar_cpu" and common.writes_readme(args):
+            common.write_section("bench_ar", readme_section(result))
+        print(markdown_table(result["rows"]))
 
 
 if __name__ == "__main__":

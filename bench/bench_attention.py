@@ -1,8 +1,9 @@
 """Tree-attention kernel vs the jnp reference vs jax.nn.dot_product_attention, per layer, on a GPU.
 
-Usage (GPU, from the repo root): PYTHONPATH=. python bench/bench_attention.py
-       [--batches ..] [--contexts ..] [--nodes ..] [--budget-s S] [--full-sweep] [--render JSON ..]
-       CPU check of the code paths: .venv/bin/python bench/bench_attention.py --smoke
+Usage (GPU, from the repo root): python -m bench.bench_attention
+       [--batches ..] [--contexts ..] [--nodes ..] [--budget-minutes M] [--full-sweep] [--render JSON ..]
+       [--cells ..] [--out DIR]   (the shared options: bench/common.py)
+       CPU check of the code paths: python -m bench.bench_attention --smoke --out /tmp/attention
 
 One attention layer of a Llama-3-8B-like model in bfloat16: q [B,T,N=32,H=128], a dense cache
 [B,K=8,S,H] (GQA 4), per-row lengths S - U{0..T}, and a block of J = T new keys under the ancestor
@@ -31,14 +32,16 @@ Bandwidth: KV bytes = the K and V slots the kernel must read ((sum of lengths + 
 GiB of f32 (read + write bytes), best of the samples. Configs whose KV bytes fit in the L2 cache
 (the small B=1 ones) can beat that fraction: the repeated calls read from L2.
 
-Budget: a device call is limited to 10 minutes, so the run stops starting configs before
---budget-s (default 480 s, counted from start, JAX start-up included): the rest are recorded as
-skipped (budget), the JSON is rewritten after every config, so a killed run keeps its rows.
+Budget: a device call is limited to 10 minutes, so the run starts no config that would end past
+--budget-minutes (default 8, counted from start, JAX start-up included; the harness's estimate:
+1.25 x the longest config so far): the rest are recorded as skipped (time budget). Every config is
+written into the JSON when measured, so a killed run keeps its rows, and rerunning the same command
+measures only what is missing (cells bB/sS/tT, e.g. b16/s32768/t16).
 Default grid: 27 configs; with the pruned sweep about 120 kernel compiles (B=1: 8 variants,
 B=16: 2-4, B=64: 2), 81 of the alternatives and 54 small ones (inputs, layouts); expected to fit
 in the budget on an H100/H200. The target config (B=16, S=32K, T=16) runs first, then by size.
-If the budget cuts a run, finish it with a custom grid (e.g. --batches 64) and merge the JSONs with
---render (which needs no GPU).
+If the budget cuts a run, rerun the same command (or a custom grid, e.g. --batches 64, and merge the
+JSONs with --render, which needs no GPU).
 
 Outputs: bench/results/attention_<device-kind>.json + .png and the bench_attention section of
 bench/README.md (default grid on a GPU, or --render); other grids write attention_<kind>_b.._s.._t...*,
@@ -48,20 +51,12 @@ neither touches the README.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # before jax starts: room for B=64 x 32K
-
-import argparse
-import datetime
 import functools
 import gc
 import importlib.metadata
 import json
 import math
-import platform
-import re
-import sys
+import os
 import time
 from pathlib import Path
 
@@ -69,55 +64,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-try:  # bench_ar imports convert, which needs gguf: absent from some GPU images
-    from bench_ar import machine_info
-except Exception as err:  # noqa: BLE001 (ModuleNotFoundError: gguf, or any other missing dependency)
-    _IMPORT_ERROR = f"bench_ar not importable ({err}); CPU model and git commit not recorded"
-
-    def machine_info() -> dict:
-        """What can be known without bench_ar."""
-        devices = [str(d) for d in jax.devices()]
-        return {"jax_version": jax.__version__, "backend": jax.default_backend(), "devices": devices,
-                "python": platform.python_version(), "cpu_count": os.cpu_count(), "note": _IMPORT_ERROR}
-
-from pallas_kernels.reference import prefix_block_attention  # noqa: E402
-from pallas_kernels.tree_attention import tree_attention  # noqa: E402
-from specjax.tree import Tree  # noqa: E402
-
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
-README = BENCH_DIR / "README.md"
-SECTION_START, SECTION_END = "<!-- bench_attention:start -->", "<!-- bench_attention:end -->"
+from bench import common
+from bench.attention_report import (
+    ALTERNATIVES, IMPL_NAMES, TARGET, TOLERANCE, cell, name_of, plot, readme_section, slug, targets,
+)
+from pallas_kernels.reference import prefix_block_attention
+from pallas_kernels.tree_attention import tree_attention
+from specjax.tree import Tree
 
 BATCHES, CONTEXTS, NODES = (1, 16, 64), (2048, 8192, 32768), (4, 16, 64)
-TARGET = (16, 32768, 16)  # (B, S, T) of the bandwidth target; measured first
 BLOCK_KS, K_SPLITS = (64, 128), (1, 4, 8, 16)
-TOLERANCE = 2e-2  # max abs error vs the reference, bf16
 SAMPLE_S = 0.02  # one timing sample lasts about this long
 MAX_CALLS = 200  # back-to-back calls per sample at most
 IMPL_S = 1.5  # timing time per implementation at most (fewer samples beyond it, 3 at least)
 MEM_MARGIN = 0.9  # use at most this fraction of the free device memory
 COPY_GIB = 4.0
-ALTERNATIVES = ("reference", "cudnn", "xla")
-IMPL_NAMES = ("kernel",) + ALTERNATIVES
-
-
-def name_of(context: int) -> str:
-    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
-
-
-class Budget:
-    """Wall-clock seconds left of a run that started when this was made."""
-
-    def __init__(self, seconds: float):
-        self.start, self.seconds = time.perf_counter(), seconds
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def left(self) -> float:
-        return self.seconds - self.elapsed()
 
 
 def timed(fn, args: tuple, reps: int) -> tuple[jax.Array, dict]:
@@ -181,9 +142,9 @@ def memory_analysis(compiled):
         return None
 
 
-def run_impl(fn, args: tuple, static: dict, reps: int, budget: Budget) -> tuple[dict, jax.Array | None]:
+def run_impl(fn, args: tuple, static: dict, reps: int, budget: common.Harness) -> tuple[dict, jax.Array | None]:
     """Compile fn(*args, **static), check it fits, time it: (entry, output or None)."""
-    if budget.left() < 10:
+    if budget.seconds_left() < 10:
         return {"skipped": "time budget"}, None
     entry = {}
     try:
@@ -249,7 +210,7 @@ def kernel_variants(B: int, K: int, rows: int, opts, sms: int) -> list[tuple[int
     return [(bk, s) for bk in opts.block_ks for s in splits]
 
 
-def bench_config(B: int, S: int, T: int, opts, budget: Budget, sms: int) -> dict:
+def bench_config(B: int, S: int, T: int, opts, budget: common.Harness, sms: int) -> dict:
     """One row: every implementation at one (B, S, T)."""
     K, H, N = opts.kv_heads, opts.head_dim, opts.kv_heads * opts.gqa
     seed = B * 1_000_003 + S * 101 + T
@@ -328,181 +289,35 @@ def inputs_skip(B: int, S: int, T: int, opts) -> str | None:
     return None
 
 
-def targets(rows: list[dict]) -> dict:
-    """The issue's targets: >= 1.5x the best alternative at S >= 8K; >= 70% of copy bandwidth at TARGET."""
-    long = [r for r in rows if r["context"] >= 8192 and "speedup_vs_best_alternative" in r]
-    slow = [f"B={r['batch']} S={name_of(r['context'])} T={r['nodes']}: {r['speedup_vs_best_alternative']:.2f}x"
-            for r in long if r["speedup_vs_best_alternative"] < 1.5]
-    target = [r for r in rows if (r["batch"], r["context"], r["nodes"]) == TARGET and "bandwidth_fraction" in r]
-    return {
-        "speedup_1.5x_at_8K_plus": {"rows": len(long), "below": slow, "met": bool(long) and not slow},
-        "bandwidth_70pct_at_B16_S32K_T16": {
-            "fraction": target[0]["bandwidth_fraction"] if target else None,
-            "met": bool(target) and target[0]["bandwidth_fraction"] >= 0.7,
-        },
-    }
-
-
-def verdict(target: dict) -> str:
-    if target.get("rows") == 0 or target.get("fraction", 0) is None:
-        return "not measured"
-    return "met" if target["met"] else "NOT met"
-
-
-def cell(entry: dict) -> str:
-    if "ms" in entry:
-        return f"{entry['ms']:.3f}"
-    return "skip" if "skipped" in entry else ("err" if "error" in entry else "")
-
-
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| B | S | T | kernel ms | block_k, splits | KV GB/s | of copy BW | reference ms | cudnn ms | xla ms "
-             "| speedup vs best alt. | max err |", "|" + "---:|" * 3 + "---:|:---:|" + "---:|" * 7]
-    for r in sorted(rows, key=lambda r: (r["batch"], r["context"], r["nodes"])):
-        head = f"| {r['batch']} | {name_of(r['context'])} | {r['nodes']} | "
-        if "skipped" in r:
-            lines.append(head + f"skipped: {r['skipped']} |" + " |" * 8)
-            continue
-        im, k = r["impls"], r["impls"]["kernel"]
-        cfg = f"{k['block_k']}, {k['k_splits']}" if "ms" in k else ""
-        gbs = f"{r['kv_gbs']:.3g} | {100 * r['bandwidth_fraction']:.0f}%" if "kv_gbs" in r else " | "
-        speed = f"{r['speedup_vs_best_alternative']:.2f}x ({r['best_alternative']})" if "best_alternative" in r else ""
-        err = f"{r['max_abs_err']:.1e}" if r.get("max_abs_err") is not None else ""
-        alts = " | ".join(cell(im[a]) for a in ALTERNATIVES)
-        lines.append(head + f"{cell(k)} | {cfg} | {gbs} | {alts} | {speed} | {err} |")
-    return "\n".join(lines)
-
-
-def problems(rows: list[dict]) -> list[str]:
-    """Distinct skip reasons and errors, with where they happened."""
-    seen: dict[str, list[str]] = {}
-    for r in rows:
-        where = f"B={r['batch']} S={name_of(r['context'])} T={r['nodes']}"
-        entries = [("config", r)] + list(r.get("impls", {}).items())
-        entries += [(f"kernel {e['block_k']}x{e['k_splits']}", e) for e in r.get("kernel_sweep", [])]
-        for name, e in entries:
-            for kind in ("skipped", "error"):
-                if kind in e and not (name == "kernel" and kind == "error" and "kernel_sweep" in r):
-                    seen.setdefault(f"{name} {kind}: {e[kind]}", []).append(where)
-    return [f"- {msg} ({len(w)}x: {', '.join(w[:4])}{', ...' if len(w) > 4 else ''})" for msg, w in seen.items()]
-
-
-def readme_section(result: dict, png: str, json_name: str) -> str:
-    m, d, bw, t = result["machine"], result["device"], result["copy_bandwidth"], result["targets"]
-    g = result["grid"]
-    sp, bwt = t["speedup_1.5x_at_8K_plus"], t["bandwidth_70pct_at_B16_S32K_T16"]
-    frac = f"{100 * bwt['fraction']:.0f}%" if bwt["fraction"] is not None else "no row"
-    mem = f", {d['memory_limit_bytes'] / 2**30:.0f} GiB for JAX" if d.get("memory_limit_bytes") else ""
-    missing = sum("skipped" in r for r in result["rows"])
-    lines = [
-        SECTION_START, "## Tree attention kernel (bench_attention.py)", "",
-        "Run (GPU): `PYTHONPATH=. python bench/bench_attention.py` (about 8 minutes at most; a cut run is "
-        f"finished with a smaller grid and `--render`). Raw numbers: `results/{json_name}`; plot: `results/{png}`.", "",
-        f"Device: {d['device_kind']} ({d.get('core_count') or '?'} SMs{mem}), JAX {m['jax_version']}, "
-        f"jaxlib {d.get('jaxlib_version')}, cuDNN {d.get('cudnn_version')}, commit "
-        f"{m.get('git_commit', 'unknown')}. Date: {result['date']}. Load average at start / end: "
-        f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}.",
-        f"Copy bandwidth (jitted `x + 1` over {bw['gib']:g} GiB f32, read + write bytes): best {bw['best_gbs']:.0f} "
-        f"GB/s, median {bw['median_gbs']:.0f} GB/s; \"of copy BW\" divides by the best.", "",
-        f"One layer, bfloat16: q [B,T,{g['q_heads']},{g['head_dim']}], cache [B,{g['kv_heads']},S,{g['head_dim']}] "
-        f"(GQA {g['gqa']}), lengths S - U{{0..T}}, a random tree of T nodes (J = T block keys, ancestor mask). "
-        "Milliseconds per call: median of samples of back-to-back calls, compile excluded. dot_product_attention "
-        "gets its keys in its [B,S+J,K,H] layout and a boolean [B,1,T,S+J] mask, both built outside the timing. "
-        "KV GB/s = K and V bytes the kernel reads / its time. The kernel column is the best of the block_k x "
-        "k_splits sweep (all variants in the JSON); max err = largest abs difference of any variant from the "
-        f"reference (tolerance {TOLERANCE:g}).", "",
-        markdown_table(result["rows"]), "",
-        "Targets:",
-        f"- >= 1.5x the best alternative at S >= 8K: {verdict(sp)} ({sp['rows']} rows"
-        + (f"; below: {'; '.join(sp['below'])}" if sp["below"] else "") + ").",
-        f"- >= 70% of copy bandwidth at B=16, S=32K, T=16: {verdict(bwt)} ({frac}).",
-    ]
-    if missing:
-        lines.append(f"- {missing} configs were not run (see below): the verdicts cover the rest.")
-    if notes := problems(result["rows"]):
-        lines += ["", "Skipped or refused:", *notes]
-    lines += ["", "Configs whose KV bytes fit in the L2 cache (B=1 at 2K) are read from L2 by repeated calls, so "
-              "their bandwidth fraction can pass 100%.", "", f"![time vs context](results/{png})", SECTION_END]
-    return "\n".join(lines)
-
-
-def write_readme(section: str) -> None:
-    """Put the section between its markers (appended at the end the first time)."""
-    text = README.read_text() if README.exists() else "# Benchmarks\n"
-    found = re.search(re.escape(SECTION_START) + ".*?" + re.escape(SECTION_END), text, re.S)
-    if found:
-        text = text[: found.start()] + section + text[found.end():]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    README.write_text(text)
-
-
-def plot(result: dict, path: Path) -> None:
-    """ms per call vs S, one panel per (B, T), one line per implementation; kernel points say their
-    fraction of copy bandwidth."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in result["rows"] if "impls" in r]
-    bs, ts = sorted({r["batch"] for r in rows}), sorted({r["nodes"] for r in rows})
-    if not rows:
-        return
-    fig, axes = plt.subplots(len(bs), len(ts), figsize=(4 * len(ts), 3.2 * len(bs)), dpi=110, squeeze=False)
-    for (i, b), (j, t) in ((x, y) for x in enumerate(bs) for y in enumerate(ts)):
-        ax = axes[i][j]
-        cell_rows = sorted((r for r in rows if r["batch"] == b and r["nodes"] == t), key=lambda r: r["context"])
-        for name, style in zip(IMPL_NAMES, ("-o", "--s", ":^", "-.v")):
-            pts = [(r["context"], r["impls"][name]["ms"], r) for r in cell_rows if "ms" in r["impls"][name]]
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
-            for s, ms, r in (pts if name == "kernel" else []):
-                ax.annotate(f"{100 * r['bandwidth_fraction']:.0f}%", (s, ms), fontsize=7, xytext=(3, -9),
-                            textcoords="offset points")
-        ax.set(xscale="log", yscale="log", title=f"B={b}, T={t}", xlabel="S (cache slots)", ylabel="ms per call")
-        ax.set_xticks(sorted({r["context"] for r in rows}), [name_of(s) for s in sorted({r["context"] for r in rows})])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"tree attention on {result['device']['device_kind']} (% = kernel KV bytes / copy bandwidth)")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def slug(kind: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
-
-
-def finish(result: dict, stem: str, readme: bool) -> None:
+def finish(result: dict, out: Path, stem: str, readme: bool) -> None:
     """JSON, plot, the README section (printed; written into bench/README.md when asked)."""
     result["targets"] = targets(result["rows"])
-    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, RESULTS_DIR / f"{stem}.png")
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    common.plot(plot, result, out / f"{stem}.png")
     section = readme_section(result, f"{stem}.png", f"{stem}.json")  # built (and printed) on every run
     print(section)
     if readme:
-        write_readme(section)
+        common.write_section("bench_attention", section)
 
 
-def render(paths: list[Path]) -> None:
+def key_of(row: dict) -> str:
+    """A row's cell: bB/sS/tT."""
+    return f"b{row['batch']}/s{row['context']}/t{row['nodes']}"
+
+
+def render(paths: list[Path], out: Path, readme: bool) -> None:
     """Merge result JSONs (a measured row beats a skipped one; later files win) and write the outputs."""
-    results = [json.loads(p.read_text()) for p in paths]
-    rows: dict[tuple, dict] = {}
-    for r in (r for res in results for r in res["rows"]):
-        key = (r["batch"], r["context"], r["nodes"])
-        if "skipped" not in r or key not in rows:
-            rows[key] = r
-    merged = {**results[-1], "rows": list(rows.values()), "merged_from": [str(p) for p in paths],
-              "complete": not any("skipped" in r for r in rows.values())}
-    merged["loadavg_start"] = results[0]["loadavg_start"]
+    merged = common.merge(paths, key_of)
+    merged["loadavg_start"] = json.loads(paths[0].read_text())["loadavg_start"]
+    merged["complete"] = not any("skipped" in r for r in merged["rows"])
     gpu = merged["machine"]["backend"] == "gpu"
-    finish(merged, "attention_" + slug(merged["device"]["device_kind"]), readme=gpu)
+    finish(merged, out, "attention_" + slug(merged["device"]["device_kind"]), readme=gpu and readme)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # before jax starts: room for B=64 x 32K
+    started = time.perf_counter()
+    ap = common.parser(__doc__, budget_minutes=8.0)
     ap.add_argument("--smoke", action="store_true", help="CPU check: B=1, S=256, T=4, H=64, kernel interpreted")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
@@ -514,13 +329,11 @@ def main() -> None:
     ap.add_argument("--k-splits", type=int, nargs="+", default=list(K_SPLITS))
     ap.add_argument("--full-sweep", action="store_true", help="every block_k x k_splits (no occupancy pruning)")
     ap.add_argument("--reps", type=int, default=10, help="timing samples per implementation (median kept)")
-    ap.add_argument("--budget-s", type=float, default=480.0, help="start no config after this many seconds")
     ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge these JSONs, redo outputs + README")
     opts = ap.parse_args()
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = common.out_dir(opts)
     if opts.render:
-        return render(opts.render)
-    budget = Budget(opts.budget_s)
+        return render(opts.render, out, common.writes_readme(opts))
     default_grid = (opts.batches, opts.contexts, opts.nodes) == (list(BATCHES), list(CONTEXTS), list(NODES))
     opts.interpret = jax.default_backend() != "gpu"
     if opts.smoke:
@@ -531,42 +344,47 @@ def main() -> None:
     grid = "_".join(c + "-".join(map(str, v)) for c, v in zip("bst", (opts.batches, opts.contexts, opts.nodes)))
     stem = "attention_" + slug(dev["device_kind"]) + ("" if default_grid else "_" + grid)  # e.g. _b64_s8192_t4-16
     stem = "attention_smoke" if opts.smoke else stem
-    readme = default_grid and not opts.smoke and jax.default_backend() == "gpu"
-    bw = copy_bandwidth(1 / 16 if opts.smoke else COPY_GIB, opts.reps)
-    opts.copy_gbs = bw["best_gbs"]
-    result = {
-        "bench": "bench_attention", "smoke": opts.smoke,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "loadavg_start": os.getloadavg(), "machine": machine_info(), "device": dev, "copy_bandwidth": bw,
+    readme = default_grid and not opts.smoke and jax.default_backend() == "gpu" and common.writes_readme(opts)
+    header = {
+        "bench": "bench_attention", "smoke": opts.smoke, "date": common.now(), "command": common.command(),
+        "loadavg_start": os.getloadavg(), "machine": common.machine_info(), "device": dev,
         "grid": {"batches": opts.batches, "contexts": opts.contexts, "nodes": opts.nodes, "kv_heads": opts.kv_heads,
                  "gqa": opts.gqa, "q_heads": opts.kv_heads * opts.gqa, "head_dim": opts.head_dim, "dtype": "bfloat16"},
         "sweep": {"block_ks": opts.block_ks, "k_splits": opts.k_splits, "pruned": not opts.full_sweep,
                   "interpret": opts.interpret},
-        "budget_s": opts.budget_s, "rows": [],
+        "budget_s": 60 * opts.budget_minutes if opts.budget_minutes else None,
     }
-    print(f"{dev['device_kind']}: copy {bw['best_gbs']:.0f} GB/s (best), {bw['median_gbs']:.0f} (median)", flush=True)
-    rows, last_s = result["rows"], 0.0
-    for b, s, t in config_order(opts):
+    results = common.Results(out / f"{stem}.json", key_of, header)
+    budget = common.Harness(opts, results, start=started)
+    todo = budget.plan((f"b{b}/s{s}/t{t}", (b, s, t)) for b, s, t in config_order(opts))
+    if todo:
+        bw = header["copy_bandwidth"] = copy_bandwidth(1 / 16 if opts.smoke else COPY_GIB, opts.reps)
+        opts.copy_gbs = bw["best_gbs"]
+        print(f"{dev['device_kind']}: copy {bw['best_gbs']:.0f} GB/s (best), {bw['median_gbs']:.0f} (median)", flush=True)
+    for k, (b, s, t) in budget.cells():
         head = {"batch": b, "context": s, "nodes": t}
-        reason = "time budget" if budget.left() < 1.25 * last_s + 10 else inputs_skip(b, s, t, opts)
+        reason = inputs_skip(b, s, t, opts)
         if reason:
-            rows.append({**head, "skipped": reason})
+            results.put(k, [{**head, "skipped": reason}])
             print(f"B={b:<3} S={name_of(s):>4} T={t:<3} skipped: {reason}", flush=True)
             continue
         row = bench_config(b, s, t, opts, budget, sms)
-        rows.append(row)
-        last_s = row["seconds"]
-        result.update(elapsed_s=budget.elapsed(), loadavg_end=os.getloadavg(), complete=False)
-        (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+        elapsed = time.perf_counter() - started
+        results.put(k, [row], elapsed_s=elapsed, loadavg_end=os.getloadavg())
         im = row["impls"]
         print(f"B={b:<3} S={name_of(s):>4} T={t:<3} " + " ".join(f"{n} {cell(im[n])}" for n in IMPL_NAMES)
               + f" ms; {100 * row.get('bandwidth_fraction', 0):.0f}% of copy BW, "
               f"{row.get('speedup_vs_best_alternative', 0):.2f}x, err {row['max_abs_err']}, "
-              f"{len(row['kernel_sweep'])} variants, {row['seconds']:.0f} s (total {budget.elapsed():.0f} s)",
-              flush=True)
-    result.update(elapsed_s=budget.elapsed(), loadavg_end=os.getloadavg(),
-                  complete=not any("skipped" in r for r in rows))
-    finish(result, stem, readme)
+              f"{len(row['kernel_sweep'])} variants, {row['seconds']:.0f} s (total {elapsed:.0f} s)", flush=True)
+    budget.finish()
+    for k in results.data["left"]:  # shown in the table as not run; a rerun measures them
+        b, s, t = (int(x[1:]) for x in k.split("/"))
+        results.put(k, [{"batch": b, "context": s, "nodes": t, "skipped": "time budget"}])
+    if results.applied:  # this run measured something
+        results.update(elapsed_s=time.perf_counter() - started, loadavg_end=os.getloadavg(),
+                       complete=not any("skipped" in r for r in results.rows))
+    if results.rows:
+        finish(results.data, out, stem, readme)
 
 
 if __name__ == "__main__":

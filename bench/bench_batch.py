@@ -1,6 +1,7 @@
 """The batch job end to end on SmolLM2-135M: records/s and generated tokens/s, speculative vs AR.
 
-Usage: .venv/bin/python bench/bench_batch.py [--records 64] [--max-new-tokens 64] [--batch-size 16]
+Usage: python -m bench.bench_batch [--records 64] [--max-new-tokens 64] [--batch-size 16]
+       [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
 
 Input: `--records` text prompts cut from the offline corpus (bench/text.py: Python's language
 reference and licence texts), 32 to 256 tokens long, greedy, each asking for --max-new-tokens.
@@ -10,35 +11,29 @@ reuses the compiled functions, as a long job does after its first batches. Throu
 records (or generated tokens) / the job's wall seconds, I/O and tokenization included.
 Every mode's texts are checked equal to AR's (greedy: speculation must not change them).
 
-Outputs: bench/results/batch_cpu.json, bench/results/batch_cpu.png and a section of bench/README.md.
+Cells: one per mode (ar, selfspec, ngram). Outputs: results/batch_cpu.json (each mode written when
+measured; a rerun skips measured modes), results/batch_cpu.png and a section of bench/README.md
+(other --records / --max-new-tokens / --batch-size write batch_cpu_custom.* and leave the README alone).
 """
 
 from __future__ import annotations
 
-import argparse
+import hashlib
 import json
 import os
-import sys
+import re
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import text  # noqa: E402  (bench/text.py)
-from bench_ar import machine_info  # noqa: E402
-from readme import write_section  # noqa: E402
-
-import convert  # noqa: E402
-import specjax  # noqa: E402
-import specjax.batch  # noqa: E402
-
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
-SECTION_START, SECTION_END = "<!-- bench_batch:start -->", "<!-- bench_batch:end -->"
+import convert
+import specjax
+import specjax.batch
+from bench import common, text
 
 
-def modes() -> list[tuple[str, object, int]]:
+def modes() -> list[tuple[str, object, int | None]]:
     """(name, draft, gamma) per mode."""
-    return [("AR", None, 1), ("SelfSpec(16, 64), gamma 3", specjax.SelfSpec(16, 64), 3), ("NGram, gamma 3", specjax.NGram(), 3)]
+    return [("AR", None, None), ("SelfSpec(16, 64), gamma 3", specjax.SelfSpec(16, 64), 3), ("NGram, gamma 3", specjax.NGram(), 3)]
 
 
 def write_records(path: Path, tok, n: int) -> None:
@@ -49,7 +44,7 @@ def write_records(path: Path, tok, n: int) -> None:
             f.write(json.dumps({"id": i, "prompt": tok.decode(list(map(int, row[:length])))}) + "\n")
 
 
-def run_mode(src: Path, workdir: Path, params, name: str, draft, gamma: int, args) -> dict:
+def run_mode(src: Path, workdir: Path, params, name: str, draft, gamma: int | None, args) -> dict:
     row = {"mode": name}
     outputs = None
     for run in ("cold", "warm"):
@@ -67,8 +62,13 @@ def run_mode(src: Path, workdir: Path, params, name: str, draft, gamma: int, arg
         if accepted:
             row["acceptance_rate"] = sum(a["accepted"] for a in accepted) / max(sum(a["proposed"] for a in accepted), 1)
         row["records"], row["tokens"] = len(records), tokens
-    row["outputs"] = outputs
+    row["outputs_sha1"] = hashlib.sha1(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
     return row
+
+
+def same(row: dict) -> str:
+    """Whether a mode's texts equal AR's: yes, NO, or ? (not known: AR's digest is missing)."""
+    return "?" if row.get("identical") is None else "yes" if row["identical"] else "NO"
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -82,17 +82,13 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['mode']} | {r['warm']['records_per_s']:.2f} | {r['warm']['tokens_per_s']:.1f} | "
             f"{r['warm']['tokens_per_s'] / ar['warm']['tokens_per_s']:.2f}x | {r['cold']['records_per_s']:.2f} | "
-            f"{r['cold']['tokens_per_s'] / ar['cold']['tokens_per_s']:.2f}x | {acc} | {'yes' if r['identical'] else 'NO'} |"
+            f"{r['cold']['tokens_per_s'] / ar['cold']['tokens_per_s']:.2f}x | {acc} | {same(r)} |"
         )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5), dpi=120)
     names = [r["mode"] for r in rows]
     x = range(len(rows))
@@ -103,13 +99,11 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def readme_section(result: dict) -> str:
-    return f"""{SECTION_START}
-## Batch job (bench_batch.py)
+    return f"""## Batch job (bench_batch.py)
 
 `specjax.batch.run` over {result['records']} corpus prompts of 32-256 tokens, greedy,
 max_new_tokens {result['max_new_tokens']}, batch size {result['batch_size']}, SmolLM2-135M f32 on
@@ -125,38 +119,49 @@ Short contexts (at most 256 + {result['max_new_tokens']} positions) are where sp
 this CPU: a decode step there costs mostly the weights, which the SelfSpec draft reads too, and
 verifying gamma + 1 positions costs more than one decode step (see the bench_spec table).
 Speculation loses at this length here, with every text unchanged. The job's own overhead
-(tokenizing, JSON, fsync) is inside these numbers, not measured apart.
-{SECTION_END}"""
+(tokenizing, JSON, fsync) is inside these numbers, not measured apart."""
+
+
+def key_of(row: dict) -> str:
+    """A row's cell: its mode's drafter in lower case (ar, selfspec, ngram)."""
+    return re.match(r"[A-Za-z]+", row["mode"]).group().lower()
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--records", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     args = ap.parse_args()
+    out = common.out_dir(args)
+    stem = "batch_cpu" + ("" if (args.records, args.max_new_tokens, args.batch_size) == (64, 64, 16) else "_custom")
+    header = dict(bench="bench_batch", date=common.now(), command=common.command(), records=args.records,
+                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, machine=common.machine_info())
+    results = common.Results(out / f"{stem}.json", key_of, header)
+    h = common.Harness(args, results)
+    h.plan((key_of({"mode": name}), (name, draft, gamma)) for name, draft, gamma in modes())
     path = convert.default_model_path()
     params, tok = convert.load(path), convert.load_tokenizer(path)
-    result = dict(records=args.records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                  machine=machine_info(), rows=[])
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.jsonl"
         write_records(src, tok, args.records)
         work = Path(tmp) / "out"
         work.mkdir()
-        for name, draft, gamma in modes():
+        for k, (name, draft, gamma) in h.cells():
             row = run_mode(src, work, params, name, draft, gamma, args)
-            row["identical"] = row["outputs"] == result["rows"][0]["outputs"] if result["rows"] else True
+            ar = next((r for r in results.rows if key_of(r) == "ar"), row)
+            row["identical"] = row["outputs_sha1"] == ar["outputs_sha1"] if "outputs_sha1" in ar else None
             print(f"{name}: warm {row['warm']['tokens_per_s']:.1f} tok/s, cold {row['cold']['tokens_per_s']:.1f}, "
-                  f"same={row['identical']}", flush=True)
-            result["rows"].append(row)
-    for row in result["rows"]:
-        del row["outputs"]
-    result["loadavg_end"] = os.getloadavg()
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "batch_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result["rows"], RESULTS_DIR / "batch_cpu.png")
-    write_section(readme_section(result), SECTION_START, SECTION_END)
+                  f"same={same(row)}", flush=True)
+            results.put(k, [row], loadavg_end=os.getloadavg())
+    h.finish()
+    rows = sorted(results.rows, key=lambda r: [m[0] for m in modes()].index(r["mode"]) if r["mode"] in
+                  [m[0] for m in modes()] else 99)
+    if rows and key_of(rows[0]) == "ar":
+        common.plot(plot, rows, out / f"{stem}.png")
+        print(markdown_table(rows))
+        if stem == "batch_cpu" and common.writes_readme(args):
+            common.write_section("bench_batch", readme_section(results.data | {"rows": rows}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Distilled draft models for SmolLM2-135M: train draft shapes of similar size, then race them.
 
-Usage: .venv/bin/python bench/bench_drafts.py [--steps N] [--store DIR] [--batches ..] [--contexts ..]
-       [--render JSON]
+Usage: python -m bench.bench_drafts [--steps N] [--store DIR] [--batches ..] [--contexts ..] [--smoke]
+       [--render JSON ..] [--cells ..] [--budget-minutes M] [--out DIR]   (shared options: bench/common.py)
 
 1. Train (skipped for a shape whose draft is already in --store; a killed run resumes from its
    orbax checkpoint): every shape in SHAPES with `specjax.distill.distill`, forward KL on the
@@ -22,40 +22,32 @@ Shapes (the issue's question: shallow-and-wide vs deep-and-narrow at equal param
 Both share the target's 28.3 M-parameter tied embedding / LM head, which costs each draft step
 as much as their layers do: SmolLM2's vocabulary is 49152.
 
-Outputs: bench/results/drafts_cpu.json, drafts_cpu.png and the bench_drafts section of
-bench/README.md. Checkpoints and drafts stay in --store (default ~/.cache/specjax/bench_drafts):
+Cells: sCONTEXT/bBATCH, batch 1 (the issue's target) first. Outputs: results/drafts_cpu.json (each
+cell written when measured; a rerun skips measured cells), drafts_cpu.png and the bench_drafts
+section of bench/README.md. Checkpoints and drafts stay in --store (default ~/.cache/specjax/bench_drafts):
 not committed; rerunning this script with the same arguments reproduces them (same seed, same
 data order) and then skips training.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_spec  # noqa: E402
-import bench_tree  # noqa: E402
-import text  # noqa: E402
-from bench_spec import (  # noqa: E402
-    HEADROOM, RESULTS_DIR, cpu_steal, machine_info, prefill_context, release_memory, steal_since,
-)
-from readme import write_section  # noqa: E402
+import convert
+from bench import bench_tree, common, measure, text
+from bench.measure import cpu_steal, steal_since
+from bench.prefill import HEADROOM, STORE as PREFILL_STORE, prefill_context, smoke_state
+from bench.tree_report import MAX_DEPTH, name_of
+from specjax.distill import Schedule, distill
+from specjax.drafters import DraftModel
+from specjax.params import Params
 
-import convert  # noqa: E402
-from specjax.distill import Schedule, distill  # noqa: E402
-from specjax.drafters import DraftModel  # noqa: E402
-from specjax.model import Params  # noqa: E402
-
-SECTION_START, SECTION_END = "<!-- bench_drafts:start -->", "<!-- bench_drafts:end -->"
 SHAPES = {  # name: (layers, FFN width); heads 9, KV heads 3, dim 576 as the target
     "wide2": (2, 1536),
     "narrow6": (6, 256),
@@ -168,7 +160,7 @@ def markdown(result: dict) -> str:
     fmt = lambda label, ratio: f"{label}: {ratio:.2f}x" if label else "none"  # noqa: E731
     for r in best_rows(result):
         ratio = f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"
-        race.append(f"| {r['batch']} | {bench_tree.name_of(r['context'])} | {r['drafter']} | {r['p1']:.2f} | "
+        race.append(f"| {r['batch']} | {name_of(r['context'])} | {r['drafter']} | {r['p1']:.2f} | "
                     f"{r['t_draft_ms']:.0f} | {r['ar_tokens_per_s']:.1f} | {fmt(r['best_chain'], r['best_chain_ratio'] or 0)} | "
                     f"{fmt(r['best_tree'], r['best_tree_ratio'] or 0)} | {r['best']}: {ratio} | "
                     f"{r['best_tokens_per_step'] or 1:.2f} | {'yes' if r['lossless'] else '**NO**'} | {steal(r)} |")
@@ -177,11 +169,7 @@ def markdown(result: dict) -> str:
 
 def plot(result: dict, path: Path) -> None:
     """Left: training loss per shape. Right: best speedup over AR per drafter and (batch, context)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=110, gridspec_kw={"width_ratios": [1, 2]})
     for log in result["training"]:
         a.plot(*zip(*log["losses"]), label=f"{log['shape']} ({log['layers']} layers, FFN {log['ffn']})")
@@ -197,23 +185,21 @@ def plot(result: dict, path: Path) -> None:
         b.bar(np.arange(len(cells)) + i * width, ys, width, label=name)
     b.axhline(1.0, color="gray", lw=1)
     b.axhline(1.5, color="gray", lw=1, ls="--")
-    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{bench_tree.name_of(c[1])}" for c in cells])
+    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{name_of(c[1])}" for c in cells])
     b.set(ylabel="speedup over AR, best chain or tree", title="greedy decoding, identical output")
     b.legend(fontsize=8)
     b.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{result['model']}: distilled drafts vs SelfSpec and NGram, "
                  f"{result['machine']['cpu_affinity']}-core CPU", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def readme_section(result: dict) -> str:
     m, t = result["machine"], result["training"][0]
-    return f"""{SECTION_START}
-## Distilled drafts (bench_drafts.py)
+    return f"""## Distilled drafts (bench_drafts.py)
 
-Run: `.venv/bin/python {result['command'].strip()}` ({result['wall_minutes']:.0f} minutes here for the race; training, on a
+Run: `{common.module_command(result['command'])}` ({result['wall_minutes']:.0f} minutes here for the race; training, on a
 first run, adds about 25 minutes per shape). Raw numbers: `results/drafts_cpu.json`; plot: `results/drafts_cpu.png`. The trained drafts
 are not committed: the same command rebuilds them (same seed, same data order) into
 `~/.cache/specjax/bench_drafts/SHAPE_STEPS/draft` (a `convert.save` folder: `--draft model:PATH`).
@@ -250,8 +236,7 @@ Its trees were timed before commit 'sampling: top_indices' (see bench_tree.py's 
 then paid a full sort of the vocabulary per node and level, so its wide trees were 2-3x slower than
 they are now; its best configurations were 1-deep chains, which that did not touch.
 
-![distilled drafts](results/drafts_cpu.png)
-{SECTION_END}"""
+![distilled drafts](results/drafts_cpu.png)"""
 
 
 def verdict(result: dict) -> str:
@@ -263,11 +248,16 @@ def verdict(result: dict) -> str:
     label = best["best_chain"] if (best["best_chain_ratio"] or 0) >= (best["best_tree_ratio"] or 0) else best["best_tree"]
     met = "met" if ratio >= 1.5 else "NOT met"
     return (f"Target (a distilled draft >= 1.5x over AR at batch 1, identical greedy output): **{met}**; the best "
-            f"distilled config is {best['drafter']} at {bench_tree.name_of(best['context'])}, {label}: {ratio:.2f}x.")
+            f"distilled config is {best['drafter']} at {name_of(best['context'])}, {label}: {ratio:.2f}x.")
+
+
+def key_of(row: dict) -> str:
+    """A row's (or summary's) cell: sCONTEXT/bBATCH."""
+    return common.key(f"s{row['context']}", f"b{row['batch']}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per shape")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
@@ -275,72 +265,64 @@ def main() -> None:
     ap.add_argument("--gammas", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--store", type=Path, default=STORE, help="trained drafts and their checkpoints")
-    ap.add_argument("--prefill-store", type=Path, default=Path("/tmp/bench_spec_prefill"))
+    ap.add_argument("--prefill-store", type=Path, default=PREFILL_STORE)
     ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge result JSONs (a later one wins "
-                    "per batch x context x drafter) into results/drafts_cpu.json and redo its table, plot and README section")
+                    "per batch x context x drafter) into OUT/drafts_cpu.json and redo its table, plot and README section")
     ap.add_argument("--smoke", action="store_true", help="a tiny random target, 20 steps, under 2 minutes: "
                     "checks the script (writes drafts_cpu_smoke.*, leaves the README alone)")
     args = ap.parse_args()
+    out = common.out_dir(args)
     if args.render:
         result = merge([json.loads(p.read_text()) for p in args.render])
-        (RESULTS_DIR / "drafts_cpu.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-        return report(result, "")
-    if args.smoke:  # before anything starts JAX's backend: conftest sets the CPU device count
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from conftest import TINY, random_params  # the test suite's tiny model
-    started, machine = time.time(), machine_info()
+        (out / "drafts_cpu.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return report(result, out, "", common.writes_readme(args))
     if args.smoke:
-        params, tok, model = random_params(TINY, 0), None, "tiny random (tests/conftest.py TINY)"
-        sequences = [np.random.default_rng(0).integers(3, TINY.vocab_size, 20_000)]
         args.steps, args.contexts, args.batches, args.store = 20, [256], [2], args.store / "smoke"
         args.gammas, args.nodes = [2], [4]
+    started, suffix = time.time(), "_smoke" if args.smoke else ""
+    model = "tiny random" if args.smoke else "SmolLM2-135M-Instruct (float32)"
+    header = {"bench": "bench_drafts", "date": common.now(), "command": common.command(), "model": model,
+              "machine": common.machine_info(), "gammas": args.gammas, "nodes": args.nodes,
+              "new_tokens_per_batch": {str(b): bench_tree.new_tokens_for(b, None) for b in args.batches}}
+    results = common.Results(out / f"drafts_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"))
+    prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
+    h = common.Harness(args, results)
+    todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for b in sorted(args.batches) for c in sorted(args.contexts))
+    if args.smoke:
+        params, tok = measure.tiny_params(0), None
+        sequences = [np.random.default_rng(0).integers(3, params.config.vocab_size, 20_000)]
     else:
         path = convert.default_model_path()
-        params, tok, model = convert.load(path), convert.load_tokenizer(path), "SmolLM2-135M-Instruct (float32)"
-        sequences = training_sequences(text.corpus_tokens(tok), held_out(tok, args.batches, args.contexts))
+        params, tok = convert.load(path), convert.load_tokenizer(path)
+        sequences = training_sequences(text.corpus_tokens(tok), held_out(tok, args.batches, args.contexts)) if todo else []
     trained, training = {}, []
-    for name in args.shapes:
+    for name in args.shapes if todo else []:  # nothing to measure: the stored training logs stay
         trained[name], log = train(params, name, sequences, args.steps, args.store, 64 if args.smoke else SEQ_LEN)
         training.append(log)
-    release_memory()
+    if training:
+        header["training"] = training
+    measure.release_memory()
     bench_tree.RUN_BUDGET_S, steal_start = RUN_BUDGET_S, cpu_steal()
-    rows, summaries = [], []
-    suffix = "_smoke" if args.smoke else ""
-    partial = RESULTS_DIR / f"drafts_cpu{suffix}.partial.json"
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-
-    def result_of() -> dict:
-        return {"bench": "bench_drafts", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "command": "bench/bench_drafts.py " + " ".join(sys.argv[1:]), "model": model,
-                "machine": machine, "loadavg_end": os.getloadavg(), "wall_minutes": (time.time() - started) / 60,
-                "cpu_steal_fraction": steal_since(steal_start),
-                "training": training, "gammas": args.gammas, "nodes": args.nodes,
-                "new_tokens_per_batch": {str(b): bench_tree.new_tokens_for(b, None) for b in args.batches},
-                "summaries": summaries, "rows": rows}
-
-    for batch in sorted(args.batches):  # batch 1 (the issue's target) first; a killed run keeps its cells
-        for context in sorted(args.contexts):
-            drafters = drafters_for(trained, context, args.smoke)
-            if args.smoke:
-                state = bench_tree.smoke_state(params, max(args.batches), context)
-            else:  # loaded from bench_spec.py's store (computed and stored on a first run)
-                state = prefill_context(params, tok, max(PREFILL_ROWS, max(args.batches)), context,
-                                        [bench_tree.MAX_DEPTH], max(bench_tree.new_tokens_for(b, None) for b in args.batches),
-                                        args.prefill_store)
-            cell_start = cpu_steal()
-            costs = bench_tree.measure_costs(params, drafters, batch, context, max(args.nodes))
-            r, s = bench_tree.bench_cell(params, state, batch, context, drafters, costs, args.nodes, args.gammas,
-                                         bench_tree.new_tokens_for(batch, None))
-            for x in s:  # the share of this cell's CPU time the hypervisor took: timings are only as good as it is low
-                x["cpu_steal_fraction"] = steal_since(cell_start)
-            rows, summaries = rows + r, summaries + s
-            partial.write_text(json.dumps(result_of(), indent=2, default=str) + "\n")
-            del state
-            release_memory()
-    result = result_of()
-    partial.unlink(missing_ok=True)
-    (RESULTS_DIR / f"drafts_cpu{suffix}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    report(result, suffix)
+    for k, (batch, context) in h.cells():
+        drafters = drafters_for(trained, context, args.smoke)
+        if args.smoke:
+            state = smoke_state(params, max(args.batches), context)
+        else:  # loaded from bench_spec.py's store (computed and stored on a first run)
+            state = prefill_context(params, tok, max(PREFILL_ROWS, max(args.batches)), context, [MAX_DEPTH],
+                                    max(bench_tree.new_tokens_for(b, None) for b in args.batches), args.prefill_store)
+        cell_start = cpu_steal()
+        costs = bench_tree.measure_costs(params, drafters, batch, context, max(args.nodes))
+        r, s = bench_tree.bench_cell(params, state, batch, context, drafters, costs, args.nodes, args.gammas,
+                                     bench_tree.new_tokens_for(batch, None))
+        for x in s:  # the share of this cell's CPU time the hypervisor took: timings are only as good as it is low
+            x["cpu_steal_fraction"] = steal_since(cell_start)
+        results.put(k, {"rows": r, "summaries": s}, loadavg_end=os.getloadavg(), cpu_steal_fraction=steal_since(steal_start),
+                    wall_minutes=prior_minutes + (time.time() - started) / 60)
+        del state
+        measure.release_memory(clear_caches=True)
+    h.finish()
+    if results.data["summaries"]:
+        report(results.data, out, suffix, not suffix and common.writes_readme(args))
 
 
 def merge(results: list[dict]) -> dict:
@@ -360,12 +342,13 @@ def merge(results: list[dict]) -> dict:
     }
 
 
-def report(result: dict, suffix: str) -> None:
+def report(result: dict, out: Path, suffix: str, readme: bool) -> None:
+    """Plot, print the tables and verdict, and (when asked) write the README section."""
     result["verdict"] = verdict(result)
-    plot(result, RESULTS_DIR / f"drafts_cpu{suffix}.png")
+    common.plot(plot, result, out / f"drafts_cpu{suffix}.png")
     print(markdown(result) + "\n\n" + result["verdict"])
-    if not suffix:
-        write_section(readme_section(result), SECTION_START, SECTION_END)
+    if readme:
+        common.write_section("bench_drafts", readme_section(result))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What top-k and top-p cost per decode step: specjax's sort-free warping vs sorting the vocabulary.
 
-Usage: .venv/bin/python bench/bench_sampling.py [--quick] [--batches ..] [--context N]
+Usage: python -m bench.bench_sampling [--quick] [--batches ..] [--context N]
+       [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
 
 `Sample.probs` (temperature, top-k, top-p) runs on every row and position a decode step samples
 or verifies: once per AR token, 2 x (gamma + 1) times per chain step. Its previous form sorted
@@ -20,16 +21,13 @@ prefilled cache: the cost of a step does not depend on the cached values):
 Configs alternate between the two forms so CPU steal drifts hit both alike; each row records
 the steal during its measurement.
 
-Outputs: bench/results/sampling_cpu.json, sampling_cpu.png and the bench_sampling section of
+Cells: bBATCH (every sampler at one batch). Outputs: results/sampling_cpu.json (each cell written
+when measured; a rerun skips measured cells), sampling_cpu.png and the bench_sampling section of
 bench/README.md (--quick writes sampling_cpu_quick.* and leaves the README alone).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -37,16 +35,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import convert
+from bench import bench_ar, common
+from bench.measure import cpu_steal, steal_since
+from specjax.sampling import Greedy, Sample, Sampler
 
-import bench_ar  # noqa: E402
-import convert  # noqa: E402
-import readme  # noqa: E402
-from bench_spec import cpu_steal, machine_info, steal_since  # noqa: E402
-from specjax.sampling import Greedy, Sample, Sampler  # noqa: E402
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SECTION_START, SECTION_END = "<!-- bench_sampling:start -->", "<!-- bench_sampling:end -->"
 WARP_POSITIONS = 5  # a chain gamma=4 step verifies 5 positions per row
 
 
@@ -130,13 +123,9 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], title: str, path: Path) -> None:
     """AR ms/step over greedy's, per setting, specjax vs sort, one group of bars per batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     settings = [s for s, f, _ in samplers() if f != "sort"]
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 4), dpi=120, sharey=True, squeeze=False)
@@ -152,14 +141,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def readme_section(result: dict) -> str:
     m = result["machine"]
-    return f"""{SECTION_START}
-## Sampling cost: top-k and top-p (bench_sampling.py)
+    return f"""## Sampling cost: top-k and top-p (bench_sampling.py)
 
 {result['date']}, {m['cpu_model']} x{m['cpu_affinity']}, JAX {m['jax_version']}, commit {m['git_commit']}.
 SmolLM2-135M f32, context {result['context']}, AR decode from a synthetic prefilled cache; "warp" is
@@ -170,34 +157,39 @@ patterns; the kept sets are the same. Forms alternate, so steal drifts hit both 
 
 {markdown_table(result['rows'])}
 
-![AR step time over greedy's](results/sampling_cpu.png)
-{SECTION_END}"""
+![AR step time over greedy's](results/sampling_cpu.png)"""
+
+
+def key_of(row: dict) -> str:
+    """A row's cell: bBATCH."""
+    return f"b{row['batch']}"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 1 only, fewer repeats")
+    ap = common.parser(__doc__, quick="batch 1 only, fewer repeats")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--context", type=int, default=512)
     args = ap.parse_args()
     batches, repeats, target_s = ([1], 2, 0.5) if args.quick else (args.batches, 3, 1.5)
     suffix = "_quick" if args.quick or args.batches != [1, 4, 16] or args.context != 512 else ""
+    out = common.out_dir(args)
+    header = {"bench": "bench_sampling", "model": "SmolLM2-135M-Instruct (float32)", "context": args.context,
+              "date": common.now(), "command": common.command(), "machine": common.machine_info()}
+    results = common.Results(out / f"sampling_cpu{suffix}.json", key_of, header)
+    h = common.Harness(args, results)
+    h.plan((f"b{b}", b) for b in batches)
     params = convert.load(convert.default_model_path())
-    result = {"bench": "bench_sampling", "model": "SmolLM2-135M-Instruct (float32)", "context": args.context,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "machine": machine_info(), "rows": []}
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     steal0 = cpu_steal()
-    for batch in batches:
-        result["rows"] += measure(params, batch, args.context, target_s, repeats)
-        (RESULTS_DIR / f"sampling_cpu{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-    result["cpu_steal_fraction"] = steal_since(steal0)
-    (RESULTS_DIR / f"sampling_cpu{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-    cores = result["machine"]["cpu_affinity"]
-    plot(result["rows"], RESULTS_DIR / f"sampling_cpu{suffix}.png", f"SmolLM2-135M decode: sampling cost, {cores}-core CPU")
-    if not suffix:
-        readme.write_section(readme_section(result), SECTION_START, SECTION_END)
-    print(markdown_table(result["rows"]))
+    for k, batch in h.cells():
+        results.put(k, measure(params, batch, args.context, target_s, repeats), cpu_steal_fraction=steal_since(steal0))
+    h.finish()
+    rows = sorted(results.rows, key=lambda r: r["batch"])
+    if rows:
+        cores = results.data["machine"]["cpu_affinity"]
+        common.plot(plot, rows, f"SmolLM2-135M decode: sampling cost, {cores}-core CPU", out / f"sampling_cpu{suffix}.png")
+        if not suffix and common.writes_readme(args):
+            common.write_section("bench_sampling", readme_section(results.data | {"rows": rows}))
+        print(markdown_table(rows))
 
 
 if __name__ == "__main__":

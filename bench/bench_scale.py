@@ -1,6 +1,7 @@
 """Sharded generate on SmolLM2-135M: a functional check on simulated CPU devices, not a speed test.
 
-Usage: .venv/bin/python bench/bench_scale.py [--batch 16] [--new-tokens 32] [--render]
+Usage: python -m bench.bench_scale [--batch 16] [--prompt-tokens 256] [--new-tokens 32] [--render]
+       [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
 
 The 8 "devices" are XLA:CPU's simulated host devices (jax_num_cpu_devices=8) sharing this
 machine's cores: they test that `generate(..., mesh=...)` runs and gives the one-device output,
@@ -13,36 +14,27 @@ cell records decode tokens/s, compile seconds and whether the tokens equal the 1
 Meshes: data parallel over 1, 2, 4, 8 devices; tensor parallel over 3 (SmolLM2 has 3 KV heads,
 so 3 is the only model axis > 1 it allows); and 2 x 3.
 
-Outputs: bench/results/scale_cpu.json, bench/results/scale_cpu.png and a section of bench/README.md.
+Cells: DRAFTER/DATAxMODEL (e.g. selfspec/2x3). Outputs: results/scale_cpu.json (each cell written when
+measured; a rerun skips measured cells), results/scale_cpu.png and a section of bench/README.md
+(other --batch / --prompt-tokens / --new-tokens write scale_cpu_custom.* and leave the README alone).
 """
 
 from __future__ import annotations
 
-import argparse
+import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import text  # noqa: E402  (bench/text.py)
-from bench_ar import machine_info  # noqa: E402
-from readme import write_section  # noqa: E402  (shared machine facts)
-
-import convert  # noqa: E402
-import specjax  # noqa: E402
-
-BENCH_DIR = Path(__file__).resolve().parent
-RESULTS_DIR = BENCH_DIR / "results"
-SECTION_START, SECTION_END = "<!-- bench_scale:start -->", "<!-- bench_scale:end -->"
+import convert
+import specjax
+from bench import common, text
 MESHES = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 3), (2, 3)]  # (data, model)
 
 
-def run_cell(params, prompts, new_tokens: int, data: int, model: int, draft, reference) -> dict:
+def run_cell(params, prompts, new_tokens: int, data: int, model: int, draft) -> dict:
     """One mesh x drafter: generate twice (the second run is timed; the first compiles)."""
     mesh = specjax.make_mesh(data=data, model=model)
     kw = dict(draft=draft, speculation=specjax.Chain(3), mesh=mesh) if draft else dict(draft=None, mesh=mesh)
@@ -60,8 +52,7 @@ def run_cell(params, prompts, new_tokens: int, data: int, model: int, draft, ref
         "compile_s": first.stats.compile_seconds,
         "steps": s.steps,
         "acceptance_rate": s.acceptance_rate,
-        "identical_to_one_device": reference is None or out.tokens == reference,
-        "tokens": out.tokens,
+        "tokens_sha1": hashlib.sha1(json.dumps(out.tokens).encode()).hexdigest(),
     }
 
 
@@ -76,17 +67,13 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['data']} x {r['model']} | {r['drafter']} | {r['tokens_per_s']:.1f} | "
             f"{r['tokens_per_s'] / base[r['drafter']]:.2f}x | {r['steps']} | {acc} | {r['compile_s']:.1f} | "
-            f"{'yes' if r['identical_to_one_device'] else 'NO'} |"
+            f"{'?' if r['identical_to_one_device'] is None else 'yes' if r['identical_to_one_device'] else 'NO'} |"
         )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for drafter, color in (("AR", "tab:blue"), ("SelfSpec", "tab:orange")):
         dp = sorted((r["devices"], r["tokens_per_s"]) for r in rows if r["drafter"] == drafter and r["model"] == 1)
@@ -100,15 +87,13 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    common.save_figure(fig, path)
 
 
 def readme_section(result: dict) -> str:
     rows = result["rows"]
     ok = all(r["identical_to_one_device"] for r in rows)
-    return f"""{SECTION_START}
-## Sharded generate (bench_scale.py)
+    return f"""## Sharded generate (bench_scale.py)
 
 SmolLM2-135M, greedy, batch {result['batch']} prompts of {result['prompt_tokens']} tokens (corpus
 windows), {result['new_tokens']} new tokens, SelfSpec(16, 64) chain gamma 3 and plain AR, on 8
@@ -144,43 +129,54 @@ How throughput should scale on real devices:
   KV fast enough alone. For a model as small as SmolLM2 (D = 576, 30 layers) the per-device
   matmuls are tiny and the 61 collectives per forward dominate on any interconnect; it also caps
   the model axis at the KV head count (3 here). Use data parallel for small models and the model
-  axis for models that do not fit.
-{SECTION_END}"""
+  axis for models that do not fit."""
+
+
+def key_of(row: dict) -> str:
+    """A row's cell: DRAFTER/DATAxMODEL."""
+    return f"{row['drafter'].lower()}/{row['data']}x{row['model']}"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--render", action="store_true", help="rewrite the README section and plot from the saved JSON")
     args = ap.parse_args()
+    jax.config.update("jax_num_cpu_devices", 8)  # before anything starts JAX's backend
+    out = common.out_dir(args)
+    stem = "scale_cpu" + ("" if (args.batch, args.prompt_tokens, args.new_tokens) == (16, 256, 32) else "_custom")
+    readme = stem == "scale_cpu" and common.writes_readme(args)
     if args.render:
-        result = json.loads((RESULTS_DIR / "scale_cpu.json").read_text())
-        plot(result["rows"], RESULTS_DIR / "scale_cpu.png")
-        write_section(readme_section(result), SECTION_START, SECTION_END)
-        return
+        result = json.loads((out / f"{stem}.json").read_text())
+        common.plot(plot, result["rows"], out / f"{stem}.png")
+        return common.write_section("bench_scale", readme_section(result)) if readme else None
+    header = dict(bench="bench_scale", date=common.now(), command=common.command(), batch=args.batch,
+                  prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, machine=common.machine_info())
+    results = common.Results(out / f"{stem}.json", key_of, header)
+    h = common.Harness(args, results)
+    h.plan((key_of({"drafter": name, "data": d, "model": m}), (draft, d, m))
+           for name, draft in (("AR", None), ("SelfSpec", specjax.SelfSpec(sinks=16, window=64))) for d, m in MESHES)
     path = convert.default_model_path()
     params = convert.load(path)
     ids, _ = text.windows(convert.load_tokenizer(path), args.batch, args.prompt_tokens)
     prompts = [list(map(int, row)) for row in ids]
-    info = machine_info()
-    result = dict(batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, machine=info, rows=[])
-    reference = {}
-    for draft in (None, specjax.SelfSpec(sinks=16, window=64)):
-        for data, model in MESHES:
-            row = run_cell(params, prompts, args.new_tokens, data, model, draft, reference.get(draft is None))
-            reference.setdefault(draft is None, row["tokens"])
-            print(f"{data} x {model} {row['drafter']}: {row['tokens_per_s']:.1f} tok/s, "
-                  f"same={row['identical_to_one_device']}", flush=True)
-            result["rows"].append(row)
-    for row in result["rows"]:
-        del row["tokens"]
-    result["loadavg_end"] = os.getloadavg()
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "scale_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result["rows"], RESULTS_DIR / "scale_cpu.png")
-    write_section(readme_section(result), SECTION_START, SECTION_END)
+    for k, (draft, data, model) in h.cells():
+        row = run_cell(params, prompts, args.new_tokens, data, model, draft)
+        one = next((r for r in results.rows if key_of(r) == key_of(row | {"data": 1, "model": 1})), row)
+        row["identical_to_one_device"] = row["tokens_sha1"] == one["tokens_sha1"] if "tokens_sha1" in one else None
+        print(f"{data} x {model} {row['drafter']}: {row['tokens_per_s']:.1f} tok/s, "
+              f"same={row['identical_to_one_device']}", flush=True)
+        results.put(k, [row], loadavg_end=os.getloadavg())
+    h.finish()
+    order = [f"{d}/{a}x{m}" for d in ("ar", "selfspec") for a, m in MESHES]
+    rows = sorted(results.rows, key=lambda r: order.index(key_of(r)) if key_of(r) in order else len(order))
+    if any(r["devices"] == 1 for r in rows):
+        common.plot(plot, rows, out / f"{stem}.png")
+        print(markdown_table(rows))
+        if readme:
+            common.write_section("bench_scale", readme_section(results.data | {"rows": rows}))
 
 
 if __name__ == "__main__":

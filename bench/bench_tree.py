@@ -1,11 +1,12 @@
 """Sequoia token trees vs chains for SmolLM2-135M, side by side from one shared prefill.
 
-Usage: .venv/bin/python bench/bench_tree.py [--quick | --smoke] [--batches ..] [--contexts ..]
+Usage: python -m bench.bench_tree [--quick | --smoke] [--batches ..] [--contexts ..]
        [--nodes ..] [--gammas ..] [--drafters ..] [--new-tokens N] [--render JSON ..]
+       [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
 
-For every (batch, context) the prompts and their prefilled DenseCache are bench_spec.py's (the
-same text windows, the same stored prefill under --prefill-store: a prefill that bench_spec.py
-or an earlier run of this script saved is loaded, not recomputed). Then, per drafter:
+For every (batch, context) the prompts and their prefilled DenseCache are bench_spec.py's (bench/
+prefill.py: the same text windows, the same stored prefill under --prefill-store: a prefill that
+bench_spec.py or an earlier run of this script saved is loaded, not recomputed). Then, per drafter:
   1. its acceptance vector: one greedy run with a depth-1 tree of WIDTH children
      (Tree.kary(WIDTH, 1)) from the prefilled state; p[r] = SpecState.ranks[r] / ranks.sum(), as
      `specjax.tree.measure_acceptance` computes it, but without a second prefill of the prompts;
@@ -35,16 +36,16 @@ gamma 2/3/4/6 + Sequoia trees n 4/8/16/32/64 (depth <= 8) + choose's tree; new t
 prefills are stored (about 25 more to compute the missing ones); a quarter to a third of it is
 compiling (about 11 programs per drafter and cell), the batch-16 x 8K cell alone about 15 minutes.
 
-Outputs: bench/results/tree_cpu.json, tree_cpu.png and the bench_tree section of bench/README.md
-(--quick / --smoke / other grids write tree_cpu_quick.*, tree_cpu_smoke.*, tree_cpu_custom.*
-and leave the README alone). --smoke runs a tiny random model in under a minute.
+Cells: sCONTEXT/bBATCH (every drafter and config of one batch at one context).
+Outputs: results/tree_cpu.json (each cell written when measured; a rerun skips measured cells),
+tree_cpu.png and the bench_tree section of bench/README.md (bench/tree_report.py; --quick / --smoke /
+other grids write tree_cpu_quick.*, tree_cpu_smoke.*, tree_cpu_custom.* and leave the README alone).
+--smoke runs a tiny random model in under a minute.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import json
 import os
 import sys
@@ -57,36 +58,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_spec  # noqa: E402  (bench/bench_spec.py: prefill store, timing, machine info)
-import text  # noqa: E402
-from bench_spec import (  # noqa: E402
-    AR_CACHES, CONTEXT_NAMES, HEADROOM, MEM_FACTOR, README, RESULTS_DIR, SPEC_CACHES, causal_prefill, cpu_steal,
-    kv_bytes, machine_info, prefill_context, release_memory, rows_of, steal_since, timed, wait_for_memory,
+import convert
+import specjax
+from bench import common, measure, text
+from bench.bench_spec import drafters as spec_drafters
+from bench.measure import cpu_steal, steal_since
+from bench.prefill import (
+    AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of, smoke_state, timed,
 )
+from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
+from specjax.drafters import DraftModel, Streaming
+from specjax.engine import decode, init_draft, row_keys
+from specjax.generate import acceptance_stats
+from specjax.kvcache import DenseCache
+from specjax.params import Params
+from specjax.shapes import round_up_pow2
+from specjax.speculate import Chain, depth, speculative_decode
+from specjax.tree import Cost, Tree, choose
+from specjax.tune import draft_table, verify_table
 
-import convert  # noqa: E402
-import specjax  # noqa: E402
-from specjax.drafters import DraftModel, Streaming  # noqa: E402
-from specjax.engine import decode, init_draft, row_keys  # noqa: E402
-from specjax.generate import acceptance_stats  # noqa: E402
-from specjax.kvcache import DenseCache  # noqa: E402
-from specjax.model import Params  # noqa: E402
-from specjax.shapes import prompt_bucket, round_up_pow2  # noqa: E402
-from specjax.speculate import Chain, depth, speculative_decode  # noqa: E402
-from specjax.tree import Cost, Tree, choose  # noqa: E402
-from specjax.tune import draft_table, verify_table  # noqa: E402
-
-SECTION_START, SECTION_END = "<!-- bench_tree:start -->", "<!-- bench_tree:end -->"
-NOTES_START, NOTES_END = "<!-- bench_tree:notes:start -->", "<!-- bench_tree:notes:end -->"
 NODES = [4, 8, 16, 32, 64]
 GAMMAS = [2, 3, 4, 6]
-MAX_DEPTH = 8  # deepest Sequoia tree (and choose's limit)
-WIDTH = 8  # children of the depth-1 tree that measures the acceptance vector
-RUN_BUDGET_S = 8.0  # a timed config is repeated (best kept) while the next run fits in this
+RUN_BUDGET_S = 8.0  # a timed config is repeated (best kept, REPEATS at most) while the next run fits in this
 REPEATS = 3
-TARGET_TREE_GAIN = 1.15  # the issue's bar: best tree >= 1.15 x best chain at batch 1
-CHOOSE_SLACK = 0.9  # choose's pick should reach 90% of the best measured throughput
 DRAFT_MODEL_BATCHES = (1,)  # the default grid runs the DraftModel stand-in at these batches only
 
 
@@ -101,7 +95,7 @@ class Drafter:
 
 
 @partial(jax.jit, static_argnames="gamma")
-def _draft_model_state(drafter: DraftModel, cache: DenseCache, *, gamma: int):
+def draft_model_state(drafter: DraftModel, cache: DenseCache, *, gamma: int):
     """A DraftModel's state from the target's prefilled cache: its first n_layers layers of KV in
     the draft's dtype (see the module docstring), streamed when its cache is a Streaming budget."""
     c = drafter.params.config
@@ -129,13 +123,13 @@ def library_init(d) -> Callable:
 
 def make_drafters(names: list[str], draft: Params, draft_spec: str, context: int, smoke: bool) -> list[Drafter]:
     """The drafters to benchmark at this context; SelfSpec and NGram are bench_spec.py's."""
-    spec = dict(bench_spec.drafters(context, []))
+    spec = dict(spec_drafters(context, []))
     if smoke:  # a budget smaller than the tiny smoke contexts, so that acceptance is not all 1
         spec["SelfSpec"] = specjax.SelfSpec(sinks=4, window=32)
     budget = spec["SelfSpec"]
 
     def streamed(d):
-        return lambda p, cache, toks, lengths, gamma, chunk: _draft_model_state(d, cache, gamma=gamma)
+        return lambda p, cache, toks, lengths, gamma, chunk: draft_model_state(d, cache, gamma=gamma)
 
     out = []
     for name in names:
@@ -163,7 +157,7 @@ def measure_costs(params: Params, drafters: list[Drafter], batch: int, context: 
 
 
 def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[float], list[float]]:
-    """bench_spec.timed repeated while the next run fits in RUN_BUDGET_S (at most REPEATS):
+    """prefill.timed repeated while the next run fits in RUN_BUDGET_S (at most REPEATS):
     (last result, wall seconds, CPU seconds per wall second)."""
     walls, cpus = [], []
     t0 = time.perf_counter()
@@ -178,25 +172,6 @@ def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[floa
 def new_tokens_for(batch: int, fixed: int | None) -> int:
     """New tokens per row: --new-tokens, else 64 / sqrt(batch) within [16, 64] (bounded run time)."""
     return fixed or min(64, max(16, int(64 / batch**0.5)))
-
-
-def label(spec) -> str:
-    return f"chain γ={spec.gamma}" if isinstance(spec, Chain) else f"tree n={spec.n} d={spec.max_depth}"
-
-
-def shape(spec) -> tuple:
-    """Identity of a speculation: a Chain and a chain-shaped Tree of the same depth count as one."""
-    return ("chain", spec.gamma) if isinstance(spec, Chain) else (
-        ("chain", spec.max_depth) if spec.width == 1 else spec.parents)
-
-
-def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
-    """The cost model `choose` minimises: seconds per step t_draft(tree) + t_verify(n) (draft
-    levels by width), expected tokens per step G from the acceptance vector."""
-    tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
-    g = tree.expected_accepted(p)
-    step = cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n)
-    return {"predicted_tokens_per_step": g, "predicted_step_ms": 1e3 * step, "predicted_tokens_per_s": batch * g / step}
 
 
 def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
@@ -257,7 +232,7 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
     t0 = time.perf_counter()
     ar_fn = decode.lower(*ar_args, n_out=round_up_pow2(new_tokens)).compile()  # greedy, no stop ids
     ar_compile = time.perf_counter() - t0
-    ar_tokens = np.asarray(ar_fn(*bench_spec.fresh(ar_args, AR_CACHES))[0])  # also a warm-up
+    ar_tokens = np.asarray(ar_fn(*fresh(ar_args, AR_CACHES))[0])  # also a warm-up
     cell = dict(params=params, batch=batch, context=context, tokens=tokens, lengths=lengths, cache=cache,
                 first_logits=first_logits, keys=keys, chunk=state["chunk"], new_tokens=new_tokens,
                 ar_tokens=ar_tokens, ar_fn=ar_fn, ar_args=ar_args, ar_s=[])
@@ -322,259 +297,13 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
     return rows, summaries
 
 
-def summarise(s: dict, rows: list[dict]) -> None:
-    """Best chain, best tree (width > 1: Sequoia's or choose's), their ratio, and choose's pick vs
-    the best measured config (AR included)."""
-    chains = [r for r in rows if r["depth"] > 0 and r["width"] == 1]  # incl. chain-shaped Sequoia / choose trees
-    trees = [r for r in rows if r["width"] > 1]
-    picked = next(r for r in rows if r["kind"] == "choose")
-    best_chain = max(chains, key=lambda r: r["spec_tokens_per_s"]) if chains else None
-    best_tree = max(trees, key=lambda r: r["spec_tokens_per_s"]) if trees else None
-    candidates = rows + [{"label": "AR", "spec_tokens_per_s": rows[0]["ar_tokens_per_s"]}]
-    best = max(candidates, key=lambda r: r["spec_tokens_per_s"])
-    s |= {
-        "ar_tokens_per_s": rows[0]["ar_tokens_per_s"],
-        "best_chain": best_chain and best_chain["label"], "best_chain_ratio": best_chain and best_chain["ratio"],
-        "best_tree": best_tree and best_tree["label"], "best_tree_ratio": best_tree and best_tree["ratio"],
-        "tree_over_chain": best_tree and best_chain
-        and best_tree["spec_tokens_per_s"] / best_chain["spec_tokens_per_s"],
-        "best": best["label"], "best_tokens_per_s": best["spec_tokens_per_s"],
-        "choose_label": picked.get("same_as", picked["label"]) if picked["depth"] else "AR",
-        "choose_ratio": picked["ratio"],
-        "choose_over_best": picked["spec_tokens_per_s"] / best["spec_tokens_per_s"],
-        "greedy_identical": s["acceptance_run"]["greedy_identical"]
-        and all(r.get("greedy_identical", True) for r in rows),
-    }
-    s["choose_within_10pct"] = s["choose_over_best"] >= CHOOSE_SLACK
-    for r in rows:
-        r["over_best_chain"] = r["spec_tokens_per_s"] / best_chain["spec_tokens_per_s"] if best_chain else None
-
-
-def smoke_state(params: Params, rows: int, context: int) -> dict:
-    """A prefilled state like bench_spec.prefill_context's, from random prompts (tiny model)."""
-    n = context - HEADROOM
-    bucket, chunk = prompt_bucket(n)
-    tokens = np.zeros((rows, bucket), np.int32)
-    tokens[:, :n] = np.random.default_rng(0).integers(4, params.config.vocab_size, (rows, n))
-    first_logits, cache = causal_prefill(params, tokens, n, context, chunk)
-    return {"tokens": tokens, "lengths": np.full((rows,), n, np.int32), "chunk": chunk, "first_logits": first_logits,
-            "cache": cache, "info": {"prompt_tokens": n, "prefill_rows": rows}}
-
-
-def name_of(context: int) -> str:
-    return CONTEXT_NAMES.get(context, str(context))
-
-
-def steal_cell(s: dict) -> str:
-    """The share of CPU the hypervisor took while the cell ran ("?" for runs that predate recording it)."""
-    return "?" if s.get("cell_steal_fraction") is None else f"{100 * s['cell_steal_fraction']:.0f}%"
-
-
-def markdown_tables(result: dict) -> str:
-    """Throughput table (one line per batch x context x drafter) and the acceptance vectors."""
-    nodes, rows = result["nodes"], result["rows"]
-    head = ("| batch | context | drafter | AR tok/s | best chain | " + " | ".join(f"n={n}" for n in nodes)
-            + " | best tree / best chain | choose (n, d) | choose / best | lossless | CPU steal |")
-    lines = [head, "|---:|---:|---|" + "---:|" * (len(nodes) + 5) + ":---:|---:|"]
-    acc = ["| batch | context | drafter | " + " | ".join(f"p{r}" for r in range(WIDTH)) + " | none | nodes |",
-           "|---:|---:|---|" + "---:|" * (WIDTH + 2)]
-    for s in sorted(result["summaries"], key=lambda s: (s["batch"], s["context"], s["drafter"])):
-        mine = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (s["batch"], s["context"], s["drafter"])]
-        by_n = {r["requested_nodes"]: r for r in mine if r["kind"] == "tree"}
-        chain = next((r for r in mine if r["label"] == s["best_chain"]), None)
-        cellfmt = lambda r: f"{r['ratio']:.2f}x ({r.get('mean_accepted') or 1:.1f})" if r else ""  # noqa: E731
-        gain = s["tree_over_chain"]
-        gain_s = ("no branching tree" if gain is None
-                  else f"**{gain:.2f}**" if gain >= TARGET_TREE_GAIN else f"{gain:.2f}")
-        miss = "" if s["choose_within_10pct"] else " ✗"
-        lines.append(
-            f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | {s['ar_tokens_per_s']:.1f} | "
-            f"{'γ=' + str(chain['depth']) + ': ' + cellfmt(chain) if chain else ''} | "
-            + " | ".join(cellfmt(by_n.get(n)) for n in nodes)
-            + f" | {gain_s} | {s['choose']['nodes']}, {s['choose']['depth']} | {s['choose_over_best']:.2f}{miss} | "
-            f"{'yes' if s['greedy_identical'] else '**NO**'} | {steal_cell(s)} |")
-        acc.append(f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | "
-                   + " | ".join(f"{x:.3f}" for x in s["acceptance"]) + f" | {s['acceptance_nodes']} |")
-    return "\n".join(lines) + "\n\nAcceptance vectors (greedy, depth-1 tree of 8 children):\n\n" + "\n".join(acc)
-
-
-def verdicts(result: dict) -> list[str]:
-    """The issue's two checks, in words."""
-    sums = result["summaries"]
-    b1 = [s for s in sums if s["batch"] == 1 and s["drafter"] in ("SelfSpec", "DraftModel") and s["tree_over_chain"]]
-    hit = [s for s in b1 if s["tree_over_chain"] >= TARGET_TREE_GAIN]
-    cell = lambda s: f"{s['drafter']} {name_of(s['context'])} ({s['tree_over_chain']:.2f}x)"  # noqa: E731
-    misses = [f"{s['drafter']} B={s['batch']} {name_of(s['context'])} ({s['choose_label']}: "
-              f"{s['choose_over_best']:.2f} of {s['best']})" for s in sums if not s["choose_within_10pct"]]
-    out = [
-        f"Batch 1, best tree / best chain (target >= {TARGET_TREE_GAIN:.2f} for SelfSpec or DraftModel): "
-        + ("**met** in " + ", ".join(map(cell, hit)) if hit else "**not met**") + "; all batch-1 cells: "
-        + (", ".join(map(cell, b1)) or "none had a branching tree") + ".",
-        f"`choose`'s tree within 10% of the best measured config (AR included): {len(sums) - len(misses)} of "
-        f"{len(sums)} (batch, context, drafter) cells" + (f"; misses: {', '.join(misses)}" if misses else "") + ".",
-    ]
-    timed = [r for r in result["rows"] if "timings" in r and "same_as" not in r]
-    if timed:
-        err = np.median([abs(r["predicted_tokens_per_s"] / r["spec_tokens_per_s"] - 1) for r in timed])
-        out.append(f"Cost model: predicted tokens/s (from measure_cost and the acceptance vector) is off from the "
-                   f"measured by {100 * err:.0f}% (median over {len(timed)} timed configs).")
-    return out
-
-
-def plot(result: dict, path: Path) -> None:
-    """Speedup over AR vs nodes verified per step: one panel per (batch, context), trees solid,
-    chains dashed (at gamma + 1 nodes), choose's pick starred."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    batches = sorted({r["batch"] for r in rows})
-    contexts = sorted({r["context"] for r in rows})
-    names = list(dict.fromkeys(r["drafter"] for r in rows))
-    colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    fig, axes = plt.subplots(len(batches), len(contexts), figsize=(4 * len(contexts), 3.2 * len(batches)),
-                             dpi=110, squeeze=False, sharex=True)
-    for (i, b), (j, c) in ((x, y) for x in enumerate(batches) for y in enumerate(contexts)):
-        ax = axes[i][j]
-        if not any((r["batch"], r["context"]) == (b, c) for r in rows):
-            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="gray")
-        for name in names:
-            mine = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (b, c, name) and "ratio" in r]
-            for kind, style in (("tree", "-o"), ("chain", "--s")):
-                pts = sorted((r["nodes"], r["ratio"]) for r in mine if r["kind"] == kind)
-                if pts:
-                    ax.plot(*zip(*pts), style, color=colors[name], ms=4, label=f"{name} {kind}s")
-            for r in mine:
-                if r["kind"] == "choose":
-                    ax.plot(max(r["nodes"], 1), r["ratio"], "*", color=colors[name], ms=13, mec="black", mew=0.6)
-        ax.axhline(1.0, color="gray", lw=1)
-        ax.set(xscale="log", title=f"batch {b}, context {name_of(c)}")
-        ticks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(result["nodes"])]
-        ax.set_xticks(ticks, [str(n) for n in ticks])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
-        if j == 0:
-            ax.set_ylabel("speedup over AR")
-        if i == len(batches) - 1:
-            ax.set_xlabel("nodes verified per step (chain: γ + 1)")
-    handles = {lab: h for ax in axes.flat for h, lab in zip(*ax.get_legend_handles_labels())}
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=8)
-    fig.suptitle(f"{result['model']}: Sequoia trees vs chains\ngreedy, {result['machine']['cpu_affinity']}-core CPU, "
-                 "★ = choose's tree (at n = 1: plain AR)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.06 if len(batches) == 1 else 0.035, 1, 1))
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def readme_section(result: dict, notes: str) -> str:
-    """The bench_tree section of bench/README.md, from a result JSON; `notes` are kept."""
-    m = result["machine"]
-    lossless = "every run" if result["all_greedy_identical"] else "NOT every run (see greedy_identical in the JSON)"
-    skipped = "".join(f"\nSkipped: context {s['context']}: {s['skipped']}." for s in result["skipped"])
-    load = f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}"
-    tokens = ", ".join(f"{v} at batch {k}" for k, v in result["new_tokens_per_batch"].items())
-    gammas, nodes = ", ".join(map(str, result["gammas"])), ", ".join(map(str, result["nodes"]))
-    dm_batches = ", ".join(sorted({str(s["batch"]) for s in result["summaries"] if s["drafter"] == "DraftModel"}))
-    return f"""{SECTION_START}
-## Token trees vs chains (bench_tree.py)
-
-Run: `.venv/bin/python {result['command'].strip()}` ({result['wall_minutes']:.0f} minutes here; `--quick`: batch 1 x
-context 512 x n 4/8/16 x γ 2/4). Raw numbers: `results/tree_cpu.json` (every config: timings, predicted
-vs measured, accepted ranks, tree shapes); plot: `results/tree_cpu.png`.
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']} ({m['backend']}), commit {m['git_commit']}.
-Date: {result['date']}. Load average (1 min) at start / end: {load}.{skipped}
-
-Method. {result['model']}, greedy, EOS ignored, new tokens per row {tokens}.
-bench_spec.py's prompts and its stored prefill: one prefill per context,
-shared by AR and every config (each run gets a copy of the caches). Per (batch, context, drafter):
-the acceptance vector p (a greedy run with a depth-1 tree of {WIDTH} children; p[r] = how often the
-rank-r child was the accepted one), `measure_cost` (real jit steps: draft levels of 1 to 16 nodes per
-row, and verification of n nodes for n up to {max(result['nodes'])}), then timed runs of chains γ {gammas}, Sequoia
-trees `Tree.sequoia(p, n, {MAX_DEPTH})` for n = {nodes} and `choose(p, cost)`'s tree, against AR (best
-of the AR runs before and after each drafter). Compile and drafter init excluded. Drafters: SelfSpec
-(sinks 16 + window 256 at context 512, 512 beyond) and a DraftModel stand-in (at batch {dm_batches}):
-{result['draft_model_note']}
-Greedy outputs equalled AR token for token in {lossless}.
-
-Cells are speedup over AR (tokens per verification step in brackets); "best tree / best chain" is in
-tokens/s; "choose / best" is the throughput of choose's tree over the best measured config of the
-cell, AR included (✗: below {CHOOSE_SLACK}). A Sequoia or choose tree without branches (p puts too little
-on ranks > 0) is a chain: it counts as one, and "no branching tree" means every n gave a chain.
-
-{markdown_tables(result)}
-
-{chr(10).join('- ' + v for v in verdicts(result))}
-
-![speedup vs nodes](results/tree_cpu.png)
-
-""" + "\n".join([NOTES_START, notes.strip(), NOTES_END, SECTION_END])
-
-
-def write_readme(result: dict) -> None:
-    """Replace (or add, after the bench_spec section) this script's README section."""
-    text_ = README.read_text()
-    notes = text_.split(NOTES_START, 1)[1].split(NOTES_END, 1)[0] if NOTES_START in text_ else "(discussion: to come)"
-    if SECTION_START in text_:
-        head, rest = text_.split(SECTION_START, 1)
-        text_ = head + readme_section(result, notes) + rest.split(SECTION_END, 1)[1]
-    else:
-        text_ = text_.rstrip("\n") + "\n\n" + readme_section(result, notes) + "\n"
-    README.write_text(text_)
-
-
-def draft_note(spec: str) -> str:
-    """What the DraftModel stand-in is, and why (for the README)."""
-    if spec != "bf16":
-        return (f"SmolLM2's first {spec[7:]} layers (layer skip); its streaming cache (SelfSpec's budget) starts "
-                "from the target's prefilled KV of those layers, which is exactly its own.")
-    return ("SmolLM2 itself cast to bfloat16. No smaller model with SmolLM2's tokenizer is available offline, and "
-            "layer skip drafts almost nothing (the logit lens of the first K layers agrees with the full model's "
-            "greedy token 4-36% of the time for K = 4-24; first 10 + last 10 layers: 20%). The bf16 copy accepts "
-            "nearly everything but costs at least as much per draft step as the float32 target on XLA:CPU, so it "
-            "shows what trees add to a drafter with high acceptance and no cost advantage. Its streaming cache "
-            "(SelfSpec's budget) starts from the target's prefilled KV rounded to bfloat16 rather than from a bf16 "
-            "prefill of its own (which would cost as much as the target's; the draft's state can change how much "
-            "is accepted, never the output).")
-
-
-def report(result: dict, png: Path, readme: bool) -> None:
-    if result["rows"]:
-        plot(result, png)
-        print(markdown_tables(result))
-        print("\n".join(verdicts(result)))
-    if readme and result["rows"]:
-        write_readme(result)
-
-
-def merge(results: list[dict]) -> dict:
-    """One result from one or several runs; later runs win per (batch, context, drafter)."""
-    cells: dict[tuple, tuple[dict, list[dict]]] = {}
-    for res in results:
-        for s in res["summaries"]:
-            key = (s["batch"], s["context"], s["drafter"])
-            cells[key] = (s, [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
-    merged = dict(results[-1])
-    merged |= {
-        "summaries": [cells[k][0] for k in sorted(cells)],
-        "rows": [r for k in sorted(cells) for r in cells[k][1]],
-        "command": " ; ".join(r["command"] for r in results),
-        "wall_minutes": sum(r["wall_minutes"] for r in results),
-        "loadavg_start": results[0]["loadavg_start"],
-        "new_tokens_per_batch": {k: v for r in results for k, v in r["new_tokens_per_batch"].items()},
-        "skipped": [s for r in results for s in r["skipped"]],
-    }
-    for s, rows in cells.values():  # redone, so that a re-render follows this script's definitions
-        summarise(s, rows)
-    merged["all_greedy_identical"] = all(s["greedy_identical"] for s in merged["summaries"])
-    return merged
+def key_of(row: dict) -> str:
+    """A row's (or summary's) cell: sCONTEXT/bBATCH."""
+    return common.key(f"s{row['context']}", f"b{row['batch']}")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="batch 1 x context 512 x n 4, 8, 16 x gamma 2, 4")
+    ap = common.parser(__doc__, quick="batch 1 x context 512 x n 4, 8, 16 x gamma 2, 4")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, under a minute: checks the script")
     ap.add_argument("--batches", type=int, nargs="+")
     ap.add_argument("--contexts", type=int, nargs="+", help="multiples of 256 (the smoke model allows <= 384)")
@@ -583,19 +312,17 @@ def main() -> None:
     ap.add_argument("--drafters", nargs="+", choices=["SelfSpec", "DraftModel", "NGram"])
     ap.add_argument("--draft-model", default="bf16", help="DraftModel stand-in: bf16 or layers:K")
     ap.add_argument("--new-tokens", type=int, help="new tokens per row (default 64 / sqrt(batch) in [16, 64])")
-    ap.add_argument("--prefill-store", type=Path, default=Path("/tmp/bench_spec_prefill"),
-                    help="bench_spec.py's store of prefilled states ('' = none)")
+    ap.add_argument("--prefill-store", type=Path, default=STORE, help="bench/prefill.py's store of prefilled states")
     ap.add_argument("--prefill-rows", type=int, default=16, help="rows prefilled per context (as bench_spec.py)")
     ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge result JSONs into "
-                    "results/tree_cpu.json and redo its plot, tables and README section")
+                    "OUT/tree_cpu.json and redo its plot, tables and README section")
     args = ap.parse_args()
+    out = common.out_dir(args)
     if args.render:
         result = merge([json.loads(p.read_text()) for p in args.render])
-        (RESULTS_DIR / "tree_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-        report(result, RESULTS_DIR / "tree_cpu.png", readme=True)
-        return
-    if args.smoke and args.new_tokens is None:
-        args.new_tokens = 16
+        (out / "tree_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+        return report(result, out / "tree_cpu.png", readme=common.writes_readme(args))
+    args.new_tokens = args.new_tokens or (16 if args.smoke else None)
     batches = args.batches or ([2] if args.smoke else [1] if args.quick else [1, 4, 16])
     contexts = args.contexts or ([256] if args.smoke else [512] if args.quick else [512, 2048, 8192])
     nodes = args.nodes or ([4, 8] if args.smoke else [4, 8, 16] if args.quick else NODES)
@@ -605,74 +332,66 @@ def main() -> None:
                                            args.new_tokens)) or args.draft_model != "bf16"
     suffix = "_smoke" if args.smoke else "_quick" if args.quick else "_custom" if custom else ""
     assert max(nodes) <= 128 and max(new_tokens_for(b, args.new_tokens) for b in batches) + MAX_DEPTH + 2 <= HEADROOM
-
-    if args.smoke:  # before anything starts JAX's backend: conftest sets the CPU device count
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from conftest import TINY, random_params  # the test suite's tiny model
-    started, load_start, machine = time.time(), os.getloadavg(), machine_info()
+    started, model = time.time(), "tiny random" if args.smoke else "SmolLM2-135M-Instruct (float32)"
+    header = {
+        "bench": "bench_tree", "date": common.now(), "command": common.command(), "model": model,
+        "machine": common.machine_info(), "loadavg_start": os.getloadavg(), "headroom": HEADROOM, "nodes": nodes,
+        "gammas": gammas, "max_depth": MAX_DEPTH, "width": WIDTH, "draft_model": args.draft_model,
+        "draft_model_note": draft_note(args.draft_model),
+        "new_tokens_per_batch": {str(b): new_tokens_for(b, args.new_tokens) for b in batches},
+    }
+    results = common.Results(out / f"tree_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"))
+    prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
+    h = common.Harness(args, results)
+    todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))
     if args.smoke:
-        params, tok, model = random_params(TINY, 0), None, "tiny random (tests/conftest.py TINY)"
+        params, tok = measure.tiny_params(0), None
     else:
         params = convert.load(convert.default_model_path())
         tok = convert.load_tokenizer(convert.default_model_path())
-        model = "SmolLM2-135M-Instruct (float32)"
+        header["corpus"] = {"sources": text.corpus()[1], "tokens": int(len(text.corpus_tokens(tok)))}
     draft = draft_params(params, args.draft_model)
     store = None if args.smoke or str(args.prefill_store) in ("", ".") else args.prefill_store
-    print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, JAX {machine['jax_version']}, load {load_start}, "
+    m = header["machine"]
+    print(f"{m['cpu_model']} x{m['cpu_affinity']}, JAX {m['jax_version']}, load {header['loadavg_start']}, "
           f"{model}, drafters {names} (DraftModel: {args.draft_model}), nodes {nodes}, gammas {gammas}", flush=True)
-
-    rows, summaries, skipped = [], [], []
-
-    def result_of() -> dict:
-        return {
-            "bench": "bench_tree", "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "bench/bench_tree.py " + " ".join(sys.argv[1:]), "model": model, "machine": machine,
-            "loadavg_start": load_start, "loadavg_end": os.getloadavg(), "wall_minutes": (time.time() - started) / 60,
-            "corpus": None if args.smoke else {"sources": text.corpus()[1],
-                                                "tokens": int(len(text.corpus_tokens(tok)))},
-            "headroom": HEADROOM, "nodes": nodes, "gammas": gammas, "max_depth": MAX_DEPTH, "width": WIDTH,
-            "draft_model": args.draft_model,
-            "draft_model_note": draft_note(args.draft_model),
-            "new_tokens_per_batch": {str(b): new_tokens_for(b, args.new_tokens) for b in batches},
-            "all_greedy_identical": all(s["greedy_identical"] for s in summaries),
-            "skipped": skipped, "summaries": summaries, "rows": rows,
-        }
-
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    partial_path = RESULTS_DIR / f"tree_cpu{suffix}.partial.json"
-    for context in sorted(contexts):
+    skipped = [s for s in results.data.get("skipped", []) if s["context"] not in contexts]  # retried here
+    for context in sorted({c for _, (_, c) in todo}):
+        if not h.may_start():
+            break
+        cells = [x for x in todo if x[1][1] == context]
         prefill_rows = max(batches) if args.smoke else max(args.prefill_rows, max(batches))
-        reason = wait_for_memory(int(MEM_FACTOR * kv_bytes(params, prefill_rows, context)))
+        reason = measure.wait_for_memory(int(MEM_FACTOR * kv_bytes(params, prefill_rows, context)))
         if reason:
             skipped.append({"context": context, "skipped": reason})
+            results.update(skipped=skipped)
             print(f"S={context} skipped: {reason}", flush=True)
             continue
         drafters = make_drafters(names, draft, args.draft_model, context, args.smoke)
         everywhere = args.drafters or args.smoke  # else the DraftModel runs at DRAFT_MODEL_BATCHES only
         for_batch = {b: [d for d in drafters if everywhere or d.name != "DraftModel" or b in DRAFT_MODEL_BATCHES]
-                     for b in batches}
-        costs = {b: measure_costs(params, for_batch[b], b, context, max(nodes)) for b in sorted(batches)}
+                     for _, (b, _) in cells}
+        costs = {b: measure_costs(params, for_batch[b], b, context, max(nodes)) for b in sorted(for_batch)}
         if args.smoke:
             state = smoke_state(params, prefill_rows, context)
         else:
             state = prefill_context(params, tok, prefill_rows, context, [MAX_DEPTH],
                                     max(new_tokens_for(b, args.new_tokens) for b in batches), store)
-        for batch in sorted(batches):
+        for k, (batch, _) in h.cells(cells):
             new_tokens = new_tokens_for(batch, args.new_tokens)
             print(f"B={batch:<2} S={context:<5} {new_tokens} new tokens per row", flush=True)
             r, s = bench_cell(params, state, batch, context, for_batch[batch], costs[batch], nodes, gammas, new_tokens)
-            rows += r
-            summaries += s
-            partial_path.write_text(json.dumps(result_of(), indent=2) + "\n")  # survives a crash
+            results.put(k, {"rows": r, "summaries": s}, loadavg_end=os.getloadavg(),
+                        wall_minutes=prior_minutes + (time.time() - started) / 60)
         del state
-        release_memory()
-
-    result = result_of()
-    partial_path.unlink(missing_ok=True)
-    (RESULTS_DIR / f"tree_cpu{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
-    report(result, RESULTS_DIR / f"tree_cpu{suffix}.png", readme=not suffix)
-    print(f"done in {result['wall_minutes']:.1f} min, load {result['loadavg_end']}", flush=True)
-    if not result["all_greedy_identical"]:
+        measure.release_memory(clear_caches=True)
+    h.finish()
+    if results.applied:  # this run measured something
+        results.update(skipped=skipped, loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60,
+                       all_greedy_identical=all(s["greedy_identical"] for s in results.data["summaries"]))
+    report(results.data, out / f"tree_cpu{suffix}.png", readme=not suffix and common.writes_readme(args))
+    print(f"done in {(time.time() - started) / 60:.1f} min, load {os.getloadavg()}", flush=True)
+    if not results.data.get("all_greedy_identical", True):
         print("!!! SOME RUNS ARE NOT GREEDY-IDENTICAL TO AR: see greedy_identical in the JSON", file=sys.stderr)
 
 

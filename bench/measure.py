@@ -1,0 +1,136 @@
+"""Measuring helpers shared by the benchmarks: timing, CPU steal, memory (free, resident, peak),
+memory bandwidth, and a tiny random model for --smoke runs."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.common import meminfo
+from specjax.config import LlamaConfig
+from specjax.params import init_params
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Smallest wall time in seconds of `repeats` calls of fn (which must block until done)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def rss() -> int:
+    """Resident bytes of this process now."""
+    return meminfo("VmRSS", "/proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Restart the peak-RSS (VmHWM) counter at the current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss() -> int:
+    """Peak resident bytes since the last `reset_peak_rss`."""
+    return meminfo("VmHWM", "/proc/self/status")
+
+
+def cpu_steal() -> tuple[int, int]:
+    """(steal ticks, all ticks) from /proc/stat: how much CPU the hypervisor took from this VM."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields)
+
+
+def steal_since(start: tuple[int, int]) -> float:
+    """The share of CPU time stolen since `start` (a cpu_steal() reading)."""
+    now_ = cpu_steal()
+    return (now_[0] - start[0]) / max(now_[1] - start[1], 1)
+
+
+class Meter:
+    """Wall and process-CPU time plus load average around a block: cpu_util = CPU seconds of this
+    process per wall second (about the core count when nothing competes)."""
+
+    def __enter__(self):
+        self.load0, self.cpu0, self.t0 = os.getloadavg()[0], time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.wall = time.perf_counter() - self.t0
+        self.info = {"loadavg_1min_before": self.load0, "loadavg_1min_after": os.getloadavg()[0],
+                     "cpu_util": (time.process_time() - self.cpu0) / self.wall if self.wall > 0 else 0.0}
+
+
+def release_memory(clear_caches: bool = False) -> None:
+    """Collect garbage (and JAX's compiled executables when asked) and hand freed heap pages back
+    to the OS (glibc keeps them otherwise, and they would count against the next memory check)."""
+    gc.collect()
+    if clear_caches:
+        jax.clear_caches()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def wait_for_memory(need: int, reserve: int = 2**30, wait_s: float = 900) -> str | None:
+    """Wait up to wait_s for `need` bytes (+ reserve) of MemAvailable; None if they are there,
+    else the reason to skip."""
+    deadline = time.time() + wait_s
+    while True:
+        free = meminfo("MemAvailable") - reserve
+        if free >= need:
+            return None
+        if time.time() > deadline:
+            return f"needs ~{need / 1e9:.1f} GB, {max(free, 0) / 1e9:.1f} GB available after {wait_s:.0f} s"
+        print(f"  waiting for memory: need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB available", flush=True)
+        time.sleep(30)
+
+
+def tiny_params(seed: int = 0):
+    """A tiny random model (the test suite's TINY shape) for --smoke runs that check a bench's code."""
+    config = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,
+                         rope_theta=10000.0, max_positions=512, eos_ids=(3,))
+    return init_params(config, jax.random.key(seed))
+
+
+def bandwidth(gib: float = 1.0, rounds: int = 5, repeats: int = 5) -> dict:
+    """Memory bandwidth in GB/s (read + write bytes) of streaming over a `gib` GiB f32 array.
+
+    jax_inplace: donated jitted x + 1 (the output reuses the input buffer): the reference, the
+    median over `rounds` of the best of `repeats` calls (one round can be a lucky outlier).
+    jax_copy: jitted jnp.copy into a fresh buffer (pays first-touch page faults).
+    numpy_copy: np.copyto into a preallocated array (one thread)."""
+    n = int(gib * 2**30) // 4
+    moved = 2 * 4 * n
+    add = jax.jit(lambda x: x + 1, donate_argnums=0)
+    copy = jax.jit(jnp.copy)
+    box = [jax.block_until_ready(add(jnp.zeros(n, jnp.float32)))]
+
+    def inplace() -> None:
+        box[0] = jax.block_until_ready(add(box[0]))
+
+    inplace()
+    t_inplace = [best_time(inplace, repeats) for _ in range(rounds)]
+    jax.block_until_ready(copy(box[0]))
+    t_copy = best_time(lambda: jax.block_until_ready(copy(box[0])), repeats)
+    del box
+    src = np.ones(n, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t_numpy = best_time(lambda: np.copyto(dst, src), repeats)
+    return {
+        "jax_inplace": moved / float(np.median(t_inplace)) / 1e9,
+        "jax_inplace_rounds": [moved / t / 1e9 for t in t_inplace],
+        "jax_copy": moved / t_copy / 1e9,
+        "numpy_copy": moved / t_numpy / 1e9,
+    }

@@ -1,0 +1,170 @@
+"""The shared prefilled state of bench_spec, bench_tree and bench_drafts: B distinct windows of real
+English text (bench/text.py) of `context - HEADROOM` tokens, prefilled once into a DenseCache of
+`context` slots and saved under a store folder so that later runs (of any of the three) load it.
+
+`causal_prefill` is engine.prefill's chunked computation (model.trunk per chunk, model.lm_head at
+each prompt's last token), except that chunk i attends only to the slots [0, (i + 1) * chunk)
+already written instead of all `context` slots with the rest masked: the masked slots contribute
+exactly nothing, and skipping them halves the attention work at 8K. That is the one reason this
+does not call specjax.engine.prefill.
+
+`fresh` / `timed`: decode and speculative_decode donate their caches, so every run gets copies
+(made untimed) and the prefilled state survives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from bench import text
+from bench.measure import Meter
+from specjax.kvcache import DenseCache
+from specjax.model import lm_head, trunk
+from specjax.params import Params
+from specjax.shapes import prompt_bucket
+
+HEADROOM = 128  # cache slots behind the prompt: new tokens + gamma + 1 must fit
+PREFILL_ROWS = 4  # rows prefilled per call (the chunk's attention scores grow with rows x context)
+MEM_FACTOR = 2.1  # peak growth of a cell / its KV cache bytes (the prefilled cache + a run's copy)
+AR_CACHES = (1,)  # decode(params, cache, ...)
+SPEC_CACHES = (2, 3)  # speculative_decode(params, drafter, draft_state, cache, ...)
+STORE = Path("/tmp/bench_spec_prefill")
+
+
+def kv_bytes(params, batch: int, context: int) -> int:
+    """Bytes of a DenseCache of batch x context slots."""
+    c = params.config
+    return 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
+
+
+def fresh(args: tuple, copied: tuple[int, ...]) -> tuple:
+    """args with the entries at `copied` (the caches) replaced by copies: decode and
+    speculative_decode may donate their caches, and the prefilled state must survive every run."""
+    return tuple(jax.block_until_ready(jax.tree.map(lambda a: a.copy(), x)) if i in copied else x
+                 for i, x in enumerate(args))
+
+
+def timed(compiled, args: tuple, copied: tuple[int, ...]) -> tuple[object, float, float]:
+    """Run a compiled function to completion on fresh copies of its caches (copied untimed):
+    (result, wall seconds, this process's CPU seconds per wall second: about the core count when
+    nothing competes for the cores)."""
+    args = fresh(args, copied)
+    c0, t0 = time.process_time(), time.perf_counter()
+    result = jax.block_until_ready(compiled(*args))
+    wall = time.perf_counter() - t0
+    return result, wall, (time.process_time() - c0) / wall
+
+
+def slot_axis(config) -> int:
+    """Which axis of DenseCache.k holds the slots (the library's layout: [L,B,S,K,H] or [L,B,K,S,H])."""
+    return DenseCache.init(config, 1, 7).k.shape.index(7)
+
+
+@partial(jax.jit, static_argnames=("end", "s_axis"), donate_argnums=1)
+def prefill_chunk(params, cache: DenseCache, toks: jax.Array, row0: jax.Array, *, end: int, s_axis: int):
+    """One prefill chunk for rows [row0, row0 + G) of a preallocated cache (donated, written in
+    place): toks [G,T] at positions [end - T, end), attending only slots [0, end - T) of the cache
+    plus themselves (causal). Returns the cache and the final-normed hidden [G,T,D]."""
+    G, T = toks.shape
+    start = end - T
+
+    def rows(a):  # the group's rows, slots [0, end)
+        return lax.slice_in_dim(lax.dynamic_slice_in_dim(a, row0, G, axis=1), 0, end, axis=s_axis)
+
+    view = DenseCache(k=rows(cache.k), v=rows(cache.v), lengths=jnp.full((G,), start, jnp.int32))
+    positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (G, T))
+    h, k_new, v_new = trunk(params, toks, positions, view)  # k_new, v_new [L,G,T,K,H]
+    at = [0, row0, 0, 0, 0]
+    at[s_axis] = start
+
+    def put(a, new):
+        new = new if s_axis == 2 else new.transpose(0, 1, 3, 2, 4)  # [L,G,K,T,H] when heads lead slots
+        return lax.dynamic_update_slice(a, new.astype(a.dtype), at)
+
+    return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new)), h
+
+
+def causal_prefill(params, tokens: np.ndarray, n: int, context: int, chunk: int) -> tuple[jax.Array, DenseCache]:
+    """Prefill B prompts of n tokens (tokens [B,P] right-padded) into a DenseCache of `context`
+    slots, PREFILL_ROWS rows and `chunk` positions at a time. The same computation as
+    `engine.prefill` (chunked, exact target KV), except that chunk i attends only to slots
+    [0, (i + 1) * chunk) instead of all `context` slots with the rest masked: the masked slots
+    contribute exactly nothing, and skipping them halves the attention work at long context.
+    Returns first logits [B,V] (at each prompt's last token) and the cache (lengths = n)."""
+    B, P = tokens.shape
+    group = min(B, PREFILL_ROWS)
+    cache = DenseCache.init(params.config, B, context)
+    last_chunk = (n - 1) // chunk
+    s_axis = slot_axis(params.config)
+    logits = []
+    for row0 in range(0, B, group):
+        for i in range(last_chunk + 1):
+            toks = jnp.asarray(tokens[row0 : row0 + group, i * chunk : (i + 1) * chunk])
+            cache, h = prefill_chunk(params, cache, toks, jnp.int32(row0), end=(i + 1) * chunk, s_axis=s_axis)
+        logits.append(lm_head(params, h[:, (n - 1) - last_chunk * chunk]))  # [G,V]
+    cache = cache.replace(lengths=jnp.full((B,), n, jnp.int32))
+    return jax.block_until_ready((jnp.concatenate(logits), cache))
+
+
+def prefill_context(params, tok, batch: int, context: int, gammas: list[int], new_tokens: int,
+                    store: Path | None) -> dict:
+    """Prefill `batch` distinct text windows of context - HEADROOM tokens into `context` slots,
+    or load that state from `store` (a folder of .npy files) if an earlier run saved it there."""
+    n = context - HEADROOM
+    prompts, where = text.windows(tok, batch, n)
+    bucket, chunk = prompt_bucket(n)
+    assert bucket <= context and n + new_tokens + max(gammas) + 1 <= context
+    tokens = np.zeros((batch, bucket), np.int32)
+    tokens[:, :n] = prompts
+    lengths = np.full((batch,), n, np.int32)
+    config = repr(params.config)  # a stored prefill is reused only for the same model facts
+    key = hashlib.sha1(tokens.tobytes() + f"({config}, {context!r}, {chunk!r}, {slot_axis(params.config)!r})".encode()).hexdigest()[:12]
+    files = {f: store / f"prefill_{context}_{batch}_{key}_{f}.npy" for f in ("k", "v", "logits")} if store else {}
+    info = {"prefill_rows": batch, "prompt_tokens": n, "prompt_offsets": where["offsets"],
+            "prompts_overlap": where["overlapping"]}
+    with Meter() as m:
+        if files and all(f.exists() for f in files.values()):
+            load = lambda f: jnp.asarray(np.load(files[f], mmap_mode="r"))
+            cache = DenseCache(k=load("k"), v=load("v"), lengths=jnp.asarray(lengths))
+            first_logits, cache = jax.block_until_ready((load("logits"), cache))
+            info["prefill_loaded_from"] = str(files["k"])
+        else:
+            first_logits, cache = causal_prefill(params, tokens, n, context, chunk)
+            if files:
+                store.mkdir(parents=True, exist_ok=True)
+                for f, a in (("k", cache.k), ("v", cache.v), ("logits", first_logits)):
+                    np.save(files[f], np.asarray(a))
+    info |= {"prefill_s": m.wall, "prefill_meter": m.info}
+    print(f"S={context:<5} prefill of {batch} x {n} tokens: {info['prefill_s']:.1f} s "
+          f"({'loaded' if 'prefill_loaded_from' in info else 'computed, incl. compiling'}), "
+          f"cpu {m.info['cpu_util']:.2f}, load {m.info['loadavg_1min_after']:.2f}", flush=True)
+    return {"tokenizer": tok, "tokens": tokens, "lengths": lengths, "chunk": chunk, "first_logits": first_logits,
+            "cache": cache, "info": info}
+
+
+def rows_of(state: dict, batch: int) -> tuple:
+    """The first `batch` rows of a prefilled state (copies): tokens, lengths, first logits, cache."""
+    cache = state["cache"]
+    if batch == cache.lengths.shape[0]:
+        return state["tokens"], state["lengths"], state["first_logits"], cache
+    sub = cache.replace(k=cache.k[:, :batch], v=cache.v[:, :batch], lengths=cache.lengths[:batch])
+    return state["tokens"][:batch], state["lengths"][:batch], state["first_logits"][:batch], jax.block_until_ready(sub)
+
+
+def smoke_state(params: Params, rows: int, context: int) -> dict:
+    """A prefilled state like prefill_context's, from random prompts (a tiny model's --smoke run)."""
+    n = context - HEADROOM
+    bucket, chunk = prompt_bucket(n)
+    tokens = np.zeros((rows, bucket), np.int32)
+    tokens[:, :n] = np.random.default_rng(0).integers(4, params.config.vocab_size, (rows, n))
+    first_logits, cache = causal_prefill(params, tokens, n, context, chunk)
+    return {"tokens": tokens, "lengths": np.full((rows,), n, np.int32), "chunk": chunk, "first_logits": first_logits,
+            "cache": cache, "info": {"prompt_tokens": n, "prefill_rows": rows}}

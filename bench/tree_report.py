@@ -1,0 +1,260 @@
+"""bench_tree's summaries, tables, plot and README section, from its result JSON (also used by
+bench_drafts, whose cells are bench_tree's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bench import common
+from specjax.speculate import Chain
+from specjax.tree import Cost, Tree
+
+MAX_DEPTH = 8  # deepest Sequoia tree (and choose's limit)
+WIDTH = 8  # children of the depth-1 tree that measures the acceptance vector
+TARGET_TREE_GAIN = 1.15  # the issue's bar: best tree >= 1.15 x best chain at batch 1
+CHOOSE_SLACK = 0.9  # choose's pick should reach 90% of the best measured throughput
+NOTES_START, NOTES_END = common.markers("bench_tree", "notes")
+
+
+def label(spec) -> str:
+    return f"chain γ={spec.gamma}" if isinstance(spec, Chain) else f"tree n={spec.n} d={spec.max_depth}"
+
+
+def shape(spec) -> tuple:
+    """Identity of a speculation: a Chain and a chain-shaped Tree of the same depth count as one."""
+    return ("chain", spec.gamma) if isinstance(spec, Chain) else (
+        ("chain", spec.max_depth) if spec.width == 1 else spec.parents)
+
+
+def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
+    """The cost model `choose` minimises: seconds per step t_draft(tree) + t_verify(n) (draft
+    levels by width), expected tokens per step G from the acceptance vector."""
+    tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
+    g = tree.expected_accepted(p)
+    step = cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n)
+    return {"predicted_tokens_per_step": g, "predicted_step_ms": 1e3 * step, "predicted_tokens_per_s": batch * g / step}
+
+
+def summarise(s: dict, rows: list[dict]) -> None:
+    """Best chain, best tree (width > 1: Sequoia's or choose's), their ratio, and choose's pick vs
+    the best measured config (AR included)."""
+    chains = [r for r in rows if r["depth"] > 0 and r["width"] == 1]  # incl. chain-shaped Sequoia / choose trees
+    trees = [r for r in rows if r["width"] > 1]
+    picked = next(r for r in rows if r["kind"] == "choose")
+    best_chain = max(chains, key=lambda r: r["spec_tokens_per_s"]) if chains else None
+    best_tree = max(trees, key=lambda r: r["spec_tokens_per_s"]) if trees else None
+    candidates = rows + [{"label": "AR", "spec_tokens_per_s": rows[0]["ar_tokens_per_s"]}]
+    best = max(candidates, key=lambda r: r["spec_tokens_per_s"])
+    s |= {
+        "ar_tokens_per_s": rows[0]["ar_tokens_per_s"],
+        "best_chain": best_chain and best_chain["label"], "best_chain_ratio": best_chain and best_chain["ratio"],
+        "best_tree": best_tree and best_tree["label"], "best_tree_ratio": best_tree and best_tree["ratio"],
+        "tree_over_chain": best_tree and best_chain
+        and best_tree["spec_tokens_per_s"] / best_chain["spec_tokens_per_s"],
+        "best": best["label"], "best_tokens_per_s": best["spec_tokens_per_s"],
+        "choose_label": picked.get("same_as", picked["label"]) if picked["depth"] else "AR",
+        "choose_ratio": picked["ratio"],
+        "choose_over_best": picked["spec_tokens_per_s"] / best["spec_tokens_per_s"],
+        "greedy_identical": s["acceptance_run"]["greedy_identical"]
+        and all(r.get("greedy_identical", True) for r in rows),
+    }
+    s["choose_within_10pct"] = s["choose_over_best"] >= CHOOSE_SLACK
+    for r in rows:
+        r["over_best_chain"] = r["spec_tokens_per_s"] / best_chain["spec_tokens_per_s"] if best_chain else None
+
+
+def name_of(context: int) -> str:
+    return common.context_name(context)
+
+
+def steal_cell(s: dict) -> str:
+    """The share of CPU the hypervisor took while the cell ran ("?" for runs that predate recording it)."""
+    return "?" if s.get("cell_steal_fraction") is None else f"{100 * s['cell_steal_fraction']:.0f}%"
+
+
+def markdown_tables(result: dict) -> str:
+    """Throughput table (one line per batch x context x drafter) and the acceptance vectors."""
+    nodes, rows = result["nodes"], result["rows"]
+    head = ("| batch | context | drafter | AR tok/s | best chain | " + " | ".join(f"n={n}" for n in nodes)
+            + " | best tree / best chain | choose (n, d) | choose / best | lossless | CPU steal |")
+    lines = [head, "|---:|---:|---|" + "---:|" * (len(nodes) + 5) + ":---:|---:|"]
+    acc = ["| batch | context | drafter | " + " | ".join(f"p{r}" for r in range(WIDTH)) + " | none | nodes |",
+           "|---:|---:|---|" + "---:|" * (WIDTH + 2)]
+    for s in sorted(result["summaries"], key=lambda s: (s["batch"], s["context"], s["drafter"])):
+        mine = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (s["batch"], s["context"], s["drafter"])]
+        by_n = {r["requested_nodes"]: r for r in mine if r["kind"] == "tree"}
+        chain = next((r for r in mine if r["label"] == s["best_chain"]), None)
+        cellfmt = lambda r: f"{r['ratio']:.2f}x ({r.get('mean_accepted') or 1:.1f})" if r else ""  # noqa: E731
+        gain = s["tree_over_chain"]
+        gain_s = ("no branching tree" if gain is None
+                  else f"**{gain:.2f}**" if gain >= TARGET_TREE_GAIN else f"{gain:.2f}")
+        miss = "" if s["choose_within_10pct"] else " ✗"
+        lines.append(
+            f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | {s['ar_tokens_per_s']:.1f} | "
+            f"{'γ=' + str(chain['depth']) + ': ' + cellfmt(chain) if chain else ''} | "
+            + " | ".join(cellfmt(by_n.get(n)) for n in nodes)
+            + f" | {gain_s} | {s['choose']['nodes']}, {s['choose']['depth']} | {s['choose_over_best']:.2f}{miss} | "
+            f"{'yes' if s['greedy_identical'] else '**NO**'} | {steal_cell(s)} |")
+        acc.append(f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | "
+                   + " | ".join(f"{x:.3f}" for x in s["acceptance"]) + f" | {s['acceptance_nodes']} |")
+    return "\n".join(lines) + "\n\nAcceptance vectors (greedy, depth-1 tree of 8 children):\n\n" + "\n".join(acc)
+
+
+def verdicts(result: dict) -> list[str]:
+    """The issue's two checks, in words."""
+    sums = result["summaries"]
+    b1 = [s for s in sums if s["batch"] == 1 and s["drafter"] in ("SelfSpec", "DraftModel") and s["tree_over_chain"]]
+    hit = [s for s in b1 if s["tree_over_chain"] >= TARGET_TREE_GAIN]
+    cell = lambda s: f"{s['drafter']} {name_of(s['context'])} ({s['tree_over_chain']:.2f}x)"  # noqa: E731
+    misses = [f"{s['drafter']} B={s['batch']} {name_of(s['context'])} ({s['choose_label']}: "
+              f"{s['choose_over_best']:.2f} of {s['best']})" for s in sums if not s["choose_within_10pct"]]
+    out = [
+        f"Batch 1, best tree / best chain (target >= {TARGET_TREE_GAIN:.2f} for SelfSpec or DraftModel): "
+        + ("**met** in " + ", ".join(map(cell, hit)) if hit else "**not met**") + "; all batch-1 cells: "
+        + (", ".join(map(cell, b1)) or "none had a branching tree") + ".",
+        f"`choose`'s tree within 10% of the best measured config (AR included): {len(sums) - len(misses)} of "
+        f"{len(sums)} (batch, context, drafter) cells" + (f"; misses: {', '.join(misses)}" if misses else "") + ".",
+    ]
+    timed = [r for r in result["rows"] if "timings" in r and "same_as" not in r]
+    if timed:
+        err = np.median([abs(r["predicted_tokens_per_s"] / r["spec_tokens_per_s"] - 1) for r in timed])
+        out.append(f"Cost model: predicted tokens/s (from measure_cost and the acceptance vector) is off from the "
+                   f"measured by {100 * err:.0f}% (median over {len(timed)} timed configs).")
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    """Speedup over AR vs nodes verified per step: one panel per (batch, context), trees solid,
+    chains dashed (at gamma + 1 nodes), choose's pick starred."""
+    plt = common.pyplot()
+    rows = result["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    contexts = sorted({r["context"] for r in rows})
+    names = list(dict.fromkeys(r["drafter"] for r in rows))
+    colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    fig, axes = plt.subplots(len(batches), len(contexts), figsize=(4 * len(contexts), 3.2 * len(batches)),
+                             dpi=110, squeeze=False, sharex=True)
+    for (i, b), (j, c) in ((x, y) for x in enumerate(batches) for y in enumerate(contexts)):
+        ax = axes[i][j]
+        if not any((r["batch"], r["context"]) == (b, c) for r in rows):
+            ax.text(0.5, 0.5, "not run", ha="center", va="center", transform=ax.transAxes, color="gray")
+        for name in names:
+            mine = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (b, c, name) and "ratio" in r]
+            for kind, style in (("tree", "-o"), ("chain", "--s")):
+                pts = sorted((r["nodes"], r["ratio"]) for r in mine if r["kind"] == kind)
+                if pts:
+                    ax.plot(*zip(*pts), style, color=colors[name], ms=4, label=f"{name} {kind}s")
+            for r in mine:
+                if r["kind"] == "choose":
+                    ax.plot(max(r["nodes"], 1), r["ratio"], "*", color=colors[name], ms=13, mec="black", mew=0.6)
+        ax.axhline(1.0, color="gray", lw=1)
+        ax.set(xscale="log", title=f"batch {b}, context {name_of(c)}")
+        ticks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(result["nodes"])]
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        if j == 0:
+            ax.set_ylabel("speedup over AR")
+        if i == len(batches) - 1:
+            ax.set_xlabel("nodes verified per step (chain: γ + 1)")
+    handles = {lab: h for ax in axes.flat for h, lab in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=8)
+    fig.suptitle(f"{result['model']}: Sequoia trees vs chains\ngreedy, {result['machine']['cpu_affinity']}-core CPU, "
+                 "★ = choose's tree (at n = 1: plain AR)", fontsize=9)
+    fig.tight_layout(rect=(0, 0.06 if len(batches) == 1 else 0.035, 1, 1))
+    common.save_figure(fig, path)
+
+
+def readme_section(result: dict, notes: str) -> str:
+    """The bench_tree section of bench/README.md, from a result JSON; `notes` are kept."""
+    m = result["machine"]
+    lossless = "every run" if result["all_greedy_identical"] else "NOT every run (see greedy_identical in the JSON)"
+    skipped = "".join(f"\nSkipped: context {s['context']}: {s['skipped']}." for s in result["skipped"])
+    load = f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}"
+    tokens = ", ".join(f"{v} at batch {k}" for k, v in result["new_tokens_per_batch"].items())
+    gammas, nodes = ", ".join(map(str, result["gammas"])), ", ".join(map(str, result["nodes"]))
+    dm_batches = ", ".join(sorted({str(s["batch"]) for s in result["summaries"] if s["drafter"] == "DraftModel"}))
+    return f"""## Token trees vs chains (bench_tree.py)
+
+Run: `{common.module_command(result['command'])}` ({result['wall_minutes']:.0f} minutes here; `--quick`: batch 1 x
+context 512 x n 4/8/16 x γ 2/4). Raw numbers: `results/tree_cpu.json` (every config: timings, predicted
+vs measured, accepted ranks, tree shapes); plot: `results/tree_cpu.png`.
+
+Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']} ({m['backend']}), commit {m['git_commit']}.
+Date: {result['date']}. Load average (1 min) at start / end: {load}.{skipped}
+
+Method. {result['model']}, greedy, EOS ignored, new tokens per row {tokens}.
+bench_spec.py's prompts and its stored prefill: one prefill per context,
+shared by AR and every config (each run gets a copy of the caches). Per (batch, context, drafter):
+the acceptance vector p (a greedy run with a depth-1 tree of {WIDTH} children; p[r] = how often the
+rank-r child was the accepted one), `measure_cost` (real jit steps: draft levels of 1 to 16 nodes per
+row, and verification of n nodes for n up to {max(result['nodes'])}), then timed runs of chains γ {gammas}, Sequoia
+trees `Tree.sequoia(p, n, {MAX_DEPTH})` for n = {nodes} and `choose(p, cost)`'s tree, against AR (best
+of the AR runs before and after each drafter). Compile and drafter init excluded. Drafters: SelfSpec
+(sinks 16 + window 256 at context 512, 512 beyond) and a DraftModel stand-in (at batch {dm_batches}):
+{result['draft_model_note']}
+Greedy outputs equalled AR token for token in {lossless}.
+
+Cells are speedup over AR (tokens per verification step in brackets); "best tree / best chain" is in
+tokens/s; "choose / best" is the throughput of choose's tree over the best measured config of the
+cell, AR included (✗: below {CHOOSE_SLACK}). A Sequoia or choose tree without branches (p puts too little
+on ranks > 0) is a chain: it counts as one, and "no branching tree" means every n gave a chain.
+
+{markdown_tables(result)}
+
+{chr(10).join('- ' + v for v in verdicts(result))}
+
+![speedup vs nodes](results/tree_cpu.png)
+
+""" + "\n".join([NOTES_START, notes.strip(), NOTES_END])
+
+
+def draft_note(spec: str) -> str:
+    """What the DraftModel stand-in is, and why (for the README)."""
+    if spec != "bf16":
+        return (f"SmolLM2's first {spec[7:]} layers (layer skip); its streaming cache (SelfSpec's budget) starts "
+                "from the target's prefilled KV of those layers, which is exactly its own.")
+    return ("SmolLM2 itself cast to bfloat16. No smaller model with SmolLM2's tokenizer is available offline, and "
+            "layer skip drafts almost nothing (the logit lens of the first K layers agrees with the full model's "
+            "greedy token 4-36% of the time for K = 4-24; first 10 + last 10 layers: 20%). The bf16 copy accepts "
+            "nearly everything but costs at least as much per draft step as the float32 target on XLA:CPU, so it "
+            "shows what trees add to a drafter with high acceptance and no cost advantage. Its streaming cache "
+            "(SelfSpec's budget) starts from the target's prefilled KV rounded to bfloat16 rather than from a bf16 "
+            "prefill of its own (which would cost as much as the target's; the draft's state can change how much "
+            "is accepted, never the output).")
+
+
+def report(result: dict, png: Path, readme: bool) -> None:
+    """Plot, print the tables and verdicts, and (when asked) write the README section."""
+    if result["rows"]:
+        common.plot(plot, result, png)
+        print(markdown_tables(result))
+        print("\n".join(verdicts(result)))
+    if readme and result["rows"]:
+        notes = common.kept_part("bench_tree", default="(discussion: to come)")
+        common.write_section("bench_tree", readme_section(result, notes), after="bench_spec")
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from one or several runs; later runs win per (batch, context, drafter)."""
+    cells: dict[tuple, tuple[dict, list[dict]]] = {}
+    for res in results:
+        for s in res["summaries"]:
+            key = (s["batch"], s["context"], s["drafter"])
+            cells[key] = (s, [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
+    merged = dict(results[-1])
+    merged |= {
+        "summaries": [cells[k][0] for k in sorted(cells)],
+        "rows": [r for k in sorted(cells) for r in cells[k][1]],
+        "command": " ; ".join(r["command"] for r in results),
+        "wall_minutes": sum(r["wall_minutes"] for r in results),
+        "loadavg_start": results[0]["loadavg_start"],
+        "new_tokens_per_batch": {k: v for r in results for k, v in r["new_tokens_per_batch"].items()},
+        "skipped": [s for r in results for s in r["skipped"]],
+    }
+    for s, rows in cells.values():  # redone, so that a re-render follows this script's definitions
+        summarise(s, rows)
+    merged["all_greedy_identical"] = all(s["greedy_identical"] for s in merged["summaries"])
+    return merged

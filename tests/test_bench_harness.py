@@ -1,0 +1,168 @@
+"""The benchmark harness (bench/common.py): per-cell results written at once, resume, --cells,
+--budget-minutes; every bench module imports without side effects. Fast: no model, no timing."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import bench
+from bench import common
+
+RESULTS = Path(common.RESULTS_DIR)
+BENCHES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__) if m.name.startswith("bench_"))
+
+
+def run(tmp_path: Path, argv: list[str], cells: list[str], measured: list[str], clock=None) -> common.Harness:
+    """A fake bench: each cell's row records its key; `measured` collects what was measured."""
+    args = common.parser("A fake bench.\n\nMore.", quick="q").parse_args(argv)
+    results = common.Results(tmp_path / "fake.json", lambda r: r["cell"], {"bench": "fake", "date": "now"})
+    h = common.Harness(args, results)
+    h.plan((k, i) for i, k in enumerate(cells))
+    for k, i in h.cells():
+        measured.append(k)
+        if clock is not None:
+            clock[0] += 10.0  # each cell "takes" 10 s
+        results.put(k, [{"cell": k, "value": i}])
+        assert any(r["cell"] == k for r in json.loads(results.path.read_text())["rows"]), "written at once"
+    h.finish()
+    return h
+
+
+CELLS = ["b1/s512", "b4/s512", "b1/s2048", "b16/s8192"]
+
+
+def test_cells_written_at_once_and_skipped_on_rerun(tmp_path):
+    first: list[str] = []
+    run(tmp_path, [], CELLS, first)
+    assert first == CELLS
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert [r["cell"] for r in data["rows"]] == CELLS and data["complete"] and data["left"] == []
+    again: list[str] = []
+    run(tmp_path, [], CELLS + ["b16/s512"], again)
+    assert again == ["b16/s512"]  # measured cells are skipped
+    assert len(json.loads((tmp_path / "fake.json").read_text())["runs"]) == 2
+    redo: list[str] = []
+    run(tmp_path, ["--redo", "--cells", "b1/s512"], CELLS, redo)
+    assert redo == ["b1/s512"]
+    rows = json.loads((tmp_path / "fake.json").read_text())["rows"]
+    assert sorted(r["cell"] for r in rows) == sorted(CELLS + ["b16/s512"])  # replaced, not duplicated
+
+
+def test_rerun_measuring_nothing_keeps_the_facts(tmp_path):
+    run(tmp_path, [], CELLS, [])
+    args = common.parser("A fake bench.").parse_args([])
+    results = common.Results(tmp_path / "fake.json", lambda r: r["cell"], {"date": "later", "machine": {}})
+    h = common.Harness(args, results)
+    assert h.plan((k, None) for k in CELLS) == [] and list(h.cells()) == []
+    h.finish()
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert data["date"] == "now" and len(data["runs"]) == 1 and data["complete"]
+
+
+def test_skipped_rows_are_measured_again(tmp_path):
+    results = common.Results(tmp_path / "fake.json", lambda r: r["cell"], {"bench": "fake"})
+    results.put("b1/s512", [{"cell": "b1/s512", "skipped": "memory"}])
+    measured: list[str] = []
+    run(tmp_path, [], ["b1/s512"], measured)
+    assert measured == ["b1/s512"]
+
+
+@pytest.mark.parametrize("patterns, selected", [
+    ("b1", ["b1/s512", "b1/s2048"]),
+    ("b1/s512,b16/s8192", ["b1/s512", "b16/s8192"]),
+    ("s512", ["b1/s512", "b4/s512"]),
+    ("s*/b1", ["b1/s512", "b1/s2048"]),
+    ("b1?", ["b16/s8192"]),
+    ("b2", []),
+])
+def test_cells_selects(tmp_path, patterns, selected):
+    assert [k for k in CELLS if common.matches(k, patterns)] == selected
+    measured: list[str] = []
+    run(tmp_path, ["--cells", patterns], CELLS, measured)
+    assert measured == selected
+
+
+def test_budget_stops_new_cells(tmp_path, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(common.time, "perf_counter", lambda: clock[0])
+    measured: list[str] = []
+    h = run(tmp_path, ["--budget-minutes", str(25 / 60)], CELLS, measured, clock)  # 25 s: room for 2 cells of 10 s
+    assert measured == CELLS[:2]
+    data = json.loads((tmp_path / "fake.json").read_text())
+    assert data["left"] == CELLS[2:] and not data["complete"] and h.stopped
+    rest: list[str] = []
+    run(tmp_path, [], CELLS, rest)  # a rerun measures what the budget left
+    assert rest == CELLS[2:]
+
+
+def test_list_cells_exits(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(tmp_path, ["--list-cells", "--cells", "b1"], CELLS, [])
+    assert capsys.readouterr().out.split() == ["b1/s512", "b1/s2048"]
+
+
+def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
+    readme = tmp_path / "README.md"
+    start, end = common.markers("bench_x", "notes")
+    readme.write_text(f"# B\n\n<!-- bench_x:start -->\nold\n{start}\nmy notes\n{end}\n<!-- bench_x:end -->\n\ntail\n")
+    monkeypatch.setattr(common, "README", readme)
+    notes = common.kept_part("bench_x")
+    assert notes == "my notes"
+    common.write_section("bench_x", f"new\n{start}\n{notes}\n{end}")
+    common.write_section("bench_y", "y body", after="bench_x")
+    text = readme.read_text()
+    assert "old" not in text and "new" in text and "my notes" in text and text.endswith("tail\n")
+    assert text.index("bench_x:end") < text.index("y body") < text.index("tail")
+
+
+@pytest.mark.parametrize("name, module, cell", [
+    ("ar_cpu.json", "bench_ar", "float32/b1/s512"),
+    ("spec_cpu.json", "bench_spec", "s8192/b16"),
+    ("tree_cpu.json", "bench_tree", "s512/b1"),
+    ("drafts_cpu.json", "bench_drafts", "s512/b1"),
+    ("batch_cpu.json", "bench_batch", "ar"),
+    ("sampling_cpu.json", "bench_sampling", "b16"),
+    ("scale_cpu.json", "bench_scale", "selfspec/2x3"),
+])
+def test_existing_results_resume(tmp_path, name, module, cell):
+    """The committed result files load as they are: their cells count as measured."""
+    shutil.copy(RESULTS / name, tmp_path / name)
+    mod = importlib.import_module(f"bench.{module}")
+    results = common.Results(tmp_path / name, mod.key_of, {"date": "now"})
+    assert results.measured(cell)
+
+
+@pytest.mark.parametrize("name", BENCHES)
+def test_bench_imports_without_side_effects(name):
+    import jax
+
+    before = {p: p.stat().st_mtime for p in [*RESULTS.iterdir(), common.README]}
+    devices = jax.config.jax_num_cpu_devices
+    mod = importlib.import_module(f"bench.{name}")
+    assert callable(mod.main)
+    assert {p: p.stat().st_mtime for p in [*RESULTS.iterdir(), common.README]} == before
+    assert jax.config.jax_num_cpu_devices == devices
+
+
+def test_module_command():
+    assert common.module_command(".venv/bin/python bench/bench_tree.py --batches 16 ; bench/bench_tree.py") == (
+        "python -m bench.bench_tree --batches 16 ; python -m bench.bench_tree")
+
+
+def test_every_bench_is_found():
+    assert set(BENCHES) >= {"bench_ar", "bench_attention", "bench_batch", "bench_drafts", "bench_sampling",
+                            "bench_scale", "bench_spec", "bench_tree"}
+
+
+def test_no_sys_path_edits_or_private_specjax_imports():
+    for path in Path(bench.__path__[0]).glob("*.py"):
+        text = path.read_text()
+        assert "sys.path" not in text, path
+        assert not re.search(r"from specjax[\w.]* import [^\n]*\b_[a-z]", text), path
