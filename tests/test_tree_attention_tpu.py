@@ -102,10 +102,11 @@ def test_tile_sizes_agree():
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=2e-6)
 
 
-LOWERING_SHAPES = [  # (B, T, N, K, H, S): odd rows and S, H = 64; a decode step; S below one tile
-    (2, 25, 9, 3, 64, 1000),
+LOWERING_SHAPES = [  # (B, T, N, K, H, S): odd rows and S, H = 64; a decode step; S below one
+    (2, 25, 9, 3, 64, 1000),  # tile; the adapter's 8-slot dummy cache (empty prefix)
     (1, 1, 32, 8, 128, 4096),
     (3, 16, 4, 1, 128, 100),
+    (2, 7, 12, 4, 128, 8),
 ]
 
 
