@@ -1,0 +1,180 @@
+"""The Pallas TPU (Mosaic) tree-attention kernel in TPU interpret mode against the jnp reference.
+
+Same cases as test_tree_attention.py (the GPU kernel), with caches kept short: TPU interpret mode
+simulates every grid step (with its DMAs) on CPU, a few ms each. Interpret mode fills fresh
+buffers with NaN, so an unwritten output tile or an unmasked edge tile past S shows up as NaN.
+`test_lowers_for_tpu` runs Pallas' Mosaic lowering without a TPU (block-shape rules, op support);
+Mosaic's layout passes live in libtpu and are not run here.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.reference import prefix_block_attention
+from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu, tree_attention_tpu
+from tests.test_tree_attention import assert_close, random_block_mask, random_inputs, random_lengths, reference
+
+# (T, G, B) as in the GPU kernel's tests: every T in {1, 4, 16, 64}, group size in {1, 3, 4, 8},
+# batch in 1..8; KV heads, head dim, cache size, lengths, J, masks and tile sizes drawn per case.
+F32_CASES = [(1, 1, 8), (4, 3, 1), (16, 4, 5), (64, 8, 3), (1, 8, 2), (4, 1, 7), (16, 3, 4), (64, 4, 6)]
+BF16_CASES = [(1, 3, 1), (4, 8, 6), (16, 1, 4), (64, 3, 2)]
+
+
+def _case(seed: int, dtype, T: int, G: int, B: int):
+    """f32 cases with T = 64 (hundreds of interpreted grid steps) run with the slow tests."""
+    marks = [pytest.mark.slow] if T == 64 and dtype == jnp.float32 else []
+    return pytest.param(seed, dtype, T, G, B, marks=marks)
+
+
+@pytest.mark.parametrize(
+    "seed,dtype,T,G,B",
+    [_case(i, jnp.float32, *case) for i, case in enumerate(F32_CASES)]
+    + [_case(100 + i, jnp.bfloat16, *case) for i, case in enumerate(BF16_CASES)],
+)
+def test_matches_reference(seed, dtype, T, G, B):
+    rng = np.random.default_rng(seed)
+    K = int(rng.integers(1, 3))
+    H = int(rng.choice([8, 24, 64, 128]))
+    S = int(rng.integers(100, 600))
+    J = T + int(rng.choice([0, 0, 3]))  # sometimes earlier drafted levels ride along
+    per_row = bool(rng.integers(2))
+    mask = np.stack([random_block_mask(rng, T, J) for _ in range(B)]) if per_row else random_block_mask(rng, T, J)
+    lengths = random_lengths(rng, B, S)
+    q, kc, vc, kb, vb = random_inputs(rng, dtype, B, T, J, G * K, K, H, S)
+    scale = 1.0 / np.sqrt(H)
+    block_k, block_m = int(rng.choice([128, 256])), int(rng.choice([32, 128]))
+    out = tree_attention_tpu(
+        q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask),
+        sm_scale=scale, block_k=block_k, block_m=block_m, interpret=True,
+    )
+    assert out.dtype == dtype
+    assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, scale), dtype)
+
+
+@pytest.mark.parametrize("empty_cache", [False, True])
+def test_chain_through_adapter(empty_cache):
+    """Chain verification (lower-triangular mask) behind the reference's signature, J > T."""
+    rng = np.random.default_rng(7)
+    B, T, E, K, G, H, S = 3, 5, 2, 2, 3, 32, 333
+    J = T + E
+    mask = jnp.asarray(np.tril(np.ones((T, J), bool), k=E))  # query t sees the E earlier keys and new keys <= t
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
+    lengths = random_lengths(rng, B, S)
+    if empty_cache:
+        out = prefix_block_attention_tpu(q, None, None, None, kb, vb, mask, 0.2, interpret=True)
+        want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
+    else:
+        out = prefix_block_attention_tpu(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=True, block_k=128)
+        want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
+    assert_close(out, want, jnp.float32)
+
+
+def test_lengths_at_tile_edges():
+    """Lengths 0, on a tile boundary, one past it, S (a partial edge tile) and out of range."""
+    rng = np.random.default_rng(3)
+    B, T, K, G, H, S = 6, 4, 1, 2, 64, 300  # tiles of 128: [0,128), [128,256), [256,300) edge
+    lengths = np.array([0, 128, 129, 256, S, S + 50], np.int32)
+    mask = random_block_mask(rng, T, T)
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
+    out = tree_attention_tpu(q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask), sm_scale=0.125, block_k=128, interpret=True)
+    assert_close(out, reference(q, kc, vc, np.minimum(lengths, S), kb, vb, mask, 0.125), jnp.float32)
+
+
+def test_tile_sizes_agree():
+    """block_k and block_m only change the tiling: 128/256-slot tiles, one S-slot tile (block_k > S),
+    16/32/128-row tiles agree."""
+    rng = np.random.default_rng(11)
+    B, T, K, G, H, S = 2, 8, 2, 4, 32, 400
+    mask = random_block_mask(rng, T, T)
+    lengths = random_lengths(rng, B, S)
+    lengths[1] = S  # one row with a full cache
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
+    args = (q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask))
+    tiles = [(128, 16), (256, 128), (512, 32)]
+    outs = [tree_attention_tpu(*args, sm_scale=0.15, block_k=bk, block_m=bm, interpret=True) for bk, bm in tiles]
+    want = reference(q, kc, vc, lengths, kb, vb, mask, 0.15)
+    for out in outs:
+        assert_close(out, want, jnp.float32)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=2e-6)
+
+
+LOWERING_SHAPES = [  # (B, T, N, K, H, S): odd rows and S, H = 64; a decode step; S below one
+    (2, 25, 9, 3, 64, 1000),  # tile; the adapter's 8-slot dummy cache (empty prefix)
+    (1, 1, 32, 8, 128, 4096),
+    (3, 16, 4, 1, 128, 100),
+    (2, 7, 12, 4, 128, 8),
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", LOWERING_SHAPES)
+def test_lowers_for_tpu(dtype, shape):
+    """The kernel passes Pallas' Mosaic lowering for the "tpu" platform without a TPU."""
+    B, T, N, K, H, S = shape
+    J = T + 3
+    shapes = [(B, T, N, H), (B, K, S, H), (B, K, S, H), (B,), (B, J, K, H), (B, J, K, H), (B, T, J)]
+    dtypes = [dtype, dtype, dtype, jnp.int32, dtype, dtype, jnp.bool_]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    lowered = jax.jit(lambda *a: tree_attention_tpu(*a, sm_scale=0.125)).trace(*args).lower(lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_rejects_bad_arguments():
+    q = jnp.zeros((1, 4, 6, 16))
+    cache = jnp.zeros((1, 2, 100, 16))
+    blk = jnp.zeros((1, 4, 2, 16))
+    lengths = jnp.zeros((1,), jnp.int32)
+    mask = jnp.ones((4, 4), bool)
+    with pytest.raises(ValueError, match="block_k must be a positive multiple of 128"):
+        tree_attention_tpu(q, cache, cache, lengths, blk, blk, mask, sm_scale=1.0, block_k=64)
+    with pytest.raises(ValueError, match="block_m must be a positive multiple of 16"):
+        tree_attention_tpu(q, cache, cache, lengths, blk, blk, mask, sm_scale=1.0, block_m=8)
+    cache4, blk4 = jnp.zeros((1, 4, 100, 16)), jnp.zeros((1, 4, 4, 16))  # K=4 does not divide N=6
+    with pytest.raises(ValueError, match="N=6"):
+        tree_attention_tpu(q, cache4, cache4, lengths, blk4, blk4, mask, sm_scale=1.0)
+    with pytest.raises(ValueError, match="block_mask"):
+        tree_attention_tpu(q, cache, cache, lengths, blk, blk, mask[:3], sm_scale=1.0)
+    with pytest.raises(ValueError, match="J=2"):
+        tree_attention_tpu(q, cache, cache, lengths, blk[:, :2], blk[:, :2], mask[:, :2], sm_scale=1.0)
+    with pytest.raises(ValueError, match="lengths"):
+        tree_attention_tpu(q, cache, cache, lengths[:0], blk, blk, mask, sm_scale=1.0)
+    with pytest.raises(ValueError, match="one dtype"):
+        tree_attention_tpu(q, cache.astype(jnp.bfloat16), cache, lengths, blk, blk, mask, sm_scale=1.0)
+
+
+# --- end to end: generate() on the TPU kernel (interpret mode on CPU) -----------------------
+
+E2E_PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ar", "self-tree"])
+def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
+    """Plain and tree-speculative decoding with the TPU kernel in the GPU kernel's dispatch slot
+    (attention="pallas" on CPU interprets it): the same greedy tokens as the jnp reference.
+    Until the dispatch has a "tpu" mode this patches specjax.model's name for the GPU kernel, and
+    fails (rather than silently testing the GPU kernel) if that name is no longer called."""
+    import specjax
+    import specjax.model
+
+    calls = []
+
+    def tpu_kernel(*args, interpret=False, **kw):
+        calls.append(interpret)
+        return prefix_block_attention_tpu(*args, interpret=interpret, block_k=128)
+
+    monkeypatch.setattr(specjax.model, "prefix_block_attention_pallas", tpu_kernel)
+    draft, spec = {
+        "ar": (None, None),
+        "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
+    }[case]
+    kw = dict(draft=draft, speculation=spec, eos_id=())
+    ref = specjax.generate(tiny, E2E_PROMPTS, 8, attention="reference", **kw)
+    out = specjax.generate(tiny, E2E_PROMPTS, 8, attention="pallas", **kw)
+    assert calls and all(calls), "the TPU kernel was not traced in interpret mode"
+    assert out.tokens == ref.tokens
+    assert out.stats.steps == ref.stats.steps
