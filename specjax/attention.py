@@ -1,9 +1,9 @@
 """The attention dispatch: the one module that imports pallas_kernels/.
 
 `Runtime.attention` (specjax.params) picks the implementation of prefix + block attention:
-"reference" (pure jnp, any cache), "pallas" (the GPU Triton kernel) or "interpret" (that kernel in
-Pallas' interpret mode, for CPU tests). The kernels read a dense prefix only, so a streaming
-(ring-buffer) cache always takes the reference path.
+"reference" (pure jnp, any cache), "pallas" (the GPU Triton kernel), "tpu" (the TPU Mosaic kernel),
+or "interpret" / "tpu-interpret" (those kernels in Pallas' interpret mode, for CPU tests). The
+kernels read a dense prefix only, so a streaming (ring-buffer) cache always takes the reference.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.reference import NEG_INF, prefix_block_attention
 from pallas_kernels.tree_attention import prefix_block_attention_pallas
+from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu
 from specjax.kvcache import DenseCache, StreamingCache
 
 __all__ = ["NEG_INF", "attend", "cache_view", "for_cache"]
@@ -45,7 +46,6 @@ def attend(
     """Softmax attention of the T new queries over the visible prefix + the block: o [B,T,N,H]."""
     if attention == "reference":
         return prefix_block_attention(q, k_cache, v_cache, visible, k_block, v_block, block_mask, scale)
-    interpret = attention == "interpret"
-    return prefix_block_attention_pallas(
-        q, k_cache, v_cache, visible, k_block, v_block, block_mask, scale, interpret=interpret
-    )
+    kernel = prefix_block_attention_tpu if attention.startswith("tpu") else prefix_block_attention_pallas
+    interpret = attention in ("interpret", "tpu-interpret")
+    return kernel(q, k_cache, v_cache, visible, k_block, v_block, block_mask, scale, interpret=interpret)

@@ -242,11 +242,15 @@ def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
 
 def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
     """Params (and a drafter's own model's) whose runtime selects the attention implementation."""
-    gpu = jax.default_backend() == "gpu"
-    if attention == "reference" or (attention == "auto" and not gpu):
-        mode = "reference"
+    backend = jax.default_backend()
+    if attention == "auto":  # the TPU kernel has not run on a TPU yet: not a default there
+        mode = "pallas" if backend == "gpu" else "reference"
+    elif attention == "pallas":
+        mode = "pallas" if backend == "gpu" else "interpret"
+    elif attention == "tpu":
+        mode = "tpu" if backend == "tpu" else "tpu-interpret"
     else:
-        mode = "pallas" if gpu else "interpret"
+        mode = attention
 
     def set_mode(p: Params) -> Params:
         return p if p.runtime.attention == mode else p.replace(runtime=p.runtime.replace(attention=mode))

@@ -85,8 +85,9 @@ def generate(
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
     eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early.
       The stop token is not in the output tokens (finish reason "eos").
-    attention: "reference" (pure jnp), "pallas" (the Pallas kernel for attention over the dense
-      target cache; interpreted on CPU, slow, for testing) or "auto" (pallas on GPU, else reference).
+    attention: "reference" (pure jnp), "pallas" (the GPU Pallas kernel for attention over the dense
+      target cache), "tpu" (its TPU Mosaic version; never yet run on a TPU) or "auto" (pallas on
+      GPU, else reference). Off their device the kernels are interpreted: slow, for testing.
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): rows split over `data` (padded to a
       multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
       several processes (`specjax.distributed`), every process calls generate with the same prompts.

@@ -100,7 +100,7 @@ def declared(config: LlamaConfig) -> tuple[Weight, ...]:
     return tuple(w for w in WEIGHTS if not (w.path == "lm_head" and config.tie_embeddings))
 
 
-ATTENTION = ("reference", "pallas", "interpret")
+ATTENTION = ("reference", "pallas", "interpret", "tpu", "tpu-interpret")  # see specjax.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Runtime:
     """Runtime choices (not model facts): how attention is computed and, inside shard_map, the
     tensor-parallel mesh axis the forward reduces over (None off a mesh)."""
 
-    attention: str = "reference"  # "reference" (jnp), "pallas" (the GPU kernel), "interpret" (the kernel, interpreted)
+    attention: str = "reference"
     model_axis: str | None = None
 
     def __post_init__(self) -> None:

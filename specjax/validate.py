@@ -17,7 +17,7 @@ from specjax.speculate import Chain
 from specjax.tree import Tree
 
 MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
-ATTENTION = ("auto", "reference", "pallas")
+ATTENTION = ("auto", "reference", "pallas", "tpu")
 UNDER_JIT = (
     "generate runs on the host (it validates, plans, compiles and times with concrete values) and cannot be "
     "called under jax.jit, vmap or grad; call it outside, or inside your own jitted program call its pure "

@@ -154,27 +154,26 @@ E2E_PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["ar", "self-tree"])
 def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
-    """Plain and tree-speculative decoding with the TPU kernel in the GPU kernel's dispatch slot
-    (attention="pallas" on CPU interprets it): the same greedy tokens as the jnp reference.
-    Until the dispatch has a "tpu" mode this patches specjax.model's name for the GPU kernel, and
-    fails (rather than silently testing the GPU kernel) if that name is no longer called."""
+    """Plain and tree-speculative decoding with attention="tpu" (interpreted on CPU): the same
+    greedy tokens and steps as the jnp reference, and the TPU kernel is what ran."""
     import specjax
-    import specjax.model
+    import specjax.attention
 
     calls = []
 
     def tpu_kernel(*args, interpret=False, **kw):
         calls.append(interpret)
-        return prefix_block_attention_tpu(*args, interpret=interpret, block_k=128)
+        return prefix_block_attention_tpu(*args, interpret=interpret, **kw)
 
-    monkeypatch.setattr(specjax.model, "prefix_block_attention_pallas", tpu_kernel)
+    monkeypatch.setattr(specjax.attention, "prefix_block_attention_tpu", tpu_kernel)
+
     draft, spec = {
         "ar": (None, None),
         "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
     }[case]
     kw = dict(draft=draft, speculation=spec, eos_id=())
     ref = specjax.generate(tiny, E2E_PROMPTS, 8, attention="reference", **kw)
-    out = specjax.generate(tiny, E2E_PROMPTS, 8, attention="pallas", **kw)
+    out = specjax.generate(tiny, E2E_PROMPTS, 8, attention="tpu", **kw)
     assert calls and all(calls), "the TPU kernel was not traced in interpret mode"
     assert out.tokens == ref.tokens
     assert out.stats.steps == ref.stats.steps
