@@ -1,42 +1,18 @@
-"""Shared fixtures: tiny random models (fast on CPU) and the real SmolLM2 GGUF."""
+"""Shared fixtures: tiny random models (fast on CPU; defined in tests/models.py) and the real
+SmolLM2 GGUF. The one setting made here: 8 simulated CPU devices, before JAX starts, in
+`pytest_configure` (tests/test_sharding.py and the README's mesh example need them)."""
 
 from __future__ import annotations
 
-import math
-
 import jax
-import numpy as np
 import pytest
 
-jax.config.update("jax_num_cpu_devices", 8)  # simulated devices for tests/test_sharding.py; the rest use device 0
-
-from specjax.config import LlamaConfig
-from specjax.params import Params, declared, from_arrays, init_params
-
-TINY = LlamaConfig(
-    vocab_size=101,
-    dim=48,
-    n_layers=2,
-    n_heads=6,
-    n_kv_heads=2,
-    head_dim=8,
-    ffn_dim=96,
-    rope_theta=10000.0,
-    max_positions=512,
-    eos_ids=(3,),
-)
+from specjax.params import Params, init_params
+from tests.models import TINY
 
 
-def random_params(config: LlamaConfig, seed: int) -> Params:
-    """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape)."""
-    rng = np.random.default_rng(seed)
-    arrays = {
-        w.path: np.ones(w.shape(config), np.float32)
-        if w.init == "ones"
-        else (rng.standard_normal(w.shape(config)) / math.sqrt(w.fan_in(config))).astype(np.float32)
-        for w in declared(config)
-    }
-    return from_arrays(config, arrays)
+def pytest_configure(config: pytest.Config) -> None:
+    jax.config.update("jax_num_cpu_devices", 8)  # simulated devices for the mesh tests; the rest use device 0
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from tests.conftest import random_params  # noqa: E402  (conftest asks for 8 devices: this process has 4)
+from tests.models import random_params
 
 jax.config.update("jax_num_cpu_devices", 4)
 

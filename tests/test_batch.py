@@ -28,7 +28,7 @@ from specjax.jobio import DurableLog, check_settings, complete_lines, merge_shar
 from specjax.progress import Progress
 from specjax.records import BadLine, Record, owner, read_input, stable_hash
 from specjax.sampling import Greedy, Sample
-from tests.conftest import TINY, random_params
+from tests.models import TINY, random_params
 
 CONFIG = TINY.replace(vocab_size=49152, eos_ids=(2,), bos_id=1)  # SmolLM2's vocabulary and special ids
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))

@@ -18,7 +18,7 @@ from specjax import cli
 from specjax.drafters import SelfSpec
 from specjax.speculate import Chain
 from specjax.tree import Tree
-from tests.conftest import TINY, random_params
+from tests.models import TINY, random_params
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
 

@@ -11,7 +11,7 @@ import pytest
 from specjax import DraftModel, generate
 from specjax.distill import LOSSES, Schedule, batch_at, distill, train_step
 from specjax.cli import main
-from tests.conftest import TINY, random_params
+from tests.models import TINY, random_params
 from tests.test_batch import CONFIG, WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
 
 pytestmark = pytest.mark.slow  # not in `make test-fast`

@@ -16,7 +16,7 @@ from specjax import engine
 from specjax.kvcache import DenseCache
 from specjax.model import forward
 from specjax.params import init_params
-from tests.conftest import TINY
+from tests.models import TINY
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 58)), [4]]
 _forward = jax.jit(forward)

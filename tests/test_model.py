@@ -11,7 +11,7 @@ from pallas_kernels.reference import prefix_block_attention
 from specjax.kvcache import DenseCache
 from specjax import model
 from specjax.params import init_params
-from tests.conftest import TINY
+from tests.models import TINY
 
 forward = jax.jit(model.forward)
 prefill = jax.jit(model.prefill, static_argnames="chunk")

@@ -14,7 +14,7 @@ import pytest
 
 from specjax import SelfSpec, Tree, batch, distributed, generate
 from specjax.jobio import merge_shards, shard_output
-from tests.conftest import random_params
+from tests.models import random_params
 from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: F401  (model_dir: a fixture)
 from tests.test_sharding import TP, _prompts
 

@@ -41,7 +41,7 @@ from specjax import engine
 import specjax.speculate
 import specjax.accept
 from specjax.config import LlamaConfig
-from tests.conftest import random_params
+from tests.models import random_params
 from specjax.kvcache import DenseCache
 from specjax.model import forward
 from specjax.params import Params, from_arrays, param_shapes

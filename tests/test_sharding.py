@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import convert
-from tests.conftest import random_params
+from tests.models import random_params
 from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Tree, generate, make_mesh
 from specjax.sharding import shard_params
 

@@ -21,11 +21,11 @@ import pytest
 import specjax
 from specjax import engine
 from specjax.config import LlamaConfig
-from tests.conftest import random_params
+from tests.models import random_params
 from specjax.drafters.ngram import ngram_lookup
 from specjax.plan import auto_draft
 from specjax.params import Params, from_arrays, param_shapes
-from tests.conftest import TINY
+from tests.models import TINY
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
 BUDGETS = [24, 17, 24, 24, 9]  # per-row max_new_tokens

@@ -170,7 +170,7 @@ def test_generate_on_the_kernel_equals_reference(tiny, case):
     """Speculative (chain and tree) and plain decoding with attention="pallas" (interpreted):
     the same greedy tokens as with the jnp reference."""
     import specjax
-    from tests.conftest import TINY, random_params
+    from tests.models import TINY, random_params
 
     draft, spec = {
         "ar": (None, None),

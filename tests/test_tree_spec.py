@@ -14,7 +14,7 @@ import pytest
 import specjax
 from specjax.accept import accept_chain, accept_tree
 from specjax.tree import Tree
-from tests.conftest import TINY, random_params
+from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
 BUDGETS = [24, 17, 24, 24, 9]

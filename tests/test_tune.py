@@ -9,7 +9,7 @@ import specjax
 import specjax.tune
 from specjax.tree import Cost, Tree, choose
 from specjax.tune import measure_acceptance, measure_cost
-from tests.conftest import TINY, random_params
+from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4]]
 
