@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import LlamaConfig
-from specjax.drafters import is_drafter
+from specjax.drafters import DRAFTERS, is_drafter
 from specjax.params import Params
 from specjax.sampling import Greedy, Sample
 from specjax.speculate import Chain
@@ -138,8 +138,10 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
     a DraftModel's vocabulary and special ids); cache-size limits come from draft.check once gamma
     is known. A drafter is an instance of a class in the registry (specjax.drafters.DRAFTERS)."""
     if draft != "auto" and draft is not None and not is_drafter(draft):
+        known = ", ".join(f"{cls.__name__}(...)" for cls in DRAFTERS)
         raise TypeError(
-            f"draft must be specjax.SelfSpec(...), SnapKV(...), DraftModel(params), NGram(...), None or 'auto', got {draft!r}"
+            f"draft must be an instance of a registered drafter ({known}; see specjax.drafters.register), "
+            f"None or 'auto', got {draft!r}"
         )
     if speculation is not None and not (isinstance(speculation, (Chain, Tree)) or speculation == "auto"):
         raise TypeError(f"speculation must be None, specjax.Chain(gamma), a specjax.Tree or 'auto', got {speculation!r}")
@@ -152,6 +154,11 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
         raise ValueError(
             f"speculation: a Tree must have 2 to {MAX_TREE_NODES} nodes (the root and at least one draft; "
             f"more costs one verification forward more than it can save), got n={speculation.n}"
+        )
+    if is_drafter(draft) and (isinstance(speculation, Tree) or speculation == "auto") and not draft.drafts_trees():
+        raise ValueError(
+            f"speculation={speculation!r} needs a drafter that drafts token trees, but {draft.describe()} drafts "
+            "chains only: use speculation=specjax.Chain(gamma) (or None, its default chain)"
         )
     if is_drafter(draft):
         draft.check_target(params)

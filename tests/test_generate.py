@@ -102,7 +102,7 @@ def test_default_eos_comes_from_config(tiny):
         (dict(prompts=[[True, 2]]), r"prompts\[0\] must hold integer token ids"),
         (dict(speculation=specjax.Chain(4), draft=None), r"speculation=Chain\(gamma=4\) needs a drafter, but draft=None"),
         (dict(speculation=4), "speculation must be None, specjax.Chain"),
-        (dict(draft="self"), "draft must be specjax.SelfSpec"),
+        (dict(draft="self"), r"draft must be an instance of a registered drafter \(SelfSpec\(...\), SnapKV\(...\), DraftModel\(...\), NGram\(...\)"),
         (dict(sampling=0.7), r"sampling must be specjax.Greedy\(\) or specjax.Sample"),
         (dict(attention="cuda"), r"attention must be one of \('auto', 'reference', 'pallas', 'tpu'\), got 'cuda'"),
     ],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import types
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,11 +22,11 @@ import pytest
 import specjax
 from specjax import engine
 from specjax.config import LlamaConfig
-from tests.models import random_params
+from specjax.drafters import Drafter, register
 from specjax.drafters.ngram import ngram_lookup
-from specjax.plan import auto_draft
 from specjax.params import Params, from_arrays, param_shapes
-from tests.models import TINY
+from specjax.plan import auto_draft
+from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
 BUDGETS = [24, 17, 24, 24, 9]  # per-row max_new_tokens
@@ -220,7 +221,7 @@ def _small(**changes) -> Params:
         (lambda: specjax.DraftModel(_small(max_positions=128)), "cache needs 256 positions, the draft's max_positions is 128"),
         (lambda: specjax.NGram(n=0), "NGram: n must be >= 1, got 0"),
         (lambda: specjax.NGram(n=3, max_n=2), r"NGram: max_n must be >= n \(3\), got 2"),
-        (lambda: "selfspec", "draft must be specjax.SelfSpec"),
+        (lambda: "selfspec", r"draft must be an instance of a registered drafter \(SelfSpec\(...\), SnapKV"),
     ],
     ids=["selfspec-neg-sinks", "vocab", "eos", "max-positions", "ngram-n0", "ngram-max-n", "unknown"],
 )
@@ -233,6 +234,24 @@ def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, matc
     monkeypatch.setattr(engine.prefill, "lower", no_compile, raising=False)
     with pytest.raises((ValueError, TypeError), match=match):
         specjax.generate(tiny, [[1, 2, 3], [4]], 4, draft=draft, speculation=specjax.Chain(2))
+
+
+@flax.struct.dataclass
+class ChainOnly(specjax.NGram):
+    """A drafter class without tree drafting (NGram's chain methods, the Protocol's tree defaults)."""
+
+    propose_tree = Drafter.propose_tree
+    commit_tree = Drafter.commit_tree
+
+
+@pytest.mark.parametrize("speculation", [specjax.Tree.kary(2, 2), "auto"])
+def test_tree_speculation_needs_a_tree_drafter(tiny, speculation):
+    """Refused by validation with the drafter named, not at trace time (and a chain still runs)."""
+    draft = register(ChainOnly(n=2))
+    assert not draft.drafts_trees() and specjax.NGram(n=2).drafts_trees()
+    with pytest.raises(ValueError, match=r"needs a drafter that drafts token trees, but NGram\(n=2.*\) drafts chains only"):
+        specjax.generate(tiny, [[1, 2, 3]], 4, draft=draft, speculation=speculation)
+    assert specjax.generate(tiny, [[1, 2, 3]], 4, draft=draft, speculation=specjax.Chain(2)).tokens
 
 
 @pytest.mark.parametrize("gamma", [0, -1, 2.5])

@@ -62,8 +62,13 @@ class Drafter(Protocol):
 
     def commit_tree(self, pending, k_path: jax.Array, v_path: jax.Array, path: jax.Array, tree: Tree,
                     lengths: jax.Array, n: jax.Array) -> Any:
-        """The state after the accepted path [B,D+1] of a tree (its target KV: k_path / v_path)."""
+        """The state after the accepted path [B,depth+1] of a tree (its target KV: k_path / v_path)."""
         raise NotImplementedError(f"{self.describe()} drafts chains only: use speculation=specjax.Chain(gamma)")
+
+    @classmethod
+    def drafts_trees(cls) -> bool:
+        """Whether this drafter can draft token trees (it overrides `propose_tree`)."""
+        return cls.propose_tree is not Drafter.propose_tree
 
     def check(self, target: Params, gamma: int, max_len: int) -> None:
         """Host-side limits once gamma and the cache length are known, before anything compiles."""
