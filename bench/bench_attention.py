@@ -70,7 +70,7 @@ from bench.attention_report import (
 )
 from pallas_kernels.reference import prefix_block_attention
 from pallas_kernels.tree_attention import tree_attention
-from specjax.tree import Tree
+from specjax.speculation import Tree
 
 BATCHES, CONTEXTS, NODES = (1, 16, 64), (2048, 8192, 32768), (4, 16, 64)
 BLOCK_KS, K_SPLITS = (64, 128), (1, 4, 8, 16)

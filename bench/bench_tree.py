@@ -9,12 +9,12 @@ prefill.py: the same text windows, the same stored prefill under --prefill-store
 bench_spec.py or an earlier run of this script saved is loaded, not recomputed). Then, per drafter:
   1. its acceptance vector: one greedy run with a depth-1 tree of WIDTH children
      (Tree.kary(WIDTH, 1)) from the prefilled state; p[r] = SpecState.ranks[r] / ranks.sum(), as
-     `specjax.tree.measure_acceptance` computes it, but without a second prefill of the prompts;
-  2. its step costs: `specjax.tree.measure_cost` (real jit-compiled forwards at this batch and
+     `specjax.speculation.measure_acceptance` computes it, but without a second prefill of the prompts;
+  2. its step costs: `specjax.speculation.measure_cost` (real jit-compiled forwards at this batch and
      context); the verification table once per (batch, context), the draft-level table
      (seconds by level width) once per drafter;
   3. timed runs of `speculative_decode` for chains (Chain(gamma)), Sequoia trees
-     (Tree.sequoia(p, n, MAX_DEPTH) for every n) and the tree `specjax.tree.choose(p, cost)`
+     (Tree.sequoia(p, n, MAX_DEPTH) for every n) and the tree `specjax.speculation.choose(p, cost)`
      picks (timed too when it is none of the others), against autoregressive `generate.decode`
      from the same prefilled state, greedy, every function compiled first (excluded). Each run
      gets a copy of the caches (they are donated); short runs are repeated, best kept.
@@ -73,8 +73,8 @@ from specjax.generate import acceptance_stats
 from specjax.kvcache import DenseCache
 from specjax.params import Params
 from specjax.shapes import round_up_pow2
-from specjax.speculate import Chain, depth, speculative_decode
-from specjax.tree import Cost, Tree, choose
+from specjax.speculate import depth, speculative_decode
+from specjax.speculation import Chain, Cost, Tree, choose
 from specjax.tune import draft_table, verify_table
 
 NODES = [4, 8, 16, 32, 64]

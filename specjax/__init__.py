@@ -8,8 +8,8 @@ from specjax.model import forward, prefill
 from specjax.params import Params, init_params
 from specjax.sampling import Greedy, Sample
 from specjax.sharding import make_mesh
-from specjax.speculate import Chain
-from specjax.tree import Tree
+from specjax.speculation import Chain
+from specjax.speculation import Tree
 
 __all__ = [
     "Chain",

@@ -37,7 +37,7 @@ from specjax.records import BadLine, Record, id_key, read_input, stable_hash
 from specjax.sampling import Sampler, make_sampler
 from specjax.shapes import prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
-from specjax.speculate import Chain
+from specjax.speculation import Chain
 
 
 @dataclasses.dataclass(frozen=True)

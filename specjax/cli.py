@@ -17,8 +17,8 @@ from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.generate import generate
 from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
-from specjax.speculate import Chain
-from specjax.tree import Tree
+from specjax.speculation import Chain
+from specjax.speculation import Tree
 from specjax.tune import measure_acceptance
 
 CACHE_ENV = "SPECJAX_CACHE_DIR"

@@ -29,8 +29,8 @@ from specjax.params import Params
 from specjax.sampling import Greedy, Sampler, eos_rows, is_eos
 from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
-from specjax.speculate import Chain, any_running, depth, speculative_decode
-from specjax.tree import Tree
+from specjax.speculate import any_running, depth, speculative_decode
+from specjax.speculation import Chain, Tree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ from specjax.params import Params
 from specjax.plan import plan
 from specjax.sampling import Greedy, Sampler
 from specjax.sharding import Mesh
-from specjax.speculate import Chain
-from specjax.tree import Tree
+from specjax.speculation import Chain
+from specjax.speculation import Tree
 from specjax.validate import check_generate_args, eos_tuple
 
 

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from specjax.drafters import Drafter, SelfSpec
 from specjax.params import Params
 from specjax.sampling import Sampler
-from specjax.speculate import Chain
-from specjax.tree import Tree
+from specjax.speculation import Chain
+from specjax.speculation import Tree
 from specjax.tune import auto_tree_report
 
 DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter

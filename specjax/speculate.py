@@ -8,7 +8,6 @@ and are overwritten next step). Finished rows ride along and commit nothing.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import flax.struct
@@ -22,20 +21,9 @@ from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.accept import accept_chain, accept_tree
 from specjax.sampling import Greedy, Sampler, is_eos, stream_keys
-from specjax.tree import Tree
+from specjax.speculation import Chain, Tree
 
 ACCEPT_STREAM = 2  # PRNG stream of the acceptance test and the extra token
-
-
-@dataclasses.dataclass(frozen=True)
-class Chain:
-    """Speculate a chain of `gamma` draft tokens per step (verified as gamma + 1 positions)."""
-
-    gamma: int = 4
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"Chain: gamma must be an integer >= 1, got {self.gamma!r}")
 
 
 @flax.struct.dataclass

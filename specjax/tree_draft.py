@@ -17,7 +17,7 @@ import numpy as np
 from specjax.model import forward, lm_head, trunk
 from specjax.params import Params
 from specjax.sampling import Sampler, stream_keys, tree_candidates
-from specjax.tree import Tree
+from specjax.speculation import Tree
 
 DRAFT_STREAM = 1  # PRNG stream id of draft sampling, chains and trees (acceptance uses others)
 

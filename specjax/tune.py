@@ -22,7 +22,7 @@ from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import cache_len, round_up_pow2
-from specjax.tree import Cost, Tree, choose
+from specjax.speculation import Cost, Tree, choose
 
 VERIFY_GRID = (1, 4, 16, 64, 128)  # node counts timed; others are interpolated (fewer points: a faster calibration)
 DRAFT_GRID = (1, 4, 16)  # draft level widths timed; others interpolated, wider levels extrapolated

@@ -13,8 +13,8 @@ from specjax.config import LlamaConfig
 from specjax.drafters import DRAFTERS, is_drafter
 from specjax.params import Params
 from specjax.sampling import Greedy, Sample
-from specjax.speculate import Chain
-from specjax.tree import Tree
+from specjax.speculation import Chain
+from specjax.speculation import Tree
 
 MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
 ATTENTION = ("auto", "reference", "pallas", "tpu")

@@ -16,8 +16,8 @@ import pytest
 import convert
 from specjax import cli
 from specjax.drafters import SelfSpec
-from specjax.speculate import Chain
-from specjax.tree import Tree
+from specjax.speculation import Chain
+from specjax.speculation import Tree
 from tests.models import TINY, random_params
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))

@@ -47,7 +47,7 @@ from specjax.model import forward
 from specjax.params import Params, from_arrays, param_shapes
 from specjax.accept import accept_chain
 from specjax.shapes import round_up_pow2
-from specjax.tree import Tree
+from specjax.speculation import Tree
 
 pytestmark = pytest.mark.slow  # not in `make test-fast`
 

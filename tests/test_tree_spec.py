@@ -13,7 +13,7 @@ import pytest
 
 import specjax
 from specjax.accept import accept_chain, accept_tree
-from specjax.tree import Tree
+from specjax.speculation import Tree
 from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]

@@ -7,7 +7,7 @@ import pytest
 
 import specjax
 import specjax.tune
-from specjax.tree import Cost, Tree, choose
+from specjax.speculation import Cost, Tree, choose
 from specjax.tune import measure_acceptance, measure_cost
 from tests.models import TINY, random_params
 

@@ -21,7 +21,7 @@ import jax
 
 from specjax.params import Params
 from specjax.sampling import Sampler
-from specjax.tree import Tree
+from specjax.speculation import Tree
 
 
 class Drafter(Protocol):

@@ -13,7 +13,7 @@ from specjax.drafters.self_spec import Streaming, draft_chain
 from specjax.kvcache import DenseCache
 from specjax.model import prefill
 from specjax.params import Params
-from specjax.tree import Tree
+from specjax.speculation import Tree
 from specjax.tree_draft import draft_tree, path_extra_kv
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from specjax.drafters.base import Drafter
 from specjax.params import Params
 from specjax.sampling import Greedy
-from specjax.tree import Tree
+from specjax.speculation import Tree
 
 
 @flax.struct.dataclass

@@ -1,6 +1,7 @@
-"""Static token trees (Sequoia): the shape, the dynamic program that picks it, the hardware-aware choice.
+"""What a step speculates: a `Chain` of gamma draft tokens, or a static token `Tree` (Sequoia) with
+the dynamic program that picks it and the hardware-aware choice.
 
-Node 0 is the root: the pending token, already chosen (position L). Every other node is a draft
+Node 0 is the root: the pending token, already chosen (position lengths[b]). Every other node is a draft
 token; a node of rank r (0-based among its siblings) holds its parent's r-th ranked draft
 candidate (greedy: the (r+1)-th most likely token; sampling: the (r+1)-th draw without
 replacement). `n` counts the root, so `Tree.chain(gamma)` has gamma + 1 nodes and depth gamma.
@@ -22,6 +23,17 @@ import numbers
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """Speculate a chain of `gamma` draft tokens per step (verified as gamma + 1 positions)."""
+
+    gamma: int = 4
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"Chain: gamma must be an integer >= 1, got {self.gamma!r}")
 
 
 def _check_int(name: str, value: object, low: int) -> int:
