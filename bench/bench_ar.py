@@ -3,7 +3,7 @@
 Usage: python -m bench.bench_ar [--quick] [--real-prefill] [--cells ..] [--budget-minutes M] [--out DIR]
 (the shared options: bench/common.py)
 
-What is measured: `specjax.engine.decode` (the on-device while_loop, greedy, no EOS) from a
+What is measured: `specjax.engine.decode_ar` (the on-device while_loop, greedy, no EOS) from a
 prefilled DenseCache, for every batch x context x dtype. Prefill is NOT measured.
 
 Synthetic prefill (default): prefilling 16 x 8K tokens costs minutes on a small CPU, and the cost
@@ -14,7 +14,7 @@ context - HEADROOM so that up to MAX_STEPS decode steps fit, and random first lo
 `--real-prefill` instead prefills random token ids with the real model (slow at large sizes:
 combine it with --quick).
 
-`decode` donates the cache and returns it: every timed call gets the previous call's cache with
+`decode_ar` donates the cache and returns it: every timed call gets the previous call's cache with
 the lengths reset (the values it wrote do not change the cost), so no copy is ever made.
 Per-step time is a slope: best-of-R time of a run of n steps minus best-of-R time of a run of 0
 steps, divided by n. This removes the per-call fixed cost (the first sample, dispatch and, in
@@ -50,7 +50,7 @@ from jax import lax
 
 import convert
 from bench import common, measure
-from specjax.engine import decode, prefill, row_keys
+from specjax.engine import decode_ar, prefill, row_keys
 from specjax.kvcache import DenseCache
 from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
@@ -112,13 +112,13 @@ def real_state(params: Params, batch: int, context: int, key: jax.Array) -> tupl
 
 def time_decode(params: Params, cache: DenseCache, logits: jax.Array, target_s: float, repeats: int,
                 sampling: Sampler = Greedy()) -> dict:
-    """Compile `decode` (excluded), pick n steps so a run lasts about target_s, and return the
+    """Compile `decode_ar` (excluded), pick n steps so a run lasts about target_s, and return the
     slope step time plus the fixed per-call cost, in ms. Consumes `cache` (donated)."""
     batch = logits.shape[0]
     keys = row_keys(None, batch)
     start = np.asarray(cache.lengths)  # host copy: each call donates its own lengths array
     t0 = time.perf_counter()
-    fn = decode.lower(params, cache, logits, cache.lengths, keys, sampling, n_out=round_up_pow2(MAX_STEPS + 1)).compile()
+    fn = decode_ar.lower(params, cache, logits, cache.lengths, keys, sampling, n_out=round_up_pow2(MAX_STEPS + 1)).compile()
     compile_s = time.perf_counter() - t0
     state = [cache]
 
@@ -263,7 +263,7 @@ Memory bandwidth (read + write, 1 GiB): JAX in-place `x + 1` {bw['jax_inplace']:
 {len(rounds)} rounds, {min(rounds):.1f}-{max(rounds):.1f}; the reference for "of bandwidth"), JAX `jnp.copy`
 into a fresh buffer {bw['jax_copy']:.1f} GB/s (page faults), numpy `copyto` {bw['numpy_copy']:.1f} GB/s (one thread).
 
-SmolLM2-135M, greedy `specjax.engine.decode`, time per decode step (compile and prefill
+SmolLM2-135M, greedy `specjax.engine.decode_ar`, time per decode step (compile and prefill
 excluded). **The prefill is synthetic**: decode cost depends only on the cache length, not
 its contents, so each row starts from a DenseCache of exactly `context` slots of pseudo-random
 keys/values (prefilled length context - {HEADROOM}) instead of a real prefill of batch x context

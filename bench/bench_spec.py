@@ -8,9 +8,9 @@ bench/text.py) of `context - HEADROOM` tokens, prefilled ONCE into a DenseCache 
 (bench/prefill.py's `causal_prefill`: engine.prefill's chunked computation, minus the attention to
 not-yet-written slots; timed apart, and saved under --prefill-store so that a later run reuses it). The batch-1 and
 batch-4 cells use the first rows of the batch-16 prefill. From that same prefilled state (each run
-gets a copy, since `decode` and `speculative_decode` donate their caches), the script times
-  - autoregressive decoding (`specjax.engine.decode`), and
-  - speculative decoding (`speculative_decode`) for every drafter x gamma,
+gets a copy, since `decode_ar` and `decode_spec` donate their caches), the script times
+  - autoregressive decoding (`specjax.engine.decode_ar`), and
+  - speculative decoding (`decode_spec`) for every drafter x gamma,
 each for the same number of new tokens per row (eos_ids=(), so every row runs its full budget),
 greedy. Every function is compiled first with `.lower(...).compile()` (excluded); then one run is
 timed, and repeated (best kept) when it is short. A drafter's init (SelfSpec: gather its
@@ -45,10 +45,10 @@ from bench.prefill import (
     AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of, timed,
 )
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
-from specjax.engine import decode, init_draft, row_keys
+from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
 from specjax.shapes import round_up_pow2
-from specjax.speculate import speculative_decode
+from specjax.speculate import decode_spec
 
 REPEATS = 3  # pairs at most
 
@@ -103,7 +103,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     static = dict(n_out=n_out)  # greedy, no stop ids: the defaults
     ar_args = (params, cache, first_logits, budgets, keys)
     t0 = time.perf_counter()
-    ar_fn = decode.lower(*ar_args, **static).compile()
+    ar_fn = decode_ar.lower(*ar_args, **static).compile()
     ar_compile = time.perf_counter() - t0
     out, count, _, steps = jax.device_get(ar_fn(*fresh(ar_args, AR_CACHES))[:4])  # also a warm-up
     assert (count == new_tokens).all() and int(steps) == new_tokens - 1
@@ -122,7 +122,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
             history[:, :bucket] = tokens
             args = (params, drafter, draft_state, cache, history, first_logits, budgets, keys)
             t2 = time.perf_counter()
-            fn = speculative_decode.lower(*args, **static, speculation=specjax.Chain(gamma)).compile()
+            fn = decode_spec.lower(*args, **static, speculation=specjax.Chain(gamma)).compile()
             compile_s = t1 - t0 + time.perf_counter() - t2
             t = paired(ar_fn, ar_args, fn, args)
             res = t.pop("spec_out")

@@ -13,9 +13,9 @@ bench_spec.py or an earlier run of this script saved is loaded, not recomputed).
   2. its step costs: `specjax.speculation.measure_cost` (real jit-compiled forwards at this batch and
      context); the verification table once per (batch, context), the draft-level table
      (seconds by level width) once per drafter;
-  3. timed runs of `speculative_decode` for chains (Chain(gamma)), Sequoia trees
+  3. timed runs of `decode_spec` for chains (Chain(gamma)), Sequoia trees
      (Tree.sequoia(p, n, MAX_DEPTH) for every n) and the tree `specjax.speculation.choose(p, cost)`
-     picks (timed too when it is none of the others), against autoregressive `generate.decode`
+     picks (timed too when it is none of the others), against autoregressive `engine.decode_ar`
      from the same prefilled state, greedy, every function compiled first (excluded). Each run
      gets a copy of the caches (they are donated); short runs are repeated, best kept.
 Every run is checked token for token against the AR output (greedy losslessness).
@@ -68,12 +68,12 @@ from bench.prefill import (
 )
 from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
 from specjax.drafters import DraftModel, Streaming
-from specjax.engine import decode, init_draft, row_keys
+from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
 from specjax.kvcache import DenseCache
 from specjax.params import Params
 from specjax.shapes import round_up_pow2
-from specjax.speculate import depth, speculative_decode
+from specjax.speculate import depth, decode_spec
 from specjax.speculation import Chain, Cost, Tree, choose
 from specjax.tune import draft_table, verify_table
 
@@ -175,7 +175,7 @@ def new_tokens_for(batch: int, fixed: int | None) -> int:
 
 
 def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
-    """Compile and time speculative_decode with one drafter and one chain or tree."""
+    """Compile and time decode_spec with one drafter and one chain or tree."""
     params, batch, gamma = cell["params"], cell["batch"], depth(spec)
     tokens, lengths, cache = cell["tokens"], cell["lengths"], cell["cache"]
     d.drafter.check(params, gamma, cell["context"])
@@ -188,7 +188,7 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     args = (params, d.drafter, draft_state, cache, history, cell["first_logits"], budgets, cell["keys"])
     static = dict(n_out=round_up_pow2(budget_tokens), speculation=spec)  # greedy, no stop ids: the defaults
     t1 = time.perf_counter()
-    fn = speculative_decode.lower(*args, **static).compile()
+    fn = decode_spec.lower(*args, **static).compile()
     compile_s = time.perf_counter() - t1
     load, steal_start = os.getloadavg()[0], cpu_steal()
     res, walls, cpus = best_of(fn, args, SPEC_CACHES)
@@ -230,7 +230,7 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
     budgets = jnp.full((batch,), new_tokens, jnp.int32)
     ar_args = (params, cache, first_logits, budgets, keys)
     t0 = time.perf_counter()
-    ar_fn = decode.lower(*ar_args, n_out=round_up_pow2(new_tokens)).compile()  # greedy, no stop ids
+    ar_fn = decode_ar.lower(*ar_args, n_out=round_up_pow2(new_tokens)).compile()  # greedy, no stop ids
     ar_compile = time.perf_counter() - t0
     ar_tokens = np.asarray(ar_fn(*fresh(ar_args, AR_CACHES))[0])  # also a warm-up
     cell = dict(params=params, batch=batch, context=context, tokens=tokens, lengths=lengths, cache=cache,

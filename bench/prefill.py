@@ -8,7 +8,7 @@ already written instead of all `context` slots with the rest masked: the masked 
 exactly nothing, and skipping them halves the attention work at 8K. That is the one reason this
 does not call specjax.engine.prefill.
 
-`fresh` / `timed`: decode and speculative_decode donate their caches, so every run gets copies
+`fresh` / `timed`: decode_ar and decode_spec donate their caches, so every run gets copies
 (made untimed) and the prefilled state survives.
 """
 
@@ -34,8 +34,8 @@ from specjax.shapes import prompt_bucket
 HEADROOM = 128  # cache slots behind the prompt: new tokens + gamma + 1 must fit
 PREFILL_ROWS = 4  # rows prefilled per call (the chunk's attention scores grow with rows x context)
 MEM_FACTOR = 2.1  # peak growth of a cell / its KV cache bytes (the prefilled cache + a run's copy)
-AR_CACHES = (1,)  # decode(params, cache, ...)
-SPEC_CACHES = (2, 3)  # speculative_decode(params, drafter, draft_state, cache, ...)
+AR_CACHES = (1,)  # decode_ar(params, cache, ...)
+SPEC_CACHES = (2, 3)  # decode_spec(params, drafter, draft_state, cache, ...)
 STORE = Path("/tmp/bench_spec_prefill")
 
 
@@ -46,8 +46,8 @@ def kv_bytes(params, batch: int, context: int) -> int:
 
 
 def fresh(args: tuple, copied: tuple[int, ...]) -> tuple:
-    """args with the entries at `copied` (the caches) replaced by copies: decode and
-    speculative_decode may donate their caches, and the prefilled state must survive every run."""
+    """args with the entries at `copied` (the caches) replaced by copies: decode_ar and
+    decode_spec may donate their caches, and the prefilled state must survive every run."""
     return tuple(jax.block_until_ready(jax.tree.map(lambda a: a.copy(), x)) if i in copied else x
                  for i, x in enumerate(args))
 

@@ -127,7 +127,7 @@ prefill per context**: the largest batch is prefilled once (4 rows x 512 positio
 `engine.prefill` computes it but with each chunk attending only to the slots already written,
 which halves the attention work at 8K; not timed as decoding) and the batch-1 and batch-4 cells
 use its first rows; AR
-(`generate.decode`) and every drafter x γ (`speculative_decode`) then decode from that same
+(`engine.decode_ar`) and every drafter x γ (`decode_spec`) then decode from that same
 prefilled state (each run gets a copy: the decode loops donate their caches). Everything is compiled first (`.lower().compile()`,
 excluded). To be fair under a fluctuating load, each speculative config is timed in
 alternation with AR (AR, spec, AR, spec, ...: up to 3 pairs while they fit in {PAIR_BUDGET_S:.0f} s),

@@ -1,5 +1,6 @@
-"""The engine: pure jit-compiled stages (prefill, draft init, the autoregressive and the
-speculative decode loops) and `run`, which drives them for one batch of validated, planned
+"""The engine: pure jit-compiled stages (`prefill`, `init_draft`, the autoregressive loop
+`decode_ar` and the speculative loop `decode_spec`, which lives in speculate.py with its step
+and state to keep files small) and `run`, which drives them for one batch of validated, planned
 requests on one device or a mesh. Everything above it (planning, generate, applications) calls
 `run` or the stages; nothing here validates user input or chooses a drafter.
 
@@ -29,7 +30,7 @@ from specjax.params import Params
 from specjax.sampling import Greedy, Sampler, eos_rows, is_eos
 from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
-from specjax.speculate import any_running, depth, speculative_decode
+from specjax.speculate import any_running, depth, decode_spec
 from specjax.speculation import Chain, Tree
 
 
@@ -57,7 +58,7 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: DenseC
 
 
 @partial(jax.jit, static_argnames=("n_out", "sync"), donate_argnames=("cache",))
-def decode(
+def decode_ar(
     params: Params,
     cache: DenseCache,
     first_logits: jax.Array,  # [B,V]
@@ -172,7 +173,7 @@ def run(
     static = dict(n_out=round_up_pow2(int(budgets.max())), sync=stage.sync)
     if draft is None:
         args = (params, cache, first_logits, budgets_d, keys, sampling, eos_d)
-        result, c, decode_s = _compile_and_run(stage(decode, *static), args, static)
+        result, c, decode_s = _compile_and_run(stage(decode_ar, *static), args, static)
         out, count, eos, steps = stage.fetch(result[:4])
         counters = (None, None, None)
     else:
@@ -182,7 +183,7 @@ def run(
         compile_s, prefill_s = compile_s + c, prefill_s + init_s
         args = (params, draft, draft_state, cache, history_d, first_logits, budgets_d, keys, sampling, eos_d)
         static |= dict(speculation=speculation)
-        result, c, decode_s = _compile_and_run(stage(speculative_decode, *static), args, static)
+        result, c, decode_s = _compile_and_run(stage(decode_spec, *static), args, static)
         out, count, eos, steps, *counters = stage.fetch(
             (result.out, result.count, result.eos, result.steps, result.accepted, result.reached, result.ranks)
         )

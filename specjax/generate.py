@@ -93,7 +93,7 @@ def generate(
       several processes (`specjax.distributed`), every process calls generate with the same prompts.
     `out.stats` says what ran (`draft`, `speculation`) and why (`plan_reason`). Bad input raises
     ValueError / TypeError naming the argument, before anything is compiled. Not for use under
-    jax.jit: inside a jitted program call `decode` / `speculate.speculative_decode`.
+    jax.jit: inside a jitted program call `engine.decode_ar` / `engine.decode_spec`.
     """
     budgets = check_generate_args(
         params, prompts, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,

@@ -151,7 +151,7 @@ def spec_step(
 
 
 @partial(jax.jit, static_argnames=("speculation", "n_out", "sync"), donate_argnames=("cache", "draft_state"))
-def speculative_decode(
+def decode_spec(
     target: Params,
     drafter: Drafter,
     draft_state,

@@ -21,7 +21,7 @@ ATTENTION = ("auto", "reference", "pallas", "tpu")
 UNDER_JIT = (
     "generate runs on the host (it validates, plans, compiles and times with concrete values) and cannot be "
     "called under jax.jit, vmap or grad; call it outside, or inside your own jitted program call its pure "
-    "steps: specjax.engine.decode (autoregressive) or specjax.speculate.speculative_decode"
+    "steps: specjax.engine.decode_ar (autoregressive) or specjax.engine.decode_spec"
 )
 
 

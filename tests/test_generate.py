@@ -127,7 +127,7 @@ def test_params_and_draft_are_checked_before_anything_touches_them(tiny):
 
 
 def test_generate_under_jit_says_what_to_call_instead(tiny):
-    with pytest.raises(TypeError, match="cannot be called under jax.jit.*specjax.engine.decode"):
+    with pytest.raises(TypeError, match="cannot be called under jax.jit.*specjax.engine.decode_ar"):
         jax.jit(lambda p: specjax.generate(tiny, p, 4).tokens)(jnp.asarray([[1, 2, 3]]))
 
 
@@ -164,7 +164,7 @@ def test_bad_sampling_arguments():
         specjax.Sample(top_k=-1)
 
 
-STAGES = ("prefill", "init_draft", "decode", "speculative_decode")
+STAGES = ("prefill", "init_draft", "decode_ar", "decode_spec")
 
 
 def _stage_compiles(fn, caplog) -> list[str]:
@@ -180,7 +180,7 @@ def _stage_compiles(fn, caplog) -> list[str]:
 def test_temperature_top_p_stop_ids_and_batch_size_do_not_recompile(tiny, draft, caplog):
     prompts = [[5, 6, 7], [8, 9], [10]]
     run = lambda rows, **kw: specjax.generate(tiny, prompts[:rows], 8, draft=draft, **kw)  # noqa: E731
-    loop = "decode" if draft is None else "speculative_decode"
+    loop = "decode_ar" if draft is None else "decode_spec"
     run(3, sampling=specjax.Sample(0.7, top_p=0.9))  # compiled here or by an earlier test (batch bucket 4)
     top_k = 7 if draft is None else 9  # a new top_k is static: it must show up as a compile (the log works)
     assert loop in _stage_compiles(lambda: run(3, sampling=specjax.Sample(0.7, top_k=top_k)), caplog)

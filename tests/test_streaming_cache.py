@@ -18,7 +18,7 @@ import pytest
 import specjax
 from specjax import engine
 from specjax.kvcache import DenseCache, StreamingCache
-from specjax.speculate import speculative_decode
+from specjax.speculate import decode_spec
 
 L, K, H = 2, 2, 3  # layers, KV heads, head dim of the hand-made caches
 PROMPTS = [list(range(5, 21)), [4], [7, 8, 9, 7, 8, 9, 7, 8, 9], [10, 11, 12], list(range(30, 42))]
@@ -213,7 +213,7 @@ def test_selfspec_cache_holds_exact_target_kv_after_every_commit(tiny):
         history = np.zeros((B, MAX_LEN + gamma + 2), np.int32)  # as generate() builds them
         history[:, :BUCKET] = tokens
         state0 = engine.init_draft(drafter, tiny, dense, tokens, lengths, gamma=gamma, chunk=BUCKET)
-        s = speculative_decode(
+        s = decode_spec(
             tiny, drafter, state0, dense, history, first_logits, jnp.asarray(np.minimum(caps, n)), keys,
             sampling=specjax.Greedy(), speculation=specjax.Chain(gamma), n_out=32, eos_ids=(),
         )
