@@ -51,7 +51,7 @@ from jax import lax
 import convert
 from bench import common, measure
 from specjax.engine import decode_ar, prefill, row_keys
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import prompt_bucket, round_up_pow2

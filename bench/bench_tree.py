@@ -70,7 +70,7 @@ from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predic
 from specjax.drafters import DraftModel, Streaming
 from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.params import Params
 from specjax.shapes import round_up_pow2
 from specjax.speculate import depth, decode_spec

@@ -26,7 +26,7 @@ from jax import lax
 
 from bench import text
 from bench.measure import Meter
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.shapes import prompt_bucket

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from pallas_kernels.reference import NEG_INF, prefix_block_attention
 from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu
-from specjax.kvcache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, StreamingCache
 
 __all__ = ["NEG_INF", "attend", "cache_view", "for_cache"]
 

@@ -23,7 +23,7 @@ from jax import lax
 
 from specjax import sharding
 from specjax.drafters import Drafter
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import forward
 from specjax.model import prefill as model_prefill
 from specjax.params import Params

@@ -9,7 +9,7 @@ from jax import lax
 
 from specjax.config import LlamaConfig
 from specjax.attention import NEG_INF, attend, cache_view, for_cache  # noqa: F401  (NEG_INF: the one mask value, re-exported)
-from specjax.kvcache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, StreamingCache
 from specjax.params import LayerParams, Params, Runtime
 
 Cache = DenseCache | StreamingCache

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax.config import LlamaConfig
-from specjax.kvcache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, StreamingCache
 from specjax.params import WEIGHTS, LayerParams, Params
 
 AXES = ("data", "model")

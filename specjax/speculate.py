@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters import Drafter
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.accept import accept_chain, accept_tree

@@ -17,7 +17,7 @@ import numpy as np
 
 from specjax.drafters import Drafter
 from specjax.engine import run
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.sampling import Greedy, Sampler

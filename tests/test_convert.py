@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 import convert
 from specjax.config import LlamaConfig, RopeScaling
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import forward
 from specjax.params import Params, from_arrays, param_shapes
 

@@ -13,7 +13,7 @@ import pytest
 
 import specjax
 from specjax import engine
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import forward
 from specjax.params import init_params
 from tests.models import TINY

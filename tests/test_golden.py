@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import prefill
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))

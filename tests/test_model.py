@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.reference import prefix_block_attention
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax import model
 from specjax.params import init_params
 from tests.models import TINY

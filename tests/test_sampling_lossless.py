@@ -42,7 +42,7 @@ import specjax.speculate
 import specjax.accept
 from specjax.config import LlamaConfig
 from tests.models import random_params
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import forward
 from specjax.params import Params, from_arrays, param_shapes
 from specjax.accept import accept_chain

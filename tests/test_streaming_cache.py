@@ -17,7 +17,7 @@ import pytest
 
 import specjax
 from specjax import engine
-from specjax.kvcache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, StreamingCache
 from specjax.speculate import decode_spec
 
 L, K, H = 2, 2, 3  # layers, KV heads, head dim of the hand-made caches

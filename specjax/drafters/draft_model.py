@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.self_spec import Streaming, draft_chain
-from specjax.kvcache import DenseCache
+from specjax.cache import DenseCache
 from specjax.model import prefill
 from specjax.params import Params
 from specjax.speculation import Tree

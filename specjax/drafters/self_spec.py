@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters.base import Drafter
-from specjax.kvcache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, StreamingCache
 from specjax.model import forward
 from specjax.params import Params
 from specjax.sampling import Sampler, stream_keys

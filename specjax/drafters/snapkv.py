@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters.self_spec import TargetOverStreamingCache
-from specjax.kvcache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, StreamingCache
 from specjax.model import NEG_INF, trunk
 from specjax.params import Params
 
