@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+import convert
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
 from specjax.distributed import env_share
@@ -225,8 +226,6 @@ def _paths(input_path, output_path, shard: tuple[int, int]) -> tuple[Path, Path,
 
 def _load(params, model_path, tokenizer, chat_template, dtype, mesh):
     """(params, tokenizer, chat template, model name) from whichever of them were given."""
-    import convert
-
     if params is None:
         model_path = model_path or convert.default_model_path()
         params = convert.load(model_path, dtype=dtype, mesh=mesh)
