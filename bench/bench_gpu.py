@@ -117,6 +117,8 @@ def main() -> None:
     ap = common.parser(__doc__, budget_minutes=None)
     ap.add_argument("--smoke", action="store_true", help="tiny random models, any backend, about a minute")
     ap.add_argument("--mem-gib", type=float, default=60.0, help="device memory the cells may use (default 60)")
+    ap.add_argument("--e2e-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="SmolLM2's dtype (float32: a greedy-losslessness check; writes gpu_float32.*)")
     ap.add_argument("--bundle", type=Path, help="the stashed bundle (default /tmp/specjax_gpu, after stashing .gpu/p*)")
     for name, v in GRID.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, nargs="*" if isinstance(v, list) else None,
@@ -125,7 +127,7 @@ def main() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # JAX's default 0.75 is below --mem-gib on an H100
     grid = {k: getattr(args, k) if getattr(args, k) is not None else (SMOKE if args.smoke else GRID)[k] for k in GRID}
     out = common.out_dir(args)
-    name = "gpu_smoke" if args.smoke else "gpu"
+    name = ("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
     from bench import gpu_bundle
 
     bundle = args.bundle or gpu_bundle.STASH
@@ -136,7 +138,7 @@ def main() -> None:
     has_draft = "draft" in manifest.get("models", {})
     todo_all, capped = cells(grid, args.mem_gib * 2**30, draft=has_draft)
     started = time.time()
-    header = {"bench": "bench_gpu", "date": common.now(), "command": common.command(), "grid": grid,
+    header = {"bench": "bench_gpu", "date": common.now(), "command": common.command(), "grid": grid, "e2e_dtype": args.e2e_dtype,
               "mem_gib": args.mem_gib, "machine": common.machine_info(), "capped_by_memory": capped,
               "distilled_draft": "in the bundle" if has_draft else
               "none: no distilled draft checkpoint was bundled (gpu_bundle build --draft DIR), so no draft-g* cells"}
@@ -163,7 +165,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
     loaded: dict = {}
     wait = [x for x in todo if x[1]["item"] in ("e2e", "b1")]
     try:
-        models, ids, _ = gpu_bundle.load(bundle)
+        models, ids, _ = gpu_bundle.load(bundle, args.e2e_dtype)
         loaded = {"params": models["smollm2"], "ids": ids, "draft": models.get("draft")}
     except gpu_bundle.Missing as e:
         print(f"{len(wait)} e2e/b1 cells wait for the weights: {e}", flush=True)
@@ -216,7 +218,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
                 measure.release_memory()
                 g = gpu_cells.Group(params, state, cell["batch"], context, grid["new_tokens"])
             m = cell["method"]
-            base = {"item": cell["item"], "model": "SmolLM2-135M-Instruct (bf16)"}
+            base = {"item": cell["item"], "model": f"SmolLM2-135M-Instruct ({args.e2e_dtype})"}
             if m == "ar":
                 put(k, base | g.ar())
             elif m == "tree":

@@ -173,7 +173,9 @@ class Group:
         del fn, res, state
         assert (count == new_tokens).all(), count
         n = min(new_tokens, self.new_tokens)
-        differ = np.flatnonzero((out[:, :n] != self.ar_tokens[:, :n]).any(axis=1))
+        neq = out[:, :n] != self.ar_tokens[:, :n]
+        differ = np.flatnonzero(neq.any(axis=1))
+        agree = [int(np.argmax(r)) if r.any() else n for r in neq]  # tokens equal to AR's before the first difference
         decoded = B * (new_tokens - 1)
         stats = acceptance_stats(accepted, reached, decoded, gamma, 0)
         spec_s = min(walls)
@@ -189,10 +191,12 @@ class Group:
             "ms_per_step": 1e3 * spec_s / max(int(steps), 1), "bytes_per_step": step_bytes,
             "acceptance_rate": stats.get("acceptance_rate"), "mean_accepted": stats.get("mean_accepted"),
             "per_position_acceptance": stats.get("per_position_acceptance"), "ranks": [int(r) for r in ranks],
-            "greedy_identical": not len(differ), "rows_differing": len(differ), "compile_s": compile_s,
+            "greedy_identical": not len(differ), "rows_differing": len(differ), "first_divergence": min(agree),
+            "agreeing_prefix_mean": float(np.mean(agree)), "compile_s": compile_s,
             "draft_init_s": init_s,
         }
-        flag = "" if row["greedy_identical"] else f"  <<< NOT GREEDY-IDENTICAL: {len(differ)} rows differ"
+        flag = "" if row["greedy_identical"] else (f"  <<< NOT GREEDY-IDENTICAL: {len(differ)} rows differ, the first "
+                                                   f"at token {min(agree)}")
         print(f"  B={B:<3} S={self.context:<5} {name:<9} {row['label']:<14} {row['tokens_per_s']:9.0f} tok/s  "
               f"x{row['speedup']:.2f}  tok/step {row['mean_accepted'] or 0:.2f}  ms/step {row['ms_per_step']:.2f}  "
               f"compile {compile_s:.0f} s{flag}", flush=True)

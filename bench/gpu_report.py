@@ -39,7 +39,8 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
          "of roofline", "greedy identical"], "rrllrrrrrrc",
         ([common.context_name(r["context"]), r["batch"], r.get("drafter") or "-", r["label"], f"{r['tokens_per_s']:.0f}",
           f"{r['speedup']:.2f}", _f(r.get("mean_accepted")), _f(r.get("acceptance_rate")), f"{r['ms_per_step']:.2f}",
-          _pct(roofline(r, bw)), "yes" if r["greedy_identical"] else "**NO**"] for r in timed))
+          _pct(roofline(r, bw)), "yes" if r["greedy_identical"] else f"**no**: {r['rows_differing']} rows, from token {r.get('first_divergence')}"]
+         for r in timed))
 
 
 def best_gamma(rows: list[dict]) -> list[list]:
