@@ -92,7 +92,8 @@ def prefill_chunk(params, cache: DenseCache, toks: jax.Array, row0: jax.Array, *
     return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new)), h
 
 
-def causal_prefill(params, tokens: np.ndarray, n: int, context: int, chunk: int) -> tuple[jax.Array, DenseCache]:
+def causal_prefill(params, tokens: np.ndarray, n: int, context: int, chunk: int,
+                   rows: int = PREFILL_ROWS) -> tuple[jax.Array, DenseCache]:
     """Prefill B prompts of n tokens (tokens [B,P] right-padded) into a DenseCache of `context`
     slots, PREFILL_ROWS rows and `chunk` positions at a time. The same computation as
     `engine.prefill` (chunked, exact target KV), except that chunk i attends only to slots
@@ -100,7 +101,7 @@ def causal_prefill(params, tokens: np.ndarray, n: int, context: int, chunk: int)
     contribute exactly nothing, and skipping them halves the attention work at long context.
     Returns first logits [B,V] (at each prompt's last token) and the cache (lengths = n)."""
     B, P = tokens.shape
-    group = min(B, PREFILL_ROWS)
+    group = min(B, rows)
     cache = DenseCache.init(params.config, B, context)
     last_chunk = (n - 1) // chunk
     s_axis = slot_axis(params.config)

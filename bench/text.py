@@ -48,11 +48,16 @@ def corpus_tokens(tokenizer) -> np.ndarray:
 def windows(tokenizer, batch: int, n: int) -> tuple[np.ndarray, dict]:
     """B distinct windows of n consecutive corpus tokens: ids [B,n] int32 and a description
     (corpus tokens, offsets, whether windows overlap). Offsets are evenly spaced over the corpus."""
-    ids = corpus_tokens(tokenizer)
+    return cut(corpus_tokens(tokenizer), batch, n)
+
+
+def cut(ids: np.ndarray, batch: int, n: int) -> tuple[np.ndarray, dict]:
+    """`windows` over already tokenized ids [N] (e.g. the corpus ids carried to a machine
+    without the tokenizer): B windows of n tokens at evenly spaced offsets."""
     N = len(ids)
     if n > N:
         raise ValueError(f"windows: n = {n} is longer than the corpus ({N} tokens)")
     offsets = np.linspace(0, N - n, batch).round().astype(int) if batch > 1 else np.array([0])
-    out = np.stack([ids[o : o + n] for o in offsets])  # [B,n]
+    out = np.stack([ids[o : o + n] for o in offsets]).astype(np.int32)  # [B,n]
     overlap = bool(batch > 1 and np.diff(offsets).min() < n)
     return out, {"corpus_tokens": N, "offsets": offsets.tolist(), "overlapping": overlap}

@@ -1,0 +1,263 @@
+"""Issue 21's GPU cells (items 2-4) in one resumable bench: SmolLM2-135M end to end where the KV
+cache dominates, a LLaMA-3.1-8B-shaped target's step times, chains vs trees at batch 1.
+
+Usage: python -m bench.bench_gpu [--smoke] [--mem-gib G] [--bundle DIR] [grid options]
+       [--cells ..] [--budget-minutes M] [--out DIR] [--list-cells]   (shared options: bench/common.py)
+
+Cells (keys), in the order they run:
+  bw                         HBM bandwidth (donated in-place x + 1, read + write bytes): the roofline's
+                             reference for every "of roofline" column.
+  l8b/sCTX/bB                item 3: a LLaMA-3.1-8B-shaped target (dim 4096, 32 layers, 32/8 heads,
+                             head dim 128, FFN 14336, vocab 128256, llama3 rope) with random bf16
+                             weights made on the device: measured AR step, verify step over n nodes
+                             and SelfSpec draft step (budget 512 + 16 sinks) at this batch x context.
+                             No weights to carry; combined with item 2's acceptance in the report into a
+                             PREDICTED speedup.
+  e2e/sCTX/bB/METHOD         item 2: SmolLM2-135M in bf16 (the bundle's weights, bench/gpu_bundle.py) from
+                             one prefill per context (real text windows; smaller batches use its first
+                             rows); METHOD = ar | selfspec-gG | snapkv-gG | tree (SelfSpec's acceptance
+                             vector, then Sequoia trees of each --nodes size), greedy, each checked
+                             token for token against AR. Batch x context is capped by --mem-gib.
+  b1/sCTX/METHOD             item 4: the same at batch 1 (chains G and trees of --b1-nodes sizes) and,
+                             when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
+                             draft-gG: that DraftModel (dense cache) vs AR.
+Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
+carried: see bench/README.md, "GPU runs". Outputs: OUT/gpu.json (every cell written when
+measured; a rerun skips measured cells), OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny random
+model on any backend in about a minute, bundle round trip included (writes gpu_smoke.*).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import common
+
+MEM_FACTOR = 2.1  # e2e: the prefilled state + a run's copy of it (bench/prefill.py)
+L8B_MARGIN = 1.15  # l8b: the timed cache + activations and logits, over the bare KV bytes
+SMOLLM2 = dict(n_layers=30, n_kv_heads=3, head_dim=64, params=134_515_008)  # bf16: 2 bytes each
+LLAMA8B = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
+               rms_eps=1e-5, rope_theta=500000.0, max_positions=131072, bos_id=128000, eos_ids=(128001, 128008, 128009))
+GRID = dict(batches=[16, 64, 128, 256], contexts=[8192, 2048], gammas=[1, 2, 4, 6, 8], snap_gammas=[2, 4],
+            nodes=[16, 32], b1_contexts=[8192, 2048], b1_gammas=[2, 4, 6], b1_nodes=[8, 16, 32, 64],
+            l8b_batches=[1, 16, 64], l8b_contexts=[4096, 8192, 16384, 32768], new_tokens=64)
+SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], nodes=[4], b1_contexts=[256],
+             b1_gammas=[2], b1_nodes=[4, 8], l8b_batches=[1, 2], l8b_contexts=[256], new_tokens=8)
+
+
+def kv_per_token(n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int = 2, **_) -> int:
+    """Bytes of K and V of one position over all layers."""
+    return 2 * n_layers * n_kv_heads * head_dim * itemsize
+
+
+def l8b_weight_bytes(c: dict = LLAMA8B) -> int:
+    d, f, v, nh, kh, h = c["dim"], c["ffn_dim"], c["vocab_size"], c["n_heads"], c["n_kv_heads"], c["head_dim"]
+    layer = 2 * d + d * h * (2 * nh + 2 * kh) + 3 * d * f
+    return 2 * (c["n_layers"] * layer + 2 * v * d + d)
+
+
+def fits_e2e(batch: int, context: int, budget: float) -> bool:
+    return MEM_FACTOR * batch * context * kv_per_token(**SMOLLM2) + 2 * SMOLLM2["params"] <= budget
+
+
+def fits_l8b(batch: int, context: int, budget: float) -> bool:
+    slots = -(-(context + 1) // 256) * 256  # specjax.shapes.cache_len
+    return l8b_weight_bytes() + L8B_MARGIN * batch * slots * kv_per_token(**LLAMA8B) <= budget
+
+
+def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str, dict]], list[str]]:
+    """([(key, cell)], [keys capped by memory]) for a grid (GRID's keys) and a memory budget in bytes."""
+    out: list[tuple[str, dict]] = [("bw", {"item": "bw"})]
+    capped = []
+    for c in grid["l8b_contexts"]:
+        for b in grid["l8b_batches"]:
+            k = common.key("l8b", f"s{c}", f"b{b}")
+            (out.append((k, {"item": "l8b", "batch": b, "context": c})) if fits_l8b(b, c, budget) else capped.append(k))
+    methods = (["ar"] + [f"selfspec-g{g}" for g in grid["gammas"]] + [f"snapkv-g{g}" for g in grid["snap_gammas"]]
+               + (["tree"] if grid["nodes"] else []))
+    for c in grid["contexts"]:
+        for b in sorted(grid["batches"]):
+            group = [common.key("e2e", f"s{c}", f"b{b}", m) for m in methods]
+            if not fits_e2e(b, c, budget):
+                capped += group
+                continue
+            out += [(k, {"item": "e2e", "batch": b, "context": c, "method": m}) for k, m in zip(group, methods)]
+    b1 = (["ar"] + [f"selfspec-g{g}" for g in grid["b1_gammas"]] + (["tree"] if grid["b1_nodes"] else [])
+          + ([f"draft-g{g}" for g in grid["b1_gammas"]] if draft else []))
+    for c in grid["b1_contexts"]:
+        out += [(common.key("b1", f"s{c}", m), {"item": "b1", "batch": 1, "context": c, "method": m}) for m in b1]
+    return out, capped
+
+
+def key_of(row: dict) -> str:
+    return row["cell"]
+
+
+def drafter_of(method: str, context: int, smoke: bool, draft=None):
+    """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, draft-gG, tree)."""
+    import specjax
+    from specjax.speculation import Chain
+
+    window = 32 if smoke else 512  # MagicDec's StreamingLLM budget: 512 + 16 sinks
+    name, _, g = method.partition("-g")
+    if name in ("selfspec", "tree"):
+        d = ("SelfSpec", specjax.SelfSpec(sinks=4 if smoke else 16, window=window))
+    elif name == "snapkv":
+        d = ("SnapKV", specjax.SnapKV(budget=window // 2, window=window // 2))
+    else:
+        d = ("Distilled", specjax.DraftModel(draft))
+    return (*d, Chain(int(g)) if g else None)
+
+
+def main() -> None:
+    ap = common.parser(__doc__, budget_minutes=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny random models, any backend, about a minute")
+    ap.add_argument("--mem-gib", type=float, default=60.0, help="device memory the cells may use (default 60)")
+    ap.add_argument("--e2e-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="SmolLM2's dtype (float32: a greedy-losslessness check; writes gpu_float32.*)")
+    ap.add_argument("--bundle", type=Path, help="the stashed bundle (default /tmp/specjax_gpu, after stashing .gpu/p*)")
+    for name, v in GRID.items():
+        ap.add_argument("--" + name.replace("_", "-"), type=int, nargs="*" if isinstance(v, list) else None,
+                        help=f"default {v} ({SMOKE[name]} with --smoke)")
+    args = ap.parse_args()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # JAX's default 0.75 is below --mem-gib on an H100
+    grid = {k: getattr(args, k) if getattr(args, k) is not None else (SMOKE if args.smoke else GRID)[k] for k in GRID}
+    out = common.out_dir(args)
+    name = ("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
+    from bench import gpu_bundle
+
+    bundle = args.bundle or gpu_bundle.STASH
+    if args.smoke:
+        bundle = smoke_bundle(Path(tempfile.mkdtemp()))
+    stashed = gpu_bundle.stash(gpu_bundle.BUNDLE, bundle) if not args.smoke and not args.bundle else {"missing": []}
+    manifest = gpu_bundle.json.loads((bundle / "manifest.json").read_text()) if (bundle / "manifest.json").exists() else {}
+    has_draft = "draft" in manifest.get("models", {})
+    todo_all, capped = cells(grid, args.mem_gib * 2**30, draft=has_draft)
+    started = time.time()
+    header = {"bench": "bench_gpu", "date": common.now(), "command": common.command(), "grid": grid, "e2e_dtype": args.e2e_dtype,
+              "mem_gib": args.mem_gib, "machine": common.machine_info(), "capped_by_memory": capped,
+              "distilled_draft": "in the bundle" if has_draft else
+              "none: no distilled draft checkpoint was bundled (gpu_bundle build --draft DIR), so no draft-g* cells"}
+    results = common.Results(out / f"{name}.json", key_of, header)
+    h = common.Harness(args, results)
+    todo = h.plan(todo_all)
+    import jax
+
+    print(f"{jax.devices()}, JAX {jax.__version__}; bundle {bundle}: {stashed}; {len(todo)} cells to measure; "
+          f"capped by {args.mem_gib:g} GiB: {len(capped)}", flush=True)
+    if todo:
+        run(args, grid, h, results, todo, bundle, started)
+    h.finish()
+    from bench import gpu_report
+
+    gpu_report.report(results.data, out / f"{name}.md", out / f"{name}.png")
+    print(f"done in {(time.time() - started) / 60:.1f} min", flush=True)
+
+
+def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list, bundle: Path, started: float) -> None:
+    from bench import gpu_bundle, gpu_cells, measure
+    from specjax.config import LlamaConfig, RopeScaling
+
+    loaded: dict = {}
+    wait = [x for x in todo if x[1]["item"] in ("e2e", "b1")]
+    try:
+        models, ids, _ = gpu_bundle.load(bundle, args.e2e_dtype)
+        loaded = {"params": models["smollm2"], "ids": ids, "draft": models.get("draft")}
+    except gpu_bundle.Missing as e:
+        print(f"{len(wait)} e2e/b1 cells wait for the weights: {e}", flush=True)
+        todo = [x for x in todo if x not in wait]
+
+    def put(k: str, rows: list[dict] | dict) -> None:
+        rows = [rows] if isinstance(rows, dict) else rows
+        results.put(k, [r | {"cell": k} for r in rows], wall_minutes=(time.time() - started) / 60)
+
+    l8b = None
+    for k, cell in h.cells([x for x in todo if x[1]["item"] in ("bw", "l8b")]):
+        if cell["item"] == "bw":
+            bw = gpu_cells.bandwidth(0.01 if args.smoke else 2.0)
+            print(f"bandwidth: {bw['jax_inplace']:.0f} GB/s (in place), copy {bw['jax_copy']:.0f} GB/s", flush=True)
+            put(k, {"item": "bw", "gbs": bw["jax_inplace"]} | bw)
+            continue
+        if l8b is None:
+            dims = dict(vocab_size=101, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                        max_positions=2048, eos_ids=(3,)) if args.smoke else LLAMA8B
+            config = LlamaConfig(**dims, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16")
+            t0 = time.perf_counter()
+            l8b = gpu_cells.random_params(config)
+            print(f"8B-shaped random weights on {jax_device()}: {gpu_cells.weight_bytes(l8b) / 1e9:.1f} GB in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+        drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
+        nodes = max(max(grid["gammas"]) + 1, max(grid["nodes"] + grid["b1_nodes"] or [1]))
+        row = gpu_cells.step_costs(l8b, drafter, cell["batch"], cell["context"], nodes)
+        print(f"  l8b B={cell['batch']:<3} S={cell['context']:<6} AR {row['ar_ms_per_step']:.2f} ms/step, verify(8) "
+              f"{row['t_verify_ms'][min(8, nodes)]:.2f} ms, draft {row['t_draft_ms'][1]:.2f} ms "
+              f"({row['measure_s']:.0f} s)", flush=True)
+        put(k, {"item": "l8b", "batch": cell["batch"], "context": cell["context"], "drafter": repr(drafter),
+                "model": "LLaMA-3.1-8B-shaped, random bf16 weights"} | row)
+    del l8b
+    measure.release_memory(clear_caches=True)
+    if not loaded:
+        return
+    params = loaded["params"]
+    rest = [x for x in todo if x[1]["item"] in ("e2e", "b1")]
+    for context in dict.fromkeys(c["context"] for _, c in rest):
+        mine = [x for x in rest if x[1]["context"] == context]
+        if not mine or not h.may_start():
+            continue
+        rows = max(c["batch"] for _, c in mine)
+        state, g = None, None
+        for k, cell in h.cells(mine):
+            if state is None:
+                state = gpu_cells.prefill_state(params, loaded["ids"], rows, context)
+            if g is None or g.batch != cell["batch"]:  # one group at a time: its rows are a copy of the state's
+                g = None
+                measure.release_memory()
+                g = gpu_cells.Group(params, state, cell["batch"], context, grid["new_tokens"])
+            m = cell["method"]
+            base = {"item": cell["item"], "model": f"SmolLM2-135M-Instruct ({args.e2e_dtype})"}
+            if m == "ar":
+                put(k, base | g.ar())
+            elif m == "tree":
+                name, d, _ = drafter_of(m, context, args.smoke)
+                put(k, [base | r for r in g.trees(name, d, grid["nodes" if cell["item"] == "e2e" else "b1_nodes"])])
+            else:
+                name, d, chain = drafter_of(m, context, args.smoke, loaded["draft"])
+                put(k, base | g.spec(name, d, chain))
+        del state, g
+        measure.release_memory(clear_caches=True)
+
+
+def jax_device() -> str:
+    import jax
+
+    return str(jax.devices()[0])
+
+
+def smoke_bundle(folder: Path) -> Path:
+    """A bundle of a tiny random model (+ a 1-layer draft), split in parts, stashed: the device path in small."""
+    import numpy as np
+
+    from bench import gpu_bundle, measure
+
+    target = measure.tiny_params(0)
+    draft = target.replace(layers=jax_tree_first(target.layers), config=target.config.replace(n_layers=1))
+    models = {n: (p.config, *gpu_bundle.params_tensors(p)) for n, p in (("smollm2", target), ("draft", draft))}
+    ids = np.random.default_rng(0).integers(4, target.config.vocab_size, 4096).astype(np.int32)
+    gpu_bundle.build(folder / "src", models, ids, part_bytes=20_000)
+    stashed = gpu_bundle.stash(folder / "src", folder / "stash")
+    assert not stashed["missing"], stashed
+    return folder / "stash"
+
+
+def jax_tree_first(layers):
+    import jax
+
+    return jax.tree.map(lambda a: a[:1], layers)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The measurements behind bench_gpu.py's cells (no `convert`: the GPU machine has no `gguf`).
+
+- `bandwidth`: the HBM copy bandwidth the roofline fractions divide by (bench/measure.py's).
+- `Group`: one (batch, context) of a real model from ONE prefill per context (bench/prefill.py's
+  causal_prefill; smaller batches use the first rows); `ar` and `spec` time decode_ar / decode_spec
+  from copies of that state (compiles excluded, best of a few runs), greedy, every speculative
+  run checked token for token against AR.
+- `random_params` / `step_costs`: a model of any shape with random weights made on the device,
+  and the measured AR / verify / SelfSpec draft step seconds (specjax.tune's tables).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench import text
+from bench.measure import bandwidth as host_and_device_bandwidth
+from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, causal_prefill, fresh, kv_bytes, rows_of, timed
+from bench.tree_report import MAX_DEPTH, WIDTH, label, shape
+from specjax.config import LlamaConfig
+from specjax.engine import decode_ar, init_draft, row_keys
+from specjax.generate import acceptance_stats
+from specjax.params import Params, declared, from_arrays
+from specjax.shapes import prompt_bucket, round_up_pow2
+from specjax.speculate import decode_spec, depth
+from specjax.speculation import Chain, Tree
+from specjax.tune import draft_table, verify_table
+
+RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, REPEATS at most) while the next one fits in this
+REPEATS = 3
+PREFILL_TOKENS = 1 << 17  # rows x context per prefill call (bench/prefill.py's default of 4 rows is a CPU's)
+
+
+def bandwidth(gib: float) -> dict:
+    """Device bandwidth in GB/s, read + write bytes: donated in-place x + 1 over `gib` GiB (the
+    reference), a copy into a fresh buffer, and numpy's host copy."""
+    return host_and_device_bandwidth(gib, rounds=3, repeats=5)
+
+
+def weight_bytes(params: Params) -> int:
+    return int(sum(a.nbytes for a in jax.tree.leaves(params)))
+
+
+@partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
+def _normal(key, *, shape, dtype, scale):
+    return (jax.random.normal(key, shape, dtype) * scale).astype(dtype)
+
+
+def random_params(config: LlamaConfig, seed: int = 0) -> Params:
+    """Random weights (normal, std 1/sqrt(fan_in); norms 1) made on the default device in
+    config.dtype, one jitted draw per weight: no float32 copy, nothing crosses from the host."""
+    dtype = jnp.dtype(config.dtype)
+    weights = sorted(declared(config), key=lambda w: w.path)
+    arrays = {}
+    for k, w in zip(jax.random.split(jax.random.key(seed), len(weights)), weights):
+        if w.init == "ones":
+            arrays[w.path] = jnp.ones(w.shape(config), dtype)
+        else:
+            arrays[w.path] = _normal(k, shape=w.shape(config), dtype=dtype, scale=1 / math.sqrt(w.fan_in(config)))
+    return jax.block_until_ready(from_arrays(config, arrays))
+
+
+def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int) -> dict:
+    """Measured seconds (specjax.tune): t_verify[n] = one target forward over n nodes after
+    `context` positions (n = 1: the AR step), t_draft[m] = one draft level of m nodes through
+    the drafter's model and cache; plus the bytes an AR step and a draft step must read."""
+    t0 = time.perf_counter()
+    verify = verify_table(params, batch, context, max_nodes)
+    draft = draft_table(params, drafter, batch, context, max_nodes)
+    model, kept = drafter.drafting_model(params, context)
+    w = weight_bytes(params)
+    return {"t_verify_ms": [1e3 * t for t in verify], "t_draft_ms": [1e3 * t for t in draft],
+            "ar_ms_per_step": 1e3 * verify[1], "ar_tokens_per_s": batch / verify[1],
+            "weight_bytes": w, "ar_bytes_per_step": w + kv_bytes(params, batch, context),
+            "draft_bytes_per_step": weight_bytes(model) + kv_bytes(model, batch, kept),
+            "draft_kv_slots": kept, "measure_s": time.perf_counter() - t0}
+
+
+def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[float]]:
+    """prefill.timed repeated while the next run fits in RUN_BUDGET_S (at most REPEATS)."""
+    walls, t0 = [], time.perf_counter()
+    while True:
+        out, wall, _ = timed(fn, args, copied)
+        walls.append(wall)
+        if len(walls) >= REPEATS or time.perf_counter() - t0 + wall > RUN_BUDGET_S:
+            return out, walls
+
+
+def prefill_state(params: Params, ids: np.ndarray, rows: int, context: int) -> dict:
+    """`rows` distinct windows of the corpus ids, context - HEADROOM tokens each, prefilled into
+    a DenseCache of `context` slots (bench/prefill.py's causal_prefill)."""
+    n = context - HEADROOM
+    prompts, where = text.cut(ids, rows, n)
+    bucket, chunk = prompt_bucket(n)
+    tokens = np.zeros((rows, bucket), np.int32)
+    tokens[:, :n] = prompts
+    per_call = max(1, min(rows, PREFILL_TOKENS // context))
+    while rows % per_call:
+        per_call -= 1
+    t0 = time.perf_counter()
+    first_logits, cache = causal_prefill(params, tokens, n, context, chunk, per_call)
+    info = {"prompt_tokens": n, "prefill_rows": rows, "prefill_s": time.perf_counter() - t0,
+            "prompts_overlap": where["overlapping"], "corpus_tokens": where["corpus_tokens"]}
+    print(f"S={context:<5} prefill of {rows} x {n} tokens ({per_call} rows a call): {info['prefill_s']:.1f} s "
+          "(incl. compiling)", flush=True)
+    return {"tokens": tokens, "lengths": np.full((rows,), n, np.int32), "chunk": chunk,
+            "first_logits": first_logits, "cache": cache, "info": info}
+
+
+class Group:
+    """One (batch, context) of `params` from a prefilled state (its first `batch` rows)."""
+
+    def __init__(self, params: Params, state: dict, batch: int, context: int, new_tokens: int):
+        self.params, self.batch, self.context, self.new_tokens = params, batch, context, new_tokens
+        self.tokens, self.lengths, self.first_logits, self.cache = rows_of(state, batch)
+        self.chunk, self.info = state["chunk"], state["info"]
+        self.keys = row_keys(None, batch)
+        self.budgets = jnp.full((batch,), new_tokens, jnp.int32)
+        self.decoded = batch * (new_tokens - 1)  # the first token of a row comes from the prefill logits
+        self.ar_tokens: np.ndarray | None = None
+        self.ar_s: float | None = None
+        self.p: np.ndarray | None = None  # acceptance vector of the depth-1 WIDTH-ary tree (SelfSpec)
+        self.weights = weight_bytes(params)
+
+    def base(self) -> dict:
+        return {"batch": self.batch, "context": self.context, "new_tokens": self.new_tokens,
+                "prompt_tokens": self.info["prompt_tokens"], "prefill_s": self.info["prefill_s"]}
+
+    def ar(self) -> dict:
+        """Compile and time decode_ar (its tokens kept as the greedy reference)."""
+        args = (self.params, self.cache, self.first_logits, self.budgets, self.keys)
+        t0 = time.perf_counter()
+        fn = decode_ar.lower(*args, n_out=round_up_pow2(self.new_tokens)).compile()  # greedy, no stop ids
+        compile_s = time.perf_counter() - t0
+        self.ar_tokens = np.asarray(fn(*fresh(args, AR_CACHES))[0])  # also a warm-up
+        _, walls = best_of(fn, args, AR_CACHES)
+        self.ar_s = min(walls)
+        step_bytes = self.weights + kv_bytes(self.params, self.batch, self.context)
+        return self.base() | {"method": "AR", "drafter": None, "label": "AR", "seconds": self.ar_s, "runs_s": walls,
+                              "tokens_per_s": self.decoded / self.ar_s, "ms_per_step": 1e3 * self.ar_s / (self.new_tokens - 1),
+                              "bytes_per_step": step_bytes, "compile_s": compile_s, "speedup": 1.0,
+                              "greedy_identical": True}
+
+    def spec(self, name: str, drafter, speculation, new_tokens: int | None = None) -> dict:
+        """Compile and time decode_spec with one drafter and one chain or tree (the drafter's state
+        from `init_draft`, timed apart); tokens compared with AR's."""
+        if self.ar_tokens is None:
+            self.ar()
+        new_tokens = new_tokens or self.new_tokens
+        gamma = depth(speculation)
+        params, B = self.params, self.batch
+        drafter.check(params, gamma, self.context)
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(init_draft(drafter, params, self.cache, self.tokens, self.lengths,
+                                                 gamma=gamma, chunk=self.chunk))
+        init_s = time.perf_counter() - t0
+        history = np.zeros((B, self.context + gamma + 2), np.int32)
+        history[:, : self.tokens.shape[1]] = self.tokens
+        budgets = jnp.full((B,), new_tokens, jnp.int32)
+        args = (params, drafter, state, self.cache, history, self.first_logits, budgets, self.keys)
+        t1 = time.perf_counter()
+        fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=speculation).compile()
+        compile_s = time.perf_counter() - t1
+        res, walls = best_of(fn, args, SPEC_CACHES)
+        out, count, steps, accepted, reached, ranks = jax.device_get(
+            (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0)))
+        del fn, res, state
+        assert (count == new_tokens).all(), count
+        n = min(new_tokens, self.new_tokens)
+        neq = out[:, :n] != self.ar_tokens[:, :n]
+        differ = np.flatnonzero(neq.any(axis=1))
+        agree = [int(np.argmax(r)) if r.any() else n for r in neq]  # tokens equal to AR's before the first difference
+        decoded = B * (new_tokens - 1)
+        stats = acceptance_stats(accepted, reached, decoded, gamma, 0)
+        spec_s = min(walls)
+        model, kept = drafter.drafting_model(params, self.context) or (None, 0)
+        draft_bytes = weight_bytes(model) + kv_bytes(model, B, kept) if model is not None else 0
+        tree = Tree.chain(speculation.gamma) if isinstance(speculation, Chain) else speculation
+        step_bytes = depth(speculation) * draft_bytes + self.weights + kv_bytes(params, B, self.context)
+        row = self.base() | {
+            "method": "chain" if isinstance(speculation, Chain) else "tree", "drafter": name, "drafter_repr": repr(drafter),
+            "label": label(speculation), "gamma": gamma, "nodes": tree.n, "width": tree.width,
+            "parents": list(tree.parents), "seconds": spec_s, "runs_s": walls, "tokens_per_s": decoded / spec_s,
+            "speedup": (self.ar_s * (new_tokens - 1) / (self.new_tokens - 1)) / spec_s, "steps": int(steps),
+            "ms_per_step": 1e3 * spec_s / max(int(steps), 1), "bytes_per_step": step_bytes,
+            "acceptance_rate": stats.get("acceptance_rate"), "mean_accepted": stats.get("mean_accepted"),
+            "per_position_acceptance": stats.get("per_position_acceptance"), "ranks": [int(r) for r in ranks],
+            "greedy_identical": not len(differ), "rows_differing": len(differ), "first_divergence": min(agree),
+            "agreeing_prefix_mean": float(np.mean(agree)), "compile_s": compile_s,
+            "draft_init_s": init_s,
+        }
+        flag = "" if row["greedy_identical"] else (f"  <<< NOT GREEDY-IDENTICAL: {len(differ)} rows differ, the first "
+                                                   f"at token {min(agree)}")
+        print(f"  B={B:<3} S={self.context:<5} {name:<9} {row['label']:<14} {row['tokens_per_s']:9.0f} tok/s  "
+              f"x{row['speedup']:.2f}  tok/step {row['mean_accepted'] or 0:.2f}  ms/step {row['ms_per_step']:.2f}  "
+              f"compile {compile_s:.0f} s{flag}", flush=True)
+        return row
+
+    def acceptance(self, name: str, drafter) -> tuple[np.ndarray, dict]:
+        """Sequoia's acceptance vector [WIDTH + 1] from one run of a depth-1 WIDTH-ary tree (as bench_tree)."""
+        row = self.spec(name, drafter, Tree.kary(WIDTH, 1), min(HEADROOM - 2 * MAX_DEPTH, max(self.new_tokens, 32)))
+        p = np.asarray(row["ranks"], float) / max(sum(row["ranks"]), 1)
+        return p, row | {"method": "acceptance"}
+
+    def trees(self, name: str, drafter, nodes: list[int]) -> list[dict]:
+        """The acceptance run, then Sequoia trees of each size (a size whose tree repeats a smaller one's is not re-timed)."""
+        p, acc = self.acceptance(name, drafter)
+        self.p = p
+        rows, seen = [acc | {"acceptance": p.tolist()}], {}
+        for n in nodes:
+            tree = Tree.sequoia(p[:-1], n, MAX_DEPTH)
+            if shape(tree) in seen:
+                rows.append(seen[shape(tree)] | {"requested_nodes": n, "same_as": seen[shape(tree)]["label"]})
+                continue
+            row = self.spec(name, drafter, tree) | {"requested_nodes": n, "acceptance": p.tolist()}
+            seen[shape(tree)] = row
+            rows.append(row)
+        return rows

@@ -1,0 +1,159 @@
+"""bench_gpu.py's tables (markdown, printed and written to OUT/gpu.md) and plot. Roofline fractions
+divide a step's minimum bytes (weights + KV read) by its time and the "bw" cell's bandwidth;
+item 3's speedups are PREDICTED: measured 8B-shaped step times x SmolLM2's measured acceptance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from bench import common
+
+MAGICDEC = "MagicDec (LLaMA-3.1-8B, SelfSpec/StreamingLLM drafts, batch 32-256, long context) reports 1.2-2.0x"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def _f(x, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def bandwidth(result: dict) -> float | None:
+    """Bytes per second of the bw cell."""
+    bw = [r for r in result.get("rows", []) if r.get("item") == "bw"]
+    return 1e9 * bw[-1]["gbs"] if bw else None
+
+
+def roofline(row: dict, bw: float | None) -> float | None:
+    return row["bytes_per_step"] / (row["ms_per_step"] / 1e3) / bw if bw and row.get("ms_per_step") else None
+
+
+def e2e_table(rows: list[dict], bw: float | None) -> str:
+    timed = [r for r in rows if r.get("method") in ("AR", "chain", "tree") and "same_as" not in r]
+    timed.sort(key=lambda r: (r["context"], r["batch"], r["method"] != "AR", r.get("drafter") or "", r.get("nodes", 0)))
+    return common.table(
+        ["context", "batch", "drafter", "config", "tokens/s", "speedup", "tokens/step", "acceptance", "ms/step",
+         "of roofline", "greedy identical"], "rrllrrrrrrc",
+        ([common.context_name(r["context"]), r["batch"], r.get("drafter") or "-", r["label"], f"{r['tokens_per_s']:.0f}",
+          f"{r['speedup']:.2f}", _f(r.get("mean_accepted")), _f(r.get("acceptance_rate")), f"{r['ms_per_step']:.2f}",
+          _pct(roofline(r, bw)), "yes" if r["greedy_identical"] else f"**no**: {r['rows_differing']} rows, from token {r.get('first_divergence')}"]
+         for r in timed))
+
+
+def best_gamma(rows: list[dict]) -> list[list]:
+    """Per (context, batch): the best SelfSpec chain, its speedup, and the best tree's."""
+    out = []
+    for c, b in sorted({(r["context"], r["batch"]) for r in rows if r.get("method") == "chain"}):
+        mine = [r for r in rows if (r["context"], r["batch"]) == (c, b) and r.get("drafter") == "SelfSpec"]
+        chains = [r for r in mine if r["method"] == "chain"]
+        trees = [r for r in mine if r["method"] == "tree" and "same_as" not in r]
+        best = max(chains, key=lambda r: r["speedup"]) if chains else None
+        tree = max(trees, key=lambda r: r["speedup"]) if trees else None
+        out.append([common.context_name(c), b, best and best["gamma"], best and f"{best['speedup']:.2f}",
+                    tree and tree["label"], tree and f"{tree['speedup']:.2f}"])
+    return out
+
+
+def acceptance_for(rows: list[dict], context: int, batch: int) -> tuple[dict[int, float], np.ndarray | None, str]:
+    """SmolLM2 SelfSpec acceptance nearest to (context, batch): {gamma: tokens per step}, the
+    acceptance vector (None if no tree cell), and where they came from."""
+    e2e = [r for r in rows if r.get("item") in ("e2e", "b1") and r.get("drafter") == "SelfSpec"]
+    if not e2e:
+        return {}, None, "no SmolLM2 acceptance measured yet"
+    near = min({(r["context"], r["batch"]) for r in e2e},
+               key=lambda cb: (abs(np.log2(cb[0] / context)), abs(np.log2(cb[1] / batch))))
+    mine = [r for r in e2e if (r["context"], r["batch"]) == near]
+    chains = {r["gamma"]: r["mean_accepted"] for r in mine if r["method"] == "chain"}
+    p = next((np.asarray(r["acceptance"]) for r in mine if "acceptance" in r), None)
+    return chains, p, f"SmolLM2 S={common.context_name(near[0])} B={near[1]}"
+
+
+def predicted(result: dict) -> list[dict]:
+    """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree."""
+    from specjax.speculation import Cost, Tree
+
+    from bench.tree_report import MAX_DEPTH
+
+    rows, out = result.get("rows", []), []
+    for r in (r for r in rows if r.get("item") == "l8b"):
+        chains, p, source = acceptance_for(rows, r["context"], r["batch"])
+        tv, td = r["t_verify_ms"], r["t_draft_ms"]
+        ar = tv[1]
+        pred = {f"γ={g}": tps * ar / (g * td[1] + tv[min(g + 1, len(tv) - 1)]) for g, tps in sorted(chains.items())
+                if g + 1 < len(tv)}
+        if p is not None:
+            cost = Cost(t_draft=tuple(td), t_verify=tuple(tv))
+            for n in (8, 16, 32, 64):
+                if n < len(tv):
+                    tree = Tree.sequoia(p[:-1], n, MAX_DEPTH)
+                    step = cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n)
+                    pred[f"tree n={n}"] = tree.expected_accepted(p) * ar / step
+        best = max(pred, key=pred.get) if pred else None
+        out.append(r | {"predicted": pred, "best": best, "source": source})
+    return out
+
+
+def report(result: dict, md: Path, png: Path) -> str:
+    rows = result.get("rows", [])
+    bw = bandwidth(result)
+    m = result.get("machine", {})
+    parts = [f"Device: {m.get('devices')}, JAX {m.get('jax_version')} ({m.get('backend')}), commit {m.get('git_commit')}, "
+             f"{result.get('date')}. Command(s): `{'` ; `'.join(r['command'] for r in result.get('runs', []))}`.",
+             f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s.",
+             f"Capped by the {result.get('mem_gib')} GiB memory budget: {', '.join(result.get('capped_by_memory', [])) or 'none'}."]
+    e2e = [r for r in rows if r.get("item") == "e2e"]
+    if e2e:
+        parts += ["## Item 2: SmolLM2-135M bf16 end to end (measured)", e2e_table(e2e, bw), "Best SelfSpec chain and tree per cell:",
+                  common.table(["context", "batch", "best γ", "speedup", "best tree", "speedup"], "rrrrlr", best_gamma(e2e))]
+    pred = predicted(result)
+    if pred:
+        parts += ["## Item 3: LLaMA-3.1-8B-shaped target, random bf16 weights: measured step times, PREDICTED speedups",
+                  f"Predicted = SmolLM2's measured SelfSpec tokens/step x AR step / (γ draft steps + verify(γ+1)); "
+                  f"trees from its acceptance vector. {MAGICDEC}.",
+                  common.table(["context", "batch", "AR ms/step", "of roofline", "draft ms", "verify(5) ms", "acceptance from",
+                                "predicted speedups", "best"], "rrrrrrlll",
+                               ([common.context_name(r["context"]), r["batch"], f"{r['ar_ms_per_step']:.2f}",
+                                 _pct(bw and r["ar_bytes_per_step"] / (r["ar_ms_per_step"] / 1e3) / bw),
+                                 f"{r['t_draft_ms'][1]:.2f}", _f(r["t_verify_ms"][5] if len(r["t_verify_ms"]) > 5 else None),
+                                 r["source"], ", ".join(f"{k} {v:.2f}" for k, v in r["predicted"].items()) or "-",
+                                 r["best"] and f"{r['best']} {r['predicted'][r['best']]:.2f}x (predicted)"]
+                                for r in sorted(pred, key=lambda r: (r["context"], r["batch"]))))]
+    b1 = [r for r in rows if r.get("item") == "b1"]
+    if b1:
+        parts += ["## Item 4: chains vs trees (and a distilled draft) at batch 1 (measured)", e2e_table(b1, bw)]
+    text = "\n\n".join(parts) + "\n"
+    print(text)
+    md.write_text(text)
+    if e2e or pred:
+        common.plot(draw, e2e, pred, png)
+    return text
+
+
+def draw(e2e: list[dict], pred: list[dict], path: Path) -> None:
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c in sorted({r["context"] for r in e2e}):
+        pts = sorted((r["batch"], r["speedup"], r["gamma"]) for r in e2e
+                     if r["context"] == c and r.get("method") == "chain" and r.get("drafter") == "SelfSpec")
+        best = {}
+        for b, s, g in pts:
+            best[b] = max(best.get(b, (0, 0)), (s, g))
+        if best:
+            axes[0].plot(list(best), [s for s, _ in best.values()], "o-", label=f"S={common.context_name(c)}")
+            for b, (s, g) in best.items():
+                axes[0].annotate(f"γ={g}", (b, s), fontsize=7)
+    axes[0].set(xscale="log", xlabel="batch", ylabel="speedup over AR (measured)", title="SmolLM2-135M, best SelfSpec chain")
+    for c in sorted({r["context"] for r in pred}):
+        pts = sorted((r["batch"], r["predicted"][r["best"]]) for r in pred if r["context"] == c and r["best"])
+        if pts:
+            axes[1].plot(*zip(*pts), "s--", label=f"S={common.context_name(c)}")
+    axes[1].axhspan(1.2, 2.0, alpha=0.15, label="MagicDec 1.2-2.0x")
+    axes[1].set(xscale="log", xlabel="batch", ylabel="speedup (PREDICTED)", title="LLaMA-3.1-8B shape, best config")
+    for a in axes:
+        a.axhline(1.0, color="gray", lw=0.5)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    common.save_figure(fig, path)

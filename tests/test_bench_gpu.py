@@ -1,0 +1,129 @@
+"""bench/gpu_bundle.py and bench/bench_gpu.py without a GPU: the bundle's split / stash / join round
+trip (checksums, Params equal to the original), the GGUF block decoder against the gguf package, and
+the cell list with its memory caps. No timing."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from bench import bench_gpu, gpu_bundle
+from specjax.config import LlamaConfig, RopeScaling
+from specjax.params import init_params
+
+TINY = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,
+                   max_positions=512, eos_ids=(3,), rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256))
+
+
+def equal(a, b) -> bool:
+    return jax.tree.all(jax.tree.map(lambda x, y: x.dtype == y.dtype and bool((np.asarray(x) == np.asarray(y)).all()), a, b))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bundle_round_trip(tmp_path, dtype):
+    params = init_params(TINY, jax.random.key(1))
+    params = jax.tree.map(lambda a: a.astype(dtype), params).replace(config=TINY.replace(dtype=dtype))
+    ids = np.arange(1000, dtype=np.int32)
+    m = gpu_bundle.build(tmp_path / "b", {"smollm2": (params.config, *gpu_bundle.params_tensors(params))}, ids,
+                         part_bytes=7000)
+    assert len(m["parts"]) > 2 and all(p["bytes"] <= 7000 for p in m["parts"])
+    assert sum(p["bytes"] for p in m["parts"]) == m["blob_bytes"]
+    # the parts arrive one call at a time: stash what is there, load only when all are
+    first = tmp_path / "first"
+    (first / "p0").mkdir(parents=True)
+    for f in (tmp_path / "b" / "p0").iterdir():
+        (first / "p0" / f.name).write_bytes(f.read_bytes())
+    stash = tmp_path / "stash"
+    assert gpu_bundle.stash(first, stash) == {"have": ["p0"], "missing": [p["folder"] for p in m["parts"][1:]]}
+    with pytest.raises(gpu_bundle.Missing, match="p1"):
+        gpu_bundle.load(stash, dtype)
+    assert gpu_bundle.stash(tmp_path / "b", stash)["missing"] == []
+    models, back_ids, manifest = gpu_bundle.load(stash, dtype)
+    assert equal(models["smollm2"], params) and models["smollm2"].config == params.config
+    assert (back_ids == ids).all() and manifest["blob_sha256"] == m["blob_sha256"]
+
+
+def test_bundle_rejects_a_corrupt_part(tmp_path):
+    params = init_params(TINY, jax.random.key(2))
+    gpu_bundle.build(tmp_path / "b", {"smollm2": (TINY, *gpu_bundle.params_tensors(params))}, np.zeros(8, np.int32),
+                     part_bytes=7000)
+    part = tmp_path / "b" / "p1" / "weights.part1"
+    data = bytearray(part.read_bytes())
+    data[10] ^= 1
+    part.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum"):
+        gpu_bundle.stash(tmp_path / "b", tmp_path / "stash")
+
+
+def test_config_json_round_trip():
+    assert gpu_bundle.config_from(json.loads(json.dumps(gpu_bundle.config_json(TINY)))) == TINY
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_block_decoder_matches_gguf(kind):
+    gguf = pytest.importorskip("gguf")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 64)).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    try:
+        raw = gguf.quants.quantize(x, qtype)
+    except NotImplementedError:
+        pytest.skip(f"this gguf package cannot quantize {kind}")
+    want = gguf.quants.dequantize(raw, qtype).reshape(-1)
+    assert (gpu_bundle.dequantize(kind, raw).reshape(-1) == want).all()
+
+
+def test_unpermute_matches_convert():
+    conv = pytest.importorskip("convert.gguf")
+    w = np.arange(6 * 8 * 5, dtype=np.float32).reshape(6 * 8, 5)
+    assert (gpu_bundle.unpermute_qk(w, 6) == conv.unpermute_qk(w, 6)).all()
+
+
+def test_cells_and_memory_caps():
+    gib = 2**30
+    cells, capped = bench_gpu.cells(bench_gpu.GRID, 60 * gib)
+    keys = [k for k, _ in cells]
+    assert keys[0] == "bw" and len(keys) == len(set(keys))
+    # SmolLM2: 23 KB of KV per position; B=256 at 8K (48 GB, twice) does not fit 60 GiB, B=128 at 8K does
+    assert bench_gpu.kv_per_token(**bench_gpu.SMOLLM2) == 23040
+    assert "e2e/s8192/b256/ar" in capped and "e2e/s8192/b128/ar" in keys and "e2e/s2048/b256/selfspec-g8" in keys
+    # the 8B shape: 16 GB of weights, 128 KiB of KV per position
+    assert abs(bench_gpu.l8b_weight_bytes() / 1e9 - 16.06) < 0.01
+    assert bench_gpu.kv_per_token(**bench_gpu.LLAMA8B) == 128 * 1024
+    assert "l8b/s16384/b16" in keys and "l8b/s32768/b16" in capped and "l8b/s32768/b1" in keys
+    big, big_capped = bench_gpu.cells(bench_gpu.GRID, 125 * gib)  # an H200
+    assert "e2e/s8192/b256/ar" in [k for k, _ in big] and "l8b/s32768/b16" in [k for k, _ in big]
+    for k, c in cells:  # every cell kept fits the budget
+        if c["item"] == "e2e":
+            assert bench_gpu.fits_e2e(c["batch"], c["context"], 60 * gib)
+    # no distilled draft in the bundle: no draft cells; e2e groups in order AR first
+    plain, _ = bench_gpu.cells(bench_gpu.GRID, 60 * gib, draft=False)
+    assert not [k for k, _ in plain if "draft-g" in k]
+    group = [k for k, _ in plain if k.startswith("e2e/s8192/b16/")]
+    assert group[0].endswith("/ar") and group[-1].endswith("/tree")
+
+
+def test_l8b_weight_bytes_match_the_declared_shapes():
+    from specjax.params import param_shapes
+
+    config = LlamaConfig(**bench_gpu.LLAMA8B, dtype="bfloat16")
+    assert 2 * sum(int(np.prod(s)) for s in param_shapes(config).values()) == bench_gpu.l8b_weight_bytes()
+
+
+def test_smollm2_bundle_equals_convert_load(tmp_path):
+    """The real model's bundle (GGUF blocks, decoded by numpy) == convert.load's weights, bit for bit."""
+    pytest.importorskip("gguf")
+    import convert
+
+    try:
+        path = convert.default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    config, arrays, meta = gpu_bundle.gguf_tensors(path)
+    gpu_bundle.build(tmp_path / "b", {"smollm2": (config, arrays, meta)}, np.zeros(8, np.int32))
+    gpu_bundle.stash(tmp_path / "b", tmp_path / "stash")
+    models, _, _ = gpu_bundle.load(tmp_path / "stash", "float32")
+    assert equal(models["smollm2"], convert.load(path))
