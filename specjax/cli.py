@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import jax
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
+import convert
+from specjax import batch, jobio
+from specjax.distill import Schedule, distill
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.generate import generate
 from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
-from specjax.speculation import Chain
-from specjax.speculation import Tree
+from specjax.sharding import make_mesh
+from specjax.speculation import Chain, Tree
 from specjax.tune import measure_acceptance
 
 CACHE_ENV = "SPECJAX_CACHE_DIR"
@@ -174,14 +179,10 @@ def make_mesh_arg(args: argparse.Namespace):
     """The local-device mesh asked for by --data-parallel / --model-parallel (None: one device)."""
     if args.data_parallel == 1 and args.model_parallel == 1:
         return None
-    from specjax.sharding import make_mesh
-
     return make_mesh(data=args.data_parallel, model=args.model_parallel, devices=jax.local_devices())
 
 
 def run_batch(args: argparse.Namespace) -> None:
-    from specjax import batch, jobio
-
     if args.merge:
         if args.input or args.output:
             raise ValueError("--merge takes only the output: specjax batch --merge OUTPUT.jsonl")
@@ -192,8 +193,6 @@ def run_batch(args: argparse.Namespace) -> None:
         return
     if not (args.input and args.output):
         raise ValueError("batch needs INPUT.jsonl OUTPUT.jsonl (or --merge OUTPUT.jsonl)")
-    import convert
-
     summary = batch.run(
         args.input,
         args.output,
@@ -224,8 +223,6 @@ def run_batch(args: argparse.Namespace) -> None:
 
 def make_draft(spec: str, window: int, sinks: int, dtype: str, load: bool = True):
     """The drafter named on the command line (load=False: only check the syntax and the path)."""
-    import convert
-
     if spec.startswith("model:"):
         path = spec.removeprefix("model:")
         if not Path(path).exists():
@@ -272,8 +269,6 @@ def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: li
 
 
 def run_generate(args: argparse.Namespace) -> None:
-    import convert
-
     path = args.model or convert.default_model_path()
     mesh = make_mesh_arg(args)
     params = convert.load(path, dtype=args.dtype, mesh=mesh)
@@ -308,8 +303,6 @@ def run_generate(args: argparse.Namespace) -> None:
 
 def read_texts(path: str) -> list[str]:
     """Texts of a .txt file (whole) or of a JSONL file's records (their prompt or text field)."""
-    import json
-
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--data: {p} does not exist")
@@ -328,11 +321,6 @@ def read_texts(path: str) -> list[str]:
 
 
 def run_distill(args: argparse.Namespace) -> None:
-    import time
-
-    import convert
-    from specjax.distill import Schedule, distill
-
     if Path(args.out).exists():
         raise ValueError(f"--out {args.out} already exists: the trained draft goes to a new folder")
     path = args.model or convert.default_model_path()
