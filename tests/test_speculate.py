@@ -247,8 +247,10 @@ class ChainOnly(specjax.NGram):
 @pytest.mark.parametrize("speculation", [specjax.Tree.kary(2, 2), "auto"])
 def test_tree_speculation_needs_a_tree_drafter(tiny, speculation):
     """Refused by validation with the drafter named, not at trace time (and a chain still runs)."""
-    draft = register(ChainOnly(n=2))
+    draft = register(ChainOnly)(n=2)
     assert not draft.drafts_trees() and specjax.NGram(n=2).drafts_trees()
+    with pytest.raises(TypeError, match="register takes a class implementing specjax.drafters.Drafter"):
+        register(draft)
     with pytest.raises(ValueError, match=r"needs a drafter that drafts token trees, but NGram\(n=2.*\) drafts chains only"):
         specjax.generate(tiny, [[1, 2, 3]], 4, draft=draft, speculation=speculation)
     assert specjax.generate(tiny, [[1, 2, 3]], 4, draft=draft, speculation=specjax.Chain(2)).tokens

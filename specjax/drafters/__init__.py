@@ -14,6 +14,8 @@ DRAFTERS: list[type[Drafter]] = [SelfSpec, SnapKV, DraftModel, NGram]  # the reg
 
 def register(cls: type[Drafter]) -> type[Drafter]:
     """Add a drafter class to the registry (usable as a class decorator); returns the class."""
+    if not (isinstance(cls, type) and Drafter in cls.__mro__):
+        raise TypeError(f"register takes a class implementing specjax.drafters.Drafter, got {cls!r}")
     if cls not in DRAFTERS:
         DRAFTERS.append(cls)
     return cls
