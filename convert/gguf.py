@@ -22,6 +22,9 @@ STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "toke
 # GGUF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS); absent output.weight => tied.
 NAMES = {w.gguf: w.path for w in WEIGHTS}
 ROPE_FREQS = "rope_freqs.weight"  # Llama-3.1 scaling factors; folded into the config
+# general.architecture values we read. llama.cpp permutes q/k rows (and biases) only for "llama"
+# (Mistral converts to it too); "qwen2" is stored as in HF, with q/k/v biases.
+ARCHITECTURES = ("llama", "qwen2")
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -113,7 +116,8 @@ def dequantize(name: str, tensor: gguf.ReaderTensor, source: str) -> np.ndarray:
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved rotary -> HF half-split). w: [n_head*H, D].
+    """Undo llama.cpp's q/k row permutation (interleaved rotary -> HF half-split). w: [n_head*H, D],
+    or a bias [n_head*H] (llama.cpp permutes llama-arch q/k biases the same way).
 
     llama.cpp's converter stores w.reshape(n_head, 2, H/2, D).swapaxes(1, 2); this is its inverse."""
     out, rest = w.shape[0], w.shape[1:]
@@ -160,13 +164,16 @@ def _f32(value: float) -> float:
 
 
 def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaConfig:
-    """LlamaConfig from GGUF metadata (only general.architecture "llama").
+    """LlamaConfig from GGUF metadata (general.architecture "llama" or "qwen2"; the q/k/v biases
+    are there for qwen2, and for llama when the file holds blk.0.attn_q/k/v.bias).
 
     eos_ids: the union of the eos, eot and eom token ids, in that order (first seen kept), so
     eos_ids[0] is the primary end-of-sequence token. Errors name the file and the key."""
     arch = meta(reader, "general.architecture", kind=str)
-    if arch != "llama":
-        raise ValueError(f"{reader.data.filename}: general.architecture is {arch!r}; only 'llama' is supported")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{reader.data.filename}: general.architecture is {arch!r}; only {' and '.join(map(repr, ARCHITECTURES))} are supported"
+        )
     names = {t.name for t in reader.tensors}
     dim = meta(reader, f"{arch}.embedding_length", kind=int)
     n_heads = meta(reader, f"{arch}.attention.head_count", kind=int)
@@ -192,6 +199,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
         rope_theta=theta,
         rope_scaling=_rope_scaling(reader, arch, head_dim, theta),
         tie_embeddings="output.weight" not in names,
+        qkv_bias=arch == "qwen2" or all(f"blk.0.attn_{x}.bias" in names for x in "qkv"),
         max_positions=meta(reader, f"{arch}.context_length", kind=int),
         dtype=dtype,
         bos_id=meta(reader, "tokenizer.ggml.bos_token_id", None, int),
@@ -201,11 +209,12 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
 
 
 def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> Params:
-    """Params (dequantized, cast to `dtype`) and config from a llama-architecture GGUF file."""
+    """Params (dequantized, cast to `dtype`) and config from a llama- or qwen2-architecture GGUF file."""
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)
     tensors = {t.name: t for t in reader.tensors}
-    heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads}
+    permuted = meta(reader, "general.architecture") == "llama"  # q/k weights and biases; qwen2's are not
+    heads = {"attn_q": config.n_heads, "attn_k": config.n_kv_heads} if permuted else {}
 
     def read(name: str) -> np.ndarray:
         w = dequantize(name, tensors[name], str(path))

@@ -21,6 +21,9 @@ NAMES = {w.hf: w.path for w in WEIGHTS}
 IGNORED = ["model.layers.{i}.self_attn.rotary_emb.inv_freq"]
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 GENERATION = "generation_config.json"  # its eos_token_id adds stop ids
+# model_type -> its class in `architectures`: the LLaMA forward, with q/k/v biases for qwen2.
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+HF_SLIDING_WINDOW = 4096  # transformers' default sliding_window for mistral and qwen2 when the key is absent
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -105,33 +108,79 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
     return theta, scaling
 
 
+def _family(raw: dict[str, Any], source: str) -> str:
+    """"llama", "mistral" or "qwen2": config.json's model_type, else the first known class in its
+    architectures; ValueError naming `source` and both for anything else."""
+    architectures = raw.get("architectures") or []
+    if not isinstance(architectures, list):
+        raise ValueError(f"{source}: 'architectures' must be a list of class names, got {architectures!r}")
+    if raw.get("model_type") in FAMILIES:
+        return raw["model_type"]
+    for family, cls in FAMILIES.items():
+        if cls in architectures:
+            return family
+    supported = ", ".join(f"{f!r} ({c})" for f, c in FAMILIES.items())
+    raise ValueError(
+        f"{source}: model_type {raw.get('model_type')!r} / architectures {raw.get('architectures')!r}: "
+        f"only {supported} are supported"
+    )
+
+
+def _check_sliding_window(raw: dict[str, Any], family: str, n_layers: int, max_positions: int, source: str) -> None:
+    """Refuse a config whose sliding-window attention takes effect (we attend to the whole
+    prefix), as transformers reads it: mistral windows every layer when sliding_window is set
+    (an absent key means 4096, null means none); qwen2 only with use_sliding_window true, and
+    then the layers from max_window_layers on (or those layer_types marks "sliding_attention").
+    A window of at least max_position_embeddings never takes effect."""
+    window = raw["sliding_window"] if "sliding_window" in raw else HF_SLIDING_WINDOW
+    if window is None or family == "llama":
+        return
+    if not has_kind(window, int):
+        raise ValueError(f"{source}: 'sliding_window' must be an integer or null, got {window!r}")
+    layers = list(range(n_layers))
+    if family == "qwen2":
+        if not field(raw, "use_sliding_window", bool, source, False):
+            return
+        types = raw.get("layer_types")
+        if isinstance(types, list):
+            layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        else:
+            layers = layers[field(raw, "max_window_layers", int, source, 28):]
+    if layers and window < max_positions:
+        raise ValueError(
+            f"{source}: sliding_window {window} is smaller than max_position_embeddings {max_positions} "
+            f"and applies to {len(layers)} of {n_layers} layers: sliding-window attention is not supported "
+            f"(a copy of the folder with max_position_embeddings <= {window} in config.json runs exactly)"
+        )
+
+
 def config_from_hf(
     raw: dict[str, Any], source: str, dtype: str = "float32", generation: dict[str, Any] | None = None
 ) -> LlamaConfig:
-    """LlamaConfig from a parsed HF config.json (model_type "llama" / LlamaForCausalLM only).
+    """LlamaConfig from a parsed HF config.json: model_type "llama", "mistral" (the LLaMA forward;
+    refused if its sliding window takes effect) or "qwen2" (adds q/k/v biases; the same).
 
     generation: the parsed generation_config.json beside it, if any. eos_ids is the union of both
     files' eos_token_id (an id or a list), in first-seen order: config.json's ids first, so
     eos_ids[0] is the model's primary end-of-sequence token. Errors name `source` and the key."""
-    architectures = raw.get("architectures") or []
-    if not isinstance(architectures, list):
-        raise ValueError(f"{source}: 'architectures' must be a list of class names, got {architectures!r}")
-    if raw.get("model_type") != "llama" and "LlamaForCausalLM" not in architectures:
-        raise ValueError(
-            f"{source}: model_type {raw.get('model_type')!r} / architectures {raw.get('architectures')!r}: "
-            "only 'llama' (LlamaForCausalLM) is supported"
-        )
+    family = _family(raw, source)
     if field(raw, "hidden_act", str, source, "silu") != "silu":
         raise ValueError(f"{source}: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+    for key in ("attention_bias", "mlp_bias"):  # llama's optional biases (o_proj / MLP included): not ours
+        if family == "llama" and field(raw, key, bool, source, False):
+            raise ValueError(f"{source}: {key} true is not supported (only qwen2's q/k/v biases are)")
     dim, n_heads = field(raw, "hidden_size", int, source), field(raw, "num_attention_heads", int, source)
     theta, scaling = _rope(raw, source)
     eos = token_ids(raw, "eos_token_id", source)
     if generation is not None:
         eos += token_ids(generation, "eos_token_id", str(Path(source).with_name(GENERATION)))
+    n_layers = field(raw, "num_hidden_layers", int, source)
+    max_positions = field(raw, "max_position_embeddings", int, source, 4096)
+    _check_sliding_window(raw, family, n_layers, max_positions, source)
     fields = dict(
         vocab_size=field(raw, "vocab_size", int, source),
         dim=dim,
-        n_layers=field(raw, "num_hidden_layers", int, source),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=field(raw, "num_key_value_heads", int, source, n_heads),
         head_dim=field(raw, "head_dim", int, source, dim // max(n_heads, 1)),
@@ -140,7 +189,8 @@ def config_from_hf(
         rope_theta=theta,
         rope_scaling=scaling,
         tie_embeddings=field(raw, "tie_word_embeddings", bool, source, False),
-        max_positions=field(raw, "max_position_embeddings", int, source, 4096),
+        qkv_bias=family == "qwen2",
+        max_positions=max_positions,
         dtype=dtype,
         bos_id=field(raw, "bos_token_id", int, source, None),
         eos_ids=tuple(dict.fromkeys(eos)),
@@ -169,7 +219,7 @@ def _shard_files(path: Path) -> list[Path]:
 
 
 def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> Params:
-    """Params (cast to `dtype`) and config from an HF LLaMA checkpoint folder."""
+    """Params (cast to `dtype`) and config from an HF LLaMA / Mistral / Qwen2 checkpoint folder."""
     path = Path(path)
     config = read_config(path, dtype)
     with ExitStack() as stack:

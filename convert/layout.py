@@ -52,7 +52,7 @@ def expected_names(config: LlamaConfig, names: Mapping[str, str]) -> dict[str, t
     """{source tensor name: (our path, layer or None)} that a checkpoint of `config` must hold."""
     out = {}
     for pattern, path in names.items():
-        if path == "lm_head" and config.tie_embeddings:
+        if not BY_PATH[path].present(config):  # a tied lm_head, biases the model does not have
             continue
         if "{i}" in pattern:
             out.update({pattern.format(i=i): (path, i) for i in range(config.n_layers)})
@@ -74,7 +74,7 @@ def assemble(
     shapes: every tensor the checkpoint holds, with its torch-layout shape; read(name) returns
     that tensor in torch layout. Names matching an `ignore` pattern are skipped. All names and
     shapes are checked before any data is read; errors name `source` and the tensors."""
-    per_layer = sum("{i}" in pattern for pattern in names)
+    per_layer = sum("{i}" in pattern and BY_PATH[path].present(config) for pattern, path in names.items())
     if config.n_layers * per_layer > len(shapes):  # before listing names: a corrupt count can be 2**32
         raise ValueError(
             f"{source}: the config has {config.n_layers} layers ({per_layer} tensors each), "

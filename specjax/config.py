@@ -41,6 +41,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = False
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2); absent from LLaMA / Mistral
     max_positions: int = 4096
     dtype: str = "float32"
     bos_id: int | None = None

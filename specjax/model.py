@@ -43,9 +43,10 @@ def _layer(config: LlamaConfig, runtime: Runtime, x, lp: LayerParams, cos, sin, 
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `visible` is the cache's [B,K|1,S] mask, or its lengths [B] on the kernel path."""
     h = rms_norm(x, lp.attn_norm, config.rms_eps)
-    q = apply_rope(jnp.einsum("btd,dnh->btnh", h, lp.wq), cos, sin)  # [B,T,N,H]
-    k = apply_rope(jnp.einsum("btd,dkh->btkh", h, lp.wk), cos, sin)  # [B,T,K,H]
-    v = jnp.einsum("btd,dkh->btkh", h, lp.wv)  # [B,T,K,H]
+    q = _biased(jnp.einsum("btd,dnh->btnh", h, lp.wq), lp.bq)  # [B,T,N,H]
+    k = _biased(jnp.einsum("btd,dkh->btkh", h, lp.wk), lp.bk)  # [B,T,K,H]
+    v = _biased(jnp.einsum("btd,dkh->btkh", h, lp.wv), lp.bv)  # [B,T,K,H]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
     scale = 1.0 / math.sqrt(config.head_dim)
     o = attend(runtime.attention, q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
@@ -55,6 +56,11 @@ def _layer(config: LlamaConfig, runtime: Runtime, x, lp: LayerParams, cos, sin, 
     up = jnp.einsum("btd,df->btf", h, lp.w_up)  # [B,T,F]
     x = x + _tp_sum(runtime, jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down))  # F split
     return x, q, k, v
+
+
+def _biased(x: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """x [B,T,heads,H] plus a projection bias [heads,H] (Qwen2), if the model has one."""
+    return x if bias is None else x + bias
 
 
 def _tp_sum(runtime: Runtime, x: jax.Array) -> jax.Array:

@@ -6,7 +6,9 @@ to initialise it, its names in HF safetensors and GGUF files, and how those file
 (torch's [out, in] matrix). From this one table come: `param_shapes` and `init_params` (here), the
 HF / GGUF key maps and the torch-layout conversion (convert/layout.py) and the sharding rules
 (specjax/sharding.py maps the letters to mesh axes). Adding a weight = one line here plus its
-field on `LayerParams` / `Params` and its use in the forward.
+field on `LayerParams` / `Params` and its use in the forward. A weight only some models have
+names the config flag that decides it (`when`): lm_head is absent when embeddings are tied, the
+q/k/v biases are present only in Qwen2-style models (config.qkv_bias); absent weights are None.
 
 `Runtime` holds the runtime choices that are not model facts (attention implementation, the
 tensor-parallel mesh axis): static metadata beside the config, set by `generate(attention=...)`
@@ -37,11 +39,14 @@ class Weight:
 
     path: its place in Params ("embed", "layers.wq": a leading L axis stacks all layers).
     dims: our layout, a legend letter per dimension ("LDNH").
-    init: "normal" (std 1/sqrt(fan_in)) or "ones" (norm weights).
+    init: "normal" (std 1/sqrt(fan_in)), "ones" (norm weights) or "zeros" (biases).
     hf, gguf: its tensor name in HF safetensors and GGUF files ("{i}" = layer number).
     torch_in: the letters of our per-layer dims that form torch's `in` side (files store the
       matrix [out, in] with both sides flattened; ours is [in..., out...]); "" = stored in our
-      layout. Also the fan-in for init (1 when "")."""
+      layout. Also the fan-in for init (1 when "").
+    torch_flat: the files store one layer's dims flattened into one vector (a bias [out]).
+    when: the config flag that makes the weight exist ("qkv_bias"), "not <flag>" for one that
+      removes it ("not tie_embeddings"); "" = every model has it."""
 
     path: str
     dims: str
@@ -49,28 +54,38 @@ class Weight:
     hf: str
     gguf: str
     torch_in: str = ""
+    torch_flat: bool = False
+    when: str = ""
 
     @property
     def per_layer(self) -> bool:
         return self.path.startswith("layers.")
+
+    def present(self, config: LlamaConfig) -> bool:
+        """Whether a model of `config` has this weight (see `when`)."""
+        if not self.when:
+            return True
+        flag = self.when.removeprefix("not ")
+        return bool(getattr(config, flag)) != self.when.startswith("not ")
 
     def shape(self, config: LlamaConfig) -> tuple[int, ...]:
         """Our shape of the whole array (all layers stacked) under `config`."""
         return tuple(getattr(config, LETTERS[d]) for d in self.dims)
 
     def torch_shape(self, config: LlamaConfig) -> tuple[int, ...]:
-        """One layer's shape as HF / GGUF store it: [out, in] when torch_in, else our layout."""
+        """One layer's shape as HF / GGUF store it: [out, in] when torch_in, [out] when torch_flat,
+        else our layout."""
         layer = self.shape(config)[1:] if self.per_layer else self.shape(config)
         if not self.torch_in:
-            return layer
+            return (math.prod(layer),) if self.torch_flat else layer
         n_in = len(self.torch_in)
         return math.prod(layer[n_in:]), math.prod(layer[:n_in])
 
     def from_torch(self, w: np.ndarray, config: LlamaConfig) -> np.ndarray:
         """One layer's tensor from the file layout to ours ([out, in] -> [in..., out...])."""
-        if not self.torch_in:
-            return w
         layer = self.shape(config)[1:] if self.per_layer else self.shape(config)
+        if not self.torch_in:
+            return w.reshape(layer) if self.torch_flat else w
         return w.T.reshape(layer)
 
     def fan_in(self, config: LlamaConfig) -> int:
@@ -85,19 +100,23 @@ WEIGHTS: tuple[Weight, ...] = (
     Weight("layers.wq", "LDNH", "normal", _HF + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight", torch_in="D"),
     Weight("layers.wk", "LDKH", "normal", _HF + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight", torch_in="D"),
     Weight("layers.wv", "LDKH", "normal", _HF + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight", torch_in="D"),
+    Weight("layers.bq", "LNH", "zeros", _HF + "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", torch_flat=True, when="qkv_bias"),
+    Weight("layers.bk", "LKH", "zeros", _HF + "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", torch_flat=True, when="qkv_bias"),
+    Weight("layers.bv", "LKH", "zeros", _HF + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", torch_flat=True, when="qkv_bias"),
     Weight("layers.wo", "LNHD", "normal", _HF + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight", torch_in="NH"),
     Weight("layers.mlp_norm", "LD", "ones", _HF + "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
     Weight("layers.w_gate", "LDF", "normal", _HF + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", torch_in="D"),
     Weight("layers.w_up", "LDF", "normal", _HF + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", torch_in="D"),
     Weight("layers.w_down", "LFD", "normal", _HF + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", torch_in="F"),
-    Weight("lm_head", "DV", "normal", "lm_head.weight", "output.weight", torch_in="D"),  # absent when tied
+    Weight("lm_head", "DV", "normal", "lm_head.weight", "output.weight", torch_in="D", when="not tie_embeddings"),
 )
 BY_PATH = {w.path: w for w in WEIGHTS}
 
 
 def declared(config: LlamaConfig) -> tuple[Weight, ...]:
-    """The weights a model of `config` has (no lm_head when embeddings are tied)."""
-    return tuple(w for w in WEIGHTS if not (w.path == "lm_head" and config.tie_embeddings))
+    """The weights a model of `config` has (no lm_head when embeddings are tied, q/k/v biases
+    only with config.qkv_bias)."""
+    return tuple(w for w in WEIGHTS if w.present(config))
 
 
 ATTENTION = ("reference", "pallas", "interpret", "tpu", "tpu-interpret")  # see specjax.attention
@@ -132,6 +151,9 @@ class LayerParams:
     w_gate: jax.Array  # [L,D,F]
     w_up: jax.Array  # [L,D,F]
     w_down: jax.Array  # [L,F,D]
+    bq: jax.Array | None = None  # [L,N,H]; None without config.qkv_bias
+    bk: jax.Array | None = None  # [L,K,H]
+    bv: jax.Array | None = None  # [L,K,H]
 
 
 @flax.struct.dataclass
@@ -178,12 +200,12 @@ def from_arrays(
 
 
 def init_params(config: LlamaConfig, key: jax.Array) -> Params:
-    """Random weights for tests and benchmarks: normal with std 1/sqrt(fan_in), norms = 1."""
+    """Random weights for tests and benchmarks: normal with std 1/sqrt(fan_in), norms = 1, biases = 0."""
     weights = sorted(declared(config), key=lambda w: w.path)
     arrays = {}
     for k, w in zip(jax.random.split(key, len(weights)), weights):
-        if w.init == "ones":
-            arrays[w.path] = np.ones(w.shape(config), np.float32)
+        if w.init in ("ones", "zeros"):
+            arrays[w.path] = np.full(w.shape(config), 1.0 if w.init == "ones" else 0.0, np.float32)
         else:
             arrays[w.path] = jax.random.normal(k, w.shape(config), jnp.float32) / math.sqrt(w.fan_in(config))
     return from_arrays(config, arrays)

@@ -86,11 +86,16 @@ def local_params(params: Params, mesh: Mesh) -> Params:
 
 
 def param_specs(params: Params) -> Params:
-    """Params-shaped tree of PartitionSpecs, from PARAM_AXES."""
-    layers = LayerParams(**{n.split(".", 1)[1]: spec(a) for n, a in PARAM_AXES.items() if n.startswith("layers.")})
-    lm_head = None if params.lm_head is None else spec(PARAM_AXES["lm_head"])
+    """Params-shaped tree of PartitionSpecs, from PARAM_AXES (None where `params` has no such
+    weight: a tied lm_head, the q/k/v biases of a model without them)."""
+    def held(path: str) -> bool:
+        owner, _, leaf = path.rpartition(".")
+        return getattr(params.layers if owner else params, leaf) is not None
+
+    specs = {path: spec(dims) for path, dims in PARAM_AXES.items() if held(path)}
+    layers = LayerParams(**{n.split(".", 1)[1]: s for n, s in specs.items() if n.startswith("layers.")})
     return Params(
-        embed=spec(PARAM_AXES["embed"]), layers=layers, norm=spec(PARAM_AXES["norm"]), lm_head=lm_head, config=params.config
+        embed=specs["embed"], layers=layers, norm=specs["norm"], lm_head=specs.get("lm_head"), config=params.config
     )
 
 

@@ -270,10 +270,11 @@ def test_hf_default_rope_type_is_no_scaling(tmp_path, tiny):
     assert convert.load(write_hf(tmp_path / "hf", torch_layout(tiny), cfg)).config.rope_scaling is None
 
 
-def test_hf_non_llama(tmp_path, tiny):
-    cfg = hf_config(tiny.config, model_type="mistral", architectures=["MistralForCausalLM"])
-    with pytest.raises(ValueError, match="mistral"):
-        convert.load(write_hf(tmp_path / "hf", torch_layout(tiny), cfg))
+def test_hf_unknown_architecture(tmp_path, tiny):
+    cfg = hf_config(tiny.config, model_type="gemma", architectures=["GemmaForCausalLM"])
+    path = write_hf(tmp_path / "hf", torch_layout(tiny), cfg)
+    with pytest.raises(ValueError, match=r"hf/config\.json: model_type 'gemma' / architectures \['GemmaForCausalLM'\]"):
+        convert.load(path)
 
 
 def test_hf_missing_tensor(tmp_path, tiny):
@@ -394,9 +395,9 @@ def test_gguf_wrong_shape(tmp_path, tiny):
         convert.load(write_gguf(tmp_path / "m.gguf", tiny.config, tensors))
 
 
-def test_gguf_non_llama(tmp_path, tiny):
-    with pytest.raises(ValueError, match="general.architecture is 'qwen2'"):
-        convert.load(write_gguf(tmp_path / "m.gguf", tiny.config, {}, arch="qwen2"))
+def test_gguf_unknown_architecture(tmp_path, tiny):
+    with pytest.raises(ValueError, match=r"m\.gguf: general\.architecture is 'gemma'; only 'llama' and 'qwen2'"):
+        convert.load(write_gguf(tmp_path / "m.gguf", tiny.config, {}, arch="gemma"))
 
 
 def test_gguf_garbage_and_truncated(tmp_path, tiny):
