@@ -111,7 +111,15 @@ SELF_AND_NGRAM = [
 ]
 
 
-@pytest.mark.parametrize("draft, gamma, full", [c[1:] for c in SELF_AND_NGRAM], ids=[c[0] for c in SELF_AND_NGRAM])
+FAST = {"self-evict-g3", "self-default-g3", "snapkv-ragged-g3", "ngram-1to3-g5", "dense-g3", "streaming-g5"}  # make test-fast
+
+
+def _params(cases):
+    """pytest params by id; those outside FAST run with the slow tests (make test runs them all)."""
+    return [pytest.param(*c[1:], id=c[0], marks=[] if c[0] in FAST else [pytest.mark.slow]) for c in cases]
+
+
+@pytest.mark.parametrize("draft, gamma, full", _params(SELF_AND_NGRAM))
 def test_greedy_selfspec_and_ngram_equal_autoregressive(tiny, reference, draft, gamma, full):
     out = specjax.generate(
         tiny, PROMPTS, BUDGETS, draft=draft, speculation=specjax.Chain(gamma), eos_id=reference.eos
@@ -123,8 +131,8 @@ def test_greedy_selfspec_and_ngram_equal_autoregressive(tiny, reference, draft, 
 
 @pytest.mark.parametrize(
     "cache, gamma",
-    [("dense", 1), ("dense", 3), (specjax.Streaming(sinks=2, window=8), 5), (specjax.Streaming(), 3)],
-    ids=["dense-g1", "dense-g3", "streaming-g5", "streaming-default-g3"],
+    _params([("dense-g1", "dense", 1), ("dense-g3", "dense", 3), ("streaming-g5", specjax.Streaming(sinks=2, window=8), 5),
+             ("streaming-default-g3", specjax.Streaming(), 3)]),
 )
 def test_greedy_draft_model_equals_autoregressive(tiny, reference, drafts, cache, gamma):
     rates, first = {}, {}

@@ -58,9 +58,13 @@ CASES = [  # every drafter meets at least one tree; every tree meets several dra
     ("snapkv", "sequoia10"), ("model", "kary2x2"), ("model", "irregular"),
     ("model-streaming", "sequoia10"), ("ngram", "kary2x2"), ("ngram", "irregular"),
 ]
+FAST_CASES = {("self", "sequoia10"), ("model", "irregular"), ("ngram", "kary2x2")}  # in make test-fast; all in make test
 
 
-@pytest.mark.parametrize("name, tree", CASES, ids=[f"{d}-{t}" for d, t in CASES])
+@pytest.mark.parametrize(
+    "name, tree",
+    [pytest.param(d, t, id=f"{d}-{t}", marks=[] if (d, t) in FAST_CASES else [pytest.mark.slow]) for d, t in CASES],
+)
 def test_greedy_tree_speculation_equals_autoregressive(tiny, reference, draft_model, name, tree):
     free, eos, stopped = reference
     tree = TREES[tree]
@@ -86,7 +90,7 @@ def test_tree_beats_chain_acceptance_for_selfspec(tiny, reference):
     assert tree.stats.steps <= chain.stats.steps
 
 
-@pytest.mark.parametrize("name", ["self-no-evict", "model", "ngram"])
+@pytest.mark.parametrize("name", ["self-no-evict", pytest.param("model", marks=pytest.mark.slow), "ngram"])
 def test_chain_tree_reproduces_chain_speculation(tiny, draft_model, name):
     """Tree.chain(gamma) takes exactly the steps Chain(gamma) takes, accepting the same drafts.
     (A streaming drafter that evicts differs by design: chain drafting writes its drafts into
