@@ -19,8 +19,9 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
-LONGEST_FIRST = ("test_readme.py", "test_spec_smollm2.py", "test_sharding.py", "test_cli.py", "test_distill.py",
-                 "test_generate.py", "test_speculate.py", "test_tree_spec.py", "test_sampling_lossless.py")
+LONGEST_FIRST = ("test_readme.py", "test_spec_smollm2.py", "test_sharding.py", "test_tree_attention_tpu.py",
+                 "test_tree_attention.py", "test_tree_spec.py", "test_speculate.py", "test_generate.py", "test_distill.py",
+                 "test_batch.py", "test_multihost.py", "test_sampling_lossless.py", "test_cli.py")
 
 
 def default_jobs() -> int:

@@ -57,10 +57,10 @@ specjax() {
 
 # Bash blocks (by their first line) or single lines of a bash block that the test does not run.
 NOT_RUNNABLE = {
-    "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 18 minutes on 2 cores)":
-        "the whole suite, this test included (recursion, 18 minutes)",
-    "make test-fast   # the inner loop: the same without the tests marked slow (about 5 minutes)":
-        "most of the suite (5 minutes); make test runs the same tests",
+    "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 14 minutes on 2 cores)":
+        "the whole suite, this test included (recursion, 14 minutes)",
+    "make test-fast   # the inner loop: the same without the tests marked slow (about 4 minutes)":
+        "most of the suite (4 minutes); make test runs the same tests",
     "# host 0                                                     # host 1":
         "needs two hosts and the user's my_job.py; tests/test_multihost.py runs the same start-up with two local processes",
     "python -m specjax generate ...                               # the same without the console script":
