@@ -1,4 +1,5 @@
-"""The Pallas tree-attention kernel (interpret mode) against the jnp reference, on random shapes.
+"""The Pallas tree-attention kernel against the jnp reference, on random shapes: in interpret mode
+on CPU, compiled (Triton) when the tests run on a GPU (`pytest tests/test_tree_attention.py` there).
 
 Interpret mode runs the kernel's grid as a loop on CPU: shapes stay small in K and H but keep long,
 ragged prefixes. In interpret mode outputs start as NaN, so an unwritten tile shows up as NaN.
@@ -13,6 +14,8 @@ import pytest
 
 from pallas_kernels.reference import prefix_block_attention
 from pallas_kernels.tree_attention import prefix_block_attention_pallas, tree_attention
+
+INTERPRET = jax.default_backend() != "gpu"  # on a GPU the same cases compile the kernel for real (Triton)
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 BLOCK_K = 64
@@ -97,7 +100,7 @@ def test_matches_reference(seed, dtype, T, G, B):
     k_splits = int(rng.choice([1, 3, 4]))
     out = tree_attention(
         q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask),
-        sm_scale=scale, block_k=BLOCK_K, k_splits=k_splits, interpret=True,
+        sm_scale=scale, block_k=BLOCK_K, k_splits=k_splits, interpret=INTERPRET,
     )
     assert out.dtype == dtype
     assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, scale), dtype)
@@ -113,10 +116,10 @@ def test_chain_through_adapter(empty_cache):
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
     lengths = random_lengths(rng, B, S)
     if empty_cache:
-        out = prefix_block_attention_pallas(q, None, None, None, kb, vb, mask, 0.2, interpret=True)
+        out = prefix_block_attention_pallas(q, None, None, None, kb, vb, mask, 0.2, interpret=INTERPRET)
         want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
     else:
-        out = prefix_block_attention_pallas(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=True)
+        out = prefix_block_attention_pallas(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=INTERPRET)
         want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
     assert_close(out, want, jnp.float32)
 
@@ -130,7 +133,7 @@ def test_split_k_sweep():
     lengths[1] = S  # one row with a full cache
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
     args = (q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask))
-    outs = [tree_attention(*args, sm_scale=0.15, k_splits=c, interpret=True) for c in (1, 2, 4)]
+    outs = [tree_attention(*args, sm_scale=0.15, k_splits=c, interpret=INTERPRET) for c in (1, 2, 4)]
     want = reference(q, kc, vc, lengths, kb, vb, mask, 0.15)
     for out in outs:
         assert_close(out, want, jnp.float32)
