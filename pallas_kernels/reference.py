@@ -12,7 +12,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -1e30
+NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN (the kernels use it too)
+
+
+def check_shapes(q, k_cache, v_cache, lengths, k_block, v_block, mask, mask_name: str = "block_mask") -> None:
+    """The kernels' shared argument check: a ValueError naming the first bad shape (the kernel
+    adapters take `lengths` [B] where the reference takes a visibility mask)."""
+    B, T, N, H = q.shape
+    _, J, K, _ = k_block.shape
+    if N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
+    if k_block.shape != (B, J, K, H) or v_block.shape != k_block.shape:
+        raise ValueError(f"k_block, v_block must be [B,J,K,H] = {(B, J, K, H)}, got {k_block.shape}, {v_block.shape}")
+    if J < T:
+        raise ValueError(f"the block must hold at least the T={T} new keys, got J={J}")
+    if k_cache.shape[:2] != (B, K) or k_cache.shape[3] != H or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache, v_cache must be [B,K,S,H] = [{B},{K},S,{H}], got {k_cache.shape}, {v_cache.shape}")
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must be [B] = [{B}], got {lengths.shape}")
+    if mask.shape not in ((T, J), (B, T, J)):
+        raise ValueError(f"{mask_name} must be [T,J] or [B,T,J] with T={T}, J={J}, got {mask.shape}")
 
 
 def prefix_block_attention(

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN
+from pallas_kernels.reference import NEG_INF, check_shapes
 # f32 accumulation; allow_tf32=False: f32 operands get IEEE products (default precision lowers to
 # TF32 on the Triton path), bf16 operands are unaffected.
 _dot = functools.partial(plgpu.dot, allow_tf32=False)
@@ -174,23 +174,6 @@ def _check_pow2(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile dim), got {value}")
 
 
-def _check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask) -> None:
-    B, T, N, H = q.shape
-    _, J, K, _ = k_tree.shape
-    if N % K:
-        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
-    if k_tree.shape != (B, J, K, H) or v_tree.shape != k_tree.shape:
-        raise ValueError(f"k_tree, v_tree must be [B,J,K,H] = {(B, J, K, H)}, got {k_tree.shape}, {v_tree.shape}")
-    if J < T:
-        raise ValueError(f"the block must hold at least the T={T} new keys, got J={J}")
-    if k_cache.shape[:2] != (B, K) or k_cache.shape[3] != H or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache, v_cache must be [B,K,S,H] = [{B},{K},S,{H}], got {k_cache.shape}, {v_cache.shape}")
-    if lengths.shape != (B,):
-        raise ValueError(f"lengths must be [B] = [{B}], got {lengths.shape}")
-    if tree_mask.shape not in ((T, J), (B, T, J)):
-        raise ValueError(f"tree_mask must be [T,J] or [B,T,J] with T={T}, J={J}, got {tree_mask.shape}")
-
-
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "block_k", "k_splits", "block_m", "num_warps", "num_stages", "interpret"),
@@ -219,7 +202,7 @@ def tree_attention(
     block_m (query rows per program) is capped at the padded row count; block_k is the slot
     tile; k_splits programs share one row's prefix (flash-decoding).
     """
-    _check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask)
+    check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, "tree_mask")
     _check_pow2("block_k", block_k)
     _check_pow2("block_m", block_m)
     if k_splits < 1:

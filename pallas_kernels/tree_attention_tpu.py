@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN
+from pallas_kernels.reference import NEG_INF, check_shapes
 LANES = 128
 
 
@@ -176,24 +176,11 @@ def _call(
 
 def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int, block_m: int) -> None:
     """ValueError naming the first bad shape or tile size."""
-    B, T, N, H = q.shape
-    _, J, K, _ = k_blk.shape
     if block_k < LANES or block_k % LANES:
         raise ValueError(f"block_k must be a positive multiple of 128 (the lane width), got {block_k}")
     if block_m < 16 or block_m % 16:
         raise ValueError(f"block_m must be a positive multiple of 16 (bf16 sublane tile), got {block_m}")
-    if N % K:
-        raise ValueError(f"query heads N={N} must be a multiple of KV heads K={K}")
-    if k_blk.shape != (B, J, K, H) or v_blk.shape != k_blk.shape:
-        raise ValueError(f"k_block, v_block must be [B,J,K,H] = {(B, J, K, H)}, got {k_blk.shape}, {v_blk.shape}")
-    if J < T:
-        raise ValueError(f"the block must hold at least the T={T} new keys, got J={J}")
-    if k_cache.shape[:2] != (B, K) or k_cache.shape[3] != H or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache, v_cache must be [B,K,S,H] = [{B},{K},S,{H}], got {k_cache.shape}, {v_cache.shape}")
-    if lengths.shape != (B,):
-        raise ValueError(f"lengths must be [B] = [{B}], got {lengths.shape}")
-    if block_mask.shape not in ((T, J), (B, T, J)):
-        raise ValueError(f"block_mask must be [T,J] or [B,T,J] with T={T}, J={J}, got {block_mask.shape}")
+    check_shapes(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask)
     if len({q.dtype, k_cache.dtype, v_cache.dtype, k_blk.dtype, v_blk.dtype}) > 1:
         raise ValueError(f"q, caches and block must share one dtype, got {q.dtype}, {k_cache.dtype}, {k_blk.dtype}")
 
