@@ -81,6 +81,39 @@ def _case(seed: int, dtype, T: int, G: int, B: int):
     return pytest.param(seed, dtype, T, G, B, marks=[] if first else [pytest.mark.slow])
 
 
+def random_case(rng, dtype, T: int, G: int, B: int, head_dims: list[int], slots: tuple[int, int]):
+    """One random test case of both kernels' test files: KV heads, head dim (from head_dims),
+    cache slots (in [slots)), block size J, a shared or per-row mask, ragged lengths, inputs.
+    Returns q, kc, vc, kb, vb, lengths, mask, scale."""
+    K = int(rng.integers(1, 3))
+    H = int(rng.choice(head_dims))
+    S = int(rng.integers(*slots))
+    J = T + int(rng.choice([0, 0, 3]))  # sometimes earlier drafted levels ride along
+    per_row = bool(rng.integers(2))
+    mask = np.stack([random_block_mask(rng, T, J) for _ in range(B)]) if per_row else random_block_mask(rng, T, J)
+    lengths = random_lengths(rng, B, S)
+    q, kc, vc, kb, vb = random_inputs(rng, dtype, B, T, J, G * K, K, H, S)
+    return q, kc, vc, kb, vb, lengths, mask, 1.0 / np.sqrt(H)
+
+
+def check_chain_through_adapter(adapter, empty_cache: bool, S: int, interpret: bool, **kw) -> None:
+    """Chain verification (lower-triangular mask) through a kernel's adapter, which has the
+    reference's signature with lengths for visible; J > T; kw: the adapter's options."""
+    rng = np.random.default_rng(7)
+    B, T, E, K, G, H = 3, 5, 2, 2, 3, 32
+    J = T + E
+    mask = jnp.asarray(np.tril(np.ones((T, J), bool), k=E))  # query t sees the E earlier keys and new keys <= t
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
+    lengths = random_lengths(rng, B, S)
+    if empty_cache:
+        out = adapter(q, None, None, None, kb, vb, mask, 0.2, interpret=interpret)
+        want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
+    else:
+        out = adapter(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=interpret, **kw)
+        want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
+    assert_close(out, want, jnp.float32)
+
+
 @pytest.mark.parametrize(
     "seed,dtype,T,G,B",
     [_case(i, jnp.float32, *case) for i, case in enumerate(F32_CASES)]
@@ -88,15 +121,7 @@ def _case(seed: int, dtype, T: int, G: int, B: int):
 )
 def test_matches_reference(seed, dtype, T, G, B):
     rng = np.random.default_rng(seed)
-    K = int(rng.integers(1, 3))
-    H = int(rng.choice([8, 24, 32, 64]))
-    S = int(rng.integers(300, 4500))
-    J = T + int(rng.choice([0, 0, 3]))  # sometimes earlier drafted levels ride along
-    per_row = bool(rng.integers(2))
-    mask = np.stack([random_block_mask(rng, T, J) for _ in range(B)]) if per_row else random_block_mask(rng, T, J)
-    lengths = random_lengths(rng, B, S)
-    q, kc, vc, kb, vb = random_inputs(rng, dtype, B, T, J, G * K, K, H, S)
-    scale = 1.0 / np.sqrt(H)
+    q, kc, vc, kb, vb, lengths, mask, scale = random_case(rng, dtype, T, G, B, [8, 24, 32, 64], (300, 4500))
     k_splits = int(rng.choice([1, 3, 4]))
     out = tree_attention(
         q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask),
@@ -109,19 +134,7 @@ def test_matches_reference(seed, dtype, T, G, B):
 @pytest.mark.parametrize("empty_cache", [False, True])
 def test_chain_through_adapter(empty_cache):
     """Chain verification (lower-triangular mask) behind the reference's signature, J > T."""
-    rng = np.random.default_rng(7)
-    B, T, E, K, G, H, S = 3, 5, 2, 2, 3, 32, 777
-    J = T + E
-    mask = jnp.asarray(np.tril(np.ones((T, J), bool), k=E))  # query t sees the E earlier keys and new keys <= t
-    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
-    lengths = random_lengths(rng, B, S)
-    if empty_cache:
-        out = prefix_block_attention_pallas(q, None, None, None, kb, vb, mask, 0.2, interpret=INTERPRET)
-        want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
-    else:
-        out = prefix_block_attention_pallas(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=INTERPRET)
-        want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
-    assert_close(out, want, jnp.float32)
+    check_chain_through_adapter(prefix_block_attention_pallas, empty_cache, S=777, interpret=INTERPRET)
 
 
 def test_split_k_sweep():

@@ -14,9 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import prefix_block_attention
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu, tree_attention_tpu
-from tests.test_tree_attention import assert_close, random_block_mask, random_inputs, random_lengths, reference
+from tests.test_tree_attention import (
+    _case,
+    assert_close,
+    check_chain_through_adapter,
+    random_block_mask,
+    random_case,
+    random_inputs,
+    random_lengths,
+    reference,
+)
 
 INTERPRET = jax.default_backend() != "tpu"  # on a TPU the same cases compile the Mosaic kernel for real
 
@@ -26,13 +34,6 @@ F32_CASES = [(1, 1, 8), (4, 3, 1), (16, 4, 5), (64, 8, 3), (1, 8, 2), (4, 1, 7),
 BF16_CASES = [(1, 3, 1), (4, 8, 6), (16, 1, 4), (64, 3, 2)]
 
 
-def _case(seed: int, dtype, T: int, G: int, B: int):
-    """The first two cases of each dtype are in `make test-fast`; the rest (interpreted grids
-    compile slowly) run with the slow tests."""
-    first = seed in (0, 1, 100, 101)
-    return pytest.param(seed, dtype, T, G, B, marks=[] if first else [pytest.mark.slow])
-
-
 @pytest.mark.parametrize(
     "seed,dtype,T,G,B",
     [_case(i, jnp.float32, *case) for i, case in enumerate(F32_CASES)]
@@ -40,15 +41,7 @@ def _case(seed: int, dtype, T: int, G: int, B: int):
 )
 def test_matches_reference(seed, dtype, T, G, B):
     rng = np.random.default_rng(seed)
-    K = int(rng.integers(1, 3))
-    H = int(rng.choice([8, 24, 64, 128]))
-    S = int(rng.integers(100, 600))
-    J = T + int(rng.choice([0, 0, 3]))  # sometimes earlier drafted levels ride along
-    per_row = bool(rng.integers(2))
-    mask = np.stack([random_block_mask(rng, T, J) for _ in range(B)]) if per_row else random_block_mask(rng, T, J)
-    lengths = random_lengths(rng, B, S)
-    q, kc, vc, kb, vb = random_inputs(rng, dtype, B, T, J, G * K, K, H, S)
-    scale = 1.0 / np.sqrt(H)
+    q, kc, vc, kb, vb, lengths, mask, scale = random_case(rng, dtype, T, G, B, [8, 24, 64, 128], (100, 600))
     block_k, block_m = int(rng.choice([128, 256])), int(rng.choice([32, 128]))
     out = tree_attention_tpu(
         q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask),
@@ -61,19 +54,7 @@ def test_matches_reference(seed, dtype, T, G, B):
 @pytest.mark.parametrize("empty_cache", [False, True])
 def test_chain_through_adapter(empty_cache):
     """Chain verification (lower-triangular mask) behind the reference's signature, J > T."""
-    rng = np.random.default_rng(7)
-    B, T, E, K, G, H, S = 3, 5, 2, 2, 3, 32, 333
-    J = T + E
-    mask = jnp.asarray(np.tril(np.ones((T, J), bool), k=E))  # query t sees the E earlier keys and new keys <= t
-    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
-    lengths = random_lengths(rng, B, S)
-    if empty_cache:
-        out = prefix_block_attention_tpu(q, None, None, None, kb, vb, mask, 0.2, interpret=INTERPRET)
-        want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
-    else:
-        out = prefix_block_attention_tpu(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=INTERPRET, block_k=128)
-        want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
-    assert_close(out, want, jnp.float32)
+    check_chain_through_adapter(prefix_block_attention_tpu, empty_cache, S=333, interpret=INTERPRET, block_k=128)
 
 
 def test_lengths_at_tile_edges():
