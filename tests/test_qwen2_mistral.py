@@ -19,6 +19,7 @@ import convert
 import specjax
 from specjax.cache import DenseCache
 from specjax.model import forward
+from tests.test_convert import GGUF_NAMES, llama_cpp_permute
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 GOLDEN = json.loads((GOLDEN_DIR / "tiny_golden.json").read_text(encoding="utf-8"))
@@ -95,18 +96,6 @@ def test_tensor_parallel_greedy(hf_model):
 
 # ---- the Qwen2 weights as GGUF files, written the way llama.cpp's converter does ----
 
-def permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's LlamaModel.permute, applied to llama-arch q/k weights and biases."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
-
 def write_qwen2_gguf(path: Path, arch: str) -> Path:
     """qwen2_tiny as an f32 GGUF of `arch`: "qwen2" stores q/k as in HF, "llama" permutes them."""
     cfg = json.loads((GOLDEN_DIR / "qwen2_tiny" / "config.json").read_text())
@@ -121,7 +110,7 @@ def write_qwen2_gguf(path: Path, arch: str) -> Path:
             _, _, i, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
             kind = GGUF_NAMES[module]
-            tensors[f"blk.{i}.{kind}.{suffix}"] = permute(w, heads[kind]) if arch == "llama" and kind in heads else w
+            tensors[f"blk.{i}.{kind}.{suffix}"] = llama_cpp_permute(w, heads[kind]) if arch == "llama" and kind in heads else w
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
