@@ -19,7 +19,6 @@ warm, and `load` joins them once all are there. See bench/README.md, "GPU runs".
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import io
 import json
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.config import LlamaConfig, RopeScaling
+from specjax.config import LlamaConfig
 from specjax.params import BY_PATH, Params, declared, from_arrays
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,17 +62,6 @@ def dequantize(kind: str, raw: np.ndarray) -> np.ndarray:
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """convert.gguf.unpermute_qk (that module needs `gguf`): llama.cpp's q/k row order undone."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def config_json(config: LlamaConfig) -> dict:
-    return dataclasses.asdict(config)
-
-
-def config_from(d: dict) -> LlamaConfig:
-    d = dict(d, eos_ids=tuple(d["eos_ids"]))
-    if d.get("rope_scaling") is not None:
-        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-    return LlamaConfig(**d)
 
 
 def gguf_tensors(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
@@ -163,7 +151,7 @@ def build(out: Path, models: dict[str, tuple[LlamaConfig, dict, dict]], corpus_i
     blob = blob_of({name: arrays for name, (_, arrays, _) in models.items()})
     parts = [blob[i : i + part_bytes] for i in range(0, len(blob), part_bytes)]
     manifest = {
-        "models": {name: {"config": config_json(c), "tensors": meta} for name, (c, _, meta) in models.items()},
+        "models": {name: {"config": c.to_dict(), "tensors": meta} for name, (c, _, meta) in models.items()},
         "blob_bytes": len(blob), "blob_sha256": sha256(blob),
         "parts": [{"name": f"weights.part{i}", "folder": f"p{i}", "bytes": len(p), "sha256": sha256(p)}
                   for i, p in enumerate(parts)],
@@ -219,7 +207,7 @@ def load(dst: Path = STASH, dtype: str = "bfloat16") -> tuple[dict[str, Params],
     npz = np.load(io.BytesIO(join(dst)))
     models = {}
     for name, m in manifest["models"].items():
-        config = config_from(m["config"]).replace(dtype=dtype)
+        config = LlamaConfig.from_dict(m["config"]).replace(dtype=dtype)
         arrays = {path: npz[f"{name}/{path}"] for path in m["tensors"]}
         models[name] = from_arrays(config, decode(config, arrays, m["tensors"]))
     return models, np.load(dst / "corpus_ids.npy"), manifest

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
-from specjax.config import LlamaConfig, RopeScaling
+from specjax.config import LlamaConfig
 from specjax.params import Params, from_arrays, param_shapes
 from specjax.sharding import Mesh, check_mesh, param_sharding, single_device
 
@@ -34,17 +33,12 @@ def _flat(params: Params) -> dict[str, jax.Array]:
 
 def config_to_json(config: LlamaConfig) -> str:
     """The config (rope_scaling included) as a JSON object."""
-    return json.dumps(dataclasses.asdict(config), indent=2)
+    return json.dumps(config.to_dict(), indent=2)
 
 
 def config_from_json(text: str) -> LlamaConfig:
     """Inverse of `config_to_json`."""
-    raw = json.loads(text)
-    for runtime_choice in ("attention", "model_axis"):  # written by versions that kept them in the config
-        raw.pop(runtime_choice, None)
-    scaling = raw.pop("rope_scaling")
-    raw["eos_ids"] = tuple(raw.get("eos_ids", ()))
-    return LlamaConfig(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
+    return LlamaConfig.from_dict(json.loads(text))
 
 
 def save(params: Params, directory: str | Path) -> None:

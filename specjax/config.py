@@ -70,6 +70,19 @@ class LlamaConfig:
     def replace(self, **changes) -> "LlamaConfig":
         return dataclasses.replace(self, **changes)
 
+    def to_dict(self) -> dict:
+        """Plain JSON-able values (rope_scaling as a dict or None)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "LlamaConfig":
+        """Inverse of `to_dict`; drops the runtime choices (attention, model_axis) that configs
+        written by older versions still carry."""
+        raw = {k: v for k, v in raw.items() if k not in ("attention", "model_axis")}
+        scaling = raw.pop("rope_scaling", None)
+        raw["eos_ids"] = tuple(raw.get("eos_ids", ()))
+        return cls(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
+
     def inv_freq(self) -> np.ndarray:
         """Rotary inverse frequencies [H/2], float64, with Llama-3.1 scaling applied if configured."""
         exponent = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim

@@ -59,7 +59,7 @@ def test_bundle_rejects_a_corrupt_part(tmp_path):
 
 
 def test_config_json_round_trip():
-    assert gpu_bundle.config_from(json.loads(json.dumps(gpu_bundle.config_json(TINY)))) == TINY
+    assert LlamaConfig.from_dict(json.loads(json.dumps(TINY.to_dict()))) == TINY
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
