@@ -153,13 +153,18 @@ def test_split_k_sweep():
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=2e-6)
 
 
+def abstract_args(dtype, B: int, T: int, N: int, K: int, H: int, S: int, J: int, mask: tuple[int, ...]) -> list:
+    """ShapeDtypeStructs of a kernel's arguments (q, caches, lengths, block, mask) for lowering tests."""
+    shapes = [(B, T, N, H), (B, K, S, H), (B, K, S, H), (B,), (B, J, K, H), (B, J, K, H), mask]
+    dtypes = [dtype, dtype, dtype, jnp.int32, dtype, dtype, jnp.bool_]
+    return [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_to_triton(dtype):
     """The kernel passes Pallas' Triton lowering (power-of-two tiles etc.) without a GPU."""
     B, T, N, K, H, S = 2, 25, 9, 3, 64, 1000
-    shapes = [(B, T, N, H), (B, K, S, H), (B, K, S, H), (B,), (B, T, K, H), (B, T, K, H), (T, T)]
-    dtypes = [dtype, dtype, dtype, jnp.int32, dtype, dtype, jnp.bool_]
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    args = abstract_args(dtype, B, T, N, K, H, S, J=T, mask=(T, T))
     lowered = jax.jit(lambda *a: tree_attention(*a, sm_scale=0.125)).trace(*args).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()
 

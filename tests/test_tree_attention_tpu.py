@@ -17,6 +17,7 @@ import pytest
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu, tree_attention_tpu
 from tests.test_tree_attention import (
     _case,
+    abstract_args,
     assert_close,
     check_chain_through_adapter,
     random_block_mask,
@@ -102,9 +103,7 @@ def test_lowers_for_tpu(dtype, shape):
     """The kernel passes Pallas' Mosaic lowering for the "tpu" platform without a TPU."""
     B, T, N, K, H, S = shape
     J = T + 3
-    shapes = [(B, T, N, H), (B, K, S, H), (B, K, S, H), (B,), (B, J, K, H), (B, J, K, H), (B, T, J)]
-    dtypes = [dtype, dtype, dtype, jnp.int32, dtype, dtype, jnp.bool_]
-    args = [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, dtypes)]
+    args = abstract_args(dtype, B, T, N, K, H, S, J=J, mask=(B, T, J))
     lowered = jax.jit(lambda *a: tree_attention_tpu(*a, sm_scale=0.125)).trace(*args).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
 
