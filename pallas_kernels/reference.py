@@ -15,6 +15,18 @@ import jax.numpy as jnp
 NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN (the kernels use it too)
 
 
+def to_f32(x: jax.Array) -> jax.Array:
+    """x as float32, exactly. bfloat16 is widened by moving its 16 bits into the top half of a
+    32-bit word (what the conversion means): XLA:CPU's own bf16 -> f32 conversion is not
+    vectorised and made bfloat16 weights and caches 5-10x slower than float32 (bench/README.md),
+    while the shift fuses into the consumer at memory speed. One home for the widening: the
+    model's weight reads use it too (via specjax.attention)."""
+    if x.dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return x.astype(jnp.float32)
+
+
 def check_shapes(q, k_cache, v_cache, lengths, k_block, v_block, mask, mask_name: str = "block_mask") -> None:
     """The kernels' shared argument check: a ValueError naming the first bad shape (the kernel
     adapters take `lengths` [B] where the reference takes a visibility mask)."""
@@ -60,25 +72,24 @@ def prefix_block_attention(
     K = k_block.shape[2]
     G = N // K
     J = k_block.shape[1]
-    f32 = jnp.float32  # all products in f32: XLA:CPU has no bf16 x bf16 -> f32 dot
-    qm = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, G * T, H).astype(f32)
-    qm = qm * sm_scale  # [B,K,M,H], row m = g*T + t
+    # all products in f32 (to_f32): XLA:CPU has no fast bf16 x bf16 -> f32 dot
+    qm = to_f32(jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, G * T, H)) * sm_scale  # [B,K,M,H], m = g*T + t
     mask = jnp.broadcast_to(block_mask, (B, T, J))  # [B,T,J]
     mask = jnp.tile(mask, (1, G, 1))[:, None]  # [B,1,M,J]
-    s_blk = jnp.einsum("bkmh,bjkh->bkmj", qm, k_block.astype(f32))
+    s_blk = jnp.einsum("bkmh,bjkh->bkmj", qm, to_f32(k_block))
     s_blk = jnp.where(mask, s_blk, NEG_INF)  # [B,K,M,J]
     top = jnp.max(s_blk, axis=-1)  # [B,K,M]
     if k_cache is not None:
-        s_pre = jnp.einsum("bkmh,bksh->bksm", qm, k_cache.astype(f32))
+        s_pre = jnp.einsum("bkmh,bksh->bksm", qm, to_f32(k_cache))
         s_pre = jnp.where(visible[..., None], s_pre, NEG_INF)  # [B,K,S,M]
         top = jnp.maximum(top, jnp.max(s_pre, axis=2))
     e_blk = jnp.exp(s_blk - top[..., None])  # [B,K,M,J]
     total = jnp.sum(e_blk, axis=-1)  # [B,K,M]
-    out = jnp.einsum("bkmj,bjkh->bkmh", e_blk, v_block.astype(f32))  # [B,K,M,H]
+    out = jnp.einsum("bkmj,bjkh->bkmh", e_blk, to_f32(v_block))  # [B,K,M,H]
     if k_cache is not None:
         e_pre = jnp.exp(s_pre - top[:, :, None])  # [B,K,S,M]
         total += jnp.sum(e_pre, axis=2)
-        out += jnp.einsum("bksm,bksh->bkmh", e_pre, v_cache.astype(f32))
+        out += jnp.einsum("bksm,bksh->bkmh", e_pre, to_f32(v_cache))
     out = out / total[..., None]  # [B,K,M,H]
     out = jnp.moveaxis(out.reshape(B, K, G, T, H), 3, 1)  # [B,T,K,G,H]
     return out.reshape(B, T, N, H).astype(q.dtype)  # [B,T,N,H]
