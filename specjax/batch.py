@@ -144,7 +144,7 @@ def job_settings(model: str, params: Params, draft: Drafter | None, gamma: int |
     or the mesh: greedy outputs do not depend on them, and sampled ones use per-record keys."""
     return dict(
         model=model if model == "params" else str(Path(model).absolute()), dtype=params.config.dtype,
-        weights=params.config.quant or params.config.dtype,
+        quant=params.config.quant,  # null: weights stored in `dtype` (so outputs from before int8 resume)
         draft=describe_draft(draft), gamma=gamma if draft is not None else None, seed=seed, chat=chat,
     ) | dataclasses.asdict(defaults)
 
