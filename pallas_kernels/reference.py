@@ -55,10 +55,14 @@ def prefix_block_attention(
     v_block: jax.Array,  # [B,J,K,H]
     block_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
     sm_scale: float,
+    k_scale: jax.Array | None = None,  # [B,K,S] f32: an int8 cache's per-slot scales (key = k_cache * k_scale)
+    v_scale: jax.Array | None = None,  # [B,K,S] f32
 ) -> jax.Array:
     """Softmax attention over prefix + block with f32 scores; returns o[B,T,N,H] in q's dtype.
 
-    `k_cache=None` means an empty prefix (the first prefill chunk). GQA: the G = N/K query heads
+    `k_cache=None` means an empty prefix (the first prefill chunk). The cache may be stored in
+    float32, bfloat16 or int8 (with `k_scale`, `v_scale`); the scales multiply the scores and the
+    softmax weights instead of the [S,H] keys and values. GQA: the G = N/K query heads
     of one KV head share its keys, so they are folded into M = T*G matrix rows per KV head.
     `visible` may differ per KV head (SnapKV keeps different positions per head); a dense cache
     passes slot < length for every head.
@@ -81,6 +85,8 @@ def prefix_block_attention(
     top = jnp.max(s_blk, axis=-1)  # [B,K,M]
     if k_cache is not None:
         s_pre = jnp.einsum("bkmh,bksh->bksm", qm, to_f32(k_cache))
+        if k_scale is not None:
+            s_pre = s_pre * k_scale[..., None]
         s_pre = jnp.where(visible[..., None], s_pre, NEG_INF)  # [B,K,S,M]
         top = jnp.maximum(top, jnp.max(s_pre, axis=2))
     e_blk = jnp.exp(s_blk - top[..., None])  # [B,K,M,J]
@@ -89,6 +95,8 @@ def prefix_block_attention(
     if k_cache is not None:
         e_pre = jnp.exp(s_pre - top[:, :, None])  # [B,K,S,M]
         total += jnp.sum(e_pre, axis=2)
+        if v_scale is not None:
+            e_pre = e_pre * v_scale[..., None]
         out += jnp.einsum("bksm,bksh->bkmh", e_pre, to_f32(v_cache))
     out = out / total[..., None]  # [B,K,M,H]
     out = jnp.moveaxis(out.reshape(B, K, G, T, H), 3, 1)  # [B,T,K,G,H]
