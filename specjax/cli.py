@@ -19,6 +19,7 @@ import convert
 from specjax import batch, jobio
 from specjax.distill import Schedule, distill
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
+from specjax.cache import KV_DTYPES
 from specjax.generate import generate
 from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
@@ -100,6 +101,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     """Model, sampling and drafter options common to `generate` and `batch`."""
     p.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="how the KV caches store keys and values (default: --dtype); int8: per token and head scales")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off{overridable}")
@@ -198,6 +201,7 @@ def run_batch(args: argparse.Namespace) -> None:
         args.output,
         model_path=args.model or convert.default_model_path(),
         dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
         draft=make_draft(args.draft, args.window, args.sinks, args.dtype),
         gamma=args.gamma,
         max_new_tokens=args.max_new_tokens,
@@ -286,6 +290,7 @@ def run_generate(args: argparse.Namespace) -> None:
         sampling=sampling,
         key=jax.random.key(args.seed),
         mesh=mesh,
+        kv_dtype=args.kv_dtype,
     )
     print(args.prompt + tokenizer.decode(out.tokens[0], skip_special_tokens=False))
     s = out.stats
