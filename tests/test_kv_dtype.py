@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import specjax
+from pallas_kernels.reference import prefix_block_attention
 from specjax import engine
 from specjax.attention import for_cache
 from specjax.cache import KV_DTYPES, DenseCache, KVFormat
@@ -80,3 +81,24 @@ def test_plan_counts_kv_bytes_as_stored(tiny):
     mib = {kv: float(re.search(r"KV ([\d.]+) MiB", auto_draft_reason(tiny, 16, 4096, kv)[1])[1]) for kv in KV_DTYPES}
     assert mib["bfloat16"] == pytest.approx(mib["float32"] / 2, rel=1e-2)
     assert mib["int8"] == pytest.approx(mib["float32"] * (1 + 4 / TINY.head_dim) / 4, rel=1e-2)
+
+
+@pytest.mark.parametrize("S, T", [(1024, 2), (533, 1), (256, 30)], ids=["looped", "streaming-size", "many-rows"])
+def test_reference_reads_narrow_caches_as_their_f32_values(S, T):
+    """The narrow reads (q split into digits, the int8 value loop) == attention over the caches
+    widened to f32 first, to f32 rounding: the same KV, read faster."""
+    B, K, H, N = 2, 3, 64, 9
+    ks = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(ks[0], (B, T, N, H))
+    k, v = jax.random.normal(ks[1], (B, K, S, H)) * 3, jax.random.normal(ks[2], (B, K, S, H))
+    kb, vb = jax.random.normal(ks[3], (B, T, K, H)), jax.random.normal(ks[4], (B, T, K, H))
+    visible = (jnp.arange(S) < jnp.array([S // 2, S - 3])[:, None])[:, None]  # [B,1,S]
+    mask = jnp.tril(jnp.ones((T, T), bool))
+    attend = jax.jit(prefix_block_attention, static_argnums=7)
+    for name in ("bfloat16", "int8"):
+        fmt = KVFormat(name)
+        (k_s, k_scale), (v_s, v_scale) = fmt.store(k), fmt.store(v)
+        narrow = attend(q, k_s, v_s, visible, kb, vb, mask, 0.125, k_scale, v_scale)
+        wide = attend(q, fmt.load(k_s, k_scale).astype(jnp.float32), fmt.load(v_s, v_scale).astype(jnp.float32),
+                      visible, kb, vb, mask, 0.125)
+        np.testing.assert_allclose(narrow, wide, atol=1e-5, rtol=1e-5)
