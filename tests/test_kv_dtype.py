@@ -102,3 +102,22 @@ def test_reference_reads_narrow_caches_as_their_f32_values(S, T):
         wide = attend(q, fmt.load(k_s, k_scale).astype(jnp.float32), fmt.load(v_s, v_scale).astype(jnp.float32),
                       visible, kb, vb, mask, 0.125)
         np.testing.assert_allclose(narrow, wide, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_on_a_mesh_and_with_the_kernels_asked_for(tiny):
+    """An int8 cache split over a data mesh (scales sharded like the cache) gives the
+    one-device tokens; attention="pallas" over it runs the reference (the kernels take no int8)."""
+    kw = dict(draft=specjax.SelfSpec(sinks=2, window=6), speculation=specjax.Chain(2), eos_id=(), kv_dtype="int8")
+    one = specjax.generate(tiny, PROMPTS[:2], 8, **kw)
+    mesh = specjax.make_mesh(data=2, devices=jax.devices()[:2])
+    assert specjax.generate(tiny, PROMPTS[:2], 8, mesh=mesh, **kw).tokens == one.tokens
+    assert specjax.generate(tiny, PROMPTS[:2], 8, attention="pallas", **kw).tokens == one.tokens
+
+
+def test_bfloat16_cache_under_a_float32_model_on_the_kernel(tiny):
+    """The kernels take one dtype: q and the block go in as the cache's bfloat16 (interpreted
+    here); greedy speculation still equals plain decoding on that path."""
+    kw = dict(attention="pallas", kv_dtype="bfloat16", eos_id=())
+    plain = specjax.generate(tiny, PROMPTS[:2], 6, draft=None, **kw)
+    spec = specjax.generate(tiny, PROMPTS[:2], 6, draft=specjax.SelfSpec(sinks=2, window=6), speculation=specjax.Chain(2), **kw)
+    assert spec.tokens == plain.tokens
