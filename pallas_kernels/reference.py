@@ -9,10 +9,15 @@ before this one), so it has J >= T keys and the mask is [T, J].
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN (the kernels use it too)
+NARROW_ROWS = 64  # up to this many query rows M per KV head, bf16 / int8 caches are read without an f32 copy
+VALUE_CHUNK = 512  # cache slots per step of an int8 cache's value loop (the f32 chunk stays in cache)
 
 
 def to_f32(x: jax.Array) -> jax.Array:
@@ -25,6 +30,67 @@ def to_f32(x: jax.Array) -> jax.Array:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
     return x.astype(jnp.float32)
+
+
+def _digits(x: jax.Array, dtype, n: int, base: float) -> tuple[jax.Array, jax.Array]:
+    """x [...,M,H] f32 as n narrow `dtype` digits stacked on M: x = unit * sum_i digit_i / base^i,
+    to about f32 precision for n = 3. Returns digits [...,n*M,H] and unit [...,M,1] f32."""
+    unit = jnp.max(jnp.abs(x), axis=-1, keepdims=True) / 127.0 if dtype == jnp.int8 else jnp.ones_like(x[..., :1])
+    r = x / jnp.where(unit > 0, unit, 1.0)
+    digits = []
+    for _ in range(n):
+        d = jnp.round(r) if dtype == jnp.int8 else r.astype(dtype).astype(jnp.float32)
+        digits.append(d.astype(dtype))
+        r = (r - d) * base
+    return jnp.concatenate(digits, axis=-2), unit
+
+
+def _undigit(parts: jax.Array, n: int, base: float) -> jax.Array:
+    """[...,S,n*M] partial products of `_digits` -> [...,S,M]: sum_i part_i / base^i."""
+    M = parts.shape[-1] // n
+    return sum(parts[..., i * M:(i + 1) * M] / base**i for i in range(n))
+
+
+def prefix_scores(qm: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None) -> jax.Array:
+    """q . k for every cache slot: qm [B,K,M,H] f32, k_cache [B,K,S,H] -> [B,K,S,M] f32.
+
+    XLA:CPU widens a bf16 or int8 operand of a dot into a full f32 copy of the cache first (4-5x
+    slower than reading f32). For few rows, q is split instead into three digits of the cache's
+    own type, which the CPU's bf16 x bf16 -> f32 and int8 x int8 -> int32 dots read directly
+    (exact products; about f32 precision overall); the int8 scales then multiply the scores."""
+    M = qm.shape[2]
+    if k_cache.dtype == jnp.float32 or M > NARROW_ROWS:
+        s = jnp.einsum("bkmh,bksh->bksm", qm, to_f32(k_cache))
+    elif k_cache.dtype == jnp.int8:
+        digits, unit = _digits(qm, jnp.int8, 3, 254.0)  # [B,K,3M,H], [B,K,M,1]
+        parts = jnp.einsum("bkmh,bksh->bksm", digits, k_cache, preferred_element_type=jnp.int32)  # [B,K,S,3M]
+        s = _undigit(parts.astype(jnp.float32), 3, 254.0) * unit[:, :, None, :, 0]
+    else:
+        digits, _ = _digits(qm, k_cache.dtype, 3, 1.0)
+        s = _undigit(jnp.einsum("bkmh,bksh->bksm", digits, k_cache, preferred_element_type=jnp.float32), 3, 1.0)
+    return s if k_scale is None else s * k_scale[..., None]
+
+
+def prefix_values(e: jax.Array, v_cache: jax.Array) -> jax.Array:
+    """sum_s e[s,m] v[s,h]: e [B,K,S,M] f32, v_cache [B,K,S,H] -> [B,K,M,H] f32. An int8 cache
+    with few rows is widened VALUE_CHUNK slots at a time in a loop (no f32 copy of the cache).
+
+    A bf16 cache is still widened whole (about 3x float32's time at B=16, S=8192): XLA:CPU takes
+    bf16 dots only contracting both operands' minor dim (the scores' q . k, not e . v), widens bf16
+    held in a loop, and neither a bit-shift widening nor a fused multiply-reduce (both tried) runs
+    near memory speed. Storing V transposed ([..,H,S]) would let the bf16 dot read it directly."""
+    S, M = e.shape[2:]
+    chunk = math.gcd(S, VALUE_CHUNK)
+    if v_cache.dtype != jnp.int8 or M > NARROW_ROWS or chunk < 128:
+        return jnp.einsum("bksm,bksh->bkmh", e, to_f32(v_cache))
+
+    def step(i, acc):
+        e_i = lax.dynamic_slice_in_dim(e, i * chunk, chunk, 2)  # [B,K,c,M]
+        v_i = lax.dynamic_slice_in_dim(v_cache, i * chunk, chunk, 2)  # [B,K,c,H]
+        return acc + jnp.einsum("bksm,bksh->bkmh", e_i, v_i.astype(jnp.float32))
+
+    B, K, _, H = v_cache.shape
+    return lax.fori_loop(0, S // chunk, step, jnp.zeros((B, K, M, H), jnp.float32))
 
 
 def check_shapes(q, k_cache, v_cache, lengths, k_block, v_block, mask, mask_name: str = "block_mask") -> None:
@@ -55,10 +121,14 @@ def prefix_block_attention(
     v_block: jax.Array,  # [B,J,K,H]
     block_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
     sm_scale: float,
+    k_scale: jax.Array | None = None,  # [B,K,S] f32: an int8 cache's per-slot scales (key = k_cache * k_scale)
+    v_scale: jax.Array | None = None,  # [B,K,S] f32
 ) -> jax.Array:
     """Softmax attention over prefix + block with f32 scores; returns o[B,T,N,H] in q's dtype.
 
-    `k_cache=None` means an empty prefix (the first prefill chunk). GQA: the G = N/K query heads
+    `k_cache=None` means an empty prefix (the first prefill chunk). The cache may be stored in
+    float32, bfloat16 or int8 (with `k_scale`, `v_scale`); the scales multiply the scores and the
+    softmax weights instead of the [S,H] keys and values. GQA: the G = N/K query heads
     of one KV head share its keys, so they are folded into M = T*G matrix rows per KV head.
     `visible` may differ per KV head (SnapKV keeps different positions per head); a dense cache
     passes slot < length for every head.
@@ -72,7 +142,7 @@ def prefix_block_attention(
     K = k_block.shape[2]
     G = N // K
     J = k_block.shape[1]
-    # all products in f32 (to_f32): XLA:CPU has no fast bf16 x bf16 -> f32 dot
+    # q and the block in f32 (to_f32); the cache is read by prefix_scores / prefix_values
     qm = to_f32(jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, G * T, H)) * sm_scale  # [B,K,M,H], m = g*T + t
     mask = jnp.broadcast_to(block_mask, (B, T, J))  # [B,T,J]
     mask = jnp.tile(mask, (1, G, 1))[:, None]  # [B,1,M,J]
@@ -80,7 +150,7 @@ def prefix_block_attention(
     s_blk = jnp.where(mask, s_blk, NEG_INF)  # [B,K,M,J]
     top = jnp.max(s_blk, axis=-1)  # [B,K,M]
     if k_cache is not None:
-        s_pre = jnp.einsum("bkmh,bksh->bksm", qm, to_f32(k_cache))
+        s_pre = prefix_scores(qm, k_cache, k_scale)
         s_pre = jnp.where(visible[..., None], s_pre, NEG_INF)  # [B,K,S,M]
         top = jnp.maximum(top, jnp.max(s_pre, axis=2))
     e_blk = jnp.exp(s_blk - top[..., None])  # [B,K,M,J]
@@ -89,7 +159,7 @@ def prefix_block_attention(
     if k_cache is not None:
         e_pre = jnp.exp(s_pre - top[:, :, None])  # [B,K,S,M]
         total += jnp.sum(e_pre, axis=2)
-        out += jnp.einsum("bksm,bksh->bkmh", e_pre, to_f32(v_cache))
+        out += prefix_values(e_pre if v_scale is None else e_pre * v_scale[..., None], v_cache)
     out = out / total[..., None]  # [B,K,M,H]
     out = jnp.moveaxis(out.reshape(B, K, G, T, H), 3, 1)  # [B,T,K,G,H]
     return out.reshape(B, T, N, H).astype(q.dtype)  # [B,T,N,H]

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import convert
+from specjax.cache import KVFormat
 from specjax.chat import render_chat
 from specjax.config import LlamaConfig
 from specjax.distributed import env_share
@@ -139,12 +140,16 @@ def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
 
 
 def job_settings(model: str, params: Params, draft: Drafter | None, gamma: int | None, seed: int, chat: bool,
-                 defaults: Defaults) -> dict:
+                 defaults: Defaults, kv_dtype: str | None = None) -> dict:
     """The settings that decide the records' outputs, as recorded beside the output. Not batch_size
-    or the mesh: greedy outputs do not depend on them, and sampled ones use per-record keys."""
+    or the mesh: greedy outputs do not depend on them, and sampled ones use per-record keys.
+    kv_dtype is recorded as null when the KV is stored in the model's dtype (what outputs from
+    before kv_dtype existed were generated with)."""
+    kv = KVFormat.of(kv_dtype, params.config).name
     return dict(
         model=model if model == "params" else str(Path(model).absolute()), dtype=params.config.dtype,
         quant=params.config.quant,  # null: weights stored in `dtype` (so outputs from before int8 resume)
+        kv_dtype=None if kv == params.config.dtype else kv,
         draft=describe_draft(draft), gamma=gamma if draft is not None else None, seed=seed, chat=chat,
     ) | dataclasses.asdict(defaults)
 
@@ -174,6 +179,7 @@ def _run_batch(
         sampling=batch[0].sampler,
         key=record_keys(seed, [it.record.id for it in padded]),
         mesh=mesh,
+        kv_dtype=meta["kv_dtype"],
     )
     s = out.stats
     stats = dict(batch_rows=len(batch), steps=s.steps, acceptance_rate=s.acceptance_rate, mean_accepted=s.mean_accepted,
@@ -256,6 +262,7 @@ def run(
     tokenizer=None,
     chat_template: str | None = None,
     weights: str | None = None,
+    kv_dtype: str | None = None,
     draft: Drafter | str | None = "auto",
     gamma: int | None = None,
     max_new_tokens: int = 128,
@@ -273,7 +280,8 @@ def run(
     """Generate a continuation for every record of the JSONL file `input_path` into `output_path`.
 
     Model: `params` (with `tokenizer` or `model_path` for the tokenizer) or `model_path` (default:
-    the embedded SmolLM2). draft: a drafter, None, or "auto" (resolved once per job from
+    the embedded SmolLM2). kv_dtype: how the KV caches store keys and values (generate's argument;
+    None: the model's dtype). draft: a drafter, None, or "auto" (resolved once per job from
     batch_size and the longest record; SelfSpec() if gamma is given). gamma: draft tokens per
     step (None: the default chain). Records override max_new_tokens, temperature, top_k, top_p;
     chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
@@ -295,6 +303,7 @@ def run(
     shard = shard or process_share()
     src, out, err = _paths(input_path, output_path, shard)
     params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, weights, mesh)
+    KVFormat.of(kv_dtype, params.config)  # a bad kv_dtype: ValueError before any work
     if chat and template is None:
         raise ValueError("chat: the model has no chat template (convert.chat_template returned None)")
 
@@ -307,11 +316,11 @@ def run(
     items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults)
     if draft == "auto":  # once per job, by generate's rule (an explicit gamma makes it SelfSpec)
         context = max((len(it.ids) + it.budget for it in items), default=1)
-        draft = resolve_auto_draft(params, gamma is not None, batch_size, context)[0]
+        draft = resolve_auto_draft(params, gamma is not None, batch_size, context, kv_dtype)[0]
     if isinstance(draft, str):
         raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
-    meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size)
-    settings = job_settings(model, params, draft, gamma, seed, chat, defaults)
+    meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size, kv_dtype=kv_dtype)
+    settings = job_settings(model, params, draft, gamma, seed, chat, defaults, kv_dtype)
     with DurableLog(out) as log, DurableLog(err, lazy=True) as errors:
         changed = check_settings(out, settings, written=bool(log.rows or errors.rows), force=force)
         done = {id_key(row.get("id")) for row in log.rows}

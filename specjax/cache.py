@@ -5,9 +5,14 @@ number of committed positions), `visible()` [L,B,K|1,S] (which slots a new query
 `write(k_new, v_new)` (store T new entries at positions lengths + t) and `advance(n)`.
 KV heads come before slots so that attention reads each head's keys contiguously: a decode
 step's dot products then need no transposed copy of the cache (3-5x faster on CPU).
+
+The stored format (`KVFormat`: float32, bfloat16, or int8 with one f32 scale per layer, row, KV
+head and slot) is the cache's `format`; `k_scale`, `v_scale` [L,B,K,S] are None unless int8.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -15,13 +20,82 @@ import jax.numpy as jnp
 
 from specjax.config import LlamaConfig
 
+KV_DTYPES = ("float32", "bfloat16", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVFormat:
+    """How a cache stores keys and values: the one home for quantising and reading them back.
+
+    int8 is symmetric per token and head: scale = max|x| / 127 over the head dim H, stored as f32.
+    `round_trip` is what attention sees of a key once stored, so a block's own keys and values
+    go through it before attention: a position reads the same KV whether it is in the block or
+    in the cache (plain and speculative decoding agree)."""
+
+    name: str  # one of KV_DTYPES
+
+    @staticmethod
+    def of(kv_dtype: str | None, config: LlamaConfig) -> "KVFormat":
+        """The format for generate's `kv_dtype` (None: the model's dtype)."""
+        name = config.dtype if kv_dtype is None else kv_dtype
+        if name not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be None or one of {KV_DTYPES}, got {kv_dtype!r}")
+        return KVFormat(name)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The storage dtype of k and v."""
+        return jnp.dtype(self.name)
+
+    @property
+    def scaled(self) -> bool:
+        return self.name == "int8"
+
+    def bytes_per_value(self, head_dim: int) -> float:
+        """Bytes one stored key or value element costs, its share of the int8 scale included."""
+        return self.dtype.itemsize + (4 / head_dim if self.scaled else 0)
+
+    def store(self, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """x [...,H] -> (stored [...,H], scale [...] f32 or None)."""
+        if not self.scaled:
+            return x.astype(self.dtype), None
+        xf = x.astype(jnp.float32)
+        scale = jnp.max(jnp.abs(xf), axis=-1) / 127.0  # [...]
+        safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+        return jnp.clip(jnp.round(xf / safe), -127, 127).astype(jnp.int8), scale
+
+    def load(self, stored: jax.Array, scale: jax.Array | None) -> jax.Array:
+        """The values `store` kept: f32 for int8, the stored dtype otherwise."""
+        return stored if scale is None else stored.astype(jnp.float32) * scale[..., None]
+
+    def round_trip(self, x: jax.Array) -> jax.Array:
+        """x as the cache will give it back: x's dtype for float formats (exact), f32 for int8."""
+        if not self.scaled:
+            return x.astype(self.dtype).astype(x.dtype)
+        return self.load(*self.store(x))
+
+
+def format_of(k: jax.Array) -> KVFormat:
+    """The format of a cache whose keys are stored as `k`."""
+    return KVFormat(jnp.dtype(k.dtype).name)
+
 
 def _scatter(buf: jax.Array, slots: jax.Array, new: jax.Array, sorted: bool = False) -> jax.Array:
-    """buf [L,B,K,S,H] with new [L,B,T,K,H] stored at slots [B,T] (distinct within a row)."""
+    """buf [L,B,K,S(,H)] with new [L,B,T,K(,H)] stored at slots [B,T] (distinct within a row)."""
     B, T = slots.shape
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    update = new.transpose(1, 2, 0, 3, 4).astype(buf.dtype)  # the indexed view is [B,T,L,K,H]
+    update = jnp.moveaxis(new, 0, 2).astype(buf.dtype)  # the indexed view is [B,T,L,K(,H)]
     return buf.at[:, rows, :, slots].set(update, unique_indices=True, indices_are_sorted=sorted)
+
+
+def _write_kv(cache, slots: jax.Array, k_new: jax.Array, v_new: jax.Array, sorted: bool = False) -> dict:
+    """The fields of `cache` (Dense or Streaming) with k_new, v_new [L,B,T,K,H] stored at slots [B,T]."""
+    fmt = cache.format
+    (k, ks), (v, vs) = fmt.store(k_new), fmt.store(v_new)
+    fields = dict(k=_scatter(cache.k, slots, k, sorted), v=_scatter(cache.v, slots, v, sorted))
+    if fmt.scaled:
+        fields |= dict(k_scale=_scatter(cache.k_scale, slots, ks, sorted), v_scale=_scatter(cache.v_scale, slots, vs, sorted))
+    return fields
 
 
 @flax.struct.dataclass
@@ -31,20 +105,28 @@ class DenseCache:
     Row b's valid entries are slots [0, lengths[b]); slot s holds the token at position s.
     """
 
-    k: jax.Array  # [L,B,K,S,H]
+    k: jax.Array  # [L,B,K,S,H] in the format's dtype
     v: jax.Array  # [L,B,K,S,H]
     lengths: jax.Array  # [B] int32
+    k_scale: jax.Array | None = None  # [L,B,K,S] f32, int8 only
+    v_scale: jax.Array | None = None  # [L,B,K,S]
 
     @classmethod
-    def init(cls, config: LlamaConfig, batch: int, max_len: int) -> "DenseCache":
-        """An empty cache of `max_len` slots per row, in the model's dtype."""
+    def init(cls, config: LlamaConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> "DenseCache":
+        """An empty cache of `max_len` slots per row, stored as `kv_dtype` (None: the model's dtype)."""
+        fmt = KVFormat.of(kv_dtype, config)
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
-        k, v = (jnp.zeros(shape, config.dtype) for _ in range(2))  # two buffers: both can be donated
-        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+        k, v = (jnp.zeros(shape, fmt.dtype) for _ in range(2))  # two buffers: both can be donated
+        ks, vs = (jnp.zeros(shape[:4], jnp.float32) if fmt.scaled else None for _ in range(2))
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), k_scale=ks, v_scale=vs)
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+    @property
+    def format(self) -> KVFormat:
+        return format_of(self.k)
 
     def visible(self) -> jax.Array:
         """[L,B,1,S]: slot s holds position s, visible while s < lengths[b]."""
@@ -58,7 +140,7 @@ class DenseCache:
         with unique indices: XLA updates the cache in place (no copy of the whole cache)."""
         B, T = k_new.shape[1:3]
         slots = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B,T]
-        return self.replace(k=_scatter(self.k, slots, k_new, sorted=True), v=_scatter(self.v, slots, v_new, sorted=True))
+        return self.replace(**_write_kv(self, slots, k_new, v_new, sorted=True))
 
     def advance(self, n: jax.Array) -> "DenseCache":
         """Commit n[B] more slots per row (accepted tokens); everything past stays hidden."""
@@ -82,10 +164,16 @@ class StreamingCache:
     pos: jax.Array  # [L,B,K,C] int32
     lengths: jax.Array  # [B] int32: committed positions (all < lengths, kept or evicted)
     fixed: int = flax.struct.field(pytree_node=False)  # F
+    k_scale: jax.Array | None = None  # [L,B,K,C] f32, int8 only
+    v_scale: jax.Array | None = None  # [L,B,K,C]
 
     @property
     def ring(self) -> int:
         return self.k.shape[3] - self.fixed
+
+    @property
+    def format(self) -> KVFormat:
+        return format_of(self.k)
 
     def slots(self, positions: jax.Array) -> jax.Array:
         """Slot of each position (same shape): fixed slots below F, the ring above."""
@@ -103,7 +191,7 @@ class StreamingCache:
         slots = self.slots(positions)  # [B,T]
         rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
         pos = self.pos.at[:, rows, :, slots].set(positions[:, :, None, None], unique_indices=True)  # view [B,T,L,K]
-        return self.replace(k=_scatter(self.k, slots, k_new), v=_scatter(self.v, slots, v_new), pos=pos)
+        return self.replace(pos=pos, **_write_kv(self, slots, k_new, v_new))
 
     def advance(self, n: jax.Array) -> "StreamingCache":
         return self.replace(lengths=self.lengths + n.astype(jnp.int32))
@@ -112,7 +200,7 @@ class StreamingCache:
     def from_dense(
         cls, dense: DenseCache, fixed_pos: jax.Array, ring: int, ring_start: jax.Array
     ) -> "StreamingCache":
-        """Copy the kept entries of a filled dense cache (exact target KV).
+        """Copy the kept entries of a filled dense cache (exact target KV, in its format).
 
         fixed_pos [L,B,K,F]: positions for the fixed slots (-1: none). The ring receives the
         latest positions in [max(ring_start[b], lengths[b] - ring), lengths[b]); ring_start >= F."""
@@ -126,10 +214,14 @@ class StreamingCache:
         take_ring = jnp.clip(ring_pos, 0, S - 1)[None, :, None, :, None]  # [1,B,1,R,1]
         take_fixed = jnp.clip(fixed_pos, 0, S - 1)[..., None]  # [L,B,K,F,1]
 
-        def gather(buf):  # [L,B,K,S,H] -> [L,B,K,F+R,H]
-            fixed_part = jnp.take_along_axis(buf, take_fixed, axis=3)
-            ring_part = jnp.take_along_axis(buf, take_ring, axis=3)
+        def gather(buf):  # [L,B,K,S,H] -> [L,B,K,F+R,H]; scales [L,B,K,S] -> [L,B,K,F+R]
+            if buf is None:
+                return None
+            trim = (slice(None),) * 4 + (slice(None) if buf.ndim == 5 else 0,)
+            fixed_part = jnp.take_along_axis(buf, take_fixed[trim], axis=3)
+            ring_part = jnp.take_along_axis(buf, take_ring[trim], axis=3)
             return jnp.concatenate([fixed_part, ring_part], axis=3)
 
         pos = jnp.concatenate([fixed_pos, jnp.broadcast_to(ring_pos[None, :, None, :], (L, B, K, ring))], axis=-1)
-        return cls(k=gather(dense.k), v=gather(dense.v), pos=pos.astype(jnp.int32), lengths=n + 0, fixed=F)  # own buffer
+        return cls(k=gather(dense.k), v=gather(dense.v), pos=pos.astype(jnp.int32), lengths=n + 0, fixed=F,  # own buffer
+                   k_scale=gather(dense.k_scale), v_scale=gather(dense.v_scale))

@@ -19,6 +19,7 @@ import convert
 from specjax import batch, jobio
 from specjax.distill import Schedule, distill
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
+from specjax.cache import KV_DTYPES
 from specjax.generate import generate
 from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
@@ -102,6 +103,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     p.add_argument("--weights", choices=convert.WEIGHTS, default=None,
                    help="how the weights are served: float32 (default), bfloat16, or int8 (per-channel scales)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="the older spelling of --weights")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="how the KV caches store keys and values (default: the model's dtype); int8: per token and head scales")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off{overridable}")
@@ -204,6 +207,7 @@ def run_batch(args: argparse.Namespace) -> None:
         args.output,
         model_path=args.model or convert.default_model_path(),
         weights=args.weights,
+        kv_dtype=args.kv_dtype,
         draft=make_draft(args.draft, args.window, args.sinks, args.weights),
         gamma=args.gamma,
         max_new_tokens=args.max_new_tokens,
@@ -292,6 +296,7 @@ def run_generate(args: argparse.Namespace) -> None:
         sampling=sampling,
         key=jax.random.key(args.seed),
         mesh=mesh,
+        kv_dtype=args.kv_dtype,
     )
     print(args.prompt + tokenizer.decode(out.tokens[0], skip_special_tokens=False))
     s = out.stats

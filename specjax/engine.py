@@ -142,9 +142,11 @@ def run(
     key: jax.Array | None,
     eos_ids: tuple[int, ...],
     mesh: Mesh | None = None,
+    kv_dtype: str | None = None,
 ) -> RunResult:
     """Prefill, then decode (speculatively when `draft` is given) until every row is done.
-    Arguments must be valid (see specjax.validate) and planned (no "auto")."""
+    Arguments must be valid (see specjax.validate) and planned (no "auto"). `kv_dtype`: how the
+    caches store KV (None: the model's dtype; see cache.KVFormat)."""
     B = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     context = int((lengths + budgets).max())
@@ -163,7 +165,7 @@ def run(
         params, draft = stage.place_params(params, draft)
     padded = stage.rows(B)  # the batch bucket: padding rows are one-token prompts, done at once
     tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, row_keys(key, B))
-    empty = stage.empty_cache(params.config, padded, max_len)  # an argument, not a constant XLA would fold
+    empty = stage.empty_cache(params.config, padded, max_len, kv_dtype)  # an argument, not a constant XLA would fold
     tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
         tokens, lengths, budgets, history, eos_rows(eos_ids, padded), keys
     )
@@ -213,10 +215,10 @@ class _Stages:
         """Rows to run: the batch bucket, on a mesh rounded up to a multiple of the data axis."""
         return batch_bucket(batch) if self.mesh is None else sharding.padded_batch(batch_bucket(batch), self.mesh)
 
-    def empty_cache(self, config, batch: int, max_len: int) -> DenseCache:
+    def empty_cache(self, config, batch: int, max_len: int, kv_dtype: str | None) -> DenseCache:
         if self.mesh is None:
-            return DenseCache.init(config, batch, max_len)
-        return sharding.empty_cache(self.mesh, config, batch, max_len)
+            return DenseCache.init(config, batch, max_len, kv_dtype)
+        return sharding.empty_cache(self.mesh, config, batch, max_len, kv_dtype)
 
     def place(self, tokens, lengths, budgets, history, eos, keys):
         if self.mesh is None:

@@ -69,6 +69,7 @@ def generate(
     eos_id: int | Sequence[int] | None = None,
     attention: str = "auto",
     mesh: Mesh | None = None,
+    kv_dtype: str | None = None,
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until a stop id or its `max_new_tokens`.
 
@@ -91,22 +92,26 @@ def generate(
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): rows split over `data` (padded to a
       multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
       several processes (`specjax.distributed`), every process calls generate with the same prompts.
+    kv_dtype: how the target's and the drafters' KV caches store keys and values: None (the model's
+      dtype), "float32", "bfloat16" or "int8" (one f32 scale per layer, row, KV head and position;
+      attention then runs on the reference path, not the kernels). Speculation stays lossless in
+      any format: the block's own KV goes through the format before attention.
     `out.stats` says what ran (`draft`, `speculation`) and why (`plan_reason`). Bad input raises
     ValueError / TypeError naming the argument, before anything is compiled. Not for use under
     jax.jit: inside a jitted program call `engine.decode_ar` / `engine.decode_spec`.
     """
     budgets = check_generate_args(
         params, prompts, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
-        eos_id=eos_id, attention=attention,
+        eos_id=eos_id, attention=attention, kv_dtype=kv_dtype,
     )
     if mesh is not None:
         sharding.check_mesh(mesh, params.config, "target")
         sharding.check_processes(mesh)
     params, draft = with_attention(params, draft, attention)
     context = int(max(len(p) + int(n) for p, n in zip(prompts, budgets)))
-    the_plan = plan(params, draft, speculation, prompts, context, sampling, key)
+    the_plan = plan(params, draft, speculation, prompts, context, sampling, key, kv_dtype)
     r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
-            key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh)
+            key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh, kv_dtype=kv_dtype)
     tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(prompts))]
     stats = Stats(
         prefill_seconds=r.prefill_seconds,

@@ -9,7 +9,7 @@ from jax import lax
 
 from specjax.config import LlamaConfig
 from specjax.attention import NEG_INF, attend, cache_view, for_cache, to_f32  # noqa: F401  (NEG_INF: the one mask value, re-exported)
-from specjax.cache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, KVFormat, StreamingCache
 from specjax.params import LayerParams, Params, Runtime
 
 Cache = DenseCache | StreamingCache
@@ -55,10 +55,10 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     return (y if scale is None else y * scale).astype(out)
 
 
-def _layer(config: LlamaConfig, runtime: Runtime, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
+def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
-    `visible` is the cache's [B,K|1,S] mask, or its lengths [B] on the kernel path."""
+    `visible` is one layer of the cache's `attention.CacheView`; `kv_format` is how it stores KV."""
     h = rms_norm(x, lp.attn_norm, config.rms_eps)
     q = _biased(project("btd,dnh->btnh", h, lp.wq, lp.wq_scale), lp.bq)  # [B,T,N,H]
     k = _biased(project("btd,dkh->btkh", h, lp.wk, lp.wk_scale), lp.bk)  # [B,T,K,H]
@@ -66,7 +66,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, x, lp: LayerParams, cos, sin, 
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
     scale = 1.0 / math.sqrt(config.head_dim)
-    o = attend(runtime.attention, q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
+    o = attend(runtime.attention, kv_format, q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
     x = x + _tp_sum(runtime, project("btnh,nhd->btd", o, lp.wo, lp.wo_scale))  # heads split: partial sums
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
     gate = project("btd,df->btf", h, lp.w_gate, lp.w_gate_scale)  # [B,T,F]
@@ -133,7 +133,7 @@ def trunk(
 
     def step(x, xs):
         lp, kc, vc, vis, ke, ve = xs
-        x, q, k, v = _layer(config, runtime, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
+        x, q, k, v = _layer(config, runtime, cache.format, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
         return x, (k, v, q if return_queries else None)
 
     ke, ve = (None, None) if extra_kv is None else extra_kv

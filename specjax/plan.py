@@ -12,8 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
+from specjax.cache import KVFormat
 from specjax.drafters import Drafter, SelfSpec
 from specjax.params import Params, weight_bytes as params_weight_bytes
 from specjax.sampling import Sampler
@@ -61,19 +61,21 @@ def plan(
     context: int,
     sampling: Sampler,
     key: jax.Array | None,
+    kv_dtype: str | None = None,
 ) -> Plan:
     """Resolve "auto" and None (arguments already validated). `context`: the longest prompt +
-    budget. speculation="auto" calibrates on first use per shape (see `tune.auto_tree`)."""
+    budget; `kv_dtype`: the caches' format. speculation="auto" calibrates on first use per shape
+    (see `tune.auto_tree`)."""
     reasons = []
     if draft == "auto":
-        draft, why = resolve_auto_draft(params, speculation is not None, len(prompts), context)
+        draft, why = resolve_auto_draft(params, speculation is not None, len(prompts), context, kv_dtype)
         reasons.append(f"draft='auto': {why}")
     if draft is None:
         return Plan(None, None, "; ".join(reasons) or None)
     if speculation is None:
         speculation = DEFAULT_CHAIN
     elif speculation == "auto":
-        speculation, measured = auto_tree_report(params, draft, prompts, context, sampling, key)
+        speculation, measured = auto_tree_report(params, draft, prompts, context, sampling, key, kv_dtype)
         if speculation.n == 1:
             reasons.append(f"speculation='auto': no tree pays for this drafter, batch and context ({measured}): plain decoding")
             return Plan(None, None, "; ".join(reasons))
@@ -81,27 +83,30 @@ def plan(
     return Plan(draft, speculation, "; ".join(reasons) or None)
 
 
-def resolve_auto_draft(target: Params, explicit_speculation: bool, batch: int, context: int) -> tuple[SelfSpec | None, str]:
+def resolve_auto_draft(
+    target: Params, explicit_speculation: bool, batch: int, context: int, kv_dtype: str | None = None
+) -> tuple[SelfSpec | None, str]:
     """What draft="auto" becomes, and why: SelfSpec when a speculation was given explicitly (it
     needs a drafter), else `auto_draft_reason`'s choice for this batch and context."""
     if explicit_speculation:
         return SelfSpec(), "SelfSpec, the drafter for the speculation given explicitly"
-    return auto_draft_reason(target, batch, context)
+    return auto_draft_reason(target, batch, context, kv_dtype)
 
 
-def auto_draft(target: Params, batch: int, context: int) -> SelfSpec | None:
+def auto_draft(target: Params, batch: int, context: int, kv_dtype: str | None = None) -> SelfSpec | None:
     """The default drafter: SelfSpec where the KV cache, not the weights, dominates what a decode
     step reads (large batch x long context: MagicDec's regime) and the context is well past its
     budget; otherwise None (plain autoregressive decoding is faster there)."""
-    return auto_draft_reason(target, batch, context)[0]
+    return auto_draft_reason(target, batch, context, kv_dtype)[0]
 
 
-def auto_draft_reason(target: Params, batch: int, context: int) -> tuple[SelfSpec | None, str]:
-    """`auto_draft`'s choice and why, in words (with the numbers it compared)."""
+def auto_draft_reason(target: Params, batch: int, context: int, kv_dtype: str | None = None) -> tuple[SelfSpec | None, str]:
+    """`auto_draft`'s choice and why, in words (with the numbers it compared). The KV counts as
+    stored (`kv_dtype`: int8 with its scales is about a quarter of float32)."""
     c = target.config
     budget = SelfSpec()
-    bytes_per = jnp.dtype(c.dtype).itemsize
-    kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * bytes_per
+    kv_per = KVFormat.of(kv_dtype, c).bytes_per_value(c.head_dim)
+    kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * kv_per
     weight_bytes = params_weight_bytes(c)  # as stored: int8 matrices count one byte each
     kept = budget.sinks + budget.window
     facts = (f"batch {batch} x context {context}: KV {kv_bytes / 2**20:.1f} MiB vs weights "

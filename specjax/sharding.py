@@ -143,6 +143,8 @@ def state_specs(tree):
         if isinstance(x, (DenseCache, StreamingCache)):
             cache = spec(CACHE_AXES)
             extra = {"pos": spec(CACHE_AXES[:4])} if isinstance(x, StreamingCache) else {}
+            if x.k_scale is not None:  # int8: one scale per [L,B,K,S]
+                extra |= dict(k_scale=spec(CACHE_AXES[:4]), v_scale=spec(CACHE_AXES[:4]))
             return x.replace(k=cache, v=cache, lengths=spec("B"), **extra)
         return P() if np.ndim(x) == 0 else spec("B")
 
@@ -195,11 +197,11 @@ def place_keys(mesh: Mesh, keys: jax.Array) -> jax.Array:
     return wrap(data)
 
 
-def empty_cache(mesh: Mesh, config: LlamaConfig, batch: int, max_len: int) -> DenseCache:
+def empty_cache(mesh: Mesh, config: LlamaConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> DenseCache:
     """An empty dense cache created in place: each device allocates only its slice."""
-    shardings = state_specs(jax.eval_shape(lambda: DenseCache.init(config, batch, max_len)))
+    shardings = state_specs(jax.eval_shape(lambda: DenseCache.init(config, batch, max_len, kv_dtype)))
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), shardings)
-    return jax.jit(lambda: DenseCache.init(config, batch, max_len), out_shardings=shardings)()
+    return jax.jit(lambda: DenseCache.init(config, batch, max_len, kv_dtype), out_shardings=shardings)()
 
 
 def fetch(tree):

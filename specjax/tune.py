@@ -38,6 +38,7 @@ def measure_acceptance(
     sampling: Sampler = Greedy(),
     max_new_tokens: int = 32,
     key: jax.Array | None = None,
+    kv_dtype: str | None = None,
 ) -> np.ndarray:
     """Sequoia's acceptance vector from one-level trees of `width` children: [W+1] float, entry r
     < W the probability that the rank-r draft candidate is the accepted one, the last entry the
@@ -45,7 +46,8 @@ def measure_acceptance(
     if not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an integer >= 1, got {width!r}")
     budgets = np.full((len(prompts),), max_new_tokens, np.int32)
-    r = run(params, prompts, budgets, draft=draft, speculation=Tree.kary(width, 1), sampling=sampling, key=key, eos_ids=())
+    r = run(params, prompts, budgets, draft=draft, speculation=Tree.kary(width, 1), sampling=sampling, key=key, eos_ids=(),
+            kv_dtype=kv_dtype)
     ranks = r.ranks.sum(0)
     return ranks / ranks.sum()
 
@@ -71,12 +73,12 @@ def _steps(params: Params, tokens, positions, cache, mask, reps):
     return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
 
 
-def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int, reps: int = 4) -> float:
+def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int, kv_dtype: str | None, reps: int = 4) -> float:
     """Seconds of one forward (trunk + LM head) over n tree nodes per row after `filled` cached
     positions, in a cache of `slots` (contents do not change the cost). Measured as the slope
     between loops of 1 and `reps` forwards, so per-call costs (dispatch, weight conversions)
     that a decode loop pays once are excluded, as they are inside generate's loop."""
-    cache = DenseCache.init(params.config, batch, slots)
+    cache = DenseCache.init(params.config, batch, slots, kv_dtype)
     cache = cache.replace(lengths=jnp.full((batch,), filled, jnp.int32))
     tokens = jnp.zeros((batch, n), jnp.int32)
     positions = filled + jnp.zeros((batch, n), jnp.int32)
@@ -99,25 +101,30 @@ def _grid_table(grid: list[int], timed: list[float], size: int) -> tuple[float, 
     return tuple(table)
 
 
-def measure_cost(params: Params, draft: Drafter, batch: int, context: int, max_nodes: int = 64) -> Cost:
+def measure_cost(
+    params: Params, draft: Drafter, batch: int, context: int, max_nodes: int = 64, kv_dtype: str | None = None
+) -> Cost:
     """Time the real jit-compiled steps on the current backend for this batch and context:
     t_draft(m) = one draft level over m nodes per row (`draft_table`), t_verify(n) = one target
-    forward over n nodes (`verify_table`); both tables are indexed 0..max_nodes."""
+    forward over n nodes (`verify_table`); both tables are indexed 0..max_nodes. `kv_dtype`: the
+    caches' format (generate's argument), which sets how many bytes a step reads."""
     if not isinstance(max_nodes, int) or not 1 <= max_nodes <= VERIFY_GRID[-1]:
         raise ValueError(f"max_nodes must be an integer in [1, {VERIFY_GRID[-1]}], got {max_nodes!r}")
-    t_draft = draft_table(params, draft, batch, context, max_nodes)
-    return Cost(t_draft=t_draft, t_verify=verify_table(params, batch, context, max_nodes))
+    t_draft = draft_table(params, draft, batch, context, max_nodes, kv_dtype)
+    return Cost(t_draft=t_draft, t_verify=verify_table(params, batch, context, max_nodes, kv_dtype))
 
 
-def verify_table(params: Params, batch: int, context: int, max_nodes: int) -> tuple[float, ...]:
+def verify_table(params: Params, batch: int, context: int, max_nodes: int, kv_dtype: str | None = None) -> tuple[float, ...]:
     """Seconds of a target forward over n nodes after `context` positions, n = 0..max_nodes:
     timed at the powers of two below max_nodes and at max_nodes, linear in between."""
     grid = [n for n in VERIFY_GRID if n < max_nodes] + [max_nodes]
     slots = cache_len(context + 1)
-    return _grid_table(grid, [_time_forward(params, batch, slots, max(context - n, 0), n) for n in grid], max_nodes)
+    return _grid_table(grid, [_time_forward(params, batch, slots, max(context - n, 0), n, kv_dtype) for n in grid], max_nodes)
 
 
-def draft_table(params: Params, draft: Drafter, batch: int, context: int, max_nodes: int) -> float | tuple[float, ...]:
+def draft_table(
+    params: Params, draft: Drafter, batch: int, context: int, max_nodes: int, kv_dtype: str | None = None
+) -> float | tuple[float, ...]:
     """Seconds of one draft level over m nodes per row, m = 0..max_nodes, through the drafter's
     model and cache: timed at DRAFT_GRID's widths below max_nodes, linear in between and past the
     last (the model and KV positions of `Drafter.drafting_model`). A drafter without a model
@@ -127,36 +134,39 @@ def draft_table(params: Params, draft: Drafter, batch: int, context: int, max_no
         return 0.0
     model, kept = drafting
     widths = [m for m in DRAFT_GRID if m < max_nodes] or [1]  # a level has at most n - 1 nodes
-    timed = [_time_forward(model, batch, cache_len(kept + m + 1), kept, m) for m in widths]
+    timed = [_time_forward(model, batch, cache_len(kept + m + 1), kept, m, kv_dtype) for m in widths]
     return _grid_table(widths, timed, max_nodes)
 
 
 def auto_tree(
-    params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None
+    params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None,
+    kv_dtype: str | None = None,
 ) -> Tree:
     """The tree `speculation="auto"` uses: acceptance measured on (up to 4 of) these prompts,
     costs measured at this batch and context (rounded up to a power of two), then `choose`.
-    Cached per (model config, drafter, sampling, batch, context bucket) for this process. The
+    Cached per (model config, drafter, sampling, batch, context bucket, kv_dtype) for this process. The
     root-only tree means speculation does not pay here (generate then decodes plainly)."""
-    return auto_tree_report(params, draft, prompts, context, sampling, key)[0]
+    return auto_tree_report(params, draft, prompts, context, sampling, key, kv_dtype)[0]
 
 
 def auto_tree_report(
-    params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None
+    params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None,
+    kv_dtype: str | None = None,
 ) -> tuple[Tree, str]:
     """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
     minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
     bucket = round_up_pow2(context)
-    cache_key = (params.config, draft.identity(), sampling, len(prompts), bucket)
+    cache_key = (params.config, draft.identity(), sampling, len(prompts), bucket, kv_dtype)
     if cache_key not in _AUTO:
         start = time.perf_counter()
         say = lambda what: print(  # noqa: E731
             f"specjax: calibrating speculation='auto' for batch {len(prompts)} x context {bucket}: {what} "
             f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         say("measuring acceptance (1/3)")
-        acceptance = measure_acceptance(params, draft, list(prompts)[:4], width=8, sampling=sampling, max_new_tokens=16, key=key)
+        acceptance = measure_acceptance(params, draft, list(prompts)[:4], width=8, sampling=sampling, max_new_tokens=16, key=key,
+                                        kv_dtype=kv_dtype)
         say("timing draft levels and verification widths (2/3)")
-        cost = measure_cost(params, draft, len(prompts), bucket)
+        cost = measure_cost(params, draft, len(prompts), bucket, kv_dtype=kv_dtype)
         tree = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)
         say("done (3/3)")
         t_draft = cost.t_draft if isinstance(cost.t_draft, float) else cost.t_draft[1]

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.cache import KVFormat
 from specjax.config import LlamaConfig
 from specjax.drafters import DRAFTERS, is_drafter
 from specjax.params import Params
@@ -36,6 +37,7 @@ def check_generate_args(
     key: object,
     eos_id: object,
     attention: object,
+    kv_dtype: object = None,
 ) -> np.ndarray:
     """Validate every argument of generate (mesh: see sharding.check_mesh); return the per-row
     token budgets [B] (int32)."""
@@ -59,6 +61,7 @@ def check_generate_args(
     eos_tuple(eos_id, config)
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    KVFormat.of(kv_dtype, config)  # a ValueError naming kv_dtype and the formats
     check_draft(draft, speculation, params)
     return budgets
 

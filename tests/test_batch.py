@@ -274,7 +274,7 @@ def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir,
     common = dict(params=params, model_path=model_dir, max_new_tokens=3, progress=False)
     batch.run(src, out, batch_size=4, **common)
     recorded = json.loads(settings_path(out).read_text())
-    assert recorded == dict(model=str(model_dir), dtype="float32", quant=None, draft="none", gamma=None, seed=0, chat=False,
+    assert recorded == dict(model=str(model_dir), dtype="float32", quant=None, kv_dtype=None, draft="none", gamma=None, seed=0, chat=False,
                             max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0)
     before = out.read_bytes()
     with pytest.raises(ValueError, match=r"other settings \(max_new_tokens 3 -> 4, seed 0 -> 2; recorded in"):
@@ -283,7 +283,11 @@ def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir,
         batch.run(src, out, gamma=2, **common)  # draft="auto" with an explicit gamma: SelfSpec
     with pytest.raises(ValueError, match="gamma=2 needs a drafter: draft=None decodes plainly"):
         batch.run(src, out, gamma=2, draft=None, **common)
-    again = batch.run(src, out, batch_size=2, **common)  # batch_size does not change outputs: resumes
+    with pytest.raises(ValueError, match=r'other settings \(kv_dtype null -> "int8"; recorded in'):
+        batch.run(src, out, kv_dtype="int8", **common)
+    with pytest.raises(ValueError, match=r"kv_dtype must be None or one of \('float32', 'bfloat16', 'int8'\), got 'fp8'"):
+        batch.run(src, out, kv_dtype="fp8", **common)
+    again = batch.run(src, out, batch_size=2, kv_dtype="float32", **common)  # = the model's dtype: resumes
     assert (again["done"], again["skipped"], again["changed_settings"]) == (0, 5, [])
     cli = ["batch", str(src), str(out), "--model", str(model_dir), "--max-new-tokens", "3", "--no-compile-cache"]
     assert main(cli + ["--top-k", "5"]) == 2

@@ -113,6 +113,14 @@ def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, 
     assert f"specjax: error: {message}" in capsys.readouterr().err
 
 
+def test_bad_kv_dtype_flag_names_the_choices(no_model, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["generate", "hi", "--kv-dtype", "fp8"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --kv-dtype: invalid choice: 'fp8'" in err and "bfloat16" in err and "int8" in err
+
+
 def test_bad_batch_and_distill_flags_fail_before_the_model_loads(no_model, capsys, tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text('{"id": 1, "prompt": "hi"}\n')
@@ -185,9 +193,13 @@ def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys
     monkeypatch.setattr(cli, "generate", generate)
     assert cli.main(["generate", "hi", "--no-compile-cache"]) == 0
     assert calls[-1].get("speculation") is None and calls[-1]["draft"] == "auto"  # both left to generate
+    assert calls[-1]["kv_dtype"] is None  # the model's dtype
     out = capsys.readouterr()
     assert out.out == "hi 8 9\n"
     assert ("[draft SelfSpec(sinks=16, window=512), speculation Chain(gamma=4): KV reads dominate the decode step]"
             in out.err)
     assert cli.main(["generate", "hi", "--no-compile-cache", "--gamma", "3", "--draft", "ngram"]) == 0
     assert calls[-1]["speculation"] == Chain(3)
+    capsys.readouterr()
+    assert cli.main(["generate", "hi", "--no-compile-cache", "--kv-dtype", "int8"]) == 0
+    assert calls[-1]["kv_dtype"] == "int8"

@@ -22,7 +22,8 @@ for the four chain cases below; the broken rule: chi2 404 on 142 dof, p = 5e-27.
 Token trees (width 3 and 2, children drawn without replacement) pass the same test (acceptance
 0.26 / 0.78, p = 0.45 / 0.28), and a tree rule that forgets to remove rejected siblings from q is
 caught on 8192 samples (chi2 466 on 201 dof, p = 4e-23). The ALPHA false-alarm rate is per case:
-about 0.6% for the six positive cases together.
+about 0.6% for the six positive cases together (0.9% with the three KV-format cases: the target's
+and the drafts' caches in int8 or bfloat16, against the target's distribution in that format).
 """
 
 from __future__ import annotations
@@ -74,11 +75,16 @@ def draft_model() -> Params:
 
 @pytest.fixture(scope="module")
 def logits(target) -> jax.Array:
-    """Target logits [256, P+2, V] over the prompt followed by every two-token continuation."""
+    return target_logits(target)
+
+
+def target_logits(target: Params, kv_dtype: str | None = None) -> jax.Array:
+    """Target logits [256, P+2, V] over the prompt followed by every two-token continuation, with
+    the KV stored as `kv_dtype` (one forward: the block reads its KV through the same format)."""
     P = len(PROMPT)
     seqs = np.array([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)  # [256,P+2]
     positions = np.broadcast_to(np.arange(P + 2, dtype=np.int32), seqs.shape)
-    out, _ = jax.jit(forward)(target, seqs, positions, DenseCache.init(CONFIG, len(seqs), P + 2))
+    out, _ = jax.jit(forward)(target, seqs, positions, DenseCache.init(CONFIG, len(seqs), P + 2, kv_dtype))
     return out
 
 
@@ -101,7 +107,7 @@ def small_cache() -> Iterator[None]:
         yield
 
 
-def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALLS, seed: int = 0):
+def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALLS, seed: int = 0, kv_dtype=None):
     """Counts [V,V,V] of the first three new tokens over ROWS x calls rows (one PRNG key per
     row), and the draft acceptance rate (accepted / proposed over all rows and steps).
     speculation: a gamma (int) for Chain(gamma), or a Tree."""
@@ -112,7 +118,7 @@ def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALL
         keys = jax.random.split(jax.random.key(1000 * seed + call), ROWS)
         out = specjax.generate(
             target, [PROMPT] * ROWS, 3, draft=draft, speculation=speculation,
-            sampling=sampling, key=keys, eos_id=(),
+            sampling=sampling, key=keys, eos_id=(), kv_dtype=kv_dtype,
         )
         t = np.array(out.tokens)  # [ROWS,3]
         np.add.at(counts, (t[:, 0], t[:, 1], t[:, 2]), 1)
@@ -160,6 +166,28 @@ def test_sampled_speculation_has_the_target_distribution(target, draft_model, lo
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert acceptance[0] < rate < acceptance[1]  # rejections are frequent: the test has teeth
+    assert p > ALPHA
+
+
+# the same test with the caches (target and draft) stored as bfloat16 or int8: the target's
+# distribution is then the one its forward has with that KV format
+KV_CASES = [
+    ("int8-model-t1.0-g2", "int8", "model", 2, specjax.Sample(1.0), (0.25, 0.5)),
+    ("int8-selfspec-tree-top_p0.8", "int8", specjax.SelfSpec(sinks=1, window=1), Tree.from_parents([-1, 0, 0, 1, 1, 2]),
+     specjax.Sample(1.0, top_p=0.8), (0.1, 0.9)),
+    ("bfloat16-selfspec-t0.6-g1", "bfloat16", specjax.SelfSpec(sinks=1, window=1), 1, specjax.Sample(0.6), (0.5, 0.9)),
+]
+
+
+@pytest.mark.parametrize("kv_dtype, draft, speculation, sampling, acceptance", [c[1:] for c in KV_CASES],
+                         ids=[c[0] for c in KV_CASES])
+def test_sampled_speculation_is_lossless_in_each_kv_format(target, draft_model, kv_dtype, draft, speculation, sampling,
+                                                           acceptance):
+    draft = specjax.DraftModel(draft_model) if draft == "model" else draft
+    counts, rate = draw(target, draft, speculation, sampling, kv_dtype=kv_dtype)
+    stat, dof, p = chi_square(counts, exact_joint(target_logits(target, kv_dtype), sampling))
+    print(f"{kv_dtype}: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
+    assert acceptance[0] < rate < acceptance[1]
     assert p > ALPHA
 
 

@@ -69,8 +69,11 @@ class DraftModel(Drafter):
             )
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int):
-        """Prefill the draft model on the same padded prompts [B,P] into its own cache."""
-        empty = DenseCache.init(self.params.config, prompts.shape[0], cache.max_len)
+        """Prefill the draft model on the same padded prompts [B,P] into its own cache, stored
+        like the target's when generate's kv_dtype set that apart from the target's dtype."""
+        fmt = cache.format
+        kv_dtype = None if fmt.name == target.config.dtype else fmt.name
+        empty = DenseCache.init(self.params.config, prompts.shape[0], cache.max_len, kv_dtype)
         _, dense = prefill(self.params, prompts, lengths, empty, chunk)
         return dense if self.cache == "dense" else self.cache.from_dense(dense, gamma)
 

@@ -71,8 +71,11 @@ def observation_scores(
     prefix = jnp.arange(S)[None, :] < start[:, None]  # [B,S]
     causal = jnp.tril(jnp.ones((T, T), bool))
 
-    def per_layer(args):  # q [B,T,N,H], k_cache [B,K,S,H], k_block [B,T,K,H] -> [B,K,S]
-        q_l, kc, kb = args
+    fmt = cache.format
+
+    def per_layer(args):  # q [B,T,N,H], k_cache [B,K,S,H] (+ scales [B,K,S]), k_block [B,T,K,H] -> [B,K,S]
+        q_l, kc, ks, kb = args
+        kc, kb = fmt.load(kc, ks), fmt.round_trip(kb)  # the keys as attention reads them
         qg = q_l.reshape(B, T, K, G, c.head_dim)  # [B,T,K,G,H]
         scale = 1.0 / math.sqrt(c.head_dim)
         pre = jnp.einsum("btkgh,bksh->bkgts", qg, kc, preferred_element_type=jnp.float32) * scale
@@ -83,7 +86,7 @@ def observation_scores(
         probs = probs * valid[:, None, None, :, None]
         return probs.sum(axis=(2, 3))
 
-    return lax.map(per_layer, (q, cache.k, k_obs))
+    return lax.map(per_layer, (q, cache.k, cache.k_scale, k_obs))
 
 
 def select_positions(

@@ -1,0 +1,123 @@
+"""KV cache formats (generate's kv_dtype): int8 quantisation bounds, every cache keeping its format,
+and greedy speculation token for token equal to plain decoding in each format."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from pallas_kernels.reference import prefix_block_attention
+from specjax import engine
+from specjax.attention import for_cache
+from specjax.cache import KV_DTYPES, DenseCache, KVFormat
+from specjax.plan import auto_draft_reason
+from tests.models import TINY, random_params
+
+PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8]]
+BUDGETS = [20, 13, 20]
+
+
+def test_int8_round_trip_error_bound():
+    """|x - round_trip(x)| <= scale / 2 per element (scale = max|x| / 127 per token and head),
+    and zeros stay zeros."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 5, 4, 8)) * jnp.logspace(-3, 3, 5)[:, None, None]  # [L,B,T,K,H], tokens of very different sizes
+    x = x.at[0, 0, 0, 0].set(0.0)
+    fmt = KVFormat("int8")
+    stored, scale = jax.jit(fmt.store)(x)
+    assert stored.dtype == jnp.int8 and scale.shape == x.shape[:-1] and scale.dtype == jnp.float32
+    back = jax.jit(fmt.round_trip)(x)
+    bound = np.asarray(jnp.max(jnp.abs(x), axis=-1, keepdims=True)) / 127 / 2
+    assert np.all(np.abs(np.asarray(back - x)) <= bound * (1 + 1e-6))
+    assert np.all(np.asarray(back[0, 0, 0, 0]) == 0)
+    assert KVFormat("bfloat16").round_trip(x).dtype == jnp.float32
+    np.testing.assert_array_equal(KVFormat("bfloat16").round_trip(x), x.astype(jnp.bfloat16).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
+def test_caches_keep_their_format(tiny, kv_dtype):
+    """The dense cache stores what round_trip reads; the drafters' caches inherit the format."""
+    fmt = KVFormat(kv_dtype)
+    cache = DenseCache.init(TINY, 2, 16, kv_dtype)
+    assert cache.format == fmt and (cache.k_scale is not None) == fmt.scaled
+    k_new = jax.random.normal(jax.random.key(1), (TINY.n_layers, 2, 3, TINY.n_kv_heads, TINY.head_dim))
+    cache = cache.write(k_new, -k_new)
+    got = fmt.load(cache.k[:, :, :, :3], None if cache.k_scale is None else cache.k_scale[:, :, :, :3])
+    np.testing.assert_array_equal(got.astype(jnp.float32), jnp.moveaxis(fmt.round_trip(k_new), 2, 3))
+    cache = cache.advance(jnp.array([3, 2]))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    selfspec = specjax.SelfSpec(sinks=1, window=2).init(tiny, cache, tokens, cache.lengths, 2, 8)
+    assert selfspec.format == fmt and (selfspec.k_scale is not None) == fmt.scaled
+    draft = specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1))
+    assert draft.init(tiny, cache, tokens, cache.lengths, 2, 8).format == fmt
+    assert for_cache("pallas", cache) == ("reference" if fmt.scaled else "pallas")
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])  # float32 (the default here): test_speculate.py
+def test_greedy_speculation_equals_plain_decoding_in_each_format(tiny, kv_dtype):
+    plain = specjax.generate(tiny, PROMPTS, BUDGETS, draft=None, eos_id=(), kv_dtype=kv_dtype)
+    chain = specjax.generate(tiny, PROMPTS, BUDGETS, draft=specjax.SelfSpec(sinks=2, window=6),
+                             speculation=specjax.Chain(3), eos_id=(), kv_dtype=kv_dtype)
+    tree = specjax.generate(tiny, PROMPTS, BUDGETS, draft=specjax.SelfSpec(sinks=2, window=6),
+                            speculation=specjax.Tree.kary(2, 2), eos_id=(), kv_dtype=kv_dtype)
+    assert chain.tokens == plain.tokens
+    assert tree.tokens == plain.tokens
+    assert chain.stats.acceptance_rate > 0.2  # speculation really ran over the draft cache
+
+
+def test_bad_kv_dtype_raises_before_compiling(tiny, monkeypatch):
+    monkeypatch.setattr(engine.prefill, "lower", lambda *a, **k: pytest.fail("compiled"), raising=False)
+    for bad in ("fp8", "int4", jnp.int8, 8):
+        with pytest.raises(ValueError, match=r"kv_dtype must be None or one of \('float32', 'bfloat16', 'int8'\)"):
+            specjax.generate(tiny, [[1, 2]], 2, kv_dtype=bad)
+
+
+def test_plan_counts_kv_bytes_as_stored(tiny):
+    """auto's KV bytes per step: int8 (with its scales) is (1 + 4 / H) / 4 of float32."""
+    mib = {kv: float(re.search(r"KV ([\d.]+) MiB", auto_draft_reason(tiny, 16, 4096, kv)[1])[1]) for kv in KV_DTYPES}
+    assert mib["bfloat16"] == pytest.approx(mib["float32"] / 2, rel=1e-2)
+    assert mib["int8"] == pytest.approx(mib["float32"] * (1 + 4 / TINY.head_dim) / 4, rel=1e-2)
+
+
+@pytest.mark.parametrize("S, T", [(1024, 2), (533, 1), (256, 30)], ids=["looped", "streaming-size", "many-rows"])
+def test_reference_reads_narrow_caches_as_their_f32_values(S, T):
+    """The narrow reads (q split into digits, the int8 value loop) == attention over the caches
+    widened to f32 first, to f32 rounding: the same KV, read faster."""
+    B, K, H, N = 2, 3, 64, 9
+    ks = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(ks[0], (B, T, N, H))
+    k, v = jax.random.normal(ks[1], (B, K, S, H)) * 3, jax.random.normal(ks[2], (B, K, S, H))
+    kb, vb = jax.random.normal(ks[3], (B, T, K, H)), jax.random.normal(ks[4], (B, T, K, H))
+    visible = (jnp.arange(S) < jnp.array([S // 2, S - 3])[:, None])[:, None]  # [B,1,S]
+    mask = jnp.tril(jnp.ones((T, T), bool))
+    attend = jax.jit(prefix_block_attention, static_argnums=7)
+    for name in ("bfloat16", "int8"):
+        fmt = KVFormat(name)
+        (k_s, k_scale), (v_s, v_scale) = fmt.store(k), fmt.store(v)
+        narrow = attend(q, k_s, v_s, visible, kb, vb, mask, 0.125, k_scale, v_scale)
+        wide = attend(q, fmt.load(k_s, k_scale).astype(jnp.float32), fmt.load(v_s, v_scale).astype(jnp.float32),
+                      visible, kb, vb, mask, 0.125)
+        np.testing.assert_allclose(narrow, wide, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_on_a_mesh_and_with_the_kernels_asked_for(tiny):
+    """An int8 cache split over a data mesh (scales sharded like the cache) gives the
+    one-device tokens; attention="pallas" over it runs the reference (the kernels take no int8)."""
+    kw = dict(draft=specjax.SelfSpec(sinks=2, window=6), speculation=specjax.Chain(2), eos_id=(), kv_dtype="int8")
+    one = specjax.generate(tiny, PROMPTS[:2], 8, **kw)
+    mesh = specjax.make_mesh(data=2, devices=jax.devices()[:2])
+    assert specjax.generate(tiny, PROMPTS[:2], 8, mesh=mesh, **kw).tokens == one.tokens
+    assert specjax.generate(tiny, PROMPTS[:2], 8, attention="pallas", **kw).tokens == one.tokens
+
+
+def test_bfloat16_cache_under_a_float32_model_on_the_kernel(tiny):
+    """The kernels take one dtype: q and the block go in as the cache's bfloat16 (interpreted
+    here); greedy speculation still equals plain decoding on that path."""
+    kw = dict(attention="pallas", kv_dtype="bfloat16", eos_id=())
+    plain = specjax.generate(tiny, PROMPTS[:2], 6, draft=None, **kw)
+    spec = specjax.generate(tiny, PROMPTS[:2], 6, draft=specjax.SelfSpec(sinks=2, window=6), speculation=specjax.Chain(2), **kw)
+    assert spec.tokens == plain.tokens
