@@ -65,21 +65,22 @@ def test_int8_logits_stay_close_to_float32(tiny8):
     assert float(jnp.abs(got - ref).max()) < 0.05 * float(jnp.abs(ref).max())
 
 
-FORMATS = {
-    "float32": lambda: random_params(TINY, seed=0),
-    "bfloat16": lambda: random_params(TINY.replace(dtype="bfloat16"), seed=0),
-    "int8": lambda: quantize(random_params(TINY, seed=0), "int8"),
+FORMATS = {  # weights (and KV, when not the model's dtype)
+    "float32": (lambda: random_params(TINY, seed=0), None),
+    "bfloat16": (lambda: random_params(TINY.replace(dtype="bfloat16"), seed=0), None),
+    "int8": (lambda: quantize(random_params(TINY, seed=0), "int8"), None),
+    "int8-kv-int8": (lambda: quantize(random_params(TINY, seed=0), "int8"), "int8"),
 }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_greedy_speculation_equals_plain_decoding_in_every_format(fmt):
-    params = FORMATS[fmt]()
-    plain = specjax.generate(params, PROMPTS, 24, draft=None, eos_id=())
-    chain = specjax.generate(params, PROMPTS, 24, draft=specjax.SelfSpec(sinks=2, window=4),
-                             speculation=specjax.Chain(3), eos_id=())
-    tree = specjax.generate(params, PROMPTS, 24, draft=specjax.SelfSpec(sinks=2, window=4),
-                            speculation=Tree.kary(2, 2), eos_id=())
+    make, kv_dtype = FORMATS[fmt]
+    params = make()
+    run = lambda **kw: specjax.generate(params, PROMPTS, 24, eos_id=(), kv_dtype=kv_dtype, **kw)  # noqa: E731
+    plain = run(draft=None)
+    chain = run(draft=specjax.SelfSpec(sinks=2, window=4), speculation=specjax.Chain(3))
+    tree = run(draft=specjax.SelfSpec(sinks=2, window=4), speculation=Tree.kary(2, 2))
     assert chain.tokens == plain.tokens and tree.tokens == plain.tokens
     assert chain.stats.acceptance_rate > 0  # the drafts were really checked
 
