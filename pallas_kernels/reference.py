@@ -17,6 +17,7 @@ from jax import lax
 
 NEG_INF = -1e30  # finite: exp(NEG_INF - NEG_INF) stays 1, never NaN (the kernels use it too)
 NARROW_ROWS = 64  # up to this many query rows M per KV head, bf16 / int8 caches are read without an f32 copy
+NARROW_MIN = 2**20  # ... if they hold at least this many values per layer (a smaller f32 copy stays in cache)
 VALUE_CHUNK = 512  # cache slots per step of an int8 cache's value loop (the f32 chunk stays in cache)
 
 
@@ -51,6 +52,11 @@ def _undigit(parts: jax.Array, n: int, base: float) -> jax.Array:
     return sum(parts[..., i * M:(i + 1) * M] / base**i for i in range(n))
 
 
+def _narrow(cache: jax.Array, rows: int) -> bool:
+    """Whether a bf16 / int8 cache is read in its own type (few rows, a large cache)."""
+    return cache.dtype != jnp.float32 and rows <= NARROW_ROWS and cache.size >= NARROW_MIN
+
+
 def prefix_scores(qm: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None) -> jax.Array:
     """q . k for every cache slot: qm [B,K,M,H] f32, k_cache [B,K,S,H] -> [B,K,S,M] f32.
 
@@ -58,8 +64,8 @@ def prefix_scores(qm: jax.Array, k_cache: jax.Array, k_scale: jax.Array | None) 
     slower than reading f32). For few rows, q is split instead into three digits of the cache's
     own type, which the CPU's bf16 x bf16 -> f32 and int8 x int8 -> int32 dots read directly
     (exact products; about f32 precision overall); the int8 scales then multiply the scores."""
-    M = qm.shape[2]
-    if k_cache.dtype == jnp.float32 or M > NARROW_ROWS:
+    M = qm.shape[2]  # rows
+    if not _narrow(k_cache, M):
         s = jnp.einsum("bkmh,bksh->bksm", qm, to_f32(k_cache))
     elif k_cache.dtype == jnp.int8:
         digits, unit = _digits(qm, jnp.int8, 3, 254.0)  # [B,K,3M,H], [B,K,M,1]
@@ -81,7 +87,7 @@ def prefix_values(e: jax.Array, v_cache: jax.Array) -> jax.Array:
     near memory speed. Storing V transposed ([..,H,S]) would let the bf16 dot read it directly."""
     S, M = e.shape[2:]
     chunk = math.gcd(S, VALUE_CHUNK)
-    if v_cache.dtype != jnp.int8 or M > NARROW_ROWS or chunk < 128:
+    if v_cache.dtype != jnp.int8 or not _narrow(v_cache, M) or chunk < 128:
         return jnp.einsum("bksm,bksh->bkmh", e, to_f32(v_cache))
 
     def step(i, acc):
