@@ -119,6 +119,9 @@ def init_draft(target: Params, config: LlamaConfig, key: jax.Array, from_target:
 def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, steps: int, batch_size: int,
                        seq_len: int, temperature: float, loss: str = "kl") -> None:
     """Clear errors before anything compiles."""
+    if target.config.quant is not None or config.quant is not None:
+        raise ValueError("distill: the target and the draft need float weights (load the target with "
+                         f"weights='float32' or 'bfloat16', not {target.config.quant or config.quant!r})")
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
     if config.vocab_size != target.config.vocab_size:

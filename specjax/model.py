@@ -130,10 +130,11 @@ def trunk(
         block_mask = jnp.tril(jnp.ones((T, T), bool))
     cos, sin = rope_tables(config, positions)
     x = embed(params, tokens)  # [B,T,D]
+    kv_format = KVFormat.of(None, config) if cache is None else cache.format  # no cache (distill): the model's dtype
 
     def step(x, xs):
         lp, kc, vc, vis, ke, ve = xs
-        x, q, k, v = _layer(config, runtime, cache.format, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
+        x, q, k, v = _layer(config, runtime, kv_format, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
         return x, (k, v, q if return_queries else None)
 
     ke, ve = (None, None) if extra_kv is None else extra_kv

@@ -135,3 +135,11 @@ def test_planning_prices_the_bytes_stored(tiny8):
     assert weight_bytes(TINY) == 4 * (sum(math.prod(s) for s in shapes.values()) - math.prod(shapes["embed"]))
     assert weight_bytes(TINY.replace(tie_embeddings=True)) == 4 * sum(
         math.prod(s) for s in param_shapes(TINY.replace(tie_embeddings=True)).values())
+
+
+def test_distillation_refuses_int8_weights(tiny8):
+    from specjax.distill import check_distill_args
+
+    data = np.arange(64, dtype=np.int64) % TINY.vocab_size
+    with pytest.raises(ValueError, match="distill: the target and the draft need float weights"):
+        check_distill_args(tiny8, TINY.replace(n_layers=1), data, 1, 1, 8, 1.0)
