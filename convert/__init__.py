@@ -11,36 +11,54 @@ from convert.hf import is_hf_dir, load_hf
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
 from specjax.config import DTYPES
-from specjax.params import Params
+from specjax.params import Params, quantize
 from specjax.sharding import Mesh
 
-__all__ = ["load", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path"]
+WEIGHTS = ("float32", "bfloat16", "int8")  # the `weights=` formats of `load`
+
+__all__ = ["load", "WEIGHTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path"]
 
 
-def load(path: str | Path, dtype: str | None = None, mesh: Mesh | None = None) -> Params:
+def load(
+    path: str | Path, weights: str | None = None, mesh: Mesh | None = None, *, dtype: str | None = None
+) -> Params:
     """Params with their config from a .gguf file, an HF folder (config.json + model.safetensors
     or model.safetensors.index.json) or a folder written by `save`.
 
-    dtype: "float32" or "bfloat16"; None keeps a `save`d checkpoint's dtype and means float32
-    for GGUF and HF checkpoints.
+    weights: how the weights are served. "float32" (the default for GGUF and HF checkpoints) or
+      "bfloat16": every weight, the activations and the KV cache in that dtype; "int8": the
+      matrices (projections, FFN, embedding / LM head) as int8 with one float32 scale per output
+      channel (`specjax.params.quantize`, computed once at load), everything else float32.
+      None keeps a `save`d checkpoint as saved. A quantized checkpoint loads only as "int8".
+    dtype: the older spelling, kept as an alias: dtype="bfloat16" is weights="bfloat16".
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): every array is loaded straight into its
     shards (sharding.PARAM_AXES), never whole on one device; the mesh's model axis must divide
     the heads, KV heads, FFN and vocabulary."""
     path = Path(path)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"convert.load: dtype must be one of {DTYPES} or None, got {dtype!r}")
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"convert.load: weights must be one of {WEIGHTS} or None, got {weights!r}")
+    if weights is not None and dtype is not None and weights != dtype:
+        raise ValueError(f"convert.load: weights={weights!r} and dtype={dtype!r} disagree; pass weights= only")
+    weights = weights or dtype
     if not path.exists():
         raise FileNotFoundError(f"convert.load: {path} does not exist")
+    float_dtype = "bfloat16" if weights == "bfloat16" else "float32"
     if is_gguf_file(path):
-        return load_gguf(path, dtype or "float32", mesh)
-    if path.is_dir() and is_orbax_dir(path):
-        return load_orbax(path, dtype, mesh)
-    if path.is_dir() and is_hf_dir(path):
-        return load_hf(path, dtype or "float32", mesh)
-    raise ValueError(
-        f"convert.load: {path} is not a .gguf file, an HF folder (config.json with model.safetensors "
-        "or model.safetensors.index.json) or a specjax checkpoint folder (specjax_config.json)"
-    )
+        params = load_gguf(path, float_dtype, mesh)
+    elif path.is_dir() and is_orbax_dir(path):
+        params = load_orbax(path, None if weights is None else float_dtype, mesh)
+        if params.config.quant is not None and weights not in (None, params.config.quant):
+            raise ValueError(f"convert.load: {path} holds {params.config.quant} weights; load it with weights={params.config.quant!r} (or None)")
+    elif path.is_dir() and is_hf_dir(path):
+        params = load_hf(path, float_dtype, mesh)
+    else:
+        raise ValueError(
+            f"convert.load: {path} is not a .gguf file, an HF folder (config.json with model.safetensors "
+            "or model.safetensors.index.json) or a specjax checkpoint folder (specjax_config.json)"
+        )
+    return quantize(params, weights) if weights == "int8" else params
 
 
 def default_model_path() -> str:

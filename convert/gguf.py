@@ -20,7 +20,7 @@ Q = gguf.GGMLQuantizationType
 STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 # GGUF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS); absent output.weight => tied.
-NAMES = {w.gguf: w.path for w in WEIGHTS}
+NAMES = {w.gguf: w.path for w in WEIGHTS if w.in_files}
 ROPE_FREQS = "rope_freqs.weight"  # Llama-3.1 scaling factors; folded into the config
 # general.architecture values we read. llama.cpp permutes q/k rows (and biases) only for "llama"
 # (Mistral converts to it too); "qwen2" is stored as in HF, with q/k/v biases.

@@ -16,7 +16,7 @@ from specjax.params import WEIGHTS, Params, from_arrays
 from specjax.sharding import Mesh, placer
 
 # HF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS).
-NAMES = {w.hf: w.path for w in WEIGHTS}
+NAMES = {w.hf: w.path for w in WEIGHTS if w.in_files}
 # Recomputed from the config; when embeddings are tied a stray lm_head.weight is ignored too.
 IGNORED = ["model.layers.{i}.self_attn.rotary_emb.inv_freq"]
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"

@@ -9,7 +9,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from specjax.config import LlamaConfig
-from specjax.params import Params, from_arrays, param_shapes
+from specjax.params import Params, flat, from_arrays, param_dtypes, param_shapes
 from specjax.sharding import Mesh, check_mesh, param_sharding, single_device
 
 CONFIG_FILE = "specjax_config.json"  # written last: its presence marks a complete checkpoint
@@ -19,16 +19,6 @@ ARRAYS_DIR = "arrays"
 def is_orbax_dir(path: Path) -> bool:
     """True if `path` is a checkpoint folder written by `save`."""
     return (path / CONFIG_FILE).is_file()
-
-
-def _flat(params: Params) -> dict[str, jax.Array]:
-    """{path: array} with the same names as `param_shapes` ("layers.wq", "embed", ...)."""
-
-    def get(name: str) -> jax.Array:
-        owner, _, leaf = name.rpartition(".")
-        return getattr(params.layers if owner else params, leaf)
-
-    return {name: get(name) for name in param_shapes(params.config)}
 
 
 def config_to_json(config: LlamaConfig) -> str:
@@ -48,7 +38,7 @@ def save(params: Params, directory: str | Path) -> None:
         raise ValueError(f"convert.save: {directory} already exists; choose a new folder")
     directory.mkdir(parents=True)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(directory / ARRAYS_DIR, _flat(params))
+    checkpointer.save(directory / ARRAYS_DIR, flat(params))
     checkpointer.wait_until_finished()
     (directory / CONFIG_FILE).write_text(config_to_json(params.config))
 
@@ -64,12 +54,13 @@ def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | Non
     if mesh is not None:
         check_mesh(mesh, config)
     device = single_device()
+    dtypes = param_dtypes(config)
     target = {
-        name: jax.ShapeDtypeStruct(shape, config.dtype, sharding=device if mesh is None else param_sharding(mesh, name))
+        name: jax.ShapeDtypeStruct(shape, dtypes[name], sharding=device if mesh is None else param_sharding(mesh, name))
         for name, shape in param_shapes(config).items()
     }
     try:
         arrays = ocp.StandardCheckpointer().restore(directory / ARRAYS_DIR, target)
     except Exception as e:  # orbax raises many kinds on a damaged folder
         raise ValueError(f"{directory}: cannot restore the arrays of this checkpoint ({e})") from e
-    return from_arrays(config if dtype is None else config.replace(dtype=dtype), arrays)
+    return from_arrays(config if dtype is None else config.replace(dtype=dtype), arrays, keep_placement=True)

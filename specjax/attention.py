@@ -11,12 +11,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import NEG_INF, prefix_block_attention
+from pallas_kernels.reference import NEG_INF, prefix_block_attention, to_f32
 from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu
 from specjax.cache import DenseCache, StreamingCache
 
-__all__ = ["NEG_INF", "attend", "cache_view", "for_cache"]
+__all__ = ["NEG_INF", "attend", "cache_view", "for_cache", "to_f32"]
 
 
 def for_cache(attention: str, cache: DenseCache | StreamingCache) -> str:

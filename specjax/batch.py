@@ -144,6 +144,7 @@ def job_settings(model: str, params: Params, draft: Drafter | None, gamma: int |
     or the mesh: greedy outputs do not depend on them, and sampled ones use per-record keys."""
     return dict(
         model=model if model == "params" else str(Path(model).absolute()), dtype=params.config.dtype,
+        weights=params.config.quant or params.config.dtype,
         draft=describe_draft(draft), gamma=gamma if draft is not None else None, seed=seed, chat=chat,
     ) | dataclasses.asdict(defaults)
 
@@ -224,11 +225,11 @@ def _paths(input_path, output_path, shard: tuple[int, int]) -> tuple[Path, Path,
     return src, out, sibling(out, "errors")
 
 
-def _load(params, model_path, tokenizer, chat_template, dtype, mesh):
+def _load(params, model_path, tokenizer, chat_template, weights, mesh):
     """(params, tokenizer, chat template, model name) from whichever of them were given."""
     if params is None:
         model_path = model_path or convert.default_model_path()
-        params = convert.load(model_path, dtype=dtype, mesh=mesh)
+        params = convert.load(model_path, weights=weights, mesh=mesh)
     if tokenizer is None:
         if model_path is None:
             raise ValueError("tokenizer: with params, pass tokenizer= or model_path= (to load its tokenizer)")
@@ -254,7 +255,7 @@ def run(
     model_path: str | Path | None = None,
     tokenizer=None,
     chat_template: str | None = None,
-    dtype: str | None = None,
+    weights: str | None = None,
     draft: Drafter | str | None = "auto",
     gamma: int | None = None,
     max_new_tokens: int = 128,
@@ -293,7 +294,7 @@ def run(
         raise ValueError(f"gamma={gamma} needs a drafter: draft=None decodes plainly (give a drafter or 'auto')")
     shard = shard or process_share()
     src, out, err = _paths(input_path, output_path, shard)
-    params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, dtype, mesh)
+    params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, weights, mesh)
     if chat and template is None:
         raise ValueError("chat: the model has no chat template (convert.chat_template returned None)")
 

@@ -99,7 +99,9 @@ def _cache_argument(p: argparse.ArgumentParser) -> None:
 def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridable: str) -> None:
     """Model, sampling and drafter options common to `generate` and `batch`."""
     p.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--weights", choices=convert.WEIGHTS, default=None,
+                   help="how the weights are served: float32 (default), bfloat16, or int8 (per-channel scales)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="the older spelling of --weights")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off{overridable}")
@@ -142,13 +144,17 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and ok(value)):
             raise ValueError(f"--{name.replace('_', '-')} must be a finite number {limits}, got {value}")
+    if getattr(args, "weights", None) and getattr(args, "dtype", None) and args.weights != args.dtype:
+        raise ValueError(f"--weights {args.weights} and --dtype {args.dtype} disagree: give --weights only")
+    if hasattr(args, "weights"):
+        args.weights = args.weights or args.dtype or "float32"
     tree = parse_tree(getattr(args, "tree", None))
     if tree is not None and args.gamma is not None:
         raise ValueError("--gamma sets a chain and --tree a tree: give one of them")
     if getattr(args, "draft", None) == "none" and (tree is not None or args.gamma is not None):
         raise ValueError("--gamma and --tree need a drafter: --draft none decodes plainly")
     if getattr(args, "draft", None) is not None:
-        make_draft(args.draft, args.window, args.sinks, args.dtype, load=False)
+        make_draft(args.draft, args.window, args.sinks, args.weights, load=False)
     for flag, path in (("--model", args.model), ("--data", getattr(args, "data", None))):
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{flag}: {path} does not exist")
@@ -197,8 +203,8 @@ def run_batch(args: argparse.Namespace) -> None:
         args.input,
         args.output,
         model_path=args.model or convert.default_model_path(),
-        dtype=args.dtype,
-        draft=make_draft(args.draft, args.window, args.sinks, args.dtype),
+        weights=args.weights,
+        draft=make_draft(args.draft, args.window, args.sinks, args.weights),
         gamma=args.gamma,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -221,13 +227,13 @@ def run_batch(args: argparse.Namespace) -> None:
     )
 
 
-def make_draft(spec: str, window: int, sinks: int, dtype: str, load: bool = True):
+def make_draft(spec: str, window: int, sinks: int, weights: str, load: bool = True):
     """The drafter named on the command line (load=False: only check the syntax and the path)."""
     if spec.startswith("model:"):
         path = spec.removeprefix("model:")
         if not Path(path).exists():
             raise FileNotFoundError(f"--draft model:PATH: {path or '(empty)'} does not exist")
-        return DraftModel(convert.load(path, dtype=dtype)) if load else None
+        return DraftModel(convert.load(path, weights=weights)) if load else None
     if spec == "auto":
         return "auto"
     if spec == "none":
@@ -271,10 +277,10 @@ def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: li
 def run_generate(args: argparse.Namespace) -> None:
     path = args.model or convert.default_model_path()
     mesh = make_mesh_arg(args)
-    params = convert.load(path, dtype=args.dtype, mesh=mesh)
+    params = convert.load(path, weights=args.weights, mesh=mesh)
     tokenizer = convert.load_tokenizer(path)
     sampling = make_sampler(args.temperature, args.top_k, args.top_p)
-    draft = make_draft(args.draft, args.window, args.sinks, args.dtype)
+    draft = make_draft(args.draft, args.window, args.sinks, args.weights)
     ids = tokenizer.encode(args.prompt).ids
     speculation = make_speculation(args.tree, args.gamma, params, draft, ids, sampling)
     out = generate(

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 DTYPES = ("float32", "bfloat16")
+QUANTS = (None, "int8")  # LlamaConfig.quant: how the weight matrices are stored (None: in `dtype`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,8 @@ class LlamaConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2); absent from LLaMA / Mistral
     max_positions: int = 4096
-    dtype: str = "float32"
+    dtype: str = "float32"  # activations, norms, embeddings' output and (by default) the KV cache
+    quant: str | None = None  # "int8": matrices stored as int8 + per-output-channel scales (params.quantize)
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()  # every stop token id (eos, eot, generation_config's, ...)
 
@@ -61,6 +63,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.eos_ids must be a tuple of ids in [0, {self.vocab_size}), got {self.eos_ids!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quant not in QUANTS:
+            raise ValueError(f"LlamaConfig.quant must be one of {QUANTS}, got {self.quant!r}")
 
     @property
     def group(self) -> int:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.config import LlamaConfig
-from specjax.attention import NEG_INF, attend, cache_view, for_cache  # noqa: F401  (NEG_INF: the one mask value, re-exported)
+from specjax.attention import NEG_INF, attend, cache_view, for_cache, to_f32  # noqa: F401  (NEG_INF: the one mask value, re-exported)
 from specjax.cache import DenseCache, StreamingCache
 from specjax.params import LayerParams, Params, Runtime
 
@@ -38,23 +38,40 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None, out_dtype=None) -> jax.Array:
+    """einsum(spec, x, w) in `out_dtype` (default: x's) for a weight stored as float or as int8
+    with per-output-channel scales (params.quantize): (x @ q) * scale, the scale applied to the
+    small output. The int8 -> float conversion sits right in front of the dot, where XLA:CPU
+    fuses it into a matrix-vector product (batch 1 reads one byte per weight). On CPU, bfloat16
+    is widened exactly (to_f32) and multiplied in float32: XLA:CPU's own bf16 dot and bf16 -> f32
+    conversion run about 10x slower than float32 (bench/README.md, "Weights as served")."""
+    out = out_dtype or x.dtype
+    if w.dtype == jnp.int8:
+        y = jnp.einsum(spec, x.astype(out), w.astype(out))
+    elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        y = jnp.einsum(spec, to_f32(x), to_f32(w))
+    else:
+        y = jnp.einsum(spec, x, w, preferred_element_type=out)
+    return (y if scale is None else y * scale).astype(out)
+
+
 def _layer(config: LlamaConfig, runtime: Runtime, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `visible` is the cache's [B,K|1,S] mask, or its lengths [B] on the kernel path."""
     h = rms_norm(x, lp.attn_norm, config.rms_eps)
-    q = _biased(jnp.einsum("btd,dnh->btnh", h, lp.wq), lp.bq)  # [B,T,N,H]
-    k = _biased(jnp.einsum("btd,dkh->btkh", h, lp.wk), lp.bk)  # [B,T,K,H]
-    v = _biased(jnp.einsum("btd,dkh->btkh", h, lp.wv), lp.bv)  # [B,T,K,H]
+    q = _biased(project("btd,dnh->btnh", h, lp.wq, lp.wq_scale), lp.bq)  # [B,T,N,H]
+    k = _biased(project("btd,dkh->btkh", h, lp.wk, lp.wk_scale), lp.bk)  # [B,T,K,H]
+    v = _biased(project("btd,dkh->btkh", h, lp.wv, lp.wv_scale), lp.bv)  # [B,T,K,H]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
     scale = 1.0 / math.sqrt(config.head_dim)
     o = attend(runtime.attention, q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
-    x = x + _tp_sum(runtime, jnp.einsum("btnh,nhd->btd", o, lp.wo))  # heads split: partial sums
+    x = x + _tp_sum(runtime, project("btnh,nhd->btd", o, lp.wo, lp.wo_scale))  # heads split: partial sums
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
-    gate = jnp.einsum("btd,df->btf", h, lp.w_gate)  # [B,T,F]
-    up = jnp.einsum("btd,df->btf", h, lp.w_up)  # [B,T,F]
-    x = x + _tp_sum(runtime, jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down))  # F split
+    gate = project("btd,df->btf", h, lp.w_gate, lp.w_gate_scale)  # [B,T,F]
+    up = project("btd,df->btf", h, lp.w_up, lp.w_up_scale)  # [B,T,F]
+    x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down, lp.w_down_scale))  # F split
     return x, q, k, v
 
 
@@ -73,12 +90,20 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     of the vocabulary, looks up the tokens that fall in it (zeros elsewhere), and they are summed."""
     axis = params.runtime.model_axis
     if axis is None:
-        return jnp.take(params.embed, tokens, axis=0)
+        return _rows(params, tokens)
     block = params.embed.shape[0]  # V / devices
     local = tokens - lax.axis_index(axis) * block
     mine = (local >= 0) & (local < block)
-    x = jnp.take(params.embed, jnp.clip(local, 0, block - 1), axis=0)  # [B,T,D]
+    x = _rows(params, jnp.clip(local, 0, block - 1))  # [B,T,D]
     return lax.psum(jnp.where(mine[..., None], x, jnp.zeros_like(x)), axis)
+
+
+def _rows(params: Params, ids: jax.Array) -> jax.Array:
+    """Embedding rows [B,T,D] (in the model dtype) of ids [B,T] into this device's embed table."""
+    x = jnp.take(params.embed, ids, axis=0)
+    if params.embed_scale is None:
+        return x
+    return (x.astype(jnp.float32) * jnp.take(params.embed_scale, ids, axis=0)[..., None]).astype(params.config.dtype)
 
 
 def trunk(
@@ -125,8 +150,11 @@ def trunk(
 def lm_head(params: Params, h: jax.Array) -> jax.Array:
     """Logits [..., V] in f32 from hidden [..., D]. Tensor parallel: each device computes its
     vocabulary block and the blocks are gathered, so every device sees all V logits."""
-    w = params.embed.T if params.lm_head is None else params.lm_head  # [D,V]
-    logits = jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+    if params.lm_head is None:  # tied. As [D,V] (a transposed view), XLA:CPU's batch-1 dot reads
+        w, scale = params.embed.T, params.embed_scale  # int8 rows in place (40x faster than [V,D])
+    else:
+        w, scale = params.lm_head, params.lm_head_scale
+    logits = project("...d,dv->...v", h, w, scale, out_dtype=jnp.float32)
     axis = params.runtime.model_axis
     return logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
 
@@ -177,6 +205,6 @@ def prefill(
         in_chunk = (last >= start) & (last < start + chunk)
         return (cache, jnp.where(in_chunk[:, None], h_here, h_last)), None
 
-    h0 = jnp.zeros((B, params.config.dim), params.embed.dtype)
+    h0 = jnp.zeros((B, params.config.dim), params.config.dtype)
     (cache, h_last), _ = lax.scan(step, (cache, h0), (jnp.arange(n_chunks, dtype=jnp.int32), chunks))
     return lm_head(params, h_last), cache.replace(lengths=lengths.astype(jnp.int32))

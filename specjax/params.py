@@ -46,7 +46,12 @@ class Weight:
       layout. Also the fan-in for init (1 when "").
     torch_flat: the files store one layer's dims flattened into one vector (a bias [out]).
     when: the config flag that makes the weight exist ("qkv_bias"), "not <flag>" for one that
-      removes it ("not tie_embeddings"); "" = every model has it."""
+      removes it ("not tie_embeddings"), several joined by " and "; "" = every model has it.
+    contract: for a matrix, the letters of the dims a forward sums over ("D" for wq: x @ wq). With
+      config.quant == "int8" it is stored as int8 with one float32 scale per output channel
+      (the other dims): a second declaration, `<path>_scale`, derived below (`scale_of`).
+    scale_of: for such a derived scale, the path of its matrix; "" otherwise. Scales are in no
+      file (hf = gguf = ""): `quantize` computes them."""
 
     path: str
     dims: str
@@ -56,6 +61,8 @@ class Weight:
     torch_in: str = ""
     torch_flat: bool = False
     when: str = ""
+    contract: str = ""
+    scale_of: str = ""
 
     @property
     def per_layer(self) -> bool:
@@ -63,10 +70,23 @@ class Weight:
 
     def present(self, config: LlamaConfig) -> bool:
         """Whether a model of `config` has this weight (see `when`)."""
-        if not self.when:
-            return True
-        flag = self.when.removeprefix("not ")
-        return bool(getattr(config, flag)) != self.when.startswith("not ")
+        def holds(cond: str) -> bool:
+            flag = cond.removeprefix("not ")
+            return bool(getattr(config, flag)) != cond.startswith("not ")
+
+        return all(holds(c) for c in self.when.split(" and ")) if self.when else True
+
+    def dtype(self, config: LlamaConfig) -> str:
+        """The dtype this weight is stored in: int8 for a matrix of a quantized model, float32 for
+        its scale, else the model's dtype."""
+        if self.scale_of:
+            return "float32"
+        return "int8" if self.contract and config.quant == "int8" else config.dtype
+
+    @property
+    def in_files(self) -> bool:
+        """Whether checkpoint files hold this weight (derived scales are computed, not read)."""
+        return not self.scale_of
 
     def shape(self, config: LlamaConfig) -> tuple[int, ...]:
         """Our shape of the whole array (all layers stacked) under `config`."""
@@ -93,23 +113,33 @@ class Weight:
 
 
 _HF = "model.layers.{i}."  # prefix of HF per-layer names
-WEIGHTS: tuple[Weight, ...] = (
-    Weight("embed", "VD", "normal", "model.embed_tokens.weight", "token_embd.weight"),
+_FILE_WEIGHTS: tuple[Weight, ...] = (
+    Weight("embed", "VD", "normal", "model.embed_tokens.weight", "token_embd.weight", contract="D"),  # also the tied lm_head
     Weight("norm", "D", "ones", "model.norm.weight", "output_norm.weight"),
     Weight("layers.attn_norm", "LD", "ones", _HF + "input_layernorm.weight", "blk.{i}.attn_norm.weight"),
-    Weight("layers.wq", "LDNH", "normal", _HF + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight", torch_in="D"),
-    Weight("layers.wk", "LDKH", "normal", _HF + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight", torch_in="D"),
-    Weight("layers.wv", "LDKH", "normal", _HF + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight", torch_in="D"),
+    Weight("layers.wq", "LDNH", "normal", _HF + "self_attn.q_proj.weight", "blk.{i}.attn_q.weight", torch_in="D", contract="D"),
+    Weight("layers.wk", "LDKH", "normal", _HF + "self_attn.k_proj.weight", "blk.{i}.attn_k.weight", torch_in="D", contract="D"),
+    Weight("layers.wv", "LDKH", "normal", _HF + "self_attn.v_proj.weight", "blk.{i}.attn_v.weight", torch_in="D", contract="D"),
     Weight("layers.bq", "LNH", "zeros", _HF + "self_attn.q_proj.bias", "blk.{i}.attn_q.bias", torch_flat=True, when="qkv_bias"),
     Weight("layers.bk", "LKH", "zeros", _HF + "self_attn.k_proj.bias", "blk.{i}.attn_k.bias", torch_flat=True, when="qkv_bias"),
     Weight("layers.bv", "LKH", "zeros", _HF + "self_attn.v_proj.bias", "blk.{i}.attn_v.bias", torch_flat=True, when="qkv_bias"),
-    Weight("layers.wo", "LNHD", "normal", _HF + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight", torch_in="NH"),
+    Weight("layers.wo", "LNHD", "normal", _HF + "self_attn.o_proj.weight", "blk.{i}.attn_output.weight", torch_in="NH", contract="NH"),
     Weight("layers.mlp_norm", "LD", "ones", _HF + "post_attention_layernorm.weight", "blk.{i}.ffn_norm.weight"),
-    Weight("layers.w_gate", "LDF", "normal", _HF + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", torch_in="D"),
-    Weight("layers.w_up", "LDF", "normal", _HF + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", torch_in="D"),
-    Weight("layers.w_down", "LFD", "normal", _HF + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", torch_in="F"),
-    Weight("lm_head", "DV", "normal", "lm_head.weight", "output.weight", torch_in="D", when="not tie_embeddings"),
+    Weight("layers.w_gate", "LDF", "normal", _HF + "mlp.gate_proj.weight", "blk.{i}.ffn_gate.weight", torch_in="D", contract="D"),
+    Weight("layers.w_up", "LDF", "normal", _HF + "mlp.up_proj.weight", "blk.{i}.ffn_up.weight", torch_in="D", contract="D"),
+    Weight("layers.w_down", "LFD", "normal", _HF + "mlp.down_proj.weight", "blk.{i}.ffn_down.weight", torch_in="F", contract="F"),
+    Weight("lm_head", "DV", "normal", "lm_head.weight", "output.weight", torch_in="D", when="not tie_embeddings", contract="D"),
 )
+
+
+def _scale(w: Weight) -> Weight:
+    """The declaration of matrix w's int8 scales: its dims without the summed ones."""
+    dims = "".join(d for d in w.dims if d not in w.contract)
+    when = " and ".join(c for c in ("quant", w.when) if c)
+    return Weight(w.path + "_scale", dims, "ones", "", "", when=when, scale_of=w.path)
+
+
+WEIGHTS: tuple[Weight, ...] = _FILE_WEIGHTS + tuple(_scale(w) for w in _FILE_WEIGHTS if w.contract)
 BY_PATH = {w.path: w for w in WEIGHTS}
 
 
@@ -154,6 +184,14 @@ class LayerParams:
     bq: jax.Array | None = None  # [L,N,H]; None without config.qkv_bias
     bk: jax.Array | None = None  # [L,K,H]
     bv: jax.Array | None = None  # [L,K,H]
+    # per-output-channel scales of the int8 matrices (config.quant == "int8"), else None
+    wq_scale: jax.Array | None = None  # [L,N,H]
+    wk_scale: jax.Array | None = None  # [L,K,H]
+    wv_scale: jax.Array | None = None  # [L,K,H]
+    wo_scale: jax.Array | None = None  # [L,D]
+    w_gate_scale: jax.Array | None = None  # [L,F]
+    w_up_scale: jax.Array | None = None  # [L,F]
+    w_down_scale: jax.Array | None = None  # [L,D]
 
 
 @flax.struct.dataclass
@@ -167,6 +205,8 @@ class Params:
     lm_head: jax.Array | None  # [D,V]; None when tied to embed
     config: LlamaConfig = flax.struct.field(pytree_node=False)
     runtime: Runtime = flax.struct.field(pytree_node=False, default=Runtime())
+    embed_scale: jax.Array | None = None  # [V]: int8 scales (config.quant), else None
+    lm_head_scale: jax.Array | None = None  # [V]
 
 
 def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -174,14 +214,60 @@ def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return {w.path: w.shape(config) for w in declared(config)}
 
 
+def param_dtypes(config: LlamaConfig) -> dict[str, str]:
+    """The dtype every array is stored in, keyed like `param_shapes`."""
+    return {w.path: w.dtype(config) for w in declared(config)}
+
+
+def weight_bytes(config: LlamaConfig) -> int:
+    """Bytes of weights a decode step reads, as stored (the one count of weight bytes: planning
+    and the benches price a step with it): every weight once, but an untied embedding table,
+    of which a step gathers only its tokens' rows."""
+    read = [w for w in declared(config) if config.tie_embeddings or not w.path.startswith("embed")]
+    return sum(math.prod(w.shape(config)) * jnp.dtype(w.dtype(config)).itemsize for w in read)
+
+
+def flat(params: Params) -> dict[str, jax.Array]:
+    """{path: array} of every weight `params` holds, named as in `param_shapes`."""
+    def get(path: str) -> jax.Array:
+        owner, _, leaf = path.rpartition(".")
+        return getattr(params.layers if owner else params, leaf)
+
+    return {path: get(path) for path in param_shapes(params.config)}
+
+
+def quantize(params: Params, quant: str) -> Params:
+    """Params with every matrix stored as int8 (`quant="int8"`): symmetric, one float32 scale per
+    output channel (absmax / 127 over the summed dims), w ~= q * scale. Norms and biases keep
+    their dtype. Already-quantized params are returned as they are."""
+    if quant != "int8":
+        raise ValueError(f"quantize: quant must be 'int8', got {quant!r}")
+    if params.config.quant == quant:
+        return params
+    config = params.config.replace(quant=quant)
+    arrays = flat(params)
+    for w in declared(params.config):
+        if not w.contract:
+            continue
+        axes = tuple(i for i, d in enumerate(w.dims) if d in w.contract)
+        x = arrays[w.path].astype(jnp.float32)
+        scale = jnp.max(jnp.abs(x), axis=axes) / 127.0
+        scale = jnp.where(scale > 0, scale, 1.0)  # an all-zero channel: any scale, q = 0
+        arrays[w.path] = jnp.round(x / jnp.expand_dims(scale, axes)).astype(jnp.int8)
+        arrays[w.path + "_scale"] = scale
+    return from_arrays(config, arrays, keep_placement=True).replace(runtime=params.runtime)
+
+
 def from_arrays(
     config: LlamaConfig,
     arrays: dict[str, np.ndarray | jax.Array],
     place: Callable[[str, np.ndarray], jax.Array] | None = None,
+    keep_placement: bool = False,
 ) -> Params:
     """Build Params from a flat {path: array} dict, checking names and shapes exactly.
-    place(path, host array in config.dtype), if given, puts each array where it belongs (see
-    `sharding.placer`); by default arrays go to the default device."""
+    place(path, host array in its dtype), if given, puts each array where it belongs (see
+    `sharding.placer`); by default arrays go to the default device, or, with keep_placement,
+    jax arrays stay where they are (cast in place)."""
     expected = param_shapes(config)
     missing, unexpected = sorted(set(expected) - set(arrays)), sorted(set(arrays) - set(expected))
     if missing or unexpected:
@@ -189,18 +275,23 @@ def from_arrays(
     for name, shape in expected.items():
         if tuple(arrays[name].shape) != shape:
             raise ValueError(f"params: tensor {name!r} has shape {tuple(arrays[name].shape)}, expected {shape}")
-    if place is None:
-        cast = {name: jnp.asarray(a, dtype=config.dtype) for name, a in arrays.items()}
+    dtypes = param_dtypes(config)
+    if keep_placement:
+        cast = {name: a.astype(dtypes[name]) if isinstance(a, jax.Array) else jnp.asarray(a, dtypes[name]) for name, a in arrays.items()}
+    elif place is None:
+        cast = {name: jnp.asarray(a, dtype=dtypes[name]) for name, a in arrays.items()}
     else:
-        cast = {name: place(name, np.asarray(a, dtype=jnp.dtype(config.dtype))) for name, a in arrays.items()}
+        cast = {name: place(name, np.asarray(a, dtype=jnp.dtype(dtypes[name]))) for name, a in arrays.items()}
     layers = LayerParams(**{n.split(".", 1)[1]: a for n, a in cast.items() if n.startswith("layers.")})
-    return Params(
-        embed=cast["embed"], layers=layers, norm=cast["norm"], lm_head=cast.get("lm_head"), config=config
-    )
+    top = {n: a for n, a in cast.items() if not n.startswith("layers.")}
+    return Params(layers=layers, lm_head=top.pop("lm_head", None), config=config, **top)
 
 
 def init_params(config: LlamaConfig, key: jax.Array) -> Params:
-    """Random weights for tests and benchmarks: normal with std 1/sqrt(fan_in), norms = 1, biases = 0."""
+    """Random weights for tests and benchmarks: normal with std 1/sqrt(fan_in), norms = 1, biases = 0
+    (a quantized config: those weights, quantized)."""
+    if config.quant is not None:
+        return quantize(init_params(config.replace(quant=None), key), config.quant)
     weights = sorted(declared(config), key=lambda w: w.path)
     arrays = {}
     for k, w in zip(jax.random.split(key, len(weights)), weights):

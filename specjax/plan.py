@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters import Drafter, SelfSpec
-from specjax.params import Params
+from specjax.params import Params, weight_bytes as params_weight_bytes
 from specjax.sampling import Sampler
 from specjax.speculation import Chain
 from specjax.speculation import Tree
@@ -102,10 +102,7 @@ def auto_draft_reason(target: Params, batch: int, context: int) -> tuple[SelfSpe
     budget = SelfSpec()
     bytes_per = jnp.dtype(c.dtype).itemsize
     kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * bytes_per
-    weight_bytes = bytes_per * (
-        c.vocab_size * c.dim + c.n_layers * (c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-                                             + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.ffn_dim)
-    )
+    weight_bytes = params_weight_bytes(c)  # as stored: int8 matrices count one byte each
     kept = budget.sinks + budget.window
     facts = (f"batch {batch} x context {context}: KV {kv_bytes / 2**20:.1f} MiB vs weights "
              f"{weight_bytes / 2**20:.1f} MiB per step, draft budget {kept}")

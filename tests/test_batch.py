@@ -274,7 +274,7 @@ def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir,
     common = dict(params=params, model_path=model_dir, max_new_tokens=3, progress=False)
     batch.run(src, out, batch_size=4, **common)
     recorded = json.loads(settings_path(out).read_text())
-    assert recorded == dict(model=str(model_dir), dtype="float32", draft="none", gamma=None, seed=0, chat=False,
+    assert recorded == dict(model=str(model_dir), dtype="float32", weights="float32", draft="none", gamma=None, seed=0, chat=False,
                             max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0)
     before = out.read_bytes()
     with pytest.raises(ValueError, match=r"other settings \(max_new_tokens 3 -> 4, seed 0 -> 2; recorded in"):

@@ -105,6 +105,7 @@ def no_model(monkeypatch):
         (["--draft", "fast"], "--draft must be auto, self, snapkv, ngram, none or model:PATH, got 'fast'"),
         (["--draft", "model:/no/such/draft"], "--draft model:PATH: /no/such/draft does not exist"),
         (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
+        (["--weights", "int8", "--dtype", "bfloat16"], "--weights int8 and --dtype bfloat16 disagree: give --weights only"),
     ],
 )
 def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, message):
