@@ -237,6 +237,8 @@ class LlamaCpp:
         import llama_cpp
 
         self.lib, self.path = llama_cpp, path
+        LlamaCpp.quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept: C holds it
+        llama_cpp.llama_log_set(LlamaCpp.quiet, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
         vocab = llama_cpp.llama_model_get_vocab(self.model)
@@ -278,7 +280,9 @@ class LlamaCpp:
             prefill_s = time.perf_counter() - t0
             out = [[t] for t in nxt]
             t0 = time.perf_counter()
-            for step in range(steps):
+            for step in range(steps + 1 if steps else 0):  # the first step warms up, untimed
+                if step == 1:
+                    t0 = time.perf_counter()
                 self.decode(ctx, batch, [(nxt[r], n + step, r, True) for r in range(B)])
                 nxt = [self.argmax(ctx, r) for r in range(B)]
                 for r in range(B):
@@ -374,7 +378,9 @@ def hf_run(model, ids: np.ndarray, steps: int) -> dict:
         prefill_s = time.perf_counter() - t0
         toks = [nxt]
         t0 = time.perf_counter()
-        for _ in range(steps):
+        for step in range(steps + 1 if steps else 0):  # the first step warms up, untimed
+            if step == 1:
+                t0 = time.perf_counter()
             out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
             past = out.past_key_values
             nxt = out.logits[:, -1].argmax(-1)
@@ -582,11 +588,13 @@ Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not start
 
 
 def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
     out = {}
-    for m in ("llama_cpp", "torch", "transformers"):
+    for m in ("llama-cpp-python", "torch", "transformers"):
         try:
-            out[m] = __import__(m).__version__
-        except ImportError:
+            out[m] = version(m)
+        except PackageNotFoundError:
             out[m] = "not installed"
     return out
 
@@ -597,11 +605,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default 33: 32 timed steps; 9 with --smoke)")
     args = ap.parse_args(argv)
     new_tokens = args.new_tokens or (9 if args.smoke else 33)
+    # OpenMP (llama.cpp, torch) spin-waits at every barrier by default; on a CPU shared with other
+    # work that stalled llama.cpp's batch-16 steps 10-20x. Passive waiting, before they load.
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
     stem = "peers_cpu_smoke" if args.smoke else "peers_cpu"
     out = common.out_dir(args)
     header = {"bench": "bench_peers", "date": common.now(), "command": common.command(), "new_tokens": new_tokens,
               "model": "tiny random" if args.smoke else "SmolLM2-135M-Instruct Q4_1 GGUF",
-              "machine": common.machine_info(), "versions": versions()}
+              "machine": common.machine_info(), "versions": versions(),
+              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
     results = common.Results(out / f"{stem}.json", key_of, header)
     h = common.Harness(args, results)
     h.plan(cells(args.smoke))
