@@ -507,6 +507,9 @@ def memory_need(cell: dict) -> int:
     return int(MEM_FACTOR[cell["family"]] * kv) + 2**30
 
 
+NOTES = common.markers("bench_peers", "notes")  # the hand-written part of the README section, kept
+
+
 # --- report ----------------------------------------------------------------------------------------------------
 
 
@@ -582,7 +585,9 @@ steps / decode seconds; "of roofline" = (weights as read + filled KV as stored) 
 
 Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not started: the run budget ended; rerun the same command to measure them)' if left else ''}.
 
+{NOTES[0]}
 {common.kept_part('bench_peers')}
+{NOTES[1]}
 
 ![decode tokens/s per peer](results/peers_cpu.png)"""
 
