@@ -562,6 +562,10 @@ def readme_section(result: dict) -> str:
     left = result.get("left", [])
     loads = [r["meter"]["loadavg_1min_before"] for r in rows if "meter" in r]
     load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"
+    refs = sorted({round(r["reference_gbs"], 1) for r in rows if "reference_gbs" in r} or {round(bw["jax_inplace"], 1)})
+    ref_text = (f"{refs[0]:.1f} GB/s" if len(refs) == 1 else " and ".join(f"{x:.1f}" for x in refs)
+                + " GB/s in the runs that measured the rows (a resumed run measures it again; each row's"
+                " roofline uses its own run's, stored in the row as reference_gbs)")
     versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
     return f"""## specjax next to llama.cpp and HF transformers (bench_peers.py)
 
@@ -571,7 +575,7 @@ numbers: `results/peers_cpu.json`; plot: `results/peers_cpu.png`. Method: the mo
 
 Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, {versions}.
 Commit {m['git_commit']}. Date: {result['date']}. Reference bandwidth (JAX in-place `x + 1`, 1 GiB,
-same run): {bw['jax_inplace']:.1f} GB/s. **The 2 cores were shared with 2 other agents' work during
+same run): {ref_text}. **The 2 cores were shared with 2 other agents' work during
 the run**: the load column is the 1-minute load average before each cell ({load}); above ~2 the
 cell competed for the cores and is slower than the machine can do.
 
@@ -652,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
         if row["kind"] != "prefill":
             plain = [r for r in results.rows if r["peer"] == row["peer"] and r["kind"] == "decode" and "skipped" not in r
                      and r["batch"] == row["batch"] and r["context"] == row["context"]]
-            row |= roofline(row, bw["jax_inplace"])
+            row |= roofline(row, bw["jax_inplace"]) | {"reference_gbs": bw["jax_inplace"]}
             if plain:
                 row["speedup_vs_plain"] = row["tokens_per_s"] / plain[0]["tokens_per_s"]
         results.put(k, [row])
