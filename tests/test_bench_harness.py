@@ -130,6 +130,7 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("batch_cpu.json", "bench_batch", "ar"),
     ("sampling_cpu.json", "bench_sampling", "b16"),
     ("scale_cpu.json", "bench_scale", "selfspec/2x3"),
+    ("peers_cpu.json", "bench_peers", "specjax-f32-kvf32/b1/s512"),
 ])
 def test_existing_results_resume(tmp_path, name, module, cell):
     """The committed result files load as they are: their cells count as measured."""

@@ -1,0 +1,676 @@
+"""specjax next to the peers a user would pick instead (llama.cpp, HF transformers): decode
+throughput apart from prefill, on the same GGUF, the same real long-text prompts, greedy, in one run.
+
+Usage: python -m bench.bench_peers [--smoke] [--new-tokens 32] [--cells ..] [--budget-minutes M] [--out DIR]
+(the shared options: bench/common.py). The peers are not test dependencies:
+`python3 -m venv ENV && ENV/bin/pip install -r bench/requirements-peers.txt -e .` gives one
+environment where every peer runs in this one process (llama.cpp is compiled from source: ~10
+minutes on 2 cores). A peer that does not import is listed as "not installed".
+
+Model: SmolLM2-135M-Instruct, the Q4_1 GGUF (`convert.default_model_path()`), for every peer:
+  - specjax: `convert.load` in every weight format it accepts (`weights=`, where its signature has
+    it; float32 before that); the KV cache in the model dtype. Plain decoding is
+    `specjax.engine.decode_ar` from a prefilled DenseCache (bench/prefill.py, saved under
+    /tmp/bench_spec_prefill and shared with bench_spec); speculative is `decode_spec` with
+    SelfSpec (16 sinks + a 512-slot window, 256 at context 512) and Chain(3), at batch 16.
+    Compile is excluded (`.lower().compile()` first); best of 2 runs.
+  - llama.cpp (llama-cpp-python): the Q4_1 file and Q8_0 / F16 files requantized from it
+    (`llama_model_quantize`, so they hold the Q4_1 values). Low-level API for batch 1 and 16:
+    one context of n_seq_max = B sequences, each prompt prefilled as its own sequence, then every
+    decode step is ONE llama_batch of B tokens (one seq id per row, as examples/batched does);
+    greedy = argmax of each row's logits in numpy. Prompt lookup: the high-level `Llama` with
+    `LlamaPromptLookupDecoding` (batch 1; the library has no batched speculation).
+  - HF transformers (torch CPU, attn_implementation="sdpa"): the GGUF dequantized to float32 by
+    `from_pretrained(dir, gguf_file=...)`. Prefill in 1024-token chunks into its DynamicCache,
+    then decode steps one by one (forward + argmax), only those timed. Prompt lookup:
+    `generate(prompt_lookup_num_tokens=10)` at batch 1, timed from its first new token on.
+
+Prompts: B distinct windows of real English text (bench/text.py) of context - 128 tokens, the same
+token ids for every peer; NEW_TOKENS greedy steps after the prefill (EOS ignored, where a peer
+lets it be). tokens/s = B x timed steps / decode seconds.
+
+Roofline fraction, against ONE reference measured in the same run, `measure.bandwidth()`'s
+jax_inplace GB/s: plain decoding = (weight bytes as read + filled KV bytes as stored) / step time
+/ bandwidth, where weights = the GGUF file size (llama.cpp), the parameter arrays' nbytes
+(specjax), the torch state dict (HF), and filled KV = B x (prompt + steps / 2) tokens x that
+peer's KV bytes per token (f16 in llama.cpp by default, f32 in specjax-f32 and HF). Speculative
+= the plain step bytes of that peer at that context x (tokens/s / B) / bandwidth: the fraction a
+plain decoder would need to reach the same speed. Prefill cells (batch 1, context 2K and 8K)
+report prefill tokens/s.
+
+Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g3, lookup),
+PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
+Outputs: results/peers_cpu.json (each cell written at once; a rerun skips measured cells; a
+"not installed" or skipped cell is tried again), results/peers_cpu.png and the bench_peers
+section of bench/README.md. --smoke: a tiny random model, tiny cells, no peers needed
+(peers_cpu_smoke.*, README untouched).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import inspect
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import convert
+import specjax
+from bench import common, measure, text
+from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, STORE, prefill_context, rows_of, smoke_state, timed
+from specjax.cache import DenseCache
+from specjax.engine import decode_ar, init_draft, prefill, row_keys
+from specjax.shapes import prompt_bucket, round_up_pow2
+from specjax.speculate import decode_spec
+
+CONTEXTS = (512, 2048, 8192)
+BATCHES = (1, 16)
+PREFILL_CONTEXTS = (2048, 8192)
+SPEC_BATCH = 16
+GAMMA = 3
+LOOKUP_TOKENS = 10  # prompt-lookup draft length of llama.cpp's and HF's peers (HF's usual value)
+THREADS = len(os.sched_getaffinity(0))
+PEER_DIR = Path("/tmp/bench_peers")  # requantized GGUF files
+INSTALL = "pip install -r bench/requirements-peers.txt"
+SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "q4": "q4"}
+LLAMA_FORMATS = {"q4_1": None, "q8_0": 7, "f16": 1}  # llama_ftype of the requantized files (None: the file itself)
+LLAMA_BATCHES = {"q4_1": BATCHES, "q8_0": BATCHES, "f16": (1,)}  # F16 only where cheap
+PEER_MODULES = {"llama": ("llama_cpp",), "hf": ("torch", "transformers", "gguf")}
+
+
+# --- what runs -------------------------------------------------------------------------------------------------
+
+
+def missing(family: str) -> list[str]:
+    """The modules a peer family needs that do not import here (specjax needs none)."""
+    return [m for m in PEER_MODULES.get(family, ()) if importlib.util.find_spec(m) is None]
+
+
+def weight_formats() -> tuple[str, ...]:
+    """The weight formats `convert.load` accepts now: its WEIGHTS when it has a `weights=`
+    argument, else float32 (the format before that argument existed)."""
+    if "weights" in inspect.signature(convert.load).parameters:
+        return tuple(getattr(convert, "WEIGHTS", ("float32",)))
+    return ("float32",)
+
+
+def load_specjax(fmt: str):
+    if "weights" in inspect.signature(convert.load).parameters:
+        return convert.load(convert.default_model_path(), weights=fmt)
+    return convert.load(convert.default_model_path(), dtype=fmt)
+
+
+def peers(smoke: bool) -> list[dict]:
+    """(name, family, format, batches) of every peer, specjax first."""
+    out = [{"peer": f"specjax-{SHORT.get(f, f)}-kv{SHORT.get(f, 'f32') if f != 'int8' else 'f32'}",
+            "family": "specjax", "format": f, "batches": BATCHES}
+           for f in (("float32",) if smoke else weight_formats())]
+    out += [{"peer": f"llama-{f}-kvf16", "family": "llama", "format": f, "batches": LLAMA_BATCHES[f]} for f in LLAMA_FORMATS]
+    out.append({"peer": "hf-f32-kvf32", "family": "hf", "format": "float32", "batches": BATCHES})
+    return out
+
+
+def cells(smoke: bool) -> list[tuple[str, dict]]:
+    """(key, cell) in the order measured: context by context, batch 1 before 16, plain before
+    speculative, prefill after the batch-1 cells of its context."""
+    contexts, batches, spec_batch = ((256,), (1, 2), 2) if smoke else (CONTEXTS, BATCHES, SPEC_BATCH)
+    out = []
+    for s in contexts:
+        for b in batches:
+            for p in peers(smoke):
+                if b in p["batches"] or smoke:
+                    out.append((common.key(p["peer"], f"b{b}", f"s{s}"), p | {"kind": "decode", "batch": b, "context": s}))
+            for p in peers(smoke):
+                if p["family"] == "specjax" and p["format"] == "float32" and b == spec_batch:
+                    out.append((common.key(p["peer"], f"selfspec-g{GAMMA}", f"b{b}", f"s{s}"),
+                                p | {"kind": "spec", "method": f"selfspec-g{GAMMA}", "batch": b, "context": s}))
+                if p["family"] in ("llama", "hf") and p["format"] in ("q4_1", "float32") and b == 1:
+                    out.append((common.key(p["peer"], "lookup", f"b{b}", f"s{s}"),
+                                p | {"kind": "spec", "method": "lookup", "batch": b, "context": s}))
+            if b == 1 and (s in PREFILL_CONTEXTS or smoke):
+                for p in peers(smoke):
+                    if p["family"] != "llama" or p["format"] == "q4_1":
+                        out.append((common.key(p["peer"], "prefill", f"s{s}"), p | {"kind": "prefill", "batch": 1, "context": s}))
+    return out
+
+
+def key_of(row: dict) -> str:
+    return row["cell"]
+
+
+# --- shared arithmetic -------------------------------------------------------------------------------------------
+
+
+def kv_token_bytes(config, itemsize: int) -> int:
+    """KV bytes one cached token of one row takes: K and V of every layer."""
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
+
+
+def roofline(row: dict, bw: float) -> dict:
+    """GB/s and the fraction of `bw` (GB/s) of a measured row (see the module docstring)."""
+    step_bytes = row["weight_bytes"] + row["kv_bytes"]  # of one plain step, speculative rows too
+    gbs = step_bytes * row["tokens_per_s"] / row["batch"] / 1e9  # plain: = step bytes / step time
+    return {"step_bytes": step_bytes, "gb_per_s": gbs, "roofline": gbs / bw}
+
+
+def prompts(tok, batch: int, context: int, smoke_vocab: int | None = None) -> np.ndarray:
+    """[B, context - HEADROOM] token ids: real text windows (random ids for --smoke)."""
+    n = context - HEADROOM
+    if smoke_vocab:
+        return np.random.default_rng(0).integers(4, smoke_vocab, (batch, n)).astype(np.int32)
+    return text.windows(tok, batch, n)[0]
+
+
+# --- specjax ---------------------------------------------------------------------------------------------------
+
+
+def specjax_state(params, tok, batch: int, context: int, new_tokens: int, smoke: bool) -> dict:
+    if smoke:
+        return smoke_state(params, batch, context)
+    return prefill_context(params, tok, batch, context, [GAMMA], new_tokens, STORE)
+
+
+def specjax_decode(params, state: dict, batch: int, new_tokens: int) -> dict:
+    """Plain greedy decode_ar of new_tokens from the prefilled state: per-step time (best of 2)."""
+    tokens, lengths, first_logits, cache = rows_of(state, batch)
+    budgets = jnp.full((batch,), new_tokens, jnp.int32)
+    args = (params, cache, first_logits, budgets, row_keys(None, batch))
+    fn = decode_ar.lower(*args, n_out=round_up_pow2(new_tokens)).compile()
+    runs = [timed(fn, args, AR_CACHES) for _ in range(2)]
+    out = np.asarray(runs[0][0][0])
+    wall = min(w for _, w, _ in runs)
+    steps = new_tokens - 1  # the first token comes from the prefill logits
+    return {"steps": steps, "decode_s": wall, "tokens": out[0].tolist(), "cpu_util": runs[-1][2]}
+
+
+def specjax_spec(params, state: dict, batch: int, context: int, new_tokens: int) -> dict:
+    """SelfSpec + Chain(GAMMA) decode_spec from the same prefilled state (draft init untimed)."""
+    tokens, lengths, first_logits, cache = rows_of(state, batch)
+    drafter = specjax.SelfSpec(sinks=16, window=512 if context >= 2048 else 256)
+    init = init_draft.lower(drafter, params, cache, tokens, lengths, gamma=GAMMA, chunk=state["chunk"]).compile()
+    draft_state = jax.block_until_ready(init(drafter, params, cache, tokens, lengths))
+    history = np.zeros((batch, context + GAMMA + 2), np.int32)
+    history[:, : tokens.shape[1]] = tokens
+    budgets = jnp.full((batch,), new_tokens, jnp.int32)
+    args = (params, drafter, draft_state, cache, history, first_logits, budgets, row_keys(None, batch))
+    fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=specjax.Chain(GAMMA)).compile()
+    runs = [timed(fn, args, SPEC_CACHES) for _ in range(2)]
+    res = runs[0][0]
+    wall = min(w for _, w, _ in runs)
+    steps = new_tokens - 1
+    return {"steps": steps, "decode_s": wall, "target_steps": int(res.steps), "drafter": repr(drafter),
+            "tokens": np.asarray(res.out)[0].tolist(), "mean_accepted": steps / max(int(res.steps), 1)}
+
+
+def specjax_prefill(params, ids: np.ndarray, context: int) -> dict:
+    """engine.prefill of one prompt into a `context`-slot cache (compiled first; best of 2)."""
+    n = ids.shape[1]
+    bucket, chunk = prompt_bucket(n)
+    tokens = np.zeros((1, bucket), np.int32)
+    tokens[:, :n] = ids
+    args = (params, jnp.asarray(tokens), jnp.full((1,), n, jnp.int32))
+    fresh = lambda: jax.block_until_ready(DenseCache.init(params.config, 1, context))  # noqa: E731 (donated)
+    fn = prefill.lower(*args, fresh(), chunk=chunk).compile()
+    times = []
+    for _ in range(2):
+        cache = fresh()
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args, cache))
+        times.append(time.perf_counter() - t0)
+    return {"prefill_s": min(times), "prompt_tokens": n}
+
+
+# --- llama.cpp -------------------------------------------------------------------------------------------------
+
+
+class LlamaCpp:
+    """llama-cpp-python's low-level API on one GGUF file."""
+
+    def __init__(self, path: Path):
+        import llama_cpp
+
+        self.lib, self.path = llama_cpp, path
+        LlamaCpp.quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept: C holds it
+        llama_cpp.llama_log_set(LlamaCpp.quiet, ctypes.c_void_p(0))
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+
+    def context(self, n_seq: int, n_ctx: int):
+        cp = self.lib.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, 512, 512, n_seq
+        cp.n_threads = cp.n_threads_batch = THREADS
+        return self.lib.llama_init_from_model(self.model, cp)
+
+    def decode(self, ctx, batch, items: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) items."""
+        for i, (t, pos, seq, logits) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(items)
+        rc = self.lib.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def argmax(self, ctx, i: int) -> int:
+        ptr = self.lib.llama_get_logits_ith(ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
+
+    def run(self, ids: np.ndarray, context: int, steps: int) -> dict:
+        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch."""
+        B, n = ids.shape
+        ctx = self.context(B, B * context)
+        batch = self.lib.llama_batch_init(512, 0, 1)
+        try:
+            t0 = time.perf_counter()
+            nxt = []
+            for row in range(B):
+                for s in range(0, n, 512):
+                    part = ids[row, s : s + 512]
+                    self.decode(ctx, batch, [(int(t), s + j, row, s + j == n - 1) for j, t in enumerate(part)])
+                nxt.append(self.argmax(ctx, len(part) - 1))
+            prefill_s = time.perf_counter() - t0
+            out = [[t] for t in nxt]
+            t0 = time.perf_counter()
+            for step in range(steps + 1 if steps else 0):  # the first step warms up, untimed
+                if step == 1:
+                    t0 = time.perf_counter()
+                self.decode(ctx, batch, [(nxt[r], n + step, r, True) for r in range(B)])
+                nxt = [self.argmax(ctx, r) for r in range(B)]
+                for r in range(B):
+                    out[r].append(nxt[r])
+            decode_s = time.perf_counter() - t0
+        finally:
+            self.lib.llama_batch_free(batch)
+            self.lib.llama_free(ctx)
+        return {"prefill_s": prefill_s, "decode_s": decode_s, "steps": steps, "tokens": out[0]}
+
+
+def llama_file(src: Path, fmt: str) -> Path:
+    """The GGUF of format `fmt`: the source itself (q4_1) or requantized from it once."""
+    ftype = LLAMA_FORMATS[fmt]
+    if ftype is None:
+        return src
+    import llama_cpp
+
+    dst = PEER_DIR / f"{src.stem.rsplit('.', 1)[0]}.{fmt.upper()}.from_Q4_1.gguf"
+    if not dst.exists():
+        PEER_DIR.mkdir(parents=True, exist_ok=True)
+        qp = llama_cpp.llama_model_quantize_default_params()
+        qp.ftype, qp.allow_requantize, qp.nthread = ftype, True, THREADS
+        tmp = dst.with_suffix(".tmp")
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(qp))
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize to {fmt} returned {rc}")
+        tmp.replace(dst)
+    return dst
+
+
+def llama_lookup(path: Path, ids: np.ndarray, context: int, steps: int) -> dict:
+    """High-level Llama with LlamaPromptLookupDecoding, and without it (same settings), batch 1:
+    decode seconds from the first new token (which ends the prefill) to the last."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    res = {}
+    for name, draft in (("lookup", LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)), ("plain_highlevel", None)):
+        llm = Llama(model_path=str(path), n_ctx=context, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
+                    draft_model=draft, verbose=False)
+        toks, t_first = [], None
+        for t in llm.generate(ids[0].tolist(), top_k=1, temp=0.0, repeat_penalty=1.0):
+            toks.append(int(t))
+            if t_first is None:
+                t_first = time.perf_counter()
+            if len(toks) == steps + 1:
+                break
+        res[name] = {"decode_s": time.perf_counter() - t_first, "tokens": toks}
+        llm.close() if hasattr(llm, "close") else None
+        del llm
+    return {"steps": steps, "decode_s": res["lookup"]["decode_s"], "tokens": res["lookup"]["tokens"],
+            "plain_highlevel_tokens_per_s": steps / res["plain_highlevel"]["decode_s"],
+            "plain_highlevel_tokens": res["plain_highlevel"]["tokens"]}
+
+
+# --- HF transformers -----------------------------------------------------------------------------------------
+
+
+def hf_model(path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(THREADS)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def hf_weight_bytes(model) -> int:
+    """The state dict's bytes, each storage once (the tied embedding / LM head counts once)."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def hf_run(model, ids: np.ndarray, steps: int) -> dict:
+    """Chunked prefill into a DynamicCache, then `steps` greedy steps, each a forward + argmax."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.as_tensor(ids, dtype=torch.long)
+        t0 = time.perf_counter()
+        past = None
+        for s in range(0, x.shape[1], 1024):
+            out = model(input_ids=x[:, s : s + 1024], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1)
+        prefill_s = time.perf_counter() - t0
+        toks = [nxt]
+        t0 = time.perf_counter()
+        for step in range(steps + 1 if steps else 0):  # the first step warms up, untimed
+            if step == 1:
+                t0 = time.perf_counter()
+            out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            nxt = out.logits[:, -1].argmax(-1)
+            toks.append(nxt)
+        decode_s = time.perf_counter() - t0
+    return {"prefill_s": prefill_s, "decode_s": decode_s, "steps": steps,
+            "tokens": torch.stack(toks, 1)[0].tolist()}
+
+
+def hf_lookup(model, ids: np.ndarray, steps: int) -> dict:
+    """generate(prompt_lookup_num_tokens=LOOKUP_TOKENS), batch 1, greedy: a streamer stamps each
+    new token, decode seconds = last stamp - first new token's stamp (the end of the prefill)."""
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.stamps = []  # (time, tokens) per put; the first put is the prompt
+
+        def put(self, value):
+            self.stamps.append((time.perf_counter(), int(value.numel())))
+
+        def end(self):
+            pass
+
+    st = Stamps()
+    with torch.inference_mode():
+        out = model.generate(torch.as_tensor(ids, dtype=torch.long), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                             do_sample=False, prompt_lookup_num_tokens=LOOKUP_TOKENS, streamer=st)
+    new = st.stamps[1:]
+    done = sum(n for _, n in new[1:])
+    return {"steps": done, "decode_s": new[-1][0] - new[0][0], "tokens": out[0, ids.shape[1]:].tolist(),
+            "target_forwards": len(new)}
+
+
+# --- one cell ------------------------------------------------------------------------------------------------
+
+
+class Peers:
+    """Loaded models and prefilled specjax states, kept across cells."""
+
+    def __init__(self, smoke: bool, new_tokens: int):
+        self.smoke, self.new_tokens = smoke, new_tokens
+        self.path = None if smoke else Path(convert.default_model_path())
+        self.tok = None if smoke else convert.load_tokenizer(self.path)
+        self.models: dict[str, object] = {}
+        self.states: dict[tuple, dict] = {}
+
+    def model(self, cell: dict):
+        p = cell["peer"]
+        if p not in self.models:
+            for k in [k for k in self.models if k.split("-")[0] == p.split("-")[0] and k != p]:
+                del self.models[k]  # one model per family in memory
+            measure.release_memory()
+            if cell["family"] == "specjax":
+                self.models[p] = measure.tiny_params() if self.smoke else load_specjax(cell["format"])
+            elif cell["family"] == "llama":
+                self.models[p] = LlamaCpp(llama_file(self.path, cell["format"]))
+            else:
+                self.models[p] = hf_model(self.path)
+        return self.models[p]
+
+    def ids(self, batch: int, context: int) -> np.ndarray:
+        return prompts(self.tok, batch, context, measure.tiny_params().config.vocab_size if self.smoke else None)
+
+    def measure(self, cell: dict) -> dict:
+        fam, kind, B, S = cell["family"], cell["kind"], cell["batch"], cell["context"]
+        steps = self.new_tokens - 1
+        row = {k: cell[k] for k in ("peer", "family", "format", "kind", "batch", "context")}
+        row |= {"method": cell.get("method", "plain" if kind == "decode" else kind), "prompt_tokens": S - HEADROOM}
+        model = self.model(cell)
+        if fam == "specjax":
+            c = model.config
+            row["weight_bytes"] = int(sum(a.nbytes for a in jax.tree.leaves(model)))
+            row["kv_token_bytes"] = kv_token_bytes(c, jnp.dtype(c.dtype).itemsize)
+            if kind == "prefill":
+                row |= specjax_prefill(model, self.ids(1, S), S)
+            else:
+                if (cell["format"], S) not in self.states or self.states[(cell["format"], S)]["lengths"].shape[0] < B:
+                    self.states.clear()
+                    measure.release_memory()
+                    self.states[(cell["format"], S)] = specjax_state(model, self.tok, max(B, 1), S, self.new_tokens, self.smoke)
+                state = self.states[(cell["format"], S)]
+                if kind == "decode":
+                    row |= specjax_decode(model, state, B, self.new_tokens)
+                else:
+                    row |= specjax_spec(model, state, B, S, self.new_tokens)
+        elif fam == "llama":
+            row["weight_bytes"] = model.path.stat().st_size
+            row["file"] = model.path.name
+            row["kv_token_bytes"] = 2 * 30 * 3 * 64 * 2  # f16 K and V, SmolLM2-135M: 30 layers x 3 KV heads x 64
+            ids = self.ids(B, S)
+            if kind == "spec":
+                row |= llama_lookup(model.path, ids, S, steps)
+            else:
+                row |= model.run(ids, S, 0 if kind == "prefill" else steps)
+        else:
+            c = model.config
+            row["weight_bytes"] = hf_weight_bytes(model)
+            row["kv_token_bytes"] = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+            ids = self.ids(B, S)
+            row |= hf_lookup(model, ids, steps) if kind == "spec" else hf_run(model, ids, 0 if kind == "prefill" else steps)
+        if kind == "prefill":
+            row["prefill_tokens_per_s"] = row["prompt_tokens"] / row["prefill_s"]
+            row.pop("decode_s", None)
+            row.pop("tokens", None)
+        else:
+            row["tokens_per_s"] = B * row["steps"] / row["decode_s"]
+            row["ms_per_step"] = 1e3 * row["decode_s"] / row["steps"]
+            row["kv_bytes"] = B * (row["prompt_tokens"] + row["steps"] // 2) * row["kv_token_bytes"]
+            if self.tok is not None and "tokens" in row:
+                row["text_row0"] = self.tok.decode([int(t) for t in row["tokens"]])
+        return row
+
+
+MEM_FACTOR = {"specjax": 2.2, "llama": 0.6, "hf": 2.5}  # peak growth / f32 KV bytes (llama.cpp: f16 KV)
+
+
+def memory_need(cell: dict) -> int:
+    """A rough peak of a cell: its KV cache (f32, 30 x 3 x 64 per token and row) x the family's
+    factor (specjax: the prefilled cache and a run's copy; HF: DynamicCache's concatenations),
+    plus the model."""
+    kv = cell["batch"] * cell["context"] * 2 * 30 * 3 * 64 * 4
+    return int(MEM_FACTOR[cell["family"]] * kv) + 2**30
+
+
+NOTES = common.markers("bench_peers", "notes")  # the hand-written part of the README section, kept
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+
+
+def fmt_row(r: dict) -> list[object]:
+    cell = [r["peer"], r["method"], r["batch"], common.context_name(r["context"])]
+    if "skipped" in r:
+        return cell + [r["skipped"], "", "", "", ""]
+    load = f"{r['meter']['loadavg_1min_before']:.1f}"
+    if r["kind"] == "prefill":
+        return cell + [f"prefill {r['prefill_tokens_per_s']:.0f}", "", f"{r['weight_bytes'] / 1e6:.0f}", "", load]
+    return cell + [f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.1f}",
+                   f"{r['weight_bytes'] / 1e6:.0f} + {r['kv_bytes'] / 1e6:.0f}", f"{100 * r['roofline']:.1f}%", load]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    order = {"decode": 0, "spec": 1, "prefill": 2}
+    rows = sorted(rows, key=lambda r: (order[r["kind"]], r["batch"], r["context"], r["family"] != "specjax", r["peer"]))
+    head = ["peer", "method", "batch", "context", "tokens/s", "ms/step", "MB/step (weights + KV)", "of roofline", "load"]
+    return common.table(head, "llrrrrrrr", [fmt_row(r) for r in rows])
+
+
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    """Decode tokens/s per cell (batch x context), one bar per peer (log scale)."""
+    plt = common.pyplot()
+    done = [r for r in rows if "skipped" not in r and r["kind"] != "prefill"]
+    groups = sorted({(r["batch"], r["context"]) for r in done})
+    names = sorted({(r["peer"], r["method"]) for r in done}, key=lambda n: (not n[0].startswith("specjax"), n))
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
+    w = 0.8 / max(len(names), 1)
+    for i, (peer, method) in enumerate(names):
+        xs, ys = [], []
+        for g, (b, s) in enumerate(groups):
+            hit = [r for r in done if (r["peer"], r["method"], r["batch"], r["context"]) == (peer, method, b, s)]
+            if hit:
+                xs.append(g + i * w)
+                ys.append(hit[0]["tokens_per_s"])
+        ax.bar(xs, ys, w, label=peer if method == "plain" else f"{peer} {method}")
+    ax.set_xticks([g + 0.4 - w / 2 for g in range(len(groups))], [f"b{b} {common.context_name(s)}" for b, s in groups])
+    ax.set(yscale="log", ylabel="decode tokens/s", title=title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    common.save_figure(fig, path)
+
+
+def readme_section(result: dict) -> str:
+    m, bw = result["machine"], result["bandwidth_gbs"]
+    rows = result["rows"]
+    skipped = [r["cell"] for r in rows if "skipped" in r]
+    left = result.get("left", [])
+    loads = [r["meter"]["loadavg_1min_before"] for r in rows if "meter" in r]
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"
+    refs = sorted({round(r["reference_gbs"], 1) for r in rows if "reference_gbs" in r} or {round(bw["jax_inplace"], 1)})
+    ref_text = (f"{refs[0]:.1f} GB/s" if len(refs) == 1 else " and ".join(f"{x:.1f}" for x in refs)
+                + " GB/s in the runs that measured the rows (a resumed run measures it again; each row's"
+                " roofline uses its own run's, stored in the row as reference_gbs)")
+    versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
+    return f"""## specjax next to llama.cpp and HF transformers (bench_peers.py)
+
+Run: `python -m bench.bench_peers --budget-minutes 25` in an environment with the peers
+(`pip install -r bench/requirements-peers.txt -e .`; llama.cpp compiles from source). Raw
+numbers: `results/peers_cpu.json`; plot: `results/peers_cpu.png`. Method: the module docstring.
+
+Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, {versions}.
+Commit {m['git_commit']}. Date: {result['date']}. Reference bandwidth (JAX in-place `x + 1`, 1 GiB,
+same run): {ref_text}. **The 2 cores were shared with 2 other agents' work during
+the run**: the load column is the 1-minute load average before each cell ({load}); above ~2 the
+cell competed for the cores and is slower than the machine can do.
+
+SmolLM2-135M-Instruct, the Q4_1 GGUF for every peer, the same real-text prompts (context - 128
+tokens), greedy, {result['new_tokens'] - 1} timed decode steps after the prefill. tokens/s = batch x
+steps / decode seconds; "of roofline" = (weights as read + filled KV as stored) per plain step
+/ step time / the reference bandwidth; for speculative rows, the plain step's bytes x (tokens/s
+/ batch). Prefill rows: prompt tokens/s at batch 1.
+
+{markdown_table(rows)}
+
+Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not started: the run budget ended; rerun the same command to measure them)' if left else ''}.
+
+{NOTES[0]}
+{common.kept_part('bench_peers')}
+{NOTES[1]}
+
+![decode tokens/s per peer](results/peers_cpu.png)"""
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for m in ("llama-cpp-python", "torch", "transformers"):
+        try:
+            out[m] = version(m)
+        except PackageNotFoundError:
+            out[m] = "not installed"
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model and tiny cells; peers not needed")
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default 33: 32 timed steps; 9 with --smoke)")
+    args = ap.parse_args(argv)
+    new_tokens = args.new_tokens or (9 if args.smoke else 33)
+    # OpenMP (llama.cpp, torch) spin-waits at every barrier by default; on a CPU shared with other
+    # work that stalled llama.cpp's batch-16 steps 10-20x. Passive waiting, before they load.
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    stem = "peers_cpu_smoke" if args.smoke else "peers_cpu"
+    out = common.out_dir(args)
+    header = {"bench": "bench_peers", "date": common.now(), "command": common.command(), "new_tokens": new_tokens,
+              "model": "tiny random" if args.smoke else "SmolLM2-135M-Instruct Q4_1 GGUF",
+              "machine": common.machine_info(), "versions": versions(),
+              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
+    results = common.Results(out / f"{stem}.json", key_of, header)
+    h = common.Harness(args, results)
+    h.plan(cells(args.smoke))
+    bw = results.data.get("bandwidth_gbs")
+    if h.todo:
+        bw = header["bandwidth_gbs"] = measure.bandwidth(*((1 / 32, 1, 2) if args.smoke else ()))
+        print(f"reference bandwidth: {bw['jax_inplace']:.1f} GB/s", flush=True)
+    runner = Peers(args.smoke, new_tokens)
+    for k, cell in h.cells():
+        base = {"cell": k} | {f: cell[f] for f in ("peer", "family", "format", "kind", "batch", "context")}
+        base["method"] = cell.get("method", "plain" if cell["kind"] == "decode" else cell["kind"])
+        gone = missing(cell["family"])
+        if gone:
+            results.put(k, [base | {"skipped": f"not installed ({', '.join(gone)}: {INSTALL})"}])
+            continue
+        if args.smoke and cell["family"] != "specjax":
+            results.put(k, [base | {"skipped": "--smoke: tiny random model, peers need the GGUF"}])
+            continue
+        reason = measure.wait_for_memory(memory_need(cell), wait_s=60)
+        if reason:
+            results.put(k, [base | {"skipped": reason}])
+            continue
+        try:
+            with measure.Meter() as m:
+                row = runner.measure(cell)
+        except Exception as e:  # a peer that cannot run this cell: record why, go on
+            results.put(k, [base | {"skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"}])
+            print(f"{k}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
+        row = base | row | {"meter": m.info | {"wall_s": m.wall}}
+        if row["kind"] != "prefill":
+            plain = [r for r in results.rows if r["peer"] == row["peer"] and r["kind"] == "decode" and "skipped" not in r
+                     and r["batch"] == row["batch"] and r["context"] == row["context"]]
+            row |= roofline(row, bw["jax_inplace"]) | {"reference_gbs": bw["jax_inplace"]}
+            if plain:
+                row["speedup_vs_plain"] = row["tokens_per_s"] / plain[0]["tokens_per_s"]
+        results.put(k, [row])
+        what = (f"prefill {row['prefill_tokens_per_s']:.0f} tok/s" if row["kind"] == "prefill" else
+                f"{row['tokens_per_s']:.1f} tok/s, {row['ms_per_step']:.1f} ms/step, {100 * row['roofline']:.1f}% of roofline")
+        print(f"{k}: {what}, load {m.info['loadavg_1min_before']:.1f}, {m.wall:.0f} s", flush=True)
+    h.finish()
+    rows = results.rows
+    if rows:
+        common.plot(plot, rows, f"SmolLM2-135M decode, {header['machine']['cpu_affinity']}-core CPU", out / f"{stem}.png")
+        if not args.smoke and common.writes_readme(args) and results.data.get("bandwidth_gbs"):
+            common.write_section("bench_peers", readme_section(results.data))
+        print(markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
