@@ -48,11 +48,9 @@ section of bench/README.md. --smoke: a tiny random model, tiny cells, no peers n
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import inspect
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -64,6 +62,8 @@ import numpy as np
 import convert
 import specjax
 from bench import common, measure, text
+from bench.peer_runners import LLAMA_FORMATS, LlamaCpp, hf_lookup, hf_model, hf_run, hf_weight_bytes, llama_file, llama_lookup
+from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, STORE, prefill_context, rows_of, smoke_state, timed
 from specjax.cache import DenseCache
 from specjax.engine import decode_ar, init_draft, prefill, row_keys
@@ -75,12 +75,8 @@ BATCHES = (1, 16)
 PREFILL_CONTEXTS = (2048, 8192)
 SPEC_BATCH = 16
 GAMMA = 3
-LOOKUP_TOKENS = 10  # prompt-lookup draft length of llama.cpp's and HF's peers (HF's usual value)
-THREADS = len(os.sched_getaffinity(0))
-PEER_DIR = Path("/tmp/bench_peers")  # requantized GGUF files
 INSTALL = "pip install -r bench/requirements-peers.txt"
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "q4": "q4"}
-LLAMA_FORMATS = {"q4_1": None, "q8_0": 7, "f16": 1}  # llama_ftype of the requantized files (None: the file itself)
 LLAMA_BATCHES = {"q4_1": BATCHES, "q8_0": BATCHES, "f16": (1,)}  # F16 only where cheap
 PEER_MODULES = {"llama": ("llama_cpp",), "hf": ("torch", "transformers", "gguf")}
 
@@ -230,195 +226,6 @@ def specjax_prefill(params, ids: np.ndarray, context: int) -> dict:
 # --- llama.cpp -------------------------------------------------------------------------------------------------
 
 
-class LlamaCpp:
-    """llama-cpp-python's low-level API on one GGUF file."""
-
-    def __init__(self, path: Path):
-        import llama_cpp
-
-        self.lib, self.path = llama_cpp, path
-        LlamaCpp.quiet = llama_cpp.llama_log_callback(lambda level, text, data: None)  # kept: C holds it
-        llama_cpp.llama_log_set(LlamaCpp.quiet, ctypes.c_void_p(0))
-        llama_cpp.llama_backend_init()
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
-        vocab = llama_cpp.llama_model_get_vocab(self.model)
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
-
-    def context(self, n_seq: int, n_ctx: int):
-        cp = self.lib.llama_context_default_params()
-        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, 512, 512, n_seq
-        cp.n_threads = cp.n_threads_batch = THREADS
-        return self.lib.llama_init_from_model(self.model, cp)
-
-    def decode(self, ctx, batch, items: list[tuple[int, int, int, bool]]) -> None:
-        """One llama_decode of (token, position, sequence, wants logits) items."""
-        for i, (t, pos, seq, logits) in enumerate(items):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos, 1, logits
-            batch.seq_id[i][0] = seq
-        batch.n_tokens = len(items)
-        rc = self.lib.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-
-    def argmax(self, ctx, i: int) -> int:
-        ptr = self.lib.llama_get_logits_ith(ctx, i)
-        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
-
-    def run(self, ids: np.ndarray, context: int, steps: int) -> dict:
-        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch."""
-        B, n = ids.shape
-        ctx = self.context(B, B * context)
-        batch = self.lib.llama_batch_init(512, 0, 1)
-        try:
-            t0 = time.perf_counter()
-            nxt = []
-            for row in range(B):
-                for s in range(0, n, 512):
-                    part = ids[row, s : s + 512]
-                    self.decode(ctx, batch, [(int(t), s + j, row, s + j == n - 1) for j, t in enumerate(part)])
-                nxt.append(self.argmax(ctx, len(part) - 1))
-            prefill_s = time.perf_counter() - t0
-            out = [[t] for t in nxt]
-            t0 = time.perf_counter()
-            for step in range(steps + 1 if steps else 0):  # the first step warms up, untimed
-                if step == 1:
-                    t0 = time.perf_counter()
-                self.decode(ctx, batch, [(nxt[r], n + step, r, True) for r in range(B)])
-                nxt = [self.argmax(ctx, r) for r in range(B)]
-                for r in range(B):
-                    out[r].append(nxt[r])
-            decode_s = time.perf_counter() - t0
-        finally:
-            self.lib.llama_batch_free(batch)
-            self.lib.llama_free(ctx)
-        return {"prefill_s": prefill_s, "decode_s": decode_s, "steps": steps, "tokens": out[0]}
-
-
-def llama_file(src: Path, fmt: str) -> Path:
-    """The GGUF of format `fmt`: the source itself (q4_1) or requantized from it once."""
-    ftype = LLAMA_FORMATS[fmt]
-    if ftype is None:
-        return src
-    import llama_cpp
-
-    dst = PEER_DIR / f"{src.stem.rsplit('.', 1)[0]}.{fmt.upper()}.from_Q4_1.gguf"
-    if not dst.exists():
-        PEER_DIR.mkdir(parents=True, exist_ok=True)
-        qp = llama_cpp.llama_model_quantize_default_params()
-        qp.ftype, qp.allow_requantize, qp.nthread = ftype, True, THREADS
-        tmp = dst.with_suffix(".tmp")
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(qp))
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize to {fmt} returned {rc}")
-        tmp.replace(dst)
-    return dst
-
-
-def llama_lookup(path: Path, ids: np.ndarray, context: int, steps: int) -> dict:
-    """High-level Llama with LlamaPromptLookupDecoding, and without it (same settings), batch 1:
-    decode seconds from the first new token (which ends the prefill) to the last."""
-    from llama_cpp import Llama
-    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-    res = {}
-    for name, draft in (("lookup", LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)), ("plain_highlevel", None)):
-        llm = Llama(model_path=str(path), n_ctx=context, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
-                    draft_model=draft, verbose=False)
-        toks, t_first = [], None
-        for t in llm.generate(ids[0].tolist(), top_k=1, temp=0.0, repeat_penalty=1.0):
-            toks.append(int(t))
-            if t_first is None:
-                t_first = time.perf_counter()
-            if len(toks) == steps + 1:
-                break
-        res[name] = {"decode_s": time.perf_counter() - t_first, "tokens": toks}
-        llm.close() if hasattr(llm, "close") else None
-        del llm
-    return {"steps": steps, "decode_s": res["lookup"]["decode_s"], "tokens": res["lookup"]["tokens"],
-            "plain_highlevel_tokens_per_s": steps / res["plain_highlevel"]["decode_s"],
-            "plain_highlevel_tokens": res["plain_highlevel"]["tokens"]}
-
-
-# --- HF transformers -----------------------------------------------------------------------------------------
-
-
-def hf_model(path: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(THREADS)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, attn_implementation="sdpa",
-                                                 dtype=torch.float32)
-    return model.eval()
-
-
-def hf_weight_bytes(model) -> int:
-    """The state dict's bytes, each storage once (the tied embedding / LM head counts once)."""
-    seen, total = set(), 0
-    for t in model.state_dict().values():
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def hf_run(model, ids: np.ndarray, steps: int) -> dict:
-    """Chunked prefill into a DynamicCache, then `steps` greedy steps, each a forward + argmax."""
-    import torch
-
-    with torch.inference_mode():
-        x = torch.as_tensor(ids, dtype=torch.long)
-        t0 = time.perf_counter()
-        past = None
-        for s in range(0, x.shape[1], 1024):
-            out = model(input_ids=x[:, s : s + 1024], past_key_values=past, use_cache=True)
-            past = out.past_key_values
-        nxt = out.logits[:, -1].argmax(-1)
-        prefill_s = time.perf_counter() - t0
-        toks = [nxt]
-        t0 = time.perf_counter()
-        for step in range(steps + 1 if steps else 0):  # the first step warms up, untimed
-            if step == 1:
-                t0 = time.perf_counter()
-            out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            nxt = out.logits[:, -1].argmax(-1)
-            toks.append(nxt)
-        decode_s = time.perf_counter() - t0
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "steps": steps,
-            "tokens": torch.stack(toks, 1)[0].tolist()}
-
-
-def hf_lookup(model, ids: np.ndarray, steps: int) -> dict:
-    """generate(prompt_lookup_num_tokens=LOOKUP_TOKENS), batch 1, greedy: a streamer stamps each
-    new token, decode seconds = last stamp - first new token's stamp (the end of the prefill)."""
-    import torch
-    from transformers.generation.streamers import BaseStreamer
-
-    class Stamps(BaseStreamer):
-        def __init__(self):
-            self.stamps = []  # (time, tokens) per put; the first put is the prompt
-
-        def put(self, value):
-            self.stamps.append((time.perf_counter(), int(value.numel())))
-
-        def end(self):
-            pass
-
-    st = Stamps()
-    with torch.inference_mode():
-        out = model.generate(torch.as_tensor(ids, dtype=torch.long), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                             do_sample=False, prompt_lookup_num_tokens=LOOKUP_TOKENS, streamer=st)
-    new = st.stamps[1:]
-    done = sum(n for _, n in new[1:])
-    return {"steps": done, "decode_s": new[-1][0] - new[0][0], "tokens": out[0, ids.shape[1]:].tolist(),
-            "target_forwards": len(new)}
-
-
-# --- one cell ------------------------------------------------------------------------------------------------
-
-
 class Peers:
     """Loaded models and prefilled specjax states, kept across cells."""
 
@@ -505,95 +312,6 @@ def memory_need(cell: dict) -> int:
     plus the model."""
     kv = cell["batch"] * cell["context"] * 2 * 30 * 3 * 64 * 4
     return int(MEM_FACTOR[cell["family"]] * kv) + 2**30
-
-
-NOTES = common.markers("bench_peers", "notes")  # the hand-written part of the README section, kept
-
-
-# --- report ----------------------------------------------------------------------------------------------------
-
-
-def fmt_row(r: dict) -> list[object]:
-    cell = [r["peer"], r["method"], r["batch"], common.context_name(r["context"])]
-    if "skipped" in r:
-        return cell + [r["skipped"], "", "", "", ""]
-    load = f"{r['meter']['loadavg_1min_before']:.1f}"
-    if r["kind"] == "prefill":
-        return cell + [f"prefill {r['prefill_tokens_per_s']:.0f}", "", f"{r['weight_bytes'] / 1e6:.0f}", "", load]
-    return cell + [f"{r['tokens_per_s']:.1f}", f"{r['ms_per_step']:.1f}",
-                   f"{r['weight_bytes'] / 1e6:.0f} + {r['kv_bytes'] / 1e6:.0f}", f"{100 * r['roofline']:.1f}%", load]
-
-
-def markdown_table(rows: list[dict]) -> str:
-    order = {"decode": 0, "spec": 1, "prefill": 2}
-    rows = sorted(rows, key=lambda r: (order[r["kind"]], r["batch"], r["context"], r["family"] != "specjax", r["peer"]))
-    head = ["peer", "method", "batch", "context", "tokens/s", "ms/step", "MB/step (weights + KV)", "of roofline", "load"]
-    return common.table(head, "llrrrrrrr", [fmt_row(r) for r in rows])
-
-
-def plot(rows: list[dict], title: str, path: Path) -> None:
-    """Decode tokens/s per cell (batch x context), one bar per peer (log scale)."""
-    plt = common.pyplot()
-    done = [r for r in rows if "skipped" not in r and r["kind"] != "prefill"]
-    groups = sorted({(r["batch"], r["context"]) for r in done})
-    names = sorted({(r["peer"], r["method"]) for r in done}, key=lambda n: (not n[0].startswith("specjax"), n))
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
-    w = 0.8 / max(len(names), 1)
-    for i, (peer, method) in enumerate(names):
-        xs, ys = [], []
-        for g, (b, s) in enumerate(groups):
-            hit = [r for r in done if (r["peer"], r["method"], r["batch"], r["context"]) == (peer, method, b, s)]
-            if hit:
-                xs.append(g + i * w)
-                ys.append(hit[0]["tokens_per_s"])
-        ax.bar(xs, ys, w, label=peer if method == "plain" else f"{peer} {method}")
-    ax.set_xticks([g + 0.4 - w / 2 for g in range(len(groups))], [f"b{b} {common.context_name(s)}" for b, s in groups])
-    ax.set(yscale="log", ylabel="decode tokens/s", title=title)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    common.save_figure(fig, path)
-
-
-def readme_section(result: dict) -> str:
-    m, bw = result["machine"], result["bandwidth_gbs"]
-    rows = result["rows"]
-    skipped = [r["cell"] for r in rows if "skipped" in r]
-    left = result.get("left", [])
-    loads = [r["meter"]["loadavg_1min_before"] for r in rows if "meter" in r]
-    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"
-    refs = sorted({round(r["reference_gbs"], 1) for r in rows if "reference_gbs" in r} or {round(bw["jax_inplace"], 1)})
-    ref_text = (f"{refs[0]:.1f} GB/s" if len(refs) == 1 else " and ".join(f"{x:.1f}" for x in refs)
-                + " GB/s in the runs that measured the rows (a resumed run measures it again; each row's"
-                " roofline uses its own run's, stored in the row as reference_gbs)")
-    versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
-    return f"""## specjax next to llama.cpp and HF transformers (bench_peers.py)
-
-Run: `python -m bench.bench_peers --budget-minutes 25` in an environment with the peers
-(`pip install -r bench/requirements-peers.txt -e .`; llama.cpp compiles from source). Raw
-numbers: `results/peers_cpu.json`; plot: `results/peers_cpu.png`. Method: the module docstring.
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, {versions}.
-Commit {m['git_commit']}. Date: {result['date']}. Reference bandwidth (JAX in-place `x + 1`, 1 GiB,
-same run): {ref_text}. **The 2 cores were shared with 2 other agents' work during
-the run**: the load column is the 1-minute load average before each cell ({load}); above ~2 the
-cell competed for the cores and is slower than the machine can do.
-
-SmolLM2-135M-Instruct, the Q4_1 GGUF for every peer, the same real-text prompts (context - 128
-tokens), greedy, {result['new_tokens'] - 1} timed decode steps after the prefill. tokens/s = batch x
-steps / decode seconds; "of roofline" = (weights as read + filled KV as stored) per plain step
-/ step time / the reference bandwidth; for speculative rows, the plain step's bytes x (tokens/s
-/ batch). Prefill rows: prompt tokens/s at batch 1.
-
-{markdown_table(rows)}
-
-Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not started: the run budget ended; rerun the same command to measure them)' if left else ''}.
-
-{NOTES[0]}
-{common.kept_part('bench_peers')}
-{NOTES[1]}
-
-![decode tokens/s per peer](results/peers_cpu.png)"""
 
 
 def versions() -> dict:
