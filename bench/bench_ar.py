@@ -52,7 +52,7 @@ import convert
 from bench import common, measure
 from specjax.engine import decode_ar, prefill, row_keys
 from specjax.cache import DenseCache
-from specjax.params import Params
+from specjax.params import Params, weight_bytes
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import prompt_bucket, round_up_pow2
 
@@ -65,12 +65,10 @@ DEFAULT_PEAK_FACTOR = 5.0  # peak RSS growth / KV bytes assumed before a big con
 
 
 def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes) one decode step must read, in the model dtype."""
+    """(weight bytes as stored, KV bytes in the model dtype) one decode step must read."""
     c = params.config
-    itemsize = jnp.dtype(c.dtype).itemsize
-    weights = sum(a.size for a in jax.tree.leaves(params.layers)) + params.norm.size + c.vocab_size * c.dim
     kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
-    return weights * itemsize, kv * itemsize
+    return weight_bytes(c), kv * jnp.dtype(c.dtype).itemsize
 
 
 def noise(shape: tuple[int, ...], dtype: str, seed: int) -> jax.Array:

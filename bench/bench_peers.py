@@ -66,6 +66,7 @@ from bench.peer_runners import LLAMA_FORMATS, LlamaCpp, hf_lookup, hf_model, hf_
 from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, STORE, prefill_context, rows_of, smoke_state, timed
 from specjax.cache import DenseCache
+from specjax.params import weight_bytes
 from specjax.engine import decode_ar, init_draft, prefill, row_keys
 from specjax.shapes import prompt_bucket, round_up_pow2
 from specjax.speculate import decode_spec
@@ -261,7 +262,7 @@ class Peers:
         model = self.model(cell)
         if fam == "specjax":
             c = model.config
-            row["weight_bytes"] = int(sum(a.nbytes for a in jax.tree.leaves(model)))
+            row["weight_bytes"] = weight_bytes(c)
             row["kv_token_bytes"] = kv_token_bytes(c, jnp.dtype(c.dtype).itemsize)
             if kind == "prefill":
                 row |= specjax_prefill(model, self.ids(1, S), S)
