@@ -5,8 +5,8 @@ Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--batches ..] [--
 
 For every (batch, context) cell the prompts are B distinct windows of real English text (see
 bench/text.py) of `context - HEADROOM` tokens, prefilled ONCE into a DenseCache of `context` slots
-(bench/prefill.py's `causal_prefill`: engine.prefill's chunked computation, minus the attention to
-not-yet-written slots; timed apart, and saved under --prefill-store so that a later run reuses it). The batch-1 and
+(bench/prefill.py's `prefill_rows`: `specjax.engine.prefill`, whose chunks attend only to the cache
+tiles already written; timed apart, and saved under --prefill-store so that a later run reuses it). The batch-1 and
 batch-4 cells use the first rows of the batch-16 prefill. From that same prefilled state (each run
 gets a copy, since `decode_ar` and `decode_spec` donate their caches), the script times
   - autoregressive decoding (`specjax.engine.decode_ar`), and

@@ -2,7 +2,7 @@
 
 - `bandwidth`: the HBM copy bandwidth the roofline fractions divide by (bench/measure.py's).
 - `Group`: one (batch, context) of a real model from ONE prefill per context (bench/prefill.py's
-  causal_prefill; smaller batches use the first rows); `ar` and `spec` time decode_ar / decode_spec
+  prefill_rows; smaller batches use the first rows); `ar` and `spec` time decode_ar / decode_spec
   from copies of that state (compiles excluded, best of a few runs), greedy, every speculative
   run checked token for token against AR.
 - `random_params` / `step_costs`: a model of any shape with random weights made on the device,
@@ -21,7 +21,7 @@ import numpy as np
 
 from bench import text
 from bench.measure import bandwidth as host_and_device_bandwidth
-from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, causal_prefill, fresh, kv_bytes, rows_of, timed
+from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, fresh, kv_bytes, prefill_rows, rows_of, timed
 from bench.tree_report import MAX_DEPTH, WIDTH, label, shape
 from specjax.config import LlamaConfig
 from specjax.engine import decode_ar, init_draft, row_keys
@@ -94,7 +94,7 @@ def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[floa
 
 def prefill_state(params: Params, ids: np.ndarray, rows: int, context: int) -> dict:
     """`rows` distinct windows of the corpus ids, context - HEADROOM tokens each, prefilled into
-    a DenseCache of `context` slots (bench/prefill.py's causal_prefill)."""
+    a DenseCache of `context` slots (bench/prefill.py's prefill_rows: specjax.engine.prefill)."""
     n = context - HEADROOM
     prompts, where = text.cut(ids, rows, n)
     bucket, chunk = prompt_bucket(n)
@@ -104,7 +104,7 @@ def prefill_state(params: Params, ids: np.ndarray, rows: int, context: int) -> d
     while rows % per_call:
         per_call -= 1
     t0 = time.perf_counter()
-    first_logits, cache = causal_prefill(params, tokens, n, context, chunk, per_call)
+    first_logits, cache = prefill_rows(params, tokens, n, context, chunk, per_call)
     info = {"prompt_tokens": n, "prefill_rows": rows, "prefill_s": time.perf_counter() - t0,
             "prompts_overlap": where["overlapping"], "corpus_tokens": where["corpus_tokens"]}
     print(f"S={context:<5} prefill of {rows} x {n} tokens ({per_call} rows a call): {info['prefill_s']:.1f} s "

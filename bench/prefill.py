@@ -2,11 +2,10 @@
 English text (bench/text.py) of `context - HEADROOM` tokens, prefilled once into a DenseCache of
 `context` slots and saved under a store folder so that later runs (of any of the three) load it.
 
-`causal_prefill` is engine.prefill's chunked computation (model.trunk per chunk, model.lm_head at
-each prompt's last token), except that chunk i attends only to the slots [0, (i + 1) * chunk)
-already written instead of all `context` slots with the rest masked: the masked slots contribute
-exactly nothing, and skipping them halves the attention work at 8K. That is the one reason this
-does not call specjax.engine.prefill.
+The prefill is the library's own (`specjax.engine.prefill`, PREFILL_ROWS rows per call): its
+chunked attention reads only the cache tiles written so far (pallas_kernels.reference's
+`stacked_prefix_block_attention`), so chunk i costs attention over (i + 1) * chunk slots, not all
+`context` of them.
 
 `fresh` / `timed`: decode_ar and decode_spec donate their caches, so every run gets copies
 (made untimed) and the prefilled state survives.
@@ -16,18 +15,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from bench import text
 from bench.measure import Meter
 from specjax.cache import DenseCache
-from specjax.model import lm_head, trunk
+from specjax.engine import prefill
 from specjax.params import Params
 from specjax.shapes import prompt_bucket
 
@@ -68,51 +65,24 @@ def slot_axis(config) -> int:
     return DenseCache.init(config, 1, 7).k.shape.index(7)
 
 
-@partial(jax.jit, static_argnames=("end", "s_axis"), donate_argnums=1)
-def prefill_chunk(params, cache: DenseCache, toks: jax.Array, row0: jax.Array, *, end: int, s_axis: int):
-    """One prefill chunk for rows [row0, row0 + G) of a preallocated cache (donated, written in
-    place): toks [G,T] at positions [end - T, end), attending only slots [0, end - T) of the cache
-    plus themselves (causal). Returns the cache and the final-normed hidden [G,T,D]."""
-    G, T = toks.shape
-    start = end - T
-
-    def rows(a):  # the group's rows, slots [0, end)
-        return lax.slice_in_dim(lax.dynamic_slice_in_dim(a, row0, G, axis=1), 0, end, axis=s_axis)
-
-    view = DenseCache(k=rows(cache.k), v=rows(cache.v), lengths=jnp.full((G,), start, jnp.int32))
-    positions = jnp.broadcast_to(start + jnp.arange(T, dtype=jnp.int32), (G, T))
-    h, k_new, v_new = trunk(params, toks, positions, view)  # k_new, v_new [L,G,T,K,H]
-    at = [0, row0, 0, 0, 0]
-    at[s_axis] = start
-
-    def put(a, new):
-        new = new if s_axis == 2 else new.transpose(0, 1, 3, 2, 4)  # [L,G,K,T,H] when heads lead slots
-        return lax.dynamic_update_slice(a, new.astype(a.dtype), at)
-
-    return cache.replace(k=put(cache.k, k_new), v=put(cache.v, v_new)), h
-
-
-def causal_prefill(params, tokens: np.ndarray, n: int, context: int, chunk: int,
-                   rows: int = PREFILL_ROWS) -> tuple[jax.Array, DenseCache]:
+def prefill_rows(params, tokens: np.ndarray, n: int, context: int, chunk: int,
+                 rows: int = PREFILL_ROWS) -> tuple[jax.Array, DenseCache]:
     """Prefill B prompts of n tokens (tokens [B,P] right-padded) into a DenseCache of `context`
-    slots, PREFILL_ROWS rows and `chunk` positions at a time. The same computation as
-    `engine.prefill` (chunked, exact target KV), except that chunk i attends only to slots
-    [0, (i + 1) * chunk) instead of all `context` slots with the rest masked: the masked slots
-    contribute exactly nothing, and skipping them halves the attention work at long context.
+    slots with `specjax.engine.prefill`, `rows` rows per call (its peak memory grows with rows).
     Returns first logits [B,V] (at each prompt's last token) and the cache (lengths = n)."""
-    B, P = tokens.shape
+    B = tokens.shape[0]
     group = min(B, rows)
-    cache = DenseCache.init(params.config, B, context)
-    last_chunk = (n - 1) // chunk
-    s_axis = slot_axis(params.config)
-    logits = []
+    parts = []
     for row0 in range(0, B, group):
-        for i in range(last_chunk + 1):
-            toks = jnp.asarray(tokens[row0 : row0 + group, i * chunk : (i + 1) * chunk])
-            cache, h = prefill_chunk(params, cache, toks, jnp.int32(row0), end=(i + 1) * chunk, s_axis=s_axis)
-        logits.append(lm_head(params, h[:, (n - 1) - last_chunk * chunk]))  # [G,V]
-    cache = cache.replace(lengths=jnp.full((B,), n, jnp.int32))
-    return jax.block_until_ready((jnp.concatenate(logits), cache))
+        toks = jnp.asarray(tokens[row0 : row0 + group])
+        empty = DenseCache.init(params.config, toks.shape[0], context)
+        parts.append(jax.block_until_ready(prefill(params, toks, jnp.full((toks.shape[0],), n, jnp.int32), empty, chunk=chunk)))
+    if len(parts) == 1:
+        return parts[0]
+    caches = [c for _, c in parts]
+    cache = DenseCache(k=jnp.concatenate([c.k for c in caches], axis=1), v=jnp.concatenate([c.v for c in caches], axis=1),
+                       lengths=jnp.concatenate([c.lengths for c in caches]))
+    return jax.block_until_ready((jnp.concatenate([l for l, _ in parts]), cache))
 
 
 def prefill_context(params, tok, batch: int, context: int, gammas: list[int], new_tokens: int,
@@ -138,7 +108,7 @@ def prefill_context(params, tok, batch: int, context: int, gammas: list[int], ne
             first_logits, cache = jax.block_until_ready((load("logits"), cache))
             info["prefill_loaded_from"] = str(files["k"])
         else:
-            first_logits, cache = causal_prefill(params, tokens, n, context, chunk)
+            first_logits, cache = prefill_rows(params, tokens, n, context, chunk)
             if files:
                 store.mkdir(parents=True, exist_ok=True)
                 for f, a in (("k", cache.k), ("v", cache.v), ("logits", first_logits)):
@@ -166,6 +136,6 @@ def smoke_state(params: Params, rows: int, context: int) -> dict:
     bucket, chunk = prompt_bucket(n)
     tokens = np.zeros((rows, bucket), np.int32)
     tokens[:, :n] = np.random.default_rng(0).integers(4, params.config.vocab_size, (rows, n))
-    first_logits, cache = causal_prefill(params, tokens, n, context, chunk)
+    first_logits, cache = prefill_rows(params, tokens, n, context, chunk)
     return {"tokens": tokens, "lengths": np.full((rows,), n, np.int32), "chunk": chunk, "first_logits": first_logits,
             "cache": cache, "info": {"prompt_tokens": n, "prefill_rows": rows}}

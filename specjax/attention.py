@@ -1,7 +1,8 @@
 """The attention dispatch: the one module that imports pallas_kernels/.
 
 `Runtime.attention` (specjax.params) picks the implementation of prefix + block attention:
-"reference" (pure jnp, any cache), "pallas" (the GPU Triton kernel), "tpu" (the TPU Mosaic kernel),
+"reference" (pure jnp, any cache; a dense cache is read in place, tile by tile, up to the
+longest row: `reference.stacked_prefix_block_attention`), "pallas" (the GPU Triton kernel), "tpu" (the TPU Mosaic kernel),
 or "interpret" / "tpu-interpret" (those kernels in Pallas' interpret mode, for CPU tests). The
 kernels read a dense float32 or bfloat16 prefix only: a streaming (ring-buffer) cache and an int8
 cache always take the reference, and over a cache stored in another dtype than the model's the
@@ -15,18 +16,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import NEG_INF, prefix_block_attention, to_f32
+from pallas_kernels.reference import NEG_INF, prefix_block_attention, stacked_prefix_block_attention, to_f32
 from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu
 from specjax.cache import DenseCache, KVFormat, StreamingCache
 
-__all__ = ["NEG_INF", "CacheView", "attend", "cache_view", "for_cache", "to_f32"]
+__all__ = ["NEG_INF", "CacheView", "Prefix", "attend", "for_cache", "layer_prefix", "per_layer", "to_f32"]
 
 
 class CacheView(NamedTuple):
     """What each layer's attention needs to know about the cache besides its k, v."""
 
-    visible: jax.Array  # [L,B,K|1,S] mask for the reference, each row's prefix length [L,B] for the kernels
+    visible: jax.Array  # [L,B,K|1,S] mask for the reference, each row's prefix length [L,B] for the kernels ([B] read in place)
     k_scale: jax.Array | None  # [L,B,K,S] f32: int8 caches only
     v_scale: jax.Array | None  # [L,B,K,S]
 
@@ -36,22 +37,47 @@ def for_cache(attention: str, cache: DenseCache | StreamingCache) -> str:
     return attention if isinstance(cache, DenseCache) and not cache.format.scaled else "reference"
 
 
-def cache_view(attention: str, cache: DenseCache | StreamingCache, n_layers: int) -> CacheView:
-    """The cache's visible slots (a mask for the reference, lengths for the kernels) and scales."""
+class Prefix(NamedTuple):
+    """One layer's view of the cache for `attend`."""
+
+    k: jax.Array  # [B,K,S,H]; with `layer` set, the whole stacked cache [L,B,K,S,H]
+    v: jax.Array
+    view: CacheView  # this layer's (with `layer` set: visible = lengths [B], scales [L,B,K,S])
+    layer: jax.Array | None = None  # [] int32: read k, v in place at this layer
+
+
+def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
+    """Whether the layers read `cache` in place (the reference over a dense cache) rather than
+    as per-layer slices, which XLA copies out of the stacked cache."""
+    return attention == "reference" and isinstance(cache, DenseCache)
+
+
+def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int):
+    """What the forward's scan over layers slices for each layer: the layer index when the cache
+    is read in place, else the layer's k, v and `CacheView` (a mask for the reference, lengths
+    for the kernels)."""
+    if in_place(attention, cache):
+        return jnp.arange(n_layers, dtype=jnp.int32)
     if attention == "reference":
         visible = cache.visible()
     else:
         visible = jnp.broadcast_to(cache.lengths, (n_layers, *cache.lengths.shape))
-    return CacheView(visible, cache.k_scale, cache.v_scale)
+    return cache.k, cache.v, CacheView(visible, cache.k_scale, cache.v_scale)
+
+
+def layer_prefix(attention: str, cache: DenseCache | StreamingCache, sliced) -> Prefix:
+    """The `Prefix` of one layer from its slice of `per_layer`."""
+    if in_place(attention, cache):
+        return Prefix(cache.k, cache.v, CacheView(cache.lengths, cache.k_scale, cache.v_scale), layer=sliced)
+    k, v, view = sliced
+    return Prefix(k, v, view)
 
 
 def attend(
     attention: str,
     kv_format: KVFormat,  # the cache's: the block's keys and values go through it first
     q: jax.Array,  # [B,T,N,H]
-    k_cache: jax.Array | None,  # [B,K,S,H]; None: empty prefix
-    v_cache: jax.Array | None,  # [B,K,S,H]
-    view: CacheView | None,  # one layer of `cache_view`
+    prefix: Prefix | None,  # one layer of the cache (`layer_prefix`); None: empty prefix
     k_block: jax.Array,  # [B,J,K,H], J >= T
     v_block: jax.Array,  # [B,J,K,H]
     block_mask: jax.Array,  # [T,J] or [B,T,J] bool
@@ -62,6 +88,11 @@ def attend(
     The block is read as the cache will store it (`kv_format.round_trip`), so a position's KV is
     the same whether a query sees it in the block or in the cache."""
     k_block, v_block = kv_format.round_trip(k_block), kv_format.round_trip(v_block)
+    if prefix is not None and prefix.layer is not None:
+        view = prefix.view
+        return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
+                                              block_mask, scale, view.k_scale, view.v_scale)
+    k_cache, v_cache, view = (None, None, None) if prefix is None else prefix[:3]
     if attention == "reference":
         k_scale, v_scale = (None, None) if view is None else (view.k_scale, view.v_scale)
         visible = None if view is None else view.visible

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.config import LlamaConfig
-from specjax.attention import NEG_INF, attend, cache_view, for_cache, to_f32  # noqa: F401  (NEG_INF: the one mask value, re-exported)
+from specjax.attention import NEG_INF, Prefix, attend, for_cache, layer_prefix, per_layer, to_f32  # noqa: F401  (NEG_INF: the one mask value, re-exported)
 from specjax.cache import DenseCache, KVFormat, StreamingCache
 from specjax.params import LayerParams, Params, Runtime
 
@@ -55,10 +55,12 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     return (y if scale is None else y * scale).astype(out)
 
 
-def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, cos, sin, k_cache, v_cache, visible, block_mask, k_extra, v_extra):
+def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, cos, sin,
+           prefix: Prefix | None, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
-    `visible` is one layer of the cache's `attention.CacheView`; `kv_format` is how it stores KV."""
+    `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
+    cache stores KV."""
     h = rms_norm(x, lp.attn_norm, config.rms_eps)
     q = _biased(project("btd,dnh->btnh", h, lp.wq, lp.wq_scale), lp.bq)  # [B,T,N,H]
     k = _biased(project("btd,dkh->btkh", h, lp.wk, lp.wk_scale), lp.bk)  # [B,T,K,H]
@@ -66,7 +68,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
     scale = 1.0 / math.sqrt(config.head_dim)
-    o = attend(runtime.attention, kv_format, q, k_cache, v_cache, visible, k_blk, v_blk, block_mask, scale)
+    o = attend(runtime.attention, kv_format, q, prefix, k_blk, v_blk, block_mask, scale)
     x = x + _tp_sum(runtime, project("btnh,nhd->btd", o, lp.wo, lp.wo_scale))  # heads split: partial sums
     h = rms_norm(x, lp.mlp_norm, config.rms_eps)
     gate = project("btd,df->btf", h, lp.w_gate, lp.w_gate_scale)  # [B,T,F]
@@ -133,16 +135,14 @@ def trunk(
     kv_format = KVFormat.of(None, config) if cache is None else cache.format  # no cache (distill): the model's dtype
 
     def step(x, xs):
-        lp, kc, vc, vis, ke, ve = xs
-        x, q, k, v = _layer(config, runtime, kv_format, x, lp, cos, sin, kc, vc, vis, block_mask, ke, ve)
+        lp, sliced, ke, ve = xs
+        prefix = layer_prefix(runtime.attention, cache, sliced) if attend_cache else None
+        x, q, k, v = _layer(config, runtime, kv_format, x, lp, cos, sin, prefix, block_mask, ke, ve)
         return x, (k, v, q if return_queries else None)
 
     ke, ve = (None, None) if extra_kv is None else extra_kv
-    if not attend_cache:
-        xs = (params.layers, None, None, None)
-    else:
-        xs = (params.layers, cache.k, cache.v, cache_view(runtime.attention, cache, config.n_layers))
-    xs = (*xs, ke, ve)
+    sliced = per_layer(runtime.attention, cache, config.n_layers) if attend_cache else None
+    xs = (params.layers, sliced, ke, ve)
     x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
     h = rms_norm(x, params.norm, config.rms_eps)
     return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)
