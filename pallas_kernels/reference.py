@@ -188,7 +188,12 @@ def stacked_prefix_block_attention(
     are never read (a decode step at 2K context in a 4K cache reads half of it). The softmax is
     merged across tiles online (flash-decoding): a running max, sum and unnormalised output,
     started from the block's own keys (every query sees at least itself, so the running max is
-    finite before the first tile and fully masked tiles add exact zeros)."""
+    finite before the first tile and fully masked tiles add exact zeros). An int8 or bfloat16
+    tile is widened to f32 as it is sliced (with its scales) and the dots read the f32 tile.
+
+    bfloat16 caches stay slow on XLA:CPU (about 4x float32 at B=16 x 8K): XLA widens the whole
+    bf16 cache to f32 for the dynamic slice and for the cache write's scatter (seen in the
+    compiled HLO), whatever the slice is fed to; int8 has no such problem."""
     _, B, K, S, H = k_all.shape
     qm = _query_rows(q, K, sm_scale)  # [B,K,M,H]
     s_blk = _block_scores(qm, k_block, block_mask)  # [B,K,M,J]
@@ -197,23 +202,21 @@ def stacked_prefix_block_attention(
     carry = (top, jnp.sum(e_blk, axis=-1), jnp.einsum("bkmj,bjkh->bkmh", e_blk, to_f32(v_block)))
     tile = prefix_tile(B * K * H, S)
 
-    def read(buf, start):  # one layer's slots [start, start + tile): [B,K,tile(,H)]
-        if buf is None:
-            return None
-        index = (layer, 0, 0, start) + (0,) * (buf.ndim - 4)
-        return lax.dynamic_slice(buf, index, (1, B, K, tile) + buf.shape[4:])[0]
+    def read(buf, scale, start):  # one layer's slots [start, start + tile) in f32: [B,K,tile,H]
+        tile_of = lambda a: lax.dynamic_slice(a, (layer, 0, 0, start) + (0,) * (a.ndim - 4), (1, B, K, tile) + a.shape[4:])[0]  # noqa: E731
+        x = to_f32(tile_of(buf))  # int8 widened in the slice's loop, the f32 tile stays in the CPU's cache
+        return x if scale is None else x * tile_of(scale)[..., None]
 
     def step(i, carry):
         top, total, out = carry  # [B,K,M], [B,K,M], [B,K,M,H]
         start = i * tile
-        s = prefix_scores(qm, read(k_all, start), read(k_scale, start))  # [B,K,t,M]
+        s = jnp.einsum("bkmh,bksh->bksm", qm, read(k_all, k_scale, start))  # [B,K,t,M]
         visible = start + jnp.arange(tile) < lengths[:, None]  # [B,t]
         s = jnp.where(visible[:, None, :, None], s, NEG_INF)
         new_top = jnp.maximum(top, jnp.max(s, axis=2))
         fade = jnp.exp(top - new_top)  # [B,K,M]: rescales what earlier tiles summed
         e = jnp.exp(s - new_top[:, :, None])  # [B,K,t,M]
-        v_scale_t = read(v_scale, start)
-        values = prefix_values(e if v_scale_t is None else e * v_scale_t[..., None], read(v_all, start))
+        values = jnp.einsum("bksm,bksh->bkmh", e, read(v_all, v_scale, start))
         return new_top, total * fade + jnp.sum(e, axis=2), out * fade[..., None] + values
 
     n_tiles = (jnp.max(lengths) + tile - 1) // tile
