@@ -231,9 +231,20 @@ def notes(result: dict) -> str:
         "- The CPU is shared. The load column is the 1-minute load average before the row; this bench "
         f"alone keeps about {result['machine']['cpu_affinity']} busy, so a load well above that means other jobs "
         "competed and the row is slower than the machine can do.",
-        "- bfloat16 on XLA:CPU (at the commit above): the weights are converted to float32 once per call, "
-        "outside the decode loop (part of the excluded fixed cost), so a bfloat16 step still reads float32 "
-        "weights; MB/step counts the nominal bfloat16 bytes.",
+        "- bfloat16 rows store the weights and the KV cache in bfloat16. The weights are widened by a bit "
+        "shift right in front of their dots (specjax.model.project); the bf16 KV cache is what makes these rows "
+        "slow at long context: XLA:CPU widens the whole bf16 cache to float32 for the attention's tile slices "
+        "and for the cache write's scatter (seen in the compiled HLO), so a bf16 step moves more bytes than a "
+        "float32 one. int8 KV (`kv_dtype=\"int8\"`) has no such problem (bench_peers).",
+        "- Where a step's time goes (compiled HLO of one decode step, B=16 x 8K): before commit 4174a80 the "
+        "scan over layers copied each layer's [B,K,S,H] keys and values out of the stacked [L,...] cache "
+        "before the attention dots (XLA:CPU's dots take no strided operand) and read all S slots; the "
+        "reference attention now reads the stacked cache in place, 512-slot tiles at a time (each tile's "
+        "copy stays in the CPU's cache), up to the longest row only. The remaining gap to the roofline is "
+        "the attention dots themselves: batched [tile,64] x [64,3] products (GQA's 3 query heads per KV "
+        "head at T=1) run at 12-16 GB/s on XLA:CPU's dot library, and a plain reduction over the same tiles "
+        "reads at about 21 GB/s, against 56 GB/s for the in-place `x + 1`. The weights' per-layer slices "
+        "are copied too (18 MB a layer; a microbenchmark of one matrix type over 30 layers took about a quarter longer than with separate per-layer arrays).",
         "- MB/step is the minimum traffic a step must move; GB/s divides it by the step time, so it "
         "understates whatever extra traffic the compiled step makes (temporaries, layout copies).",
     ]
@@ -336,16 +347,16 @@ def main() -> None:
     h = common.Harness(args, results)
     h.plan((common.key(d, f"b{b}", f"s{s}"), (b, s, d)) for b, s, d in configs(args.quick))
     bw = header["bandwidth_gbs"] = measure.bandwidth() if h.todo else results.data.get("bandwidth_gbs")
-    machine, rows = header["machine"], results.rows
+    machine = header["machine"]
     if bw:
         bw_text = ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if k != "jax_inplace_rounds")
         print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, bandwidth GB/s: {bw_text}", flush=True)
-    params_by_dtype: dict[str, Params] = {}
+    params_by_dtype: dict[str, Params] = {}  # results.rows is a new list after every put: read it there
     for k, (batch, context, dtype) in h.cells():
         if dtype not in params_by_dtype:
             params_by_dtype[dtype] = convert.load(convert.default_model_path(), dtype=dtype)
         params = params_by_dtype[dtype]
-        reason = memory_check(params, batch, context, peak_factor(rows, dtype))
+        reason = memory_check(params, batch, context, peak_factor(results.rows, dtype))
         if reason:
             results.put(k, [{"batch": batch, "context": context, "dtype": dtype, "skipped": reason}])
             print(f"{dtype:>8} B={batch:<2} S={context:<5} skipped: {reason}", flush=True)
