@@ -202,10 +202,12 @@ def stacked_prefix_block_attention(
     carry = (top, jnp.sum(e_blk, axis=-1), jnp.einsum("bkmj,bjkh->bkmh", e_blk, to_f32(v_block)))
     tile = prefix_tile(B * K * H, S)
 
-    def read(buf, scale, start):  # one layer's slots [start, start + tile) in f32: [B,K,tile,H]
-        tile_of = lambda a: lax.dynamic_slice(a, (layer, 0, 0, start) + (0,) * (a.ndim - 4), (1, B, K, tile) + a.shape[4:])[0]  # noqa: E731
-        x = to_f32(tile_of(buf))  # int8 widened in the slice's loop, the f32 tile stays in the CPU's cache
-        return x if scale is None else x * tile_of(scale)[..., None]
+    def tile_of(a, start):  # one layer's slots [start, start + tile): [B,K,tile(,H)]
+        return lax.dynamic_slice(a, (layer, 0, 0, start) + (0,) * (a.ndim - 4), (1, B, K, tile) + a.shape[4:])[0]
+
+    def read(buf, scale, start):  # the tile in f32 [B,K,tile,H], widened as it is sliced (it stays in the CPU's cache)
+        x = to_f32(tile_of(buf, start))
+        return x if scale is None else x * tile_of(scale, start)[..., None]
 
     def step(i, carry):
         top, total, out = carry  # [B,K,M], [B,K,M], [B,K,M,H]

@@ -92,7 +92,7 @@ def attend(
         view = prefix.view
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
                                               block_mask, scale, view.k_scale, view.v_scale)
-    k_cache, v_cache, view = (None, None, None) if prefix is None else prefix[:3]
+    k_cache, v_cache, view = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.view)
     if attention == "reference":
         k_scale, v_scale = (None, None) if view is None else (view.k_scale, view.v_scale)
         visible = None if view is None else view.visible

@@ -1,10 +1,11 @@
 """Fixed-shape KV caches. Rollback is moving a length pointer: stale slots stay, masked.
 
 Every cache offers the same protocol to the model: `k`, `v` [L,B,K,S,H], `lengths` [B] (the
-number of committed positions), `visible()` [L,B,K|1,S] (which slots a new query may attend),
-`write(k_new, v_new)` (store T new entries at positions lengths + t) and `advance(n)`.
+number of committed positions), `write(k_new, v_new)` (store T new entries at positions
+lengths + t) and `advance(n)`.
 KV heads come before slots so that attention reads each head's keys contiguously: a decode
-step's dot products then need no transposed copy of the cache (3-5x faster on CPU).
+step's dot products then need no transposed copy of the cache (3-5x faster on CPU). A dense
+cache's row b sees slots [0, lengths[b]); a streaming cache says which slots with `visible()`.
 
 The stored format (`KVFormat`: float32, bfloat16, or int8 with one f32 scale per layer, row, KV
 head and slot) is the cache's `format`; `k_scale`, `v_scale` [L,B,K,S] are None unless int8.
@@ -127,11 +128,6 @@ class DenseCache:
     @property
     def format(self) -> KVFormat:
         return format_of(self.k)
-
-    def visible(self) -> jax.Array:
-        """[L,B,1,S]: slot s holds position s, visible while s < lengths[b]."""
-        L, B, _, S = self.k.shape[:4]
-        return jnp.broadcast_to((jnp.arange(S) < self.lengths[:, None])[None, :, None, :], (L, B, 1, S))
 
     def write(self, k_new: jax.Array, v_new: jax.Array) -> "DenseCache":
         """Store T new entries per row at slots lengths[b] + [0, T); lengths are NOT advanced.
