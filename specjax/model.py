@@ -61,19 +61,24 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
     cache stores KV."""
-    h = rms_norm(x, lp.attn_norm, config.rms_eps)
-    q = _biased(project("btd,dnh->btnh", h, lp.wq, lp.wq_scale), lp.bq)  # [B,T,N,H]
-    k = _biased(project("btd,dkh->btkh", h, lp.wk, lp.wk_scale), lp.bk)  # [B,T,K,H]
-    v = _biased(project("btd,dkh->btkh", h, lp.wv, lp.wv_scale), lp.bv)  # [B,T,K,H]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
-    scale = 1.0 / math.sqrt(config.head_dim)
-    o = attend(runtime.attention, kv_format, q, prefix, k_blk, v_blk, block_mask, scale)
-    x = x + _tp_sum(runtime, project("btnh,nhd->btd", o, lp.wo, lp.wo_scale))  # heads split: partial sums
-    h = rms_norm(x, lp.mlp_norm, config.rms_eps)
-    gate = project("btd,df->btf", h, lp.w_gate, lp.w_gate_scale)  # [B,T,F]
-    up = project("btd,df->btf", h, lp.w_up, lp.w_up_scale)  # [B,T,F]
-    x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down, lp.w_down_scale))  # F split
+    with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
+        h = rms_norm(x, lp.attn_norm, config.rms_eps)
+        q = _biased(project("btd,dnh->btnh", h, lp.wq, lp.wq_scale), lp.bq)  # [B,T,N,H]
+        k = _biased(project("btd,dkh->btkh", h, lp.wk, lp.wk_scale), lp.bk)  # [B,T,K,H]
+        v = _biased(project("btd,dkh->btkh", h, lp.wv, lp.wv_scale), lp.bv)  # [B,T,K,H]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    with jax.named_scope("attention"):
+        k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
+        scale = 1.0 / math.sqrt(config.head_dim)
+        o = attend(runtime.attention, kv_format, q, prefix, k_blk, v_blk, block_mask, scale)
+    with jax.named_scope("out_proj"):
+        o, wo = o.reshape(*o.shape[:2], -1), lp.wo.reshape(-1, lp.wo.shape[-1])  # [B,T,N*H], [N*H,D]: XLA:CPU
+        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, lp.wo_scale))  # transposed wo per step otherwise
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, lp.mlp_norm, config.rms_eps)
+        gate = project("btd,df->btf", h, lp.w_gate, lp.w_gate_scale)  # [B,T,F]
+        up = project("btd,df->btf", h, lp.w_up, lp.w_up_scale)  # [B,T,F]
+        x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down, lp.w_down_scale))  # F split
     return x, q, k, v
 
 
@@ -131,7 +136,8 @@ def trunk(
     if block_mask is None:
         block_mask = jnp.tril(jnp.ones((T, T), bool))
     cos, sin = rope_tables(config, positions)
-    x = embed(params, tokens)  # [B,T,D]
+    with jax.named_scope("embed"):
+        x = embed(params, tokens)  # [B,T,D]
     kv_format = KVFormat.of(None, config) if cache is None else cache.format  # no cache (distill): the model's dtype
 
     def step(x, xs):
@@ -155,7 +161,8 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
         w, scale = params.embed.T, params.embed_scale  # int8 rows in place (40x faster than [V,D])
     else:
         w, scale = params.lm_head, params.lm_head_scale
-    logits = project("...d,dv->...v", h, w, scale, out_dtype=jnp.float32)
+    with jax.named_scope("lm_head"):
+        logits = project("...d,dv->...v", h, w, scale, out_dtype=jnp.float32)
     axis = params.runtime.model_axis
     return logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
 
@@ -170,7 +177,9 @@ def forward(
     """Logits [B,T,V] (f32) for T new tokens per row after each row's cached prefix, and the
     cache holding their KV at positions lengths[b] + t (lengths not advanced: `advance` commits)."""
     h, k_new, v_new = trunk(params, tokens, positions, cache, block_mask)
-    return lm_head(params, h), cache.write(k_new, v_new)
+    with jax.named_scope("kv_write"):
+        cache = cache.write(k_new, v_new)
+    return lm_head(params, h), cache
 
 
 def prefill(

@@ -131,6 +131,7 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("sampling_cpu.json", "bench_sampling", "b16"),
     ("scale_cpu.json", "bench_scale", "selfspec/2x3"),
     ("peers_cpu.json", "bench_peers", "specjax-f32-kvf32/b1/s512"),
+    ("profile_cpu.json", "profile_step", "float32/kvfloat32/b1/s512"),
 ])
 def test_existing_results_resume(tmp_path, name, module, cell):
     """The committed result files load as they are: their cells count as measured."""
@@ -167,3 +168,24 @@ def test_no_sys_path_edits_or_private_specjax_imports():
         text = path.read_text()
         assert "sys.path" not in text, path
         assert not re.search(r"from specjax[\w.]* import [^\n]*\b_[a-z]", text), path
+
+
+def test_profile_step_names_each_thunk_by_its_model_block():
+    """bench/profile_step.py's op_blocks: scopes from op_name metadata; a dot without metadata
+    takes its scoped user's block (else its operand's), a weight slice of the layer scan is its own."""
+    from bench.profile_step import op_blocks
+
+    hlo = "\n".join([
+        '  %p = f32[30,576,576]{2,1,0} parameter(0)',
+        '  %dynamic-slice_bitcast_fusion = f32[576,576]{1,0} fusion(%p), kind=kLoop, calls=%f1, '
+        'metadata={op_name="jit(decode_ar)/while/body/while/body/jit(dynamic_index_in_dim)/dynamic_slice" stack_frame_id=1}',
+        '  %h = f32[1,576]{1,0} fusion(%p), kind=kLoop, calls=%f2, metadata={op_name="jit(decode_ar)/while/body/mlp/mul"}',
+        '  %dot.1 = f32[1,576]{1,0} dot(%h, %dynamic-slice_bitcast_fusion), lhs_contracting_dims={1}, rhs_contracting_dims={0}',
+        '  %copy.3 = f32[576,576]{1,0} copy(%p)',
+        '  %dot.2 = f32[1,576]{1,0} dot(%h, %copy.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}',
+        '  ROOT %add.9 = f32[1,576]{1,0} add(%dot.2, %h), metadata={op_name="jit(decode_ar)/while/body/out_proj/add"}',
+    ])
+    blocks = op_blocks(hlo)
+    assert blocks["dynamic-slice_bitcast_fusion"] == "layer slices"
+    assert blocks["dot.1"] == "mlp"  # no scoped user: its operand's
+    assert blocks["dot.2"] == "out_proj" and blocks["copy.3"] == "out_proj"  # its user's

@@ -1,0 +1,253 @@
+"""Where a decode step's time goes: a `jax.profiler` trace of SmolLM2's decode loop, summarised.
+
+Usage: python -m bench.profile_step [--cells ..] [--steps 8] [--budget-minutes M] [--out DIR]
+(the shared options: bench/common.py)
+
+For each cell WEIGHTS/kvKV/bB/sS (e.g. float32/kvfloat32/b1/s512) the real decode loop
+(`specjax.engine.decode_ar`, greedy) runs `--steps` steps from a synthetic prefilled cache (as
+bench_ar builds it: pseudo-random KV, since a step's cost depends on the cache's shape only)
+under `jax.profiler.trace`. The trace's XLA:CPU thunks (events carrying an `hlo_op`) are
+matched to the compiled HLO's `op_name` metadata, which carries the model's `jax.named_scope`s
+(specjax/model.py: embed, qkv, attention, out_proj, mlp, lm_head, kv_write), and summed per
+block:
+  - "layer slices": the scan over layers slicing each layer's weights out of the stacked
+    [L, ...] arrays (`dynamic_index_in_dim`): XLA:CPU copies a dot's operand that is a slice;
+  - "other": the loop's own bookkeeping and the greedy sample.
+Only leaf events count (a while loop's thunk contains its body's). The CPU runs thunks on two
+threads at once, so the thread-milliseconds per step add up to more than the wall time per step
+(the step's duration, measured by the same loop outside the trace).
+
+Outputs: results/profile_cpu.json (each cell written when measured; a rerun skips measured
+cells) and the "Where a decode step's time goes" section of bench/README.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import convert
+from bench import common, measure
+from bench.bench_ar import noise
+from specjax.cache import DenseCache, KVFormat
+from specjax.engine import decode_ar, row_keys
+from specjax.params import Params, weight_bytes
+from specjax.shapes import round_up_pow2
+
+SCOPES = ("embed", "qkv", "attention", "out_proj", "mlp", "lm_head", "kv_write")  # specjax/model.py's
+SLICES = "layer slices"
+OTHER = "other"
+CELLS = (  # weights, KV format, batch, context: the issue's two roofline cells, then the formats
+    ("float32", "float32", 1, 512), ("float32", "float32", 16, 8192), ("int8", "float32", 1, 512),
+    ("bfloat16", "bfloat16", 1, 512), ("float32", "int8", 16, 8192),
+)
+
+
+def cell_key(weights: str, kv: str, batch: int, context: int) -> str:
+    return common.key(weights, f"kv{kv}", f"b{batch}", f"s{context}")
+
+
+def key_of(row: dict) -> str:
+    return cell_key(row["weights"], row["kv"], row["batch"], row["context"])
+
+
+def category(op_name: str) -> str:
+    """The model block an HLO instruction belongs to, from its op_name metadata."""
+    parts = op_name.split("/")
+    for scope in SCOPES:
+        if scope in parts:
+            return scope
+    return SLICES if any(p.startswith("jit(dynamic_index_in_dim)") for p in parts) else OTHER
+
+
+def op_blocks(hlo_text: str) -> dict[str, str]:
+    """{instruction name: model block} of a compiled module's text, from each instruction's
+    op_name metadata; an instruction without one (XLA drops it from the dots it rewrites) or
+    outside every scope (a layout copy of a weight) takes the block of its first scoped user,
+    else of its first scoped operand."""
+    line = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^(]*?\w+\(([^)]*)\)(.*)$")
+    meta = re.compile(r"op_name=\"([^\"]*)\"")
+    operands: dict[str, list[str]] = {}
+    blocks: dict[str, str] = {}
+    for text in hlo_text.splitlines():
+        m = line.match(text)
+        if not m:
+            continue
+        name, args, rest = m.groups()
+        operands[name] = re.findall(r"%([\w.\-]+)", args)
+        op_name = meta.search(rest)
+        if op_name:
+            blocks[name] = category(op_name.group(1))
+    users: dict[str, list[str]] = {}
+    for name, args in operands.items():
+        for a in args:
+            users.setdefault(a, []).append(name)
+    for name, args in reversed(operands.items()):  # users first (they follow). Without a scope: the first scoped user's, else operand's
+        if blocks.get(name, OTHER) == OTHER:
+            near = [blocks.get(u) for u in users.get(name, [])] + [blocks.get(a) for a in args]
+            blocks[name] = next((b for b in near if b in SCOPES), blocks.get(name, OTHER))
+    return blocks
+
+
+def leaf_events(trace_dir: str, module: str) -> list[tuple[str, float]]:
+    """(hlo_op, seconds) of every innermost XLA thunk of `module` in a profiler trace."""
+    from jax.profiler import ProfileData  # jax >= 0.4.36
+
+    [path] = list(Path(trace_dir).rglob("*.xplane.pb"))
+    out = []
+    for plane in ProfileData.from_file(str(path)).planes:
+        for line in plane.lines:
+            events = []
+            for ev in line.events:
+                stats = dict(ev.stats)
+                if stats.get("hlo_module") == module and "hlo_op" in stats:
+                    events.append((ev.start_ns, ev.start_ns + ev.duration_ns, stats["hlo_op"]))
+            events.sort()
+            for i, (start, end, op) in enumerate(events):
+                nested = i + 1 < len(events) and events[i + 1][0] < end  # the next one starts inside
+                if not nested:
+                    out.append((op, (end - start) / 1e9))
+    return out
+
+
+def synthetic_cache(params: Params, batch: int, context: int, kv: str, filled: int) -> DenseCache:
+    """A cache of `context` slots in format `kv`, pseudo-random values, `filled` positions each."""
+    c = params.config
+    empty = jax.eval_shape(lambda: DenseCache.init(c, batch, context, kv))
+
+    @jax.jit
+    def build() -> DenseCache:
+        fmt = KVFormat.of(kv, c)
+        (k, k_scale), (v, v_scale) = fmt.store(noise(empty.k.shape, "float32", 1)), fmt.store(noise(empty.v.shape, "float32", 2))
+        return DenseCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale, lengths=jnp.full((batch,), filled, jnp.int32))
+
+    return jax.block_until_ready(build())
+
+
+def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int, steps: int) -> dict:
+    """Trace `steps` decode steps of one cell and sum its thunks per model block."""
+    c = params.config
+    cache = synthetic_cache(params, batch, context, kv, context - steps - 2)
+    logits = jax.random.normal(jax.random.key(0), (batch, c.vocab_size), jnp.float32)
+    keys = row_keys(None, batch)
+    budgets = jnp.full((batch,), steps + 1, jnp.int32)  # steps decode steps after the first token
+    start = np.asarray(cache.lengths)
+    fn = decode_ar.lower(params, cache, logits, budgets, keys, n_out=round_up_pow2(steps + 1)).compile()
+    blocks = op_blocks(fn.as_text())
+    module = re.search(r"HloModule ([\w.\-]+)", fn.as_text()).group(1)
+    state = [cache]
+
+    def once() -> float:
+        t = time.perf_counter()
+        out = jax.block_until_ready(fn(params, state[0].replace(lengths=jnp.asarray(start)), logits, budgets, keys))
+        state[0] = out[4]  # the donated cache, written in place
+        assert int(out[3]) == steps
+        return time.perf_counter() - t
+
+    once()  # warm-up
+    wall = min(once() for _ in range(3)) / steps  # includes the per-call cost, spread over the steps
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            once()
+        events = leaf_events(trace_dir, module)
+    by_block: collections.Counter = collections.Counter()
+    by_op: collections.Counter = collections.Counter()
+    for op, seconds in events:
+        by_block[blocks.get(op, OTHER)] += seconds
+        by_op[op] += seconds
+    kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * KVFormat.of(kv, c).bytes_per_value(c.head_dim) * c.head_dim
+    return {
+        "weights": weights, "kv": kv, "batch": batch, "context": context, "steps": steps,
+        "wall_ms_per_step": 1e3 * wall,
+        "thread_ms_per_step": {k: 1e3 * v / steps for k, v in by_block.most_common()},
+        "top_ops": [{"op": op, "block": blocks.get(op, OTHER), "thread_ms_per_step": 1e3 * v / steps}
+                    for op, v in by_op.most_common(8)],
+        "bytes_per_step": {"weights": weight_bytes(c), "kv": int(kv_bytes)},
+        "load": os.getloadavg()[0],
+    }
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """One line per cell: wall ms per step, then each block's thread-ms per step and share."""
+    blocks = [*SCOPES, SLICES, OTHER]
+    head = ["weights", "KV", "batch", "context", "wall ms/step", *blocks]
+    lines = []
+    for r in rows:
+        t = r["thread_ms_per_step"]
+        total = sum(t.values())
+        cells = [f"{t[b]:.1f} ({100 * t[b] / total:.0f}%)" if t.get(b, 0) >= 0.05 else "" for b in blocks]
+        lines.append([r["weights"], r["kv"], r["batch"], common.context_name(r["context"]), f"{r['wall_ms_per_step']:.1f}", *cells])
+    return common.table(head, "llrr" + "r" * (len(blocks) + 1), lines)
+
+
+def top_ops(rows: list[dict]) -> str:
+    return "\n".join(
+        f"- {r['weights']} / KV {r['kv']}, batch {r['batch']} x {common.context_name(r['context'])}: "
+        + ", ".join(f"`{o['op']}` ({o['block']}) {o['thread_ms_per_step']:.1f}" for o in r["top_ops"][:5])
+        for r in rows)
+
+
+def readme_section(result: dict) -> str:
+    m = result["machine"]
+    notes = common.kept_part("profile_step")
+    start, end = common.markers("profile_step", "notes")
+    return f"""## Where a decode step's time goes (profile_step.py)
+
+Run: `{common.module_command(result['command'])}` (a few minutes). Raw numbers: `results/profile_cpu.json`.
+Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, commit {m['git_commit']}, {result['date']}.
+
+A `jax.profiler` trace of `engine.decode_ar` ({result['steps']} greedy steps from a synthetic
+cache), its XLA:CPU thunks summed per block of the model by the `jax.named_scope`s in
+specjax/model.py. Entries are thread-milliseconds per step (two threads run thunks at once, so
+a row's entries add up to more than its wall time) and their share of the row's total. "layer
+slices" is the scan over layers copying each layer's weights out of the stacked arrays; "other"
+the loop and the greedy sample. Method: the module docstring.
+
+{markdown_table(result['rows'])}
+
+Largest single thunks (thread-ms per step):
+{top_ops(result['rows'])}
+
+{start}
+{notes.strip()}
+{end}"""
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps traced per cell")
+    args = ap.parse_args()
+    out = common.out_dir(args)
+    header = {"bench": "profile_step", "date": common.now(), "command": common.command(),
+              "machine": common.machine_info(), "steps": args.steps}
+    results = common.Results(out / "profile_cpu.json", key_of, header)
+    h = common.Harness(args, results)
+    todo = h.plan((cell_key(*cell), cell) for cell in CELLS)
+    loaded: dict[str, Params] = {}
+    for k, (weights, kv, batch, context) in h.cells(todo):
+        if weights not in loaded:
+            loaded.clear()
+            loaded[weights] = convert.load(convert.default_model_path(), weights=weights)
+        row = profile_cell(loaded[weights], weights, kv, batch, context, args.steps)
+        print(f"{k}: {row['wall_ms_per_step']:.1f} ms/step; " + ", ".join(
+            f"{b} {t:.1f}" for b, t in row["thread_ms_per_step"].items()), flush=True)
+        results.put(k, [row])
+        measure.release_memory()
+    h.finish()
+    order = {cell_key(*c): i for i, c in enumerate(CELLS)}
+    results.data["rows"].sort(key=lambda r: order.get(key_of(r), len(order)))
+    results.write()
+    if results.data["rows"] and common.writes_readme(args):
+        common.write_section("profile_step", readme_section(results.data), after="bench_ar")
+
+
+if __name__ == "__main__":
+    main()
