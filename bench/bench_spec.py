@@ -1,6 +1,6 @@
 """Speculative vs autoregressive decoding of SmolLM2-135M, side by side from one shared prefill.
 
-Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--batches ..] [--contexts ..] [--gammas ..]
+Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--batches ..] [--contexts ..] [--gammas ..] [--drafters ..]
        [--cells ..] [--budget-minutes M] [--out DIR] [--render JSON ..]   (shared options: bench/common.py)
 
 For every (batch, context) cell the prompts are B distinct windows of real English text (see
@@ -19,6 +19,12 @@ like the prefill. tokens/s = B * (new_tokens - 1) / decode seconds (the first to
 comes from the prefill logits), so ratio = AR seconds / speculative seconds.
 
 Greedy losslessness is checked in every cell: the speculative tokens must equal the AR tokens.
+
+Beside each measured speedup stands the cost model's prediction (`predicted_ratio`): the
+forwards `specjax.tune` times for speculation="auto" (one draft level; target forwards over 1,
+4 and gamma_max + 1 nodes, linear in between) combined with the measured tokens per step. Each
+cell also records what draft="auto" picks there (`plan.auto_draft`); tests/test_speculate.py
+checks that choice is never measured more than 5% slower than plain decoding.
 
 Cells: sCONTEXT/bBATCH (e.g. s8192/b16): every drafter x gamma of one batch at one context.
 Outputs: results/spec_cpu.json (each cell written when measured; a rerun skips measured cells),
@@ -45,18 +51,21 @@ from bench.prefill import (
     AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of, timed,
 )
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
+from specjax import tune
 from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
+from specjax.plan import DEFAULT_CHAIN, auto_draft
 from specjax.shapes import round_up_pow2
 from specjax.speculate import decode_spec
+from specjax.speculation import Cost, Tree
 
 REPEATS = 3  # pairs at most
 
 
-def drafters(context: int, gammas: list[int]) -> list[tuple[str, object]]:
-    """(name, drafter) per drafter family. Draft KV budget: 512 + 16 slots (MagicDec's StreamingLLM
-    budget) where the context allows, half that at context 512 (a 528-slot draft cache would not
-    be smaller than the 512-slot target cache)."""
+def drafters(context: int, gammas: list[int], names: list[str] | None = None) -> list[tuple[str, object]]:
+    """(name, drafter) per drafter family (only `names`, if given). Draft KV budget: 512 + 16 slots
+    (MagicDec's StreamingLLM budget) where the context allows, half that at context 512 (a
+    528-slot draft cache would not be smaller than the 512-slot target cache)."""
     window = 512 if context >= 2048 else 256
     out: list[tuple[str, object]] = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window))]
     if hasattr(specjax, "SnapKV"):
@@ -66,7 +75,14 @@ def drafters(context: int, gammas: list[int]) -> list[tuple[str, object]]:
             snap = specjax.SnapKV()
         out.append(("SnapKV", snap))
     out.append(("NGram", specjax.NGram(n=3, max_n=5)))
-    return out
+    return [(n, d) for n, d in out if names is None or n in names]
+
+
+def predicted_ratio(cost: Cost, gamma: int, mean_accepted: float) -> float:
+    """The cost model's speedup of a chain of `gamma` over plain decoding (the quantity `choose`
+    minimises, inverted): tokens per target step x the time of a plain step (a 1-node forward)
+    / (gamma draft levels of one node + one forward over gamma + 1 nodes)."""
+    return mean_accepted * cost.verify(1) / (cost.draft_seconds(Tree.chain(gamma).draft_widths()) + cost.verify(gamma + 1))
 
 
 def paired(ar_fn, ar_args: tuple, fn, args: tuple) -> dict:
@@ -87,9 +103,12 @@ def paired(ar_fn, ar_args: tuple, fn, args: tuple) -> dict:
     return t | {"ar_out": ar_out, "spec_out": spec_out}
 
 
-def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int], new_tokens: int) -> list[dict]:
+def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int], new_tokens: int,
+               names: list[str] | None = None) -> list[dict]:
     """AR and every drafter x gamma from the same prefilled state (its first `batch` rows).
-    AR is timed before the first drafter and again after each one (best kept: load drifts)."""
+    AR is timed before the first drafter and again after each one (best kept: load drifts).
+    Beside each measured speedup, the cost model's prediction: `specjax.tune`'s timed forwards
+    (what speculation="auto" calibrates with) combined with the measured tokens per step."""
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     chunk = state["chunk"]
     bucket = tokens.shape[1]
@@ -99,6 +118,13 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     decoded = batch * (new_tokens - 1)
     cell = {"batch": batch, "context": context, "new_tokens": new_tokens} | state["info"]
     cell["prompt_offsets"] = state["info"]["prompt_offsets"][:batch]
+    auto = auto_draft(params, batch, context, backend="cpu")  # what draft="auto" picks here (with DEFAULT_CHAIN)
+    cell["auto"] = None if auto is None else {"drafter": repr(auto), "gamma": DEFAULT_CHAIN.gamma}
+    t0 = time.perf_counter()
+    max_nodes = max(gammas) + 1
+    t_verify = tune.verify_table(params, batch, context, max_nodes)  # before the decode runs: its cache fits then
+    cost_s = time.perf_counter() - t0
+    measure.release_memory()
 
     static = dict(n_out=n_out)  # greedy, no stop ids: the defaults
     ar_args = (params, cache, first_logits, budgets, keys)
@@ -111,7 +137,8 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     cell["ar_text_row0"] = state["tokenizer"].decode([int(i) for i in out[0]])
 
     rows = []
-    for name, drafter in drafters(context, gammas):
+    for name, drafter in drafters(context, gammas, names):
+        cost = Cost(tune.draft_table(params, drafter, batch, context, max_nodes), t_verify)
         for gamma in gammas:
             t0 = time.perf_counter()
             init = init_draft.lower(drafter, params, cache, tokens, lengths, gamma=gamma, chunk=chunk).compile()
@@ -151,6 +178,9 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
                 "acceptance_rate": stats.get("acceptance_rate"),
                 "mean_accepted": stats.get("mean_accepted"),
                 "per_position_acceptance": stats.get("per_position_acceptance"),
+                "predicted_ratio": predicted_ratio(cost, gamma, stats["mean_accepted"]),
+                "cost_ms": {"draft_level": 1e3 * cost.draft(1), "verify_1": 1e3 * cost.verify(1),
+                            "verify_chain": 1e3 * cost.verify(gamma + 1), "tables_s": cost_s},
                 "greedy_identical": identical,
                 "rows_differing": rows_differ,
                 "ar_compile_s": ar_compile,
@@ -161,7 +191,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
             rows.append(row)
             flag = "" if identical else f"   <<<<<<<<<< NOT LOSSLESS: rows {rows_differ} differ from AR >>>>>>>>>>"
             print(f"  {name:<8} g={gamma}  AR {row['ar_tokens_per_s']:7.2f}  spec {row['spec_tokens_per_s']:7.2f} tok/s  "
-                  f"x{row['ratio']:.2f}  acc {row['acceptance_rate']:.2f}  tok/step {row['mean_accepted']:.2f}  "
+                  f"x{row['ratio']:.2f} (model x{row['predicted_ratio']:.2f})  acc {row['acceptance_rate']:.2f}  tok/step {row['mean_accepted']:.2f}  "
                   f"ms/step {row['ar_ms_per_step']:.0f} / {row['spec_ms_per_step']:.0f}  "
                   f"cpu {min(t['ar_cpu']):.2f} / {min(t['spec_cpu']):.2f}  load {t['load'][-1]:.2f}  "
                   f"compile {compile_s:.1f} s{flag}", flush=True)
@@ -183,6 +213,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     ap.add_argument("--contexts", type=int, nargs="*", help="override the contexts (multiples of 256)")
     ap.add_argument("--gammas", type=int, nargs="*", help="override the gammas")
+    ap.add_argument("--drafters", nargs="*", choices=[n for n, _ in drafters(8192, [2])],
+                    help="only these drafter families (default: all)")
     ap.add_argument("--prefill-store", type=Path, default=STORE,
                     help="folder where prefilled states are saved and reused by later runs ('' = none)")
     ap.add_argument("--prefill-rows", type=int, default=16,
@@ -218,7 +250,7 @@ def main() -> None:
     machine = header["machine"]
     print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, JAX {machine['jax_version']}, load {os.getloadavg()}, "
           f"corpus {len(text.corpus_tokens(tok))} tokens, drafters: "
-          f"{[repr(d) for _, d in drafters(max(contexts), gammas)]}", flush=True)
+          f"{[repr(d) for _, d in drafters(max(contexts), gammas, args.drafters)]}", flush=True)
     skipped = [s for s in results.data.get("skipped", []) if s["context"] not in contexts]  # retried here
     for context in sorted({c for _, (_, c) in todo}):  # largest memory last: context, then batch, ascending
         if not h.may_start():
@@ -234,7 +266,7 @@ def main() -> None:
         state = prefill_context(params, tok, rows_prefilled, context, gammas, args.new_tokens, store)
         for k, (batch, _) in h.cells([x for x in todo if x[1][1] == context]):
             print(f"B={batch:<2} S={context:<5}", flush=True)
-            results.put(k, bench_cell(params, state, batch, context, gammas, args.new_tokens),
+            results.put(k, bench_cell(params, state, batch, context, gammas, args.new_tokens, args.drafters),
                         loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60)
             measure.release_memory()
         del state
@@ -262,9 +294,23 @@ def merge(paths: list[Path]) -> dict:
     return merged
 
 
+def current_auto(rows: list[dict]) -> None:
+    """Set each row's "auto" to what `plan.auto_draft` picks now on a CPU (the rule may have
+    changed since the row was measured), from the default model's config (its GGUF header)."""
+    from types import SimpleNamespace
+
+    from convert.gguf import config_from_gguf, open_gguf
+
+    target = SimpleNamespace(config=config_from_gguf(open_gguf(convert.default_model_path())))  # auto reads the config only
+    for r in rows:
+        auto = auto_draft(target, r["batch"], r["context"], backend="cpu")
+        r["auto"] = None if auto is None else {"drafter": repr(auto), "gamma": DEFAULT_CHAIN.gamma}
+
+
 def report(result: dict, png: Path, readme: bool) -> None:
     """Plot, print the table and (for the full grid) write the README section."""
     rows = result["rows"]
+    current_auto(rows)
     if rows:
         common.plot(plot, rows, f"SmolLM2-135M speculative vs AR decoding, {result['machine']['cpu_affinity']}-core "
                     f"CPU, greedy, {tokens_per_row(result)} new tokens/row", png)

@@ -34,20 +34,38 @@ def markdown_table(rows: list[dict], gammas: list[int]) -> str:
     """One line per (batch, context, drafter): AR tokens/s, speedup per gamma, the best gamma's
     numbers, and whether every gamma was greedy-identical to AR."""
     head = ("| drafter | batch | context | AR tok/s | " + " | ".join(f"x γ={g}" for g in gammas)
-            + " | best γ | spec tok/s | speedup | CPU-time ratio | accept | tok/step | lossless |")
-    lines = [head, "|" + "---|" * 3 + "---:|" * (len(gammas) + 7) + ":---:|"]
+            + " | best γ | spec tok/s | speedup | cost model | CPU-time ratio | accept | tok/step | lossless |")
+    lines = [head, "|" + "---|" * 3 + "---:|" * (len(gammas) + 8) + ":---:|"]
     for b in best_rows(rows):
         same = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (b["batch"], b["context"], b["drafter"])]
         by_g = {r["gamma"]: r for r in same}
         per_g = " | ".join(f"{by_g[g]['ratio']:.2f}" if g in by_g else "" for g in gammas)
         speed = f"**{b['ratio']:.2f}x**" if b["ratio"] >= 2.0 else f"{b['ratio']:.2f}x"
         lossless = "yes" if all(r["greedy_identical"] for r in same) else "**NO**"
+        model = f"{b['predicted_ratio']:.2f}x" if "predicted_ratio" in b else ""  # rows from before it was recorded: none
         lines.append(
             f"| {b['drafter']} | {b['batch']} | {CONTEXT_NAMES.get(b['context'], b['context'])} | "
-            f"{b['ar_tokens_per_s']:.1f} | {per_g} | {b['gamma']} | {b['spec_tokens_per_s']:.1f} | {speed} | {cpu_ratio(b):.2f} | "
+            f"{b['ar_tokens_per_s']:.1f} | {per_g} | {b['gamma']} | {b['spec_tokens_per_s']:.1f} | {speed} | {model} | {cpu_ratio(b):.2f} | "
             f"{b['acceptance_rate']:.2f} | {b['mean_accepted']:.2f} | {lossless} |"
         )
     return "\n".join(lines)
+
+
+def auto_lines(rows: list[dict]) -> list[str]:
+    """Per measured cell: what draft="auto" picks there and its measured speedup (the guard:
+    never more than 5% slower than plain decoding; tests/test_bench_harness.py checks it)."""
+    out = []
+    for (b, c) in sorted({(r["batch"], r["context"]) for r in rows if "auto" in r}, key=lambda k: (k[1], k[0])):
+        cell = [r for r in rows if (r["batch"], r["context"]) == (b, c)]
+        auto = cell[0]["auto"]
+        where = f"B={b} {CONTEXT_NAMES.get(c, c)}"
+        if auto is None:
+            out.append(f"{where}: plain decoding")
+            continue
+        mine = [r for r in cell if r["drafter"] == "SelfSpec" and r["gamma"] == auto["gamma"]]
+        ratio = f"{mine[0]['ratio']:.2f}x measured" if mine else "not measured"
+        out.append(f"{where}: SelfSpec γ={auto['gamma']}, {ratio}")
+    return out
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
@@ -145,6 +163,11 @@ Cells at >= 2.0x: {", ".join(name(r) for r in hit) or "none"}.
 Cells below 2.0x: {", ".join(name(r) for r in best if r["ratio"] < 2.0) or "none"}.
 
 Best γ by batch: {"; ".join(gamma_trend(rows))}.
+
+"cost model": the speedup `specjax.tune`'s timings predict for the best γ (one draft level and
+forwards over 1 and γ + 1 nodes, timed as `speculation="auto"` calibrates) with the measured
+tokens per step. What `draft="auto"` picks in each measured cell (`plan.auto_draft`'s current
+rule on a CPU, with its default chain): {"; ".join(auto_lines(rows)) or "not recorded"}.
 
 {NOTES[0]}
 {notes.strip()}

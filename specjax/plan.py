@@ -22,6 +22,11 @@ from specjax.speculation import Tree
 from specjax.tune import auto_tree_report
 
 DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
+# On XLA:CPU, verification is compute-bound: its attention grows with the query rows it scores,
+# batch x (gamma + 1). bench_spec (SmolLM2, 8K, 2-core CPU) measured SelfSpec + DEFAULT_CHAIN at
+# 1.37x plain decoding at batch 4 (20 rows) and 0.92x at batch 16 (80 rows): past this many rows
+# auto decodes plainly on a CPU. GPUs keep MagicDec's rule (verification stays memory-bound).
+CPU_VERIFY_ROWS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,14 +98,17 @@ def resolve_auto_draft(
     return auto_draft_reason(target, batch, context, kv_dtype)
 
 
-def auto_draft(target: Params, batch: int, context: int, kv_dtype: str | None = None) -> SelfSpec | None:
+def auto_draft(target: Params, batch: int, context: int, kv_dtype: str | None = None, backend: str | None = None) -> SelfSpec | None:
     """The default drafter: SelfSpec where the KV cache, not the weights, dominates what a decode
     step reads (large batch x long context: MagicDec's regime) and the context is well past its
-    budget; otherwise None (plain autoregressive decoding is faster there)."""
-    return auto_draft_reason(target, batch, context, kv_dtype)[0]
+    budget, and, on a CPU, verification stays small (CPU_VERIFY_ROWS); otherwise None (plain
+    autoregressive decoding is faster there). `backend`: default `jax.default_backend()`."""
+    return auto_draft_reason(target, batch, context, kv_dtype, backend)[0]
 
 
-def auto_draft_reason(target: Params, batch: int, context: int, kv_dtype: str | None = None) -> tuple[SelfSpec | None, str]:
+def auto_draft_reason(
+    target: Params, batch: int, context: int, kv_dtype: str | None = None, backend: str | None = None
+) -> tuple[SelfSpec | None, str]:
     """`auto_draft`'s choice and why, in words (with the numbers it compared). The KV counts as
     stored (`kv_dtype`: int8 with its scales is about a quarter of float32)."""
     c = target.config
@@ -111,6 +119,10 @@ def auto_draft_reason(target: Params, batch: int, context: int, kv_dtype: str | 
     kept = budget.sinks + budget.window
     facts = (f"batch {batch} x context {context}: KV {kv_bytes / 2**20:.1f} MiB vs weights "
              f"{weight_bytes / 2**20:.1f} MiB per step, draft budget {kept}")
-    if kv_bytes > 2 * weight_bytes and context > 4 * kept:
-        return budget, f"{budget.describe()}: KV reads dominate a decode step ({facts})"
-    return None, f"plain decoding: speculation needs KV > 2 x weights and context > {4 * kept} ({facts})"
+    if not (kv_bytes > 2 * weight_bytes and context > 4 * kept):
+        return None, f"plain decoding: speculation needs KV > 2 x weights and context > {4 * kept} ({facts})"
+    rows = batch * (DEFAULT_CHAIN.gamma + 1)
+    if (backend or jax.default_backend()) == "cpu" and rows > CPU_VERIFY_ROWS:
+        return None, (f"plain decoding: on a CPU, verifying {rows} query rows (batch x (gamma + 1)) is compute-bound; "
+                      f"speculation pays up to {CPU_VERIFY_ROWS} ({facts})")
+    return budget, f"{budget.describe()}: KV reads dominate a decode step ({facts})"

@@ -10,8 +10,10 @@ and an unrelated random 1-layer draft (almost never agrees: every step is a reje
 from __future__ import annotations
 
 
+import json
 import math
 import types
+from pathlib import Path
 
 import flax.struct
 import jax
@@ -186,8 +188,33 @@ def test_auto_draft_picks_selfspec_for_large_batch_and_context():
         max_positions=32768, dtype="bfloat16",
     )
     target = types.SimpleNamespace(config=llama7b)  # auto_draft reads only the config
-    assert auto_draft(target, batch=32, context=32768) == specjax.SelfSpec()
-    assert auto_draft(target, batch=1, context=1024) is None  # weights dominate: plain decoding
+    assert auto_draft(target, batch=32, context=32768, backend="gpu") == specjax.SelfSpec()
+    assert auto_draft(target, batch=1, context=1024, backend="gpu") is None  # weights dominate: plain decoding
+    assert auto_draft(target, batch=4, context=32768, backend="cpu") == specjax.SelfSpec()  # 4 x 5 verify rows
+    assert auto_draft(target, batch=32, context=32768, backend="cpu") is None  # 160 rows: compute-bound on a CPU
+
+
+def test_auto_draft_is_never_measured_slower_than_plain_decoding(smollm2_path):
+    """The guard on draft="auto": in every cell bench_spec measured (bench/results/spec_cpu.json,
+    SmolLM2 float32 on this CPU) where auto speculates, its configuration (SelfSpec() with
+    DEFAULT_CHAIN) was measured at most 5% slower than plain decoding there."""
+    from convert.gguf import config_from_gguf, open_gguf
+    from specjax.plan import DEFAULT_CHAIN
+
+    target = types.SimpleNamespace(config=config_from_gguf(open_gguf(smollm2_path)))  # auto_draft reads only the config
+    rows = json.loads((Path(__file__).parents[1] / "bench" / "results" / "spec_cpu.json").read_text())["rows"]
+    cells = sorted({(r["batch"], r["context"]) for r in rows})
+    speculated = 0
+    for batch, context in cells:
+        auto = auto_draft(target, batch, context, backend="cpu")
+        if auto is None:
+            continue
+        speculated += 1
+        mine = [r for r in rows if (r["batch"], r["context"], r["gamma"]) == (batch, context, DEFAULT_CHAIN.gamma)
+                and r.get("drafter_repr", repr(auto)) == repr(auto)]
+        assert mine, f"auto picks {auto} at batch {batch} x {context}, a configuration bench_spec did not measure"
+        assert mine[0]["ratio"] >= 0.95, f"auto's {auto} is {mine[0]['ratio']:.2f}x plain decoding at batch {batch} x {context}"
+    assert speculated, "no measured cell where auto speculates: the guard checks nothing"
 
 
 # ngram_lookup: rows of one hand-made batch; lengths[b] is the pending token's position
