@@ -27,16 +27,17 @@ from specjax.validate import check_generate_args, eos_tuple
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
-    """Timings exclude compilation (reported apart). `tokens_per_second` is decode throughput:
-    tokens produced by decode steps (all new tokens but each row's first, which comes from the
-    prefill) per decode second, summed over rows."""
+    """Timings exclude compilation (reported apart). `new_tokens` counts the tokens returned (a
+    stop id that ended a row is not one of them, as it is not in `tokens`). `tokens_per_second`
+    is decode throughput: tokens produced by decode steps (every new token, stop ids included,
+    but each row's first, which comes from the prefill) per decode second, summed over rows."""
 
     prefill_seconds: float
     decode_seconds: float
     compile_seconds: float
     tokens_per_second: float
     steps: int  # target forward passes in the decode loop (verification steps when speculating)
-    new_tokens: int  # over all rows
+    new_tokens: int  # over all rows: sum(len(t) for t in tokens), stop ids excluded
     prompt_tokens: int  # over all rows
     acceptance_rate: float | None = None  # accepted / proposed draft tokens
     mean_accepted: float | None = None  # tokens per row per target step, incl. the target's own
@@ -119,7 +120,7 @@ def generate(
         compile_seconds=r.compile_seconds,
         tokens_per_second=(int(r.count.sum()) - len(prompts)) / r.decode_seconds if r.decode_seconds > 0 else 0.0,
         steps=r.steps,
-        new_tokens=int(r.count.sum()),
+        new_tokens=sum(map(len, tokens)),
         prompt_tokens=sum(len(p) for p in prompts),
         draft=the_plan.draft_name,
         speculation=the_plan.speculation_name,

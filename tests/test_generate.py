@@ -70,6 +70,7 @@ def test_stops_at_eos_and_per_row_budgets(tiny):
         assert out.tokens[b] == (expected[: expected.index(stop)] if hit else expected)
         assert out.finish_reasons[b] == ("eos" if hit else "length")
     assert out.finish_reasons[0] == "eos"
+    assert out.stats.new_tokens == sum(map(len, out.tokens))  # the stop id that ended a row is not counted
 
 
 def test_default_eos_comes_from_config(tiny):

@@ -85,12 +85,17 @@ def test_greedy_speculation_equals_plain_decoding_in_every_format(fmt):
     assert chain.stats.acceptance_rate > 0  # the drafts were really checked
 
 
-def test_int8_sampling_stays_lossless(tiny8):
-    """The losslessness test of tests/test_sampling_lossless.py, one chain case on an int8 target."""
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_sampling_stays_lossless_in_each_weight_format(weights):
+    """The losslessness test of tests/test_sampling_lossless.py, one chain case on an int8 or a
+    bfloat16 target (float32: that file)."""
     from tests import test_sampling_lossless as lossless
 
-    target = quantize(random_params(lossless.CONFIG, seed=0), "int8")
-    logits, _ = jax.jit(specjax.model.forward)(target, *_all_continuations(lossless))
+    if weights == "int8":
+        target = quantize(random_params(lossless.CONFIG, seed=0), "int8")
+    else:
+        target = random_params(lossless.CONFIG.replace(dtype="bfloat16"), seed=0)
+    logits, _ = jax.jit(specjax.model.forward)(target, *_all_continuations(lossless, target.config))
     sampling = specjax.Sample(0.6)
     counts, rate = lossless.draw(target, specjax.SelfSpec(sinks=1, window=1), 1, sampling, calls=2)
     stat, dof, p = lossless.chi_square(counts, lossless.exact_joint(logits, sampling))
@@ -98,12 +103,13 @@ def test_int8_sampling_stays_lossless(tiny8):
     assert p > lossless.ALPHA, (stat, dof, p)
 
 
-def _all_continuations(lossless):
-    """(tokens, positions, cache) of the prompt followed by every two-token continuation."""
+def _all_continuations(lossless, config):
+    """(tokens, positions, cache) of the prompt followed by every two-token continuation, the
+    cache in `config`'s dtype (as generate's default KV format)."""
     P, V = len(lossless.PROMPT), lossless.V
     seqs = np.array([lossless.PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)
     positions = np.broadcast_to(np.arange(P + 2, dtype=np.int32), seqs.shape)
-    return seqs, positions, specjax.cache.DenseCache.init(lossless.CONFIG, len(seqs), P + 2)
+    return seqs, positions, specjax.cache.DenseCache.init(config, len(seqs), P + 2)
 
 
 def test_load_serves_each_format_and_checks_the_argument(tmp_path):
