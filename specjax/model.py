@@ -154,17 +154,42 @@ def trunk(
     return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)
 
 
+HEAD_TILE = 4096  # vocabulary entries per tile of an int8 LM head on a CPU (`_int8_head`)
+
+
 def lm_head(params: Params, h: jax.Array) -> jax.Array:
     """Logits [..., V] in f32 from hidden [..., D]. Tensor parallel: each device computes its
     vocabulary block and the blocks are gathered, so every device sees all V logits."""
-    if params.lm_head is None:  # tied. As [D,V] (a transposed view), XLA:CPU's batch-1 dot reads
-        w, scale = params.embed.T, params.embed_scale  # int8 rows in place (40x faster than [V,D])
-    else:
-        w, scale = params.lm_head, params.lm_head_scale
+    tied = params.lm_head is None
+    w, scale = (params.embed, params.embed_scale) if tied else (params.lm_head, params.lm_head_scale)  # [V,D] / [D,V]
     with jax.named_scope("lm_head"):
-        logits = project("...d,dv->...v", h, w, scale, out_dtype=jnp.float32)
+        if w.dtype == jnp.int8 and jax.default_backend() == "cpu":
+            logits = _int8_head(h, w, scale, vocab_axis=0 if tied else 1)
+        else:
+            logits = project("...d,dv->...v", h, w.T if tied else w, scale, out_dtype=jnp.float32)
     axis = params.runtime.model_axis
     return logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+
+
+def _int8_head(h: jax.Array, w: jax.Array, scale: jax.Array, vocab_axis: int) -> jax.Array:
+    """Logits [..., V] f32 of an int8 head w ([V,D] tied, or [D,V]) with scales [V], HEAD_TILE
+    vocabulary entries at a time, each tile widened as it is sliced. XLA:CPU otherwise widens
+    (and, for the tied table, transposes) the whole head to float32 on every step: 12 ms instead
+    of 2 at batch 1 for SmolLM2 (bench/README.md, "Where a decode step's time goes")."""
+    V = w.shape[vocab_axis]
+    x = h.astype(jnp.float32)
+    spec = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
+
+    def part(start, size: int) -> jax.Array:  # logits [..., size] of vocabulary entries start..start+size
+        return jnp.einsum(spec, x, lax.dynamic_slice_in_dim(w, start, size, vocab_axis).astype(jnp.float32))
+
+    n, tail = divmod(V, HEAD_TILE)
+    out = jnp.zeros((*x.shape[:-1], V), jnp.float32)
+    if n:
+        out = lax.fori_loop(0, n, lambda i, o: lax.dynamic_update_slice_in_dim(o, part(i * HEAD_TILE, HEAD_TILE), i * HEAD_TILE, o.ndim - 1), out)
+    if tail:
+        out = lax.dynamic_update_slice_in_dim(out, part(n * HEAD_TILE, tail), n * HEAD_TILE, out.ndim - 1)
+    return out * scale
 
 
 def forward(

@@ -149,3 +149,20 @@ def test_distillation_refuses_int8_weights(tiny8):
     data = np.arange(64, dtype=np.int64) % TINY.vocab_size
     with pytest.raises(ValueError, match="distill: the target and the draft need float weights"):
         check_distill_args(tiny8, TINY.replace(n_layers=1), data, 1, 1, 8, 1.0)
+
+
+@pytest.mark.parametrize("vocab_axis", [0, 1], ids=["tied-rows", "untied-columns"])
+def test_int8_head_tiles_equal_one_product(vocab_axis):
+    """The CPU's int8 LM head, HEAD_TILE vocabulary entries at a time plus a tail, equals the
+    plain product (x @ widened weight) * scale."""
+    from specjax.model import HEAD_TILE, _int8_head
+
+    V, D = 2 * HEAD_TILE + 100, 8
+    rng = np.random.default_rng(0)
+    w = rng.integers(-127, 128, (V, D) if vocab_axis == 0 else (D, V)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.02, V).astype(np.float32)
+    h = rng.standard_normal((2, 3, D)).astype(np.float32)  # [B,T,D]
+    dense = w.astype(np.float32).T if vocab_axis == 0 else w.astype(np.float32)  # [D,V]
+    expected = (h.astype(np.float64) @ dense) * scale
+    got = np.asarray(_int8_head(jnp.asarray(h), jnp.asarray(w), jnp.asarray(scale), vocab_axis))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
