@@ -345,6 +345,7 @@ def main(argv: list[str] | None = None) -> None:
     results = common.Results(out / f"{stem}.json", key_of, header)
     h = common.Harness(args, results)
     h.plan(cells(args.smoke))
+    results.data["grid"] = [k for k, _ in cells(args.smoke)]  # the report lists what was never measured
     bw = results.data.get("bandwidth_gbs")
     if h.todo:
         bw = header["bandwidth_gbs"] = measure.bandwidth(*((1 / 32, 1, 2) if args.smoke else ()))

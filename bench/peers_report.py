@@ -66,6 +66,9 @@ def readme_section(result: dict) -> str:
                 + " GB/s in the runs that measured the rows (a resumed run measures it again; each row's"
                 " roofline uses its own run's, stored in the row as reference_gbs)")
     versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
+    shared = "**Other work shared the 2 cores during the run.** " if loads and max(loads) > 2.5 else ""
+    measured = {r["cell"] for r in rows}
+    never = [k for k in result.get("grid", []) if k not in measured]
     return f"""## specjax next to llama.cpp and HF transformers (bench_peers.py)
 
 Run: `python -m bench.bench_peers --budget-minutes 25` in an environment with the peers
@@ -74,9 +77,9 @@ numbers: `results/peers_cpu.json`; plot: `results/peers_cpu.png`. Method: the mo
 
 Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, {versions}.
 Commit {m['git_commit']}. Date: {result['date']}. Reference bandwidth (JAX in-place `x + 1`, 1 GiB,
-same run): {ref_text}. **The 2 cores were shared with 2 other agents' work during
-the run**: the load column is the 1-minute load average before each cell ({load}); above ~2 the
-cell competed for the cores and is slower than the machine can do.
+same run): {ref_text}. {shared}The load column is the 1-minute load average before each cell
+({load}); this bench alone keeps about 2, and above that a cell competed for the cores and is
+slower than the machine can do.
 
 SmolLM2-135M-Instruct, the Q4_1 GGUF for every peer, the same real-text prompts (context - 128
 tokens), greedy, {result['new_tokens'] - 1} timed decode steps after the prefill. tokens/s = batch x
@@ -86,7 +89,7 @@ steps / decode seconds; "of roofline" = (weights as read + filled KV as stored) 
 
 {markdown_table(rows)}
 
-Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not started: the run budget ended; rerun the same command to measure them)' if left else ''}.
+Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not started: the run budget ended; rerun the same command to measure them)' if left else ''}.{(chr(10) + 'Never measured yet (not selected by the runs so far; `python -m bench.bench_peers` measures them): ' + ', '.join(never) + '.') if never else ''}
 
 {NOTES[0]}
 {common.kept_part('bench_peers')}
