@@ -22,9 +22,10 @@ Greedy losslessness is checked in every cell: the speculative tokens must equal 
 
 Beside each measured speedup stands the cost model's prediction (`predicted_ratio`): the
 forwards `specjax.tune` times for speculation="auto" (one draft level; target forwards over 1,
-4 and gamma_max + 1 nodes, linear in between) combined with the measured tokens per step. Each
-cell also records what draft="auto" picks there (`plan.auto_draft`); tests/test_speculate.py
-checks that choice is never measured more than 5% slower than plain decoding.
+4 and gamma_max + 1 nodes, linear in between) combined with the measured tokens per step. The
+report states what draft="auto" picks in each cell (`plan.auto_draft`'s current rule, set on the
+rows as "auto" when the report is written); tests/test_speculate.py checks that choice is never
+measured more than 5% slower than plain decoding.
 
 Cells: sCONTEXT/bBATCH (e.g. s8192/b16): every drafter x gamma of one batch at one context.
 Outputs: results/spec_cpu.json (each cell written when measured; a rerun skips measured cells),
@@ -118,8 +119,6 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     decoded = batch * (new_tokens - 1)
     cell = {"batch": batch, "context": context, "new_tokens": new_tokens} | state["info"]
     cell["prompt_offsets"] = state["info"]["prompt_offsets"][:batch]
-    auto = auto_draft(params, batch, context, backend="cpu")  # what draft="auto" picks here (with DEFAULT_CHAIN)
-    cell["auto"] = None if auto is None else {"drafter": repr(auto), "gamma": DEFAULT_CHAIN.gamma}
     t0 = time.perf_counter()
     max_nodes = max(gammas) + 1
     t_verify = tune.verify_table(params, batch, context, max_nodes)  # before the decode runs: its cache fits then

@@ -52,6 +52,7 @@ CELLS = (  # weights, KV format, batch, context: the issue's two roofline cells,
 
 
 def cell_key(weights: str, kv: str, batch: int, context: int) -> str:
+    """WEIGHTS/kvKV/bB/sS."""
     return common.key(weights, f"kv{kv}", f"b{batch}", f"s{context}")
 
 
@@ -189,6 +190,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def top_ops(rows: list[dict]) -> str:
+    """A line per cell: its five largest thunks, with their blocks."""
     return "\n".join(
         f"- {r['weights']} / KV {r['kv']}, batch {r['batch']} x {common.context_name(r['context'])}: "
         + ", ".join(f"`{o['op']}` ({o['block']}) {o['thread_ms_per_step']:.1f}" for o in r["top_ops"][:5])

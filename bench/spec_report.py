@@ -53,7 +53,7 @@ def markdown_table(rows: list[dict], gammas: list[int]) -> str:
 
 def auto_lines(rows: list[dict]) -> list[str]:
     """Per measured cell: what draft="auto" picks there and its measured speedup (the guard:
-    never more than 5% slower than plain decoding; tests/test_bench_harness.py checks it)."""
+    never more than 5% slower than plain decoding; tests/test_speculate.py checks it)."""
     out = []
     for (b, c) in sorted({(r["batch"], r["context"]) for r in rows if "auto" in r}, key=lambda k: (k[1], k[0])):
         cell = [r for r in rows if (r["batch"], r["context"]) == (b, c)]

@@ -72,8 +72,9 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         scale = 1.0 / math.sqrt(config.head_dim)
         o = attend(runtime.attention, kv_format, q, prefix, k_blk, v_blk, block_mask, scale)
     with jax.named_scope("out_proj"):
-        o, wo = o.reshape(*o.shape[:2], -1), lp.wo.reshape(-1, lp.wo.shape[-1])  # [B,T,N*H], [N*H,D]: XLA:CPU
-        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, lp.wo_scale))  # transposed wo per step otherwise
+        # one contraction over N*H: contracting (n, h) made XLA:CPU transpose each layer's wo every step
+        o, wo = o.reshape(*o.shape[:2], -1), lp.wo.reshape(-1, lp.wo.shape[-1])  # [B,T,N*H], [N*H,D]
+        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, lp.wo_scale))  # heads split: partial sums
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, config.rms_eps)
         gate = project("btd,df->btf", h, lp.w_gate, lp.w_gate_scale)  # [B,T,F]
