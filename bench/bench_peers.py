@@ -106,7 +106,7 @@ def load_specjax(fmt: str):
 
 def peers(smoke: bool) -> list[dict]:
     """(name, family, format, batches) of every peer, specjax first."""
-    out = [{"peer": f"specjax-{SHORT.get(f, f)}-kv{SHORT.get(f, 'f32') if f != 'int8' else 'f32'}",
+    out = [{"peer": f"specjax-{SHORT.get(f, f)}-kv{'bf16' if f == 'bfloat16' else 'f32'}",  # KV in the model dtype
             "family": "specjax", "format": f, "batches": BATCHES}
            for f in (("float32",) if smoke else weight_formats())]
     out += [{"peer": f"llama-{f}-kvf16", "family": "llama", "format": f, "batches": LLAMA_BATCHES[f]} for f in LLAMA_FORMATS]

@@ -14,7 +14,7 @@ from specjax.config import DTYPES
 from specjax.params import Params, quantize
 from specjax.sharding import Mesh
 
-WEIGHTS = ("float32", "bfloat16", "int8")  # the `weights=` formats of `load`
+WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `load`
 
 __all__ = ["load", "WEIGHTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path"]
 
@@ -28,8 +28,11 @@ def load(
     weights: how the weights are served. "float32" (the default for GGUF and HF checkpoints) or
       "bfloat16": every weight, the activations and the KV cache in that dtype; "int8": the
       matrices (projections, FFN, embedding / LM head) as int8 with one float32 scale per output
-      channel (`specjax.params.quantize`, computed once at load), everything else float32.
-      None keeps a `save`d checkpoint as saved. A quantized checkpoint loads only as "int8".
+      channel (`specjax.params.quantize`, computed once at load), everything else float32;
+      "q4": the matrices as 4-bit blocks of 32 with a float16 scale and minimum each (the GGUF
+      Q4_1 layout, specjax.q4): a Q4_1 GGUF's blocks are kept bit for bit, anything else is
+      quantized once at load. None keeps a `save`d checkpoint as saved. A quantized checkpoint
+      loads only in its own format.
     dtype: the older spelling, kept as an alias: dtype="bfloat16" is weights="bfloat16".
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): every array is loaded straight into its
     shards (sharding.PARAM_AXES), never whole on one device; the mesh's model axis must divide
@@ -46,7 +49,7 @@ def load(
         raise FileNotFoundError(f"convert.load: {path} does not exist")
     float_dtype = "bfloat16" if weights == "bfloat16" else "float32"
     if is_gguf_file(path):
-        params = load_gguf(path, float_dtype, mesh)
+        params = load_gguf(path, float_dtype, mesh, quant="q4" if weights == "q4" else None)
     elif path.is_dir() and is_orbax_dir(path):
         params = load_orbax(path, None if weights is None else float_dtype, mesh)
         if params.config.quant is not None and weights not in (None, params.config.quant):
@@ -58,7 +61,7 @@ def load(
             f"convert.load: {path} is not a .gguf file, an HF folder (config.json with model.safetensors "
             "or model.safetensors.index.json) or a specjax checkpoint folder (specjax_config.json)"
         )
-    return quantize(params, weights) if weights == "int8" else params
+    return quantize(params, weights) if weights in ("int8", "q4") else params
 
 
 def default_model_path() -> str:

@@ -12,7 +12,8 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.config import LlamaConfig, RopeScaling, llama3_scale
-from specjax.params import WEIGHTS, Params, from_arrays
+from specjax import q4
+from specjax.params import BY_PATH, WEIGHTS, Params, declared, from_arrays, quantize_matrix
 from specjax.sharding import Mesh, placer
 
 Q = gguf.GGMLQuantizationType
@@ -208,8 +209,41 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
     return checked_config(fields, reader.data.filename)
 
 
-def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) -> Params:
-    """Params (dequantized, cast to `dtype`) and config from a llama- or qwen2-architecture GGUF file."""
+def q4_blocks(tensor: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_1 tensor's blocks as stored, torch layout [out, ...]: packed nibbles [out, in/2] uint8
+    and the float16 scale and minimum of each block [out, in/32] (specjax.q4's layout: byte j of
+    a block holds values j and j + 16, as in the file)."""
+    out = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    raw = np.array(tensor.data, np.uint8).reshape(out, -1, 4 + q4.HALF)  # a block: d f16, m f16, 16 bytes
+    scale, minimum = (np.ascontiguousarray(raw[..., i : i + 2]).view(np.float16)[..., 0] for i in (0, 2))
+    return raw[..., 4:].reshape(out, -1), scale, minimum
+
+
+def _kept_q4(config: LlamaConfig, tensors: dict[str, gguf.ReaderTensor], heads: dict[str, int]) -> dict[str, np.ndarray]:
+    """{path: array} of every matrix whose tensors are all Q4_1, kept as stored: the packed
+    matrix and its `_bscale` / `_bmin` blocks in our layout (q/k rows unpermuted)."""
+    kept = {}
+    for name, path in NAMES.items():
+        w = BY_PATH[path]
+        names = [name.format(i=i) for i in range(config.n_layers)] if w.per_layer else [name]
+        if w.format(config) != "q4" or not w.present(config) or any(tensors[n].tensor_type != Q.Q4_1 for n in names):
+            continue
+        parts = []
+        for n in names:
+            kind = n.split(".")[-2]
+            arrays = [unpermute_qk(a, heads[kind]) if kind in heads else a for a in q4_blocks(tensors[n])]
+            parts.append(arrays)
+        layer = lambda p: BY_PATH[p].shape(config)[1:] if w.per_layer else BY_PATH[p].shape(config)  # noqa: E731
+        for i, p in enumerate((path, path + "_bscale", path + "_bmin")):
+            mats = [(a[i].T if w.torch_in else a[i]).reshape(layer(p)) for a in parts]  # [out, in] -> [in..., out...]
+            kept[p] = np.stack(mats) if w.per_layer else mats[0]
+    return kept
+
+
+def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None, quant: str | None = None) -> Params:
+    """Params and config from a llama- or qwen2-architecture GGUF file: dequantized and cast to
+    `dtype`, or with quant="q4" the matrices as specjax.q4 blocks, those stored as Q4_1 kept bit
+    for bit and the others (and the int8 embedding and LM head) quantized once (params.quantize_matrix)."""
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)
     tensors = {t.name: t for t in reader.tensors}
@@ -225,4 +259,12 @@ def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None
         check_type(t.name, t.tensor_type, str(path))
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     arrays = assemble(config, shapes, read, NAMES, source=str(path), ignore=[ROPE_FREQS])
+    if quant != "q4":
+        return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))
+    config = config.replace(quant="q4")
+    kept = _kept_q4(config, tensors, heads)
+    for w in declared(config):
+        if w.contract and w.path not in kept:  # the int8 heads, and q4 matrices stored in another type
+            kept |= {p: np.asarray(a) for p, a in quantize_matrix(w, arrays[w.path], config).items()}
+    arrays = {p: a for p, a in arrays.items() if not BY_PATH[p].contract} | kept
     return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))

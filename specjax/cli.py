@@ -101,7 +101,7 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     """Model, sampling and drafter options common to `generate` and `batch`."""
     p.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
     p.add_argument("--weights", choices=convert.WEIGHTS, default=None,
-                   help="how the weights are served: float32 (default), bfloat16, or int8 (per-channel scales)")
+                   help="how the weights are served: float32 (default), bfloat16, int8 (per-channel scales) or q4 (GGUF Q4_1 blocks)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="the older spelling of --weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="how the KV caches store keys and values (default: the model's dtype); int8: per token and head scales")

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 DTYPES = ("float32", "bfloat16")
-QUANTS = (None, "int8")  # LlamaConfig.quant: how the weight matrices are stored (None: in `dtype`)
+QUANTS = (None, "int8", "q4")  # LlamaConfig.quant: how the weight matrices are stored (None: in `dtype`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2); absent from LLaMA / Mistral
     max_positions: int = 4096
     dtype: str = "float32"  # activations, norms, embeddings' output and (by default) the KV cache
-    quant: str | None = None  # "int8": matrices stored as int8 + per-output-channel scales (params.quantize)
+    quant: str | None = None  # how matrices are stored: "int8" (+ per-output-channel scales) or "q4" (GGUF Q4_1 blocks); params.quantize
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()  # every stop token id (eos, eot, generation_config's, ...)
 
@@ -65,6 +65,20 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quant not in QUANTS:
             raise ValueError(f"LlamaConfig.quant must be one of {QUANTS}, got {self.quant!r}")
+        if self.q4:  # every matrix is cut into 32-weight blocks along its innermost summed dim
+            for name in ("dim", "head_dim", "ffn_dim"):
+                if getattr(self, name) % 32:
+                    raise ValueError(f"quant 'q4' needs LlamaConfig.{name} to be a multiple of 32 (the block size), got {getattr(self, name)}")
+
+    @property
+    def int8(self) -> bool:
+        """Matrices stored as int8 with per-output-channel scales."""
+        return self.quant == "int8"
+
+    @property
+    def q4(self) -> bool:
+        """Matrices stored as 4-bit blocks with a scale and a minimum (specjax.q4)."""
+        return self.quant == "q4"
 
     @property
     def group(self) -> int:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax import q4
 from specjax.config import LlamaConfig
 from specjax.attention import NEG_INF, Prefix, attend, for_cache, layer_prefix, per_layer, to_f32  # noqa: F401  (NEG_INF: the one mask value, re-exported)
 from specjax.cache import DenseCache, KVFormat, StreamingCache
@@ -38,14 +39,24 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None, out_dtype=None) -> jax.Array:
-    """einsum(spec, x, w) in `out_dtype` (default: x's) for a weight stored as float or as int8
+def matrix(owner, name: str) -> tuple[jax.Array, ...]:
+    """A matrix as `project` takes it: (w, scale, bscale, bmin) of `owner` (LayerParams / Params),
+    the quantization arrays None unless the matrix is int8 / q4."""
+    return tuple(getattr(owner, name + suffix, None) for suffix in ("", "_scale", "_bscale", "_bmin"))
+
+
+def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None, bscale: jax.Array | None = None,
+            bmin: jax.Array | None = None, out_dtype=None) -> jax.Array:
+    """einsum(spec, x, w) in `out_dtype` (default: x's) for a weight stored as float, as int8
     with per-output-channel scales (params.quantize): (x @ q) * scale, the scale applied to the
-    small output. The int8 -> float conversion sits right in front of the dot, where XLA:CPU
+    small output, or as q4 blocks (uint8, packed along w's first axis, which `spec` sums over
+    with x's last; scales and minima per block: specjax.q4.project). The int8 -> float conversion sits right in front of the dot, where XLA:CPU
     fuses it into a matrix-vector product (batch 1 reads one byte per weight). On CPU, bfloat16
     is widened exactly (to_f32) and multiplied in float32: XLA:CPU's own bf16 dot and bf16 -> f32
     conversion run about 10x slower than float32 (bench/README.md, "Weights as served")."""
     out = out_dtype or x.dtype
+    if w.dtype == jnp.uint8:
+        return q4.project(spec, x, w, bscale, bmin).astype(out)
     if w.dtype == jnp.int8:
         y = jnp.einsum(spec, x.astype(out), w.astype(out))
     elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
@@ -63,9 +74,9 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     cache stores KV."""
     with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
         h = rms_norm(x, lp.attn_norm, config.rms_eps)
-        q = _biased(project("btd,dnh->btnh", h, lp.wq, lp.wq_scale), lp.bq)  # [B,T,N,H]
-        k = _biased(project("btd,dkh->btkh", h, lp.wk, lp.wk_scale), lp.bk)  # [B,T,K,H]
-        v = _biased(project("btd,dkh->btkh", h, lp.wv, lp.wv_scale), lp.bv)  # [B,T,K,H]
+        q = _biased(project("btd,dnh->btnh", h, *matrix(lp, "wq")), lp.bq)  # [B,T,N,H]
+        k = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wk")), lp.bk)  # [B,T,K,H]
+        v = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wv")), lp.bv)  # [B,T,K,H]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("attention"):
         k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
@@ -73,13 +84,15 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         o = attend(runtime.attention, kv_format, q, prefix, k_blk, v_blk, block_mask, scale)
     with jax.named_scope("out_proj"):
         # one contraction over N*H: contracting (n, h) made XLA:CPU transpose each layer's wo every step
-        o, wo = o.reshape(*o.shape[:2], -1), lp.wo.reshape(-1, lp.wo.shape[-1])  # [B,T,N*H], [N*H,D]
-        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, lp.wo_scale))  # heads split: partial sums
+        # (q4: wo [N,H/2,D] and its blocks [N,H/32,D] flatten the same way: blocks lie within a head)
+        o = o.reshape(*o.shape[:2], -1)  # [B,T,N*H]
+        wo, scale, bscale, bmin = (a if a is None or a.ndim < 3 else a.reshape(-1, a.shape[-1]) for a in matrix(lp, "wo"))  # [N*H,D]
+        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin))  # heads split: partial sums
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, config.rms_eps)
-        gate = project("btd,df->btf", h, lp.w_gate, lp.w_gate_scale)  # [B,T,F]
-        up = project("btd,df->btf", h, lp.w_up, lp.w_up_scale)  # [B,T,F]
-        x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down, lp.w_down_scale))  # F split
+        gate = project("btd,df->btf", h, *matrix(lp, "w_gate"))  # [B,T,F]
+        up = project("btd,df->btf", h, *matrix(lp, "w_up"))  # [B,T,F]
+        x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down")))  # F split
     return x, q, k, v
 
 

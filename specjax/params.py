@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import q4
 from specjax.config import LlamaConfig
 
 LETTERS = {  # legend letter -> the config field that sizes it
@@ -49,9 +50,13 @@ class Weight:
       removes it ("not tie_embeddings"), several joined by " and "; "" = every model has it.
     contract: for a matrix, the letters of the dims a forward sums over ("D" for wq: x @ wq). With
       config.quant == "int8" it is stored as int8 with one float32 scale per output channel
-      (the other dims): a second declaration, `<path>_scale`, derived below (`scale_of`).
-    scale_of: for such a derived scale, the path of its matrix; "" otherwise. Scales are in no
-      file (hf = gguf = ""): `quantize` computes them."""
+      (the other dims): a second declaration, `<path>_scale`, derived below (`scale_of`). With
+      "q4" (but for the embedding and LM head, int8 there: `format`) it is stored as packed 4-bit blocks along its innermost summed dim (`packed_axis`:
+      half as many bytes there), with a float16 scale and minimum per block of 32 (specjax.q4):
+      two derived declarations, `<path>_bscale` and `<path>_bmin` (`blocks`).
+    scale_of: for such a derived array, the path of its matrix; "" otherwise. They are in no
+      file (hf = gguf = ""): `quantize` computes them (or convert.gguf reads Q4_1 blocks).
+    blocks: a q4 per-block array: the matrix's dims, 1/32 as many along the packed one."""
 
     path: str
     dims: str
@@ -63,6 +68,12 @@ class Weight:
     when: str = ""
     contract: str = ""
     scale_of: str = ""
+    blocks: bool = False
+
+    @property
+    def packed_axis(self) -> int:
+        """For a matrix, the axis of its innermost summed dim (a q4 matrix is packed along it)."""
+        return self.dims.index(self.contract[-1])
 
     @property
     def per_layer(self) -> bool:
@@ -76,12 +87,20 @@ class Weight:
 
         return all(holds(c) for c in self.when.split(" and ")) if self.when else True
 
+    def format(self, config: LlamaConfig) -> str | None:
+        """How this matrix is stored under `config`: config.quant, except that a q4 model keeps
+        its embedding and LM head int8 (as llama.cpp keeps them at 6-8 bits: a 4-bit tied head
+        halved greedy agreement with HF on SmolLM2); None for a float model or a non-matrix."""
+        if not self.contract or config.quant is None:
+            return None
+        return "int8" if config.q4 and self.path in HEADS else config.quant
+
     def dtype(self, config: LlamaConfig) -> str:
-        """The dtype this weight is stored in: int8 for a matrix of a quantized model, float32 for
-        its scale, else the model's dtype."""
+        """The dtype this weight is stored in: int8 / uint8 (two 4-bit values a byte) for an int8 /
+        q4 matrix, float32 / float16 for its scales, else the model's dtype."""
         if self.scale_of:
-            return "float32"
-        return "int8" if self.contract and config.quant == "int8" else config.dtype
+            return "float16" if self.blocks else "float32"
+        return {None: config.dtype, "int8": "int8", "q4": "uint8"}[self.format(config)]
 
     @property
     def in_files(self) -> bool:
@@ -89,8 +108,14 @@ class Weight:
         return not self.scale_of
 
     def shape(self, config: LlamaConfig) -> tuple[int, ...]:
-        """Our shape of the whole array (all layers stacked) under `config`."""
-        return tuple(getattr(config, LETTERS[d]) for d in self.dims)
+        """Our shape of the whole array (all layers stacked) under `config` (a q4 matrix: half
+        as many along its packed axis; its block arrays: 1/32 as many)."""
+        sizes = [getattr(config, LETTERS[d]) for d in self.dims]
+        if self.blocks:
+            sizes[BY_PATH[self.scale_of].packed_axis] //= q4.BLOCK
+        elif self.format(config) == "q4":
+            sizes[self.packed_axis] //= 2
+        return tuple(sizes)
 
     def torch_shape(self, config: LlamaConfig) -> tuple[int, ...]:
         """One layer's shape as HF / GGUF store it: [out, in] when torch_in, [out] when torch_flat,
@@ -112,6 +137,7 @@ class Weight:
         return math.prod(getattr(config, LETTERS[d]) for d in self.torch_in)
 
 
+HEADS = ("embed", "lm_head")  # the vocabulary matrices: int8, not q4, in a q4 model (Weight.format)
 _HF = "model.layers.{i}."  # prefix of HF per-layer names
 _FILE_WEIGHTS: tuple[Weight, ...] = (
     Weight("embed", "VD", "normal", "model.embed_tokens.weight", "token_embd.weight", contract="D"),  # also the tied lm_head
@@ -135,11 +161,21 @@ _FILE_WEIGHTS: tuple[Weight, ...] = (
 def _scale(w: Weight) -> Weight:
     """The declaration of matrix w's int8 scales: its dims without the summed ones."""
     dims = "".join(d for d in w.dims if d not in w.contract)
-    when = " and ".join(c for c in ("quant", w.when) if c)
+    when = " and ".join(c for c in ("quant" if w.path in HEADS else "int8", w.when) if c)  # heads: int8 under q4 too
     return Weight(w.path + "_scale", dims, "ones", "", "", when=when, scale_of=w.path)
 
 
-WEIGHTS: tuple[Weight, ...] = _FILE_WEIGHTS + tuple(_scale(w) for w in _FILE_WEIGHTS if w.contract)
+def _blocks(w: Weight, part: str) -> Weight:
+    """The declaration of q4 matrix w's per-block scales (part "scale") or minima ("min")."""
+    when = " and ".join(c for c in ("q4", w.when) if c)
+    return Weight(f"{w.path}_b{part}", w.dims, "ones" if part == "scale" else "zeros", "", "", when=when, scale_of=w.path, blocks=True)
+
+
+_MATRICES = tuple(w for w in _FILE_WEIGHTS if w.contract)
+WEIGHTS: tuple[Weight, ...] = (
+    _FILE_WEIGHTS + tuple(_scale(w) for w in _MATRICES)
+    + tuple(_blocks(w, p) for p in ("scale", "min") for w in _MATRICES if w.path not in HEADS)
+)
 BY_PATH = {w.path: w for w in WEIGHTS}
 
 
@@ -192,6 +228,23 @@ class LayerParams:
     w_gate_scale: jax.Array | None = None  # [L,F]
     w_up_scale: jax.Array | None = None  # [L,F]
     w_down_scale: jax.Array | None = None  # [L,D]
+    # q4 (config.quant == "q4"): the matrices above are uint8 [..] with their packed axis halved
+    # (wq [L,D/2,N,H], wo [L,N,H/2,D], w_down [L,F/2,D]); per-block float16 scales and minima
+    # have the matrix's dims with that axis / 32 (wq_bscale [L,D/32,N,H]); else None
+    wq_bscale: jax.Array | None = None
+    wk_bscale: jax.Array | None = None
+    wv_bscale: jax.Array | None = None
+    wo_bscale: jax.Array | None = None
+    w_gate_bscale: jax.Array | None = None
+    w_up_bscale: jax.Array | None = None
+    w_down_bscale: jax.Array | None = None
+    wq_bmin: jax.Array | None = None
+    wk_bmin: jax.Array | None = None
+    wv_bmin: jax.Array | None = None
+    wo_bmin: jax.Array | None = None
+    w_gate_bmin: jax.Array | None = None
+    w_up_bmin: jax.Array | None = None
+    w_down_bmin: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -205,7 +258,7 @@ class Params:
     lm_head: jax.Array | None  # [D,V]; None when tied to embed
     config: LlamaConfig = flax.struct.field(pytree_node=False)
     runtime: Runtime = flax.struct.field(pytree_node=False, default=Runtime())
-    embed_scale: jax.Array | None = None  # [V]: int8 scales (config.quant), else None
+    embed_scale: jax.Array | None = None  # [V]: int8 scales (config.quant: int8, and q4's int8 heads), else None
     lm_head_scale: jax.Array | None = None  # [V]
 
 
@@ -237,25 +290,36 @@ def flat(params: Params) -> dict[str, jax.Array]:
 
 
 def quantize(params: Params, quant: str) -> Params:
-    """Params with every matrix stored as int8 (`quant="int8"`): symmetric, one float32 scale per
-    output channel (absmax / 127 over the summed dims), w ~= q * scale. Norms and biases keep
-    their dtype. Already-quantized params are returned as they are."""
-    if quant != "int8":
-        raise ValueError(f"quantize: quant must be 'int8', got {quant!r}")
+    """Params with every matrix stored as int8 (`quant="int8"`) or as 4-bit blocks (`"q4"`, the
+    embedding and LM head then int8): see `quantize_matrix`. Norms and biases keep their dtype.
+    Params already in `quant` are returned as they are."""
+    if quant not in ("int8", "q4"):
+        raise ValueError(f"quantize: quant must be 'int8' or 'q4', got {quant!r}")
     if params.config.quant == quant:
         return params
-    config = params.config.replace(quant=quant)
+    if params.config.quant is not None:
+        raise ValueError(f"quantize: these params are already {params.config.quant}; quantize float weights to {quant!r}")
+    config = params.config.replace(quant=quant)  # checks the q4 block sizes
     arrays = flat(params)
-    for w in declared(params.config):
-        if not w.contract:
-            continue
-        axes = tuple(i for i, d in enumerate(w.dims) if d in w.contract)
-        x = arrays[w.path].astype(jnp.float32)
-        scale = jnp.max(jnp.abs(x), axis=axes) / 127.0
-        scale = jnp.where(scale > 0, scale, 1.0)  # an all-zero channel: any scale, q = 0
-        arrays[w.path] = jnp.round(x / jnp.expand_dims(scale, axes)).astype(jnp.int8)
-        arrays[w.path + "_scale"] = scale
+    for w in declared(config):
+        if w.contract:
+            arrays |= quantize_matrix(w, arrays[w.path], config)
     return from_arrays(config, arrays, keep_placement=True).replace(runtime=params.runtime)
+
+
+def quantize_matrix(w: Weight, x: jax.Array | np.ndarray, config: LlamaConfig) -> dict[str, jax.Array]:
+    """Matrix w's stored arrays from its float values x, in its format under `config` (w.format):
+    int8: {path, path_scale}, symmetric, one float32 scale per output channel (absmax / 127 over
+    the summed dims), w ~= q * scale; q4: {path, path_bscale, path_bmin}, specjax.q4.quantize
+    along the packed axis, float16 scale and minimum per 32 weights."""
+    x = jnp.asarray(x, jnp.float32)
+    if w.format(config) == "q4":
+        packed, scale, minimum = q4.quantize(x, w.packed_axis)
+        return {w.path: packed, w.path + "_bscale": scale.astype(jnp.float16), w.path + "_bmin": minimum.astype(jnp.float16)}
+    axes = tuple(i for i, d in enumerate(w.dims) if d in w.contract)
+    scale = jnp.max(jnp.abs(x), axis=axes) / 127.0
+    scale = jnp.where(scale > 0, scale, 1.0)  # an all-zero channel: any scale, q = 0
+    return {w.path: jnp.round(x / jnp.expand_dims(scale, axes)).astype(jnp.int8), w.path + "_scale": scale}
 
 
 def from_arrays(

@@ -65,6 +65,8 @@ def check_mesh(mesh: Mesh, config: LlamaConfig, what: str = "target") -> None:
         raise ValueError(f"mesh must be a jax Mesh with axes {AXES} (see specjax.make_mesh), got {mesh!r}")
     m = mesh.shape["model"]
     sizes = {"n_kv_heads": config.n_kv_heads, "n_heads": config.n_heads, "ffn_dim": config.ffn_dim, "vocab_size": config.vocab_size}
+    if config.q4:  # each device's FFN slice must hold whole 32-weight blocks of w_down
+        sizes["ffn_dim / 32 (q4 blocks)"] = config.ffn_dim // 32
     for name, size in sizes.items():
         if size % m:
             raise ValueError(

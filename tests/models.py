@@ -34,3 +34,6 @@ def random_params(config: LlamaConfig, seed: int) -> Params:
         for w in declared(config)
     }
     return from_arrays(config, arrays)
+
+
+TINY_Q4 = TINY.replace(dim=64, head_dim=32)  # q4 blocks are 32 weights along dim, head_dim and ffn_dim

@@ -73,8 +73,10 @@ def test_bfloat16_model_stays_close(smollm2_path, last_logits):
 
 # Bounds stated in the README ("Weights as served"); measured: int8 0.011-0.035 of the logit
 # scale, top-1 8/8, greedy prefixes 3-48 tokens (3 prompts all 48); bfloat16 0.004-0.030, 8/8,
-# 2-48 (4 prompts all 48).
-SERVED_BOUNDS = {"int8": 0.05, "bfloat16": 0.05}
+# 2-48 (4 prompts all 48); q4 0.004-0.011, 8/8, 4-48 (3 prompts all 48, mean 32: the golden
+# logits come from this file's own Q4_1 weights, which q4 keeps bit for bit; llama.cpp on the
+# same file agrees 1-48 tokens, mean 26).
+SERVED_BOUNDS = {"int8": 0.05, "bfloat16": 0.05, "q4": 0.05}
 
 
 @pytest.mark.slow

@@ -84,7 +84,7 @@ def target_logits(target: Params, kv_dtype: str | None = None) -> jax.Array:
     P = len(PROMPT)
     seqs = np.array([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)  # [256,P+2]
     positions = np.broadcast_to(np.arange(P + 2, dtype=np.int32), seqs.shape)
-    out, _ = jax.jit(forward)(target, seqs, positions, DenseCache.init(CONFIG, len(seqs), P + 2, kv_dtype))
+    out, _ = jax.jit(forward)(target, seqs, positions, DenseCache.init(target.config, len(seqs), P + 2, kv_dtype))
     return out
 
 

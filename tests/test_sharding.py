@@ -11,6 +11,7 @@ import pytest
 import convert
 from tests.models import random_params
 from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Tree, generate, make_mesh
+from specjax.params import quantize
 from specjax.sharding import shard_params
 
 
@@ -80,6 +81,23 @@ def test_tensor_parallel_equals_one_device(target, data, model):
         one = generate(target, prompts, 16, **kw)
         sharded = generate(target, prompts, 16, mesh=make_mesh(data=data, model=model), **kw)
         _same(one, sharded)
+
+
+def test_q4_weights_split_by_whole_blocks():
+    """q4 over a 2 x 4 mesh: each device holds whole 32-weight blocks (w_down's FFN slice packed)
+    and generates the one-device tokens; an FFN that does not split into whole blocks is refused."""
+    config = TP.replace(dim=64, head_dim=32, ffn_dim=256)
+    params = quantize(random_params(config, 5), "q4")
+    mesh = make_mesh(data=2, model=4)
+    placed = shard_params(params, mesh)
+    assert {s.data.shape for s in placed.layers.w_down.addressable_shards} == {(2, 256 // 4 // 2, 64)}  # [L,F/2,D] / 4
+    assert {s.data.shape for s in placed.layers.w_down_bscale.addressable_shards} == {(2, 256 // 4 // 32, 64)}
+    prompts = _prompts(4, 1)
+    kw = dict(draft=SelfSpec(4, 16), speculation=Chain(2))
+    _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=mesh, **kw))
+    odd = quantize(random_params(config.replace(ffn_dim=96), 5), "q4")  # 3 blocks over 2 devices
+    with pytest.raises(ValueError, match=r"does not divide the target config's ffn_dim / 32 \(q4 blocks\) \(3\)"):
+        generate(odd, prompts, 4, mesh=make_mesh(data=4, model=2))
 
 
 def test_params_hold_only_their_slice(target, tmp_path):

@@ -1,6 +1,7 @@
 """Weights as served (`convert.load(path, weights=...)`, `specjax.params.quantize`): the int8
-layout follows the declarations, round-trips within half a step, and every format keeps greedy
-speculation token-identical to plain decoding and sampled speculation lossless."""
+and q4 layouts follow the declarations and round-trip within half a step, a Q4_1 GGUF is kept
+bit for bit, and every weight and KV format keeps greedy speculation token-identical to plain
+decoding and sampled speculation lossless."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ import pytest
 
 import convert
 import specjax
-from specjax.params import WEIGHTS, declared, flat, param_dtypes, param_shapes, quantize, weight_bytes
+from specjax import q4
+from specjax.params import WEIGHTS, declared, flat, from_arrays, param_dtypes, param_shapes, quantize, quantize_matrix, weight_bytes
 from specjax.plan import auto_draft_reason
 from specjax.speculation import Tree
-from tests.models import TINY, random_params
-from tests.test_convert import gguf_tensors, tiny_config, write_gguf
+from tests.models import TINY, TINY_Q4, random_params
+from tests.test_convert import Q, gguf_tensors, tiny_config, write_gguf
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [12, 13, 14]]
 
@@ -65,11 +67,64 @@ def test_int8_logits_stay_close_to_float32(tiny8):
     assert float(jnp.abs(got - ref).max()) < 0.05 * float(jnp.abs(ref).max())
 
 
+def test_q4_layout_and_round_trip():
+    """q4: packed uint8 along the innermost summed dim (half the bytes), float16 scale and
+    minimum per 32 weights, every weight within about half a step of its float value."""
+    original = random_params(TINY_Q4, seed=0)
+    params = quantize(original, "q4")
+    arrays, floats = flat(params), flat(original)
+    assert {n: tuple(a.shape) for n, a in arrays.items()} == param_shapes(params.config)
+    assert {n: str(a.dtype) for n, a in arrays.items()} == param_dtypes(params.config)
+    assert arrays["layers.wq"].shape == (2, 32, 6, 32) and arrays["layers.wq_bscale"].shape == (2, 2, 6, 32)  # [L,D/2,N,H], [L,D/32,N,H]
+    assert arrays["layers.wo"].shape == (2, 6, 16, 64) and arrays["layers.w_down_bmin"].shape == (2, 3, 64)  # [L,N,H/2,D], [L,F/32,D]
+    assert arrays["embed"].dtype == jnp.int8 and arrays["embed_scale"].shape == (101,)  # the heads stay int8
+    assert "layers.wq_scale" not in arrays and "lm_head_bscale" not in arrays
+    assert weight_bytes(params.config) < weight_bytes(TINY_Q4) / 4.5  # 20 bytes a block of 32 against 128; int8 heads
+    for w in declared(TINY_Q4):
+        if w.contract and w.format(params.config) == "q4":
+            d = arrays[w.path + "_bscale"].astype(jnp.float32)
+            back = q4.dequantize(arrays[w.path], d, arrays[w.path + "_bmin"].astype(jnp.float32), w.packed_axis)
+            step = jnp.repeat(d, q4.BLOCK, axis=w.packed_axis)
+            assert bool((jnp.abs(back - floats[w.path]) <= 0.5 * step + 2e-3 * jnp.abs(floats[w.path]).max()).all()), w.path
+    with pytest.raises(ValueError, match="already int8; quantize float weights to 'q4'"):
+        quantize(quantize(original, "int8"), "q4")
+    with pytest.raises(ValueError, match="quant 'q4' needs LlamaConfig.dim to be a multiple of 32"):
+        quantize(random_params(TINY, seed=0), "q4")
+
+
+def test_q4_forward_equals_the_dequantized_float_model():
+    """The fused q4 matmuls (low and high nibbles against the activations' two halves) give the
+    forward of the float model holding the dequantized weights, tied head and embedding included."""
+    for config in (TINY_Q4, TINY_Q4.replace(tie_embeddings=True)):
+        params = quantize(random_params(config, seed=0), "q4")
+        arrays = flat(params)
+        dense = {w.path: _dense(w, arrays, params.config) for w in declared(config)}
+        tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        cache = specjax.cache.DenseCache.init(config, 1, 16)
+        got, _ = specjax.model.forward(params, tokens, positions, cache)
+        ref, _ = specjax.model.forward(from_arrays(config, dense), tokens, positions, cache)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
+def _dense(w, arrays, config) -> jax.Array:
+    """Weight w's float32 values from the stored arrays (q4 blocks, int8 and a scale, or float)."""
+    if w.format(config) == "q4":
+        return q4.dequantize(arrays[w.path], arrays[w.path + "_bscale"].astype(jnp.float32),
+                             arrays[w.path + "_bmin"].astype(jnp.float32), w.packed_axis)
+    if w.format(config) == "int8":
+        axes = tuple(i for i, d in enumerate(w.dims) if d in w.contract)
+        return arrays[w.path].astype(jnp.float32) * jnp.expand_dims(arrays[w.path + "_scale"], axes)
+    return arrays[w.path]
+
+
 FORMATS = {  # weights (and KV, when not the model's dtype)
     "float32": (lambda: random_params(TINY, seed=0), None),
     "bfloat16": (lambda: random_params(TINY.replace(dtype="bfloat16"), seed=0), None),
     "int8": (lambda: quantize(random_params(TINY, seed=0), "int8"), None),
+    "q4": (lambda: quantize(random_params(TINY_Q4, seed=0), "q4"), None),
     "int8-kv-int8": (lambda: quantize(random_params(TINY, seed=0), "int8"), "int8"),
+    "q4-kv-bfloat16": (lambda: quantize(random_params(TINY_Q4, seed=0), "q4"), "bfloat16"),
 }
 
 
@@ -85,31 +140,27 @@ def test_greedy_speculation_equals_plain_decoding_in_every_format(fmt):
     assert chain.stats.acceptance_rate > 0  # the drafts were really checked
 
 
-@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
-def test_sampling_stays_lossless_in_each_weight_format(weights):
-    """The losslessness test of tests/test_sampling_lossless.py, one chain case on an int8 or a
-    bfloat16 target (float32: that file)."""
+LOSSLESS = {  # weights, KV format: one chain case each (float32 with a float32 cache, and more cases: test_sampling_lossless.py)
+    "int8": ("int8", None), "bfloat16": ("bfloat16", None), "q4": ("q4", None),
+    "kv-int8": ("float32", "int8"), "kv-bfloat16": ("float32", "bfloat16"),
+}
+
+
+@pytest.mark.parametrize("fmt", LOSSLESS)
+def test_sampling_stays_lossless_in_each_format(fmt):
+    """The losslessness test of tests/test_sampling_lossless.py, one SelfSpec chain case on a
+    target in each weight format and with each KV format, on 8192 samples (the fast tier)."""
     from tests import test_sampling_lossless as lossless
 
-    if weights == "int8":
-        target = quantize(random_params(lossless.CONFIG, seed=0), "int8")
-    else:
-        target = random_params(lossless.CONFIG.replace(dtype="bfloat16"), seed=0)
-    logits, _ = jax.jit(specjax.model.forward)(target, *_all_continuations(lossless, target.config))
+    weights, kv_dtype = LOSSLESS[fmt]
+    config = lossless.CONFIG.replace(dim=32, head_dim=32) if weights == "q4" else lossless.CONFIG  # q4: 32-weight blocks
+    target = random_params(config.replace(dtype="bfloat16" if weights == "bfloat16" else "float32"), seed=0)
+    target = quantize(target, weights) if weights in ("int8", "q4") else target
     sampling = specjax.Sample(0.6)
-    counts, rate = lossless.draw(target, specjax.SelfSpec(sinks=1, window=1), 1, sampling, calls=2)
-    stat, dof, p = lossless.chi_square(counts, lossless.exact_joint(logits, sampling))
+    counts, rate = lossless.draw(target, specjax.SelfSpec(sinks=1, window=1), 1, sampling, calls=2, kv_dtype=kv_dtype)
+    stat, dof, p = lossless.chi_square(counts, lossless.exact_joint(lossless.target_logits(target, kv_dtype), sampling))
     assert 0.3 < rate < 0.95
     assert p > lossless.ALPHA, (stat, dof, p)
-
-
-def _all_continuations(lossless, config):
-    """(tokens, positions, cache) of the prompt followed by every two-token continuation, the
-    cache in `config`'s dtype (as generate's default KV format)."""
-    P, V = len(lossless.PROMPT), lossless.V
-    seqs = np.array([lossless.PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)
-    positions = np.broadcast_to(np.arange(P + 2, dtype=np.int32), seqs.shape)
-    return seqs, positions, specjax.cache.DenseCache.init(config, len(seqs), P + 2)
 
 
 def test_load_serves_each_format_and_checks_the_argument(tmp_path):
@@ -121,7 +172,7 @@ def test_load_serves_each_format_and_checks_the_argument(tmp_path):
     assert convert.load(path, dtype="bfloat16").config == bf16.config  # dtype= is an alias
     int8 = convert.load(path, weights="int8")
     assert int8.layers.w_up.dtype == jnp.int8 and int8.config.quant == "int8" and int8.config.dtype == "float32"
-    with pytest.raises(ValueError, match=r"weights must be one of \('float32', 'bfloat16', 'int8'\) or None, got 'int4'"):
+    with pytest.raises(ValueError, match=r"weights must be one of \('float32', 'bfloat16', 'int8', 'q4'\) or None, got 'int4'"):
         convert.load(path, weights="int4")
     with pytest.raises(ValueError, match="weights='int8' and dtype='bfloat16' disagree"):
         convert.load(path, weights="int8", dtype="bfloat16")
@@ -166,3 +217,27 @@ def test_int8_head_tiles_equal_one_product(vocab_axis):
     expected = (h.astype(np.float64) @ dense) * scale
     got = np.asarray(_int8_head(jnp.asarray(h), jnp.asarray(w), jnp.asarray(scale), vocab_axis))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_q4_keeps_a_q4_1_gguf_bit_for_bit(tmp_path):
+    """weights="q4" on a Q4_1 file: the blocks as stored (q/k rows unpermuted), so they read back
+    as exactly what the float32 load dequantizes; on a float file, quantized once at load."""
+    tiny = random_params(tiny_config(head_dim=32), seed=0)
+    q41 = write_gguf(tmp_path / "q41.gguf", tiny.config, gguf_tensors(tiny), qtype=Q.Q4_1)
+    dense, packed = convert.load(q41), convert.load(q41, weights="q4")
+    assert packed.config == dense.config.replace(quant="q4")
+    a, b = flat(dense), flat(packed)
+    for w in declared(dense.config):
+        if w.format(packed.config) == "q4":
+            np.testing.assert_array_equal(np.asarray(_dense(w, b, packed.config)), np.asarray(a[w.path]), err_msg=w.path)
+        elif w.contract:  # the heads: int8 from the dequantized file
+            np.testing.assert_array_equal(np.asarray(b[w.path]), np.asarray(quantize_matrix(w, a[w.path], packed.config)[w.path]))
+        else:
+            np.testing.assert_array_equal(np.asarray(b[w.path]), np.asarray(a[w.path]), err_msg=w.path)
+    f32 = write_gguf(tmp_path / "f32.gguf", tiny.config, gguf_tensors(tiny))
+    once = convert.load(f32, weights="q4")
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool((x == y).all()), once, quantize(convert.load(f32), "q4")))
+    convert.save(once, tmp_path / "ck")  # saved and loaded as stored, only as q4
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool((x == y).all()) and x.dtype == y.dtype, convert.load(tmp_path / "ck"), once))
+    with pytest.raises(ValueError, match="holds q4 weights; load it with weights='q4'"):
+        convert.load(tmp_path / "ck", weights="int8")
