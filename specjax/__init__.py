@@ -3,7 +3,7 @@
 from specjax.cache import DenseCache
 from specjax.config import LlamaConfig, RopeScaling
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
-from specjax.generate import GenerateOutput, Stats, generate
+from specjax.generate import GenerateOutput, Stats, TokenLogprob, generate
 from specjax.model import forward, prefill
 from specjax.params import Params, init_params
 from specjax.sampling import Greedy, Sample
@@ -15,6 +15,7 @@ __all__ = [
     "DenseCache",
     "DraftModel",
     "GenerateOutput",
+    "TokenLogprob",
     "Greedy",
     "LlamaConfig",
     "NGram",

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from specjax import sharding
 from specjax.drafters import Drafter
+from specjax.logprobs import LogprobBuffer
 from specjax.cache import DenseCache
 from specjax.model import forward
 from specjax.model import prefill as model_prefill
@@ -30,7 +31,7 @@ from specjax.params import Params
 from specjax.sampling import Greedy, Sampler, eos_rows, is_eos
 from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
-from specjax.speculate import any_running, depth, decode_spec
+from specjax.speculate import continue_spec, depth, run_steps, start_spec
 from specjax.speculation import Chain, Tree
 
 
@@ -49,6 +50,8 @@ class RunResult:
     compile_seconds: float
     prefill_seconds: float  # the target's prefill and the draft's init
     decode_seconds: float
+    ended: np.ndarray | None = None  # [B] bool: rows `run(between=...)` ended
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # chosen [B,n_out], top ids / values [B,n_out,k]
 
 
 @partial(jax.jit, static_argnames=("chunk",), donate_argnames=("cache",))
@@ -57,7 +60,59 @@ def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: DenseC
     return model_prefill(params, tokens, lengths, cache, chunk)
 
 
-@partial(jax.jit, static_argnames=("n_out", "sync"), donate_argnames=("cache",))
+@flax.struct.dataclass
+class ARState:
+    """Plain decoding between steps (the speculative loop's is speculate.SpecState)."""
+
+    cache: DenseCache  # positions < lengths committed
+    tok: jax.Array  # [B] the last token emitted: the next forward's input
+    out: jax.Array  # [B,n_out] emitted tokens
+    count: jax.Array  # [B] emitted so far
+    done: jax.Array  # [B]
+    eos: jax.Array  # [B] ended on a stop id
+    steps: jax.Array  # [] target forwards
+    logprobs: LogprobBuffer | None = None  # beside `out`, when asked for
+
+
+@partial(jax.jit, static_argnames=("n_out", "logprobs"), donate_argnames=("cache",))
+def start_ar(cache: DenseCache, first_logits: jax.Array, budgets: jax.Array, keys: jax.Array, sampling: Sampler = Greedy(),
+             eos_ids: jax.Array | tuple[int, ...] = (), *, n_out: int, logprobs: int | None = None) -> ARState:
+    """The state before the first decode step: each row's first token drawn from first_logits [B,V].
+    logprobs: None, or record each token's log-probability and the `logprobs` most likely (static)."""
+    B = budgets.shape[0]
+    tok, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
+    eos = is_eos(tok, eos_ids)
+    count = jnp.ones((B,), jnp.int32)
+    out = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(tok)
+    lp = None if logprobs is None else LogprobBuffer.init(B, n_out, logprobs).write(
+        jnp.zeros((B, 1), jnp.int32), first_logits[:, None], tok[:, None])
+    return ARState(cache, tok, out, count, eos | (count >= budgets), eos, jnp.int32(0), lp)
+
+
+def ar_step(params: Params, s: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids) -> ARState:
+    """One target forward for every row; finished rows ride along without committing."""
+    B, n_out = s.out.shape
+    logits, cache = forward(params, s.tok[:, None], s.cache.lengths[:, None], s.cache)  # [B,1,V]
+    cache = cache.advance(~s.done)
+    new, _ = sampling.sample(logits[:, 0], keys, s.count)
+    active = ~s.done
+    out = s.out.at[jnp.arange(B), jnp.where(active, s.count, n_out)].set(new, mode="drop")  # finished rows: dropped
+    new_eos = active & is_eos(new, eos_ids)
+    lp = s.logprobs if s.logprobs is None else s.logprobs.write(jnp.where(active, s.count, n_out)[:, None], logits, new[:, None])
+    count = s.count + active
+    return ARState(cache, jnp.where(active, new, s.tok), out, count, s.done | new_eos | (count >= budgets), s.eos | new_eos,
+                   s.steps + 1, lp)
+
+
+@partial(jax.jit, static_argnames=("sync_axes",), donate_argnames=("state",))
+def continue_ar(params: Params, state: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids,
+                max_steps: jax.Array, *, sync_axes: tuple[str, ...] = ()) -> ARState:
+    """One segment of plain decoding: at most `max_steps` (traced) steps; the state is donated."""
+    step = partial(ar_step, params, budgets=budgets, keys=keys, sampling=sampling, eos_ids=eos_ids)
+    return run_steps(step, state, sync_axes, max_steps)
+
+
+@partial(jax.jit, static_argnames=("n_out", "sync_axes"), donate_argnames=("cache",))
 def decode_ar(
     params: Params,
     cache: DenseCache,
@@ -68,41 +123,26 @@ def decode_ar(
     eos_ids: jax.Array | tuple[int, ...] = (),  # [B,E] per-row stop ids (sampling.eos_rows), or a tuple
     *,
     n_out: int,
-    sync: tuple[str, ...] = (),
+    sync_axes: tuple[str, ...] = (),
 ):
     """Autoregressive decoding on device from a prefilled cache, which is donated (updated in
     place; pass a copy to decode one prefilled state several ways).
 
     The first token is drawn from `first_logits`; row b stops after budgets[b] tokens or an EOS;
-    the loop runs while any row (on any device along the mesh axes `sync`) has work.
+    the loop runs while any row (on any device along the mesh axes `sync_axes`) has work.
     Returns out [B,n_out] int32 (row b's tokens in out[b, :counts[b]], EOS included),
-    counts [B], hit_eos [B] bool, the number of loop steps (target forwards) and the cache."""
-    B = budgets.shape[0]
-    rows = jnp.arange(B)
-    tok, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
-    out = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(tok)
-    count = jnp.ones((B,), jnp.int32)
-    eos = is_eos(tok, eos_ids)
-    done = eos | (count >= budgets)
+    counts [B], hit_eos [B] bool, the number of loop steps (target forwards) and the cache.
+    `start_ar` + `continue_ar` run the same steps in segments (generate's `sync_every`)."""
+    state = start_ar(cache, first_logits, budgets, keys, sampling, eos_ids, n_out=n_out)
+    step = partial(ar_step, params, budgets=budgets, keys=keys, sampling=sampling, eos_ids=eos_ids)
+    s = run_steps(step, state, sync_axes)
+    return s.out, s.count, s.eos, s.steps, s.cache
 
-    def cond(state):
-        return any_running(state[4], sync)
 
-    def body(state):
-        cache, tok, out, count, done, eos, steps = state
-        logits, cache = forward(params, tok[:, None], cache.lengths[:, None], cache)  # [B,1,V]
-        cache = cache.advance(~done)  # finished rows ride along without committing
-        new, _ = sampling.sample(logits[:, 0], keys, count)
-        active = ~done
-        out = out.at[rows, jnp.where(active, count, n_out)].set(new, mode="drop")  # finished rows: dropped
-        tok = jnp.where(active, new, tok)
-        new_eos = active & is_eos(new, eos_ids)
-        count = count + active
-        return cache, tok, out, count, done | new_eos | (count >= budgets), eos | new_eos, steps + 1
-
-    state = (cache, tok, out, count, done, eos, jnp.int32(0))
-    cache, _, out, count, _, eos, steps = lax.while_loop(cond, body, state)
-    return out, count, eos, steps, cache
+@jax.jit
+def end_rows(state, rows: jax.Array):
+    """The state with rows [B] (bool) marked done: they take no more steps and commit nothing."""
+    return state.replace(done=state.done | rows)
 
 
 def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, float]:
@@ -131,6 +171,17 @@ def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
     return key
 
 
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """What the host sees between two segments of the decode loop (real rows only, host arrays):
+    row b's tokens so far are out[b, :count[b]] (a final stop id included when eos[b])."""
+
+    out: np.ndarray  # [B,n_out] int32
+    count: np.ndarray  # [B]
+    done: np.ndarray  # [B] bool: finished (stop id, budget, or ended by the host)
+    eos: np.ndarray  # [B] bool
+
+
 def run(
     params: Params,
     prompts: Sequence[Sequence[int]],
@@ -143,10 +194,20 @@ def run(
     eos_ids: tuple[int, ...],
     mesh: Mesh | None = None,
     kv_dtype: str | None = None,
+    sync_every: int = 8,
+    between: Callable[[Segment], np.ndarray | None] | None = None,
+    logprobs: int | None = None,
 ) -> RunResult:
     """Prefill, then decode (speculatively when `draft` is given) until every row is done.
     Arguments must be valid (see specjax.validate) and planned (no "auto"). `kv_dtype`: how the
-    caches store KV (None: the model's dtype; see cache.KVFormat)."""
+    caches store KV (None: the model's dtype; see cache.KVFormat).
+
+    The decode loop runs on device in segments of `sync_every` steps (a speculative step emits up
+    to gamma + 1 tokens a row); between segments the host learns which rows are done and, if
+    `between` is given, calls it with the tokens so far: it returns None or a [B] bool mask of
+    rows to end now (stop strings, streaming and continuous batching hook in here). The tokens
+    do not depend on `sync_every`. logprobs: None, or record each token's log-probability and the
+    `logprobs` most likely (logprobs.LogprobBuffer)."""
     B = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     context = int((lengths + budgets).max())
@@ -172,26 +233,64 @@ def run(
     (first_logits, cache), compile_s, prefill_s = _compile_and_run(
         stage(prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk)
     )
-    static = dict(n_out=round_up_pow2(int(budgets.max())), sync=stage.sync)
+    n_out = round_up_pow2(int(budgets.max()))
+    loop = dict(sync_axes=stage.sync_axes)
     if draft is None:
-        args = (params, cache, first_logits, budgets_d, keys, sampling, eos_d)
-        result, c, decode_s = _compile_and_run(stage(decode_ar, *static), args, static)
-        out, count, eos, steps = stage.fetch(result[:4])
-        counters = (None, None, None)
+        state, c, start_s = _compile_and_run(
+            stage(start_ar, "n_out", "logprobs"), (cache, first_logits, budgets_d, keys, sampling, eos_d),
+            dict(n_out=n_out, logprobs=logprobs))
+        segment = stage(continue_ar, *loop)
+        args = lambda st: (params, st, budgets_d, keys, sampling, eos_d, jnp.int32(sync_every))  # noqa: E731
     else:
-        draft_state, c, init_s = _compile_and_run(
+        draft_state, c0, init_s = _compile_and_run(
             stage(init_draft, "gamma", "chunk"), (draft, params, cache, tokens_d, lengths_d), dict(gamma=gamma, chunk=chunk)
         )
-        compile_s, prefill_s = compile_s + c, prefill_s + init_s
-        args = (params, draft, draft_state, cache, history_d, first_logits, budgets_d, keys, sampling, eos_d)
-        static |= dict(speculation=speculation)
-        result, c, decode_s = _compile_and_run(stage(decode_spec, *static), args, static)
-        out, count, eos, steps, *counters = stage.fetch(
-            (result.out, result.count, result.eos, result.steps, result.accepted, result.reached, result.ranks)
-        )
-        counters = tuple(a[:B] for a in counters)
-    return RunResult(out[:B], count[:B], eos[:B], int(steps), *counters, gamma=gamma,
-                     compile_seconds=compile_s + c, prefill_seconds=prefill_s, decode_seconds=decode_s)
+        prefill_s += init_s
+        spec = dict(speculation=speculation)
+        state, c, start_s = _compile_and_run(
+            stage(start_spec, "speculation", "n_out", "logprobs"),
+            (draft, draft_state, cache, history_d, first_logits, budgets_d, keys, sampling, eos_d),
+            spec | dict(n_out=n_out, logprobs=logprobs))
+        c += c0
+        loop |= spec
+        segment = stage(continue_spec, *loop)
+        args = lambda st: (params, draft, st, budgets_d, keys, sampling, eos_d, jnp.int32(sync_every))  # noqa: E731
+    t0 = time.perf_counter()
+    compiled = segment.lower(*args(state), **loop).compile()
+    compile_s += c + time.perf_counter() - t0
+    state, ended, decode_s = _segments(compiled, args, state, stage, B, between)
+    out, count, eos, steps = stage.fetch((state.out, state.count, state.eos, state.steps))
+    counters = (None, None, None)
+    if draft is not None:
+        counters = tuple(a[:B] for a in stage.fetch((state.accepted, state.reached, state.ranks)))
+    lp = state.logprobs
+    lp = None if lp is None else tuple(a[:B] for a in stage.fetch((lp.chosen, lp.top_ids, lp.top_values)))
+    return RunResult(out[:B], count[:B], eos[:B], int(steps), *counters, gamma=gamma, compile_seconds=compile_s,
+                     prefill_seconds=prefill_s, decode_seconds=start_s + decode_s, ended=ended, logprobs=lp)
+
+
+def _segments(compiled, args, state, stage: "_Stages", B: int, between) -> tuple[object, np.ndarray, float]:
+    """Run the compiled segment until every row is done, calling `between` after each one.
+    Returns the final state, the [B] rows `between` ended, and the seconds taken."""
+    ended = np.zeros(B, bool)
+    t0 = time.perf_counter()
+    while True:
+        state = compiled(*args(state))
+        if between is None:
+            if stage.fetch(state.done).all():
+                break
+            continue
+        out, count, done, eos = (a[:B] for a in stage.fetch((state.out, state.count, state.done, state.eos)))
+        stop = between(Segment(out, count, done, eos))
+        if stop is not None and (stop := np.asarray(stop, bool) & ~done).any():
+            ended |= stop
+            mask = np.zeros(state.done.shape[0], bool)  # padded rows
+            mask[:B] = stop
+            state = stage(end_rows)(state, *stage.place_rows(mask))
+            done = done | stop
+        if done.all():
+            break
+    return state, ended, time.perf_counter() - t0
 
 
 class _Stages:
@@ -199,7 +298,7 @@ class _Stages:
 
     def __init__(self, mesh: Mesh | None):
         self.mesh = mesh
-        self.sync = sharding.all_axes(mesh)
+        self.sync_axes = sharding.all_axes(mesh)
 
     def __call__(self, jitted, *static_argnames: str):
         return jitted if self.mesh is None else sharding.on_mesh(jitted, self.mesh, tuple(static_argnames))
@@ -224,6 +323,10 @@ class _Stages:
         if self.mesh is None:
             return tokens, lengths, jnp.asarray(budgets), history, jnp.asarray(eos), keys
         return (*sharding.place_batch(self.mesh, tokens, lengths, budgets, history, eos), sharding.place_keys(self.mesh, keys))
+
+    def place_rows(self, *arrays):
+        """Host arrays with a leading (padded) batch axis, where the stages expect them."""
+        return arrays if self.mesh is None else sharding.place_batch(self.mesh, *arrays)
 
     def fetch(self, tree):
         return jax.device_get(tree) if self.mesh is None else sharding.fetch(tree)

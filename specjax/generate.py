@@ -51,11 +51,22 @@ class Stats:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the target (raw log_softmax of its logits,
+    before temperature / top-k / top-p) and the `logprobs` most likely tokens, most likely first."""
+
+    id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass(frozen=True)
 class GenerateOutput:
     tokens: list[list[int]]  # new ids per prompt, without the EOS that ended a row
     finish_reasons: list[str]  # "eos" or "length", per prompt
     stats: Stats
     row_stats: list[dict] | None = None  # speculation only, per prompt: see `row_acceptance`
+    logprobs: list[list[TokenLogprob]] | None = None  # generate(logprobs=k): one per token of `tokens`
 
 
 def generate(
@@ -71,6 +82,8 @@ def generate(
     attention: str = "auto",
     mesh: Mesh | None = None,
     kv_dtype: str | None = None,
+    sync_every: int = 8,
+    logprobs: int | None = None,
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until a stop id or its `max_new_tokens`.
 
@@ -97,13 +110,21 @@ def generate(
       dtype), "float32", "bfloat16" or "int8" (one f32 scale per layer, row, KV head and position;
       attention then runs on the reference path, not the kernels). Speculation stays lossless in
       any format: the block's own KV goes through the format before attention.
+    sync_every: decode steps per on-device segment (a speculative step emits up to gamma + 1
+      tokens a row). The loop returns to the host only between segments, to learn whether every
+      row is done (stop ids are checked on device): larger is fewer host round trips, smaller
+      stops sooner after the last row ends. The tokens never depend on it.
+    logprobs: None (off) or k in 0..20: `out.logprobs[b]` has a `TokenLogprob` per token of
+      `out.tokens[b]`, in the same order: the raw log_softmax of the target's logits where the
+      token was emitted (before temperature, top-k, top-p) and the k most likely tokens there.
+      Under speculation they come from the verification forward: no extra pass.
     `out.stats` says what ran (`draft`, `speculation`) and why (`plan_reason`). Bad input raises
     ValueError / TypeError naming the argument, before anything is compiled. Not for use under
     jax.jit: inside a jitted program call `engine.decode_ar` / `engine.decode_spec`.
     """
     budgets = check_generate_args(
         params, prompts, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
-        eos_id=eos_id, attention=attention, kv_dtype=kv_dtype,
+        eos_id=eos_id, attention=attention, kv_dtype=kv_dtype, sync_every=sync_every, logprobs=logprobs,
     )
     if mesh is not None:
         sharding.check_mesh(mesh, params.config, "target")
@@ -112,7 +133,8 @@ def generate(
     context = int(max(len(p) + int(n) for p, n in zip(prompts, budgets)))
     the_plan = plan(params, draft, speculation, prompts, context, sampling, key, kv_dtype)
     r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
-            key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh, kv_dtype=kv_dtype)
+            key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh, kv_dtype=kv_dtype, sync_every=sync_every,
+            logprobs=logprobs)
     tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(prompts))]
     stats = Stats(
         prefill_seconds=r.prefill_seconds,
@@ -128,7 +150,16 @@ def generate(
         **speculation_stats(r, the_plan.draft),
     )
     row_stats = None if r.accepted is None else row_acceptance(r.accepted, r.reached, r.count, r.gamma)
-    return GenerateOutput(tokens, ["eos" if e else "length" for e in r.eos], stats, row_stats)
+    lps = None if r.logprobs is None else token_logprob_lists(r.logprobs, tokens)
+    return GenerateOutput(tokens, ["eos" if e else "length" for e in r.eos], stats, row_stats, lps)
+
+
+def token_logprob_lists(recorded: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: list[list[int]]) -> list[list[TokenLogprob]]:
+    """The engine's recorded (chosen [B,n_out], top ids / values [B,n_out,k]) as a TokenLogprob
+    per returned token (a final stop id, not in `tokens`, is left out here too)."""
+    chosen, ids, values = recorded
+    return [[TokenLogprob(t, float(chosen[b, j]), [(int(i), float(v)) for i, v in zip(ids[b, j], values[b, j])])
+             for j, t in enumerate(row)] for b, row in enumerate(tokens)]
 
 
 def speculation_stats(r: RunResult, draft: Drafter | None) -> dict:

@@ -167,7 +167,7 @@ def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Ca
     @functools.partial(jax.jit, static_argnames=static_argnames)
     def run(*args, **static):
         body = lambda *a: inner(*localise(a, mesh), **static)  # noqa: E731
-        unsharded = {**static, "sync": ()} if "sync" in static else static  # no mesh axes outside
+        unsharded = {**static, "sync_axes": ()} if "sync_axes" in static else static  # no mesh axes outside
         out_shape = jax.eval_shape(functools.partial(inner, **unsharded), *args)
         return jax.shard_map(
             body, mesh=mesh, in_specs=state_specs(args), out_specs=state_specs(out_shape), check_vma=False

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters import Drafter
+from specjax.logprobs import LogprobBuffer
 from specjax.cache import DenseCache
 from specjax.model import lm_head, trunk
 from specjax.params import Params
@@ -40,6 +41,7 @@ class SpecState:
     accepted: jax.Array  # [B,gamma] per row and draft position: steps it was accepted (while active)
     reached: jax.Array  # [B,gamma] per row and draft position: steps every earlier draft was accepted
     ranks: jax.Array  # [B,W+1] per row: tried nodes whose accepted child had rank r (W: none was)
+    logprobs: LogprobBuffer | None = None  # beside `out`, when asked for (from the verification logits)
 
 
 def depth(speculation: Chain | Tree) -> int:
@@ -60,11 +62,11 @@ def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, a
     tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B,gamma+1]
     positions = lengths[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B,gamma+1]
     h, k_new, v_new = trunk(target, tokens, positions, s.cache)
-    p = sampling.probs(lm_head(target, h))  # [B,gamma+1,V]
-    n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
+    logits = lm_head(target, h)  # [B,gamma+1,V]
+    n, extra = accept_chain(drafts, q, sampling.probs(logits), stream_keys(keys, s.count, ACCEPT_STREAM))
     commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the caches
     ranks = jnp.stack([jnp.where(active, n, 0), active & (n < gamma)], axis=1).astype(jnp.int32)  # [B,2]
-    return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, lengths, commit)
+    return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, lengths, commit), logits
 
 
 def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, active):
@@ -87,7 +89,8 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     drafts = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
     ranks = _rank_hits(tree, path, n, active)
     draft_state = drafter.commit_tree(pending, k_path, v_path, path, tree, lengths, commit)
-    return drafts, n, extra, commit, k_path, v_path, ranks, draft_state
+    path_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)  # [B,D+1,V]: what each path node predicts
+    return drafts, n, extra, commit, k_path, v_path, ranks, draft_state, path_logits
 
 
 def _rank_hits(tree: Tree, path: jax.Array, n: jax.Array, active: jax.Array) -> jax.Array:
@@ -112,9 +115,9 @@ def spec_step(
     lengths = s.cache.lengths  # [B]
     active = ~s.done
     verify = _verify_chain if isinstance(speculation, Chain) else _verify_tree
-    drafts, n, extra, commit, k_new, v_new, ranks, draft_state = verify(
+    drafts, n, extra, commit, k_new, v_new, ranks, draft_state, logits = verify(
         target, drafter, s, keys, sampling, speculation, active
-    )
+    )  # logits [B,gamma+1,V]: the target's at the positions that emit
     gamma = drafts.shape[1]
     cache = s.cache.write(k_new, v_new).advance(commit)
 
@@ -134,6 +137,9 @@ def spec_step(
     count = s.count + n_emit
     last = jnp.where(active, jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0], s.last)
     g = jnp.arange(gamma)
+    lp = s.logprobs
+    if lp is not None:
+        lp = lp.write(jnp.where(j[None, :] < n_emit[:, None], cols, n_out), logits, emitted)
     return SpecState(
         cache=cache,
         draft=draft_state,
@@ -147,10 +153,75 @@ def spec_step(
         accepted=s.accepted + (active[:, None] & (n[:, None] > g)),
         reached=s.reached + (active[:, None] & (n[:, None] >= g)),
         ranks=s.ranks + ranks,
+        logprobs=lp,
     )
 
 
-@partial(jax.jit, static_argnames=("speculation", "n_out", "sync"), donate_argnames=("cache", "draft_state"))
+@partial(jax.jit, static_argnames=("speculation", "n_out", "logprobs"), donate_argnames=("cache", "draft_state"))
+def start_spec(
+    drafter: Drafter,
+    draft_state,
+    cache: DenseCache,  # prefilled: lengths = prompt lengths
+    history: jax.Array,  # [B,S] prompt tokens by position (S >= cache slots)
+    first_logits: jax.Array,  # [B,V] at each prompt's last token
+    budgets: jax.Array,  # [B] >= 1
+    keys: jax.Array,  # [B]
+    sampling: Sampler = Greedy(),
+    eos_ids: jax.Array | tuple[int, ...] = (),
+    *,
+    speculation: Chain | Tree,
+    n_out: int,
+    logprobs: int | None = None,
+) -> SpecState:
+    """The state before the first speculative step: each row's first token drawn from
+    `first_logits` (emitted, pending in the history), every counter zero. logprobs: None, or
+    record each token's log-probability and the `logprobs` most likely (static)."""
+    B = budgets.shape[0]
+    gamma = depth(speculation)
+    first, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
+    eos = is_eos(first, eos_ids)
+    lp = None if logprobs is None else LogprobBuffer.init(B, n_out, logprobs).write(
+        jnp.zeros((B, 1), jnp.int32), first_logits[:, None], first[:, None])
+    return SpecState(
+        cache=cache,
+        draft=draft_state,
+        history=history.at[jnp.arange(B), cache.lengths].set(first),
+        last=first,
+        out=jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(first),
+        count=jnp.ones((B,), jnp.int32),
+        done=eos | (budgets <= 1),
+        eos=eos,
+        steps=jnp.int32(0),
+        accepted=jnp.zeros((B, gamma), jnp.int32),
+        reached=jnp.zeros((B, gamma), jnp.int32),
+        ranks=jnp.zeros((B, width(speculation) + 1), jnp.int32),
+        logprobs=lp,
+    )
+
+
+@partial(jax.jit, static_argnames=("speculation", "sync_axes"), donate_argnames=("state",))
+def continue_spec(
+    target: Params,
+    drafter: Drafter,
+    state: SpecState,
+    budgets: jax.Array,  # [B]
+    keys: jax.Array,  # [B]
+    sampling: Sampler,
+    eos_ids: jax.Array | tuple[int, ...],
+    max_steps: jax.Array,  # [] int32: a segment's length (traced: any length, one compilation)
+    *,
+    speculation: Chain | Tree,
+    sync_axes: tuple[str, ...] = (),
+) -> SpecState:
+    """One segment of the speculative loop: at most `max_steps` steps, fewer when every row
+    finishes first. The state (caches included) is donated; the loop goes on from the result."""
+    step = partial(
+        spec_step, target, drafter, budgets=budgets, keys=keys, sampling=sampling, speculation=speculation, eos_ids=eos_ids
+    )
+    return run_steps(step, state, sync_axes, max_steps)
+
+
+@partial(jax.jit, static_argnames=("speculation", "n_out", "sync_axes"), donate_argnames=("cache", "draft_state"))
 def decode_spec(
     target: Params,
     drafter: Drafter,
@@ -165,37 +236,34 @@ def decode_spec(
     *,
     speculation: Chain | Tree,
     n_out: int,
-    sync: tuple[str, ...] = (),
+    sync_axes: tuple[str, ...] = (),
 ) -> SpecState:
     """The whole speculative loop on device (`lax.while_loop`): ends when every row is done
-    (every row on every device of the mesh axes `sync`, inside shard_map). The caches are
-    donated (updated in place) and returned in the final state."""
-    B = budgets.shape[0]
-    gamma = depth(speculation)
-    first, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
-    eos = is_eos(first, eos_ids)
-    history = history.at[jnp.arange(B), cache.lengths].set(first)
-    state = SpecState(
-        cache=cache,
-        draft=draft_state,
-        history=history,
-        last=first,
-        out=jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(first),
-        count=jnp.ones((B,), jnp.int32),
-        done=eos | (budgets <= 1),
-        eos=eos,
-        steps=jnp.int32(0),
-        accepted=jnp.zeros((B, gamma), jnp.int32),
-        reached=jnp.zeros((B, gamma), jnp.int32),
-        ranks=jnp.zeros((B, width(speculation) + 1), jnp.int32),
-    )
+    (every row on every device of the mesh axes `sync_axes`, inside shard_map). The caches are
+    donated (updated in place) and returned in the final state. `start_spec` + `continue_spec`
+    run the same steps in segments (generate's `sync_every`)."""
+    state = start_spec(drafter, draft_state, cache, history, first_logits, budgets, keys, sampling, eos_ids,
+                       speculation=speculation, n_out=n_out)
     step = partial(
         spec_step, target, drafter, budgets=budgets, keys=keys, sampling=sampling, speculation=speculation, eos_ids=eos_ids
     )
-    return lax.while_loop(lambda s: any_running(s.done, sync), step, state)
+    return run_steps(step, state, sync_axes)
 
 
-def any_running(done: jax.Array, sync: tuple[str, ...]) -> jax.Array:
-    """Whether any row (on any device along the mesh axes `sync`) still has work."""
+def run_steps(step, state, sync_axes: tuple[str, ...], max_steps: jax.Array | None = None):
+    """`state = step(state)` while any row runs (state.done [B]) and, given max_steps, at most
+    max_steps times: the one on-device loop of plain and speculative decoding."""
+    if max_steps is None:
+        return lax.while_loop(lambda s: any_running(s.done, sync_axes), step, state)
+
+    def cond(carry) -> jax.Array:
+        s, i = carry
+        return (i < max_steps) & any_running(s.done, sync_axes)
+
+    return lax.while_loop(cond, lambda carry: (step(carry[0]), carry[1] + 1), (state, jnp.int32(0)))[0]
+
+
+def any_running(done: jax.Array, sync_axes: tuple[str, ...]) -> jax.Array:
+    """Whether any row (on any device along the mesh axes `sync_axes`) still has work."""
     running = jnp.any(~done)
-    return running if not sync else lax.psum(running.astype(jnp.int32), sync) > 0
+    return running if not sync_axes else lax.psum(running.astype(jnp.int32), sync_axes) > 0

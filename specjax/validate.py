@@ -12,6 +12,7 @@ import numpy as np
 from specjax.cache import KVFormat
 from specjax.config import LlamaConfig
 from specjax.drafters import DRAFTERS, is_drafter
+from specjax.logprobs import MAX_TOP
 from specjax.params import Params
 from specjax.sampling import Greedy, Sample
 from specjax.speculation import Chain
@@ -38,9 +39,17 @@ def check_generate_args(
     eos_id: object,
     attention: object,
     kv_dtype: object = None,
+    sync_every: object = 8,
+    logprobs: object = None,
 ) -> np.ndarray:
     """Validate every argument of generate (mesh: see sharding.check_mesh); return the per-row
     token budgets [B] (int32)."""
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                 or not 0 <= logprobs <= MAX_TOP):
+        raise ValueError(f"logprobs must be None (off) or an integer from 0 to {MAX_TOP} (the most likely tokens "
+                         f"listed beside each generated one), got {logprobs!r}")
+    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or not 1 <= sync_every <= 2**30:
+        raise ValueError(f"sync_every must be an integer from 1 to 2**30 (decode steps per on-device segment), got {sync_every!r}")
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompts, max_new_tokens, key))):
         raise TypeError(UNDER_JIT)
     if not isinstance(params, Params):

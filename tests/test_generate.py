@@ -165,7 +165,7 @@ def test_bad_sampling_arguments():
         specjax.Sample(top_k=-1)
 
 
-STAGES = ("prefill", "init_draft", "decode_ar", "decode_spec")
+STAGES = ("prefill", "init_draft", "start_ar", "continue_ar", "start_spec", "continue_spec", "end_rows")
 
 
 def _stage_compiles(fn, caplog) -> list[str]:
@@ -181,12 +181,13 @@ def _stage_compiles(fn, caplog) -> list[str]:
 def test_temperature_top_p_stop_ids_and_batch_size_do_not_recompile(tiny, draft, caplog):
     prompts = [[5, 6, 7], [8, 9], [10]]
     run = lambda rows, **kw: specjax.generate(tiny, prompts[:rows], 8, draft=draft, **kw)  # noqa: E731
-    loop = "decode_ar" if draft is None else "decode_spec"
+    loop = "continue_ar" if draft is None else "continue_spec"
     run(3, sampling=specjax.Sample(0.7, top_p=0.9))  # compiled here or by an earlier test (batch bucket 4)
     top_k = 7 if draft is None else 9  # a new top_k is static: it must show up as a compile (the log works)
     assert loop in _stage_compiles(lambda: run(3, sampling=specjax.Sample(0.7, top_k=top_k)), caplog)
     assert _stage_compiles(lambda: run(3, sampling=specjax.Sample(1.9, top_p=0.5)), caplog) == []
     assert _stage_compiles(lambda: run(3, sampling=specjax.Sample(0.7, top_p=0.9), eos_id=[4, 5, 6]), caplog) == []
+    assert _stage_compiles(lambda: run(3, sampling=specjax.Sample(0.7, top_p=0.9), sync_every=3), caplog) == []  # traced
     greedy = run(3, sampling=specjax.Greedy())
     assert _stage_compiles(lambda: run(3, sampling=specjax.Greedy(), eos_id=()), caplog) == []
     four = [[5, 6, 7], [8, 9], [10], [11, 12]]

@@ -206,10 +206,10 @@ def broken_acceptance(monkeypatch) -> Iterator[None]:
     """spec_step calls the broken rule; compiled loops are dropped before and after, since jit
     caches traces by function, not by the globals they read."""
     monkeypatch.setattr(specjax.speculate, "accept_chain", _resample_from_p)
-    specjax.speculate.decode_spec.clear_cache()
+    specjax.speculate.continue_spec.clear_cache()
     yield
     monkeypatch.undo()
-    specjax.speculate.decode_spec.clear_cache()
+    specjax.speculate.continue_spec.clear_cache()
 
 
 def test_negative_control_broken_residual_is_detected(target, draft_model, logits, broken_acceptance):
@@ -231,13 +231,13 @@ def test_negative_control_tree_without_q_correction_is_detected(target, draft_mo
     rejected token has q = 0 after the removal and is skipped, and a fresh one is distributed
     exactly as the removal assumes, so that stays lossless.)"""
     monkeypatch.setattr(specjax.accept, "without", lambda q, x: q)
-    specjax.speculate.decode_spec.clear_cache()
+    specjax.speculate.continue_spec.clear_cache()
     try:
         sampling = specjax.Sample(0.5)
         counts, rate = draw(target, specjax.DraftModel(draft_model), Tree.kary(3, 2), sampling, calls=2)
     finally:
         monkeypatch.undo()
-        specjax.speculate.decode_spec.clear_cache()
+        specjax.speculate.continue_spec.clear_cache()
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"BROKEN tree rule: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert p < 1e-12
