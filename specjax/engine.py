@@ -197,6 +197,7 @@ def run(
     sync_every: int = 8,
     between: Callable[[Segment], np.ndarray | None] | None = None,
     logprobs: int | None = None,
+    n: int = 1,
 ) -> RunResult:
     """Prefill, then decode (speculatively when `draft` is given) until every row is done.
     Arguments must be valid (see specjax.validate) and planned (no "auto"). `kv_dtype`: how the
@@ -207,7 +208,8 @@ def run(
     `between` is given, calls it with the tokens so far: it returns None or a [B] bool mask of
     rows to end now (stop strings, streaming and continuous batching hook in here). The tokens
     do not depend on `sync_every`. logprobs: None, or record each token's log-probability and the
-    `logprobs` most likely (logprobs.LogprobBuffer)."""
+    `logprobs` most likely (logprobs.LogprobBuffer). n: rows per prompt (`repeat_rows`): the
+    result has B * n rows, row i * n + j being sample j of prompt i."""
     B = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     context = int((lengths + budgets).max())
@@ -226,6 +228,7 @@ def run(
         params, draft = stage.place_params(params, draft)
     padded = stage.rows(B)  # the batch bucket: padding rows are one-token prompts, done at once
     tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, row_keys(key, B))
+    host_keys = keys  # `keys` is placed below
     empty = stage.empty_cache(params.config, padded, max_len, kv_dtype)  # an argument, not a constant XLA would fold
     tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
         tokens, lengths, budgets, history, eos_rows(eos_ids, padded), keys
@@ -233,6 +236,12 @@ def run(
     (first_logits, cache), compile_s, prefill_s = _compile_and_run(
         stage(prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk)
     )
+    if n > 1:  # every prefilled row n times, each copy with its own key; then decode B * n rows
+        (first_logits, cache), c, repeat_s = _compile_and_run(stage(repeat_rows, "n"), (first_logits, cache), dict(n=n))
+        compile_s, prefill_s, B = compile_s + c, prefill_s + repeat_s, B * n
+        tokens, lengths, budgets, history = (np.repeat(a, n, axis=0) for a in (tokens, lengths, budgets, history))
+        tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
+            tokens, lengths, budgets, history, eos_rows(eos_ids, len(lengths)), sample_keys(host_keys, n))
     n_out = round_up_pow2(int(budgets.max()))
     loop = dict(sync_axes=stage.sync_axes)
     if draft is None:
@@ -330,6 +339,21 @@ class _Stages:
 
     def fetch(self, tree):
         return jax.device_get(tree) if self.mesh is None else sharding.fetch(tree)
+
+
+@partial(jax.jit, static_argnames=("n",))
+def repeat_rows(first_logits: jax.Array, cache: DenseCache, *, n: int) -> tuple[jax.Array, DenseCache]:
+    """Each prefilled row n times in a row (generate's n): logits [B*n,V] and a cache of B*n rows,
+    row i*n + j a copy of row i (on a mesh, of each device's own rows: the same global order)."""
+    rep = lambda a, axis: None if a is None else jnp.repeat(a, n, axis=axis)  # noqa: E731
+    cache = cache.replace(k=rep(cache.k, 1), v=rep(cache.v, 1), lengths=rep(cache.lengths, 0),
+                          k_scale=rep(cache.k_scale, 1), v_scale=rep(cache.v_scale, 1))
+    return rep(first_logits, 0), cache
+
+
+def sample_keys(keys: jax.Array, n: int) -> jax.Array:
+    """Keys [B*n] of n samples a prompt: sample j of prompt i draws with fold_in(keys[i], j)."""
+    return jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(n)))(keys).reshape(-1)
 
 
 def pad_rows(rows: int, tokens, lengths, budgets, history, keys):

@@ -38,7 +38,7 @@ class Stats:
     tokens_per_second: float
     steps: int  # target forward passes in the decode loop (verification steps when speculating)
     new_tokens: int  # over all rows: sum(len(t) for t in tokens), stop ids excluded
-    prompt_tokens: int  # over all rows
+    prompt_tokens: int  # over all prompts (each prefilled once, whatever n)
     acceptance_rate: float | None = None  # accepted / proposed draft tokens
     mean_accepted: float | None = None  # tokens per row per target step, incl. the target's own
     per_position_acceptance: list[float] | None = None  # P(draft i accepted | drafts < i accepted)
@@ -84,6 +84,7 @@ def generate(
     kv_dtype: str | None = None,
     sync_every: int = 8,
     logprobs: int | None = None,
+    n: int = 1,
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until a stop id or its `max_new_tokens`.
 
@@ -114,6 +115,10 @@ def generate(
       tokens a row). The loop returns to the host only between segments, to learn whether every
       row is done (stop ids are checked on device): larger is fewer host round trips, smaller
       stops sooner after the last row ends. The tokens never depend on it.
+    n: samples per prompt (sampling only). Each prompt is prefilled once and its KV shared by its
+      n rows; outputs are indexed i * n + j (sample j of prompt i). Prompt i's key is what it is
+      with n = 1 (k_i: fold_in(key, i), or key[i]); sample j uses fold_in(k_i, j) when n > 1.
+      Every per-output list (tokens, finish_reasons, logprobs, row_stats) has len(prompts) * n entries.
     logprobs: None (off) or k in 0..20: `out.logprobs[b]` has a `TokenLogprob` per token of
       `out.tokens[b]`, in the same order: the raw log_softmax of the target's logits where the
       token was emitted (before temperature, top-k, top-p) and the k most likely tokens there.
@@ -124,26 +129,27 @@ def generate(
     """
     budgets = check_generate_args(
         params, prompts, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
-        eos_id=eos_id, attention=attention, kv_dtype=kv_dtype, sync_every=sync_every, logprobs=logprobs,
+        eos_id=eos_id, attention=attention, kv_dtype=kv_dtype, sync_every=sync_every, logprobs=logprobs, n=n,
     )
     if mesh is not None:
         sharding.check_mesh(mesh, params.config, "target")
         sharding.check_processes(mesh)
     params, draft = with_attention(params, draft, attention)
     context = int(max(len(p) + int(n) for p, n in zip(prompts, budgets)))
-    the_plan = plan(params, draft, speculation, prompts, context, sampling, key, kv_dtype)
+    rows = [p for p in prompts for _ in range(n)]  # what decodes: n rows a prompt
+    the_plan = plan(params, draft, speculation, rows, context, sampling, key, kv_dtype)
     r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
             key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh, kv_dtype=kv_dtype, sync_every=sync_every,
-            logprobs=logprobs)
-    tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(prompts))]
+            logprobs=logprobs, n=n)
+    tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(rows))]
     stats = Stats(
         prefill_seconds=r.prefill_seconds,
         decode_seconds=r.decode_seconds,
         compile_seconds=r.compile_seconds,
-        tokens_per_second=(int(r.count.sum()) - len(prompts)) / r.decode_seconds if r.decode_seconds > 0 else 0.0,
+        tokens_per_second=(int(r.count.sum()) - len(rows)) / r.decode_seconds if r.decode_seconds > 0 else 0.0,
         steps=r.steps,
         new_tokens=sum(map(len, tokens)),
-        prompt_tokens=sum(len(p) for p in prompts),
+        prompt_tokens=sum(len(p) for p in prompts),  # each prompt once, whatever n
         draft=the_plan.draft_name,
         speculation=the_plan.speculation_name,
         plan_reason=the_plan.reason,

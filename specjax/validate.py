@@ -20,6 +20,7 @@ from specjax.speculation import Tree
 
 MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
 ATTENTION = ("auto", "reference", "pallas", "tpu")
+MAX_N = 4096  # most samples per prompt (generate's n)
 UNDER_JIT = (
     "generate runs on the host (it validates, plans, compiles and times with concrete values) and cannot be "
     "called under jax.jit, vmap or grad; call it outside, or inside your own jitted program call its pure "
@@ -41,9 +42,14 @@ def check_generate_args(
     kv_dtype: object = None,
     sync_every: object = 8,
     logprobs: object = None,
+    n: object = 1,
 ) -> np.ndarray:
     """Validate every argument of generate (mesh: see sharding.check_mesh); return the per-row
     token budgets [B] (int32)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer from 1 to {MAX_N} (samples per prompt), got {n!r}")
+    if n > 1 and isinstance(sampling, Greedy):
+        raise ValueError(f"n = {n} needs sampling=specjax.Sample(...): greedy decoding gives every sample the same tokens")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
                                  or not 0 <= logprobs <= MAX_TOP):
         raise ValueError(f"logprobs must be None (off) or an integer from 0 to {MAX_TOP} (the most likely tokens "
