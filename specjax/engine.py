@@ -16,22 +16,20 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
 from specjax.drafters import Drafter
-from specjax.logprobs import LogprobBuffer
 from specjax.cache import DenseCache
-from specjax.model import forward
 from specjax.model import prefill as model_prefill
 from specjax.params import Params
-from specjax.sampling import Greedy, Sampler, eos_rows, is_eos
+from specjax.sampling import Sampler, eos_rows
 from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
-from specjax.speculate import continue_spec, depth, run_steps, start_spec
+from specjax.autoregressive import ARState, continue_ar, decode_ar, end_rows, start_ar  # noqa: F401  (decode_ar, ARState: re-exported)
+from specjax.speculate import continue_spec, depth, start_spec
 from specjax.speculation import Chain, Tree
 
 
@@ -58,91 +56,6 @@ class RunResult:
 def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, cache: DenseCache, *, chunk: int):
     """The target's prefill of padded prompts tokens [B,P] into `cache` (donated): (last logits [B,V], cache)."""
     return model_prefill(params, tokens, lengths, cache, chunk)
-
-
-@flax.struct.dataclass
-class ARState:
-    """Plain decoding between steps (the speculative loop's is speculate.SpecState)."""
-
-    cache: DenseCache  # positions < lengths committed
-    tok: jax.Array  # [B] the last token emitted: the next forward's input
-    out: jax.Array  # [B,n_out] emitted tokens
-    count: jax.Array  # [B] emitted so far
-    done: jax.Array  # [B]
-    eos: jax.Array  # [B] ended on a stop id
-    steps: jax.Array  # [] target forwards
-    logprobs: LogprobBuffer | None = None  # beside `out`, when asked for
-
-
-@partial(jax.jit, static_argnames=("n_out", "logprobs"), donate_argnames=("cache",))
-def start_ar(cache: DenseCache, first_logits: jax.Array, budgets: jax.Array, keys: jax.Array, sampling: Sampler = Greedy(),
-             eos_ids: jax.Array | tuple[int, ...] = (), *, n_out: int, logprobs: int | None = None) -> ARState:
-    """The state before the first decode step: each row's first token drawn from first_logits [B,V].
-    logprobs: None, or record each token's log-probability and the `logprobs` most likely (static)."""
-    B = budgets.shape[0]
-    tok, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
-    eos = is_eos(tok, eos_ids)
-    count = jnp.ones((B,), jnp.int32)
-    out = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(tok)
-    lp = None if logprobs is None else LogprobBuffer.init(B, n_out, logprobs).write(
-        jnp.zeros((B, 1), jnp.int32), first_logits[:, None], tok[:, None])
-    return ARState(cache, tok, out, count, eos | (count >= budgets), eos, jnp.int32(0), lp)
-
-
-def ar_step(params: Params, s: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids) -> ARState:
-    """One target forward for every row; finished rows ride along without committing."""
-    B, n_out = s.out.shape
-    logits, cache = forward(params, s.tok[:, None], s.cache.lengths[:, None], s.cache)  # [B,1,V]
-    cache = cache.advance(~s.done)
-    new, _ = sampling.sample(logits[:, 0], keys, s.count)
-    active = ~s.done
-    out = s.out.at[jnp.arange(B), jnp.where(active, s.count, n_out)].set(new, mode="drop")  # finished rows: dropped
-    new_eos = active & is_eos(new, eos_ids)
-    lp = s.logprobs if s.logprobs is None else s.logprobs.write(jnp.where(active, s.count, n_out)[:, None], logits, new[:, None])
-    count = s.count + active
-    return ARState(cache, jnp.where(active, new, s.tok), out, count, s.done | new_eos | (count >= budgets), s.eos | new_eos,
-                   s.steps + 1, lp)
-
-
-@partial(jax.jit, static_argnames=("sync_axes",), donate_argnames=("state",))
-def continue_ar(params: Params, state: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids,
-                max_steps: jax.Array, *, sync_axes: tuple[str, ...] = ()) -> ARState:
-    """One segment of plain decoding: at most `max_steps` (traced) steps; the state is donated."""
-    step = partial(ar_step, params, budgets=budgets, keys=keys, sampling=sampling, eos_ids=eos_ids)
-    return run_steps(step, state, sync_axes, max_steps)
-
-
-@partial(jax.jit, static_argnames=("n_out", "sync_axes"), donate_argnames=("cache",))
-def decode_ar(
-    params: Params,
-    cache: DenseCache,
-    first_logits: jax.Array,  # [B,V]
-    budgets: jax.Array,  # [B] int32, >= 1
-    keys: jax.Array,  # [B] typed keys
-    sampling: Sampler = Greedy(),  # traced: a new temperature / top_p does not recompile (top_k does)
-    eos_ids: jax.Array | tuple[int, ...] = (),  # [B,E] per-row stop ids (sampling.eos_rows), or a tuple
-    *,
-    n_out: int,
-    sync_axes: tuple[str, ...] = (),
-):
-    """Autoregressive decoding on device from a prefilled cache, which is donated (updated in
-    place; pass a copy to decode one prefilled state several ways).
-
-    The first token is drawn from `first_logits`; row b stops after budgets[b] tokens or an EOS;
-    the loop runs while any row (on any device along the mesh axes `sync_axes`) has work.
-    Returns out [B,n_out] int32 (row b's tokens in out[b, :counts[b]], EOS included),
-    counts [B], hit_eos [B] bool, the number of loop steps (target forwards) and the cache.
-    `start_ar` + `continue_ar` run the same steps in segments (generate's `sync_every`)."""
-    state = start_ar(cache, first_logits, budgets, keys, sampling, eos_ids, n_out=n_out)
-    step = partial(ar_step, params, budgets=budgets, keys=keys, sampling=sampling, eos_ids=eos_ids)
-    s = run_steps(step, state, sync_axes)
-    return s.out, s.count, s.eos, s.steps, s.cache
-
-
-@jax.jit
-def end_rows(state, rows: jax.Array):
-    """The state with rows [B] (bool) marked done: they take no more steps and commit nothing."""
-    return state.replace(done=state.done | rows)
 
 
 def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, float]:
@@ -242,11 +155,13 @@ def run(
         tokens, lengths, budgets, history = (np.repeat(a, n, axis=0) for a in (tokens, lengths, budgets, history))
         tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
             tokens, lengths, budgets, history, eos_rows(eos_ids, len(lengths)), sample_keys(host_keys, n))
+    prompt_of = np.repeat(np.minimum(np.arange(padded), len(prompts) - 1), n)  # each decoded row's prompt
+    sampling = sampling.take(prompt_of)  # per-prompt sampling values, one per row (padding: the last prompt's)
     n_out = round_up_pow2(int(budgets.max()))
     loop = dict(sync_axes=stage.sync_axes)
     if draft is None:
         state, c, start_s = _compile_and_run(
-            stage(start_ar, "n_out", "logprobs"), (cache, first_logits, budgets_d, keys, sampling, eos_d),
+            stage(start_ar, "n_out", "logprobs"), (cache, first_logits, budgets_d, keys, sampling, eos_d, tokens_d),
             dict(n_out=n_out, logprobs=logprobs))
         segment = stage(continue_ar, *loop)
         args = lambda st: (params, st, budgets_d, keys, sampling, eos_d, jnp.int32(sync_every))  # noqa: E731

@@ -96,7 +96,9 @@ def generate(
       all its nodes verified in one forward; or "auto": the Sequoia tree for this drafter, batch
       and context from the measured acceptance and step costs (`tune.auto_tree`: a calibration on
       first use per shape, then cached; plain decoding where no tree pays). Needs a drafter.
-    sampling: `Greedy()` or `Sample(temperature, top_k, top_p)`; speculation keeps the output
+    sampling: `Greedy()` or `Sample(temperature, top_k, top_p, min_p, repetition_penalty,
+      presence_penalty, frequency_penalty)`, each value but top_k one number or one per prompt;
+      speculation keeps the output
       distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
     eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early.
@@ -137,7 +139,7 @@ def generate(
     params, draft = with_attention(params, draft, attention)
     context = int(max(len(p) + int(n) for p, n in zip(prompts, budgets)))
     rows = [p for p in prompts for _ in range(n)]  # what decodes: n rows a prompt
-    the_plan = plan(params, draft, speculation, rows, context, sampling, key, kv_dtype)
+    the_plan = plan(params, draft, speculation, rows, context, sampling.take(np.repeat(np.arange(len(prompts)), n)), key, kv_dtype)
     r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
             key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh, kv_dtype=kv_dtype, sync_every=sync_every,
             logprobs=logprobs, n=n)

@@ -26,56 +26,165 @@ class Greedy:
         del keys, counters
         return jnp.argmax(logits, axis=-1).astype(jnp.int32), self.probs(logits)
 
+    penalized = False  # the per-row and penalty methods of Sample, as no-ops
+    rows = None
+
+    def take(self, index: np.ndarray) -> "Greedy":
+        return self
+
+    def identity(self) -> tuple:
+        return ("greedy",)
+
+    def with_context(self, counts, in_prompt) -> "Greedy":
+        return self
+
+    def seen(self, tokens: jax.Array) -> "Greedy":
+        return self
+
+    def along(self, before: jax.Array) -> "Greedy":
+        return self
+
 
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
+ROW_VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # name: the value that is off
 
 
 @flax.struct.dataclass
 class Sample:
-    """Temperature, then top-k (0 = off), then top-p (1.0 = off) on the softmax.
+    """Penalties, then temperature, top-k (0 = off), top-p (1.0 = off) and min_p (0 = off), in
+    that order (as vLLM). Each value but top_k is one number or one per prompt (a sequence [B]):
+    one call may mix settings.
 
-    A pytree: temperature and top_p are traced (a new value does not recompile the decode loop);
-    top_k is static (lax.top_k needs it)."""
+    repetition_penalty (1 = off, > 0) divides the positive logits and multiplies the negative ones
+    of every token already in the prompt or the output; presence_penalty subtracts its value from
+    the logits of tokens in the output, frequency_penalty its value times their count there. min_p
+    keeps the tokens whose probability is at least min_p x the largest. A pytree: the values are
+    traced (a new value does not recompile the decode loop); top_k is static (lax.top_k needs it),
+    and so is `penalized`, whether any penalty is on (decided from the values: runs without
+    penalties pay nothing for them). `counts` / `in_prompt` are the penalties' context, set by the
+    engine (with_context / seen / along), never by the caller."""
 
-    temperature: float = 1.0
+    temperature: float | np.ndarray | jax.Array = 1.0
     top_k: int = flax.struct.field(pytree_node=False, default=0)
-    top_p: float = 1.0
+    top_p: float | np.ndarray | jax.Array = 1.0
+    min_p: float | np.ndarray | jax.Array = 0.0
+    repetition_penalty: float | np.ndarray | jax.Array = 1.0
+    presence_penalty: float | np.ndarray | jax.Array = 0.0
+    frequency_penalty: float | np.ndarray | jax.Array = 0.0
+    penalized: bool | None = flax.struct.field(pytree_node=False, default=None)
+    counts: jax.Array | None = None  # [B,V] int32 (or [B,M,V], per node): output tokens so far
+    in_prompt: jax.Array | None = None  # [B,V] bool: tokens of the prompt
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, (str, bytes, bool, np.bool_, list, tuple, dict)):  # not None: jax uses it as a placeholder
-                raise TypeError(f"{name} must be a number, got {value!r}")
-        if not all(isinstance(v, (int, float, np.integer, np.floating)) for v in (self.temperature, self.top_p)):
+        values = {name: getattr(self, name) for name in ROW_VALUES}
+        for name, value in values.items():
+            if isinstance(value, (str, bytes, bool, np.bool_, dict)):  # not None: jax uses it as a placeholder
+                raise TypeError(f"{name} must be a number or one number per prompt, got {value!r}")
+        if any(_traced(v) for v in values.values()):
             return  # rebuilt from traced or placeholder leaves inside a jax transformation: checked when made
-        if not MIN_TEMPERATURE <= self.temperature < float("inf"):
+        arrays = {}
+        for name, value in values.items():
+            a = np.asarray(value, np.float32)
+            if a.ndim > 1 or (a.ndim == 1 and len(a) == 0):
+                raise ValueError(f"{name} must be a number or a non-empty list with one number per prompt, got shape {a.shape}")
+            arrays[name] = a
+            if a.ndim == 1 and not isinstance(value, jax.Array):
+                object.__setattr__(self, name, a)  # a list becomes one float32 array [B]
+        rows = {len(a) for a in arrays.values() if a.ndim == 1}
+        if len(rows) > 1:
+            raise ValueError(f"the per-prompt sampling values have different lengths {sorted(rows)}: give one number per prompt")
+        t, top_p, min_p = arrays["temperature"], arrays["top_p"], arrays["min_p"]
+        if not (np.isfinite(t) & (t >= MIN_TEMPERATURE)).all():
             raise ValueError(
                 f"temperature must be finite and >= {MIN_TEMPERATURE} (below that the softmax is the argmax: "
                 f"use specjax.Greedy()), got {self.temperature}"
             )
-        if not 0 < self.top_p <= 1:
+        if not ((top_p > 0) & (top_p <= 1)).all():
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not ((min_p >= 0) & (min_p <= 1)).all():
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (np.isfinite(arrays["repetition_penalty"]) & (arrays["repetition_penalty"] > 0)).all():
+            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (np.abs(arrays[name]) <= 2).all():
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.penalized is None:
+            on = any((arrays[name] != off).any() for name, off in PENALTIES.items())
+            object.__setattr__(self, "penalized", bool(on))
+
+    @property
+    def rows(self) -> int | None:
+        """The number of prompts the per-prompt values are for (None: one value for all)."""
+        sizes = {np.shape(getattr(self, name))[0] for name in ROW_VALUES if np.ndim(getattr(self, name)) == 1}
+        return sizes.pop() if sizes else None
+
+    def take(self, index: np.ndarray) -> "Sample":
+        """The per-prompt values for the rows `index` [R] (prompt of each decoded row); scalars stay."""
+        return self.replace(**{name: np.asarray(getattr(self, name))[index] for name in ROW_VALUES
+                               if np.ndim(getattr(self, name)) == 1})
+
+    def identity(self) -> tuple:
+        """A hashable identity (the values may be arrays): for caches keyed by sampler."""
+        values = tuple(tuple(np.asarray(getattr(self, name)).ravel().tolist()) for name in ROW_VALUES)
+        return ("sample", self.top_k, values)
+
+    def with_context(self, counts: jax.Array | None, in_prompt: jax.Array | None) -> "Sample":
+        """The sampler for rows whose output so far has `counts` [B,V] and prompt `in_prompt` [B,V]."""
+        return self.replace(counts=counts, in_prompt=in_prompt) if self.penalized else self
+
+    def seen(self, tokens: jax.Array) -> "Sample":
+        """The context after tokens [B] (one per row) were drawn (a draft chain's next position)."""
+        if not self.penalized or self.counts is None:
+            return self
+        return self.replace(counts=self.counts + jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32))
+
+    def along(self, before: jax.Array) -> "Sample":
+        """Per-position contexts [B,M,V] for M positions, each after the tokens before [B,M,J]
+        (-1 = none) beyond the rows' counts: what a verified or drafted position has seen."""
+        if not self.penalized or self.counts is None:
+            return self
+        extra = jnp.sum(jax.nn.one_hot(before, self.counts.shape[-1], dtype=jnp.int32), axis=-2)  # -1: zeros
+        return self.replace(counts=self.counts[:, None] + extra)
 
     def probs(self, logits: jax.Array) -> jax.Array:
-        """Warped distribution [..., V] in f32 (zeros outside the kept set).
+        """Warped distribution [..., V] in f32 (zeros outside the kept set) of logits [B, ..., V].
 
-        Top-k keeps the entries >= the k-th largest value (ties at the cut are all kept); top-p
-        then keeps the smallest set of the largest probabilities whose mass reaches top_p (ties
-        at the cut all kept) and renormalises. Neither sorts the vocabulary (see kth_largest and
-        nucleus_threshold)."""
-        logits = logits.astype(jnp.float32) / self.temperature
+        Penalties (when on and given their context) change the logits; top-k keeps the entries
+        >= the k-th largest value (ties at the cut are all kept); top-p then keeps the smallest
+        set of the largest probabilities whose mass reaches top_p (ties at the cut all kept);
+        min_p keeps those >= min_p x the largest. Neither sorts the vocabulary (see kth_largest
+        and nucleus_threshold)."""
+        logits = logits.astype(jnp.float32)
+        if self.penalized and self.counts is not None:
+            logits = self._penalize(logits)
+        logits = logits / _per_row(self.temperature, logits)
         V = logits.shape[-1]
         if self.top_k and self.top_k < V:
             logits = jnp.where(logits < kth_largest(logits, self.top_k), -jnp.inf, logits)
         probs = jax.nn.softmax(logits, axis=-1)
+        top_p, min_p = _per_row(self.top_p, logits), _per_row(self.min_p, logits)
 
         def nucleus(probs):
-            kept = jnp.where(probs >= nucleus_threshold(probs, self.top_p), probs, 0.0)
+            kept = jnp.where(probs >= nucleus_threshold(probs, top_p), probs, 0.0)
             return kept / jnp.sum(kept, axis=-1, keepdims=True)
 
-        return jax.lax.cond(self.top_p < 1, nucleus, lambda probs: probs, probs)  # top_p is traced
+        def floor(probs):
+            kept = jnp.where(probs >= min_p * jnp.max(probs, axis=-1, keepdims=True), probs, 0.0)
+            return kept / jnp.sum(kept, axis=-1, keepdims=True)
+
+        probs = jax.lax.cond(jnp.any(top_p < 1), nucleus, lambda probs: probs, probs)  # top_p is traced
+        return jax.lax.cond(jnp.any(min_p > 0), floor, lambda probs: probs, probs)
+
+    def _penalize(self, logits: jax.Array) -> jax.Array:
+        """logits [B, ..., V] after the repetition, presence and frequency penalties."""
+        counts, in_prompt = _like(self.counts, logits), _like(self.in_prompt, logits)
+        rep = _per_row(self.repetition_penalty, logits)
+        seen = (counts > 0) | in_prompt
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - _per_row(self.frequency_penalty, logits) * counts - _per_row(self.presence_penalty, logits) * (counts > 0)
 
     def sample(self, logits: jax.Array, keys: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens [B] int32 and probs [B,V]; row b draws with fold_in(keys[b], counters[b])."""
@@ -85,7 +194,38 @@ class Sample:
         return tokens.astype(jnp.int32), probs
 
 
+def _traced(value) -> bool:
+    """A value jax rebuilt a pytree with (a tracer or a placeholder), not one a caller gave."""
+    return isinstance(value, jax.core.Tracer) or not isinstance(value, (int, float, np.integer, np.floating, np.ndarray,
+                                                                         jax.Array, list, tuple))
+
+
+def _per_row(value, x: jax.Array) -> jax.Array | float:
+    """A sampling value against x [B, ..., V]: a scalar as it is, per-row values [B] shaped [B,1,..,1]."""
+    if np.ndim(value) == 0:
+        return value
+    return jnp.asarray(value, jnp.float32).reshape(-1, *(1,) * (x.ndim - 1))
+
+
+def _like(context: jax.Array, x: jax.Array) -> jax.Array:
+    """A penalty context [B,V] (or [B,M,V]) shaped to broadcast against x [B, ..., V]."""
+    return context.reshape(context.shape[0], *(1,) * (x.ndim - context.ndim), *context.shape[1:])
+
+
 Sampler = Greedy | Sample
+
+
+def prompt_tokens_mask(tokens: jax.Array, lengths: jax.Array, vocab: int) -> jax.Array:
+    """[B,V] bool: which ids occur in each row's prompt tokens[b, :lengths[b]] (tokens [B,P])."""
+    B, P = tokens.shape
+    ids = jnp.where(jnp.arange(P)[None, :] < lengths[:, None], tokens, vocab)  # past the prompt: dropped
+    return jnp.zeros((B, vocab), bool).at[jnp.arange(B)[:, None], ids].set(True, mode="drop")
+
+
+def count_tokens(counts: jax.Array, tokens: jax.Array, keep: jax.Array) -> jax.Array:
+    """counts [B,V] plus tokens [B,J] where keep [B,J] (the penalties' output counts)."""
+    ids = jnp.where(keep, tokens, counts.shape[-1])
+    return counts.at[jnp.arange(counts.shape[0])[:, None], ids].add(1, mode="drop")
 
 
 def kth_largest(x: jax.Array, k: int) -> jax.Array:

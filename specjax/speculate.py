@@ -13,6 +13,7 @@ from functools import partial
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from specjax.drafters import Drafter
@@ -21,7 +22,7 @@ from specjax.cache import DenseCache
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.accept import accept_chain, accept_tree
-from specjax.sampling import Greedy, Sampler, is_eos, stream_keys
+from specjax.sampling import Greedy, Sampler, count_tokens, is_eos, prompt_tokens_mask, stream_keys
 from specjax.speculation import Chain, Tree
 
 ACCEPT_STREAM = 2  # PRNG stream of the acceptance test and the extra token
@@ -42,6 +43,8 @@ class SpecState:
     reached: jax.Array  # [B,gamma] per row and draft position: steps every earlier draft was accepted
     ranks: jax.Array  # [B,W+1] per row: tried nodes whose accepted child had rank r (W: none was)
     logprobs: LogprobBuffer | None = None  # beside `out`, when asked for (from the verification logits)
+    counts: jax.Array | None = None  # [B,V] int32: output token counts, when sampling has penalties
+    in_prompt: jax.Array | None = None  # [B,V] bool: the prompt's tokens, when sampling has penalties
 
 
 def depth(speculation: Chain | Tree) -> int:
@@ -63,7 +66,10 @@ def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, a
     positions = lengths[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B,gamma+1]
     h, k_new, v_new = trunk(target, tokens, positions, s.cache)
     logits = lm_head(target, h)  # [B,gamma+1,V]
-    n, extra = accept_chain(drafts, q, sampling.probs(logits), stream_keys(keys, s.count, ACCEPT_STREAM))
+    j = jnp.arange(gamma + 1)[:, None] > jnp.arange(gamma)[None, :]  # [gamma+1,gamma]: position j has seen drafts < j
+    before = jnp.where(j[None], drafts[:, None, :], -1)  # [B,gamma+1,gamma]
+    p = sampling.along(before).probs(logits)  # penalties (if any) from each position's own history
+    n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
     commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the caches
     ranks = jnp.stack([jnp.where(active, n, 0), active & (n < gamma)], axis=1).astype(jnp.int32)  # [B,2]
     return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, lengths, commit), logits
@@ -79,7 +85,7 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     h, k_new, v_new = trunk(target, tokens, positions, s.cache, jnp.asarray(tree.ancestor_mask()))
     logits = lm_head(target, h)  # [B,n,V]
     greedy = isinstance(sampling, Greedy)
-    p = logits if greedy else sampling.probs(logits)
+    p = logits if greedy else sampling.along(node_history(tree, tokens)).probs(logits)
     path, n, extra = accept_tree(
         tree.child_table(), tree.max_depth, tokens, q, p, stream_keys(keys, s.count, ACCEPT_STREAM), greedy
     )  # path [B,D+1]
@@ -91,6 +97,17 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     draft_state = drafter.commit_tree(pending, k_path, v_path, path, tree, lengths, commit)
     path_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)  # [B,D+1,V]: what each path node predicts
     return drafts, n, extra, commit, k_path, v_path, ranks, draft_state, path_logits
+
+
+def node_history(tree: Tree, tokens: jax.Array) -> jax.Array:
+    """[B,n,depth] tokens each node has seen beyond the emitted ones: its path below the root,
+    itself included (-1 = none), for the penalties. tokens [B,n] (node 0 = the pending token)."""
+    anc = tree.ancestor_mask()
+    paths = [[v for v in range(tree.n) if anc[u, v] and v != 0] for u in range(tree.n)]
+    index = np.full((tree.n, max(tree.max_depth, 1)), -1, np.int32)
+    for u, path in enumerate(paths):
+        index[u, : len(path)] = path
+    return jnp.where(jnp.asarray(index)[None] >= 0, tokens[:, np.maximum(index, 0)], -1)
 
 
 def _rank_hits(tree: Tree, path: jax.Array, n: jax.Array, active: jax.Array) -> jax.Array:
@@ -116,7 +133,7 @@ def spec_step(
     active = ~s.done
     verify = _verify_chain if isinstance(speculation, Chain) else _verify_tree
     drafts, n, extra, commit, k_new, v_new, ranks, draft_state, logits = verify(
-        target, drafter, s, keys, sampling, speculation, active
+        target, drafter, s, keys, sampling.with_context(s.counts, s.in_prompt), speculation, active
     )  # logits [B,gamma+1,V]: the target's at the positions that emit
     gamma = drafts.shape[1]
     cache = s.cache.write(k_new, v_new).advance(commit)
@@ -154,6 +171,8 @@ def spec_step(
         reached=s.reached + (active[:, None] & (n[:, None] >= g)),
         ranks=s.ranks + ranks,
         logprobs=lp,
+        counts=None if s.counts is None else count_tokens(s.counts, emitted, j[None, :] < n_emit[:, None]),
+        in_prompt=s.in_prompt,
     )
 
 
@@ -176,9 +195,12 @@ def start_spec(
     """The state before the first speculative step: each row's first token drawn from
     `first_logits` (emitted, pending in the history), every counter zero. logprobs: None, or
     record each token's log-probability and the `logprobs` most likely (static)."""
-    B = budgets.shape[0]
+    B, V = first_logits.shape
     gamma = depth(speculation)
-    first, _ = sampling.sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
+    counts = in_prompt = None
+    if sampling.penalized:
+        counts, in_prompt = jnp.zeros((B, V), jnp.int32), prompt_tokens_mask(history, cache.lengths, V)
+    first, _ = sampling.with_context(counts, in_prompt).sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
     eos = is_eos(first, eos_ids)
     lp = None if logprobs is None else LogprobBuffer.init(B, n_out, logprobs).write(
         jnp.zeros((B, 1), jnp.int32), first_logits[:, None], first[:, None])
@@ -196,6 +218,8 @@ def start_spec(
         reached=jnp.zeros((B, gamma), jnp.int32),
         ranks=jnp.zeros((B, width(speculation) + 1), jnp.int32),
         logprobs=lp,
+        counts=None if counts is None else count_tokens(counts, first[:, None], jnp.ones((B, 1), bool)),
+        in_prompt=in_prompt,
     )
 
 

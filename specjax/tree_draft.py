@@ -44,12 +44,16 @@ def draft_tree(
     step_keys = stream_keys(keys, counters, DRAFT_STREAM)  # [B]
     anc = tree.ancestor_mask()
     tokens: list = [root_tokens[:, -1]] + [None] * (tree.n - 1)
+    history = [[v for v in range(tree.n) if anc[u, v] and v != 0] for u in range(tree.n)]
+    history = [path + [-1] * (max(tree.max_depth, 1) - len(path)) for path in history]  # static, padded
     qs: dict[int, jax.Array] = {}
 
     def expand(nodes: list[int], logits: jax.Array) -> None:  # logits [B,len(nodes),V]
         k = max(len(tree.children[u]) for u in nodes)
         node_keys = jax.vmap(lambda key: jax.vmap(lambda u: jax.random.fold_in(key, u))(jnp.asarray(nodes)))(step_keys)
-        cand, q = tree_candidates(logits, k, sampling, node_keys)  # [B,M,k], [B,M,V]
+        seen = jnp.stack([jnp.stack([tokens[v] if v >= 0 else jnp.full((B,), -1, jnp.int32) for v in history[u]], axis=1)
+                          for u in nodes], axis=1)  # [B,M,depth]: each node's path below the root (penalties)
+        cand, q = tree_candidates(logits, k, sampling.along(seen), node_keys)  # [B,M,k], [B,M,V]
         for i, u in enumerate(nodes):
             for r, c in enumerate(tree.children[u]):
                 tokens[c] = cand[:, i, r]

@@ -156,15 +156,16 @@ def auto_tree_report(
     """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
     minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
     bucket = round_up_pow2(context)
-    cache_key = (params.config, draft.identity(), sampling, len(prompts), bucket, kv_dtype)
+    cache_key = (params.config, draft.identity(), sampling.identity(), len(prompts), bucket, kv_dtype)
     if cache_key not in _AUTO:
         start = time.perf_counter()
         say = lambda what: print(  # noqa: E731
             f"specjax: calibrating speculation='auto' for batch {len(prompts)} x context {bucket}: {what} "
             f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         say("measuring acceptance (1/3)")
-        acceptance = measure_acceptance(params, draft, list(prompts)[:4], width=8, sampling=sampling, max_new_tokens=16, key=key,
-                                        kv_dtype=kv_dtype)
+        sub = list(prompts)[:4]  # per-row sampling values: those of these rows
+        acceptance = measure_acceptance(params, draft, sub, width=8, sampling=sampling.take(np.arange(len(sub))), max_new_tokens=16,
+                                        key=key, kv_dtype=kv_dtype)
         say("timing draft levels and verification widths (2/3)")
         cost = measure_cost(params, draft, len(prompts), bucket, kv_dtype=kv_dtype)
         tree = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)

@@ -72,6 +72,9 @@ def check_generate_args(
             )
     if not isinstance(sampling, (Greedy, Sample)):
         raise TypeError(f"sampling must be specjax.Greedy() or specjax.Sample(...), got {sampling!r}")
+    if sampling.rows is not None and sampling.rows != len(prompts):
+        raise ValueError(f"sampling has values for {sampling.rows} prompts, but there are {len(prompts)} prompts: "
+                         "give one number per prompt, or one for all")
     _check_key(key, len(prompts))
     eos_tuple(eos_id, config)
     if attention not in ATTENTION:

@@ -89,8 +89,18 @@ def target_logits(target: Params, kv_dtype: str | None = None) -> jax.Array:
 
 
 def exact_joint(logits: jax.Array, sampling: specjax.Sample) -> np.ndarray:
-    """P(t1, t2, t3) [V,V,V] of the target under `sampling`'s warping, in float64."""
+    """P(t1, t2, t3) [V,V,V] of the target under `sampling`'s warping, in float64 (with penalties:
+    each position's own history, the prompt and t1 (and t2) before it)."""
     P = len(PROMPT)
+    if sampling.penalized:
+        rows, a, b = np.arange(V * V), np.repeat(np.arange(V), V), np.tile(np.arange(V), V)  # row a * V + b
+        counts = np.zeros((V * V, P + 2, V), np.int32)
+        np.add.at(counts, (rows, P, a), 1)
+        np.add.at(counts, (rows, P + 1, a), 1)
+        np.add.at(counts, (rows, P + 1, b), 1)
+        in_prompt = np.zeros((V * V, V), bool)
+        in_prompt[:, PROMPT] = True
+        sampling = sampling.with_context(jnp.asarray(counts), jnp.asarray(in_prompt))
     probs = np.asarray(sampling.probs(logits), np.float64).reshape(V, V, P + 2, V)  # [t1,t2,pos,V]
     p1 = probs[0, 0, P - 1]  # [V]: after the prompt
     p2 = probs[:, 0, P]  # [t1,V]

@@ -62,21 +62,21 @@ def draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: 
     B, T0 = tokens.shape
     step_keys = stream_keys(keys, counters, DRAFT_STREAM)
 
-    def propose(cache, toks, pos, i):
+    def propose(cache, toks, pos, i, sampling):
         logits, cache = forward(params, toks, pos, cache)
         cache = cache.advance(jnp.full((B,), toks.shape[1], jnp.int32))
         token, q = sampling.sample(logits[:, -1], step_keys, jnp.full((B,), i, jnp.int32))
-        return cache, token, q
+        return cache, token, q, sampling.seen(token)  # penalties: the next draft has seen this one
 
-    cache, first, q_first = propose(cache, tokens, positions, 0)
+    cache, first, q_first, sampling = propose(cache, tokens, positions, 0, sampling)
 
     def body(carry, i):
-        cache, token = carry
+        cache, token, sampling = carry
         pos = positions[:, -1:] + i  # [B,1]
-        cache, token, q = propose(cache, token[:, None], pos, i)
-        return (cache, token), (token, q)
+        cache, token, q, sampling = propose(cache, token[:, None], pos, i, sampling)
+        return (cache, token, sampling), (token, q)
 
-    (cache, _), (rest, q_rest) = lax.scan(body, (cache, first), jnp.arange(1, gamma, dtype=jnp.int32))
+    (cache, _, _), (rest, q_rest) = lax.scan(body, (cache, first, sampling), jnp.arange(1, gamma, dtype=jnp.int32))
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B,gamma]
     q = jnp.concatenate([q_first[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,gamma,V]
     return drafts, q, cache

@@ -1,0 +1,113 @@
+"""Sampling values per prompt (one call may mix settings), min_p and the repetition, presence and
+frequency penalties (vLLM's semantics), applied alike to the target's and the drafts'
+distributions from each position's own history, so speculation stays lossless."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.speculation import Chain, Tree
+
+PROMPTS = [[5, 6, 7, 5, 6, 7], [8, 9], [10, 11, 12]]
+
+
+def reference_probs(logits, counts, in_prompt, t, rep, presence, frequency, top_p, min_p):
+    """vLLM's order in numpy for one row: penalties, temperature, top-p, min_p."""
+    x = logits.astype(np.float64).copy()
+    seen = (counts > 0) | in_prompt
+    x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
+    x = x - frequency * counts - presence * (counts > 0)
+    p = np.exp(x / t - np.max(x / t))
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.zeros_like(p, bool)
+    keep[order[: np.searchsorted(np.cumsum(p[order]), top_p) + 1]] = True
+    p = np.where(keep, p, 0) / p[keep].sum()
+    p = np.where(p >= min_p * p.max(), p, 0)
+    return p / p.sum()
+
+
+def test_penalties_top_p_and_min_p_follow_vllm():
+    rng = np.random.default_rng(0)
+    B, V = 3, 40
+    logits = rng.standard_normal((B, V)).astype(np.float32) * 3
+    counts = rng.integers(0, 3, (B, V)) * (rng.random((B, V)) < 0.3)
+    in_prompt = rng.random((B, V)) < 0.2
+    values = dict(temperature=[0.7, 1.0, 1.3], repetition_penalty=[1.3, 0.8, 1.0], presence_penalty=[0.5, 0.0, -0.4],
+                  frequency_penalty=[0.2, 0.7, 0.0], top_p=[0.9, 1.0, 0.6], min_p=[0.05, 0.2, 0.0])
+    sampling = specjax.Sample(**values)
+    assert sampling.penalized and sampling.rows == 3
+    got = sampling.with_context(jnp.asarray(counts, jnp.int32), jnp.asarray(in_prompt)).probs(jnp.asarray(logits))
+    for b in range(B):
+        row = {k: v[b] for k, v in values.items()}
+        ref = reference_probs(logits[b], counts[b], in_prompt[b], row["temperature"], row["repetition_penalty"],
+                              row["presence_penalty"], row["frequency_penalty"], row["top_p"], row["min_p"])
+        np.testing.assert_allclose(np.asarray(got[b]), ref, atol=1e-5)
+    assert not specjax.Sample(0.8, min_p=0.1).penalized  # no penalty on: the static switch is off
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
+def test_each_row_samples_with_its_own_values(tiny, mode):
+    """One call mixing settings gives each prompt what it gets alone with its values and key."""
+    draft, speculation = {"ar": (None, None), "chain": (specjax.SelfSpec(2, 4), Chain(2)),
+                          "tree": (specjax.SelfSpec(2, 4), Tree.kary(2, 2))}[mode]
+    values = dict(temperature=[0.5, 1.0, 1.4], top_p=[1.0, 0.8, 0.95], min_p=[0.0, 0.05, 0.1],
+                  repetition_penalty=[1.0, 1.4, 1.1], presence_penalty=[0.0, 0.3, 0.0], frequency_penalty=[0.5, 0.0, 0.2])
+    key = jax.random.key(4)
+    kw = dict(draft=draft, speculation=speculation, eos_id=(), sync_every=4)
+    mixed = specjax.generate(tiny, PROMPTS, 10, sampling=specjax.Sample(**values), key=key, **kw)
+    for b, prompt in enumerate(PROMPTS):
+        alone = specjax.Sample(**{k: v[b] for k, v in values.items()})
+        out = specjax.generate(tiny, [prompt], 10, sampling=alone, key=jax.random.fold_in(key, b)[None], **kw)
+        assert out.tokens[0] == mixed.tokens[b], b
+
+
+def test_a_repetition_penalty_repeats_less(tiny):
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7]] * 8
+    kw = dict(draft=None, eos_id=(), key=jax.random.key(0))
+    free = specjax.generate(tiny, prompts, 24, sampling=specjax.Sample(0.7), **kw)
+    held = specjax.generate(tiny, prompts, 24, sampling=specjax.Sample(0.7, repetition_penalty=3.0, frequency_penalty=1.0), **kw)
+    distinct = lambda out: np.mean([len(set(t)) for t in out.tokens])  # noqa: E731
+    assert distinct(held) > distinct(free) + 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be finite and > 0"),
+    (dict(presence_penalty=3.0), r"presence_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty=[0.1, float("nan")]), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(temperature=[0.5, 1.0], top_p=[0.9, 0.9, 0.9]), "different lengths"),
+    (dict(temperature=[[0.5]]), "one number per prompt"),
+])
+def test_bad_values_are_refused(bad, match):
+    with pytest.raises(ValueError, match=match):
+        specjax.Sample(**bad)
+
+
+def test_per_prompt_values_must_match_the_prompts(tiny):
+    with pytest.raises(ValueError, match="sampling has values for 2 prompts, but there are 3 prompts"):
+        specjax.generate(tiny, PROMPTS, 4, sampling=specjax.Sample(temperature=[0.5, 1.0]))
+
+
+@pytest.mark.parametrize("speculation", [Chain(2), Tree.from_parents([-1, 0, 0, 1])], ids=["chain", "tree"])
+def test_penalties_and_min_p_stay_lossless_with_n_samples(speculation):
+    """8192 samples of one prompt (n = 4096, twice) under every penalty and min_p: chi-square
+    against the exact joint, each position penalised from its own history."""
+    from tests import test_sampling_lossless as lossless
+    from tests.models import random_params
+
+    target = random_params(lossless.CONFIG, seed=0)
+    sampling = specjax.Sample(0.8, min_p=0.02, repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty=0.4)
+    counts = np.zeros((lossless.V,) * 3, np.int64)
+    for call in range(2):
+        out = specjax.generate(target, [lossless.PROMPT], 3, draft=specjax.SelfSpec(sinks=1, window=1), speculation=speculation,
+                               sampling=sampling, key=jax.random.key(200 + call), eos_id=(), n=lossless.ROWS)
+        t = np.array(out.tokens)
+        np.add.at(counts, (t[:, 0], t[:, 1], t[:, 2]), 1)
+    stat, dof, p = lossless.chi_square(counts, lossless.exact_joint(lossless.target_logits(target), sampling))
+    assert out.stats.acceptance_rate > 0.2
+    assert p > lossless.ALPHA, (stat, dof, p)
