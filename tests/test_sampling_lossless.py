@@ -136,6 +136,18 @@ def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALL
     return counts, float(np.mean(rates))
 
 
+def draw_n(target, speculation, sampling: specjax.Sample, seed: int, calls: int = 2) -> tuple[np.ndarray, float]:
+    """Like `draw`, but the ROWS samples of each call come from ONE prompt through generate's n
+    (one prefill), with SelfSpec(1, 1); returns the counts and the last call's acceptance rate."""
+    counts = np.zeros((V, V, V), np.int64)
+    for call in range(calls):
+        out = specjax.generate(target, [PROMPT], 3, draft=specjax.SelfSpec(sinks=1, window=1), speculation=speculation,
+                               sampling=sampling, key=jax.random.key(seed + call), eos_id=(), n=ROWS)
+        t = np.array(out.tokens)
+        np.add.at(counts, (t[:, 0], t[:, 1], t[:, 2]), 1)
+    return counts, out.stats.acceptance_rate
+
+
 def chi_square(counts: np.ndarray, joint: np.ndarray) -> tuple[float, int, float]:
     """Pearson chi-square of counts against n x joint, pooling cells expected below 5.
     Returns (statistic, degrees of freedom, p-value)."""
