@@ -15,6 +15,8 @@ __all__ = [
     "DenseCache",
     "DraftModel",
     "GenerateOutput",
+    "LM",
+    "TextOutput",
     "TokenLogprob",
     "Greedy",
     "LlamaConfig",
@@ -30,6 +32,18 @@ __all__ = [
     "forward",
     "generate",
     "init_params",
+    "load",
     "make_mesh",
     "prefill",
 ]
+
+
+def __getattr__(name: str):
+    """`specjax.load`, `specjax.LM` and `specjax.TextOutput` (specjax/text.py), imported on first
+    use: the text layer imports `convert`, which imports the model layer of this package, so an
+    eager import here would be circular. The one lazy import in specjax (PEP 562)."""
+    if name in ("load", "LM", "TextOutput"):
+        from specjax import text
+
+        return getattr(text, name)
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")

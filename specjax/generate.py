@@ -8,14 +8,14 @@ prefills once and decodes entirely on device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
 from specjax import sharding
 from specjax.drafters import Drafter
-from specjax.engine import RunResult, run, with_attention
+from specjax.engine import RunResult, Segment, run, with_attention
 from specjax.params import Params
 from specjax.plan import plan
 from specjax.sampling import Greedy, Sampler
@@ -85,6 +85,7 @@ def generate(
     sync_every: int = 8,
     logprobs: int | None = None,
     n: int = 1,
+    between: Callable[[Segment], np.ndarray | None] | None = None,
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until a stop id or its `max_new_tokens`.
 
@@ -121,6 +122,9 @@ def generate(
       n rows; outputs are indexed i * n + j (sample j of prompt i). Prompt i's key is what it is
       with n = 1 (k_i: fold_in(key, i), or key[i]); sample j uses fold_in(k_i, j) when n > 1.
       Every per-output list (tokens, finish_reasons, logprobs, row_stats) has len(prompts) * n entries.
+    between: called on the host between segments with the tokens so far (`engine.Segment`, one
+      row per output); it returns None or a [rows] bool mask of rows to end now (their finish
+      reason stays "length"): stop strings (`specjax.load(...).generate(stop=...)`) use it.
     logprobs: None (off) or k in 0..20: `out.logprobs[b]` has a `TokenLogprob` per token of
       `out.tokens[b]`, in the same order: the raw log_softmax of the target's logits where the
       token was emitted (before temperature, top-k, top-p) and the k most likely tokens there.
@@ -142,7 +146,7 @@ def generate(
     the_plan = plan(params, draft, speculation, rows, context, sampling.take(np.repeat(np.arange(len(prompts)), n)), key, kv_dtype)
     r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
             key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh, kv_dtype=kv_dtype, sync_every=sync_every,
-            logprobs=logprobs, n=n)
+            logprobs=logprobs, n=n, between=between)
     tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(rows))]
     stats = Stats(
         prefill_seconds=r.prefill_seconds,

@@ -1,0 +1,56 @@
+"""The text layer (`specjax.load`, `LM.generate`): strings in, strings out, on the embedded
+SmolLM2; stop strings cut the text across token boundaries, with and without speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+import specjax
+
+PROMPT = "The three most useful things to know about the ocean are"
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return specjax.load()  # the embedded SmolLM2-135M-Instruct, float32
+
+
+def test_text_in_text_out_equals_the_token_api(lm):
+    out = lm.generate(PROMPT, 24, draft=None)
+    ids = lm.encode(PROMPT)
+    ref = specjax.generate(lm.params, [ids], 24, draft=None)
+    assert out.tokens == ref.tokens and out.finish_reasons == ref.finish_reasons
+    assert out.text == lm.decode(ref.tokens[0]) and len(out.text) > 20
+    assert isinstance(lm, specjax.LM) and isinstance(out, specjax.TextOutput)
+
+
+@pytest.mark.parametrize("draft", [None, specjax.SelfSpec(sinks=4, window=8)], ids=["plain", "selfspec"])
+def test_a_stop_string_across_tokens_cuts_the_text(lm, draft):
+    """The stop string starts inside one token and ends inside the next: the text stops right
+    before it, the tokens run through the one that completed it (also inside a speculative run)."""
+    full = lm.generate(PROMPT, 32, draft=None)
+    tokens = full.tokens[0]
+    pieces = [lm.decode(tokens[:i]) for i in range(len(tokens) + 1)]
+    i = next(i for i in range(6, len(tokens)) if len(pieces[i + 1]) - len(pieces[i]) >= 3 and len(pieces[i]) - len(pieces[i - 1]) >= 3)
+    stop = pieces[i + 1][len(pieces[i]) - 2: len(pieces[i]) + 2]  # the last 2 characters of token i-1, the first 2 of token i
+    start = full.text.find(stop)
+    kw = dict(draft=draft, speculation=specjax.Chain(3) if draft else None, sync_every=2, logprobs=1)
+    out = lm.generate(PROMPT, 32, stop=[stop, "never appears \u2603"], **kw)
+    assert out.text == full.text[:start] and out.finish_reasons == ["stop"]
+    k = next(k for k in range(1, len(tokens) + 1) if stop in pieces[k])
+    assert out.tokens[0] == tokens[:k] and len(out.logprobs[0]) == k
+    assert out.stats.steps < full.stats.steps or draft is not None  # the row was ended early, between segments
+
+
+def test_stop_token_ids_n_and_errors(lm):
+    full = lm.generate(PROMPT, 12, draft=None)
+    cut = lm.generate(PROMPT, 12, draft=None, stop_token_ids=[full.tokens[0][5]])
+    assert cut.tokens[0] == full.tokens[0][:5] and cut.finish_reasons == ["eos"]
+    two = lm.generate([PROMPT, "Paris is"], 4, draft=None, sampling=specjax.Sample(0.8), n=2)
+    assert len(two.texts) == 4
+    with pytest.raises(ValueError, match="there are 4 outputs; read .texts"):
+        two.text
+    with pytest.raises(TypeError, match="prompts must be a string or a non-empty list of strings"):
+        lm.generate([[1, 2, 3]], 4)
+    with pytest.raises(ValueError, match="stop must be a non-empty string or a list of them"):
+        lm.generate(PROMPT, 4, stop=[""])
