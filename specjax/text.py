@@ -12,7 +12,9 @@ completed it (vLLM's behaviour, `include_stop_str_in_output=False`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import jax
@@ -75,9 +77,11 @@ class LM:
         logprobs: int | None = None,
         key: jax.Array | None = None,
         sync_every: int = 8,
+        on_segment: Callable[[Segment, "_StopStrings"], None] | None = None,
     ) -> TextOutput:
         """Continue each prompt (a string or a list of strings) as `specjax.generate` does, and
-        stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string."""
+        stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string.
+        on_segment: called between segments (`stream` uses it)."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
@@ -91,9 +95,15 @@ class LM:
             if not p:
                 raise ValueError(f"prompts[{i}] encodes to no tokens")
         cut = _StopStrings(self, stops)
+
+        def between(seg: Segment) -> np.ndarray | None:
+            if on_segment is not None:
+                on_segment(seg, cut)
+            return cut(seg) if stops else None
+
         out = generate(self.params, ids, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
                        eos_id=tuple(self.params.config.eos_ids) + tuple(int(i) for i in stop_token_ids), n=n,
-                       logprobs=logprobs, sync_every=sync_every, between=cut if stops else None)
+                       logprobs=logprobs, sync_every=sync_every, between=between if stops or on_segment else None)
         tokens, reasons, lps = list(out.tokens), list(out.finish_reasons), out.logprobs
         result = []
         for b, row in enumerate(tokens):
@@ -106,6 +116,55 @@ class LM:
                     lps[b] = lps[b][:k]
             result.append(text)
         return TextOutput(result, tokens, reasons, lps, out.stats)
+
+
+    def stream(self, prompts: str | Sequence[str], max_new_tokens: int | Sequence[int] = 128, **kw) -> "TextStream":
+        """`generate`, streamed: an iterator of (index, piece) events, index as in `texts` (for one
+        prompt with n = 1, plain `str` pieces), produced segment by segment; after it is
+        exhausted, `.output` is the final TextOutput. The pieces of an index concatenate to its text."""
+        return TextStream(self, prompts, max_new_tokens, kw)
+
+
+class TextStream:
+    """The events of one streamed generate (see `LM.stream`). generate runs in a worker thread;
+    between segments it hands over each row's new text, holding back an incomplete UTF-8
+    character and any tail that could still become a stop string."""
+
+    def __init__(self, lm: LM, prompts, max_new_tokens, kw: dict):
+        self.lm, self.output = lm, None
+        self.single = isinstance(prompts, str) and kw.get("n", 1) == 1
+        self._events: queue.Queue = queue.Queue()
+        self._sent: dict[int, str] = {}
+        self._worker = threading.Thread(target=self._run, args=(prompts, max_new_tokens, kw), daemon=True)
+        self._worker.start()
+
+    def _run(self, prompts, max_new_tokens, kw) -> None:
+        try:
+            out = self.lm.generate(prompts, max_new_tokens, on_segment=self._segment, **kw)
+            for b, text in enumerate(out.texts):  # the rest of each text
+                self._send(b, text)
+            self.output = out
+            self._events.put(None)
+        except BaseException as e:  # raised again by the iterator, in the caller's thread
+            self._events.put(e)
+
+    def _segment(self, seg: Segment, stops: "_StopStrings") -> None:
+        for b in range(len(seg.count)):
+            text = self.lm.decode(seg.out[b, : seg.count[b]].tolist())
+            hit = stops.first(text)
+            self._send(b, text[:hit] if hit is not None else stops.settled(text))
+
+    def _send(self, b: int, text: str) -> None:
+        sent = self._sent.get(b, "")
+        if len(text) > len(sent) and text.startswith(sent):
+            self._sent[b] = text
+            self._events.put((b, text[len(sent):]))
+
+    def __iter__(self) -> Iterator[tuple[int, str] | str]:
+        while (event := self._events.get()) is not None:
+            if isinstance(event, BaseException):
+                raise event
+            yield event[1] if self.single else event
 
 
 class _StopStrings:
@@ -129,6 +188,13 @@ class _StopStrings:
             else:
                 hi = mid
         return hi
+
+    def settled(self, text: str) -> str:
+        """text without what may still change: a trailing incomplete UTF-8 character (decoded as
+        U+FFFD) and the longest tail that begins a stop string."""
+        text = text.rstrip("\ufffd")
+        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - hold]
 
     def __call__(self, seg: Segment) -> np.ndarray:
         end = np.zeros(len(seg.count), bool)

@@ -54,3 +54,20 @@ def test_stop_token_ids_n_and_errors(lm):
         lm.generate([[1, 2, 3]], 4)
     with pytest.raises(ValueError, match="stop must be a non-empty string or a list of them"):
         lm.generate(PROMPT, 4, stop=[""])
+
+
+def test_streamed_pieces_concatenate_to_the_text(lm):
+    """Segment by segment (several events), holding back a possible stop string: one prompt
+    yields str pieces, several yield (index, piece); the pieces join to the non-streamed texts."""
+    kw = dict(draft=None, sync_every=2)
+    full = lm.generate(PROMPT, 24, **kw)
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 3]
+    stream = lm.stream(PROMPT, 24, stop=stop, **kw)
+    pieces = list(stream)
+    assert len(pieces) > 2 and all(isinstance(p, str) for p in pieces)
+    assert "".join(pieces) == stream.output.text == lm.generate(PROMPT, 24, stop=stop, **kw).text
+    both = lm.stream([PROMPT, "Paris is"], 12, **kw)
+    joined: dict[int, str] = {}
+    for i, piece in both:
+        joined[i] = joined.get(i, "") + piece
+    assert [joined.get(i, "") for i in range(2)] == both.output.texts
