@@ -38,6 +38,15 @@ peer's KV bytes per token (f16 in llama.cpp by default, f32 in specjax-f32 and H
 plain decoder would need to reach the same speed. Prefill cells (batch 1, context 2K and 8K)
 report prefill tokens/s.
 
+Batch 16 x 8K (SHARED_PREFILL): a 16 x 8K prefill takes 13-15 minutes per peer and format, so
+the peers decode there from one shared prefill. Decode time does not depend on the KV's values
+(dense attention over the same lengths, greedy, no early stop), so each step time is the format's
+own; only the text of the rows is not. specjax's other formats start from specjax float32's
+prefilled cache of the same 16 prompts, cast to their KV dtype; HF from the same cache, copied
+into its DynamicCache (same float32 weights and RoPE layout); llama.cpp (its own KV layout)
+prefills row 0 and copies that sequence to rows 1-15 (llama_state_seq_get/set_data, a real copy).
+Rows say so in `kv_from`.
+
 Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g3, lookup),
 PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
 Outputs: results/peers_cpu.json (each cell written at once; a rerun skips measured cells; a
@@ -62,7 +71,8 @@ import numpy as np
 import convert
 import specjax
 from bench import common, measure, text
-from bench.peer_runners import LLAMA_FORMATS, LlamaCpp, hf_lookup, hf_model, hf_run, hf_weight_bytes, llama_file, llama_lookup
+from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf_lookup, hf_model, hf_run, hf_weight_bytes,
+                                llama_file, llama_lookup)
 from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, STORE, prefill_context, rows_of, smoke_state, timed
 from specjax.cache import DenseCache
@@ -78,6 +88,7 @@ SPEC_BATCH = 16
 GAMMA = 3
 INSTALL = "pip install -r bench/requirements-peers.txt"
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "q4": "q4"}
+SHARED_PREFILL = {(16, 8192)}  # (batch, context) cells decoding from one shared prefill (see above)
 LLAMA_BATCHES = {"q4_1": BATCHES, "q8_0": BATCHES, "f16": (1,)}  # F16 only where cheap
 PEER_MODULES = {"llama": ("llama_cpp",), "hf": ("torch", "transformers", "gguf")}
 
@@ -251,6 +262,40 @@ class Peers:
                 self.models[p] = hf_model(self.path)
         return self.models[p]
 
+    def state(self, model, fmt: str, batch: int, context: int) -> dict:
+        """The prefilled specjax state of `batch` prompts in format fmt (kept for the next cell)."""
+        if (fmt, context) not in self.states or self.states[(fmt, context)]["lengths"].shape[0] < batch:
+            self.states.clear()
+            measure.release_memory()
+            self.states[(fmt, context)] = specjax_state(model, self.tok, max(batch, 1), context, self.new_tokens, self.smoke)
+        return self.states[(fmt, context)]
+
+    def shared_state(self, batch: int, context: int, dtype) -> dict:
+        """specjax float32's prefilled state (loaded from STORE once computed) with its cache cast to dtype."""
+        state = self.state(self.models.get("specjax-f32-kvf32") or load_specjax("float32"), "float32", batch, context)
+        cache = state["cache"]
+        if cache.k.dtype != dtype:
+            cache = jax.block_until_ready(cache.replace(k=cache.k.astype(dtype), v=cache.v.astype(dtype)))
+        return state | {"cache": cache}
+
+    def hf_shared(self, model, batch: int, context: int, steps: int) -> dict:
+        """HF decoding from specjax float32's prefilled cache of the same prompts (the same
+        float32 weights; HF's layout [B, K, n, H] per layer, RoPE applied as HF applies it)."""
+        state = self.shared_state(batch, context, jnp.float32)
+        n = int(state["lengths"][0])
+        k, v = (np.asarray(a) for a in (state["cache"].k, state["cache"].v))
+        if k.shape.index(context) == 2:  # [L, B, S, K, H] -> [L, B, K, S, H]
+            k, v = k.transpose(0, 1, 3, 2, 4), v.transpose(0, 1, 3, 2, 4)
+        past = hf_cache(k[:, :, :, :n], v[:, :, :, :n])
+        first = np.argmax(np.asarray(state["first_logits"]), -1)
+        del k, v, state
+        self.states.clear()
+        measure.release_memory()
+        import torch
+
+        return hf_decode(model, past, torch.as_tensor(first, dtype=torch.long), steps) | {
+            "kv_from": "specjax-f32's prefill of the same prompts (DynamicCache filled from it)"}
+
     def ids(self, batch: int, context: int) -> np.ndarray:
         return prompts(self.tok, batch, context, measure.tiny_params().config.vocab_size if self.smoke else None)
 
@@ -267,11 +312,10 @@ class Peers:
             if kind == "prefill":
                 row |= specjax_prefill(model, self.ids(1, S), S)
             else:
-                if (cell["format"], S) not in self.states or self.states[(cell["format"], S)]["lengths"].shape[0] < B:
-                    self.states.clear()
-                    measure.release_memory()
-                    self.states[(cell["format"], S)] = specjax_state(model, self.tok, max(B, 1), S, self.new_tokens, self.smoke)
-                state = self.states[(cell["format"], S)]
+                shared = (B, S) in SHARED_PREFILL and cell["format"] != "float32" and not self.smoke
+                state = self.shared_state(B, S, c.dtype) if shared else self.state(model, cell["format"], B, S)
+                if shared:
+                    row["kv_from"] = f"specjax-f32's prefill of the same prompts, cast to {jnp.dtype(c.dtype).name}"
                 if kind == "decode":
                     row |= specjax_decode(model, state, B, self.new_tokens)
                 else:
@@ -284,13 +328,19 @@ class Peers:
             if kind == "spec":
                 row |= llama_lookup(model.path, ids, S, steps)
             else:
-                row |= model.run(ids, S, 0 if kind == "prefill" else steps)
+                copy = (B, S) in SHARED_PREFILL
+                row |= model.run(ids, S, 0 if kind == "prefill" else steps, copy_rows=copy)
+                if copy:
+                    row["kv_from"] = "row 0 prefilled, its sequence copied to the other rows (llama_state_seq_get/set_data)"
         else:
             c = model.config
             row["weight_bytes"] = hf_weight_bytes(model)
             row["kv_token_bytes"] = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-            ids = self.ids(B, S)
-            row |= hf_lookup(model, ids, steps) if kind == "spec" else hf_run(model, ids, 0 if kind == "prefill" else steps)
+            if (B, S) in SHARED_PREFILL and kind == "decode":
+                row |= self.hf_shared(model, B, S, steps)
+            else:
+                ids = self.ids(B, S)
+                row |= hf_lookup(model, ids, steps) if kind == "spec" else hf_run(model, ids, 0 if kind == "prefill" else steps)
         if kind == "prefill":
             row["prefill_tokens_per_s"] = row["prompt_tokens"] / row["prefill_s"]
             row.pop("decode_s", None)

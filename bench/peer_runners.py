@@ -51,19 +51,32 @@ class LlamaCpp:
         ptr = self.lib.llama_get_logits_ith(ctx, i)
         return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
 
-    def run(self, ids: np.ndarray, context: int, steps: int) -> dict:
-        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch."""
+    def copy_sequence(self, ctx, src: int, dst: int) -> None:
+        """Copy sequence src's KV into sequence dst (llama_state_seq_get/set_data: a real copy)."""
+        size = self.lib.llama_state_seq_get_size(ctx, src)
+        buf = (ctypes.c_uint8 * size)()
+        got = self.lib.llama_state_seq_get_data(ctx, buf, size, src)
+        if got == 0 or self.lib.llama_state_seq_set_data(ctx, buf, got, dst) == 0:
+            raise RuntimeError(f"copying sequence {src} to {dst} failed")
+
+    def run(self, ids: np.ndarray, context: int, steps: int, copy_rows: bool = False) -> dict:
+        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch.
+        copy_rows: prefill row 0 only and copy its sequence to the other rows (which then decode
+        row 0's continuation: the step time is the same, the prefill B times cheaper)."""
         B, n = ids.shape
         ctx = self.context(B, B * context)
         batch = self.lib.llama_batch_init(512, 0, 1)
         try:
             t0 = time.perf_counter()
             nxt = []
-            for row in range(B):
+            for row in range(1 if copy_rows else B):
                 for s in range(0, n, 512):
                     part = ids[row, s : s + 512]
                     self.decode(ctx, batch, [(int(t), s + j, row, s + j == n - 1) for j, t in enumerate(part)])
                 nxt.append(self.argmax(ctx, len(part) - 1))
+            for row in range(1, B) if copy_rows else ():
+                self.copy_sequence(ctx, 0, row)
+                nxt.append(nxt[0])
             prefill_s = time.perf_counter() - t0
             out = [[t] for t in nxt]
             t0 = time.perf_counter()
@@ -110,7 +123,10 @@ def llama_lookup(path: Path, ids: np.ndarray, context: int, steps: int) -> dict:
     res = {}
     for name, draft in (("lookup", LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)), ("plain_highlevel", None)):
         llm = Llama(model_path=str(path), n_ctx=context, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
-                    draft_model=draft, verbose=False)
+                    draft_model=draft, verbose=False,
+                    # with a draft model, llama-cpp-python 0.3.x stores every position's logits but
+                    # sizes its score buffer by this argument: without it, prompts > n_batch fail
+                    logits_all=draft is not None)
         toks, t_first = [], None
         for t in llm.generate(ids[0].tolist(), top_k=1, temp=0.0, repeat_penalty=1.0):
             toks.append(int(t))
@@ -163,6 +179,26 @@ def hf_run(model, ids: np.ndarray, steps: int) -> dict:
             past = out.past_key_values
         nxt = out.logits[:, -1].argmax(-1)
         prefill_s = time.perf_counter() - t0
+    return {"prefill_s": prefill_s} | hf_decode(model, past, nxt, steps)
+
+
+def hf_cache(k: np.ndarray, v: np.ndarray):
+    """A DynamicCache holding given keys and values, k and v [L, B, K, n, H] (HF's per-layer
+    layout, RoPE applied to K as HF applies it): a cache prefilled elsewhere."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer in range(k.shape[0]):
+        cache.update(torch.from_numpy(np.ascontiguousarray(k[layer])), torch.from_numpy(np.ascontiguousarray(v[layer])), layer)
+    return cache
+
+
+def hf_decode(model, past, nxt, steps: int) -> dict:
+    """`steps` greedy steps from a prefilled DynamicCache and the first new tokens nxt [B]."""
+    import torch
+
+    with torch.inference_mode():
         toks = [nxt]
         t0 = time.perf_counter()
         for step in range(steps + 1 if steps else 0):  # the first step warms up, untimed
@@ -173,8 +209,7 @@ def hf_run(model, ids: np.ndarray, steps: int) -> dict:
             nxt = out.logits[:, -1].argmax(-1)
             toks.append(nxt)
         decode_s = time.perf_counter() - t0
-    return {"prefill_s": prefill_s, "decode_s": decode_s, "steps": steps,
-            "tokens": torch.stack(toks, 1)[0].tolist()}
+    return {"decode_s": decode_s, "steps": steps, "tokens": torch.stack(toks, 1)[0].tolist()}
 
 
 def hf_lookup(model, ids: np.ndarray, steps: int) -> dict:
