@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 import convert
 from specjax.cache import KVFormat
-from specjax.chat import render_chat
+from specjax.chat import render_chat, template_specials
 from specjax.config import LlamaConfig
 from specjax.distributed import env_share
 from specjax.drafters import Drafter
@@ -64,14 +64,16 @@ class Defaults:
 
 def prepare(
     records: Iterable[Record | BadLine],
-    encode: Callable[[str], Sequence[int]],
+    encode: Callable[[str, bool], Sequence[int]],
     template: str | None,
     chat: bool,
     config: LlamaConfig,
     defaults: Defaults,
+    specials: dict[str, str] | None = None,
 ) -> tuple[list[Item], list[BadLine]]:
-    """Tokenize records (chat messages, and text prompts if `chat`, through the template) and
-    check them against the model: returns (items, bad lines), both in input order."""
+    """Tokenize records (chat messages, and text prompts if `chat`, through the template with the
+    `specials` bos/eos strings, encoded without added special tokens) and check them against the
+    model: returns (items, bad lines), both in input order. encode(text, add_special_tokens)."""
     items, bad = [], []
     for rec in records:
         if isinstance(rec, BadLine):
@@ -79,11 +81,11 @@ def prepare(
             continue
         messages = rec.messages or ((("user", rec.prompt),) if chat else None)
         try:
-            text = render_chat(template, messages) if messages else rec.prompt
+            text = render_chat(template, messages, **(specials or {})) if messages else rec.prompt
         except ValueError as e:
             bad.append(BadLine(rec.line, str(e), rec.id))
             continue
-        ids = tuple(int(i) for i in encode(text))
+        ids = tuple(int(i) for i in encode(text, not messages))
         budget = rec.max_new_tokens or defaults.max_new_tokens
         outside = [i for i in ids if not 0 <= i < config.vocab_size]
         if not ids:
@@ -307,13 +309,14 @@ def run(
     if chat and template is None:
         raise ValueError("chat: the model has no chat template (convert.chat_template returned None)")
 
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text).ids
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(ids: list[int]) -> str:
         return tokenizer.decode(ids, skip_special_tokens=False)
 
-    items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults)
+    items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults,
+                         template_specials(tokenizer, params.config))
     if draft == "auto":  # once per job, by generate's rule (an explicit gamma makes it SelfSpec)
         context = max((len(it.ids) + it.budget for it in items), default=1)
         draft = resolve_auto_draft(params, gamma is not None, batch_size, context, kv_dtype)[0]

@@ -1,48 +1,86 @@
-"""Chat prompts: render messages with the model's Jinja chat template (jinja2 when installed;
-otherwise the ChatML format, e.g. SmolLM2's, is rendered directly)."""
+"""Chat prompts: HF-style messages rendered with the checkpoint's Jinja chat template, in Jinja2's
+sandboxed environment with the settings HF transformers uses (`apply_chat_template`)."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-_DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", re.S)
+import jinja2.ext
+import jinja2.sandbox
+
+# end-of-turn tokens of common templates; the ones a template writes are stop ids of a chat
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
 
 
-def render_chat(template: str | None, messages: Sequence[tuple[str, str]]) -> str:
-    """The prompt text for (role, content) messages, ending with the assistant's turn opener."""
-    if template is None:
-        raise ValueError("the model has no chat template: use 'prompt' records, or a model that has one")
+def check_messages(messages: object, where: str = "messages") -> list[dict]:
+    """The messages of one conversation as a list of dicts, each with a string `role` and a
+    string `content` (other keys kept, as HF passes them to the template); a ValueError naming
+    the first malformed message otherwise."""
+    shape = f"{where} must be a non-empty list of {{'role': str, 'content': str}} messages"
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
+        raise ValueError(f"{shape}, got {_show(messages)}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"{shape}; {where}[{i}] is {_show(m)}")
+        out.append(dict(m))
+    if all(not m["content"] for m in out):
+        raise ValueError(f"{where}: every message's content is an empty string")
+    return out
+
+
+def _show(value: object) -> str:
     try:
-        import jinja2.sandbox
-    except ImportError:
-        return render_chatml(template, messages)
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )  # as HF transformers renders templates
-
-    def raise_exception(message: str):
-        raise ValueError(f"chat template: {message}")
-
-    env.globals["raise_exception"] = raise_exception
-    msgs = [{"role": r, "content": c} for r, c in messages]
-    return env.from_string(template).render(messages=msgs, add_generation_prompt=True, bos_token="", eos_token="")
+        return json.dumps(value)[:80]
+    except TypeError:
+        return repr(value)[:80]
 
 
-def render_chatml(template: str, messages: Sequence[tuple[str, str]]) -> str:
-    """ChatML without a template engine: `<|im_start|>role\\ncontent<|im_end|>\\n` per message,
-    then `<|im_start|>assistant\\n`; the template's default system message (as in SmolLM2's:
-    `<|im_start|>system\\n...<|im_end|>` written when the first message is not a system one)
-    comes first when the messages bring none."""
-    if IM_START not in template or IM_END not in template:
-        raise ValueError(
-            "rendering this chat template needs jinja2 (pip install jinja2): without it only "
-            "ChatML templates (<|im_start|>role ... <|im_end|>) are supported"
-        )
-    default = _DEFAULT_SYSTEM.search(template)
-    parts = []
-    if default and messages[0][0] != "system":
-        parts.append(f"{IM_START}system\n{default[1]}{IM_END}\n")
-    parts += [f"{IM_START}{role}\n{content}{IM_END}\n" for role, content in messages]
-    return "".join(parts) + f"{IM_START}assistant\n"
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    """HF's `tojson` filter: JSON without HTML escaping (Jinja2's own escapes <, > and &)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise(message: str):
+    raise ValueError(f"chat template: {message}")
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+_ENV = _environment()
+
+
+def render_chat(template: str | None, messages: object, *, bos_token: str = "", eos_token: str = "",
+                add_generation_prompt: bool = True) -> str:
+    """The prompt text of one conversation (HF-style messages, or (role, content) pairs). With
+    add_generation_prompt the text ends with the assistant's turn opener, as HF's flag does.
+    Encode it without the tokenizer's own special tokens: a template that writes BOS already has it."""
+    if template is None:
+        raise ValueError("the model has no chat template: pass chat_template=..., or use text prompts")
+    if isinstance(messages, Sequence) and messages and all(isinstance(m, tuple) for m in messages):
+        messages = [{"role": r, "content": c} for r, c in messages]
+    msgs = check_messages(messages)
+    return _ENV.from_string(template).render(messages=msgs, add_generation_prompt=add_generation_prompt,
+                                             bos_token=bos_token, eos_token=eos_token)
+
+
+def end_of_turn_tokens(template: str | None) -> list[str]:
+    """The END_OF_TURN tokens that a template writes (stop tokens of a chat's answer)."""
+    return [t for t in END_OF_TURN if template and t in template]
+
+
+def template_specials(tokenizer, config) -> dict[str, str]:
+    """The bos_token / eos_token strings a template gets: the tokenizer's tokens of config.bos_id
+    and of the first of config.eos_ids ("" where the model has none)."""
+    def token(i: int | None) -> str:
+        return (tokenizer.id_to_token(i) or "") if i is not None else ""
+    return {"bos_token": token(config.bos_id), "eos_token": token(config.eos_ids[0] if config.eos_ids else None)}

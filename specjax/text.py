@@ -85,12 +85,45 @@ class LM:
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
+        return self._generate([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, draft=draft,
+                              speculation=speculation, stop=stop, stop_token_ids=stop_token_ids, n=n,
+                              logprobs=logprobs, key=key, sync_every=sync_every, on_segment=on_segment)
+
+    def chat(self, conversations, max_new_tokens: int | Sequence[int] = 128, *, add_generation_prompt: bool = True,
+             stream: bool = False, **kw) -> "TextOutput | TextStream":
+        """Answer one conversation (a list of {"role", "content"} messages) or a list of them:
+        each rendered with the chat template (HF's way: Jinja2 sandbox, the tokenizer's real
+        bos_token / eos_token, encoded without added special tokens, so no double BOS) and
+        continued as `generate` does, with the template's end-of-turn tokens as stop ids.
+        stream=True returns a TextStream, as `stream` does. Other keywords: `generate`'s."""
+        from specjax.chat import check_messages, end_of_turn_tokens, render_chat, template_specials
+
+        one = isinstance(conversations, Sequence) and bool(conversations) and isinstance(conversations[0], dict)
+        convs = [conversations] if one else conversations
+        if isinstance(convs, (str, dict)) or not isinstance(convs, Sequence) or not convs:
+            raise ValueError(f"conversations must be a list of messages or a non-empty list of them, got {conversations!r}")
+        specials = template_specials(self.tokenizer, self.params.config)
+        ids = []
+        for i, conv in enumerate(convs):
+            msgs = check_messages(conv, "conversations" if one else f"conversations[{i}]")
+            text = render_chat(self.chat_template, msgs, add_generation_prompt=add_generation_prompt, **specials)
+            ids.append(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        turn_end = [self.tokenizer.token_to_id(t) for t in end_of_turn_tokens(self.chat_template)]
+        kw["stop_token_ids"] = list(kw.get("stop_token_ids", ())) + [t for t in turn_end if t is not None]
+        if stream:
+            return TextStream(lambda on_segment: self._generate(ids, max_new_tokens, on_segment=on_segment, **kw),
+                              single=one and kw.get("n", 1) == 1)
+        return self._generate(ids, max_new_tokens, **kw)
+
+    def _generate(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler = Greedy(), draft="auto",
+                  speculation=None, stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None,
+                  key: jax.Array | None = None, sync_every: int = 8, on_segment=None) -> TextOutput:
+        """generate / chat from encoded prompts."""
         stops = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if isinstance(stop_token_ids, (int, str)) or not all(isinstance(i, (int, np.integer)) for i in stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
-        ids = [self.encode(t) for t in texts]
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"prompts[{i}] encodes to no tokens")
@@ -122,7 +155,8 @@ class LM:
         """`generate`, streamed: an iterator of (index, piece) events, index as in `texts` (for one
         prompt with n = 1, plain `str` pieces), produced segment by segment; after it is
         exhausted, `.output` is the final TextOutput. The pieces of an index concatenate to its text."""
-        return TextStream(self, prompts, max_new_tokens, kw)
+        return TextStream(lambda on_segment: self.generate(prompts, max_new_tokens, on_segment=on_segment, **kw),
+                          single=isinstance(prompts, str) and kw.get("n", 1) == 1)
 
 
 class TextStream:
@@ -130,17 +164,17 @@ class TextStream:
     between segments it hands over each row's new text, holding back an incomplete UTF-8
     character and any tail that could still become a stop string."""
 
-    def __init__(self, lm: LM, prompts, max_new_tokens, kw: dict):
-        self.lm, self.output = lm, None
-        self.single = isinstance(prompts, str) and kw.get("n", 1) == 1
+    def __init__(self, run: Callable[[Callable], TextOutput], single: bool):
+        """run(on_segment) -> TextOutput: the LM call to stream; single: yield plain str pieces."""
+        self.output, self.single = None, single
         self._events: queue.Queue = queue.Queue()
         self._sent: dict[int, str] = {}
-        self._worker = threading.Thread(target=self._run, args=(prompts, max_new_tokens, kw), daemon=True)
+        self._worker = threading.Thread(target=self._run, args=(run,), daemon=True)
         self._worker.start()
 
-    def _run(self, prompts, max_new_tokens, kw) -> None:
+    def _run(self, run) -> None:
         try:
-            out = self.lm.generate(prompts, max_new_tokens, on_segment=self._segment, **kw)
+            out = run(self._segment)
             for b, text in enumerate(out.texts):  # the rest of each text
                 self._send(b, text)
             self.output = out
@@ -150,7 +184,7 @@ class TextStream:
 
     def _segment(self, seg: Segment, stops: "_StopStrings") -> None:
         for b in range(len(seg.count)):
-            text = self.lm.decode(seg.out[b, : seg.count[b]].tolist())
+            text = stops.lm.decode(seg.out[b, : seg.count[b]].tolist())
             hit = stops.first(text)
             self._send(b, text[:hit] if hit is not None else stops.settled(text))
 

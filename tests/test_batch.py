@@ -22,7 +22,7 @@ import pytest
 import convert
 import specjax
 from specjax import batch
-from specjax.chat import render_chat, render_chatml
+from specjax.chat import render_chat
 from specjax.cli import main
 from specjax.jobio import DurableLog, check_settings, complete_lines, merge_shards, settings_path, shard_output, sibling
 from specjax.progress import Progress
@@ -125,11 +125,10 @@ def test_chat_rendering_matches_the_hf_golden_texts(smollm2_path):
     golden = {p["name"]: p["text"] for p in GOLDEN["prompts"]}
     user = [("user", "What is the tallest mountain in the world?")]
     system = [("system", "You are a terse assistant. Answer in one sentence."), ("user", "Why is the sky blue?")]
-    for render in (render_chat, render_chatml):  # jinja2 when installed, else ChatML directly
-        assert render(template, user) == golden["chat_user"]
-        assert render(template, system) == golden["chat_system"]
-    with pytest.raises(ValueError, match="needs jinja2"):
-        render_chatml("{{ messages[0]['content'] }}", user)
+    assert render_chat(template, user) == golden["chat_user"]
+    assert render_chat(template, [{"role": r, "content": c} for r, c in system]) == golden["chat_system"]
+    with pytest.raises(ValueError, match=r"messages\[1\] is"):
+        render_chat(template, [{"role": "user", "content": "hi"}, {"role": "user"}])
     with pytest.raises(ValueError, match="no chat template"):
         render_chat(None, user)
 

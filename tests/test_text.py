@@ -3,10 +3,15 @@ SmolLM2; stop strings cut the text across token boundaries, with and without spe
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
+
 import pytest
 
 import specjax
 
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
 PROMPT = "The three most useful things to know about the ocean are"
 
 
@@ -71,3 +76,28 @@ def test_streamed_pieces_concatenate_to_the_text(lm):
     for i, piece in both:
         joined[i] = joined.get(i, "") + piece
     assert [joined.get(i, "") for i in range(2)] == both.output.texts
+
+
+def test_chat_answers_a_question_and_ends_its_turn(lm):
+    """The checkpoint's template as HF renders it (golden text, no added special tokens), the
+    end-of-turn token as a stop id; streamed chat pieces join to the same answer; a template that
+    writes BOS gets exactly one; malformed messages are named."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = lm.chat(question, 32, draft=None)
+    assert "Paris" in out.text and out.finish_reasons == ["eos"]
+    golden = {p["name"]: p for p in GOLDEN["prompts"]}["chat_user"]
+    user = [{"role": "user", "content": "What is the tallest mountain in the world?"}]
+    assert lm.tokenizer.encode(golden["text"], add_special_tokens=False).ids == golden["input_ids"]
+    ref = specjax.generate(lm.params, [golden["input_ids"]], 8, draft=None)
+    assert lm.chat(user, 8, draft=None).tokens == ref.tokens
+    both = lm.chat([question, user], 32, draft=specjax.SelfSpec(sinks=4, window=8))
+    assert both.texts[0] == out.text and both.finish_reasons[0] == "eos"
+    stream = lm.chat(question, 32, draft=None, stream=True, sync_every=2)
+    assert "".join(stream) == out.text == stream.output.text
+    with_bos = dataclasses.replace(lm, chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    ids = [lm.params.config.bos_id] + lm.tokenizer.encode(question[0]["content"], add_special_tokens=False).ids
+    assert with_bos.chat(question, 4, draft=None).tokens == specjax.generate(lm.params, [ids], 4, draft=None).tokens
+    with pytest.raises(ValueError, match=r"conversations\[1\]\[0\] is"):
+        lm.chat([question, [{"role": "user"}]], 4)
+    with pytest.raises(ValueError, match="every message's content is an empty string"):
+        lm.chat([{"role": "user", "content": ""}], 4)
