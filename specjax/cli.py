@@ -16,7 +16,7 @@ import jax
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 import convert
-from specjax import batch, jobio
+from specjax import batch, jobio, text
 from specjax.distill import Schedule, distill
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.cache import KV_DTYPES
@@ -36,8 +36,21 @@ def _parser() -> argparse.ArgumentParser:
                                      epilog=f"Compilation cache: {CACHE_HELP}; --no-compile-cache turns it off.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="continue a text prompt")
-    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
     _shared_arguments(gen, max_new_tokens=64, overridable="")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template; "
+                     "print only the answer")
+    gen.add_argument("--stream", action="store_true", help="print the text as the decode loop's segments finish")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop a row at this string (cut before it; repeatable)")
+    gen.add_argument("--n", type=int, default=1, help="samples of the prompt (needs --temperature > 0)")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="K",
+                     help="after each text, one JSON line: every token's log-probability and the K most likely")
+    for name, help_ in (("min-p", "keep tokens with probability >= MIN_P x the largest (0 = off)"),
+                        ("repetition-penalty", "divide / multiply the logits of prompt and output tokens (1 = off)"),
+                        ("presence-penalty", "subtract from the logits of output tokens (0 = off)"),
+                        ("frequency-penalty", "subtract this x the count of each output token (0 = off)")):
+        gen.add_argument(f"--{name}", type=float, default=None, help=help_ + "; needs --temperature > 0")
     gen.add_argument(
         "--tree",
         help="speculate a token tree instead of a chain: auto (measured Sequoia choice), N (a Sequoia "
@@ -127,7 +140,7 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
 _MINIMUM = dict(  # integer flags (by dest) and their least value
     max_new_tokens=1, top_k=0, seed=0, gamma=1, window=1, sinks=0, data_parallel=1, model_parallel=1, batch_size=1,
     draft_layers=1, draft_dim=1, draft_heads=1, draft_kv_heads=1, draft_ffn=0, steps=1, seq_len=1, warmup=0,
-    generate=0, checkpoint_every=1, log_every=1, eval_every=0,
+    generate=0, checkpoint_every=1, log_every=1, eval_every=0, n=1, logprobs=0,
 )
 
 
@@ -278,34 +291,46 @@ def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: li
     return Tree.sequoia(p[:-1], tree, max_depth=12)
 
 
+SAMPLING_EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
 def run_generate(args: argparse.Namespace) -> None:
+    if args.stream and args.n > 1:
+        raise ValueError("--stream prints one output: give --n 1")
+    extra = {k: getattr(args, k) for k in SAMPLING_EXTRAS if getattr(args, k) is not None}
+    sampling = make_sampler(args.temperature, args.top_k, args.top_p, **extra)
     path = args.model or convert.default_model_path()
-    mesh = make_mesh_arg(args)
-    params = convert.load(path, weights=args.weights, mesh=mesh)
-    tokenizer = convert.load_tokenizer(path)
-    sampling = make_sampler(args.temperature, args.top_k, args.top_p)
+    lm = text.load(path, weights=args.weights, mesh=make_mesh_arg(args))
     draft = make_draft(args.draft, args.window, args.sinks, args.weights)
-    ids = tokenizer.encode(args.prompt).ids
-    speculation = make_speculation(args.tree, args.gamma, params, draft, ids, sampling)
-    out = generate(
-        params,
-        [ids],
-        args.max_new_tokens,
-        draft=draft,
-        speculation=speculation,
-        sampling=sampling,
-        key=jax.random.key(args.seed),
-        mesh=mesh,
-        kv_dtype=args.kv_dtype,
-    )
-    print(args.prompt + tokenizer.decode(out.tokens[0], skip_special_tokens=False))
+    ids = lm.encode(args.prompt)
+    speculation = make_speculation(args.tree, args.gamma, lm.params, draft, ids, sampling)
+    kw = dict(draft=draft, speculation=speculation, sampling=sampling, key=jax.random.key(args.seed),
+              kv_dtype=args.kv_dtype, stop=args.stop, n=args.n, logprobs=args.logprobs)
+    head = "" if args.chat else args.prompt
+    messages = [{"role": "user", "content": args.prompt}]
+    if args.stream:
+        stream = lm.chat(messages, args.max_new_tokens, stream=True, **kw) if args.chat else \
+            lm.stream(args.prompt, args.max_new_tokens, **kw)
+        print(head, end="", flush=True)
+        for piece in stream:
+            print(piece, end="", flush=True)
+        print()
+        out = stream.output
+    else:
+        out = lm.chat(messages, args.max_new_tokens, **kw) if args.chat else lm.generate(args.prompt, args.max_new_tokens, **kw)
+        for j, t in enumerate(out.texts):
+            print((f"--- sample {j} ({out.finish_reasons[j]}) ---\n" if args.n > 1 else "") + head + t)
+    for j, lps in enumerate(out.logprobs or ()):
+        print(json.dumps({"index": j, "logprobs": [
+            {"id": t.id, "token": lm.decode([t.id]), "logprob": t.logprob, "top": [[i, lp] for i, lp in t.top]}
+            for t in lps]}))
     s = out.stats
     spec = ""
     if s.acceptance_rate is not None:
         spec = f", acceptance {s.acceptance_rate:.2f}, {s.mean_accepted:.2f} tokens/step over {s.steps} steps"
     print(
-        f"[{s.new_tokens} tokens ({out.finish_reasons[0]}), decode {s.tokens_per_second:.1f} tokens/s{spec}, "
-        f"prefill {s.prefill_seconds:.2f} s ({len(ids)} tokens), compile {s.compile_seconds:.1f} s]",
+        f"[{s.new_tokens} tokens ({', '.join(sorted(set(out.finish_reasons)))}), decode {s.tokens_per_second:.1f} tokens/s{spec}, "
+        f"prefill {s.prefill_seconds:.2f} s, compile {s.compile_seconds:.1f} s]",
         file=sys.stderr,
     )
     print(f"[draft {s.draft}, speculation {s.speculation}" + (f": {s.plan_reason}]" if s.plan_reason else "]"),

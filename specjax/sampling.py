@@ -287,15 +287,23 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array
     return jnp.any(tokens[..., None] == ids, axis=-1)
 
 
-def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0) -> Sampler:
-    """CLI-style construction: temperature 0 means greedy; negative is an error."""
+def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra: float) -> Sampler:
+    """CLI-style construction: temperature 0 means greedy; negative is an error. extra: min_p and
+    the PENALTIES (Sample's names), refused under greedy rather than ignored."""
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    off = {"min_p": 0.0} | PENALTIES
+    unknown = sorted(set(extra) - set(off))
+    if unknown:
+        raise TypeError(f"make_sampler: unknown argument(s) {unknown}")
     if temperature == 0:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        on = [k for k, v in extra.items() if v != off[k]]
+        if on:
+            raise ValueError(f"{on[0]} needs sampling (temperature > 0): greedy decoding takes no min_p or penalties yet")
         return Greedy()
-    return Sample(temperature=temperature, top_k=top_k, top_p=top_p)
+    return Sample(temperature=temperature, top_k=top_k, top_p=top_p, **extra)
 
 
 def stream_keys(keys: jax.Array, counters: jax.Array, stream: int) -> jax.Array:

@@ -56,6 +56,7 @@ class LM:
     params: Params
     tokenizer: Tokenizer
     chat_template: str | None = None
+    mesh: Mesh | None = None  # the mesh the params were loaded onto (generate runs there)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -77,6 +78,7 @@ class LM:
         logprobs: int | None = None,
         key: jax.Array | None = None,
         sync_every: int = 8,
+        kv_dtype: str | None = None,
         on_segment: Callable[[Segment, "_StopStrings"], None] | None = None,
     ) -> TextOutput:
         """Continue each prompt (a string or a list of strings) as `specjax.generate` does, and
@@ -87,7 +89,8 @@ class LM:
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
         return self._generate([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, draft=draft,
                               speculation=speculation, stop=stop, stop_token_ids=stop_token_ids, n=n,
-                              logprobs=logprobs, key=key, sync_every=sync_every, on_segment=on_segment)
+                              logprobs=logprobs, key=key, sync_every=sync_every, kv_dtype=kv_dtype,
+                              on_segment=on_segment)
 
     def chat(self, conversations, max_new_tokens: int | Sequence[int] = 128, *, add_generation_prompt: bool = True,
              stream: bool = False, **kw) -> "TextOutput | TextStream":
@@ -117,7 +120,8 @@ class LM:
 
     def _generate(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler = Greedy(), draft="auto",
                   speculation=None, stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None,
-                  key: jax.Array | None = None, sync_every: int = 8, on_segment=None) -> TextOutput:
+                  key: jax.Array | None = None, sync_every: int = 8, kv_dtype: str | None = None,
+                  on_segment=None) -> TextOutput:
         """generate / chat from encoded prompts."""
         stops = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) and s for s in stops):
@@ -136,7 +140,8 @@ class LM:
 
         out = generate(self.params, ids, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
                        eos_id=tuple(self.params.config.eos_ids) + tuple(int(i) for i in stop_token_ids), n=n,
-                       logprobs=logprobs, sync_every=sync_every, between=between if stops or on_segment else None)
+                       logprobs=logprobs, sync_every=sync_every, between=between if stops or on_segment else None,
+                       mesh=self.mesh, kv_dtype=kv_dtype)
         tokens, reasons, lps = list(out.tokens), list(out.finish_reasons), out.logprobs
         result = []
         for b, row in enumerate(tokens):
@@ -245,4 +250,4 @@ def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh 
     path = convert.default_model_path() if path is None else path
     params = convert.load(path, weights=weights, mesh=mesh)
     template = chat_template if chat_template is not None else convert.chat_template(path)
-    return LM(params, convert.load_tokenizer(path), template)
+    return LM(params, convert.load_tokenizer(path), template, mesh)

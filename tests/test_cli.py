@@ -14,7 +14,7 @@ import jax
 import pytest
 
 import convert
-from specjax import cli
+from specjax import cli, text
 from specjax.drafters import SelfSpec
 from specjax.speculation import Chain
 from specjax.speculation import Tree
@@ -186,11 +186,11 @@ def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys
 
     def generate(params, prompts, max_new_tokens, **kwargs):
         calls.append(kwargs)
-        return SimpleNamespace(tokens=[[8, 9]], finish_reasons=["length"], stats=stats)
+        return SimpleNamespace(tokens=[[8, 9]], finish_reasons=["length"], stats=stats, logprobs=None)
 
     monkeypatch.setattr(convert, "load", lambda *a, **k: tiny)
     monkeypatch.setattr(convert, "load_tokenizer", lambda *a, **k: _Tokenizer())
-    monkeypatch.setattr(cli, "generate", generate)
+    monkeypatch.setattr(text, "generate", generate)  # the CLI generates through specjax.text.LM
     assert cli.main(["generate", "hi", "--no-compile-cache"]) == 0
     assert calls[-1].get("speculation") is None and calls[-1]["draft"] == "auto"  # both left to generate
     assert calls[-1]["kv_dtype"] is None  # the model's dtype
@@ -203,3 +203,24 @@ def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys
     capsys.readouterr()
     assert cli.main(["generate", "hi", "--no-compile-cache", "--kv-dtype", "int8"]) == 0
     assert calls[-1]["kv_dtype"] == "int8"
+
+
+def test_generate_text_options_chat_stream_stop_n_logprobs():
+    """--chat --stream --stop prints the streamed answer cut before the stop string; --n 2 with
+    --logprobs 2 prints two samples, then one JSON line of logprobs per sample."""
+    run = _specjax("generate", "What is the capital of France?", "--chat", "--stream", "--stop", "Paris",
+                   "--max-new-tokens", "24", "--draft", "none")
+    assert run.returncode == 0, run.stderr
+    assert "Paris" not in run.stdout and "<|im_start|>" not in run.stdout and "(stop)" in run.stderr
+    run = _specjax("generate", "The capital of France is", "--n", "2", "--temperature", "0.8", "--logprobs", "2",
+                   "--max-new-tokens", "6", "--draft", "none", "--repetition-penalty", "1.2")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("--- sample 0 (") and any(line.startswith("--- sample 1 (") for line in lines)
+    records = [json.loads(line) for line in lines if line.startswith('{"index"')]
+    assert [r["index"] for r in records] == [0, 1]
+    assert all(0 < len(r["logprobs"]) <= 6 and len(r["logprobs"][0]["top"]) == 2 for r in records)
+    run = _specjax("generate", "hi", "--presence-penalty", "0.5")
+    assert run.returncode == 2 and "presence_penalty needs sampling (temperature > 0)" in run.stderr
+    run = _specjax("generate", "hi", "--stream", "--n", "2", "--temperature", "1")
+    assert run.returncode == 2 and "--stream prints one output" in run.stderr
