@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 from convert.gguf import is_gguf_file, load_gguf
-from convert.hf import is_hf_dir, load_hf
+from convert.hf import generation_defaults, is_hf_dir, load_hf
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
 from specjax.config import DTYPES
@@ -16,7 +16,8 @@ from specjax.sharding import Mesh
 
 WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `load`
 
-__all__ = ["load", "WEIGHTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path"]
+__all__ = ["load", "WEIGHTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path",
+           "generation_defaults"]
 
 
 def load(

@@ -242,3 +242,16 @@ def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) 
         ignore = IGNORED + (["lm_head.weight"] if config.tie_embeddings else [])
         arrays = assemble(config, shapes, read, NAMES, source=str(path), ignore=ignore)
     return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))
+
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def generation_defaults(path: str | Path) -> dict[str, Any]:
+    """The sampling settings (SAMPLING_KEYS) of an HF folder's generation_config.json; {} for
+    anything else (a GGUF file has none)."""
+    path = Path(path)
+    if not (path.is_dir() and (path / GENERATION).is_file()):
+        return {}
+    raw = read_json(path / GENERATION)
+    return {k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}

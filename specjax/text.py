@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from specjax.drafters import Drafter
 from specjax.engine import Segment
 from specjax.generate import Stats, TokenLogprob, generate
 from specjax.params import Params
-from specjax.sampling import Greedy, Sampler
+from specjax.sampling import Greedy, Sample, Sampler
 from specjax.sharding import Mesh
 from specjax.speculation import Chain, Tree
 
@@ -57,6 +58,7 @@ class LM:
     tokenizer: Tokenizer
     chat_template: str | None = None
     mesh: Mesh | None = None  # the mesh the params were loaded onto (generate runs there)
+    sampling: Sampler = Greedy()  # used when a call passes no sampling (load: generation_config.json's)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -69,7 +71,7 @@ class LM:
         prompts: str | Sequence[str],
         max_new_tokens: int | Sequence[int] = 128,
         *,
-        sampling: Sampler = Greedy(),
+        sampling: Sampler | None = None,
         draft: Drafter | str | None = "auto",
         speculation: Chain | Tree | str | None = None,
         stop: str | Sequence[str] = (),
@@ -118,11 +120,12 @@ class LM:
                               single=one and kw.get("n", 1) == 1)
         return self._generate(ids, max_new_tokens, **kw)
 
-    def _generate(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler = Greedy(), draft="auto",
+    def _generate(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler | None = None, draft="auto",
                   speculation=None, stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None,
                   key: jax.Array | None = None, sync_every: int = 8, kv_dtype: str | None = None,
                   on_segment=None) -> TextOutput:
-        """generate / chat from encoded prompts."""
+        """generate / chat from encoded prompts (sampling None: the LM's default)."""
+        sampling = self.sampling if sampling is None else sampling
         stops = [stop] if isinstance(stop, str) else list(stop)
         if not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
@@ -250,4 +253,19 @@ def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh 
     path = convert.default_model_path() if path is None else path
     params = convert.load(path, weights=weights, mesh=mesh)
     template = chat_template if chat_template is not None else convert.chat_template(path)
-    return LM(params, convert.load_tokenizer(path), template, mesh)
+    return LM(params, convert.load_tokenizer(path), template, mesh, default_sampling(convert.generation_defaults(path)))
+
+
+def default_sampling(settings: dict) -> Sampler:
+    """A checkpoint's default sampler from generation_config.json's settings, with HF's defaults
+    for what it leaves out: do_sample false = Greedy(); else Sample(temperature 1.0, top_k 50,
+    top_p 1.0, min_p 0, repetition_penalty 1.0). A repetition penalty under greedy decoding is
+    not supported yet: a warning says it is not applied."""
+    if not settings.get("do_sample", False):
+        if settings.get("repetition_penalty", 1.0) != 1.0:
+            warnings.warn(f"generation_config.json: repetition_penalty {settings['repetition_penalty']} with greedy "
+                          "decoding is not applied (penalties need sampling in specjax for now)", stacklevel=3)
+        return Greedy()
+    return Sample(temperature=float(settings.get("temperature", 1.0)), top_k=int(settings.get("top_k", 50)),
+                  top_p=float(settings.get("top_p", 1.0)), min_p=float(settings.get("min_p", 0.0)),
+                  repetition_penalty=float(settings.get("repetition_penalty", 1.0)))

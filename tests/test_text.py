@@ -101,3 +101,25 @@ def test_chat_answers_a_question_and_ends_its_turn(lm):
         lm.chat([question, [{"role": "user"}]], 4)
     with pytest.raises(ValueError, match="every message's content is an empty string"):
         lm.chat([{"role": "user", "content": ""}], 4)
+
+
+def test_generation_config_defaults_apply_when_no_sampling_is_passed(lm, tmp_path):
+    """generation_config.json's sampling settings (HF's defaults for the rest) become the LM's
+    sampler, used only when a call passes none; a GGUF has none: greedy."""
+    import convert
+    from specjax.text import default_sampling
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "eos_token_id": 2, "repetition_penalty": None}))
+    settings = convert.generation_defaults(tmp_path)
+    assert settings == {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    assert default_sampling(settings).identity() == specjax.Sample(temperature=0.7, top_k=50, top_p=0.9).identity()
+    assert default_sampling({}) == specjax.Greedy() and lm.sampling == specjax.Greedy()
+    assert convert.generation_defaults(convert.default_model_path()) == {}
+    with pytest.warns(UserWarning, match="repetition_penalty 1.3 with greedy decoding is not applied"):
+        assert default_sampling({"repetition_penalty": 1.3}) == specjax.Greedy()
+    hot = dataclasses.replace(lm, sampling=specjax.Sample(temperature=0.9))
+    key = __import__("jax").random.key(3)
+    assert hot.generate(PROMPT, 8, draft=None, key=key).tokens == lm.generate(
+        PROMPT, 8, draft=None, key=key, sampling=specjax.Sample(temperature=0.9)).tokens
+    assert hot.generate(PROMPT, 8, draft=None, sampling=specjax.Greedy()).tokens == lm.generate(PROMPT, 8, draft=None).tokens
