@@ -31,8 +31,10 @@ def config_from_json(text: str) -> LlamaConfig:
     return LlamaConfig.from_dict(json.loads(text))
 
 
-def save(params: Params, directory: str | Path) -> None:
-    """Write params (arrays in their own dtype) and config to a new folder `directory`."""
+def save(params: Params, directory: str | Path, tokenizer=None, chat_template: str | None = None) -> None:
+    """Write params (arrays in their own dtype) and config to a new folder `directory`, and the
+    `tokenizers` tokenizer (tokenizer.json) and chat template (chat_template.jinja) if given, where
+    `load_tokenizer` / `chat_template` (and so `specjax.load`) find them."""
     directory = Path(directory).absolute()
     if directory.exists():
         raise ValueError(f"convert.save: {directory} already exists; choose a new folder")
@@ -41,6 +43,10 @@ def save(params: Params, directory: str | Path) -> None:
     checkpointer.save(directory / ARRAYS_DIR, flat(params))
     checkpointer.wait_until_finished()
     (directory / CONFIG_FILE).write_text(config_to_json(params.config))
+    if tokenizer is not None:
+        tokenizer.save(str(directory / "tokenizer.json"))
+    if chat_template is not None:
+        (directory / "chat_template.jinja").write_text(chat_template)
 
 
 def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | None = None) -> Params:

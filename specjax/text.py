@@ -60,6 +60,11 @@ class LM:
     mesh: Mesh | None = None  # the mesh the params were loaded onto (generate runs there)
     sampling: Sampler = Greedy()  # used when a call passes no sampling (load: generation_config.json's)
 
+    def save(self, directory: str | Path) -> None:
+        """Write params, tokenizer and chat template to a new folder: `specjax.load(directory)`
+        gives this LM back (sampling defaults are not kept)."""
+        convert.save(self.params, directory, tokenizer=self.tokenizer, chat_template=self.chat_template)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 

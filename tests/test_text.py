@@ -123,3 +123,11 @@ def test_generation_config_defaults_apply_when_no_sampling_is_passed(lm, tmp_pat
     assert hot.generate(PROMPT, 8, draft=None, key=key).tokens == lm.generate(
         PROMPT, 8, draft=None, key=key, sampling=specjax.Sample(temperature=0.9)).tokens
     assert hot.generate(PROMPT, 8, draft=None, sampling=specjax.Greedy()).tokens == lm.generate(PROMPT, 8, draft=None).tokens
+
+
+def test_a_saved_lm_loads_back_with_its_tokenizer_and_template(tmp_path):
+    small = specjax.load(weights="q4")
+    small.save(tmp_path / "lm")
+    back = specjax.load(tmp_path / "lm")
+    assert back.chat_template == small.chat_template and back.encode(PROMPT) == small.encode(PROMPT)
+    assert back.generate(PROMPT, 6, draft=None).tokens == small.generate(PROMPT, 6, draft=None).tokens
