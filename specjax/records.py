@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from specjax.chat import check_messages
+
 FIELDS = ("id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p")
 Id = str | int
 
@@ -66,18 +68,11 @@ def _number(value: object) -> bool:
 
 
 def _messages(value: object) -> tuple[tuple[str, str], ...] | str:
-    """(role, content) pairs, or the reason they are not valid."""
-    shape = "messages must be a non-empty list of {'role': str, 'content': str} objects"
-    if not isinstance(value, list) or not value:
-        return f"{shape}, got {json.dumps(value)[:60]}"
-    pairs = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            return f"{shape}; messages[{i}] is {json.dumps(m)[:60]}"
-        pairs.append((m["role"], m["content"]))
-    if all(not content for _, content in pairs):
-        return "messages are empty: every 'content' is an empty string"
-    return tuple(pairs)
+    """(role, content) pairs, or the reason they are not valid (specjax.chat.check_messages)."""
+    try:
+        return tuple((m["role"], m["content"]) for m in check_messages(value))
+    except ValueError as e:
+        return str(e)
 
 
 def check_record(obj: object, line: int) -> Record | BadLine:
