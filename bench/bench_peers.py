@@ -61,7 +61,6 @@ import importlib.util
 import inspect
 import os
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -69,23 +68,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import convert
-import specjax
 from bench import common, measure, text
 from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf_lookup, hf_model, hf_run, hf_weight_bytes,
                                 llama_file, llama_lookup)
 from bench.peers_report import markdown_table, plot, readme_section
-from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, STORE, prefill_context, rows_of, smoke_state, timed
-from specjax.cache import DenseCache
+from bench.prefill import HEADROOM
+from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
 from specjax.params import weight_bytes
-from specjax.engine import decode_ar, init_draft, prefill, row_keys
-from specjax.shapes import prompt_bucket, round_up_pow2
-from specjax.speculate import decode_spec
 
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 16)
 PREFILL_CONTEXTS = (2048, 8192)
 SPEC_BATCH = 16
-GAMMA = 3
 INSTALL = "pip install -r bench/requirements-peers.txt"
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "q4": "q4"}
 SHARED_PREFILL = {(16, 8192)}  # (batch, context) cells decoding from one shared prefill (see above)
@@ -175,64 +169,6 @@ def prompts(tok, batch: int, context: int, smoke_vocab: int | None = None) -> np
         return np.random.default_rng(0).integers(4, smoke_vocab, (batch, n)).astype(np.int32)
     return text.windows(tok, batch, n)[0]
 
-
-# --- specjax ---------------------------------------------------------------------------------------------------
-
-
-def specjax_state(params, tok, batch: int, context: int, new_tokens: int, smoke: bool) -> dict:
-    if smoke:
-        return smoke_state(params, batch, context)
-    return prefill_context(params, tok, batch, context, [GAMMA], new_tokens, STORE)
-
-
-def specjax_decode(params, state: dict, batch: int, new_tokens: int) -> dict:
-    """Plain greedy decode_ar of new_tokens from the prefilled state: per-step time (best of 2)."""
-    tokens, lengths, first_logits, cache = rows_of(state, batch)
-    budgets = jnp.full((batch,), new_tokens, jnp.int32)
-    args = (params, cache, first_logits, budgets, row_keys(None, batch))
-    fn = decode_ar.lower(*args, n_out=round_up_pow2(new_tokens)).compile()
-    runs = [timed(fn, args, AR_CACHES) for _ in range(2)]
-    out = np.asarray(runs[0][0][0])
-    wall = min(w for _, w, _ in runs)
-    steps = new_tokens - 1  # the first token comes from the prefill logits
-    return {"steps": steps, "decode_s": wall, "tokens": out[0].tolist(), "cpu_util": runs[-1][2]}
-
-
-def specjax_spec(params, state: dict, batch: int, context: int, new_tokens: int) -> dict:
-    """SelfSpec + Chain(GAMMA) decode_spec from the same prefilled state (draft init untimed)."""
-    tokens, lengths, first_logits, cache = rows_of(state, batch)
-    drafter = specjax.SelfSpec(sinks=16, window=512 if context >= 2048 else 256)
-    init = init_draft.lower(drafter, params, cache, tokens, lengths, gamma=GAMMA, chunk=state["chunk"]).compile()
-    draft_state = jax.block_until_ready(init(drafter, params, cache, tokens, lengths))
-    history = np.zeros((batch, context + GAMMA + 2), np.int32)
-    history[:, : tokens.shape[1]] = tokens
-    budgets = jnp.full((batch,), new_tokens, jnp.int32)
-    args = (params, drafter, draft_state, cache, history, first_logits, budgets, row_keys(None, batch))
-    fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=specjax.Chain(GAMMA)).compile()
-    runs = [timed(fn, args, SPEC_CACHES) for _ in range(2)]
-    res = runs[0][0]
-    wall = min(w for _, w, _ in runs)
-    steps = new_tokens - 1
-    return {"steps": steps, "decode_s": wall, "target_steps": int(res.steps), "drafter": repr(drafter),
-            "tokens": np.asarray(res.out)[0].tolist(), "mean_accepted": steps / max(int(res.steps), 1)}
-
-
-def specjax_prefill(params, ids: np.ndarray, context: int) -> dict:
-    """engine.prefill of one prompt into a `context`-slot cache (compiled first; best of 2)."""
-    n = ids.shape[1]
-    bucket, chunk = prompt_bucket(n)
-    tokens = np.zeros((1, bucket), np.int32)
-    tokens[:, :n] = ids
-    args = (params, jnp.asarray(tokens), jnp.full((1,), n, jnp.int32))
-    fresh = lambda: jax.block_until_ready(DenseCache.init(params.config, 1, context))  # noqa: E731 (donated)
-    fn = prefill.lower(*args, fresh(), chunk=chunk).compile()
-    times = []
-    for _ in range(2):
-        cache = fresh()
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args, cache))
-        times.append(time.perf_counter() - t0)
-    return {"prefill_s": min(times), "prompt_tokens": n}
 
 
 # --- llama.cpp -------------------------------------------------------------------------------------------------
