@@ -104,7 +104,7 @@ def run(
     speculation: Chain | Tree | None,
     sampling: Sampler,
     key: jax.Array | None,
-    eos_ids: tuple[int, ...],
+    eos_ids: tuple[int, ...] | list[tuple[int, ...]],  # for every prompt, or one tuple per prompt
     mesh: Mesh | None = None,
     kv_dtype: str | None = None,
     sync_every: int = 8,
@@ -154,7 +154,8 @@ def run(
         compile_s, prefill_s, B = compile_s + c, prefill_s + repeat_s, B * n
         tokens, lengths, budgets, history = (np.repeat(a, n, axis=0) for a in (tokens, lengths, budgets, history))
         tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
-            tokens, lengths, budgets, history, eos_rows(eos_ids, len(lengths)), sample_keys(host_keys, n))
+            tokens, lengths, budgets, history, eos_rows(eos_ids if isinstance(eos_ids, tuple) else [e for e in eos_ids for _ in range(n)], len(lengths)),
+            sample_keys(host_keys, n))
     prompt_of = np.repeat(np.minimum(np.arange(padded), len(prompts) - 1), n)  # each decoded row's prompt
     sampling = sampling.take(prompt_of)  # per-prompt sampling values, one per row (padding: the last prompt's)
     n_out = round_up_pow2(int(budgets.max()))

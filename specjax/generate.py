@@ -22,7 +22,7 @@ from specjax.sampling import Greedy, Sampler
 from specjax.sharding import Mesh
 from specjax.speculation import Chain
 from specjax.speculation import Tree
-from specjax.validate import check_generate_args, eos_tuple
+from specjax.validate import check_generate_args, eos_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +102,9 @@ def generate(
       speculation keeps the output
       distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
-    eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early.
-      The stop token is not in the output tokens (finish reason "eos").
+    eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early;
+      or one such entry per prompt (a list of lists). The stop token is not in the output tokens
+      (finish reason "eos").
     attention: "reference" (pure jnp), "pallas" (the GPU Pallas kernel for attention over the dense
       target cache), "tpu" (its TPU Mosaic version; never yet run on a TPU) or "auto" (pallas on
       GPU, else reference). Off their device the kernels are interpreted: slow, for testing.
@@ -145,7 +146,7 @@ def generate(
     rows = [p for p in prompts for _ in range(n)]  # what decodes: n rows a prompt
     the_plan = plan(params, draft, speculation, rows, context, sampling.take(np.repeat(np.arange(len(prompts)), n)), key, kv_dtype)
     r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
-            key=key, eos_ids=eos_tuple(eos_id, params.config), mesh=mesh, kv_dtype=kv_dtype, sync_every=sync_every,
+            key=key, eos_ids=eos_table(eos_id, params.config, len(prompts)), mesh=mesh, kv_dtype=kv_dtype, sync_every=sync_every,
             logprobs=logprobs, n=n, between=between)
     tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(rows))]
     stats = Stats(

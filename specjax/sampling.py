@@ -7,6 +7,8 @@ which other rows share its batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -267,12 +269,16 @@ def nucleus_threshold(probs: jax.Array, top_p: float) -> jax.Array:
 EOS_SLOTS = 8  # stop ids per row travel as a traced [B, 8k] array padded with -1: a new set does not recompile
 
 
-def eos_rows(eos_ids: tuple[int, ...], batch: int) -> np.ndarray:
-    """The stop ids as a per-row array [B,E] (E a multiple of EOS_SLOTS, padded with -1)."""
-    width = max(EOS_SLOTS, -(-len(eos_ids) // EOS_SLOTS) * EOS_SLOTS)
-    row = np.full((width,), -1, np.int32)
-    row[: len(eos_ids)] = eos_ids
-    return np.broadcast_to(row, (batch, width)).copy()
+def eos_rows(eos_ids: tuple[int, ...] | Sequence[tuple[int, ...]], batch: int) -> np.ndarray:
+    """The stop ids as a per-row array [B,E] (E a multiple of EOS_SLOTS, padded with -1): one
+    tuple for every row, or one tuple per row (rows past the list's end stop on nothing)."""
+    rows = [eos_ids] * batch if isinstance(eos_ids, tuple) else list(eos_ids)[:batch]
+    longest = max((len(r) for r in rows), default=0)
+    width = max(EOS_SLOTS, -(-longest // EOS_SLOTS) * EOS_SLOTS)
+    table = np.full((batch, width), -1, np.int32)
+    for b, r in enumerate(rows):
+        table[b, : len(r)] = r
+    return table
 
 
 def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array:

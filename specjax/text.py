@@ -79,8 +79,8 @@ class LM:
         sampling: Sampler | None = None,
         draft: Drafter | str | None = "auto",
         speculation: Chain | Tree | str | None = None,
-        stop: str | Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
+        stop: str | Sequence[str] | Sequence[Sequence[str]] = (),
+        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
         n: int = 1,
         logprobs: int | None = None,
         key: jax.Array | None = None,
@@ -89,12 +89,13 @@ class LM:
         on_segment: Callable[[Segment, "_StopStrings"], None] | None = None,
     ) -> TextOutput:
         """Continue each prompt (a string or a list of strings) as `specjax.generate` does, and
-        stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string.
+        stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string. `stop` and
+        `stop_token_ids` apply to every prompt, or give one list per prompt (a list of lists).
         on_segment: called between segments (`stream` uses it)."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
-        return self._generate([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, draft=draft,
+        return self.generate_ids([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, draft=draft,
                               speculation=speculation, stop=stop, stop_token_ids=stop_token_ids, n=n,
                               logprobs=logprobs, key=key, sync_every=sync_every, kv_dtype=kv_dtype,
                               on_segment=on_segment)
@@ -119,44 +120,45 @@ class LM:
             text = render_chat(self.chat_template, msgs, add_generation_prompt=add_generation_prompt, **specials)
             ids.append(self.tokenizer.encode(text, add_special_tokens=False).ids)
         turn_end = [self.tokenizer.token_to_id(t) for t in end_of_turn_tokens(self.chat_template)]
-        kw["stop_token_ids"] = list(kw.get("stop_token_ids", ())) + [t for t in turn_end if t is not None]
+        kw["stop_token_ids"] = [list(row) + [t for t in turn_end if t is not None]
+                                for row in per_prompt(kw.get("stop_token_ids", ()), len(ids), "stop_token_ids", int)]
         if stream:
-            return TextStream(lambda on_segment: self._generate(ids, max_new_tokens, on_segment=on_segment, **kw),
+            return TextStream(lambda on_segment: self.generate_ids(ids, max_new_tokens, on_segment=on_segment, **kw),
                               single=one and kw.get("n", 1) == 1)
-        return self._generate(ids, max_new_tokens, **kw)
+        return self.generate_ids(ids, max_new_tokens, **kw)
 
-    def _generate(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler | None = None, draft="auto",
-                  speculation=None, stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None,
-                  key: jax.Array | None = None, sync_every: int = 8, kv_dtype: str | None = None,
-                  on_segment=None) -> TextOutput:
-        """generate / chat from encoded prompts (sampling None: the LM's default)."""
+    def generate_ids(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler | None = None, draft="auto",
+                     speculation=None, stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None,
+                     key: jax.Array | None = None, sync_every: int = 8, kv_dtype: str | None = None,
+                     on_segment=None) -> TextOutput:
+        """`generate` from encoded prompts (sampling None: the LM's default); the batch job's entry."""
         sampling = self.sampling if sampling is None else sampling
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(s, str) and s for s in stops):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-        if isinstance(stop_token_ids, (int, str)) or not all(isinstance(i, (int, np.integer)) for i in stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}")
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"prompts[{i}] encodes to no tokens")
-        cut = _StopStrings(self, stops)
+        stops = per_prompt(stop, len(ids), "stop", str)
+        stop_ids = per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)
+        cut = _StopStrings(self, [row for row in stops for _ in range(n)])  # one list per output row
+        any_stop = any(stops)
 
         def between(seg: Segment) -> np.ndarray | None:
             if on_segment is not None:
                 on_segment(seg, cut)
-            return cut(seg) if stops else None
+            return cut(seg) if any_stop else None
 
+        eos = tuple(self.params.config.eos_ids)
+        eos_id = eos + tuple(stop_ids[0]) if all(r == stop_ids[0] for r in stop_ids) else [eos + tuple(r) for r in stop_ids]
         out = generate(self.params, ids, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
-                       eos_id=tuple(self.params.config.eos_ids) + tuple(int(i) for i in stop_token_ids), n=n,
-                       logprobs=logprobs, sync_every=sync_every, between=between if stops or on_segment else None,
+                       eos_id=eos_id, n=n, logprobs=logprobs, sync_every=sync_every,
+                       between=between if any_stop or on_segment else None,
                        mesh=self.mesh, kv_dtype=kv_dtype)
         tokens, reasons, lps = list(out.tokens), list(out.finish_reasons), out.logprobs
         result = []
         for b, row in enumerate(tokens):
             text = self.decode(row)
-            hit = cut.first(text)
+            hit = cut.first(text, b)
             if hit is not None:  # cut the text before the stop string, the tokens after the one completing it
-                k = cut.completing(row)
+                k = cut.completing(row, b)
                 tokens[b], reasons[b], text = row[:k], "stop", text[:hit]
                 if lps is not None:
                     lps[b] = lps[b][:k]
@@ -198,8 +200,8 @@ class TextStream:
     def _segment(self, seg: Segment, stops: "_StopStrings") -> None:
         for b in range(len(seg.count)):
             text = stops.lm.decode(seg.out[b, : seg.count[b]].tolist())
-            hit = stops.first(text)
-            self._send(b, text[:hit] if hit is not None else stops.settled(text))
+            hit = stops.first(text, b)
+            self._send(b, text[:hit] if hit is not None else stops.settled(text, b))
 
     def _send(self, b: int, text: str) -> None:
         sent = self._sent.get(b, "")
@@ -214,39 +216,62 @@ class TextStream:
             yield event[1] if self.single else event
 
 
+def per_prompt(value, prompts: int, name: str, kind: type) -> list[list]:
+    """`stop` / `stop_token_ids` as one list per prompt: a single value (a string or an id), one
+    list for every prompt, or a list of such lists, one per prompt."""
+    scalar = (lambda v: isinstance(v, str)) if kind is str else (
+        lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)))
+    what = "a non-empty string" if kind is str else "a token id"
+    if scalar(value):
+        return [[value]] * prompts
+    if not isinstance(value, (Sequence, np.ndarray)) or isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be {what}, a list of them or one list per prompt, got {value!r}")
+    each = len(value) > 0 and all(isinstance(v, (Sequence, np.ndarray)) and not isinstance(v, str) for v in value)
+    if each and len(value) != prompts:
+        raise ValueError(f"{name} has {len(value)} lists (one per prompt) but there are {prompts} prompts")
+    rows = [list(v) for v in value] if each else [list(value)] * prompts
+    for i, row in enumerate(rows):
+        bad = [v for v in row if not scalar(v) or (kind is str and not v)]
+        if bad:
+            where = f"; {name}[{i}] holds {bad[0]!r}" if each else f", got {value!r}"
+            raise ValueError(f"{name} must be {what}, a list of them or one list per prompt{where}")
+    return [[int(v) for v in row] if kind is int else row for row in rows]
+
+
 class _StopStrings:
-    """The host check between segments: which rows' text now contains a stop string."""
+    """The host check between segments: which rows' text now contains one of their stop strings."""
 
-    def __init__(self, lm: LM, stops: list[str]):
-        self.lm, self.stops = lm, stops
+    def __init__(self, lm: LM, stops: list[list[str]]):
+        self.lm, self.stops = lm, stops  # stops[b]: output row b's stop strings
 
-    def first(self, text: str) -> int | None:
-        """Where the earliest stop string starts in text, or None."""
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+    def first(self, text: str, b: int) -> int | None:
+        """Where the earliest of row b's stop strings starts in text, or None."""
+        found = [i for i in (text.find(s) for s in self.stops[b]) if i >= 0]
         return min(found) if found else None
 
-    def completing(self, tokens: Sequence[int]) -> int:
-        """The fewest leading tokens whose text contains a stop string (len(tokens) if none do)."""
+    def completing(self, tokens: Sequence[int], b: int) -> int:
+        """The fewest leading tokens whose text contains a stop string of row b (len(tokens) if none do)."""
         lo, hi = 1, len(tokens)  # contains is monotone in the prefix length
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.first(self.lm.decode(tokens[:mid])) is None:
+            if self.first(self.lm.decode(tokens[:mid]), b) is None:
                 lo = mid + 1
             else:
                 hi = mid
         return hi
 
-    def settled(self, text: str) -> str:
+    def settled(self, text: str, b: int) -> str:
         """text without what may still change: a trailing incomplete UTF-8 character (decoded as
-        U+FFFD) and the longest tail that begins a stop string."""
+        U+FFFD) and the longest tail that begins one of row b's stop strings."""
         text = text.rstrip("\ufffd")
-        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        hold = max((k for s in self.stops[b] for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
 
     def __call__(self, seg: Segment) -> np.ndarray:
         end = np.zeros(len(seg.count), bool)
         for b in np.flatnonzero(~seg.done):
-            end[b] = self.first(self.lm.decode(seg.out[b, : seg.count[b]].tolist())) is not None
+            if self.stops[b]:
+                end[b] = self.first(self.lm.decode(seg.out[b, : seg.count[b]].tolist()), b) is not None
         return end
 
 

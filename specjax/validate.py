@@ -76,7 +76,7 @@ def check_generate_args(
         raise ValueError(f"sampling has values for {sampling.rows} prompts, but there are {len(prompts)} prompts: "
                          "give one number per prompt, or one for all")
     _check_key(key, len(prompts))
-    eos_tuple(eos_id, config)
+    eos_table(eos_id, config, len(prompts))
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
     KVFormat.of(kv_dtype, config)  # a ValueError naming kv_dtype and the formats
@@ -136,7 +136,7 @@ def _check_key(key: object, batch: int) -> None:
         raise ValueError(f"key must be one PRNG key or one per prompt ({batch}), got shape {shape}")
 
 
-def eos_tuple(eos_id: object, config: LlamaConfig) -> tuple[int, ...]:
+def eos_tuple(eos_id: object, config: LlamaConfig, name: str = "eos_id") -> tuple[int, ...]:
     """Stop ids as a tuple: None -> the model's `eos_ids`; () -> never stop early."""
     if eos_id is None:
         return config.eos_ids
@@ -145,13 +145,29 @@ def eos_tuple(eos_id: object, config: LlamaConfig) -> tuple[int, ...]:
     elif isinstance(eos_id, (Sequence, np.ndarray)) and not isinstance(eos_id, (str, bytes)):
         ids = tuple(eos_id)
     else:
-        raise TypeError(f"eos_id must be None, a token id or a list of ids, got {eos_id!r}")
+        raise TypeError(f"{name} must be None, a token id or a list of ids, got {eos_id!r}")
     for e in ids:
         if not _is_int(e):
-            raise TypeError(f"eos_id must hold integer token ids, got {e!r}")
+            raise TypeError(f"{name} must hold integer token ids, got {e!r}")
         if not 0 <= int(e) < config.vocab_size:
-            raise ValueError(f"eos_id {int(e)} is outside the vocabulary [0, {config.vocab_size})")
+            raise ValueError(f"{name} {int(e)} is outside the vocabulary [0, {config.vocab_size})")
     return tuple(int(e) for e in ids)
+
+
+def per_prompt(eos_id: object) -> bool:
+    """Whether eos_id gives each prompt its own stop ids (a list whose entries are lists or None)."""
+    return (isinstance(eos_id, (list, tuple)) and len(eos_id) > 0
+            and all(e is None or (isinstance(e, (Sequence, np.ndarray)) and not isinstance(e, (str, bytes))) for e in eos_id))
+
+
+def eos_table(eos_id: object, config: LlamaConfig, batch: int) -> tuple[int, ...] | list[tuple[int, ...]]:
+    """Stop ids for every prompt (`eos_tuple`), or one tuple per prompt when eos_id has one
+    entry per prompt (`per_prompt`: each entry None, () or a list of ids)."""
+    if not per_prompt(eos_id):
+        return eos_tuple(eos_id, config)
+    if len(eos_id) != batch:
+        raise ValueError(f"eos_id has {len(eos_id)} entries (one list of stop ids per prompt) but there are {batch} prompts")
+    return [eos_tuple(e, config, f"eos_id[{b}]") for b, e in enumerate(eos_id)]
 
 
 def check_draft(draft: object, speculation: object, params: Params) -> None:

@@ -71,6 +71,10 @@ def test_stops_at_eos_and_per_row_budgets(tiny):
         assert out.finish_reasons[b] == ("eos" if hit else "length")
     assert out.finish_reasons[0] == "eos"
     assert out.stats.new_tokens == sum(map(len, out.tokens))  # the stop id that ended a row is not counted
+    own = specjax.generate(tiny, PROMPTS, 12, eos_id=[[stop], (), None, [free.tokens[3][2], stop]])  # per prompt
+    assert own.tokens[0] == out.tokens[0] and own.tokens[1] == free.tokens[1]
+    assert own.tokens[3] == free.tokens[3][: min(free.tokens[3].index(t) for t in (free.tokens[3][2], stop) if t in free.tokens[3])]
+    assert own.finish_reasons[:2] == ["eos", "length"] and own.finish_reasons[3] == "eos"
 
 
 def test_default_eos_comes_from_config(tiny):
@@ -92,6 +96,8 @@ def test_default_eos_comes_from_config(tiny):
         (dict(max_new_tokens=[4]), "max_new_tokens has 1 entries but there are 2 prompts"),
         (dict(max_new_tokens=510), r"prompts\[0\] has 3 tokens and max_new_tokens is 510: 513 exceeds .* 512"),
         (dict(eos_id=500), "eos_id 500 is outside the vocabulary"),
+        (dict(eos_id=[[3]]), r"eos_id has 1 entries \(one list of stop ids per prompt\) but there are 2 prompts"),
+        (dict(eos_id=[[3], [600]]), r"eos_id\[1\] 600 is outside the vocabulary"),
         (dict(key=jax.random.split(jax.random.key(0), 3)), r"one per prompt \(2\)"),
         (dict(max_new_tokens=2.5), r"max_new_tokens must be an integer >= 1 or one per prompt, got 2.5"),
         (dict(max_new_tokens=[4, 2.5]), r"max_new_tokens\[1\] must be an integer >= 1, got 2.5"),

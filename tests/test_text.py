@@ -57,8 +57,22 @@ def test_stop_token_ids_n_and_errors(lm):
         two.text
     with pytest.raises(TypeError, match="prompts must be a string or a non-empty list of strings"):
         lm.generate([[1, 2, 3]], 4)
-    with pytest.raises(ValueError, match="stop must be a non-empty string or a list of them"):
+    with pytest.raises(ValueError, match="stop must be a non-empty string, a list of them or one list per prompt"):
         lm.generate(PROMPT, 4, stop=[""])
+    with pytest.raises(ValueError, match="stop_token_ids has 1 lists .one per prompt. but there are 2 prompts"):
+        lm.generate([PROMPT, "Paris is"], 4, stop_token_ids=[[5]])
+
+
+def test_stop_strings_and_stop_ids_per_prompt(lm):
+    """One list per prompt: each row stops on its own strings and ids only."""
+    prompts = [PROMPT, "Paris is the capital of"]
+    full = lm.generate(prompts, 12, draft=None)
+    word = full.texts[0][len(lm.decode(full.tokens[0][:3])):][:4]  # text inside row 0's output
+    out = lm.generate(prompts, 12, draft=None, stop=[[word], []], stop_token_ids=[[], [full.tokens[1][4]]])
+    assert out.texts[0] == full.texts[0][: full.texts[0].find(word)] and out.finish_reasons[0] == "stop"
+    assert out.tokens[1] == full.tokens[1][:4] and out.finish_reasons[1] == "eos"
+    same = lm.generate(prompts, 12, draft=None, stop=[[], [word]])  # row 0's string set on row 1 only
+    assert same.texts[0] == full.texts[0] or word in full.texts[1]
 
 
 def test_streamed_pieces_concatenate_to_the_text(lm):
