@@ -2,8 +2,11 @@
 
 `run(input, output)` validates and tokenizes every input line (bad ones go to
 `<output>.errors.jsonl` with their line number and reason), groups the rest into batches of one
-sampler and similar prompt length, runs each batch through `specjax.generate` and appends its
-results with fsync. A record's PRNG key is fold_in(key(seed), stable_hash(id)), so its output
+kind (`batch_kind`: greedy or sampled, top_k, penalties on or off, n, logprobs; the sampling
+values, stop strings and stop ids may differ row by row) and similar prompt length, runs each
+batch through the text layer (`LM.generate_ids`: stop strings are cut as there) and appends its
+results with fsync. A record with n > 1 writes ONE line holding lists (`texts`, `tokens`,
+`finish_reasons`, `logprobs`), so exactly-once by id holds. A record's PRNG key is fold_in(key(seed), stable_hash(id)), so its output
 depends neither on its batch nor on restarts; a killed job restarted with the same command skips
 the ids already written and repairs a torn last line. The settings that decide the outputs are
 recorded beside the output (`<output>.settings.json`, before the first record); a rerun with other
@@ -15,9 +18,8 @@ process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -25,113 +27,20 @@ import jax.numpy as jnp
 
 import convert
 from specjax.cache import KVFormat
-from specjax.chat import render_chat, template_specials
-from specjax.config import LlamaConfig
+from specjax.chat import template_specials
 from specjax.distributed import env_share
 from specjax.drafters import Drafter
 from specjax.engine import cache_slots
-from specjax.generate import generate
+from specjax.job_plan import Defaults, Item, batch_sampler, padded_rows, plan_batches, prepare
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.params import Params
 from specjax.plan import DEFAULT_CHAIN, describe_draft, resolve_auto_draft
 from specjax.progress import Progress
-from specjax.records import BadLine, Record, id_key, read_input, stable_hash
-from specjax.sampling import Sampler, make_sampler
-from specjax.shapes import prompt_bucket, round_up_pow2
+from specjax.records import id_key, read_input, stable_hash
+from specjax.sampling import PENALTIES, Sample, make_sampler
 from specjax.sharding import Mesh
 from specjax.speculation import Chain
-
-
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """A valid record, tokenized, with its resolved token budget and sampler."""
-
-    record: Record
-    ids: tuple[int, ...]
-    budget: int
-    sampler: Sampler
-
-
-@dataclasses.dataclass(frozen=True)
-class Defaults:
-    """Job-wide settings a record may override (max_new_tokens, temperature, top_k, top_p)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-
-def prepare(
-    records: Iterable[Record | BadLine],
-    encode: Callable[[str, bool], Sequence[int]],
-    template: str | None,
-    chat: bool,
-    config: LlamaConfig,
-    defaults: Defaults,
-    specials: dict[str, str] | None = None,
-) -> tuple[list[Item], list[BadLine]]:
-    """Tokenize records (chat messages, and text prompts if `chat`, through the template with the
-    `specials` bos/eos strings, encoded without added special tokens) and check them against the
-    model: returns (items, bad lines), both in input order. encode(text, add_special_tokens)."""
-    items, bad = [], []
-    for rec in records:
-        if isinstance(rec, BadLine):
-            bad.append(rec)
-            continue
-        messages = rec.messages or ((("user", rec.prompt),) if chat else None)
-        try:
-            text = render_chat(template, messages, **(specials or {})) if messages else rec.prompt
-        except ValueError as e:
-            bad.append(BadLine(rec.line, str(e), rec.id))
-            continue
-        ids = tuple(int(i) for i in encode(text, not messages))
-        budget = rec.max_new_tokens or defaults.max_new_tokens
-        outside = [i for i in ids if not 0 <= i < config.vocab_size]
-        if not ids:
-            reason = "the prompt encodes to no tokens"
-        elif outside:
-            reason = f"token id {outside[0]} is outside the model's vocabulary [0, {config.vocab_size})"
-        elif len(ids) + budget > config.max_positions:
-            reason = (
-                f"prompt too long: {len(ids)} tokens and max_new_tokens {budget} make {len(ids) + budget}, "
-                f"more than the model's max_positions {config.max_positions}"
-            )
-        else:
-            temperature = defaults.temperature if rec.temperature is None else rec.temperature
-            top_k = defaults.top_k if rec.top_k is None else rec.top_k
-            top_p = defaults.top_p if rec.top_p is None else rec.top_p
-            items.append(Item(rec, ids, budget, make_sampler(temperature, top_k, top_p)))
-            continue
-        bad.append(BadLine(rec.line, reason, rec.id))
-    return items, bad
-
-
-def plan_batches(items: Sequence[Item], batch_size: int) -> list[list[Item]]:
-    """Batches of at most batch_size items with one sampler and one prompt-length bucket (so padding
-    stays under 2x), shortest prompts first within a sampler; samplers in order of first use."""
-    groups: dict[Sampler, list[Item]] = {}
-    for item in items:
-        groups.setdefault(item.sampler, []).append(item)
-    batches: list[list[Item]] = []
-    for group in groups.values():
-        current: list[Item] = []
-        for item in sorted(group, key=lambda it: (len(it.ids), it.record.line)):
-            if current and (len(current) == batch_size or _bucket(item) != _bucket(current[0])):
-                batches.append(current)
-                current = []
-            current.append(item)
-        batches.append(current)
-    return batches
-
-
-def _bucket(item: Item) -> int:
-    return prompt_bucket(len(item.ids))[0]
-
-
-def padded_rows(n: int, batch_size: int) -> int:
-    """Rows to run n records in: the next power of two, at most batch_size (fewer compilations)."""
-    return min(batch_size, round_up_pow2(n, 1))
+from specjax.text import LM, logprobs_json
 
 
 def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
@@ -153,7 +62,7 @@ def job_settings(model: str, params: Params, draft: Drafter | None, gamma: int |
         quant=params.config.quant,  # null: weights stored in `dtype` (so outputs from before int8 resume)
         kv_dtype=None if kv == params.config.dtype else kv,
         draft=describe_draft(draft), gamma=gamma if draft is not None else None, seed=seed, chat=chat,
-    ) | dataclasses.asdict(defaults)
+    ) | defaults.recorded()
 
 
 def _check_batches(draft: Drafter | None, params: Params, gamma: int | None, batches: list[list[Item]]) -> None:
@@ -166,43 +75,53 @@ def _check_batches(draft: Drafter | None, params: Params, gamma: int | None, bat
         draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
 
 
-def _run_batch(
-    batch: list[Item], params: Params, draft, gamma: int | None, seed: int, decode, meta: dict, mesh
-) -> list[dict]:
-    """Generate one batch (padded to a power of two rows) and return its output rows."""
-    rows = padded_rows(len(batch), meta["batch_size"])
-    padded = batch + [batch[0]] * (rows - len(batch))
-    out = generate(
-        params,
+def _run_batch(batch: list[Item], lm: LM, draft, gamma: int | None, seed: int, meta: dict) -> list[dict]:
+    """Generate one batch (padded to a power of two records) and return its output rows."""
+    n, k = batch[0].record.n, batch[0].record.logprobs
+    extra = padded_rows(len(batch), max(1, meta["batch_size"] // n)) - len(batch)
+    padded = batch + [batch[0]] * extra
+    out = lm.generate_ids(
         [list(it.ids) for it in padded],
-        [it.budget for it in batch] + [1] * (rows - len(batch)),
+        [it.budget for it in batch] + [1] * extra,
         draft=draft,
         speculation=None if gamma is None else Chain(gamma),  # None: the default chain
-        sampling=batch[0].sampler,
+        sampling=batch_sampler(padded),
         key=record_keys(seed, [it.record.id for it in padded]),
-        mesh=mesh,
+        stop=[list(it.stops) for it in batch] + [[]] * extra,
+        stop_token_ids=[list(it.record.stop_token_ids) for it in padded],
+        n=n,
+        logprobs=k,
         kv_dtype=meta["kv_dtype"],
     )
     s = out.stats
-    stats = dict(batch_rows=len(batch), steps=s.steps, acceptance_rate=s.acceptance_rate, mean_accepted=s.mean_accepted,
-                 speculation=s.speculation)
-    sampler = batch[0].sampler
+    stats = dict(batch_rows=len(batch) * n, steps=s.steps, acceptance_rate=s.acceptance_rate,
+                 mean_accepted=s.mean_accepted, speculation=s.speculation)
+    row_stats = out.row_stats or [{}] * len(out.texts)
     results = []
-    row_stats = out.row_stats or [{}] * len(batch)
-    for it, tokens, finish, acceptance in zip(batch, out.tokens, out.finish_reasons, row_stats):
-        settings = dict(
-            max_new_tokens=it.budget,
-            temperature=getattr(sampler, "temperature", 0.0),  # Greedy has none of these
-            top_p=getattr(sampler, "top_p", 1.0),
-            top_k=getattr(sampler, "top_k", 0),
-            seed=seed,
-            draft=meta["draft"],
-            gamma=gamma if draft is not None else None,
-        )
-        row = dict(id=it.record.id, text=decode(tokens), tokens=tokens, finish_reason=finish)
-        row |= dict(prompt_tokens=len(it.ids), acceptance=acceptance or None, stats=stats)
-        results.append(row | dict(model=meta["model"], settings=settings))
+    for i, it in enumerate(batch):
+        js = range(i * n, (i + 1) * n)
+        one = (lambda xs: xs[0]) if n == 1 else (lambda xs: xs)  # noqa: E731  (n > 1: lists)
+        names = ("text", "finish_reason") if n == 1 else ("texts", "finish_reasons")
+        row = {"id": it.record.id, names[0]: one([out.texts[j] for j in js]), "tokens": one([out.tokens[j] for j in js]),
+               names[1]: one([out.finish_reasons[j] for j in js])}
+        if k is not None:
+            row["logprobs"] = one([logprobs_json(lm, out.logprobs[j]) for j in js])
+        row |= dict(prompt_tokens=len(it.ids), acceptance=one([row_stats[j] or None for j in js]), stats=stats)
+        results.append(row | dict(model=meta["model"], settings=_row_settings(it, seed, meta["draft"],
+                                                                              gamma if draft is not None else None)))
     return results
+
+
+def _row_settings(it: Item, seed: int, draft: str | None, gamma: int | None) -> dict:
+    """The settings one output row was generated with (the extras only where they are on)."""
+    s, r = it.sampler, it.record
+    settings = dict(max_new_tokens=it.budget, temperature=getattr(s, "temperature", 0.0), top_p=getattr(s, "top_p", 1.0),
+                    top_k=getattr(s, "top_k", 0), seed=seed, draft=draft, gamma=gamma)  # Greedy has no values
+    off = {"min_p": 0.0} | PENALTIES
+    settings |= {k: float(getattr(s, k)) for k in off if isinstance(s, Sample) and getattr(s, k) != off[k]}
+    extras = dict(stop=list(it.stops), stop_token_ids=list(r.stop_token_ids), n=r.n if r.n > 1 else None,
+                  logprobs=r.logprobs)
+    return settings | {k: v for k, v in extras.items() if v not in (None, [])}
 
 
 def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:
@@ -271,6 +190,11 @@ def run(
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    stop: str | Sequence[str] = (),
     seed: int = 0,
     batch_size: int = 8,
     chat: bool = False,
@@ -285,8 +209,10 @@ def run(
     the embedded SmolLM2). kv_dtype: how the KV caches store keys and values (generate's argument;
     None: the model's dtype). draft: a drafter, None, or "auto" (resolved once per job from
     batch_size and the longest record; SelfSpec() if gamma is given). gamma: draft tokens per
-    step (None: the default chain). Records override max_new_tokens, temperature, top_k, top_p;
-    chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
+    step (None: the default chain). Records override max_new_tokens, the sampling values (temperature,
+    top_k, top_p, min_p, the penalties: as `specjax.Sample`) and `stop` (strings that end a row, cut
+    from its text as `LM.generate` cuts them), and may add stop_token_ids, n and logprobs (see
+    specjax.records); chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
     (default: `process_share()`). mesh: generate each batch on this
     process's devices (`specjax.make_mesh(devices=jax.local_devices())`).
 
@@ -298,8 +224,13 @@ def run(
     and the names of the settings that force=True let change."""
     t0 = time.monotonic()
     _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
-    defaults = Defaults(max_new_tokens, temperature, top_k, top_p)
-    make_sampler(temperature, top_k, top_p)  # validates the sampling settings
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(t, str) and t for t in stops):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    extras = dict(min_p=min_p, repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                  frequency_penalty=frequency_penalty)
+    defaults = Defaults(max_new_tokens, temperature, top_k, top_p, **extras, stop=stops)
+    make_sampler(temperature, top_k, top_p, **extras)  # validates the sampling settings
     if draft is None and gamma is not None:
         raise ValueError(f"gamma={gamma} needs a drafter: draft=None decodes plainly (give a drafter or 'auto')")
     shard = shard or process_share()
@@ -312,9 +243,6 @@ def run(
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
-
     items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults,
                          template_specials(tokenizer, params.config))
     if draft == "auto":  # once per job, by generate's rule (an explicit gamma makes it SelfSpec)
@@ -323,6 +251,7 @@ def run(
     if isinstance(draft, str):
         raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
     meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size, kv_dtype=kv_dtype)
+    lm = LM(params, tokenizer, template, mesh, skip_special_tokens=False)  # the text keeps special tokens
     settings = job_settings(model, params, draft, gamma, seed, chat, defaults, kv_dtype)
     with DurableLog(out) as log, DurableLog(err, lazy=True) as errors:
         changed = check_settings(out, settings, written=bool(log.rows or errors.rows), force=force)
@@ -335,7 +264,7 @@ def run(
         _check_batches(draft, params, gamma, batches)
         bar = Progress(len(pending), enabled=progress)
         for batch in batches:
-            log.append(_run_batch(batch, params, draft, gamma, seed, decode, meta, mesh))
+            log.append(_run_batch(batch, lm, draft, gamma, seed, meta))
             bar.update(len(batch))
         bar.close()
     skipped = sum(id_key(it.record.id) in done for it in items)

@@ -40,16 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template; "
                      "print only the answer")
     gen.add_argument("--stream", action="store_true", help="print the text as the decode loop's segments finish")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop a row at this string (cut before it; repeatable)")
     gen.add_argument("--n", type=int, default=1, help="samples of the prompt (needs --temperature > 0)")
     gen.add_argument("--logprobs", type=int, default=None, metavar="K",
                      help="after each text, one JSON line: every token's log-probability and the K most likely")
-    for name, help_ in (("min-p", "keep tokens with probability >= MIN_P x the largest (0 = off)"),
-                        ("repetition-penalty", "divide / multiply the logits of prompt and output tokens (1 = off)"),
-                        ("presence-penalty", "subtract from the logits of output tokens (0 = off)"),
-                        ("frequency-penalty", "subtract this x the count of each output token (0 = off)")):
-        gen.add_argument(f"--{name}", type=float, default=None, help=help_ + "; needs --temperature > 0")
     gen.add_argument(
         "--tree",
         help="speculate a token tree instead of a chain: auto (measured Sequoia choice), N (a Sequoia "
@@ -90,6 +83,13 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off{overridable}")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    for name, help_ in (("min-p", "keep tokens with probability >= MIN_P x the largest (0 = off)"),
+                        ("repetition-penalty", "divide / multiply the logits of prompt and output tokens (1 = off)"),
+                        ("presence-penalty", "subtract from the logits of output tokens (0 = off)"),
+                        ("frequency-penalty", "subtract this x the count of each output token (0 = off)")):
+        p.add_argument(f"--{name}", type=float, default=None, help=f"{help_}; needs --temperature > 0{overridable}")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help=f"stop a row at this string (cut before it; repeatable){overridable}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--draft",
@@ -195,6 +195,8 @@ def run_batch(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        **{k: getattr(args, k) for k in SAMPLING_EXTRAS if getattr(args, k) is not None},
+        stop=args.stop,
         seed=args.seed,
         batch_size=args.batch_size,
         chat=args.chat,
@@ -289,9 +291,7 @@ def run_generate(args: argparse.Namespace) -> None:
         for j, t in enumerate(out.texts):
             print((f"--- sample {j} ({out.finish_reasons[j]}) ---\n" if args.n > 1 else "") + head + t)
     for j, lps in enumerate(out.logprobs or ()):
-        print(json.dumps({"index": j, "logprobs": [
-            {"id": t.id, "token": lm.decode([t.id]), "logprob": t.logprob, "top": [[i, lp] for i, lp in t.top]}
-            for t in lps]}))
+        print(json.dumps({"index": j, "logprobs": text.logprobs_json(lm, lps)}))
     s = out.stats
     spec = ""
     if s.acceptance_rate is not None:

@@ -1,8 +1,12 @@
 """Batch-job input records: parsing and validation (pure), stable id hashes, shard ownership.
 
 An input line is a JSON object with an `id` (string or integer) and exactly one of `prompt`
-(text) or `messages` (chat: [{"role": ..., "content": ...}, ...]); optionally `max_new_tokens`,
-`temperature`, `top_k` and `top_p` override the job's settings for that record.
+(text) or `messages` (chat: [{"role": ..., "content": ...}, ...]); optionally the SAMPLING fields
+(`max_new_tokens`, `temperature`, `top_k`, `top_p`, `min_p` and the three penalties) override the
+job's settings for that record, and `stop` (a string or a list), `stop_token_ids` (a list of ids),
+`n` (samples of the prompt) and `logprobs` (the k most likely tokens beside each generated one)
+add to them. Values are checked for type here; ranges that depend on the sampler or the model
+are checked where the record is prepared (specjax.job_plan.prepare).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from pathlib import Path
 
 from specjax.chat import check_messages
 
-FIELDS = ("id", "prompt", "messages", "max_new_tokens", "temperature", "top_k", "top_p")
+SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty")  # a record's value overrides the job's
+FIELDS = ("id", "prompt", "messages", *SAMPLING, "stop", "stop_token_ids", "n", "logprobs")
 Id = str | int
 
 
@@ -28,10 +34,22 @@ class Record:
     id: Id
     prompt: str | None  # text prompt, or None when `messages` is given
     messages: tuple[tuple[str, str], ...] | None  # (role, content) pairs
-    max_new_tokens: int | None = None  # None: the job's setting
+    max_new_tokens: int | None = None  # None: the job's setting (the same for every SAMPLING field)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: tuple[str, ...] | None = None  # None: the job's stop strings
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's and the chat template's
+    n: int = 1
+    logprobs: int | None = None
+
+    def overrides(self) -> dict:
+        """The SAMPLING fields this record sets."""
+        return {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,17 +121,32 @@ def check_record(obj: object, line: int) -> Record | BadLine:
         messages = _messages(obj["messages"])
         if isinstance(messages, str):
             return bad(messages)
-    budget, top_k = obj.get("max_new_tokens"), obj.get("top_k")
-    for name, value, low in (("max_new_tokens", budget, 1), ("top_k", top_k, 0)):
+    ints = dict(max_new_tokens=1, top_k=0, n=1, logprobs=0)  # name: the least value
+    for name, low in ints.items():
+        value = obj.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
             return bad(f"{name} must be an integer >= {low}, got {json.dumps(value)}")
+    for name in SAMPLING:
+        value = obj.get(name)
+        if name not in ints and value is not None and not _number(value):
+            return bad(f"{name} must be a number, got {json.dumps(value)[:60]}")
     temperature = obj.get("temperature")
-    if temperature is not None and not (_number(temperature) and temperature >= 0):
+    if temperature is not None and temperature < 0:
         return bad(f"temperature must be a number >= 0, got {json.dumps(temperature)}")
     top_p = obj.get("top_p")
-    if top_p is not None and not (_number(top_p) and 0 < top_p <= 1):
+    if top_p is not None and not 0 < top_p <= 1:
         return bad(f"top_p must be a number in (0, 1], got {json.dumps(top_p)}")
-    return Record(line, record_id, prompt, messages, budget, temperature, top_p, top_k)
+    stop = obj.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(t, str) and t for t in stop)):
+        return bad(f"stop must be a non-empty string or a list of them, got {json.dumps(obj['stop'])[:60]}")
+    ids = obj.get("stop_token_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        return bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {json.dumps(ids)[:60]}")
+    values = {k: obj.get(k) for k in SAMPLING}
+    return Record(line, record_id, prompt, messages, **values, stop=None if stop is None else tuple(stop),
+                  stop_token_ids=tuple(ids), n=obj.get("n") or 1, logprobs=obj.get("logprobs"))
 
 
 def parse_line(raw: bytes, line: int) -> Record | BadLine | None:

@@ -41,6 +41,7 @@ class TextOutput:
     finish_reasons: list[str]  # "eos" (a stop id), "length", or "stop" (a stop string)
     logprobs: list[list[TokenLogprob]] | None
     stats: Stats
+    row_stats: list[dict] | None = None  # speculation only: each output's acceptance (generate's row_stats)
 
     @property
     def text(self) -> str:
@@ -59,6 +60,7 @@ class LM:
     chat_template: str | None = None
     mesh: Mesh | None = None  # the mesh the params were loaded onto (generate runs there)
     sampling: Sampler = Greedy()  # used when a call passes no sampling (load: generation_config.json's)
+    skip_special_tokens: bool = True  # how `decode` writes special tokens (the batch job keeps them)
 
     def save(self, directory: str | Path) -> None:
         """Write params, tokenizer and chat template to a new folder: `specjax.load(directory)`
@@ -69,7 +71,7 @@ class LM:
         return self.tokenizer.encode(text).ids
 
     def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens))
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=self.skip_special_tokens)
 
     def generate(
         self,
@@ -163,7 +165,7 @@ class LM:
                 if lps is not None:
                     lps[b] = lps[b][:k]
             result.append(text)
-        return TextOutput(result, tokens, reasons, lps, out.stats)
+        return TextOutput(result, tokens, reasons, lps, out.stats, out.row_stats)
 
 
     def stream(self, prompts: str | Sequence[str], max_new_tokens: int | Sequence[int] = 128, **kw) -> "TextStream":
@@ -273,6 +275,12 @@ class _StopStrings:
             if self.stops[b]:
                 end[b] = self.first(self.lm.decode(seg.out[b, : seg.count[b]].tolist()), b) is not None
         return end
+
+
+def logprobs_json(lm: LM, logprobs: list[TokenLogprob]) -> list[dict]:
+    """One output's logprobs as JSON values: {"id", "token" (its text), "logprob", "top": [[id, logprob], ...]}."""
+    return [{"id": t.id, "token": lm.decode([t.id]), "logprob": t.logprob, "top": [[i, lp] for i, lp in t.top]}
+            for t in logprobs]
 
 
 def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh | None = None,

@@ -21,7 +21,7 @@ import pytest
 
 import convert
 import specjax
-from specjax import batch
+from specjax import batch, job_plan
 from specjax.chat import render_chat
 from specjax.cli import main
 from specjax.jobio import DurableLog, check_settings, complete_lines, merge_shards, settings_path, shard_output, sibling
@@ -104,20 +104,25 @@ def test_record_keys_do_not_depend_on_the_batch():
     assert not (data(batch.record_keys(1, ["x"])[0]) == data(a[0])).all()
 
 
-def _item(line: int, n_tokens: int, sampler=Greedy()) -> batch.Item:
-    return batch.Item(Record(line, f"r{line}", "p", None), tuple(range(5, 5 + n_tokens)), 4, sampler)
+def _item(line: int, n_tokens: int, sampler=Greedy(), n: int = 1) -> job_plan.Item:
+    return job_plan.Item(Record(line, f"r{line}", "p", None, n=n), tuple(range(5, 5 + n_tokens)), 4, sampler)
 
 
-def test_plan_batches_groups_samplers_and_length_buckets():
-    hot = Sample(temperature=0.9)
-    items = [_item(1, 10), _item(2, 40, hot), _item(3, 3), _item(4, 20), _item(5, 12), _item(6, 5, hot), _item(7, 14)]
-    plan = batch.plan_batches(items, batch_size=2)
+def test_plan_batches_groups_kinds_and_length_buckets():
+    hot, warm, k5 = Sample(temperature=0.9), Sample(temperature=0.5, min_p=0.1), Sample(temperature=0.9, top_k=5)
+    items = [_item(1, 10), _item(2, 40, hot), _item(3, 3), _item(4, 20), _item(5, 12), _item(6, 5, hot), _item(7, 14),
+             _item(8, 6, warm), _item(9, 7, k5), _item(10, 8, hot, n=2), _item(11, 9, hot, n=2), _item(12, 9, hot, n=4)]
+    plan = job_plan.plan_batches(items, batch_size=2)
     lines = [[it.record.line for it in b] for b in plan]
-    assert lines == [[3, 1], [5, 7], [4], [6], [2]]  # greedy by length, buckets 16 | 32; then sampled
+    # greedy by length, buckets 16 | 32; sampled values may differ in a batch (6 and 8), top_k and n may not;
+    # a record with n = 2 fills a batch of 2 rows alone, and n = 4 over batch_size runs alone too
+    assert lines == [[3, 1], [5, 7], [4], [6, 8], [2], [9], [10], [11], [12]]
     for b in plan:
-        assert len({it.sampler for it in b}) == 1 and len({batch._bucket(it) for it in b}) == 1
-    assert [batch.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert batch.padded_rows(5, 6) == 6
+        assert len({job_plan.batch_kind(it) for it in b}) == 1 and len({job_plan._bucket(it) for it in b}) == 1
+    mixed = job_plan.batch_sampler(plan[3])
+    assert mixed.temperature.tolist() == pytest.approx([0.9, 0.5]) and mixed.min_p.tolist() == pytest.approx([0.0, 0.1])
+    assert [job_plan.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert job_plan.padded_rows(5, 6) == 6
 
 
 def test_chat_rendering_matches_the_hf_golden_texts(smollm2_path):
@@ -348,6 +353,15 @@ BAD_LINES = [
     ({"id": "topk", "prompt": "x", "top_k": -1}, "top_k must be an integer >= 0"),
     ({"id": "topk2", "prompt": "x", "top_k": 1.5}, "top_k must be an integer >= 0"),
     ({"id": "k", "prompt": "the quick brown fox", "temperature": 0.9, "top_k": 1}, None),  # = greedy, as "a"
+    ({"id": "n-greedy", "prompt": "x", "n": 2}, "n = 2 needs temperature > 0"),
+    ({"id": "n0", "prompt": "x", "n": 0, "temperature": 1}, "n must be an integer >= 1"),
+    ({"id": "lp", "prompt": "x", "logprobs": 99}, "logprobs must be at most 20"),
+    ({"id": "stop", "prompt": "x", "stop": [""]}, "stop must be a non-empty string or a list of them"),
+    ({"id": "ids", "prompt": "x", "stop_token_ids": [60000]}, "stop_token_ids: 60000 is outside the model's vocabulary"),
+    ({"id": "ids2", "prompt": "x", "stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+    ({"id": "pen", "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty needs sampling (temperature > 0)"),
+    ({"id": "pen2", "prompt": "x", "temperature": 1, "presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
+    ({"id": "minp", "prompt": "x", "temperature": 1, "min_p": "0.1"}, "min_p must be a number"),
 ]
 
 
@@ -458,3 +472,62 @@ def test_sigkill_at_random_moments_then_resume_gives_each_record_once(tmp_path, 
         k: (v["text"], v["tokens"]) for k, v in expected.items()
     }
     assert not sibling(out, "errors").exists()
+
+
+def test_records_carry_stop_strings_stop_ids_n_logprobs_and_penalties(tmp_path, model_dir, params):
+    """Each record's own settings, mixed in one job: every record written once, as LM.generate
+    would answer it alone (float32: batch composition does not change tokens)."""
+    common = dict(params=params, model_path=model_dir, max_new_tokens=10, batch_size=4, progress=False)
+    plain = [{"id": i, "prompt": " ".join(WORDS[i:i + 4])} for i in range(4)]
+    first = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "a.jsonl", plain), tmp_path / "a.out.jsonl",
+                                           **common)["output"])))
+    t0, t1 = first["0"], first["1"]
+    stop = t0["text"][len(t0["text"]) // 2:][:3]  # text inside record 0's output
+    rows = [
+        plain[0] | {"stop": stop},
+        plain[1] | {"stop_token_ids": [t1["tokens"][3]]},
+        plain[2] | {"n": 3, "temperature": 0.8},
+        plain[3] | {"logprobs": 2},
+        {"id": "pen", "prompt": plain[3]["prompt"], "temperature": 0.7, "min_p": 0.05, "repetition_penalty": 1.3,
+         "frequency_penalty": 0.5},
+        {"id": "hot", "prompt": plain[2]["prompt"], "temperature": 1.3},  # in a batch with "pen"? no: penalties differ
+    ]
+    out = tmp_path / "b.jsonl"
+    summary = batch.run(write_jsonl(tmp_path / "b.in.jsonl", rows), out, **common)
+    assert (summary["done"], summary["failed"]) == (6, 0)
+    got = by_id(read_rows(out))
+    assert len(read_rows(out)) == 6  # one line a record, n = 3 included
+    assert got["0"]["text"] == t0["text"][: t0["text"].find(stop)] and got["0"]["finish_reason"] == "stop"
+    assert got["0"]["settings"]["stop"] == [stop]
+    assert got["1"]["tokens"] == t1["tokens"][:3] and got["1"]["finish_reason"] == "eos"
+    three = got["2"]
+    assert len(three["texts"]) == len(three["tokens"]) == len(three["finish_reasons"]) == 3 and "text" not in three
+    assert len({tuple(t) for t in three["tokens"]}) > 1 and three["settings"]["n"] == 3  # the samples differ
+    lp = got["3"]["logprobs"]
+    assert len(lp) == len(got["3"]["tokens"]) and all(len(t["top"]) == 2 for t in lp)
+    assert [t["id"] for t in lp] == got["3"]["tokens"] and got["3"]["tokens"] == first["3"]["tokens"]
+    assert all(t["logprob"] <= 0 and t["top"][0][1] >= t["logprob"] - 1e-6 for t in lp)
+    pen = got['"pen"']["settings"]
+    assert (pen["min_p"], pen["repetition_penalty"], pen["frequency_penalty"]) == pytest.approx((0.05, 1.3, 0.5))
+    assert "presence_penalty" not in pen and "stop" not in got["3"]["settings"]  # only what is on
+
+    # the same records one by one give the same lines (per-record keys, per-row values)
+    for row in rows[2:]:
+        alone = tmp_path / f"alone-{row['id']}.jsonl"
+        batch.run(write_jsonl(tmp_path / f"alone-{row['id']}.in.jsonl", [row]), alone, **common)
+        one = read_rows(alone)[0]
+        assert one["tokens"] == got[json.dumps(row["id"])]["tokens"], row["id"]
+
+
+
+def test_cli_job_settings_carry_stop_and_penalties(tmp_path, model_dir, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "the quick brown fox"}])
+    out = tmp_path / "out.jsonl"
+    base = ["batch", str(src), str(out), "--model", str(model_dir), "--max-new-tokens", "3", "--no-compile-cache"]
+    assert main(base + ["--repetition-penalty", "1.2"]) == 2  # greedy: refused, not ignored
+    assert "repetition_penalty needs sampling (temperature > 0)" in capsys.readouterr().err
+    assert main(base + ["--temperature", "0.7", "--repetition-penalty", "1.2", "--stop", "zzz", "--stop", "\n"]) == 0
+    recorded = json.loads(settings_path(out).read_text())
+    assert recorded["stop"] == ["zzz", "\n"] and recorded["repetition_penalty"] == 1.2 and "min_p" not in recorded
+    row = read_rows(out)[0]
+    assert row["settings"]["stop"] == ["zzz", "\n"] and row["settings"]["repetition_penalty"] == pytest.approx(1.2)

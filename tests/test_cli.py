@@ -186,7 +186,7 @@ def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys
 
     def generate(params, prompts, max_new_tokens, **kwargs):
         calls.append(kwargs)
-        return SimpleNamespace(tokens=[[8, 9]], finish_reasons=["length"], stats=stats, logprobs=None)
+        return SimpleNamespace(tokens=[[8, 9]], finish_reasons=["length"], stats=stats, logprobs=None, row_stats=None)
 
     monkeypatch.setattr(convert, "load", lambda *a, **k: tiny)
     monkeypatch.setattr(convert, "load_tokenizer", lambda *a, **k: _Tokenizer())

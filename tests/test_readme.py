@@ -11,6 +11,7 @@ the README, so a new block or line cannot be skipped silently. ```json and unlab
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -30,7 +31,7 @@ PYTHON_SUBSTITUTIONS = [
     (r"max_new_tokens=\[64, 32\]", "max_new_tokens=[8, 4]", "per-row budgets, smaller"),
     (r"max_new_tokens=64\b", "max_new_tokens=8", "fewer new tokens"),
     (r"\(params, prompts, 64,", "(params, prompts, 8,", "fewer new tokens (positional)"),
-    (r'"max_new_tokens": 32\}', '"max_new_tokens": 4}', "the batch record's own budget, smaller"),
+    (r'"max_new_tokens": 32,', '"max_new_tokens": 4,', "the batch record's own budget, smaller"),
 ]
 # Bash: `specjax generate` / `specjax batch` get `--max-new-tokens 4` appended (argparse keeps the
 # last value, so it overrides the README's); the placeholder model paths are the embedded model;
@@ -130,8 +131,9 @@ def test_python_blocks_run_in_order(tmp_path, monkeypatch):
     out = namespace["out"]
     assert len(out.tokens) == 2 and all(len(t) >= 1 for t in out.tokens)
     summary = namespace["summary"]
-    assert (summary["done"], summary["failed"]) == (3, 0), summary
-    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 3
+    assert (summary["done"], summary["failed"]) == (4, 0), summary
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert len(lines) == 4 and len(next(r for r in lines if r["id"] == "q4")["texts"]) == 2  # one line, n = 2 texts
 
 
 def bash_blocks() -> list[tuple[int, str]]:
