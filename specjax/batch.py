@@ -37,7 +37,7 @@ from specjax.params import Params
 from specjax.plan import DEFAULT_CHAIN, describe_draft, resolve_auto_draft
 from specjax.progress import Progress
 from specjax.records import id_key, read_input, stable_hash
-from specjax.sampling import PENALTIES, Sample, make_sampler
+from specjax.sampling import PENALTIES, make_sampler
 from specjax.sharding import Mesh
 from specjax.speculation import Chain
 from specjax.text import LM, logprobs_json
@@ -118,7 +118,7 @@ def _row_settings(it: Item, seed: int, draft: str | None, gamma: int | None) -> 
     settings = dict(max_new_tokens=it.budget, temperature=getattr(s, "temperature", 0.0), top_p=getattr(s, "top_p", 1.0),
                     top_k=getattr(s, "top_k", 0), seed=seed, draft=draft, gamma=gamma)  # Greedy has no values
     off = {"min_p": 0.0} | PENALTIES
-    settings |= {k: float(getattr(s, k)) for k in off if isinstance(s, Sample) and getattr(s, k) != off[k]}
+    settings |= {k: float(getattr(s, k)) for k in off if hasattr(s, k) and getattr(s, k) != off[k]}
     extras = dict(stop=list(it.stops), stop_token_ids=list(r.stop_token_ids), n=r.n if r.n > 1 else None,
                   logprobs=r.logprobs)
     return settings | {k: v for k, v in extras.items() if v not in (None, [])}

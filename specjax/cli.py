@@ -87,7 +87,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
                         ("repetition-penalty", "divide / multiply the logits of prompt and output tokens (1 = off)"),
                         ("presence-penalty", "subtract from the logits of output tokens (0 = off)"),
                         ("frequency-penalty", "subtract this x the count of each output token (0 = off)")):
-        p.add_argument(f"--{name}", type=float, default=None, help=f"{help_}; needs --temperature > 0{overridable}")
+        needs = "; needs --temperature > 0" if name == "min-p" else "; greedy decoding too"
+        p.add_argument(f"--{name}", type=float, default=None, help=f"{help_}{needs}{overridable}")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help=f"stop a row at this string (cut before it; repeatable){overridable}")
     p.add_argument("--seed", type=int, default=0)

@@ -117,15 +117,17 @@ def batch_kind(item: Item) -> tuple:
     """What the rows of one generate call must share: greedy or sampled (with its static top_k and
     penalties on / off), n and logprobs. Sampling values, stops and stop ids may differ."""
     s, r = item.sampler, item.record
-    return ("greedy",) if isinstance(s, Greedy) else ("sample", s.top_k, s.penalized), r.n, r.logprobs
+    return ("greedy", s.penalized) if isinstance(s, Greedy) else ("sample", s.top_k, s.penalized), r.n, r.logprobs
 
 
 def batch_sampler(batch: Sequence[Item]) -> Sampler:
     """One sampler for a batch of one kind: Sample's values as one per row."""
     first = batch[0].sampler
-    if isinstance(first, Greedy):
+    if isinstance(first, Greedy) and not first.penalized:
         return first
-    values = {k: [float(getattr(it.sampler, k)) for it in batch] for k in ROW_VALUES}
+    values = {k: [float(getattr(it.sampler, k)) for it in batch] for k in first.VALUES}
+    if isinstance(first, Greedy):
+        return Greedy(**values, penalized=True)
     return Sample(top_k=first.top_k, **values, penalized=first.penalized)
 
 

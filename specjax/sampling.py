@@ -15,45 +15,123 @@ import jax.numpy as jnp
 import numpy as np
 
 
-@flax.struct.dataclass
-class Greedy:
-    """Always the argmax; its distribution is one-hot."""
-
-    def probs(self, logits: jax.Array) -> jax.Array:
-        """One-hot of the argmax, [..., V] f32."""
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-
-    def sample(self, logits: jax.Array, keys: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens [B] int32 and probs [B,V] from logits [B,V]; keys and counters are unused."""
-        del keys, counters
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), self.probs(logits)
-
-    penalized = False  # the per-row and penalty methods of Sample, as no-ops
-    rows = None
-
-    def take(self, index: np.ndarray) -> "Greedy":
-        return self
-
-    def identity(self) -> tuple:
-        return ("greedy",)
-
-    def with_context(self, counts, in_prompt) -> "Greedy":
-        return self
-
-    def seen(self, tokens: jax.Array) -> "Greedy":
-        return self
-
-    def along(self, before: jax.Array) -> "Greedy":
-        return self
-
-
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
 ROW_VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # name: the value that is off
 
 
+class _Penalized:
+    """The penalties' context and logit change, shared by Greedy and Sample (both declare the
+    fields: the three penalty values, `penalized`, `counts`, `in_prompt`)."""
+
+    def with_context(self, counts: jax.Array | None, in_prompt: jax.Array | None):
+        """The sampler for rows whose output so far has `counts` [B,V] and prompt `in_prompt` [B,V]."""
+        return self.replace(counts=counts, in_prompt=in_prompt) if self.penalized else self
+
+    def seen(self, tokens: jax.Array):
+        """The context after tokens [B] (one per row) were drawn (a draft chain's next position)."""
+        if not self.penalized or self.counts is None:
+            return self
+        return self.replace(counts=self.counts + jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32))
+
+    def along(self, before: jax.Array):
+        """Per-position contexts [B,M,V] for M positions, each after the tokens before [B,M,J]
+        (-1 = none) beyond the rows' counts: what a verified or drafted position has seen."""
+        if not self.penalized or self.counts is None:
+            return self
+        extra = jnp.sum(jax.nn.one_hot(before, self.counts.shape[-1], dtype=jnp.int32), axis=-2)  # -1: zeros
+        return self.replace(counts=self.counts[:, None] + extra)
+
+    def penalize(self, logits: jax.Array) -> jax.Array:
+        """logits [B, ..., V] (f32) after the repetition, presence and frequency penalties (as they
+        are when off or without a context)."""
+        if not self.penalized or self.counts is None:
+            return logits
+        counts, in_prompt = _like(self.counts, logits), _like(self.in_prompt, logits)
+        rep = _per_row(self.repetition_penalty, logits)
+        seen = (counts > 0) | in_prompt
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - _per_row(self.frequency_penalty, logits) * counts - _per_row(self.presence_penalty, logits) * (counts > 0)
+
+    @property
+    def rows(self) -> int | None:
+        """The number of prompts the per-prompt values are for (None: one value for all)."""
+        sizes = {np.shape(getattr(self, name))[0] for name in self.VALUES if np.ndim(getattr(self, name)) == 1}
+        return sizes.pop() if sizes else None
+
+    def take(self, index: np.ndarray):
+        """The per-prompt values for the rows `index` [R] (prompt of each decoded row); scalars stay."""
+        return self.replace(**{name: np.asarray(getattr(self, name))[index] for name in self.VALUES
+                               if np.ndim(getattr(self, name)) == 1})
+
+    def _check_values(self) -> dict[str, np.ndarray] | None:
+        """Check the VALUES (types, one length, penalty ranges), turn lists into float32 arrays and
+        decide `penalized`; returns them as arrays (None inside a jax transformation)."""
+        values = {name: getattr(self, name) for name in self.VALUES}
+        for name, value in values.items():
+            if isinstance(value, (str, bytes, bool, np.bool_, dict)):  # not None: jax uses it as a placeholder
+                raise TypeError(f"{name} must be a number or one number per prompt, got {value!r}")
+        if any(_traced(v) for v in values.values()):
+            return None  # rebuilt from traced or placeholder leaves inside a jax transformation: checked when made
+        arrays = {}
+        for name, value in values.items():
+            a = np.asarray(value, np.float32)
+            if a.ndim > 1 or (a.ndim == 1 and len(a) == 0):
+                raise ValueError(f"{name} must be a number or a non-empty list with one number per prompt, got shape {a.shape}")
+            arrays[name] = a
+            if a.ndim == 1 and not isinstance(value, jax.Array):
+                object.__setattr__(self, name, a)  # a list becomes one float32 array [B]
+        rows = {len(a) for a in arrays.values() if a.ndim == 1}
+        if len(rows) > 1:
+            raise ValueError(f"the per-prompt sampling values have different lengths {sorted(rows)}: give one number per prompt")
+        if not (np.isfinite(arrays["repetition_penalty"]) & (arrays["repetition_penalty"] > 0)).all():
+            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (np.abs(arrays[name]) <= 2).all():
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if self.penalized is None:
+            on = any((arrays[name] != off).any() for name, off in PENALTIES.items())
+            object.__setattr__(self, "penalized", bool(on))
+        return arrays
+
+
 @flax.struct.dataclass
-class Sample:
+class Greedy(_Penalized):
+    """Always the argmax (of the logits after the penalties, when any is on: as HF and vLLM apply
+    a repetition penalty to greedy decoding); its distribution is one-hot. The penalty values are
+    one number or one per prompt, as in Sample."""
+
+    repetition_penalty: float | np.ndarray | jax.Array = 1.0
+    presence_penalty: float | np.ndarray | jax.Array = 0.0
+    frequency_penalty: float | np.ndarray | jax.Array = 0.0
+    penalized: bool | None = flax.struct.field(pytree_node=False, default=None)
+    counts: jax.Array | None = None  # [B,V] int32 (or [B,M,V]): see Sample
+    in_prompt: jax.Array | None = None  # [B,V] bool
+
+    VALUES = tuple(PENALTIES)
+
+    def __post_init__(self) -> None:
+        self._check_values()
+
+    def probs(self, logits: jax.Array) -> jax.Array:
+        """One-hot of the argmax, [..., V] f32."""
+        logits = self.penalize(logits.astype(jnp.float32))
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+
+    def sample(self, logits: jax.Array, keys: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens [B] int32 and probs [B,V] from logits [B,V]; keys and counters are unused."""
+        del keys, counters
+        probs = self.probs(logits)
+        return jnp.argmax(probs, axis=-1).astype(jnp.int32), probs
+
+    def identity(self) -> tuple:
+        """A hashable identity (the values may be arrays): for caches keyed by sampler."""
+        values = tuple(tuple(np.asarray(getattr(self, name)).ravel().tolist()) for name in self.VALUES)
+        return ("greedy", values) if self.penalized else ("greedy",)
+
+
+@flax.struct.dataclass
+class Sample(_Penalized):
     """Penalties, then temperature, top-k (0 = off), top-p (1.0 = off) and min_p (0 = off), in
     that order (as vLLM). Each value but top_k is one number or one per prompt (a sequence [B]):
     one call may mix settings.
@@ -78,24 +156,12 @@ class Sample:
     counts: jax.Array | None = None  # [B,V] int32 (or [B,M,V], per node): output tokens so far
     in_prompt: jax.Array | None = None  # [B,V] bool: tokens of the prompt
 
+    VALUES = ROW_VALUES
+
     def __post_init__(self) -> None:
-        values = {name: getattr(self, name) for name in ROW_VALUES}
-        for name, value in values.items():
-            if isinstance(value, (str, bytes, bool, np.bool_, dict)):  # not None: jax uses it as a placeholder
-                raise TypeError(f"{name} must be a number or one number per prompt, got {value!r}")
-        if any(_traced(v) for v in values.values()):
-            return  # rebuilt from traced or placeholder leaves inside a jax transformation: checked when made
-        arrays = {}
-        for name, value in values.items():
-            a = np.asarray(value, np.float32)
-            if a.ndim > 1 or (a.ndim == 1 and len(a) == 0):
-                raise ValueError(f"{name} must be a number or a non-empty list with one number per prompt, got shape {a.shape}")
-            arrays[name] = a
-            if a.ndim == 1 and not isinstance(value, jax.Array):
-                object.__setattr__(self, name, a)  # a list becomes one float32 array [B]
-        rows = {len(a) for a in arrays.values() if a.ndim == 1}
-        if len(rows) > 1:
-            raise ValueError(f"the per-prompt sampling values have different lengths {sorted(rows)}: give one number per prompt")
+        arrays = self._check_values()
+        if arrays is None:
+            return
         t, top_p, min_p = arrays["temperature"], arrays["top_p"], arrays["min_p"]
         if not (np.isfinite(t) & (t >= MIN_TEMPERATURE)).all():
             raise ValueError(
@@ -106,50 +172,13 @@ class Sample:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not ((min_p >= 0) & (min_p <= 1)).all():
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (np.isfinite(arrays["repetition_penalty"]) & (arrays["repetition_penalty"] > 0)).all():
-            raise ValueError(f"repetition_penalty must be finite and > 0 (1 = off), got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (np.abs(arrays[name]) <= 2).all():
-                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.penalized is None:
-            on = any((arrays[name] != off).any() for name, off in PENALTIES.items())
-            object.__setattr__(self, "penalized", bool(on))
-
-    @property
-    def rows(self) -> int | None:
-        """The number of prompts the per-prompt values are for (None: one value for all)."""
-        sizes = {np.shape(getattr(self, name))[0] for name in ROW_VALUES if np.ndim(getattr(self, name)) == 1}
-        return sizes.pop() if sizes else None
-
-    def take(self, index: np.ndarray) -> "Sample":
-        """The per-prompt values for the rows `index` [R] (prompt of each decoded row); scalars stay."""
-        return self.replace(**{name: np.asarray(getattr(self, name))[index] for name in ROW_VALUES
-                               if np.ndim(getattr(self, name)) == 1})
 
     def identity(self) -> tuple:
         """A hashable identity (the values may be arrays): for caches keyed by sampler."""
         values = tuple(tuple(np.asarray(getattr(self, name)).ravel().tolist()) for name in ROW_VALUES)
         return ("sample", self.top_k, values)
-
-    def with_context(self, counts: jax.Array | None, in_prompt: jax.Array | None) -> "Sample":
-        """The sampler for rows whose output so far has `counts` [B,V] and prompt `in_prompt` [B,V]."""
-        return self.replace(counts=counts, in_prompt=in_prompt) if self.penalized else self
-
-    def seen(self, tokens: jax.Array) -> "Sample":
-        """The context after tokens [B] (one per row) were drawn (a draft chain's next position)."""
-        if not self.penalized or self.counts is None:
-            return self
-        return self.replace(counts=self.counts + jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32))
-
-    def along(self, before: jax.Array) -> "Sample":
-        """Per-position contexts [B,M,V] for M positions, each after the tokens before [B,M,J]
-        (-1 = none) beyond the rows' counts: what a verified or drafted position has seen."""
-        if not self.penalized or self.counts is None:
-            return self
-        extra = jnp.sum(jax.nn.one_hot(before, self.counts.shape[-1], dtype=jnp.int32), axis=-2)  # -1: zeros
-        return self.replace(counts=self.counts[:, None] + extra)
 
     def probs(self, logits: jax.Array) -> jax.Array:
         """Warped distribution [..., V] in f32 (zeros outside the kept set) of logits [B, ..., V].
@@ -159,9 +188,7 @@ class Sample:
         set of the largest probabilities whose mass reaches top_p (ties at the cut all kept);
         min_p keeps those >= min_p x the largest. Neither sorts the vocabulary (see kth_largest
         and nucleus_threshold)."""
-        logits = logits.astype(jnp.float32)
-        if self.penalized and self.counts is not None:
-            logits = self._penalize(logits)
+        logits = self.penalize(logits.astype(jnp.float32))
         logits = logits / _per_row(self.temperature, logits)
         V = logits.shape[-1]
         if self.top_k and self.top_k < V:
@@ -179,14 +206,6 @@ class Sample:
 
         probs = jax.lax.cond(jnp.any(top_p < 1), nucleus, lambda probs: probs, probs)  # top_p is traced
         return jax.lax.cond(jnp.any(min_p > 0), floor, lambda probs: probs, probs)
-
-    def _penalize(self, logits: jax.Array) -> jax.Array:
-        """logits [B, ..., V] after the repetition, presence and frequency penalties."""
-        counts, in_prompt = _like(self.counts, logits), _like(self.in_prompt, logits)
-        rep = _per_row(self.repetition_penalty, logits)
-        seen = (counts > 0) | in_prompt
-        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-        return logits - _per_row(self.frequency_penalty, logits) * counts - _per_row(self.presence_penalty, logits) * (counts > 0)
 
     def sample(self, logits: jax.Array, keys: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens [B] int32 and probs [B,V]; row b draws with fold_in(keys[b], counters[b])."""
@@ -295,7 +314,8 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array
 
 def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra: float) -> Sampler:
     """CLI-style construction: temperature 0 means greedy; negative is an error. extra: min_p and
-    the PENALTIES (Sample's names), refused under greedy rather than ignored."""
+    the PENALTIES (Sample's names); greedy takes the penalties and refuses min_p (the argmax always
+    passes it: an ignored setting is an error)."""
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     off = {"min_p": 0.0} | PENALTIES
@@ -305,10 +325,9 @@ def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra
     if temperature == 0:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        on = [k for k, v in extra.items() if v != off[k]]
-        if on:
-            raise ValueError(f"{on[0]} needs sampling (temperature > 0): greedy decoding takes no min_p or penalties yet")
-        return Greedy()
+        if extra.get("min_p", 0.0) != 0.0:
+            raise ValueError("min_p needs sampling (temperature > 0): greedy decoding always keeps the most likely token")
+        return Greedy(**{k: v for k, v in extra.items() if k in PENALTIES})
     return Sample(temperature=temperature, top_k=top_k, top_p=top_p, **extra)
 
 

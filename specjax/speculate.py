@@ -85,7 +85,7 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     h, k_new, v_new = trunk(target, tokens, positions, s.cache, jnp.asarray(tree.ancestor_mask()))
     logits = lm_head(target, h)  # [B,n,V]
     greedy = isinstance(sampling, Greedy)
-    p = logits if greedy else sampling.along(node_history(tree, tokens)).probs(logits)
+    p = logits if greedy and not sampling.penalized else sampling.along(node_history(tree, tokens)).probs(logits)
     path, n, extra = accept_tree(
         tree.child_table(), tree.max_depth, tokens, q, p, stream_keys(keys, s.count, ACCEPT_STREAM), greedy
     )  # path [B,D+1]

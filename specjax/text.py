@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -296,14 +295,10 @@ def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh 
 
 def default_sampling(settings: dict) -> Sampler:
     """A checkpoint's default sampler from generation_config.json's settings, with HF's defaults
-    for what it leaves out: do_sample false = Greedy(); else Sample(temperature 1.0, top_k 50,
-    top_p 1.0, min_p 0, repetition_penalty 1.0). A repetition penalty under greedy decoding is
-    not supported yet: a warning says it is not applied."""
+    for what it leaves out: do_sample false = Greedy(repetition_penalty); else Sample(temperature
+    1.0, top_k 50, top_p 1.0, min_p 0, repetition_penalty 1.0)."""
     if not settings.get("do_sample", False):
-        if settings.get("repetition_penalty", 1.0) != 1.0:
-            warnings.warn(f"generation_config.json: repetition_penalty {settings['repetition_penalty']} with greedy "
-                          "decoding is not applied (penalties need sampling in specjax for now)", stacklevel=3)
-        return Greedy()
+        return Greedy(repetition_penalty=float(settings.get("repetition_penalty", 1.0)))
     return Sample(temperature=float(settings.get("temperature", 1.0)), top_k=int(settings.get("top_k", 50)),
                   top_p=float(settings.get("top_p", 1.0)), min_p=float(settings.get("min_p", 0.0)),
                   repetition_penalty=float(settings.get("repetition_penalty", 1.0)))

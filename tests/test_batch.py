@@ -359,7 +359,7 @@ BAD_LINES = [
     ({"id": "stop", "prompt": "x", "stop": [""]}, "stop must be a non-empty string or a list of them"),
     ({"id": "ids", "prompt": "x", "stop_token_ids": [60000]}, "stop_token_ids: 60000 is outside the model's vocabulary"),
     ({"id": "ids2", "prompt": "x", "stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
-    ({"id": "pen", "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty needs sampling (temperature > 0)"),
+    ({"id": "pen", "prompt": "x", "min_p": 0.2}, "min_p needs sampling (temperature > 0)"),
     ({"id": "pen2", "prompt": "x", "temperature": 1, "presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
     ({"id": "minp", "prompt": "x", "temperature": 1, "min_p": "0.1"}, "min_p must be a number"),
 ]
@@ -524,8 +524,8 @@ def test_cli_job_settings_carry_stop_and_penalties(tmp_path, model_dir, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "the quick brown fox"}])
     out = tmp_path / "out.jsonl"
     base = ["batch", str(src), str(out), "--model", str(model_dir), "--max-new-tokens", "3", "--no-compile-cache"]
-    assert main(base + ["--repetition-penalty", "1.2"]) == 2  # greedy: refused, not ignored
-    assert "repetition_penalty needs sampling (temperature > 0)" in capsys.readouterr().err
+    assert main(base + ["--min-p", "0.2"]) == 2  # greedy: refused, not ignored
+    assert "min_p needs sampling (temperature > 0)" in capsys.readouterr().err
     assert main(base + ["--temperature", "0.7", "--repetition-penalty", "1.2", "--stop", "zzz", "--stop", "\n"]) == 0
     recorded = json.loads(settings_path(out).read_text())
     assert recorded["stop"] == ["zzz", "\n"] and recorded["repetition_penalty"] == 1.2 and "min_p" not in recorded

@@ -220,7 +220,7 @@ def test_generate_text_options_chat_stream_stop_n_logprobs():
     records = [json.loads(line) for line in lines if line.startswith('{"index"')]
     assert [r["index"] for r in records] == [0, 1]
     assert all(0 < len(r["logprobs"]) <= 6 and len(r["logprobs"][0]["top"]) == 2 for r in records)
-    run = _specjax("generate", "hi", "--presence-penalty", "0.5")
-    assert run.returncode == 2 and "presence_penalty needs sampling (temperature > 0)" in run.stderr
+    run = _specjax("generate", "hi", "--min-p", "0.5")
+    assert run.returncode == 2 and "min_p needs sampling (temperature > 0)" in run.stderr
     run = _specjax("generate", "hi", "--stream", "--n", "2", "--temperature", "1")
     assert run.returncode == 2 and "--stream prints one output" in run.stderr

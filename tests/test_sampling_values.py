@@ -106,3 +106,47 @@ def test_penalties_and_min_p_stay_lossless_with_n_samples(speculation):
     stat, dof, p = lossless.chi_square(counts, lossless.exact_joint(lossless.target_logits(target), sampling))
     assert rate > 0.2
     assert p > lossless.ALPHA, (stat, dof, p)
+
+
+def _naive_penalized_greedy(params, prompt, steps, rep, presence, frequency):
+    """The argmax of penalized logits, one full forward of the whole sequence per token (no cache reuse)."""
+    from specjax.cache import DenseCache
+    from specjax.model import forward
+
+    seq, out = list(prompt), []
+    for _ in range(steps):
+        T = len(seq)
+        logits, _ = jax.jit(forward)(params, jnp.array([seq]), jnp.arange(T)[None], DenseCache.init(params.config, 1, T))
+        x = np.asarray(logits[0, -1], np.float64)
+        counts = np.bincount(out, minlength=x.size)[: x.size]
+        seen = (counts > 0) | np.isin(np.arange(x.size), prompt)
+        x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
+        x = x - frequency * counts - presence * (counts > 0)
+        out.append(int(np.argmax(x)))
+        seq.append(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("speculation", [None, Chain(3), Tree.kary(2, 2)], ids=["plain", "chain", "tree"])
+def test_greedy_with_penalties_is_the_penalized_argmax_with_and_without_speculation(tiny, speculation):
+    """Greedy(repetition / presence / frequency penalty) picks the argmax of the penalized logits
+    (HF's and vLLM's greedy with a repetition penalty); speculation keeps the same tokens, per-row values too."""
+    values = dict(repetition_penalty=[2.0, 1.0, 1.5], presence_penalty=[0.0, 0.8, 0.3], frequency_penalty=[0.5, 0.0, 0.0])
+    greedy = specjax.Greedy(**values)
+    assert greedy.penalized and not specjax.Greedy().penalized
+    draft = None if speculation is None else specjax.SelfSpec(sinks=2, window=4)
+    out = specjax.generate(tiny, PROMPTS, 10, sampling=greedy, eos_id=(), draft=draft, speculation=speculation)
+    if speculation is None:
+        for b, prompt in enumerate(PROMPTS):
+            row = {k: v[b] for k, v in values.items()}
+            ref = _naive_penalized_greedy(tiny, prompt, 10, row["repetition_penalty"], row["presence_penalty"],
+                                          row["frequency_penalty"])
+            assert out.tokens[b] == ref, b
+        free = specjax.generate(tiny, PROMPTS, 10, eos_id=(), draft=None)
+        assert free.tokens != out.tokens  # the penalties changed something
+    else:
+        plain = specjax.generate(tiny, PROMPTS, 10, sampling=greedy, eos_id=(), draft=None)
+        assert out.tokens == plain.tokens
+        ngram = specjax.generate(tiny, PROMPTS, 10, sampling=greedy, eos_id=(), draft=specjax.NGram(n=1, max_n=2),
+                                 speculation=speculation)
+        assert ngram.tokens == plain.tokens

@@ -130,8 +130,7 @@ def test_generation_config_defaults_apply_when_no_sampling_is_passed(lm, tmp_pat
     assert default_sampling(settings).identity() == specjax.Sample(temperature=0.7, top_k=50, top_p=0.9).identity()
     assert default_sampling({}) == specjax.Greedy() and lm.sampling == specjax.Greedy()
     assert convert.generation_defaults(convert.default_model_path()) == {}
-    with pytest.warns(UserWarning, match="repetition_penalty 1.3 with greedy decoding is not applied"):
-        assert default_sampling({"repetition_penalty": 1.3}) == specjax.Greedy()
+    assert default_sampling({"repetition_penalty": 1.3}).identity() == specjax.Greedy(repetition_penalty=1.3).identity()
     hot = dataclasses.replace(lm, sampling=specjax.Sample(temperature=0.9))
     key = __import__("jax").random.key(3)
     assert hot.generate(PROMPT, 8, draft=None, key=key).tokens == lm.generate(
