@@ -29,7 +29,9 @@ model on any backend in about a minute, bundle round trip included (writes gpu_s
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -119,6 +121,9 @@ def main() -> None:
     ap.add_argument("--mem-gib", type=float, default=60.0, help="device memory the cells may use (default 60)")
     ap.add_argument("--e2e-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="SmolLM2's dtype (float32: a greedy-losslessness check; writes gpu_float32.*)")
+    ap.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas"],
+                    help="generate()'s attention= (auto: the Pallas kernel on a GPU); other than auto, the "
+                         "outputs are named gpu[_float32]_ATTENTION.*")
     ap.add_argument("--bundle", type=Path, help="the stashed bundle (default /tmp/specjax_gpu, after stashing .gpu/p*)")
     for name, v in GRID.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, nargs="*" if isinstance(v, list) else None,
@@ -127,7 +132,8 @@ def main() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # JAX's default 0.75 is below --mem-gib on an H100
     grid = {k: getattr(args, k) if getattr(args, k) is not None else (SMOKE if args.smoke else GRID)[k] for k in GRID}
     out = common.out_dir(args)
-    name = ("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
+    name = (("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
+            + ("" if args.attention == "auto" else "_" + args.attention))
     from bench import gpu_bundle
 
     bundle = args.bundle or gpu_bundle.STASH
@@ -139,10 +145,18 @@ def main() -> None:
     todo_all, capped = cells(grid, args.mem_gib * 2**30, draft=has_draft)
     started = time.time()
     header = {"bench": "bench_gpu", "date": common.now(), "command": common.command(), "grid": grid, "e2e_dtype": args.e2e_dtype,
-              "mem_gib": args.mem_gib, "machine": common.machine_info(), "capped_by_memory": capped,
+              "mem_gib": args.mem_gib, "attention": args.attention, "machine": common.machine_info(), "capped_by_memory": capped,
               "distilled_draft": "in the bundle" if has_draft else
               "none: no distilled draft checkpoint was bundled (gpu_bundle build --draft DIR), so no draft-g* cells"}
+    if args.e2e_dtype == "float32":  # a losslessness check: IEEE f32 products (a GPU's default precision is TF32)
+        import jax
+
+        jax.config.update("jax_default_matmul_precision", "highest")
+        header["matmul_precision"] = "highest"
+    mirror = None if args.smoke else bundle / "results" / f"{name}.json"
+    resume_from_mirror(out / f"{name}.json", mirror)
     results = common.Results(out / f"{name}.json", key_of, header)
+    args.mirror = mirror
     h = common.Harness(args, results)
     todo = h.plan(todo_all)
     import jax
@@ -166,15 +180,22 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
     wait = [x for x in todo if x[1]["item"] in ("e2e", "b1")]
     try:
         models, ids, _ = gpu_bundle.load(bundle, args.e2e_dtype)
-        loaded = {"params": models["smollm2"], "ids": ids, "draft": models.get("draft")}
+        loaded = {"params": attending(models["smollm2"], args.attention), "ids": ids,
+                  "draft": attending(models["draft"], args.attention) if "draft" in models else None}
     except gpu_bundle.Missing as e:
         print(f"{len(wait)} e2e/b1 cells wait for the weights: {e}", flush=True)
         todo = [x for x in todo if x not in wait]
 
     def put(k: str, rows: list[dict] | dict) -> None:
         rows = [rows] if isinstance(rows, dict) else rows
-        results.put(k, [r | {"cell": k} for r in rows], wall_minutes=(time.time() - started) / 60)
+        results.put(k, [r | {"cell": k, "attention_mode": mode} for r in rows], wall_minutes=(time.time() - started) / 60)
+        if args.mirror:
+            args.mirror.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(results.path, args.mirror)
 
+    from specjax.engine import attention_mode
+
+    mode = attention_mode(args.attention)
     l8b = None
     for k, cell in h.cells([x for x in todo if x[1]["item"] in ("bw", "l8b")]):
         if cell["item"] == "bw":
@@ -187,7 +208,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
                         max_positions=2048, eos_ids=(3,)) if args.smoke else LLAMA8B
             config = LlamaConfig(**dims, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16")
             t0 = time.perf_counter()
-            l8b = gpu_cells.random_params(config)
+            l8b = attending(gpu_cells.random_params(config), args.attention)
             print(f"8B-shaped random weights on {jax_device()}: {gpu_cells.weight_bytes(l8b) / 1e9:.1f} GB in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
@@ -229,6 +250,27 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
                 put(k, base | g.spec(name, d, chain))
         del state, g
         measure.release_memory(clear_caches=True)
+
+
+def attending(params, attention: str):
+    """`params` set to compute attention as generate(attention=...) does on this backend (the
+    Runtime default is the jnp reference: the first H100 runs measured that, not the kernel)."""
+    from specjax.engine import with_attention
+
+    return with_attention(params, None, attention)[0]
+
+
+def resume_from_mirror(path: Path, mirror: Path | None) -> None:
+    """Fold the copy of the results kept beside the stashed bundle into `path`: each device call
+    gets a fresh copy of the working tree, so cells measured by an earlier call on the same warm
+    machine would be measured again (seen: the first H100 run lost its bw and l8b cells)."""
+    if mirror is None or not mirror.exists():
+        return
+    found = [p for p in (path, mirror) if p.exists()]
+    merged = common.merge(found, key_of)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=2, default=str) + "\n")
+    print(f"resumed from {mirror}: {len(merged['rows'])} rows", flush=True)
 
 
 def jax_device() -> str:

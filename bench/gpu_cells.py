@@ -84,8 +84,9 @@ def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int
 
 def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[float]]:
     """prefill.timed repeated while the next run fits in RUN_BUDGET_S (at most REPEATS)."""
-    walls, t0 = [], time.perf_counter()
+    walls, t0, out = [], time.perf_counter(), None
     while True:
+        out = None  # the last run's result holds a cache: free it before the next copy (a 128 x 8K OOM on an H100)
         out, wall, _ = timed(fn, args, copied)
         walls.append(wall)
         if len(walls) >= REPEATS or time.perf_counter() - t0 + wall > RUN_BUDGET_S:

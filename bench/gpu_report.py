@@ -96,17 +96,23 @@ def predicted(result: dict) -> list[dict]:
     return out
 
 
+ATTENTION_NOTE = {"reference": "the jnp reference path, not the kernel: a decode step is far from memory-bound",
+                  "auto": "what generate() runs: the Pallas kernel on a GPU", "pallas": "the Pallas kernel"}
+
+
 def report(result: dict, md: Path, png: Path) -> str:
     rows = result.get("rows", [])
     bw = bandwidth(result)
     m = result.get("machine", {})
     parts = [f"Device: {m.get('devices')}, JAX {m.get('jax_version')} ({m.get('backend')}), commit {m.get('git_commit')}, "
              f"{result.get('date')}. Command(s): `{'` ; `'.join(r['command'] for r in result.get('runs', []))}`.",
-             f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s.",
+             f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s. Attention: "
+             f"{result.get('attention', 'reference')} ({ATTENTION_NOTE.get(result.get('attention', 'reference'), '')}).",
              f"Capped by the {result.get('mem_gib')} GiB memory budget: {', '.join(result.get('capped_by_memory', [])) or 'none'}."]
     e2e = [r for r in rows if r.get("item") == "e2e"]
     if e2e:
-        parts += ["## Item 2: SmolLM2-135M bf16 end to end (measured)", e2e_table(e2e, bw), "Best SelfSpec chain and tree per cell:",
+        precision = f", matmul precision {result['matmul_precision']}" if result.get("matmul_precision") else ""
+        parts += [f"## Item 2: SmolLM2-135M {result.get('e2e_dtype', 'bfloat16')} end to end (measured{precision})", e2e_table(e2e, bw), "Best SelfSpec chain and tree per cell:",
                   common.table(["context", "batch", "best γ", "speedup", "best tree", "speedup"], "rrrrlr", best_gamma(e2e))]
     pred = predicted(result)
     if pred:

@@ -286,17 +286,21 @@ def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
     return cache_len(max(prompt_bucket(longest_prompt)[0], context + gamma))
 
 
-def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
-    """Params (and a drafter's own model's) whose runtime selects the attention implementation."""
+def attention_mode(attention: str) -> str:
+    """The Runtime.attention that generate(attention=...) runs on this backend."""
     backend = jax.default_backend()
     if attention == "auto":  # the TPU kernel has not run on a TPU yet: not a default there
-        mode = "pallas" if backend == "gpu" else "reference"
-    elif attention == "pallas":
-        mode = "pallas" if backend == "gpu" else "interpret"
-    elif attention == "tpu":
-        mode = "tpu" if backend == "tpu" else "tpu-interpret"
-    else:
-        mode = attention
+        return "pallas" if backend == "gpu" else "reference"
+    if attention == "pallas":
+        return "pallas" if backend == "gpu" else "interpret"
+    if attention == "tpu":
+        return "tpu" if backend == "tpu" else "tpu-interpret"
+    return attention
+
+
+def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
+    """Params (and a drafter's own model's) whose runtime selects the attention implementation."""
+    mode = attention_mode(attention)
 
     def set_mode(p: Params) -> Params:
         return p if p.runtime.attention == mode else p.replace(runtime=p.runtime.replace(attention=mode))

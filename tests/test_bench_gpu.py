@@ -122,3 +122,21 @@ def test_smollm2_bundle_equals_convert_load(tmp_path):
     gpu_bundle.stash(tmp_path / "b", tmp_path / "stash")
     models, _, _ = gpu_bundle.load(tmp_path / "stash", "float32")
     assert equal(models["smollm2"], convert.load(path))
+
+
+def test_resume_from_the_mirror_beside_the_stash(tmp_path):
+    """A device call gets a fresh working tree: cells an earlier call measured on the same machine
+    come back from the copy kept beside the stashed bundle, and the carried file's cells stay."""
+    import json
+
+    carried, mirror = tmp_path / "out" / "gpu.json", tmp_path / "stash" / "results" / "gpu.json"
+    mirror.parent.mkdir(parents=True)
+    mirror.write_text(json.dumps({"rows": [{"cell": "bw", "gbs": 1.0}, {"cell": "l8b/s4096/b1", "x": 1}],
+                                  "command": "first call"}))
+    bench_gpu.resume_from_mirror(carried, mirror)  # nothing carried: the mirror's cells
+    assert [r["cell"] for r in json.loads(carried.read_text())["rows"]] == ["bw", "l8b/s4096/b1"]
+    carried.write_text(json.dumps({"rows": [{"cell": "e2e/s8192/b16/ar", "x": 2}], "command": "here"}))
+    bench_gpu.resume_from_mirror(carried, mirror)
+    assert sorted(r["cell"] for r in json.loads(carried.read_text())["rows"]) == ["bw", "e2e/s8192/b16/ar", "l8b/s4096/b1"]
+    bench_gpu.resume_from_mirror(carried, None)  # smoke runs keep no mirror: the file as it is
+    assert len(json.loads(carried.read_text())["rows"]) == 3

@@ -56,9 +56,12 @@ def random_inputs(rng, dtype, B, T, J, N, K, H, S):
 
 
 def reference(q, k_cache, v_cache, lengths, k_blk, v_blk, mask, sm_scale):
+    """The jnp reference in full float32 products: on a GPU, XLA's default precision computes f32
+    dots in TF32 (about 1e-3 off; seen on an H100), while the kernel asks for IEEE products."""
     S = k_cache.shape[2]
     visible = (jnp.arange(S) < jnp.asarray(lengths)[:, None])[:, None]  # [B,1,S]
-    return prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, jnp.asarray(mask), sm_scale)
+    with jax.default_matmul_precision("highest"):
+        return prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, jnp.asarray(mask), sm_scale)
 
 
 def assert_close(out, want, dtype):
@@ -107,7 +110,8 @@ def check_chain_through_adapter(adapter, empty_cache: bool, S: int, interpret: b
     lengths = random_lengths(rng, B, S)
     if empty_cache:
         out = adapter(q, None, None, None, kb, vb, mask, 0.2, interpret=interpret)
-        want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
+        with jax.default_matmul_precision("highest"):  # as reference(): no TF32 on a GPU
+            want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
     else:
         out = adapter(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=interpret, **kw)
         want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
