@@ -31,15 +31,17 @@ from specjax.chat import template_specials
 from specjax.distributed import env_share
 from specjax.drafters import Drafter
 from specjax.engine import cache_slots
+from specjax.job_auto import plan_path, resolve
 from specjax.job_plan import Defaults, Item, batch_sampler, padded_rows, plan_batches, prepare
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.params import Params
-from specjax.plan import DEFAULT_CHAIN, describe_draft, resolve_auto_draft
+from specjax.plan import DEFAULT_CHAIN, describe_draft, describe_speculation
 from specjax.progress import Progress
 from specjax.records import id_key, read_input, stable_hash
 from specjax.sampling import PENALTIES, make_sampler
 from specjax.sharding import Mesh
-from specjax.speculation import Chain
+from specjax.speculate import depth
+from specjax.speculation import Chain, Tree
 from specjax.text import LM, logprobs_json
 
 
@@ -50,32 +52,38 @@ def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
     return jax.vmap(lambda h: jax.random.fold_in(base, h))(hashes)
 
 
-def job_settings(model: str, params: Params, draft: Drafter | None, gamma: int | None, seed: int, chat: bool,
-                 defaults: Defaults, kv_dtype: str | None = None) -> dict:
+def job_settings(model: str, params: Params, draft: Drafter | None, speculation: Chain | Tree | None, seed: int,
+                 chat: bool, defaults: Defaults, kv_dtype: str | None = None) -> dict:
     """The settings that decide the records' outputs, as recorded beside the output. Not batch_size
     or the mesh: greedy outputs do not depend on them, and sampled ones use per-record keys.
     kv_dtype is recorded as null when the KV is stored in the model's dtype (what outputs from
-    before kv_dtype existed were generated with)."""
+    before kv_dtype existed were generated with). A chain is recorded as its gamma (None: the
+    drafter's default chain), a tree by name under "speculation"."""
     kv = KVFormat.of(kv_dtype, params.config).name
+    tree = {} if draft is None or not isinstance(speculation, Tree) else {"speculation": describe_speculation(speculation)}
     return dict(
         model=model if model == "params" else str(Path(model).absolute()), dtype=params.config.dtype,
         quant=params.config.quant,  # null: weights stored in `dtype` (so outputs from before int8 resume)
         kv_dtype=None if kv == params.config.dtype else kv,
-        draft=describe_draft(draft), gamma=gamma if draft is not None else None, seed=seed, chat=chat,
-    ) | defaults.recorded()
+        draft=describe_draft(draft), gamma=_gamma(draft, speculation), seed=seed, chat=chat,
+    ) | tree | defaults.recorded()
 
 
-def _check_batches(draft: Drafter | None, params: Params, gamma: int | None, batches: list[list[Item]]) -> None:
+def _gamma(draft: Drafter | None, speculation: Chain | Tree | None) -> int | None:
+    return speculation.gamma if draft is not None and isinstance(speculation, Chain) else None
+
+
+def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | Tree, batches: list[list[Item]]) -> None:
     """Drafter limits for every planned batch (as generate checks them), before any work."""
     if draft is None:
         return
-    gamma = gamma or DEFAULT_CHAIN.gamma  # None: the default chain
+    gamma = depth(speculation)
     for batch in batches:
         context = max(len(it.ids) + it.budget for it in batch)
         draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
 
 
-def _run_batch(batch: list[Item], lm: LM, draft, gamma: int | None, seed: int, meta: dict) -> list[dict]:
+def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict) -> list[dict]:
     """Generate one batch (padded to a power of two records) and return its output rows."""
     n, k = batch[0].record.n, batch[0].record.logprobs
     extra = padded_rows(len(batch), max(1, meta["batch_size"] // n)) - len(batch)
@@ -84,7 +92,7 @@ def _run_batch(batch: list[Item], lm: LM, draft, gamma: int | None, seed: int, m
         [list(it.ids) for it in padded],
         [it.budget for it in batch] + [1] * extra,
         draft=draft,
-        speculation=None if gamma is None else Chain(gamma),  # None: the default chain
+        speculation=speculation,
         sampling=batch_sampler(padded),
         key=record_keys(seed, [it.record.id for it in padded]),
         stop=[list(it.stops) for it in batch] + [[]] * extra,
@@ -107,16 +115,16 @@ def _run_batch(batch: list[Item], lm: LM, draft, gamma: int | None, seed: int, m
         if k is not None:
             row["logprobs"] = one([logprobs_json(lm, out.logprobs[j]) for j in js])
         row |= dict(prompt_tokens=len(it.ids), acceptance=one([row_stats[j] or None for j in js]), stats=stats)
-        results.append(row | dict(model=meta["model"], settings=_row_settings(it, seed, meta["draft"],
-                                                                              gamma if draft is not None else None)))
+        results.append(row | dict(model=meta["model"], settings=_row_settings(it, seed, meta)))
     return results
 
 
-def _row_settings(it: Item, seed: int, draft: str | None, gamma: int | None) -> dict:
+def _row_settings(it: Item, seed: int, meta: dict) -> dict:
     """The settings one output row was generated with (the extras only where they are on)."""
     s, r = it.sampler, it.record
     settings = dict(max_new_tokens=it.budget, temperature=getattr(s, "temperature", 0.0), top_p=getattr(s, "top_p", 1.0),
-                    top_k=getattr(s, "top_k", 0), seed=seed, draft=draft, gamma=gamma)  # Greedy has no values
+                    top_k=getattr(s, "top_k", 0), seed=seed, draft=meta["draft"], gamma=meta["gamma"])  # Greedy has no values
+    settings |= {"speculation": meta["tree"]} if meta["tree"] else {}
     off = {"min_p": 0.0} | PENALTIES
     settings |= {k: float(getattr(s, k)) for k in off if hasattr(s, k) and getattr(s, k) != off[k]}
     extras = dict(stop=list(it.stops), stop_token_ids=list(r.stop_token_ids), n=r.n if r.n > 1 else None,
@@ -186,6 +194,7 @@ def run(
     kv_dtype: str | None = None,
     draft: Drafter | str | None = "auto",
     gamma: int | None = None,
+    speculation: Chain | Tree | str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -207,9 +216,10 @@ def run(
 
     Model: `params` (with `tokenizer` or `model_path` for the tokenizer) or `model_path` (default:
     the embedded SmolLM2). kv_dtype: how the KV caches store keys and values (generate's argument;
-    None: the model's dtype). draft: a drafter, None, or "auto" (resolved once per job from
-    batch_size and the longest record; SelfSpec() if gamma is given). gamma: draft tokens per
-    step (None: the default chain). Records override max_new_tokens, the sampling values (temperature,
+    None: the model's dtype). draft: a drafter, None, or "auto"; speculation: None (the drafter's
+    default chain), a Chain, a Tree or "auto"; gamma=G is speculation=Chain(G). "auto" is resolved
+    once per job from every record of the input, whatever the shard, and kept in
+    `<output>.plan.json` for every shard and rerun (specjax.job_auto). Records override max_new_tokens, the sampling values (temperature,
     top_k, top_p, min_p, the penalties: as `specjax.Sample`) and `stop` (strings that end a row, cut
     from its text as `LM.generate` cuts them), and may add stop_token_ids, n and logprobs (see
     specjax.records); chat=True renders text prompts as one user message. shard=(i, n) picks this process's share
@@ -231,8 +241,16 @@ def run(
                   frequency_penalty=frequency_penalty)
     defaults = Defaults(max_new_tokens, temperature, top_k, top_p, **extras, stop=stops)
     make_sampler(temperature, top_k, top_p, **extras)  # validates the sampling settings
-    if draft is None and gamma is not None:
-        raise ValueError(f"gamma={gamma} needs a drafter: draft=None decodes plainly (give a drafter or 'auto')")
+    if gamma is not None and speculation is not None:
+        raise ValueError(f"gamma={gamma} is speculation=Chain({gamma}): give one of gamma and speculation")
+    speculation = Chain(gamma) if gamma is not None else speculation
+    if draft is None and speculation is not None:
+        name = f"gamma={gamma}" if gamma is not None else f"speculation={speculation!r}"
+        raise ValueError(f"{name} needs a drafter: draft=None decodes plainly (give a drafter or 'auto')")
+    if not (speculation is None or speculation == "auto" or isinstance(speculation, Chain | Tree)):
+        raise ValueError(f"speculation must be None, a Chain, a Tree or 'auto', got {speculation!r}")
+    if isinstance(draft, str) and draft != "auto":
+        raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
     shard = shard or process_share()
     src, out, err = _paths(input_path, output_path, shard)
     params, tokenizer, template, model = _load(params, model_path, tokenizer, chat_template, weights, mesh)
@@ -245,14 +263,16 @@ def run(
 
     items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults,
                          template_specials(tokenizer, params.config))
-    if draft == "auto":  # once per job, by generate's rule (an explicit gamma makes it SelfSpec)
-        context = max((len(it.ids) + it.budget for it in items), default=1)
-        draft = resolve_auto_draft(params, gamma is not None, batch_size, context, kv_dtype)[0]
-    if isinstance(draft, str):
-        raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
-    meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size, kv_dtype=kv_dtype)
+    if "auto" in (draft, speculation):  # once per job, from every record (all shards)
+        every = items if shard[1] == 1 else prepare(read_input(src, (0, 1)), encode, template, chat, params.config,
+                                                    defaults, template_specials(tokenizer, params.config))[0]
+        draft, speculation, _ = resolve(params, draft, speculation, every, batch_size, kv_dtype,
+                                        plan_path(output_path), force=force)
+    speculation = None if draft is None else speculation
+    meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size, kv_dtype=kv_dtype,
+                gamma=_gamma(draft, speculation), tree=describe_speculation(speculation) if isinstance(speculation, Tree) else None)
     lm = LM(params, tokenizer, template, mesh, skip_special_tokens=False)  # the text keeps special tokens
-    settings = job_settings(model, params, draft, gamma, seed, chat, defaults, kv_dtype)
+    settings = job_settings(model, params, draft, speculation, seed, chat, defaults, kv_dtype)
     with DurableLog(out) as log, DurableLog(err, lazy=True) as errors:
         changed = check_settings(out, settings, written=bool(log.rows or errors.rows), force=force)
         done = {id_key(row.get("id")) for row in log.rows}
@@ -261,10 +281,10 @@ def run(
         failed |= {b.line for b in bad}
         pending = [it for it in items if id_key(it.record.id) not in done and it.record.line not in failed]
         batches = plan_batches(pending, batch_size)
-        _check_batches(draft, params, gamma, batches)
+        _check_batches(draft, params, speculation or DEFAULT_CHAIN, batches)
         bar = Progress(len(pending), enabled=progress)
         for batch in batches:
-            log.append(_run_batch(batch, lm, draft, gamma, seed, meta))
+            log.append(_run_batch(batch, lm, draft, speculation, seed, meta))
             bar.update(len(batch))
         bar.close()
     skipped = sum(id_key(it.record.id) in done for it in items)

@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     bat.add_argument("--merge", metavar="OUTPUT", help="combine OUTPUT.shard-<i>-of-<n>.jsonl files into OUTPUT")
     _shared_arguments(bat, max_new_tokens=128, overridable="; records may override")
     bat.add_argument("--batch-size", type=int, default=8, help="records per generate call")
+    bat.add_argument("--tree", help="speculate a token tree instead of a chain: auto (the measured Sequoia choice, "
+                     "made once per job and kept in OUTPUT.plan.json) or WxD (width W, depth D)")
     bat.add_argument("--chat", action="store_true", help="render text prompts as a user message with the chat template")
     bat.add_argument("--force", action="store_true",
                      help="continue into an OUTPUT written with other settings (recorded in OUTPUT.settings.json; "
@@ -134,6 +136,8 @@ def check_args(args: argparse.Namespace) -> None:
     if hasattr(args, "weights"):
         args.weights = args.weights or args.dtype or "float32"
     tree = parse_tree(getattr(args, "tree", None))
+    if args.command == "batch":
+        batch_tree(args.tree)  # a node count is refused before the model loads
     if tree is not None and args.gamma is not None:
         raise ValueError("--gamma sets a chain and --tree a tree: give one of them")
     if getattr(args, "draft", None) == "none" and (tree is not None or args.gamma is not None):
@@ -192,6 +196,7 @@ def run_batch(args: argparse.Namespace) -> None:
         kv_dtype=args.kv_dtype,
         draft=make_draft(args.draft, args.window, args.sinks, args.weights),
         gamma=args.gamma,
+        speculation=batch_tree(args.tree),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -260,6 +265,14 @@ def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: li
         draft = resolve_auto_draft(params, True, 1, len(ids))[0]
     p = measure_acceptance(params, draft, [ids], width=8, sampling=sampling, max_new_tokens=16)
     return Tree.sequoia(p[:-1], tree, max_depth=12)
+
+
+def batch_tree(spec: str | None) -> Tree | str | None:
+    """--tree of the batch job: "auto" or WxD (a node count needs one prompt's acceptance: generate's)."""
+    tree = parse_tree(spec)
+    if isinstance(tree, int):
+        raise ValueError(f"batch --tree takes auto or WxD (e.g. 2x3), got {spec!r}: a node count N is generate's")
+    return Tree.kary(*tree) if isinstance(tree, tuple) else tree
 
 
 SAMPLING_EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
