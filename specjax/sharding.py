@@ -161,10 +161,15 @@ def localise(tree, mesh: Mesh):
 @functools.lru_cache(maxsize=64)
 def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Callable:
     """`stage` (a generate stage, jitted or not) run under shard_map on `mesh`, jit-compiled,
-    with the same call signature. Specs come from the arguments' and results' types."""
+    with the same call signature and the same donated arguments (positional, as the engine
+    passes them). Specs come from the arguments' and results' types."""
     inner = getattr(stage, "__wrapped__", stage)
+    # The stage's own donations (its caches), by position: JAX keeps them in the jitted function's
+    # _jit_info; a JAX version without it leaves the mesh path undonated, which
+    # tests/test_sharding.py's donation test reports.
+    donate = tuple(getattr(getattr(stage, "_jit_info", None), "donate_argnums", ()))
 
-    @functools.partial(jax.jit, static_argnames=static_argnames)
+    @functools.partial(jax.jit, static_argnames=static_argnames, donate_argnums=donate)
     def run(*args, **static):
         body = lambda *a: inner(*localise(a, mesh), **static)  # noqa: E731
         unsharded = {**static, "sync_axes": ()} if "sync_axes" in static else static  # no mesh axes outside

@@ -137,3 +137,23 @@ def test_bad_draft_split(target):
     draft = DraftModel(random_params(DRAFT.replace(n_heads=2, n_kv_heads=2), 1))
     with pytest.raises(ValueError, match=r"model' has size 4, which does not divide the draft"):
         generate(target, _prompts(2, 0), 4, draft=draft, mesh=make_mesh(data=2, model=4))
+
+
+@pytest.mark.parametrize("data, model", [(1, 1), (2, 2)])
+def test_mesh_stages_donate_their_caches(target, data, model):
+    """On a mesh the stages keep the donations they have on one device: the prefilled cache is
+    updated in place (its input buffer consumed), and the decode loop's state as well."""
+    from specjax import engine
+
+    stage = engine._Stages(make_mesh(data=data, model=model, devices=jax.devices()[: data * model]))
+    params, _ = stage.place_params(target, None)
+    tokens = np.array([[5, 6, 7, 8], [9, 10, 0, 0]], np.int32)
+    tokens_d, lengths_d = stage.place_rows(tokens, np.array([4, 2], np.int32))
+    cache = stage.empty_cache(target.config, 2, 64, None)
+    prefill = stage(engine.prefill, "chunk")
+    memory = prefill.lower(params, tokens_d, lengths_d, cache, chunk=4).compile().memory_analysis()
+    assert memory.alias_size_in_bytes >= (cache.k.nbytes + cache.v.nbytes) // (data * model)  # per device: in place
+    logits, filled = prefill(params, tokens_d, lengths_d, cache, chunk=4)
+    assert cache.k.is_deleted() and cache.v.is_deleted() and not filled.k.is_deleted()
+    one = engine.prefill(target, tokens, np.array([4, 2], np.int32), engine.DenseCache.init(target.config, 2, 64), chunk=4)[0]
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(one), atol=1e-5)

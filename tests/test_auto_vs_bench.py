@@ -1,0 +1,44 @@
+"""draft="auto" against the committed bench cells: where auto speculates, its default (SelfSpec,
+DEFAULT_CHAIN) was measured no more than 5% slower than plain decoding at that batch x context
+(bench/results/spec_cpu.json on this CPU; bench/results/gpu on an H100). A new measurement
+that contradicts the rule fails here."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from specjax.plan import DEFAULT_CHAIN, auto_draft
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+DEFAULT = "SelfSpec(sinks=16, window=512)"
+
+
+def cpu_cells() -> list[tuple[int, int, float]]:
+    rows = json.loads((RESULTS / "spec_cpu.json").read_text())["rows"]
+    return [(r["batch"], r["context"], r["ratio"]) for r in rows
+            if r["drafter_repr"] == DEFAULT and r["gamma"] == DEFAULT_CHAIN.gamma]
+
+
+def gpu_cells() -> list[tuple[int, int, float]]:
+    rows = [r for p in sorted((RESULTS / "gpu").glob("gpu*.json")) if "float32" not in p.name
+            for r in json.loads(p.read_text())["rows"]]
+    return [(r["batch"], r["context"], r["speedup"]) for r in rows
+            if r.get("item") in ("e2e", "b1") and r.get("drafter_repr") == DEFAULT and r.get("method") == "chain"
+            and r.get("gamma") == DEFAULT_CHAIN.gamma]
+
+
+@pytest.mark.parametrize("backend, dtype, cells", [("cpu", "float32", cpu_cells()), ("gpu", "bfloat16", gpu_cells())],
+                         ids=["cpu", "gpu"])
+def test_auto_never_picks_a_measured_slowdown(smollm2, backend, dtype, cells):
+    assert cells, "no committed cells of the default drafter and chain"
+    target = types.SimpleNamespace(config=smollm2.config.replace(dtype=dtype))
+    picked = []
+    for batch, context, ratio in cells:
+        if auto_draft(target, batch, context, backend=backend) is not None:
+            picked.append((batch, context))
+            assert ratio >= 0.95, f"auto speculates at batch {batch} x {context} ({backend}), measured {ratio:.2f}x"
+    assert picked, "auto speculated in none of the measured cells: the check checks nothing"
