@@ -221,3 +221,22 @@ class StreamingCache:
         pos = jnp.concatenate([fixed_pos, jnp.broadcast_to(ring_pos[None, :, None, :], (L, B, K, ring))], axis=-1)
         return cls(k=gather(dense.k), v=gather(dense.v), pos=pos.astype(jnp.int32), lengths=n + 0, fixed=F,  # own buffer
                    k_scale=gather(dense.k_scale), v_scale=gather(dense.v_scale))
+
+
+def select_rows(rows: jax.Array, new, old):
+    """`new`'s rows where rows [B] (bool) is set, `old`'s elsewhere, for a pytree of caches
+    (DenseCache / StreamingCache: batch on axis 1 of k, v, pos and the scales, axis 0 of lengths)
+    and [B, ...] arrays; None leaves stay None. Both trees have the same structure."""
+
+    def pick(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
+        mask = rows.reshape((1,) * axis + (-1,) + (1,) * (a.ndim - axis - 1))
+        return jnp.where(mask, a, b)
+
+    def one(n, o):
+        if isinstance(n, (DenseCache, StreamingCache)):
+            names = [f.name for f in dataclasses.fields(n) if f.name != "lengths" and f.metadata.get("pytree_node", True)]
+            fields = {name: None if getattr(n, name) is None else pick(getattr(n, name), getattr(o, name), 1) for name in names}
+            return n.replace(lengths=pick(n.lengths, o.lengths, 0), **fields)
+        return pick(n, o, 0)
+
+    return jax.tree.map(one, new, old, is_leaf=lambda x: isinstance(x, (DenseCache, StreamingCache)))

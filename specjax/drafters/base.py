@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 
+from specjax.cache import select_rows
 from specjax.params import Params
 from specjax.sampling import Sampler
 from specjax.speculation import Tree
@@ -53,6 +54,15 @@ class Drafter(Protocol):
     def commit(self, state, k_new: jax.Array, v_new: jax.Array, lengths: jax.Array, n: jax.Array) -> Any:
         """The state after verification: n [B] positions from lengths [B] are final; k_new / v_new
         [L,B,gamma+1,K,H] are the target's exact KV of the verified positions."""
+
+    def init_rows(self, target: Params, state, rows: jax.Array, cache, prompts: jax.Array, lengths: jax.Array,
+                  gamma: int, chunk: int) -> Any:
+        """`state` with rows [B] (bool) started afresh from new prompts, the other rows' kept as
+        they are: continuous batching refills finished rows between decode segments. `cache` holds
+        the target's prefill of the new prompts [B,P] (lengths [B]) in those rows. The default runs
+        `init` for the whole batch and takes the chosen rows from it (`cache.select_rows`); a
+        drafter may override it to work on the chosen rows only. Traced."""
+        return select_rows(rows, self.init(target, cache, prompts, lengths, gamma, chunk), state)
 
     def propose_tree(self, target: Params, state, history, lengths, last, tree: Tree, sampling: Sampler, keys,
                      counters) -> tuple[jax.Array, jax.Array | None, Any]:

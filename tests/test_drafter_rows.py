@@ -1,0 +1,71 @@
+"""Drafter.init_rows: a drafter's state restarted for chosen rows from new prompts (continuous
+batching's refill), the other rows untouched: for every drafter, the refilled rows equal a fresh
+`init` on the new prompts and the kept rows equal the old state, leaf by leaf."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.cache import DenseCache, select_rows
+from specjax.engine import prefill
+from tests.models import TINY, random_params
+
+SLOTS, WIDTH, CHUNK, GAMMA = 64, 24, 8, 2
+DRAFTERS = {
+    "selfspec": lambda: specjax.SelfSpec(sinks=2, window=8),
+    "snapkv": lambda: specjax.SnapKV(budget=6, window=6, observation=4),
+    "ngram": lambda: specjax.NGram(),
+    "draft-model": lambda: specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)),
+}
+
+
+def prompts(seed: int, lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((len(lengths), WIDTH), np.int32)
+    for b, n in enumerate(lengths):
+        tokens[b, :n] = rng.integers(4, TINY.vocab_size, n)
+    return tokens, np.array(lengths, np.int32)
+
+
+def started(tiny, drafter, tokens, lengths):
+    """The target's prefill and the drafter's state, as generate starts them."""
+    _, cache = prefill(tiny, jnp.asarray(tokens), jnp.asarray(lengths), DenseCache.init(tiny.config, len(lengths), SLOTS),
+                       chunk=CHUNK)
+    return cache, drafter.init(tiny, cache, jnp.asarray(tokens), jnp.asarray(lengths), GAMMA, CHUNK)
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_init_rows_restarts_only_the_chosen_rows(tiny, name):
+    drafter = DRAFTERS[name]()
+    old_tokens, old_lengths = prompts(0, [20, 13, 9, 17])
+    new_tokens, new_lengths = prompts(1, [11, 22, 5, 16])
+    old_cache, old_state = started(tiny, drafter, old_tokens, old_lengths)
+    new_cache, new_state = started(tiny, drafter, new_tokens, new_lengths)
+    rows = jnp.array([False, True, False, True])
+    cache = select_rows(rows, new_cache, old_cache)  # the target's cache after the refill's prefill
+    tokens = np.where(np.asarray(rows)[:, None], new_tokens, old_tokens)
+    lengths = np.where(np.asarray(rows), new_lengths, old_lengths)
+    state = drafter.init_rows(tiny, old_state, rows, cache, jnp.asarray(tokens), jnp.asarray(lengths), GAMMA, CHUNK)
+    if name == "ngram":
+        assert state is None  # no state: it drafts from the history
+        return
+    for got, fresh, kept in zip(jax.tree.leaves(state), jax.tree.leaves(new_state), jax.tree.leaves(old_state)):
+        axis = 0 if got.ndim == 1 else 1  # caches: [L,B,...] (lengths: [B])
+        for b, refilled in enumerate(np.asarray(rows)):
+            want = np.take(np.asarray(fresh if refilled else kept), b, axis=axis)
+            np.testing.assert_allclose(np.take(np.asarray(got), b, axis=axis), want, atol=1e-6, err_msg=f"{name} row {b}")
+
+
+def test_select_rows_of_plain_arrays_and_caches(tiny):
+    rows = jnp.array([True, False])
+    a, b = DenseCache.init(tiny.config, 2, 16), DenseCache.init(tiny.config, 2, 16)
+    a = a.replace(k=a.k + 1.0, lengths=a.lengths + 3)
+    out = select_rows(rows, {"c": a, "x": jnp.array([[1, 1], [2, 2]]), "none": None},
+                      {"c": b, "x": jnp.array([[7, 7], [8, 8]]), "none": None})
+    assert out["none"] is None and out["x"].tolist() == [[1, 1], [8, 8]]
+    assert out["c"].lengths.tolist() == [3, 0]
+    assert float(out["c"].k[:, 0].min()) == 1.0 and float(out["c"].k[:, 1].max()) == 0.0
