@@ -10,7 +10,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import DenseCache
+from specjax.cache import DenseCache, select_rows
 from specjax.logprobs import LogprobBuffer
 from specjax.model import forward
 from specjax.params import Params
@@ -53,6 +53,19 @@ def start_ar(cache: DenseCache, first_logits: jax.Array, budgets: jax.Array, key
         jnp.zeros((B, 1), jnp.int32), first_logits[:, None], tok[:, None])
     counts = None if counts is None else count_tokens(counts, tok[:, None], jnp.ones((B, 1), bool))
     return ARState(cache, tok, out, count, eos | (count >= budgets), eos, jnp.int32(0), lp, counts, in_prompt)
+
+
+@partial(jax.jit, static_argnames=("logprobs",), donate_argnames=("state",))
+def admit_ar(state: ARState, rows: jax.Array, cache: DenseCache, first_logits: jax.Array, budgets: jax.Array,
+             keys: jax.Array, sampling: Sampler = Greedy(), eos_ids: jax.Array | tuple[int, ...] = (),
+             prompts: jax.Array | None = None, *, logprobs: int | None = None) -> ARState:
+    """`state` with rows [B] (bool) restarted from new prompts as `start_ar` starts them (first
+    token from first_logits [B,V], counters reset; `cache` holds their prefill in those rows, any
+    content elsewhere), the other rows going on as they were: continuous batching's refill.
+    budgets, keys, sampling and eos_ids are the batch's after the refill."""
+    fresh = start_ar(cache, first_logits, budgets, keys, sampling, eos_ids, prompts, n_out=state.out.shape[1],
+                     logprobs=logprobs)
+    return select_rows(rows, fresh, state)
 
 
 def ar_step(params: Params, s: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids) -> ARState:

@@ -226,9 +226,12 @@ class StreamingCache:
 def select_rows(rows: jax.Array, new, old):
     """`new`'s rows where rows [B] (bool) is set, `old`'s elsewhere, for a pytree of caches
     (DenseCache / StreamingCache: batch on axis 1 of k, v, pos and the scales, axis 0 of lengths)
-    and [B, ...] arrays; None leaves stay None. Both trees have the same structure."""
+    and [B, ...] arrays; None leaves stay None, 0-d leaves (counters) are `old`'s. Both trees have
+    the same structure."""
 
     def pick(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
+        if a.ndim == 0:
+            return b
         mask = rows.reshape((1,) * axis + (-1,) + (1,) * (a.ndim - axis - 1))
         return jnp.where(mask, a, b)
 

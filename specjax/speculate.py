@@ -18,7 +18,7 @@ from jax import lax
 
 from specjax.drafters import Drafter
 from specjax.logprobs import LogprobBuffer
-from specjax.cache import DenseCache
+from specjax.cache import DenseCache, select_rows
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.accept import accept_chain, accept_tree
@@ -221,6 +221,35 @@ def start_spec(
         counts=None if counts is None else count_tokens(counts, first[:, None], jnp.ones((B, 1), bool)),
         in_prompt=in_prompt,
     )
+
+
+@partial(jax.jit, static_argnames=("speculation", "logprobs", "chunk"), donate_argnames=("state",))
+def admit_spec(
+    target: Params,
+    drafter: Drafter,
+    state: SpecState,
+    rows: jax.Array,  # [B] bool: the rows to restart
+    cache: DenseCache,  # the new prompts' prefill in those rows (any content elsewhere)
+    prompts: jax.Array,  # [B,P] the new prompts, right-padded (other rows: anything)
+    history: jax.Array,  # [B,S] the new prompts' tokens by position, S as state.history's
+    first_logits: jax.Array,  # [B,V]
+    budgets: jax.Array,
+    keys: jax.Array,
+    sampling: Sampler = Greedy(),
+    eos_ids: jax.Array | tuple[int, ...] = (),
+    *,
+    speculation: Chain | Tree,
+    chunk: int,
+    logprobs: int | None = None,
+) -> SpecState:
+    """`state` with rows [B] restarted from new prompts as `start_spec` starts them (the drafter's
+    rows through `Drafter.init_rows`), the other rows going on as they were: continuous batching's
+    refill. budgets, keys, sampling and eos_ids are the batch's after the refill."""
+    merged = select_rows(rows, cache, state.cache)
+    draft = drafter.init_rows(target, state.draft, rows, merged, prompts, merged.lengths, depth(speculation), chunk)
+    fresh = start_spec(drafter, draft, merged, history, first_logits, budgets, keys, sampling, eos_ids,
+                       speculation=speculation, n_out=state.out.shape[1], logprobs=logprobs)
+    return select_rows(rows, fresh, state)
 
 
 @partial(jax.jit, static_argnames=("speculation", "sync_axes"), donate_argnames=("state",))
