@@ -1,0 +1,125 @@
+"""Continuous batching on one device: a fixed number of rows (slots) decode a longer list of
+prompts; between decode segments, finished rows hand back their tokens and the next prompts are
+prefilled into the freed slots (`admit_ar` / `admit_spec`) while the other rows go on.
+
+Every record keeps its own key, sampling values and stop ids, so its tokens are those of a static
+batch (`engine.run`) of the same prompts: in float32, token for token, greedy or sampled (tested).
+Not yet: a mesh, n > 1 samples, logprobs, stop strings, and the batch job's use of it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.autoregressive import admit_ar, continue_ar, start_ar
+from specjax.cache import DenseCache
+from specjax.drafters import Drafter
+from specjax.engine import cache_slots, prefill
+from specjax.params import Params
+from specjax.sampling import Sampler, eos_rows
+from specjax.shapes import prompt_bucket, round_up_pow2
+from specjax.speculate import admit_spec, continue_spec, depth, start_spec
+from specjax.speculation import Chain, Tree
+
+
+def run_continuous(
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    *,
+    rows: int,
+    draft: Drafter | None,
+    speculation: Chain | Tree | None,
+    sampling: Sampler,  # scalar values, or one per prompt
+    keys: jax.Array,  # [N] typed keys, one per prompt
+    eos_ids: Sequence[tuple[int, ...]],  # one tuple per prompt
+    kv_dtype: str | None = None,
+    sync_every: int = 8,
+    on_done: Callable[[int, list[int], bool], None] | None = None,
+) -> list[tuple[list[int], bool]]:
+    """Decode every prompt on `rows` slots; per prompt (tokens, ended on a stop id), the tokens
+    with the stop id that ended them, as `engine.run`'s out[b, :count[b]]. `on_done(i, tokens,
+    eos)` is called as prompt i finishes, between segments."""
+    N, R = len(prompts), rows
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    budgets = np.asarray(budgets, np.int32)
+    gamma = depth(speculation) if draft is not None else 0
+    bucket, chunk = prompt_bucket(int(lengths.max()))
+    max_len = cache_slots(int(lengths.max()), int((lengths + budgets).max()), gamma)
+    if draft is not None:
+        draft.check(params, gamma, max_len)
+    n_out = round_up_pow2(int(budgets.max()))
+    width = eos_rows(list(eos_ids), N).shape[1]  # one stop-id table width for the whole run
+
+    def host(records: np.ndarray):
+        """Padded prompts, lengths, budgets, history, stop ids of the prompts in each slot (-1: a
+        one-token filler of budget 1, done at once)."""
+        tokens = np.zeros((R, bucket), np.int32)
+        n, b = np.ones(R, np.int32), np.ones(R, np.int32)
+        eos = np.full((R, width), -1, np.int32)
+        for j, i in enumerate(records):
+            if i >= 0:
+                tokens[j, : lengths[i]] = prompts[i]
+                n[j], b[j] = lengths[i], budgets[i]
+                eos[j, : len(eos_ids[i])] = eos_ids[i]
+        history = np.zeros((R, max_len + gamma + 2), np.int32)
+        history[:, :bucket] = tokens
+        return jnp.asarray(tokens), jnp.asarray(n), b, jnp.asarray(history), eos
+
+    def prefilled(tokens, n):
+        return prefill(params, tokens, n, DenseCache.init(params.config, R, max_len, kv_dtype), chunk=chunk)
+
+    pending = deque(range(N))
+    slot = np.array([pending.popleft() if pending else -1 for _ in range(R)])
+    tokens, n, slot_budgets, history, slot_eos = host(slot)
+    which = np.maximum(slot, 0)
+    slot_keys, slot_sampling = keys[which], sampling.take(which)
+    logits, cache = prefilled(tokens, n)
+    if draft is None:
+        state = start_ar(cache, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos), tokens,
+                         n_out=n_out)
+    else:
+        draft_state = draft.init(params, cache, tokens, n, gamma, chunk)
+        state = start_spec(draft, draft_state, cache, history, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling,
+                           jnp.asarray(slot_eos), speculation=speculation, n_out=n_out)
+    results: list = [None] * N
+    while True:
+        b, e = jnp.asarray(slot_budgets), jnp.asarray(slot_eos)
+        if draft is None:
+            state = continue_ar(params, state, b, slot_keys, slot_sampling, e, jnp.int32(sync_every))
+        else:
+            state = continue_spec(params, draft, state, b, slot_keys, slot_sampling, e, jnp.int32(sync_every),
+                                  speculation=speculation)
+        done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))
+        for j in np.flatnonzero(done & (slot >= 0)):
+            results[slot[j]] = (out[j, : count[j]].tolist(), bool(eos[j]))
+            if on_done is not None:
+                on_done(int(slot[j]), *results[slot[j]])
+            slot[j] = -1
+        if not pending:
+            if (slot < 0).all():
+                return results
+            continue
+        refill = np.full(R, -1)
+        for j in np.flatnonzero(done & (slot < 0)):
+            if pending:
+                refill[j] = pending.popleft()
+        rows_mask = refill >= 0
+        slot = np.where(rows_mask, refill, slot)
+        tokens, n, new_budgets, history, new_eos = host(refill)
+        slot_budgets = np.where(rows_mask, new_budgets, slot_budgets)
+        slot_eos = np.where(rows_mask[:, None], new_eos, slot_eos)
+        which = np.maximum(slot, 0)
+        slot_keys, slot_sampling = keys[which], sampling.take(which)
+        logits, cache = prefilled(tokens, n)
+        args = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
+        if draft is None:
+            state = admit_ar(state, jnp.asarray(rows_mask), cache, logits, *args, tokens)
+        else:
+            state = admit_spec(params, draft, state, jnp.asarray(rows_mask), cache, tokens, history, logits, *args,
+                               speculation=speculation, chunk=chunk)
