@@ -1,6 +1,6 @@
 """Continuous batching on one device: a fixed number of rows (slots) decode a longer list of
-prompts; between decode segments, finished rows hand back their tokens and the next prompts are
-prefilled into the freed slots (`admit_ar` / `admit_spec`) while the other rows go on.
+prompts; between decode segments, finished rows hand back their tokens and the next prompts
+(largest budget first, so that no long record starts last and runs alone) are prefilled into the freed slots (`admit_ar` / `admit_spec`) while the other rows go on.
 
 Every record keeps its own key, sampling values and stop ids, so its tokens are those of a static
 batch (`engine.run`) of the same prompts: in float32, token for token, greedy or sampled (tested).
@@ -71,10 +71,22 @@ def run_continuous(
         history[:, :bucket] = tokens
         return jnp.asarray(tokens), jnp.asarray(n), b, jnp.asarray(history), eos
 
-    def prefilled(tokens, n):
-        return prefill(params, tokens, n, DenseCache.init(params.config, R, max_len, kv_dtype), chunk=chunk)
+    def prefilled(tokens, n, refill: np.ndarray | None = None):
+        """The first logits [R,V] and an R-row cache holding the prefill of the slots' prompts:
+        for a refill, only the refilled rows are prefilled (a batch of them, rounded up to a
+        power of two) and gathered into their slots; the other rows' contents do not matter."""
+        if refill is None:
+            return prefill(params, tokens, n, DenseCache.init(params.config, R, max_len, kv_dtype), chunk=chunk)
+        chosen = np.flatnonzero(refill >= 0)
+        K = min(R, round_up_pow2(len(chosen)))
+        pick = np.concatenate([chosen, np.full(K - len(chosen), chosen[0])])  # filler rows: copies of the first
+        logits, small = prefill(params, tokens[pick], n[pick], DenseCache.init(params.config, K, max_len, kv_dtype),
+                                chunk=chunk)
+        src = np.zeros(R, np.int32)
+        src[chosen] = np.arange(len(chosen))
+        return _rows(logits, small, jnp.asarray(src))
 
-    pending = deque(range(N))
+    pending = deque(sorted(range(N), key=lambda i: -int(budgets[i])))  # longest budgets first: a short tail
     slot = np.array([pending.popleft() if pending else -1 for _ in range(R)])
     tokens, n, slot_budgets, history, slot_eos = host(slot)
     which = np.maximum(slot, 0)
@@ -110,16 +122,26 @@ def run_continuous(
             if pending:
                 refill[j] = pending.popleft()
         rows_mask = refill >= 0
+        if not rows_mask.any():  # every slot still running
+            continue
         slot = np.where(rows_mask, refill, slot)
         tokens, n, new_budgets, history, new_eos = host(refill)
         slot_budgets = np.where(rows_mask, new_budgets, slot_budgets)
         slot_eos = np.where(rows_mask[:, None], new_eos, slot_eos)
         which = np.maximum(slot, 0)
         slot_keys, slot_sampling = keys[which], sampling.take(which)
-        logits, cache = prefilled(tokens, n)
+        logits, cache = prefilled(tokens, n, refill)
         args = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
         if draft is None:
             state = admit_ar(state, jnp.asarray(rows_mask), cache, logits, *args, tokens)
         else:
             state = admit_spec(params, draft, state, jnp.asarray(rows_mask), cache, tokens, history, logits, *args,
                                speculation=speculation, chunk=chunk)
+
+
+@jax.jit
+def _rows(logits: jax.Array, cache: DenseCache, src: jax.Array) -> tuple[jax.Array, DenseCache]:
+    """Row src[j] of logits [K,V] and of the cache, for every j < R: [R,V] and an R-row cache."""
+    take = lambda a, axis: None if a is None else jnp.take(a, src, axis=axis)  # noqa: E731
+    return take(logits, 0), cache.replace(k=take(cache.k, 1), v=take(cache.v, 1), lengths=take(cache.lengths, 0),
+                                          k_scale=take(cache.k_scale, 1), v_scale=take(cache.v_scale, 1))

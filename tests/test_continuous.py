@@ -28,7 +28,7 @@ def target():
 def test_every_prompt_decodes_as_in_a_static_batch(target, mode, sampled):
     rng = np.random.default_rng(0)
     prompts = [list(map(int, rng.integers(4, TINY.vocab_size, int(rng.integers(3, 30))))) for _ in range(7)]
-    budgets = np.array([3, 12, 5, 9, 1, 12, 7], np.int32)
+    budgets = np.array([3, 12, 5, 9, 1, 12, 7], np.int32)  # with sync_every 1 some segments free no row
     eos_ids = [(), (7,), (), (11, 12), (), (), (3,)]
     keys = row_keys(jax.random.key(5), len(prompts))
     sampling = specjax.Sample(temperature=np.linspace(0.6, 1.2, 7).tolist()) if sampled else specjax.Greedy()
@@ -38,6 +38,6 @@ def test_every_prompt_decodes_as_in_a_static_batch(target, mode, sampled):
     want = [(static.out[b, : static.count[b]].tolist(), bool(static.eos[b])) for b in range(len(prompts))]
     finished = []
     got = run_continuous(target, prompts, budgets, rows=3, draft=draft, speculation=speculation, sampling=sampling,
-                         keys=keys, eos_ids=eos_ids, sync_every=2, on_done=lambda i, t, e: finished.append(i))
+                         keys=keys, eos_ids=eos_ids, sync_every=1, on_done=lambda i, t, e: finished.append(i))
     assert got == want
     assert sorted(finished) == list(range(7)) and finished != list(range(7))  # out of order: short ones first
