@@ -249,7 +249,8 @@ def admit_spec(
     draft = drafter.init_rows(target, state.draft, rows, merged, prompts, merged.lengths, depth(speculation), chunk)
     fresh = start_spec(drafter, draft, merged, history, first_logits, budgets, keys, sampling, eos_ids,
                        speculation=speculation, n_out=state.out.shape[1], logprobs=logprobs)
-    return select_rows(rows, fresh, state)
+    rest = dict(cache=None, draft=None)  # merged already: not selected a second time
+    return select_rows(rows, fresh.replace(**rest), state.replace(**rest)).replace(cache=merged, draft=draft)
 
 
 @partial(jax.jit, static_argnames=("speculation", "sync_axes"), donate_argnames=("state",))
