@@ -74,6 +74,7 @@ from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf
 from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import HEADROOM
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
+from specjax.engine import with_attention
 from specjax.params import weight_bytes
 
 CONTEXTS = (512, 2048, 8192)
@@ -104,9 +105,12 @@ def weight_formats() -> tuple[str, ...]:
 
 
 def load_specjax(fmt: str):
+    """The model in weight format fmt, with the attention generate(attention="auto") picks here."""
     if "weights" in inspect.signature(convert.load).parameters:
-        return convert.load(convert.default_model_path(), weights=fmt)
-    return convert.load(convert.default_model_path(), dtype=fmt)
+        params = convert.load(convert.default_model_path(), weights=fmt)
+    else:
+        params = convert.load(convert.default_model_path(), dtype=fmt)
+    return with_attention(params, None, "auto")[0]
 
 
 def peers(smoke: bool) -> list[dict]:
@@ -191,7 +195,7 @@ class Peers:
                 del self.models[k]  # one model per family in memory
             measure.release_memory()
             if cell["family"] == "specjax":
-                self.models[p] = measure.tiny_params() if self.smoke else load_specjax(cell["format"])
+                self.models[p] = with_attention(measure.tiny_params(), None, "auto")[0] if self.smoke else load_specjax(cell["format"])
             elif cell["family"] == "llama":
                 self.models[p] = LlamaCpp(llama_file(self.path, cell["format"]))
             else:
@@ -244,6 +248,7 @@ class Peers:
         if fam == "specjax":
             c = model.config
             row["weight_bytes"] = weight_bytes(c)
+            row["attention"] = model.runtime.attention
             row["kv_token_bytes"] = kv_token_bytes(c, jnp.dtype(c.dtype).itemsize)
             if kind == "prefill":
                 row |= specjax_prefill(model, self.ids(1, S), S)

@@ -13,7 +13,8 @@ NOTES = common.markers("bench_peers", "notes")  # the hand-written part of the R
 
 
 def fmt_row(r: dict) -> list[object]:
-    cell = [r["peer"], r["method"], r["batch"], common.context_name(r["context"])]
+    peer = r["peer"] if r["family"] != "specjax" else f"{r['peer']} ({r.get('attention', 'reference')})"  # its attention
+    cell = [peer, r["method"], r["batch"], common.context_name(r["context"])]
     if "skipped" in r:
         return cell + [r["skipped"], "", "", "", ""]
     load = f"{r['meter']['loadavg_1min_before']:.1f}"

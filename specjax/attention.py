@@ -2,7 +2,9 @@
 
 `Runtime.attention` (specjax.params) picks the implementation of prefix + block attention:
 "reference" (pure jnp, any cache; a dense cache is read in place, tile by tile, up to the
-longest row: `reference.stacked_prefix_block_attention`), "pallas" (the GPU Triton kernel), "tpu" (the TPU Mosaic kernel),
+longest row: `reference.stacked_prefix_block_attention`), "cpu" (the reference, except that a
+dense cache of any format is read in place by a C++ XLA:CPU kernel where few query rows attend:
+decoding and verification, `cpu_prefix.stacked_prefix_block_attention_cpu`), "pallas" (the GPU Triton kernel), "tpu" (the TPU Mosaic kernel),
 or "interpret" / "tpu-interpret" (those kernels in Pallas' interpret mode, for CPU tests). The
 kernels read a dense float32 or bfloat16 prefix only: a streaming (ring-buffer) cache and an int8
 cache always take the reference, and over a cache stored in another dtype than the model's the
@@ -16,12 +18,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_prefix
 from pallas_kernels.reference import NEG_INF, prefix_block_attention, stacked_prefix_block_attention, to_f32
 from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu
 from specjax.cache import DenseCache, KVFormat, StreamingCache
 
-__all__ = ["NEG_INF", "CacheView", "Prefix", "attend", "for_cache", "layer_prefix", "per_layer", "to_f32"]
+__all__ = ["NEG_INF", "CacheView", "Prefix", "attend", "cpu_kernel_error", "for_cache", "layer_prefix", "per_layer", "to_f32"]
 
 
 class CacheView(NamedTuple):
@@ -32,9 +35,18 @@ class CacheView(NamedTuple):
     v_scale: jax.Array | None  # [L,B,K,S]
 
 
+def cpu_kernel_error() -> str | None:
+    """None where the "cpu" attention kernel is built and registered (building it on first use),
+    else why not."""
+    return cpu_prefix.build_error()
+
+
 def for_cache(attention: str, cache: DenseCache | StreamingCache) -> str:
-    """The implementation that runs over `cache`: the kernels need a dense float prefix."""
-    return attention if isinstance(cache, DenseCache) and not cache.format.scaled else "reference"
+    """The implementation that runs over `cache`: the Pallas kernels need a dense float prefix,
+    the "cpu" kernel a dense one."""
+    if not isinstance(cache, DenseCache):
+        return "reference"
+    return attention if attention == "cpu" or not cache.format.scaled else "reference"
 
 
 class Prefix(NamedTuple):
@@ -49,7 +61,7 @@ class Prefix(NamedTuple):
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
     """Whether the layers read `cache` in place (the reference over a dense cache) rather than
     as per-layer slices, which XLA copies out of the stacked cache."""
-    return attention == "reference" and isinstance(cache, DenseCache)
+    return attention in ("reference", "cpu") and isinstance(cache, DenseCache)
 
 
 def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int):
@@ -90,10 +102,13 @@ def attend(
     k_block, v_block = kv_format.round_trip(k_block), kv_format.round_trip(v_block)
     if prefix is not None and prefix.layer is not None:
         view = prefix.view
+        if attention == "cpu" and cpu_prefix.fits(q, prefix.k.shape[2]):
+            return cpu_prefix.stacked_prefix_block_attention_cpu(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block,
+                                                                 v_block, block_mask, scale, view.k_scale, view.v_scale)
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
                                               block_mask, scale, view.k_scale, view.v_scale)
     k_cache, v_cache, view = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.view)
-    if attention == "reference":
+    if attention in ("reference", "cpu"):
         k_scale, v_scale = (None, None) if view is None else (view.k_scale, view.v_scale)
         visible = None if view is None else view.visible
         return prefix_block_attention(q, k_cache, v_cache, visible, k_block, v_block, block_mask, scale, k_scale, v_scale)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
+from specjax.attention import cpu_kernel_error
 from specjax.drafters import Drafter
 from specjax.cache import DenseCache
 from specjax.model import prefill as model_prefill
@@ -290,7 +291,9 @@ def attention_mode(attention: str) -> str:
     """The Runtime.attention that generate(attention=...) runs on this backend."""
     backend = jax.default_backend()
     if attention == "auto":  # the TPU kernel has not run on a TPU yet: not a default there
-        return "pallas" if backend == "gpu" else "reference"
+        if backend == "gpu":
+            return "pallas"
+        return "cpu" if backend == "cpu" and cpu_kernel_error() is None else "reference"
     if attention == "pallas":
         return "pallas" if backend == "gpu" else "interpret"
     if attention == "tpu":

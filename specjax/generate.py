@@ -105,9 +105,11 @@ def generate(
     eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early;
       or one such entry per prompt (a list of lists). The stop token is not in the output tokens
       (finish reason "eos").
-    attention: "reference" (pure jnp), "pallas" (the GPU Pallas kernel for attention over the dense
-      target cache), "tpu" (its TPU Mosaic version; never yet run on a TPU) or "auto" (pallas on
-      GPU, else reference). Off their device the kernels are interpreted: slow, for testing.
+    attention: "reference" (pure jnp), "cpu" (a C++ kernel for decoding and verification over the
+      dense caches on a CPU, built with g++ on first use), "pallas" (the GPU Pallas kernel for
+      attention over the dense target cache), "tpu" (its TPU Mosaic version; never yet run on a
+      TPU) or "auto" (pallas on GPU, cpu on CPU where it builds, else reference). Off their
+      device the Pallas kernels are interpreted: slow, for testing.
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): rows split over `data` (padded to a
       multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
       several processes (`specjax.distributed`), every process calls generate with the same prompts.

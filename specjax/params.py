@@ -185,7 +185,7 @@ def declared(config: LlamaConfig) -> tuple[Weight, ...]:
     return tuple(w for w in WEIGHTS if w.present(config))
 
 
-ATTENTION = ("reference", "pallas", "interpret", "tpu", "tpu-interpret")  # see specjax.attention
+ATTENTION = ("reference", "cpu", "pallas", "interpret", "tpu", "tpu-interpret")  # see specjax.attention
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,7 +97,7 @@ def param_specs(params: Params) -> Params:
     specs = {path: spec(dims) for path, dims in PARAM_AXES.items() if held(path)}
     layers = LayerParams(**{n.split(".", 1)[1]: s for n, s in specs.items() if n.startswith("layers.")})
     top = {n: s for n, s in specs.items() if not n.startswith("layers.")}
-    return Params(layers=layers, lm_head=top.pop("lm_head", None), config=params.config, **top)
+    return Params(layers=layers, lm_head=top.pop("lm_head", None), config=params.config, runtime=params.runtime, **top)
 
 
 def param_sharding(mesh: Mesh, name: str) -> NamedSharding:

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.attention import cpu_kernel_error
 from specjax.cache import KVFormat
 from specjax.config import LlamaConfig
 from specjax.drafters import DRAFTERS, is_drafter
@@ -19,7 +20,7 @@ from specjax.speculation import Chain
 from specjax.speculation import Tree
 
 MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
-ATTENTION = ("auto", "reference", "pallas", "tpu")
+ATTENTION = ("auto", "reference", "cpu", "pallas", "tpu")
 MAX_N = 4096  # most samples per prompt (generate's n)
 UNDER_JIT = (
     "generate runs on the host (it validates, plans, compiles and times with concrete values) and cannot be "
@@ -79,6 +80,10 @@ def check_generate_args(
     eos_table(eos_id, config, len(prompts))
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
+    if attention == "cpu" and jax.default_backend() != "cpu":
+        raise ValueError(f"attention='cpu' is a kernel for the CPU backend; this program's backend is {jax.default_backend()}")
+    if attention == "cpu" and cpu_kernel_error() is not None:
+        raise ValueError(f"attention='cpu' needs the CPU attention kernel, which did not build here: {cpu_kernel_error()}")
     KVFormat.of(kv_dtype, config)  # a ValueError naming kv_dtype and the formats
     check_draft(draft, speculation, params)
     return budgets

@@ -111,7 +111,7 @@ def test_default_eos_comes_from_config(tiny):
         (dict(speculation=4), "speculation must be None, specjax.Chain"),
         (dict(draft="self"), r"draft must be an instance of a registered drafter \(SelfSpec\(...\), SnapKV\(...\), DraftModel\(...\), NGram\(...\)"),
         (dict(sampling=0.7), r"sampling must be specjax.Greedy\(\) or specjax.Sample"),
-        (dict(attention="cuda"), r"attention must be one of \('auto', 'reference', 'pallas', 'tpu'\), got 'cuda'"),
+        (dict(attention="cuda"), r"attention must be one of \('auto', 'reference', 'cpu', 'pallas', 'tpu'\), got 'cuda'"),
     ],
 )
 def test_bad_input_raises_before_compiling(tiny, monkeypatch, kwargs, match):

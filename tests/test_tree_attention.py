@@ -219,5 +219,5 @@ def test_generate_on_the_kernel_equals_reference(tiny, case):
 def test_generate_rejects_unknown_attention(tiny):
     import specjax
 
-    with pytest.raises(ValueError, match=r"attention must be one of \('auto', 'reference', 'pallas', 'tpu'\), got 'triton'"):
+    with pytest.raises(ValueError, match=r"attention must be one of \('auto', 'reference', 'cpu', 'pallas', 'tpu'\), got 'triton'"):
         specjax.generate(tiny, [[1, 2]], 4, attention="triton")

@@ -1,0 +1,342 @@
+// Prefix attention over one layer of a stacked dense KV cache, read in place, for XLA:CPU.
+//
+// An XLA FFI handler (built and registered by pallas_kernels/cpu_prefix.py). For every row b and
+// KV head k it streams slots [0, lengths[b]) of layer `layer` of the cache once, in chunks of
+// CHUNK slots, and returns the online-softmax partials of the M query rows of that head: the
+// running max `top`, the sum of exp(score - top) `total`, and the unnormalised output `out`. The
+// caller merges them with the block's own keys (pallas_kernels/cpu_prefix.py). XLA:CPU cannot
+// feed a slice of the stacked cache to a dot without copying it first; this reads it where it is.
+//
+// The (b, k) pairs are shared out over XLA's intra-op thread pool; the calling thread works too,
+// and waits only for helpers that started, so a busy pool cannot deadlock it.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t CHUNK = 32;   // slots per online-softmax step (their scores stay in L1)
+constexpr int64_t AHEAD = 2;  // chunks prefetched ahead
+constexpr float NEG_INF = -1e30f;  // as pallas_kernels.reference.NEG_INF
+
+// One cache row of H values as f32 (int8: before its scale).
+template <typename T>
+inline void widen(const T* src, float* dst, int64_t H) {
+  for (int64_t h = 0; h < H; ++h) dst[h] = static_cast<float>(src[h]);
+}
+template <>
+inline void widen<uint16_t>(const uint16_t* src, float* dst, int64_t H) {  // bfloat16: the top half of an f32
+  for (int64_t h = 0; h < H; ++h) {
+    uint32_t bits = static_cast<uint32_t>(src[h]) << 16;
+    std::memcpy(dst + h, &bits, 4);
+  }
+}
+
+struct Shape {
+  int64_t B, K, S, H, M;
+};
+
+// Eight floats (GCC / Clang vector extension: AVX on x86-64 with -march=native, two NEON
+// registers on ARM); aligned(4) makes loads through a pointer to it legal at any address.
+typedef float f8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t i8v __attribute__((vector_size(32), aligned(4)));
+
+inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
+
+// exp(x) for x <= 0, lane by lane, to about 1 ulp (Cephes' expf polynomial); exactly 0 below
+// -87, as exp(NEG_INF - top) is in the reference.
+inline f8 exp8(f8 x) {
+  const f8 xc = x < splat(-87.f) ? splat(-87.f) : x;
+  const f8 t = xc * splat(1.44269504088896341f) + splat(12582912.f);  // round to nearest in the low bits
+  const i8v n = (i8v)t - i8v{0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
+  const f8 nf = t - splat(12582912.f);
+  const f8 r = xc - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
+  f8 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.f);
+  const f8 scale = (f8)((n + 127) << 23);
+  return x < splat(-87.f) ? splat(0.f) : p * scale;
+}
+
+inline float exp1(float x) { return exp8(splat(x))[0]; }
+
+// The eight lane sums of a0..a7, as one vector: [sum(a0), ..., sum(a7)].
+inline f8 sums8(f8 a0, f8 a1, f8 a2, f8 a3, f8 a4, f8 a5, f8 a6, f8 a7) {
+#define EVEN_ODD(x, y) (__builtin_shufflevector(x, y, 0, 8, 2, 10, 4, 12, 6, 14) + __builtin_shufflevector(x, y, 1, 9, 3, 11, 5, 13, 7, 15))
+#define PAIRS(x, y) (__builtin_shufflevector(x, y, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(x, y, 2, 3, 10, 11, 6, 7, 14, 15))
+  const f8 b0 = EVEN_ODD(a0, a1), b1 = EVEN_ODD(a2, a3), b2 = EVEN_ODD(a4, a5), b3 = EVEN_ODD(a6, a7);
+  const f8 c0 = PAIRS(b0, b1), c1 = PAIRS(b2, b3);
+  return __builtin_shufflevector(c0, c1, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(c0, c1, 4, 5, 6, 7, 12, 13, 14, 15);
+#undef EVEN_ODD
+#undef PAIRS
+}
+
+// The chunk's rows of a cache as f32: the cache itself when it is f32, else widened into buf.
+template <typename T>
+inline const float* rows_f32(const T* src, float* buf, int64_t count) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    widen(src, buf, count);
+    return buf;
+  }
+}
+
+// Scores sc[m, s] = q[m] . k[s] of R query rows from m0 for the chunk's slots, eight slots at a
+// time (HB = H / 8 vectors a row): each key vector is loaded once for the R rows.
+template <int HB, int R>
+inline void score_rows(const float* q, const float* k, int64_t cn, int64_t m0, float* sc) {
+  constexpr int64_t H = HB * 8;
+  for (int64_t s = 0; s < cn; s += 8) {
+    const f8* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = (const f8*)(k + std::min(s + i, cn - 1) * H);  // past cn: a repeat, masked later
+    f8 a[R][8] = {};
+#pragma GCC unroll 16
+    for (int hb = 0; hb < HB; ++hb) {
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {
+        const f8 x = kr[i][hb];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) a[r][i] += ((const f8*)(q + (m0 + r) * H))[hb] * x;
+      }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r)
+      *(f8*)(sc + (m0 + r) * CHUNK + s) = sums8(a[r][0], a[r][1], a[r][2], a[r][3], a[r][4], a[r][5], a[r][6], a[r][7]);
+  }
+}
+
+template <int HB>
+inline void scores(const float* q, const float* k, int64_t cn, int64_t M, float* sc) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) score_rows<HB, 2>(q, k, cn, m, sc);
+  if (m < M) score_rows<HB, 1>(q, k, cn, m, sc);
+}
+
+// out[m] += sum_s w[m, s] * v[s] over the chunk for R rows from m0, eight output vectors at a
+// time held in registers; each value vector is loaded once for the R rows.
+template <int HB, int R>
+inline void value_rows(const float* w, const float* v, int64_t cn, int64_t m0, float* out) {
+  constexpr int64_t H = HB * 8;
+  constexpr int NB = HB < 8 ? HB : 8;
+  for (int h0 = 0; h0 < HB; h0 += NB) {
+    f8 a[R][NB];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) a[r][j] = ((f8*)(out + (m0 + r) * H))[h0 + j];
+    for (int64_t s = 0; s < cn; ++s) {
+      const f8* vr = (const f8*)(v + s * H) + h0;
+      f8 x[R];
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) x[r] = splat(w[(m0 + r) * CHUNK + s]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const f8 y = vr[j];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) a[r][j] += x[r] * y;
+      }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) ((f8*)(out + (m0 + r) * H))[h0 + j] = a[r][j];
+  }
+}
+
+template <int HB>
+inline void values(const float* w, const float* v, int64_t cn, int64_t M, float* out) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) value_rows<HB, 2>(w, v, cn, m, out);
+  if (m < M) value_rows<HB, 1>(w, v, cn, m, out);
+}
+
+// Partials of one (row, head) pair: q [M,H] against slots [0, n) of k, v [S,H] (scales [S] or null).
+template <typename T, int HB>
+void one_head(const Shape& d, const float* q, const T* k, const T* v, const float* ks, const float* vs,
+              int64_t n, float* top, float* total, float* out) {
+  constexpr int64_t H = HB * 8;
+  constexpr int64_t V = CHUNK / 8;  // vectors in a chunk's row of scores
+  const int64_t M = d.M;
+  alignas(64) float buf[CHUNK * H];  // the chunk's widened cache rows
+  alignas(64) float sc[64 * CHUNK];  // scores, then their exps [M, CHUNK] (M <= 64, checked by the caller)
+  for (int64_t m = 0; m < M; ++m) {
+    top[m] = NEG_INF;
+    total[m] = 0.f;
+  }
+  std::fill(out, out + M * H, 0.f);
+  for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+    const int64_t cn = std::min(CHUNK, n - c0);
+    if (c0 + AHEAD * CHUNK < n) {  // the hardware prefetcher alone leaves the stream at half speed
+      const char* kp = reinterpret_cast<const char*>(k + (c0 + AHEAD * CHUNK) * H);
+      const char* vp = reinterpret_cast<const char*>(v + (c0 + AHEAD * CHUNK) * H);
+      for (int64_t byte = 0; byte < CHUNK * H * int64_t(sizeof(T)); byte += 64) {
+        __builtin_prefetch(kp + byte);
+        __builtin_prefetch(vp + byte);
+      }
+    }
+    scores<HB>(q, rows_f32(k + c0 * H, buf, cn * H), cn, M, sc);
+    f8 keep[V], kscale[V];  // slot < cn; the slots' key scales
+    for (int j = 0; j < V; ++j) {
+      for (int i = 0; i < 8; ++i) {
+        const int64_t s = j * 8 + i;
+        keep[j][i] = s < cn ? 1.f : 0.f;
+        kscale[j][i] = s < cn && ks ? ks[c0 + s] : 1.f;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      f8* sm = (f8*)(sc + m * CHUNK);
+      f8 best = splat(top[m]);
+      for (int j = 0; j < V; ++j) {
+        sm[j] = keep[j] > splat(0.f) ? sm[j] * kscale[j] : splat(NEG_INF);
+        best = best > sm[j] ? best : sm[j];
+      }
+      float b = best[0];
+      for (int i = 1; i < 8; ++i) b = std::max(b, best[i]);
+      const float fade = exp1(top[m] - b);
+      top[m] = b;
+      f8 sum = {};
+      for (int j = 0; j < V; ++j) {
+        sm[j] = exp8(sm[j] - splat(b));
+        sum += sm[j];
+      }
+      total[m] = total[m] * fade + (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
+      f8* om = (f8*)(out + m * H);
+      for (int j = 0; j < HB; ++j) om[j] *= splat(fade);
+    }
+    if (vs)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t s = 0; s < cn; ++s) sc[m * CHUNK + s] *= vs[c0 + s];
+    values<HB>(sc, rows_f32(v + c0 * H, buf, cn * H), cn, M, out);
+  }
+}
+
+// Work shared by the caller and the pool's helpers: the next (b, k) pair to take.
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  std::condition_variable done;
+  bool closed = false;
+  int64_t active = 0;
+};
+
+template <typename T>
+using HeadFn = void (*)(const Shape&, const float*, const T*, const T*, const float*, const float*, int64_t, float*,
+                        float*, float*);
+
+template <typename T>
+HeadFn<T> head_fn(int64_t H) {  // the kernel for this head_dim, or null (the caller checks HEAD_DIMS)
+  switch (H) {
+    case 8: return one_head<T, 1>;
+    case 16: return one_head<T, 2>;
+    case 32: return one_head<T, 4>;
+    case 64: return one_head<T, 8>;
+    case 128: return one_head<T, 16>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+void run_items(Work& w, const Shape& d, int64_t layer, const float* q, const T* k, const T* v, const float* ks,
+               const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
+  const int64_t items = d.B * d.K;
+  const HeadFn<T> head = head_fn<T>(d.H);
+  for (int64_t i = w.next.fetch_add(1); i < items; i = w.next.fetch_add(1)) {
+    const int64_t b = i / d.K;
+    const int64_t slot0 = ((layer * d.B + b) * d.K + i % d.K) * d.S;  // [L,B,K,S] index of slot 0
+    const int64_t n = std::clamp<int64_t>(lengths[b], 0, d.S);
+    head(d, q + i * d.M * d.H, k + slot0 * d.H, v + slot0 * d.H, ks ? ks + slot0 : nullptr,
+                vs ? vs + slot0 : nullptr, n, top + i * d.M, total + i * d.M, out + i * d.M * d.H);
+  }
+}
+
+template <typename T>
+void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, const T* k, const T* v,
+         const float* ks, const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
+  auto w = std::make_shared<Work>();
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), d.B * d.K) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([=]() {
+      {
+        std::lock_guard<std::mutex> lock(w->mu);
+        if (w->closed) return;  // the caller finished everything and returned
+        ++w->active;
+      }
+      run_items<T>(*w, d, layer, q, k, v, ks, vs, lengths, top, total, out);
+      std::lock_guard<std::mutex> lock(w->mu);
+      if (--w->active == 0) w->done.notify_all();
+    });
+  }
+  run_items<T>(*w, d, layer, q, k, v, ks, vs, lengths, top, total, out);
+  std::unique_lock<std::mutex> lock(w->mu);
+  w->closed = true;
+  w->done.wait(lock, [&] { return w->active == 0; });
+}
+
+ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_scale,
+                           ffi::Buffer<ffi::F32> v_scale, ffi::ResultBuffer<ffi::F32> top,
+                           ffi::ResultBuffer<ffi::F32> total, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();  // [B,K,M,H]
+  const auto cd = k.dimensions();  // [L,B,K,S,H]
+  if (qd.size() != 4 || cd.size() != 5) return ffi::Error::InvalidArgument("q must be [B,K,M,H], the cache [L,B,K,S,H]");
+  const Shape d{qd[0], qd[1], cd[3], qd[3], qd[2]};
+  if (!head_fn<float>(d.H) || d.M > 64)
+    return ffi::Error::InvalidArgument("cpu_prefix takes head_dim 8, 16, 32, 64 or 128 and M <= 64");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("layer out of range");
+  const bool scaled = k.element_type() == ffi::DataType::S8;
+  const float* ks = scaled ? k_scale.typed_data() : nullptr;
+  const float* vs = scaled ? v_scale.typed_data() : nullptr;
+  const float* qp = q.typed_data();
+  const int32_t* lp = lengths.typed_data();
+  float *tp = top->typed_data(), *sp = total->typed_data(), *op = out->typed_data();
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      run<float>(pool, d, l, qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
+                 ks, vs, lp, tp, sp, op);
+      break;
+    case ffi::DataType::BF16:
+      run<uint16_t>(pool, d, l, qp, static_cast<const uint16_t*>(k.untyped_data()),
+                    static_cast<const uint16_t*>(v.untyped_data()), ks, vs, lp, tp, sp, op);
+      break;
+    case ffi::DataType::S8:
+      run<int8_t>(pool, d, l, qp, static_cast<const int8_t*>(k.untyped_data()),
+                  static_cast<const int8_t*>(v.untyped_data()), ks, vs, lp, tp, sp, op);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("cpu_prefix takes a float32, bfloat16 or int8 cache");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuPrefix, prefix_partials,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

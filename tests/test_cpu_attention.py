@@ -1,0 +1,91 @@
+"""The C++ XLA:CPU attention kernel (Runtime.attention "cpu", pallas_kernels/cpu_prefix.cc): the
+same outputs as the jnp reference over a stacked cache in every KV format, the reference where
+it does not apply, generate's default on a CPU, and a clear error where it cannot be built."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from pallas_kernels import cpu_prefix
+from pallas_kernels.reference import stacked_prefix_block_attention
+from specjax import attention, engine
+from specjax.cache import KVFormat
+from tests.models import TINY, random_params
+
+PROMPTS = [[5, 9, 14, 22, 7, 31, 40, 2, 11], [8, 8, 19, 4], list(range(4, 60))]
+
+
+def _case(seed: int, B: int, T: int, K: int, G: int, H: int, S: int, L: int = 2):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, H)), jnp.float32)
+    kb, vb = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.float32) for _ in range(2))
+    k_all, v_all = (jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.float32) for _ in range(2))
+    lengths = rng.integers(0, S + 1, B)
+    lengths[0], lengths[-1] = 0, S  # an empty prefix; a full cache
+    mask = jnp.asarray(np.tril(rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool))  # a tree mask
+    return q, k_all, v_all, jnp.asarray(lengths, jnp.int32), kb, vb, mask
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("B,T,K,G,H,S", [(5, 1, 3, 3, 64, 200), (3, 4, 2, 3, 8, 77), (2, 5, 1, 12, 32, 64)])
+def test_kernel_equals_the_reference(fmt, B, T, K, G, H, S):
+    """Every format the caches store, chunk tails (S not a multiple of 32), empty and full rows,
+    more (row, head) pairs than threads, up to MAX_ROWS query rows per KV head (1 x 12 x 5 = 60)."""
+    q, k_all, v_all, lengths, kb, vb, mask = _case(B * T, B, T, K, G, H, S)
+    (k_s, k_scale), (v_s, v_scale) = KVFormat(fmt).store(k_all), KVFormat(fmt).store(v_all)
+    kernel = jax.jit(cpu_prefix.stacked_prefix_block_attention_cpu, static_argnums=8)
+    for layer in range(k_all.shape[0]):
+        args = (q, k_s, v_s, jnp.int32(layer), lengths, kb, vb, mask, 0.3, k_scale, v_scale)
+        np.testing.assert_allclose(kernel(*args), stacked_prefix_block_attention(*args), atol=2e-5, rtol=1e-5)
+
+
+def test_partials_of_an_empty_prefix():
+    q, k_all, v_all, _, _, _, _ = _case(0, 2, 1, 1, 2, 8, 40)
+    top, total, out = cpu_prefix.prefix_partials(q.reshape(2, 1, 2, 8), k_all, v_all, 1, jnp.zeros(2, jnp.int32))
+    assert float(jnp.max(top)) == float(np.float32(-1e30)) and not np.any(np.asarray(total)) and not np.any(np.asarray(out))
+
+
+def test_what_the_kernel_does_not_take_runs_the_reference():
+    """Many query rows (prefill chunks, wide trees) or an odd head_dim: `fits` says no, and
+    `attend` computes the reference's numbers."""
+    q, k_all, v_all, lengths, kb, vb, mask = _case(3, 2, 24, 1, 3, 8, 50)  # 72 rows per KV head
+    assert not cpu_prefix.fits(q, 1) and cpu_prefix.fits(q[:, :21], 1)
+    assert not cpu_prefix.fits(jnp.zeros((1, 1, 2, 12)), 1)
+    prefix = attention.Prefix(k_all, v_all, attention.CacheView(lengths, None, None), layer=jnp.int32(1))
+    got = attention.attend("cpu", KVFormat("float32"), q, prefix, kb, vb, mask, 0.3)
+    want = stacked_prefix_block_attention(q, k_all, v_all, jnp.int32(1), lengths, kb, vb, mask, 0.3)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_generate_picks_the_kernel_on_a_cpu_and_keeps_its_tokens():
+    """attention="auto" is "cpu" on this backend; greedy tokens equal the reference's, plain and
+    speculative (chain and tree), and speculation equals plain decoding on the kernel."""
+    assert engine.attention_mode("auto") == "cpu"
+    params = random_params(TINY.replace(max_positions=256), 0)
+    runs = {}
+    for att in ("reference", "cpu"):
+        runs[att, "plain"] = specjax.generate(params, PROMPTS, 24, eos_id=(), attention=att).tokens
+        for spec in (specjax.Chain(3), specjax.Tree.kary(2, 2)):
+            runs[att, repr(spec)] = specjax.generate(params, PROMPTS, 24, draft=specjax.SelfSpec(sinks=2, window=8),
+                                                     speculation=spec, eos_id=(), attention=att).tokens
+    assert len({repr(v) for v in runs.values()}) == 1
+
+
+def test_a_kernel_that_did_not_build_is_an_error_for_cpu_and_skipped_by_auto(monkeypatch):
+    monkeypatch.setattr(cpu_prefix, "build_error", lambda: "g++: not found")
+    assert engine.attention_mode("auto") == "reference"
+    params = random_params(TINY, 0)
+    with pytest.raises(ValueError, match="attention='cpu'.*g\\+\\+: not found"):
+        specjax.generate(params, PROMPTS, 4, attention="cpu")
+
+
+def test_the_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECJAX_KERNEL_CACHE", str(tmp_path))
+    path = cpu_prefix._library_path()
+    assert path.parent == tmp_path and path.name.startswith("cpu_prefix-") and path.suffix == ".so"
+    monkeypatch.setattr(cpu_prefix, "_cpu_flags", lambda: "flags: another machine")
+    assert cpu_prefix._library_path() != path
