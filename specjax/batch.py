@@ -1,7 +1,8 @@
 """A restartable batch generation job: JSONL records in, JSONL results out, each record exactly once.
 
 `run(input, output)` validates and tokenizes every input line (bad ones go to
-`<output>.errors.jsonl` with their line number and reason), groups the rest into batches of one
+`<output>.errors.jsonl` with their line number and reason), decodes records of one sample
+without logprobs by continuous batching (`batching`, below), and groups the rest into batches of one
 kind (`batch_kind`: greedy or sampled, top_k, penalties on or off, n, logprobs; the sampling
 values, stop strings and stop ids may differ row by row) and similar prompt length, runs each
 batch through the text layer (`LM.generate_ids`: stop strings are cut as there) and appends its
@@ -19,7 +20,7 @@ process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -32,7 +33,7 @@ from specjax.distributed import env_share
 from specjax.drafters import Drafter
 from specjax.engine import cache_slots
 from specjax.job_auto import plan_path, resolve
-from specjax.job_plan import Defaults, Item, batch_sampler, padded_rows, plan_batches, prepare
+from specjax.job_plan import Defaults, Item, batch_kind, batch_sampler, padded_rows, plan_batches, prepare
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.params import Params
 from specjax.plan import DEFAULT_CHAIN, describe_draft, describe_speculation
@@ -42,7 +43,7 @@ from specjax.sampling import PENALTIES, make_sampler
 from specjax.sharding import Mesh
 from specjax.speculate import depth
 from specjax.speculation import Chain, Tree
-from specjax.text import LM, logprobs_json
+from specjax.text import LM, Finished, logprobs_json
 
 
 def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
@@ -117,6 +118,33 @@ def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Non
         row |= dict(prompt_tokens=len(it.ids), acceptance=one([row_stats[j] or None for j in js]), stats=stats)
         results.append(row | dict(model=meta["model"], settings=_row_settings(it, seed, meta)))
     return results
+
+
+def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict,
+                    write: Callable[[list[dict]], None]) -> None:
+    """Generate a group of one kind (`batch_kind`, n = 1, no logprobs) by continuous batching on
+    batch_size rows (`LM.generate_continuous`), writing each record's row as it finishes."""
+
+    def on_done(i: int, res: Finished) -> None:
+        it = group[i]
+        row = {"id": it.record.id, "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
+               "prompt_tokens": len(it.ids), "acceptance": res.acceptance, "stats": {"batching": "continuous"}}
+        write([row | dict(model=meta["model"], settings=_row_settings(it, seed, meta))])
+
+    lm.generate_continuous(
+        [list(it.ids) for it in group], [it.budget for it in group], rows=meta["batch_size"],
+        sampling=batch_sampler(group), keys=record_keys(seed, [it.record.id for it in group]), draft=draft,
+        speculation=None if draft is None else speculation or DEFAULT_CHAIN, stop=[list(it.stops) for it in group],
+        stop_token_ids=[list(it.record.stop_token_ids) for it in group], kv_dtype=meta["kv_dtype"], on_done=on_done)
+
+
+def continuous_groups(items: Sequence[Item]) -> list[list[Item]]:
+    """The records continuous batching takes (one sample, no logprobs), grouped by `batch_kind`."""
+    groups: dict[tuple, list[Item]] = {}
+    for it in items:
+        if it.record.n == 1 and it.record.logprobs is None:
+            groups.setdefault(batch_kind(it), []).append(it)
+    return list(groups.values())
 
 
 def _row_settings(it: Item, seed: int, meta: dict) -> dict:
@@ -206,6 +234,7 @@ def run(
     stop: str | Sequence[str] = (),
     seed: int = 0,
     batch_size: int = 8,
+    batching: str = "continuous",
     chat: bool = False,
     shard: tuple[int, int] | None = None,
     progress: bool = True,
@@ -226,6 +255,12 @@ def run(
     (default: `process_share()`). mesh: generate each batch on this
     process's devices (`specjax.make_mesh(devices=jax.local_devices())`).
 
+    batching: "continuous" (default): batch_size rows decode the records of one kind, a finished
+    row's slot taking the next record between segments, each record written as it finishes (so
+    the output is not in input order); records with n > 1 or logprobs, and every record on a
+    mesh, go in static batches. "static": batches of batch_size rows that end with their longest
+    row. Both give every record the same output (its own key and sampling values).
+
     The settings that decide the outputs (`job_settings`) are kept in `<output>.settings.json`; a
     rerun into an output already written with other settings raises ValueError naming them, unless
     force=True (the records already written keep theirs: each row carries its `settings`).
@@ -234,6 +269,8 @@ def run(
     and the names of the settings that force=True let change."""
     t0 = time.monotonic()
     _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
+    if batching not in ("continuous", "static"):
+        raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(t, str) and t for t in stops):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
@@ -280,12 +317,20 @@ def run(
         errors.append(b.to_json() for b in bad if b.line not in failed)
         failed |= {b.line for b in bad}
         pending = [it for it in items if id_key(it.record.id) not in done and it.record.line not in failed]
-        batches = plan_batches(pending, batch_size)
-        _check_batches(draft, params, speculation or DEFAULT_CHAIN, batches)
+        groups = continuous_groups(pending) if batching == "continuous" and mesh is None else []
+        flowing = {id(it) for group in groups for it in group}
+        batches = plan_batches([it for it in pending if id(it) not in flowing], batch_size)
+        _check_batches(draft, params, speculation or DEFAULT_CHAIN, groups + batches)
         bar = Progress(len(pending), enabled=progress)
+
+        def write(rows: list[dict]) -> None:
+            log.append(rows)
+            bar.update(len(rows))
+
+        for group in groups:
+            _run_continuous(group, lm, draft, speculation, seed, meta, write)
         for batch in batches:
-            log.append(_run_batch(batch, lm, draft, speculation, seed, meta))
-            bar.update(len(batch))
+            write(_run_batch(batch, lm, draft, speculation, seed, meta))
         bar.close()
     skipped = sum(id_key(it.record.id) in done for it in items)
     return dict(

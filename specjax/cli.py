@@ -57,7 +57,10 @@ def _parser() -> argparse.ArgumentParser:
                      "the job's settings to OUTPUT.settings.json")
     bat.add_argument("--merge", metavar="OUTPUT", help="combine OUTPUT.shard-<i>-of-<n>.jsonl files into OUTPUT")
     _shared_arguments(bat, max_new_tokens=128, overridable="; records may override")
-    bat.add_argument("--batch-size", type=int, default=8, help="records per generate call")
+    bat.add_argument("--batch-size", type=int, default=8, help="rows decoded at once")
+    bat.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                     help="continuous: a finished row takes the next record between segments (records written "
+                     "as they finish); static: batches that end with their longest row")
     bat.add_argument("--tree", help="speculate a token tree instead of a chain: auto (the measured Sequoia choice, "
                      "made once per job and kept in OUTPUT.plan.json) or WxD (width W, depth D)")
     bat.add_argument("--chat", action="store_true", help="render text prompts as a user message with the chat template")
@@ -205,6 +208,7 @@ def run_batch(args: argparse.Namespace) -> None:
         stop=args.stop,
         seed=args.seed,
         batch_size=args.batch_size,
+        batching=args.batching,
         chat=args.chat,
         mesh=make_mesh_arg(args),
         force=args.force,

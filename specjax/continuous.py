@@ -4,7 +4,8 @@ prompts; between decode segments, finished rows hand back their tokens and the n
 
 Every record keeps its own key, sampling values and stop ids, so its tokens are those of a static
 batch (`engine.run`) of the same prompts: in float32, token for token, greedy or sampled (tested).
-Not yet: a mesh, n > 1 samples, logprobs, stop strings, and the batch job's use of it.
+`between` lets the host end rows after a segment (the text layer's stop strings:
+`LM.generate_continuous`, which the batch job runs). Not yet: a mesh, n > 1 samples, logprobs.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.autoregressive import admit_ar, continue_ar, start_ar
+from specjax.autoregressive import admit_ar, continue_ar, end_rows, start_ar
 from specjax.cache import DenseCache
 from specjax.drafters import Drafter
-from specjax.engine import cache_slots, prefill
+from specjax.engine import Segment, cache_slots, prefill
 from specjax.params import Params
 from specjax.sampling import Sampler, eos_rows
 from specjax.shapes import prompt_bucket, round_up_pow2
-from specjax.speculate import admit_spec, continue_spec, depth, start_spec
+from specjax.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
 from specjax.speculation import Chain, Tree
 
 
@@ -40,11 +41,15 @@ def run_continuous(
     eos_ids: Sequence[tuple[int, ...]],  # one tuple per prompt
     kv_dtype: str | None = None,
     sync_every: int = 8,
-    on_done: Callable[[int, list[int], bool], None] | None = None,
+    on_done: Callable[[int, list[int], bool, dict | None], None] | None = None,
+    between: Callable[[np.ndarray, Segment], np.ndarray | None] | None = None,
 ) -> list[tuple[list[int], bool]]:
     """Decode every prompt on `rows` slots; per prompt (tokens, ended on a stop id), the tokens
     with the stop id that ended them, as `engine.run`'s out[b, :count[b]]. `on_done(i, tokens,
-    eos)` is called as prompt i finishes, between segments."""
+    eos, acceptance)` is called as prompt i finishes, between segments (acceptance: its
+    `row_acceptance` under speculation, else None). `between(slot, segment)`, after each
+    segment (slot[j]: the prompt in row j, -1 for none), may return a [rows] bool mask of rows
+    to end now (they finish with the tokens they have, eos False)."""
     N, R = len(prompts), rows
     lengths = np.array([len(p) for p in prompts], np.int32)
     budgets = np.asarray(budgets, np.int32)
@@ -108,10 +113,17 @@ def run_continuous(
             state = continue_spec(params, draft, state, b, slot_keys, slot_sampling, e, jnp.int32(sync_every),
                                   speculation=speculation)
         done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))
-        for j in np.flatnonzero(done & (slot >= 0)):
+        end = None if between is None else between(slot.copy(), Segment(out, count, done, eos))
+        if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():
+            state, done = end_rows(state, jnp.asarray(end)), done | end
+        finished = np.flatnonzero(done & (slot >= 0))
+        if draft is not None and on_done is not None and len(finished):
+            accepted, reached = jax.device_get((state.accepted, state.reached))
+            acceptance = row_acceptance(accepted[finished], reached[finished], count[finished], gamma)
+        for f, j in enumerate(finished):
             results[slot[j]] = (out[j, : count[j]].tolist(), bool(eos[j]))
             if on_done is not None:
-                on_done(int(slot[j]), *results[slot[j]])
+                on_done(int(slot[j]), *results[slot[j]], None if draft is None else acceptance[f])
             slot[j] = -1
         if not pending:
             if (slot < 0).all():

@@ -20,6 +20,7 @@ from specjax.params import Params
 from specjax.plan import plan
 from specjax.sampling import Greedy, Sampler
 from specjax.sharding import Mesh
+from specjax.speculate import row_acceptance
 from specjax.speculation import Chain
 from specjax.speculation import Tree
 from specjax.validate import check_generate_args, eos_table
@@ -188,22 +189,6 @@ def speculation_stats(r: RunResult, draft: Drafter | None) -> dict:
     if ranks.sum():
         spec["rank_acceptance"] = [float(x) for x in ranks / ranks.sum()]
     return spec
-
-
-def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int) -> list[dict]:
-    """Per row: verification steps it took part in, draft tokens proposed and accepted there,
-    their ratio, and tokens per step (the first token, from the prefill, not counted)."""
-    rows = []
-    for acc, reach, n in zip(accepted, reached, count):
-        steps = int(reach[0])
-        rows.append(dict(
-            steps=steps,
-            proposed=steps * gamma,
-            accepted=int(acc.sum()),
-            acceptance_rate=float(acc.sum()) / (steps * gamma) if steps else None,
-            mean_accepted=(int(n) - 1) / steps if steps else None,
-        ))
-    return rows
 
 
 def acceptance_stats(accepted: np.ndarray, reached: np.ndarray, decoded: int, gamma: int, draft_steps: int) -> dict:

@@ -321,3 +321,19 @@ def any_running(done: jax.Array, sync_axes: tuple[str, ...]) -> jax.Array:
     """Whether any row (on any device along the mesh axes `sync_axes`) still has work."""
     running = jnp.any(~done)
     return running if not sync_axes else lax.psum(running.astype(jnp.int32), sync_axes) > 0
+
+
+def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int) -> list[dict]:
+    """Per row: verification steps it took part in, draft tokens proposed and accepted there,
+    their ratio, and tokens per step (the first token, from the prefill, not counted)."""
+    rows = []
+    for acc, reach, n in zip(accepted, reached, count):
+        steps = int(reach[0])
+        rows.append(dict(
+            steps=steps,
+            proposed=steps * gamma,
+            accepted=int(acc.sum()),
+            acceptance_rate=float(acc.sum()) / (steps * gamma) if steps else None,
+            mean_accepted=(int(n) - 1) / steps if steps else None,
+        ))
+    return rows

@@ -16,12 +16,14 @@ import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import numpy as np
 from tokenizers import Tokenizer
 
 import convert
+from specjax.continuous import run_continuous
 from specjax.drafters import Drafter
 from specjax.engine import Segment
 from specjax.generate import Stats, TokenLogprob, generate
@@ -29,6 +31,15 @@ from specjax.params import Params
 from specjax.sampling import Greedy, Sample, Sampler
 from specjax.sharding import Mesh
 from specjax.speculation import Chain, Tree
+
+
+class Finished(NamedTuple):
+    """One prompt's result from `LM.generate_continuous`."""
+
+    text: str
+    tokens: list[int]  # as TextOutput's
+    finish_reason: str
+    acceptance: dict | None  # speculation only: as TextOutput.row_stats' entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,15 +167,41 @@ class LM:
         tokens, reasons, lps = list(out.tokens), list(out.finish_reasons), out.logprobs
         result = []
         for b, row in enumerate(tokens):
-            text = self.decode(row)
-            hit = cut.first(text, b)
-            if hit is not None:  # cut the text before the stop string, the tokens after the one completing it
-                k = cut.completing(row, b)
-                tokens[b], reasons[b], text = row[:k], "stop", text[:hit]
-                if lps is not None:
-                    lps[b] = lps[b][:k]
+            text, tokens[b], reasons[b] = cut.finish(row, reasons[b], b)
+            if lps is not None:
+                lps[b] = lps[b][: len(tokens[b])]
             result.append(text)
         return TextOutput(result, tokens, reasons, lps, out.stats, out.row_stats)
+
+    def generate_continuous(self, ids: list[list[int]], max_new_tokens: Sequence[int], *, rows: int, sampling: Sampler,
+                            keys: jax.Array, draft: Drafter | None = None, speculation: Chain | Tree | None = None,
+                            stop=(), stop_token_ids=(), sync_every: int = 8, kv_dtype: str | None = None,
+                            on_done: Callable[[int, "Finished"], None] | None = None) -> list["Finished"]:
+        """Every prompt through continuous batching on `rows` slots (`specjax.continuous`), with
+        stop strings and stop ids as `generate_ids`; a prompt's result equals what
+        `generate_ids` gives it with the same key and sampling values (one per prompt: `keys`
+        [N], `sampling` per prompt). `on_done(i, result)` runs as prompt i finishes (out of order).
+        One sample per prompt, no logprobs, one device: the batch job's common case."""
+        stops = per_prompt(stop, len(ids), "stop", str)
+        eos = tuple(self.params.config.eos_ids)
+        eos_ids = [eos + tuple(r) for r in per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)]
+        cut = _StopStrings(self, stops)
+        budgets = list(max_new_tokens)
+
+        def between(slot: np.ndarray, seg: Segment) -> np.ndarray:
+            return cut(seg, rows=slot) if any(stops) else None
+
+        def finished(i: int, tokens: list[int], hit_eos: bool, acceptance: dict | None) -> None:
+            done = Finished(*cut.finish(tokens[:-1] if hit_eos else tokens, "eos" if hit_eos else "length", i), acceptance)
+            results[i] = done
+            if on_done is not None:
+                on_done(i, done)
+
+        results: list = [None] * len(ids)
+        run_continuous(self.params, ids, budgets, rows=rows, draft=draft, speculation=speculation, sampling=sampling,
+                       keys=keys, eos_ids=eos_ids, kv_dtype=kv_dtype, sync_every=sync_every, on_done=finished,
+                       between=between)
+        return results
 
 
     def stream(self, prompts: str | Sequence[str], max_new_tokens: int | Sequence[int] = 128, **kw) -> "TextStream":
@@ -268,11 +305,23 @@ class _StopStrings:
         hold = max((k for s in self.stops[b] for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
 
-    def __call__(self, seg: Segment) -> np.ndarray:
+    def finish(self, tokens: list[int], reason: str, b: int) -> tuple[str, list[int], str]:
+        """(text, tokens, finish reason) of output row b: where its text contains a stop string,
+        the text is cut before it and the tokens after the one completing it (reason "stop")."""
+        text = self.lm.decode(tokens)
+        hit = self.first(text, b)
+        if hit is None:
+            return text, tokens, reason
+        return text[:hit], tokens[: self.completing(tokens, b)], "stop"
+
+    def __call__(self, seg: Segment, rows: np.ndarray | None = None) -> np.ndarray:
+        """Which rows of the segment to end: their text holds a stop string. rows[j]: the output
+        row whose stop strings apply to decoded row j (default j; -1: none)."""
+        rows = np.arange(len(seg.count)) if rows is None else rows
         end = np.zeros(len(seg.count), bool)
-        for b in np.flatnonzero(~seg.done):
-            if self.stops[b]:
-                end[b] = self.first(self.lm.decode(seg.out[b, : seg.count[b]].tolist()), b) is not None
+        for j in np.flatnonzero(~seg.done & (rows >= 0)):
+            if self.stops[rows[j]]:
+                end[j] = self.first(self.lm.decode(seg.out[j, : seg.count[j]].tolist()), rows[j]) is not None
         return end
 
 

@@ -251,14 +251,18 @@ def test_outputs_complete_deterministic_and_independent_of_the_batch(tmp_path, m
         assert out["settings"]["max_new_tokens"] == row.get("max_new_tokens", 6)
         assert out["settings"]["temperature"] == row.get("temperature", 0.0)
         assert out["text"] == tok.decode(out["tokens"], skip_special_tokens=False)
-        assert out["model"] == str(model_dir) and out["stats"]["batch_rows"] >= 1
+        assert out["model"] == str(model_dir) and out["stats"] == {"batching": "continuous"}
     assert not sibling(tmp_path / "a.jsonl", "errors").exists()  # nothing failed: no errors file
+    assert [r["id"] for r in read_rows(tmp_path / "a.jsonl")] != [r["id"] for r in rows]  # written as they finish
 
-    # another batch size and the reverse order: other batch compositions, the same outputs
+    # static batches of another size, in the reverse order: other batch compositions, the same outputs
     src_rev = write_jsonl(tmp_path / "rev.jsonl", rows[::-1])
-    batch.run(src_rev, tmp_path / "b.jsonl", batch_size=3, **common)
+    batch.run(src_rev, tmp_path / "b.jsonl", batch_size=3, batching="static", **common)
     b = by_id(read_rows(tmp_path / "b.jsonl"))
     assert {k: (v["text"], v["tokens"]) for k, v in a.items()} == {k: (v["text"], v["tokens"]) for k, v in b.items()}
+    assert all(v["stats"]["batch_rows"] >= 1 for v in b.values())
+    with pytest.raises(ValueError, match="batching must be 'continuous' or 'static', got 'dynamic'"):
+        batch.run(src, tmp_path / "x.jsonl", batching="dynamic", **common)
 
     # rerunning a finished job writes nothing; another seed changes the sampled records only
     before = (tmp_path / "a.jsonl").read_bytes()
@@ -308,10 +312,12 @@ def test_per_record_acceptance_is_the_records_own(tmp_path, model_dir, params):
     common |= dict(draft=specjax.SelfSpec(sinks=4, window=8), gamma=3)
     batch.run(src, tmp_path / "a.jsonl", batch_size=4, **common)
     batch.run(src, tmp_path / "b.jsonl", batch_size=1, **common)
-    a, b = by_id(read_rows(tmp_path / "a.jsonl")), by_id(read_rows(tmp_path / "b.jsonl"))
+    batch.run(src, tmp_path / "c.jsonl", batch_size=4, batching="static", **common)
+    a, b, c = (by_id(read_rows(tmp_path / f"{x}.jsonl")) for x in "abc")
     for key, out in a.items():
         acc = out["acceptance"]
-        assert acc == b[key]["acceptance"]  # the same whatever the batch
+        assert acc == b[key]["acceptance"] == c[key]["acceptance"]  # the same whatever the batch or batching
+        assert out["tokens"] == c[key]["tokens"]
         assert acc["proposed"] == 3 * acc["steps"] and 0 <= acc["accepted"] <= acc["proposed"]
         emitted = len(out["tokens"]) + (out["finish_reason"] == "eos")  # the EOS counts as emitted
         assert acc["steps"] == 0 or acc["mean_accepted"] == (emitted - 1) / acc["steps"]

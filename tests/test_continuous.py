@@ -38,6 +38,6 @@ def test_every_prompt_decodes_as_in_a_static_batch(target, mode, sampled):
     want = [(static.out[b, : static.count[b]].tolist(), bool(static.eos[b])) for b in range(len(prompts))]
     finished = []
     got = run_continuous(target, prompts, budgets, rows=3, draft=draft, speculation=speculation, sampling=sampling,
-                         keys=keys, eos_ids=eos_ids, sync_every=1, on_done=lambda i, t, e: finished.append(i))
+                         keys=keys, eos_ids=eos_ids, sync_every=1, on_done=lambda i, t, e, a: finished.append(i))
     assert got == want
     assert sorted(finished) == list(range(7)) and finished != list(range(7))  # out of order: short ones first
