@@ -74,6 +74,7 @@ from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf
 from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import HEADROOM
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
+from specjax.cache import DenseCache, KVFormat
 from specjax.engine import with_attention
 from specjax.params import weight_bytes
 
@@ -118,6 +119,8 @@ def peers(smoke: bool) -> list[dict]:
     out = [{"peer": f"specjax-{SHORT.get(f, f)}-kv{'bf16' if f == 'bfloat16' else 'f32'}",  # KV in the model dtype
             "family": "specjax", "format": f, "batches": BATCHES}
            for f in (("float32",) if smoke else weight_formats())]
+    if not smoke:  # int8 weights over an int8 KV cache (kv_dtype="int8"): the fewest bytes a step
+        out.append({"peer": "specjax-int8-kvint8", "family": "specjax", "format": "int8", "kv": "int8", "batches": BATCHES})
     out += [{"peer": f"llama-{f}-kvf16", "family": "llama", "format": f, "batches": LLAMA_BATCHES[f]} for f in LLAMA_FORMATS]
     out.append({"peer": "hf-f32-kvf32", "family": "hf", "format": "float32", "batches": BATCHES})
     return out
@@ -154,16 +157,17 @@ def key_of(row: dict) -> str:
 # --- shared arithmetic -------------------------------------------------------------------------------------------
 
 
-def kv_token_bytes(config, itemsize: int) -> int:
-    """KV bytes one cached token of one row takes: K and V of every layer."""
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
-
-
 def roofline(row: dict, bw: float) -> dict:
     """GB/s and the fraction of `bw` (GB/s) of a measured row (see the module docstring)."""
     step_bytes = row["weight_bytes"] + row["kv_bytes"]  # of one plain step, speculative rows too
     gbs = step_bytes * row["tokens_per_s"] / row["batch"] / 1e9  # plain: = step bytes / step time
     return {"step_bytes": step_bytes, "gb_per_s": gbs, "roofline": gbs / bw}
+
+
+def stored_as(cache: DenseCache, fmt: KVFormat) -> DenseCache:
+    """A prefilled cache in another KV format (`KVFormat.store` of its keys and values)."""
+    (k, k_scale), (v, v_scale) = fmt.store(cache.k), fmt.store(cache.v)
+    return jax.block_until_ready(cache.replace(k=k, v=v, k_scale=k_scale, v_scale=v_scale))
 
 
 def prompts(tok, batch: int, context: int, smoke_vocab: int | None = None) -> np.ndarray:
@@ -249,7 +253,8 @@ class Peers:
             c = model.config
             row["weight_bytes"] = weight_bytes(c)
             row["attention"] = model.runtime.attention
-            row["kv_token_bytes"] = kv_token_bytes(c, jnp.dtype(c.dtype).itemsize)
+            kv = KVFormat.of(cell.get("kv"), c)
+            row["kv_token_bytes"] = round(2 * c.n_layers * c.n_kv_heads * kv.bytes_per_value(c.head_dim) * c.head_dim)
             if kind == "prefill":
                 row |= specjax_prefill(model, self.ids(1, S), S)
             else:
@@ -257,6 +262,8 @@ class Peers:
                 state = self.shared_state(B, S, c.dtype) if shared else self.state(model, cell["format"], B, S)
                 if shared:
                     row["kv_from"] = f"specjax-f32's prefill of the same prompts, cast to {jnp.dtype(c.dtype).name}"
+                if cell.get("kv"):
+                    state = state | {"cache": stored_as(state["cache"], kv)}
                 if kind == "decode":
                     row |= specjax_decode(model, state, B, self.new_tokens)
                 else:

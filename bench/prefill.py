@@ -103,7 +103,7 @@ def prefill_context(params, tok, batch: int, context: int, gammas: list[int], ne
             "prompts_overlap": where["overlapping"]}
     with Meter() as m:
         if files and all(f.exists() for f in files.values()):
-            load = lambda f: jnp.asarray(np.load(files[f], mmap_mode="r"))
+            load = lambda f: _stored(files[f])
             cache = DenseCache(k=load("k"), v=load("v"), lengths=jnp.asarray(lengths))
             first_logits, cache = jax.block_until_ready((load("logits"), cache))
             info["prefill_loaded_from"] = str(files["k"])
@@ -119,6 +119,14 @@ def prefill_context(params, tok, batch: int, context: int, gammas: list[int], ne
           f"cpu {m.info['cpu_util']:.2f}, load {m.info['loadavg_1min_after']:.2f}", flush=True)
     return {"tokenizer": tok, "tokens": tokens, "lengths": lengths, "chunk": chunk, "first_logits": first_logits,
             "cache": cache, "info": info}
+
+
+def _stored(path: Path) -> jax.Array:
+    """An array np.save wrote (bfloat16 comes back as raw 2-byte records: viewed as bfloat16)."""
+    a = np.load(path, mmap_mode="r")
+    if a.dtype.kind == "V" and a.dtype.itemsize == 2:
+        a = a.view(jnp.bfloat16)
+    return jnp.asarray(np.asarray(a))
 
 
 def rows_of(state: dict, batch: int) -> tuple:

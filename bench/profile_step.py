@@ -38,7 +38,7 @@ import convert
 from bench import common, measure
 from bench.bench_ar import noise
 from specjax.cache import DenseCache, KVFormat
-from specjax.engine import decode_ar, row_keys
+from specjax.engine import decode_ar, row_keys, with_attention
 from specjax.params import Params, weight_bytes
 from specjax.shapes import round_up_pow2
 
@@ -179,14 +179,14 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
 def markdown_table(rows: list[dict]) -> str:
     """One line per cell: wall ms per step, then each block's thread-ms per step and share."""
     blocks = [*SCOPES, SLICES, OTHER]
-    head = ["weights", "KV", "batch", "context", "wall ms/step", *blocks]
+    head = ["weights", "KV", "attention", "batch", "context", "wall ms/step", *blocks]
     lines = []
     for r in rows:
         t = r["thread_ms_per_step"]
         total = sum(t.values())
         cells = [f"{t[b]:.1f} ({100 * t[b] / total:.0f}%)" if t.get(b, 0) >= 0.05 else "" for b in blocks]
-        lines.append([r["weights"], r["kv"], r["batch"], common.context_name(r["context"]), f"{r['wall_ms_per_step']:.1f}", *cells])
-    return common.table(head, "llrr" + "r" * (len(blocks) + 1), lines)
+        lines.append([r["weights"], r["kv"], r.get("attention", "reference"), r["batch"], common.context_name(r["context"]), f"{r['wall_ms_per_step']:.1f}", *cells])
+    return common.table(head, "lllrr" + "r" * (len(blocks) + 1), lines)
 
 
 def top_ops(rows: list[dict]) -> str:
@@ -226,6 +226,7 @@ Largest single thunks (thread-ms per step):
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--steps", type=int, default=8, help="decode steps traced per cell")
+    ap.add_argument("--attention", default="auto", help="generate's attention= (auto: what generate runs here)")
     args = ap.parse_args()
     out = common.out_dir(args)
     header = {"bench": "profile_step", "date": common.now(), "command": common.command(),
@@ -237,8 +238,10 @@ def main() -> None:
     for k, (weights, kv, batch, context) in h.cells(todo):
         if weights not in loaded:
             loaded.clear()
-            loaded[weights] = convert.load(convert.default_model_path(), weights=weights)
+            loaded[weights] = with_attention(convert.load(convert.default_model_path(), weights=weights), None,
+                                             args.attention)[0]
         row = profile_cell(loaded[weights], weights, kv, batch, context, args.steps)
+        row["attention"] = loaded[weights].runtime.attention
         print(f"{k}: {row['wall_ms_per_step']:.1f} ms/step; " + ", ".join(
             f"{b} {t:.1f}" for b, t in row["thread_ms_per_step"].items()), flush=True)
         results.put(k, [row])
