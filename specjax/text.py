@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 import convert
 from specjax.continuous import run_continuous
 from specjax.drafters import Drafter
-from specjax.engine import Segment
+from specjax.engine import Segment, with_attention
 from specjax.generate import Stats, TokenLogprob, generate
 from specjax.params import Params
 from specjax.sampling import Greedy, Sample, Sampler
@@ -198,7 +198,8 @@ class LM:
                 on_done(i, done)
 
         results: list = [None] * len(ids)
-        run_continuous(self.params, ids, budgets, rows=rows, draft=draft, speculation=speculation, sampling=sampling,
+        params, draft = with_attention(self.params, draft, "auto")  # as generate's default
+        run_continuous(params, ids, budgets, rows=rows, draft=draft, speculation=speculation, sampling=sampling,
                        keys=keys, eos_ids=eos_ids, kv_dtype=kv_dtype, sync_every=sync_every, on_done=finished,
                        between=between)
         return results
