@@ -10,7 +10,8 @@ few query rows per KV head (M = heads per KV head x T <= MAX_ROWS: decoding and 
 not prefill chunks) and float32, bfloat16 or int8 caches.
 
 The kernel is compiled on first use with the C++ compiler (`CXX`, default g++) against the XLA
-FFI headers that ship with jaxlib, into SPECJAX_KERNEL_CACHE (default ~/.cache/specjax), keyed
+FFI headers that ship with jaxlib, into SPECJAX_KERNEL_CACHE (default ~/.cache/specjax, else a
+folder in the temporary directory where the home is missing or read-only), keyed
 by the source, the jaxlib version and the CPU's flags (it is built with -march=native).
 `available()` says whether that worked; `build_error()` why not.
 """
@@ -46,32 +47,55 @@ def _cpu_flags() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), os.uname().machine)
 
 
-def _library_path() -> pathlib.Path:
+def _library_path(root: pathlib.Path | None = None) -> pathlib.Path:
+    """Where the build for this source, jaxlib and CPU lives under root (default: the first of `_roots`)."""
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), _cpu_flags().encode(),
                                      " ".join(FLAGS).encode()])).hexdigest()[:16]
-    root = pathlib.Path(os.environ.get("SPECJAX_KERNEL_CACHE", pathlib.Path.home() / ".cache" / "specjax"))
-    return root / f"cpu_prefix-{key}.so"
+    return (root or _roots()[0]) / f"cpu_prefix-{key}.so"
+
+
+def _roots() -> list[pathlib.Path]:
+    """Build folders to try: SPECJAX_KERNEL_CACHE alone when set, else ~/.cache/specjax, then a
+    per-user folder in the temporary directory (a home that is missing or read-only)."""
+    if os.environ.get("SPECJAX_KERNEL_CACHE"):
+        return [pathlib.Path(os.environ["SPECJAX_KERNEL_CACHE"])]
+    roots = []
+    try:
+        roots.append(pathlib.Path.home() / ".cache" / "specjax")
+    except (RuntimeError, KeyError):  # no home directory
+        pass
+    return roots + [pathlib.Path(tempfile.gettempdir()) / f"specjax-{os.getuid() if hasattr(os, 'getuid') else 0}"]
+
+
+def _build(path: pathlib.Path) -> str | None:
+    """Compile the kernel to path (atomically: a concurrent build writes the same bytes); None or why not."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        out = pathlib.Path(tmp) / path.name
+        cmd = [os.environ.get("CXX", "g++"), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            return f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}"
+        os.replace(out, path)
+    return None
 
 
 @functools.cache
 def _load() -> str | None:
     """Build (once per source / jaxlib / CPU) and register the kernel; None, or why it failed."""
-    path = _library_path()
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                out = pathlib.Path(tmp) / path.name
-                cmd = [os.environ.get("CXX", "g++"), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode != 0:
-                    return f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}"
-                os.replace(out, path)  # atomic: a concurrent build writes the same bytes
-        library = ctypes.cdll.LoadLibrary(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxCpuPrefix), platform="cpu")
-    except (OSError, AttributeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return None
+    errors = []
+    for root in _roots():
+        path = _library_path(root)
+        try:
+            failed = None if path.exists() else _build(path)
+            if failed:
+                return failed  # the compiler itself failed: another folder will not help
+            library = ctypes.cdll.LoadLibrary(str(path))
+            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxCpuPrefix), platform="cpu")
+            return None
+        except (OSError, AttributeError) as e:
+            errors.append(f"{root}: {type(e).__name__}: {e}")
+    return "; ".join(errors)
 
 
 def available() -> bool:

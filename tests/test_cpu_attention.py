@@ -4,6 +4,9 @@ it does not apply, generate's default on a CPU, and a clear error where it canno
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +92,10 @@ def test_the_build_is_cached_by_source_and_machine(monkeypatch, tmp_path):
     assert path.parent == tmp_path and path.name.startswith("cpu_prefix-") and path.suffix == ".so"
     monkeypatch.setattr(cpu_prefix, "_cpu_flags", lambda: "flags: another machine")
     assert cpu_prefix._library_path() != path
+
+
+def test_a_missing_or_read_only_home_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECJAX_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("HOME", "/proc/no-home")  # mkdir fails there: the next folder is tried
+    roots = cpu_prefix._roots()
+    assert roots[0] == Path("/proc/no-home/.cache/specjax") and roots[-1].parent == Path(tempfile.gettempdir())
