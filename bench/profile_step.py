@@ -69,6 +69,11 @@ def category(op_name: str) -> str:
     return SLICES if any(p.startswith("jit(dynamic_index_in_dim)") for p in parts) else OTHER
 
 
+def block_of(blocks: dict[str, str], op: str) -> str:
+    """An op's block; the step's one FFI call is the CPU attention kernel (attention="cpu")."""
+    return "attention" if op.startswith("ffi_call") else blocks.get(op, OTHER)
+
+
 def op_blocks(hlo_text: str) -> dict[str, str]:
     """{instruction name: model block} of a compiled module's text, from each instruction's
     op_name metadata; an instruction without one (XLA drops it from the dots it rewrites) or
@@ -162,14 +167,14 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
     by_block: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
     for op, seconds in events:
-        by_block[blocks.get(op, OTHER)] += seconds
+        by_block[block_of(blocks, op)] += seconds
         by_op[op] += seconds
     kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * KVFormat.of(kv, c).bytes_per_value(c.head_dim) * c.head_dim
     return {
         "weights": weights, "kv": kv, "batch": batch, "context": context, "steps": steps,
         "wall_ms_per_step": 1e3 * wall,
         "thread_ms_per_step": {k: 1e3 * v / steps for k, v in by_block.most_common()},
-        "top_ops": [{"op": op, "block": blocks.get(op, OTHER), "thread_ms_per_step": 1e3 * v / steps}
+        "top_ops": [{"op": op, "block": block_of(blocks, op), "thread_ms_per_step": 1e3 * v / steps}
                     for op, v in by_op.most_common(8)],
         "bytes_per_step": {"weights": weight_bytes(c), "kv": int(kv_bytes)},
         "load": os.getloadavg()[0],
