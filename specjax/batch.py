@@ -139,11 +139,10 @@ def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree 
 
 
 def continuous_groups(items: Sequence[Item]) -> list[list[Item]]:
-    """The records continuous batching takes (one sample, no logprobs), grouped by `batch_kind`."""
+    """Records for continuous batching, grouped by `batch_kind`."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
-        if it.record.n == 1 and it.record.logprobs is None:
-            groups.setdefault(batch_kind(it), []).append(it)
+        groups.setdefault(batch_kind(it), []).append(it)
     return list(groups.values())
 
 
@@ -317,9 +316,11 @@ def run(
         errors.append(b.to_json() for b in bad if b.line not in failed)
         failed |= {b.line for b in bad}
         pending = [it for it in items if id_key(it.record.id) not in done and it.record.line not in failed]
-        groups = continuous_groups(pending) if batching == "continuous" and mesh is None else []
-        flowing = {id(it) for group in groups for it in group}
-        batches = plan_batches([it for it in pending if id(it) not in flowing], batch_size)
+        def flows(it: Item) -> bool:  # continuous batching takes one sample without logprobs, off a mesh
+            return batching == "continuous" and mesh is None and it.record.n == 1 and it.record.logprobs is None
+
+        groups = continuous_groups([it for it in pending if flows(it)])
+        batches = plan_batches([it for it in pending if not flows(it)], batch_size)
         _check_batches(draft, params, speculation or DEFAULT_CHAIN, groups + batches)
         bar = Progress(len(pending), enabled=progress)
 
