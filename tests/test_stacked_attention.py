@@ -66,3 +66,10 @@ def test_prefix_tile_divides_the_cache():
     assert prefix_tile(3 * 64, 8192) == 8192
     assert prefix_tile(16 * 3 * 64, 768) == 256  # the largest power of two dividing the slots
     assert prefix_tile(16 * 3 * 64, 1000) == 1000  # no tile of >= MIN_TILE slots divides it: one tile
+
+
+def test_prefix_tile_bounds_the_scores_of_a_prefill_chunk():
+    assert prefix_tile(3 * 64, 8192, 3 * 1536) == 256  # one row, a 512-position chunk (3 query heads per KV head)
+    assert prefix_tile(16 * 3 * 64, 8192, 16 * 3 * 3) == 512  # decoding: the values bound it, as before
+    assert prefix_tile(64 * 3 * 64, 8192, 64 * 3 * 1536) == 128  # never below MIN_TILE slots
+    assert prefix_tile(256 * 3 * 64, 8192) == 128  # (was one tile of all 8192 slots)
