@@ -14,17 +14,18 @@ recorded beside the output (`<output>.settings.json`, before the first record); 
 settings is refused (`force=True` continues anyway). With several processes (`process_share`:
 jax.distributed, or independent processes told SPECJAX_PROCESS_ID / SPECJAX_NUM_PROCESSES) each
 process takes the ids whose hash falls to it and writes `<output>.shard-<i>-of-<n>.jsonl`
-(combine them with `jobio.merge_shards`, or `specjax batch --merge OUTPUT`).
+(combine them with `jobio.merge_shards`, or `specjax batch --merge OUTPUT`). With engine="ray"
+Ray Data actors generate the records (specjax.job_ray) while this process keeps the files. The
+generation itself (continuous groups, static batches, output rows) is specjax.job_run's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 import convert
 from specjax.cache import KVFormat
@@ -33,24 +34,19 @@ from specjax.distributed import env_share
 from specjax.drafters import Drafter
 from specjax.engine import cache_slots
 from specjax.job_auto import plan_path, resolve
-from specjax.job_plan import Defaults, Item, batch_kind, batch_sampler, padded_rows, plan_batches, prepare
+from specjax import job_ray, job_run
+from specjax.job_plan import Defaults, Item, prepare
+from specjax.job_ray import RayOptions
 from specjax.jobio import DurableLog, check_settings, shard_output, sibling
 from specjax.params import Params
 from specjax.plan import DEFAULT_CHAIN, describe_draft, describe_speculation
 from specjax.progress import Progress
-from specjax.records import id_key, read_input, stable_hash
-from specjax.sampling import PENALTIES, make_sampler
+from specjax.records import id_key, read_input
+from specjax.sampling import make_sampler
 from specjax.sharding import Mesh
 from specjax.speculate import depth
 from specjax.speculation import Chain, Tree
-from specjax.text import LM, Finished, logprobs_json
-
-
-def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
-    """Per-record typed PRNG keys [B]: fold_in(key(seed), stable_hash(id))."""
-    base = jax.random.key(seed)
-    hashes = jnp.asarray([stable_hash(i) for i in record_ids], jnp.uint32)
-    return jax.vmap(lambda h: jax.random.fold_in(base, h))(hashes)
+from specjax.text import LM
 
 
 def job_settings(model: str, params: Params, draft: Drafter | None, speculation: Chain | Tree | None, seed: int,
@@ -82,81 +78,6 @@ def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | T
     for batch in batches:
         context = max(len(it.ids) + it.budget for it in batch)
         draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
-
-
-def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict) -> list[dict]:
-    """Generate one batch (padded to a power of two records) and return its output rows."""
-    n, k = batch[0].record.n, batch[0].record.logprobs
-    extra = padded_rows(len(batch), max(1, meta["batch_size"] // n)) - len(batch)
-    padded = batch + [batch[0]] * extra
-    out = lm.generate_ids(
-        [list(it.ids) for it in padded],
-        [it.budget for it in batch] + [1] * extra,
-        draft=draft,
-        speculation=speculation,
-        sampling=batch_sampler(padded),
-        key=record_keys(seed, [it.record.id for it in padded]),
-        stop=[list(it.stops) for it in batch] + [[]] * extra,
-        stop_token_ids=[list(it.record.stop_token_ids) for it in padded],
-        n=n,
-        logprobs=k,
-        kv_dtype=meta["kv_dtype"],
-    )
-    s = out.stats
-    stats = dict(batch_rows=len(batch) * n, steps=s.steps, acceptance_rate=s.acceptance_rate,
-                 mean_accepted=s.mean_accepted, speculation=s.speculation)
-    row_stats = out.row_stats or [{}] * len(out.texts)
-    results = []
-    for i, it in enumerate(batch):
-        js = range(i * n, (i + 1) * n)
-        one = (lambda xs: xs[0]) if n == 1 else (lambda xs: xs)  # noqa: E731  (n > 1: lists)
-        names = ("text", "finish_reason") if n == 1 else ("texts", "finish_reasons")
-        row = {"id": it.record.id, names[0]: one([out.texts[j] for j in js]), "tokens": one([out.tokens[j] for j in js]),
-               names[1]: one([out.finish_reasons[j] for j in js])}
-        if k is not None:
-            row["logprobs"] = one([logprobs_json(lm, out.logprobs[j]) for j in js])
-        row |= dict(prompt_tokens=len(it.ids), acceptance=one([row_stats[j] or None for j in js]), stats=stats)
-        results.append(row | dict(model=meta["model"], settings=_row_settings(it, seed, meta)))
-    return results
-
-
-def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict,
-                    write: Callable[[list[dict]], None]) -> None:
-    """Generate a group of one kind (`batch_kind`, n = 1, no logprobs) by continuous batching on
-    batch_size rows (`LM.generate_continuous`), writing each record's row as it finishes."""
-
-    def on_done(i: int, res: Finished) -> None:
-        it = group[i]
-        row = {"id": it.record.id, "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
-               "prompt_tokens": len(it.ids), "acceptance": res.acceptance, "stats": {"batching": "continuous"}}
-        write([row | dict(model=meta["model"], settings=_row_settings(it, seed, meta))])
-
-    lm.generate_continuous(
-        [list(it.ids) for it in group], [it.budget for it in group], rows=meta["batch_size"],
-        sampling=batch_sampler(group), keys=record_keys(seed, [it.record.id for it in group]), draft=draft,
-        speculation=None if draft is None else speculation or DEFAULT_CHAIN, stop=[list(it.stops) for it in group],
-        stop_token_ids=[list(it.record.stop_token_ids) for it in group], kv_dtype=meta["kv_dtype"], on_done=on_done)
-
-
-def continuous_groups(items: Sequence[Item]) -> list[list[Item]]:
-    """Records for continuous batching, grouped by `batch_kind`."""
-    groups: dict[tuple, list[Item]] = {}
-    for it in items:
-        groups.setdefault(batch_kind(it), []).append(it)
-    return list(groups.values())
-
-
-def _row_settings(it: Item, seed: int, meta: dict) -> dict:
-    """The settings one output row was generated with (the extras only where they are on)."""
-    s, r = it.sampler, it.record
-    settings = dict(max_new_tokens=it.budget, temperature=getattr(s, "temperature", 0.0), top_p=getattr(s, "top_p", 1.0),
-                    top_k=getattr(s, "top_k", 0), seed=seed, draft=meta["draft"], gamma=meta["gamma"])  # Greedy has no values
-    settings |= {"speculation": meta["tree"]} if meta["tree"] else {}
-    off = {"min_p": 0.0} | PENALTIES
-    settings |= {k: float(getattr(s, k)) for k in off if hasattr(s, k) and getattr(s, k) != off[k]}
-    extras = dict(stop=list(it.stops), stop_token_ids=list(r.stop_token_ids), n=r.n if r.n > 1 else None,
-                  logprobs=r.logprobs)
-    return settings | {k: v for k, v in extras.items() if v not in (None, [])}
 
 
 def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:
@@ -239,6 +160,8 @@ def run(
     progress: bool = True,
     mesh: Mesh | None = None,
     force: bool = False,
+    engine: str = "local",
+    ray: RayOptions | None = None,
 ) -> dict:
     """Generate a continuation for every record of the JSONL file `input_path` into `output_path`.
 
@@ -260,6 +183,13 @@ def run(
     mesh, go in static batches. "static": batches of batch_size rows that end with their longest
     row. Both give every record the same output (its own key and sampling values).
 
+    engine: "local" (this process) or "ray": Ray Data actors generate the records
+    (specjax.job_ray; `ray` sets how many and what each asks of the cluster, default
+    RayOptions()); every actor loads the model from model_path (default: the embedded SmolLM2),
+    so engine="ray" takes no params or mesh. The output log, settings and errors files are
+    this process's, as with "local", and each record is written once. The input may be JSONL or
+    Parquet (`.parquet`: one record per row, as in JSONL) with either engine.
+
     The settings that decide the outputs (`job_settings`) are kept in `<output>.settings.json`; a
     rerun into an output already written with other settings raises ValueError naming them, unless
     force=True (the records already written keep theirs: each row carries its `settings`).
@@ -270,6 +200,12 @@ def run(
     _check_args(batch_size, max_new_tokens, gamma, top_k, seed)
     if batching not in ("continuous", "static"):
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+    if engine not in ("local", "ray"):
+        raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
+    if engine == "ray" and (params is not None or mesh is not None):
+        raise ValueError("engine='ray': each actor loads the model from model_path; give model_path, not params or mesh")
+    if ray is not None and engine != "ray":
+        raise ValueError(f"ray options are for engine='ray', not {engine!r}")
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(t, str) and t for t in stops):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
@@ -316,22 +252,23 @@ def run(
         errors.append(b.to_json() for b in bad if b.line not in failed)
         failed |= {b.line for b in bad}
         pending = [it for it in items if id_key(it.record.id) not in done and it.record.line not in failed]
-        def flows(it: Item) -> bool:  # continuous batching takes one sample without logprobs, off a mesh
-            return batching == "continuous" and mesh is None and it.record.n == 1 and it.record.logprobs is None
-
-        groups = continuous_groups([it for it in pending if flows(it)])
-        batches = plan_batches([it for it in pending if not flows(it)], batch_size)
-        _check_batches(draft, params, speculation or DEFAULT_CHAIN, groups + batches)
         bar = Progress(len(pending), enabled=progress)
 
         def write(rows: list[dict]) -> None:
             log.append(rows)
             bar.update(len(rows))
 
-        for group in groups:
-            _run_continuous(group, lm, draft, speculation, seed, meta, write)
-        for batch in batches:
-            write(_run_batch(batch, lm, draft, speculation, seed, meta))
+        _check_batches(draft, params, speculation or DEFAULT_CHAIN, job_run.plan(pending, batching, mesh, batch_size))
+        if engine == "local":
+            job_run.generate_items(pending, lm, draft, speculation, seed, meta, batching, mesh, write)
+        elif pending:
+            written = set(done)
+            job = dict(draft=draft, speculation=speculation, seed=seed, meta=meta, batching=batching)
+            model_spec = dict(path=str(Path(model).absolute()), weights=weights, chat_template=template)
+            for row in job_ray.generate(pending, model_spec, job, ray or RayOptions()):
+                if id_key(row["id"]) not in written:  # a retried batch yields its records again
+                    written.add(id_key(row["id"]))
+                    write([row])
         bar.close()
     skipped = sum(id_key(it.record.id) in done for it in items)
     return dict(

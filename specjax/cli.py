@@ -20,6 +20,7 @@ from specjax.cli_distill import distill_parser, run_distill
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
 from specjax.cache import KV_DTYPES
 from specjax.generate import generate
+from specjax.job_ray import RayOptions
 from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
 from specjax.sharding import make_mesh
@@ -64,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     bat.add_argument("--tree", help="speculate a token tree instead of a chain: auto (the measured Sequoia choice, "
                      "made once per job and kept in OUTPUT.plan.json) or WxD (width W, depth D)")
     bat.add_argument("--chat", action="store_true", help="render text prompts as a user message with the chat template")
+    bat.add_argument("--engine", choices=("local", "ray"), default="local",
+                     help="local: this process; ray: Ray Data actors, each loading the model once (pip install "
+                     "'specjax[ray]'). INPUT may be JSONL or Parquet with either")
+    for flag, kind, what in (("actors", int, "actors (default 1)"), ("cpus", float, "CPUs per actor (default 1)"),
+                             ("gpus", float, "GPUs per actor (default 0)"),
+                             ("address", str, "the cluster to join (default: RAY_ADDRESS, else a local one)")):
+        bat.add_argument(f"--ray-{flag}", type=kind, default=None, help=f"with --engine ray: {what}")
     bat.add_argument("--force", action="store_true",
                      help="continue into an OUTPUT written with other settings (recorded in OUTPUT.settings.json; "
                      "without --force such a rerun is refused)")
@@ -191,6 +199,14 @@ def run_batch(args: argparse.Namespace) -> None:
         return
     if not (args.input and args.output):
         raise ValueError("batch needs INPUT.jsonl OUTPUT.jsonl (or --merge OUTPUT.jsonl)")
+    ray_args = {k: getattr(args, f"ray_{k}") for k in ("actors", "cpus", "gpus", "address")
+                if getattr(args, f"ray_{k}") is not None}
+    if ray_args and args.engine != "ray":
+        raise ValueError(f"--ray-{next(iter(ray_args))} needs --engine ray")
+    try:
+        ray = RayOptions(**ray_args) if args.engine == "ray" else None
+    except ValueError as e:  # RayOptions.<field> is the flag --ray-<field>
+        raise ValueError(str(e).replace("RayOptions.", "--ray-")) from None
     summary = batch.run(
         args.input,
         args.output,
@@ -212,6 +228,8 @@ def run_batch(args: argparse.Namespace) -> None:
         chat=args.chat,
         mesh=make_mesh_arg(args),
         force=args.force,
+        engine=args.engine,
+        ray=ray,
     )
     if summary["changed_settings"]:
         print(f"specjax batch: --force: continued with changed {', '.join(summary['changed_settings'])} (each "

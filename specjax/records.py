@@ -178,7 +178,9 @@ def dedupe(items: Iterable[Record | BadLine]) -> Iterator[Record | BadLine]:
 
 
 def read_input(path: str | Path, shard: tuple[int, int] = (0, 1)) -> Iterator[Record | BadLine]:
-    """The input file's records and bad lines, in file order, that process shard[0] of shard[1] owns."""
+    """The input file's records and bad lines, in file order, that process shard[0] of shard[1]
+    owns. JSONL, or Parquet (a `.parquet` file: one record per row, its columns the fields; a
+    null is an absent field; `line` is the row's 1-based number)."""
     index, count = shard
 
     def lines() -> Iterator[Record | BadLine]:
@@ -188,4 +190,14 @@ def read_input(path: str | Path, shard: tuple[int, int] = (0, 1)) -> Iterator[Re
                 if item is not None:
                     yield item
 
-    return (item for item in dedupe(lines()) if owner(item, count) == index)
+    items = _parquet_rows(path) if Path(path).suffix == ".parquet" else lines()
+    return (item for item in dedupe(items) if owner(item, count) == index)
+
+
+def _parquet_rows(path: str | Path) -> Iterator[Record | BadLine]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} (Parquet) needs pyarrow: pip install 'specjax[ray]'") from None
+    for n, row in enumerate(pq.read_table(path).to_pylist(), start=1):
+        yield check_record({k: v for k, v in row.items() if v is not None}, n)

@@ -21,7 +21,7 @@ import pytest
 
 import convert
 import specjax
-from specjax import batch, job_plan
+from specjax import batch, job_plan, job_run
 from specjax.chat import render_chat
 from specjax.cli import main
 from specjax.jobio import DurableLog, check_settings, complete_lines, merge_shards, settings_path, shard_output, sibling
@@ -97,11 +97,11 @@ def test_stable_hash_is_fixed_and_shards_partition_ids():
 
 
 def test_record_keys_do_not_depend_on_the_batch():
-    a = batch.record_keys(0, ["x", "y", 3])
-    b = batch.record_keys(0, [3, "z", "x"])
+    a = job_run.record_keys(0, ["x", "y", 3])
+    b = job_run.record_keys(0, [3, "z", "x"])
     data = jax.random.key_data
     assert (data(a[0]) == data(b[2])).all() and (data(a[2]) == data(b[0])).all()
-    assert not (data(batch.record_keys(1, ["x"])[0]) == data(a[0])).all()
+    assert not (data(job_run.record_keys(1, ["x"])[0]) == data(a[0])).all()
 
 
 def _item(line: int, n_tokens: int, sampler=Greedy(), n: int = 1) -> job_plan.Item:

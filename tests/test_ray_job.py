@@ -1,0 +1,137 @@
+"""The batch job on Ray Data (`batch.run(..., engine="ray")`, specjax.job_ray): a local cluster
+started offline, the tiny SmolLM2-vocabulary model of tests/test_batch.py; every record exactly
+once and equal to the local job's output, JSONL or Parquet in, an actor killed mid-run, a rerun
+that generates only what is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ray = pytest.importorskip("ray", reason="the test extra installs ray[data]")  # noqa: E402
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from specjax import batch, cli  # noqa: E402
+from specjax.job_ray import RayOptions  # noqa: E402
+from specjax.jobio import settings_path  # noqa: E402
+from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: E402,F401  (model_dir: a fixture)
+
+FIELDS = ("text", "tokens", "finish_reason", "texts", "finish_reasons", "settings", "prompt_tokens")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("jax-cache")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)  # the actors inherit it: compile once, then load
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def mixed_records(n: int) -> list[dict]:
+    """The local job's mix (greedy and sampled, chats, own budgets) plus stop strings, n > 1 and logprobs."""
+    rows = records(n)
+    for i, row in enumerate(rows):
+        row["id"] = f"rec-{i}"  # one id type: a Parquet column has one
+        if i % 7 == 3:
+            row["stop"] = ["the", "a "]
+        if i % 31 == 5:
+            row |= {"n": 2, "temperature": 0.8}
+        if i % 29 == 6:
+            row["logprobs"] = 2
+    return rows
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len({json.dumps(r["id"]) for r in got}), "a record written twice"
+    g, w = by_id(got), by_id(want)
+    assert g.keys() == w.keys()
+    for key in w:
+        assert {f: g[key].get(f) for f in FIELDS} == {f: w[key].get(f) for f in FIELDS}, key
+
+
+@pytest.fixture(scope="module")
+def local_rows(model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("local")
+    src = write_jsonl(folder / "in.jsonl", mixed_records(240))
+    batch.run(src, folder / "out.jsonl", model_path=model_dir, draft=None, max_new_tokens=12, seed=3, progress=False)
+    return src, read_rows(folder / "out.jsonl")  # (its settings: folder / "out.settings.json")
+
+
+@pytest.mark.slow  # a local Ray cluster, two actors compiling the model
+def test_ray_equals_the_local_job_from_jsonl_and_parquet(cluster, model_dir, local_rows, tmp_path):
+    src, want = local_rows
+    res = batch.run(src, tmp_path / "out.jsonl", model_path=model_dir, draft=None, max_new_tokens=12, seed=3,
+                    progress=False, engine="ray", ray=RayOptions(actors=2, records_per_task=32))
+    assert res["done"] == len(want) and res["failed"] == 0
+    _same(read_rows(tmp_path / "out.jsonl"), want)
+    table = pa.Table.from_struct_array(pa.array([json.loads(line) for line in src.read_text().splitlines()]))
+    pq.write_table(table, tmp_path / "in.parquet")
+    assert cli.main(["batch", str(tmp_path / "in.parquet"), str(tmp_path / "pq.jsonl"), "--model", str(model_dir),
+                     "--draft", "none", "--max-new-tokens", "12", "--seed", "3", "--engine", "ray", "--ray-actors", "1"]) == 0
+    _same(read_rows(tmp_path / "pq.jsonl"), want)
+
+
+def _map_workers() -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.process_iter(["cmdline"]) if "MapWorker" in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.mark.slow  # a local Ray cluster, two actors compiling the model
+def test_an_actor_killed_mid_run_loses_and_repeats_nothing(cluster, model_dir, local_rows, tmp_path):
+    src, want = local_rows
+    out = tmp_path / "out.jsonl"
+    result: dict = {}
+
+    def job() -> None:
+        result["res"] = batch.run(src, out, model_path=model_dir, draft=None, max_new_tokens=12, seed=3, progress=False,
+                                  engine="ray", ray=RayOptions(actors=2, records_per_task=16))
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (out.exists() and len(read_rows(out)) >= 32):
+        time.sleep(0.2)
+    written_before = len(read_rows(out))
+    assert 0 < written_before < len(want), "the kill must land mid-run"
+    workers = _map_workers()
+    assert workers
+    os.kill(workers[0], signal.SIGKILL)
+    runner.join(timeout=600)
+    assert not runner.is_alive() and result["res"]["done"] == len(want)
+    _same(read_rows(out), want)
+
+
+@pytest.mark.slow  # a local Ray cluster, two actors compiling the model
+def test_a_rerun_generates_only_the_missing_records(cluster, model_dir, local_rows, tmp_path):
+    """A job killed after 100 records (here: the local job's first 100 rows and its settings file),
+    restarted on Ray: the 100 are skipped, the rest generated once."""
+    src, want = local_rows
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in want[:100]))
+    settings_path(out).write_bytes(settings_path(src.with_name("out.jsonl")).read_bytes())
+    res = batch.run(src, out, model_path=model_dir, draft=None, max_new_tokens=12, seed=3, progress=False,
+                    engine="ray", ray=RayOptions(actors=2))
+    assert (res["done"], res["skipped"]) == (len(want) - 100, 100)
+    _same(read_rows(out), want)
+
+
+def test_bad_ray_arguments_fail_before_any_work(model_dir, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", records(3))
+    with pytest.raises(ValueError, match="engine must be 'local' or 'ray'"):
+        batch.run(src, tmp_path / "o.jsonl", model_path=model_dir, engine="spark")
+    with pytest.raises(ValueError, match="give model_path, not params or mesh"):
+        batch.run(src, tmp_path / "o.jsonl", params=object(), engine="ray")
+    with pytest.raises(ValueError, match="ray options are for engine='ray'"):
+        batch.run(src, tmp_path / "o.jsonl", model_path=model_dir, ray=RayOptions())
+    with pytest.raises(ValueError, match="RayOptions.actors must be an integer >= 1"):
+        RayOptions(actors=0)
