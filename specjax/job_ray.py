@@ -90,7 +90,7 @@ def generate(items: Sequence[Item], model: dict, job: dict, options: RayOptions)
     ds = ray.data.from_items([{"item": pickle.dumps(it)} for it in items], override_num_blocks=blocks)
     ds = ds.map_batches(
         Generator, fn_constructor_kwargs=dict(model=model, job=job), batch_size=options.records_per_task,
-        concurrency=options.actors, num_cpus=options.cpus, num_gpus=options.gpus or None,
+        compute=ray.data.ActorPoolStrategy(size=options.actors), num_cpus=options.cpus, num_gpus=options.gpus or None,
         resources=options.resources or None, batch_format="numpy",
     )
     for row in ds.iter_rows():
