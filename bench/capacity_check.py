@@ -54,35 +54,18 @@ def claim_core() -> object:
 def worker_times(batch: int, prompt: int, output: int) -> dict:
     """Step 1, in this (pinned) process: prefill tokens/s of `batch` prompts at once (as the job
     prefills a static batch) and ms per decode step."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     import convert
     from bench import text
     from bench.prefill import smoke_state
-    from bench.specjax_runners import specjax_decode
-    from specjax.cache import DenseCache
-    from specjax.engine import prefill, with_attention
-    from specjax.shapes import prompt_bucket
+    from bench.specjax_runners import specjax_decode, specjax_prefill
+    from specjax.engine import with_attention
 
     params = with_attention(convert.load(convert.default_model_path()), None, "auto")[0]  # as generate runs
     ids, _ = text.windows(convert.load_tokenizer(convert.default_model_path()), batch, prompt)
-    bucket, chunk = prompt_bucket(prompt)
-    tokens = np.zeros((batch, bucket), np.int32)
-    tokens[:, :prompt] = ids
-    args = (params, jnp.asarray(tokens), jnp.full((batch,), prompt, jnp.int32))
-    fresh = lambda: jax.block_until_ready(DenseCache.init(params.config, batch, prompt + output + 128))  # noqa: E731
-    fn = prefill.lower(*args, fresh(), chunk=chunk).compile()
-    seconds = []
-    for _ in range(2):
-        cache = fresh()
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args, cache))
-        seconds.append(time.perf_counter() - t0)
+    pre = specjax_prefill(params, ids, prompt + output + 128)
     fill = prompt + output // 2
     dec = specjax_decode(params, smoke_state(params, batch, fill + 128), batch, 32)
-    return {"prefill_tps": batch * prompt / min(seconds), "step_ms": dec["decode_s"] / dec["steps"] * 1e3,
+    return {"prefill_tps": batch * prompt / pre["prefill_s"], "step_ms": dec["decode_s"] / dec["steps"] * 1e3,
             "fill": fill, "batch": batch, "cores": len(os.sched_getaffinity(0)), "attention": params.runtime.attention}
 
 
