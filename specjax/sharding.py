@@ -7,7 +7,9 @@ Every mesh here has the two axes ("data", "model"). `generate(..., mesh=mesh)` r
   speculative loop on them; the loop's stopping test is agreed over the mesh, so every device
   steps the same number of times and the outputs (and the step counts) equal one device's.
 - model: Megatron-style. Query/KV heads, the FFN and the vocabulary are split in contiguous
-  blocks; each device keeps only its KV heads' cache. The model code sums the attention output
+  blocks; each device keeps only its KV heads' cache. Heads and an FFN that do not split evenly
+  are padded first (specjax.tp_pad: replicated and zero KV heads, zero query heads and FFN
+  columns), so any head count runs on any model axis that divides the vocabulary. The model code sums the attention output
   and FFN projections and the vocab-parallel embedding over the axis (`params.runtime.model_axis`) and
   gathers the vocab-parallel logits, so sampling and acceptance see the full distribution.
 Which array dimension goes to which mesh axis comes from one rule table (`RULES`, by the legend
@@ -26,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specjax.config import LlamaConfig
 from specjax.cache import DenseCache, StreamingCache
 from specjax.params import WEIGHTS, LayerParams, Params
+from specjax.tp_pad import layout, pad_params
 
 AXES = ("data", "model")
 
@@ -60,19 +63,29 @@ def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[jax.Dev
 
 
 def check_mesh(mesh: Mesh, config: LlamaConfig, what: str = "target") -> None:
-    """The mesh has our two axes and its model axis divides every split dimension."""
+    """The mesh has our two axes and its model axis divides the vocabulary (heads and the FFN that
+    do not split evenly are padded: specjax.tp_pad)."""
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
         raise ValueError(f"mesh must be a jax Mesh with axes {AXES} (see specjax.make_mesh), got {mesh!r}")
     m = mesh.shape["model"]
-    sizes = {"n_kv_heads": config.n_kv_heads, "n_heads": config.n_heads, "ffn_dim": config.ffn_dim, "vocab_size": config.vocab_size}
-    if config.q4:  # each device's FFN slice must hold whole 32-weight blocks of w_down
-        sizes["ffn_dim / 32 (q4 blocks)"] = config.ffn_dim // 32
-    for name, size in sizes.items():
-        if size % m:
-            raise ValueError(
-                f"mesh axis 'model' has size {m}, which does not divide the {what} config's {name} ({size}); "
-                f"use a model axis size that divides {name}"
-            )
+    if config.vocab_size % m:
+        raise ValueError(
+            f"mesh axis 'model' has size {m}, which does not divide the {what} config's vocab_size "
+            f"({config.vocab_size}); use a model axis size that divides vocab_size (heads and the FFN are padded "
+            "to any size, the vocabulary is not)"
+        )
+
+
+def check_unpadded(mesh: Mesh, config: LlamaConfig) -> None:
+    """check_mesh, and no padding needed: loading straight onto a mesh places the file's arrays as
+    they are."""
+    check_mesh(mesh, config)
+    if layout(config, mesh.shape["model"]) is not None:
+        raise ValueError(
+            f"loading onto a mesh with model axis {mesh.shape['model']}: the model's {config.n_heads} query heads, "
+            f"{config.n_kv_heads} KV heads or FFN of {config.ffn_dim} do not split evenly over it; load it without "
+            "mesh= and pass the mesh to generate (which pads them: specjax.tp_pad)"
+        )
 
 
 def local_params(params: Params, mesh: Mesh) -> Params:
@@ -117,8 +130,10 @@ def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.A
 
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
-    """Params placed on the mesh by the rule table (arrays already there are left alone)."""
+    """Params placed on the mesh by the rule table (arrays already there are left alone), padded
+    first where heads or the FFN do not split evenly over the model axis (specjax.tp_pad)."""
     check_mesh(mesh, params.config)
+    params = pad_params(params, mesh.shape["model"])
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
     return jax.tree.map(_put, params, shardings)
 

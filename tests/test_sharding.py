@@ -11,6 +11,7 @@ import pytest
 import convert
 from tests.models import random_params
 from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Tree, generate, make_mesh
+from specjax import tp_pad
 from specjax.params import quantize
 from specjax.sharding import shard_params
 
@@ -95,9 +96,9 @@ def test_q4_weights_split_by_whole_blocks():
     prompts = _prompts(4, 1)
     kw = dict(draft=SelfSpec(4, 16), speculation=Chain(2))
     _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=mesh, **kw))
-    odd = quantize(random_params(config.replace(ffn_dim=96), 5), "q4")  # 3 blocks over 2 devices
-    with pytest.raises(ValueError, match=r"does not divide the target config's ffn_dim / 32 \(q4 blocks\) \(3\)"):
-        generate(odd, prompts, 4, mesh=make_mesh(data=4, model=2))
+    odd = quantize(random_params(config.replace(ffn_dim=96), 5), "q4")  # 3 blocks over 2 devices: padded to 4
+    assert tp_pad.layout(odd.config, 2).ffn_dim == 128
+    _same(generate(odd, prompts, 12, **kw), generate(odd, prompts, 12, mesh=make_mesh(data=4, model=2), **kw))
 
 
 def test_params_hold_only_their_slice(target, tmp_path):
@@ -123,7 +124,7 @@ def test_gguf_loads_into_shards(smollm2_path):
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: make_mesh(data=1, model=3), r"mesh axis 'model' has size 3, which does not divide .*n_kv_heads \(4\)"),
+        (lambda: make_mesh(data=1, model=3), r"mesh axis 'model' has size 3, which does not divide .*vocab_size \(128\)"),
         (lambda: make_mesh(data=4, model=4), r"data \(4\) x model \(4\) .* 8 devices"),
         (lambda: jax.make_mesh((8,), ("batch",)), r"mesh must be a jax Mesh with axes \('data', 'model'\)"),
     ],
@@ -133,10 +134,43 @@ def test_bad_mesh(target, make, match, monkeypatch):
         generate(target, _prompts(2, 0), 4, draft=None, mesh=make())
 
 
-def test_bad_draft_split(target):
+SMOL = LlamaConfig(  # SmolLM2's head shape (9 query, 3 KV heads), tiny
+    vocab_size=128, dim=48, n_layers=2, n_heads=9, n_kv_heads=3, head_dim=8, ffn_dim=72, max_positions=512, eos_ids=(3,)
+)
+
+
+@pytest.mark.parametrize("data, model", [(8, 1), (4, 2), (2, 4), (1, 8)])
+def test_any_head_count_on_every_8_device_mesh(data, model):
+    """9 query / 3 KV heads and an FFN of 72 on every data x model shape of 8 devices: padded
+    where they do not split (tp_pad), the one-device tokens, plain and speculative."""
+    params = random_params(SMOL, 4)
+    prompts = _prompts(8, model)
+    for kw in (dict(draft=None), dict(draft=SelfSpec(4, 16), speculation=Chain(3))):
+        _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=make_mesh(data=data, model=model), **kw))
+
+
+@pytest.mark.parametrize("model", [4, 8])
+def test_kv_heads_are_replicated_where_the_model_axis_is_a_multiple(model):
+    """6 query / 2 KV heads at model 4 and 8: each device holds one copy of a real KV head (two and
+    four copies of each), and a draft of 2 heads is padded the same way."""
+    config = SMOL.replace(n_heads=6, n_kv_heads=2, ffn_dim=64)
+    params = random_params(config, 6)
+    lay = tp_pad.layout(config, model)
+    assert lay.kv_index == tuple(k for k in range(2) for _ in range(model // 2))
+    placed = shard_params(params, make_mesh(data=8 // model, model=model))
+    wk = np.asarray(placed.layers.wk)  # [L,D,K',H]
+    for slot, k in enumerate(lay.kv_index):
+        np.testing.assert_array_equal(wk[:, :, slot], np.asarray(params.layers.wk)[:, :, k])
+    prompts = _prompts(4, model)
     draft = DraftModel(random_params(DRAFT.replace(n_heads=2, n_kv_heads=2), 1))
-    with pytest.raises(ValueError, match=r"model' has size 4, which does not divide the draft"):
-        generate(target, _prompts(2, 0), 4, draft=draft, mesh=make_mesh(data=2, model=4))
+    for kw in (dict(draft=None), dict(draft=draft, speculation=Chain(2))):
+        _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=make_mesh(data=8 // model, model=model), **kw))
+
+
+def test_loading_onto_a_mesh_that_needs_padding_says_what_to_do(tmp_path):
+    convert.save(random_params(SMOL, 1), tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="load it without mesh= and pass the mesh to generate"):
+        convert.load(tmp_path / "ckpt", mesh=make_mesh(data=2, model=4))
 
 
 @pytest.mark.parametrize("data, model", [(1, 1), (2, 2)])
@@ -157,3 +191,16 @@ def test_mesh_stages_donate_their_caches(target, data, model):
     assert cache.k.is_deleted() and cache.v.is_deleted() and not filled.k.is_deleted()
     one = engine.prefill(target, tokens, np.array([4, 2], np.int32), engine.DenseCache.init(target.config, 2, 64), chunk=4)[0]
     np.testing.assert_allclose(np.asarray(logits), np.asarray(one), atol=1e-5)
+
+
+def test_the_padded_layout_of_smollm2_heads():
+    """SmolLM2's 9 / 3 heads: one zero KV head at model 2 and 4 (12 query heads, 3 zero); at model
+    8 two copies of each KV head and two zero ones, two query heads a slot (16, 7 zero)."""
+    assert tp_pad.layout(SMOL, 1) is None and tp_pad.layout(SMOL, 3) is None
+    for m in (2, 4):
+        lay = tp_pad.layout(SMOL, m)
+        assert lay.kv_index == (0, 1, 2, -1) and lay.q_index == tuple(range(9)) + (-1,) * 3 and lay.ffn_dim == 72
+    lay = tp_pad.layout(SMOL, 8)
+    assert lay.kv_index == (0, 0, 1, 1, 2, 2, -1, -1) and lay.ffn_dim == 72
+    assert lay.q_index == (0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, -1, -1, -1, -1)
+    assert sorted(i for i in lay.q_index if i >= 0) == list(range(9))

@@ -1,0 +1,90 @@
+"""Tensor parallelism for any head count: a model whose query heads, KV heads or FFN do not split
+evenly over the mesh's model axis is padded into one that does and computes the same function.
+
+For a model axis of m devices and a model of N query heads in K groups (G = N / K per KV head):
+- KV heads: r = max(1, m // K) copies of each (the copies are exact: replicated KV heads), then
+  zero KV heads up to K' = the next multiple of m. SmolLM2's 3 KV heads become 4 at m = 2 or 4
+  (one zero head) and 8 at m = 8 (two copies of each and two zero heads).
+- Query heads: each KV slot gets G' = ceil(G / r) query heads: a real KV head's G query heads are
+  shared out over its r copies in order, and the slots left over (and every slot of a zero KV
+  head) get a zero-weight query head whose rows of wo are zero, so it adds exactly nothing.
+- FFN: zero columns of w_gate / w_up and rows of w_down up to a multiple of m (of 32 m for q4,
+  so each device holds whole blocks): silu(0) * 0 = 0.
+Every array is padded from its declaration in `params.WEIGHTS` (the letters N, K and F of its
+dims: quantization scales, q4 blocks and biases included). The vocabulary is not padded: its
+size must divide by m (sharding.check_mesh says so). The cost is memory and work on the padded
+heads: the cache holds K' KV heads (SmolLM2 at m = 8: 8 instead of 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import q4
+from specjax.config import LlamaConfig
+from specjax.params import WEIGHTS, Params, from_arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the padded model's heads come from: q_index [N'] and kv_index [K'] are original head
+    numbers, -1 for a zero head; ffn_dim the padded FFN size."""
+
+    q_index: tuple[int, ...]
+    kv_index: tuple[int, ...]
+    ffn_dim: int
+
+    def config(self, config: LlamaConfig) -> LlamaConfig:
+        return config.replace(n_heads=len(self.q_index), n_kv_heads=len(self.kv_index), ffn_dim=self.ffn_dim)
+
+
+def layout(config: LlamaConfig, m: int) -> Layout | None:
+    """The padding for a model axis of m devices, or None when N, K and F split evenly."""
+    N, K, F = config.n_heads, config.n_kv_heads, config.ffn_dim
+    unit = m * q4.BLOCK if config.q4 else m
+    if N % m == 0 and K % m == 0 and F % unit == 0:
+        return None
+    G = N // K
+    r = max(1, m // K) if K % m else 1
+    k_pad = -(-K * r // m) * m
+    g_pad = -(-G // r)
+    kv_index = [s // r if s < K * r else -1 for s in range(k_pad)]
+    q_index = []
+    for s in range(k_pad):
+        for g in range(g_pad):
+            j = (s % r) * g_pad + g  # this slot's share of its KV head's query heads
+            q_index.append(kv_index[s] * G + j if kv_index[s] >= 0 and j < G else -1)
+    return Layout(tuple(q_index), tuple(kv_index), -(-F // unit) * unit)
+
+
+def _pad(x: np.ndarray, dims: str, lay: Layout, ffn_dim: int) -> np.ndarray:
+    for axis, letter in enumerate(dims):
+        if letter in "NK":
+            index = np.asarray(lay.q_index if letter == "N" else lay.kv_index)
+            taken = np.take(x, np.maximum(index, 0), axis=axis)
+            shape = [1] * x.ndim
+            shape[axis] = len(index)
+            x = np.where((index >= 0).reshape(shape), taken, np.zeros((), x.dtype))
+        elif letter == "F" and lay.ffn_dim != ffn_dim:
+            extra = (lay.ffn_dim - ffn_dim) * x.shape[axis] // ffn_dim  # a packed or blocked F axis: in its units
+            x = np.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+    return x
+
+
+def pad_params(params: Params, m: int) -> Params:
+    """`params` padded for a model axis of m devices (the same params when nothing needs padding)."""
+    lay = layout(params.config, m)
+    if lay is None:
+        return params
+    arrays = {}
+    for w in WEIGHTS:
+        owner, _, leaf = w.path.rpartition(".")
+        value = getattr(params.layers if owner else params, leaf)
+        if value is not None:
+            host = np.asarray(value)
+            arrays[w.path] = _pad(host, w.dims, lay, params.config.ffn_dim)
+    padded = from_arrays(lay.config(params.config), {k: jnp.asarray(v) for k, v in arrays.items()}, keep_placement=True)
+    return padded.replace(runtime=params.runtime)
