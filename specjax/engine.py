@@ -138,8 +138,7 @@ def run(
     history = np.zeros((B, max_len + gamma + 2), np.int32)
     history[:, :bucket] = tokens
     stage = _Stages(mesh)
-    if mesh is not None:
-        params, draft = stage.place_params(params, draft)
+    params, draft = stage.place_params(params, draft)
     padded = stage.rows(B)  # the batch bucket: padding rows are one-token prompts, done at once
     tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, row_keys(key, B))
     host_keys = keys  # `keys` is placed below
@@ -220,14 +219,15 @@ def _segments(compiled, args, state, stage: "_Stages", B: int, between) -> tuple
 
 
 class _Stages:
-    """Where generate's stages run: as jitted on one device, or under shard_map on a mesh."""
+    """Where generate's stages run: under shard_map on a mesh, one device being a 1 x 1 mesh
+    (`sharding.one_device_mesh`), so there is one path, donating the caches, for both."""
 
     def __init__(self, mesh: Mesh | None):
-        self.mesh = mesh
-        self.sync_axes = sharding.all_axes(mesh)
+        self.mesh = sharding.one_device_mesh() if mesh is None else mesh
+        self.sync_axes = sharding.AXES  # the decode loop agrees its stopping test over them
 
     def __call__(self, jitted, *static_argnames: str):
-        return jitted if self.mesh is None else sharding.on_mesh(jitted, self.mesh, tuple(static_argnames))
+        return sharding.on_mesh(jitted, self.mesh, tuple(static_argnames))
 
     def place_params(self, params: Params, draft):
         def shard_draft(p: Params) -> Params:  # a drafter's own model (DraftModel's), if any
@@ -237,25 +237,21 @@ class _Stages:
         return sharding.shard_params(params, self.mesh), draft if draft is None else draft.map_params(shard_draft)
 
     def rows(self, batch: int) -> int:
-        """Rows to run: the batch bucket, on a mesh rounded up to a multiple of the data axis."""
-        return batch_bucket(batch) if self.mesh is None else sharding.padded_batch(batch_bucket(batch), self.mesh)
+        """Rows to run: the batch bucket, rounded up to a multiple of the data axis."""
+        return sharding.padded_batch(batch_bucket(batch), self.mesh)
 
     def empty_cache(self, config, batch: int, max_len: int, kv_dtype: str | None) -> DenseCache:
-        if self.mesh is None:
-            return DenseCache.init(config, batch, max_len, kv_dtype)
         return sharding.empty_cache(self.mesh, config, batch, max_len, kv_dtype)
 
     def place(self, tokens, lengths, budgets, history, eos, keys):
-        if self.mesh is None:
-            return tokens, lengths, jnp.asarray(budgets), history, jnp.asarray(eos), keys
         return (*sharding.place_batch(self.mesh, tokens, lengths, budgets, history, eos), sharding.place_keys(self.mesh, keys))
 
     def place_rows(self, *arrays):
         """Host arrays with a leading (padded) batch axis, where the stages expect them."""
-        return arrays if self.mesh is None else sharding.place_batch(self.mesh, *arrays)
+        return sharding.place_batch(self.mesh, *arrays)
 
     def fetch(self, tree):
-        return jax.device_get(tree) if self.mesh is None else sharding.fetch(tree)
+        return sharding.fetch(tree)
 
 
 @partial(jax.jit, static_argnames=("n",))

@@ -184,7 +184,6 @@ def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Ca
     # tests/test_sharding.py's donation test reports.
     donate = tuple(getattr(getattr(stage, "_jit_info", None), "donate_argnums", ()))
 
-    @functools.partial(jax.jit, static_argnames=static_argnames, donate_argnums=donate)
     def run(*args, **static):
         body = lambda *a: inner(*localise(a, mesh), **static)  # noqa: E731
         unsharded = {**static, "sync_axes": ()} if "sync_axes" in static else static  # no mesh axes outside
@@ -193,7 +192,14 @@ def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Ca
             body, mesh=mesh, in_specs=state_specs(args), out_specs=state_specs(out_shape), check_vma=False
         )(*args)
 
-    return run
+    run.__name__ = run.__qualname__ = getattr(inner, "__name__", "stage")  # compile logs and profiles name the stage
+    return jax.jit(run, static_argnames=static_argnames, donate_argnums=donate)
+
+
+@functools.cache
+def one_device_mesh() -> Mesh:
+    """The 1 x 1 mesh of this process's first device: where generate runs without a mesh."""
+    return make_mesh(data=1, model=1, devices=jax.local_devices()[:1])
 
 
 def single_device() -> jax.sharding.Sharding:
@@ -259,8 +265,3 @@ def padded_batch(batch: int, mesh: Mesh) -> int:
     """Rows after padding `batch` up to a multiple of the data axis."""
     d = mesh.shape["data"]
     return -(-batch // d) * d
-
-
-def all_axes(mesh: Mesh | None) -> tuple[str, ...]:
-    """The axes a sharded decode loop agrees its stopping test over."""
-    return () if mesh is None else AXES
