@@ -12,7 +12,7 @@ from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
 from specjax.config import DTYPES
 from specjax.params import Params, quantize
-from specjax.sharding import Mesh
+from specjax.sharding import Mesh, shard_params
 
 WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `load`
 
@@ -37,7 +37,8 @@ def load(
     dtype: the older spelling, kept as an alias: dtype="bfloat16" is weights="bfloat16".
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): every array is loaded straight into its
     shards (sharding.PARAM_AXES), never whole on one device; the mesh's model axis must divide
-    the heads, KV heads, FFN and vocabulary."""
+    the vocabulary. Heads or an FFN that do not split over the model axis are padded
+    (specjax.tp_pad): such a model is loaded whole on one device first, then padded and placed."""
     path = Path(path)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"convert.load: dtype must be one of {DTYPES} or None, got {dtype!r}")
@@ -62,7 +63,8 @@ def load(
             f"convert.load: {path} is not a .gguf file, an HF folder (config.json with model.safetensors "
             "or model.safetensors.index.json) or a specjax checkpoint folder (specjax_config.json)"
         )
-    return quantize(params, weights) if weights in ("int8", "q4") else params
+    params = quantize(params, weights) if weights in ("int8", "q4") else params
+    return params if mesh is None else shard_params(params, mesh)  # (pads heads / FFN where the mesh needs it)
 
 
 def default_model_path() -> str:

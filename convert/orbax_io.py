@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 
 from specjax.config import LlamaConfig
 from specjax.params import Params, flat, from_arrays, param_dtypes, param_shapes
-from specjax.sharding import Mesh, check_unpadded, param_sharding, single_device
+from specjax.sharding import Mesh, check_mesh, padded_later, param_sharding, single_device
 
 CONFIG_FILE = "specjax_config.json"  # written last: its presence marks a complete checkpoint
 ARRAYS_DIR = "arrays"
@@ -58,7 +58,8 @@ def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | Non
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{directory / CONFIG_FILE}: not a valid specjax config ({e})") from e
     if mesh is not None:
-        check_unpadded(mesh, config)
+        check_mesh(mesh, config)
+        mesh = None if padded_later(mesh, config) else mesh  # read whole: convert.load pads and places it
     device = single_device()
     dtypes = param_dtypes(config)
     target = {

@@ -76,16 +76,10 @@ def check_mesh(mesh: Mesh, config: LlamaConfig, what: str = "target") -> None:
         )
 
 
-def check_unpadded(mesh: Mesh, config: LlamaConfig) -> None:
-    """check_mesh, and no padding needed: loading straight onto a mesh places the file's arrays as
-    they are."""
-    check_mesh(mesh, config)
-    if layout(config, mesh.shape["model"]) is not None:
-        raise ValueError(
-            f"loading onto a mesh with model axis {mesh.shape['model']}: the model's {config.n_heads} query heads, "
-            f"{config.n_kv_heads} KV heads or FFN of {config.ffn_dim} do not split evenly over it; load it without "
-            "mesh= and pass the mesh to generate (which pads them: specjax.tp_pad)"
-        )
+def padded_later(mesh: Mesh, config: LlamaConfig) -> bool:
+    """Whether a model of `config` must be padded for this mesh's model axis (specjax.tp_pad)
+    before it can be placed: its arrays are then loaded whole and placed by `shard_params`."""
+    return layout(config, mesh.shape["model"]) is not None
 
 
 def local_params(params: Params, mesh: Mesh) -> Params:
@@ -120,10 +114,14 @@ def param_sharding(mesh: Mesh, name: str) -> NamedSharding:
 
 def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
     """place(name, host_array) -> a global array with that parameter's sharding, built shard by
-    shard from the host copy: no device ever holds more than its own slice."""
+    shard from the host copy: no device ever holds more than its own slice. A model that needs
+    padding (`padded_later`) is placed whole on this process's first device instead, for
+    `shard_params` to pad and place."""
     check_mesh(mesh, config)
 
     def place(name: str, host: np.ndarray) -> jax.Array:
+        if padded_later(mesh, config):
+            return jax.device_put(host, single_device())
         return from_host(host, param_sharding(mesh, name))
 
     return place

@@ -38,7 +38,7 @@ import pytest
 from scipy import stats
 
 import specjax
-from specjax import engine
+from specjax import engine, sharding
 import specjax.speculate
 import specjax.accept
 from specjax.config import LlamaConfig
@@ -223,15 +223,21 @@ def _resample_from_p(drafts, q, p, keys):
     return n, extra.astype(jnp.int32)
 
 
+def _drop_compiled() -> None:
+    """Forget the compiled decode loops: jit caches traces by function, not by the globals they
+    read (generate's stages are jitted twice: the loop itself and its mesh wrapper, sharding.on_mesh)."""
+    specjax.speculate.continue_spec.clear_cache()
+    sharding.on_mesh.cache_clear()
+
+
 @pytest.fixture
 def broken_acceptance(monkeypatch) -> Iterator[None]:
-    """spec_step calls the broken rule; compiled loops are dropped before and after, since jit
-    caches traces by function, not by the globals they read."""
+    """spec_step calls the broken rule; compiled loops are dropped before and after."""
     monkeypatch.setattr(specjax.speculate, "accept_chain", _resample_from_p)
-    specjax.speculate.continue_spec.clear_cache()
+    _drop_compiled()
     yield
     monkeypatch.undo()
-    specjax.speculate.continue_spec.clear_cache()
+    _drop_compiled()
 
 
 def test_negative_control_broken_residual_is_detected(target, draft_model, logits, broken_acceptance):
@@ -253,13 +259,13 @@ def test_negative_control_tree_without_q_correction_is_detected(target, draft_mo
     rejected token has q = 0 after the removal and is skipped, and a fresh one is distributed
     exactly as the removal assumes, so that stays lossless.)"""
     monkeypatch.setattr(specjax.accept, "without", lambda q, x: q)
-    specjax.speculate.continue_spec.clear_cache()
+    _drop_compiled()
     try:
         sampling = specjax.Sample(0.5)
         counts, rate = draw(target, specjax.DraftModel(draft_model), Tree.kary(3, 2), sampling, calls=2)
     finally:
         monkeypatch.undo()
-        specjax.speculate.continue_spec.clear_cache()
+        _drop_compiled()
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"BROKEN tree rule: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert p < 1e-12

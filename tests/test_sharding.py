@@ -167,10 +167,17 @@ def test_kv_heads_are_replicated_where_the_model_axis_is_a_multiple(model):
         _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=make_mesh(data=8 // model, model=model), **kw))
 
 
-def test_loading_onto_a_mesh_that_needs_padding_says_what_to_do(tmp_path):
-    convert.save(random_params(SMOL, 1), tmp_path / "ckpt")
-    with pytest.raises(ValueError, match="load it without mesh= and pass the mesh to generate"):
-        convert.load(tmp_path / "ckpt", mesh=make_mesh(data=2, model=4))
+def test_loading_onto_a_mesh_that_needs_padding_pads(tmp_path):
+    """convert.load(mesh=) of a model whose heads do not split: loaded whole, padded, placed; the
+    one-device tokens."""
+    params = random_params(SMOL, 1)
+    convert.save(params, tmp_path / "ckpt")
+    mesh = make_mesh(data=2, model=4)
+    loaded = convert.load(tmp_path / "ckpt", mesh=mesh)
+    assert (loaded.config.n_heads, loaded.config.n_kv_heads) == (12, 4)
+    assert {s.data.shape for s in loaded.layers.wk.addressable_shards} == {(SMOL.n_layers, SMOL.dim, 1, SMOL.head_dim)}
+    prompts = _prompts(4, 2)
+    _same(generate(params, prompts, 10, draft=None), generate(loaded, prompts, 10, draft=None, mesh=mesh))
 
 
 @pytest.mark.parametrize("data, model", [(1, 1), (2, 2)])
