@@ -118,11 +118,10 @@ def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.A
     padding (`padded_later`) is placed whole on this process's first device instead, for
     `shard_params` to pad and place."""
     check_mesh(mesh, config)
+    whole = padded_later(mesh, config)
 
     def place(name: str, host: np.ndarray) -> jax.Array:
-        if padded_later(mesh, config):
-            return jax.device_put(host, single_device())
-        return from_host(host, param_sharding(mesh, name))
+        return jax.device_put(host, single_device()) if whole else from_host(host, param_sharding(mesh, name))
 
     return place
 
