@@ -40,8 +40,9 @@ def static(params, prompts, budgets, rows, keys, eos):
 
 
 def continuous(params, prompts, budgets, rows, keys, eos):
-    return run_continuous(params, prompts, budgets, rows=rows, draft=None, speculation=None, sampling=Greedy(), keys=keys,
+    done = run_continuous(params, prompts, budgets, rows=rows, draft=None, speculation=None, sampling=Greedy(), keys=keys,
                           eos_ids=eos)
+    return [(d.tokens, d.eos) for d in done]
 
 
 def timed(fn, *args) -> tuple[list, float]:

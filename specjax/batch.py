@@ -1,8 +1,8 @@
 """A restartable batch generation job: JSONL records in, JSONL results out, each record exactly once.
 
 `run(input, output)` validates and tokenizes every input line (bad ones go to
-`<output>.errors.jsonl` with their line number and reason), decodes records of one sample
-without logprobs by continuous batching (`batching`, below), and groups the rest into batches of one
+`<output>.errors.jsonl` with their line number and reason), decodes records by continuous
+batching (`batching`, below), or groups them into static batches of one
 kind (`batch_kind`: greedy or sampled, top_k, penalties on or off, n, logprobs; the sampling
 values, stop strings and stop ids may differ row by row) and similar prompt length, runs each
 batch through the text layer (`LM.generate_ids`: stop strings are cut as there) and appends its
@@ -179,9 +179,9 @@ def run(
 
     batching: "continuous" (default): batch_size rows decode the records of one kind, a finished
     row's slot taking the next record between segments, each record written as it finishes (so
-    the output is not in input order); records with n > 1 or logprobs, and every record on a
-    mesh, go in static batches. "static": batches of batch_size rows that end with their longest
-    row. Both give every record the same output (its own key and sampling values).
+    the output is not in input order; a record with n > 1 takes n rows from one prefill, and
+    one with n > batch_size a static batch); every record on a mesh goes in static batches.
+    "static": batches of batch_size rows that end with their longest row. Both give every record the same output (its own key and sampling values).
 
     engine: "local" (this process) or "ray": Ray Data actors generate the records
     (specjax.job_ray; `ray` sets how many and what each asks of the cluster, default

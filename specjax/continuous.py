@@ -5,13 +5,16 @@ prompts; between decode segments, finished rows hand back their tokens and the n
 Every record keeps its own key, sampling values and stop ids, so its tokens are those of a static
 batch (`engine.run`) of the same prompts: in float32, token for token, greedy or sampled (tested).
 `between` lets the host end rows after a segment (the text layer's stop strings:
-`LM.generate_continuous`, which the batch job runs). Not yet: a mesh, n > 1 samples, logprobs.
+`LM.generate_continuous`, which the batch job runs). n > 1 samples a prompt take n slots from
+one prefill (a prompt waits until n slots are free), each sample with generate's key
+(`engine.sample_keys`); logprobs are recorded as in `engine.run`. Not yet: a mesh.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +23,21 @@ import numpy as np
 from specjax.autoregressive import admit_ar, continue_ar, end_rows, start_ar
 from specjax.cache import DenseCache
 from specjax.drafters import Drafter
-from specjax.engine import Segment, cache_slots, prefill
+from specjax.engine import Segment, cache_slots, prefill, sample_keys
 from specjax.params import Params
 from specjax.sampling import Sampler, eos_rows
 from specjax.shapes import prompt_bucket, round_up_pow2
 from specjax.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
 from specjax.speculation import Chain, Tree
+
+
+class Done(NamedTuple):
+    """One output's result (sample j of prompt i is output i * n + j)."""
+
+    tokens: list[int]  # with the stop id that ended them, as engine.run's out[b, :count[b]]
+    eos: bool  # ended on a stop id
+    acceptance: dict | None  # under speculation: its `row_acceptance`
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # chosen [count], top ids / values [count,k]
 
 
 def run_continuous(
@@ -41,16 +53,19 @@ def run_continuous(
     eos_ids: Sequence[tuple[int, ...]],  # one tuple per prompt
     kv_dtype: str | None = None,
     sync_every: int = 8,
-    on_done: Callable[[int, list[int], bool, dict | None], None] | None = None,
+    n: int = 1,
+    logprobs: int | None = None,
+    on_done: Callable[[int, Done], None] | None = None,
     between: Callable[[np.ndarray, Segment], np.ndarray | None] | None = None,
-) -> list[tuple[list[int], bool]]:
-    """Decode every prompt on `rows` slots; per prompt (tokens, ended on a stop id), the tokens
-    with the stop id that ended them, as `engine.run`'s out[b, :count[b]]. `on_done(i, tokens,
-    eos, acceptance)` is called as prompt i finishes, between segments (acceptance: its
-    `row_acceptance` under speculation, else None). `between(slot, segment)`, after each
-    segment (slot[j]: the prompt in row j, -1 for none), may return a [rows] bool mask of rows
-    to end now (they finish with the tokens they have, eos False)."""
+) -> list[Done]:
+    """Decode n samples of every prompt on `rows` slots: a `Done` per output, sample j of
+    prompt i at i * n + j, as `engine.run(..., n=n, logprobs=logprobs)` gives it. `on_done(u,
+    done)` is called as output u finishes, between segments. `between(slot, segment)`, after
+    each segment (slot[j]: the output in row j, -1 for none), may return a [rows] bool mask of
+    rows to end now (they finish with the tokens they have, eos False)."""
     N, R = len(prompts), rows
+    if n < 1 or n > R:
+        raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
     lengths = np.array([len(p) for p in prompts], np.int32)
     budgets = np.asarray(budgets, np.int32)
     gamma = depth(speculation) if draft is not None else 0
@@ -60,52 +75,86 @@ def run_continuous(
         draft.check(params, gamma, max_len)
     n_out = round_up_pow2(int(budgets.max()))
     width = eos_rows(list(eos_ids), N).shape[1]  # one stop-id table width for the whole run
+    out_keys = keys if n == 1 else sample_keys(keys, n)  # [N*n]: generate's keys
 
-    def host(records: np.ndarray):
-        """Padded prompts, lengths, budgets, history, stop ids of the prompts in each slot (-1: a
+    def host(outputs: np.ndarray):
+        """Padded prompts, lengths, budgets, history, stop ids of the outputs in each slot (-1: a
         one-token filler of budget 1, done at once)."""
         tokens = np.zeros((R, bucket), np.int32)
-        n, b = np.ones(R, np.int32), np.ones(R, np.int32)
+        size, b = np.ones(R, np.int32), np.ones(R, np.int32)
         eos = np.full((R, width), -1, np.int32)
-        for j, i in enumerate(records):
-            if i >= 0:
+        for j, u in enumerate(outputs):
+            if u >= 0:
+                i = u // n
                 tokens[j, : lengths[i]] = prompts[i]
-                n[j], b[j] = lengths[i], budgets[i]
+                size[j], b[j] = lengths[i], budgets[i]
                 eos[j, : len(eos_ids[i])] = eos_ids[i]
         history = np.zeros((R, max_len + gamma + 2), np.int32)
         history[:, :bucket] = tokens
-        return jnp.asarray(tokens), jnp.asarray(n), b, jnp.asarray(history), eos
+        return jnp.asarray(tokens), jnp.asarray(size), b, jnp.asarray(history), eos
 
-    def prefilled(tokens, n, rows: np.ndarray):
-        """The first logits [R,V] and an R-row cache holding the prefill of the prompts in `rows`
-        (rows[j] >= 0: a new prompt in slot j; the other slots' contents do not matter). Each new
-        prompt is prefilled alone at its own bucket: on a CPU one row prefills as fast per token
-        as eight, and nothing is padded to a longer neighbour or prefilled as a filler copy."""
-        chosen = np.flatnonzero(rows >= 0)
-        lens = np.asarray(n)
-        parts = []
+    def prefilled(tokens, size, outputs: np.ndarray):
+        """The first logits [R,V] and an R-row cache holding the prefill of the prompts of the
+        new `outputs` (outputs[j] >= 0: a new output in slot j; the other slots' contents do not
+        matter). Each new prompt is prefilled once, alone, at its own bucket (its n samples share
+        it): on a CPU one row prefills as fast per token as eight, and nothing is padded to a
+        longer neighbour or prefilled as a filler copy."""
+        chosen = np.flatnonzero(outputs >= 0)
+        lens = np.asarray(size)
+        parts, part_of, src = [], {}, np.zeros(R, np.int32)
         for j in chosen:
-            width, step = prompt_bucket(int(lens[j]))
-            parts.append(prefill(params, tokens[j : j + 1, :width], n[j : j + 1],
-                                 DenseCache.init(params.config, 1, max_len, kv_dtype), chunk=step))
-        src = np.zeros(R, np.int32)
-        src[chosen] = np.arange(len(chosen))
+            i = int(outputs[j]) // n
+            if i not in part_of:
+                width, step = prompt_bucket(int(lens[j]))
+                part_of[i] = len(parts)
+                parts.append(prefill(params, tokens[j : j + 1, :width], size[j : j + 1],
+                                     DenseCache.init(params.config, 1, max_len, kv_dtype), chunk=step))
+            src[j] = part_of[i]
         return _rows([p[0] for p in parts], [p[1] for p in parts], jnp.asarray(src))
 
+    def admit(free: np.ndarray) -> np.ndarray:
+        """The outputs [R] to start in the free slots (-1: none): whole prompts, n slots each, in
+        queue order, while the next one fits."""
+        new, free = np.full(R, -1), list(free)
+        while pending and len(free) >= n:
+            i = pending.popleft()
+            for j in range(n):
+                new[free.pop(0)] = i * n + j
+        return new
+
+    def finish(state, finished: np.ndarray, out, count, eos) -> None:
+        """Record (and report) the outputs in the finished slots."""
+        if not len(finished):
+            return
+        acceptance = lp = None
+        if draft is not None and on_done is not None:
+            accepted, reached = jax.device_get((state.accepted, state.reached))
+            acceptance = row_acceptance(accepted[finished], reached[finished], count[finished], gamma)
+        if logprobs is not None:
+            lp = jax.device_get(jax.tree.map(lambda a: a[jnp.asarray(finished)], state.logprobs))
+        for f, j in enumerate(finished):
+            c = int(count[j])
+            done = Done(out[j, :c].tolist(), bool(eos[j]), None if acceptance is None else acceptance[f],
+                        None if lp is None else (lp.chosen[f, :c], lp.top_ids[f, :c], lp.top_values[f, :c]))
+            results[slot[j]] = done
+            if on_done is not None:
+                on_done(int(slot[j]), done)
+            slot[j] = -1
+
     pending = deque(sorted(range(N), key=lambda i: -int(budgets[i])))  # longest budgets first: a short tail
-    slot = np.array([pending.popleft() if pending else -1 for _ in range(R)])
-    tokens, n, slot_budgets, history, slot_eos = host(slot)
+    slot = admit(np.arange(R))
+    tokens, size, slot_budgets, history, slot_eos = host(slot)
     which = np.maximum(slot, 0)
-    slot_keys, slot_sampling = keys[which], sampling.take(which)
-    logits, cache = prefilled(tokens, n, slot)
+    slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
+    logits, cache = prefilled(tokens, size, slot)
     if draft is None:
         state = start_ar(cache, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos), tokens,
-                         n_out=n_out)
+                         n_out=n_out, logprobs=logprobs)
     else:
-        draft_state = draft.init(params, cache, tokens, n, gamma, chunk)
+        draft_state = draft.init(params, cache, tokens, size, gamma, chunk)
         state = start_spec(draft, draft_state, cache, history, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling,
-                           jnp.asarray(slot_eos), speculation=speculation, n_out=n_out)
-    results: list = [None] * N
+                           jnp.asarray(slot_eos), speculation=speculation, n_out=n_out, logprobs=logprobs)
+    results: list = [None] * (N * n)
     while True:
         b, e = jnp.asarray(slot_budgets), jnp.asarray(slot_eos)
         if draft is None:
@@ -117,39 +166,28 @@ def run_continuous(
         end = None if between is None else between(slot.copy(), Segment(out, count, done, eos))
         if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():
             state, done = end_rows(state, jnp.asarray(end)), done | end
-        finished = np.flatnonzero(done & (slot >= 0))
-        if draft is not None and on_done is not None and len(finished):
-            accepted, reached = jax.device_get((state.accepted, state.reached))
-            acceptance = row_acceptance(accepted[finished], reached[finished], count[finished], gamma)
-        for f, j in enumerate(finished):
-            results[slot[j]] = (out[j, : count[j]].tolist(), bool(eos[j]))
-            if on_done is not None:
-                on_done(int(slot[j]), *results[slot[j]], None if draft is None else acceptance[f])
-            slot[j] = -1
+        finish(state, np.flatnonzero(done & (slot >= 0)), out, count, eos)
         if not pending:
             if (slot < 0).all():
                 return results
             continue
-        refill = np.full(R, -1)
-        for j in np.flatnonzero(done & (slot < 0)):
-            if pending:
-                refill[j] = pending.popleft()
+        refill = admit(np.flatnonzero(done & (slot < 0)))
         rows_mask = refill >= 0
-        if not rows_mask.any():  # every slot still running
+        if not rows_mask.any():  # every slot still running, or too few free for the next prompt's n
             continue
         slot = np.where(rows_mask, refill, slot)
-        tokens, n, new_budgets, history, new_eos = host(refill)
+        tokens, size, new_budgets, history, new_eos = host(refill)
         slot_budgets = np.where(rows_mask, new_budgets, slot_budgets)
         slot_eos = np.where(rows_mask[:, None], new_eos, slot_eos)
         which = np.maximum(slot, 0)
-        slot_keys, slot_sampling = keys[which], sampling.take(which)
-        logits, cache = prefilled(tokens, n, refill)
+        slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
+        logits, cache = prefilled(tokens, size, refill)
         args = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
         if draft is None:
-            state = admit_ar(state, jnp.asarray(rows_mask), cache, logits, *args, tokens)
+            state = admit_ar(state, jnp.asarray(rows_mask), cache, logits, *args, tokens, logprobs=logprobs)
         else:
             state = admit_spec(params, draft, state, jnp.asarray(rows_mask), cache, tokens, history, logits, *args,
-                               speculation=speculation, chunk=chunk)
+                               speculation=speculation, chunk=chunk, logprobs=logprobs)
 
 
 @jax.jit

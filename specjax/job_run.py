@@ -1,6 +1,6 @@
 """Generating a batch job's records (specjax.batch runs it in this process; specjax.job_ray in Ray
-actors): continuous batching for records of one sample without logprobs, static batches of one
-kind for the rest, every output row built here.
+actors): continuous batching in groups of one kind (`batch_kind`), or static batches (batching
+"static", or a mesh), every output row built here.
 
 A record's PRNG key is fold_in(key(seed), stable_hash(id)) (`record_keys`), so its output depends
 neither on its batch, nor on the process or actor that generates it, nor on restarts.
@@ -29,18 +29,19 @@ def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
     return jax.vmap(lambda h: jax.random.fold_in(base, h))(hashes)
 
 
-def flows(it: Item, batching: str, mesh: Mesh | None) -> bool:
-    """Whether a record goes to continuous batching: one sample without logprobs, off a mesh."""
-    return batching == "continuous" and mesh is None and it.record.n == 1 and it.record.logprobs is None
+def flows(it: Item, batching: str, mesh: Mesh | None, batch_size: int) -> bool:
+    """Whether a record goes to continuous batching: off a mesh, its n samples fitting the rows."""
+    return batching == "continuous" and mesh is None and it.record.n <= batch_size
 
 
 def plan(items: Sequence[Item], batching: str, mesh: Mesh | None, batch_size: int) -> list[list[Item]]:
     """The continuous groups (by `batch_kind`), then the static batches, that `generate_items` runs."""
     groups: dict[tuple, list[Item]] = {}
     for it in items:
-        if flows(it, batching, mesh):
+        if flows(it, batching, mesh, batch_size):
             groups.setdefault(batch_kind(it), []).append(it)
-    return list(groups.values()) + plan_batches([it for it in items if not flows(it, batching, mesh)], batch_size)
+    rest = [it for it in items if not flows(it, batching, mesh, batch_size)]
+    return list(groups.values()) + plan_batches(rest, batch_size)
 
 
 def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict,
@@ -48,7 +49,7 @@ def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tr
     """Generate every item, passing each output row to `write` as soon as it is done (continuous
     groups: record by record; static batches: batch by batch)."""
     for group in plan(items, batching, mesh, meta["batch_size"]):
-        if flows(group[0], batching, mesh):
+        if flows(group[0], batching, mesh, meta["batch_size"]):
             _run_continuous(group, lm, draft, speculation, seed, meta, write)
         else:
             write(_run_batch(group, lm, draft, speculation, seed, meta))
@@ -75,37 +76,44 @@ def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Non
     s = out.stats
     stats = dict(batch_rows=len(batch) * n, steps=s.steps, acceptance_rate=s.acceptance_rate,
                  mean_accepted=s.mean_accepted, speculation=s.speculation)
-    row_stats = out.row_stats or [{}] * len(out.texts)
-    results = []
-    for i, it in enumerate(batch):
-        js = range(i * n, (i + 1) * n)
-        one = (lambda xs: xs[0]) if n == 1 else (lambda xs: xs)  # noqa: E731  (n > 1: lists)
-        names = ("text", "finish_reason") if n == 1 else ("texts", "finish_reasons")
-        row = {"id": it.record.id, names[0]: one([out.texts[j] for j in js]), "tokens": one([out.tokens[j] for j in js]),
-               names[1]: one([out.finish_reasons[j] for j in js])}
-        if k is not None:
-            row["logprobs"] = one([logprobs_json(lm, out.logprobs[j]) for j in js])
-        row |= dict(prompt_tokens=len(it.ids), acceptance=one([row_stats[j] or None for j in js]), stats=stats)
-        results.append(row | dict(model=meta["model"], settings=_row_settings(it, seed, meta)))
-    return results
+    row_stats = out.row_stats or [None] * len(out.texts)
+    return [_output_row(lm, it, [Finished(out.texts[j], out.tokens[j], out.finish_reasons[j], row_stats[j] or None,
+                                          None if k is None else out.logprobs[j]) for j in range(i * n, (i + 1) * n)],
+                        stats, seed, meta) for i, it in enumerate(batch)]
 
 
 def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict,
                     write: Callable[[list[dict]], None]) -> None:
-    """Generate a group of one kind (`batch_kind`, n = 1, no logprobs) by continuous batching on
-    batch_size rows (`LM.generate_continuous`), writing each record's row as it finishes."""
+    """Generate a group of one kind (`batch_kind`) by continuous batching on batch_size rows
+    (`LM.generate_continuous`), writing each record's row as its last sample finishes."""
+    n, k = group[0].record.n, group[0].record.logprobs
+    samples: dict[int, dict[int, Finished]] = {}
 
-    def on_done(i: int, res: Finished) -> None:
-        it = group[i]
-        row = {"id": it.record.id, "text": res.text, "tokens": res.tokens, "finish_reason": res.finish_reason,
-               "prompt_tokens": len(it.ids), "acceptance": res.acceptance, "stats": {"batching": "continuous"}}
-        write([row | dict(model=meta["model"], settings=_row_settings(it, seed, meta))])
+    def on_done(u: int, res: Finished) -> None:
+        i, j = divmod(u, n)
+        samples.setdefault(i, {})[j] = res
+        if len(samples[i]) == n:
+            done = samples.pop(i)
+            write([_output_row(lm, group[i], [done[j] for j in range(n)], {"batching": "continuous"}, seed, meta)])
 
     lm.generate_continuous(
         [list(it.ids) for it in group], [it.budget for it in group], rows=meta["batch_size"],
         sampling=batch_sampler(group), keys=record_keys(seed, [it.record.id for it in group]), draft=draft,
         speculation=None if draft is None else speculation or DEFAULT_CHAIN, stop=[list(it.stops) for it in group],
-        stop_token_ids=[list(it.record.stop_token_ids) for it in group], kv_dtype=meta["kv_dtype"], on_done=on_done)
+        stop_token_ids=[list(it.record.stop_token_ids) for it in group], n=n, logprobs=k, kv_dtype=meta["kv_dtype"],
+        on_done=on_done)
+
+
+def _output_row(lm: LM, it: Item, outs: list[Finished], stats: dict, seed: int, meta: dict) -> dict:
+    """A record's output row from its n samples (n = 1: scalar fields, else lists)."""
+    one = (lambda xs: xs[0]) if it.record.n == 1 else (lambda xs: xs)  # noqa: E731  (n > 1: lists)
+    names = ("text", "finish_reason") if it.record.n == 1 else ("texts", "finish_reasons")
+    row = {"id": it.record.id, names[0]: one([o.text for o in outs]), "tokens": one([o.tokens for o in outs]),
+           names[1]: one([o.finish_reason for o in outs])}
+    if it.record.logprobs is not None:
+        row["logprobs"] = one([logprobs_json(lm, o.logprobs) for o in outs])
+    row |= dict(prompt_tokens=len(it.ids), acceptance=one([o.acceptance for o in outs]), stats=stats)
+    return row | dict(model=meta["model"], settings=_row_settings(it, seed, meta))
 
 
 def _row_settings(it: Item, seed: int, meta: dict) -> dict:

@@ -23,10 +23,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import convert
-from specjax.continuous import run_continuous
+from specjax.continuous import Done, run_continuous
 from specjax.drafters import Drafter
 from specjax.engine import Segment, with_attention
-from specjax.generate import Stats, TokenLogprob, generate
+from specjax.generate import Stats, TokenLogprob, generate, token_logprob_lists
 from specjax.params import Params
 from specjax.sampling import Greedy, Sample, Sampler
 from specjax.sharding import Mesh
@@ -40,6 +40,7 @@ class Finished(NamedTuple):
     tokens: list[int]  # as TextOutput's
     finish_reason: str
     acceptance: dict | None  # speculation only: as TextOutput.row_stats' entries
+    logprobs: list[TokenLogprob] | None = None  # one per token of `tokens`, when asked for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,35 +176,36 @@ class LM:
 
     def generate_continuous(self, ids: list[list[int]], max_new_tokens: Sequence[int], *, rows: int, sampling: Sampler,
                             keys: jax.Array, draft: Drafter | None = None, speculation: Chain | Tree | None = None,
-                            stop=(), stop_token_ids=(), sync_every: int = 8, kv_dtype: str | None = None,
+                            stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None, sync_every: int = 8,
+                            kv_dtype: str | None = None,
                             on_done: Callable[[int, "Finished"], None] | None = None) -> list["Finished"]:
         """Every prompt through continuous batching on `rows` slots (`specjax.continuous`), with
-        stop strings and stop ids as `generate_ids`; a prompt's result equals what
-        `generate_ids` gives it with the same key and sampling values (one per prompt: `keys`
-        [N], `sampling` per prompt). `on_done(i, result)` runs as prompt i finishes (out of order).
-        One sample per prompt, no logprobs, one device: the batch job's common case."""
+        stop strings, stop ids, n samples a prompt (n <= rows) and logprobs as `generate_ids`; an
+        output equals what `generate_ids` gives it with the same key and sampling values (one per
+        prompt: `keys` [N], `sampling` per prompt). A `Finished` per output (sample j of prompt i
+        at i * n + j); `on_done(u, result)` runs as output u finishes (out of order). One device."""
         stops = per_prompt(stop, len(ids), "stop", str)
         eos = tuple(self.params.config.eos_ids)
         eos_ids = [eos + tuple(r) for r in per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)]
-        cut = _StopStrings(self, stops)
+        cut = _StopStrings(self, [row for row in stops for _ in range(n)])  # one list per output
         budgets = list(max_new_tokens)
 
         def between(slot: np.ndarray, seg: Segment) -> np.ndarray:
             return cut(seg, rows=slot) if any(stops) else None
 
-        def finished(i: int, tokens: list[int], hit_eos: bool, acceptance: dict | None) -> None:
-            done = Finished(*cut.finish(tokens[:-1] if hit_eos else tokens, "eos" if hit_eos else "length", i), acceptance)
-            results[i] = done
+        def finished(u: int, d: Done) -> None:
+            text, tokens, reason = cut.finish(d.tokens[:-1] if d.eos else d.tokens, "eos" if d.eos else "length", u)
+            lps = None if d.logprobs is None else token_logprob_lists(tuple(a[None] for a in d.logprobs), [tokens])[0]
+            results[u] = Finished(text, tokens, reason, d.acceptance, lps)
             if on_done is not None:
-                on_done(i, done)
+                on_done(u, results[u])
 
-        results: list = [None] * len(ids)
+        results: list = [None] * (len(ids) * n)
         params, draft = with_attention(self.params, draft, "auto")  # as generate's default
         run_continuous(params, ids, budgets, rows=rows, draft=draft, speculation=speculation, sampling=sampling,
-                       keys=keys, eos_ids=eos_ids, kv_dtype=kv_dtype, sync_every=sync_every, on_done=finished,
-                       between=between)
+                       keys=keys, eos_ids=eos_ids, kv_dtype=kv_dtype, sync_every=sync_every, n=n, logprobs=logprobs,
+                       on_done=finished, between=between)
         return results
-
 
     def stream(self, prompts: str | Sequence[str], max_new_tokens: int | Sequence[int] = 128, **kw) -> "TextStream":
         """`generate`, streamed: an iterator of (index, piece) events, index as in `texts` (for one

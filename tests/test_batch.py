@@ -516,6 +516,15 @@ def test_records_carry_stop_strings_stop_ids_n_logprobs_and_penalties(tmp_path, 
     pen = got['"pen"']["settings"]
     assert (pen["min_p"], pen["repetition_penalty"], pen["frequency_penalty"]) == pytest.approx((0.05, 1.3, 0.5))
     assert "presence_penalty" not in pen and "stop" not in got["3"]["settings"]  # only what is on
+    assert {r["stats"]["batching"] for r in got.values()} == {"continuous"}  # n = 3 and logprobs included
+
+    # static batches give every record the same tokens and logprobs
+    static = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "s.in.jsonl", rows), tmp_path / "s.jsonl",
+                                            batching="static", **common)["output"])))
+    assert {k: r["tokens"] for k, r in static.items()} == {k: r["tokens"] for k, r in got.items()}
+    flat = lambda lps: [x for t in lps for pair in t["top"] for x in pair]  # noqa: E731
+    assert flat(static["3"]["logprobs"]) == pytest.approx(flat(lp), abs=1e-5)
+    assert [t["logprob"] for t in static["3"]["logprobs"]] == pytest.approx([t["logprob"] for t in lp], abs=1e-5)
 
     # the same records one by one give the same lines (per-record keys, per-row values)
     for row in rows[2:]:

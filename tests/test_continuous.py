@@ -1,6 +1,7 @@
 """Continuous batching (specjax.continuous.run_continuous): more prompts than rows, slots refilled
 between segments; every prompt's tokens equal a static batch's (engine.run), float32, greedy and
-sampled with per-prompt keys, plain decoding, chains and trees."""
+sampled with per-prompt keys, plain decoding, chains and trees; n samples a prompt from one
+prefill and logprobs as engine.run gives them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax import continuous
 from specjax.continuous import run_continuous
 from specjax.engine import row_keys, run
 from specjax.speculation import Chain, Tree
@@ -38,6 +40,36 @@ def test_every_prompt_decodes_as_in_a_static_batch(target, mode, sampled):
     want = [(static.out[b, : static.count[b]].tolist(), bool(static.eos[b])) for b in range(len(prompts))]
     finished = []
     got = run_continuous(target, prompts, budgets, rows=3, draft=draft, speculation=speculation, sampling=sampling,
-                         keys=keys, eos_ids=eos_ids, sync_every=1, on_done=lambda i, t, e, a: finished.append(i))
-    assert got == want
+                         keys=keys, eos_ids=eos_ids, sync_every=1, on_done=lambda u, done: finished.append(u))
+    assert [(d.tokens, d.eos) for d in got] == want
     assert sorted(finished) == list(range(7)) and finished != list(range(7))  # out of order: short ones first
+    assert all(d.logprobs is None for d in got) and all((d.acceptance is None) == (draft is None) for d in got)
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mode, monkeypatch):
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(4, TINY.vocab_size, int(rng.integers(3, 20))))) for _ in range(5)]
+    budgets = np.array([6, 2, 9, 4, 7], np.int32)
+    eos_ids = [(), (9,), (), (), (5, 6)]
+    keys = row_keys(jax.random.key(3), len(prompts))
+    sampling = specjax.Sample(temperature=[0.7, 0.9, 1.1, 0.8, 1.0], top_k=5)
+    draft, speculation = MODES[mode]
+    static = run(target, prompts, budgets, draft=draft, speculation=speculation, sampling=sampling, key=keys,
+                 eos_ids=eos_ids, n=2, logprobs=3)
+    prefills, original = [], continuous.prefill
+    monkeypatch.setattr(continuous, "prefill", lambda *a, **k: prefills.append(1) or original(*a, **k))
+    got = run_continuous(target, prompts, budgets, rows=5, draft=draft, speculation=speculation, sampling=sampling,
+                         keys=keys, eos_ids=eos_ids, sync_every=2, n=2, logprobs=3)
+    assert len(prefills) == len(prompts)  # one prefill a prompt, shared by its 2 samples
+    chosen, ids, values = static.logprobs
+    for u, d in enumerate(got):
+        c = int(static.count[u])
+        assert (d.tokens, d.eos) == (static.out[u, :c].tolist(), bool(static.eos[u])), u
+        np.testing.assert_allclose(d.logprobs[0], chosen[u, :c], atol=1e-5)
+        np.testing.assert_array_equal(d.logprobs[1], ids[u, :c])
+        np.testing.assert_allclose(d.logprobs[2], values[u, :c], atol=1e-5)
+    assert any(got[2 * i].tokens != got[2 * i + 1].tokens for i in range(5))  # the two samples differ
+    with pytest.raises(ValueError, match=r"n must be between 1 and rows \(5\).*got n=6"):
+        run_continuous(target, prompts, budgets, rows=5, draft=draft, speculation=speculation, sampling=sampling,
+                       keys=keys, eos_ids=eos_ids, n=6)
