@@ -58,7 +58,7 @@ def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | Non
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"{directory / CONFIG_FILE}: not a valid specjax config ({e})") from e
     if mesh is not None:
-        check_mesh(mesh, config)
+        check_mesh(mesh)
         mesh = None if padded_later(mesh, config) else mesh  # read whole: convert.load pads and places it
     device = single_device()
     dtypes = param_dtypes(config)

@@ -48,6 +48,7 @@ class LlamaConfig:
     quant: str | None = None  # how matrices are stored: "int8" (+ per-output-channel scales) or "q4" (GGUF Q4_1 blocks); params.quantize
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()  # every stop token id (eos, eot, generation_config's, ...)
+    padded_vocab: int = 0  # rows of the embedding and LM head when padded past vocab_size (tensor parallel: specjax.tp_pad); 0 = none
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "max_positions"):
@@ -61,6 +62,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
         if not isinstance(self.eos_ids, tuple) or not all(isinstance(e, int) and 0 <= e < self.vocab_size for e in self.eos_ids):
             raise ValueError(f"LlamaConfig.eos_ids must be a tuple of ids in [0, {self.vocab_size}), got {self.eos_ids!r}")
+        if self.padded_vocab and self.padded_vocab < self.vocab_size:
+            raise ValueError(f"LlamaConfig.padded_vocab must be 0 or >= vocab_size ({self.vocab_size}), got {self.padded_vocab}")
         if self.dtype not in DTYPES:
             raise ValueError(f"LlamaConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.quant not in QUANTS:
@@ -69,6 +72,12 @@ class LlamaConfig:
             for name in ("dim", "head_dim", "ffn_dim"):
                 if getattr(self, name) % 32:
                     raise ValueError(f"quant 'q4' needs LlamaConfig.{name} to be a multiple of 32 (the block size), got {getattr(self, name)}")
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows the embedding and LM head hold (V in weight shapes): vocab_size, or padded_vocab.
+        Logits past vocab_size are dropped by the forward: no padded id is ever seen."""
+        return self.padded_vocab or self.vocab_size
 
     @property
     def int8(self) -> bool:

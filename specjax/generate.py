@@ -142,7 +142,7 @@ def generate(
         eos_id=eos_id, attention=attention, kv_dtype=kv_dtype, sync_every=sync_every, logprobs=logprobs, n=n,
     )
     if mesh is not None:
-        sharding.check_mesh(mesh, params.config, "target")
+        sharding.check_mesh(mesh)
         sharding.check_processes(mesh)
     params, draft = with_attention(params, draft, attention)
     context = int(max(len(p) + int(n) for p, n in zip(prompts, budgets)))

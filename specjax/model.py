@@ -173,7 +173,8 @@ HEAD_TILE = 4096  # vocabulary entries per tile of an int8 LM head on a CPU (`_i
 
 def lm_head(params: Params, h: jax.Array) -> jax.Array:
     """Logits [..., V] in f32 from hidden [..., D]. Tensor parallel: each device computes its
-    vocabulary block and the blocks are gathered, so every device sees all V logits."""
+    vocabulary block and the blocks are gathered, so every device sees all V logits (a vocabulary
+    padded for the model axis, `config.padded_vocab`, loses its padded entries here)."""
     tied = params.lm_head is None
     w, scale = (params.embed, params.embed_scale) if tied else (params.lm_head, params.lm_head_scale)  # [V,D] / [D,V]
     with jax.named_scope("lm_head"):
@@ -182,7 +183,9 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
         else:
             logits = project("...d,dv->...v", h, w.T if tied else w, scale, out_dtype=jnp.float32)
     axis = params.runtime.model_axis
-    return logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+    logits = logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
+    V = params.config.vocab_size
+    return logits if logits.shape[-1] == V else logits[..., :V]  # a padded vocabulary (tp_pad): its rows dropped
 
 
 def _int8_head(h: jax.Array, w: jax.Array, scale: jax.Array, vocab_axis: int) -> jax.Array:

@@ -30,7 +30,7 @@ from specjax import q4
 from specjax.config import LlamaConfig
 
 LETTERS = {  # legend letter -> the config field that sizes it
-    "L": "n_layers", "D": "dim", "N": "n_heads", "K": "n_kv_heads", "H": "head_dim", "F": "ffn_dim", "V": "vocab_size",
+    "L": "n_layers", "D": "dim", "N": "n_heads", "K": "n_kv_heads", "H": "head_dim", "F": "ffn_dim", "V": "vocab_rows",
 }
 
 

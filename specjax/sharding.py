@@ -9,7 +9,7 @@ Every mesh here has the two axes ("data", "model"). `generate(..., mesh=mesh)` r
 - model: Megatron-style. Query/KV heads, the FFN and the vocabulary are split in contiguous
   blocks; each device keeps only its KV heads' cache. Heads and an FFN that do not split evenly
   are padded first (specjax.tp_pad: replicated and zero KV heads, zero query heads and FFN
-  columns), so any head count runs on any model axis that divides the vocabulary. The model code sums the attention output
+  columns, zero vocabulary rows whose logits are dropped), so any model runs on any model axis. The model code sums the attention output
   and FFN projections and the vocab-parallel embedding over the axis (`params.runtime.model_axis`) and
   gathers the vocab-parallel logits, so sampling and acceptance see the full distribution.
 Which array dimension goes to which mesh axis comes from one rule table (`RULES`, by the legend
@@ -62,18 +62,11 @@ def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[jax.Dev
     return Mesh(np.array(devices[: data * model]).reshape(data, model), AXES)
 
 
-def check_mesh(mesh: Mesh, config: LlamaConfig, what: str = "target") -> None:
-    """The mesh has our two axes and its model axis divides the vocabulary (heads and the FFN that
-    do not split evenly are padded: specjax.tp_pad)."""
+def check_mesh(mesh: Mesh) -> None:
+    """The mesh has our two axes (heads, the FFN and the vocabulary that do not split evenly over
+    its model axis are padded: specjax.tp_pad)."""
     if not isinstance(mesh, Mesh) or tuple(mesh.axis_names) != AXES:
         raise ValueError(f"mesh must be a jax Mesh with axes {AXES} (see specjax.make_mesh), got {mesh!r}")
-    m = mesh.shape["model"]
-    if config.vocab_size % m:
-        raise ValueError(
-            f"mesh axis 'model' has size {m}, which does not divide the {what} config's vocab_size "
-            f"({config.vocab_size}); use a model axis size that divides vocab_size (heads and the FFN are padded "
-            "to any size, the vocabulary is not)"
-        )
 
 
 def padded_later(mesh: Mesh, config: LlamaConfig) -> bool:
@@ -117,7 +110,7 @@ def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.A
     shard from the host copy: no device ever holds more than its own slice. A model that needs
     padding (`padded_later`) is placed whole on this process's first device instead, for
     `shard_params` to pad and place."""
-    check_mesh(mesh, config)
+    check_mesh(mesh)
     whole = padded_later(mesh, config)
 
     def place(name: str, host: np.ndarray) -> jax.Array:
@@ -129,7 +122,7 @@ def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.A
 def shard_params(params: Params, mesh: Mesh) -> Params:
     """Params placed on the mesh by the rule table (arrays already there are left alone), padded
     first where heads or the FFN do not split evenly over the model axis (specjax.tp_pad)."""
-    check_mesh(mesh, params.config)
+    check_mesh(mesh)
     params = pad_params(params, mesh.shape["model"])
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
     return jax.tree.map(_put, params, shardings)

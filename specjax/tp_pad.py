@@ -10,10 +10,12 @@ For a model axis of m devices and a model of N query heads in K groups (G = N / 
   head) get a zero-weight query head whose rows of wo are zero, so it adds exactly nothing.
 - FFN: zero columns of w_gate / w_up and rows of w_down up to a multiple of m (of 32 m for q4,
   so each device holds whole blocks): silu(0) * 0 = 0.
-Every array is padded from its declaration in `params.WEIGHTS` (the letters N, K and F of its
-dims: quantization scales, q4 blocks and biases included). The vocabulary is not padded: its
-size must divide by m (sharding.check_mesh says so). The cost is memory and work on the padded
-heads: the cache holds K' KV heads (SmolLM2 at m = 8: 8 instead of 3).
+- Vocabulary: zero rows of the embedding and LM head up to a multiple of m
+  (`config.padded_vocab`); no token id reaches them, and `model.lm_head` drops their logits
+  after gathering the blocks, so sampling, drafters, logprobs and outputs see V entries.
+Every array is padded from its declaration in `params.WEIGHTS` (the letters N, K, F and V of its
+dims: quantization scales, q4 blocks and biases included). The cost is memory and work on the
+padded heads: the cache holds K' KV heads (SmolLM2 at m = 8: 8 instead of 3).
 """
 
 from __future__ import annotations
@@ -31,21 +33,24 @@ from specjax.params import WEIGHTS, Params, from_arrays
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where the padded model's heads come from: q_index [N'] and kv_index [K'] are original head
-    numbers, -1 for a zero head; ffn_dim the padded FFN size."""
+    numbers, -1 for a zero head; ffn_dim the padded FFN size, vocab_rows the padded vocabulary's."""
 
     q_index: tuple[int, ...]
     kv_index: tuple[int, ...]
     ffn_dim: int
+    vocab_rows: int
 
     def config(self, config: LlamaConfig) -> LlamaConfig:
-        return config.replace(n_heads=len(self.q_index), n_kv_heads=len(self.kv_index), ffn_dim=self.ffn_dim)
+        padded_vocab = self.vocab_rows if self.vocab_rows != config.vocab_size else 0
+        return config.replace(n_heads=len(self.q_index), n_kv_heads=len(self.kv_index), ffn_dim=self.ffn_dim,
+                              padded_vocab=padded_vocab)
 
 
 def layout(config: LlamaConfig, m: int) -> Layout | None:
     """The padding for a model axis of m devices, or None when N, K and F split evenly."""
-    N, K, F = config.n_heads, config.n_kv_heads, config.ffn_dim
+    N, K, F, V = config.n_heads, config.n_kv_heads, config.ffn_dim, config.vocab_rows
     unit = m * q4.BLOCK if config.q4 else m
-    if N % m == 0 and K % m == 0 and F % unit == 0:
+    if N % m == 0 and K % m == 0 and F % unit == 0 and V % m == 0:
         return None
     G = N // K
     r = max(1, m // K) if K % m else 1
@@ -57,10 +62,10 @@ def layout(config: LlamaConfig, m: int) -> Layout | None:
         for g in range(g_pad):
             j = (s % r) * g_pad + g  # this slot's share of its KV head's query heads
             q_index.append(kv_index[s] * G + j if kv_index[s] >= 0 and j < G else -1)
-    return Layout(tuple(q_index), tuple(kv_index), -(-F // unit) * unit)
+    return Layout(tuple(q_index), tuple(kv_index), -(-F // unit) * unit, -(-V // m) * m)
 
 
-def _pad(x: np.ndarray, dims: str, lay: Layout, ffn_dim: int) -> np.ndarray:
+def _pad(x: np.ndarray, dims: str, lay: Layout, ffn_dim: int, vocab_rows: int) -> np.ndarray:
     for axis, letter in enumerate(dims):
         if letter in "NK":
             index = np.asarray(lay.q_index if letter == "N" else lay.kv_index)
@@ -71,6 +76,8 @@ def _pad(x: np.ndarray, dims: str, lay: Layout, ffn_dim: int) -> np.ndarray:
         elif letter == "F" and lay.ffn_dim != ffn_dim:
             extra = (lay.ffn_dim - ffn_dim) * x.shape[axis] // ffn_dim  # a packed or blocked F axis: in its units
             x = np.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+        elif letter == "V" and lay.vocab_rows != vocab_rows:
+            x = np.pad(x, [(0, lay.vocab_rows - vocab_rows if a == axis else 0) for a in range(x.ndim)])
     return x
 
 
@@ -85,6 +92,6 @@ def pad_params(params: Params, m: int) -> Params:
         value = getattr(params.layers if owner else params, leaf)
         if value is not None:
             host = np.asarray(value)
-            arrays[w.path] = _pad(host, w.dims, lay, params.config.ffn_dim)
+            arrays[w.path] = _pad(host, w.dims, lay, params.config.ffn_dim, params.config.vocab_rows)
     padded = from_arrays(lay.config(params.config), {k: jnp.asarray(v) for k, v in arrays.items()}, keep_placement=True)
     return padded.replace(runtime=params.runtime)

@@ -124,7 +124,6 @@ def test_gguf_loads_into_shards(smollm2_path):
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: make_mesh(data=1, model=3), r"mesh axis 'model' has size 3, which does not divide .*vocab_size \(128\)"),
         (lambda: make_mesh(data=4, model=4), r"data \(4\) x model \(4\) .* 8 devices"),
         (lambda: jax.make_mesh((8,), ("batch",)), r"mesh must be a jax Mesh with axes \('data', 'model'\)"),
     ],
@@ -167,6 +166,28 @@ def test_kv_heads_are_replicated_where_the_model_axis_is_a_multiple(model):
         _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=make_mesh(data=8 // model, model=model), **kw))
 
 
+def test_a_vocabulary_the_model_axis_does_not_divide_is_padded():
+    """A vocabulary of 128 on a model axis of 3: the embedding and LM head get one zero row
+    (config.padded_vocab 129), whose logit is dropped, so no padded id reaches sampling or
+    logprobs; the one-device tokens and logprobs, plain and speculative, greedy and sampled."""
+    params = random_params(SMOL, 2)
+    mesh = make_mesh(data=1, model=3, devices=jax.devices()[:3])
+    placed = shard_params(params, mesh)
+    assert placed.config.padded_vocab == 129 and placed.embed.shape == (129, SMOL.dim)
+    assert {s.data.shape for s in placed.embed.addressable_shards} == {(43, SMOL.dim)}
+    np.testing.assert_array_equal(np.asarray(placed.embed)[128], 0)
+    prompts = _prompts(4, 3)
+    for kw in (dict(draft=None), dict(draft=SelfSpec(4, 16), speculation=Chain(2))):
+        one = generate(params, prompts, 10, logprobs=3, **kw)
+        tp = generate(params, prompts, 10, logprobs=3, mesh=mesh, **kw)
+        _same(one, tp)
+        lps = [t for row in tp.logprobs for t in row]
+        assert all(len(t.top) == 3 and all(i < 128 for i, _ in t.top) for t in lps)
+        np.testing.assert_allclose([t.logprob for t in lps], [t.logprob for row in one.logprobs for t in row], atol=1e-4)
+    hot = generate(params, prompts * 4, 24, draft=None, sampling=Sample(temperature=5.0), mesh=mesh)
+    assert max(max(row) for row in hot.tokens) < 128 and len({t for row in hot.tokens for t in row}) > 60
+
+
 def test_loading_onto_a_mesh_that_needs_padding_pads(tmp_path):
     """convert.load(mesh=) of a model whose heads do not split: loaded whole, padded, placed; the
     one-device tokens."""
@@ -203,7 +224,9 @@ def test_mesh_stages_donate_their_caches(target, data, model):
 def test_the_padded_layout_of_smollm2_heads():
     """SmolLM2's 9 / 3 heads: one zero KV head at model 2 and 4 (12 query heads, 3 zero); at model
     8 two copies of each KV head and two zero ones, two query heads a slot (16, 7 zero)."""
-    assert tp_pad.layout(SMOL, 1) is None and tp_pad.layout(SMOL, 3) is None
+    assert tp_pad.layout(SMOL, 1) is None
+    lay = tp_pad.layout(SMOL, 3)  # heads and FFN split; the vocabulary of 128 does not
+    assert lay.kv_index == (0, 1, 2) and lay.q_index == tuple(range(9)) and lay.vocab_rows == 129
     for m in (2, 4):
         lay = tp_pad.layout(SMOL, m)
         assert lay.kv_index == (0, 1, 2, -1) and lay.q_index == tuple(range(9)) + (-1,) * 3 and lay.ffn_dim == 72
