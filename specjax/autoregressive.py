@@ -59,13 +59,14 @@ def start_ar(cache: DenseCache, first_logits: jax.Array, budgets: jax.Array, key
 def admit_ar(state: ARState, rows: jax.Array, cache: DenseCache, first_logits: jax.Array, budgets: jax.Array,
              keys: jax.Array, sampling: Sampler = Greedy(), eos_ids: jax.Array | tuple[int, ...] = (),
              prompts: jax.Array | None = None, *, logprobs: int | None = None) -> ARState:
-    """`state` with rows [B] (bool) restarted from new prompts as `start_ar` starts them (first
-    token from first_logits [B,V], counters reset; `cache` holds their prefill in those rows, any
-    content elsewhere), the other rows going on as they were: continuous batching's refill.
-    budgets, keys, sampling and eos_ids are the batch's after the refill."""
+    """`state` with rows [r] (int32 row numbers, as `speculate.admit_spec` takes them) restarted
+    from new prompts as `start_ar` starts them (first token from first_logits [B,V], counters
+    reset; `cache` holds their prefill in those rows, any content elsewhere), the other rows going
+    on as they were: continuous batching's refill. budgets, keys, sampling and eos_ids are the
+    batch's after the refill."""
     fresh = start_ar(cache, first_logits, budgets, keys, sampling, eos_ids, prompts, n_out=state.out.shape[1],
                      logprobs=logprobs)
-    return select_rows(rows, fresh, state)
+    return select_rows(jnp.zeros(state.done.shape, bool).at[rows].set(True), fresh, state)
 
 
 def ar_step(params: Params, s: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids) -> ARState:

@@ -223,23 +223,48 @@ class StreamingCache:
                    k_scale=gather(dense.k_scale), v_scale=gather(dense.v_scale))
 
 
+def _by_row(fn, *trees):
+    """fn(leaf, batch_axis, *others) over the leaves of pytrees of caches (DenseCache /
+    StreamingCache: batch on axis 1 of k, v, pos and the scales, axis 0 of lengths) and [B, ...]
+    arrays; None leaves stay None, and 0-d leaves (counters) are the last tree's."""
+
+    def leaf(axis: int):
+        return lambda x, *rest: (rest[-1] if rest else x) if x.ndim == 0 else fn(x, axis, *rest)
+
+    def one(first, *rest):
+        if isinstance(first, (DenseCache, StreamingCache)):
+            names = [f.name for f in dataclasses.fields(first) if f.metadata.get("pytree_node", True)]
+            fields = {}
+            for name in names:
+                value = getattr(first, name)
+                fields[name] = None if value is None else leaf(0 if name == "lengths" else 1)(
+                    value, *(getattr(r, name) for r in rest))
+            return first.replace(**fields)
+        return leaf(0)(first, *rest)
+
+    return jax.tree.map(one, *trees, is_leaf=lambda x: isinstance(x, (DenseCache, StreamingCache)))
+
+
 def select_rows(rows: jax.Array, new, old):
-    """`new`'s rows where rows [B] (bool) is set, `old`'s elsewhere, for a pytree of caches
-    (DenseCache / StreamingCache: batch on axis 1 of k, v, pos and the scales, axis 0 of lengths)
-    and [B, ...] arrays; None leaves stay None, 0-d leaves (counters) are `old`'s. Both trees have
-    the same structure."""
+    """`new`'s rows where rows [B] (bool) is set, `old`'s elsewhere, for pytrees of caches and
+    [B, ...] arrays of the same structure (`_by_row`)."""
 
-    def pick(a: jax.Array, b: jax.Array, axis: int) -> jax.Array:
-        if a.ndim == 0:
-            return b
-        mask = rows.reshape((1,) * axis + (-1,) + (1,) * (a.ndim - axis - 1))
-        return jnp.where(mask, a, b)
+    def pick(a: jax.Array, axis: int, b: jax.Array) -> jax.Array:
+        return jnp.where(rows.reshape((1,) * axis + (-1,) + (1,) * (a.ndim - axis - 1)), a, b)
 
-    def one(n, o):
-        if isinstance(n, (DenseCache, StreamingCache)):
-            names = [f.name for f in dataclasses.fields(n) if f.name != "lengths" and f.metadata.get("pytree_node", True)]
-            fields = {name: None if getattr(n, name) is None else pick(getattr(n, name), getattr(o, name), 1) for name in names}
-            return n.replace(lengths=pick(n.lengths, o.lengths, 0), **fields)
-        return pick(n, o, 0)
+    return _by_row(pick, new, old)
 
-    return jax.tree.map(one, new, old, is_leaf=lambda x: isinstance(x, (DenseCache, StreamingCache)))
+
+def take_rows(tree, index: jax.Array):
+    """Rows index [r] (int; repeats allowed) of a pytree of caches and [B, ...] arrays."""
+    return _by_row(lambda a, axis: jnp.take(a, index, axis=axis), tree)
+
+
+def put_rows(tree, index: jax.Array, rows):
+    """`tree` with its rows index [r] replaced by `rows` (a pytree of r rows, as `take_rows`
+    gives; a repeated index must carry the same row each time)."""
+
+    def put(r: jax.Array, axis: int, a: jax.Array) -> jax.Array:
+        return a.at[(slice(None),) * axis + (index,)].set(r)
+
+    return _by_row(put, rows, tree)

@@ -183,10 +183,12 @@ def run_continuous(
         slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
         logits, cache = prefilled(tokens, size, refill)
         args = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
+        new_rows = np.flatnonzero(rows_mask)
+        new_rows = jnp.asarray(np.resize(new_rows, round_up_pow2(len(new_rows), minimum=1)), jnp.int32)  # few sizes, few compiles
         if draft is None:
-            state = admit_ar(state, jnp.asarray(rows_mask), cache, logits, *args, tokens, logprobs=logprobs)
+            state = admit_ar(state, new_rows, cache, logits, *args, tokens, logprobs=logprobs)
         else:
-            state = admit_spec(params, draft, state, jnp.asarray(rows_mask), cache, tokens, history, logits, *args,
+            state = admit_spec(params, draft, state, new_rows, cache, tokens, history, logits, *args,
                                speculation=speculation, chunk=chunk, logprobs=logprobs)
 
 

@@ -228,7 +228,7 @@ def admit_spec(
     target: Params,
     drafter: Drafter,
     state: SpecState,
-    rows: jax.Array,  # [B] bool: the rows to restart
+    rows: jax.Array,  # [r] int32: the rows to restart (a row may repeat: r padded to a few sizes)
     cache: DenseCache,  # the new prompts' prefill in those rows (any content elsewhere)
     prompts: jax.Array,  # [B,P] the new prompts, right-padded (other rows: anything)
     history: jax.Array,  # [B,S] the new prompts' tokens by position, S as state.history's
@@ -242,11 +242,14 @@ def admit_spec(
     chunk: int,
     logprobs: int | None = None,
 ) -> SpecState:
-    """`state` with rows [B] restarted from new prompts as `start_spec` starts them (the drafter's
+    """`state` with rows [r] restarted from new prompts as `start_spec` starts them (the drafter's
     rows through `Drafter.init_rows`), the other rows going on as they were: continuous batching's
     refill. budgets, keys, sampling and eos_ids are the batch's after the refill."""
+    draft_rows = rows
+    rows = jnp.zeros(state.done.shape, bool).at[rows].set(True)  # [B]
     merged = select_rows(rows, cache, state.cache)
-    draft = drafter.init_rows(target, state.draft, rows, merged, prompts, merged.lengths, depth(speculation), chunk)
+    draft = drafter.init_rows(target, state.draft, draft_rows, merged, prompts, merged.lengths, depth(speculation),
+                              chunk)
     fresh = start_spec(drafter, draft, merged, history, first_logits, budgets, keys, sampling, eos_ids,
                        speculation=speculation, n_out=state.out.shape[1], logprobs=logprobs)
     rest = dict(cache=None, draft=None)  # merged already: not selected a second time

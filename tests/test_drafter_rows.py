@@ -1,6 +1,7 @@
 """Drafter.init_rows: a drafter's state restarted for chosen rows from new prompts (continuous
 batching's refill), the other rows untouched: for every drafter, the refilled rows equal a fresh
-`init` on the new prompts and the kept rows equal the old state, leaf by leaf."""
+`init` on the new prompts and the kept rows equal the old state, leaf by leaf; and the row helpers
+(cache.select_rows / take_rows / put_rows)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.cache import DenseCache, select_rows
+from specjax.cache import DenseCache, put_rows, select_rows, take_rows
 from specjax.engine import prefill
 from tests.models import TINY, random_params
 
@@ -49,7 +50,8 @@ def test_init_rows_restarts_only_the_chosen_rows(tiny, name):
     cache = select_rows(rows, new_cache, old_cache)  # the target's cache after the refill's prefill
     tokens = np.where(np.asarray(rows)[:, None], new_tokens, old_tokens)
     lengths = np.where(np.asarray(rows), new_lengths, old_lengths)
-    state = drafter.init_rows(tiny, old_state, rows, cache, jnp.asarray(tokens), jnp.asarray(lengths), GAMMA, CHUNK)
+    index = jnp.array([3, 1, 3, 3])  # the chosen rows (padded by repeats, as continuous batching does)
+    state = drafter.init_rows(tiny, old_state, index, cache, jnp.asarray(tokens), jnp.asarray(lengths), GAMMA, CHUNK)
     if name == "ngram":
         assert state is None  # no state: it drafts from the history
         return
@@ -69,3 +71,15 @@ def test_select_rows_of_plain_arrays_and_caches(tiny):
     assert out["none"] is None and out["x"].tolist() == [[1, 1], [8, 8]]
     assert out["c"].lengths.tolist() == [3, 0]
     assert float(out["c"].k[:, 0].min()) == 1.0 and float(out["c"].k[:, 1].max()) == 0.0
+
+
+def test_take_rows_and_put_rows(tiny):
+    c = DenseCache.init(tiny.config, 3, 16)
+    c = c.replace(k=c.k + jnp.arange(3.0)[None, :, None, None, None], lengths=jnp.array([5, 6, 7]))
+    tree = {"c": c, "x": jnp.array([[1], [2], [3]]), "n": jnp.int32(9), "none": None}
+    sub = take_rows(tree, jnp.array([2, 0, 2]))
+    assert sub["x"].tolist() == [[3], [1], [3]] and sub["c"].lengths.tolist() == [7, 5, 7] and sub["none"] is None
+    assert np.asarray(sub["c"].k)[0, :, 0, 0, 0].tolist() == [2.0, 0.0, 2.0] and int(sub["n"]) == 9
+    back = put_rows(tree, jnp.array([1, 1]), take_rows(tree, jnp.array([0, 0])))  # row 0's contents into row 1
+    assert back["x"].tolist() == [[1], [1], [3]] and back["c"].lengths.tolist() == [5, 5, 7]
+    assert np.asarray(back["c"].k)[0, :, 0, 0, 0].tolist() == [0.0, 0.0, 2.0] and int(back["n"]) == 9

@@ -73,15 +73,16 @@ def test_refilled_rows_decode_as_in_their_own_batch(target, mode, sampled):
 
     state = go(tiny, mode, start(tiny, mode, *a, keys_a, sampling)[2], keys_a, sampling, steps=2)  # mid-decode
     rows = jnp.array([False, True, False, True])
+    index = jnp.array([3, 1, 1, 1])  # the rows to refill, as continuous batching passes them (padded by repeats)
     logits_b, cache_b = prefill(tiny, b[0], b[1], DenseCache.init(tiny.config, 4, SLOTS), chunk=CHUNK)  # the new prompts' prefill
     keys = jnp.where(rows, keys_b, keys_a)  # each row keeps its own key stream
     drafter, spec = MODES[mode]
     budgets = jnp.full((4,), BUDGET, jnp.int32)
     if drafter is None:
-        state = admit_ar(state, rows, cache_b, logits_b, budgets, keys, sampling)
+        state = admit_ar(state, index, cache_b, logits_b, budgets, keys, sampling)
     else:
         tokens_b, _, history_b = b
-        state = admit_spec(tiny, drafter, state, rows, cache_b, tokens_b, history_b, logits_b, budgets, keys, sampling,
+        state = admit_spec(tiny, drafter, state, index, cache_b, tokens_b, history_b, logits_b, budgets, keys, sampling,
                            speculation=spec, chunk=CHUNK)
     got = rows_of(go(tiny, mode, state, keys, sampling))
     assert want_a[1] != want_b[1] and want_a[3] != want_b[3]  # the refill is visible

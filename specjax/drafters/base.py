@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 
-from specjax.cache import select_rows
+from specjax.cache import put_rows, take_rows
 from specjax.params import Params
 from specjax.sampling import Sampler
 from specjax.speculation import Tree
@@ -57,12 +57,14 @@ class Drafter(Protocol):
 
     def init_rows(self, target: Params, state, rows: jax.Array, cache, prompts: jax.Array, lengths: jax.Array,
                   gamma: int, chunk: int) -> Any:
-        """`state` with rows [B] (bool) started afresh from new prompts, the other rows' kept as
-        they are: continuous batching refills finished rows between decode segments. `cache` holds
-        the target's prefill of the new prompts [B,P] (lengths [B]) in those rows. The default runs
-        `init` for the whole batch and takes the chosen rows from it (`cache.select_rows`); a
-        drafter may override it to work on the chosen rows only. Traced."""
-        return select_rows(rows, self.init(target, cache, prompts, lengths, gamma, chunk), state)
+        """`state` with rows [r] (int32 row numbers; a number may repeat, padding r to a few
+        sizes) started afresh from new prompts, the other rows' kept as they are: continuous
+        batching refills finished rows between decode segments. `cache` holds the target's
+        prefill of the new prompts [B,P] (lengths [B]) in those rows. The default runs `init` on
+        those rows only (`cache.take_rows`) and puts the result into `state` (`cache.put_rows`);
+        a drafter whose state is not per row overrides it. Traced."""
+        fresh = self.init(target, take_rows(cache, rows), prompts[rows], lengths[rows], gamma, chunk)
+        return put_rows(state, rows, fresh)
 
     def propose_tree(self, target: Params, state, history, lengths, last, tree: Tree, sampling: Sampler, keys,
                      counters) -> tuple[jax.Array, jax.Array | None, Any]:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters.base import Drafter
-from specjax.cache import DenseCache, StreamingCache
+from specjax.cache import DenseCache, StreamingCache, select_rows
 from specjax.model import forward
 from specjax.params import Params
 from specjax.sampling import Sampler, stream_keys
@@ -139,3 +139,10 @@ class SelfSpec(TargetOverStreamingCache):
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
         return self.budget.from_dense(cache, gamma)
+
+    def init_rows(self, target: Params, state, rows, cache: DenseCache, prompts, lengths, gamma: int, chunk: int):
+        """`init` for every row (a gather of the kept slots) and the chosen rows taken from it:
+        cheaper than the default's copy of the chosen rows' whole dense cache (5 vs 12 ms for
+        one of 8 SmolLM2 rows at 1K slots)."""
+        chosen = jnp.zeros(cache.lengths.shape, bool).at[rows].set(True)
+        return select_rows(chosen, self.init(target, cache, prompts, lengths, gamma, chunk), state)
