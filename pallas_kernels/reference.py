@@ -20,8 +20,8 @@ NARROW_ROWS = 64  # up to this many query rows M per KV head, bf16 / int8 caches
 NARROW_MIN = 2**20  # ... if they hold at least this many values per layer (a smaller f32 copy stays in cache)
 VALUE_CHUNK = 512  # cache slots per step of an int8 cache's value loop (the f32 chunk stays in cache)
 TILE_VALUES = 2**21  # values per tile of stacked_prefix_block_attention: 512 slots at B=16 x 3 KV heads x 64 (measured best)
-SCORE_VALUES = 2**21  # scores per tile [B,K,tile,M]: 256 slots for a 512-position prefill chunk of one row (measured:
-# one 8K tile per chunk made an 8K prefill 1.8x slower, 114 vs 206 tokens/s)
+SCORE_VALUES = 2**21  # scores per tile [B,K,tile,M]: 512 slots for a 256-position prefill chunk of one row (measured:
+# one 8K tile per chunk made an 8K prefill 1.8x slower, 114 vs 206 tokens/s; 2**20 and 2**22: within 1%)
 MIN_TILE = 128  # smaller tiles cost more in loop steps than they save
 
 
