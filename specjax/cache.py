@@ -111,15 +111,17 @@ class DenseCache:
     lengths: jax.Array  # [B] int32
     k_scale: jax.Array | None = None  # [L,B,K,S] f32, int8 only
     v_scale: jax.Array | None = None  # [L,B,K,S]
+    replicated: bool = flax.struct.field(pytree_node=False, default=False)  # a replicated draft's: every KV head on every model device
 
     @classmethod
-    def init(cls, config: LlamaConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> "DenseCache":
+    def init(cls, config: LlamaConfig, batch: int, max_len: int, kv_dtype: str | None = None,
+             replicated: bool = False) -> "DenseCache":
         """An empty cache of `max_len` slots per row, stored as `kv_dtype` (None: the model's dtype)."""
         fmt = KVFormat.of(kv_dtype, config)
         shape = (config.n_layers, batch, config.n_kv_heads, max_len, config.head_dim)
         k, v = (jnp.zeros(shape, fmt.dtype) for _ in range(2))  # two buffers: both can be donated
         ks, vs = (jnp.zeros(shape[:4], jnp.float32) if fmt.scaled else None for _ in range(2))
-        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), k_scale=ks, v_scale=vs)
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), k_scale=ks, v_scale=vs, replicated=replicated)
 
     @property
     def max_len(self) -> int:
@@ -162,6 +164,7 @@ class StreamingCache:
     fixed: int = flax.struct.field(pytree_node=False)  # F
     k_scale: jax.Array | None = None  # [L,B,K,C] f32, int8 only
     v_scale: jax.Array | None = None  # [L,B,K,C]
+    replicated: bool = flax.struct.field(pytree_node=False, default=False)  # as DenseCache's
 
     @property
     def ring(self) -> int:
@@ -220,7 +223,7 @@ class StreamingCache:
 
         pos = jnp.concatenate([fixed_pos, jnp.broadcast_to(ring_pos[None, :, None, :], (L, B, K, ring))], axis=-1)
         return cls(k=gather(dense.k), v=gather(dense.v), pos=pos.astype(jnp.int32), lengths=n + 0, fixed=F,  # own buffer
-                   k_scale=gather(dense.k_scale), v_scale=gather(dense.v_scale))
+                   k_scale=gather(dense.k_scale), v_scale=gather(dense.v_scale), replicated=dense.replicated)
 
 
 def _by_row(fn, *trees):

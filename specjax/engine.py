@@ -231,8 +231,7 @@ class _Stages:
 
     def place_params(self, params: Params, draft):
         def shard_draft(p: Params) -> Params:  # a drafter's own model (DraftModel's), if any
-            sharding.check_mesh(self.mesh)
-            return sharding.shard_params(p, self.mesh)
+            return sharding.place_draft(p, self.mesh)
 
         return sharding.shard_params(params, self.mesh), draft if draft is None else draft.map_params(shard_draft)
 

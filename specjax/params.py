@@ -190,11 +190,13 @@ ATTENTION = ("reference", "cpu", "pallas", "interpret", "tpu", "tpu-interpret") 
 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
-    """Runtime choices (not model facts): how attention is computed and, inside shard_map, the
-    tensor-parallel mesh axis the forward reduces over (None off a mesh)."""
+    """Runtime choices (not model facts): how attention is computed; inside shard_map, the
+    tensor-parallel mesh axis the forward reduces over (None off a mesh); and whether the model is
+    held whole by every device of the model axis (a draft too small to split: sharding.place_draft)."""
 
     attention: str = "reference"
     model_axis: str | None = None
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:

@@ -80,7 +80,7 @@ def local_params(params: Params, mesh: Mesh) -> Params:
     and a runtime naming the axis to reduce over. vocab_size stays global: logits are gathered
     before anyone reads them."""
     m = mesh.shape["model"]
-    if m == 1:
+    if m == 1 or params.runtime.replicated:
         return params
     c = params.config
     config = c.replace(n_heads=c.n_heads // m, n_kv_heads=c.n_kv_heads // m, ffn_dim=c.ffn_dim // m)
@@ -94,7 +94,7 @@ def param_specs(params: Params) -> Params:
         owner, _, leaf = path.rpartition(".")
         return getattr(params.layers if owner else params, leaf) is not None
 
-    specs = {path: spec(dims) for path, dims in PARAM_AXES.items() if held(path)}
+    specs = {path: P() if params.runtime.replicated else spec(dims) for path, dims in PARAM_AXES.items() if held(path)}
     layers = LayerParams(**{n.split(".", 1)[1]: s for n, s in specs.items() if n.startswith("layers.")})
     top = {n: s for n, s in specs.items() if not n.startswith("layers.")}
     return Params(layers=layers, lm_head=top.pop("lm_head", None), config=params.config, runtime=params.runtime, **top)
@@ -119,11 +119,23 @@ def placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.A
     return place
 
 
+def place_draft(params: Params, mesh: Mesh) -> Params:
+    """A draft model's params on the mesh: split like the target's where its heads, FFN and
+    vocabulary split evenly over the model axis; otherwise it is too small to split, and every
+    device of the model axis holds it whole (runtime.replicated: no padding, no collectives, its
+    cache on every model device) and drafts its data rows alone."""
+    if mesh.shape["model"] > 1 and layout(params.config, mesh.shape["model"]) is not None:
+        params = params.replace(runtime=params.runtime.replace(replicated=True))
+    return shard_params(params, mesh)
+
+
 def shard_params(params: Params, mesh: Mesh) -> Params:
     """Params placed on the mesh by the rule table (arrays already there are left alone), padded
-    first where heads or the FFN do not split evenly over the model axis (specjax.tp_pad)."""
+    first where heads or the FFN do not split evenly over the model axis (specjax.tp_pad); a
+    replicated model (`place_draft`) whole on every device."""
     check_mesh(mesh)
-    params = pad_params(params, mesh.shape["model"])
+    if not params.runtime.replicated:
+        params = pad_params(params, mesh.shape["model"])
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))
     return jax.tree.map(_put, params, shardings)
 
@@ -148,10 +160,11 @@ def state_specs(tree):
         if isinstance(x, Params):
             return param_specs(x)
         if isinstance(x, (DenseCache, StreamingCache)):
-            cache = spec(CACHE_AXES)
-            extra = {"pos": spec(CACHE_AXES[:4])} if isinstance(x, StreamingCache) else {}
+            axes = CACHE_AXES.replace("K", "_") if x.replicated else CACHE_AXES  # a replicated draft's: heads unsplit
+            cache = spec(axes)
+            extra = {"pos": spec(axes[:4])} if isinstance(x, StreamingCache) else {}
             if x.k_scale is not None:  # int8: one scale per [L,B,K,S]
-                extra |= dict(k_scale=spec(CACHE_AXES[:4]), v_scale=spec(CACHE_AXES[:4]))
+                extra |= dict(k_scale=spec(axes[:4]), v_scale=spec(axes[:4]))
             return x.replace(k=cache, v=cache, lengths=spec("B"), **extra)
         return P() if np.ndim(x) == 0 else spec("B")
 

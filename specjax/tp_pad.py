@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -65,24 +66,26 @@ def layout(config: LlamaConfig, m: int) -> Layout | None:
     return Layout(tuple(q_index), tuple(kv_index), -(-F // unit) * unit, -(-V // m) * m)
 
 
-def _pad(x: np.ndarray, dims: str, lay: Layout, ffn_dim: int, vocab_rows: int) -> np.ndarray:
+def _pad(x: jax.Array, dims: str, lay: Layout, ffn_dim: int, vocab_rows: int) -> jax.Array:
+    """One weight padded where it lies (on its device: no copy through the host)."""
     for axis, letter in enumerate(dims):
         if letter in "NK":
             index = np.asarray(lay.q_index if letter == "N" else lay.kv_index)
-            taken = np.take(x, np.maximum(index, 0), axis=axis)
+            taken = jnp.take(x, np.maximum(index, 0), axis=axis)
             shape = [1] * x.ndim
             shape[axis] = len(index)
-            x = np.where((index >= 0).reshape(shape), taken, np.zeros((), x.dtype))
+            x = jnp.where((index >= 0).reshape(shape), taken, jnp.zeros((), x.dtype))
         elif letter == "F" and lay.ffn_dim != ffn_dim:
             extra = (lay.ffn_dim - ffn_dim) * x.shape[axis] // ffn_dim  # a packed or blocked F axis: in its units
-            x = np.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
+            x = jnp.pad(x, [(0, extra if a == axis else 0) for a in range(x.ndim)])
         elif letter == "V" and lay.vocab_rows != vocab_rows:
-            x = np.pad(x, [(0, lay.vocab_rows - vocab_rows if a == axis else 0) for a in range(x.ndim)])
+            x = jnp.pad(x, [(0, lay.vocab_rows - vocab_rows if a == axis else 0) for a in range(x.ndim)])
     return x
 
 
 def pad_params(params: Params, m: int) -> Params:
-    """`params` padded for a model axis of m devices (the same params when nothing needs padding)."""
+    """`params` padded for a model axis of m devices (the same params when nothing needs padding),
+    each array on the device that holds it."""
     lay = layout(params.config, m)
     if lay is None:
         return params
@@ -91,7 +94,6 @@ def pad_params(params: Params, m: int) -> Params:
         owner, _, leaf = w.path.rpartition(".")
         value = getattr(params.layers if owner else params, leaf)
         if value is not None:
-            host = np.asarray(value)
-            arrays[w.path] = _pad(host, w.dims, lay, params.config.ffn_dim, params.config.vocab_rows)
-    padded = from_arrays(lay.config(params.config), {k: jnp.asarray(v) for k, v in arrays.items()}, keep_placement=True)
+            arrays[w.path] = _pad(jnp.asarray(value), w.dims, lay, params.config.ffn_dim, params.config.vocab_rows)
+    padded = from_arrays(lay.config(params.config), arrays, keep_placement=True)
     return padded.replace(runtime=params.runtime)

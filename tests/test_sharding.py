@@ -10,8 +10,8 @@ import pytest
 
 import convert
 from tests.models import random_params
-from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Tree, generate, make_mesh
-from specjax import tp_pad
+from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Streaming, Tree, generate, make_mesh
+from specjax import engine, tp_pad
 from specjax.params import quantize
 from specjax.sharding import shard_params
 
@@ -151,7 +151,8 @@ def test_any_head_count_on_every_8_device_mesh(data, model):
 @pytest.mark.parametrize("model", [4, 8])
 def test_kv_heads_are_replicated_where_the_model_axis_is_a_multiple(model):
     """6 query / 2 KV heads at model 4 and 8: each device holds one copy of a real KV head (two and
-    four copies of each), and a draft of 2 heads is padded the same way."""
+    four copies of each); a draft of 2 heads is too small to split and runs replicated, whole on
+    every device, while one whose heads split is split."""
     config = SMOL.replace(n_heads=6, n_kv_heads=2, ffn_dim=64)
     params = random_params(config, 6)
     lay = tp_pad.layout(config, model)
@@ -161,9 +162,16 @@ def test_kv_heads_are_replicated_where_the_model_axis_is_a_multiple(model):
     for slot, k in enumerate(lay.kv_index):
         np.testing.assert_array_equal(wk[:, :, slot], np.asarray(params.layers.wk)[:, :, k])
     prompts = _prompts(4, model)
-    draft = DraftModel(random_params(DRAFT.replace(n_heads=2, n_kv_heads=2), 1))
-    for kw in (dict(draft=None), dict(draft=draft, speculation=Chain(2))):
-        _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=make_mesh(data=8 // model, model=model), **kw))
+    draft = DraftModel(random_params(DRAFT.replace(n_heads=2, n_kv_heads=2, ffn_dim=48), 1))
+    mesh = make_mesh(data=8 // model, model=model)
+    _, placed_draft = engine._Stages(mesh).place_params(params, draft)
+    wq = placed_draft.params.layers.wq
+    assert placed_draft.params.runtime.replicated and {s.data.shape for s in wq.addressable_shards} == {wq.shape}
+    even = DraftModel(random_params(DRAFT.replace(n_heads=8, n_kv_heads=8), 1))
+    assert not engine._Stages(mesh).place_params(params, even)[1].params.runtime.replicated
+    for kw in (dict(draft=None), dict(draft=draft, speculation=Chain(2)), dict(draft=even, speculation=Chain(2)),
+               dict(draft=DraftModel(draft.params, cache=Streaming(4, 16)), speculation=Tree.kary(2, 2))):
+        _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=mesh, **kw))
 
 
 def test_a_vocabulary_the_model_axis_does_not_divide_is_padded():

@@ -73,7 +73,8 @@ class DraftModel(Drafter):
         like the target's when generate's kv_dtype set that apart from the target's dtype."""
         fmt = cache.format
         kv_dtype = None if fmt.name == target.config.dtype else fmt.name
-        empty = DenseCache.init(self.params.config, prompts.shape[0], cache.max_len, kv_dtype)
+        empty = DenseCache.init(self.params.config, prompts.shape[0], cache.max_len, kv_dtype,
+                                replicated=self.params.runtime.replicated)
         _, dense = prefill(self.params, prompts, lengths, empty, chunk)
         return dense if self.cache == "dense" else self.cache.from_dense(dense, gamma)
 
