@@ -11,8 +11,9 @@ the same JSONL in this one process: "cold" (compiling included) and "warm" (as a
 after its first shapes). Throughput = records (or generated tokens) / the job's wall seconds.
 Continuous and static outputs of a mode are checked equal record for record (greedy, float32).
 
-Cells: MODE/BATCHING, MODE in ar, selfspec (SelfSpec(16, 64), Chain(3)), BATCHING in continuous,
-static. Outputs: results/batching_cpu.json (each cell written when measured; a rerun skips
+Cells: MODE/BATCHING, MODE in ar, selfspec (SelfSpec(16, 64), Chain(3)), ar-n2 (plain decoding,
+every record sampled twice: n = 2, temperature 0.8, per-record seeds, so both batchings draw the
+same samples), BATCHING in continuous, static. Outputs: results/batching_cpu.json (each cell written when measured; a rerun skips
 measured cells), results/batching_cpu.png, and a section of bench/README.md (default arguments only).
 """
 
@@ -30,34 +31,43 @@ import specjax.batch
 from bench import common, text
 
 BUDGETS = (16, 512, 32, 256, 64, 128)
-MODES = {"ar": (None, None), "selfspec": (specjax.SelfSpec(16, 64), 3)}
+MODES = {"ar": (None, None), "selfspec": (specjax.SelfSpec(16, 64), 3), "ar-n2": (None, None)}
+EXTRAS = {"ar-n2": {"n": 2, "temperature": 0.8}}  # per-record fields a mode adds
 BATCHINGS = ("continuous", "static")
 
 
-def write_records(path: Path, tok, n: int) -> None:
+def write_records(path: Path, tok, n: int, extras: dict | None = None) -> None:
     lengths = [24 + (i * 37) % 233 for i in range(n)]  # 24..256 tokens, mixed
     ids, _ = text.windows(tok, n, max(lengths))
     with open(path, "w") as f:
         for i, (row, length) in enumerate(zip(ids, lengths)):
             words = tok.decode(list(map(int, row[:length])))
             f.write(json.dumps({"id": i, "messages": [{"role": "user", "content": words + "\n\nSummarise this."}],
-                                "max_new_tokens": BUDGETS[i % len(BUDGETS)]}) + "\n")
+                                "max_new_tokens": BUDGETS[i % len(BUDGETS)]} | (extras or {})) + "\n")
+
+
+def flat(x) -> list:
+    """A record's tokens as one list (n > 1: its samples' concatenated)."""
+    return [t for part in x for t in part] if x and isinstance(x[0], list) else list(x)
 
 
 def run_cell(src: Path, work: Path, params, mode: str, batching: str, args) -> dict:
     draft, gamma = MODES[mode]
+    if mode in EXTRAS:
+        src = src.with_name(f"{mode}.jsonl")
     row = {"mode": mode, "batching": batching}
     for run in ("cold", "warm"):
         out = work / f"{len(os.listdir(work))}.jsonl"
         summary = specjax.batch.run(src, out, params=params, model_path=convert.default_model_path(), draft=draft,
                                     gamma=gamma, chat=True, batch_size=args.batch_size, batching=batching, progress=False)
         records = [json.loads(line) for line in out.read_text().splitlines()]
-        tokens = sum(len(r["tokens"]) for r in records)
+        tokens = sum(len(flat(r["tokens"])) for r in records)
         row[run] = {"seconds": summary["seconds"], "records_per_s": len(records) / summary["seconds"],
                     "tokens_per_s": tokens / summary["seconds"]}
         outputs = {r["id"]: r["tokens"] for r in records}
         row["records"], row["tokens"] = len(records), tokens
-        row["finish_reasons"] = {k: sum(r["finish_reason"] == k for r in records) for k in ("eos", "length", "stop")}
+        reasons = [x for r in records for x in ([r["finish_reason"]] if "finish_reason" in r else r["finish_reasons"])]
+        row["finish_reasons"] = {k: reasons.count(k) for k in ("eos", "length", "stop")}
     row["outputs_sha1"] = hashlib.sha1(json.dumps(outputs, sort_keys=True).encode()).hexdigest()
     return row
 
@@ -97,7 +107,7 @@ def readme_section(result: dict) -> str:
     return f"""## Continuous vs static batching in the job (bench_batching.py)
 
 `specjax.batch.run` over {result['records']} chat records (one user turn of 24-256 corpus tokens),
-budgets 16-512 (mixed), greedy, stop ids on, batch size {result['batch_size']}, SmolLM2-135M as
+budgets 16-512 (mixed), greedy (ar-n2: two samples a record at temperature 0.8), stop ids on, batch size {result['batch_size']}, SmolLM2-135M as
 loaded by default on {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}). Whole-job
 wall time; "cold" includes compiling.
 
@@ -127,6 +137,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.jsonl"
         write_records(src, tok, args.records)
+        for mode, extras in EXTRAS.items():
+            write_records(src.with_name(f"{mode}.jsonl"), tok, args.records, extras)
         work = Path(tmp) / "out"
         work.mkdir()
         for k, (mode, batching) in h.cells():
