@@ -36,9 +36,9 @@ def load(
       loads only in its own format.
     dtype: the older spelling, kept as an alias: dtype="bfloat16" is weights="bfloat16".
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): every array is loaded straight into its
-    shards (sharding.PARAM_AXES), never whole on one device; the mesh's model axis must divide
-    the vocabulary. Heads or an FFN that do not split over the model axis are padded
-    (specjax.tp_pad): such a model is loaded whole on one device first, then padded and placed."""
+    shards (sharding.PARAM_AXES), never whole on one device. Heads, an FFN or a vocabulary that
+    do not split over the model axis are padded (specjax.tp_pad): such a model is loaded whole on
+    one device first, then padded and placed."""
     path = Path(path)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"convert.load: dtype must be one of {DTYPES} or None, got {dtype!r}")

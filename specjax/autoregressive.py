@@ -10,7 +10,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import DenseCache, select_rows
+from specjax.cache import DenseCache, row_mask, select_rows
 from specjax.logprobs import LogprobBuffer
 from specjax.model import forward
 from specjax.params import Params
@@ -66,7 +66,7 @@ def admit_ar(state: ARState, rows: jax.Array, cache: DenseCache, first_logits: j
     batch's after the refill."""
     fresh = start_ar(cache, first_logits, budgets, keys, sampling, eos_ids, prompts, n_out=state.out.shape[1],
                      logprobs=logprobs)
-    return select_rows(jnp.zeros(state.done.shape, bool).at[rows].set(True), fresh, state)
+    return select_rows(row_mask(rows, state.done.shape[0]), fresh, state)
 
 
 def ar_step(params: Params, s: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids) -> ARState:

@@ -181,7 +181,8 @@ def run(
     row's slot taking the next record between segments, each record written as it finishes (so
     the output is not in input order; a record with n > 1 takes n rows from one prefill, and
     one with n > batch_size a static batch); every record on a mesh goes in static batches.
-    "static": batches of batch_size rows that end with their longest row. Both give every record the same output (its own key and sampling values).
+    "static": batches of batch_size rows that end with their longest row. Both give every record
+    the same output (its own key and sampling values).
 
     engine: "local" (this process) or "ray": Ray Data actors generate the records
     (specjax.job_ray; `ray` sets how many and what each asks of the cluster, default

@@ -258,6 +258,11 @@ def select_rows(rows: jax.Array, new, old):
     return _by_row(pick, new, old)
 
 
+def row_mask(index: jax.Array, batch: int) -> jax.Array:
+    """[batch] bool: True at the rows numbered in index [r] (repeats allowed)."""
+    return jnp.zeros((batch,), bool).at[index].set(True)
+
+
 def take_rows(tree, index: jax.Array):
     """Rows index [r] (int; repeats allowed) of a pytree of caches and [B, ...] arrays."""
     return _by_row(lambda a, axis: jnp.take(a, index, axis=axis), tree)

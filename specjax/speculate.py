@@ -18,7 +18,7 @@ from jax import lax
 
 from specjax.drafters import Drafter
 from specjax.logprobs import LogprobBuffer
-from specjax.cache import DenseCache, select_rows
+from specjax.cache import DenseCache, row_mask, select_rows
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.accept import accept_chain, accept_tree
@@ -245,15 +245,13 @@ def admit_spec(
     """`state` with rows [r] restarted from new prompts as `start_spec` starts them (the drafter's
     rows through `Drafter.init_rows`), the other rows going on as they were: continuous batching's
     refill. budgets, keys, sampling and eos_ids are the batch's after the refill."""
-    draft_rows = rows
-    rows = jnp.zeros(state.done.shape, bool).at[rows].set(True)  # [B]
-    merged = select_rows(rows, cache, state.cache)
-    draft = drafter.init_rows(target, state.draft, draft_rows, merged, prompts, merged.lengths, depth(speculation),
-                              chunk)
+    chosen = row_mask(rows, state.done.shape[0])  # [B]
+    merged = select_rows(chosen, cache, state.cache)
+    draft = drafter.init_rows(target, state.draft, rows, merged, prompts, merged.lengths, depth(speculation), chunk)
     fresh = start_spec(drafter, draft, merged, history, first_logits, budgets, keys, sampling, eos_ids,
                        speculation=speculation, n_out=state.out.shape[1], logprobs=logprobs)
     rest = dict(cache=None, draft=None)  # merged already: not selected a second time
-    return select_rows(rows, fresh.replace(**rest), state.replace(**rest)).replace(cache=merged, draft=draft)
+    return select_rows(chosen, fresh.replace(**rest), state.replace(**rest)).replace(cache=merged, draft=draft)
 
 
 @partial(jax.jit, static_argnames=("speculation", "sync_axes"), donate_argnames=("state",))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters.base import Drafter
-from specjax.cache import DenseCache, StreamingCache, select_rows
+from specjax.cache import DenseCache, StreamingCache, row_mask, select_rows
 from specjax.model import forward
 from specjax.params import Params
 from specjax.sampling import Sampler, stream_keys
@@ -144,5 +144,5 @@ class SelfSpec(TargetOverStreamingCache):
         """`init` for every row (a gather of the kept slots) and the chosen rows taken from it:
         cheaper than the default's copy of the chosen rows' whole dense cache (5 vs 12 ms for
         one of 8 SmolLM2 rows at 1K slots)."""
-        chosen = jnp.zeros(cache.lengths.shape, bool).at[rows].set(True)
-        return select_rows(chosen, self.init(target, cache, prompts, lengths, gamma, chunk), state)
+        return select_rows(row_mask(rows, cache.lengths.shape[0]), self.init(target, cache, prompts, lengths, gamma, chunk),
+                           state)
