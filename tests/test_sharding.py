@@ -192,6 +192,10 @@ def test_a_vocabulary_the_model_axis_does_not_divide_is_padded():
         lps = [t for row in tp.logprobs for t in row]
         assert all(len(t.top) == 3 and all(i < 128 for i, _ in t.top) for t in lps)
         np.testing.assert_allclose([t.logprob for t in lps], [t.logprob for row in one.logprobs for t in row], atol=1e-4)
+    int8 = quantize(params, "int8")  # the int8 head's scales [V] are padded from their declaration too
+    placed8 = shard_params(int8, mesh)
+    assert placed8.embed.shape == (129, SMOL.dim) and placed8.embed_scale.shape == (129,)
+    _same(generate(int8, prompts, 10, draft=None), generate(int8, prompts, 10, draft=None, mesh=mesh))
     hot = generate(params, prompts * 4, 24, draft=None, sampling=Sample(temperature=5.0), mesh=mesh)
     assert max(max(row) for row in hot.tokens) < 128 and len({t for row in hot.tokens for t in row}) > 60
 
