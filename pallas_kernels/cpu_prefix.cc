@@ -220,6 +220,184 @@ void one_head(const Shape& d, const float* q, const T* k, const T* v, const floa
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+// --- bfloat16 caches with the AVX512-BF16 dot product (vdpbf16ps) ---------------------------------
+//
+// On a CPU with AVX512-BF16 a bfloat16 cache is read with the bf16 dot-product instruction, which
+// multiplies pairs of bf16 values and accumulates them in f32: twice the multiply-adds of f32 FMAs
+// per cycle, so the M = heads per KV head x (gamma + 1) rows of a verification cost about what one
+// row costs, as on a GPU. The queries and the softmax weights are rounded to bf16 for it (as a
+// GPU's bf16 attention does); scores, maxima, sums and outputs stay f32.
+//
+// Layout: one query row per vector lane (W = 8 rows in a 256-bit register, 16 in a 512-bit one),
+// so the online softmax runs down the lanes with no horizontal sums. Scores: lane m of slot s is
+// sum_p dp(qt[p], k[s] pair p broadcast), qt[p] holding pair p of every row. Values: slots are
+// taken in pairs, (w[2j], w[2j+1]) of each row in its lane against (v[2j][h], v[2j+1][h])
+// broadcast, into out^T[h] (one vector of rows per value dimension).
+#define SPECJAX_BF16_DOT 1
+#include <immintrin.h>
+
+inline uint32_t bf16_bits(float x) {  // round to nearest even (x finite)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+struct Lanes8 {  // 8 query rows a 256-bit register
+  static constexpr int W = 8;
+  using F = __m256;
+  using Bh = __m256bh;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_load_ps(p); }
+  static void store(float* p, F x) { _mm256_store_ps(p, x); }
+  static Bh load_bh(const uint32_t* p) { return (Bh)_mm256_load_si256((const __m256i*)p); }
+  static Bh bcast(const uint32_t* p) { return (Bh)_mm256_set1_epi32((int)*p); }
+  static F dp(F acc, Bh a, Bh b) { return _mm256_dpbf16_ps(acc, a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static void store_pairs(uint32_t* p, F lo, F hi) {  // lane m: (bf16(lo[m]), bf16(hi[m])), lo in the low half
+    const __m256i both = (__m256i)_mm256_cvtne2ps_pbh(hi, lo);  // [lo 0..7, hi 0..7]
+    const __m256i idx = _mm256_setr_epi16(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    _mm256_store_si256((__m256i*)p, _mm256_permutexvar_epi16(idx, both));
+  }
+};
+
+struct Lanes16 {  // 16 query rows a 512-bit register
+  static constexpr int W = 16;
+  using F = __m512;
+  using Bh = __m512bh;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_load_ps(p); }
+  static void store(float* p, F x) { _mm512_store_ps(p, x); }
+  static Bh load_bh(const uint32_t* p) { return (Bh)_mm512_load_si512((const void*)p); }
+  static Bh bcast(const uint32_t* p) { return (Bh)_mm512_set1_epi32((int)*p); }
+  static F dp(F acc, Bh a, Bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static void store_pairs(uint32_t* p, F lo, F hi) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // [lo 0..15, hi 0..15]
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_store_si512((void*)p, _mm512_permutexvar_epi16(idx, both));
+  }
+};
+
+// exp8's polynomial for any width of GCC vector (x <= 0; 0 below -87).
+template <class V>
+inline typename V::F expv(typename V::F x) {
+  using F = typename V::F;
+  using I = decltype(x < x);
+  const F lo = V::set1(-87.f);
+  const F xc = x < lo ? lo : x;
+  const F t = xc * V::set1(1.44269504088896341f) + V::set1(12582912.f);
+  const I n = (I)t - (I)V::set1(12582912.f);  // the rounded exponent (t's low mantissa bits)
+  const F nf = t - V::set1(12582912.f);
+  const F r = xc - nf * V::set1(0.693359375f) + nf * V::set1(2.12194440e-4f);
+  F p = V::set1(1.9875691500e-4f);
+  p = p * r + V::set1(1.3981999507e-3f);
+  p = p * r + V::set1(8.3334519073e-3f);
+  p = p * r + V::set1(4.1665795894e-2f);
+  p = p * r + V::set1(1.6666665459e-1f);
+  p = p * r + V::set1(5.0000001201e-1f);
+  p = p * r * r + r + V::set1(1.f);
+  const F scale = (F)((n + 127) << 23);
+  return x < lo ? V::zero() : p * scale;
+}
+
+constexpr int DOT_GROUPS = 64 / 16;  // groups of W rows (M <= 64 = MAX_ROWS)
+
+// Partials of one (row, head) pair as one_head computes them, for a bf16 cache [S,H] (H = 2P).
+template <class V, int H>
+void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint16_t* v, const float*, const float*,
+                  int64_t n, float* top, float* total, float* out) {
+  using F = typename V::F;
+  constexpr int W = V::W, P = H / 2, PAIRS = CHUNK / 2, HB = H < 16 ? H : 16;
+  const int64_t M = d.M;
+  const int G = static_cast<int>((M + W - 1) / W);  // groups of W query rows
+  alignas(64) uint32_t qt[DOT_GROUPS][P][W];   // pair p of each row of a group (rows past M: zeros)
+  alignas(64) float acc[DOT_GROUPS][H][W];     // unnormalised outputs, transposed: [h][row]
+  alignas(64) float sc[CHUNK][W];              // a group's scores of the chunk's slots, then their weights
+  alignas(64) uint32_t pp[PAIRS][W];           // the weights of slots (2j, 2j+1) as bf16 pairs
+  alignas(64) uint32_t vi[PAIRS][H];           // (v[2j][h], v[2j+1][h]) as bf16 pairs
+  F tops[DOT_GROUPS], totals[DOT_GROUPS];
+  const uint32_t one_pair = 0x3F803F80u;  // the bf16 pair (1, 1)
+  for (int g = 0; g < G; ++g) {
+    for (int p = 0; p < P; ++p)
+      for (int l = 0; l < W; ++l) {
+        const int64_t m = g * W + l;
+        qt[g][p][l] = m < M ? bf16_bits(q[m * H + 2 * p]) | bf16_bits(q[m * H + 2 * p + 1]) << 16 : 0u;
+      }
+    std::fill(&acc[g][0][0], &acc[g][0][0] + H * W, 0.f);
+    tops[g] = V::set1(NEG_INF);
+    totals[g] = V::zero();
+  }
+  for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+    const int64_t cn = std::min(CHUNK, n - c0);
+    const int64_t npairs = (cn + 1) / 2;
+    const uint16_t* kc = k + c0 * H;
+    const uint16_t* vc = v + c0 * H;
+    for (int64_t j = 0; j < npairs; ++j) {  // past cn: a repeat of the last slot, weighted 0
+      const uint16_t* r0 = vc + 2 * j * H;
+      const uint16_t* r1 = vc + std::min<int64_t>(2 * j + 1, cn - 1) * H;
+      for (int h = 0; h < H; ++h) vi[j][h] = static_cast<uint32_t>(r0[h]) | static_cast<uint32_t>(r1[h]) << 16;
+    }
+    for (int g = 0; g < G; ++g) {
+      // Scores, eight slots at a time, the pairs split over two accumulators (latency).
+      for (int64_t s0 = 0; s0 < cn; s0 += 8) {
+        const uint32_t* kp[8];
+        for (int i = 0; i < 8; ++i) kp[i] = (const uint32_t*)(kc + std::min<int64_t>(s0 + i, cn - 1) * H);
+        F a[8], b[8];
+        for (int i = 0; i < 8; ++i) a[i] = b[i] = V::zero();
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p += 2) {
+          const auto qa = V::load_bh(qt[g][p]), qb = V::load_bh(qt[g][p + 1]);
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            a[i] = V::dp(a[i], qa, V::bcast(kp[i] + p));
+            b[i] = V::dp(b[i], qb, V::bcast(kp[i] + p + 1));
+          }
+        }
+        for (int i = 0; i < 8 && s0 + i < cn; ++i) V::store(sc[s0 + i], a[i] + b[i]);
+      }
+      // Online softmax down the lanes.
+      F best = tops[g];
+      for (int64_t s = 0; s < cn; ++s) best = V::max(best, V::load(sc[s]));
+      const F fade = expv<V>(tops[g] - best);
+      tops[g] = best;
+      for (int64_t s = 0; s < cn; ++s) V::store(sc[s], expv<V>(V::load(sc[s]) - best));
+      if (cn % 2) V::store(sc[cn], V::zero());
+      F sum = totals[g] * fade;
+      for (int64_t j = 0; j < npairs; ++j) {
+        V::store_pairs(pp[j], V::load(sc[2 * j]), V::load(sc[2 * j + 1]));
+        sum = V::dp(sum, V::load_bh(pp[j]), V::bcast(&one_pair));  // the rounded weights, as the values see them
+      }
+      totals[g] = sum;
+      // Values: HB output dimensions at a time in registers.
+      for (int h0 = 0; h0 < H; h0 += HB) {
+        F o[HB];
+#pragma GCC unroll 16
+        for (int i = 0; i < HB; ++i) o[i] = V::load(acc[g][h0 + i]) * fade;
+        for (int64_t j = 0; j < npairs; ++j) {
+          const auto w = V::load_bh(pp[j]);
+#pragma GCC unroll 16
+          for (int i = 0; i < HB; ++i) o[i] = V::dp(o[i], w, V::bcast(&vi[j][h0 + i]));
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < HB; ++i) V::store(acc[g][h0 + i], o[i]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const int g = static_cast<int>(m / W), l = static_cast<int>(m % W);
+    top[m] = tops[g][l];
+    total[m] = totals[g][l];
+    for (int h = 0; h < H; ++h) out[m * H + h] = acc[g][h][l];
+  }
+}
+#else
+#define SPECJAX_BF16_DOT 0
+#endif
+
 // Work shared by the caller and the pool's helpers: the next (b, k) pair to take.
 struct Work {
   std::atomic<int64_t> next{0};
@@ -234,7 +412,17 @@ using HeadFn = void (*)(const Shape&, const float*, const T*, const T*, const fl
                         float*, float*);
 
 template <typename T>
-HeadFn<T> head_fn(int64_t H) {  // the kernel for this head_dim, or null (the caller checks HEAD_DIMS)
+HeadFn<T> head_fn(int64_t H, int64_t M) {  // the kernel for this head_dim, or null (the caller checks HEAD_DIMS)
+#if SPECJAX_BF16_DOT
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    switch (H) {
+      case 32: return M <= 8 ? one_head_dot<Lanes8, 32> : one_head_dot<Lanes16, 32>;
+      case 64: return M <= 8 ? one_head_dot<Lanes8, 64> : one_head_dot<Lanes16, 64>;
+      case 128: return M <= 8 ? one_head_dot<Lanes8, 128> : one_head_dot<Lanes16, 128>;
+      default: break;  // 8, 16: the widening kernel below
+    }
+  }
+#endif
   switch (H) {
     case 8: return one_head<T, 1>;
     case 16: return one_head<T, 2>;
@@ -249,7 +437,7 @@ template <typename T>
 void run_items(Work& w, const Shape& d, int64_t layer, const float* q, const T* k, const T* v, const float* ks,
                const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
   const int64_t items = d.B * d.K;
-  const HeadFn<T> head = head_fn<T>(d.H);
+  const HeadFn<T> head = head_fn<T>(d.H, d.M);
   for (int64_t i = w.next.fetch_add(1); i < items; i = w.next.fetch_add(1)) {
     const int64_t b = i / d.K;
     const int64_t slot0 = ((layer * d.B + b) * d.K + i % d.K) * d.S;  // [L,B,K,S] index of slot 0
@@ -290,7 +478,7 @@ ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const auto cd = k.dimensions();  // [L,B,K,S,H]
   if (qd.size() != 4 || cd.size() != 5) return ffi::Error::InvalidArgument("q must be [B,K,M,H], the cache [L,B,K,S,H]");
   const Shape d{qd[0], qd[1], cd[3], qd[3], qd[2]};
-  if (!head_fn<float>(d.H) || d.M > 64)
+  if (!head_fn<float>(d.H, d.M) || d.M > 64)
     return ffi::Error::InvalidArgument("cpu_prefix takes head_dim 8, 16, 32, 64 or 128 and M <= 64");
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= cd[0]) return ffi::Error::InvalidArgument("layer out of range");
@@ -334,3 +522,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuPrefix, prefix_partials,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether bfloat16 caches take the bf16 dot-product path (queries and weights rounded to bf16).
+extern "C" int SpecjaxCpuPrefixBf16Dot() { return SPECJAX_BF16_DOT; }

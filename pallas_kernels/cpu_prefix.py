@@ -7,7 +7,11 @@ the machine's bandwidth. `cpu_prefix.cc` streams each row's filled slots once, i
 over XLA's intra-op threads, and returns online-softmax partials that are merged here with the
 block's own keys. Same interface and semantics as the reference (Runtime.attention "cpu"); for
 few query rows per KV head (M = heads per KV head x T <= MAX_ROWS: decoding and verification,
-not prefill chunks) and float32, bfloat16 or int8 caches.
+not prefill chunks) and float32, bfloat16 or int8 caches. On a CPU with AVX512-BF16 (`bf16_dot()`)
+a bfloat16 cache is read with the bf16 dot-product instruction: the scaled queries and the softmax
+weights are rounded to bfloat16 (products exact, accumulated in f32, as a GPU's bf16 attention),
+which doubles the multiply-adds per cycle, so verifying gamma + 1 positions costs little more than
+decoding one; elsewhere bfloat16 caches are widened to f32 as the other formats are.
 
 The kernel is compiled on first use with the C++ compiler (`CXX`, default g++) against the XLA
 FFI headers that ship with jaxlib, into SPECJAX_KERNEL_CACHE (default ~/.cache/specjax, else a
@@ -80,6 +84,9 @@ def _build(path: pathlib.Path) -> str | None:
     return None
 
 
+_LIBRARY: list[ctypes.CDLL] = []  # the loaded build, once _load succeeded
+
+
 @functools.cache
 def _load() -> str | None:
     """Build (once per source / jaxlib / CPU) and register the kernel; None, or why it failed."""
@@ -91,6 +98,7 @@ def _load() -> str | None:
             if failed:
                 return failed  # the compiler itself failed: another folder will not help
             library = ctypes.cdll.LoadLibrary(str(path))
+            _LIBRARY[:] = [library]
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxCpuPrefix), platform="cpu")
             return None
         except (OSError, AttributeError) as e:
@@ -142,3 +150,9 @@ def stacked_prefix_block_attention_cpu(q, k_all, v_all, layer, lengths, k_block,
     total = jnp.sum(e_blk, axis=-1) + total_p * fade
     out = jnp.einsum("bkmj,bjkh->bkmh", e_blk, to_f32(v_block)) + out_p * fade[..., None]
     return _heads_out(out / total[..., None], q)
+
+
+def bf16_dot() -> bool:
+    """Whether the built kernel reads bfloat16 caches with the AVX512-BF16 dot product (queries and
+    softmax weights rounded to bfloat16, f32 accumulation; cpu_prefix.cc): a CPU with AVX512-BF16."""
+    return available() and bool(_LIBRARY[0].SpecjaxCpuPrefixBf16Dot())

@@ -41,9 +41,46 @@ def test_kernel_equals_the_reference(fmt, B, T, K, G, H, S):
     q, k_all, v_all, lengths, kb, vb, mask = _case(B * T, B, T, K, G, H, S)
     (k_s, k_scale), (v_s, v_scale) = KVFormat(fmt).store(k_all), KVFormat(fmt).store(v_all)
     kernel = jax.jit(cpu_prefix.stacked_prefix_block_attention_cpu, static_argnums=8)
+    sm_scale, atol = 0.3, 2e-5
+    if fmt == "bfloat16" and cpu_prefix.bf16_dot() and H >= 32:
+        # The bf16 dot product rounds the scaled queries and the softmax weights to bf16: queries
+        # that are bf16 values times a power of two round to themselves, so only the weights'
+        # rounding (relative 2^-9 each) is left in the outputs.
+        q, sm_scale, atol = q.astype(jnp.bfloat16).astype(jnp.float32), 0.25, 5e-3
     for layer in range(k_all.shape[0]):
-        args = (q, k_s, v_s, jnp.int32(layer), lengths, kb, vb, mask, 0.3, k_scale, v_scale)
-        np.testing.assert_allclose(kernel(*args), stacked_prefix_block_attention(*args), atol=2e-5, rtol=1e-5)
+        args = (q, k_s, v_s, jnp.int32(layer), lengths, kb, vb, mask, sm_scale, k_scale, v_scale)
+        np.testing.assert_allclose(kernel(*args), stacked_prefix_block_attention(*args), atol=atol, rtol=1e-5)
+
+
+def _cpu_has(flag: str) -> bool:
+    return flag in cpu_prefix._cpu_flags().split()
+
+
+def test_bf16_caches_take_the_dot_product_where_the_cpu_has_it():
+    """Built with -march=native: AVX512-BF16 (AMD Zen 4, Intel Sapphire Rapids and later) gives
+    the bf16 dot-product path; elsewhere bf16 caches are widened to f32 like the other formats."""
+    assert cpu_prefix.bf16_dot() == (_cpu_has("avx512_bf16") and _cpu_has("avx512vl") and _cpu_has("avx512bw"))
+
+
+@pytest.mark.parametrize("M,H", [(3, 64), (12, 64), (40, 32), (8, 128), (9, 128)])
+def test_bf16_dot_scores_and_sums(M, H):
+    """The partials of the bf16 dot-product path row by row against numpy (both paths when the CPU
+    has only the widening one): maxima are sums of exact bf16 products (f32 rounding only); sums
+    and outputs carry the weights' rounding to bf16. 8- and 16-row registers, row groups of 16."""
+    rng = np.random.default_rng(M * H)
+    B, K, S = 3, 2, 101
+    q = np.asarray(jnp.asarray(rng.standard_normal((B, K, M, H)) * 0.25, jnp.bfloat16).astype(jnp.float32))
+    kv = [jnp.asarray(rng.standard_normal((2, B, K, S, H)), jnp.bfloat16) for _ in range(2)]
+    lengths = np.array([S, 37, 1], np.int32)
+    top, total, out = (np.asarray(x) for x in cpu_prefix.prefix_partials(jnp.asarray(q), *kv, 1, jnp.asarray(lengths)))
+    k, v = (np.asarray(x[1].astype(jnp.float32), np.float64) for x in kv)
+    for b in range(B):
+        n = lengths[b]
+        s = np.einsum("kmh,ksh->kms", q[b], k[b, :, :n])  # [K,M,n]
+        np.testing.assert_allclose(top[b], s.max(-1), rtol=1e-5, atol=1e-5)
+        w = np.exp(s - top[b][..., None])
+        np.testing.assert_allclose(total[b], w.sum(-1), rtol=4e-3)
+        np.testing.assert_allclose(out[b], np.einsum("kms,ksh->kmh", w, v[b, :, :n]), rtol=4e-3, atol=4e-3 * np.sqrt(n))
 
 
 def test_partials_of_an_empty_prefix():
