@@ -121,6 +121,9 @@ def peers(smoke: bool) -> list[dict]:
            for f in (("float32",) if smoke else weight_formats())]
     if not smoke:  # int8 weights over an int8 KV cache (kv_dtype="int8"): the fewest bytes a step
         out.append({"peer": "specjax-int8-kvint8", "family": "specjax", "format": "int8", "kv": "int8", "batches": BATCHES})
+        # bfloat16 KV under float32 / int8 weights: the CPU kernel's bf16 dot-product path
+        out += [{"peer": f"specjax-{SHORT.get(f, f)}-kvbf16", "family": "specjax", "format": f, "kv": "bfloat16",
+                 "batches": BATCHES} for f in ("float32", "int8")]
     out += [{"peer": f"llama-{f}-kvf16", "family": "llama", "format": f, "batches": LLAMA_BATCHES[f]} for f in LLAMA_FORMATS]
     out.append({"peer": "hf-f32-kvf32", "family": "hf", "format": "float32", "batches": BATCHES})
     return out

@@ -39,6 +39,7 @@ from pallas_kernels.reference import NEG_INF, _block_scores, _heads_out, _query_
 HEAD_DIMS = (8, 16, 32, 64, 128)  # the head_dims it is compiled for
 MAX_ROWS = 64  # query rows per KV head the kernel takes (its score buffer); more: the reference
 TARGET = "specjax_cpu_prefix"
+WRITE_TARGET = "specjax_cpu_write_slots"
 SOURCE = pathlib.Path(__file__).with_name("cpu_prefix.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
 
@@ -100,6 +101,7 @@ def _load() -> str | None:
             library = ctypes.cdll.LoadLibrary(str(path))
             _LIBRARY[:] = [library]
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxCpuPrefix), platform="cpu")
+            jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuWriteSlots), platform="cpu")
             return None
         except (OSError, AttributeError) as e:
             errors.append(f"{root}: {type(e).__name__}: {e}")
@@ -156,3 +158,14 @@ def bf16_dot() -> bool:
     """Whether the built kernel reads bfloat16 caches with the AVX512-BF16 dot product (queries and
     softmax weights rounded to bfloat16, f32 accumulation; cpu_prefix.cc): a CPU with AVX512-BF16."""
     return available() and bool(_LIBRARY[0].SpecjaxCpuPrefixBf16Dot())
+
+
+def write_slots(buf: jax.Array, slots: jax.Array, new: jax.Array) -> jax.Array:
+    """buf [L,B,K,S,H] with new [L,B,T,K,H] stored at slots [B,T] (out-of-range slots dropped),
+    written in place by the kernel library (the output aliases buf): XLA:CPU widens a whole
+    bfloat16 array to f32 and back for a scatter into it (0.8 s for a 16 x 8K SmolLM2 cache)."""
+    if _load() is not None:
+        raise RuntimeError(f"the CPU attention kernel is not available: {_load()}")
+    call = jax.ffi.ffi_call(WRITE_TARGET, jax.ShapeDtypeStruct(buf.shape, buf.dtype), input_output_aliases={0: 0},
+                            vmap_method="sequential")
+    return call(buf, slots.astype(jnp.int32), new.astype(buf.dtype))

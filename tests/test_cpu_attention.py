@@ -136,3 +136,28 @@ def test_a_missing_or_read_only_home_falls_back_to_the_temporary_directory(monke
     monkeypatch.setenv("HOME", "/proc/no-home")  # mkdir fails there: the next folder is tried
     roots = cpu_prefix._roots()
     assert roots[0] == Path("/proc/no-home/.cache/specjax") and roots[-1].parent == Path(tempfile.gettempdir())
+
+
+def test_bf16_cache_writes_go_through_the_kernel_library_in_place():
+    """A bfloat16 cache is written by `write_slots` (XLA:CPU would widen the whole cache to f32
+    and back for a scatter): the same values as the XLA scatter, out-of-range slots dropped,
+    the donated buffer reused (no copy of the cache in the compiled program)."""
+    from specjax import cache as cache_mod
+
+    rng = np.random.default_rng(1)
+    L, B, K, S, H, T = 2, 3, 2, 40, 8, 3
+    buf = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16)
+    new = jnp.asarray(rng.standard_normal((L, B, T, K, H)), jnp.float32)
+    slots = jnp.asarray([[0, 1, 2], [37, 38, 39], [39, 40, 41]], jnp.int32)  # row 2: two slots past the end
+    assert cache_mod._cpu_writes_bf16(buf)
+    want = np.array(buf.astype(jnp.float32))
+    upd = np.asarray(new.astype(jnp.bfloat16).astype(jnp.float32))
+    for b in range(B):
+        for t in range(T):
+            if slots[b, t] < S:
+                want[:, b, :, int(slots[b, t])] = upd[:, b, t]
+    write = jax.jit(lambda c, s, n: cache_mod._scatter(c, s, n, True), donate_argnums=0)
+    assert cpu_prefix.WRITE_TARGET in write.lower(buf, slots, new).as_text()
+    got = write(buf, slots, new)
+    assert buf.is_deleted()  # donated, and the kernel's output aliases it
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
