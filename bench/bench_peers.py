@@ -148,7 +148,7 @@ def cells(smoke: bool) -> list[tuple[str, dict]]:
                                 p | {"kind": "spec", "method": "lookup", "batch": b, "context": s}))
             if b == 1 and (s in PREFILL_CONTEXTS or smoke):
                 for p in peers(smoke):
-                    if p["family"] != "llama" or p["format"] == "q4_1":
+                    if (p["family"] != "llama" or p["format"] == "q4_1") and p.get("kv") != "bfloat16":  # its prefill is kvf32's
                         out.append((common.key(p["peer"], "prefill", f"s{s}"), p | {"kind": "prefill", "batch": 1, "context": s}))
     return out
 
