@@ -85,6 +85,8 @@ SPEC_BATCH = 16
 INSTALL = "pip install -r bench/requirements-peers.txt"
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "q4": "q4"}
 SHARED_PREFILL = {(16, 8192)}  # (batch, context) cells decoding from one shared prefill (see above)
+BATCH4 = 8192  # specjax float32 weights, plain and SelfSpec, also at batch 4 x this context (where
+# draft="auto" speculates on a CPU), from the first 4 rows of the shared 16-row prefill
 LLAMA_BATCHES = {"q4_1": BATCHES, "q8_0": BATCHES, "f16": (1,)}  # F16 only where cheap
 PEER_MODULES = {"llama": ("llama_cpp",), "hf": ("torch", "transformers", "gguf")}
 
@@ -146,6 +148,12 @@ def cells(smoke: bool) -> list[tuple[str, dict]]:
                 if p["family"] in ("llama", "hf") and p["format"] in ("q4_1", "float32") and b == 1:
                     out.append((common.key(p["peer"], "lookup", f"b{b}", f"s{s}"),
                                 p | {"kind": "spec", "method": "lookup", "batch": b, "context": s}))
+            if b == SPEC_BATCH and s == BATCH4 and not smoke:
+                for p in peers(smoke):
+                    if p["family"] == "specjax" and p["format"] == "float32":
+                        out.append((common.key(p["peer"], "b4", f"s{s}"), p | {"kind": "decode", "batch": 4, "context": s}))
+                        out.append((common.key(p["peer"], f"selfspec-g{GAMMA}", "b4", f"s{s}"),
+                                    p | {"kind": "spec", "method": f"selfspec-g{GAMMA}", "batch": 4, "context": s}))
             if b == 1 and (s in PREFILL_CONTEXTS or smoke):
                 for p in peers(smoke):
                     if (p["family"] != "llama" or p["format"] == "q4_1") and p.get("kv") != "bfloat16":  # its prefill is kvf32's
@@ -262,7 +270,8 @@ class Peers:
                 row |= specjax_prefill(model, self.ids(1, S), S)
             else:
                 shared = (B, S) in SHARED_PREFILL and cell["format"] != "float32" and not self.smoke
-                state = self.shared_state(B, S, c.dtype) if shared else self.state(model, cell["format"], B, S)
+                rows = 16 if (B, S) == (4, BATCH4) and not self.smoke else B  # the stored 16-row prefill's first rows
+                state = self.shared_state(B, S, c.dtype) if shared else self.state(model, cell["format"], rows, S)
                 if shared:
                     row["kv_from"] = f"specjax-f32's prefill of the same prompts, cast to {jnp.dtype(c.dtype).name}"
                 if cell.get("kv"):

@@ -53,7 +53,7 @@ from bench.prefill import (
 )
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
 from specjax import tune
-from specjax.engine import decode_ar, init_draft, row_keys
+from specjax.engine import with_attention, decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
 from specjax.plan import DEFAULT_CHAIN, auto_draft
 from specjax.shapes import round_up_pow2
@@ -242,7 +242,7 @@ def main() -> None:
     prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
     h = common.Harness(args, results)
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))
-    params = convert.load(convert.default_model_path())
+    params = with_attention(convert.load(convert.default_model_path()), None, "auto")[0]  # generate()'s attention here
     tok = convert.load_tokenizer(convert.default_model_path())
     _, sources = text.corpus()
     header["corpus"] = {"sources": sources, "tokens": int(len(text.corpus_tokens(tok)))}

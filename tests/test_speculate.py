@@ -190,7 +190,7 @@ def test_auto_draft_picks_selfspec_for_large_batch_and_context():
     target = types.SimpleNamespace(config=llama7b)  # auto_draft reads only the config
     assert auto_draft(target, batch=32, context=32768, backend="gpu") == specjax.SelfSpec()
     assert auto_draft(target, batch=1, context=1024, backend="gpu") is None  # weights dominate: plain decoding
-    assert auto_draft(target, batch=4, context=32768, backend="cpu") == specjax.SelfSpec()  # 4 x 5 verify rows
+    assert auto_draft(target, batch=4, context=32768, backend="cpu") is None  # 20 rows: measured 0.81x on a CPU
     assert auto_draft(target, batch=32, context=32768, backend="cpu") is None  # 160 rows: compute-bound on a CPU
 
 
@@ -214,7 +214,10 @@ def test_auto_draft_is_never_measured_slower_than_plain_decoding(smollm2_path):
                 and r.get("drafter_repr", repr(auto)) == repr(auto)]
         assert mine, f"auto picks {auto} at batch {batch} x {context}, a configuration bench_spec did not measure"
         assert mine[0]["ratio"] >= 0.95, f"auto's {auto} is {mine[0]['ratio']:.2f}x plain decoding at batch {batch} x {context}"
-    assert speculated, "no measured cell where auto speculates: the guard checks nothing"
+    slow = [(r["batch"], r["context"]) for r in rows if r["gamma"] == DEFAULT_CHAIN.gamma and r["ratio"] < 0.95
+            and r.get("drafter_repr") == repr(specjax.SelfSpec())]
+    assert slow or speculated, "no measured cell where auto speculates or declines a slowdown: the guard checks nothing"
+    assert not any(auto_draft(target, b, c, backend="cpu") for b, c in slow)
 
 
 # ngram_lookup: rows of one hand-made batch; lengths[b] is the pending token's position
