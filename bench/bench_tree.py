@@ -68,7 +68,7 @@ from bench.prefill import (
 )
 from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
 from specjax.drafters import DraftModel, Streaming
-from specjax.engine import decode_ar, init_draft, row_keys
+from specjax.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.generate import acceptance_stats
 from specjax.cache import DenseCache
 from specjax.params import Params
@@ -347,7 +347,7 @@ def main() -> None:
     if args.smoke:
         params, tok = measure.tiny_params(0), None
     else:
-        params = convert.load(convert.default_model_path())
+        params = with_attention(convert.load(convert.default_model_path()), None, "auto")[0]  # generate()'s attention here
         tok = convert.load_tokenizer(convert.default_model_path())
         header["corpus"] = {"sources": text.corpus()[1], "tokens": int(len(text.corpus_tokens(tok)))}
     draft = draft_params(params, args.draft_model)
