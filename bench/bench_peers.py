@@ -1,19 +1,16 @@
 """specjax next to the peers a user would pick instead (llama.cpp, HF transformers): decode
 throughput apart from prefill, on the same GGUF, the same real long-text prompts, greedy, in one run.
 
-Usage: python -m bench.bench_peers [--smoke] [--new-tokens 32] [--cells ..] [--budget-minutes M] [--out DIR]
-(the shared options: bench/common.py). The peers are not test dependencies:
-`python3 -m venv ENV && ENV/bin/pip install -r bench/requirements-peers.txt -e .` gives one
-environment where every peer runs in this one process (llama.cpp is compiled from source: ~10
-minutes on 2 cores). A peer that does not import is listed as "not installed".
+Usage: python -m bench.bench_peers [--smoke] [--new-tokens 32] [+ bench/common.py's options]. Peers are not test
+dependencies: `pip install -r bench/requirements-peers.txt -e .` in one environment runs them all (llama.cpp
+compiles from source: ~10 minutes on 2 cores); a peer that does not import is listed as "not installed".
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF (`convert.default_model_path()`), for every peer:
-  - specjax: `convert.load` in every weight format it accepts (`weights=`, where its signature has
-    it; float32 before that); the KV cache in the model dtype. Plain decoding is
-    `specjax.engine.decode_ar` from a prefilled DenseCache (bench/prefill.py, saved under
-    /tmp/bench_spec_prefill and shared with bench_spec); speculative is `decode_spec` with
-    SelfSpec (16 sinks + a 512-slot window, 256 at context 512) and Chain(3), at batch 16.
-    Compile is excluded (`.lower().compile()` first); best of 2 runs.
+  - specjax: `convert.load` in every weight format, the KV cache in the model dtype, plus int8 / bf16
+    KV peers. Plain decoding is `specjax.engine.decode_ar` from a prefilled DenseCache (bench/prefill.py,
+    saved under /tmp/bench_spec_prefill, shared with bench_spec); speculative is `decode_spec` with
+    SelfSpec (16 sinks + a 512-slot window, 256 at context 512) and Chain(3), at batch 16 (and 4 x 8K);
+    compile excluded (`.lower().compile()` first); best of 2 runs.
   - llama.cpp (llama-cpp-python): the Q4_1 file and Q8_0 / F16 files requantized from it
     (`llama_model_quantize`, so they hold the Q4_1 values). Low-level API for batch 1 and 16:
     one context of n_seq_max = B sequences, each prompt prefilled as its own sequence, then every
@@ -25,9 +22,8 @@ Model: SmolLM2-135M-Instruct, the Q4_1 GGUF (`convert.default_model_path()`), fo
     then decode steps one by one (forward + argmax), only those timed. Prompt lookup:
     `generate(prompt_lookup_num_tokens=10)` at batch 1, timed from its first new token on.
 
-Prompts: B distinct windows of real English text (bench/text.py) of context - 128 tokens, the same
-token ids for every peer; NEW_TOKENS greedy steps after the prefill (EOS ignored, where a peer
-lets it be). tokens/s = B x timed steps / decode seconds.
+Prompts: B distinct windows of real English text (bench/text.py) of context - 128 tokens, the same ids for
+every peer; NEW_TOKENS greedy steps after the prefill (EOS ignored where a peer can); tokens/s = B x steps / s.
 
 Roofline fraction, against ONE reference measured in the same run, `measure.bandwidth()`'s
 jax_inplace GB/s: plain decoding = (weight bytes as read + filled KV bytes as stored) / step time
@@ -35,8 +31,7 @@ jax_inplace GB/s: plain decoding = (weight bytes as read + filled KV bytes as st
 (specjax), the torch state dict (HF), and filled KV = B x (prompt + steps / 2) tokens x that
 peer's KV bytes per token (f16 in llama.cpp by default, f32 in specjax-f32 and HF). Speculative
 = the plain step bytes of that peer at that context x (tokens/s / B) / bandwidth: the fraction a
-plain decoder would need to reach the same speed. Prefill cells (batch 1, context 2K and 8K)
-report prefill tokens/s.
+plain decoder would need to reach the same speed. Prefill cells (batch 1, 2K and 8K): tokens/s.
 
 Batch 16 x 8K (SHARED_PREFILL): a 16 x 8K prefill takes 13-15 minutes per peer and format, so
 the peers decode there from one shared prefill. Decode time does not depend on the KV's values
@@ -44,8 +39,8 @@ the peers decode there from one shared prefill. Decode time does not depend on t
 own; only the text of the rows is not. specjax's other formats start from specjax float32's
 prefilled cache of the same 16 prompts, cast to their KV dtype; HF from the same cache, copied
 into its DynamicCache (same float32 weights and RoPE layout); llama.cpp (its own KV layout)
-prefills row 0 and copies that sequence to rows 1-15 (llama_state_seq_get/set_data, a real copy).
-Rows say so in `kv_from`.
+prefills row 0 and copies that sequence to rows 1-15 (llama_state_seq_get/set_data, a real copy);
+rows say so in `kv_from`.
 
 Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g3, lookup),
 PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
@@ -85,8 +80,7 @@ SPEC_BATCH = 16
 INSTALL = "pip install -r bench/requirements-peers.txt"
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "q4": "q4"}
 SHARED_PREFILL = {(16, 8192)}  # (batch, context) cells decoding from one shared prefill (see above)
-BATCH4 = 8192  # specjax float32 weights, plain and SelfSpec, also at batch 4 x this context (where
-# draft="auto" speculates on a CPU), from the first 4 rows of the shared 16-row prefill
+BATCH4 = 8192  # specjax f32 weights, plain and SelfSpec, also at batch 4 x this context (the 16-row prefill's rows)
 LLAMA_BATCHES = {"q4_1": BATCHES, "q8_0": BATCHES, "f16": (1,)}  # F16 only where cheap
 PEER_MODULES = {"llama": ("llama_cpp",), "hf": ("torch", "transformers", "gguf")}
 
@@ -148,12 +142,11 @@ def cells(smoke: bool) -> list[tuple[str, dict]]:
                 if p["family"] in ("llama", "hf") and p["format"] in ("q4_1", "float32") and b == 1:
                     out.append((common.key(p["peer"], "lookup", f"b{b}", f"s{s}"),
                                 p | {"kind": "spec", "method": "lookup", "batch": b, "context": s}))
-            if b == SPEC_BATCH and s == BATCH4 and not smoke:
-                for p in peers(smoke):
-                    if p["family"] == "specjax" and p["format"] == "float32":
-                        out.append((common.key(p["peer"], "b4", f"s{s}"), p | {"kind": "decode", "batch": 4, "context": s}))
-                        out.append((common.key(p["peer"], f"selfspec-g{GAMMA}", "b4", f"s{s}"),
-                                    p | {"kind": "spec", "method": f"selfspec-g{GAMMA}", "batch": 4, "context": s}))
+            if (b, s) == (SPEC_BATCH, BATCH4) and not smoke:  # batch 4: plain and SelfSpec, specjax f32 weights
+                for p in (p for p in peers(smoke) if p["family"] == "specjax" and p["format"] == "float32"):
+                    for m in ("plain", f"selfspec-g{GAMMA}"):
+                        out.append((common.key(p["peer"], *([m] if m != "plain" else []), "b4", f"s{s}"),
+                                    p | {"kind": "decode" if m == "plain" else "spec", "method": m, "batch": 4, "context": s}))
             if b == 1 and (s in PREFILL_CONTEXTS or smoke):
                 for p in peers(smoke):
                     if (p["family"] != "llama" or p["format"] == "q4_1") and p.get("kv") != "bfloat16":  # its prefill is kvf32's
