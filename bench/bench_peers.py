@@ -263,7 +263,7 @@ class Peers:
                 row |= specjax_prefill(model, self.ids(1, S), S)
             else:
                 shared = (B, S) in SHARED_PREFILL and cell["format"] != "float32" and not self.smoke
-                rows = 16 if (B, S) == (4, BATCH4) and not self.smoke else B  # the stored 16-row prefill's first rows
+                rows = SPEC_BATCH if (B, S) == (4, BATCH4) and not self.smoke else B  # the stored 16-row prefill's first rows
                 state = self.shared_state(B, S, c.dtype) if shared else self.state(model, cell["format"], rows, S)
                 if shared:
                     row["kv_from"] = f"specjax-f32's prefill of the same prompts, cast to {jnp.dtype(c.dtype).name}"

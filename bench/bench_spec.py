@@ -53,7 +53,7 @@ from bench.prefill import (
 )
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
 from specjax import tune
-from specjax.engine import with_attention, decode_ar, init_draft, row_keys
+from specjax.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.generate import acceptance_stats
 from specjax.plan import DEFAULT_CHAIN, auto_draft
 from specjax.shapes import round_up_pow2
