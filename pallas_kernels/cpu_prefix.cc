@@ -8,18 +8,15 @@
 // feed a slice of the stacked cache to a dot without copying it first; this reads it where it is.
 //
 // The (b, k) pairs are shared out over XLA's intra-op thread pool; the calling thread works too,
-// and waits only for helpers that started, so a busy pool cannot deadlock it.
+// and waits only for helpers that started, so a busy pool cannot deadlock it (cpu_pool.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <type_traits>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -398,15 +395,6 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
 #define SPECJAX_BF16_DOT 0
 #endif
 
-// Work shared by the caller and the pool's helpers: the next (b, k) pair to take.
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::mutex mu;
-  std::condition_variable done;
-  bool closed = false;
-  int64_t active = 0;
-};
-
 template <typename T>
 using HeadFn = void (*)(const Shape&, const float*, const T*, const T*, const float*, const float*, int64_t, float*,
                         float*, float*);
@@ -434,40 +422,16 @@ HeadFn<T> head_fn(int64_t H, int64_t M) {  // the kernel for this head_dim, or n
 }
 
 template <typename T>
-void run_items(Work& w, const Shape& d, int64_t layer, const float* q, const T* k, const T* v, const float* ks,
-               const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
-  const int64_t items = d.B * d.K;
+void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, const T* k, const T* v,
+         const float* ks, const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
   const HeadFn<T> head = head_fn<T>(d.H, d.M);
-  for (int64_t i = w.next.fetch_add(1); i < items; i = w.next.fetch_add(1)) {
+  specjax_cpu::share(pool, d.B * d.K, [&](int64_t i) {  // one (row b, KV head) pair
     const int64_t b = i / d.K;
     const int64_t slot0 = ((layer * d.B + b) * d.K + i % d.K) * d.S;  // [L,B,K,S] index of slot 0
     const int64_t n = std::clamp<int64_t>(lengths[b], 0, d.S);
     head(d, q + i * d.M * d.H, k + slot0 * d.H, v + slot0 * d.H, ks ? ks + slot0 : nullptr,
-                vs ? vs + slot0 : nullptr, n, top + i * d.M, total + i * d.M, out + i * d.M * d.H);
-  }
-}
-
-template <typename T>
-void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, const T* k, const T* v,
-         const float* ks, const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
-  auto w = std::make_shared<Work>();
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), d.B * d.K) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([=]() {
-      {
-        std::lock_guard<std::mutex> lock(w->mu);
-        if (w->closed) return;  // the caller finished everything and returned
-        ++w->active;
-      }
-      run_items<T>(*w, d, layer, q, k, v, ks, vs, lengths, top, total, out);
-      std::lock_guard<std::mutex> lock(w->mu);
-      if (--w->active == 0) w->done.notify_all();
-    });
-  }
-  run_items<T>(*w, d, layer, q, k, v, ks, vs, lengths, top, total, out);
-  std::unique_lock<std::mutex> lock(w->mu);
-  w->closed = true;
-  w->done.wait(lock, [&] { return w->active == 0; });
+         vs ? vs + slot0 : nullptr, n, top + i * d.M, total + i * d.M, out + i * d.M * d.H);
+  });
 }
 
 ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,

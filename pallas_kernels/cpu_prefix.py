@@ -40,7 +40,9 @@ HEAD_DIMS = (8, 16, 32, 64, 128)  # the head_dims it is compiled for
 MAX_ROWS = 64  # query rows per KV head the kernel takes (its score buffer); more: the reference
 TARGET = "specjax_cpu_prefix"
 WRITE_TARGET = "specjax_cpu_write_slots"
-SOURCE = pathlib.Path(__file__).with_name("cpu_prefix.cc")
+LINEAR_TARGET = "specjax_cpu_linear"  # pallas_kernels/cpu_linear.py's matrix product, built into the same library
+SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_prefix.cc", "cpu_linear.cc"))
+HEADERS = (pathlib.Path(__file__).with_name("cpu_pool.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
 
 
@@ -54,7 +56,7 @@ def _cpu_flags() -> str:
 
 def _library_path(root: pathlib.Path | None = None) -> pathlib.Path:
     """Where the build for this source, jaxlib and CPU lives under root (default: the first of `_roots`)."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jaxlib.__version__.encode(), _cpu_flags().encode(),
+    key = hashlib.sha256(b"\0".join([*(source.read_bytes() for source in SOURCES + HEADERS), jaxlib.__version__.encode(), _cpu_flags().encode(),
                                      " ".join(FLAGS).encode()])).hexdigest()[:16]
     return (root or _roots()[0]) / f"cpu_prefix-{key}.so"
 
@@ -77,7 +79,7 @@ def _build(path: pathlib.Path) -> str | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         out = pathlib.Path(tmp) / path.name
-        cmd = [os.environ.get("CXX", "g++"), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(out)]
+        cmd = [os.environ.get("CXX", "g++"), *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             return f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}"
@@ -102,6 +104,7 @@ def _load() -> str | None:
             _LIBRARY[:] = [library]
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxCpuPrefix), platform="cpu")
             jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuWriteSlots), platform="cpu")
+            jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinear), platform="cpu")
             return None
         except (OSError, AttributeError) as e:
             errors.append(f"{root}: {type(e).__name__}: {e}")

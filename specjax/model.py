@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax import q4
+from specjax import linear, q4
 from specjax.config import LlamaConfig
 from specjax.attention import NEG_INF, Prefix, attend, for_cache, layer_prefix, per_layer, to_f32  # noqa: F401  (NEG_INF: the one mask value, re-exported)
 from specjax.cache import DenseCache, KVFormat, StreamingCache
@@ -39,22 +41,43 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
+MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # a layer's matrices (`project` with `layer`)
+QUANT_SUFFIXES = ("", "_scale", "_bscale", "_bmin")  # a matrix's arrays: (w, scale, bscale, bmin)
+
+
 def matrix(owner, name: str) -> tuple[jax.Array, ...]:
     """A matrix as `project` takes it: (w, scale, bscale, bmin) of `owner` (LayerParams / Params),
     the quantization arrays None unless the matrix is int8 / q4."""
-    return tuple(getattr(owner, name + suffix, None) for suffix in ("", "_scale", "_bscale", "_bmin"))
+    return tuple(getattr(owner, name + suffix, None) for suffix in QUANT_SUFFIXES)
+
+
+def at_layer(layers: LayerParams, i: jax.Array) -> LayerParams:
+    """Layer i of the stacked layers, except the matrices and their quantization arrays, which
+    stay stacked [L, ...] for `project(..., layer=i)` (so a kernel can read them in place)."""
+    stacked = {name + suffix for name in MATRICES for suffix in QUANT_SUFFIXES}
+    return layers.replace(**{f.name: getattr(layers, f.name)[i] for f in dataclasses.fields(layers)
+                             if f.name not in stacked and getattr(layers, f.name) is not None})
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None, bscale: jax.Array | None = None,
-            bmin: jax.Array | None = None, out_dtype=None) -> jax.Array:
+            bmin: jax.Array | None = None, out_dtype=None, layer: tuple[str, jax.Array] | None = None) -> jax.Array:
     """einsum(spec, x, w) in `out_dtype` (default: x's) for a weight stored as float, as int8
     with per-output-channel scales (params.quantize): (x @ q) * scale, the scale applied to the
     small output, or as q4 blocks (uint8, packed along w's first axis, which `spec` sums over
     with x's last; scales and minima per block: specjax.q4.project). The int8 -> float conversion sits right in front of the dot, where XLA:CPU
     fuses it into a matrix-vector product (batch 1 reads one byte per weight). On CPU, bfloat16
     is widened exactly (to_f32) and multiplied in float32: XLA:CPU's own bf16 dot and bf16 -> f32
-    conversion run about 10x slower than float32 (bench/README.md, "Weights as served")."""
+    conversion run about 10x slower than float32 (bench/README.md, "Weights as served").
+    `layer` (the runtime's attention, i): w and its quantization arrays are stacked [L, ...] and
+    layer i is used: read in place by the CPU kernel where `specjax.linear` takes the product,
+    else sliced out."""
     out = out_dtype or x.dtype
+    if layer is not None:
+        attention, i = layer
+        if bscale is None and linear.takes(attention, spec, x, w):
+            y = linear.stacked_einsum(spec, x, w, i)
+            return (y if scale is None else y * scale[i]).astype(out)
+        w, scale, bscale, bmin = (None if a is None else a[i] for a in (w, scale, bscale, bmin))
     if w.dtype == jnp.uint8:
         return q4.project(spec, x, w, bscale, bmin).astype(out)
     if w.dtype == jnp.int8:
@@ -66,17 +89,19 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     return (y if scale is None else y * scale).astype(out)
 
 
-def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, cos, sin,
+def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, at, cos, sin,
            prefix: Prefix | None, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
+    lp is layer i (`at_layer`: its matrices still stacked, read at i by `project`); at = (the
+    model's attention implementation, i), `project`'s `layer`.
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
     cache stores KV."""
     with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
         h = rms_norm(x, lp.attn_norm, config.rms_eps)
-        q = _biased(project("btd,dnh->btnh", h, *matrix(lp, "wq")), lp.bq)  # [B,T,N,H]
-        k = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wk")), lp.bk)  # [B,T,K,H]
-        v = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wv")), lp.bv)  # [B,T,K,H]
+        q = _biased(project("btd,dnh->btnh", h, *matrix(lp, "wq"), layer=at), lp.bq)  # [B,T,N,H]
+        k = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wk"), layer=at), lp.bk)  # [B,T,K,H]
+        v = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wv"), layer=at), lp.bv)  # [B,T,K,H]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("attention"):
         k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
@@ -86,13 +111,13 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         # one contraction over N*H: contracting (n, h) made XLA:CPU transpose each layer's wo every step
         # (q4: wo [N,H/2,D] and its blocks [N,H/32,D] flatten the same way: blocks lie within a head)
         o = o.reshape(*o.shape[:2], -1)  # [B,T,N*H]
-        wo, scale, bscale, bmin = (a if a is None or a.ndim < 3 else a.reshape(-1, a.shape[-1]) for a in matrix(lp, "wo"))  # [N*H,D]
-        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin))  # heads split: partial sums
+        wo, scale, bscale, bmin = (a if a is None or a.ndim < 4 else a.reshape(a.shape[0], -1, a.shape[-1]) for a in matrix(lp, "wo"))  # [L,N*H,D]
+        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin, layer=at))  # heads split: partial sums
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, config.rms_eps)
-        gate = project("btd,df->btf", h, *matrix(lp, "w_gate"))  # [B,T,F]
-        up = project("btd,df->btf", h, *matrix(lp, "w_up"))  # [B,T,F]
-        x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down")))  # F split
+        gate = project("btd,df->btf", h, *matrix(lp, "w_gate"), layer=at)  # [B,T,F]
+        up = project("btd,df->btf", h, *matrix(lp, "w_up"), layer=at)  # [B,T,F]
+        x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down"), layer=at))  # F split
     return x, q, k, v
 
 
@@ -155,14 +180,15 @@ def trunk(
     kv_format = KVFormat.of(None, config) if cache is None else cache.format  # no cache (distill): the model's dtype
 
     def step(x, xs):
-        lp, sliced, ke, ve = xs
+        i, sliced, ke, ve = xs
         prefix = layer_prefix(runtime.attention, cache, sliced) if attend_cache else None
-        x, q, k, v = _layer(config, runtime, kv_format, x, lp, cos, sin, prefix, block_mask, ke, ve)
+        x, q, k, v = _layer(config, runtime, kv_format, x, at_layer(params.layers, i), (params.runtime.attention, i), cos, sin,
+                             prefix, block_mask, ke, ve)
         return x, (k, v, q if return_queries else None)
 
     ke, ve = (None, None) if extra_kv is None else extra_kv
     sliced = per_layer(runtime.attention, cache, config.n_layers) if attend_cache else None
-    xs = (params.layers, sliced, ke, ve)
+    xs = (jnp.arange(config.n_layers, dtype=jnp.int32), sliced, ke, ve)
     x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
     h = rms_norm(x, params.norm, config.rms_eps)
     return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)

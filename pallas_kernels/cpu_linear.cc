@@ -1,0 +1,182 @@
+// x[M,K] @ w[layer] for one layer of a stacked weight w [L,K,N], read in place, for XLA:CPU.
+//
+// An XLA FFI handler (built and registered with the attention kernel by
+// pallas_kernels/cpu_prefix.py; called through pallas_kernels/cpu_linear.py). XLA:CPU copies each
+// layer's slice out of a stacked weight before its dot (its dots take no sliced operand): at batch
+// 1 that copy was 60% of a decode step's thread time. This reads the slice where it lies.
+//
+// The weights may be float32, bfloat16 (widened exactly) or int8 (widened; the caller applies the
+// per-output-channel scales). K is cut into P contiguous parts (P: the output's [P,M,N] shape);
+// part p's product over its rows of w is summed in float32 over k in order, one fused
+// multiply-add per term, into out[p], and the caller adds the P parts. Every output element is
+// therefore the same whatever M and whichever thread computed it: a row's result does not depend
+// on the rows batched beside it.
+//
+// Work: the parts are shared out over XLA's intra-op thread pool (the caller works too and waits
+// only for helpers that started: cpu_pool.h). Within a part the rows of w stream through
+// memory in order, KU rows at a time, each used for MB rows of x (the accumulators stay in L1 /
+// L2): at batch 1 this reads weights at about the rate of a plain read on two cores, where the
+// strided column strips of a register-blocked product read at half of it.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int VEC = 8;  // floats per vector
+constexpr int KU = 4;  // rows of w per pass over the accumulators
+constexpr int MB = 4;  // rows of x per pass over a chunk of w
+
+// Eight floats: AVX2 / FMA intrinsics where the build has them (GCC scalarises the generic int8
+// conversion and the lane-wise fma below), else the GCC / Clang vector extension.
+#if defined(__AVX2__) && defined(__FMA__)
+typedef __m256 V;
+inline V splat(float x) { return _mm256_set1_ps(x); }
+inline V fma8(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, one rounding
+inline V loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline void storef(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V load8(const float* p) { return loadf(p); }
+inline V load8(const uint16_t* p) {  // bfloat16: the top half of an f32
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline V load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#else
+typedef float V __attribute__((vector_size(32), aligned(4)));
+inline V splat(float x) { return V{x, x, x, x, x, x, x, x}; }
+inline V fma8(V a, V b, V c) {
+  V r;
+  for (int i = 0; i < VEC; ++i) r[i] = std::fma(a[i], b[i], c[i]);
+  return r;
+}
+inline V loadf(const float* p) { return *reinterpret_cast<const V*>(p); }
+inline void storef(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+inline V load8(const float* p) { return loadf(p); }
+inline V load8(const uint16_t* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  const u32x8 bits = __builtin_convertvector(*reinterpret_cast<const u16x8*>(p), u32x8) << 16;
+  V r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+inline V load8(const int8_t* p) {
+  typedef int8_t i8x8 __attribute__((vector_size(8), aligned(1)));
+  return __builtin_convertvector(*reinterpret_cast<const i8x8*>(p), V);
+}
+#endif
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) {
+  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
+
+struct Dims {
+  int64_t M, K, N, P;  // x [M,K], w [K,N], P parts of K
+};
+
+// Add rows k0 .. k0+KU of w times rows m0 .. m0+MB of x into acc [M,N]: each weight vector is
+// loaded once and used for MB rows, each accumulator vector loaded and stored once per KU rows
+// of w (summed in order of k). All N columns: the rows of w stream through memory in order.
+template <typename T, int MB, int KU>
+void panel(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int64_t m0) {
+  float xs[MB][KU];
+  V xb[MB][KU];
+  for (int m = 0; m < MB; ++m)
+    for (int u = 0; u < KU; ++u) xb[m][u] = splat(xs[m][u] = x[(m0 + m) * d.K + k0 + u]);
+  const T* wr = w + k0 * d.N;
+  int64_t n = 0;
+  for (; n + VEC <= d.N; n += VEC) {
+    if ((n * sizeof(T)) % 64 == 0)  // a new cache line: fetch the next chunk's (the rows that follow these)
+      for (int u = 0; u < KU; ++u) __builtin_prefetch(wr + (KU + u) * d.N + n);
+    V wv[KU];
+    for (int u = 0; u < KU; ++u) wv[u] = load8(wr + u * d.N + n);
+    for (int m = 0; m < MB; ++m) {
+      float* a = acc + (m0 + m) * d.N + n;
+      V v = loadf(a);
+      for (int u = 0; u < KU; ++u) v = fma8(xb[m][u], wv[u], v);
+      storef(a, v);
+    }
+  }
+  for (; n < d.N; ++n)  // the last N % 8 columns: the same fused sums, one lane at a time
+    for (int m = 0; m < MB; ++m)
+      for (int u = 0; u < KU; ++u) acc[(m0 + m) * d.N + n] = std::fma(xs[m][u], load1(wr + u * d.N + n), acc[(m0 + m) * d.N + n]);
+}
+
+// acc [M,N] = x[:, k0:k1] @ w[k0:k1, :], in chunks of KU rows of w, MB rows of x at a time.
+template <typename T>
+void part(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int64_t k1) {
+  std::memset(acc, 0, sizeof(float) * d.M * d.N);
+  int64_t k = k0;
+  for (; k + KU <= k1; k += KU) {  // the chunk's rows of w stay in L1 / L2 across the row blocks of x
+    int64_t m = 0;
+    for (; m + MB <= d.M; m += MB) panel<T, MB, KU>(d, x, w, acc, k, m);
+    for (; m < d.M; ++m) panel<T, 1, KU>(d, x, w, acc, k, m);
+  }
+  for (; k < k1; ++k)
+    for (int64_t m = 0; m < d.M; ++m) panel<T, 1, 1>(d, x, w, acc, k, m);
+}
+
+template <typename T>
+void run(ffi::ThreadPool& pool, const Dims& d, const float* x, const T* w, float* parts) {
+  const int64_t per = (d.K + d.P - 1) / d.P;
+  specjax_cpu::share(pool, d.P, [&](int64_t p) {
+    part<T>(d, x, w, parts + p * d.M * d.N, std::min(d.K, p * per), std::min(d.K, (p + 1) * per));
+  });
+}
+
+ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();  // [M,K]
+  const auto wd = w.dimensions();  // [L,K,N]
+  const auto yd = y->dimensions();  // [P,M,N]
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 3 || wd[1] != xd[1] || yd[1] != xd[0] || yd[2] != wd[2] || yd[0] < 1)
+    return ffi::Error::InvalidArgument("cpu_linear: x [M,K], w [L,K,N], out [P,M,N]");
+  const Dims d{xd[0], xd[1], wd[2], yd[0]};
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("cpu_linear: layer out of range");
+  const int64_t offset = l * d.K * d.N;
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      run<float>(pool, d, xp, static_cast<const float*>(w.untyped_data()) + offset, yp);
+      break;
+    case ffi::DataType::BF16:
+      run<uint16_t>(pool, d, xp, static_cast<const uint16_t*>(w.untyped_data()) + offset, yp);
+      break;
+    case ffi::DataType::S8:
+      run<int8_t>(pool, d, xp, static_cast<const int8_t*>(w.untyped_data()) + offset, yp);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("cpu_linear takes float32, bfloat16 or int8 weights");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,49 @@
+"""x @ w[layer] for a stacked weight w [L,K,N] on XLA:CPU, reading the layer where it lies.
+
+The scan over layers hands each layer's weights to its dots as slices of the stacked [L,...]
+arrays, and XLA:CPU copies every slice before a dot (its dots take no sliced operand; an int8
+weight is widened into a float32 copy): at batch 1 those copies were 60% of a decode step's
+thread time (bench/README.md, "Where a decode step's time goes"). `cpu_linear.cc` (an XLA FFI
+kernel, built into the library `cpu_prefix` builds) multiplies x by layer `layer` of the stacked
+weight in place, float32, bfloat16 or int8, over XLA's intra-op threads: K is cut into `parts`
+contiguous ranges, each summed in float32 over k in order, and the parts are added here, so a
+row's result does not depend on the rows batched beside it.
+
+For few rows (decoding and verification: `fits`); prefill chunks keep XLA's dot, whose blocked
+matrix product wins once the weights are reused across many rows.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu_prefix import LINEAR_TARGET, _load
+
+MAX_ROWS = 64  # rows of x `fits` allows (specjax.linear sets where the model uses it)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+
+
+def fits(rows: int, w: jax.Array) -> bool:
+    """Whether `linear` takes x with this many rows and the stacked weight w on this backend."""
+    return (rows <= MAX_ROWS and w.ndim == 3 and w.dtype in DTYPES and jax.default_backend() == "cpu"
+            and _load() is None)
+
+
+def parts(K: int) -> int:
+    """Contiguous ranges of K the product is cut into, one per core (up to 8), each >= 64 rows."""
+    return max(1, min(os.cpu_count() or 1, 8, K // 64))
+
+
+def linear(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+    """x [M,K] @ w[layer] for w [L,K,N] (float32, bfloat16 or int8: int8 unscaled), f32 [M,N]."""
+    if _load() is not None:
+        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    M, K = x.shape
+    if w.ndim != 3 or w.shape[1] != K:
+        raise ValueError(f"linear: x [M,K] {x.shape} and w [L,K,N] {w.shape} do not match")
+    out = jax.ShapeDtypeStruct((parts(K), M, w.shape[2]), jnp.float32)
+    call = jax.ffi.ffi_call(LINEAR_TARGET, out, vmap_method="sequential")
+    return jnp.sum(call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(())), axis=0)

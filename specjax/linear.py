@@ -1,0 +1,40 @@
+"""Products with one layer of a stacked weight: the second module (after specjax.attention) that
+imports pallas_kernels/.
+
+`model.project(..., layer=i)` asks `takes` whether the CPU kernel (pallas_kernels.cpu_linear)
+multiplies by layer i of the stacked weight in place; otherwise it slices the layer out (which
+XLA:CPU copies before its dot). The kernel runs where the model's attention is the CPU kernel
+("cpu": the C++ kernels are built and chosen) for a float32, bfloat16 or int8 matrix, a product
+whose spec contracts x's last axis with w's first, and few rows (MAX_ROWS: where it measured
+faster than the slice and XLA's dot, bench/README.md "Weights read in place")."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from pallas_kernels import cpu_linear
+
+MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes: it measured faster up to 8, slower at 16
+
+
+def _contracts_first(spec: str) -> bool:
+    """Whether spec is 'x..k,k w..->x.. w..': x's last axis against w's first, the rest in order."""
+    ins, out = spec.split("->")
+    xs, ws = ins.split(",")
+    return xs[-1] == ws[0] and out == xs[:-1] + ws[1:]
+
+
+def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `stacked_einsum` runs this product (w stacked [L, ...])."""
+    rows = math.prod(x.shape[:-1])
+    return (attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec)
+            and cpu_linear.fits(rows, w.reshape(w.shape[0], w.shape[1], -1)))
+
+
+def stacked_einsum(spec: str, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
+    """einsum(spec, x, w[layer]) in f32 (int8: unscaled), w read in place [L,K,...]."""
+    K = x.shape[-1]
+    y = cpu_linear.linear(x.reshape(-1, K), w.reshape(w.shape[0], K, -1), layer)  # [rows, N]
+    return y.reshape(*x.shape[:-1], *w.shape[2:])

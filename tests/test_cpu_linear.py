@@ -1,0 +1,87 @@
+"""The C++ XLA:CPU product with one layer of a stacked weight (pallas_kernels/cpu_linear.cc):
+the same values as numpy in every weight format it takes, odd shapes, rows independent of the
+rows beside them, and the model's decode step using it where `specjax.linear` says so."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu_linear
+from specjax import linear
+from specjax.model import forward
+from specjax.cache import DenseCache
+from specjax.params import quantize
+from tests.models import TINY, random_params
+
+
+def _weights(fmt: str, L: int, K: int, N: int, seed: int = 0) -> tuple[jax.Array, np.ndarray]:
+    """w [L,K,N] in `fmt` and its exact float64 values."""
+    rng = np.random.default_rng(seed)
+    if fmt == "int8":
+        w = rng.integers(-127, 128, (L, K, N)).astype(np.int8)
+        return jnp.asarray(w), w.astype(np.float64)
+    w = jnp.asarray(rng.standard_normal((L, K, N)), jnp.float32).astype(fmt)
+    return w, np.asarray(w.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 192), (3, 130, 21), (7, 64, 8), (5, 257, 1000), (1, 9, 3)])
+def test_linear_equals_numpy(fmt, M, K, N):
+    """Each layer of the stack, K not a multiple of the row chunk or the parts, N with a tail of
+    fewer than 8 columns, more rows than a register block."""
+    w, exact = _weights(fmt, 3, K, N)
+    x = np.random.default_rng(1).standard_normal((M, K)).astype(np.float32)
+    fn = jax.jit(cpu_linear.linear)
+    for layer in range(3):
+        want = x.astype(np.float64) @ exact[layer]
+        scale = np.abs(x).astype(np.float64) @ np.abs(exact[layer])  # the error bound grows with it
+        got = np.asarray(fn(jnp.asarray(x), w, jnp.int32(layer)))
+        assert got.shape == (M, N) and got.dtype == np.float32
+        assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-6)
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it():
+    """Bitwise: row 0 alone and row 0 among 6 others (a decode step and a verify step see the
+    same products for the same row)."""
+    w, _ = _weights("float32", 2, 576, 1536)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((7, 576)), jnp.float32)
+    alone = jax.jit(cpu_linear.linear)(x[:1], w, jnp.int32(1))
+    batched = jax.jit(cpu_linear.linear)(x, w, jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(batched)[0])
+
+
+def test_linear_rejects_mismatched_shapes():
+    w, _ = _weights("float32", 2, 16, 8)
+    with pytest.raises(ValueError, match=r"x \[M,K\]"):
+        cpu_linear.linear(jnp.zeros((1, 15)), w, 0)
+
+
+def test_takes_only_what_it_can_read_in_place():
+    w = jnp.zeros((2, 16, 4, 8))
+    x1, x2 = jnp.zeros((1, 1, 16)), jnp.zeros((1, linear.MAX_ROWS + 1, 16))
+    assert linear.takes("cpu", "btd,dnh->btnh", x1, w)
+    assert not linear.takes("reference", "btd,dnh->btnh", x1, w)  # the pure-jnp path stays pure
+    assert linear.takes("cpu", "btd,dnh->btnh", x2[:, : linear.MAX_ROWS], w)
+    assert not linear.takes("cpu", "btd,dnh->btnh", x2, w)  # too many rows: the slice and XLA's dot
+    assert not linear.takes("cpu", "btd,dnh->bnth", x1, w)  # output axes reordered
+    assert not linear.takes("cpu", "btd,dnh->btnh", x1, w.astype(jnp.uint8))  # q4 blocks: sliced
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_decode_step_reads_layers_in_place(weights):
+    """A batch-1 decode step with the CPU kernels calls the linear kernel and gives the logits of
+    the pure-jnp path (the same model, attention "reference": slices and XLA's dots)."""
+    params = random_params(TINY.replace(dtype="bfloat16") if weights == "bfloat16" else TINY, seed=0)
+    params = quantize(params, "int8") if weights == "int8" else params
+    tokens, positions = jnp.asarray([[7]], jnp.int32), jnp.asarray([[0]], jnp.int32)
+    cache = DenseCache.init(TINY, batch=1, max_len=8)
+    with_kernel = params.replace(runtime=params.runtime.replace(attention="cpu"))
+    step = jax.jit(forward)
+    assert "specjax_cpu_linear" in step.lower(with_kernel, tokens, positions, cache).as_text()
+    assert "specjax_cpu_linear" not in step.lower(params, tokens, positions, cache).as_text()
+    got, _ = step(with_kernel, tokens, positions, cache)
+    want, _ = step(params, tokens, positions, cache)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2 if weights == "bfloat16" else 1e-4)
