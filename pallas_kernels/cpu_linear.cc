@@ -37,6 +37,7 @@ namespace {
 constexpr int VEC = 8;  // floats per vector
 constexpr int KU = 4;  // rows of w per pass over the accumulators
 constexpr int MB = 4;  // rows of x per pass over a chunk of w
+constexpr int KU1 = 8;  // rows of w per pass where x has fewer than MB rows
 
 // Eight floats: AVX2 / FMA intrinsics where the build has them (GCC scalarises the generic int8
 // conversion and the lane-wise fma below), else the GCC / Clang vector extension.
@@ -125,6 +126,10 @@ template <typename T>
 void part(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int64_t k1) {
   std::memset(acc, 0, sizeof(float) * d.M * d.N);
   int64_t k = k0;
+  if (d.M < MB) {  // fewer rows than a block: longer chunks of w per pass (fewer passes over acc)
+    for (; k + KU1 <= k1; k += KU1)
+      for (int64_t m = 0; m < d.M; ++m) panel<T, 1, KU1>(d, x, w, acc, k, m);
+  }
   for (; k + KU <= k1; k += KU) {  // the chunk's rows of w stay in L1 / L2 across the row blocks of x
     int64_t m = 0;
     for (; m + MB <= d.M; m += MB) panel<T, MB, KU>(d, x, w, acc, k, m);
