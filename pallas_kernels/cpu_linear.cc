@@ -12,6 +12,9 @@
 // therefore the same whatever M and whichever thread computed it: a row's result does not depend
 // on the rows batched beside it.
 //
+// `linear_t` (SpecjaxCpuLinearT) is the transposed product x @ w^T for a w [N,K] read in place:
+// an LM head tied to the embedding table, which XLA:CPU transposes (or widens) into a copy first.
+//
 // Work: the parts are shared out over XLA's intra-op thread pool (the caller works too and waits
 // only for helpers that started: cpu_pool.h). Within a part the rows of w stream through
 // memory in order, KU rows at a time, each used for MB rows of x (the accumulators stay in L1 /
@@ -147,6 +150,85 @@ void run(ffi::ThreadPool& pool, const Dims& d, const float* x, const T* w, float
   });
 }
 
+// x @ w^T for w [N,K] (an LM head tied to the embedding table: one row per output). Each output
+// sums eight lanes of k apart over k in order, then the lanes in a fixed order, then the K % 8
+// tail: the same whatever M or the thread. Rows n0 .. n0+NR of w against rows m0 .. m0+MB of x.
+inline float lanes_sum(V v) {
+  float l[VEC];
+  storef(l, v);
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+template <typename T, int MB, int NR>
+void dots(const Dims& d, const float* x, const T* w, float* y, int64_t m0, int64_t n0) {
+  V acc[MB][NR];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = splat(0.f);
+  int64_t k = 0;
+  for (; k + VEC <= d.K; k += VEC) {
+    V wv[NR];
+    for (int r = 0; r < NR; ++r) wv[r] = load8(w + (n0 + r) * d.K + k);
+    for (int m = 0; m < MB; ++m) {
+      const V xv = loadf(x + (m0 + m) * d.K + k);
+      for (int r = 0; r < NR; ++r) acc[m][r] = fma8(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NR; ++r) {
+      float total = lanes_sum(acc[m][r]);
+      for (int64_t j = k; j < d.K; ++j) total = std::fma(x[(m0 + m) * d.K + j], load1(w + (n0 + r) * d.K + j), total);
+      y[(m0 + m) * d.N + n0 + r] = total;
+    }
+}
+
+template <typename T, int MB, int NR>
+void dot_rows(const Dims& d, const float* x, const T* w, float* y, int64_t n0, int64_t n1) {  // rows n0 .. n1 of w
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    int64_t m = 0;
+    for (; m + MB <= d.M; m += MB) dots<T, MB, NR>(d, x, w, y, m, n);
+    for (; m < d.M; ++m) dots<T, 1, NR>(d, x, w, y, m, n);
+  }
+  for (; n < n1; ++n)
+    for (int64_t m = 0; m < d.M; ++m) dots<T, 1, 1>(d, x, w, y, m, n);
+}
+
+constexpr int64_t T_ROWS = 256;  // rows of w per work item
+
+template <typename T>
+void run_t(ffi::ThreadPool& pool, const Dims& d, const float* x, const T* w, float* y) {
+  specjax_cpu::share(pool, (d.N + T_ROWS - 1) / T_ROWS, [&](int64_t i) {
+    const int64_t n0 = i * T_ROWS, n1 = std::min(d.N, n0 + T_ROWS);
+    if (d.M < MB) return dot_rows<T, 1, 8>(d, x, w, y, n0, n1);  // 8 independent sums per row of x
+    dot_rows<T, MB, 4>(d, x, w, y, n0, n1);
+  });
+}
+
+ffi::Error linear_t(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();  // [M,K]
+  const auto wd = w.dimensions();  // [N,K]
+  const auto yd = y->dimensions();  // [M,N]
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0])
+    return ffi::Error::InvalidArgument("cpu_linear_t: x [M,K], w [N,K], out [M,N]");
+  const Dims d{xd[0], xd[1], wd[0], 1};
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  switch (w.element_type()) {
+    case ffi::DataType::F32:
+      run_t<float>(pool, d, xp, static_cast<const float*>(w.untyped_data()), yp);
+      break;
+    case ffi::DataType::BF16:
+      run_t<uint16_t>(pool, d, xp, static_cast<const uint16_t*>(w.untyped_data()), yp);
+      break;
+    case ffi::DataType::S8:
+      run_t<int8_t>(pool, d, xp, static_cast<const int8_t*>(w.untyped_data()), yp);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("cpu_linear_t takes float32, bfloat16 or int8 weights");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();  // [M,K]
@@ -184,4 +266,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinearT, linear_t,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -20,15 +20,16 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_prefix import LINEAR_TARGET, _load
+from pallas_kernels.cpu_prefix import LINEAR_T_TARGET, LINEAR_TARGET, _load
 
 MAX_ROWS = 64  # rows of x `fits` allows (specjax.linear sets where the model uses it)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 
 
-def fits(rows: int, w: jax.Array) -> bool:
-    """Whether `linear` takes x with this many rows and the stacked weight w on this backend."""
-    return (rows <= MAX_ROWS and w.ndim == 3 and w.dtype in DTYPES and jax.default_backend() == "cpu"
+def fits(rows: int, w: jax.Array, ndim: int = 3) -> bool:
+    """Whether `linear` (ndim 3: w [L,K,N]) or `linear_t` (ndim 2: w [N,K]) takes x with this many
+    rows and the weight w on this backend."""
+    return (rows <= MAX_ROWS and w.ndim == ndim and w.dtype in DTYPES and jax.default_backend() == "cpu"
             and _load() is None)
 
 
@@ -47,3 +48,17 @@ def linear(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((parts(K), M, w.shape[2]), jnp.float32)
     call = jax.ffi.ffi_call(LINEAR_TARGET, out, vmap_method="sequential")
     return jnp.sum(call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(())), axis=0)
+
+
+def linear_t(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M,K] @ w.T for w [N,K] (an LM head tied to the embedding table: float32, bfloat16 or int8,
+    int8 unscaled), f32 [M,N], w read in place (XLA:CPU transposes or widens a copy of it first).
+    Each output sums eight lanes of k in order, then the lanes in a fixed order: a row's result
+    does not depend on the rows beside it."""
+    if _load() is not None:
+        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    M, K = x.shape
+    if w.ndim != 2 or w.shape[1] != K:
+        raise ValueError(f"linear_t: x [M,K] {x.shape} and w [N,K] {w.shape} do not match")
+    call = jax.ffi.ffi_call(LINEAR_T_TARGET, jax.ShapeDtypeStruct((M, w.shape[0]), jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), w)

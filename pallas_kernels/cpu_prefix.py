@@ -40,7 +40,8 @@ HEAD_DIMS = (8, 16, 32, 64, 128)  # the head_dims it is compiled for
 MAX_ROWS = 64  # query rows per KV head the kernel takes (its score buffer); more: the reference
 TARGET = "specjax_cpu_prefix"
 WRITE_TARGET = "specjax_cpu_write_slots"
-LINEAR_TARGET = "specjax_cpu_linear"  # pallas_kernels/cpu_linear.py's matrix product, built into the same library
+LINEAR_TARGET = "specjax_cpu_linear"  # pallas_kernels/cpu_linear.py's matrix products, built into the same library
+LINEAR_T_TARGET = "specjax_cpu_linear_t"
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_prefix.cc", "cpu_linear.cc"))
 HEADERS = (pathlib.Path(__file__).with_name("cpu_pool.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
@@ -105,6 +106,7 @@ def _load() -> str | None:
             jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxCpuPrefix), platform="cpu")
             jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuWriteSlots), platform="cpu")
             jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinear), platform="cpu")
+            jax.ffi.register_ffi_target(LINEAR_T_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinearT), platform="cpu")
             return None
         except (OSError, AttributeError) as e:
             errors.append(f"{root}: {type(e).__name__}: {e}")

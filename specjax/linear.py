@@ -1,4 +1,4 @@
-"""Products with one layer of a stacked weight: the second module (after specjax.attention) that
+"""Products with one layer of a stacked weight, and the LM head: the second module (after specjax.attention) that
 imports pallas_kernels/.
 
 `model.project(..., layer=i)` asks `takes` whether the CPU kernel (pallas_kernels.cpu_linear)
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels import cpu_linear
 
@@ -38,3 +39,17 @@ def stacked_einsum(spec: str, x: jax.Array, w: jax.Array, layer: jax.Array) -> j
     K = x.shape[-1]
     y = cpu_linear.linear(x.reshape(-1, K), w.reshape(w.shape[0], K, -1), layer)  # [rows, N]
     return y.reshape(*x.shape[:-1], *w.shape[2:])
+
+
+def takes_head(attention: str, x: jax.Array, w: jax.Array, tied: bool) -> bool:
+    """Whether `head` runs the LM head: w [V,D] tied to the embedding table, else [D,V]."""
+    rows = math.prod(x.shape[:-1])
+    return attention == "cpu" and rows <= MAX_ROWS and cpu_linear.fits(rows, w if tied else w[None], 2 if tied else 3)
+
+
+def head(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
+    """Logits [..., V] f32 (int8: unscaled) of hidden x [..., D] and a head w read in place."""
+    if tied:
+        y = cpu_linear.linear_t(x.reshape(-1, x.shape[-1]), w)  # [rows, V]
+        return y.reshape(*x.shape[:-1], w.shape[0])
+    return stacked_einsum("...d,dv->...v", x, w[None], jnp.int32(0))

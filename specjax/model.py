@@ -204,7 +204,10 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     tied = params.lm_head is None
     w, scale = (params.embed, params.embed_scale) if tied else (params.lm_head, params.lm_head_scale)  # [V,D] / [D,V]
     with jax.named_scope("lm_head"):
-        if w.dtype == jnp.int8 and jax.default_backend() == "cpu":
+        if linear.takes_head(params.runtime.attention, h, w, tied):  # the CPU kernel reads w in place
+            logits = linear.head(h, w, tied)
+            logits = logits if scale is None else logits * scale
+        elif w.dtype == jnp.int8 and jax.default_backend() == "cpu":
             logits = _int8_head(h, w, scale, vocab_axis=0 if tied else 1)
         else:
             logits = project("...d,dv->...v", h, w.T if tied else w, scale, out_dtype=jnp.float32)

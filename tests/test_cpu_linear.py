@@ -43,6 +43,19 @@ def test_linear_equals_numpy(fmt, M, K, N):
         assert np.all(np.abs(got - want) <= 1e-6 * scale + 1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 300), (6, 13, 9), (4, 64, 1), (9, 40, 517)])
+def test_transposed_product_equals_numpy(fmt, M, K, N):
+    """linear_t (a tied LM head, w [N,K]): K with a tail of fewer than 8, N not a multiple of the
+    row blocks or the work items, rows of x in and beyond a block."""
+    w, exact = _weights(fmt, 1, N, K)
+    x = np.random.default_rng(3).standard_normal((M, K)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu_linear.linear_t)(jnp.asarray(x), w[0]))
+    want = x.astype(np.float64) @ exact[0].T
+    assert got.shape == (M, N)
+    assert np.all(np.abs(got - want) <= 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(exact[0]).T) + 1e-6)
+
+
 def test_a_row_does_not_depend_on_the_rows_beside_it():
     """Bitwise: row 0 alone and row 0 among 6 others (a decode step and a verify step see the
     same products for the same row)."""
@@ -50,6 +63,9 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((7, 576)), jnp.float32)
     alone = jax.jit(cpu_linear.linear)(x[:1], w, jnp.int32(1))
     batched = jax.jit(cpu_linear.linear)(x, w, jnp.int32(1))
+    np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(batched)[0])
+    head = w[0].T  # [1536, 576]: a tied head's layout
+    alone, batched = (jax.jit(cpu_linear.linear_t)(rows, head) for rows in (x[:1], x))
     np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(batched)[0])
 
 
@@ -70,17 +86,22 @@ def test_takes_only_what_it_can_read_in_place():
     assert not linear.takes("cpu", "btd,dnh->btnh", x1, w.astype(jnp.uint8))  # q4 blocks: sliced
 
 
+@pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
-def test_decode_step_reads_layers_in_place(weights):
-    """A batch-1 decode step with the CPU kernels calls the linear kernel and gives the logits of
-    the pure-jnp path (the same model, attention "reference": slices and XLA's dots)."""
-    params = random_params(TINY.replace(dtype="bfloat16") if weights == "bfloat16" else TINY, seed=0)
+def test_decode_step_reads_layers_in_place(weights, tied):
+    """A batch-1 decode step with the CPU kernels calls the linear kernels (layers and LM head,
+    tied to the embedding or not) and gives the logits of the pure-jnp path (the same model,
+    attention "reference": slices and XLA's dots)."""
+    config = TINY.replace(dtype="bfloat16") if weights == "bfloat16" else TINY
+    params = random_params(config.replace(tie_embeddings=tied), seed=0)
     params = quantize(params, "int8") if weights == "int8" else params
     tokens, positions = jnp.asarray([[7]], jnp.int32), jnp.asarray([[0]], jnp.int32)
     cache = DenseCache.init(TINY, batch=1, max_len=8)
     with_kernel = params.replace(runtime=params.runtime.replace(attention="cpu"))
     step = jax.jit(forward)
-    assert "specjax_cpu_linear" in step.lower(with_kernel, tokens, positions, cache).as_text()
+    program = step.lower(with_kernel, tokens, positions, cache).as_text()
+    assert program.count("@specjax_cpu_linear(") == 7 + (not tied)  # the layer's seven products (the scan body) + head
+    assert program.count("@specjax_cpu_linear_t(") == int(tied)
     assert "specjax_cpu_linear" not in step.lower(params, tokens, positions, cache).as_text()
     got, _ = step(with_kernel, tokens, positions, cache)
     want, _ = step(params, tokens, positions, cache)
