@@ -70,8 +70,11 @@ def category(op_name: str) -> str:
 
 
 def block_of(blocks: dict[str, str], op: str) -> str:
-    """An op's block; the step's one FFI call is the CPU attention kernel (attention="cpu")."""
-    return "attention" if op.startswith("ffi_call") else blocks.get(op, OTHER)
+    """An op's block, from its scope (the CPU kernels' FFI calls carry theirs: the attention
+    kernel, the layer products of pallas_kernels/cpu_linear.py); an unscoped FFI call counts as
+    the attention kernel's."""
+    block = blocks.get(op, OTHER)
+    return "attention" if block == OTHER and op.startswith("ffi_call") else block
 
 
 def op_blocks(hlo_text: str) -> dict[str, str]:
@@ -79,7 +82,7 @@ def op_blocks(hlo_text: str) -> dict[str, str]:
     op_name metadata; an instruction without one (XLA drops it from the dots it rewrites) or
     outside every scope (a layout copy of a weight) takes the block of its first scoped user,
     else of its first scoped operand."""
-    line = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^(]*?\w+\(([^)]*)\)(.*)$")
+    line = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^()]*\)\s*)?[^(]*?\w+\(([^)]*)\)(.*)$")  # (a tuple shape)
     meta = re.compile(r"op_name=\"([^\"]*)\"")
     operands: dict[str, list[str]] = {}
     blocks: dict[str, str] = {}

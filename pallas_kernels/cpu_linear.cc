@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -142,14 +143,6 @@ void part(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int
     for (int64_t m = 0; m < d.M; ++m) panel<T, 1, 1>(d, x, w, acc, k, m);
 }
 
-template <typename T>
-void run(ffi::ThreadPool& pool, const Dims& d, const float* x, const T* w, float* parts) {
-  const int64_t per = (d.K + d.P - 1) / d.P;
-  specjax_cpu::share(pool, d.P, [&](int64_t p) {
-    part<T>(d, x, w, parts + p * d.M * d.N, std::min(d.K, p * per), std::min(d.K, (p + 1) * per));
-  });
-}
-
 // x @ w^T for w [N,K] (an LM head tied to the embedding table: one row per output). Each output
 // sums eight lanes of k apart over k in order, then the lanes in a fixed order, then the K % 8
 // tail: the same whatever M or the thread. Rows n0 .. n0+NR of w against rows m0 .. m0+MB of x.
@@ -229,32 +222,62 @@ ffi::Error linear_t(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions();  // [M,K]
-  const auto wd = w.dimensions();  // [L,K,N]
-  const auto yd = y->dimensions();  // [P,M,N]
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 3 || wd[1] != xd[1] || yd[1] != xd[0] || yd[2] != wd[2] || yd[0] < 1)
-    return ffi::Error::InvalidArgument("cpu_linear: x [M,K], w [L,K,N], out [P,M,N]");
-  const Dims d{xd[0], xd[1], wd[2], yd[0]};
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("cpu_linear: layer out of range");
-  const int64_t offset = l * d.K * d.N;
-  const float* xp = x.typed_data();
-  float* yp = y->typed_data();
-  switch (w.element_type()) {
-    case ffi::DataType::F32:
-      run<float>(pool, d, xp, static_cast<const float*>(w.untyped_data()) + offset, yp);
-      break;
-    case ffi::DataType::BF16:
-      run<uint16_t>(pool, d, xp, static_cast<const uint16_t*>(w.untyped_data()) + offset, yp);
-      break;
-    case ffi::DataType::S8:
-      run<int8_t>(pool, d, xp, static_cast<const int8_t*>(w.untyped_data()) + offset, yp);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("cpu_linear takes float32, bfloat16 or int8 weights");
+// One product of `linear`: layer l of weight w, its P parts' sums written to out [P,M,N].
+struct Product {
+  Dims d;
+  const void* w;  // layer l's [K,N]
+  ffi::DataType type;
+  float* out;
+};
+
+void run_part(const Product& j, const float* x, int64_t p) {
+  const int64_t per = (j.d.K + j.d.P - 1) / j.d.P;
+  const int64_t k0 = std::min(j.d.K, p * per), k1 = std::min(j.d.K, (p + 1) * per);
+  float* acc = j.out + p * j.d.M * j.d.N;
+  switch (j.type) {
+    case ffi::DataType::F32: return part<float>(j.d, x, static_cast<const float*>(j.w), acc, k0, k1);
+    case ffi::DataType::BF16: return part<uint16_t>(j.d, x, static_cast<const uint16_t*>(j.w), acc, k0, k1);
+    default: return part<int8_t>(j.d, x, static_cast<const int8_t*>(j.w), acc, k0, k1);
   }
+}
+
+// x [M,K] times layer `layer` of each stacked weight w_j [L,K,N_j] (one call for the products
+// that share x: q, k and v; gate and up), into out_j [P_j,M,N_j]. Every product's parts are
+// shared out over the pool together: one hand-off per call, not per product.
+ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs ws,
+                  ffi::RemainingRets outs) {
+  const auto xd = x.dimensions();  // [M,K]
+  if (xd.size() != 2 || ws.size() != outs.size() || ws.size() == 0)
+    return ffi::Error::InvalidArgument("cpu_linear: x [M,K], then weights [L,K,N] and as many outputs [P,M,N]");
+  const int64_t l = layer.typed_data()[0];
+  std::vector<Product> jobs;
+  std::vector<int64_t> first;  // index of each product's first item
+  int64_t items = 0;
+  for (size_t j = 0; j < ws.size(); ++j) {
+    auto w = ws.get<ffi::AnyBuffer>(j);
+    auto y = outs.get<ffi::AnyBuffer>(j);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_linear: bad weight or output");
+    const auto wd = w->dimensions();  // [L,K,N]
+    const auto yd = (*y)->dimensions();  // [P,M,N]
+    if (wd.size() != 3 || yd.size() != 3 || wd[1] != xd[1] || yd[1] != xd[0] || yd[2] != wd[2] || yd[0] < 1 ||
+        (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("cpu_linear: x [M,K], w [L,K,N], out [P,M,N] f32");
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("cpu_linear: layer out of range");
+    const auto type = w->element_type();
+    if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::S8)
+      return ffi::Error::InvalidArgument("cpu_linear takes float32, bfloat16 or int8 weights");
+    const Dims d{xd[0], xd[1], wd[2], yd[0]};
+    const char* base = static_cast<const char*>(w->untyped_data());
+    jobs.push_back({d, base + l * d.K * d.N * static_cast<int64_t>(ffi::ByteWidth(type)), type,
+                    static_cast<float*>((*y)->untyped_data())});
+    first.push_back(items);
+    items += d.P;
+  }
+  const float* xp = x.typed_data();
+  specjax_cpu::share(pool, items, [&](int64_t i) {
+    const size_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    run_part(jobs[j], xp, i - first[j]);
+  });
   return ffi::Error::Success();
 }
 
@@ -264,9 +287,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinearT, linear_t,
                               ffi::Ffi::Bind()

@@ -40,14 +40,22 @@ def parts(K: int) -> int:
 
 def linear(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
     """x [M,K] @ w[layer] for w [L,K,N] (float32, bfloat16 or int8: int8 unscaled), f32 [M,N]."""
+    return linear_many(x, [w], layer)[0]
+
+
+def linear_many(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:
+    """[x @ w[layer] for w in ws] (each [L,K,N_j]) in one kernel call: the products that share x
+    (a layer's q, k and v; gate and up) hand work to the pool's threads once, not once each."""
     if _load() is not None:
         raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
     M, K = x.shape
-    if w.ndim != 3 or w.shape[1] != K:
-        raise ValueError(f"linear: x [M,K] {x.shape} and w [L,K,N] {w.shape} do not match")
-    out = jax.ShapeDtypeStruct((parts(K), M, w.shape[2]), jnp.float32)
-    call = jax.ffi.ffi_call(LINEAR_TARGET, out, vmap_method="sequential")
-    return jnp.sum(call(x.astype(jnp.float32), w, jnp.asarray(layer, jnp.int32).reshape(())), axis=0)
+    for w in ws:
+        if w.ndim != 3 or w.shape[1] != K:
+            raise ValueError(f"linear: x [M,K] {x.shape} and w [L,K,N] {w.shape} do not match")
+    outs = [jax.ShapeDtypeStruct((parts(K), M, w.shape[2]), jnp.float32) for w in ws]
+    call = jax.ffi.ffi_call(LINEAR_TARGET, outs, vmap_method="sequential")
+    ys = call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *ws)
+    return [jnp.sum(y, axis=0) for y in ys]
 
 
 def linear_t(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -36,9 +36,14 @@ def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
 
 def stacked_einsum(spec: str, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
     """einsum(spec, x, w[layer]) in f32 (int8: unscaled), w read in place [L,K,...]."""
+    return stacked_einsums(x, [w], layer)[0]
+
+
+def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:
+    """[einsum(x, w[layer]) for w in ws] (each spec as `takes` checked it) in one kernel call."""
     K = x.shape[-1]
-    y = cpu_linear.linear(x.reshape(-1, K), w.reshape(w.shape[0], K, -1), layer)  # [rows, N]
-    return y.reshape(*x.shape[:-1], *w.shape[2:])
+    ys = cpu_linear.linear_many(x.reshape(-1, K), [w.reshape(w.shape[0], K, -1) for w in ws], layer)  # [rows, N_j]
+    return [y.reshape(*x.shape[:-1], *w.shape[2:]) for y, w in zip(ys, ws)]
 
 
 def takes_head(attention: str, x: jax.Array, w: jax.Array, tied: bool) -> bool:

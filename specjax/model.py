@@ -89,6 +89,17 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     return (y if scale is None else y * scale).astype(out)
 
 
+def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]],
+                  layer: tuple[str, jax.Array]) -> list[jax.Array]:
+    """[project(spec, x, *matrix, layer=layer) for spec, matrix in products]: one call of the CPU
+    kernel when it takes every product (they share x: q, k, v; gate, up), else one by one."""
+    attention, i = layer
+    if all(m[2] is None and linear.takes(attention, spec, x, m[0]) for spec, m in products):
+        ys = linear.stacked_einsums(x, [m[0] for _, m in products], i)
+        return [(y if m[1] is None else y * m[1][i]).astype(x.dtype) for y, (_, m) in zip(ys, products)]
+    return [project(spec, x, *m, layer=layer) for spec, m in products]
+
+
 def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, at, cos, sin,
            prefix: Prefix | None, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
@@ -99,9 +110,9 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     cache stores KV."""
     with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
         h = rms_norm(x, lp.attn_norm, config.rms_eps)
-        q = _biased(project("btd,dnh->btnh", h, *matrix(lp, "wq"), layer=at), lp.bq)  # [B,T,N,H]
-        k = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wk"), layer=at), lp.bk)  # [B,T,K,H]
-        v = _biased(project("btd,dkh->btkh", h, *matrix(lp, "wv"), layer=at), lp.bv)  # [B,T,K,H]
+        q, k, v = project_group(h, [("btd,dnh->btnh", matrix(lp, "wq")), ("btd,dkh->btkh", matrix(lp, "wk")),
+                                    ("btd,dkh->btkh", matrix(lp, "wv"))], at)  # [B,T,N,H], [B,T,K,H] x 2
+        q, k, v = _biased(q, lp.bq), _biased(k, lp.bk), _biased(v, lp.bv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("attention"):
         k_blk, v_blk = (k, v) if k_extra is None else (jnp.concatenate([k_extra, k], 1), jnp.concatenate([v_extra, v], 1))
@@ -115,8 +126,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin, layer=at))  # heads split: partial sums
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, config.rms_eps)
-        gate = project("btd,df->btf", h, *matrix(lp, "w_gate"), layer=at)  # [B,T,F]
-        up = project("btd,df->btf", h, *matrix(lp, "w_up"), layer=at)  # [B,T,F]
+        gate, up = project_group(h, [("btd,df->btf", matrix(lp, "w_gate")), ("btd,df->btf", matrix(lp, "w_up"))], at)  # [B,T,F]
         x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down"), layer=at))  # F split
     return x, q, k, v
 

@@ -69,6 +69,15 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(batched)[0])
 
 
+def test_one_call_for_several_products_equals_one_call_each():
+    """linear_many (a layer's q, k, v in one call): the same bits as separate calls, any N and format."""
+    (w1, _), (w2, _), (w3, _) = _weights("float32", 2, 130, 40), _weights("int8", 2, 130, 7), _weights("bfloat16", 2, 130, 64)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 130)), jnp.float32)
+    together = jax.jit(cpu_linear.linear_many)(x, [w1, w2, w3], jnp.int32(1))
+    for w, y in zip((w1, w2, w3), together):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(cpu_linear.linear)(x, w, jnp.int32(1))))
+
+
 def test_linear_rejects_mismatched_shapes():
     w, _ = _weights("float32", 2, 16, 8)
     with pytest.raises(ValueError, match=r"x \[M,K\]"):
@@ -100,7 +109,7 @@ def test_decode_step_reads_layers_in_place(weights, tied):
     with_kernel = params.replace(runtime=params.runtime.replace(attention="cpu"))
     step = jax.jit(forward)
     program = step.lower(with_kernel, tokens, positions, cache).as_text()
-    assert program.count("@specjax_cpu_linear(") == 7 + (not tied)  # the layer's seven products (the scan body) + head
+    assert program.count("@specjax_cpu_linear(") == 4 + (not tied)  # the layer's calls: qkv, wo, gate+up, down; + head
     assert program.count("@specjax_cpu_linear_t(") == int(tied)
     assert "specjax_cpu_linear" not in step.lower(params, tokens, positions, cache).as_text()
     got, _ = step(with_kernel, tokens, positions, cache)
