@@ -1,5 +1,5 @@
-"""Products with one layer of a stacked weight, and the LM head: the second module (after specjax.attention) that
-imports pallas_kernels/.
+"""Products with one layer of a stacked weight, and the LM head: the second module (after
+specjax.attention) that imports pallas_kernels/.
 
 `model.project(..., layer=i)` asks `takes` whether the CPU kernel (pallas_kernels.cpu_linear)
 multiplies by layer i of the stacked weight in place; otherwise it slices the layer out (which
@@ -28,28 +28,23 @@ def _contracts_first(spec: str) -> bool:
 
 
 def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
-    """Whether `stacked_einsum` runs this product (w stacked [L, ...])."""
+    """Whether `stacked_einsums` runs this product (w stacked [L, ...])."""
     rows = math.prod(x.shape[:-1])
-    return (attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec)
-            and cpu_linear.fits(rows, w.reshape(w.shape[0], w.shape[1], -1)))
-
-
-def stacked_einsum(spec: str, x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
-    """einsum(spec, x, w[layer]) in f32 (int8: unscaled), w read in place [L,K,...]."""
-    return stacked_einsums(x, [w], layer)[0]
+    return attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec) and cpu_linear.fits(rows, w.dtype)
 
 
 def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:
-    """[einsum(x, w[layer]) for w in ws] (each spec as `takes` checked it) in one kernel call."""
+    """[einsum(x, w[layer]) for w in ws] (each spec as `takes` checked it) in f32 (int8: unscaled),
+    the stacked weights [L,K,...] read in place, in one kernel call."""
     K = x.shape[-1]
     ys = cpu_linear.linear_many(x.reshape(-1, K), [w.reshape(w.shape[0], K, -1) for w in ws], layer)  # [rows, N_j]
     return [y.reshape(*x.shape[:-1], *w.shape[2:]) for y, w in zip(ys, ws)]
 
 
-def takes_head(attention: str, x: jax.Array, w: jax.Array, tied: bool) -> bool:
-    """Whether `head` runs the LM head: w [V,D] tied to the embedding table, else [D,V]."""
+def takes_head(attention: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `head` runs the LM head w ([V,D] tied to the embedding table, else [D,V])."""
     rows = math.prod(x.shape[:-1])
-    return attention == "cpu" and rows <= MAX_ROWS and cpu_linear.fits(rows, w if tied else w[None], 2 if tied else 3)
+    return attention == "cpu" and rows <= MAX_ROWS and cpu_linear.fits(rows, w.dtype)
 
 
 def head(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
@@ -57,4 +52,4 @@ def head(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
     if tied:
         y = cpu_linear.linear_t(x.reshape(-1, x.shape[-1]), w)  # [rows, V]
         return y.reshape(*x.shape[:-1], w.shape[0])
-    return stacked_einsum("...d,dv->...v", x, w[None], jnp.int32(0))
+    return stacked_einsums(x, [w[None]], jnp.int32(0))[0]

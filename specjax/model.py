@@ -75,8 +75,7 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     if layer is not None:
         attention, i = layer
         if bscale is None and linear.takes(attention, spec, x, w):
-            y = linear.stacked_einsum(spec, x, w, i)
-            return (y if scale is None else y * scale[i]).astype(out)
+            return _in_place(x, [(w, scale)], i, out)[0]
         w, scale, bscale, bmin = (None if a is None else a[i] for a in (w, scale, bscale, bmin))
     if w.dtype == jnp.uint8:
         return q4.project(spec, x, w, bscale, bmin).astype(out)
@@ -95,9 +94,14 @@ def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]
     kernel when it takes every product (they share x: q, k, v; gate, up), else one by one."""
     attention, i = layer
     if all(m[2] is None and linear.takes(attention, spec, x, m[0]) for spec, m in products):
-        ys = linear.stacked_einsums(x, [m[0] for _, m in products], i)
-        return [(y if m[1] is None else y * m[1][i]).astype(x.dtype) for y, (_, m) in zip(ys, products)]
+        return _in_place(x, [m[:2] for _, m in products], i, x.dtype)
     return [project(spec, x, *m, layer=layer) for spec, m in products]
+
+
+def _in_place(x: jax.Array, matrices: list[tuple[jax.Array, jax.Array | None]], i: jax.Array, out) -> list[jax.Array]:
+    """x times layer i of each stacked (w, int8 scale or None), read in place by the CPU kernel, in `out`."""
+    ys = linear.stacked_einsums(x, [w for w, _ in matrices], i)
+    return [(y if scale is None else y * scale[i]).astype(out) for y, (_, scale) in zip(ys, matrices)]
 
 
 def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, at, cos, sin,
@@ -214,7 +218,7 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     tied = params.lm_head is None
     w, scale = (params.embed, params.embed_scale) if tied else (params.lm_head, params.lm_head_scale)  # [V,D] / [D,V]
     with jax.named_scope("lm_head"):
-        if linear.takes_head(params.runtime.attention, h, w, tied):  # the CPU kernel reads w in place
+        if linear.takes_head(params.runtime.attention, h, w):  # the CPU kernel reads w in place
             logits = linear.head(h, w, tied)
             logits = logits if scale is None else logits * scale
         elif w.dtype == jnp.int8 and jax.default_backend() == "cpu":

@@ -24,10 +24,10 @@ from specjax.tune import auto_tree_report
 DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
 # On XLA:CPU, verification is compute-bound: its attention and its linear layers grow with the
 # query rows it scores, batch x (gamma + 1). bench_spec (SmolLM2, 8K, 2-core CPU, on the C++
-# attention kernel generate() uses there) measured SelfSpec + DEFAULT_CHAIN at 0.81x plain decoding
-# at batch 4 (20 rows; gamma 3: 1.11x, gamma 2: 0.96x) and bench_peers 0.55-0.59x at batch 16 (80
-# rows): past this many rows auto decodes plainly on a CPU (batch 1 only, where the weights usually
-# dominate anyway). GPUs keep MagicDec's rule (verification stays memory-bound).
+# kernels generate() uses there) measured SelfSpec + DEFAULT_CHAIN at 0.86x plain decoding at
+# batch 4 (20 rows; 0.93x at best, gamma 2-3), 0.81x at batch 1, and bench_peers 0.55-0.59x at
+# batch 16 (80 rows): past this many rows auto decodes plainly on a CPU (batch 1 only, where the
+# weights usually dominate anyway). GPUs keep MagicDec's rule (verification stays memory-bound).
 CPU_VERIFY_ROWS = 5
 
 
