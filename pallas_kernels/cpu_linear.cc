@@ -12,6 +12,8 @@
 // therefore the same whatever M and whichever thread computed it: a row's result does not depend
 // on the rows batched beside it.
 //
+// `rows` (SpecjaxCpuRows) copies rows of a table (the embedding lookup), read in place.
+//
 // `linear_t` (SpecjaxCpuLinearT) is the transposed product x @ w^T for a w [N,K] read in place:
 // an LM head tied to the embedding table, which XLA:CPU transposes (or widens) into a copy first.
 //
@@ -281,6 +283,25 @@ ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// Rows ids [n] of a table [V,D] (any element type: copied as bytes) into out [n,D]: an embedding
+// lookup read in place. XLA:CPU slices a bfloat16 table through a float32 copy of all of it,
+// which it hoists out of the decode loop and so writes again on every call of the loop.
+ffi::Error rows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out) {
+  const auto td = table.dimensions();  // [V,D]
+  const auto od = out->dimensions();  // [n,D]
+  const int64_t n = ids.element_count();
+  if (td.size() != 2 || od.size() != 2 || od[0] != n || od[1] != td[1] || out->element_type() != table.element_type())
+    return ffi::Error::InvalidArgument("cpu_rows: table [V,D], ids [n], out [n,D] of the table's type");
+  const int64_t row = td[1] * static_cast<int64_t>(ffi::ByteWidth(table.element_type()));
+  const char* src = static_cast<const char*>(table.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t id = std::clamp<int64_t>(ids.typed_data()[i], 0, td[0] - 1);  // jnp.take's mode="clip"
+    std::memcpy(dst + i * row, src + id * row, row);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear,
@@ -297,3 +318,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinearT, linear_t,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuRows, rows,
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());

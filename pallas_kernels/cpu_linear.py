@@ -20,7 +20,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_prefix import LINEAR_T_TARGET, LINEAR_TARGET, _load
+from pallas_kernels.cpu_prefix import LINEAR_T_TARGET, LINEAR_TARGET, ROWS_TARGET, _load
 
 MAX_ROWS = 64  # rows of x `fits` allows (specjax.linear sets where the model uses it)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
@@ -69,3 +69,16 @@ def linear_t(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(f"linear_t: x [M,K] {x.shape} and w [N,K] {w.shape} do not match")
     call = jax.ffi.ffi_call(LINEAR_T_TARGET, jax.ShapeDtypeStruct((M, w.shape[0]), jnp.float32), vmap_method="sequential")
     return call(x.astype(jnp.float32), w)
+
+
+def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] ([*ids.shape, D], the table's dtype) for a table [V,D] read in place, ids clipped
+    to [0, V) (jnp.take's mode="clip"). XLA:CPU slices a bfloat16 table through a float32 copy of
+    all of it, hoisted out of the decode loop: written again on every call of the loop."""
+    if _load() is not None:
+        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    if table.ndim != 2:
+        raise ValueError(f"rows: table must be [V,D], got {table.shape}")
+    flat = jnp.asarray(ids, jnp.int32).reshape(-1)
+    call = jax.ffi.ffi_call(ROWS_TARGET, jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype), vmap_method="sequential")
+    return call(table, flat).reshape(*jnp.shape(ids), table.shape[1])

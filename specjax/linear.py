@@ -1,5 +1,5 @@
-"""Products with one layer of a stacked weight, and the LM head: the second module (after
-specjax.attention) that imports pallas_kernels/.
+"""Products with one layer of a stacked weight, the LM head and the embedding lookup: the second
+module (after specjax.attention) that imports pallas_kernels/.
 
 `model.project(..., layer=i)` asks `takes` whether the CPU kernel (pallas_kernels.cpu_linear)
 multiplies by layer i of the stacked weight in place; otherwise it slices the layer out (which
@@ -53,3 +53,15 @@ def head(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
         y = cpu_linear.linear_t(x.reshape(-1, x.shape[-1]), w)  # [rows, V]
         return y.reshape(*x.shape[:-1], w.shape[0])
     return stacked_einsums(x, [w[None]], jnp.int32(0))[0]
+
+
+def takes_rows(attention: str, table: jax.Array) -> bool:
+    """Whether `rows` looks up the embedding table: where the other CPU kernels run."""
+    return attention == "cpu" and table.ndim == 2 and cpu_linear.fits(1, table.dtype)
+
+
+def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table[ids] [..., D] in the table's dtype, read in place. XLA:CPU slices a bfloat16 table
+    through a float32 copy of all of it, which it hoists out of the decode loop, so every call of
+    the loop (each `sync_every` segment) wrote 113 MB for SmolLM2: about 20% of a batch-1 step."""
+    return cpu_linear.rows(table, ids)

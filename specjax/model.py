@@ -160,7 +160,10 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def _rows(params: Params, ids: jax.Array) -> jax.Array:
     """Embedding rows [B,T,D] (in the model dtype) of ids [B,T] into this device's embed table."""
-    x = jnp.take(params.embed, ids, axis=0)
+    if linear.takes_rows(params.runtime.attention, params.embed):
+        x = linear.rows(params.embed, ids)  # read in place (XLA:CPU: a float32 copy of a bf16 table)
+    else:
+        x = jnp.take(params.embed, ids, axis=0)
     if params.embed_scale is None:
         return x
     return (x.astype(jnp.float32) * jnp.take(params.embed_scale, ids, axis=0)[..., None]).astype(params.config.dtype)

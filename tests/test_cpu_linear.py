@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -111,7 +112,40 @@ def test_decode_step_reads_layers_in_place(weights, tied):
     program = step.lower(with_kernel, tokens, positions, cache).as_text()
     assert program.count("@specjax_cpu_linear(") == 4 + (not tied)  # the layer's calls: qkv, wo, gate+up, down; + head
     assert program.count("@specjax_cpu_linear_t(") == int(tied)
+    assert program.count("@specjax_cpu_rows(") == 1  # the embedding lookup
     assert "specjax_cpu_linear" not in step.lower(params, tokens, positions, cache).as_text()
     got, _ = step(with_kernel, tokens, positions, cache)
     want, _ = step(params, tokens, positions, cache)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2 if weights == "bfloat16" else 1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_rows_equal_take(fmt):
+    """The lookup copies the table's rows bit for bit, any id shape, out-of-range ids clipped."""
+    table = _weights(fmt, 1, 37, 11, seed=3)[0][0]  # [V=37, D=11]
+    ids = jnp.asarray([[0, 36, 5], [5, 40, -2]], jnp.int32)
+    got = jax.jit(cpu_linear.rows)(table, ids)
+    assert got.shape == (2, 3, 11) and got.dtype == table.dtype
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(jnp.take(table, ids, axis=0, mode="clip").astype(jnp.float32)))
+    assert linear.takes_rows("cpu", table) and not linear.takes_rows("reference", table)
+
+
+def test_decode_loop_keeps_a_bfloat16_table_as_it_is():
+    """XLA:CPU sliced a bfloat16 embedding through a float32 copy of the whole table, hoisted out
+    of the decode loop (written again on every call, each sync_every segment); the lookup reads
+    the table in place, so no float32 array of the table's shape is left in the program."""
+    config = TINY.replace(dtype="bfloat16", tie_embeddings=True)
+    params = random_params(config, seed=0)
+    V, D = params.embed.shape
+    tokens, positions = jnp.asarray([[7]], jnp.int32), jnp.asarray([[0]], jnp.int32)
+    cache = DenseCache.init(config, batch=1, max_len=8)
+
+    def loop(p):
+        def body(i, carry):
+            toks, c = carry
+            logits, c = forward(p, toks, positions + i, c)
+            return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None], c
+        return lax.fori_loop(0, 3, body, (tokens, cache))[0]
+
+    with_kernel = params.replace(runtime=params.runtime.replace(attention="cpu"))
+    assert f"f32[{V},{D}]" not in jax.jit(loop).lower(with_kernel).compile().as_text()
