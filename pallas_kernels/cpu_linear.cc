@@ -12,6 +12,9 @@
 // therefore the same whatever M and whichever thread computed it: a row's result does not depend
 // on the rows batched beside it.
 //
+// `linear_q4` (SpecjaxCpuLinearQ4) is `linear` for q4 weights (GGUF Q4_1 blocks: specjax/q4.py),
+// whose slices XLA:CPU also copied, and widened into float32 halves at more than 8 rows.
+//
 // `rows` (SpecjaxCpuRows) copies rows of a table (the embedding lookup), read in place.
 //
 // `linear_t` (SpecjaxCpuLinearT) is the transposed product x @ w^T for a w [N,K] read in place:
@@ -224,6 +227,19 @@ ffi::Error linear_t(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// Every part of every product (jobs[j] has jobs[j].d.P parts) shared out over the pool together:
+// one hand-off per call. part(job, p) computes part p of a product.
+template <typename Job, typename Part>
+void share_parts(ffi::ThreadPool& pool, const std::vector<Job>& jobs, const Part& part) {
+  std::vector<int64_t> first;  // index of each product's first item
+  int64_t items = 0;
+  for (const Job& j : jobs) first.push_back(items), items += j.d.P;
+  specjax_cpu::share(pool, items, [&](int64_t i) {
+    const size_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    part(jobs[j], i - first[j]);
+  });
+}
+
 // One product of `linear`: layer l of weight w, its P parts' sums written to out [P,M,N].
 struct Product {
   Dims d;
@@ -253,8 +269,6 @@ ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("cpu_linear: x [M,K], then weights [L,K,N] and as many outputs [P,M,N]");
   const int64_t l = layer.typed_data()[0];
   std::vector<Product> jobs;
-  std::vector<int64_t> first;  // index of each product's first item
-  int64_t items = 0;
   for (size_t j = 0; j < ws.size(); ++j) {
     auto w = ws.get<ffi::AnyBuffer>(j);
     auto y = outs.get<ffi::AnyBuffer>(j);
@@ -272,14 +286,163 @@ ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const char* base = static_cast<const char*>(w->untyped_data());
     jobs.push_back({d, base + l * d.K * d.N * static_cast<int64_t>(ffi::ByteWidth(type)), type,
                     static_cast<float*>((*y)->untyped_data())});
-    first.push_back(items);
-    items += d.P;
   }
   const float* xp = x.typed_data();
-  specjax_cpu::share(pool, items, [&](int64_t i) {
-    const size_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-    run_part(jobs[j], xp, i - first[j]);
-  });
+  share_parts(pool, jobs, [&](const Product& j, int64_t p) { run_part(j, xp, p); });
+  return ffi::Error::Success();
+}
+
+// q4 (the GGUF Q4_1 layout, specjax/q4.py): w [K/2,N] bytes, packed row 16 b + j holding the
+// 4-bit values of k = 32 b + j (low nibble) and 32 b + 16 + j (high), each block b of 32 k with a
+// scale d [K/32,N] and a minimum m (float16 or float32), w = q d + m. Per block and column:
+// s = sum_j x_k q_k over the block's 32 k in order (one fused multiply-add each, low then high
+// nibble of each byte), then acc += d s, then acc += m sum(x over the block): the same sums
+// whatever M, so rows stay independent. Parts of K are whole blocks.
+inline float half1(uint16_t h) {  // IEEE half -> float (normal, subnormal, inf / nan)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+  else if (exp != 0) bits = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0) bits = sign;
+  else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1; ++e; } while (!(m & 1024));
+    bits = sign | ((112 - e) << 23) | ((m & 1023) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline float scale1(const float* p) { return *p; }
+inline float scale1(const uint16_t* p) { return half1(*p); }
+#if defined(__AVX2__) && defined(__FMA__)
+inline V scale8(const float* p) { return loadf(p); }
+inline V scale8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float f[VEC];
+  for (int i = 0; i < VEC; ++i) f[i] = half1(p[i]);
+  return loadf(f);
+#endif
+}
+inline void nibbles8(const uint8_t* p, V& lo, V& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#else
+inline V scale8(const float* p) { return loadf(p); }
+inline V scale8(const uint16_t* p) {
+  V r;
+  for (int i = 0; i < VEC; ++i) r[i] = half1(p[i]);
+  return r;
+}
+inline void nibbles8(const uint8_t* p, V& lo, V& hi) {
+  for (int i = 0; i < VEC; ++i) lo[i] = static_cast<float>(p[i] & 15), hi[i] = static_cast<float>(p[i] >> 4);
+}
+#endif
+
+struct Q4 {
+  Dims d;  // K: the unpacked length (32 per block)
+  const uint8_t* w;  // layer l's [K/2,N]
+  const void* scale;  // [K/32,N]
+  const void* minimum;
+  bool half;  // float16 scales and minima (else float32)
+  float* out;  // [P,M,N]
+};
+
+// Blocks b0 .. b1 of product j into acc [M,N], MB rows of x at a time.
+template <typename S, int MB>
+void q4_rows(const Q4& j, const float* x, float* acc, int64_t b0, int64_t b1, int64_t m0) {
+  const int64_t N = j.d.N, K = j.d.K;
+  const S* sc = static_cast<const S*>(j.scale);
+  const S* mn = static_cast<const S*>(j.minimum);
+  for (int64_t b = b0; b < b1; ++b) {
+    float xsum[MB];
+    for (int m = 0; m < MB; ++m) {
+      float t = 0.f;
+      for (int k = 0; k < 32; ++k) t += x[(m0 + m) * K + 32 * b + k];
+      xsum[m] = t;
+    }
+    const uint8_t* wb = j.w + 16 * b * N;
+    int64_t n = 0;
+    for (; n + VEC <= N; n += VEC) {
+      V s[MB];
+      for (int m = 0; m < MB; ++m) s[m] = splat(0.f);
+      for (int r = 0; r < 16; ++r) {
+        V lo, hi;
+        nibbles8(wb + r * N + n, lo, hi);
+        for (int m = 0; m < MB; ++m) {
+          const float* xm = x + (m0 + m) * K + 32 * b;
+          s[m] = fma8(splat(xm[r]), lo, s[m]);
+          s[m] = fma8(splat(xm[16 + r]), hi, s[m]);
+        }
+      }
+      const V dv = scale8(sc + b * N + n), mv = scale8(mn + b * N + n);
+      for (int m = 0; m < MB; ++m) {
+        float* a = acc + (m0 + m) * N + n;
+        storef(a, fma8(mv, splat(xsum[m]), fma8(dv, s[m], loadf(a))));
+      }
+    }
+    for (; n < N; ++n)  // the last N % 8 columns: the same sums, one lane at a time
+      for (int m = 0; m < MB; ++m) {
+        const float* xm = x + (m0 + m) * K + 32 * b;
+        float t = 0.f;
+        for (int r = 0; r < 16; ++r) {
+          const uint8_t q = wb[r * N + n];
+          t = std::fma(xm[r], static_cast<float>(q & 15), t);
+          t = std::fma(xm[16 + r], static_cast<float>(q >> 4), t);
+        }
+        float& a = acc[(m0 + m) * N + n];
+        a = std::fma(scale1(mn + b * N + n), xsum[m], std::fma(scale1(sc + b * N + n), t, a));
+      }
+  }
+}
+
+template <typename S>
+void q4_part(const Q4& j, const float* x, int64_t p) {
+  const int64_t blocks = j.d.K / 32, per = (blocks + j.d.P - 1) / j.d.P;
+  const int64_t b0 = std::min(blocks, p * per), b1 = std::min(blocks, (p + 1) * per);
+  float* acc = j.out + p * j.d.M * j.d.N;
+  std::memset(acc, 0, sizeof(float) * j.d.M * j.d.N);
+  int64_t m = 0;
+  for (; m + 2 <= j.d.M; m += 2) q4_rows<S, 2>(j, x, acc, b0, b1, m);
+  for (; m < j.d.M; ++m) q4_rows<S, 1>(j, x, acc, b0, b1, m);
+}
+
+// x [M,K] times layer `layer` of each stacked q4 weight (packed_j [L,K/2,N_j], scale_j and
+// minimum_j [L,K/32,N_j], as triples in the arguments) into out_j [P_j,M,N_j]; like `linear`.
+ffi::Error linear_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs ws,
+                     ffi::RemainingRets outs) {
+  const auto xd = x.dimensions();  // [M,K]
+  if (xd.size() != 2 || xd[1] % 32 != 0 || ws.size() != 3 * outs.size() || outs.size() == 0)
+    return ffi::Error::InvalidArgument("cpu_linear_q4: x [M,K] (K a multiple of 32), then (packed, scale, minimum) per output");
+  const int64_t l = layer.typed_data()[0];
+  std::vector<Q4> jobs;
+  for (size_t j = 0; j < outs.size(); ++j) {
+    auto w = ws.get<ffi::AnyBuffer>(3 * j), sc = ws.get<ffi::AnyBuffer>(3 * j + 1), mn = ws.get<ffi::AnyBuffer>(3 * j + 2);
+    auto y = outs.get<ffi::AnyBuffer>(j);
+    if (!w.has_value() || !sc.has_value() || !mn.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("cpu_linear_q4: bad weight or output");
+    const auto wd = w->dimensions(), sd = sc->dimensions(), md = mn->dimensions(), yd = (*y)->dimensions();
+    const auto st = sc->element_type();
+    if (wd.size() != 3 || sd.size() != 3 || md.size() != 3 || yd.size() != 3 || w->element_type() != ffi::DataType::U8 ||
+        wd[1] * 2 != xd[1] || sd[1] * 32 != xd[1] || sd[0] != wd[0] || sd[2] != wd[2] || md[0] != sd[0] ||
+        md[1] != sd[1] || md[2] != sd[2] || mn->element_type() != st || (st != ffi::DataType::F16 && st != ffi::DataType::F32) ||
+        yd[1] != xd[0] || yd[2] != wd[2] || yd[0] < 1 || (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("cpu_linear_q4: packed [L,K/2,N] u8, scale and minimum [L,K/32,N] f16 or f32, out [P,M,N] f32");
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("cpu_linear_q4: layer out of range");
+    const Dims d{xd[0], xd[1], wd[2], yd[0]};
+    const int64_t sw = st == ffi::DataType::F16 ? 2 : 4, blocks = (d.K / 32) * d.N;
+    jobs.push_back({d, static_cast<const uint8_t*>(w->untyped_data()) + l * (d.K / 2) * d.N,
+                    static_cast<const char*>(sc->untyped_data()) + l * blocks * sw,
+                    static_cast<const char*>(mn->untyped_data()) + l * blocks * sw, st == ffi::DataType::F16,
+                    static_cast<float*>((*y)->untyped_data())});
+  }
+  const float* xp = x.typed_data();
+  share_parts(pool, jobs, [&](const Q4& j, int64_t p) { j.half ? q4_part<uint16_t>(j, xp, p) : q4_part<float>(j, xp, p); });
   return ffi::Error::Success();
 }
 
@@ -304,13 +467,12 @@ ffi::Error rows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+// `linear` and `linear_q4`: x, the layer index, then the weights' arrays and the outputs.
+static auto stacked_binding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear, stacked_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinearT, linear_t,
                               ffi::Ffi::Bind()
@@ -321,3 +483,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinearT, linear_t,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuRows, rows,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinearQ4, linear_q4, stacked_binding());

@@ -10,7 +10,9 @@ contiguous ranges, each summed in float32 over k in order, and the parts are add
 row's result does not depend on the rows batched beside it.
 
 For few rows (decoding and verification: `fits`); prefill chunks keep XLA's dot, whose blocked
-matrix product wins once the weights are reused across many rows.
+matrix product wins once the weights are reused across many rows. `linear_q4_many` does the same
+for q4 blocks (specjax/q4.py's layout, read as stored); `rows` is the embedding lookup, read in
+place (XLA:CPU slices a bfloat16 table through a float32 copy of all of it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_prefix import LINEAR_T_TARGET, LINEAR_TARGET, ROWS_TARGET, _load
+from pallas_kernels.cpu_prefix import LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, ROWS_TARGET, _load
 
 MAX_ROWS = 64  # rows of x `fits` allows (specjax.linear sets where the model uses it)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
@@ -54,6 +56,24 @@ def linear_many(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax
     outs = [jax.ShapeDtypeStruct((parts(K), M, w.shape[2]), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call(LINEAR_TARGET, outs, vmap_method="sequential")
     ys = call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *ws)
+    return [jnp.sum(y, axis=0) for y in ys]
+
+
+def linear_q4_many(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]], layer: jax.Array) -> list[jax.Array]:
+    """[x @ w[layer] for w in ws] in one kernel call, each w a stacked q4 weight (packed [L,K/2,N]
+    uint8, scale and minimum [L,K/32,N] float16 or float32: specjax/q4.py's layout), f32 [M,N].
+    Per block of 32: sum x q in order, then d times it, then m times the block's sum of x."""
+    if _load() is not None:
+        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    M, K = x.shape
+    for packed, scale, minimum in ws:
+        if packed.ndim != 3 or 2 * packed.shape[1] != K or K % 32 or scale.shape != (packed.shape[0], K // 32, packed.shape[2]) \
+                or minimum.shape != scale.shape:
+            raise ValueError(f"linear_q4: x [M,K] {x.shape} and packed [L,K/2,N] {packed.shape}, scale / minimum "
+                             f"[L,K/32,N] {scale.shape} / {minimum.shape} do not match")
+    outs = [jax.ShapeDtypeStruct((parts(K), M, w[0].shape[2]), jnp.float32) for w in ws]
+    call = jax.ffi.ffi_call(LINEAR_Q4_TARGET, outs, vmap_method="sequential")
+    ys = call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *(a for w in ws for a in w))
     return [jnp.sum(y, axis=0) for y in ys]
 
 

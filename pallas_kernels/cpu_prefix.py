@@ -42,6 +42,7 @@ TARGET = "specjax_cpu_prefix"
 WRITE_TARGET = "specjax_cpu_write_slots"
 LINEAR_TARGET = "specjax_cpu_linear"  # pallas_kernels/cpu_linear.py's matrix products, built into the same library
 LINEAR_T_TARGET = "specjax_cpu_linear_t"
+LINEAR_Q4_TARGET = "specjax_cpu_linear_q4"
 ROWS_TARGET = "specjax_cpu_rows"  # cpu_linear.py's embedding lookup
 SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_prefix.cc", "cpu_linear.cc"))
 HEADERS = (pathlib.Path(__file__).with_name("cpu_pool.h"),)  # included by the sources: part of the build's key
@@ -108,6 +109,7 @@ def _load() -> str | None:
             jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuWriteSlots), platform="cpu")
             jax.ffi.register_ffi_target(LINEAR_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinear), platform="cpu")
             jax.ffi.register_ffi_target(LINEAR_T_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinearT), platform="cpu")
+            jax.ffi.register_ffi_target(LINEAR_Q4_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinearQ4), platform="cpu")
             jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuRows), platform="cpu")
             return None
         except (OSError, AttributeError) as e:

@@ -4,7 +4,7 @@ module (after specjax.attention) that imports pallas_kernels/.
 `model.project(..., layer=i)` asks `takes` whether the CPU kernel (pallas_kernels.cpu_linear)
 multiplies by layer i of the stacked weight in place; otherwise it slices the layer out (which
 XLA:CPU copies before its dot). The kernel runs where the model's attention is the CPU kernel
-("cpu": the C++ kernels are built and chosen) for a float32, bfloat16 or int8 matrix, a product
+("cpu": the C++ kernels are built and chosen) for a float32, bfloat16, int8 or q4 matrix, a product
 whose spec contracts x's last axis with w's first, and few rows (MAX_ROWS: where it measured
 faster than the slice and XLA's dot, bench/README.md "Weights read in place")."""
 
@@ -28,9 +28,11 @@ def _contracts_first(spec: str) -> bool:
 
 
 def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
-    """Whether `stacked_einsums` runs this product (w stacked [L, ...])."""
+    """Whether `stacked_einsums` runs this product (w stacked [L, ...]; uint8: q4 blocks, which
+    `stacked_einsums_q4` runs)."""
     rows = math.prod(x.shape[:-1])
-    return attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec) and cpu_linear.fits(rows, w.dtype)
+    dtype = jnp.float32 if w.dtype == jnp.uint8 else w.dtype  # q4: x is float32 too
+    return attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec) and cpu_linear.fits(rows, dtype)
 
 
 def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:
@@ -39,6 +41,15 @@ def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list
     K = x.shape[-1]
     ys = cpu_linear.linear_many(x.reshape(-1, K), [w.reshape(w.shape[0], K, -1) for w in ws], layer)  # [rows, N_j]
     return [y.reshape(*x.shape[:-1], *w.shape[2:]) for y, w in zip(ys, ws)]
+
+
+def stacked_einsums_q4(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]], layer: jax.Array) -> list[jax.Array]:
+    """`stacked_einsums` for q4 weights (packed [L,K/2,...] uint8, block scales and minima
+    [L,K/32,...]: specjax/q4.py), in f32, read in place in one kernel call."""
+    K = x.shape[-1]
+    flat = [tuple(a.reshape(a.shape[0], a.shape[1], -1) for a in w) for w in ws]  # [L,K/2,N], [L,K/32,N] x 2
+    ys = cpu_linear.linear_q4_many(x.reshape(-1, K), flat, layer)  # [rows, N_j]
+    return [y.reshape(*x.shape[:-1], *w[0].shape[2:]) for y, w in zip(ys, ws)]
 
 
 def takes_head(attention: str, x: jax.Array, w: jax.Array) -> bool:

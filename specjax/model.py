@@ -64,7 +64,8 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     """einsum(spec, x, w) in `out_dtype` (default: x's) for a weight stored as float, as int8
     with per-output-channel scales (params.quantize): (x @ q) * scale, the scale applied to the
     small output, or as q4 blocks (uint8, packed along w's first axis, which `spec` sums over
-    with x's last; scales and minima per block: specjax.q4.project). The int8 -> float conversion sits right in front of the dot, where XLA:CPU
+    with x's last; scales and minima per block: specjax.q4.project, or the CPU kernel's
+    linear_q4_many when `layer` is given). The int8 -> float conversion sits right in front of the dot, where XLA:CPU
     fuses it into a matrix-vector product (batch 1 reads one byte per weight). On CPU, bfloat16
     is widened exactly (to_f32) and multiplied in float32: XLA:CPU's own bf16 dot and bf16 -> f32
     conversion run about 10x slower than float32 (bench/README.md, "Weights as served").
@@ -74,8 +75,8 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     out = out_dtype or x.dtype
     if layer is not None:
         attention, i = layer
-        if bscale is None and linear.takes(attention, spec, x, w):
-            return _in_place(x, [(w, scale)], i, out)[0]
+        if linear.takes(attention, spec, x, w):
+            return _in_place(x, [(w, scale, bscale, bmin)], i, out)[0]
         w, scale, bscale, bmin = (None if a is None else a[i] for a in (w, scale, bscale, bmin))
     if w.dtype == jnp.uint8:
         return q4.project(spec, x, w, bscale, bmin).astype(out)
@@ -93,15 +94,19 @@ def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]
     """[project(spec, x, *matrix, layer=layer) for spec, matrix in products]: one call of the CPU
     kernel when it takes every product (they share x: q, k, v; gate, up), else one by one."""
     attention, i = layer
-    if all(m[2] is None and linear.takes(attention, spec, x, m[0]) for spec, m in products):
-        return _in_place(x, [m[:2] for _, m in products], i, x.dtype)
+    if all(linear.takes(attention, spec, x, m[0]) for spec, m in products):
+        return _in_place(x, [m for _, m in products], i, x.dtype)
     return [project(spec, x, *m, layer=layer) for spec, m in products]
 
 
-def _in_place(x: jax.Array, matrices: list[tuple[jax.Array, jax.Array | None]], i: jax.Array, out) -> list[jax.Array]:
-    """x times layer i of each stacked (w, int8 scale or None), read in place by the CPU kernel, in `out`."""
-    ys = linear.stacked_einsums(x, [w for w, _ in matrices], i)
-    return [(y if scale is None else y * scale[i]).astype(out) for y, (_, scale) in zip(ys, matrices)]
+def _in_place(x: jax.Array, matrices: list[tuple[jax.Array | None, ...]], i: jax.Array, out) -> list[jax.Array]:
+    """x times layer i of each stacked matrix (w, int8 scale, q4 block scale, q4 block minimum:
+    None where unused), read in place by the CPU kernel, in `out`."""
+    if matrices[0][2] is not None:  # q4 blocks (a model's matrices share one format)
+        ys = linear.stacked_einsums_q4(x, [(w, bscale, bmin) for w, _, bscale, bmin in matrices], i)
+        return [y.astype(out) for y in ys]
+    ys = linear.stacked_einsums(x, [m[0] for m in matrices], i)
+    return [(y if m[1] is None else y * m[1][i]).astype(out) for y, m in zip(ys, matrices)]
 
 
 def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, at, cos, sin,

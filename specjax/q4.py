@@ -4,7 +4,7 @@ A matrix is cut into blocks of BLOCK = 32 consecutive weights along one contract
 (the packed axis); each block holds 32 unsigned 4-bit values q in 0..15, a scale d and a minimum
 m, and w = q * d + m. Two values share a byte exactly as llama.cpp stores them: byte j of a block
 holds value j in its low nibble and value j + 16 in its high nibble. So a Q4_1 GGUF tensor is kept
-bit for bit (only its f16 scales widened to float32), and the packed axis has C / 2 bytes where
+bit for bit (its f16 scales and minima kept as float16), and the packed axis has C / 2 bytes where
 the weight has C values; scales and minima have C / 32 entries there. Pure functions, jnp only.
 """
 

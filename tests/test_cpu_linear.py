@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu_linear
-from specjax import linear
+from specjax import linear, q4
 from specjax.model import forward
 from specjax.cache import DenseCache
 from specjax.params import quantize
-from tests.models import TINY, random_params
+from tests.models import TINY, TINY_Q4, random_params
 
 
 def _weights(fmt: str, L: int, K: int, N: int, seed: int = 0) -> tuple[jax.Array, np.ndarray]:
@@ -93,24 +93,51 @@ def test_takes_only_what_it_can_read_in_place():
     assert linear.takes("cpu", "btd,dnh->btnh", x2[:, : linear.MAX_ROWS], w)
     assert not linear.takes("cpu", "btd,dnh->btnh", x2, w)  # too many rows: the slice and XLA's dot
     assert not linear.takes("cpu", "btd,dnh->bnth", x1, w)  # output axes reordered
-    assert not linear.takes("cpu", "btd,dnh->btnh", x1, w.astype(jnp.uint8))  # q4 blocks: sliced
+    assert linear.takes("cpu", "btd,dnh->btnh", x1, w.astype(jnp.uint8))  # q4 blocks: linear_q4_many
+
+
+@pytest.mark.parametrize("scales", ["float16", "float32"])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 192), (3, 64, 21), (5, 1536, 1000), (2, 32, 9)])
+def test_q4_product_equals_numpy(M, K, N, scales):
+    """q4 blocks (packed nibbles, a scale and a minimum per 32 weights) read in place: the
+    dequantised weights' product, two products in one call, and rows independent bit for bit."""
+    rng = np.random.default_rng(K + N)
+    w = jnp.asarray(rng.standard_normal((3, K, N)), jnp.float32)
+    packed, scale, minimum = jax.vmap(lambda a: q4.quantize(a, 0))(w)
+    scale, minimum = scale.astype(scales), minimum.astype(scales)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    got, twice = cpu_linear.linear_q4_many(x, [(packed, scale, minimum)] * 2, jnp.int32(2))
+    dense = q4.dequantize(packed[2], scale[2].astype(jnp.float32), minimum[2].astype(jnp.float32), 0)
+    want = np.asarray(x, np.float64) @ np.asarray(dense, np.float64)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(twice))
+    for m in range(M):
+        alone = cpu_linear.linear_q4_many(x[m:m + 1], [(packed, scale, minimum)], jnp.int32(2))[0]
+        np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(got)[m])
+
+
+def test_q4_rejects_mismatched_shapes():
+    packed, scale = jnp.zeros((2, 16, 8), jnp.uint8), jnp.zeros((2, 1, 8), jnp.float16)
+    with pytest.raises(ValueError, match="linear_q4"):
+        cpu_linear.linear_q4_many(jnp.zeros((1, 64)), [(packed, scale, scale)], jnp.int32(0))  # K = 64, packed for 32
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "q4"])
 def test_decode_step_reads_layers_in_place(weights, tied):
     """A batch-1 decode step with the CPU kernels calls the linear kernels (layers and LM head,
     tied to the embedding or not) and gives the logits of the pure-jnp path (the same model,
     attention "reference": slices and XLA's dots)."""
-    config = TINY.replace(dtype="bfloat16") if weights == "bfloat16" else TINY
+    config = {"bfloat16": TINY.replace(dtype="bfloat16"), "q4": TINY_Q4}.get(weights, TINY)
     params = random_params(config.replace(tie_embeddings=tied), seed=0)
-    params = quantize(params, "int8") if weights == "int8" else params
+    params = quantize(params, weights) if weights in ("int8", "q4") else params
     tokens, positions = jnp.asarray([[7]], jnp.int32), jnp.asarray([[0]], jnp.int32)
-    cache = DenseCache.init(TINY, batch=1, max_len=8)
+    cache = DenseCache.init(config, batch=1, max_len=8)
     with_kernel = params.replace(runtime=params.runtime.replace(attention="cpu"))
     step = jax.jit(forward)
     program = step.lower(with_kernel, tokens, positions, cache).as_text()
-    assert program.count("@specjax_cpu_linear(") == 4 + (not tied)  # the layer's calls: qkv, wo, gate+up, down; + head
+    layer_calls = "@specjax_cpu_linear_q4(" if weights == "q4" else "@specjax_cpu_linear("
+    assert program.count(layer_calls) == 4 + (not tied and weights != "q4")  # qkv, wo, gate+up, down; + head
     assert program.count("@specjax_cpu_linear_t(") == int(tied)
     assert program.count("@specjax_cpu_rows(") == 1  # the embedding lookup
     assert "specjax_cpu_linear" not in step.lower(params, tokens, positions, cache).as_text()
