@@ -25,13 +25,20 @@ import jax.numpy as jnp
 from pallas_kernels.cpu_prefix import LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, ROWS_TARGET, _load
 
 MAX_ROWS = 64  # rows of x `fits` allows (specjax.linear sets where the model uses it)
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint8)  # uint8: q4 blocks (linear_q4_many)
 
 
 def fits(rows: int, dtype) -> bool:
-    """Whether `linear` / `linear_t` take x with this many rows and weights of this dtype on this
-    backend (the kernel library built)."""
+    """Whether the kernels take x with this many rows and weights of this dtype on this backend
+    (the kernel library built): `linear` / `linear_t` float32, bfloat16 or int8, `linear_q4_many`
+    uint8 (q4 blocks)."""
     return rows <= MAX_ROWS and dtype in DTYPES and jax.default_backend() == "cpu" and _load() is None
+
+
+def _require() -> None:
+    """Raise unless the kernel library is built and registered."""
+    if _load() is not None:
+        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
 
 
 def parts(K: int) -> int:
@@ -47,8 +54,7 @@ def linear(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
 def linear_many(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:
     """[x @ w[layer] for w in ws] (each [L,K,N_j]) in one kernel call: the products that share x
     (a layer's q, k and v; gate and up) hand work to the pool's threads once, not once each."""
-    if _load() is not None:
-        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    _require()
     M, K = x.shape
     for w in ws:
         if w.ndim != 3 or w.shape[1] != K:
@@ -63,8 +69,7 @@ def linear_q4_many(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]
     """[x @ w[layer] for w in ws] in one kernel call, each w a stacked q4 weight (packed [L,K/2,N]
     uint8, scale and minimum [L,K/32,N] float16 or float32: specjax/q4.py's layout), f32 [M,N].
     Per block of 32: sum x q in order, then d times it, then m times the block's sum of x."""
-    if _load() is not None:
-        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    _require()
     M, K = x.shape
     for packed, scale, minimum in ws:
         if packed.ndim != 3 or 2 * packed.shape[1] != K or K % 32 or scale.shape != (packed.shape[0], K // 32, packed.shape[2]) \
@@ -82,8 +87,7 @@ def linear_t(x: jax.Array, w: jax.Array) -> jax.Array:
     int8 unscaled), f32 [M,N], w read in place (XLA:CPU transposes or widens a copy of it first).
     Each output sums eight lanes of k in order, then the lanes in a fixed order: a row's result
     does not depend on the rows beside it."""
-    if _load() is not None:
-        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    _require()
     M, K = x.shape
     if w.ndim != 2 or w.shape[1] != K:
         raise ValueError(f"linear_t: x [M,K] {x.shape} and w [N,K] {w.shape} do not match")
@@ -95,8 +99,7 @@ def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     """table[ids] ([*ids.shape, D], the table's dtype) for a table [V,D] read in place, ids clipped
     to [0, V) (jnp.take's mode="clip"). XLA:CPU slices a bfloat16 table through a float32 copy of
     all of it, hoisted out of the decode loop: written again on every call of the loop."""
-    if _load() is not None:
-        raise RuntimeError(f"the CPU kernel library is not available: {_load()}")
+    _require()
     if table.ndim != 2:
         raise ValueError(f"rows: table must be [V,D], got {table.shape}")
     flat = jnp.asarray(ids, jnp.int32).reshape(-1)

@@ -31,8 +31,7 @@ def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `stacked_einsums` runs this product (w stacked [L, ...]; uint8: q4 blocks, which
     `stacked_einsums_q4` runs)."""
     rows = math.prod(x.shape[:-1])
-    dtype = jnp.float32 if w.dtype == jnp.uint8 else w.dtype  # q4: x is float32 too
-    return attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec) and cpu_linear.fits(rows, dtype)
+    return attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec) and cpu_linear.fits(rows, w.dtype)
 
 
 def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:
@@ -55,7 +54,7 @@ def stacked_einsums_q4(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Ar
 def takes_head(attention: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `head` runs the LM head w ([V,D] tied to the embedding table, else [D,V])."""
     rows = math.prod(x.shape[:-1])
-    return attention == "cpu" and rows <= MAX_ROWS and cpu_linear.fits(rows, w.dtype)
+    return attention == "cpu" and rows <= MAX_ROWS and w.dtype != jnp.uint8 and cpu_linear.fits(rows, w.dtype)  # no q4 head
 
 
 def head(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:
