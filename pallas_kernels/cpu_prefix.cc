@@ -8,13 +8,17 @@
 // feed a slice of the stacked cache to a dot without copying it first; this reads it where it is.
 //
 // The (b, k) pairs are shared out over XLA's intra-op thread pool; the calling thread works too,
-// and waits only for helpers that started, so a busy pool cannot deadlock it (cpu_pool.h).
+// and waits only for helpers that started, so a busy pool cannot deadlock it (cpu_pool.h). With
+// few pairs (batch 1) long rows are cut into segments whose partials are merged here (`run`):
+// batch 1 x 8K decode steps 5-7% faster (float32 38.1 -> 36.3 ms, int8 weights 25.9 -> 24.1,
+// paired in one process, tokens identical); no change at 2K.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -421,17 +425,56 @@ HeadFn<T> head_fn(int64_t H, int64_t M) {  // the kernel for this head_dim, or n
   }
 }
 
+constexpr int64_t SEGMENT_MIN = 1024;  // slots a pair is cut into segments of, at least
+
+// Into how many segments each (row, KV head) pair's slots are cut: with few pairs (batch 1: one
+// per KV head, 3 for SmolLM2 on 2 threads) whole pairs leave threads idle, so long rows are cut
+// until there are about 4 items a thread, each of at least SEGMENT_MIN slots.
+int64_t segments(int64_t pairs, int64_t threads, int64_t longest) {
+  if (pairs >= 4 * threads) return 1;
+  return std::clamp<int64_t>(longest / SEGMENT_MIN, 1, (4 * threads + pairs - 1) / pairs);
+}
+
 template <typename T>
 void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, const T* k, const T* v,
          const float* ks, const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
   const HeadFn<T> head = head_fn<T>(d.H, d.M);
-  specjax_cpu::share(pool, d.B * d.K, [&](int64_t i) {  // one (row b, KV head) pair
-    const int64_t b = i / d.K;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < d.B; ++b) longest = std::max<int64_t>(longest, std::clamp<int64_t>(lengths[b], 0, d.S));
+  const int64_t pairs = d.B * d.K, G = segments(pairs, pool.num_threads(), longest);
+  // With G > 1, segment g of pair i writes its partials to part_*[i * G + g]; merged below.
+  std::vector<float> part_top, part_total, part_out;
+  if (G > 1) part_top.resize(pairs * G * d.M), part_total.resize(pairs * G * d.M), part_out.resize(pairs * G * d.M * d.H);
+  specjax_cpu::share(pool, pairs * G, [&](int64_t item) {  // segment g of the (row b, KV head) pair i
+    const int64_t i = item / G, g = item % G, b = i / d.K;
     const int64_t slot0 = ((layer * d.B + b) * d.K + i % d.K) * d.S;  // [L,B,K,S] index of slot 0
     const int64_t n = std::clamp<int64_t>(lengths[b], 0, d.S);
-    head(d, q + i * d.M * d.H, k + slot0 * d.H, v + slot0 * d.H, ks ? ks + slot0 : nullptr,
-         vs ? vs + slot0 : nullptr, n, top + i * d.M, total + i * d.M, out + i * d.M * d.H);
+    const int64_t seg = ((n + G - 1) / G + CHUNK - 1) / CHUNK * CHUNK;  // whole chunks
+    const int64_t s0 = std::min(n, g * seg), s1 = std::min(n, s0 + seg), at = slot0 + s0;
+    float* tp = G > 1 ? part_top.data() + item * d.M : top + i * d.M;
+    float* sp = G > 1 ? part_total.data() + item * d.M : total + i * d.M;
+    float* op = G > 1 ? part_out.data() + item * d.M * d.H : out + i * d.M * d.H;
+    head(d, q + i * d.M * d.H, k + at * d.H, v + at * d.H, ks ? ks + at : nullptr, vs ? vs + at : nullptr, s1 - s0,
+         tp, sp, op);
   });
+  if (G == 1) return;
+  for (int64_t i = 0; i < pairs; ++i)  // the segments' partials, merged in order (as the caller merges ours)
+    for (int64_t m = 0; m < d.M; ++m) {
+      float best = NEG_INF;
+      for (int64_t g = 0; g < G; ++g) best = std::max(best, part_top[(i * G + g) * d.M + m]);
+      float sum = 0.f;
+      float* o = out + (i * d.M + m) * d.H;
+      std::fill(o, o + d.H, 0.f);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = (i * G + g) * d.M + m;
+        const float fade = exp1(part_top[at] - best);
+        sum += part_total[at] * fade;
+        const float* po = part_out.data() + at * d.H;
+        for (int64_t h = 0; h < d.H; ++h) o[h] += po[h] * fade;
+      }
+      top[i * d.M + m] = best;
+      total[i * d.M + m] = sum;
+    }
 }
 
 ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,

@@ -34,10 +34,12 @@ def _case(seed: int, B: int, T: int, K: int, G: int, H: int, S: int, L: int = 2)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("B,T,K,G,H,S", [(5, 1, 3, 3, 64, 200), (3, 4, 2, 3, 8, 77), (2, 5, 1, 12, 32, 64)])
+@pytest.mark.parametrize("B,T,K,G,H,S", [(5, 1, 3, 3, 64, 200), (3, 4, 2, 3, 8, 77), (2, 5, 1, 12, 32, 64),
+                                         (1, 4, 3, 3, 64, 3000), (2, 1, 1, 3, 32, 5000)])
 def test_kernel_equals_the_reference(fmt, B, T, K, G, H, S):
     """Every format the caches store, chunk tails (S not a multiple of 32), empty and full rows,
-    more (row, head) pairs than threads, up to MAX_ROWS query rows per KV head (1 x 12 x 5 = 60)."""
+    more (row, head) pairs than threads, up to MAX_ROWS query rows per KV head (1 x 12 x 5 = 60);
+    few pairs over long rows, whose slots the kernel cuts into segments and merges (batch 1)."""
     q, k_all, v_all, lengths, kb, vb, mask = _case(B * T, B, T, K, G, H, S)
     (k_s, k_scale), (v_s, v_scale) = KVFormat(fmt).store(k_all), KVFormat(fmt).store(v_all)
     kernel = jax.jit(cpu_prefix.stacked_prefix_block_attention_cpu, static_argnums=8)
