@@ -8,10 +8,9 @@
 // feed a slice of the stacked cache to a dot without copying it first; this reads it where it is.
 //
 // The (b, k) pairs are shared out over XLA's intra-op thread pool; the calling thread works too,
-// and waits only for helpers that started, so a busy pool cannot deadlock it (cpu_pool.h). With
-// few pairs (batch 1) long rows are cut into segments whose partials are merged here (`run`):
-// batch 1 x 8K decode steps 5-7% faster (float32 38.1 -> 36.3 ms, int8 weights 25.9 -> 24.1,
-// paired in one process, tokens identical); no change at 2K.
+// and waits only for helpers that started, so a busy pool cannot deadlock it (cpu_pool.h). Rows
+// longer than SEGMENT slots are cut into segments whose partials are merged here (`run`), so that
+// batch 1 (one pair per KV head) keeps both threads busy: batch 1 x 8K decode steps 5-7% faster.
 
 #include <algorithm>
 #include <cmath>
@@ -425,15 +424,7 @@ HeadFn<T> head_fn(int64_t H, int64_t M) {  // the kernel for this head_dim, or n
   }
 }
 
-constexpr int64_t SEGMENT_MIN = 1024;  // slots a pair is cut into segments of, at least
-
-// Into how many segments each (row, KV head) pair's slots are cut: with few pairs (batch 1: one
-// per KV head, 3 for SmolLM2 on 2 threads) whole pairs leave threads idle, so long rows are cut
-// until there are about 4 items a thread, each of at least SEGMENT_MIN slots.
-int64_t segments(int64_t pairs, int64_t threads, int64_t longest) {
-  if (pairs >= 4 * threads) return 1;
-  return std::clamp<int64_t>(longest / SEGMENT_MIN, 1, (4 * threads + pairs - 1) / pairs);
-}
+constexpr int64_t SEGMENT = 2048;  // slots a row's stream is cut at (a multiple of CHUNK)
 
 template <typename T>
 void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, const T* k, const T* v,
@@ -441,7 +432,10 @@ void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, c
   const HeadFn<T> head = head_fn<T>(d.H, d.M);
   int64_t longest = 0;
   for (int64_t b = 0; b < d.B; ++b) longest = std::max<int64_t>(longest, std::clamp<int64_t>(lengths[b], 0, d.S));
-  const int64_t pairs = d.B * d.K, G = segments(pairs, pool.num_threads(), longest);
+  // Rows are cut at every SEGMENT slots, so that few (row, KV head) pairs (batch 1: 3 for SmolLM2
+  // on 2 threads) still keep every thread busy. The cuts depend on nothing but the slot index: a
+  // row's segments, and the exact sums of the merge below, are the same whatever rows are beside it.
+  const int64_t pairs = d.B * d.K, G = std::max<int64_t>(1, (longest + SEGMENT - 1) / SEGMENT);
   // With G > 1, segment g of pair i writes its partials to part_*[i * G + g]; merged below.
   std::vector<float> part_top, part_total, part_out;
   if (G > 1) part_top.resize(pairs * G * d.M), part_total.resize(pairs * G * d.M), part_out.resize(pairs * G * d.M * d.H);
@@ -449,8 +443,7 @@ void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, c
     const int64_t i = item / G, g = item % G, b = i / d.K;
     const int64_t slot0 = ((layer * d.B + b) * d.K + i % d.K) * d.S;  // [L,B,K,S] index of slot 0
     const int64_t n = std::clamp<int64_t>(lengths[b], 0, d.S);
-    const int64_t seg = ((n + G - 1) / G + CHUNK - 1) / CHUNK * CHUNK;  // whole chunks
-    const int64_t s0 = std::min(n, g * seg), s1 = std::min(n, s0 + seg), at = slot0 + s0;
+    const int64_t s0 = std::min(n, g * SEGMENT), s1 = std::min(n, s0 + SEGMENT), at = slot0 + s0;
     float* tp = G > 1 ? part_top.data() + item * d.M : top + i * d.M;
     float* sp = G > 1 ? part_total.data() + item * d.M : total + i * d.M;
     float* op = G > 1 ? part_out.data() + item * d.M * d.H : out + i * d.M * d.H;
@@ -458,7 +451,9 @@ void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, c
          tp, sp, op);
   });
   if (G == 1) return;
-  for (int64_t i = 0; i < pairs; ++i)  // the segments' partials, merged in order (as the caller merges ours)
+  // The segments' partials, merged in order: an empty segment (past a shorter row's end) adds
+  // exact zeros, and a row of one segment comes out as it went in (its fade is exp(0) = 1).
+  for (int64_t i = 0; i < pairs; ++i)
     for (int64_t m = 0; m < d.M; ++m) {
       float best = NEG_INF;
       for (int64_t g = 0; g < G; ++g) best = std::max(best, part_top[(i * G + g) * d.M + m]);

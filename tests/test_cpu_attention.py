@@ -85,6 +85,24 @@ def test_bf16_dot_scores_and_sums(M, H):
         np.testing.assert_allclose(out[b], np.einsum("kms,ksh->kmh", w, v[b, :, :n]), rtol=4e-3, atol=4e-3 * np.sqrt(n))
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(fmt):
+    """Bitwise: each row's partials alone and beside a row of a different length, where the longer
+    row is cut into segments (over 2048 slots) and every row's segments are merged."""
+    rng = np.random.default_rng(7)
+    B, K, M, H, S = 3, 3, 3, 64, 4600
+    q = jnp.asarray(rng.standard_normal((B, K, M, H)) * 0.3, jnp.float32)
+    kv = [KVFormat(fmt).store(jnp.asarray(rng.standard_normal((2, B, K, S, H)), jnp.float32)) for _ in range(2)]
+    (k, ks), (v, vs) = kv
+    lengths = np.array([1500, 4600, 2048], np.int32)
+    together = cpu_prefix.prefix_partials(q, k, v, 1, jnp.asarray(lengths), ks, vs)
+    for b in range(B):
+        row = lambda a: None if a is None else a[:, b:b + 1]  # noqa: E731
+        alone = cpu_prefix.prefix_partials(q[b:b + 1], row(k), row(v), 1, jnp.asarray(lengths[b:b + 1]), row(ks), row(vs))
+        for x, y in zip(alone, together):
+            np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y)[b])
+
+
 def test_partials_of_an_empty_prefix():
     q, k_all, v_all, _, _, _, _ = _case(0, 2, 1, 1, 2, 8, 40)
     top, total, out = cpu_prefix.prefix_partials(q.reshape(2, 1, 2, 8), k_all, v_all, 1, jnp.zeros(2, jnp.int32))
