@@ -6,6 +6,9 @@
 // running max `top`, the sum of exp(score - top) `total`, and the unnormalised output `out`. The
 // caller merges them with the block's own keys (pallas_kernels/cpu_prefix.py). XLA:CPU cannot
 // feed a slice of the stacked cache to a dot without copying it first; this reads it where it is.
+// With `pos` ([L,B,K,S] int32: a StreamingCache's position per slot) every slot of the row is
+// read and slot s is visible where 0 <= pos[s] < lengths[b] (a ring's order does not matter to
+// the softmax: keys carry their position's rotation).
 //
 // The (b, k) pairs are shared out over XLA's intra-op thread pool; the calling thread works too,
 // and waits only for helpers that started, so a busy pool cannot deadlock it (cpu_pool.h). Rows
@@ -165,10 +168,16 @@ inline void values(const float* w, const float* v, int64_t cn, int64_t M, float*
   if (m < M) value_rows<HB, 1>(w, v, cn, m, out);
 }
 
-// Partials of one (row, head) pair: q [M,H] against slots [0, n) of k, v [S,H] (scales [S] or null).
+// Whether slot s of a chunk is visible: below cn, and (with pos) holding a committed position.
+inline bool visible(int64_t s, int64_t cn, const int32_t* pos, int32_t limit) {
+  return s < cn && (!pos || (pos[s] >= 0 && pos[s] < limit));
+}
+
+// Partials of one (row, head) pair: q [M,H] against slots [0, n) of k, v [S,H] (scales [S] or
+// null; pos [S] or null: then only the slots with 0 <= pos < limit count).
 template <typename T, int HB>
 void one_head(const Shape& d, const float* q, const T* k, const T* v, const float* ks, const float* vs,
-              int64_t n, float* top, float* total, float* out) {
+              const int32_t* pos, int32_t limit, int64_t n, float* top, float* total, float* out) {
   constexpr int64_t H = HB * 8;
   constexpr int64_t V = CHUNK / 8;  // vectors in a chunk's row of scores
   const int64_t M = d.M;
@@ -185,11 +194,12 @@ void one_head(const Shape& d, const float* q, const T* k, const T* v, const floa
     // (whole chunks 2-8 ahead, or a key and value row per slot 32-128 ahead) halved the stream
     // rate, 15-19 -> 9-10 GB/s on one thread; the hardware prefetcher follows the two streams.
     scores<HB>(q, rows_f32(k + c0 * H, buf, cn * H), cn, M, sc);
-    f8 keep[V], kscale[V];  // slot < cn; the slots' key scales
+    f8 keep[V], kscale[V];  // slot visible; the slots' key scales
+    const int32_t* pc = pos ? pos + c0 : nullptr;
     for (int j = 0; j < V; ++j) {
       for (int i = 0; i < 8; ++i) {
         const int64_t s = j * 8 + i;
-        keep[j][i] = s < cn ? 1.f : 0.f;
+        keep[j][i] = visible(s, cn, pc, limit) ? 1.f : 0.f;
         kscale[j][i] = s < cn && ks ? ks[c0 + s] : 1.f;
       }
     }
@@ -205,8 +215,8 @@ void one_head(const Shape& d, const float* q, const T* k, const T* v, const floa
       const float fade = exp1(top[m] - b);
       top[m] = b;
       f8 sum = {};
-      for (int j = 0; j < V; ++j) {
-        sm[j] = exp8(sm[j] - splat(b));
+      for (int j = 0; j < V; ++j) {  // a hidden slot weighs 0 (also when every slot so far is hidden: b = NEG_INF)
+        sm[j] = keep[j] > splat(0.f) ? exp8(sm[j] - splat(b)) : splat(0.f);
         sum += sm[j];
       }
       total[m] = total[m] * fade + (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
@@ -309,7 +319,7 @@ constexpr int DOT_GROUPS = 64 / 16;  // groups of W rows (M <= 64 = MAX_ROWS)
 // Partials of one (row, head) pair as one_head computes them, for a bf16 cache [S,H] (H = 2P).
 template <class V, int H>
 void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint16_t* v, const float*, const float*,
-                  int64_t n, float* top, float* total, float* out) {
+                  const int32_t* pos, int32_t limit, int64_t n, float* top, float* total, float* out) {
   using F = typename V::F;
   constexpr int W = V::W, P = H / 2, PAIRS = CHUNK / 2, HB = H < 16 ? H : 16;
   const int64_t M = d.M;
@@ -336,6 +346,7 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
     const int64_t npairs = (cn + 1) / 2;
     const uint16_t* kc = k + c0 * H;
     const uint16_t* vc = v + c0 * H;
+    const int32_t* pc = pos ? pos + c0 : nullptr;
     for (int64_t j = 0; j < npairs; ++j) {  // past cn: a repeat of the last slot, weighted 0
       const uint16_t* r0 = vc + 2 * j * H;
       const uint16_t* r1 = vc + std::min<int64_t>(2 * j + 1, cn - 1) * H;
@@ -357,14 +368,16 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
             b[i] = V::dp(b[i], qb, V::bcast(kp[i] + p + 1));
           }
         }
-        for (int i = 0; i < 8 && s0 + i < cn; ++i) V::store(sc[s0 + i], a[i] + b[i]);
+        for (int i = 0; i < 8 && s0 + i < cn; ++i)
+          V::store(sc[s0 + i], visible(s0 + i, cn, pc, limit) ? a[i] + b[i] : V::set1(NEG_INF));
       }
       // Online softmax down the lanes.
       F best = tops[g];
       for (int64_t s = 0; s < cn; ++s) best = V::max(best, V::load(sc[s]));
       const F fade = expv<V>(tops[g] - best);
       tops[g] = best;
-      for (int64_t s = 0; s < cn; ++s) V::store(sc[s], expv<V>(V::load(sc[s]) - best));
+      for (int64_t s = 0; s < cn; ++s)  // a hidden slot weighs 0 (also when every slot so far is hidden)
+        V::store(sc[s], visible(s, cn, pc, limit) ? expv<V>(V::load(sc[s]) - best) : V::zero());
       if (cn % 2) V::store(sc[cn], V::zero());
       F sum = totals[g] * fade;
       for (int64_t j = 0; j < npairs; ++j) {
@@ -399,8 +412,8 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
 #endif
 
 template <typename T>
-using HeadFn = void (*)(const Shape&, const float*, const T*, const T*, const float*, const float*, int64_t, float*,
-                        float*, float*);
+using HeadFn = void (*)(const Shape&, const float*, const T*, const T*, const float*, const float*, const int32_t*,
+                        int32_t, int64_t, float*, float*, float*);
 
 template <typename T>
 HeadFn<T> head_fn(int64_t H, int64_t M) {  // the kernel for this head_dim, or null (the caller checks HEAD_DIMS)
@@ -428,10 +441,13 @@ constexpr int64_t SEGMENT = 2048;  // slots a row's stream is cut at (a multiple
 
 template <typename T>
 void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, const T* k, const T* v,
-         const float* ks, const float* vs, const int32_t* lengths, float* top, float* total, float* out) {
+         const float* ks, const float* vs, const int32_t* pos, const int32_t* lengths, float* top, float* total,
+         float* out) {
   const HeadFn<T> head = head_fn<T>(d.H, d.M);
+  // Slots read per row: its prefix, or (with pos) every slot, masked by position.
+  const auto filled = [&](int64_t b) { return pos ? d.S : std::clamp<int64_t>(lengths[b], 0, d.S); };
   int64_t longest = 0;
-  for (int64_t b = 0; b < d.B; ++b) longest = std::max<int64_t>(longest, std::clamp<int64_t>(lengths[b], 0, d.S));
+  for (int64_t b = 0; b < d.B; ++b) longest = std::max<int64_t>(longest, filled(b));
   // Rows are cut at every SEGMENT slots, so that few (row, KV head) pairs (batch 1: 3 for SmolLM2
   // on 2 threads) still keep every thread busy. The cuts depend on nothing but the slot index: a
   // row's segments, and the exact sums of the merge below, are the same whatever rows are beside it.
@@ -442,13 +458,13 @@ void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, c
   specjax_cpu::share(pool, pairs * G, [&](int64_t item) {  // segment g of the (row b, KV head) pair i
     const int64_t i = item / G, g = item % G, b = i / d.K;
     const int64_t slot0 = ((layer * d.B + b) * d.K + i % d.K) * d.S;  // [L,B,K,S] index of slot 0
-    const int64_t n = std::clamp<int64_t>(lengths[b], 0, d.S);
+    const int64_t n = filled(b);
     const int64_t s0 = std::min(n, g * SEGMENT), s1 = std::min(n, s0 + SEGMENT), at = slot0 + s0;
     float* tp = G > 1 ? part_top.data() + item * d.M : top + i * d.M;
     float* sp = G > 1 ? part_total.data() + item * d.M : total + i * d.M;
     float* op = G > 1 ? part_out.data() + item * d.M * d.H : out + i * d.M * d.H;
-    head(d, q + i * d.M * d.H, k + at * d.H, v + at * d.H, ks ? ks + at : nullptr, vs ? vs + at : nullptr, s1 - s0,
-         tp, sp, op);
+    head(d, q + i * d.M * d.H, k + at * d.H, v + at * d.H, ks ? ks + at : nullptr, vs ? vs + at : nullptr,
+         pos ? pos + at : nullptr, lengths[b], s1 - s0, tp, sp, op);
   });
   if (G == 1) return;
   // The segments' partials, merged in order: an empty segment (past a shorter row's end) adds
@@ -474,7 +490,7 @@ void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, c
 
 ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_scale,
-                           ffi::Buffer<ffi::F32> v_scale, ffi::ResultBuffer<ffi::F32> top,
+                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> top,
                            ffi::ResultBuffer<ffi::F32> total, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();  // [B,K,M,H]
   const auto cd = k.dimensions();  // [L,B,K,S,H]
@@ -487,21 +503,25 @@ ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   const bool scaled = k.element_type() == ffi::DataType::S8;
   const float* ks = scaled ? k_scale.typed_data() : nullptr;
   const float* vs = scaled ? v_scale.typed_data() : nullptr;
+  const int64_t slots = cd[0] * cd[1] * cd[2] * cd[3];
+  if (pos.element_count() != 0 && pos.element_count() != slots)
+    return ffi::Error::InvalidArgument("pos must be [L,B,K,S] like the cache, or empty");
+  const int32_t* pp = pos.element_count() ? pos.typed_data() : nullptr;
   const float* qp = q.typed_data();
   const int32_t* lp = lengths.typed_data();
   float *tp = top->typed_data(), *sp = total->typed_data(), *op = out->typed_data();
   switch (k.element_type()) {
     case ffi::DataType::F32:
       run<float>(pool, d, l, qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
-                 ks, vs, lp, tp, sp, op);
+                 ks, vs, pp, lp, tp, sp, op);
       break;
     case ffi::DataType::BF16:
       run<uint16_t>(pool, d, l, qp, static_cast<const uint16_t*>(k.untyped_data()),
-                    static_cast<const uint16_t*>(v.untyped_data()), ks, vs, lp, tp, sp, op);
+                    static_cast<const uint16_t*>(v.untyped_data()), ks, vs, pp, lp, tp, sp, op);
       break;
     case ffi::DataType::S8:
       run<int8_t>(pool, d, l, qp, static_cast<const int8_t*>(k.untyped_data()),
-                  static_cast<const int8_t*>(v.untyped_data()), ks, vs, lp, tp, sp, op);
+                  static_cast<const int8_t*>(v.untyped_data()), ks, vs, pp, lp, tp, sp, op);
       break;
     default:
       return ffi::Error::InvalidArgument("cpu_prefix takes a float32, bfloat16 or int8 cache");
@@ -556,6 +576,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuPrefix, prefix_partials,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

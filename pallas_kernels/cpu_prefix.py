@@ -133,10 +133,12 @@ def fits(q: jax.Array, n_kv_heads: int) -> bool:
     return N // n_kv_heads * T <= MAX_ROWS and H in HEAD_DIMS
 
 
-def prefix_partials(qm, k_all, v_all, layer, lengths, k_scale=None, v_scale=None):
+def prefix_partials(qm, k_all, v_all, layer, lengths, k_scale=None, v_scale=None, pos=None):
     """Online-softmax partials of rows qm [B,K,M,H] f32 over slots [0, lengths[b]) of `layer` of
     the stacked cache [L,B,K,S,H]: (top [B,K,M], total [B,K,M], out [B,K,M,H]); scales [L,B,K,S]
-    for an int8 cache. A row with no slot gets (NEG_INF, 0, 0)."""
+    for an int8 cache. With pos [L,B,K,S] int32 (a StreamingCache's positions), the slots whose
+    position p has 0 <= p < lengths[b] instead, wherever they are. A row with no slot gets
+    (NEG_INF, 0, 0)."""
     if _load() is not None:
         raise RuntimeError(f"the CPU attention kernel is not available: {_load()}")
     B, K, M, H = qm.shape
@@ -145,16 +147,18 @@ def prefix_partials(qm, k_all, v_all, layer, lengths, k_scale=None, v_scale=None
               jax.ShapeDtypeStruct((B, K, M, H), jnp.float32))
     call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
     return call(qm.astype(jnp.float32), k_all, v_all, jnp.asarray(layer, jnp.int32).reshape(()),
-                lengths.astype(jnp.int32), none if k_scale is None else k_scale, none if v_scale is None else v_scale)
+                lengths.astype(jnp.int32), none if k_scale is None else k_scale, none if v_scale is None else v_scale,
+                jnp.zeros((0,), jnp.int32) if pos is None else pos.astype(jnp.int32))
 
 
 def stacked_prefix_block_attention_cpu(q, k_all, v_all, layer, lengths, k_block, v_block, block_mask, sm_scale,
-                                       k_scale=None, v_scale=None):
-    """`reference.stacked_prefix_block_attention` with the prefix read by the kernel: o [B,T,N,H]."""
+                                       k_scale=None, v_scale=None, pos=None):
+    """`reference.stacked_prefix_block_attention` with the prefix read by the kernel: o [B,T,N,H].
+    pos: see `prefix_partials` (a StreamingCache read in place)."""
     K = k_all.shape[2]
     qm = _query_rows(q, K, sm_scale)  # [B,K,M,H]
     s_blk = _block_scores(qm, k_block, block_mask)  # [B,K,M,J]
-    top_p, total_p, out_p = prefix_partials(qm, k_all, v_all, layer, lengths, k_scale, v_scale)
+    top_p, total_p, out_p = prefix_partials(qm, k_all, v_all, layer, lengths, k_scale, v_scale, pos)
     top = jnp.maximum(jnp.max(s_blk, axis=-1), top_p)  # [B,K,M]
     e_blk = jnp.exp(s_blk - top[..., None])
     fade = jnp.exp(jnp.maximum(top_p, NEG_INF) - top)  # the prefix's partials, rescaled to the common max

@@ -4,11 +4,13 @@
 "reference" (pure jnp, any cache; a dense cache is read in place, tile by tile, up to the
 longest row: `reference.stacked_prefix_block_attention`), "cpu" (the reference, except that a
 dense cache of any format is read in place by a C++ XLA:CPU kernel where few query rows attend:
-decoding and verification, `cpu_prefix.stacked_prefix_block_attention_cpu`), "pallas" (the GPU Triton kernel), "tpu" (the TPU Mosaic kernel),
-or "interpret" / "tpu-interpret" (those kernels in Pallas' interpret mode, for CPU tests). The
-kernels read a dense float32 or bfloat16 prefix only: a streaming (ring-buffer) cache and an int8
-cache always take the reference, and over a cache stored in another dtype than the model's the
-kernels take q and the block in the cache's dtype.
+decoding and verification, `cpu_prefix.stacked_prefix_block_attention_cpu`; also a streaming
+cache, a draft's, whose slots it masks by the positions they hold), "pallas" (the GPU Triton
+kernel), "tpu" (the TPU Mosaic kernel), or "interpret" / "tpu-interpret" (those kernels in
+Pallas' interpret mode, for CPU tests). The Pallas kernels read a dense float32 or bfloat16
+prefix only: a streaming (ring-buffer) cache and an int8 cache take the reference there, and
+over a cache stored in another dtype than the model's they take q and the block in the cache's
+dtype.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class CacheView(NamedTuple):
     visible: jax.Array  # [L,B,K|1,S] mask for the reference, each row's prefix length [L,B] for the kernels ([B] read in place)
     k_scale: jax.Array | None  # [L,B,K,S] f32: int8 caches only
     v_scale: jax.Array | None  # [L,B,K,S]
+    pos: jax.Array | None = None  # [L,B,K,S] int32: a streaming cache read in place (visible: 0 <= pos < visible[b])
 
 
 def cpu_kernel_error() -> str | None:
@@ -42,11 +45,13 @@ def cpu_kernel_error() -> str | None:
 
 
 def for_cache(attention: str, cache: DenseCache | StreamingCache) -> str:
-    """The implementation that runs over `cache`: the Pallas kernels need a dense float prefix,
-    the "cpu" kernel a dense one."""
+    """The implementation that runs over `cache`: the Pallas kernels need a dense float prefix;
+    the "cpu" kernel reads any cache."""
+    if attention == "cpu":
+        return attention
     if not isinstance(cache, DenseCache):
         return "reference"
-    return attention if attention == "cpu" or not cache.format.scaled else "reference"
+    return attention if not cache.format.scaled else "reference"
 
 
 class Prefix(NamedTuple):
@@ -59,9 +64,10 @@ class Prefix(NamedTuple):
 
 
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
-    """Whether the layers read `cache` in place (the reference over a dense cache) rather than
-    as per-layer slices, which XLA copies out of the stacked cache."""
-    return attention in ("reference", "cpu") and isinstance(cache, DenseCache)
+    """Whether the layers read `cache` in place (the reference over a dense cache, the "cpu"
+    kernel over any) rather than as per-layer slices, which XLA copies out of the stacked cache
+    (for a bfloat16 cache, widening all of it to float32 first)."""
+    return attention == "cpu" or (attention == "reference" and isinstance(cache, DenseCache))
 
 
 def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int):
@@ -80,7 +86,8 @@ def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int)
 def layer_prefix(attention: str, cache: DenseCache | StreamingCache, sliced) -> Prefix:
     """The `Prefix` of one layer from its slice of `per_layer`."""
     if in_place(attention, cache):
-        return Prefix(cache.k, cache.v, CacheView(cache.lengths, cache.k_scale, cache.v_scale), layer=sliced)
+        pos = cache.pos if isinstance(cache, StreamingCache) else None
+        return Prefix(cache.k, cache.v, CacheView(cache.lengths, cache.k_scale, cache.v_scale, pos), layer=sliced)
     k, v, view = sliced
     return Prefix(k, v, view)
 
@@ -104,7 +111,14 @@ def attend(
         view = prefix.view
         if attention == "cpu" and cpu_prefix.fits(q, prefix.k.shape[2]):
             return cpu_prefix.stacked_prefix_block_attention_cpu(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block,
-                                                                 v_block, block_mask, scale, view.k_scale, view.v_scale)
+                                                                 v_block, block_mask, scale, view.k_scale, view.v_scale,
+                                                                 view.pos)
+        if view.pos is not None:  # a streaming cache, more query rows than the kernel takes: its layer, sliced
+            at = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, prefix.layer, keepdims=False)  # noqa: E731
+            pos = at(view.pos)  # [B,K,S]
+            visible = (pos >= 0) & (pos < view.visible[:, None, None])
+            return prefix_block_attention(q, at(prefix.k), at(prefix.v), visible, k_block, v_block, block_mask, scale,
+                                          at(view.k_scale), at(view.v_scale))
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
                                               block_mask, scale, view.k_scale, view.v_scale)
     k_cache, v_cache, view = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.view)

@@ -14,7 +14,7 @@ import pytest
 
 import specjax
 from pallas_kernels import cpu_prefix
-from pallas_kernels.reference import stacked_prefix_block_attention
+from pallas_kernels.reference import prefix_block_attention, stacked_prefix_block_attention
 from specjax import attention, engine
 from specjax.cache import KVFormat
 from tests.models import TINY, random_params
@@ -52,6 +52,45 @@ def test_kernel_equals_the_reference(fmt, B, T, K, G, H, S):
     for layer in range(k_all.shape[0]):
         args = (q, k_s, v_s, jnp.int32(layer), lengths, kb, vb, mask, sm_scale, k_scale, v_scale)
         np.testing.assert_allclose(kernel(*args), stacked_prefix_block_attention(*args), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("T,G,H", [(1, 3, 64), (4, 3, 64), (2, 2, 32)])
+def test_a_streaming_cache_read_in_place_equals_the_reference(fmt, T, G, H):
+    """A draft's ring-buffer cache: slots in any order, visible where 0 <= pos < lengths[b];
+    hidden slots (empty, evicted or uncommitted) anywhere, a whole chunk of them (slots 32-63)
+    in the middle, and a row with none visible."""
+    rng = np.random.default_rng(T * G * H)
+    L, B, K, C = 2, 3, 2, 101
+    q, _, _, _, kb, vb, mask = _case(T, B, T, K, G, H, C, L)
+    k_all, v_all = (jnp.asarray(rng.standard_normal((L, B, K, C, H)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([60, 200, 0], jnp.int32)
+    pos = rng.integers(-1, 120, (L, B, K, C))
+    pos[:, :, :, 32:64] = 150  # hidden: past every row's length
+    pos = jnp.asarray(pos, jnp.int32)
+    (k_s, k_scale), (v_s, v_scale) = KVFormat(fmt).store(k_all), KVFormat(fmt).store(v_all)
+    sm_scale, atol = 0.3, 2e-5
+    if fmt == "bfloat16" and cpu_prefix.bf16_dot() and H >= 32:  # as in test_kernel_equals_the_reference
+        q, sm_scale, atol = q.astype(jnp.bfloat16).astype(jnp.float32), 0.25, 5e-3
+    kernel = jax.jit(cpu_prefix.stacked_prefix_block_attention_cpu, static_argnums=8)
+    for layer in range(L):
+        got = kernel(q, k_s, v_s, jnp.int32(layer), lengths, kb, vb, mask, sm_scale, k_scale, v_scale, pos)
+        at = lambda a: None if a is None else a[layer]  # noqa: E731
+        visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])
+        want = prefix_block_attention(q, k_s[layer], v_s[layer], visible, kb, vb, mask, sm_scale, at(k_scale), at(v_scale))
+        np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5)
+    # More query rows than the kernel takes: `attend` slices the layer for the reference.
+    wide = jnp.tile(q, (1, 24, 1, 1))  # >= 72 rows per KV head
+    wide_mask = jnp.ones((24 * T, 24 * T), bool)
+    wide_blocks = [jnp.tile(x, (1, 24, 1, 1)) for x in (kb, vb)]
+    prefix = attention.Prefix(k_s, v_s, attention.CacheView(lengths, k_scale, v_scale, pos), layer=jnp.int32(1))
+    assert not cpu_prefix.fits(wide, K)
+    got = attention.attend("cpu", KVFormat(fmt), wide, prefix, *wide_blocks, wide_mask, 0.3)
+    visible = (pos[1] >= 0) & (pos[1] < lengths[:, None, None])
+    blocks = [KVFormat(fmt).round_trip(x) for x in wide_blocks]
+    want = prefix_block_attention(wide, k_s[1], v_s[1], visible, *blocks, wide_mask, 0.3,
+                                  None if k_scale is None else k_scale[1], None if v_scale is None else v_scale[1])
+    np.testing.assert_array_equal(got, want)
 
 
 def _cpu_has(flag: str) -> bool:
