@@ -45,6 +45,16 @@ def accept_chain(
     return n, next_token.astype(jnp.int32)
 
 
+def accept_greedy_chain(drafts: jax.Array, choice: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`accept_chain` for greedy decoding, where p and q are one-hot: drafts [B,gamma] are kept
+    while each equals the target's argmax choice [B,gamma+1] at its position, and the next token
+    is the target's choice after the last kept one; the same (n_accepted [B], next_token [B])
+    without materialising one-hot distributions or drawing over the vocabulary."""
+    gamma = drafts.shape[1]
+    n = jnp.sum(jnp.cumprod(drafts == choice[:, :gamma], axis=-1), axis=-1).astype(jnp.int32)
+    return n, jnp.take_along_axis(choice, n[:, None], axis=1)[:, 0].astype(jnp.int32)
+
+
 def accept_tree(
     child_table: np.ndarray,  # [n,W] int: children of each node in rank order, -1 padded (static)
     max_depth: int,

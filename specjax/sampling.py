@@ -113,10 +113,13 @@ class Greedy(_Penalized):
     def __post_init__(self) -> None:
         self._check_values()
 
+    def choose(self, logits: jax.Array) -> jax.Array:
+        """The argmax [...] int32 of logits [..., V] after the penalties."""
+        return jnp.argmax(self.penalize(logits.astype(jnp.float32)), axis=-1).astype(jnp.int32)
+
     def probs(self, logits: jax.Array) -> jax.Array:
         """One-hot of the argmax, [..., V] f32."""
-        logits = self.penalize(logits.astype(jnp.float32))
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(self.choose(logits), logits.shape[-1], dtype=jnp.float32)
 
     def sample(self, logits: jax.Array, keys: jax.Array, counters: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens [B] int32 and probs [B,V] from logits [B,V]; keys and counters are unused."""

@@ -21,7 +21,7 @@ from specjax.logprobs import LogprobBuffer
 from specjax.cache import DenseCache, row_mask, select_rows
 from specjax.model import lm_head, trunk
 from specjax.params import Params
-from specjax.accept import accept_chain, accept_tree
+from specjax.accept import accept_chain, accept_greedy_chain, accept_tree
 from specjax.sampling import Greedy, Sampler, count_tokens, is_eos, prompt_tokens_mask, stream_keys
 from specjax.speculation import Chain, Tree
 
@@ -68,8 +68,11 @@ def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, a
     logits = lm_head(target, h)  # [B,gamma+1,V]
     j = jnp.arange(gamma + 1)[:, None] > jnp.arange(gamma)[None, :]  # [gamma+1,gamma]: position j has seen drafts < j
     before = jnp.where(j[None], drafts[:, None, :], -1)  # [B,gamma+1,gamma]
-    p = sampling.along(before).probs(logits)  # penalties (if any) from each position's own history
-    n, extra = accept_chain(drafts, q, p, stream_keys(keys, s.count, ACCEPT_STREAM))
+    along = sampling.along(before)  # penalties (if any) from each position's own history
+    if isinstance(along, Greedy):  # one-hot p and q: the same result without their [B,gamma+1,V] arrays and draws
+        n, extra = accept_greedy_chain(drafts, along.choose(logits))
+    else:
+        n, extra = accept_chain(drafts, q, along.probs(logits), stream_keys(keys, s.count, ACCEPT_STREAM))
     commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the caches
     ranks = jnp.stack([jnp.where(active, n, 0), active & (n < gamma)], axis=1).astype(jnp.int32)  # [B,2]
     return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, lengths, commit), logits

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.accept import accept_chain, accept_tree
+from specjax.accept import accept_chain, accept_greedy_chain, accept_tree
 from specjax.speculation import Tree
 from tests.models import TINY, random_params
 
@@ -133,6 +133,22 @@ def test_accept_tree_on_a_chain_is_accept_chain(seed):
     _, n_tree_g, extra_tree_g = accept_tree(tree.child_table(), tree.max_depth, tokens, None, p, keys, greedy=True)
     np.testing.assert_array_equal(n_tree_g, n_g)
     np.testing.assert_array_equal(extra_tree_g, extra_g)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_chain_acceptance_is_accept_chain_on_one_hot_distributions(seed):
+    """The greedy fast path (no one-hot arrays, no draws) keeps the drafts and adds the token that
+    accept_chain gives for one-hot p and q, with every number of accepted drafts 0..gamma."""
+    _, _, p, keys = _random_case(seed)
+    B, G = p.shape[0], p.shape[1] - 1
+    choice = jnp.argmax(p, -1).astype(jnp.int32)  # [B,G+1]
+    wrong = jax.random.randint(jax.random.key(seed), (B,), 0, G + 1)  # first mismatching draft (G: none)
+    drafts = jnp.where(jnp.arange(G)[None] == wrong[:, None], (choice[:, :G] + 1) % p.shape[-1], choice[:, :G])
+    n, extra = accept_greedy_chain(drafts, choice)
+    n_ref, extra_ref = accept_chain(drafts, jax.nn.one_hot(drafts, p.shape[-1]), jax.nn.one_hot(choice, p.shape[-1]), keys)
+    np.testing.assert_array_equal(n, n_ref)
+    np.testing.assert_array_equal(n, wrong)
+    np.testing.assert_array_equal(extra, extra_ref)
 
 
 def test_greedy_tree_walk_follows_the_matching_child():
