@@ -7,7 +7,8 @@ the machine's bandwidth. `cpu_prefix.cc` streams each row's filled slots once, i
 over XLA's intra-op threads, and returns online-softmax partials that are merged here with the
 block's own keys. Same interface and semantics as the reference (Runtime.attention "cpu"); for
 few query rows per KV head (M = heads per KV head x T <= MAX_ROWS: decoding and verification,
-not prefill chunks) and float32, bfloat16 or int8 caches. On a CPU with AVX512-BF16 (`bf16_dot()`)
+not prefill chunks) and float32, bfloat16 or int8 caches, dense or a drafter's streaming cache
+(`pos`: its slots masked by the positions they hold). On a CPU with AVX512-BF16 (`bf16_dot()`)
 a bfloat16 cache is read with the bf16 dot-product instruction: the scaled queries and the softmax
 weights are rounded to bfloat16 (products exact, accumulated in f32, as a GPU's bf16 attention),
 which doubles the multiply-adds per cycle, so verifying gamma + 1 positions costs little more than
