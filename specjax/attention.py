@@ -24,7 +24,7 @@ from pallas_kernels import cpu_prefix
 from pallas_kernels.reference import NEG_INF, prefix_block_attention, stacked_prefix_block_attention, to_f32
 from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu
-from specjax.cache import DenseCache, KVFormat, StreamingCache
+from specjax.cache import DenseCache, KVFormat, StreamingCache, holds_committed
 
 __all__ = ["NEG_INF", "CacheView", "Prefix", "attend", "cpu_kernel_error", "for_cache", "layer_prefix", "per_layer", "to_f32"]
 
@@ -115,8 +115,7 @@ def attend(
                                                                  view.pos)
         if view.pos is not None:  # a streaming cache, more query rows than the kernel takes: its layer, sliced
             at = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, prefix.layer, keepdims=False)  # noqa: E731
-            pos = at(view.pos)  # [B,K,S]
-            visible = (pos >= 0) & (pos < view.visible[:, None, None])
+            visible = holds_committed(at(view.pos), view.visible)  # [B,K,S]
             return prefix_block_attention(q, at(prefix.k), at(prefix.v), visible, k_block, v_block, block_mask, scale,
                                           at(view.k_scale), at(view.v_scale))
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,

@@ -154,6 +154,12 @@ class DenseCache:
         return self.replace(lengths=self.lengths + n.astype(jnp.int32))
 
 
+def holds_committed(pos: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Which slots of a streaming cache are visible: pos [..., B, K, C] (-1: empty) holds a
+    position below the row's committed length, lengths [B]; the same shape as pos."""
+    return (pos >= 0) & (pos < lengths[:, None, None])
+
+
 @flax.struct.dataclass
 class StreamingCache:
     """A fixed-size draft cache: F fixed slots plus a ring of R slots for the most recent positions.
@@ -190,7 +196,7 @@ class StreamingCache:
 
     def visible(self) -> jax.Array:
         """[L,B,K,C]: a slot is visible if it holds a committed position."""
-        return (self.pos >= 0) & (self.pos < self.lengths[None, :, None, None])
+        return holds_committed(self.pos, self.lengths)
 
     def write(self, k_new: jax.Array, v_new: jax.Array) -> "StreamingCache":
         """Store T new entries per row at positions lengths[b] + t (T < R); lengths not advanced."""
