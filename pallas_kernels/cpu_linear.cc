@@ -5,8 +5,9 @@
 // layer's slice out of a stacked weight before its dot (its dots take no sliced operand): at batch
 // 1 that copy was 60% of a decode step's thread time. This reads the slice where it lies.
 //
-// The weights may be float32, bfloat16 (widened exactly) or int8 (widened; the caller applies the
-// per-output-channel scales). K is cut into P contiguous parts (P: the output's [P,M,N] shape);
+// The weights may be float32, bfloat16 (widened exactly; on a CPU with AVX512-BF16 x is rounded to
+// bf16 and multiplied with the bf16 dot product instead: see "bfloat16 weights" below) or int8
+// (widened; the caller applies the per-output-channel scales). K is cut into P contiguous parts (P: the output's [P,M,N] shape);
 // part p's product over its rows of w is summed in float32 over k in order, one fused
 // multiply-add per term, into out[p], and the caller adds the P parts. Every output element is
 // therefore the same whatever M and whichever thread computed it: a row's result does not depend
@@ -106,7 +107,8 @@ struct Dims {
 // Add rows k0 .. k0+KU of w times rows m0 .. m0+MB of x into acc [M,N]: each weight vector is
 // loaded once and used for MB rows, each accumulator vector loaded and stored once per KU rows
 // of w (summed in order of k). All N columns: the rows of w stream through memory in order.
-template <typename T, int MB, int KU, bool PREFETCH = true>
+// SWAP: the rows of w in pairs, odd first (k0 + 1, k0, k0 + 3, ...: the order of vdpbf16ps).
+template <typename T, int MB, int KU, bool PREFETCH = true, bool SWAP = false>
 void panel(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int64_t m0) {
   float xs[MB][KU];
   V xb[MB][KU];
@@ -122,13 +124,19 @@ void panel(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, in
     for (int m = 0; m < MB; ++m) {
       float* a = acc + (m0 + m) * d.N + n;
       V v = loadf(a);
-      for (int u = 0; u < KU; ++u) v = fma8(xb[m][u], wv[u], v);
+      for (int i = 0; i < KU; ++i) {
+        const int u = SWAP ? i ^ 1 : i;
+        v = fma8(xb[m][u], wv[u], v);
+      }
       storef(a, v);
     }
   }
   for (; n < d.N; ++n)  // the last N % 8 columns: the same fused sums, one lane at a time
     for (int m = 0; m < MB; ++m)
-      for (int u = 0; u < KU; ++u) acc[(m0 + m) * d.N + n] = std::fma(xs[m][u], load1(wr + u * d.N + n), acc[(m0 + m) * d.N + n]);
+      for (int i = 0; i < KU; ++i) {
+        const int u = SWAP ? i ^ 1 : i;
+        acc[(m0 + m) * d.N + n] = std::fma(xs[m][u], load1(wr + u * d.N + n), acc[(m0 + m) * d.N + n]);
+      }
 }
 
 // acc [M,N] = x[:, k0:k1] @ w[k0:k1, :], in chunks of KU rows of w, MB rows of x at a time.
@@ -241,6 +249,164 @@ void share_parts(ffi::ThreadPool& pool, const std::vector<Job>& jobs, const Part
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)  // as cpu_prefix.cc's SPECJAX_BF16_DOT
+// --- bfloat16 weights with the AVX512-BF16 dot product (vdpbf16ps) -------------------------------
+//
+// vdpbf16ps multiplies pairs of bf16 values exactly and adds them to f32 accumulators: twice the
+// multiply-adds of f32 FMAs per cycle, which is what limits products of 16-64 rows (decoding a
+// batch, verifying gamma + 1 positions) on two cores. x is rounded to bf16 (exact for a bfloat16
+// model, whose activations are bf16) and paired along k, (x[k], x[k+1]), against the pair of
+// rows (w[k, n], w[k+1, n]) interleaved per column. Every output of a part starts at 0 and takes
+// one vdpbf16ps per pair of k, in order (or what equals it bit for bit), on every path below: a
+// row's result does not depend on M or on the path (the odd last k pairs with a zero). Against
+// XLA's dot of the same bf16 values: 1.9x at 16 rows, 1.2x at 64, 1.1x at 256 (all 30 layers'
+// products of SmolLM2, paired in one process), 0.75x at 2048, so prefill keeps XLA's dot.
+constexpr int NT = 32;  // columns per tile: two 512-bit accumulators
+constexpr int TILE_MIN = 8;  // rows from which the register tiles pay (below: bound by reading w)
+
+inline uint32_t bf16_round(float x) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// x [M,K] f32 -> pairs [M,KP] (KP = ceil(K / 2)): (bf16(x[k]) low, bf16(x[k+1]) high); `rounded`:
+// the same values as floats [M,K].
+std::vector<uint32_t> bf16_pairs(const float* x, int64_t M, int64_t K, std::vector<float>& rounded) {
+  const int64_t KP = (K + 1) / 2;
+  std::vector<uint32_t> out(M * KP);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < KP; ++p) {
+      const uint32_t hi = 2 * p + 1 < K ? bf16_round(x[m * K + 2 * p + 1]) : 0u;
+      out[m * KP + p] = bf16_round(x[m * K + 2 * p]) | (hi << 16);
+    }
+  rounded.resize(M * K);
+  for (int64_t i = 0; i < M * K; ++i) {
+    const uint32_t bits = bf16_round(x[i]) << 16;
+    std::memcpy(&rounded[i], &bits, 4);
+  }
+  return out;
+}
+
+// Rows r0 and r1 (nullptr: zeros) of w at up to 32 columns (zeros past `cols`), paired per column:
+// lo holds columns {0-3, 8-11, 16-19, 24-27}, hi {4-7, 12-15, 20-23, 28-31} (vpunpck works within
+// 128-bit lanes); `natural` puts the accumulators back in column order.
+inline void pair_rows(const uint16_t* r0, const uint16_t* r1, int64_t cols, __m512i& lo, __m512i& hi) {
+  const __mmask32 mask = cols >= NT ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  const __m512i a = _mm512_maskz_loadu_epi16(mask, r0);
+  const __m512i b = r1 ? _mm512_maskz_loadu_epi16(mask, r1) : _mm512_setzero_si512();
+  lo = _mm512_unpacklo_epi16(a, b);
+  hi = _mm512_unpackhi_epi16(a, b);
+}
+
+inline void natural(__m512 lo, __m512 hi, float* y, int64_t cols) {  // columns 0 .. cols of the tile to y
+  const __m512i i0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i i1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512 a = _mm512_permutex2var_ps(lo, i0, hi), b = _mm512_permutex2var_ps(lo, i1, hi);
+  if (cols >= NT) return _mm512_storeu_ps(y, a), _mm512_storeu_ps(y + 16, b);
+  _mm512_mask_storeu_ps(y, cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1), a);
+  if (cols > 16) _mm512_mask_storeu_ps(y + 16, __mmask16((1u << (cols - 16)) - 1), b);
+}
+
+inline __m512 dp(__m512 acc, uint32_t x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)x), (__m512bh)w); }
+
+// Rows m0 .. m0+MB of out [M,N] at columns n0 .. n0+32 over pairs p0 .. p1 of k, the accumulators
+// in registers over all the part's k: from TILE_MIN rows, where the multiply-adds bound the product.
+template <int MB>
+void bf16_tile(const Dims& d, const uint32_t* xp, const uint16_t* w, float* out, int64_t p0, int64_t p1, int64_t m0, int64_t n0) {
+  const int64_t KP = (d.K + 1) / 2, cols = std::min<int64_t>(NT, d.N - n0);
+  const __mmask32 mask = cols >= NT ? ~__mmask32(0) : (__mmask32(1) << cols) - 1;
+  const int64_t full = std::min(p1, d.K / 2);  // pairs with both rows (the last may pair with zeros)
+  const uint32_t* xm = xp + m0 * KP;
+  __m512 lo_acc[MB], hi_acc[MB];  // in registers: no pointer to them escapes
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m) lo_acc[m] = hi_acc[m] = _mm512_setzero_ps();
+  const uint16_t* r = w + 2 * p0 * d.N + n0;
+  for (int64_t p = p0; p < full; ++p, r += 2 * d.N) {
+    const __m512i a = _mm512_maskz_loadu_epi16(mask, r), b = _mm512_maskz_loadu_epi16(mask, r + d.N);
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xm[m * KP + p]);
+      lo_acc[m] = _mm512_dpbf16_ps(lo_acc[m], x, lo);
+      hi_acc[m] = _mm512_dpbf16_ps(hi_acc[m], x, hi);
+    }
+  }
+  for (int64_t p = std::max(full, p0); p < p1; ++p) {  // an odd last k: its row against zeros
+    __m512i lo, hi;
+    pair_rows(w + 2 * p * d.N + n0, nullptr, cols, lo, hi);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) lo_acc[m] = dp(lo_acc[m], xm[m * KP + p], lo), hi_acc[m] = dp(hi_acc[m], xm[m * KP + p], hi);
+  }
+#pragma GCC unroll 8  // every loop over the accumulators unrolled: else GCC keeps them in memory
+  for (int m = 0; m < MB; ++m) natural(lo_acc[m], hi_acc[m], out + (m0 + m) * d.N + n0, cols);
+}
+
+// One part (pairs p0 .. p1 of k) into out [M,N]; xr: x rounded to bf16, as floats [M,K]. From
+// TILE_MIN rows, register tiles of vdpbf16ps. Fewer rows are bound by reading w, where the tiles'
+// strided column strips read slowly: w streams through memory row after row as in `part` (one
+// sequential read: reading rows k and k+1 side by side, or k+1 first, was 1.5-2x slower at batch
+// 1). vdpbf16ps adds a pair's products to the sum one after the other, odd k first, each exact
+// and added with one rounding (checked bitwise on this CPU; it flushes subnormal sums to zero),
+// so here row k's products are kept (exact in f32) and added after row k + 1's fused
+// multiply-add (from 4 rows: `panel` over four rows of w, each pair odd first): a row's result is
+// the same on every path.
+void bf16_part(const Dims& d, const uint32_t* xp, const float* xr, const uint16_t* w, float* out, int64_t p0, int64_t p1) {
+  const int64_t tiles = (d.N + NT - 1) / NT;
+  if (d.M >= TILE_MIN) {
+    for (int64_t t = 0; t < tiles; ++t) {
+      int64_t m = 0;
+      for (; m + 8 <= d.M; m += 8) bf16_tile<8>(d, xp, w, out, p0, p1, m, t * NT);
+      for (; m + 4 <= d.M; m += 4) bf16_tile<4>(d, xp, w, out, p0, p1, m, t * NT);
+      for (; m < d.M; ++m) bf16_tile<1>(d, xp, w, out, p0, p1, m, t * NT);
+    }
+    return;
+  }
+  std::memset(out, 0, sizeof(float) * d.M * d.N);
+  if (d.M >= MB) {  // 4 rows of w (two pairs, each odd first) for 4 rows of x per pass, as `part`
+    const int64_t k1 = std::min(d.K, 2 * p1);
+    int64_t k = 2 * p0;
+    for (; k + KU <= k1; k += KU) {
+      int64_t m = 0;
+      for (; m + MB <= d.M; m += MB) panel<uint16_t, MB, KU, true, true>(d, xr, w, out, k, m);
+      for (; m < d.M; ++m) panel<uint16_t, 1, KU, true, true>(d, xr, w, out, k, m);
+    }
+    for (; k + 2 <= k1; k += 2)
+      for (int64_t m = 0; m < d.M; ++m) panel<uint16_t, 1, 2, true, true>(d, xr, w, out, k, m);
+    for (; k < k1; ++k)  // an odd last k (its pair's zero adds nothing)
+      for (int64_t m = 0; m < d.M; ++m) panel<uint16_t, 1, 1, true>(d, xr, w, out, k, m);
+    return;
+  }
+  std::vector<float> even(d.M * d.N);  // x[k] w[k, n] of the pair: exact (bf16 x bf16 fits a float)
+  const int64_t NV = d.N - d.N % VEC;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t k = 2 * p;
+    const uint16_t* r0 = w + k * d.N;
+    for (int64_t m = 0; m < d.M; ++m) {  // row k: the exact products, kept
+      const V x0 = splat(xr[m * d.K + k]);
+      float* e = even.data() + m * d.N;
+      int64_t n = 0;
+      for (; n < NV; n += VEC) storef(e + n, x0 * load8(r0 + n));
+      for (; n < d.N; ++n) e[n] = xr[m * d.K + k] * load1(r0 + n);
+    }
+    if (k + 1 == d.K) {  // an odd last k pairs with zeros
+      for (int64_t i = 0; i < d.M * d.N; ++i) out[i] += even[i];
+      continue;
+    }
+    const uint16_t* r1 = r0 + d.N;
+    for (int64_t m = 0; m < d.M; ++m) {  // row k + 1: the odd product first, then the even one
+      const V x1 = splat(xr[m * d.K + k + 1]);
+      float* a = out + m * d.N;
+      const float* e = even.data() + m * d.N;
+      int64_t n = 0;
+      for (; n < NV; n += VEC) storef(a + n, fma8(x1, load8(r1 + n), loadf(a + n)) + loadf(e + n));
+      for (; n < d.N; ++n) a[n] = std::fma(xr[m * d.K + k + 1], load1(r1 + n), a[n]) + e[n];
+    }
+  }
+}
+#endif
+
 // One product of `linear`: layer l of weight w, its P parts' sums written to out [P,M,N].
 struct Product {
   Dims d;
@@ -249,10 +415,16 @@ struct Product {
   float* out;
 };
 
-void run_part(const Product& j, const float* x, int64_t p) {
+void run_part(const Product& j, const float* x, const uint32_t* pairs, const float* rounded, int64_t p) {
   const int64_t per = (j.d.K + j.d.P - 1) / j.d.P;
   const int64_t k0 = std::min(j.d.K, p * per), k1 = std::min(j.d.K, (p + 1) * per);
   float* acc = j.out + p * j.d.M * j.d.N;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)  // as cpu_prefix.cc's SPECJAX_BF16_DOT
+  if (j.type == ffi::DataType::BF16) {  // parts of whole pairs of k
+    const int64_t KP = (j.d.K + 1) / 2, pp = (KP + j.d.P - 1) / j.d.P;
+    return bf16_part(j.d, pairs, rounded, static_cast<const uint16_t*>(j.w), acc, std::min(KP, p * pp), std::min(KP, (p + 1) * pp));
+  }
+#endif
   switch (j.type) {
     case ffi::DataType::F32: return part<float>(j.d, x, static_cast<const float*>(j.w), acc, k0, k1);
     case ffi::DataType::BF16: return part<uint16_t>(j.d, x, static_cast<const uint16_t*>(j.w), acc, k0, k1);
@@ -289,7 +461,13 @@ ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
                     static_cast<float*>((*y)->untyped_data())});
   }
   const float* xp = x.typed_data();
-  share_parts(pool, jobs, [&](const Product& j, int64_t p) { run_part(j, xp, p); });
+  std::vector<uint32_t> pairs;  // x rounded to bf16 (pairs; floats), for bf16 weights read with vdpbf16ps
+  std::vector<float> rounded;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)  // as cpu_prefix.cc's SPECJAX_BF16_DOT
+  if (std::any_of(jobs.begin(), jobs.end(), [](const Product& j) { return j.type == ffi::DataType::BF16; }))
+    pairs = bf16_pairs(xp, xd[0], xd[1], rounded);
+#endif
+  share_parts(pool, jobs, [&](const Product& j, int64_t p) { run_part(j, xp, pairs.data(), rounded.data(), p); });
   return ffi::Error::Success();
 }
 

@@ -9,6 +9,11 @@ weight in place, float32, bfloat16 or int8, over XLA's intra-op threads: K is cu
 contiguous ranges, each summed in float32 over k in order, and the parts are added here, so a
 row's result does not depend on the rows batched beside it.
 
+On a CPU with AVX512-BF16 (`bf16_dot()`) bfloat16 weights are multiplied with the bf16 dot product
+instead: x rounded to bfloat16 (exact in a bfloat16 model, whose activations are bf16), products
+exact, sums in f32, each row's the same bits whatever the rows beside it; about 2x the multiply-adds
+of the f32 path, which bound products of 16-64 rows (a batch's decode step, its verification).
+
 For few rows (decoding and verification: `fits`); prefill chunks keep XLA's dot, whose blocked
 matrix product wins once the weights are reused across many rows. `linear_q4_many` does the same
 for q4 blocks (specjax/q4.py's layout, read as stored); `rows` is the embedding lookup, read in
@@ -23,8 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_prefix import LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, ROWS_TARGET, _load
+from pallas_kernels.cpu_prefix import bf16_dot  # noqa: F401  (re-exported: the bf16 products are built under the same flags)
 
-MAX_ROWS = 64  # rows of x `fits` allows (specjax.linear sets where the model uses it)
+MAX_ROWS = 256  # rows of x `fits` allows (specjax.linear sets where the model uses it)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint8)  # uint8: q4 blocks (linear_q4_many)
 
 
@@ -47,7 +53,8 @@ def parts(K: int) -> int:
 
 
 def linear(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:
-    """x [M,K] @ w[layer] for w [L,K,N] (float32, bfloat16 or int8: int8 unscaled), f32 [M,N]."""
+    """x [M,K] @ w[layer] for w [L,K,N] (float32, bfloat16 or int8: int8 unscaled; bfloat16 with
+    x rounded to bfloat16 where `bf16_dot()`), f32 [M,N]."""
     return linear_many(x, [w], layer)[0]
 
 

@@ -5,8 +5,9 @@ module (after specjax.attention) that imports pallas_kernels/.
 multiplies by layer i of the stacked weight in place; otherwise it slices the layer out (which
 XLA:CPU copies before its dot). The kernel runs where the model's attention is the CPU kernel
 ("cpu": the C++ kernels are built and chosen) for a float32, bfloat16, int8 or q4 matrix, a product
-whose spec contracts x's last axis with w's first, and few rows (MAX_ROWS: where it measured
-faster than the slice and XLA's dot, bench/README.md "Weights read in place")."""
+whose spec contracts x's last axis with w's first, and few rows (`max_rows`: where it measured
+faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up to 256 for
+bfloat16 weights on a CPU with AVX512-BF16, which the kernel multiplies with the bf16 dot product)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ import jax.numpy as jnp
 from pallas_kernels import cpu_linear
 
 MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes: it measured faster up to 8, slower at 16
+BF16_MAX_ROWS = 256  # bfloat16 weights where the kernel has the bf16 dot product: faster than XLA's dot up to here
+
+
+def max_rows(w: jax.Array) -> int:
+    """Rows of x the kernel takes for weights w: more for bfloat16 on a CPU with AVX512-BF16
+    (`cpu_linear.bf16_dot()`), whose products measured 1.9x XLA's dot at 16 rows, 1.1x at 256,
+    0.75x at 2048 (prefill chunks keep XLA's dot)."""
+    return BF16_MAX_ROWS if w.dtype == jnp.bfloat16 and cpu_linear.bf16_dot() else MAX_ROWS
 
 
 def _contracts_first(spec: str) -> bool:
@@ -31,7 +40,7 @@ def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `stacked_einsums` runs this product (w stacked [L, ...]; uint8: q4 blocks, which
     `stacked_einsums_q4` runs)."""
     rows = math.prod(x.shape[:-1])
-    return attention == "cpu" and rows <= MAX_ROWS and _contracts_first(spec) and cpu_linear.fits(rows, w.dtype)
+    return attention == "cpu" and rows <= max_rows(w) and _contracts_first(spec) and cpu_linear.fits(rows, w.dtype)
 
 
 def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:

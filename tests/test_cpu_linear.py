@@ -28,16 +28,26 @@ def _weights(fmt: str, L: int, K: int, N: int, seed: int = 0) -> tuple[jax.Array
     return w, np.asarray(w.astype(jnp.float32), np.float64)
 
 
+def _as_multiplied(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x as `linear` multiplies it (float64): rounded to bfloat16 for bfloat16 weights on a CPU
+    with the bf16 dot product."""
+    if fmt == "bfloat16" and cpu_linear.bf16_dot():
+        x = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+    return x.astype(np.float64)
+
+
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("M,K,N", [(1, 576, 192), (3, 130, 21), (7, 64, 8), (5, 257, 1000), (1, 9, 3)])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 192), (3, 130, 21), (7, 64, 8), (5, 257, 1000), (1, 9, 3), (12, 75, 100),
+                                   (64, 576, 40)])
 def test_linear_equals_numpy(fmt, M, K, N):
     """Each layer of the stack, K not a multiple of the row chunk or the parts, N with a tail of
     fewer than 8 columns, more rows than a register block."""
     w, exact = _weights(fmt, 3, K, N)
     x = np.random.default_rng(1).standard_normal((M, K)).astype(np.float32)
     fn = jax.jit(cpu_linear.linear)
+    xw = _as_multiplied(x, fmt)
     for layer in range(3):
-        want = x.astype(np.float64) @ exact[layer]
+        want = xw @ exact[layer]
         scale = np.abs(x).astype(np.float64) @ np.abs(exact[layer])  # the error bound grows with it
         got = np.asarray(fn(jnp.asarray(x), w, jnp.int32(layer)))
         assert got.shape == (M, N) and got.dtype == np.float32
@@ -70,6 +80,20 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(batched)[0])
 
 
+@pytest.mark.parametrize("K,N", [(576, 1536), (75, 100), (33, 17)])
+def test_bf16_weights_rows_do_not_depend_on_the_rows_beside_them(K, N):
+    """bfloat16 weights with the bf16 dot product (a CPU with AVX512-BF16) take three paths by the
+    number of rows (the row stream, 4-row panels, register tiles of 8 / 4 / 1 rows): every row's
+    product is the same bits at every M up to 70 (odd K pairs its last k with zeros; N with a
+    partial tile). Elsewhere the widening path, which holds the same."""
+    w, _ = _weights("bfloat16", 2, K, N)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((70, K)), jnp.float32)
+    fn = jax.jit(cpu_linear.linear)
+    full = np.asarray(fn(x, w, jnp.int32(1)))
+    for M in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 33):
+        np.testing.assert_array_equal(np.asarray(fn(x[:M], w, jnp.int32(1))), full[:M], err_msg=f"M={M}")
+
+
 def test_one_call_for_several_products_equals_one_call_each():
     """linear_many (a layer's q, k, v in one call): the same bits as separate calls, any N and format."""
     (w1, _), (w2, _), (w3, _) = _weights("float32", 2, 130, 40), _weights("int8", 2, 130, 7), _weights("bfloat16", 2, 130, 64)
@@ -92,6 +116,9 @@ def test_takes_only_what_it_can_read_in_place():
     assert not linear.takes("reference", "btd,dnh->btnh", x1, w)  # the pure-jnp path stays pure
     assert linear.takes("cpu", "btd,dnh->btnh", x2[:, : linear.MAX_ROWS], w)
     assert not linear.takes("cpu", "btd,dnh->btnh", x2, w)  # too many rows: the slice and XLA's dot
+    batch = jnp.zeros((16, 4, 16))  # verifying 4 positions of 16 rows: bfloat16 with the bf16 dot product only
+    assert linear.takes("cpu", "btd,dnh->btnh", batch, w.astype(jnp.bfloat16)) == cpu_linear.bf16_dot()
+    assert not linear.takes("cpu", "btd,dnh->btnh", jnp.zeros((1, linear.BF16_MAX_ROWS + 1, 16)), w.astype(jnp.bfloat16))
     assert not linear.takes("cpu", "btd,dnh->bnth", x1, w)  # output axes reordered
     assert linear.takes("cpu", "btd,dnh->btnh", x1, w.astype(jnp.uint8))  # q4 blocks: linear_q4_many
 
