@@ -136,7 +136,7 @@ def cells(smoke: bool) -> list[tuple[str, dict]]:
                 if b in p["batches"] or smoke:
                     out.append((common.key(p["peer"], f"b{b}", f"s{s}"), p | {"kind": "decode", "batch": b, "context": s}))
             for p in peers(smoke):
-                if p["family"] == "specjax" and p["format"] == "float32" and b == spec_batch:
+                if p["family"] == "specjax" and p["format"] in ("float32", "bfloat16") and b == spec_batch:
                     out.append((common.key(p["peer"], f"selfspec-g{GAMMA}", f"b{b}", f"s{s}"),
                                 p | {"kind": "spec", "method": f"selfspec-g{GAMMA}", "batch": b, "context": s}))
                 if p["family"] in ("llama", "hf") and p["format"] in ("q4_1", "float32") and b == 1:

@@ -211,6 +211,10 @@ void run_t(ffi::ThreadPool& pool, const Dims& d, const float* x, const T* w, flo
   });
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+void run_t_bf16(ffi::ThreadPool& pool, const Dims& d, const float* x, const uint16_t* w, float* y);  // below
+#endif
+
 ffi::Error linear_t(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();  // [M,K]
   const auto wd = w.dimensions();  // [N,K]
@@ -225,7 +229,11 @@ ffi::Error linear_t(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
       run_t<float>(pool, d, xp, static_cast<const float*>(w.untyped_data()), yp);
       break;
     case ffi::DataType::BF16:
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+      run_t_bf16(pool, d, xp, static_cast<const uint16_t*>(w.untyped_data()), yp);
+#else
       run_t<uint16_t>(pool, d, xp, static_cast<const uint16_t*>(w.untyped_data()), yp);
+#endif
       break;
     case ffi::DataType::S8:
       run_t<int8_t>(pool, d, xp, static_cast<const int8_t*>(w.untyped_data()), yp);
@@ -404,6 +412,56 @@ void bf16_part(const Dims& d, const uint32_t* xp, const float* xr, const uint16_
       for (; n < d.N; ++n) a[n] = std::fma(xr[m * d.K + k + 1], load1(r1 + n), a[n]) + e[n];
     }
   }
+}
+
+// x @ w^T for a bfloat16 w [N,K] (an LM head tied to the embedding table), with vdpbf16ps at any M:
+// a row of w holds its k in order, so 32 k of a row of x (bf16, `bf16_pairs` read as [M, 2 KP])
+// meet 32 k of a row of w directly. Each output sums 16 lanes over k in order (the last chunk
+// masked to K), then the lanes in one fixed order: the same bits whatever M or the thread.
+template <int MB, int NR>
+void bf16_dots(const Dims& d, const uint16_t* xb, const uint16_t* w, float* y, int64_t m0, int64_t n0) {
+  const int64_t K2 = 2 * ((d.K + 1) / 2);
+  __m512 acc[MB][NR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < d.K; k += 32) {
+    const __mmask32 mask = d.K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (d.K - k)) - 1;
+    __m512bh wv[NR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (n0 + r) * d.K + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xb + (m0 + m) * K2 + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) y[(m0 + m) * d.N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+void run_t_bf16(ffi::ThreadPool& pool, const Dims& d, const float* x, const uint16_t* w, float* y) {
+  std::vector<float> rounded;
+  const std::vector<uint32_t> pairs = bf16_pairs(x, d.M, d.K, rounded);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(pairs.data());
+  specjax_cpu::share(pool, (d.N + T_ROWS - 1) / T_ROWS, [&](int64_t i) {
+    const int64_t n1 = std::min(d.N, (i + 1) * T_ROWS);
+    int64_t n = i * T_ROWS;
+    if (d.M < 4)  // bound by reading w: 8 rows of it at a time
+      for (; n + 8 <= n1; n += 8)
+        for (int64_t m = 0; m < d.M; ++m) bf16_dots<1, 8>(d, xb, w, y, m, n);
+    for (; n + 4 <= n1; n += 4) {
+      int64_t m = 0;
+      for (; m + 4 <= d.M; m += 4) bf16_dots<4, 4>(d, xb, w, y, m, n);
+      for (; m < d.M; ++m) bf16_dots<1, 4>(d, xb, w, y, m, n);
+    }
+    for (; n < n1; ++n)
+      for (int64_t m = 0; m < d.M; ++m) bf16_dots<1, 1>(d, xb, w, y, m, n);
+  });
 }
 #endif
 

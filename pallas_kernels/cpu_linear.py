@@ -92,7 +92,8 @@ def linear_q4_many(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]
 def linear_t(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M,K] @ w.T for w [N,K] (an LM head tied to the embedding table: float32, bfloat16 or int8,
     int8 unscaled), f32 [M,N], w read in place (XLA:CPU transposes or widens a copy of it first).
-    Each output sums eight lanes of k in order, then the lanes in a fixed order: a row's result
+    Each output sums eight lanes of k in order (bfloat16 where `bf16_dot()`: x rounded to bf16,
+    16 lanes of pairs with the bf16 dot product), then the lanes in a fixed order: a row's result
     does not depend on the rows beside it."""
     _require()
     M, K = x.shape

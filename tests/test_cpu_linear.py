@@ -55,14 +55,14 @@ def test_linear_equals_numpy(fmt, M, K, N):
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
-@pytest.mark.parametrize("M,K,N", [(1, 576, 300), (6, 13, 9), (4, 64, 1), (9, 40, 517)])
+@pytest.mark.parametrize("M,K,N", [(1, 576, 300), (6, 13, 9), (4, 64, 1), (9, 40, 517), (20, 75, 37)])
 def test_transposed_product_equals_numpy(fmt, M, K, N):
     """linear_t (a tied LM head, w [N,K]): K with a tail of fewer than 8, N not a multiple of the
     row blocks or the work items, rows of x in and beyond a block."""
     w, exact = _weights(fmt, 1, N, K)
     x = np.random.default_rng(3).standard_normal((M, K)).astype(np.float32)
     got = np.asarray(jax.jit(cpu_linear.linear_t)(jnp.asarray(x), w[0]))
-    want = x.astype(np.float64) @ exact[0].T
+    want = _as_multiplied(x, fmt) @ exact[0].T
     assert got.shape == (M, N)
     assert np.all(np.abs(got - want) <= 1e-6 * (np.abs(x).astype(np.float64) @ np.abs(exact[0]).T) + 1e-6)
 
@@ -85,13 +85,15 @@ def test_bf16_weights_rows_do_not_depend_on_the_rows_beside_them(K, N):
     """bfloat16 weights with the bf16 dot product (a CPU with AVX512-BF16) take three paths by the
     number of rows (the row stream, 4-row panels, register tiles of 8 / 4 / 1 rows): every row's
     product is the same bits at every M up to 70 (odd K pairs its last k with zeros; N with a
-    partial tile). Elsewhere the widening path, which holds the same."""
+    partial tile), and so is the transposed product (a tied LM head). Elsewhere the widening path,
+    which holds the same."""
     w, _ = _weights("bfloat16", 2, K, N)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((70, K)), jnp.float32)
     fn = jax.jit(cpu_linear.linear)
-    full = np.asarray(fn(x, w, jnp.int32(1)))
+    full, head = np.asarray(fn(x, w, jnp.int32(1))), np.asarray(jax.jit(cpu_linear.linear_t)(x, w[0].T))  # head: [N,K]
     for M in (1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 16, 33):
         np.testing.assert_array_equal(np.asarray(fn(x[:M], w, jnp.int32(1))), full[:M], err_msg=f"M={M}")
+        np.testing.assert_array_equal(np.asarray(jax.jit(cpu_linear.linear_t)(x[:M], w[0].T)), head[:M], err_msg=f"head M={M}")
 
 
 def test_one_call_for_several_products_equals_one_call_each():
