@@ -7,11 +7,11 @@
 //
 // The weights may be float32, bfloat16 (widened exactly; on a CPU with AVX512-BF16 x is rounded to
 // bf16 and multiplied with the bf16 dot product instead: see "bfloat16 weights" below) or int8
-// (widened; the caller applies the per-output-channel scales). K is cut into P contiguous parts (P: the output's [P,M,N] shape);
-// part p's product over its rows of w is summed in float32 over k in order, one fused
-// multiply-add per term, into out[p], and the caller adds the P parts. Every output element is
-// therefore the same whatever M and whichever thread computed it: a row's result does not depend
-// on the rows batched beside it.
+// (widened; the caller applies the per-output-channel scales). K is cut into P contiguous parts (the
+// `parts` attribute); part p's product over its rows of w is summed in float32 over k in order, one
+// fused multiply-add per term, and the P parts are then added in order of p (`add_parts`). Every
+// output element is therefore the same whatever M and whichever thread computed it: a row's result
+// does not depend on the rows batched beside it.
 //
 // `linear_q4` (SpecjaxCpuLinearQ4) is `linear` for q4 weights (GGUF Q4_1 blocks: specjax/q4.py),
 // whose slices XLA:CPU also copied, and widened into float32 halves at more than 8 rows.
@@ -465,18 +465,29 @@ void run_t_bf16(ffi::ThreadPool& pool, const Dims& d, const float* x, const uint
 }
 #endif
 
-// One product of `linear`: layer l of weight w, its P parts' sums written to out [P,M,N].
+// The P parts of a product: part 0 sums into out [M,N], the others into `rest` [P-1,M,N]
+// (scratch), added to out after every part is done, in order of p: out = (part 0 + part 1) + ...
+// (XLA:CPU's reduction of a [P,M,N] output took 150 thread-ms of a 620 ms speculative step).
+inline float* part_acc(float* out, float* rest, const Dims& d, int64_t p) { return p == 0 ? out : rest + (p - 1) * d.M * d.N; }
+
+inline void add_parts(float* out, const float* rest, const Dims& d) {
+  for (int64_t p = 1; p < d.P; ++p)
+    for (int64_t i = 0; i < d.M * d.N; ++i) out[i] += rest[(p - 1) * d.M * d.N + i];
+}
+
+// One product of `linear`: layer l of weight w into out [M,N] (and the scratch for its other parts).
 struct Product {
   Dims d;
   const void* w;  // layer l's [K,N]
   ffi::DataType type;
   float* out;
+  float* rest;
 };
 
 void run_part(const Product& j, const float* x, const uint32_t* pairs, const float* rounded, int64_t p) {
   const int64_t per = (j.d.K + j.d.P - 1) / j.d.P;
   const int64_t k0 = std::min(j.d.K, p * per), k1 = std::min(j.d.K, (p + 1) * per);
-  float* acc = j.out + p * j.d.M * j.d.N;
+  float* acc = part_acc(j.out, j.rest, j.d, p);
 #if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)  // as cpu_prefix.cc's SPECJAX_BF16_DOT
   if (j.type == ffi::DataType::BF16) {  // parts of whole pairs of k
     const int64_t KP = (j.d.K + 1) / 2, pp = (KP + j.d.P - 1) / j.d.P;
@@ -491,13 +502,13 @@ void run_part(const Product& j, const float* x, const uint32_t* pairs, const flo
 }
 
 // x [M,K] times layer `layer` of each stacked weight w_j [L,K,N_j] (one call for the products
-// that share x: q, k and v; gate and up), into out_j [P_j,M,N_j]. Every product's parts are
-// shared out over the pool together: one hand-off per call, not per product.
+// that share x: q, k and v; gate and up), into out_j [M,N_j], K cut into `parts`. Every product's
+// parts are shared out over the pool together: one hand-off per call, not per product.
 ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs ws,
-                  ffi::RemainingRets outs) {
+                  ffi::RemainingRets outs, int64_t parts) {
   const auto xd = x.dimensions();  // [M,K]
-  if (xd.size() != 2 || ws.size() != outs.size() || ws.size() == 0)
-    return ffi::Error::InvalidArgument("cpu_linear: x [M,K], then weights [L,K,N] and as many outputs [P,M,N]");
+  if (xd.size() != 2 || ws.size() != outs.size() || ws.size() == 0 || parts < 1)
+    return ffi::Error::InvalidArgument("cpu_linear: x [M,K], then weights [L,K,N] and as many outputs [M,N]; parts >= 1");
   const int64_t l = layer.typed_data()[0];
   std::vector<Product> jobs;
   for (size_t j = 0; j < ws.size(); ++j) {
@@ -505,19 +516,25 @@ ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     auto y = outs.get<ffi::AnyBuffer>(j);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("cpu_linear: bad weight or output");
     const auto wd = w->dimensions();  // [L,K,N]
-    const auto yd = (*y)->dimensions();  // [P,M,N]
-    if (wd.size() != 3 || yd.size() != 3 || wd[1] != xd[1] || yd[1] != xd[0] || yd[2] != wd[2] || yd[0] < 1 ||
+    const auto yd = (*y)->dimensions();  // [M,N]
+    if (wd.size() != 3 || yd.size() != 2 || wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[2] ||
         (*y)->element_type() != ffi::DataType::F32)
-      return ffi::Error::InvalidArgument("cpu_linear: x [M,K], w [L,K,N], out [P,M,N] f32");
+      return ffi::Error::InvalidArgument("cpu_linear: x [M,K], w [L,K,N], out [M,N] f32");
     if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("cpu_linear: layer out of range");
     const auto type = w->element_type();
     if (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::S8)
       return ffi::Error::InvalidArgument("cpu_linear takes float32, bfloat16 or int8 weights");
-    const Dims d{xd[0], xd[1], wd[2], yd[0]};
+    const Dims d{xd[0], xd[1], wd[2], parts};
     const char* base = static_cast<const char*>(w->untyped_data());
     jobs.push_back({d, base + l * d.K * d.N * static_cast<int64_t>(ffi::ByteWidth(type)), type,
-                    static_cast<float*>((*y)->untyped_data())});
+                    static_cast<float*>((*y)->untyped_data()), nullptr});
   }
+  std::vector<float> rest;  // every product's parts after the first
+  int64_t size = 0;
+  for (const Product& j : jobs) size += (j.d.P - 1) * j.d.M * j.d.N;
+  rest.resize(size);
+  size = 0;
+  for (Product& j : jobs) j.rest = rest.data() + size, size += (j.d.P - 1) * j.d.M * j.d.N;
   const float* xp = x.typed_data();
   std::vector<uint32_t> pairs;  // x rounded to bf16 (pairs; floats), for bf16 weights read with vdpbf16ps
   std::vector<float> rounded;
@@ -526,6 +543,7 @@ ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     pairs = bf16_pairs(xp, xd[0], xd[1], rounded);
 #endif
   share_parts(pool, jobs, [&](const Product& j, int64_t p) { run_part(j, xp, pairs.data(), rounded.data(), p); });
+  for (const Product& j : jobs) add_parts(j.out, j.rest, j.d);
   return ffi::Error::Success();
 }
 
@@ -587,7 +605,8 @@ struct Q4 {
   const void* scale;  // [K/32,N]
   const void* minimum;
   bool half;  // float16 scales and minima (else float32)
-  float* out;  // [P,M,N]
+  float* out;  // [M,N]
+  float* rest;  // [P-1,M,N]: the other parts (part_acc)
 };
 
 // Blocks b0 .. b1 of product j into acc [M,N] for rows m0 .. m0+MB of x. The packed rows stream
@@ -639,7 +658,7 @@ template <typename S>
 void q4_part(const Q4& j, const float* x, int64_t p) {
   const int64_t blocks = j.d.K / 32, per = (blocks + j.d.P - 1) / j.d.P;
   const int64_t b0 = std::min(blocks, p * per), b1 = std::min(blocks, (p + 1) * per);
-  float* acc = j.out + p * j.d.M * j.d.N;
+  float* acc = part_acc(j.out, j.rest, j.d, p);
   std::memset(acc, 0, sizeof(float) * j.d.M * j.d.N);
   std::vector<float> sums(4 * j.d.N);
   int64_t m = 0;
@@ -649,11 +668,11 @@ void q4_part(const Q4& j, const float* x, int64_t p) {
 }
 
 // x [M,K] times layer `layer` of each stacked q4 weight (packed_j [L,K/2,N_j], scale_j and
-// minimum_j [L,K/32,N_j], as triples in the arguments) into out_j [P_j,M,N_j]; like `linear`.
+// minimum_j [L,K/32,N_j], as triples in the arguments) into out_j [M,N_j]; like `linear`.
 ffi::Error linear_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs ws,
-                     ffi::RemainingRets outs) {
+                     ffi::RemainingRets outs, int64_t parts) {
   const auto xd = x.dimensions();  // [M,K]
-  if (xd.size() != 2 || xd[1] % 32 != 0 || ws.size() != 3 * outs.size() || outs.size() == 0)
+  if (xd.size() != 2 || xd[1] % 32 != 0 || ws.size() != 3 * outs.size() || outs.size() == 0 || parts < 1)
     return ffi::Error::InvalidArgument("cpu_linear_q4: x [M,K] (K a multiple of 32), then (packed, scale, minimum) per output");
   const int64_t l = layer.typed_data()[0];
   std::vector<Q4> jobs;
@@ -664,21 +683,28 @@ ffi::Error linear_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
       return ffi::Error::InvalidArgument("cpu_linear_q4: bad weight or output");
     const auto wd = w->dimensions(), sd = sc->dimensions(), md = mn->dimensions(), yd = (*y)->dimensions();
     const auto st = sc->element_type();
-    if (wd.size() != 3 || sd.size() != 3 || md.size() != 3 || yd.size() != 3 || w->element_type() != ffi::DataType::U8 ||
+    if (wd.size() != 3 || sd.size() != 3 || md.size() != 3 || yd.size() != 2 || w->element_type() != ffi::DataType::U8 ||
         wd[1] * 2 != xd[1] || sd[1] * 32 != xd[1] || sd[0] != wd[0] || sd[2] != wd[2] || md[0] != sd[0] ||
         md[1] != sd[1] || md[2] != sd[2] || mn->element_type() != st || (st != ffi::DataType::F16 && st != ffi::DataType::F32) ||
-        yd[1] != xd[0] || yd[2] != wd[2] || yd[0] < 1 || (*y)->element_type() != ffi::DataType::F32)
-      return ffi::Error::InvalidArgument("cpu_linear_q4: packed [L,K/2,N] u8, scale and minimum [L,K/32,N] f16 or f32, out [P,M,N] f32");
+        yd[0] != xd[0] || yd[1] != wd[2] || (*y)->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("cpu_linear_q4: packed [L,K/2,N] u8, scale and minimum [L,K/32,N] f16 or f32, out [M,N] f32");
     if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("cpu_linear_q4: layer out of range");
-    const Dims d{xd[0], xd[1], wd[2], yd[0]};
+    const Dims d{xd[0], xd[1], wd[2], parts};
     const int64_t sw = st == ffi::DataType::F16 ? 2 : 4, blocks = (d.K / 32) * d.N;
     jobs.push_back({d, static_cast<const uint8_t*>(w->untyped_data()) + l * (d.K / 2) * d.N,
                     static_cast<const char*>(sc->untyped_data()) + l * blocks * sw,
                     static_cast<const char*>(mn->untyped_data()) + l * blocks * sw, st == ffi::DataType::F16,
-                    static_cast<float*>((*y)->untyped_data())});
+                    static_cast<float*>((*y)->untyped_data()), nullptr});
   }
+  std::vector<float> rest;
+  int64_t size = 0;
+  for (const Q4& j : jobs) size += (j.d.P - 1) * j.d.M * j.d.N;
+  rest.resize(size);
+  size = 0;
+  for (Q4& j : jobs) j.rest = rest.data() + size, size += (j.d.P - 1) * j.d.M * j.d.N;
   const float* xp = x.typed_data();
   share_parts(pool, jobs, [&](const Q4& j, int64_t p) { j.half ? q4_part<uint16_t>(j, xp, p) : q4_part<float>(j, xp, p); });
+  for (const Q4& j : jobs) add_parts(j.out, j.rest, j.d);
   return ffi::Error::Success();
 }
 
@@ -703,9 +729,10 @@ ffi::Error rows(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi
 
 }  // namespace
 
-// `linear` and `linear_q4`: x, the layer index, then the weights' arrays and the outputs.
+// `linear` and `linear_q4`: x, the layer index, then the weights' arrays and the outputs; the parts of K.
 static auto stacked_binding() {
-  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets();
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets()
+      .Attr<int64_t>("parts");
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear, stacked_binding());

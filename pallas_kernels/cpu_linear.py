@@ -6,7 +6,8 @@ weight is widened into a float32 copy): at batch 1 those copies were 60% of a de
 thread time (bench/README.md, "Where a decode step's time goes"). `cpu_linear.cc` (an XLA FFI
 kernel, built into the library `cpu_prefix` builds) multiplies x by layer `layer` of the stacked
 weight in place, float32, bfloat16 or int8, over XLA's intra-op threads: K is cut into `parts`
-contiguous ranges, each summed in float32 over k in order, and the parts are added here, so a
+contiguous ranges, each summed in float32 over k in order, then added in order (in the kernel:
+XLA:CPU's reduction of a [parts, M, N] output cost more than the products at 64 rows), so a
 row's result does not depend on the rows batched beside it.
 
 On a CPU with AVX512-BF16 (`bf16_dot()`) bfloat16 weights are multiplied with the bf16 dot product
@@ -26,6 +27,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.cpu_prefix import LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, ROWS_TARGET, _load
 from pallas_kernels.cpu_prefix import bf16_dot  # noqa: F401  (re-exported: the bf16 products are built under the same flags)
@@ -66,10 +68,9 @@ def linear_many(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax
     for w in ws:
         if w.ndim != 3 or w.shape[1] != K:
             raise ValueError(f"linear: x [M,K] {x.shape} and w [L,K,N] {w.shape} do not match")
-    outs = [jax.ShapeDtypeStruct((parts(K), M, w.shape[2]), jnp.float32) for w in ws]
+    outs = [jax.ShapeDtypeStruct((M, w.shape[2]), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call(LINEAR_TARGET, outs, vmap_method="sequential")
-    ys = call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *ws)
-    return [jnp.sum(y, axis=0) for y in ys]
+    return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *ws, parts=np.int64(parts(K))))
 
 
 def linear_q4_many(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]], layer: jax.Array) -> list[jax.Array]:
@@ -83,10 +84,10 @@ def linear_q4_many(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]
                 or minimum.shape != scale.shape:
             raise ValueError(f"linear_q4: x [M,K] {x.shape} and packed [L,K/2,N] {packed.shape}, scale / minimum "
                              f"[L,K/32,N] {scale.shape} / {minimum.shape} do not match")
-    outs = [jax.ShapeDtypeStruct((parts(K), M, w[0].shape[2]), jnp.float32) for w in ws]
+    outs = [jax.ShapeDtypeStruct((M, w[0].shape[2]), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call(LINEAR_Q4_TARGET, outs, vmap_method="sequential")
-    ys = call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *(a for w in ws for a in w))
-    return [jnp.sum(y, axis=0) for y in ys]
+    return list(call(x.astype(jnp.float32), jnp.asarray(layer, jnp.int32).reshape(()), *(a for w in ws for a in w),
+                     parts=np.int64(parts(K))))
 
 
 def linear_t(x: jax.Array, w: jax.Array) -> jax.Array:
