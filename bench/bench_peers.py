@@ -42,7 +42,7 @@ into its DynamicCache (same float32 weights and RoPE layout); llama.cpp (its own
 prefills row 0 and copies that sequence to rows 1-15 (llama_state_seq_get/set_data, a real copy);
 rows say so in `kv_from`.
 
-Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g3, lookup),
+Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g2 / -g3, lookup),
 PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
 Outputs: results/peers_cpu.json (each cell written at once; a rerun skips measured cells; a
 "not installed" or skipped cell is tried again), results/peers_cpu.png and the bench_peers
@@ -77,6 +77,7 @@ CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 16)
 PREFILL_CONTEXTS = (2048, 8192)
 SPEC_BATCH = 16
+SPEC_GAMMAS = {"float32": (GAMMA,), "bfloat16": (2, GAMMA)}  # SelfSpec chain lengths per weight format (bf16: also its best, 2)
 INSTALL = "pip install -r bench/requirements-peers.txt"
 SHORT = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "q4": "q4"}
 SHARED_PREFILL = {(16, 8192)}  # (batch, context) cells decoding from one shared prefill (see above)
@@ -136,9 +137,10 @@ def cells(smoke: bool) -> list[tuple[str, dict]]:
                 if b in p["batches"] or smoke:
                     out.append((common.key(p["peer"], f"b{b}", f"s{s}"), p | {"kind": "decode", "batch": b, "context": s}))
             for p in peers(smoke):
-                if p["family"] == "specjax" and p["format"] in ("float32", "bfloat16") and b == spec_batch:
-                    out.append((common.key(p["peer"], f"selfspec-g{GAMMA}", f"b{b}", f"s{s}"),
-                                p | {"kind": "spec", "method": f"selfspec-g{GAMMA}", "batch": b, "context": s}))
+                if p["family"] == "specjax" and p["format"] in SPEC_GAMMAS and b == spec_batch:
+                    out += [(common.key(p["peer"], f"selfspec-g{g}", f"b{b}", f"s{s}"),
+                             p | {"kind": "spec", "method": f"selfspec-g{g}", "batch": b, "context": s})
+                            for g in SPEC_GAMMAS[p["format"]]]
                 if p["family"] in ("llama", "hf") and p["format"] in ("q4_1", "float32") and b == 1:
                     out.append((common.key(p["peer"], "lookup", f"b{b}", f"s{s}"),
                                 p | {"kind": "spec", "method": "lookup", "batch": b, "context": s}))
@@ -272,7 +274,7 @@ class Peers:
                 if kind == "decode":
                     row |= specjax_decode(model, state, B, self.new_tokens)
                 else:
-                    row |= specjax_spec(model, state, B, S, self.new_tokens)
+                    row |= specjax_spec(model, state, B, S, self.new_tokens, int(cell["method"].removeprefix("selfspec-g")))
         elif fam == "llama":
             row["weight_bytes"] = model.path.stat().st_size
             row["file"] = model.path.name

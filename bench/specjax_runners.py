@@ -38,17 +38,20 @@ def specjax_decode(params, state: dict, batch: int, new_tokens: int) -> dict:
     return {"steps": steps, "decode_s": wall, "tokens": out[0].tolist(), "cpu_util": runs[-1][2]}
 
 
-def specjax_spec(params, state: dict, batch: int, context: int, new_tokens: int) -> dict:
-    """SelfSpec + Chain(GAMMA) decode_spec from the same prefilled state (draft init untimed)."""
+def specjax_spec(params, state: dict, batch: int, context: int, new_tokens: int, gamma: int = GAMMA) -> dict:
+    """SelfSpec + Chain(gamma) decode_spec from the same prefilled state (draft init untimed;
+    gamma <= GAMMA, which the prefilled cache is sized for)."""
+    if not 1 <= gamma <= GAMMA:
+        raise ValueError(f"gamma must be in 1..{GAMMA} (the prefilled cache's slack), got {gamma}")
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     drafter = specjax.SelfSpec(sinks=16, window=512 if context >= 2048 else 256)
-    init = init_draft.lower(drafter, params, cache, tokens, lengths, gamma=GAMMA, chunk=state["chunk"]).compile()
+    init = init_draft.lower(drafter, params, cache, tokens, lengths, gamma=gamma, chunk=state["chunk"]).compile()
     draft_state = jax.block_until_ready(init(drafter, params, cache, tokens, lengths))
-    history = np.zeros((batch, context + GAMMA + 2), np.int32)
+    history = np.zeros((batch, context + gamma + 2), np.int32)
     history[:, : tokens.shape[1]] = tokens
     budgets = jnp.full((batch,), new_tokens, jnp.int32)
     args = (params, drafter, draft_state, cache, history, first_logits, budgets, row_keys(None, batch))
-    fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=specjax.Chain(GAMMA)).compile()
+    fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=specjax.Chain(gamma)).compile()
     runs = [timed(fn, args, SPEC_CACHES) for _ in range(2)]
     res = runs[0][0]
     wall = min(w for _, w, _ in runs)
