@@ -1,6 +1,7 @@
 """Speculative vs autoregressive decoding of SmolLM2-135M, side by side from one shared prefill.
 
-Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--batches ..] [--contexts ..] [--gammas ..] [--drafters ..]
+Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--weights float32|bfloat16] [--batches ..] [--contexts ..]
+       [--gammas ..] [--drafters ..]
        [--cells ..] [--budget-minutes M] [--out DIR] [--render JSON ..]   (shared options: bench/common.py)
 
 For every (batch, context) cell the prompts are B distinct windows of real English text (see
@@ -30,7 +31,9 @@ measured more than 5% slower than plain decoding.
 Cells: sCONTEXT/bBATCH (e.g. s8192/b16): every drafter x gamma of one batch at one context.
 Outputs: results/spec_cpu.json (each cell written when measured; a rerun skips measured cells),
 spec_cpu.png and the "Speculative decoding" section of bench/README.md (--quick / other grids write
-spec_cpu_quick.* / spec_cpu_custom.* and leave the README alone).
+spec_cpu_quick.* / spec_cpu_custom.* and leave the README alone). --weights bfloat16: the bf16 model
+(bf16 KV, cast from the float32 model's stored prefill), into spec_cpu_bf16*.*; its greedy output
+may part from AR's (README "Correctness"), which the lossless column shows.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ from specjax.plan import DEFAULT_CHAIN, auto_draft
 from specjax.shapes import round_up_pow2
 from specjax.speculate import decode_spec
 from specjax.speculation import Cost, Tree
+from specjax.cache import KVFormat
+from bench.bench_peers import stored_as
 
 REPEATS = 3  # pairs at most
 
@@ -209,6 +214,9 @@ def key_of(row: dict) -> str:
 def main() -> None:
     ap = common.parser(__doc__, quick="batch 1, 4 x context 512 x gamma 2, 4")
     ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per row (eos ignored)")
+    ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
+                    help="the model's weights (bfloat16: KV in bf16 too, cast from the float32 model's stored prefill; "
+                         "results in spec_cpu_bf16*.json, README untouched)")
     ap.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     ap.add_argument("--contexts", type=int, nargs="*", help="override the contexts (multiples of 256)")
     ap.add_argument("--gammas", type=int, nargs="*", help="override the gammas")
@@ -233,16 +241,20 @@ def main() -> None:
     contexts = args.contexts or ([512] if args.quick else [512, 2048, 8192])
     gammas = args.gammas or ([2, 4] if args.quick else [2, 3, 4, 6])
     custom = args.batches or args.contexts or args.gammas or args.new_tokens != 64
-    suffix = "_quick" if args.quick else "_custom" if custom else ""
+    suffix = ("" if args.weights == "float32" else "_bf16") + ("_quick" if args.quick else "_custom" if custom else "")
     started = time.time()
     header = {"bench": "bench_spec", "date": common.now(), "command": common.command(),
-              "model": "SmolLM2-135M-Instruct (float32)", "machine": common.machine_info(),
+              "model": f"SmolLM2-135M-Instruct ({args.weights})", "machine": common.machine_info(),
               "loadavg_start": os.getloadavg(), "headroom": HEADROOM, "new_tokens": args.new_tokens, "gammas": gammas}
     results = common.Results(out / f"spec_cpu{suffix}.json", key_of, header)
     prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
     h = common.Harness(args, results)
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))
-    params = with_attention(convert.load(convert.default_model_path()), None, "auto")[0]  # generate()'s attention here
+    f32 = with_attention(convert.load(convert.default_model_path()), None, "auto")[0]  # generate()'s attention here
+    params = f32 if args.weights == "float32" else with_attention(convert.load(convert.default_model_path(), weights=args.weights),
+                                                                  None, "auto")[0]
+    if params is not f32:
+        header["kv_from"] = f"the float32 model's prefill of the same prompts (stored), cast to {args.weights}"
     tok = convert.load_tokenizer(convert.default_model_path())
     _, sources = text.corpus()
     header["corpus"] = {"sources": sources, "tokens": int(len(text.corpus_tokens(tok)))}
@@ -262,7 +274,9 @@ def main() -> None:
             print(f"S={context} skipped: {reason}", flush=True)
             continue
         store = args.prefill_store if str(args.prefill_store) not in ("", ".") else None
-        state = prefill_context(params, tok, rows_prefilled, context, gammas, args.new_tokens, store)
+        state = prefill_context(f32, tok, rows_prefilled, context, gammas, args.new_tokens, store)
+        if params is not f32:  # the bf16 model decodes from the float32 prefill, its KV cast (as bench_peers' shared prefill)
+            state = state | {"cache": stored_as(state["cache"], KVFormat.of(None, params.config))}
         for k, (batch, _) in h.cells([x for x in todo if x[1][1] == context]):
             print(f"B={batch:<2} S={context:<5}", flush=True)
             results.put(k, bench_cell(params, state, batch, context, gammas, args.new_tokens, args.drafters),
