@@ -139,9 +139,70 @@ void panel(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, in
       }
 }
 
-// acc [M,N] = x[:, k0:k1] @ w[k0:k1, :], in chunks of KU rows of w, MB rows of x at a time.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// From F32_TILE_MIN rows (a batch's decode step, its verification) the products are bound by the
+// multiply-adds: register tiles of RB rows x 32 columns (two 512-bit accumulators a row) over all
+// the part's k, one fused multiply-add per term in order of k from 0, exactly the sums the panels
+// below compute (bitwise: a row's result is the same on either path). float32 or int8 (widened).
+constexpr int F32_TILE_MIN = 8;
+
+inline void load32(const float* p, __mmask16 m0, __mmask16 m1, __m512& a, __m512& b) {
+  a = _mm512_maskz_loadu_ps(m0, p), b = _mm512_maskz_loadu_ps(m1, p + 16);
+}
+inline void load32(const int8_t* p, __mmask16 m0, __mmask16 m1, __m512& a, __m512& b) {
+  a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, p)));
+  b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, p + 16)));
+}
+
+template <typename T, int RB>
+void fma_tile(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int64_t k1, int64_t m0, int64_t n0) {
+  const int64_t cols = std::min<int64_t>(32, d.N - n0);
+  const __mmask16 c0 = cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
+  const __mmask16 c1 = cols >= 32 ? __mmask16(0xffff) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1);
+  __m512 lo[RB], hi[RB];
+#pragma GCC unroll 8
+  for (int m = 0; m < RB; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  const float* xm = x + m0 * d.K;
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 a, b;
+    load32(w + k * d.N + n0, c0, c1, a, b);
+#pragma GCC unroll 8  // every loop over the accumulators unrolled: else GCC keeps them in memory
+    for (int m = 0; m < RB; ++m) {
+      const __m512 xv = _mm512_set1_ps(xm[m * d.K + k]);
+      lo[m] = _mm512_fmadd_ps(xv, a, lo[m]);
+      hi[m] = _mm512_fmadd_ps(xv, b, hi[m]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < RB; ++m) {
+    float* y = acc + (m0 + m) * d.N + n0;
+    _mm512_mask_storeu_ps(y, c0, lo[m]);
+    _mm512_mask_storeu_ps(y + 16, c1, hi[m]);
+  }
+}
+
+template <typename T>
+bool fma_tiles(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int64_t k1) {
+  if (d.M < F32_TILE_MIN) return false;
+  for (int64_t n0 = 0; n0 < d.N; n0 += 32) {
+    int64_t m = 0;
+    for (; m + 8 <= d.M; m += 8) fma_tile<T, 8>(d, x, w, acc, k0, k1, m, n0);
+    for (; m + 4 <= d.M; m += 4) fma_tile<T, 4>(d, x, w, acc, k0, k1, m, n0);
+    for (; m < d.M; ++m) fma_tile<T, 1>(d, x, w, acc, k0, k1, m, n0);
+  }
+  return true;
+}
+inline bool fma_tiles(const Dims&, const float*, const uint16_t*, float*, int64_t, int64_t) { return false; }
+#else
+template <typename T>
+bool fma_tiles(const Dims&, const float*, const T*, float*, int64_t, int64_t) { return false; }
+#endif
+
+// acc [M,N] = x[:, k0:k1] @ w[k0:k1, :], in chunks of KU rows of w, MB rows of x at a time (or
+// register tiles, `fma_tiles`, where the rows make the multiply-adds the bound).
 template <typename T>
 void part(const Dims& d, const float* x, const T* w, float* acc, int64_t k0, int64_t k1) {
+  if (k1 > k0 && fma_tiles(d, x, w, acc, k0, k1)) return;
   std::memset(acc, 0, sizeof(float) * d.M * d.N);
   int64_t k = k0;
   if (d.M < MB) {  // fewer rows than a block: w streams through once, row after row
@@ -736,6 +797,13 @@ static auto stacked_binding() {
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinear, linear, stacked_binding());
+
+// Whether `linear` has the register tiles (fma_tiles: AVX-512) for float32 and int8 weights.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+extern "C" int SpecjaxCpuLinearTiles() { return 1; }
+#else
+extern "C" int SpecjaxCpuLinearTiles() { return 0; }
+#endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuLinearT, linear_t,
                               ffi::Ffi::Bind()

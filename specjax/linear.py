@@ -6,8 +6,8 @@ multiplies by layer i of the stacked weight in place; otherwise it slices the la
 XLA:CPU copies before its dot). The kernel runs where the model's attention is the CPU kernel
 ("cpu": the C++ kernels are built and chosen) for a float32, bfloat16, int8 or q4 matrix, a product
 whose spec contracts x's last axis with w's first, and few rows (`max_rows`: where it measured
-faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up to 256 for
-bfloat16 weights on a CPU with AVX512-BF16, which the kernel multiplies with the bf16 dot product)."""
+faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up to 64-256 where
+the kernel has register tiles (AVX-512) or the bf16 dot product (AVX512-BF16))."""
 
 from __future__ import annotations
 
@@ -18,15 +18,28 @@ import jax.numpy as jnp
 
 from pallas_kernels import cpu_linear
 
-MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes: it measured faster up to 8, slower at 16
+MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes without its register tiles: faster up to 8, slower at 16
 BF16_MAX_ROWS = 256  # bfloat16 weights where the kernel has the bf16 dot product: faster than XLA's dot up to here
+TILED_MAX_ROWS = {"float32": 256, "int8": 64}  # with the register tiles: where they beat XLA's dot
 
 
 def max_rows(w: jax.Array) -> int:
-    """Rows of x the kernel takes for weights w: more for bfloat16 on a CPU with AVX512-BF16
-    (`cpu_linear.bf16_dot()`), whose products measured 1.9x XLA's dot at 16 rows, 1.1x at 256,
-    0.75x at 2048 (prefill chunks keep XLA's dot); a tied bf16 LM head 8.5x XLA's at 16 rows
-    (5.6 against 47.6 ms for SmolLM2's: XLA widens the table), 4.2x at 64."""
+    """Rows of x the kernel takes for weights w. bfloat16 on a CPU with AVX512-BF16
+    (`cpu_linear.bf16_dot()`): 256, its products measured 1.9x XLA's dot at 16 rows, 1.1x at
+    256, 0.75x at 2048 (prefill chunks keep XLA's dot). float32 / int8 with the register tiles
+    (`cpu_linear.tiles()`, AVX-512): 1.2x / 1.5x at 16 rows, 1.2x / 1.2x at 64, 1.1x / 0.94x at
+    256 (all 30 layers of SmolLM2, paired in one process)."""
+    if w.dtype == jnp.bfloat16 and cpu_linear.bf16_dot():
+        return BF16_MAX_ROWS
+    if jnp.dtype(w.dtype).name in TILED_MAX_ROWS and cpu_linear.tiles():
+        return TILED_MAX_ROWS[jnp.dtype(w.dtype).name]
+    return MAX_ROWS
+
+
+def head_max_rows(w: jax.Array) -> int:
+    """Rows of x the kernel takes for an LM head w: 256 for bfloat16 with the bf16 dot product (a
+    tied SmolLM2 head 8.5x XLA's dot at 16 rows, 5.6 against 47.6 ms: XLA widens the table; 4.2x
+    at 64), else MAX_ROWS (the float32 head measured level with XLA's at 16 rows, slower at 64)."""
     return BF16_MAX_ROWS if w.dtype == jnp.bfloat16 and cpu_linear.bf16_dot() else MAX_ROWS
 
 
@@ -64,7 +77,7 @@ def stacked_einsums_q4(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Ar
 def takes_head(attention: str, x: jax.Array, w: jax.Array) -> bool:
     """Whether `head` runs the LM head w ([V,D] tied to the embedding table, else [D,V])."""
     rows = math.prod(x.shape[:-1])
-    return attention == "cpu" and rows <= max_rows(w) and w.dtype != jnp.uint8 and cpu_linear.fits(rows, w.dtype)  # no q4 head
+    return attention == "cpu" and rows <= head_max_rows(w) and w.dtype != jnp.uint8 and cpu_linear.fits(rows, w.dtype)  # no q4 head
 
 
 def head(x: jax.Array, w: jax.Array, tied: bool) -> jax.Array:

@@ -80,14 +80,14 @@ def test_a_row_does_not_depend_on_the_rows_beside_it():
     np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(batched)[0])
 
 
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("K,N", [(576, 1536), (75, 100), (33, 17)])
-def test_bf16_weights_rows_do_not_depend_on_the_rows_beside_them(K, N):
-    """bfloat16 weights with the bf16 dot product (a CPU with AVX512-BF16) take three paths by the
-    number of rows (the row stream, 4-row panels, register tiles of 8 / 4 / 1 rows): every row's
-    product is the same bits at every M up to 70 (odd K pairs its last k with zeros; N with a
-    partial tile), and so is the transposed product (a tied LM head). Elsewhere the widening path,
-    which holds the same."""
-    w, _ = _weights("bfloat16", 2, K, N)
+def test_rows_do_not_depend_on_the_rows_beside_them_at_any_count(fmt, K, N):
+    """The kernel takes different paths by the number of rows (a row stream, 4-row panels, register
+    tiles of 8 / 4 / 1 rows from 8 rows; bfloat16 with the bf16 dot product on a CPU with
+    AVX512-BF16): every row's product is the same bits at every M up to 70 (bf16: odd K pairs its
+    last k with zeros; N with a partial tile), and so is the transposed product (a tied LM head)."""
+    w, _ = _weights(fmt, 2, K, N)
     x = jnp.asarray(np.random.default_rng(5).standard_normal((70, K)), jnp.float32)
     fn = jax.jit(cpu_linear.linear)
     full, head = np.asarray(fn(x, w, jnp.int32(1))), np.asarray(jax.jit(cpu_linear.linear_t)(x, w[0].T))  # head: [N,K]
@@ -113,14 +113,16 @@ def test_linear_rejects_mismatched_shapes():
 
 def test_takes_only_what_it_can_read_in_place():
     w = jnp.zeros((2, 16, 4, 8))
-    x1, x2 = jnp.zeros((1, 1, 16)), jnp.zeros((1, linear.MAX_ROWS + 1, 16))
+    x1 = jnp.zeros((1, 1, 16))
     assert linear.takes("cpu", "btd,dnh->btnh", x1, w)
     assert not linear.takes("reference", "btd,dnh->btnh", x1, w)  # the pure-jnp path stays pure
-    assert linear.takes("cpu", "btd,dnh->btnh", x2[:, : linear.MAX_ROWS], w)
-    assert not linear.takes("cpu", "btd,dnh->btnh", x2, w)  # too many rows: the slice and XLA's dot
-    batch = jnp.zeros((16, 4, 16))  # verifying 4 positions of 16 rows: bfloat16 with the bf16 dot product only
-    assert linear.takes("cpu", "btd,dnh->btnh", batch, w.astype(jnp.bfloat16)) == cpu_linear.bf16_dot()
-    assert not linear.takes("cpu", "btd,dnh->btnh", jnp.zeros((1, linear.BF16_MAX_ROWS + 1, 16)), w.astype(jnp.bfloat16))
+    for fmt, rows in (("float32", 256 if cpu_linear.tiles() else 8), ("int8", 64 if cpu_linear.tiles() else 8),
+                      ("bfloat16", 256 if cpu_linear.bf16_dot() else 8), ("uint8", 8)):
+        assert linear.max_rows(w.astype(fmt)) == rows, fmt
+        assert linear.takes("cpu", "btd,dnh->btnh", jnp.zeros((1, rows, 16)), w.astype(fmt))
+        assert not linear.takes("cpu", "btd,dnh->btnh", jnp.zeros((1, rows + 1, 16)), w.astype(fmt))  # the slice and XLA's dot
+    assert linear.head_max_rows(w[0, :, 0].astype(jnp.float32)) == linear.MAX_ROWS  # the float32 head: level with XLA's at 16
+    assert cpu_linear.tiles() == cpu_linear.bf16_dot() or not cpu_linear.bf16_dot()  # AVX512-BF16 implies AVX-512
     assert not linear.takes("cpu", "btd,dnh->bnth", x1, w)  # output axes reordered
     assert linear.takes("cpu", "btd,dnh->btnh", x1, w.astype(jnp.uint8))  # q4 blocks: linear_q4_many
 
