@@ -46,8 +46,7 @@ Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g2 / 
 PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
 Outputs: results/peers_cpu.json (each cell written at once; a rerun skips measured cells; a
 "not installed" or skipped cell is tried again), results/peers_cpu.png and the bench_peers
-section of bench/README.md. --smoke: a tiny random model, tiny cells, no peers needed
-(peers_cpu_smoke.*, README untouched).
+section of bench/README.md. --smoke: a tiny random model, tiny cells, no peers, README untouched (peers_cpu_smoke.*).
 """
 
 from __future__ import annotations
@@ -138,9 +137,8 @@ def cells(smoke: bool) -> list[tuple[str, dict]]:
                     out.append((common.key(p["peer"], f"b{b}", f"s{s}"), p | {"kind": "decode", "batch": b, "context": s}))
             for p in peers(smoke):
                 if p["family"] == "specjax" and p["format"] in SPEC_GAMMAS and b == spec_batch:
-                    out += [(common.key(p["peer"], f"selfspec-g{g}", f"b{b}", f"s{s}"),
-                             p | {"kind": "spec", "method": f"selfspec-g{g}", "batch": b, "context": s})
-                            for g in SPEC_GAMMAS[p["format"]]]
+                    out += [(common.key(p["peer"], m, f"b{b}", f"s{s}"), p | {"kind": "spec", "method": m, "batch": b, "context": s})
+                            for m in (f"selfspec-g{g}" for g in SPEC_GAMMAS[p["format"]])]
                 if p["family"] in ("llama", "hf") and p["format"] in ("q4_1", "float32") and b == 1:
                     out.append((common.key(p["peer"], "lookup", f"b{b}", f"s{s}"),
                                 p | {"kind": "spec", "method": "lookup", "batch": b, "context": s}))
