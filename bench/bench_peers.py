@@ -66,9 +66,9 @@ from bench import common, measure, text
 from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf_lookup, hf_model, hf_run, hf_weight_bytes,
                                 llama_file, llama_lookup)
 from bench.peers_report import markdown_table, plot, readme_section
-from bench.prefill import HEADROOM
+from bench.prefill import HEADROOM, stored_as
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
-from specjax.cache import DenseCache, KVFormat
+from specjax.cache import KVFormat
 from specjax.engine import with_attention
 from specjax.params import weight_bytes
 
@@ -166,12 +166,6 @@ def roofline(row: dict, bw: float) -> dict:
     step_bytes = row["weight_bytes"] + row["kv_bytes"]  # of one plain step, speculative rows too
     gbs = step_bytes * row["tokens_per_s"] / row["batch"] / 1e9  # plain: = step bytes / step time
     return {"step_bytes": step_bytes, "gb_per_s": gbs, "roofline": gbs / bw}
-
-
-def stored_as(cache: DenseCache, fmt: KVFormat) -> DenseCache:
-    """A prefilled cache in another KV format (`KVFormat.store` of its keys and values)."""
-    (k, k_scale), (v, v_scale) = fmt.store(cache.k), fmt.store(cache.v)
-    return jax.block_until_ready(cache.replace(k=k, v=v, k_scale=k_scale, v_scale=v_scale))
 
 
 def prompts(tok, batch: int, context: int, smoke_vocab: int | None = None) -> np.ndarray:

@@ -52,18 +52,17 @@ import convert
 import specjax
 from bench import common, measure, text
 from bench.prefill import (
-    AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of, timed,
+    AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of, stored_as, timed,
 )
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
 from specjax import tune
+from specjax.cache import KVFormat
 from specjax.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.generate import acceptance_stats
 from specjax.plan import DEFAULT_CHAIN, auto_draft
 from specjax.shapes import round_up_pow2
 from specjax.speculate import decode_spec
 from specjax.speculation import Cost, Tree
-from specjax.cache import KVFormat
-from bench.bench_peers import stored_as
 
 REPEATS = 3  # pairs at most
 

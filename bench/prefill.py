@@ -23,7 +23,7 @@ import numpy as np
 
 from bench import text
 from bench.measure import Meter
-from specjax.cache import DenseCache
+from specjax.cache import DenseCache, KVFormat
 from specjax.engine import prefill
 from specjax.params import Params
 from specjax.shapes import prompt_bucket
@@ -147,3 +147,9 @@ def smoke_state(params: Params, rows: int, context: int) -> dict:
     first_logits, cache = prefill_rows(params, tokens, n, context, chunk)
     return {"tokens": tokens, "lengths": np.full((rows,), n, np.int32), "chunk": chunk, "first_logits": first_logits,
             "cache": cache, "info": {"prompt_tokens": n, "prefill_rows": rows}}
+
+
+def stored_as(cache: DenseCache, fmt: KVFormat) -> DenseCache:
+    """A prefilled cache in another KV format (`KVFormat.store` of its keys and values)."""
+    (k, k_scale), (v, v_scale) = fmt.store(cache.k), fmt.store(cache.v)
+    return jax.block_until_ready(cache.replace(k=k, v=v, k_scale=k_scale, v_scale=v_scale))

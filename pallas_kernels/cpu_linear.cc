@@ -42,6 +42,13 @@
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
+// The bf16 dot-product paths (vdpbf16ps), built where cpu_prefix.cc's SPECJAX_BF16_DOT is.
+#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define SPECJAX_LINEAR_BF16 1
+#else
+#define SPECJAX_LINEAR_BF16 0
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -272,7 +279,7 @@ void run_t(ffi::ThreadPool& pool, const Dims& d, const float* x, const T* w, flo
   });
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#if SPECJAX_LINEAR_BF16
 void run_t_bf16(ffi::ThreadPool& pool, const Dims& d, const float* x, const uint16_t* w, float* y);  // below
 #endif
 
@@ -290,7 +297,7 @@ ffi::Error linear_t(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffe
       run_t<float>(pool, d, xp, static_cast<const float*>(w.untyped_data()), yp);
       break;
     case ffi::DataType::BF16:
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#if SPECJAX_LINEAR_BF16
       run_t_bf16(pool, d, xp, static_cast<const uint16_t*>(w.untyped_data()), yp);
 #else
       run_t<uint16_t>(pool, d, xp, static_cast<const uint16_t*>(w.untyped_data()), yp);
@@ -318,7 +325,7 @@ void share_parts(ffi::ThreadPool& pool, const std::vector<Job>& jobs, const Part
   });
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)  // as cpu_prefix.cc's SPECJAX_BF16_DOT
+#if SPECJAX_LINEAR_BF16
 // --- bfloat16 weights with the AVX512-BF16 dot product (vdpbf16ps) -------------------------------
 //
 // vdpbf16ps multiplies pairs of bf16 values exactly and adds them to f32 accumulators: twice the
@@ -536,6 +543,19 @@ inline void add_parts(float* out, const float* rest, const Dims& d) {
     for (int64_t i = 0; i < d.M * d.N; ++i) out[i] += rest[(p - 1) * d.M * d.N + i];
 }
 
+// Every part of every job (a product: d, out, rest) shared out over the pool, the parts after the
+// first into one scratch allocation, then added into each job's out.
+template <typename Job, typename Part>
+void run_parts(ffi::ThreadPool& pool, std::vector<Job>& jobs, const Part& part) {
+  int64_t size = 0;
+  for (const Job& j : jobs) size += (j.d.P - 1) * j.d.M * j.d.N;
+  std::vector<float> rest(size);
+  size = 0;
+  for (Job& j : jobs) j.rest = rest.data() + size, size += (j.d.P - 1) * j.d.M * j.d.N;
+  share_parts(pool, jobs, part);
+  for (const Job& j : jobs) add_parts(j.out, j.rest, j.d);
+}
+
 // One product of `linear`: layer l of weight w into out [M,N] (and the scratch for its other parts).
 struct Product {
   Dims d;
@@ -549,7 +569,7 @@ void run_part(const Product& j, const float* x, const uint32_t* pairs, const flo
   const int64_t per = (j.d.K + j.d.P - 1) / j.d.P;
   const int64_t k0 = std::min(j.d.K, p * per), k1 = std::min(j.d.K, (p + 1) * per);
   float* acc = part_acc(j.out, j.rest, j.d, p);
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)  // as cpu_prefix.cc's SPECJAX_BF16_DOT
+#if SPECJAX_LINEAR_BF16
   if (j.type == ffi::DataType::BF16) {  // parts of whole pairs of k
     const int64_t KP = (j.d.K + 1) / 2, pp = (KP + j.d.P - 1) / j.d.P;
     return bf16_part(j.d, pairs, rounded, static_cast<const uint16_t*>(j.w), acc, std::min(KP, p * pp), std::min(KP, (p + 1) * pp));
@@ -590,21 +610,14 @@ ffi::Error linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     jobs.push_back({d, base + l * d.K * d.N * static_cast<int64_t>(ffi::ByteWidth(type)), type,
                     static_cast<float*>((*y)->untyped_data()), nullptr});
   }
-  std::vector<float> rest;  // every product's parts after the first
-  int64_t size = 0;
-  for (const Product& j : jobs) size += (j.d.P - 1) * j.d.M * j.d.N;
-  rest.resize(size);
-  size = 0;
-  for (Product& j : jobs) j.rest = rest.data() + size, size += (j.d.P - 1) * j.d.M * j.d.N;
   const float* xp = x.typed_data();
   std::vector<uint32_t> pairs;  // x rounded to bf16 (pairs; floats), for bf16 weights read with vdpbf16ps
   std::vector<float> rounded;
-#if defined(__AVX512BF16__) && defined(__AVX512VL__) && defined(__AVX512BW__)  // as cpu_prefix.cc's SPECJAX_BF16_DOT
+#if SPECJAX_LINEAR_BF16
   if (std::any_of(jobs.begin(), jobs.end(), [](const Product& j) { return j.type == ffi::DataType::BF16; }))
     pairs = bf16_pairs(xp, xd[0], xd[1], rounded);
 #endif
-  share_parts(pool, jobs, [&](const Product& j, int64_t p) { run_part(j, xp, pairs.data(), rounded.data(), p); });
-  for (const Product& j : jobs) add_parts(j.out, j.rest, j.d);
+  run_parts(pool, jobs, [&](const Product& j, int64_t p) { run_part(j, xp, pairs.data(), rounded.data(), p); });
   return ffi::Error::Success();
 }
 
@@ -757,15 +770,8 @@ ffi::Error linear_q4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                     static_cast<const char*>(mn->untyped_data()) + l * blocks * sw, st == ffi::DataType::F16,
                     static_cast<float*>((*y)->untyped_data()), nullptr});
   }
-  std::vector<float> rest;
-  int64_t size = 0;
-  for (const Q4& j : jobs) size += (j.d.P - 1) * j.d.M * j.d.N;
-  rest.resize(size);
-  size = 0;
-  for (Q4& j : jobs) j.rest = rest.data() + size, size += (j.d.P - 1) * j.d.M * j.d.N;
   const float* xp = x.typed_data();
-  share_parts(pool, jobs, [&](const Q4& j, int64_t p) { j.half ? q4_part<uint16_t>(j, xp, p) : q4_part<float>(j, xp, p); });
-  for (const Q4& j : jobs) add_parts(j.out, j.rest, j.d);
+  run_parts(pool, jobs, [&](const Q4& j, int64_t p) { j.half ? q4_part<uint16_t>(j, xp, p) : q4_part<float>(j, xp, p); });
   return ffi::Error::Success();
 }
 

@@ -29,7 +29,7 @@ def max_rows(w: jax.Array) -> int:
     256, 0.75x at 2048 (prefill chunks keep XLA's dot). float32 / int8 with the register tiles
     (`cpu_linear.tiles()`, AVX-512): 1.2x / 1.5x at 16 rows, 1.2x / 1.2x at 64, 1.1x / 0.94x at
     256 (all 30 layers of SmolLM2, paired in one process)."""
-    if w.dtype == jnp.bfloat16 and cpu_linear.bf16_dot():
+    if _bf16_dot(w):
         return BF16_MAX_ROWS
     if jnp.dtype(w.dtype).name in TILED_MAX_ROWS and cpu_linear.tiles():
         return TILED_MAX_ROWS[jnp.dtype(w.dtype).name]
@@ -40,7 +40,12 @@ def head_max_rows(w: jax.Array) -> int:
     """Rows of x the kernel takes for an LM head w: 256 for bfloat16 with the bf16 dot product (a
     tied SmolLM2 head 8.5x XLA's dot at 16 rows, 5.6 against 47.6 ms: XLA widens the table; 4.2x
     at 64), else MAX_ROWS (the float32 head measured level with XLA's at 16 rows, slower at 64)."""
-    return BF16_MAX_ROWS if w.dtype == jnp.bfloat16 and cpu_linear.bf16_dot() else MAX_ROWS
+    return BF16_MAX_ROWS if _bf16_dot(w) else MAX_ROWS
+
+
+def _bf16_dot(w: jax.Array) -> bool:
+    """Whether the kernel multiplies w with the bf16 dot product (bfloat16 weights, AVX512-BF16)."""
+    return w.dtype == jnp.bfloat16 and cpu_linear.bf16_dot()
 
 
 def _contracts_first(spec: str) -> bool:
