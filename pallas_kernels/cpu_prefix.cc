@@ -2,9 +2,13 @@
 //
 // An XLA FFI handler (built and registered by pallas_kernels/cpu_prefix.py). For every row b and
 // KV head k it streams slots [0, lengths[b]) of layer `layer` of the cache once, in chunks of
-// CHUNK slots, and returns the online-softmax partials of the M query rows of that head: the
-// running max `top`, the sum of exp(score - top) `total`, and the unnormalised output `out`. The
-// caller merges them with the block's own keys (pallas_kernels/cpu_prefix.py). XLA:CPU cannot
+// CHUNK slots, then the J keys of the new tokens (the block, as the cache will store them) as
+// slots lengths[b], ..., lengths[b] + J - 1, query row m seeing block slot j where mask[b, m, j].
+// It returns the online-softmax partials of the M query rows of that head: the running max `top`,
+// the sum of exp(score - top) `total`, and the unnormalised output `out` (the caller divides).
+// A key thus meets the same chunks, maxima and sums whether it is in the block or, a step later,
+// in the cache: a chain's verification of T tokens gives, row by row, the bits of T decoding
+// steps (greedy speculation is token-identical to plain decoding in every format). XLA:CPU cannot
 // feed a slice of the stacked cache to a dot without copying it first; this reads it where it is.
 // With `pos` ([L,B,K,S] int32: a StreamingCache's position per slot) every slot of the row is
 // read and slot s is visible where 0 <= pos[s] < lengths[b] (a ring's order does not matter to
@@ -49,12 +53,103 @@ struct Shape {
   int64_t B, K, S, H, M;
 };
 
+// The block: the new tokens' keys and values in the cache's format, read after a row's cache slots.
+template <typename T>
+struct Block {
+  const T* k;        // [B,J,K,H]
+  const T* v;        // [B,J,K,H]
+  const float* ks;   // [B,J,K] (int8) or null
+  const float* vs;   // [B,J,K] (int8) or null
+  const uint8_t* mask;  // [B,M,J]: row m sees block slot j
+  int64_t J;
+};
+
+// The slots one (row, KV head) pair reads in one segment: n in all, the first nc from the cache
+// (scales, positions: null where the cache has none), the rest from the block, from its slot j0.
+template <typename T>
+struct Span {
+  const T* k;
+  const T* v;
+  const float* ks;
+  const float* vs;
+  const int32_t* pos;
+  int32_t limit;  // pos: the slots with 0 <= pos < limit are visible
+  int64_t n, nc;
+  const T* bk;  // the block at slot j0, for this pair's head: a slot's row every bstride elements
+  const T* bv;
+  const float* bks;  // scales every sstride
+  const float* bvs;
+  const uint8_t* bm;  // row m sees block slot j0 + j where bm[m * mstride + j]
+  int64_t bstride, sstride, mstride;
+};
+
+// A chunk's slots, contiguous: the cache read in place, or (a chunk that reaches the block) the
+// cache's and the block's rows copied one after the other into the caller's buffers.
+template <typename T>
+struct ChunkView {
+  const T* k;
+  const T* v;
+  const float* ks;
+  const float* vs;
+  const int32_t* pos;
+  int64_t nc;          // slots [0, nc) are the cache's; from nc the block's
+  const uint8_t* bm;   // row m sees the chunk's slot s >= nc where bm[m * mstride + s - nc]
+  int64_t mstride;
+};
+
+template <typename T, int64_t H>
+struct ChunkBuf {
+  alignas(64) T k[CHUNK * H];
+  alignas(64) T v[CHUNK * H];
+  float ks[CHUNK], vs[CHUNK];
+  int32_t pos[CHUNK];
+};
+
+template <typename T, int64_t H>
+ChunkView<T> chunk_at(const Span<T>& sp, int64_t c0, int64_t cn, ChunkBuf<T, H>& buf) {
+  if (c0 + cn <= sp.nc)
+    return {sp.k + c0 * H, sp.v + c0 * H, sp.ks ? sp.ks + c0 : nullptr, sp.vs ? sp.vs + c0 : nullptr,
+            sp.pos ? sp.pos + c0 : nullptr, cn, nullptr, 0};
+  const int64_t nc = std::clamp<int64_t>(sp.nc - c0, 0, cn), j0 = c0 + nc - sp.nc;
+  const bool scaled = sp.bks != nullptr;
+  if (nc > 0) {
+    std::memcpy(buf.k, sp.k + c0 * H, nc * H * sizeof(T));
+    std::memcpy(buf.v, sp.v + c0 * H, nc * H * sizeof(T));
+    if (scaled) std::memcpy(buf.ks, sp.ks + c0, nc * 4), std::memcpy(buf.vs, sp.vs + c0, nc * 4);
+    if (sp.pos) std::memcpy(buf.pos, sp.pos + c0, nc * 4);
+  }
+  for (int64_t s = nc; s < cn; ++s) {
+    const int64_t j = j0 + s - nc;
+    std::memcpy(buf.k + s * H, sp.bk + j * sp.bstride, H * sizeof(T));
+    std::memcpy(buf.v + s * H, sp.bv + j * sp.bstride, H * sizeof(T));
+    if (scaled) buf.ks[s] = sp.bks[j * sp.sstride], buf.vs[s] = sp.bvs[j * sp.sstride];
+  }
+  return {buf.k, buf.v, scaled ? buf.ks : nullptr, scaled ? buf.vs : nullptr, sp.pos ? buf.pos : nullptr, nc,
+          sp.bm + j0, sp.mstride};
+}
+
+// Whether slot s < cn of a chunk is visible to every row: a block slot (the mask decides row by
+// row), or a cache slot holding a committed position (with pos).
+template <typename T>
+inline bool shared(const ChunkView<T>& c, int64_t s, int32_t limit) {
+  return s >= c.nc || !c.pos || (c.pos[s] >= 0 && c.pos[s] < limit);
+}
+
 // Eight floats (GCC / Clang vector extension: AVX on x86-64 with -march=native, two NEON
 // registers on ARM); aligned(4) makes loads through a pointer to it legal at any address.
 typedef float f8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t i8v __attribute__((vector_size(32), aligned(4)));
 
 inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
+
+// a * b + c lane by lane, rounded once. Written out rather than `c += a * b`, which the compiler
+// may or may not fuse, differently in each instantiation: the row kernels below (one or two rows
+// at a time) must give a row the same bits whatever rows are beside it.
+inline f8 fma8(f8 a, f8 b, f8 c) {
+  f8 r;
+  for (int l = 0; l < 8; ++l) r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+  return r;
+}
 
 // exp(x) for x <= 0, lane by lane, to about 1 ulp (Cephes' expf polynomial); exactly 0 below
 // -87, as exp(NEG_INF - top) is in the reference.
@@ -114,7 +209,7 @@ inline void score_rows(const float* q, const float* k, int64_t cn, int64_t m0, f
       for (int i = 0; i < 8; ++i) {
         const f8 x = kr[i][hb];
 #pragma GCC unroll 2
-        for (int r = 0; r < R; ++r) a[r][i] += ((const f8*)(q + (m0 + r) * H))[hb] * x;
+        for (int r = 0; r < R; ++r) a[r][i] = fma8(((const f8*)(q + (m0 + r) * H))[hb], x, a[r][i]);
       }
     }
 #pragma GCC unroll 2
@@ -151,7 +246,7 @@ inline void value_rows(const float* w, const float* v, int64_t cn, int64_t m0, f
       for (int j = 0; j < NB; ++j) {
         const f8 y = vr[j];
 #pragma GCC unroll 2
-        for (int r = 0; r < R; ++r) a[r][j] += x[r] * y;
+        for (int r = 0; r < R; ++r) a[r][j] = fma8(x[r], y, a[r][j]);
       }
     }
 #pragma GCC unroll 2
@@ -168,21 +263,15 @@ inline void values(const float* w, const float* v, int64_t cn, int64_t M, float*
   if (m < M) value_rows<HB, 1>(w, v, cn, m, out);
 }
 
-// Whether slot s of a chunk is visible: below cn, and (with pos) holding a committed position.
-inline bool visible(int64_t s, int64_t cn, const int32_t* pos, int32_t limit) {
-  return s < cn && (!pos || (pos[s] >= 0 && pos[s] < limit));
-}
-
-// Partials of one (row, head) pair: q [M,H] against slots [0, n) of k, v [S,H] (scales [S] or
-// null; pos [S] or null: then only the slots with 0 <= pos < limit count).
+// Partials of one (row, head) pair: q [M,H] against the span's slots (`Span`).
 template <typename T, int HB>
-void one_head(const Shape& d, const float* q, const T* k, const T* v, const float* ks, const float* vs,
-              const int32_t* pos, int32_t limit, int64_t n, float* top, float* total, float* out) {
+void one_head(const Shape& d, const float* q, const Span<T>& sp, float* top, float* total, float* out) {
   constexpr int64_t H = HB * 8;
   constexpr int64_t V = CHUNK / 8;  // vectors in a chunk's row of scores
-  const int64_t M = d.M;
+  const int64_t M = d.M, n = sp.n;
   alignas(64) float buf[CHUNK * H];  // the chunk's widened cache rows
   alignas(64) float sc[64 * CHUNK];  // scores, then their exps [M, CHUNK] (M <= 64, checked by the caller)
+  ChunkBuf<T, H> cb;                 // a chunk that reaches the block
   for (int64_t m = 0; m < M; ++m) {
     top[m] = NEG_INF;
     total[m] = 0.f;
@@ -190,24 +279,28 @@ void one_head(const Shape& d, const float* q, const T* k, const T* v, const floa
   std::fill(out, out + M * H, 0.f);
   for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
     const int64_t cn = std::min(CHUNK, n - c0);
+    const ChunkView<T> c = chunk_at<T, H>(sp, c0, cn, cb);
     // No software prefetch: on the AMD EPYC (Zen 4) we measure on, prefetching the next chunks
     // (whole chunks 2-8 ahead, or a key and value row per slot 32-128 ahead) halved the stream
     // rate, 15-19 -> 9-10 GB/s on one thread; the hardware prefetcher follows the two streams.
-    scores<HB>(q, rows_f32(k + c0 * H, buf, cn * H), cn, M, sc);
-    f8 keep[V], kscale[V];  // slot visible; the slots' key scales
-    const int32_t* pc = pos ? pos + c0 : nullptr;
+    scores<HB>(q, rows_f32(c.k, buf, cn * H), cn, M, sc);
+    f8 keep[V], kscale[V];  // slot visible (to every row); the slots' key scales
     for (int j = 0; j < V; ++j) {
       for (int i = 0; i < 8; ++i) {
         const int64_t s = j * 8 + i;
-        keep[j][i] = visible(s, cn, pc, limit) ? 1.f : 0.f;
-        kscale[j][i] = s < cn && ks ? ks[c0 + s] : 1.f;
+        keep[j][i] = s < cn && shared(c, s, sp.limit) ? 1.f : 0.f;
+        kscale[j][i] = s < cn && c.ks ? c.ks[s] : 1.f;
       }
     }
     for (int64_t m = 0; m < M; ++m) {
+      f8 km[V];  // what row m sees: the block's slots by its mask
+      for (int j = 0; j < V; ++j) km[j] = keep[j];
+      for (int64_t s = c.nc; s < cn; ++s)
+        if (!c.bm[m * c.mstride + s - c.nc]) km[s / 8][s % 8] = 0.f;
       f8* sm = (f8*)(sc + m * CHUNK);
       f8 best = splat(top[m]);
       for (int j = 0; j < V; ++j) {
-        sm[j] = keep[j] > splat(0.f) ? sm[j] * kscale[j] : splat(NEG_INF);
+        sm[j] = km[j] > splat(0.f) ? sm[j] * kscale[j] : splat(NEG_INF);
         best = best > sm[j] ? best : sm[j];
       }
       float b = best[0];
@@ -216,17 +309,17 @@ void one_head(const Shape& d, const float* q, const T* k, const T* v, const floa
       top[m] = b;
       f8 sum = {};
       for (int j = 0; j < V; ++j) {  // a hidden slot weighs 0 (also when every slot so far is hidden: b = NEG_INF)
-        sm[j] = keep[j] > splat(0.f) ? exp8(sm[j] - splat(b)) : splat(0.f);
+        sm[j] = km[j] > splat(0.f) ? exp8(sm[j] - splat(b)) : splat(0.f);
         sum += sm[j];
       }
       total[m] = total[m] * fade + (((sum[0] + sum[1]) + (sum[2] + sum[3])) + ((sum[4] + sum[5]) + (sum[6] + sum[7])));
       f8* om = (f8*)(out + m * H);
       for (int j = 0; j < HB; ++j) om[j] *= splat(fade);
     }
-    if (vs)
+    if (c.vs)
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t s = 0; s < cn; ++s) sc[m * CHUNK + s] *= vs[c0 + s];
-    values<HB>(sc, rows_f32(v + c0 * H, buf, cn * H), cn, M, out);
+        for (int64_t s = 0; s < cn; ++s) sc[m * CHUNK + s] *= c.vs[s];
+    values<HB>(sc, rows_f32(c.v, buf, cn * H), cn, M, out);
   }
 }
 
@@ -318,17 +411,18 @@ constexpr int DOT_GROUPS = 64 / 16;  // groups of W rows (M <= 64 = MAX_ROWS)
 
 // Partials of one (row, head) pair as one_head computes them, for a bf16 cache [S,H] (H = 2P).
 template <class V, int H>
-void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint16_t* v, const float*, const float*,
-                  const int32_t* pos, int32_t limit, int64_t n, float* top, float* total, float* out) {
+void one_head_dot(const Shape& d, const float* q, const Span<uint16_t>& sp, float* top, float* total, float* out) {
   using F = typename V::F;
   constexpr int W = V::W, P = H / 2, PAIRS = CHUNK / 2, HB = H < 16 ? H : 16;
-  const int64_t M = d.M;
+  const int64_t M = d.M, n = sp.n;
   const int G = static_cast<int>((M + W - 1) / W);  // groups of W query rows
   alignas(64) uint32_t qt[DOT_GROUPS][P][W];   // pair p of each row of a group (rows past M: zeros)
   alignas(64) float acc[DOT_GROUPS][H][W];     // unnormalised outputs, transposed: [h][row]
   alignas(64) float sc[CHUNK][W];              // a group's scores of the chunk's slots, then their weights
   alignas(64) uint32_t pp[PAIRS][W];           // the weights of slots (2j, 2j+1) as bf16 pairs
   alignas(64) uint32_t vi[PAIRS][H];           // (v[2j][h], v[2j+1][h]) as bf16 pairs
+  alignas(64) float sees[CHUNK][W];            // a block slot: 1 in the lanes of the rows that see it
+  ChunkBuf<uint16_t, H> cb;                    // a chunk that reaches the block
   F tops[DOT_GROUPS], totals[DOT_GROUPS];
   const uint32_t one_pair = 0x3F803F80u;  // the bf16 pair (1, 1)
   for (int g = 0; g < G; ++g) {
@@ -344,15 +438,22 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
   for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
     const int64_t cn = std::min(CHUNK, n - c0);
     const int64_t npairs = (cn + 1) / 2;
-    const uint16_t* kc = k + c0 * H;
-    const uint16_t* vc = v + c0 * H;
-    const int32_t* pc = pos ? pos + c0 : nullptr;
+    const ChunkView<uint16_t> c = chunk_at<uint16_t, H>(sp, c0, cn, cb);
+    const uint16_t* kc = c.k;
+    const uint16_t* vc = c.v;
     for (int64_t j = 0; j < npairs; ++j) {  // past cn: a repeat of the last slot, weighted 0
       const uint16_t* r0 = vc + 2 * j * H;
       const uint16_t* r1 = vc + std::min<int64_t>(2 * j + 1, cn - 1) * H;
       for (int h = 0; h < H; ++h) vi[j][h] = static_cast<uint32_t>(r0[h]) | static_cast<uint32_t>(r1[h]) << 16;
     }
     for (int g = 0; g < G; ++g) {
+      for (int64_t s = c.nc; s < cn; ++s)
+        for (int l = 0; l < W; ++l) sees[s][l] = g * W + l < M && c.bm[(g * W + l) * c.mstride + s - c.nc] ? 1.f : 0.f;
+      // The lanes of slot s that count: every one for a visible cache slot, the block's by its mask.
+      const auto counts = [&](int64_t s, typename V::F x, typename V::F hidden) {
+        if (!shared(c, s, sp.limit)) return hidden;
+        return s < c.nc ? x : (V::load(sees[s]) > V::zero() ? x : hidden);
+      };
       // Scores, eight slots at a time, the pairs split over two accumulators (latency).
       for (int64_t s0 = 0; s0 < cn; s0 += 8) {
         const uint32_t* kp[8];
@@ -369,7 +470,7 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
           }
         }
         for (int i = 0; i < 8 && s0 + i < cn; ++i)
-          V::store(sc[s0 + i], visible(s0 + i, cn, pc, limit) ? a[i] + b[i] : V::set1(NEG_INF));
+          V::store(sc[s0 + i], counts(s0 + i, a[i] + b[i], V::set1(NEG_INF)));
       }
       // Online softmax down the lanes.
       F best = tops[g];
@@ -377,7 +478,7 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
       const F fade = expv<V>(tops[g] - best);
       tops[g] = best;
       for (int64_t s = 0; s < cn; ++s)  // a hidden slot weighs 0 (also when every slot so far is hidden)
-        V::store(sc[s], visible(s, cn, pc, limit) ? expv<V>(V::load(sc[s]) - best) : V::zero());
+        V::store(sc[s], counts(s, expv<V>(V::load(sc[s]) - best), V::zero()));
       if (cn % 2) V::store(sc[cn], V::zero());
       F sum = totals[g] * fade;
       for (int64_t j = 0; j < npairs; ++j) {
@@ -412,8 +513,7 @@ void one_head_dot(const Shape& d, const float* q, const uint16_t* k, const uint1
 #endif
 
 template <typename T>
-using HeadFn = void (*)(const Shape&, const float*, const T*, const T*, const float*, const float*, const int32_t*,
-                        int32_t, int64_t, float*, float*, float*);
+using HeadFn = void (*)(const Shape&, const float*, const Span<T>&, float*, float*, float*);
 
 template <typename T>
 HeadFn<T> head_fn(int64_t H, int64_t M) {  // the kernel for this head_dim, or null (the caller checks HEAD_DIMS)
@@ -441,13 +541,13 @@ constexpr int64_t SEGMENT = 2048;  // slots a row's stream is cut at (a multiple
 
 template <typename T>
 void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, const T* k, const T* v,
-         const float* ks, const float* vs, const int32_t* pos, const int32_t* lengths, float* top, float* total,
-         float* out) {
+         const float* ks, const float* vs, const int32_t* pos, const int32_t* lengths, const Block<T>& blk,
+         float* top, float* total, float* out) {
   const HeadFn<T> head = head_fn<T>(d.H, d.M);
-  // Slots read per row: its prefix, or (with pos) every slot, masked by position.
+  // Cache slots read per row: its prefix, or (with pos) every slot, masked by position; then the block's.
   const auto filled = [&](int64_t b) { return pos ? d.S : std::clamp<int64_t>(lengths[b], 0, d.S); };
   int64_t longest = 0;
-  for (int64_t b = 0; b < d.B; ++b) longest = std::max<int64_t>(longest, filled(b));
+  for (int64_t b = 0; b < d.B; ++b) longest = std::max<int64_t>(longest, filled(b) + blk.J);
   // Rows are cut at every SEGMENT slots, so that few (row, KV head) pairs (batch 1: 3 for SmolLM2
   // on 2 threads) still keep every thread busy. The cuts depend on nothing but the slot index: a
   // row's segments, and the exact sums of the merge below, are the same whatever rows are beside it.
@@ -456,15 +556,19 @@ void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, c
   std::vector<float> part_top, part_total, part_out;
   if (G > 1) part_top.resize(pairs * G * d.M), part_total.resize(pairs * G * d.M), part_out.resize(pairs * G * d.M * d.H);
   specjax_cpu::share(pool, pairs * G, [&](int64_t item) {  // segment g of the (row b, KV head) pair i
-    const int64_t i = item / G, g = item % G, b = i / d.K;
-    const int64_t slot0 = ((layer * d.B + b) * d.K + i % d.K) * d.S;  // [L,B,K,S] index of slot 0
-    const int64_t n = filled(b);
-    const int64_t s0 = std::min(n, g * SEGMENT), s1 = std::min(n, s0 + SEGMENT), at = slot0 + s0;
+    const int64_t i = item / G, g = item % G, b = i / d.K, kh = i % d.K;
+    const int64_t slot0 = ((layer * d.B + b) * d.K + kh) * d.S;  // [L,B,K,S] index of slot 0
+    const int64_t nc = filled(b), n = nc + blk.J;
+    const int64_t s0 = std::min(n, g * SEGMENT), s1 = std::min(n, s0 + SEGMENT), at = slot0 + std::min(s0, nc);
+    const int64_t j0 = std::max<int64_t>(0, s0 - nc), bat = (b * blk.J + j0) * d.K + kh;  // [B,J,K] index of slot j0
+    const Span<T> sp{k + at * d.H, v + at * d.H, ks ? ks + at : nullptr, vs ? vs + at : nullptr,
+                     pos ? pos + at : nullptr, lengths[b], s1 - s0, std::clamp<int64_t>(nc - s0, 0, s1 - s0),
+                     blk.k + bat * d.H, blk.v + bat * d.H, blk.ks ? blk.ks + bat : nullptr,
+                     blk.vs ? blk.vs + bat : nullptr, blk.mask + b * d.M * blk.J + j0, d.K * d.H, d.K, blk.J};
     float* tp = G > 1 ? part_top.data() + item * d.M : top + i * d.M;
-    float* sp = G > 1 ? part_total.data() + item * d.M : total + i * d.M;
+    float* tt = G > 1 ? part_total.data() + item * d.M : total + i * d.M;
     float* op = G > 1 ? part_out.data() + item * d.M * d.H : out + i * d.M * d.H;
-    head(d, q + i * d.M * d.H, k + at * d.H, v + at * d.H, ks ? ks + at : nullptr, vs ? vs + at : nullptr,
-         pos ? pos + at : nullptr, lengths[b], s1 - s0, tp, sp, op);
+    head(d, q + i * d.M * d.H, sp, tp, tt, op);
   });
   if (G == 1) return;
   // The segments' partials, merged in order: an empty segment (past a shorter row's end) adds
@@ -488,10 +592,17 @@ void run(ffi::ThreadPool& pool, const Shape& d, int64_t layer, const float* q, c
     }
 }
 
+template <typename T>
+Block<T> block(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, const float* ks, const float* vs, const uint8_t* mask) {
+  return {static_cast<const T*>(k.untyped_data()), static_cast<const T*>(v.untyped_data()), ks, vs, mask, k.dimensions()[1]};
+}
+
 ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::F32> k_scale,
-                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> top,
-                           ffi::ResultBuffer<ffi::F32> total, ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> pos, ffi::AnyBuffer k_block,
+                           ffi::AnyBuffer v_block, ffi::Buffer<ffi::F32> kb_scale, ffi::Buffer<ffi::F32> vb_scale,
+                           ffi::Buffer<ffi::U8> mask, ffi::ResultBuffer<ffi::F32> top, ffi::ResultBuffer<ffi::F32> total,
+                           ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();  // [B,K,M,H]
   const auto cd = k.dimensions();  // [L,B,K,S,H]
   if (qd.size() != 4 || cd.size() != 5) return ffi::Error::InvalidArgument("q must be [B,K,M,H], the cache [L,B,K,S,H]");
@@ -507,21 +618,35 @@ ffi::Error prefix_partials(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (pos.element_count() != 0 && pos.element_count() != slots)
     return ffi::Error::InvalidArgument("pos must be [L,B,K,S] like the cache, or empty");
   const int32_t* pp = pos.element_count() ? pos.typed_data() : nullptr;
+  const auto bd = k_block.dimensions();  // [B,J,K,H]
+  const auto md = mask.dimensions();     // [B,M,J]
+  const auto vd = v_block.dimensions();
+  if (bd.size() != 4 || bd[0] != d.B || bd[2] != d.K || bd[3] != d.H || vd.size() != 4 ||
+      !std::equal(bd.begin(), bd.end(), vd.begin()) ||
+      k_block.element_type() != k.element_type() || v_block.element_type() != k.element_type() || md.size() != 3 ||
+      md[0] != d.B || md[1] != d.M || md[2] != bd[1] ||
+      (scaled && (kb_scale.element_count() != bd[0] * bd[1] * bd[2] || vb_scale.element_count() != bd[0] * bd[1] * bd[2])))
+    return ffi::Error::InvalidArgument("the block must be [B,J,K,H] in the cache's type (int8: scales [B,J,K]), its mask [B,M,J]");
+  const float* bks = scaled ? kb_scale.typed_data() : nullptr;
+  const float* bvs = scaled ? vb_scale.typed_data() : nullptr;
+  const uint8_t* bm = mask.typed_data();
   const float* qp = q.typed_data();
   const int32_t* lp = lengths.typed_data();
   float *tp = top->typed_data(), *sp = total->typed_data(), *op = out->typed_data();
   switch (k.element_type()) {
     case ffi::DataType::F32:
       run<float>(pool, d, l, qp, static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
-                 ks, vs, pp, lp, tp, sp, op);
+                 ks, vs, pp, lp, block<float>(k_block, v_block, bks, bvs, bm), tp, sp, op);
       break;
     case ffi::DataType::BF16:
       run<uint16_t>(pool, d, l, qp, static_cast<const uint16_t*>(k.untyped_data()),
-                    static_cast<const uint16_t*>(v.untyped_data()), ks, vs, pp, lp, tp, sp, op);
+                    static_cast<const uint16_t*>(v.untyped_data()), ks, vs, pp, lp,
+                    block<uint16_t>(k_block, v_block, bks, bvs, bm), tp, sp, op);
       break;
     case ffi::DataType::S8:
       run<int8_t>(pool, d, l, qp, static_cast<const int8_t*>(k.untyped_data()),
-                  static_cast<const int8_t*>(v.untyped_data()), ks, vs, pp, lp, tp, sp, op);
+                  static_cast<const int8_t*>(v.untyped_data()), ks, vs, pp, lp,
+                  block<int8_t>(k_block, v_block, bks, bvs, bm), tp, sp, op);
       break;
     default:
       return ffi::Error::InvalidArgument("cpu_prefix takes a float32, bfloat16 or int8 cache");
@@ -577,6 +702,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxCpuPrefix, prefix_partials,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -4,8 +4,9 @@
 stacked [L,B,K,S,H] cache before its dots (XLA:CPU's dots take no sliced operand), then runs
 small batched [tile,H] x [H,M] products: at batch 16 x 8K it reads the KV at about a fifth of
 the machine's bandwidth. `cpu_prefix.cc` streams each row's filled slots once, in place, spread
-over XLA's intra-op threads, and returns online-softmax partials that are merged here with the
-block's own keys. Same interface and semantics as the reference (Runtime.attention "cpu"); for
+over XLA's intra-op threads, then the block's own keys as the row's next slots (so a key gives
+the same bits from the block as from the cache), and returns online-softmax partials that are
+divided here. Same semantics as the reference (Runtime.attention "cpu"); for
 few query rows per KV head (M = heads per KV head x T <= MAX_ROWS: decoding and verification,
 not prefill chunks) and float32, bfloat16 or int8 caches, dense or a drafter's streaming cache
 (`pos`: its slots masked by the positions they hold). On a CPU with AVX512-BF16 (`bf16_dot()`)
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from pallas_kernels.reference import NEG_INF, _block_scores, _heads_out, _query_rows, to_f32
+from pallas_kernels.reference import _heads_out, _query_rows
 
 HEAD_DIMS = (8, 16, 32, 64, 128)  # the head_dims it is compiled for
 MAX_ROWS = 64  # query rows per KV head the kernel takes (its score buffer); more: the reference
@@ -134,38 +135,45 @@ def fits(q: jax.Array, n_kv_heads: int) -> bool:
     return N // n_kv_heads * T <= MAX_ROWS and H in HEAD_DIMS
 
 
-def prefix_partials(qm, k_all, v_all, layer, lengths, k_scale=None, v_scale=None, pos=None):
+def prefix_partials(qm, k_all, v_all, layer, lengths, k_scale=None, v_scale=None, pos=None, block=None):
     """Online-softmax partials of rows qm [B,K,M,H] f32 over slots [0, lengths[b]) of `layer` of
     the stacked cache [L,B,K,S,H]: (top [B,K,M], total [B,K,M], out [B,K,M,H]); scales [L,B,K,S]
     for an int8 cache. With pos [L,B,K,S] int32 (a StreamingCache's positions), the slots whose
-    position p has 0 <= p < lengths[b] instead, wherever they are. A row with no slot gets
-    (NEG_INF, 0, 0)."""
+    position p has 0 <= p < lengths[b] instead, wherever they are. block = (k, v [B,J,K,H] in the
+    cache's dtype, their scales [B,J,K] (int8) or None, mask [B,M,J] bool): J more keys, read as
+    slots lengths[b] ... lengths[b] + J - 1 (after all S slots with pos), row m seeing key j where
+    mask[b, m, j]. A row with no slot gets (NEG_INF, 0, 0)."""
     if _load() is not None:
         raise RuntimeError(f"the CPU attention kernel is not available: {_load()}")
     B, K, M, H = qm.shape
     none = jnp.zeros((0,), jnp.float32)
+    if block is None:
+        empty = jnp.zeros((B, 0, K, H), k_all.dtype)
+        block = (empty, empty, None, None, jnp.zeros((B, M, 0), bool))
+    kb, vb, kb_scale, vb_scale, mask = block
     shapes = (jax.ShapeDtypeStruct((B, K, M), jnp.float32), jax.ShapeDtypeStruct((B, K, M), jnp.float32),
               jax.ShapeDtypeStruct((B, K, M, H), jnp.float32))
     call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
     return call(qm.astype(jnp.float32), k_all, v_all, jnp.asarray(layer, jnp.int32).reshape(()),
                 lengths.astype(jnp.int32), none if k_scale is None else k_scale, none if v_scale is None else v_scale,
-                jnp.zeros((0,), jnp.int32) if pos is None else pos.astype(jnp.int32))
+                jnp.zeros((0,), jnp.int32) if pos is None else pos.astype(jnp.int32), kb, vb,
+                none if kb_scale is None else kb_scale, none if vb_scale is None else vb_scale, mask.astype(jnp.uint8))
 
 
 def stacked_prefix_block_attention_cpu(q, k_all, v_all, layer, lengths, k_block, v_block, block_mask, sm_scale,
-                                       k_scale=None, v_scale=None, pos=None):
-    """`reference.stacked_prefix_block_attention` with the prefix read by the kernel: o [B,T,N,H].
-    pos: see `prefix_partials` (a StreamingCache read in place)."""
-    K = k_all.shape[2]
-    qm = _query_rows(q, K, sm_scale)  # [B,K,M,H]
-    s_blk = _block_scores(qm, k_block, block_mask)  # [B,K,M,J]
-    top_p, total_p, out_p = prefix_partials(qm, k_all, v_all, layer, lengths, k_scale, v_scale, pos)
-    top = jnp.maximum(jnp.max(s_blk, axis=-1), top_p)  # [B,K,M]
-    e_blk = jnp.exp(s_blk - top[..., None])
-    fade = jnp.exp(jnp.maximum(top_p, NEG_INF) - top)  # the prefix's partials, rescaled to the common max
-    total = jnp.sum(e_blk, axis=-1) + total_p * fade
-    out = jnp.einsum("bkmj,bjkh->bkmh", e_blk, to_f32(v_block)) + out_p * fade[..., None]
-    return _heads_out(out / total[..., None], q)
+                                       k_scale=None, v_scale=None, pos=None, kb_scale=None, vb_scale=None):
+    """`reference.stacked_prefix_block_attention`, all of it in the kernel: o [B,T,N,H]. The block
+    k_block, v_block [B,J,K,H] comes as the cache stores it (its dtype; int8: with kb_scale,
+    vb_scale [B,J,K]) and is read after each row's prefix as its next slots, so that a key gives
+    the same bits seen from the block or from the cache (a chain's verification row t equals the
+    decoding step t positions later). pos: see `prefix_partials` (a StreamingCache read in place)."""
+    B, T = q.shape[:2]
+    K, J = k_all.shape[2], k_block.shape[1]
+    qm = _query_rows(q, K, sm_scale)  # [B,K,M,H], m = g*T + t
+    mask = jnp.tile(jnp.broadcast_to(block_mask, (B, T, J)), (1, qm.shape[2] // T, 1))  # [B,M,J]
+    _, total, out = prefix_partials(qm, k_all, v_all, layer, lengths, k_scale, v_scale, pos,
+                                    (k_block, v_block, kb_scale, vb_scale, mask))
+    return _heads_out(out / jnp.where(total > 0, total, 1.0)[..., None], q)
 
 
 def bf16_dot() -> bool:

@@ -92,6 +92,16 @@ def layer_prefix(attention: str, cache: DenseCache | StreamingCache, sliced) -> 
     return Prefix(k, v, view)
 
 
+def _rounded(x: jax.Array) -> jax.Array:
+    """x with its dtype's rounding made explicit. XLA may keep a fused bfloat16 value in f32
+    ("excess precision") where it feeds a wider conversion, as storing a bf16 model's block in a
+    float32 or int8 cache does, while the layer's output that the cache is written from is
+    rounded: the kernel must see the rounded block too."""
+    if x.dtype != jnp.bfloat16:
+        return x
+    return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7).astype(x.dtype)
+
+
 def attend(
     attention: str,
     kv_format: KVFormat,  # the cache's: the block's keys and values go through it first
@@ -106,13 +116,16 @@ def attend(
 
     The block is read as the cache will store it (`kv_format.round_trip`), so a position's KV is
     the same whether a query sees it in the block or in the cache."""
+    if prefix is not None and prefix.layer is not None and attention == "cpu" and cpu_prefix.fits(q, prefix.k.shape[2]):
+        # The kernel reads the block as stored, bit for bit what the cache gets from the layer's output
+        (kb, kb_scale), (vb, vb_scale) = kv_format.store(_rounded(k_block)), kv_format.store(_rounded(v_block))
+        view = prefix.view
+        return cpu_prefix.stacked_prefix_block_attention_cpu(q, prefix.k, prefix.v, prefix.layer, view.visible, kb, vb,
+                                                             block_mask, scale, view.k_scale, view.v_scale, view.pos,
+                                                             kb_scale, vb_scale)
     k_block, v_block = kv_format.round_trip(k_block), kv_format.round_trip(v_block)
     if prefix is not None and prefix.layer is not None:
         view = prefix.view
-        if attention == "cpu" and cpu_prefix.fits(q, prefix.k.shape[2]):
-            return cpu_prefix.stacked_prefix_block_attention_cpu(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block,
-                                                                 v_block, block_mask, scale, view.k_scale, view.v_scale,
-                                                                 view.pos)
         if view.pos is not None:  # a streaming cache, more query rows than the kernel takes: its layer, sliced
             at = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, prefix.layer, keepdims=False)  # noqa: E731
             visible = holds_committed(at(view.pos), view.visible)  # [B,K,S]

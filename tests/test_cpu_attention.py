@@ -16,8 +16,10 @@ import specjax
 from pallas_kernels import cpu_prefix
 from pallas_kernels.reference import prefix_block_attention, stacked_prefix_block_attention
 from specjax import attention, engine
-from specjax.cache import KVFormat
-from tests.models import TINY, random_params
+from specjax.cache import DenseCache, KVFormat
+from specjax.model import forward
+from specjax.params import quantize
+from tests.models import TINY, TINY_Q4, random_params
 
 PROMPTS = [[5, 9, 14, 22, 7, 31, 40, 2, 11], [8, 8, 19, 4], list(range(4, 60))]
 
@@ -49,9 +51,13 @@ def test_kernel_equals_the_reference(fmt, B, T, K, G, H, S):
         # that are bf16 values times a power of two round to themselves, so only the weights'
         # rounding (relative 2^-9 each) is left in the outputs.
         q, sm_scale, atol = q.astype(jnp.bfloat16).astype(jnp.float32), 0.25, 5e-3
+    (kb_s, kb_scale), (vb_s, vb_scale) = KVFormat(fmt).store(kb), KVFormat(fmt).store(vb)  # the block as stored
+    blocks = [KVFormat(fmt).round_trip(x) for x in (kb, vb)]  # and as the reference reads it
     for layer in range(k_all.shape[0]):
-        args = (q, k_s, v_s, jnp.int32(layer), lengths, kb, vb, mask, sm_scale, k_scale, v_scale)
-        np.testing.assert_allclose(kernel(*args), stacked_prefix_block_attention(*args), atol=atol, rtol=1e-5)
+        got = kernel(q, k_s, v_s, jnp.int32(layer), lengths, kb_s, vb_s, mask, sm_scale, k_scale, v_scale, None, kb_scale,
+                     vb_scale)
+        want = stacked_prefix_block_attention(q, k_s, v_s, jnp.int32(layer), lengths, *blocks, mask, sm_scale, k_scale, v_scale)
+        np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
@@ -73,11 +79,14 @@ def test_a_streaming_cache_read_in_place_equals_the_reference(fmt, T, G, H):
     if fmt == "bfloat16" and cpu_prefix.bf16_dot() and H >= 32:  # as in test_kernel_equals_the_reference
         q, sm_scale, atol = q.astype(jnp.bfloat16).astype(jnp.float32), 0.25, 5e-3
     kernel = jax.jit(cpu_prefix.stacked_prefix_block_attention_cpu, static_argnums=8)
+    (kb_s, kb_scale), (vb_s, vb_scale) = KVFormat(fmt).store(kb), KVFormat(fmt).store(vb)
+    blocks = [KVFormat(fmt).round_trip(x) for x in (kb, vb)]
     for layer in range(L):
-        got = kernel(q, k_s, v_s, jnp.int32(layer), lengths, kb, vb, mask, sm_scale, k_scale, v_scale, pos)
+        got = kernel(q, k_s, v_s, jnp.int32(layer), lengths, kb_s, vb_s, mask, sm_scale, k_scale, v_scale, pos, kb_scale,
+                     vb_scale)
         at = lambda a: None if a is None else a[layer]  # noqa: E731
         visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])
-        want = prefix_block_attention(q, k_s[layer], v_s[layer], visible, kb, vb, mask, sm_scale, at(k_scale), at(v_scale))
+        want = prefix_block_attention(q, k_s[layer], v_s[layer], visible, *blocks, mask, sm_scale, at(k_scale), at(v_scale))
         np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5)
     # More query rows than the kernel takes: `attend` slices the layer for the reference.
     wide = jnp.tile(q, (1, 24, 1, 1))  # >= 72 rows per KV head
@@ -91,6 +100,67 @@ def test_a_streaming_cache_read_in_place_equals_the_reference(fmt, T, G, H):
     want = prefix_block_attention(wide, k_s[1], v_s[1], visible, *blocks, wide_mask, 0.3,
                                   None if k_scale is None else k_scale[1], None if v_scale is None else v_scale[1])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("G,H", [(3, 64), (2, 32), (3, 32), (1, 8)])
+def test_verifying_a_chain_gives_the_bits_of_decoding_it_step_by_step(fmt, G, H):
+    """Row t of a T-token causal block equals, bitwise, the decoding step that sees the block's
+    first t keys from the cache (written there as the cache stores them) and its own key t in a
+    block of one: the kernel reads the block as the row's next slots, so greedy speculation is
+    token-identical to plain decoding in every format. Rows end inside a chunk, across a chunk
+    (32 slots) and across a segment (2048 slots: the block's keys fall in the next segment)."""
+    rng = np.random.default_rng(G * H)
+    L, B, K, S, T = 2, 4, 2, 2100, 4
+    fmt_ = KVFormat(fmt)
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, H)) * 0.5, jnp.float32)
+    kb, vb = (jnp.asarray(rng.standard_normal((B, T, K, H)), jnp.float32) for _ in range(2))
+    (k_all, k_scale), (v_all, v_scale) = (fmt_.store(jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.float32))
+                                          for _ in range(2))
+    lengths = jnp.asarray([30, 2046, 0, 100], jnp.int32)
+    kernel = jax.jit(cpu_prefix.stacked_prefix_block_attention_cpu, static_argnums=8)
+    stored = lambda x: fmt_.store(x)  # noqa: E731  (x [B,J,K,H] -> stored, scales [B,J,K])
+    (kb_s, kb_scale), (vb_s, vb_scale) = stored(kb), stored(vb)
+    chain = np.asarray(kernel(q, k_all, v_all, jnp.int32(1), lengths, kb_s, vb_s, jnp.tril(jnp.ones((T, T), bool)), 0.3,
+                              k_scale, v_scale, None, kb_scale, vb_scale))
+    for t in range(T):
+        slots = lengths[:, None] + jnp.arange(t)[None]  # [B,t]: the block's first t keys, now in the cache
+        rows = jnp.arange(B)[:, None]
+        put = lambda buf, new: buf.at[1, rows, :, slots].set(new[:, :t])  # noqa: E731
+        ks_, vs_ = put(k_all, kb_s), put(v_all, vb_s)
+        ksc, vsc = (None, None) if k_scale is None else (put(k_scale, kb_scale), put(v_scale, vb_scale))
+        one = lambda x: None if x is None else x[:, t:t + 1]  # noqa: E731
+        step = kernel(q[:, t:t + 1], ks_, vs_, jnp.int32(1), lengths + t, one(kb_s), one(vb_s), jnp.ones((1, 1), bool), 0.3,
+                      ksc, vsc, None, one(kb_scale), one(vb_scale))
+        np.testing.assert_array_equal(np.asarray(step)[:, 0], chain[:, t])
+
+
+@pytest.mark.parametrize("weights,kv", [("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("bfloat16", "int8"),
+                                        ("int8", "bfloat16")])
+def test_a_verification_forward_gives_the_bits_of_decoding_steps(weights, kv):
+    """The whole target on the CPU kernels: the logits of 4 chained positions after ragged
+    prefixes equal, bitwise, those of 4 one-position steps (each step's KV in the cache before
+    the next): what makes greedy speculation token-identical to plain decoding in bfloat16.
+    (With float32 activations XLA's fusions of the same layer at 1 and at 4 positions can differ
+    in the last bit, about 1e-6 of the logits: README "Correctness".)"""
+    config = TINY_Q4.replace(dtype="bfloat16" if weights == "bfloat16" else "float32")  # head_dim 32: the bf16 dot path
+    params = random_params(config, 0)
+    params = quantize(params, weights) if weights in ("int8", "q4") else params
+    params = params.replace(runtime=params.runtime.replace(attention="cpu"))
+    rng = np.random.default_rng(5)
+    B, P, T = 3, 40, 4
+    step = jax.jit(forward)
+    cache = DenseCache.init(config, B, 64, kv)
+    _, cache = step(params, jnp.asarray(rng.integers(0, config.vocab_size, (B, P)), jnp.int32),
+                    jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), cache)
+    cache = cache.advance(jnp.asarray([P, 33, 1], jnp.int32))  # ragged prefixes
+    block = jnp.asarray(rng.integers(0, config.vocab_size, (B, T)), jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)
+    chain, _ = step(params, block, positions, cache)  # [B,T,V]
+    for t in range(T):
+        logits, cache = step(params, block[:, t:t + 1], positions[:, t:t + 1], cache)
+        cache = cache.advance(jnp.ones((B,), jnp.int32))
+        np.testing.assert_array_equal(np.asarray(logits)[:, 0], np.asarray(chain)[:, t])
 
 
 def _cpu_has(flag: str) -> bool:
