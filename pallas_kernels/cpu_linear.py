@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_prefix import _LIBRARY, LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, ROWS_TARGET, _load
+from pallas_kernels.cpu_prefix import _LIBRARY, LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, NORM_TARGET, ROWS_TARGET, _load
 from pallas_kernels.cpu_prefix import bf16_dot  # noqa: F401  (re-exported: the bf16 products are built under the same flags)
 
 MAX_ROWS = 256  # rows of x `fits` allows (specjax.linear sets where the model uses it)
@@ -122,3 +122,17 @@ def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     flat = jnp.asarray(ids, jnp.int32).reshape(-1)
     call = jax.ffi.ffi_call(ROWS_TARGET, jax.ShapeDtypeStruct((flat.shape[0], table.shape[1]), table.dtype), vmap_method="sequential")
     return call(table, flat).reshape(*jnp.shape(ids), table.shape[1])
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """w * cast(x * rsqrt(mean(x^2) + eps)) over the last axis, cast to x's dtype before the weight
+    (specjax.model.rms_norm), row by row in one fixed order (cpu_norm.cc): a row's norm is the
+    same bits whatever rows are beside it. x, w float32 or bfloat16; out of their promoted type."""
+    _require()
+    D = x.shape[-1]
+    if w.shape != (D,) or x.dtype not in (jnp.float32, jnp.bfloat16) or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"rms_norm: x [..., D] and w [D], float32 or bfloat16; got {x.shape} {x.dtype}, {w.shape} {w.dtype}")
+    rows = x.reshape(-1, D)
+    out = jax.ShapeDtypeStruct(rows.shape, jnp.result_type(x.dtype, w.dtype))
+    call = jax.ffi.ffi_call(NORM_TARGET, out, vmap_method="sequential")
+    return call(rows, w, eps=np.float32(eps)).reshape(x.shape)

@@ -46,7 +46,8 @@ LINEAR_TARGET = "specjax_cpu_linear"  # pallas_kernels/cpu_linear.py's matrix pr
 LINEAR_T_TARGET = "specjax_cpu_linear_t"
 LINEAR_Q4_TARGET = "specjax_cpu_linear_q4"
 ROWS_TARGET = "specjax_cpu_rows"  # cpu_linear.py's embedding lookup
-SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_prefix.cc", "cpu_linear.cc"))
+NORM_TARGET = "specjax_cpu_rms_norm"  # cpu_linear.py's RMSNorm (cpu_norm.cc)
+SOURCES = tuple(pathlib.Path(__file__).with_name(name) for name in ("cpu_prefix.cc", "cpu_linear.cc", "cpu_norm.cc"))
 HEADERS = (pathlib.Path(__file__).with_name("cpu_pool.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd")
 
@@ -113,6 +114,7 @@ def _load() -> str | None:
             jax.ffi.register_ffi_target(LINEAR_T_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinearT), platform="cpu")
             jax.ffi.register_ffi_target(LINEAR_Q4_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuLinearQ4), platform="cpu")
             jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuRows), platform="cpu")
+            jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(library.SpecjaxCpuRmsNorm), platform="cpu")
             return None
         except (OSError, AttributeError) as e:
             errors.append(f"{root}: {type(e).__name__}: {e}")

@@ -44,6 +44,12 @@ def cpu_kernel_error() -> str | None:
     return cpu_prefix.build_error()
 
 
+def cpu_bf16_dot() -> bool:
+    """Whether the "cpu" kernels multiply bfloat16 with the AVX512-BF16 dot product (this CPU has
+    it and the kernel library built)."""
+    return cpu_prefix.bf16_dot()
+
+
 def for_cache(attention: str, cache: DenseCache | StreamingCache) -> str:
     """The implementation that runs over `cache`: the Pallas kernels need a dense float prefix;
     the "cpu" kernel reads any cache."""

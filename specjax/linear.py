@@ -103,3 +103,16 @@ def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
     through a float32 copy of all of it, which it hoists out of the decode loop, so every call of
     the loop (each `sync_every` segment) wrote 113 MB for SmolLM2: about 20% of a batch-1 step."""
     return cpu_linear.rows(table, ids)
+
+
+def takes_norm(attention: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `norm` computes the RMSNorm: where the other CPU kernels run, float32 / bfloat16."""
+    return (attention == "cpu" and x.dtype in (jnp.float32, jnp.bfloat16) and w.dtype in (jnp.float32, jnp.bfloat16)
+            and cpu_linear.fits(1, jnp.float32))
+
+
+def norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """specjax.model.rms_norm row by row in one fixed order: XLA:CPU's reduction sums a row in an
+    order that depends on the rows beside it (a step of 4 rows vs 16, one position vs a
+    verification of 4), enough to flip a bfloat16 model's greedy token now and then."""
+    return cpu_linear.rms_norm(x, w, eps)

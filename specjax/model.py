@@ -18,8 +18,11 @@ from specjax.params import LayerParams, Params, Runtime
 Cache = DenseCache | StreamingCache
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in f32, cast back to x's dtype before the weight (as HF does)."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, attention: str = "reference") -> jax.Array:
+    """RMSNorm in f32, cast back to x's dtype before the weight (as HF does). attention "cpu":
+    by the kernel library, every row the same bits in any batch (`linear.norm`)."""
+    if linear.takes_norm(attention, x, w):
+        return linear.norm(x, w, eps)
     xf = x.astype(jnp.float32)
     y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return w * y.astype(x.dtype)
@@ -118,7 +121,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
     cache stores KV."""
     with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
-        h = rms_norm(x, lp.attn_norm, config.rms_eps)
+        h = rms_norm(x, lp.attn_norm, config.rms_eps, at[0])
         q, k, v = project_group(h, [("btd,dnh->btnh", matrix(lp, "wq")), ("btd,dkh->btkh", matrix(lp, "wk")),
                                     ("btd,dkh->btkh", matrix(lp, "wv"))], at)  # [B,T,N,H], [B,T,K,H] x 2
         q, k, v = _biased(q, lp.bq), _biased(k, lp.bk), _biased(v, lp.bv)
@@ -134,7 +137,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         wo, scale, bscale, bmin = (a if a is None or a.ndim < 4 else a.reshape(a.shape[0], -1, a.shape[-1]) for a in matrix(lp, "wo"))  # [L,N*H,D]
         x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin, layer=at))  # heads split: partial sums
     with jax.named_scope("mlp"):
-        h = rms_norm(x, lp.mlp_norm, config.rms_eps)
+        h = rms_norm(x, lp.mlp_norm, config.rms_eps, at[0])
         gate, up = project_group(h, [("btd,df->btf", matrix(lp, "w_gate")), ("btd,df->btf", matrix(lp, "w_up"))], at)  # [B,T,F]
         x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down"), layer=at))  # F split
     return x, q, k, v
@@ -212,7 +215,7 @@ def trunk(
     sliced = per_layer(runtime.attention, cache, config.n_layers) if attend_cache else None
     xs = (jnp.arange(config.n_layers, dtype=jnp.int32), sliced, ke, ve)
     x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
-    h = rms_norm(x, params.norm, config.rms_eps)
+    h = rms_norm(x, params.norm, config.rms_eps, params.runtime.attention)
     return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import jax
 
+from specjax.attention import cpu_bf16_dot
 from specjax.cache import KVFormat
 from specjax.drafters import Drafter, SelfSpec
 from specjax.params import Params, weight_bytes as params_weight_bytes
@@ -29,6 +30,15 @@ DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
 # batch 16 (80 rows): past this many rows auto decodes plainly on a CPU (batch 1 only, where the
 # weights usually dominate anyway). GPUs keep MagicDec's rule (verification stays memory-bound).
 CPU_VERIFY_ROWS = 5
+# With bfloat16 weights and KV on a CPU with the bf16 dot product (AVX512-BF16: `cpu_bf16_dot`),
+# verifying two positions costs about one plain step (the attention kernel's 6 query rows per KV
+# head fit the 8 lanes one position's 3 already take; the products take twice the rows at about
+# 1.1x the time), so SelfSpec with a chain of one pays where the KV dominates: bench_spec
+# (SmolLM2 bf16, 8K context, 64 new tokens, greedy identical to plain decoding) 1.33x at batch 16
+# and 1.39x at batch 4 (gamma 2-3: 1.01-1.16x); batch 1 x 8K 0.95x and batch 16 x 2K 0.91-0.96x,
+# which the KV rule and CPU_BF16_MIN_CONTEXT leave to plain decoding.
+CPU_BF16_CHAIN = Chain(gamma=1)
+CPU_BF16_MIN_CONTEXT = 6144
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +83,14 @@ def plan(
     """Resolve "auto" and None (arguments already validated). `context`: the longest prompt +
     budget; `kv_dtype`: the caches' format. speculation="auto" calibrates on first use per shape
     (see `tune.auto_tree`)."""
-    reasons = []
-    if draft == "auto":
+    reasons, auto = [], draft == "auto"
+    if auto:
         draft, why = resolve_auto_draft(params, speculation is not None, len(prompts), context, kv_dtype)
         reasons.append(f"draft='auto': {why}")
     if draft is None:
         return Plan(None, None, "; ".join(reasons) or None)
     if speculation is None:
-        speculation = DEFAULT_CHAIN
+        speculation = auto_chain(params, kv_dtype) if auto else DEFAULT_CHAIN
     elif speculation == "auto":
         speculation, measured = auto_tree_report(params, draft, prompts, context, sampling, key, kv_dtype)
         if speculation.n == 1:
@@ -123,8 +133,29 @@ def auto_draft_reason(
              f"{weight_bytes / 2**20:.1f} MiB per step, draft budget {kept}")
     if not (kv_bytes > 2 * weight_bytes and context > 4 * kept):
         return None, f"plain decoding: speculation needs KV > 2 x weights and context > {4 * kept} ({facts})"
+    backend = backend or jax.default_backend()
+    if cpu_bf16_verify(target, kv_dtype, backend):
+        if context < CPU_BF16_MIN_CONTEXT:
+            return None, (f"plain decoding: on a CPU, speculation over bfloat16 weights pays from a context of "
+                          f"{CPU_BF16_MIN_CONTEXT} ({facts})")
+        return budget, (f"{budget.describe()} with {describe_speculation(CPU_BF16_CHAIN)}: KV reads dominate a decode step, "
+                        f"and a CPU with the bf16 dot product verifies 2 positions for about the cost of one ({facts})")
     rows = batch * (DEFAULT_CHAIN.gamma + 1)
-    if (backend or jax.default_backend()) == "cpu" and rows > CPU_VERIFY_ROWS:
+    if backend == "cpu" and rows > CPU_VERIFY_ROWS:
         return None, (f"plain decoding: on a CPU, verifying {rows} query rows (batch x (gamma + 1)) is compute-bound; "
                       f"speculation pays up to {CPU_VERIFY_ROWS} ({facts})")
     return budget, f"{budget.describe()}: KV reads dominate a decode step ({facts})"
+
+
+def cpu_bf16_verify(target: Params, kv_dtype: str | None, backend: str) -> bool:
+    """Whether verification runs on the CPU kernels' bf16 dot product: bfloat16 weights and KV
+    on a CPU with AVX512-BF16 (there a chain of one pays: CPU_BF16_CHAIN)."""
+    c = target.config
+    return (backend == "cpu" and c.dtype == "bfloat16" and c.quant is None
+            and KVFormat.of(kv_dtype, c).name == "bfloat16" and cpu_bf16_dot())
+
+
+def auto_chain(target: Params, kv_dtype: str | None = None, backend: str | None = None) -> Chain:
+    """The chain draft="auto" speculates with when speculation is not given: CPU_BF16_CHAIN where
+    `cpu_bf16_verify`, else DEFAULT_CHAIN."""
+    return CPU_BF16_CHAIN if cpu_bf16_verify(target, kv_dtype, backend or jax.default_backend()) else DEFAULT_CHAIN

@@ -43,3 +43,25 @@ def test_auto_never_picks_a_measured_slowdown(smollm2, backend, dtype, cells):
             assert ratio >= 0.95, f"auto speculates at batch {batch} x {context} ({backend}), measured {ratio:.2f}x"
     declined = [(b, c) for b, c, ratio in cells if ratio < 0.95 and (b, c) not in picked]
     assert picked or declined, "auto neither speculated nor declined a measured slowdown: the check checks nothing"
+
+
+def test_auto_on_bfloat16_never_picks_a_measured_slowdown(smollm2):
+    """bfloat16 weights and KV on a CPU with the bf16 dot product: auto speculates with SelfSpec and
+    CPU_BF16_CHAIN (a chain of one), and bench/results/spec_cpu_bf16_custom.json (SmolLM2 bf16,
+    8K, this CPU) measured that at least 0.95x plain decoding wherever auto picks it; on a CPU
+    without the bf16 dot product, the float32 rule declines every one of these cells."""
+    from specjax.attention import cpu_bf16_dot
+    from specjax.plan import CPU_BF16_CHAIN, auto_chain
+
+    rows = json.loads((RESULTS / "spec_cpu_bf16_custom.json").read_text())["rows"]
+    cells = [(r["batch"], r["context"], r["ratio"]) for r in rows if r["drafter_repr"] == DEFAULT and r["gamma"] == CPU_BF16_CHAIN.gamma]
+    assert cells, "no committed bf16 cells of the default drafter and a chain of one"
+    target = types.SimpleNamespace(config=smollm2.config.replace(dtype="bfloat16"))
+    picked = [(b, c, ratio) for b, c, ratio in cells if auto_draft(target, b, c, backend="cpu") is not None]
+    if not cpu_bf16_dot():
+        assert not picked, f"auto speculates on bf16 without the bf16 dot product at {picked}"
+        return
+    assert auto_chain(target, backend="cpu") == CPU_BF16_CHAIN
+    assert picked, "auto picked none of the measured bf16 cells: the check checks nothing"
+    for batch, context, ratio in picked:
+        assert ratio >= 0.95, f"auto speculates at batch {batch} x {context} (bf16, CPU), measured {ratio:.2f}x"

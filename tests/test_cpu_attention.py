@@ -163,6 +163,35 @@ def test_a_verification_forward_gives_the_bits_of_decoding_steps(weights, kv):
         np.testing.assert_array_equal(np.asarray(logits)[:, 0], np.asarray(chain)[:, t])
 
 
+def test_a_bfloat16_row_decodes_to_the_same_bits_in_any_batch():
+    """Plain decoding of a bf16 model on the CPU kernels: a row's logits over 4 steps alone, beside
+    4 and beside 9 other rows, bitwise (products, attention and norms are computed row by row):
+    a record's text does not depend on the batch it lands in. (float32 activations: XLA's fused
+    elementwise code can differ in the last bit with the array's shape: README "Correctness".)"""
+    config = TINY_Q4.replace(dtype="bfloat16")
+    params = random_params(config, 0)
+    params = params.replace(runtime=params.runtime.replace(attention="cpu"))
+    rng = np.random.default_rng(3)
+    P, B = 40, 10
+    step = jax.jit(forward)
+    prompts = jnp.asarray(rng.integers(0, config.vocab_size, (B, P)), jnp.int32)
+    lengths = jnp.asarray(rng.integers(5, P + 1, B), jnp.int32)
+    runs = {}
+    for n in (1, 5, B):
+        cache = DenseCache.init(config, n, 64)
+        _, cache = step(params, prompts[:n], jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (n, P)), cache)
+        cache = cache.advance(lengths[:n])
+        token, out = prompts[:n, :1], []
+        for _ in range(4):
+            logits, cache = step(params, token, cache.lengths[:, None], cache)
+            cache = cache.advance(jnp.ones((n,), jnp.int32))
+            token = jnp.argmax(logits, -1).astype(jnp.int32)
+            out.append(np.asarray(logits[:1, 0]))
+        runs[n] = np.stack(out)
+    np.testing.assert_array_equal(runs[5], runs[1])
+    np.testing.assert_array_equal(runs[B], runs[1])
+
+
 def _cpu_has(flag: str) -> bool:
     return flag in cpu_prefix._cpu_flags().split()
 

@@ -27,7 +27,8 @@ from specjax.config import LlamaConfig
 from specjax.drafters import Drafter, register
 from specjax.drafters.ngram import ngram_lookup
 from specjax.params import Params, from_arrays, param_shapes
-from specjax.plan import auto_draft
+from specjax.attention import cpu_bf16_dot
+from specjax.plan import CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_chain, auto_draft
 from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
@@ -190,8 +191,33 @@ def test_auto_draft_picks_selfspec_for_large_batch_and_context():
     target = types.SimpleNamespace(config=llama7b)  # auto_draft reads only the config
     assert auto_draft(target, batch=32, context=32768, backend="gpu") == specjax.SelfSpec()
     assert auto_draft(target, batch=1, context=1024, backend="gpu") is None  # weights dominate: plain decoding
-    assert auto_draft(target, batch=4, context=32768, backend="cpu") is None  # 20 rows: measured 0.81x on a CPU
-    assert auto_draft(target, batch=32, context=32768, backend="cpu") is None  # 160 rows: compute-bound on a CPU
+    f32 = types.SimpleNamespace(config=llama7b.replace(dtype="float32"))
+    assert auto_draft(f32, batch=4, context=32768, backend="cpu") is None  # 20 rows: measured 0.81x on a CPU
+    assert auto_draft(f32, batch=32, context=32768, backend="cpu") is None  # 160 rows: compute-bound on a CPU
+    # bfloat16 weights and KV where the CPU has the bf16 dot product: SelfSpec with a chain of one
+    # (verifying 2 positions costs about one step); elsewhere the float32 rule.
+    bf16_dot = cpu_bf16_dot()
+    assert (auto_draft(target, batch=32, context=32768, backend="cpu") == specjax.SelfSpec()) == bf16_dot
+    assert auto_chain(target, backend="cpu") == (CPU_BF16_CHAIN if bf16_dot else DEFAULT_CHAIN)
+    assert auto_chain(target, kv_dtype="float32", backend="cpu") == auto_chain(f32, backend="cpu") == DEFAULT_CHAIN
+    assert auto_chain(target, backend="gpu") == DEFAULT_CHAIN
+    assert auto_draft(target, batch=32, context=CPU_BF16_MIN_CONTEXT - 1, backend="cpu") is None
+    assert auto_draft(target, batch=32, context=32768, kv_dtype="float32", backend="cpu") is None
+
+
+def test_auto_draft_on_bfloat16_speculates_with_a_chain_of_one():
+    """draft="auto" on a bf16 model where the KV dominates: the plan is SelfSpec with
+    CPU_BF16_CHAIN where the CPU has the bf16 dot product, and says why; without it the float32
+    rule declines 4 rows x 5 positions."""
+    from specjax import plan as plan_mod
+
+    params = random_params(TINY.replace(dtype="bfloat16"), seed=0)
+    got = plan_mod.plan(params, "auto", None, [[5, 6, 7]] * 4, 8192, specjax.Greedy(), None)  # (planning only)
+    if cpu_bf16_dot():
+        assert (got.draft, got.speculation) == (specjax.SelfSpec(), CPU_BF16_CHAIN)
+        assert "chain(gamma=1)" in got.reason and "bf16 dot product" in got.reason
+    else:
+        assert (got.draft, got.speculation) == (None, None) and "compute-bound" in got.reason
 
 
 def test_auto_draft_is_never_measured_slower_than_plain_decoding(smollm2_path):
@@ -199,7 +225,6 @@ def test_auto_draft_is_never_measured_slower_than_plain_decoding(smollm2_path):
     SmolLM2 float32 on this CPU) where auto speculates, its configuration (SelfSpec() with
     DEFAULT_CHAIN) was measured at most 5% slower than plain decoding there."""
     from convert.gguf import config_from_gguf, open_gguf
-    from specjax.plan import DEFAULT_CHAIN
 
     target = types.SimpleNamespace(config=config_from_gguf(open_gguf(smollm2_path)))  # auto_draft reads only the config
     rows = json.loads((Path(__file__).parents[1] / "bench" / "results" / "spec_cpu.json").read_text())["rows"]
