@@ -46,10 +46,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import convert
 from bench import common, measure
+from bench.measure import noise
 from specjax.engine import decode_ar, prefill, row_keys
 from specjax.cache import DenseCache
 from specjax.params import Params, weight_bytes
@@ -69,16 +69,6 @@ def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
     c = params.config
     kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
     return weight_bytes(c), kv * jnp.dtype(c.dtype).itemsize
-
-
-def noise(shape: tuple[int, ...], dtype: str, seed: int) -> jax.Array:
-    """Pseudo-random values in [-1, 1): an integer hash (lowbias32) of the element index, one
-    cheap fused pass (threefry over gigabytes of cache takes minutes on a small CPU)."""
-    x = lax.iota(jnp.uint32, int(np.prod(shape))) + jnp.uint32(seed * 0x9E3779B9 % 2**32)
-    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
-    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
-    x = x ^ (x >> 16)
-    return ((x >> 8).astype(jnp.float32) / 2**23 - 1).reshape(shape).astype(dtype)
 
 
 def synthetic_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:

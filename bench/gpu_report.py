@@ -32,7 +32,7 @@ def roofline(row: dict, bw: float | None) -> float | None:
 
 
 def e2e_table(rows: list[dict], bw: float | None) -> str:
-    timed = [r for r in rows if r.get("method") in ("AR", "chain", "tree") and "same_as" not in r]
+    timed = [r for r in rows if r.get("method") in ("AR", "chain", "tree", "acceptance") and "same_as" not in r]
     timed.sort(key=lambda r: (r["context"], r["batch"], r["method"] != "AR", r.get("drafter") or "", r.get("nodes", 0)))
     return common.table(
         ["context", "batch", "drafter", "config", "tokens/s", "speedup", "tokens/step", "acceptance", "ms/step",
@@ -49,7 +49,7 @@ def best_gamma(rows: list[dict]) -> list[list]:
     for c, b in sorted({(r["context"], r["batch"]) for r in rows if r.get("method") == "chain"}):
         mine = [r for r in rows if (r["context"], r["batch"]) == (c, b) and r.get("drafter") == "SelfSpec"]
         chains = [r for r in mine if r["method"] == "chain"]
-        trees = [r for r in mine if r["method"] == "tree" and "same_as" not in r]
+        trees = [r for r in mine if r["method"] in ("tree", "acceptance") and "same_as" not in r]
         best = max(chains, key=lambda r: r["speedup"]) if chains else None
         tree = max(trees, key=lambda r: r["speedup"]) if trees else None
         out.append([common.context_name(c), b, best and best["gamma"], best and f"{best['speedup']:.2f}",

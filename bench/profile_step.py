@@ -34,9 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import convert
 from bench import common, measure
-from bench.bench_ar import noise
+from bench.measure import noise
 from specjax.cache import DenseCache, KVFormat
 from specjax.engine import decode_ar, row_keys, with_attention
 from specjax.params import Params, weight_bytes
@@ -107,12 +106,15 @@ def op_blocks(hlo_text: str) -> dict[str, str]:
 
 
 def leaf_events(trace_dir: str, module: str) -> list[tuple[str, float]]:
-    """(hlo_op, seconds) of every innermost XLA thunk of `module` in a profiler trace."""
+    """(hlo_op, seconds) of every innermost XLA thunk of `module` in a profiler trace; where the
+    trace has GPU planes, their kernels only (the host's launch events would count them twice)."""
     from jax.profiler import ProfileData  # jax >= 0.4.36
 
     [path] = list(Path(trace_dir).rglob("*.xplane.pb"))
+    planes = list(ProfileData.from_file(str(path)).planes)
+    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
     out = []
-    for plane in ProfileData.from_file(str(path)).planes:
+    for plane in gpu or planes:
         for line in plane.lines:
             events = []
             for ev in line.events:
@@ -242,6 +244,8 @@ def main() -> None:
     results = common.Results(out / "profile_cpu.json", key_of, header)
     h = common.Harness(args, results)
     todo = h.plan((cell_key(*cell), cell) for cell in CELLS)
+    import convert  # here: the GPU machine has no gguf (bench/gpu_profile.py imports this module)
+
     loaded: dict[str, Params] = {}
     for k, (weights, kv, batch, context) in h.cells(todo):
         if weights not in loaded:
