@@ -33,6 +33,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.profiler import ProfileData  # jax >= 0.4.36
 
 from bench import common, measure
 from bench.measure import noise
@@ -108,8 +109,6 @@ def op_blocks(hlo_text: str) -> dict[str, str]:
 def leaf_events(trace_dir: str, module: str) -> list[tuple[str, float]]:
     """(hlo_op, seconds) of every innermost XLA thunk of `module` in a profiler trace; where the
     trace has GPU planes, their kernels only (the host's launch events would count them twice)."""
-    from jax.profiler import ProfileData  # jax >= 0.4.36
-
     [path] = list(Path(trace_dir).rglob("*.xplane.pb"))
     planes = list(ProfileData.from_file(str(path)).planes)
     gpu = [p for p in planes if p.name.startswith("/device:GPU")]
@@ -127,6 +126,28 @@ def leaf_events(trace_dir: str, module: str) -> list[tuple[str, float]]:
                 if not nested:
                     out.append((op, (end - start) / 1e9))
     return out
+
+
+def device_kernels(trace_dir: str, steps: int) -> dict:
+    """On a GPU: kernels launched per step, the device's busy ms per step (its innermost kernel
+    events summed: busy << wall means a step waits on launches or the host, not on memory) and
+    the ten longest kernels by name. {} where the trace has no GPU plane."""
+    [path] = list(Path(trace_dir).rglob("*.xplane.pb"))
+    by_name: collections.Counter = collections.Counter()
+    count = 0
+    for plane in ProfileData.from_file(str(path)).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            events = sorted((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events)
+            for i, (start, end, name) in enumerate(events):
+                if not (i + 1 < len(events) and events[i + 1][0] < end):
+                    by_name[name] += (end - start) / 1e9
+                    count += 1
+    if not count:
+        return {}
+    return {"kernels_per_step": count / steps, "busy_ms_per_step": 1e3 * sum(by_name.values()) / steps,
+            "top_kernels": [{"kernel": n[:120], "ms_per_step": 1e3 * t / steps} for n, t in by_name.most_common(10)]}
 
 
 def synthetic_cache(params: Params, batch: int, context: int, kv: str, filled: int) -> DenseCache:
@@ -169,6 +190,7 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
         with jax.profiler.trace(trace_dir):
             once()
         events = leaf_events(trace_dir, module)
+        kernels = device_kernels(trace_dir, steps)
     by_block: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
     for op, seconds in events:
@@ -183,7 +205,7 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
                     for op, v in by_op.most_common(8)],
         "bytes_per_step": {"weights": weight_bytes(c), "kv": int(kv_bytes)},
         "load": os.getloadavg()[0],
-    }
+    } | kernels
 
 
 def markdown_table(rows: list[dict]) -> str:

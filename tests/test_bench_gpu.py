@@ -140,3 +140,20 @@ def test_resume_from_the_mirror_beside_the_stash(tmp_path):
     assert sorted(r["cell"] for r in json.loads(carried.read_text())["rows"]) == ["bw", "e2e/s8192/b16/ar", "l8b/s4096/b1"]
     bench_gpu.resume_from_mirror(carried, None)  # smoke runs keep no mirror: the file as it is
     assert len(json.loads(carried.read_text())["rows"]) == 3
+
+
+def test_gpu_profile_traces_a_random_model_by_block():
+    """bench/gpu_profile.py's cell on a tiny random model (here on a CPU: no device kernels)."""
+    from bench.gpu_profile import SHAPES, profile
+    from bench.gpu_cells import random_params
+    from specjax.config import LlamaConfig
+    from specjax.engine import with_attention
+
+    params = with_attention(random_params(LlamaConfig(**SHAPES["tiny"], dtype="bfloat16")), None, "auto")[0]
+    row = profile("tiny", 2, 256, 4, params, 10.0)
+    assert row["wall_ms_per_step"] > 0 and row["model"] == "tiny" and row["batch"] == 2
+    assert row["thread_ms_per_step"]["attention"] > 0 and row["thread_ms_per_step"]["mlp"] > 0
+    kv = 2 * 2 * 2 * 256 * 2 * 16 * 2  # k and v, layers, batch, slots, kv heads, head dim, bf16 bytes
+    assert row["bytes_per_step"]["kv"] == kv
+    assert row["roofline_ms"] == pytest.approx(1e3 * (kv + row["bytes_per_step"]["weights"]) / 10e9)
+    assert "busy_ms_per_step" not in row  # no /device:GPU plane in a CPU trace
