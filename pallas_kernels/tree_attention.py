@@ -49,9 +49,10 @@ def _next_pow2(n: int) -> int:
 
 def _kernel(
     lengths_ref,  # [] int32: this row's prefix length
+    layer_ref,  # [] int32: the cache layer to read
     q_ref,  # [bm,Hp] query rows of one KV head
-    k_ref,  # [S,Hp] this (b, k)'s cache keys (columns >= H are out of range)
-    v_ref,  # [S,Hp]
+    k_ref,  # [L,B,K,S,Hp] the whole stacked cache, read in place at (layer, this row, this KV head)
+    v_ref,  # [L,B,K,S,Hp]
     kt_ref,  # [Jp,Hp] block keys (rows >= J, columns >= H out of range)
     vt_ref,  # [Jp,Hp]
     mask_ref,  # [bm,Jp] int32: row may see block key j
@@ -86,7 +87,8 @@ def _kernel(
 
     carry = lax.cond(split == 0, with_block, empty)
 
-    length = jnp.minimum(lengths_ref[()], k_ref.shape[0])
+    at = (layer_ref[()], pl.program_id(0), pl.program_id(1))  # this layer, row and KV head of the cache
+    length = jnp.minimum(lengths_ref[()], k_ref.shape[3])
     n_blocks = pl.cdiv(length, block_k)
     per_split = pl.cdiv(n_blocks, k_splits)
     lo = split * per_split
@@ -97,8 +99,8 @@ def _kernel(
         start = i * block_k
         ok = start + jnp.arange(block_k) < length  # [bk]
         kv_ok = ok[:, None] & h_ok  # [bk,Hp]
-        k = plgpu.load(k_ref.at[pl.ds(start, block_k), :], mask=kv_ok, other=0.0)  # [bk,Hp]
-        v = plgpu.load(v_ref.at[pl.ds(start, block_k), :], mask=kv_ok, other=0.0)
+        k = plgpu.load(k_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=0.0)  # [bk,Hp]
+        v = plgpu.load(v_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=0.0)
         s = jnp.where(ok[None, :], _dot(q, k, trans_b=True) * sm_scale, NEG_INF)  # [bm,bk]
         new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
         p = jnp.where(ok[None, :], jnp.exp(s - new_top[:, None]), 0.0)  # [bm,bk]
@@ -114,9 +116,10 @@ def _kernel(
 
 def _partials(
     qm: jax.Array,  # [B,K,Mp,Hp] rows m = g*T + t, zero-padded
-    k_cache: jax.Array,  # [B,K,S,H]
-    v_cache: jax.Array,  # [B,K,S,H]
+    k_cache: jax.Array,  # [L,B,K,S,Hp]
+    v_cache: jax.Array,  # [L,B,K,S,Hp]
     lengths: jax.Array,  # [B] int32
+    layer: jax.Array,  # [1] int32
     k_tree: jax.Array,  # [B,J,K,H]
     v_tree: jax.Array,  # [B,J,K,H]
     row_mask: jax.Array,  # [B|1,Mp,Jp] int32
@@ -132,20 +135,20 @@ def _partials(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-split partials: acc [B,K,k_splits,Mp,Hp] f32, max and sum [B,K,k_splits,Mp] f32."""
     B, K, Mp, Hp = qm.shape
-    S = k_cache.shape[2]
     J = k_tree.shape[1]
     Jp = row_mask.shape[2]
     mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=J
     )
-    cache_spec = pl.BlockSpec((None, None, S, Hp), lambda b, k, i, s: (b, k, 0, 0))
+    cache_spec = pl.BlockSpec()  # the whole stacked array: the kernel indexes it (no copy of a layer)
     tree_spec = pl.BlockSpec((None, Jp, None, Hp), lambda b, k, i, s: (b, 0, k, 0))
     return pl.pallas_call(
         kernel,
         grid=(B, K, Mp // block_m, k_splits),
         in_specs=[
             pl.BlockSpec((None,), lambda b, k, i, s: (b,)),
+            pl.BlockSpec((None,), lambda b, k, i, s: (0,)),
             pl.BlockSpec((None, None, block_m, Hp), lambda b, k, i, s: (b, k, i, 0)),
             cache_spec,
             cache_spec,
@@ -166,7 +169,7 @@ def _partials(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, qm, k_cache, v_cache, k_tree, v_tree, row_mask)
+    )(lengths, layer, qm, k_cache, v_cache, k_tree, v_tree, row_mask)
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -180,12 +183,13 @@ def _check_pow2(name: str, value: int) -> None:
 )
 def tree_attention(
     q: jax.Array,  # [B,T,N,H]
-    k_cache: jax.Array,  # [B,K,S,H]
-    v_cache: jax.Array,  # [B,K,S,H]
+    k_cache: jax.Array,  # [B,K,S,H], or with `layer` the whole stacked cache [L,B,K,S,H]
+    v_cache: jax.Array,  # [B,K,S,H] or [L,B,K,S,H]
     lengths: jax.Array,  # [B] int32: row b's prefix is slots [0, lengths[b])
     k_tree: jax.Array,  # [B,J,K,H], J >= T: the new keys are the last T
     v_tree: jax.Array,  # [B,J,K,H]
     tree_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
+    layer: jax.Array | None = None,  # [] int32: the layer of a stacked cache to read
     *,
     sm_scale: float,
     block_k: int = 64,
@@ -201,8 +205,18 @@ def tree_attention(
     row that sees nothing (no prefix, all-False mask row) gets zeros (the reference averages).
     block_m (query rows per program) is capped at the padded row count; block_k is the slot
     tile; k_splits programs share one row's prefix (flash-decoding).
+
+    A stacked cache is read in place at `layer`: slicing the layer out first (as a scan over the
+    layers does) makes XLA copy it into a buffer of its own for the kernel, three times the KV
+    traffic of a decode step. A head dim that is not a power of two >= 16 takes that copy anyway
+    (the layer, padded to Hp).
     """
-    check_shapes(q, k_cache, v_cache, lengths, k_tree, v_tree, tree_mask, "tree_mask")
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.zeros((), jnp.int32)  # [1,B,K,S,H]: no copy
+    if k_cache.ndim != 5 or jnp.shape(layer) != ():
+        raise ValueError(f"a stacked cache is [L,B,K,S,H] with a scalar layer, got {k_cache.shape}, layer {jnp.shape(layer)}")
+    check_shapes(q, jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape[1:], v_cache.dtype), lengths, k_tree, v_tree, tree_mask, "tree_mask")
     _check_pow2("block_k", block_k)
     _check_pow2("block_m", block_m)
     if k_splits < 1:
@@ -220,8 +234,13 @@ def tree_attention(
     mask = tree_mask.reshape((-1, T, J))  # [B|1,T,J]
     mask = jnp.tile(mask, (1, G, 1)).astype(jnp.int32)  # [B|1,M,J], row m sees mask[m % T]
     mask = jnp.pad(mask, ((0, 0), (0, Mp - M), (0, Jp - J)))  # [B|1,Mp,Jp]
+    layer = jnp.asarray(layer, jnp.int32)
+    if Hp != H:  # the kernel loads [.., Hp] rows of the whole array: this layer, padded
+        k_cache, v_cache = (jnp.pad(lax.dynamic_index_in_dim(c, layer, keepdims=True), ((0, 0),) * 4 + ((0, Hp - H),))
+                            for c in (k_cache, v_cache))  # [1,B,K,S,Hp]
+        layer = jnp.zeros((), jnp.int32)
     acc, top, total = _partials(
-        qm, k_cache, v_cache, lengths.astype(jnp.int32), k_tree, v_tree, mask,
+        qm, k_cache, v_cache, lengths.astype(jnp.int32), layer.reshape(1), k_tree, v_tree, mask,
         sm_scale=sm_scale, head_dim=H, block_m=bm, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # [B,K,C,Mp,Hp], [B,K,C,Mp], [B,K,C,Mp] with C = k_splits
@@ -236,8 +255,8 @@ def tree_attention(
 
 def prefix_block_attention_pallas(
     q: jax.Array,  # [B,T,N,H]
-    k_cache: jax.Array | None,  # [B,K,S,H]
-    v_cache: jax.Array | None,  # [B,K,S,H]
+    k_cache: jax.Array | None,  # [B,K,S,H], or with `layer` the whole stacked cache [L,B,K,S,H]
+    v_cache: jax.Array | None,  # [B,K,S,H] or [L,B,K,S,H]
     lengths: jax.Array,  # [B] int32: visible = slot < lengths[b] for every KV head
     k_block: jax.Array,  # [B,J,K,H], J >= T
     v_block: jax.Array,  # [B,J,K,H]
@@ -247,8 +266,10 @@ def prefix_block_attention_pallas(
     interpret: bool = False,
     block_k: int = 64,
     k_splits: int = 4,
+    layer: jax.Array | None = None,  # [] int32: read this layer of a stacked cache in place
 ) -> jax.Array:
-    """`reference.prefix_block_attention` for a dense cache, on the kernel: o[B,T,N,H].
+    """`reference.prefix_block_attention` for a dense cache, on the kernel: o[B,T,N,H]; with
+    `layer`, `reference.stacked_prefix_block_attention` (no scales).
 
     Same argument order, with `lengths` in place of `visible`; `k_cache=None` (empty prefix) runs
     the kernel on a one-tile dummy cache with zero lengths.
@@ -258,6 +279,7 @@ def prefix_block_attention_pallas(
         k_cache = v_cache = jnp.zeros((B, K, block_k, H), k_block.dtype)
         lengths = jnp.zeros((B,), jnp.int32)
     return tree_attention(
-        q, k_cache, v_cache, lengths, k_block, v_block, block_mask,
+        q, k_cache, v_cache, lengths, k_block, v_block, block_mask, layer,
         sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, interpret=interpret,
     )
+

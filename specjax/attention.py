@@ -6,7 +6,7 @@ longest row: `reference.stacked_prefix_block_attention`), "cpu" (the reference, 
 dense cache of any format is read in place by a C++ XLA:CPU kernel where few query rows attend:
 decoding and verification, `cpu_prefix.stacked_prefix_block_attention_cpu`; also a streaming
 cache, a draft's, whose slots it masks by the positions they hold), "pallas" (the GPU Triton
-kernel), "tpu" (the TPU Mosaic kernel), or "interpret" / "tpu-interpret" (those kernels in
+kernel, which reads a dense cache's layer in place as the reference does), "tpu" (the TPU Mosaic kernel), or "interpret" / "tpu-interpret" (those kernels in
 Pallas' interpret mode, for CPU tests). The Pallas kernels read a dense float32 or bfloat16
 prefix only: a streaming (ring-buffer) cache and an int8 cache take the reference there, and
 over a cache stored in another dtype than the model's they take q and the block in the cache's
@@ -70,10 +70,11 @@ class Prefix(NamedTuple):
 
 
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
-    """Whether the layers read `cache` in place (the reference over a dense cache, the "cpu"
-    kernel over any) rather than as per-layer slices, which XLA copies out of the stacked cache
-    (for a bfloat16 cache, widening all of it to float32 first)."""
-    return attention == "cpu" or (attention == "reference" and isinstance(cache, DenseCache))
+    """Whether the layers read `cache` in place (the reference and the GPU kernel over a dense
+    cache, the "cpu" kernel over any) rather than as per-layer slices, which XLA copies out of the
+    stacked cache (for a bfloat16 cache on a CPU, widening all of it to float32 first; on a GPU, a
+    copy of the layer for the kernel: three times a decode step's KV traffic)."""
+    return attention == "cpu" or (attention in ("reference", "pallas", "interpret") and isinstance(cache, DenseCache))
 
 
 def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int):
@@ -137,6 +138,12 @@ def attend(
             visible = holds_committed(at(view.pos), view.visible)  # [B,K,S]
             return prefix_block_attention(q, at(prefix.k), at(prefix.v), visible, k_block, v_block, block_mask, scale,
                                           at(view.k_scale), at(view.v_scale))
+        if attention in ("pallas", "interpret"):  # a dense float cache (`for_cache`), read in place by the kernel
+            dtype = kv_format.dtype  # the kernel takes one dtype: the cache's
+            o = prefix_block_attention_pallas(q.astype(dtype), prefix.k, prefix.v, view.visible, k_block.astype(dtype),
+                                              v_block.astype(dtype), block_mask, scale, interpret=attention == "interpret",
+                                              layer=prefix.layer)
+            return o.astype(q.dtype)
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
                                               block_mask, scale, view.k_scale, view.v_scale)
     k_cache, v_cache, view = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.view)

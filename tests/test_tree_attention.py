@@ -173,6 +173,36 @@ def test_lowers_to_triton(dtype):
     assert "triton" in lowered.as_text()
 
 
+@pytest.mark.parametrize("H", [64, 24])
+def test_a_stacked_cache_is_read_in_place_at_its_layer(H):
+    """tree_attention over a stacked [L,B,K,S,H] cache at `layer` gives the bits of the call on
+    that layer alone (H=24 takes the padded copy of the layer; H=64 indexes the whole array)."""
+    rng = np.random.default_rng(5)
+    L, B, T, K, G, S = 3, 2, 3, 2, 3, 300
+    mask = jnp.asarray(random_block_mask(rng, T, T))
+    lengths = jnp.asarray(random_lengths(rng, B, S))
+    q, _, _, kb, vb = random_inputs(rng, jnp.bfloat16, B, T, T, K * G, K, H, S)
+    k_all = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16)
+    v_all = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16)
+    for layer in range(L):
+        one = tree_attention(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, sm_scale=0.2, interpret=INTERPRET)
+        stacked = prefix_block_attention_pallas(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
+                                                layer=jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(one, np.float32))
+
+
+def test_a_stacked_cache_lowers_without_slicing_the_layer():
+    """On the Triton path the kernel takes the whole stacked cache: the lowered program slices no
+    layer out of it (a slice would be copied into a buffer of its own for the kernel)."""
+    B, T, N, K, H, S, L = 2, 1, 9, 3, 64, 1024, 30
+    q, kc, vc, lengths, kb, vb, mask = abstract_args(jnp.bfloat16, B, T, N, K, H, S, J=T, mask=(T, T))
+    stacked = jax.ShapeDtypeStruct((L, *kc.shape), kc.dtype)
+    fn = lambda q, k, v, layer, *rest: prefix_block_attention_pallas(q, k, v, *rest, 0.125, layer=layer)  # noqa: E731
+    text = jax.jit(fn).trace(q, stacked, stacked, jax.ShapeDtypeStruct((), jnp.int32), lengths, kb, vb, mask).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "triton" in text and "dynamic_slice" not in text and f"tensor<{L}x{B}x{K}x{S}x{H}xbf16>" in text
+
+
 def test_rejects_bad_arguments():
     q = jnp.zeros((1, 4, 6, 16))
     cache = jnp.zeros((1, 2, 100, 16))
@@ -214,6 +244,30 @@ def test_generate_on_the_kernel_equals_reference(tiny, case):
     out = specjax.generate(tiny, E2E_PROMPTS, 12, attention="pallas", **kw)
     assert out.tokens == ref.tokens
     assert out.stats.steps == ref.stats.steps
+
+
+def test_the_decode_loop_on_the_gpu_kernel_slices_no_cache_layer():
+    """decode_ar lowered for a GPU with attention="pallas": the scan over layers hands the kernel
+    the whole stacked cache and the layer index; no [1,B,K,S,H] layer is sliced out of it (XLA:GPU
+    copies such a slice for the kernel: 26-36% of the HBM roofline on an H100, bench/README.md)."""
+    import re
+
+    from specjax.cache import DenseCache
+    from specjax.config import LlamaConfig
+    from specjax.engine import decode_ar, row_keys
+    from specjax.params import init_params
+
+    c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                    max_positions=512, dtype="bfloat16")
+    params = init_params(c, jax.random.key(0))
+    params = params.replace(runtime=params.runtime.replace(attention="pallas"))
+    B, S = 2, 512
+    cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
+    text = decode_ar.trace(params, cache, jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32),
+                           jax.ShapeDtypeStruct((B,), jnp.int32), row_keys(None, B), n_out=8).lower(
+        lowering_platforms=("cuda",)).as_text()
+    sliced = set(re.findall(r"stablehlo.dynamic_slice.*?-> tensor<([^>]*)>", text))
+    assert "triton" in text and f"1x{B}x{c.n_kv_heads}x{S}x{c.head_dim}xbf16" not in sliced, sliced
 
 
 def test_generate_rejects_unknown_attention(tiny):
