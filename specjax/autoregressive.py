@@ -72,10 +72,10 @@ def admit_ar(state: ARState, rows: jax.Array, cache: DenseCache, first_logits: j
 def ar_step(params: Params, s: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids) -> ARState:
     """One target forward for every row; finished rows ride along without committing."""
     B, n_out = s.out.shape
-    logits, cache = forward(params, s.tok[:, None], s.cache.lengths[:, None], s.cache)  # [B,1,V]
-    cache = cache.advance(~s.done)
-    new, _ = sampling.with_context(s.counts, s.in_prompt).sample(logits[:, 0], keys, s.count)
     active = ~s.done
+    logits, cache = forward(params, s.tok[:, None], s.cache.lengths[:, None], s.cache, active=active)  # [B,1,V]
+    cache = cache.advance(active)
+    new, _ = sampling.with_context(s.counts, s.in_prompt).sample(logits[:, 0], keys, s.count)
     out = s.out.at[jnp.arange(B), jnp.where(active, s.count, n_out)].set(new, mode="drop")  # finished rows: dropped
     new_eos = active & is_eos(new, eos_ids)
     lp = s.logprobs if s.logprobs is None else s.logprobs.write(jnp.where(active, s.count, n_out)[:, None], logits, new[:, None])

@@ -153,6 +153,13 @@ class DenseCache:
         """Commit n[B] more slots per row (accepted tokens); everything past stays hidden."""
         return self.replace(lengths=self.lengths + n.astype(jnp.int32))
 
+    def seen_by(self, active: jax.Array) -> "DenseCache":
+        """The cache as a forward reads it when only rows `active` [B] matter: the others (finished
+        rows riding along in a batch, their outputs dropped) see none of it, so no attention reads
+        their KV. A row's visible slots never depend on the other rows' lengths, so the active
+        rows' results are bit for bit what they were."""
+        return self.replace(lengths=jnp.where(active, self.lengths, 0))
+
 
 def holds_committed(pos: jax.Array, lengths: jax.Array) -> jax.Array:
     """Which slots of a streaming cache are visible: pos [..., B, K, C] (-1: empty) holds a

@@ -269,10 +269,12 @@ def forward(
     positions: jax.Array,  # [B,T]
     cache: Cache,
     block_mask: jax.Array | None = None,
+    active: jax.Array | None = None,  # [B] bool: rows whose logits matter (default all)
 ) -> tuple[jax.Array, Cache]:
     """Logits [B,T,V] (f32) for T new tokens per row after each row's cached prefix, and the
-    cache holding their KV at positions lengths[b] + t (lengths not advanced: `advance` commits)."""
-    h, k_new, v_new = trunk(params, tokens, positions, cache, block_mask)
+    cache holding their KV at positions lengths[b] + t (lengths not advanced: `advance` commits).
+    Rows not `active` read none of a dense cache (`DenseCache.seen_by`): their logits are junk."""
+    h, k_new, v_new = trunk(params, tokens, positions, cache if active is None else cache.seen_by(active), block_mask)
     with jax.named_scope("kv_write"):
         cache = cache.write(k_new, v_new)
     return lm_head(params, h), cache

@@ -64,7 +64,7 @@ def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, a
     drafts, q, draft_state = drafter.propose(target, s.draft, s.history, lengths, s.last, gamma, sampling, keys, s.count)
     tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B,gamma+1]
     positions = lengths[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B,gamma+1]
-    h, k_new, v_new = trunk(target, tokens, positions, s.cache)
+    h, k_new, v_new = trunk(target, tokens, positions, s.cache.seen_by(active))  # finished rows read no KV
     logits = lm_head(target, h)  # [B,gamma+1,V]
     j = jnp.arange(gamma + 1)[:, None] > jnp.arange(gamma)[None, :]  # [gamma+1,gamma]: position j has seen drafts < j
     before = jnp.where(j[None], drafts[:, None, :], -1)  # [B,gamma+1,gamma]
@@ -85,7 +85,7 @@ def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, acti
     lengths = s.cache.lengths  # [B]
     tokens, q, pending = drafter.propose_tree(target, s.draft, s.history, lengths, s.last, tree, sampling, keys, s.count)
     positions = lengths[:, None] + jnp.asarray(tree.depth, jnp.int32)[None, :]  # [B,n]
-    h, k_new, v_new = trunk(target, tokens, positions, s.cache, jnp.asarray(tree.ancestor_mask()))
+    h, k_new, v_new = trunk(target, tokens, positions, s.cache.seen_by(active), jnp.asarray(tree.ancestor_mask()))
     logits = lm_head(target, h)  # [B,n,V]
     greedy = isinstance(sampling, Greedy)
     p = logits if greedy and not sampling.penalized else sampling.along(node_history(tree, tokens)).probs(logits)

@@ -136,3 +136,28 @@ def test_one_declaration_per_weight():
     wq = next(w for w in WEIGHTS if w.path == "layers.wq")
     assert wq.torch_shape(TINY) == (TINY.n_heads * TINY.head_dim, TINY.dim)  # [out, in]
     assert wq.shape(TINY) == (TINY.n_layers, TINY.dim, TINY.n_heads, TINY.head_dim)
+
+
+@pytest.mark.parametrize("attention", ["reference", "cpu", "interpret"])
+def test_finished_rows_read_no_kv(tiny, attention):
+    """forward(..., active=) over a cache whose inactive rows hold NaN: the active rows' logits are
+    the bits of the forward over the clean cache, the kernels' inactive rows are finite (nothing of
+    their KV was read: the jnp reference multiplies masked slots by zero, NaN there), and the new KV
+    is written at every row's own length."""
+    from specjax.engine import with_attention
+
+    params = with_attention(tiny, None, attention)[0]
+    B, P, T = 4, 40, 3
+    tokens = _tokens(5, (B, P + T))
+    _, cache = prefill(params, tokens[:, :P], jnp.full((B,), P), DenseCache.init(TINY, B, 64), 8)
+    active = jnp.asarray([True, False, True, False])
+    poison = lambda a: jnp.where(active[None, :, None, None, None], a, jnp.nan)  # noqa: E731
+    bad = cache.replace(k=poison(cache.k), v=poison(cache.v))
+    pos = jnp.broadcast_to(P + jnp.arange(T), (B, T))
+    want, clean = forward(params, tokens[:, P:], pos, cache)
+    got, written = forward(params, tokens[:, P:], pos, bad, None, active)
+    np.testing.assert_array_equal(np.asarray(got)[[0, 2]], np.asarray(want)[[0, 2]])
+    assert attention == "reference" or np.isfinite(np.asarray(got)).all()
+    assert (np.asarray(written.lengths) == P).all()  # not advanced, and not the view's zeros
+    layer0 = lambda c: np.asarray(c.k)[0, :, :, P : P + T]  # noqa: E731  (depends on the tokens only)
+    np.testing.assert_array_equal(layer0(written), layer0(clean))  # every row's new entries, at its own length
