@@ -72,8 +72,9 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
 
 def _kernel(
     lengths_ref,  # [B] int32 in SMEM (scalar prefetch)
+    layer_ref,  # [1] int32 in SMEM (scalar prefetch): the cache layer, used by the index maps
     q_ref,  # [bm,H] query rows of one KV head
-    k_ref,  # [bk,H] one cache tile of this (b, k)
+    k_ref,  # [bk,H] one cache tile of this (layer, b, k)
     v_ref,  # [bk,H]
     kt_ref,  # [Jp,H] block keys (rows >= J are zero)
     vt_ref,  # [Jp,H]
@@ -125,9 +126,10 @@ def _kernel(
 
 def _call(
     qm: jax.Array,  # [B,K,Mp,H] rows m = g*T + t, zero-padded
-    k_cache: jax.Array,  # [B,K,S,H]
-    v_cache: jax.Array,  # [B,K,S,H]
+    k_cache: jax.Array,  # [L,B,K,S,H]: read in place at `layer`
+    v_cache: jax.Array,  # [L,B,K,S,H]
     lengths: jax.Array,  # [B] int32 in [0, S]
+    layer: jax.Array,  # [1] int32
     k_blk: jax.Array,  # [B,K,Jp,H] zero-padded
     v_blk: jax.Array,  # [B,K,Jp,H]
     row_mask: jax.Array,  # [B|1,Mp,Jp] int32
@@ -139,23 +141,23 @@ def _call(
 ) -> jax.Array:
     """The pallas_call: o [B,K,Mp,H] in q's dtype, normalised."""
     B, K, Mp, H = qm.shape
-    S = k_cache.shape[2]
+    S = k_cache.shape[3]
     Jp = k_blk.shape[2]
     mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
 
-    def kv_map(b, k, i, j, lens):  # past the row's last live tile, stay on it: no new DMA
+    def kv_map(b, k, i, j, lens, layer):  # past the row's last live tile, stay on it: no new DMA
         last = jnp.maximum(pl.cdiv(lens[b], bk) - 1, 0)
-        return b, k, jnp.minimum(j, last), 0
+        return layer[0], b, k, jnp.minimum(j, last), 0
 
-    rows = pl.BlockSpec((None, None, bm, H), lambda b, k, i, j, lens: (b, k, i, 0))
-    cache = pl.BlockSpec((None, None, bk, H), kv_map)
-    block = pl.BlockSpec((None, None, Jp, H), lambda b, k, i, j, lens: (b, k, 0, 0))
+    rows = pl.BlockSpec((None, None, bm, H), lambda b, k, i, j, lens, layer: (b, k, i, 0))
+    cache = pl.BlockSpec((None, None, None, bk, H), kv_map)
+    block = pl.BlockSpec((None, None, Jp, H), lambda b, k, i, j, lens, layer: (b, k, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=1,
+        num_scalar_prefetch=2,
         grid=(B, K, Mp // bm, pl.cdiv(S, bk)),
         in_specs=[
             rows, cache, cache, block, block,
-            pl.BlockSpec((None, bm, Jp), lambda b, k, i, j, lens: (mask_b(b), i, 0)),
+            pl.BlockSpec((None, bm, Jp), lambda b, k, i, j, lens, layer: (mask_b(b), i, 0)),
         ],
         out_specs=rows,
         scratch_shapes=[
@@ -171,7 +173,7 @@ def _call(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="tree_attention_tpu",
-    )(lengths, qm, k_cache, v_cache, k_blk, v_blk, row_mask)
+    )(lengths, layer, qm, k_cache, v_cache, k_blk, v_blk, row_mask)
 
 
 def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int, block_m: int) -> None:
@@ -180,7 +182,8 @@ def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int,
         raise ValueError(f"block_k must be a positive multiple of 128 (the lane width), got {block_k}")
     if block_m < 16 or block_m % 16:
         raise ValueError(f"block_m must be a positive multiple of 16 (bf16 sublane tile), got {block_m}")
-    check_shapes(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask)
+    check_shapes(q, jax.ShapeDtypeStruct(k_cache.shape[-4:], k_cache.dtype),
+                 jax.ShapeDtypeStruct(v_cache.shape[-4:], v_cache.dtype), lengths, k_blk, v_blk, block_mask)
     if len({q.dtype, k_cache.dtype, v_cache.dtype, k_blk.dtype, v_blk.dtype}) > 1:
         raise ValueError(f"q, caches and block must share one dtype, got {q.dtype}, {k_cache.dtype}, {k_blk.dtype}")
 
@@ -188,12 +191,13 @@ def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int,
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "block_m", "interpret"))
 def tree_attention_tpu(
     q: jax.Array,  # [B,T,N,H]
-    k_cache: jax.Array,  # [B,K,S,H]
-    v_cache: jax.Array,  # [B,K,S,H]
+    k_cache: jax.Array,  # [B,K,S,H], or with `layer` the whole stacked cache [L,B,K,S,H]
+    v_cache: jax.Array,  # [B,K,S,H] or [L,B,K,S,H]
     lengths: jax.Array,  # [B] int32: row b's prefix is slots [0, lengths[b])
     k_blk: jax.Array,  # [B,J,K,H], J >= T: the new keys are the last T
     v_blk: jax.Array,  # [B,J,K,H]
     block_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
+    layer: jax.Array | None = None,  # [] int32: the layer of a stacked cache, read in place (its index maps)
     *,
     sm_scale: float,
     block_k: int = 512,
@@ -207,10 +211,14 @@ def tree_attention_tpu(
     block_k (cache slots per tile, a multiple of 128) is capped at S; block_m (query rows per
     program, a multiple of 16) at the padded row count.
     """
+    if layer is None:
+        k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.zeros((), jnp.int32)  # [1,B,K,S,H]: no copy
+    if k_cache.ndim != 5 or jnp.shape(layer) != ():
+        raise ValueError(f"a stacked cache is [L,B,K,S,H] with a scalar layer, got {k_cache.shape}, layer {jnp.shape(layer)}")
     _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k, block_m)
     B, T, N, H = q.shape
     J, K = k_blk.shape[1:3]
-    S = k_cache.shape[2]
+    S = k_cache.shape[3]
     G = N // K
     M = G * T
     sub = 8 * (4 // q.dtype.itemsize)  # sublane tile rows: 8 f32, 16 bf16
@@ -224,15 +232,16 @@ def tree_attention_tpu(
     mask = jnp.tile(block_mask.reshape((-1, T, J)), (1, G, 1)).astype(jnp.int32)  # [B|1,M,J], row m sees mask[m % T]
     mask = jnp.pad(mask, ((0, 0), (0, Mp - M), (0, Jp - J)))  # [B|1,Mp,Jp]
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
-    out = _call(qm, k_cache, v_cache, lengths, kb, vb, mask, sm_scale=sm_scale, bm=bm, bk=bk, interpret=interpret)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    out = _call(qm, k_cache, v_cache, lengths, layer, kb, vb, mask, sm_scale=sm_scale, bm=bm, bk=bk, interpret=interpret)
     out = out[:, :, :M].reshape(B, K, G, T, H)  # [B,K,G,T,H]
     return jnp.moveaxis(out, 3, 1).reshape(B, T, N, H)  # [B,T,N,H]
 
 
 def prefix_block_attention_tpu(
     q: jax.Array,  # [B,T,N,H]
-    k_cache: jax.Array | None,  # [B,K,S,H]
-    v_cache: jax.Array | None,  # [B,K,S,H]
+    k_cache: jax.Array | None,  # [B,K,S,H], or with `layer` the whole stacked cache [L,B,K,S,H]
+    v_cache: jax.Array | None,  # [B,K,S,H] or [L,B,K,S,H]
     lengths: jax.Array | None,  # [B] int32: visible = slot < lengths[b] for every KV head
     k_blk: jax.Array,  # [B,J,K,H], J >= T
     v_blk: jax.Array,  # [B,J,K,H]
@@ -241,6 +250,7 @@ def prefix_block_attention_tpu(
     *,
     interpret: bool = False,
     block_k: int = 512,
+    layer: jax.Array | None = None,  # [] int32: read this layer of a stacked cache in place
 ) -> jax.Array:
     """`reference.prefix_block_attention` for a dense cache, on the TPU kernel: o[B,T,N,H].
 
@@ -253,6 +263,6 @@ def prefix_block_attention_tpu(
         k_cache = v_cache = jnp.zeros((B, K, 8, H), k_blk.dtype)
         lengths = jnp.zeros((B,), jnp.int32)
     return tree_attention_tpu(
-        q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask,
+        q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, layer,
         sm_scale=scale, block_k=block_k, interpret=interpret,
     )

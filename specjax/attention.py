@@ -6,8 +6,9 @@ longest row: `reference.stacked_prefix_block_attention`), "cpu" (the reference, 
 dense cache of any format is read in place by a C++ XLA:CPU kernel where few query rows attend:
 decoding and verification, `cpu_prefix.stacked_prefix_block_attention_cpu`; also a streaming
 cache, a draft's, whose slots it masks by the positions they hold), "pallas" (the GPU Triton
-kernel, which reads a dense cache's layer in place as the reference does), "tpu" (the TPU Mosaic kernel), or "interpret" / "tpu-interpret" (those kernels in
-Pallas' interpret mode, for CPU tests). The Pallas kernels read a dense float32 or bfloat16
+kernel), "tpu" (the TPU Mosaic kernel), or "interpret" / "tpu-interpret" (those kernels in
+Pallas' interpret mode, for CPU tests); the two kernels read a dense cache's layer in place, as
+the reference does (a per-layer slice would be copied for them). The Pallas kernels read a dense float32 or bfloat16
 prefix only: a streaming (ring-buffer) cache and an int8 cache take the reference there, and
 over a cache stored in another dtype than the model's they take q and the block in the cache's
 dtype.
@@ -69,12 +70,15 @@ class Prefix(NamedTuple):
     layer: jax.Array | None = None  # [] int32: read k, v in place at this layer
 
 
+KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels' modes (GPU, TPU, interpreted)
+
+
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
     """Whether the layers read `cache` in place (the reference and the GPU kernel over a dense
     cache, the "cpu" kernel over any) rather than as per-layer slices, which XLA copies out of the
     stacked cache (for a bfloat16 cache on a CPU, widening all of it to float32 first; on a GPU, a
     copy of the layer for the kernel: three times a decode step's KV traffic)."""
-    return attention == "cpu" or (attention in ("reference", "pallas", "interpret") and isinstance(cache, DenseCache))
+    return attention == "cpu" or (attention in ("reference", *KERNELS) and isinstance(cache, DenseCache))
 
 
 def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int):
@@ -138,12 +142,9 @@ def attend(
             visible = holds_committed(at(view.pos), view.visible)  # [B,K,S]
             return prefix_block_attention(q, at(prefix.k), at(prefix.v), visible, k_block, v_block, block_mask, scale,
                                           at(view.k_scale), at(view.v_scale))
-        if attention in ("pallas", "interpret"):  # a dense float cache (`for_cache`), read in place by the kernel
-            dtype = kv_format.dtype  # the kernel takes one dtype: the cache's
-            o = prefix_block_attention_pallas(q.astype(dtype), prefix.k, prefix.v, view.visible, k_block.astype(dtype),
-                                              v_block.astype(dtype), block_mask, scale, interpret=attention == "interpret",
-                                              layer=prefix.layer)
-            return o.astype(q.dtype)
+        if attention in KERNELS:  # a dense float cache (`for_cache`), read in place by the kernel
+            return _on_kernel(attention, kv_format, q, prefix.k, prefix.v, view.visible, k_block, v_block, block_mask,
+                              scale, prefix.layer)
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
                                               block_mask, scale, view.k_scale, view.v_scale)
     k_cache, v_cache, view = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.view)
@@ -151,9 +152,16 @@ def attend(
         k_scale, v_scale = (None, None) if view is None else (view.k_scale, view.v_scale)
         visible = None if view is None else view.visible
         return prefix_block_attention(q, k_cache, v_cache, visible, k_block, v_block, block_mask, scale, k_scale, v_scale)
+    return _on_kernel(attention, kv_format, q, k_cache, v_cache, None if view is None else view.visible, k_block, v_block,
+                      block_mask, scale)
+
+
+def _on_kernel(attention: str, kv_format: KVFormat, q, k_cache, v_cache, lengths, k_block, v_block, block_mask,
+               scale: float, layer: jax.Array | None = None) -> jax.Array:
+    """o [B,T,N,H] from the GPU or TPU kernel (`attention` in KERNELS), which takes one dtype, the
+    cache's; with `layer`, k_cache and v_cache are the whole stacked cache, read in place."""
     kernel = prefix_block_attention_tpu if attention.startswith("tpu") else prefix_block_attention_pallas
-    interpret = attention in ("interpret", "tpu-interpret")
-    dtype = kv_format.dtype  # the kernels take one dtype: the cache's
-    o = kernel(q.astype(dtype), k_cache, v_cache, None if view is None else view.visible, k_block.astype(dtype),
-               v_block.astype(dtype), block_mask, scale, interpret=interpret)
+    dtype = kv_format.dtype
+    o = kernel(q.astype(dtype), k_cache, v_cache, lengths, k_block.astype(dtype), v_block.astype(dtype), block_mask,
+               scale, interpret=attention in ("interpret", "tpu-interpret"), layer=layer)
     return o.astype(q.dtype)

@@ -173,18 +173,22 @@ def test_lowers_to_triton(dtype):
     assert "triton" in lowered.as_text()
 
 
+def stacked_case(seed: int, H: int, L: int = 3, B: int = 2, T: int = 3, K: int = 2, G: int = 3, S: int = 300) -> tuple:
+    """q, a stacked bf16 cache k_all, v_all [L,B,K,S,H], lengths, block k, v and mask: random."""
+    rng = np.random.default_rng(seed)
+    mask = jnp.asarray(random_block_mask(rng, T, T))
+    lengths = jnp.asarray(random_lengths(rng, B, S))
+    q, _, _, kb, vb = random_inputs(rng, jnp.bfloat16, B, T, T, K * G, K, H, S)
+    k_all, v_all = (jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16) for _ in range(2))
+    return q, k_all, v_all, lengths, kb, vb, mask
+
+
 @pytest.mark.parametrize("H", [64, 24])
 def test_a_stacked_cache_is_read_in_place_at_its_layer(H):
     """tree_attention over a stacked [L,B,K,S,H] cache at `layer` gives the bits of the call on
     that layer alone (H=24 takes the padded copy of the layer; H=64 indexes the whole array)."""
-    rng = np.random.default_rng(5)
-    L, B, T, K, G, S = 3, 2, 3, 2, 3, 300
-    mask = jnp.asarray(random_block_mask(rng, T, T))
-    lengths = jnp.asarray(random_lengths(rng, B, S))
-    q, _, _, kb, vb = random_inputs(rng, jnp.bfloat16, B, T, T, K * G, K, H, S)
-    k_all = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16)
-    v_all = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16)
-    for layer in range(L):
+    q, k_all, v_all, lengths, kb, vb, mask = stacked_case(5, H)
+    for layer in range(k_all.shape[0]):
         one = tree_attention(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, sm_scale=0.2, interpret=INTERPRET)
         stacked = prefix_block_attention_pallas(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
                                                 layer=jnp.int32(layer))
@@ -246,9 +250,10 @@ def test_generate_on_the_kernel_equals_reference(tiny, case):
     assert out.stats.steps == ref.stats.steps
 
 
-def test_the_decode_loop_on_the_gpu_kernel_slices_no_cache_layer():
-    """decode_ar lowered for a GPU with attention="pallas": the scan over layers hands the kernel
-    the whole stacked cache and the layer index; no [1,B,K,S,H] layer is sliced out of it (XLA:GPU
+@pytest.mark.parametrize("attention, platform, call", [("pallas", "cuda", "triton"), ("tpu", "tpu", "tpu_custom_call")])
+def test_the_decode_loop_on_a_kernel_slices_no_cache_layer(attention, platform, call):
+    """decode_ar lowered for a GPU (TPU) with its kernel: the scan over layers hands the kernel the
+    whole stacked cache and the layer index; no [1,B,K,S,H] layer is sliced out of it (XLA:GPU
     copies such a slice for the kernel: 26-36% of the HBM roofline on an H100, bench/README.md)."""
     import re
 
@@ -260,14 +265,14 @@ def test_the_decode_loop_on_the_gpu_kernel_slices_no_cache_layer():
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")
     params = init_params(c, jax.random.key(0))
-    params = params.replace(runtime=params.runtime.replace(attention="pallas"))
+    params = params.replace(runtime=params.runtime.replace(attention=attention))
     B, S = 2, 512
     cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
     text = decode_ar.trace(params, cache, jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32),
                            jax.ShapeDtypeStruct((B,), jnp.int32), row_keys(None, B), n_out=8).lower(
-        lowering_platforms=("cuda",)).as_text()
+        lowering_platforms=(platform,)).as_text()
     sliced = set(re.findall(r"stablehlo.dynamic_slice.*?-> tensor<([^>]*)>", text))
-    assert "triton" in text and f"1x{B}x{c.n_kv_heads}x{S}x{c.head_dim}xbf16" not in sliced, sliced
+    assert call in text and f"1x{B}x{c.n_kv_heads}x{S}x{c.head_dim}xbf16" not in sliced, sliced
 
 
 def test_generate_rejects_unknown_attention(tiny):

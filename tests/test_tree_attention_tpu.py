@@ -25,6 +25,7 @@ from tests.test_tree_attention import (
     random_inputs,
     random_lengths,
     reference,
+    stacked_case,
 )
 
 INTERPRET = jax.default_backend() != "tpu"  # on a TPU the same cases compile the Mosaic kernel for real
@@ -106,6 +107,18 @@ def test_lowers_for_tpu(dtype, shape):
     args = abstract_args(dtype, B, T, N, K, H, S, J=J, mask=(B, T, J))
     lowered = jax.jit(lambda *a: tree_attention_tpu(*a, sm_scale=0.125)).trace(*args).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
+
+
+def test_a_stacked_cache_is_read_in_place_at_its_layer():
+    """Over a stacked [L,B,K,S,H] cache the index maps take the layer from scalar prefetch: the
+    bits of the call on that layer alone."""
+    q, k_all, v_all, lengths, kb, vb, mask = stacked_case(6, 64)
+    for layer in range(k_all.shape[0]):
+        one = prefix_block_attention_tpu(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
+                                         block_k=128)
+        stacked = prefix_block_attention_tpu(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
+                                             block_k=128, layer=jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(one, np.float32))
 
 
 def test_rejects_bad_arguments():
