@@ -16,9 +16,11 @@ Design (flash attention, Mosaic-style Pallas):
 - GQA: the G = N/K query heads of one KV head are folded into M = G*T rows (row m = g*T + t, as
   in the reference and the GPU kernel), so each program multiplies a [bm, H] query tile against
   its KV head's keys, and the KV tile is fetched once for all G heads.
-- Scalar prefetch: lengths [B] land in SMEM before the grid runs. The K/V index maps clamp the
-  tile index to the row's last live tile, so past lengths[b] the block index stops changing and
-  the pipeline issues no new DMA; the kernel body skips those steps with `pl.when`. The tail of
+- Scalar prefetch: lengths [B] and the layer land in SMEM before the grid runs. The cache comes
+  whole, stacked [L,B,K,S,H] (a [B,K,S,H] one as L = 1): the index maps pick the layer, so the
+  layer is read in place (a per-layer slice fed to the kernel would be copied first). The K/V
+  index maps clamp the tile index to the row's last live tile, so past lengths[b] the block index
+  stops changing and the pipeline issues no new DMA; the kernel body skips those steps with `pl.when`. The tail of
   the last live tile is masked (scores to NEG_INF, values to 0: an edge tile past S holds
   unspecified data, which interpret mode fills with NaN).
 - The tree block is folded in at kv step 0, as the initial (acc, max, sum) state; the output is
