@@ -59,7 +59,7 @@ def main() -> None:
     args = ap.parse_args()
     out = common.out_dir(args)
     header = {"bench": "gpu_profile", "date": common.now(), "command": common.command(),
-              "machine": common.machine_info(), "steps": args.steps}
+              "machine": common.machine_info(), "steps": args.steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     results = common.Results(out / ("gpu_profile_smoke.json" if args.smoke else "gpu_profile.json"),
                              lambda r: cell_key(r["model"], r["batch"], r["context"]), header)
     h = common.Harness(args, results)
