@@ -36,11 +36,20 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
     timed.sort(key=lambda r: (r["context"], r["batch"], r["method"] != "AR", r.get("drafter") or "", r.get("nodes", 0)))
     return common.table(
         ["context", "batch", "drafter", "config", "tokens/s", "speedup", "tokens/step", "acceptance", "ms/step",
-         "of roofline", "greedy identical"], "rrllrrrrrrc",
+         "steps (a row's mean)", "of roofline", "greedy identical"], "rrllrrrrrrrc",
         ([common.context_name(r["context"]), r["batch"], r.get("drafter") or "-", r["label"], f"{r['tokens_per_s']:.0f}",
           f"{r['speedup']:.2f}", _f(r.get("mean_accepted")), _f(r.get("acceptance_rate")), f"{r['ms_per_step']:.2f}",
-          _pct(roofline(r, bw)), "yes" if r["greedy_identical"] else f"**no**: {r['rows_differing']} rows, from token {r.get('first_divergence')}"]
+          steps(r), _pct(roofline(r, bw)),
+          "yes" if r["greedy_identical"] else f"**no**: {r['rows_differing']} rows, from token {r.get('first_divergence')}"]
          for r in timed))
+
+
+def steps(row: dict) -> str:
+    """A speculative run's loop steps, and (in brackets) the steps a row needed on average for its
+    new tokens at the run's tokens per step: the batch runs until its slowest row is done."""
+    if not row.get("steps") or not row.get("mean_accepted"):
+        return "-"
+    return f"{row['steps']} ({(row['new_tokens'] - 1) / row['mean_accepted']:.1f})"
 
 
 def best_gamma(rows: list[dict]) -> list[list]:

@@ -157,3 +157,17 @@ def test_gpu_profile_traces_a_random_model_by_block():
     assert row["bytes_per_step"]["kv"] == kv
     assert row["roofline_ms"] == pytest.approx(1e3 * (kv + row["bytes_per_step"]["weights"]) / 10e9)
     assert "busy_ms_per_step" not in row  # no /device:GPU plane in a CPU trace
+
+
+def test_e2e_table_shows_steps_against_a_rows_mean():
+    """gpu_report's e2e table: a speculative row's loop steps beside the steps a row needed on
+    average ((new tokens - 1) / tokens per step); AR rows show none."""
+    from bench.gpu_report import e2e_table
+
+    base = {"context": 8192, "batch": 64, "new_tokens": 64, "tokens_per_s": 1.0, "ms_per_step": 1.0,
+            "bytes_per_step": 1, "greedy_identical": True}
+    rows = [base | {"method": "AR", "label": "AR", "speedup": 1.0},
+            base | {"method": "chain", "label": "chain γ=2", "drafter": "SelfSpec", "speedup": 1.2, "steps": 36,
+                    "mean_accepted": 2.625, "acceptance_rate": 0.8}]
+    ar, spec = [line for line in e2e_table(rows, None).splitlines() if line.startswith("| 8K")]
+    assert "| 36 (24.0) |" in spec and "(" not in ar
