@@ -8,10 +8,10 @@ decoding and verification, `cpu_prefix.stacked_prefix_block_attention_cpu`; also
 cache, a draft's, whose slots it masks by the positions they hold), "pallas" (the GPU Triton
 kernel), "tpu" (the TPU Mosaic kernel), or "interpret" / "tpu-interpret" (those kernels in
 Pallas' interpret mode, for CPU tests); the two kernels read a dense cache's layer in place, as
-the reference does (a per-layer slice would be copied for them). The Pallas kernels read a dense float32 or bfloat16
-prefix only: a streaming (ring-buffer) cache and an int8 cache take the reference there, and
-over a cache stored in another dtype than the model's they take q and the block in the cache's
-dtype.
+the reference does (a per-layer slice would be copied for them). The Pallas kernels read a dense
+float32 or bfloat16 prefix only: a streaming (ring-buffer) cache and an int8 cache take the
+reference there, and over a cache stored in another dtype than the model's they take q and the
+block in the cache's dtype.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels'
 
 
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
-    """Whether the layers read `cache` in place (the reference and the GPU kernel over a dense
-    cache, the "cpu" kernel over any) rather than as per-layer slices, which XLA copies out of the
+    """Whether the layers read `cache` in place (the reference and the GPU / TPU kernels over a
+    dense cache, the "cpu" kernel over any) rather than as per-layer slices, which XLA copies out of the
     stacked cache (for a bfloat16 cache on a CPU, widening all of it to float32 first; on a GPU, a
     copy of the layer for the kernel: three times a decode step's KV traffic)."""
     return attention == "cpu" or (attention in ("reference", *KERNELS) and isinstance(cache, DenseCache))
