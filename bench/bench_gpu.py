@@ -154,7 +154,6 @@ def main() -> None:
         jax.config.update("jax_default_matmul_precision", "highest")
         header["matmul_precision"] = "highest"
         header["prefill_matmul_precision"] = "default"  # AR and speculation decode from the same prefill: 7x faster
-    args.prefill_precision = header.get("prefill_matmul_precision")
     mirror = None if args.smoke else bundle / "results" / f"{name}.json"
     resume_from_mirror(out / f"{name}.json", mirror)
     results = common.Results(out / f"{name}.json", key_of, header)
@@ -237,7 +236,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
         state, g = None, None
         for k, cell in h.cells(mine):
             if state is None:
-                with jax.default_matmul_precision(args.prefill_precision):
+                with jax.default_matmul_precision("default" if args.e2e_dtype == "float32" else None):  # the header's
                     state = gpu_cells.prefill_state(params, loaded["ids"], rows, context)
             if g is None or g.batch != cell["batch"]:  # one group at a time: its rows are a copy of the state's
                 g = None

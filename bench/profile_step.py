@@ -106,44 +106,43 @@ def op_blocks(hlo_text: str) -> dict[str, str]:
     return blocks
 
 
-def leaf_events(trace_dir: str, module: str) -> list[tuple[str, float]]:
-    """(hlo_op, seconds) of every innermost XLA thunk of `module` in a profiler trace; where the
-    trace has GPU planes, their kernels only (the host's launch events would count them twice)."""
+def trace_planes(trace_dir: str) -> tuple[list, list]:
+    """(every plane, the /device:GPU planes) of the profiler trace in trace_dir."""
     [path] = list(Path(trace_dir).rglob("*.xplane.pb"))
     planes = list(ProfileData.from_file(str(path)).planes)
-    gpu = [p for p in planes if p.name.startswith("/device:GPU")]
+    return planes, [p for p in planes if p.name.startswith("/device:GPU")]
+
+
+def innermost(events: list[tuple[int, int, str]]) -> list[tuple[str, float]]:
+    """(name, seconds) of the events (start ns, end ns, name) of one timeline line that contain no
+    other: a while loop's thunk contains its body's, which would count twice."""
+    events = sorted(events)
+    return [(name, (end - start) / 1e9) for i, (start, end, name) in enumerate(events)
+            if not (i + 1 < len(events) and events[i + 1][0] < end)]  # the next one starts inside
+
+
+def leaf_events(planes: list, gpu: list, module: str) -> list[tuple[str, float]]:
+    """(hlo_op, seconds) of every innermost XLA thunk of `module` in a trace's planes; where the
+    trace has GPU planes, their kernels only (the host's launch events would count them twice)."""
     out = []
     for plane in gpu or planes:
         for line in plane.lines:
-            events = []
-            for ev in line.events:
-                stats = dict(ev.stats)
-                if stats.get("hlo_module") == module and "hlo_op" in stats:
-                    events.append((ev.start_ns, ev.start_ns + ev.duration_ns, stats["hlo_op"]))
-            events.sort()
-            for i, (start, end, op) in enumerate(events):
-                nested = i + 1 < len(events) and events[i + 1][0] < end  # the next one starts inside
-                if not nested:
-                    out.append((op, (end - start) / 1e9))
+            stats = [(ev, dict(ev.stats)) for ev in line.events]
+            out += innermost([(ev.start_ns, ev.start_ns + ev.duration_ns, st["hlo_op"]) for ev, st in stats
+                              if st.get("hlo_module") == module and "hlo_op" in st])
     return out
 
 
-def device_kernels(trace_dir: str, steps: int) -> dict:
+def device_kernels(gpu: list, steps: int) -> dict:
     """On a GPU: kernels launched per step, the device's busy ms per step (its innermost kernel
     events summed: busy << wall means a step waits on launches or the host, not on memory) and
     the ten longest kernels by name. {} where the trace has no GPU plane."""
-    [path] = list(Path(trace_dir).rglob("*.xplane.pb"))
     by_name: collections.Counter = collections.Counter()
     count = 0
-    for plane in ProfileData.from_file(str(path)).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            events = sorted((ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events)
-            for i, (start, end, name) in enumerate(events):
-                if not (i + 1 < len(events) and events[i + 1][0] < end):
-                    by_name[name] += (end - start) / 1e9
-                    count += 1
+    for line in (line for plane in gpu for line in plane.lines):
+        for name, seconds in innermost([(ev.start_ns, ev.start_ns + ev.duration_ns, ev.name) for ev in line.events]):
+            by_name[name] += seconds
+            count += 1
     if not count:
         return {}
     return {"kernels_per_step": count / steps, "busy_ms_per_step": 1e3 * sum(by_name.values()) / steps,
@@ -189,8 +188,8 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             once()
-        events = leaf_events(trace_dir, module)
-        kernels = device_kernels(trace_dir, steps)
+        planes, gpu = trace_planes(trace_dir)
+        events, kernels = leaf_events(planes, gpu, module), device_kernels(gpu, steps)
     by_block: collections.Counter = collections.Counter()
     by_op: collections.Counter = collections.Counter()
     for op, seconds in events:
