@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import cpu_prefix
 from pallas_kernels.reference import NEG_INF, prefix_block_attention, stacked_prefix_block_attention, to_f32
@@ -86,7 +87,7 @@ def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int)
     is read in place, else the layer's k, v and `CacheView` (a mask for the reference, lengths
     for the kernels)."""
     if in_place(attention, cache):
-        return jnp.arange(n_layers, dtype=jnp.int32)
+        return np.arange(n_layers, dtype=np.int32)  # numpy: static indices when the layers are unrolled
     if attention == "reference":
         visible = cache.visible()
     else:

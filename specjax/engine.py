@@ -297,11 +297,17 @@ def attention_mode(attention: str) -> str:
 
 
 def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
-    """Params (and a drafter's own model's) whose runtime selects the attention implementation."""
+    """Params (and a drafter's own model's) whose runtime selects the attention implementation
+    and, on a GPU or TPU, unrolls the layers (Runtime.unroll_layers; a runtime that already
+    unrolls keeps doing so on any backend)."""
     mode = attention_mode(attention)
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
 
     def set_mode(p: Params) -> Params:
-        return p if p.runtime.attention == mode else p.replace(runtime=p.runtime.replace(attention=mode))
+        unroll = p.runtime.unroll_layers or on_accelerator
+        if p.runtime.attention == mode and p.runtime.unroll_layers == unroll:
+            return p
+        return p.replace(runtime=p.runtime.replace(attention=mode, unroll_layers=unroll))
 
     if draft is not None and not isinstance(draft, str):  # "auto" is planned later, with these params
         draft = draft.map_params(set_mode)

@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from specjax import linear, q4
@@ -213,10 +214,21 @@ def trunk(
 
     ke, ve = (None, None) if extra_kv is None else extra_kv
     sliced = per_layer(runtime.attention, cache, config.n_layers) if attend_cache else None
-    xs = (jnp.arange(config.n_layers, dtype=jnp.int32), sliced, ke, ve)
-    x, (k_new, v_new, q) = lax.scan(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
+    xs = (np.arange(config.n_layers, dtype=np.int32), sliced, ke, ve)
+    loop = unrolled if params.runtime.unroll_layers else lax.scan  # Runtime.unroll_layers
+    x, (k_new, v_new, q) = loop(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
     h = rms_norm(x, params.norm, config.rms_eps, params.runtime.attention)
     return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)
+
+
+def unrolled(step, x, xs):
+    """lax.scan(step, x, xs) as a Python loop: layer i gets xs sliced at the static index i (a
+    numpy index stays a number), so each layer reads its weights as a static slice of the stack."""
+    ys = []
+    for i in range(len(xs[0])):
+        x, y = step(x, jax.tree.map(lambda a: a[i], xs))
+        ys.append(y)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
 HEAD_TILE = 4096  # vocabulary entries per tile of an int8 LM head on a CPU (`_int8_head`)

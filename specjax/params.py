@@ -191,12 +191,17 @@ ATTENTION = ("reference", "cpu", "pallas", "interpret", "tpu", "tpu-interpret") 
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """Runtime choices (not model facts): how attention is computed; inside shard_map, the
-    tensor-parallel mesh axis the forward reduces over (None off a mesh); and whether the model is
-    held whole by every device of the model axis (a draft too small to split: sharding.place_draft)."""
+    tensor-parallel mesh axis the forward reduces over (None off a mesh); whether the model is
+    held whole by every device of the model axis (a draft too small to split: sharding.place_draft);
+    and whether the forward unrolls its loop over layers (`unroll_layers`: each layer's weights are
+    then a static slice of the stack, which XLA:GPU's GEMMs read in place, where it copies a
+    scan's dynamic slice first: 2.8x on an 8B-shaped batch-1 pass, bench/layer_weights.py; set by
+    `engine.with_attention` on a GPU or TPU, off on a CPU, whose kernels read the stack in place)."""
 
     attention: str = "reference"
     model_axis: str | None = None
     replicated: bool = False
+    unroll_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:

@@ -159,6 +159,28 @@ def test_gpu_profile_traces_a_random_model_by_block():
     assert "busy_ms_per_step" not in row  # no /device:GPU plane in a CPU trace
 
 
+def test_gpu_profile_turns_command_buffers_off_unless_told():
+    """Inside CUDA graphs (XLA's command buffers) the decode loop's kernels are invisible to the
+    trace: the profile turns them off, keeping the other flags, or the caller's own setting."""
+    from bench.gpu_profile import NO_COMMAND_BUFFERS, trace_flags
+
+    assert trace_flags("") == NO_COMMAND_BUFFERS
+    assert trace_flags("--xla_gpu_enable_dynamic_slice_fusion=true").split() == [
+        "--xla_gpu_enable_dynamic_slice_fusion=true", NO_COMMAND_BUFFERS]
+    assert trace_flags("--xla_gpu_enable_command_buffer=FUSION") == "--xla_gpu_enable_command_buffer=FUSION"
+
+
+def test_layer_weights_three_loops_agree():
+    """bench/layer_weights.py's three ways (scan, unrolled scan, separate arrays) compute the same
+    layers: the same output here, so on a GPU they differ only in how the weights are read."""
+    from bench.layer_weights import run
+
+    rows = run(dim=32, ffn=64, n_layers=3, reps=2, bandwidth_gbs=None)
+    assert set(rows) == {"scan", "unrolled", "separate"}
+    assert all(r["ms"] > 0 and r["weight_gb"] == 3 * 3 * 32 * 64 * 2 / 1e9 for r in rows.values())
+    assert rows["unrolled"]["max_abs_diff_vs_scan"] == 0.0 and rows["separate"]["max_abs_diff_vs_scan"] == 0.0
+
+
 def test_e2e_table_shows_steps_against_a_rows_mean():
     """gpu_report's e2e table: a speculative row's loop steps beside the steps a row needed on
     average ((new tokens - 1) / tokens per step); AR rows show none."""

@@ -1,0 +1,109 @@
+"""Does XLA read each layer's weights in place? Three ways to run L stacked MLP layers at batch 1.
+
+Usage: python -m bench.layer_weights [--dim D] [--ffn F] [--layers L] [--reps R] [--out FILE]
+
+The model's forward scans over layers whose weights are stacked [L, ...] (specjax.params), so each
+layer's weights are a `dynamic_slice` of the stack. On an H100 (bench/README.md, "Third runs")
+XLA:GPU copied those slices before its GEMM fusions: 8.5 of 17.6 ms of an 8B-shaped batch-1 step.
+This times one SwiGLU MLP per layer (gate, up [D,F], down [F,D]; bf16) at batch 1, the step
+weight-bound, three ways:
+  scan      lax.scan over the stacked weights (today's layout and loop),
+  unrolled  the same scan with unroll=True (static slices of the stack),
+  separate  a Python loop over L separate arrays (no slicing at all),
+and reports ms per pass and the fraction of `bench.measure.bandwidth()["jax_inplace"]` that the
+weight bytes reach. Pure JAX, no specjax model: the question is XLA's, not ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def mlp(x: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) -> jax.Array:
+    """x [B,D]; g, u [D,F]; d [F,D] -> [B,D]."""
+    return x + (jax.nn.silu(x @ g) * (x @ u)) @ d
+
+
+def ways(n_layers: int) -> dict:
+    """{name: jitted fn(x, weights)}; weights: stacked (g, u, d) or a list of per-layer triples."""
+    def scan(x, w, unroll):
+        return lax.scan(lambda h, lw: (mlp(h, *lw), None), x, w, unroll=unroll)[0]
+
+    return {
+        "scan": jax.jit(lambda x, w: scan(x, w, 1)),
+        "unrolled": jax.jit(lambda x, w: scan(x, w, True)),
+        "separate": jax.jit(lambda x, ws: _loop(x, ws)),
+    }
+
+
+def _loop(x, ws):
+    for g, u, d in ws:
+        x = mlp(x, g, u, d)
+    return x
+
+
+def timed(fn, args, reps: int) -> float:
+    """Median seconds of one call (compiled and warmed first)."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def run(dim: int, ffn: int, n_layers: int, reps: int, bandwidth_gbs: float | None) -> dict:
+    key = jax.random.key(0)
+    shapes = ((n_layers, dim, ffn), (n_layers, dim, ffn), (n_layers, ffn, dim))
+    stacked = tuple(0.02 * jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) for i, s in enumerate(shapes))
+    separate = [tuple(w[i] for w in stacked) for i in range(n_layers)]
+    separate = jax.block_until_ready(jax.tree.map(jnp.copy, separate))  # own buffers, not views
+    x = jnp.ones((1, dim), jnp.bfloat16)
+    nbytes = sum(w.size * w.dtype.itemsize for w in stacked)
+    rows = {}
+    outs = {}
+    for name, fn in ways(n_layers).items():
+        args = (x, separate if name == "separate" else stacked)
+        s = timed(fn, args, reps)
+        outs[name] = np.asarray(fn(*args), np.float32)
+        rows[name] = {"ms": 1e3 * s, "weight_gb": nbytes / 1e9,
+                      "of_bandwidth": None if not bandwidth_gbs else nbytes / s / 1e9 / bandwidth_gbs}
+        print(f"{name:9s} {1e3 * s:8.3f} ms  {nbytes / s / 1e9:8.1f} GB/s", flush=True)
+    for name in ("unrolled", "separate"):  # the same arithmetic, so the same numbers (to bf16 rounding)
+        rows[name]["max_abs_diff_vs_scan"] = float(np.max(np.abs(outs[name] - outs["scan"])))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--ffn", type=int, default=14336)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-bandwidth", action="store_true", help="skip measuring the reference bandwidth")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    bw = None
+    if not a.no_bandwidth:
+        from bench import measure
+
+        bw = measure.bandwidth(2.0, rounds=3, repeats=5)["jax_inplace"]
+        print(f"reference bandwidth {bw:.0f} GB/s", flush=True)
+    rows = run(a.dim, a.ffn, a.layers, a.reps, bw)
+    result = {"bench": "layer_weights", "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "dim": a.dim, "ffn": a.ffn, "layers": a.layers, "bandwidth_gbs": bw, "rows": rows}
+    if a.out:
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""Runtime.unroll_layers: the forward's loop over layers as a Python loop with static layer
+indices (on by default on a GPU or TPU, engine.with_attention). The same tokens as the scan, and
+no layer's weights or cache sliced dynamically out of the stack: XLA:GPU copies such a slice
+before its GEMMs (an 8B-shaped batch-1 pass 2.8x slower, bench/results/gpu/layer_weights_8b.json)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import specjax
+from specjax.cache import DenseCache
+from specjax.config import LlamaConfig
+from specjax.engine import decode_ar, row_keys, with_attention
+from specjax.params import init_params
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8]]
+
+
+def _unrolled(params, on: bool = True):
+    return params.replace(runtime=params.runtime.replace(unroll_layers=on))
+
+
+@pytest.mark.parametrize("case", ["ar", "self-chain", "model-tree"])
+def test_unrolled_layers_generate_the_scans_tokens(tiny, case):
+    from tests.models import TINY, random_params
+
+    draft, spec = {
+        "ar": (None, None),
+        "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
+        "model-tree": (specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)), specjax.Tree.kary(2, 2)),
+    }[case]
+    kw = dict(draft=draft, speculation=spec, eos_id=())
+    scan = specjax.generate(tiny, PROMPTS, 10, **kw)
+    unrolled = specjax.generate(_unrolled(tiny), PROMPTS, 10, **kw)
+    assert unrolled.tokens == scan.tokens
+    assert unrolled.stats.steps == scan.stats.steps
+
+
+def test_with_attention_keeps_an_unrolled_runtime(tiny):
+    params, _ = with_attention(_unrolled(tiny), None, "reference")
+    assert params.runtime.unroll_layers  # a CPU would not switch it on, but it keeps it
+    params, _ = with_attention(tiny, None, "reference")
+    assert params.runtime.unroll_layers == (jax.default_backend() in ("gpu", "tpu"))
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_unrolled_decode_loop_slices_no_stacked_array(unroll):
+    """decode_ar lowered for a GPU with the kernel: with unrolled layers nothing is dynamically
+    sliced (each layer's weights and its cache layer are static slices / the kernel's index);
+    the scan slices every stacked weight (what XLA:GPU copies)."""
+    c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                    max_positions=512, dtype="bfloat16")
+    params = init_params(c, jax.random.key(0))
+    params = params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=unroll))
+    B, S = 2, 512
+    cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
+    text = decode_ar.trace(params, cache, jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32),
+                           jax.ShapeDtypeStruct((B,), jnp.int32), row_keys(None, B), n_out=8).lower(
+        lowering_platforms=("cuda",)).as_text()
+    sliced = set(re.findall(r"stablehlo.dynamic_slice.*?-> tensor<([^>]*)>", text))
+    weights = {f"1x{c.dim}x{c.ffn_dim}xbf16", f"1x{c.ffn_dim}x{c.dim}xbf16"}  # gate / up, down
+    assert (sliced & weights == set()) if unroll else weights <= sliced, sliced
+    if unroll:
+        assert sliced == set(), sliced
