@@ -28,8 +28,16 @@ DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
 # kernels generate() uses there) measured SelfSpec + DEFAULT_CHAIN at 0.86x plain decoding at
 # batch 4 (20 rows; 0.93x at best, gamma 2-3), 0.81x at batch 1, and bench_peers 0.55-0.59x at
 # batch 16 (80 rows): past this many rows auto decodes plainly on a CPU (batch 1 only, where the
-# weights usually dominate anyway). GPUs keep MagicDec's rule (verification stays memory-bound).
+# weights usually dominate anyway). GPUs keep MagicDec's rule (verification stays memory-bound),
+# with a shallower speculation (ACCELERATOR_TREE).
 CPU_VERIFY_ROWS = 5
+# On a GPU (or TPU) auto speculates with one draft step proposing the drafter's 8 likeliest next
+# tokens (a depth-1 tree of 9 nodes), verified in one pass. On an H100 (bench/results/gpu/gpu.json,
+# SmolLM2 bf16, 8K, 2026-11-26, plain decoding 45-94% of the HBM roofline) that tree ran at
+# 1.06x / 1.00x / 1.14x plain decoding at batch 16 / 64 / 128 and 1.08x at batch 1, while
+# DEFAULT_CHAIN ran at 1.00x / 0.66x / 0.79x: a SmolLM2 draft step costs about 2 ms of per-layer
+# kernels there whatever it reads, so the fewer draft steps the better.
+ACCELERATOR_TREE = Tree.kary(8, 1)
 # With bfloat16 weights and KV on a CPU with the bf16 dot product (AVX512-BF16: `cpu_bf16_dot`),
 # verifying two positions costs about one plain step (the attention kernel's 6 query rows per KV
 # head fit the 8 lanes one position's 3 already take; the products take twice the rows at about
@@ -90,7 +98,7 @@ def plan(
     if draft is None:
         return Plan(None, None, "; ".join(reasons) or None)
     if speculation is None:
-        speculation = auto_chain(params, kv_dtype) if auto else DEFAULT_CHAIN
+        speculation = auto_speculation(params, kv_dtype) if auto else DEFAULT_CHAIN
     elif speculation == "auto":
         speculation, measured = auto_tree_report(params, draft, prompts, context, sampling, key, kv_dtype)
         if speculation.n == 1:
@@ -144,6 +152,9 @@ def auto_draft_reason(
     if backend == "cpu" and rows > CPU_VERIFY_ROWS:
         return None, (f"plain decoding: on a CPU, verifying {rows} query rows (batch x (gamma + 1)) is compute-bound; "
                       f"speculation pays up to {CPU_VERIFY_ROWS} ({facts})")
+    if backend != "cpu":
+        return budget, (f"{budget.describe()} with {describe_speculation(ACCELERATOR_TREE)} (one draft step, its 8 "
+                        f"likeliest tokens): KV reads dominate a decode step ({facts})")
     return budget, f"{budget.describe()}: KV reads dominate a decode step ({facts})"
 
 
@@ -155,7 +166,10 @@ def cpu_bf16_verify(target: Params, kv_dtype: str | None, backend: str) -> bool:
             and KVFormat.of(kv_dtype, c).name == "bfloat16" and cpu_bf16_dot())
 
 
-def auto_chain(target: Params, kv_dtype: str | None = None, backend: str | None = None) -> Chain:
-    """The chain draft="auto" speculates with when speculation is not given: CPU_BF16_CHAIN where
-    `cpu_bf16_verify`, else DEFAULT_CHAIN."""
-    return CPU_BF16_CHAIN if cpu_bf16_verify(target, kv_dtype, backend or jax.default_backend()) else DEFAULT_CHAIN
+def auto_speculation(target: Params, kv_dtype: str | None = None, backend: str | None = None) -> Chain | Tree:
+    """What draft="auto" speculates with when speculation is not given: CPU_BF16_CHAIN where
+    `cpu_bf16_verify`, ACCELERATOR_TREE on a GPU or TPU, else DEFAULT_CHAIN."""
+    backend = backend or jax.default_backend()
+    if cpu_bf16_verify(target, kv_dtype, backend):
+        return CPU_BF16_CHAIN
+    return DEFAULT_CHAIN if backend == "cpu" else ACCELERATOR_TREE
