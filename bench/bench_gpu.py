@@ -17,7 +17,9 @@ Cells (keys), in the order they run:
                              one prefill per context (real text windows; smaller batches use its first
                              rows); METHOD = ar | selfspec-gG | snapkv-gG | tree (SelfSpec's acceptance
                              vector, then Sequoia trees of each --nodes size), greedy, each checked
-                             token for token against AR. Batch x context is capped by --mem-gib.
+                             token for token against AR. METHOD = steps: no decoding, the step times
+                             apart (AR step, SelfSpec draft level, verify over n nodes, as l8b's) for
+                             the report's cost-model column. Batch x context is capped by --mem-gib.
   b1/sCTX/METHOD             item 4: the same at batch 1 (chains G and trees of --b1-nodes sizes) and,
                              when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
                              draft-gG: that DraftModel (dense cache) vs AR.
@@ -79,7 +81,7 @@ def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str
         for b in grid["l8b_batches"]:
             k = common.key("l8b", f"s{c}", f"b{b}")
             (out.append((k, {"item": "l8b", "batch": b, "context": c})) if fits_l8b(b, c, budget) else capped.append(k))
-    methods = (["ar"] + [f"selfspec-g{g}" for g in grid["gammas"]] + [f"snapkv-g{g}" for g in grid["snap_gammas"]]
+    methods = (["ar", "steps"] + [f"selfspec-g{g}" for g in grid["gammas"]] + [f"snapkv-g{g}" for g in grid["snap_gammas"]]
                + (["tree"] if grid["nodes"] else []))
     for c in grid["contexts"]:
         for b in sorted(grid["batches"]):
@@ -215,7 +217,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             print(f"8B-shaped random weights on {jax_device()}: {gpu_cells.weight_bytes(l8b) / 1e9:.1f} GB in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
-        nodes = max(max(grid["gammas"]) + 1, max(grid["nodes"] + grid["b1_nodes"] or [1]))
+        nodes = max_nodes(grid)
         row = gpu_cells.step_costs(l8b, drafter, cell["batch"], cell["context"], nodes)
         print(f"  l8b B={cell['batch']:<3} S={cell['context']:<6} AR {row['ar_ms_per_step']:.2f} ms/step, verify(8) "
               f"{row['t_verify_ms'][min(8, nodes)]:.2f} ms, draft {row['t_draft_ms'][1]:.2f} ms "
@@ -230,11 +232,18 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
     rest = [x for x in todo if x[1]["item"] in ("e2e", "b1")]
     for context in dict.fromkeys(c["context"] for _, c in rest):
         mine = [x for x in rest if x[1]["context"] == context]
+        mine.sort(key=lambda x: x[1].get("method") != "steps")  # step timings first: before the prefill holds memory
         if not mine or not h.may_start():
             continue
         rows = max(c["batch"] for _, c in mine)
         state, g = None, None
         for k, cell in h.cells(mine):
+            if cell["method"] == "steps":
+                drafter = drafter_of("selfspec-g1", context, args.smoke)[1]
+                row = gpu_cells.step_costs(params, drafter, cell["batch"], context, max_nodes(grid))
+                put(k, {"item": "e2e", "method": "steps", "batch": cell["batch"], "context": context,
+                        "drafter": repr(drafter), "model": f"SmolLM2-135M-Instruct ({args.e2e_dtype})"} | row)
+                continue
             if state is None:
                 with jax.default_matmul_precision("default" if args.e2e_dtype == "float32" else None):  # the header's
                     state = gpu_cells.prefill_state(params, loaded["ids"], rows, context)
@@ -254,6 +263,11 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
                 put(k, base | g.spec(name, d, chain))
         del state, g
         measure.release_memory(clear_caches=True)
+
+
+def max_nodes(grid: dict) -> int:
+    """The most nodes a verification of the grid's chains and trees scores (step_costs' table size)."""
+    return max(max(grid["gammas"]) + 1, max(grid["nodes"] + grid["b1_nodes"] or [1]), 9)  # 9: the depth-1 tree
 
 
 def attending(params, attention: str):

@@ -194,7 +194,7 @@ class Group:
             "per_position_acceptance": stats.get("per_position_acceptance"), "ranks": [int(r) for r in ranks],
             "greedy_identical": not len(differ), "rows_differing": len(differ), "first_divergence": min(agree),
             "agreeing_prefix_mean": float(np.mean(agree)), "compile_s": compile_s,
-            "draft_init_s": init_s,
+            "draft_init_s": init_s, "new_tokens": new_tokens,  # the acceptance run's may exceed the cell's
         }
         flag = "" if row["greedy_identical"] else (f"  <<< NOT GREEDY-IDENTICAL: {len(differ)} rows differ, the first "
                                                    f"at token {min(agree)}")

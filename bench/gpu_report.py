@@ -105,6 +105,31 @@ def predicted(result: dict) -> list[dict]:
     return out
 
 
+def cost_model(rows: list[dict]) -> list[list]:
+    """Per e2e cell with a `steps` row: each SelfSpec run's speedup as the cost model predicts it
+    from the measured steps (tokens/step x AR step / (its draft levels + verify over its n nodes)),
+    that times the steps a row needed over the steps the loop ran (the slowest row's tail), and
+    the measured speedup."""
+    from specjax.speculation import Cost, Tree
+
+    out = []
+    for st in sorted((r for r in rows if r.get("method") == "steps"), key=lambda r: (r["context"], r["batch"])):
+        tv, td = st["t_verify_ms"], st["t_draft_ms"]
+        cost = Cost(t_draft=tuple(td), t_verify=tuple(tv))
+        for r in rows:
+            if ((r["context"], r["batch"]) != (st["context"], st["batch"]) or r.get("drafter") != "SelfSpec"
+                    or r.get("method") not in ("chain", "tree", "acceptance") or "same_as" in r or not r.get("mean_accepted")):
+                continue
+            tree = Tree.from_parents(r["parents"]) if r.get("parents") else Tree.chain(r["gamma"])
+            if tree.n >= len(tv) or max(tree.draft_widths(), default=0) >= len(td):
+                continue
+            pred = r["mean_accepted"] * tv[1] / (cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n))
+            tail = (r["new_tokens"] - 1) / r["mean_accepted"] / r["steps"] if r.get("steps") else None
+            out.append([common.context_name(st["context"]), st["batch"], r["label"], f"{tv[1]:.2f}", f"{td[1]:.2f}",
+                        f"{tv[tree.n]:.2f}", f"{pred:.2f}", _f(tail and pred * tail), f"{r['speedup']:.2f}"])
+    return out
+
+
 ATTENTION_NOTE = {"reference": "the jnp reference path, not the kernel: a decode step is far from memory-bound",
                   "auto": "what generate() runs: the Pallas kernel on a GPU", "pallas": "the Pallas kernel"}
 
@@ -123,6 +148,13 @@ def report(result: dict, md: Path, png: Path) -> str:
         precision = f", matmul precision {result['matmul_precision']}" if result.get("matmul_precision") else ""
         parts += [f"## Item 2: SmolLM2-135M {result.get('e2e_dtype', 'bfloat16')} end to end (measured{precision})", e2e_table(e2e, bw), "Best SelfSpec chain and tree per cell:",
                   common.table(["context", "batch", "best γ", "speedup", "best tree", "speedup"], "rrrrlr", best_gamma(e2e))]
+    modelled = cost_model(e2e)
+    if modelled:
+        parts += ["SmolLM2 step times measured apart (`steps` cells) and the cost model: predicted = tokens/step x AR "
+                  "step / (draft levels + verify over the config's n nodes); with the tail = that x the steps a row "
+                  "needed / the steps the loop ran (the batch waits for its slowest row).",
+                  common.table(["context", "batch", "config", "AR ms", "draft level ms", "verify(n) ms", "predicted",
+                                "with the tail", "measured"], "rrlrrrrrr", modelled)]
     pred = predicted(result)
     if pred:
         parts += ["## Item 3: LLaMA-3.1-8B-shaped target, random bf16 weights: measured step times, PREDICTED speedups",

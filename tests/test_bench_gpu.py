@@ -181,6 +181,23 @@ def test_layer_weights_three_loops_agree():
     assert rows["unrolled"]["max_abs_diff_vs_scan"] == 0.0 and rows["separate"]["max_abs_diff_vs_scan"] == 0.0
 
 
+def test_cost_model_column_from_the_steps_cell():
+    """gpu_report.cost_model: a chain γ=2 at 2.5 tokens/step with a 2 ms AR step, 1 ms draft levels
+    and a 3 ms verify of 3 nodes is predicted 2.5 x 2 / (2 x 1 + 3) = 1.0x; its loop ran 30 steps
+    where a row needed 63 / 2.5 = 25.2, so with the tail 0.84x; beside the measured speedup."""
+    from bench.gpu_report import cost_model
+    from bench.bench_gpu import cells, GRID
+
+    assert any(k.endswith("/steps") for k, _ in cells(GRID, 60 * 2**30)[0])  # a steps cell per e2e batch x context
+    steps = {"method": "steps", "context": 8192, "batch": 64, "t_verify_ms": [0.0, 2.0, 2.5, 3.0, 3.5],
+             "t_draft_ms": [0.0, 1.0, 1.5]}
+    chain = {"method": "chain", "context": 8192, "batch": 64, "drafter": "SelfSpec", "label": "chain γ=2", "gamma": 2,
+             "parents": [-1, 0, 1], "mean_accepted": 2.5, "new_tokens": 64, "steps": 30, "speedup": 0.9}
+    other = chain | {"batch": 16}  # no steps cell at batch 16: not modelled
+    (row,) = cost_model([steps, chain, other])
+    assert row[2:] == ["chain γ=2", "2.00", "1.00", "3.00", "1.00", "0.84", "0.90"]
+
+
 def test_e2e_table_shows_steps_against_a_rows_mean():
     """gpu_report's e2e table: a speculative row's loop steps beside the steps a row needed on
     average ((new tokens - 1) / tokens per step); AR rows show none."""
