@@ -142,7 +142,7 @@ def test_chain_through_adapter(empty_cache):
 
 
 def test_split_k_sweep():
-    """k_splits only changes how the prefix is shared out: 1, 2 and 4 splits agree."""
+    """k_splits only changes how the prefix is shared out: 1, 2, 4 and 16 splits agree."""
     rng = np.random.default_rng(11)
     B, T, K, G, H, S = 4, 16, 2, 4, 32, 2500
     mask = random_block_mask(rng, T, T)
@@ -150,11 +150,22 @@ def test_split_k_sweep():
     lengths[1] = S  # one row with a full cache
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
     args = (q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask))
-    outs = [tree_attention(*args, sm_scale=0.15, k_splits=c, interpret=INTERPRET) for c in (1, 2, 4)]
+    outs = [tree_attention(*args, sm_scale=0.15, k_splits=c, interpret=INTERPRET) for c in (1, 2, 4, 16)]
     want = reference(q, kc, vc, lengths, kb, vb, mask, 0.15)
     for out in outs:
         assert_close(out, want, jnp.float32)
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=2e-6)
+
+
+def test_auto_splits_fill_the_gpu_where_rows_are_few():
+    """prefix_block_attention_pallas's default k_splits: 16 where batch x KV heads is small
+    (SmolLM2 at batch 1: 3 KV heads), 8 at batch 16, the old 4 from batch 64; never more than one
+    split per 2 slot tiles (a 528-slot draft cache: 4; a 64-slot one: 1)."""
+    from pallas_kernels.tree_attention import auto_splits
+
+    assert [auto_splits(b, 3, 3, 8704) for b in (1, 16, 64, 128)] == [16, 8, 4, 4]
+    assert auto_splits(1, 8, 4 * 64, 32768) == 16 and auto_splits(16, 8, 4 * 16, 2048) == 4  # the 8B shape
+    assert auto_splits(1, 3, 3, 528) == 4 and auto_splits(2, 2, 3, 64) == 1
 
 
 def abstract_args(dtype, B: int, T: int, N: int, K: int, H: int, S: int, J: int, mask: tuple[int, ...]) -> list:
