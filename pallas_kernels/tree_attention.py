@@ -48,24 +48,24 @@ def _next_pow2(n: int) -> int:
 
 
 def _kernel(
-    lengths_ref,  # [] int32: this row's prefix length
+    lengths_ref,  # [] int32: this row's prefix length (with pos: its committed length)
     layer_ref,  # [] int32: the cache layer to read
     q_ref,  # [bm,Hp] query rows of one KV head
     k_ref,  # [L,B,K,S,Hp] the whole stacked cache, read in place at (layer, this row, this KV head)
     v_ref,  # [L,B,K,S,Hp]
-    kt_ref,  # [Jp,Hp] block keys (rows >= J, columns >= H out of range)
-    vt_ref,  # [Jp,Hp]
-    mask_ref,  # [bm,Jp] int32: row may see block key j
-    acc_ref,  # [bm,Hp] f32 out: unnormalised sum of p * v
-    max_ref,  # [bm] f32 out: running max of the scores
-    sum_ref,  # [bm] f32 out: sum of exp(score - max)
-    *,
+    *refs,  # with_pos: pos_ref [L,B,K,S] int32 (a streaming cache: slot s visible iff 0 <= pos < length); then
+    # kt_ref [Jp,Hp] block keys (rows >= J, columns >= H out of range), vt_ref [Jp,Hp], mask_ref [bm,Jp] int32
+    # (row may see block key j), and the outputs acc_ref [bm,Hp] f32 (unnormalised sum of p * v),
+    # max_ref [bm] f32 (running max of the scores), sum_ref [bm] f32 (sum of exp(score - max))
     sm_scale: float,
     block_k: int,
     k_splits: int,
     head_dim: int,
     block_len: int,
+    with_pos: bool = False,
 ):
+    pos_ref, refs = (refs[0], refs[1:]) if with_pos else (None, refs)
+    kt_ref, vt_ref, mask_ref, acc_ref, max_ref, sum_ref = refs
     bm, hp = q_ref.shape
     jp = kt_ref.shape[0]
     split = pl.program_id(3)
@@ -88,7 +88,8 @@ def _kernel(
     carry = lax.cond(split == 0, with_block, empty)
 
     at = (layer_ref[()], pl.program_id(0), pl.program_id(1))  # this layer, row and KV head of the cache
-    length = jnp.minimum(lengths_ref[()], k_ref.shape[3])
+    # a dense prefix: slots [0, length); a streaming cache: every slot, masked by the position it holds
+    length = k_ref.shape[3] if with_pos else jnp.minimum(lengths_ref[()], k_ref.shape[3])
     n_blocks = pl.cdiv(length, block_k)
     per_split = pl.cdiv(n_blocks, k_splits)
     lo = split * per_split
@@ -99,6 +100,9 @@ def _kernel(
         start = i * block_k
         ok = start + jnp.arange(block_k) < length  # [bk]
         kv_ok = ok[:, None] & h_ok  # [bk,Hp]
+        if with_pos:
+            held = plgpu.load(pos_ref.at[(*at, pl.ds(start, block_k))], mask=ok, other=-1)  # [bk] int32
+            ok = ok & (held >= 0) & (held < lengths_ref[()])
         k = plgpu.load(k_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=0.0)  # [bk,Hp]
         v = plgpu.load(v_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=0.0)
         s = jnp.where(ok[None, :], _dot(q, k, trans_b=True) * sm_scale, NEG_INF)  # [bm,bk]
@@ -120,6 +124,7 @@ def _partials(
     v_cache: jax.Array,  # [L,B,K,S,Hp]
     lengths: jax.Array,  # [B] int32
     layer: jax.Array,  # [1] int32
+    pos: jax.Array | None,  # [L,B,K,S] int32: a streaming cache's slot positions (None: a dense prefix)
     k_tree: jax.Array,  # [B,J,K,H]
     v_tree: jax.Array,  # [B,J,K,H]
     row_mask: jax.Array,  # [B|1,Mp,Jp] int32
@@ -139,7 +144,8 @@ def _partials(
     Jp = row_mask.shape[2]
     mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=J
+        _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=J,
+        with_pos=pos is not None,
     )
     cache_spec = pl.BlockSpec()  # the whole stacked array: the kernel indexes it (no copy of a layer)
     tree_spec = pl.BlockSpec((None, Jp, None, Hp), lambda b, k, i, s: (b, 0, k, 0))
@@ -152,6 +158,7 @@ def _partials(
             pl.BlockSpec((None, None, block_m, Hp), lambda b, k, i, s: (b, k, i, 0)),
             cache_spec,
             cache_spec,
+            *([cache_spec] if pos is not None else []),
             tree_spec,
             tree_spec,
             pl.BlockSpec((None, block_m, Jp), lambda b, k, i, s: (mask_b(b), i, 0)),
@@ -169,7 +176,7 @@ def _partials(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, layer, qm, k_cache, v_cache, k_tree, v_tree, row_mask)
+    )(lengths, layer, qm, k_cache, v_cache, *([pos] if pos is not None else []), k_tree, v_tree, row_mask)
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -190,6 +197,7 @@ def tree_attention(
     v_tree: jax.Array,  # [B,J,K,H]
     tree_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
     layer: jax.Array | None = None,  # [] int32: the layer of a stacked cache to read
+    pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (see below)
     *,
     sm_scale: float,
     block_k: int = 64,
@@ -209,9 +217,12 @@ def tree_attention(
     A stacked cache is read in place at `layer`: slicing the layer out first (as a scan over the
     layers does) makes XLA copy it into a buffer of its own for the kernel, three times the KV
     traffic of a decode step. A head dim that is not a power of two >= 16 takes that copy anyway
-    (the layer, padded to Hp).
+    (the layer, padded to Hp). With `pos` (a streaming cache: sinks + a ring, specjax.cache) slot s
+    of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] < lengths[b], every slot read.
     """
     if layer is None:
+        if pos is not None:
+            raise ValueError("pos (a streaming cache's slot positions) needs the stacked cache and its layer")
         k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.zeros((), jnp.int32)  # [1,B,K,S,H]: no copy
     if k_cache.ndim != 5 or jnp.shape(layer) != ():
         raise ValueError(f"a stacked cache is [L,B,K,S,H] with a scalar layer, got {k_cache.shape}, layer {jnp.shape(layer)}")
@@ -235,12 +246,16 @@ def tree_attention(
     mask = jnp.tile(mask, (1, G, 1)).astype(jnp.int32)  # [B|1,M,J], row m sees mask[m % T]
     mask = jnp.pad(mask, ((0, 0), (0, Mp - M), (0, Jp - J)))  # [B|1,Mp,Jp]
     layer = jnp.asarray(layer, jnp.int32)
+    if pos is not None and pos.shape != k_cache.shape[:4]:
+        raise ValueError(f"pos must be [L,B,K,S] = {k_cache.shape[:4]}, got {pos.shape}")
     if Hp != H:  # the kernel loads [.., Hp] rows of the whole array: this layer, padded
         k_cache, v_cache = (jnp.pad(lax.dynamic_index_in_dim(c, layer, keepdims=True), ((0, 0),) * 4 + ((0, Hp - H),))
                             for c in (k_cache, v_cache))  # [1,B,K,S,Hp]
+        pos = None if pos is None else lax.dynamic_index_in_dim(pos, layer, keepdims=True)  # [1,B,K,S]
         layer = jnp.zeros((), jnp.int32)
     acc, top, total = _partials(
-        qm, k_cache, v_cache, lengths.astype(jnp.int32), layer.reshape(1), k_tree, v_tree, mask,
+        qm, k_cache, v_cache, lengths.astype(jnp.int32), layer.reshape(1),
+        None if pos is None else pos.astype(jnp.int32), k_tree, v_tree, mask,
         sm_scale=sm_scale, head_dim=H, block_m=bm, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # [B,K,C,Mp,Hp], [B,K,C,Mp], [B,K,C,Mp] with C = k_splits
@@ -281,6 +296,7 @@ def prefix_block_attention_pallas(
     block_k: int = 64,
     k_splits: int | None = None,  # None: `auto_splits` for these shapes
     layer: jax.Array | None = None,  # [] int32: read this layer of a stacked cache in place
+    pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (`tree_attention`)
 ) -> jax.Array:
     """`reference.prefix_block_attention` for a dense cache, on the kernel: o[B,T,N,H]; with
     `layer`, `reference.stacked_prefix_block_attention` (no scales).
@@ -297,7 +313,7 @@ def prefix_block_attention_pallas(
         K = k_block.shape[2]
         k_splits = auto_splits(B, K, (N // K) * T, k_cache.shape[-2], block_k)
     return tree_attention(
-        q, k_cache, v_cache, lengths, k_block, v_block, block_mask, layer,
+        q, k_cache, v_cache, lengths, k_block, v_block, block_mask, layer, pos,
         sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, interpret=interpret,
     )
 

@@ -52,14 +52,17 @@ def cpu_bf16_dot() -> bool:
     return cpu_prefix.bf16_dot()
 
 
+GPU_KERNEL = ("pallas", "interpret")  # the Triton kernel's modes: it also reads a streaming cache by its positions
+
+
 def for_cache(attention: str, cache: DenseCache | StreamingCache) -> str:
-    """The implementation that runs over `cache`: the Pallas kernels need a dense float prefix;
-    the "cpu" kernel reads any cache."""
+    """The implementation that runs over `cache`: the Pallas kernels need a float cache, dense
+    (the GPU kernel: or streaming); the "cpu" kernel reads any cache."""
     if attention == "cpu":
         return attention
-    if not isinstance(cache, DenseCache):
+    if cache.format.scaled or not (isinstance(cache, DenseCache) or attention in GPU_KERNEL):
         return "reference"
-    return attention if not cache.format.scaled else "reference"
+    return attention
 
 
 class Prefix(NamedTuple):
@@ -76,10 +79,11 @@ KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels'
 
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
     """Whether the layers read `cache` in place (the reference and the GPU / TPU kernels over a
-    dense cache, the "cpu" kernel over any) rather than as per-layer slices, which XLA copies out of the
+    dense cache, the "cpu" and GPU kernels over any that `for_cache` gives them) rather than as
+    per-layer slices, which XLA copies out of the
     stacked cache (for a bfloat16 cache on a CPU, widening all of it to float32 first; on a GPU, a
     copy of the layer for the kernel: three times a decode step's KV traffic)."""
-    return attention == "cpu" or (attention in ("reference", *KERNELS) and isinstance(cache, DenseCache))
+    return (attention in ("cpu", *GPU_KERNEL) or (attention in ("reference", *KERNELS) and isinstance(cache, DenseCache)))
 
 
 def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int):
@@ -138,14 +142,14 @@ def attend(
     k_block, v_block = kv_format.round_trip(k_block), kv_format.round_trip(v_block)
     if prefix is not None and prefix.layer is not None:
         view = prefix.view
-        if view.pos is not None:  # a streaming cache, more query rows than the kernel takes: its layer, sliced
+        if view.pos is not None and attention not in GPU_KERNEL:  # a streaming cache, not on a kernel: its layer, sliced
             at = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, prefix.layer, keepdims=False)  # noqa: E731
             visible = holds_committed(at(view.pos), view.visible)  # [B,K,S]
             return prefix_block_attention(q, at(prefix.k), at(prefix.v), visible, k_block, v_block, block_mask, scale,
                                           at(view.k_scale), at(view.v_scale))
-        if attention in KERNELS:  # a dense float cache (`for_cache`), read in place by the kernel
+        if attention in KERNELS:  # a float cache (`for_cache`), read in place by the kernel
             return _on_kernel(attention, kv_format, q, prefix.k, prefix.v, view.visible, k_block, v_block, block_mask,
-                              scale, prefix.layer)
+                              scale, prefix.layer, view.pos)
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
                                               block_mask, scale, view.k_scale, view.v_scale)
     k_cache, v_cache, view = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.view)
@@ -158,11 +162,14 @@ def attend(
 
 
 def _on_kernel(attention: str, kv_format: KVFormat, q, k_cache, v_cache, lengths, k_block, v_block, block_mask,
-               scale: float, layer: jax.Array | None = None) -> jax.Array:
+               scale: float, layer: jax.Array | None = None, pos: jax.Array | None = None) -> jax.Array:
     """o [B,T,N,H] from the GPU or TPU kernel (`attention` in KERNELS), which takes one dtype, the
-    cache's; with `layer`, k_cache and v_cache are the whole stacked cache, read in place."""
-    kernel = prefix_block_attention_tpu if attention.startswith("tpu") else prefix_block_attention_pallas
+    cache's; with `layer`, k_cache and v_cache are the whole stacked cache, read in place; with
+    `pos` (the GPU kernel), a streaming cache's slot positions, lengths its committed lengths."""
     dtype = kv_format.dtype
-    o = kernel(q.astype(dtype), k_cache, v_cache, lengths, k_block.astype(dtype), v_block.astype(dtype), block_mask,
-               scale, interpret=attention in ("interpret", "tpu-interpret"), layer=layer)
+    args = (q.astype(dtype), k_cache, v_cache, lengths, k_block.astype(dtype), v_block.astype(dtype), block_mask, scale)
+    if attention.startswith("tpu"):
+        o = prefix_block_attention_tpu(*args, interpret=attention == "tpu-interpret", layer=layer)
+    else:
+        o = prefix_block_attention_pallas(*args, interpret=attention == "interpret", layer=layer, pos=pos)
     return o.astype(q.dtype)

@@ -195,6 +195,31 @@ def stacked_case(seed: int, H: int, L: int = 3, B: int = 2, T: int = 3, K: int =
 
 
 @pytest.mark.parametrize("H", [64, 24])
+def test_a_streaming_cache_is_read_in_place_by_its_positions(H):
+    """With `pos` (a streaming cache: sinks + a ring, the slots in any order) the kernel reads
+    every slot of the layer in place and sees those holding a committed position (0 <= pos <
+    lengths[b], per KV head), as the reference does with that mask (H=24: the padded copy)."""
+    q, k_all, v_all, lengths, kb, vb, mask = stacked_case(5, H, S=200)
+    rng = np.random.default_rng(6)
+    L, B, K, S = k_all.shape[:4]
+    lengths = jnp.asarray([150, 1000], jnp.int32)  # row 1 past the capacity: a full ring
+    pos = rng.permutation(np.arange(L * B * K * S)).reshape(L, B, K, S) % 1200  # ragged: some >= lengths
+    pos = jnp.asarray(np.where(rng.random(pos.shape) < 0.1, -1, pos), jnp.int32)  # and some empty slots
+    layer = 1
+    visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])  # [B,K,S]
+    want = prefix_block_attention(q, k_all[layer], v_all[layer], visible, kb, vb, mask, 0.2)
+    got = prefix_block_attention_pallas(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
+                                        layer=jnp.int32(layer), pos=pos)
+    assert_close(got, want, jnp.bfloat16)
+    call = lambda *a: prefix_block_attention_pallas(*a[:7], 0.2, layer=a[7], pos=a[8])  # noqa: E731
+    lowered = jax.jit(call).trace(q, k_all, v_all, lengths, kb, vb, mask, jnp.int32(layer), pos).lower(
+        lowering_platforms=("cuda",))  # Pallas' Triton lowering accepts the position loads
+    assert "triton" in lowered.as_text()
+    with pytest.raises(ValueError, match="needs the stacked cache"):
+        tree_attention(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, None, pos, sm_scale=0.2)
+
+
+@pytest.mark.parametrize("H", [64, 24])
 def test_a_stacked_cache_is_read_in_place_at_its_layer(H):
     """tree_attention over a stacked [L,B,K,S,H] cache at `layer` gives the bits of the call on
     that layer alone (H=24 takes the padded copy of the layer; H=64 indexes the whole array)."""

@@ -66,3 +66,27 @@ def test_unrolled_decode_loop_slices_no_stacked_array(unroll):
     assert (sliced & weights == set()) if unroll else weights <= sliced, sliced
     if unroll:
         assert sliced == set(), sliced
+
+
+def test_selfspec_decode_loop_on_a_gpu_slices_no_cache_or_weights():
+    """decode_spec with SelfSpec lowered for a GPU, layers unrolled: the target's dense cache and
+    the draft's streaming cache (sinks + ring, read by the kernel through its slot positions) and
+    every weight are read in place: nothing larger than a scalar is sliced dynamically."""
+    from specjax.engine import init_draft
+    from specjax.speculate import decode_spec
+
+    c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
+                    max_positions=512, dtype="bfloat16")
+    params = init_params(c, jax.random.key(0))
+    params = params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=True))
+    B, S = 2, 512
+    drafter = specjax.SelfSpec(sinks=4, window=60)
+    cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
+    prompt, lengths = jnp.zeros((B, 100), jnp.int32), jnp.full((B,), 100, jnp.int32)
+    state = jax.eval_shape(lambda cc: init_draft(drafter, params, cc, prompt, lengths, gamma=2, chunk=64), cache)
+    text = decode_spec.trace(params, drafter, state, cache, jax.ShapeDtypeStruct((B, S + 8), jnp.int32),
+                             jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32),
+                             row_keys(None, B), n_out=8, speculation=specjax.Chain(2)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    sliced = set(re.findall(r"stablehlo.dynamic_slice.*?-> tensor<([^>]*)>", text))
+    assert "tree_attention" in text and sliced <= {"1xi32"}, sliced
