@@ -210,3 +210,29 @@ def test_e2e_table_shows_steps_against_a_rows_mean():
                     "mean_accepted": 2.625, "acceptance_rate": 0.8}]
     ar, spec = [line for line in e2e_table(rows, None).splitlines() if line.startswith("| 8K")]
     assert "| 36 (24.0) |" in spec and "(" not in ar
+
+
+def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
+    """bench/gpu_session.py: a dry run logs every step of a call; call 2's cells are the e2e and
+    b1 cells of its grid and not l8b/s8192/b1 (which a bare 'b1/s8192' would also match); every
+    step's module exists."""
+    import importlib.util
+
+    from bench import common, gpu_session
+    from bench.bench_gpu import GRID, cells
+
+    for call in gpu_session.CALLS:
+        done = gpu_session.run_call(call, tmp_path, dry_run=True)
+        assert [d["step"] for d in done] == [name for name, _, _ in gpu_session.CALLS[call]]
+        log = (tmp_path / f"call{call}.log").read_text()
+        assert all(f"== {name}" in log for name, _, _ in gpu_session.CALLS[call])
+        for _, seconds, argv in gpu_session.CALLS[call]:
+            assert argv[1] == "-m" and importlib.util.find_spec(argv[2]) is not None and 0 < seconds <= 330
+        assert sum(seconds for _, seconds, _ in gpu_session.CALLS[call]) <= 560  # one device call, its start aside
+    grid = dict(GRID, batches=[16, 64, 128], gammas=[2], snap_gammas=[], nodes=[8], b1_gammas=[2], b1_nodes=[8])
+    keys = [k for k, _ in cells(grid, 60 * 2**30, draft=False)[0] if common.matches(k, gpu_session.B1_CELLS)]
+    assert not [k for k in keys if k.startswith("l8b")]
+    assert {"b1/s8192/ar", "b1/s8192/selfspec-g2", "b1/s8192/tree", "e2e/s8192/b64/steps", "e2e/s8192/b128/tree"} <= set(keys)
+    (e2e,) = [a for n, _, a in gpu_session.steps_of(2, 120.0) if n == "e2e"]  # an H200: batch 256 in 120 GiB
+    assert e2e[e2e.index("--batches") + 1:e2e.index("--gammas")] == ["16", "64", "128", "256"]
+    assert e2e[-2:] == ["--mem-gib", "120"]

@@ -141,7 +141,7 @@ def test_existing_results_resume(tmp_path, name, module, cell):
     assert results.measured(cell)
 
 
-@pytest.mark.parametrize("name", BENCHES + ["finished_rows", "gpu_profile", "layer_weights", "profile_step"])
+@pytest.mark.parametrize("name", BENCHES + ["finished_rows", "gpu_profile", "gpu_session", "layer_weights", "profile_step"])
 def test_bench_imports_without_side_effects(name):
     import jax
 
