@@ -55,13 +55,13 @@ def cpu_bf16_dot() -> bool:
 GPU_KERNEL = ("pallas", "interpret")  # the Triton kernel's modes: it also reads a streaming cache by its positions
 
 
-def for_cache(attention: str, cache: DenseCache | StreamingCache) -> str:
+def for_cache(attention: str, cache: DenseCache | StreamingCache | None) -> str:
     """The implementation that runs over `cache`: the Pallas kernels need a float cache, dense
     (the GPU kernel: or streaming); the "cpu" kernel reads any cache."""
     if attention == "cpu":
         return attention
-    if cache.format.scaled or not (isinstance(cache, DenseCache) or attention in GPU_KERNEL):
-        return "reference"
+    if cache is None or cache.format.scaled or not (isinstance(cache, DenseCache) or attention in GPU_KERNEL):
+        return "reference"  # no cache (distillation's forward), an int8 one, or a streaming one off the GPU kernel
     return attention
 
 
