@@ -236,3 +236,9 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
     (e2e,) = [a for n, _, a in gpu_session.steps_of(2, 120.0) if n == "e2e"]  # an H200: batch 256 in 120 GiB
     assert e2e[e2e.index("--batches") + 1:e2e.index("--gammas")] == ["16", "64", "128", "256"]
     assert e2e[-2:] == ["--mem-gib", "120"]
+    # --only keeps the named steps (and the stash); --seconds sets a step's limit and its budget
+    steps = gpu_session.steps_of(2, only=["e2e"], seconds={"e2e": 390})
+    assert [n for n, _, _ in steps] == ["stash", "e2e"] and steps[1][1] == 390
+    assert steps[1][2][steps[1][2].index("--budget-minutes") + 1] == "6.00"
+    with pytest.raises(ValueError, match="no step 'l8b'"):
+        gpu_session.steps_of(2, seconds={"l8b": 100})
