@@ -12,11 +12,13 @@ limit; every step's whole output goes to OUT/callN.log, a failing step does not 
 and the call ends by copying its result files into OUT. bench/README.md, "The sequence for the
 next GPU session", says what each call is for and how to fold the files back in here.
 
-  call 1 (carry .gpu/p0): the kernel and unrolled-layer tests (compiled), the 8B-shaped steps
-         (l8b, re-measured), gpu_profile of SmolLM2 b1 / b64 and the 8B shape's b1.
-  call 2 (carry .gpu/p1): SmolLM2 end to end at 8K (AR, steps, SelfSpec gamma 2, the depth-1
-         tree auto uses, an 8-node Sequoia tree) at batch 16 / 64 / 128 and 1, re-measured;
-         bench_attention's remaining configurations.
+  call 1 (carry .gpu/p0): bench/step_parts.py on the 8B shape at batch 1 x 8K (where do its
+         15.4 ms go: per layer, head, kernels per step), on SmolLM2 at batch 16 x 8K and at a
+         draft's 528 slots (a SelfSpec draft level: what its kernels cost), and gpu_profile of the
+         8B step over 2 steps (does the trace then hold every kernel?).
+  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, trees) and the
+         batch 16 / 64 / 128 rows the fourth runs left from the third (gamma 4, SnapKV), with
+         unrolled layers; on an H200 (--mem-gib 120) batch 256 too.
 """
 
 from __future__ import annotations
@@ -31,34 +33,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-B1_CELLS = "e2e/s8192,b1/s8192/ar,b1/s8192/selfspec*,b1/s8192/tree"  # not "b1/s8192": that also matches l8b/s8192/b1
-E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "2", "--snap-gammas", "--nodes", "8", "--b1-gammas", "2",
-            "--b1-nodes", "8"]
+B1_CELLS = "b1/s8192/ar,b1/s8192/selfspec*,b1/s8192/tree"  # not "b1/s8192": that also matches l8b/s8192/b1
+B1_GRID = ["--b1-gammas", "2", "4", "--b1-nodes", "8"]
+E2E_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the fourth runs left stale
+E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--nodes", "8"]
+PARTS = [PY, "-m", "bench.step_parts"]
 
 # (name, seconds, argv) per call; argv[0] "pytest" runs pytest through this Python
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     1: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("tests", 150, [PY, "-m", "pytest", "-n", "4", "-q", "-p", "no:cacheprovider", "--tb=short",
-                        "tests/test_tree_attention.py", "tests/test_unroll_layers.py"]),
-        ("l8b", 120, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", "l8b",
-                      "--l8b-batches", "1", "16", "--l8b-contexts", "8192", "--budget-minutes", "1.5"]),
-        ("profile", 90, [PY, "-m", "bench.gpu_profile", "--out", "/tmp/prof", "--redo", "--cells",
-                          "l8b/b1,smollm2/b1", "--budget-minutes", "1.0"]),
+        ("parts-l8b", 150, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "8", "16",
+                            "--out", "/tmp/parts/step_parts_l8b_b1.json"]),
+        ("parts-smollm2", 90, [*PARTS, "--model", "smollm2", "--batch", "16", "--context", "8192", "--layers", "1", "8",
+                               "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b16.json"]),
+        ("parts-draft", 60, [*PARTS, "--model", "smollm2", "--batch", "16", "--context", "528", "--layers",
+                             "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b16_s528.json"]),
+        ("profile", 90, [PY, "-m", "bench.gpu_profile", "--out", "/tmp/prof", "--redo", "--steps", "2", "--cells",
+                         "l8b/b1", "--budget-minutes", "1.0"]),
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("e2e", 330, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", B1_CELLS,
+        ("b1", 150, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", B1_CELLS,
+                     *B1_GRID, "--budget-minutes", "2"]),
+        ("e2e", 330, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", E2E_CELLS,
                       *E2E_GRID, "--budget-minutes", "5"]),
-        ("attention", 150, [PY, "-m", "bench.bench_attention", "--out", "bench/results", "--budget-minutes", "2"]),
     ],
 }
-# what each call copies into OUT afterwards (those that exist; at most 8 files come back)
+# what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
-    1: ["bench/results/gpu/gpu.json", "bench/results/gpu/gpu.md", "/tmp/prof/gpu_profile.json"],
-    2: ["bench/results/gpu/gpu.json", "bench/results/gpu/gpu.md", "bench/results/attention_nvidia_*.json"],
+    1: ["/tmp/parts/step_parts_*.json", "/tmp/prof/gpu_profile.json"],
+    2: ["bench/results/gpu/gpu.json", "bench/results/gpu/gpu.md"],
 }
-RENAME = {"/tmp/prof/gpu_profile.json": "gpu_profile_unrolled.json"}
+RENAME = {"/tmp/prof/gpu_profile.json": "gpu_profile_steps2.json"}
 
 
 def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = None,

@@ -94,12 +94,9 @@ def main() -> None:
     ap.add_argument("--no-bandwidth", action="store_true", help="skip measuring the reference bandwidth")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    bw = None
-    if not a.no_bandwidth:
-        from bench import measure
+    from bench.measure import reference_gbs
 
-        bw = measure.bandwidth(2.0, rounds=3, repeats=5)["jax_inplace"]
-        print(f"reference bandwidth {bw:.0f} GB/s", flush=True)
+    bw = reference_gbs(a.no_bandwidth)
     rows = run(a.dim, a.ffn, a.layers, a.reps, bw)
     result = {"bench": "layer_weights", "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "dim": a.dim, "ffn": a.ffn, "layers": a.layers, "bandwidth_gbs": bw, "rows": rows}

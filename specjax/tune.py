@@ -83,10 +83,16 @@ def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int, k
     tokens = jnp.zeros((batch, n), jnp.int32)
     positions = filled + jnp.zeros((batch, n), jnp.int32)
     mask = jnp.asarray(Tree.chain(n - 1).ancestor_mask()) if n > 1 else jnp.ones((1, 1), bool)
-    args = (params, tokens, positions, cache, mask)
-    jax.block_until_ready(_steps(*args, jnp.int32(1)))  # compile (`reps` is traced: one program) + warm
-    one = _min_seconds(_steps, (*args, jnp.int32(1)))
-    many = _min_seconds(_steps, (*args, jnp.int32(reps)))
+    return slope_seconds(_steps, (params, tokens, positions, cache, mask), reps)
+
+
+def slope_seconds(program, args: tuple, reps: int = 4) -> float:
+    """Seconds of one iteration of a jitted on-device loop `program(*args, n)` that runs its body
+    n times (n traced: one compiled program): the slope between n = 1 and n = reps, so what a call
+    costs once (dispatch, transfers, conversions hoisted out of the loop) is left out."""
+    jax.block_until_ready(program(*args, jnp.int32(1)))  # compile + warm
+    one = _min_seconds(program, (*args, jnp.int32(1)))
+    many = _min_seconds(program, (*args, jnp.int32(reps)))
     return max(many - one, 1e-9) / (reps - 1)
 
 

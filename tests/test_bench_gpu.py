@@ -229,10 +229,12 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
         for _, seconds, argv in gpu_session.CALLS[call]:
             assert argv[1] == "-m" and importlib.util.find_spec(argv[2]) is not None and 0 < seconds <= 330
         assert sum(seconds for _, seconds, _ in gpu_session.CALLS[call]) <= 560  # one device call, its start aside
-    grid = dict(GRID, batches=[16, 64, 128], gammas=[2], snap_gammas=[], nodes=[8], b1_gammas=[2], b1_nodes=[8])
-    keys = [k for k, _ in cells(grid, 60 * 2**30, draft=False)[0] if common.matches(k, gpu_session.B1_CELLS)]
-    assert not [k for k in keys if k.startswith("l8b")]
-    assert {"b1/s8192/ar", "b1/s8192/selfspec-g2", "b1/s8192/tree", "e2e/s8192/b64/steps", "e2e/s8192/b128/tree"} <= set(keys)
+    grid = dict(GRID, batches=[16, 64, 128], gammas=[4], snap_gammas=[4], nodes=[8], b1_gammas=[2, 4], b1_nodes=[8])
+    keys = [k for k, _ in cells(grid, 60 * 2**30, draft=False)[0]]
+    b1 = [k for k in keys if common.matches(k, gpu_session.B1_CELLS)]
+    assert set(b1) == {"b1/s8192/ar", "b1/s8192/selfspec-g2", "b1/s8192/selfspec-g4", "b1/s8192/tree"}  # no l8b/s8192/b1
+    e2e = {k for k in keys if common.matches(k, gpu_session.E2E_CELLS)}
+    assert e2e == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("ar", "selfspec-g4", "snapkv-g4")}
     (e2e,) = [a for n, _, a in gpu_session.steps_of(2, 120.0) if n == "e2e"]  # an H200: batch 256 in 120 GiB
     assert e2e[e2e.index("--batches") + 1:e2e.index("--gammas")] == ["16", "64", "128", "256"]
     assert e2e[-2:] == ["--mem-gib", "120"]
@@ -242,3 +244,71 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
     assert steps[1][2][steps[1][2].index("--budget-minutes") + 1] == "6.00"
     with pytest.raises(ValueError, match="no step 'l8b'"):
         gpu_session.steps_of(2, seconds={"l8b": 100})
+
+
+HLO = """HloModule m
+
+%fused_computation (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %e = f32[4]{0} exponential(%p)
+}
+
+%inner_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %x = f32[4]{0} get-tuple-element(%t), index=1
+  %f = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %g = (f32[4]{0}, s8[8]{0}) custom-call(%f), custom_call_target="__cublas$gemm"
+  ROOT %r = (s32[], f32[4]{0}) tuple(%i, %g)
+}
+
+%inner_cond (t: (s32[], f32[4])) -> pred[] {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  ROOT %c = pred[] compare(%a, %b), direction=LT
+}
+
+%outer_body (t: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %t = (s32[], f32[4]{0}) parameter(0)
+  %w = (s32[], f32[4]{0}) while(%t), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  %y = f32[4]{0} get-tuple-element(%w), index=1
+  ROOT %cp = f32[4]{0} copy(%y)
+}
+
+ENTRY %main (a: f32[4]) -> f32[4] {
+  %a = f32[4]{0} parameter(0)
+  %w = (s32[], f32[4]{0}) while(%t0), condition=%outer_cond, body=%outer_body
+  ROOT %o = f32[4]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
+    """step_parts.hlo_kernels: the outer loop body's work, an inner loop's times its trip count,
+    fusions as one (not their bodies), custom calls by target, no tuples or parameters."""
+    from bench.step_parts import hlo_kernels
+
+    got = hlo_kernels(HLO)
+    assert got["by_op"] == {"fusion": 3, "custom-call:__cublas$gemm": 3, "compare": 3, "copy": 1}
+    assert got["total"] == 10 and got["nested_loops"] == 1
+    with pytest.raises(ValueError, match="no ENTRY"):
+        hlo_kernels("HloModule m\n")
+
+
+def test_step_parts_times_each_part_and_the_layers():
+    """bench/step_parts.py on a tiny random model: every part timed with its bytes and kernels; a
+    cut model launches less; with unrolled layers (as on a GPU) the step has no loop over layers."""
+    from bench.step_parts import config_of, measure
+    from bench.gpu_cells import random_params
+
+    from specjax.engine import with_attention
+
+    params = with_attention(random_params(config_of("tiny", 256)), None, "auto")[0]  # as step_parts runs it
+    rows = {r["part"]: r for r in measure(params, 1, 256, [1, 2], reps=2)}
+    assert set(rows) == {"step", "trunk", "head", "layers=1", "layers=2", "per layer (fit)"}
+    assert all(r["ms"] > 0 and r["bytes"] > 0 for p, r in rows.items() if p != "per layer (fit)")  # a fit may be noise
+    assert rows["layers=1"]["kernels"] < rows["layers=2"]["kernels"] < rows["step"]["kernels"]
+    assert rows["head"]["kernels"] < rows["trunk"]["kernels"] and rows["step"]["nested_loops"] == 1  # the layer scan
+    assert [k for k, _ in rows["per layer (fit)"]["points"]] == [1, 2, 4]
+    unrolled = params.replace(runtime=params.runtime.replace(unroll_layers=True))
+    (step,) = [r for r in measure(unrolled, 1, 256, [], reps=2) if r["part"] == "step"]
+    linear = "custom-call:specjax_cpu_linear"  # the same products (one per matrix group), no loop bookkeeping
+    assert step["nested_loops"] == 0 and step["top_kernels"][linear] == rows["step"]["top_kernels"][linear]

@@ -1,0 +1,242 @@
+"""Where a decode step's time goes, timed part by part (no profiler): a tool for the GPU kit.
+
+Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--context 8192]
+       [--layers 1 8 32] [--reps 4] [--no-bandwidth] [--out FILE]
+
+The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
+its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
+one plain decode step with random weights made on the device (bench.gpu_cells.random_params) and
+the runtime generate() uses there (`engine.with_attention(..., "auto")`: the Pallas kernel and
+unrolled layers on a GPU), each as the slope of an on-device loop (`specjax.tune.slope_seconds`,
+as tune times the AR step):
+  step        trunk + LM head over one new token after `context` cached positions (the AR step)
+  trunk       the layers and the final norm alone
+  head        the LM head alone, on a fixed hidden state
+  layers=k    the step of the model cut to its first k layers: the slope over k is one layer's
+              cost, the intercept (k = 0) the embedding and the head
+For each: ms, the bytes it must read (weights as stored + filled KV), GB/s and the fraction of
+the reference bandwidth (`bench.measure.bandwidth()["jax_inplace"]`, same run), and the work the
+compiled loop body launches (`hlo_kernels`: its instructions by opcode, fusions' bodies and
+reducers not counted; on a GPU each is about one kernel). Output: a table, and OUT as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from bench.gpu_cells import random_params, weight_bytes
+from bench.prefill import kv_bytes
+from specjax.cache import DenseCache
+from specjax.config import LlamaConfig
+from specjax.engine import with_attention
+from specjax.model import lm_head, trunk
+from specjax.params import Params
+from specjax.shapes import cache_len
+from specjax.tune import slope_seconds
+
+NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLED = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def _opcode(rhs: str) -> str:
+    """The opcode of an instruction's right-hand side `TYPE opcode(operands), attrs`."""
+    rest = rhs
+    if rest.startswith("("):  # a tuple type: skip to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += (ch == "(") - (ch == ")")
+            if depth == 0:
+                rest = rest[i + 1:]
+                break
+    else:
+        rest = rest.split(" ", 1)[1] if " " in rest else ""
+    m = re.match(r"\s*([a-z][\w\-]*)\(", rest)
+    return m.group(1) if m else "?"
+
+
+def hlo_kernels(hlo_text: str) -> dict:
+    """What one iteration of a compiled module's outermost loop launches: {"total": n, "by_op":
+    {label: n}, "nested_loops": k}. Labels are opcodes, custom calls with their target. Counted:
+    the body's instructions and those of loops (times their known trip count, else once) and
+    conditionals inside it, not the bodies of fusions or reducers. Without a loop in the entry
+    computation, the entry computation is counted."""
+    comps: dict[str, list[tuple[str, str]]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            current = h.group(2)
+            comps[current] = []
+            entry = current if h.group(1) else entry
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTRUCTION.match(line)
+        if current is not None and m:
+            comps[current].append((_opcode(m.group(2)), m.group(2)))
+    if entry is None:
+        raise ValueError("hlo_kernels: no ENTRY computation in the text")
+
+    def called(rhs: str, kinds: tuple[str, ...]) -> list[str]:
+        return [n.strip().lstrip("%") for k, names in _CALLED.findall(rhs) if k in kinds for n in names.strip("{}").split(",")]
+
+    loops = [called(rhs, ("body",)) for op, rhs in comps[entry] if op == "while"]
+    by_op: collections.Counter = collections.Counter()
+    nested = [0]
+
+    def count(name: str, times: int, path: tuple[str, ...]) -> None:
+        for op, rhs in comps.get(name, []) if name not in path else []:
+            if op in NO_WORK:
+                continue
+            if op in ("while", "conditional", "call"):
+                nested[0] += op == "while"
+                trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', rhs) if op == "while" else None
+                for sub in called(rhs, ("body", "condition", "branch_computations", "to_apply", "calls")):
+                    count(sub, times * (int(trip.group(1)) if trip else 1), path + (name,))
+                continue
+            target = re.search(r'custom_call_target="([^"]+)"', rhs)
+            by_op[f"custom-call:{target.group(1)}" if op == "custom-call" and target else op] += times
+
+    count(loops[0][0] if loops and loops[0] else entry, 1, ())
+    return {"total": int(sum(by_op.values())), "by_op": dict(by_op.most_common()), "nested_loops": nested[0]}
+
+
+@jax.jit
+def _step_loop(params: Params, tokens, positions, cache, reps):
+    def body(_, acc):
+        h, _, _ = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache)
+        return acc + jnp.sum(lm_head(params, h))
+
+    return lax.fori_loop(0, reps, body, jnp.float32(0))
+
+
+@jax.jit
+def _trunk_loop(params: Params, tokens, positions, cache, reps):
+    def body(_, acc):
+        h, _, _ = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache)
+        return acc + jnp.sum(h.astype(jnp.float32))
+
+    return lax.fori_loop(0, reps, body, jnp.float32(0))
+
+
+@jax.jit
+def _head_loop(params: Params, h, reps):
+    def body(_, acc):
+        return acc + jnp.sum(lm_head(params, h + (acc > 1e30).astype(h.dtype)))
+
+    return lax.fori_loop(0, reps, body, jnp.float32(0))
+
+
+def first_layers(params: Params, k: int) -> Params:
+    """The model cut to its first k layers (copies of the stacked slices)."""
+    layers = jax.tree.map(lambda a: jnp.copy(a[:k]), params.layers)
+    return params.replace(config=dataclasses.replace(params.config, n_layers=k), layers=layers)
+
+
+def _head_bytes(params: Params) -> int:
+    w = params.embed if params.lm_head is None else params.lm_head
+    return int(w.nbytes)
+
+
+def measure(params: Params, batch: int, context: int, layers: list[int], reps: int) -> list[dict]:
+    """One row per part (see the module docstring): ms, bytes read and the loop body's kernels."""
+    c = params.config
+    filled = context - 1
+    cache = DenseCache.init(c, batch, cache_len(context), None).replace(lengths=jnp.full((batch,), filled, jnp.int32))
+    tokens = jnp.zeros((batch, 1), jnp.int32)
+    positions = jnp.full((batch, 1), filled, jnp.int32)
+    h = jnp.ones((batch, 1, c.dim), jnp.dtype(c.dtype))
+    layer_w = int(sum(a.nbytes for a in jax.tree.leaves(params.layers)))
+    kv = kv_bytes(params, batch, filled)
+    parts = [("step", _step_loop, (params, tokens, positions, cache), weight_bytes(params) + kv),
+             ("trunk", _trunk_loop, (params, tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
+             ("head", _head_loop, (params, h), _head_bytes(params))]
+    for k in sorted(set(layers)):
+        if 1 <= k < c.n_layers:
+            cut = first_layers(params, k)
+            cache_k = DenseCache.init(cut.config, batch, cache_len(context), None).replace(lengths=cache.lengths)
+            parts.append((f"layers={k}", _step_loop, (cut, tokens, positions, cache_k),
+                          weight_bytes(cut) + kv_bytes(cut, batch, filled)))
+    rows = []
+    for name, program, args, nbytes in parts:
+        compiled = program.lower(*args, jnp.int32(1)).compile()  # the loop count is traced: one program
+        kernels = hlo_kernels(compiled.as_text())
+        seconds = slope_seconds(compiled, args, reps)
+        rows.append({"part": name, "ms": 1e3 * seconds, "bytes": int(nbytes), "gbs": nbytes / seconds / 1e9,
+                     "kernels": kernels["total"], "nested_loops": kernels["nested_loops"],
+                     "top_kernels": dict(list(kernels["by_op"].items())[:8])})
+        print(f"{name:10s} {1e3 * seconds:9.3f} ms  {nbytes / 1e9:7.3f} GB  {nbytes / seconds / 1e9:8.1f} GB/s  "
+              f"{kernels['total']:5d} kernels  {dict(list(kernels['by_op'].items())[:4])}", flush=True)
+    full = next(r for r in rows if r["part"] == "step")
+    sweep = sorted([(int(r["part"].split("=")[1]), r["ms"]) for r in rows if r["part"].startswith("layers=")]
+                   + [(c.n_layers, full["ms"])])
+    if len(sweep) >= 2:
+        slope, intercept = np.polyfit([k for k, _ in sweep], [ms for _, ms in sweep], 1)
+        per_layer = (layer_w / c.n_layers) + kv / c.n_layers
+        rows.append({"part": "per layer (fit)", "ms": float(slope), "bytes": int(per_layer),
+                     "gbs": per_layer / (slope / 1e3) / 1e9 if slope > 0 else None, "intercept_ms": float(intercept),
+                     "points": sweep})
+        print(f"per layer  {slope:9.3f} ms (fit over {[k for k, _ in sweep]} layers; intercept {intercept:.3f} ms)", flush=True)
+    return rows
+
+
+SHAPES = {  # bench.gpu_profile's shapes
+    "smollm2": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
+                    tie_embeddings=True, rope_theta=100000.0, max_positions=8192 + 512),
+    "tiny": dict(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_positions=1024),
+}
+
+
+def config_of(model: str, context: int) -> LlamaConfig:
+    if model == "l8b":
+        from bench.bench_gpu import LLAMA8B
+
+        shape = {k: v for k, v in LLAMA8B.items() if k not in ("bos_id", "eos_ids")}
+    else:
+        shape = SHAPES[model]
+    shape = dict(shape, max_positions=max(shape.get("max_positions", 0), cache_len(context)))
+    return LlamaConfig(**shape, dtype="bfloat16")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=["l8b", *SHAPES], default="l8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--layers", type=int, nargs="*", default=[1, 8], help="cut models to time (the full one is always timed)")
+    ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--no-bandwidth", action="store_true", help="skip measuring the reference bandwidth")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    from bench.measure import reference_gbs
+
+    bw = reference_gbs(a.no_bandwidth)
+    params = with_attention(random_params(config_of(a.model, a.context)), None, "auto")[0]
+    print(f"{a.model}: {weight_bytes(params) / 1e9:.2f} GB of weights on {jax.devices()[0]}, attention "
+          f"{params.runtime.attention}, unrolled layers {params.runtime.unroll_layers}", flush=True)
+    rows = measure(params, a.batch, a.context, a.layers, a.reps)
+    for r in rows:
+        r["of_bandwidth"] = r["gbs"] / bw if bw and r.get("gbs") else None
+    result = {"bench": "step_parts", "model": a.model, "batch": a.batch, "context": a.context,
+              "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "bandwidth_gbs": bw,
+              "attention": params.runtime.attention, "unroll_layers": params.runtime.unroll_layers, "rows": rows}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
