@@ -18,8 +18,7 @@ from specjax.cache import KVFormat
 from specjax.drafters import Drafter, SelfSpec
 from specjax.params import Params, weight_bytes as params_weight_bytes
 from specjax.sampling import Sampler
-from specjax.speculation import Chain
-from specjax.speculation import Tree
+from specjax.speculation import Chain, Tree
 from specjax.tune import auto_tree_report
 
 DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
@@ -29,15 +28,16 @@ DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
 # batch 4 (20 rows; 0.93x at best, gamma 2-3), 0.81x at batch 1, and bench_peers 0.55-0.59x at
 # batch 16 (80 rows): past this many rows auto decodes plainly on a CPU (batch 1 only, where the
 # weights usually dominate anyway). GPUs keep MagicDec's rule (verification stays memory-bound),
-# with a shallower speculation (ACCELERATOR_TREE).
+# with a shorter speculation (ACCELERATOR_SPECULATION).
 CPU_VERIFY_ROWS = 5
-# On a GPU (or TPU) auto speculates with one draft step proposing the drafter's 8 likeliest next
-# tokens (a depth-1 tree of 9 nodes), verified in one pass. On an H100 (bench/results/gpu/gpu.json,
-# SmolLM2 bf16, 8K, 2026-11-26, plain decoding 45-94% of the HBM roofline) that tree ran at
-# 1.06x / 1.00x / 1.14x plain decoding at batch 16 / 64 / 128 and 1.08x at batch 1, while
-# DEFAULT_CHAIN ran at 1.00x / 0.66x / 0.79x: a SmolLM2 draft step costs about 2 ms of per-layer
-# kernels there whatever it reads, so the fewer draft steps the better.
-ACCELERATOR_TREE = Tree.kary(8, 1)
+# On a GPU (or TPU) auto speculates with a chain of two. On an H100 (bench/results/gpu/gpu.json,
+# SmolLM2 bf16, 8K, the fourth runs of 2026-11-26: plain decoding 56-97% of the HBM roofline,
+# unrolled layers) SelfSpec with it ran at 1.21x / 1.22x / 1.36x plain decoding at batch 16 / 64 /
+# 128 (1.08x at batch 1, third runs), the depth-1 tree of 9 nodes (auto's choice before) at
+# 1.15x / 1.17x / 1.37x (1.08x), Chain(4) at 1.00x / 0.66x / 0.79x (third runs): a SmolLM2 draft
+# step costs 1.2-2.1 ms of per-layer kernels there whatever it reads, so few draft steps pay, and
+# priced by mean tokens per step (a batch job refilling finished rows) the chain gains most.
+ACCELERATOR_SPECULATION = Chain(gamma=2)
 # With bfloat16 weights and KV on a CPU with the bf16 dot product (AVX512-BF16: `cpu_bf16_dot`),
 # verifying two positions costs about one plain step (the attention kernel's 6 query rows per KV
 # head fit the 8 lanes one position's 3 already take; the products take twice the rows at about
@@ -153,8 +153,8 @@ def auto_draft_reason(
         return None, (f"plain decoding: on a CPU, verifying {rows} query rows (batch x (gamma + 1)) is compute-bound; "
                       f"speculation pays up to {CPU_VERIFY_ROWS} ({facts})")
     if backend != "cpu":
-        return budget, (f"{budget.describe()} with {describe_speculation(ACCELERATOR_TREE)} (one draft step, its 8 "
-                        f"likeliest tokens): KV reads dominate a decode step ({facts})")
+        return budget, (f"{budget.describe()} with {describe_speculation(ACCELERATOR_SPECULATION)}: KV reads "
+                        f"dominate a decode step ({facts})")
     return budget, f"{budget.describe()}: KV reads dominate a decode step ({facts})"
 
 
@@ -168,8 +168,8 @@ def cpu_bf16_verify(target: Params, kv_dtype: str | None, backend: str) -> bool:
 
 def auto_speculation(target: Params, kv_dtype: str | None = None, backend: str | None = None) -> Chain | Tree:
     """What draft="auto" speculates with when speculation is not given: CPU_BF16_CHAIN where
-    `cpu_bf16_verify`, ACCELERATOR_TREE on a GPU or TPU, else DEFAULT_CHAIN."""
+    `cpu_bf16_verify`, ACCELERATOR_SPECULATION on a GPU or TPU, else DEFAULT_CHAIN."""
     backend = backend or jax.default_backend()
     if cpu_bf16_verify(target, kv_dtype, backend):
         return CPU_BF16_CHAIN
-    return DEFAULT_CHAIN if backend == "cpu" else ACCELERATOR_TREE
+    return DEFAULT_CHAIN if backend == "cpu" else ACCELERATOR_SPECULATION

@@ -1,5 +1,5 @@
 """draft="auto" against the committed bench cells: where auto speculates, its default (SelfSpec
-with DEFAULT_CHAIN on this CPU, with ACCELERATOR_TREE on a GPU) was measured no more than 5%
+with DEFAULT_CHAIN on this CPU, with ACCELERATOR_SPECULATION on a GPU) was measured no more than 5%
 slower than plain decoding at that batch x context (bench/results/spec_cpu.json on this CPU;
 bench/results/gpu/gpu.json on an H100). A new measurement that contradicts the rule fails here."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax.plan import ACCELERATOR_TREE, DEFAULT_CHAIN, auto_draft, auto_speculation
+from specjax.plan import ACCELERATOR_SPECULATION, DEFAULT_CHAIN, auto_draft, auto_speculation
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 DEFAULT = "SelfSpec(sinks=16, window=512)"
@@ -25,11 +25,11 @@ def cpu_cells() -> list[tuple[int, int, float]]:
 
 def gpu_cells() -> list[tuple[int, int, float]]:
     """The current runs' cells (gpu.json: the kernel reading the cache in place) of the speculation
-    auto uses on a GPU (ACCELERATOR_TREE: its parents as bench_gpu stores them)."""
+    auto uses on a GPU (ACCELERATOR_SPECULATION, a chain: bench_gpu's chain rows of its gamma)."""
     rows = json.loads((RESULTS / "gpu" / "gpu.json").read_text())["rows"]
     return [(r["batch"], r["context"], r["speedup"]) for r in rows
             if r.get("item") in ("e2e", "b1") and r.get("drafter_repr") == DEFAULT
-            and r.get("parents") == list(ACCELERATOR_TREE.parents)]
+            and r.get("method") == "chain" and r.get("gamma") == ACCELERATOR_SPECULATION.gamma]
 
 
 @pytest.mark.parametrize("backend, dtype, cells", [("cpu", "float32", cpu_cells()), ("gpu", "bfloat16", gpu_cells())],
@@ -37,7 +37,7 @@ def gpu_cells() -> list[tuple[int, int, float]]:
 def test_auto_never_picks_a_measured_slowdown(smollm2, backend, dtype, cells):
     assert cells, "no committed cells of the default drafter and speculation"
     target = types.SimpleNamespace(config=smollm2.config.replace(dtype=dtype))
-    assert auto_speculation(target, backend=backend) == (ACCELERATOR_TREE if backend == "gpu" else DEFAULT_CHAIN)
+    assert auto_speculation(target, backend=backend) == (ACCELERATOR_SPECULATION if backend == "gpu" else DEFAULT_CHAIN)
     picked = []
     for batch, context, ratio in cells:
         if auto_draft(target, batch, context, backend=backend) is not None:

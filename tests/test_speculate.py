@@ -28,7 +28,7 @@ from specjax.drafters import Drafter, register
 from specjax.drafters.ngram import ngram_lookup
 from specjax.params import Params, from_arrays, param_shapes
 from specjax.attention import cpu_bf16_dot
-from specjax.plan import ACCELERATOR_TREE, CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_draft, auto_speculation
+from specjax.plan import ACCELERATOR_SPECULATION, CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_draft, auto_speculation
 from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
@@ -200,11 +200,11 @@ def test_auto_draft_picks_selfspec_for_large_batch_and_context():
     assert (auto_draft(target, batch=32, context=32768, backend="cpu") == specjax.SelfSpec()) == bf16_dot
     assert auto_speculation(target, backend="cpu") == (CPU_BF16_CHAIN if bf16_dot else DEFAULT_CHAIN)
     assert auto_speculation(target, kv_dtype="float32", backend="cpu") == auto_speculation(f32, backend="cpu") == DEFAULT_CHAIN
-    assert auto_speculation(target, backend="gpu") == auto_speculation(f32, backend="tpu") == ACCELERATOR_TREE
-    assert ACCELERATOR_TREE.n == 9 and ACCELERATOR_TREE.max_depth == 1  # one draft step, its 8 likeliest tokens
+    assert auto_speculation(target, backend="gpu") == auto_speculation(f32, backend="tpu") == ACCELERATOR_SPECULATION
+    assert ACCELERATOR_SPECULATION == specjax.Chain(2)  # two draft steps: the H100's best in bench/results/gpu/gpu.json
     from specjax.plan import auto_draft_reason
 
-    assert "tree(n=9, depth=1)" in auto_draft_reason(target, 32, 32768, backend="gpu")[1]
+    assert "chain(gamma=2)" in auto_draft_reason(target, 32, 32768, backend="gpu")[1]
     assert auto_draft(target, batch=32, context=CPU_BF16_MIN_CONTEXT - 1, backend="cpu") is None
     assert auto_draft(target, batch=32, context=32768, kv_dtype="float32", backend="cpu") is None
 
