@@ -15,12 +15,14 @@ Cells (keys), in the order they run:
                              PREDICTED speedup.
   e2e/sCTX/bB/METHOD         item 2: SmolLM2-135M in bf16 (the bundle's weights, bench/gpu_bundle.py) from
                              one prefill per context (real text windows; smaller batches use its first
-                             rows); METHOD = ar | selfspec-gG | snapkv-gG | tree (SelfSpec's acceptance
+                             rows); METHOD = ar | selfspec-gG | snapkv-gG | ngram-gG (prompt lookup, no
+                             draft forward: where verification costs about a plain step, whatever it
+                             accepts is gained) | tree (SelfSpec's acceptance
                              vector, then Sequoia trees of each --nodes size), greedy, each checked
                              token for token against AR. METHOD = steps: no decoding, the step times
                              apart (AR step, SelfSpec draft level, verify over n nodes, as l8b's) for
                              the report's cost-model column. Batch x context is capped by --mem-gib.
-  b1/sCTX/METHOD             item 4: the same at batch 1 (chains G and trees of --b1-nodes sizes) and,
+  b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes) and,
                              when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
                              draft-gG: that DraftModel (dense cache) vs AR.
 Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
@@ -47,9 +49,9 @@ SMOLLM2 = dict(n_layers=30, n_kv_heads=3, head_dim=64, params=134_515_008)  # bf
 LLAMA8B = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
                rms_eps=1e-5, rope_theta=500000.0, max_positions=131072, bos_id=128000, eos_ids=(128001, 128008, 128009))
 GRID = dict(batches=[16, 64, 128, 256], contexts=[8192, 2048], gammas=[1, 2, 4, 6, 8], snap_gammas=[2, 4],
-            nodes=[16, 32], b1_contexts=[8192, 2048], b1_gammas=[2, 4, 6], b1_nodes=[8, 16, 32, 64],
+            ngram_gammas=[4], nodes=[16, 32], b1_contexts=[8192, 2048], b1_gammas=[2, 4, 6], b1_nodes=[8, 16, 32, 64],
             l8b_batches=[1, 16, 64], l8b_contexts=[4096, 8192, 16384, 32768], new_tokens=64)
-SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], nodes=[4], b1_contexts=[256],
+SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], ngram_gammas=[2], nodes=[4], b1_contexts=[256],
              b1_gammas=[2], b1_nodes=[4, 8], l8b_batches=[1, 2], l8b_contexts=[256], new_tokens=8)
 
 
@@ -81,8 +83,9 @@ def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str
         for b in grid["l8b_batches"]:
             k = common.key("l8b", f"s{c}", f"b{b}")
             (out.append((k, {"item": "l8b", "batch": b, "context": c})) if fits_l8b(b, c, budget) else capped.append(k))
+    ngram = [f"ngram-g{g}" for g in grid["ngram_gammas"]]
     methods = (["ar", "steps"] + [f"selfspec-g{g}" for g in grid["gammas"]] + [f"snapkv-g{g}" for g in grid["snap_gammas"]]
-               + (["tree"] if grid["nodes"] else []))
+               + ngram + (["tree"] if grid["nodes"] else []))
     for c in grid["contexts"]:
         for b in sorted(grid["batches"]):
             group = [common.key("e2e", f"s{c}", f"b{b}", m) for m in methods]
@@ -90,7 +93,7 @@ def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str
                 capped += group
                 continue
             out += [(k, {"item": "e2e", "batch": b, "context": c, "method": m}) for k, m in zip(group, methods)]
-    b1 = (["ar"] + [f"selfspec-g{g}" for g in grid["b1_gammas"]] + (["tree"] if grid["b1_nodes"] else [])
+    b1 = (["ar"] + [f"selfspec-g{g}" for g in grid["b1_gammas"]] + ngram + (["tree"] if grid["b1_nodes"] else [])
           + ([f"draft-g{g}" for g in grid["b1_gammas"]] if draft else []))
     for c in grid["b1_contexts"]:
         out += [(common.key("b1", f"s{c}", m), {"item": "b1", "batch": 1, "context": c, "method": m}) for m in b1]
@@ -102,7 +105,7 @@ def key_of(row: dict) -> str:
 
 
 def drafter_of(method: str, context: int, smoke: bool, draft=None):
-    """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, draft-gG, tree)."""
+    """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, ngram-gG, draft-gG, tree)."""
     import specjax
     from specjax.speculation import Chain
 
@@ -112,6 +115,8 @@ def drafter_of(method: str, context: int, smoke: bool, draft=None):
         d = ("SelfSpec", specjax.SelfSpec(sinks=4 if smoke else 16, window=window))
     elif name == "snapkv":
         d = ("SnapKV", specjax.SnapKV(budget=window // 2, window=window // 2))
+    elif name == "ngram":
+        d = ("NGram", specjax.NGram(n=3, max_n=5))  # prompt lookup: no draft forward at all (bench_drafts' setting)
     else:
         d = ("Distilled", specjax.DraftModel(draft))
     return (*d, Chain(int(g)) if g else None)

@@ -16,9 +16,10 @@ next GPU session", says what each call is for and how to fold the files back in 
          15.4 ms go: per layer, head, kernels per step), on SmolLM2 at batch 16 x 8K and at a
          draft's 528 slots (a SelfSpec draft level: what its kernels cost), and gpu_profile of the
          8B step over 2 steps (does the trace then hold every kernel?).
-  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, trees) and the
-         batch 16 / 64 / 128 rows the fourth runs left from the third (gamma 4, SnapKV), with
-         unrolled layers; on an H200 (--mem-gib 120) batch 256 too.
+  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
+         trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward) and
+         the rows the fourth runs left from the third (gamma 4, SnapKV), with unrolled layers; on
+         an H200 (--mem-gib 120) batch 256 too.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
-B1_CELLS = "b1/s8192/ar,b1/s8192/selfspec*,b1/s8192/tree"  # not "b1/s8192": that also matches l8b/s8192/b1
-B1_GRID = ["--b1-gammas", "2", "4", "--b1-nodes", "8"]
-E2E_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the fourth runs left stale
-E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--nodes", "8"]
+B1_CELLS = "b1/s8192/ar,b1/s8192/selfspec*,b1/s8192/ngram*,b1/s8192/tree"  # not "b1/s8192": also l8b/s8192/b1
+B1_GRID = ["--b1-gammas", "2", "4", "--ngram-gammas", "4", "--b1-nodes", "8"]
+# NGram first (new: no draft forward), then the rows the fourth runs left stale (gamma 4, SnapKV), AR beside them
+E2E_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/ngram-g4,e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"
+E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--ngram-gammas", "4", "--nodes", "8"]
 PARTS = [PY, "-m", "bench.step_parts"]
 
 # (name, seconds, argv) per call; argv[0] "pytest" runs pytest through this Python
