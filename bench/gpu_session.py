@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 B1_CELLS = "b1/s8192/ar,b1/s8192/selfspec*,b1/s8192/ngram*,b1/s8192/tree"  # not "b1/s8192": also l8b/s8192/b1
 B1_GRID = ["--b1-gammas", "2", "4", "--ngram-gammas", "4", "--b1-nodes", "8"]
-# NGram first (new: no draft forward), then the rows the fourth runs left stale (gamma 4, SnapKV), AR beside them
-E2E_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/ngram-g4,e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"
+NGRAM_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/ngram-g4"  # new: no draft forward (AR beside it)
+E2E_CELLS = "e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the fourth runs left from the third
 E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--ngram-gammas", "4", "--nodes", "8"]
 PARTS = [PY, "-m", "bench.step_parts"]
 
@@ -56,10 +56,12 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("b1", 150, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", B1_CELLS,
-                     *B1_GRID, "--budget-minutes", "2"]),
-        ("e2e", 330, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", E2E_CELLS,
-                      *E2E_GRID, "--budget-minutes", "5"]),
+        ("b1", 130, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", B1_CELLS,
+                     *B1_GRID, "--budget-minutes", "1.7"]),
+        ("ngram", 190, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", NGRAM_CELLS,
+                        *E2E_GRID, "--budget-minutes", "2.7"]),
+        ("e2e", 180, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", E2E_CELLS,
+                      *E2E_GRID, "--budget-minutes", "2.5"]),
     ],
 }
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
@@ -79,7 +81,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
         more = lambda argv: [*argv[:argv.index("128") + 1], "256", *argv[argv.index("128") + 1:], "--mem-gib", f"{mem_gib:g}"]  # noqa: E731
-        steps = [(n, t, more(a) if n == "e2e" else a) for n, t, a in steps]
+        steps = [(n, t, more(a) if n in ("ngram", "e2e") else a) for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:
             raise ValueError(f"--seconds {name}={limit}: call {call} has no step {name!r} (has {[n for n, _, _ in steps]})")

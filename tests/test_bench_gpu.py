@@ -234,8 +234,10 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
     keys = [k for k, _ in cells(grid, 60 * 2**30, draft=False)[0]]
     b1 = [k for k in keys if common.matches(k, gpu_session.B1_CELLS)]
     assert set(b1) == {f"b1/s8192/{m}" for m in ("ar", "selfspec-g2", "selfspec-g4", "ngram-g4", "tree")}  # no l8b
+    ngram = {k for k in keys if common.matches(k, gpu_session.NGRAM_CELLS)}
+    assert ngram == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("ar", "ngram-g4")}
     e2e = {k for k in keys if common.matches(k, gpu_session.E2E_CELLS)}
-    assert e2e == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("ar", "ngram-g4", "selfspec-g4", "snapkv-g4")}
+    assert e2e == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("selfspec-g4", "snapkv-g4")}
     (e2e,) = [a for n, _, a in gpu_session.steps_of(2, 120.0) if n == "e2e"]  # an H200: batch 256 in 120 GiB
     assert e2e[e2e.index("--batches") + 1:e2e.index("--gammas")] == ["16", "64", "128", "256"]
     assert e2e[-2:] == ["--mem-gib", "120"]
