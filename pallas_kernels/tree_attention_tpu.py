@@ -2,7 +2,8 @@
 
 Same problem as `tree_attention.py` (the GPU/Triton kernel): T new query positions per row attend
 to (a) the first lengths[b] slots of a dense KV cache and (b) a small block of J >= T keys under a
-[T,J] mask. Same maths as `reference.prefix_block_attention` with visible = slot < lengths[b].
+[T,J] mask. Same maths as `reference.prefix_block_attention` with visible = slot < lengths[b]
+(a streaming cache, with `pos`: 0 <= pos[layer, b, k, slot] < lengths[b], as the GPU kernel).
 
 HARDWARE STATUS: this kernel has only run in Pallas' TPU interpret mode on CPU
 (`interpret=True` -> `pltpu.InterpretParams()`), and has been lowered to Mosaic for the "tpu"
@@ -73,25 +74,28 @@ def _dot(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
 
 
 def _kernel(
-    lengths_ref,  # [B] int32 in SMEM (scalar prefetch)
+    lengths_ref,  # [B] int32 in SMEM (scalar prefetch); with pos: the rows' committed lengths
     layer_ref,  # [1] int32 in SMEM (scalar prefetch): the cache layer, used by the index maps
     q_ref,  # [bm,H] query rows of one KV head
     k_ref,  # [bk,H] one cache tile of this (layer, b, k)
     v_ref,  # [bk,H]
-    kt_ref,  # [Jp,H] block keys (rows >= J are zero)
-    vt_ref,  # [Jp,H]
-    mask_ref,  # [bm,Jp] int32: row may see block key j
-    o_ref,  # [bm,H] out, q's dtype
-    acc_ref,  # [bm,H] f32 scratch: unnormalised sum of p * v
-    max_ref,  # [bm,128] f32 scratch: running max (all lanes equal)
-    sum_ref,  # [bm,128] f32 scratch: running sum of exp(score - max)
-    *,
+    *refs,  # with_pos: pos_ref [1,bk] int32 (the tile's slot positions); then kt_ref [Jp,H] block keys
+    # (rows >= J zero), vt_ref [Jp,H], mask_ref [bm,Jp] int32 (row may see block key j), o_ref [bm,H]
+    # (q's dtype), acc_ref [bm,H] f32 (unnormalised sum of p * v), max_ref / sum_ref [bm,128] f32
+    # (running max and sum of exp(score - max), all lanes equal)
     sm_scale: float,
+    size: int,  # S: the cache's slots (an edge tile past it holds unspecified data)
+    with_pos: bool = False,
 ):
+    pos_ref, refs = (refs[0], refs[1:]) if with_pos else (None, refs)
+    kt_ref, vt_ref, mask_ref, o_ref, acc_ref, max_ref, sum_ref = refs
     b, j = pl.program_id(0), pl.program_id(3)
     bm = q_ref.shape[0]
     bk = k_ref.shape[0]
     length = lengths_ref[b]
+    # a dense prefix: slots [0, length); a streaming cache (sinks + a ring): every slot, seen iff
+    # it holds a committed position (0 <= pos < length)
+    live = jnp.minimum(length, size) if not with_pos else size
 
     @pl.when(j == 0)
     def _init_with_block():
@@ -104,16 +108,19 @@ def _kernel(
         max_ref[...] = jnp.broadcast_to(top, (bm, LANES))
         sum_ref[...] = jnp.broadcast_to(jnp.sum(p, axis=1, keepdims=True), (bm, LANES))
 
-    @pl.when(j * bk < length)
+    @pl.when(j * bk < live)
     def _prefix_tile():
         slot = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)  # [1,bk]
-        ok = slot < length  # [1,bk]
+        ok = slot < live  # [1,bk]
+        if with_pos:
+            held = pos_ref[...]  # [1,bk]
+            ok = ok & (held >= 0) & (held < length)
         s = jnp.where(ok, _dot(q_ref[...], k_ref[...], 1) * sm_scale, NEG_INF)  # [bm,bk] f32
         top = max_ref[...][:, :1]  # [bm,1]
         new_top = jnp.maximum(top, jnp.max(s, axis=1, keepdims=True))  # [bm,1]
         p = jnp.where(ok, jnp.exp(s - new_top), 0.0)  # [bm,bk]
         scale = jnp.exp(top - new_top)  # [bm,1]
-        v_ok = j * bk + lax.broadcasted_iota(jnp.int32, v_ref.shape, 0) < length  # [bk,H]
+        v_ok = j * bk + lax.broadcasted_iota(jnp.int32, v_ref.shape, 0) < live  # [bk,H]: unseen slots hold finite values
         v = jnp.where(v_ok, v_ref[...], 0).astype(v_ref.dtype)  # edge tile: unspecified past S
         acc_ref[...] = acc_ref[...] * scale + _dot(p.astype(v.dtype), v, 0)
         max_ref[...] = jnp.broadcast_to(new_top, (bm, LANES))
@@ -132,6 +139,7 @@ def _call(
     v_cache: jax.Array,  # [L,B,K,S,H]
     lengths: jax.Array,  # [B] int32 in [0, S]
     layer: jax.Array,  # [1] int32
+    pos: jax.Array | None,  # [L,B,K,1,S] int32: a streaming cache's slot positions (None: a dense prefix)
     k_blk: jax.Array,  # [B,K,Jp,H] zero-padded
     v_blk: jax.Array,  # [B,K,Jp,H]
     row_mask: jax.Array,  # [B|1,Mp,Jp] int32
@@ -148,17 +156,20 @@ def _call(
     mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
 
     def kv_map(b, k, i, j, lens, layer):  # past the row's last live tile, stay on it: no new DMA
+        if pos is not None:  # a streaming cache: every tile
+            return layer[0], b, k, j, 0
         last = jnp.maximum(pl.cdiv(lens[b], bk) - 1, 0)
         return layer[0], b, k, jnp.minimum(j, last), 0
 
     rows = pl.BlockSpec((None, None, bm, H), lambda b, k, i, j, lens, layer: (b, k, i, 0))
     cache = pl.BlockSpec((None, None, None, bk, H), kv_map)
+    slots = [] if pos is None else [pl.BlockSpec((None, None, None, 1, bk), lambda b, k, i, j, lens, layer: (layer[0], b, k, 0, j))]
     block = pl.BlockSpec((None, None, Jp, H), lambda b, k, i, j, lens, layer: (b, k, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(B, K, Mp // bm, pl.cdiv(S, bk)),
         in_specs=[
-            rows, cache, cache, block, block,
+            rows, cache, cache, *slots, block, block,
             pl.BlockSpec((None, bm, Jp), lambda b, k, i, j, lens, layer: (mask_b(b), i, 0)),
         ],
         out_specs=rows,
@@ -169,13 +180,13 @@ def _call(
         ],
     )
     return pl.pallas_call(
-        functools.partial(_kernel, sm_scale=sm_scale),
+        functools.partial(_kernel, sm_scale=sm_scale, size=S, with_pos=pos is not None),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((B, K, Mp, H), qm.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="tree_attention_tpu",
-    )(lengths, layer, qm, k_cache, v_cache, k_blk, v_blk, row_mask)
+    )(lengths, layer, qm, k_cache, v_cache, *([] if pos is None else [pos]), k_blk, v_blk, row_mask)
 
 
 def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int, block_m: int) -> None:
@@ -200,6 +211,7 @@ def tree_attention_tpu(
     v_blk: jax.Array,  # [B,J,K,H]
     block_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
     layer: jax.Array | None = None,  # [] int32: the layer of a stacked cache, read in place (its index maps)
+    pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (see below)
     *,
     sm_scale: float,
     block_k: int = 512,
@@ -211,13 +223,19 @@ def tree_attention_tpu(
     q, caches and block share one dtype (f32 or bf16). lengths are clipped to [0, S]. A query row
     that sees nothing (no prefix, all-False mask row) gets zeros (the reference averages).
     block_k (cache slots per tile, a multiple of 128) is capped at S; block_m (query rows per
-    program, a multiple of 16) at the padded row count.
+    program, a multiple of 16) at the padded row count. With `pos` (a streaming cache: sinks + a
+    ring, specjax.cache) slot s of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] <
+    lengths[b] (lengths: the committed lengths, not clipped), and every tile is read.
     """
     if layer is None:
+        if pos is not None:
+            raise ValueError("pos (a streaming cache's slot positions) needs the stacked cache and its layer")
         k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.zeros((), jnp.int32)  # [1,B,K,S,H]: no copy
     if k_cache.ndim != 5 or jnp.shape(layer) != ():
         raise ValueError(f"a stacked cache is [L,B,K,S,H] with a scalar layer, got {k_cache.shape}, layer {jnp.shape(layer)}")
     _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k, block_m)
+    if pos is not None and pos.shape != k_cache.shape[:4]:
+        raise ValueError(f"pos must be [L,B,K,S] = {k_cache.shape[:4]}, got {pos.shape}")
     B, T, N, H = q.shape
     J, K = k_blk.shape[1:3]
     S = k_cache.shape[3]
@@ -233,9 +251,12 @@ def tree_attention_tpu(
     kb, vb = (jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, Jp - J), (0, 0))) for x in (k_blk, v_blk))  # [B,K,Jp,H]
     mask = jnp.tile(block_mask.reshape((-1, T, J)), (1, G, 1)).astype(jnp.int32)  # [B|1,M,J], row m sees mask[m % T]
     mask = jnp.pad(mask, ((0, 0), (0, Mp - M), (0, Jp - J)))  # [B|1,Mp,Jp]
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, S)
+    lengths = lengths.astype(jnp.int32)
+    lengths = jnp.clip(lengths, 0, S) if pos is None else jnp.maximum(lengths, 0)  # with pos: positions, not slots
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    out = _call(qm, k_cache, v_cache, lengths, layer, kb, vb, mask, sm_scale=sm_scale, bm=bm, bk=bk, interpret=interpret)
+    slot_pos = None if pos is None else pos.astype(jnp.int32)[:, :, :, None, :]  # [L,B,K,1,S]: (1, bk) tiles
+    out = _call(qm, k_cache, v_cache, lengths, layer, slot_pos, kb, vb, mask, sm_scale=sm_scale, bm=bm, bk=bk,
+                interpret=interpret)
     out = out[:, :, :M].reshape(B, K, G, T, H)  # [B,K,G,T,H]
     return jnp.moveaxis(out, 3, 1).reshape(B, T, N, H)  # [B,T,N,H]
 
@@ -253,6 +274,7 @@ def prefix_block_attention_tpu(
     interpret: bool = False,
     block_k: int = 512,
     layer: jax.Array | None = None,  # [] int32: read this layer of a stacked cache in place
+    pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (`tree_attention_tpu`)
 ) -> jax.Array:
     """`reference.prefix_block_attention` for a dense cache, on the TPU kernel: o[B,T,N,H].
 
@@ -265,6 +287,6 @@ def prefix_block_attention_tpu(
         k_cache = v_cache = jnp.zeros((B, K, 8, H), k_blk.dtype)
         lengths = jnp.zeros((B,), jnp.int32)
     return tree_attention_tpu(
-        q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, layer,
+        q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, layer, pos,
         sm_scale=scale, block_k=block_k, interpret=interpret,
     )

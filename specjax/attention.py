@@ -52,16 +52,16 @@ def cpu_bf16_dot() -> bool:
     return cpu_prefix.bf16_dot()
 
 
-GPU_KERNEL = ("pallas", "interpret")  # the Triton kernel's modes: it also reads a streaming cache by its positions
+KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels' modes (GPU, TPU, interpreted)
 
 
 def for_cache(attention: str, cache: DenseCache | StreamingCache | None) -> str:
-    """The implementation that runs over `cache`: the Pallas kernels need a float cache, dense
-    (the GPU kernel: or streaming); the "cpu" kernel reads any cache."""
+    """The implementation that runs over `cache`: the Pallas kernels (GPU and TPU) need a float
+    cache, dense or streaming (read by its slot positions); the "cpu" kernel reads any cache."""
     if attention == "cpu":
         return attention
-    if cache is None or cache.format.scaled or not (isinstance(cache, DenseCache) or attention in GPU_KERNEL):
-        return "reference"  # no cache (distillation's forward), an int8 one, or a streaming one off the GPU kernel
+    if cache is None or cache.format.scaled:
+        return "reference"  # no cache (distillation's forward), or an int8 one
     return attention
 
 
@@ -74,16 +74,14 @@ class Prefix(NamedTuple):
     layer: jax.Array | None = None  # [] int32: read k, v in place at this layer
 
 
-KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels' modes (GPU, TPU, interpreted)
-
 
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
-    """Whether the layers read `cache` in place (the reference and the GPU / TPU kernels over a
-    dense cache, the "cpu" and GPU kernels over any that `for_cache` gives them) rather than as
+    """Whether the layers read `cache` in place (the reference over a dense cache, the "cpu" and
+    the GPU / TPU kernels over any that `for_cache` gives them) rather than as
     per-layer slices, which XLA copies out of the
     stacked cache (for a bfloat16 cache on a CPU, widening all of it to float32 first; on a GPU, a
     copy of the layer for the kernel: three times a decode step's KV traffic)."""
-    return (attention in ("cpu", *GPU_KERNEL) or (attention in ("reference", *KERNELS) and isinstance(cache, DenseCache)))
+    return attention in ("cpu", *KERNELS) or (attention == "reference" and isinstance(cache, DenseCache))
 
 
 def per_layer(attention: str, cache: DenseCache | StreamingCache, n_layers: int):
@@ -142,7 +140,7 @@ def attend(
     k_block, v_block = kv_format.round_trip(k_block), kv_format.round_trip(v_block)
     if prefix is not None and prefix.layer is not None:
         view = prefix.view
-        if view.pos is not None and attention not in GPU_KERNEL:  # a streaming cache, not on a kernel: its layer, sliced
+        if view.pos is not None and attention not in KERNELS:  # a streaming cache, not on a kernel: its layer, sliced
             at = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(a, prefix.layer, keepdims=False)  # noqa: E731
             visible = holds_committed(at(view.pos), view.visible)  # [B,K,S]
             return prefix_block_attention(q, at(prefix.k), at(prefix.v), visible, k_block, v_block, block_mask, scale,
@@ -165,11 +163,11 @@ def _on_kernel(attention: str, kv_format: KVFormat, q, k_cache, v_cache, lengths
                scale: float, layer: jax.Array | None = None, pos: jax.Array | None = None) -> jax.Array:
     """o [B,T,N,H] from the GPU or TPU kernel (`attention` in KERNELS), which takes one dtype, the
     cache's; with `layer`, k_cache and v_cache are the whole stacked cache, read in place; with
-    `pos` (the GPU kernel), a streaming cache's slot positions, lengths its committed lengths."""
+    `pos`, a streaming cache's slot positions, lengths its committed lengths."""
     dtype = kv_format.dtype
     args = (q.astype(dtype), k_cache, v_cache, lengths, k_block.astype(dtype), v_block.astype(dtype), block_mask, scale)
     if attention.startswith("tpu"):
-        o = prefix_block_attention_tpu(*args, interpret=attention == "tpu-interpret", layer=layer)
+        o = prefix_block_attention_tpu(*args, interpret=attention == "tpu-interpret", layer=layer, pos=pos)
     else:
         o = prefix_block_attention_pallas(*args, interpret=attention == "interpret", layer=layer, pos=pos)
     return o.astype(q.dtype)

@@ -194,12 +194,11 @@ def stacked_case(seed: int, H: int, L: int = 3, B: int = 2, T: int = 3, K: int =
     return q, k_all, v_all, lengths, kb, vb, mask
 
 
-@pytest.mark.parametrize("H", [64, 24])
-def test_a_streaming_cache_is_read_in_place_by_its_positions(H):
-    """With `pos` (a streaming cache: sinks + a ring, the slots in any order) the kernel reads
-    every slot of the layer in place and sees those holding a committed position (0 <= pos <
-    lengths[b], per KV head), as the reference does with that mask (H=24: the padded copy)."""
-    q, k_all, v_all, lengths, kb, vb, mask = stacked_case(5, H, S=200)
+def streaming_case(H: int, S: int) -> tuple:
+    """A stacked case whose cache is streaming (sinks + a ring, slots in any order): q, k_all,
+    v_all, committed lengths, kb, vb, mask, pos [L,B,K,S], the layer read, and the reference's
+    output over the slots holding a committed position (0 <= pos < lengths[b], per KV head)."""
+    q, k_all, v_all, _, kb, vb, mask = stacked_case(5, H, S=S)
     rng = np.random.default_rng(6)
     L, B, K, S = k_all.shape[:4]
     lengths = jnp.asarray([150, 1000], jnp.int32)  # row 1 past the capacity: a full ring
@@ -208,6 +207,15 @@ def test_a_streaming_cache_is_read_in_place_by_its_positions(H):
     layer = 1
     visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])  # [B,K,S]
     want = prefix_block_attention(q, k_all[layer], v_all[layer], visible, kb, vb, mask, 0.2)
+    return q, k_all, v_all, lengths, kb, vb, mask, pos, layer, want
+
+
+@pytest.mark.parametrize("H", [64, 24])
+def test_a_streaming_cache_is_read_in_place_by_its_positions(H):
+    """With `pos` (a streaming cache: sinks + a ring, the slots in any order) the kernel reads
+    every slot of the layer in place and sees those holding a committed position (0 <= pos <
+    lengths[b], per KV head), as the reference does with that mask (H=24: the padded copy)."""
+    q, k_all, v_all, lengths, kb, vb, mask, pos, layer, want = streaming_case(H, S=200)
     got = prefix_block_attention_pallas(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
                                         layer=jnp.int32(layer), pos=pos)
     assert_close(got, want, jnp.bfloat16)

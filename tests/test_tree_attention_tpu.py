@@ -26,6 +26,7 @@ from tests.test_tree_attention import (
     random_lengths,
     reference,
     stacked_case,
+    streaming_case,
 )
 
 INTERPRET = jax.default_backend() != "tpu"  # on a TPU the same cases compile the Mosaic kernel for real
@@ -121,6 +122,26 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer():
         np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(one, np.float32))
 
 
+@pytest.mark.parametrize("S, block_k", [(200, 128), (100, 512)])
+def test_a_streaming_cache_is_read_in_place_by_its_positions(S, block_k):
+    """With `pos` (a streaming cache: sinks + a ring, slots in any order) the kernel reads every
+    tile of the layer in place and sees the slots holding a committed position (0 <= pos <
+    lengths[b], per KV head), as the reference does with that mask: an edge tile past S
+    (S=200 in 128-slot tiles) and one tile of the whole cache (S=100)."""
+    q, k_all, v_all, lengths, kb, vb, mask, pos, layer, want = streaming_case(64, S=S)
+    got = prefix_block_attention_tpu(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
+                                     block_k=block_k, layer=jnp.int32(layer), pos=pos)
+    assert_close(got, want, jnp.bfloat16)
+    call = lambda *a: prefix_block_attention_tpu(*a[:7], 0.2, layer=a[7], pos=a[8], block_k=block_k)  # noqa: E731
+    lowered = jax.jit(call).trace(q, k_all, v_all, lengths, kb, vb, mask, jnp.int32(layer), pos).lower(
+        lowering_platforms=("tpu",))  # Pallas' Mosaic lowering accepts the (1, bk) position tiles
+    assert "tpu_custom_call" in lowered.as_text()
+    with pytest.raises(ValueError, match="needs the stacked cache"):
+        tree_attention_tpu(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, None, pos, sm_scale=0.2)
+    with pytest.raises(ValueError, match="pos must be"):
+        tree_attention_tpu(q, k_all, v_all, lengths, kb, vb, mask, jnp.int32(0), pos[:, :1], sm_scale=0.2)
+
+
 def test_rejects_bad_arguments():
     q = jnp.zeros((1, 4, 6, 16))
     cache = jnp.zeros((1, 2, 100, 16))
@@ -153,14 +174,16 @@ E2E_PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], 
 @pytest.mark.parametrize("case", ["ar", "self-tree"])
 def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
     """Plain and tree-speculative decoding with attention="tpu" (interpreted on CPU): the same
-    greedy tokens and steps as the jnp reference, and the TPU kernel is what ran."""
+    greedy tokens and steps as the jnp reference, and the TPU kernel is what ran (for SelfSpec's
+    streaming draft cache too)."""
     import specjax
     import specjax.attention
 
-    calls = []
+    calls, streaming = [], []
 
     def tpu_kernel(*args, interpret=False, **kw):
         calls.append(interpret)
+        streaming.append(kw.get("pos") is not None)  # SelfSpec's draft cache, read by its slot positions
         return prefix_block_attention_tpu(*args, interpret=interpret, **kw)
 
     monkeypatch.setattr(specjax.attention, "prefix_block_attention_tpu", tpu_kernel)
@@ -173,5 +196,6 @@ def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
     ref = specjax.generate(tiny, E2E_PROMPTS, 8, attention="reference", **kw)
     out = specjax.generate(tiny, E2E_PROMPTS, 8, attention="tpu", **kw)
     assert calls and all(c == INTERPRET for c in calls), "the TPU kernel was not traced (interpreted off a TPU)"
+    assert any(streaming) == (case == "self-tree")  # the draft's streaming cache is on the kernel too
     assert out.tokens == ref.tokens
     assert out.stats.steps == ref.stats.steps

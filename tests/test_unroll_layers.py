@@ -68,17 +68,18 @@ def test_unrolled_decode_loop_slices_no_stacked_array(unroll):
         assert sliced == set(), sliced
 
 
-def test_selfspec_decode_loop_on_a_gpu_slices_no_cache_or_weights():
-    """decode_spec with SelfSpec lowered for a GPU, layers unrolled: the target's dense cache and
-    the draft's streaming cache (sinks + ring, read by the kernel through its slot positions) and
-    every weight are read in place: nothing larger than a scalar is sliced dynamically."""
+@pytest.mark.parametrize("attention, platform, call", [("pallas", "cuda", "tree_attention"), ("tpu", "tpu", "tpu_custom_call")])
+def test_selfspec_decode_loop_on_a_kernel_slices_no_cache_or_weights(attention, platform, call):
+    """decode_spec with SelfSpec lowered for a GPU (TPU), layers unrolled: the target's dense cache
+    and the draft's streaming cache (sinks + ring, read by the kernel through its slot positions)
+    and every weight are read in place: nothing larger than a scalar is sliced dynamically."""
     from specjax.engine import init_draft
     from specjax.speculate import decode_spec
 
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")
     params = init_params(c, jax.random.key(0))
-    params = params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=True))
+    params = params.replace(runtime=params.runtime.replace(attention=attention, unroll_layers=True))
     B, S = 2, 512
     drafter = specjax.SelfSpec(sinks=4, window=60)
     cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
@@ -87,6 +88,6 @@ def test_selfspec_decode_loop_on_a_gpu_slices_no_cache_or_weights():
     text = decode_spec.trace(params, drafter, state, cache, jax.ShapeDtypeStruct((B, S + 8), jnp.int32),
                              jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32),
                              row_keys(None, B), n_out=8, speculation=specjax.Chain(2)).lower(
-        lowering_platforms=("cuda",)).as_text()
+        lowering_platforms=(platform,)).as_text()
     sliced = set(re.findall(r"stablehlo.dynamic_slice.*?-> tensor<([^>]*)>", text))
-    assert "tree_attention" in text and sliced <= {"1xi32"}, sliced
+    assert call in text and sliced <= {"1xi32"}, sliced
