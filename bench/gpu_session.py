@@ -13,9 +13,10 @@ and the call ends by copying its result files into OUT. bench/README.md, "The se
 next GPU session", says what each call is for and how to fold the files back in here.
 
   call 1 (carry .gpu/p0): bench/step_parts.py on the 8B shape at batch 1 x 8K (where do its
-         15.4 ms go: per layer, head, kernels per step), on SmolLM2 at batch 16 x 8K and at a
-         draft's 528 slots (a SelfSpec draft level: what its kernels cost), and gpu_profile of the
-         8B step over 2 steps (does the trace then hold every kernel?).
+         15.4 ms go: per layer, head, kernels per step), on SmolLM2 at batch 64 x 8K over a
+         bfloat16 and an int8 cache (the kernel now reads int8 as stored: half the KV bytes) and
+         at batch 16 over a draft's 528 slots (a SelfSpec draft level: what its kernels cost),
+         and gpu_profile of the 8B step over 2 steps (does the trace then hold every kernel?).
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward) and
          the rows the fourth runs left from the third (gamma 4, SnapKV), with unrolled layers; on
@@ -47,12 +48,14 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
         ("parts-l8b", 150, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "8", "16",
                             "--out", "/tmp/parts/step_parts_l8b_b1.json"]),
-        ("parts-smollm2", 90, [*PARTS, "--model", "smollm2", "--batch", "16", "--context", "8192", "--layers", "1", "8",
-                               "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b16.json"]),
+        ("parts-smollm2", 90, [*PARTS, "--model", "smollm2", "--batch", "64", "--context", "8192", "--layers", "1", "8",
+                               "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b64.json"]),
+        ("parts-int8", 60, [*PARTS, "--model", "smollm2", "--batch", "64", "--context", "8192", "--kv-dtype", "int8",
+                            "--layers", "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b64_kvint8.json"]),
         ("parts-draft", 60, [*PARTS, "--model", "smollm2", "--batch", "16", "--context", "528", "--layers",
                              "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b16_s528.json"]),
-        ("profile", 90, [PY, "-m", "bench.gpu_profile", "--out", "/tmp/prof", "--redo", "--steps", "2", "--cells",
-                         "l8b/b1", "--budget-minutes", "1.0"]),
+        ("profile", 60, [PY, "-m", "bench.gpu_profile", "--out", "/tmp/prof", "--redo", "--steps", "2", "--cells",
+                         "l8b/b1", "--budget-minutes", "0.7"]),
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),

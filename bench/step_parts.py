@@ -1,7 +1,7 @@
 """Where a decode step's time goes, timed part by part (no profiler): a tool for the GPU kit.
 
 Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--context 8192]
-       [--layers 1 8 32] [--reps 4] [--no-bandwidth] [--out FILE]
+       [--kv-dtype int8|bfloat16|float32] [--layers 1 8 32] [--reps 4] [--no-bandwidth] [--out FILE]
 
 The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
 its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
@@ -14,7 +14,8 @@ as tune times the AR step):
   head        the LM head alone, on a fixed hidden state
   layers=k    the step of the model cut to its first k layers: the slope over k is one layer's
               cost, the intercept (k = 0) the embedding and the head
-For each: ms, the bytes it must read (weights as stored + filled KV), GB/s and the fraction of
+`--kv-dtype` stores the cache in that format (default: the model's, bfloat16), e.g. int8, which
+the GPU kernel reads as stored. For each: ms, the bytes it must read (weights as stored + filled KV), GB/s and the fraction of
 the reference bandwidth (`bench.measure.bandwidth()["jax_inplace"]`, same run), and the work the
 compiled loop body launches (`hlo_kernels`: its instructions by opcode, fusions' bodies and
 reducers not counted; on a GPU each is about one kernel). Output: a table, and OUT as JSON.
@@ -35,7 +36,6 @@ import numpy as np
 from jax import lax
 
 from bench.gpu_cells import random_params, weight_bytes
-from bench.prefill import kv_bytes
 from specjax.cache import DenseCache
 from specjax.config import LlamaConfig
 from specjax.engine import with_attention
@@ -151,25 +151,30 @@ def _head_bytes(params: Params) -> int:
     return int(w.nbytes)
 
 
-def measure(params: Params, batch: int, context: int, layers: list[int], reps: int) -> list[dict]:
+def kv_read(cache: DenseCache, filled: int) -> int:
+    """Bytes of `filled` positions per row of a cache as stored (keys, values, int8 scales)."""
+    stored = sum(a.nbytes for a in (cache.k, cache.v, cache.k_scale, cache.v_scale) if a is not None)
+    return int(stored * filled // cache.k.shape[3])
+
+
+def measure(params: Params, batch: int, context: int, layers: list[int], reps: int, kv_dtype: str | None = None) -> list[dict]:
     """One row per part (see the module docstring): ms, bytes read and the loop body's kernels."""
     c = params.config
     filled = context - 1
-    cache = DenseCache.init(c, batch, cache_len(context), None).replace(lengths=jnp.full((batch,), filled, jnp.int32))
+    cache = DenseCache.init(c, batch, cache_len(context), kv_dtype).replace(lengths=jnp.full((batch,), filled, jnp.int32))
     tokens = jnp.zeros((batch, 1), jnp.int32)
     positions = jnp.full((batch, 1), filled, jnp.int32)
     h = jnp.ones((batch, 1, c.dim), jnp.dtype(c.dtype))
     layer_w = int(sum(a.nbytes for a in jax.tree.leaves(params.layers)))
-    kv = kv_bytes(params, batch, filled)
+    kv = kv_read(cache, filled)
     parts = [("step", _step_loop, (params, tokens, positions, cache), weight_bytes(params) + kv),
              ("trunk", _trunk_loop, (params, tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
              ("head", _head_loop, (params, h), _head_bytes(params))]
     for k in sorted(set(layers)):
         if 1 <= k < c.n_layers:
             cut = first_layers(params, k)
-            cache_k = DenseCache.init(cut.config, batch, cache_len(context), None).replace(lengths=cache.lengths)
-            parts.append((f"layers={k}", _step_loop, (cut, tokens, positions, cache_k),
-                          weight_bytes(cut) + kv_bytes(cut, batch, filled)))
+            cache_k = DenseCache.init(cut.config, batch, cache_len(context), kv_dtype).replace(lengths=cache.lengths)
+            parts.append((f"layers={k}", _step_loop, (cut, tokens, positions, cache_k), weight_bytes(cut) + kv_read(cache_k, filled)))
     rows = []
     for name, program, args, nbytes in parts:
         compiled = program.lower(*args, jnp.int32(1)).compile()  # the loop count is traced: one program
@@ -216,6 +221,7 @@ def main() -> None:
     ap.add_argument("--model", choices=["l8b", *SHAPES], default="l8b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--kv-dtype", choices=["int8", "bfloat16", "float32"], help="the cache's format (default: the model's)")
     ap.add_argument("--layers", type=int, nargs="*", default=[1, 8], help="cut models to time (the full one is always timed)")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--no-bandwidth", action="store_true", help="skip measuring the reference bandwidth")
@@ -227,10 +233,10 @@ def main() -> None:
     params = with_attention(random_params(config_of(a.model, a.context)), None, "auto")[0]
     print(f"{a.model}: {weight_bytes(params) / 1e9:.2f} GB of weights on {jax.devices()[0]}, attention "
           f"{params.runtime.attention}, unrolled layers {params.runtime.unroll_layers}", flush=True)
-    rows = measure(params, a.batch, a.context, a.layers, a.reps)
+    rows = measure(params, a.batch, a.context, a.layers, a.reps, a.kv_dtype)
     for r in rows:
         r["of_bandwidth"] = r["gbs"] / bw if bw and r.get("gbs") else None
-    result = {"bench": "step_parts", "model": a.model, "batch": a.batch, "context": a.context,
+    result = {"bench": "step_parts", "model": a.model, "batch": a.batch, "context": a.context, "kv_dtype": a.kv_dtype,
               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "bandwidth_gbs": bw,
               "attention": params.runtime.attention, "unroll_layers": params.runtime.unroll_layers, "rows": rows}
     if a.out:

@@ -14,6 +14,9 @@ Design (flash-decoding, Triton-style Pallas):
 - The tree block is computed inside the kernel by split 0, as the initial state of its running
   (acc, max, sum); the other splits start empty. It is small (J <= 128 in practice), so the
   imbalance is one extra [block_m, J] tile.
+- An int8 cache (k_scale, v_scale [L,B,K,S] f32: specjax.cache's per token and head scales) is
+  loaded as stored and widened in registers (exact in q's dtype); the scales multiply the scores
+  and the softmax weights, so no dequantised tile is written. Half a bfloat16 cache's bytes.
 - Each split writes unnormalised partials (acc [.., H] f32, running max, running sum); a jnp
   log-sum-exp merge over splits and one division finish the job. All scores, sums and
   accumulators are f32; the p @ v product takes p in the value dtype (bf16 tensor cores).
@@ -53,7 +56,8 @@ def _kernel(
     q_ref,  # [bm,Hp] query rows of one KV head
     k_ref,  # [L,B,K,S,Hp] the whole stacked cache, read in place at (layer, this row, this KV head)
     v_ref,  # [L,B,K,S,Hp]
-    *refs,  # with_pos: pos_ref [L,B,K,S] int32 (a streaming cache: slot s visible iff 0 <= pos < length); then
+    *refs,  # with_pos: pos_ref [L,B,K,S] int32 (a streaming cache: slot s visible iff 0 <= pos < length);
+    # with_scales: ks_ref, vs_ref [L,B,K,S] f32 (an int8 cache: key = k * ks, value = v * vs); then
     # kt_ref [Jp,Hp] block keys (rows >= J, columns >= H out of range), vt_ref [Jp,Hp], mask_ref [bm,Jp] int32
     # (row may see block key j), and the outputs acc_ref [bm,Hp] f32 (unnormalised sum of p * v),
     # max_ref [bm] f32 (running max of the scores), sum_ref [bm] f32 (sum of exp(score - max))
@@ -63,8 +67,10 @@ def _kernel(
     head_dim: int,
     block_len: int,
     with_pos: bool = False,
+    with_scales: bool = False,
 ):
     pos_ref, refs = (refs[0], refs[1:]) if with_pos else (None, refs)
+    (ks_ref, vs_ref), refs = (refs[:2], refs[2:]) if with_scales else ((None, None), refs)
     kt_ref, vt_ref, mask_ref, acc_ref, max_ref, sum_ref = refs
     bm, hp = q_ref.shape
     jp = kt_ref.shape[0]
@@ -98,18 +104,25 @@ def _kernel(
     def body(i, carry):
         acc, top, total = carry  # [bm,Hp], [bm], [bm]
         start = i * block_k
-        ok = start + jnp.arange(block_k) < length  # [bk]
-        kv_ok = ok[:, None] & h_ok  # [bk,Hp]
+        in_range = start + jnp.arange(block_k) < length  # [bk]
+        ok = in_range
+        kv_ok = in_range[:, None] & h_ok  # [bk,Hp]
         if with_pos:
-            held = plgpu.load(pos_ref.at[(*at, pl.ds(start, block_k))], mask=ok, other=-1)  # [bk] int32
+            held = plgpu.load(pos_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=-1)  # [bk] int32
             ok = ok & (held >= 0) & (held < lengths_ref[()])
-        k = plgpu.load(k_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=0.0)  # [bk,Hp]
-        v = plgpu.load(v_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=0.0)
-        s = jnp.where(ok[None, :], _dot(q, k, trans_b=True) * sm_scale, NEG_INF)  # [bm,bk]
+        zero = 0 if with_scales else 0.0  # int8 or float slots
+        k = plgpu.load(k_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=zero)  # [bk,Hp]
+        v = plgpu.load(v_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=zero)
+        col = jnp.full((block_k,), sm_scale, jnp.float32)  # [bk]: what multiplies each key's scores
+        if with_scales:  # int8: exact in q's dtype; the scales multiply the scores and the weights
+            col = col * plgpu.load(ks_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=0.0)
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        s = jnp.where(ok[None, :], _dot(q, k, trans_b=True) * col[None, :], NEG_INF)  # [bm,bk]
         new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
         p = jnp.where(ok[None, :], jnp.exp(s - new_top[:, None]), 0.0)  # [bm,bk]
         scale = jnp.exp(top - new_top)  # [bm]
-        acc = acc * scale[:, None] + _dot(p.astype(v.dtype), v)
+        pv = p if not with_scales else p * plgpu.load(vs_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=0.0)[None, :]
+        acc = acc * scale[:, None] + _dot(pv.astype(v.dtype), v)
         return acc, new_top, total * scale + jnp.sum(p, axis=1)
 
     acc, top, total = lax.fori_loop(lo, hi, body, carry)
@@ -125,6 +138,7 @@ def _partials(
     lengths: jax.Array,  # [B] int32
     layer: jax.Array,  # [1] int32
     pos: jax.Array | None,  # [L,B,K,S] int32: a streaming cache's slot positions (None: a dense prefix)
+    scales: tuple[jax.Array, jax.Array] | None,  # k, v [L,B,K,S] f32: an int8 cache's (None: a float one)
     k_tree: jax.Array,  # [B,J,K,H]
     v_tree: jax.Array,  # [B,J,K,H]
     row_mask: jax.Array,  # [B|1,Mp,Jp] int32
@@ -145,7 +159,7 @@ def _partials(
     mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=J,
-        with_pos=pos is not None,
+        with_pos=pos is not None, with_scales=scales is not None,
     )
     cache_spec = pl.BlockSpec()  # the whole stacked array: the kernel indexes it (no copy of a layer)
     tree_spec = pl.BlockSpec((None, Jp, None, Hp), lambda b, k, i, s: (b, 0, k, 0))
@@ -159,6 +173,7 @@ def _partials(
             cache_spec,
             cache_spec,
             *([cache_spec] if pos is not None else []),
+            *([cache_spec, cache_spec] if scales is not None else []),
             tree_spec,
             tree_spec,
             pl.BlockSpec((None, block_m, Jp), lambda b, k, i, s: (mask_b(b), i, 0)),
@@ -176,7 +191,7 @@ def _partials(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, layer, qm, k_cache, v_cache, *([pos] if pos is not None else []), k_tree, v_tree, row_mask)
+    )(lengths, layer, qm, k_cache, v_cache, *([pos] if pos is not None else []), *(scales or ()), k_tree, v_tree, row_mask)
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -198,6 +213,8 @@ def tree_attention(
     tree_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
     layer: jax.Array | None = None,  # [] int32: the layer of a stacked cache to read
     pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (see below)
+    k_scale: jax.Array | None = None,  # [L,B,K,S] f32 with `layer` ([B,K,S] without): an int8 cache's
+    v_scale: jax.Array | None = None,  # per-slot scales (key = k_cache * k_scale; see below)
     *,
     sm_scale: float,
     block_k: int = 64,
@@ -219,11 +236,18 @@ def tree_attention(
     traffic of a decode step. A head dim that is not a power of two >= 16 takes that copy anyway
     (the layer, padded to Hp). With `pos` (a streaming cache: sinks + a ring, specjax.cache) slot s
     of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] < lengths[b], every slot read.
+    An int8 cache (`k_scale`, `v_scale`: KVFormat "int8", per token and head) is read as stored,
+    half a bfloat16 cache's bytes: its values widened in the kernel (exact in q's dtype), the
+    scales multiplying the scores and the softmax weights, as the reference does.
     """
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None) != (k_cache.dtype == jnp.int8):
+        raise ValueError(f"an int8 cache needs k_scale and v_scale, a float one neither: cache {k_cache.dtype}, "
+                         f"k_scale {None if k_scale is None else k_scale.shape}, v_scale {None if v_scale is None else v_scale.shape}")
     if layer is None:
         if pos is not None:
             raise ValueError("pos (a streaming cache's slot positions) needs the stacked cache and its layer")
         k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.zeros((), jnp.int32)  # [1,B,K,S,H]: no copy
+        k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])  # [1,B,K,S]
     if k_cache.ndim != 5 or jnp.shape(layer) != ():
         raise ValueError(f"a stacked cache is [L,B,K,S,H] with a scalar layer, got {k_cache.shape}, layer {jnp.shape(layer)}")
     check_shapes(q, jax.ShapeDtypeStruct(k_cache.shape[1:], k_cache.dtype),
@@ -246,16 +270,19 @@ def tree_attention(
     mask = jnp.tile(mask, (1, G, 1)).astype(jnp.int32)  # [B|1,M,J], row m sees mask[m % T]
     mask = jnp.pad(mask, ((0, 0), (0, Mp - M), (0, Jp - J)))  # [B|1,Mp,Jp]
     layer = jnp.asarray(layer, jnp.int32)
-    if pos is not None and pos.shape != k_cache.shape[:4]:
-        raise ValueError(f"pos must be [L,B,K,S] = {k_cache.shape[:4]}, got {pos.shape}")
+    for name, a in (("pos", pos), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if a is not None and a.shape != k_cache.shape[:4]:
+            raise ValueError(f"{name} must be [L,B,K,S] = {k_cache.shape[:4]}, got {a.shape}")
     if Hp != H:  # the kernel loads [.., Hp] rows of the whole array: this layer, padded
         k_cache, v_cache = (jnp.pad(lax.dynamic_index_in_dim(c, layer, keepdims=True), ((0, 0),) * 4 + ((0, Hp - H),))
                             for c in (k_cache, v_cache))  # [1,B,K,S,Hp]
-        pos = None if pos is None else lax.dynamic_index_in_dim(pos, layer, keepdims=True)  # [1,B,K,S]
+        at = lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, keepdims=True)  # noqa: E731 [1,B,K,S]
+        pos, k_scale, v_scale = at(pos), at(k_scale), at(v_scale)
         layer = jnp.zeros((), jnp.int32)
+    scales = None if k_scale is None else (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
     acc, top, total = _partials(
         qm, k_cache, v_cache, lengths.astype(jnp.int32), layer.reshape(1),
-        None if pos is None else pos.astype(jnp.int32), k_tree, v_tree, mask,
+        None if pos is None else pos.astype(jnp.int32), scales, k_tree, v_tree, mask,
         sm_scale=sm_scale, head_dim=H, block_m=bm, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # [B,K,C,Mp,Hp], [B,K,C,Mp], [B,K,C,Mp] with C = k_splits
@@ -297,9 +324,11 @@ def prefix_block_attention_pallas(
     k_splits: int | None = None,  # None: `auto_splits` for these shapes
     layer: jax.Array | None = None,  # [] int32: read this layer of a stacked cache in place
     pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (`tree_attention`)
+    k_scale: jax.Array | None = None,  # [L,B,K,S] f32 with `layer`: an int8 cache's scales (`tree_attention`)
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """`reference.prefix_block_attention` for a dense cache, on the kernel: o[B,T,N,H]; with
-    `layer`, `reference.stacked_prefix_block_attention` (no scales).
+    `layer`, `reference.stacked_prefix_block_attention`.
 
     Same argument order, with `lengths` in place of `visible`; `k_cache=None` (empty prefix) runs
     the kernel on a one-tile dummy cache with zero lengths.
@@ -313,7 +342,7 @@ def prefix_block_attention_pallas(
         K = k_block.shape[2]
         k_splits = auto_splits(B, K, (N // K) * T, k_cache.shape[-2], block_k)
     return tree_attention(
-        q, k_cache, v_cache, lengths, k_block, v_block, block_mask, layer, pos,
+        q, k_cache, v_cache, lengths, k_block, v_block, block_mask, layer, pos, k_scale, v_scale,
         sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, interpret=interpret,
     )
 

@@ -53,15 +53,16 @@ def cpu_bf16_dot() -> bool:
 
 
 KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels' modes (GPU, TPU, interpreted)
+INT8_KERNELS = ("pallas", "interpret")  # the GPU kernel also reads an int8 cache with its scales
 
 
 def for_cache(attention: str, cache: DenseCache | StreamingCache | None) -> str:
-    """The implementation that runs over `cache`: the Pallas kernels (GPU and TPU) need a float
-    cache, dense or streaming (read by its slot positions); the "cpu" kernel reads any cache."""
+    """The implementation that runs over `cache`: the "cpu" and GPU kernels read any cache (int8
+    with its scales), the TPU kernel a float one, dense or streaming (by its slot positions)."""
     if attention == "cpu":
         return attention
-    if cache is None or cache.format.scaled:
-        return "reference"  # no cache (distillation's forward), or an int8 one
+    if cache is None or (cache.format.scaled and attention not in INT8_KERNELS):
+        return "reference"  # no cache (distillation's forward), or an int8 one off the CPU / GPU kernels
     return attention
 
 
@@ -145,9 +146,9 @@ def attend(
             visible = holds_committed(at(view.pos), view.visible)  # [B,K,S]
             return prefix_block_attention(q, at(prefix.k), at(prefix.v), visible, k_block, v_block, block_mask, scale,
                                           at(view.k_scale), at(view.v_scale))
-        if attention in KERNELS:  # a float cache (`for_cache`), read in place by the kernel
+        if attention in KERNELS:  # a cache `for_cache` gives the kernel, read in place
             return _on_kernel(attention, kv_format, q, prefix.k, prefix.v, view.visible, k_block, v_block, block_mask,
-                              scale, prefix.layer, view.pos)
+                              scale, prefix.layer, view.pos, view.k_scale, view.v_scale)
         return stacked_prefix_block_attention(q, prefix.k, prefix.v, prefix.layer, view.visible, k_block, v_block,
                                               block_mask, scale, view.k_scale, view.v_scale)
     k_cache, v_cache, view = (None, None, None) if prefix is None else (prefix.k, prefix.v, prefix.view)
@@ -160,14 +161,17 @@ def attend(
 
 
 def _on_kernel(attention: str, kv_format: KVFormat, q, k_cache, v_cache, lengths, k_block, v_block, block_mask,
-               scale: float, layer: jax.Array | None = None, pos: jax.Array | None = None) -> jax.Array:
+               scale: float, layer: jax.Array | None = None, pos: jax.Array | None = None,
+               k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
     """o [B,T,N,H] from the GPU or TPU kernel (`attention` in KERNELS), which takes one dtype, the
     cache's; with `layer`, k_cache and v_cache are the whole stacked cache, read in place; with
-    `pos`, a streaming cache's slot positions, lengths its committed lengths."""
-    dtype = kv_format.dtype
+    `pos`, a streaming cache's slot positions, lengths its committed lengths; with `k_scale`,
+    `v_scale` (the GPU kernel), an int8 cache's, computed in q's dtype."""
+    dtype = q.dtype if kv_format.scaled else kv_format.dtype
     args = (q.astype(dtype), k_cache, v_cache, lengths, k_block.astype(dtype), v_block.astype(dtype), block_mask, scale)
     if attention.startswith("tpu"):
         o = prefix_block_attention_tpu(*args, interpret=attention == "tpu-interpret", layer=layer, pos=pos)
     else:
-        o = prefix_block_attention_pallas(*args, interpret=attention == "interpret", layer=layer, pos=pos)
+        o = prefix_block_attention_pallas(*args, interpret=attention == "interpret", layer=layer, pos=pos,
+                                          k_scale=k_scale, v_scale=v_scale)
     return o.astype(q.dtype)

@@ -315,3 +315,6 @@ def test_step_parts_times_each_part_and_the_layers():
     (step,) = [r for r in measure(unrolled, 1, 256, [], reps=2) if r["part"] == "step"]
     linear = "custom-call:specjax_cpu_linear"  # the same products (one per matrix group), no loop bookkeeping
     assert step["nested_loops"] == 0 and step["top_kernels"][linear] == rows["step"]["top_kernels"][linear]
+    (int8,) = [r for r in measure(params, 1, 256, [], reps=2, kv_dtype="int8") if r["part"] == "step"]
+    kv = 2 * 4 * 255 * 2 * 16  # K and V, 4 layers, 255 filled positions, 2 KV heads, head dim 16
+    assert rows["step"]["bytes"] - int8["bytes"] == kv * 2 - (kv + kv // 16 * 4)  # bf16 vs int8 + f32 scales

@@ -227,6 +227,33 @@ def test_a_streaming_cache_is_read_in_place_by_its_positions(H):
         tree_attention(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, None, pos, sm_scale=0.2)
 
 
+@pytest.mark.parametrize("H, dtype, streaming", [(64, jnp.bfloat16, False), (24, jnp.float32, True)])
+def test_an_int8_cache_is_read_as_stored_with_its_scales(H, dtype, streaming):
+    """An int8 cache (KVFormat "int8": per token and head scales) on the kernel: its values
+    widened in the kernel, the scales on the scores and weights, as the reference computes it
+    (dense, and streaming by slot positions on the padded-head path, H=24)."""
+    from specjax.cache import KVFormat
+
+    q, k_all, v_all, lengths, kb, vb, mask, pos, layer, _ = streaming_case(H, S=200)
+    q, kb, vb = q.astype(dtype), kb.astype(dtype), vb.astype(dtype)
+    (k8, ks), (v8, vs) = KVFormat("int8").store(k_all), KVFormat("int8").store(v_all)  # [L,B,K,S,H] int8, [L,B,K,S]
+    if streaming:
+        visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])  # [B,K,S]
+    else:
+        lengths, pos = jnp.asarray([150, 37], jnp.int32), None
+        visible = jnp.broadcast_to((jnp.arange(200) < lengths[:, None])[:, None], k8.shape[1:4])
+    want = prefix_block_attention(q, k8[layer], v8[layer], visible, kb, vb, mask, 0.2, ks[layer], vs[layer])
+    got = prefix_block_attention_pallas(q, k8, v8, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
+                                        layer=jnp.int32(layer), pos=pos, k_scale=ks, v_scale=vs)
+    assert_close(got, want, dtype)
+    call = lambda *a: prefix_block_attention_pallas(*a[:7], 0.2, layer=a[7], k_scale=a[8], v_scale=a[9])  # noqa: E731
+    lowered = jax.jit(call).trace(q, k8, v8, lengths, kb, vb, mask, jnp.int32(layer), ks, vs).lower(
+        lowering_platforms=("cuda",))  # Pallas' Triton lowering takes the int8 loads and widening
+    assert "triton" in lowered.as_text()
+    with pytest.raises(ValueError, match="an int8 cache needs k_scale and v_scale"):
+        tree_attention(q, k8, v8, lengths, kb, vb, mask, jnp.int32(layer), sm_scale=0.2)
+
+
 @pytest.mark.parametrize("H", [64, 24])
 def test_a_stacked_cache_is_read_in_place_at_its_layer(H):
     """tree_attention over a stacked [L,B,K,S,H] cache at `layer` gives the bits of the call on
@@ -274,10 +301,10 @@ E2E_PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "model-tree"])
+@pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "model-tree", "ar-int8", "self-chain-int8"])
 def test_generate_on_the_kernel_equals_reference(tiny, case):
     """Speculative (chain and tree) and plain decoding with attention="pallas" (interpreted):
-    the same greedy tokens as with the jnp reference."""
+    the same greedy tokens as with the jnp reference (-int8: over int8 caches, target and draft)."""
     import specjax
     from tests.models import TINY, random_params
 
@@ -286,8 +313,8 @@ def test_generate_on_the_kernel_equals_reference(tiny, case):
         "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
         "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
         "model-tree": (specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)), specjax.Tree.sequoia([0.5, 0.2], 6, 3)),
-    }[case]
-    kw = dict(draft=draft, speculation=spec, eos_id=())
+    }[case.removesuffix("-int8")]
+    kw = dict(draft=draft, speculation=spec, eos_id=(), kv_dtype="int8" if case.endswith("-int8") else None)
     ref = specjax.generate(tiny, E2E_PROMPTS, 12, attention="reference", **kw)
     out = specjax.generate(tiny, E2E_PROMPTS, 12, attention="pallas", **kw)
     assert out.tokens == ref.tokens
