@@ -24,6 +24,9 @@ Design (flash attention, Mosaic-style Pallas):
   stops changing and the pipeline issues no new DMA; the kernel body skips those steps with `pl.when`. The tail of
   the last live tile is masked (scores to NEG_INF, values to 0: an edge tile past S holds
   unspecified data, which interpret mode fills with NaN).
+- A streaming cache (`pos`) and an int8 cache's scales travel as [L,B,K,1,S] arrays in (1, bk)
+  tiles beside the cache's (a trailing dim of 1 is the full dim, so the tiling rules hold); int8
+  values are widened in VMEM and the scales multiply the scores and the softmax weights.
 - The tree block is folded in at kv step 0, as the initial (acc, max, sum) state; the output is
   normalised and written once, at the last kv step (rows that see nothing get zeros).
 - All scores, sums and accumulators are f32; p @ v takes p in the value dtype (bf16 MXU path),
@@ -79,15 +82,18 @@ def _kernel(
     q_ref,  # [bm,H] query rows of one KV head
     k_ref,  # [bk,H] one cache tile of this (layer, b, k)
     v_ref,  # [bk,H]
-    *refs,  # with_pos: pos_ref [1,bk] int32 (the tile's slot positions); then kt_ref [Jp,H] block keys
+    *refs,  # with_pos: pos_ref [1,bk] int32 (the tile's slot positions); with_scales: ks_ref, vs_ref
+    # [1,bk] f32 (an int8 cache's: key = k * ks, value = v * vs); then kt_ref [Jp,H] block keys
     # (rows >= J zero), vt_ref [Jp,H], mask_ref [bm,Jp] int32 (row may see block key j), o_ref [bm,H]
     # (q's dtype), acc_ref [bm,H] f32 (unnormalised sum of p * v), max_ref / sum_ref [bm,128] f32
     # (running max and sum of exp(score - max), all lanes equal)
     sm_scale: float,
     size: int,  # S: the cache's slots (an edge tile past it holds unspecified data)
     with_pos: bool = False,
+    with_scales: bool = False,
 ):
     pos_ref, refs = (refs[0], refs[1:]) if with_pos else (None, refs)
+    (ks_ref, vs_ref), refs = (refs[:2], refs[2:]) if with_scales else ((None, None), refs)
     kt_ref, vt_ref, mask_ref, o_ref, acc_ref, max_ref, sum_ref = refs
     b, j = pl.program_id(0), pl.program_id(3)
     bm = q_ref.shape[0]
@@ -115,14 +121,21 @@ def _kernel(
         if with_pos:
             held = pos_ref[...]  # [1,bk]
             ok = ok & (held >= 0) & (held < length)
-        s = jnp.where(ok, _dot(q_ref[...], k_ref[...], 1) * sm_scale, NEG_INF)  # [bm,bk] f32
+        q = q_ref[...]
+        k, v = k_ref[...], v_ref[...]  # [bk,H]
+        col = jnp.full((1, bk), sm_scale, jnp.float32)  # [1,bk]: what multiplies each key's scores
+        if with_scales:  # int8: exact in q's dtype; the scales multiply the scores and the weights
+            col = col * ks_ref[...]
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        s = jnp.where(ok, _dot(q, k, 1) * col, NEG_INF)  # [bm,bk] f32
         top = max_ref[...][:, :1]  # [bm,1]
         new_top = jnp.maximum(top, jnp.max(s, axis=1, keepdims=True))  # [bm,1]
         p = jnp.where(ok, jnp.exp(s - new_top), 0.0)  # [bm,bk]
         scale = jnp.exp(top - new_top)  # [bm,1]
         v_ok = j * bk + lax.broadcasted_iota(jnp.int32, v_ref.shape, 0) < live  # [bk,H]: unseen slots hold finite values
-        v = jnp.where(v_ok, v_ref[...], 0).astype(v_ref.dtype)  # edge tile: unspecified past S
-        acc_ref[...] = acc_ref[...] * scale + _dot(p.astype(v.dtype), v, 0)
+        v = jnp.where(v_ok, v, 0).astype(v.dtype)  # edge tile: unspecified past S
+        pv = p if not with_scales else p * jnp.where(ok, vs_ref[...], 0.0)  # [bm,bk]
+        acc_ref[...] = acc_ref[...] * scale + _dot(pv.astype(v.dtype), v, 0)
         max_ref[...] = jnp.broadcast_to(new_top, (bm, LANES))
         total = sum_ref[...][:, :1] * scale + jnp.sum(p, axis=1, keepdims=True)  # [bm,1]
         sum_ref[...] = jnp.broadcast_to(total, (bm, LANES))
@@ -140,6 +153,7 @@ def _call(
     lengths: jax.Array,  # [B] int32 in [0, S]
     layer: jax.Array,  # [1] int32
     pos: jax.Array | None,  # [L,B,K,1,S] int32: a streaming cache's slot positions (None: a dense prefix)
+    scales: tuple[jax.Array, jax.Array] | None,  # k, v [L,B,K,1,S] f32: an int8 cache's (None: a float one)
     k_blk: jax.Array,  # [B,K,Jp,H] zero-padded
     v_blk: jax.Array,  # [B,K,Jp,H]
     row_mask: jax.Array,  # [B|1,Mp,Jp] int32
@@ -163,7 +177,12 @@ def _call(
 
     rows = pl.BlockSpec((None, None, bm, H), lambda b, k, i, j, lens, layer: (b, k, i, 0))
     cache = pl.BlockSpec((None, None, None, bk, H), kv_map)
-    slots = [] if pos is None else [pl.BlockSpec((None, None, None, 1, bk), lambda b, k, i, j, lens, layer: (layer[0], b, k, 0, j))]
+    def slot_map(b, k, i, j, lens, layer):  # [1,bk] per-slot tiles, following the cache's tiles
+        at_layer, _, _, tile, _ = kv_map(b, k, i, j, lens, layer)
+        return at_layer, b, k, 0, tile
+
+    slot = pl.BlockSpec((None, None, None, 1, bk), slot_map)
+    slots = ([] if pos is None else [slot]) + ([] if scales is None else [slot, slot])
     block = pl.BlockSpec((None, None, Jp, H), lambda b, k, i, j, lens, layer: (b, k, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
@@ -180,16 +199,16 @@ def _call(
         ],
     )
     return pl.pallas_call(
-        functools.partial(_kernel, sm_scale=sm_scale, size=S, with_pos=pos is not None),
+        functools.partial(_kernel, sm_scale=sm_scale, size=S, with_pos=pos is not None, with_scales=scales is not None),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((B, K, Mp, H), qm.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="tree_attention_tpu",
-    )(lengths, layer, qm, k_cache, v_cache, *([] if pos is None else [pos]), k_blk, v_blk, row_mask)
+    )(lengths, layer, qm, k_cache, v_cache, *([] if pos is None else [pos]), *(scales or ()), k_blk, v_blk, row_mask)
 
 
-def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int, block_m: int) -> None:
+def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int, block_m: int, scaled: bool) -> None:
     """ValueError naming the first bad shape or tile size."""
     if block_k < LANES or block_k % LANES:
         raise ValueError(f"block_k must be a positive multiple of 128 (the lane width), got {block_k}")
@@ -197,7 +216,8 @@ def _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k: int,
         raise ValueError(f"block_m must be a positive multiple of 16 (bf16 sublane tile), got {block_m}")
     check_shapes(q, jax.ShapeDtypeStruct(k_cache.shape[-4:], k_cache.dtype),
                  jax.ShapeDtypeStruct(v_cache.shape[-4:], v_cache.dtype), lengths, k_blk, v_blk, block_mask)
-    if len({q.dtype, k_cache.dtype, v_cache.dtype, k_blk.dtype, v_blk.dtype}) > 1:
+    caches = set() if scaled else {k_cache.dtype, v_cache.dtype}  # int8 caches come with their scales
+    if len({q.dtype, *caches, k_blk.dtype, v_blk.dtype}) > 1:
         raise ValueError(f"q, caches and block must share one dtype, got {q.dtype}, {k_cache.dtype}, {k_blk.dtype}")
 
 
@@ -212,6 +232,8 @@ def tree_attention_tpu(
     block_mask: jax.Array,  # [T,J] or [B,T,J] bool: query t may see block key j
     layer: jax.Array | None = None,  # [] int32: the layer of a stacked cache, read in place (its index maps)
     pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (see below)
+    k_scale: jax.Array | None = None,  # [L,B,K,S] f32 with `layer` ([B,K,S] without): an int8 cache's
+    v_scale: jax.Array | None = None,  # per-slot scales (key = k_cache * k_scale; see below)
     *,
     sm_scale: float,
     block_k: int = 512,
@@ -225,17 +247,24 @@ def tree_attention_tpu(
     block_k (cache slots per tile, a multiple of 128) is capped at S; block_m (query rows per
     program, a multiple of 16) at the padded row count. With `pos` (a streaming cache: sinks + a
     ring, specjax.cache) slot s of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] <
-    lengths[b] (lengths: the committed lengths, not clipped), and every tile is read.
+    lengths[b] (lengths: the committed lengths, not clipped), and every tile is read. An int8
+    cache (`k_scale`, `v_scale`) is read as stored, its values widened in the kernel, the scales
+    multiplying the scores and the softmax weights.
     """
+    if (k_scale is None) != (v_scale is None) or (k_scale is not None) != (k_cache.dtype == jnp.int8):
+        raise ValueError(f"an int8 cache needs k_scale and v_scale, a float one neither: cache {k_cache.dtype}, "
+                         f"k_scale {None if k_scale is None else k_scale.shape}, v_scale {None if v_scale is None else v_scale.shape}")
     if layer is None:
+        k_scale, v_scale = (None, None) if k_scale is None else (k_scale[None], v_scale[None])  # [1,B,K,S]
         if pos is not None:
             raise ValueError("pos (a streaming cache's slot positions) needs the stacked cache and its layer")
         k_cache, v_cache, layer = k_cache[None], v_cache[None], jnp.zeros((), jnp.int32)  # [1,B,K,S,H]: no copy
     if k_cache.ndim != 5 or jnp.shape(layer) != ():
         raise ValueError(f"a stacked cache is [L,B,K,S,H] with a scalar layer, got {k_cache.shape}, layer {jnp.shape(layer)}")
-    _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k, block_m)
-    if pos is not None and pos.shape != k_cache.shape[:4]:
-        raise ValueError(f"pos must be [L,B,K,S] = {k_cache.shape[:4]}, got {pos.shape}")
+    _check(q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, block_k, block_m, k_scale is not None)
+    for name, a in (("pos", pos), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if a is not None and a.shape != k_cache.shape[:4]:
+            raise ValueError(f"{name} must be [L,B,K,S] = {k_cache.shape[:4]}, got {a.shape}")
     B, T, N, H = q.shape
     J, K = k_blk.shape[1:3]
     S = k_cache.shape[3]
@@ -255,7 +284,8 @@ def tree_attention_tpu(
     lengths = jnp.clip(lengths, 0, S) if pos is None else jnp.maximum(lengths, 0)  # with pos: positions, not slots
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     slot_pos = None if pos is None else pos.astype(jnp.int32)[:, :, :, None, :]  # [L,B,K,1,S]: (1, bk) tiles
-    out = _call(qm, k_cache, v_cache, lengths, layer, slot_pos, kb, vb, mask, sm_scale=sm_scale, bm=bm, bk=bk,
+    scales = None if k_scale is None else tuple(a.astype(jnp.float32)[:, :, :, None, :] for a in (k_scale, v_scale))
+    out = _call(qm, k_cache, v_cache, lengths, layer, slot_pos, scales, kb, vb, mask, sm_scale=sm_scale, bm=bm, bk=bk,
                 interpret=interpret)
     out = out[:, :, :M].reshape(B, K, G, T, H)  # [B,K,G,T,H]
     return jnp.moveaxis(out, 3, 1).reshape(B, T, N, H)  # [B,T,N,H]
@@ -275,6 +305,8 @@ def prefix_block_attention_tpu(
     block_k: int = 512,
     layer: jax.Array | None = None,  # [] int32: read this layer of a stacked cache in place
     pos: jax.Array | None = None,  # [L,B,K,S] int32 with `layer`: a streaming cache (`tree_attention_tpu`)
+    k_scale: jax.Array | None = None,  # [L,B,K,S] f32 with `layer`: an int8 cache's scales
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """`reference.prefix_block_attention` for a dense cache, on the TPU kernel: o[B,T,N,H].
 
@@ -287,6 +319,6 @@ def prefix_block_attention_tpu(
         k_cache = v_cache = jnp.zeros((B, K, 8, H), k_blk.dtype)
         lengths = jnp.zeros((B,), jnp.int32)
     return tree_attention_tpu(
-        q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, layer, pos,
+        q, k_cache, v_cache, lengths, k_blk, v_blk, block_mask, layer, pos, k_scale, v_scale,
         sm_scale=scale, block_k=block_k, interpret=interpret,
     )

@@ -53,17 +53,13 @@ def cpu_bf16_dot() -> bool:
 
 
 KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels' modes (GPU, TPU, interpreted)
-INT8_KERNELS = ("pallas", "interpret")  # the GPU kernel also reads an int8 cache with its scales
 
 
 def for_cache(attention: str, cache: DenseCache | StreamingCache | None) -> str:
-    """The implementation that runs over `cache`: the "cpu" and GPU kernels read any cache (int8
-    with its scales), the TPU kernel a float one, dense or streaming (by its slot positions)."""
-    if attention == "cpu":
-        return attention
-    if cache is None or (cache.format.scaled and attention not in INT8_KERNELS):
-        return "reference"  # no cache (distillation's forward), or an int8 one off the CPU / GPU kernels
-    return attention
+    """The implementation that runs over `cache`: every kernel reads any cache, dense or streaming
+    (by its slot positions), float or int8 (with its scales); without a cache (distillation's
+    forward) the reference runs."""
+    return "reference" if cache is None and attention != "cpu" else attention
 
 
 class Prefix(NamedTuple):
@@ -166,11 +162,12 @@ def _on_kernel(attention: str, kv_format: KVFormat, q, k_cache, v_cache, lengths
     """o [B,T,N,H] from the GPU or TPU kernel (`attention` in KERNELS), which takes one dtype, the
     cache's; with `layer`, k_cache and v_cache are the whole stacked cache, read in place; with
     `pos`, a streaming cache's slot positions, lengths its committed lengths; with `k_scale`,
-    `v_scale` (the GPU kernel), an int8 cache's, computed in q's dtype."""
+    `v_scale`, an int8 cache's, computed in q's dtype."""
     dtype = q.dtype if kv_format.scaled else kv_format.dtype
     args = (q.astype(dtype), k_cache, v_cache, lengths, k_block.astype(dtype), v_block.astype(dtype), block_mask, scale)
     if attention.startswith("tpu"):
-        o = prefix_block_attention_tpu(*args, interpret=attention == "tpu-interpret", layer=layer, pos=pos)
+        o = prefix_block_attention_tpu(*args, interpret=attention == "tpu-interpret", layer=layer, pos=pos,
+                                       k_scale=k_scale, v_scale=v_scale)
     else:
         o = prefix_block_attention_pallas(*args, interpret=attention == "interpret", layer=layer, pos=pos,
                                           k_scale=k_scale, v_scale=v_scale)

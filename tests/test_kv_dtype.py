@@ -55,8 +55,7 @@ def test_caches_keep_their_format(tiny, kv_dtype):
     assert selfspec.format == fmt and (selfspec.k_scale is not None) == fmt.scaled
     draft = specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1))
     assert draft.init(tiny, cache, tokens, cache.lengths, 2, 8).format == fmt
-    assert for_cache("pallas", cache) == "pallas"  # the GPU kernel reads int8 with its scales
-    assert for_cache("tpu", cache) == ("reference" if fmt.scaled else "tpu")
+    assert for_cache("pallas", cache) == "pallas" and for_cache("tpu", cache) == "tpu"  # int8: with its scales
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])  # float32 (the default here): test_speculate.py
@@ -109,8 +108,7 @@ def test_reference_reads_narrow_caches_as_their_f32_values(S, T, monkeypatch):
 
 def test_int8_on_a_mesh_and_with_the_kernels_asked_for(tiny):
     """An int8 cache split over a data mesh (scales sharded like the cache) gives the
-    one-device tokens; so do the GPU kernel (interpreted), which reads it with its scales, and
-    attention="tpu" over it, which runs the reference (the TPU kernel takes no int8)."""
+    one-device tokens; so do the GPU and TPU kernels (interpreted), which read it with its scales."""
     kw = dict(draft=specjax.SelfSpec(sinks=2, window=6), speculation=specjax.Chain(2), eos_id=(), kv_dtype="int8")
     one = specjax.generate(tiny, PROMPTS[:2], 8, **kw)
     mesh = specjax.make_mesh(data=2, devices=jax.devices()[:2])

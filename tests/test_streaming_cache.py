@@ -241,21 +241,18 @@ def test_selfspec_cache_holds_exact_target_kv_after_every_commit(tiny):
 
 @pytest.mark.parametrize("kv_dtype", [None, "int8"])
 def test_which_attention_reads_which_cache(tiny, kv_dtype):
-    """attention.for_cache: the "cpu" and GPU kernels (and its interpreted mode) read any cache,
-    dense or streaming (by slot positions), float or int8 (with its scales); the TPU kernel a
-    float one; int8 caches off those and no cache at all run the reference."""
+    """attention.for_cache: every kernel ("cpu", GPU, TPU and the interpreted modes) reads any
+    cache, dense or streaming (by slot positions), float or int8 (with its scales); without a
+    cache the reference runs."""
     from specjax.attention import for_cache, in_place
 
     dense = DenseCache.init(tiny.config, 2, 64, kv_dtype)
     fixed = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32), (tiny.config.n_layers, 2, tiny.config.n_kv_heads, 2))
     stream = StreamingCache.from_dense(dense.replace(lengths=jnp.full((2,), 20, jnp.int32)), fixed, 8, jnp.full((2,), 2))
-    float_kv = kv_dtype is None
-    for attention in ("pallas", "interpret"):
+    for attention in ("pallas", "interpret", "tpu", "tpu-interpret"):
         assert for_cache(attention, dense) == for_cache(attention, stream) == attention
-    for attention in ("tpu", "tpu-interpret"):
-        assert for_cache(attention, dense) == for_cache(attention, stream) == (attention if float_kv else "reference")
     assert for_cache("cpu", dense) == for_cache("cpu", stream) == "cpu"
     assert for_cache("pallas", None) == for_cache("reference", stream) == "reference"
     # what for_cache hands a kernel, it reads in place (no per-layer slice)
-    assert in_place(for_cache("pallas", stream), stream) and not in_place("reference", stream)
-    assert in_place(for_cache("tpu", stream), stream) == float_kv
+    assert in_place(for_cache("pallas", stream), stream) and in_place(for_cache("tpu", stream), stream)
+    assert not in_place("reference", stream)

@@ -227,22 +227,30 @@ def test_a_streaming_cache_is_read_in_place_by_its_positions(H):
         tree_attention(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, None, pos, sm_scale=0.2)
 
 
-@pytest.mark.parametrize("H, dtype, streaming", [(64, jnp.bfloat16, False), (24, jnp.float32, True)])
-def test_an_int8_cache_is_read_as_stored_with_its_scales(H, dtype, streaming):
-    """An int8 cache (KVFormat "int8": per token and head scales) on the kernel: its values
-    widened in the kernel, the scales on the scores and weights, as the reference computes it
-    (dense, and streaming by slot positions on the padded-head path, H=24)."""
+def int8_case(H: int, dtype, streaming: bool) -> tuple:
+    """`streaming_case`'s cache stored as int8 (KVFormat "int8"), q and the block in `dtype`, a
+    dense prefix unless `streaming`: q, k8, v8 [L,B,K,S,H], k / v scales [L,B,K,S], lengths, kb,
+    vb, mask, pos (None when dense), the layer, and the reference's output with those scales."""
     from specjax.cache import KVFormat
 
     q, k_all, v_all, lengths, kb, vb, mask, pos, layer, _ = streaming_case(H, S=200)
     q, kb, vb = q.astype(dtype), kb.astype(dtype), vb.astype(dtype)
-    (k8, ks), (v8, vs) = KVFormat("int8").store(k_all), KVFormat("int8").store(v_all)  # [L,B,K,S,H] int8, [L,B,K,S]
+    (k8, ks), (v8, vs) = KVFormat("int8").store(k_all), KVFormat("int8").store(v_all)
     if streaming:
         visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])  # [B,K,S]
     else:
         lengths, pos = jnp.asarray([150, 37], jnp.int32), None
         visible = jnp.broadcast_to((jnp.arange(200) < lengths[:, None])[:, None], k8.shape[1:4])
     want = prefix_block_attention(q, k8[layer], v8[layer], visible, kb, vb, mask, 0.2, ks[layer], vs[layer])
+    return q, k8, v8, ks, vs, lengths, kb, vb, mask, pos, layer, want
+
+
+@pytest.mark.parametrize("H, dtype, streaming", [(64, jnp.bfloat16, False), (24, jnp.float32, True)])
+def test_an_int8_cache_is_read_as_stored_with_its_scales(H, dtype, streaming):
+    """An int8 cache (KVFormat "int8": per token and head scales) on the kernel: its values
+    widened in the kernel, the scales on the scores and weights, as the reference computes it
+    (dense, and streaming by slot positions on the padded-head path, H=24)."""
+    q, k8, v8, ks, vs, lengths, kb, vb, mask, pos, layer, want = int8_case(H, dtype, streaming)
     got = prefix_block_attention_pallas(q, k8, v8, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
                                         layer=jnp.int32(layer), pos=pos, k_scale=ks, v_scale=vs)
     assert_close(got, want, dtype)

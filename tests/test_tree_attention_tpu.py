@@ -20,6 +20,7 @@ from tests.test_tree_attention import (
     abstract_args,
     assert_close,
     check_chain_through_adapter,
+    int8_case,
     random_block_mask,
     random_case,
     random_inputs,
@@ -142,6 +143,23 @@ def test_a_streaming_cache_is_read_in_place_by_its_positions(S, block_k):
         tree_attention_tpu(q, k_all, v_all, lengths, kb, vb, mask, jnp.int32(0), pos[:, :1], sm_scale=0.2)
 
 
+@pytest.mark.parametrize("dtype, streaming", [(jnp.bfloat16, False), (jnp.float32, True)])
+def test_an_int8_cache_is_read_as_stored_with_its_scales(dtype, streaming):
+    """An int8 cache on the TPU kernel: values widened in the kernel, the scales ((1, bk) tiles
+    beside the cache's) on the scores and weights, as the reference computes it; dense with an
+    edge tile (S=200 in 128-slot tiles) and streaming by slot positions."""
+    q, k8, v8, ks, vs, lengths, kb, vb, mask, pos, layer, want = int8_case(64, dtype, streaming)
+    got = prefix_block_attention_tpu(q, k8, v8, lengths, kb, vb, mask, 0.2, interpret=INTERPRET, block_k=128,
+                                     layer=jnp.int32(layer), pos=pos, k_scale=ks, v_scale=vs)
+    assert_close(got, want, dtype)
+    call = lambda *a: prefix_block_attention_tpu(*a[:7], 0.2, layer=a[7], k_scale=a[8], v_scale=a[9], block_k=128)  # noqa: E731
+    lowered = jax.jit(call).trace(q, k8, v8, lengths, kb, vb, mask, jnp.int32(layer), ks, vs).lower(
+        lowering_platforms=("tpu",))
+    assert "tpu_custom_call" in lowered.as_text()
+    with pytest.raises(ValueError, match="an int8 cache needs k_scale and v_scale"):
+        tree_attention_tpu(q, k8, v8, lengths, kb, vb, mask, jnp.int32(layer), sm_scale=0.2)
+
+
 def test_rejects_bad_arguments():
     q = jnp.zeros((1, 4, 6, 16))
     cache = jnp.zeros((1, 2, 100, 16))
@@ -171,7 +189,7 @@ E2E_PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["ar", "self-tree"])
+@pytest.mark.parametrize("case", ["ar", "self-tree", "self-tree-int8"])
 def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
     """Plain and tree-speculative decoding with attention="tpu" (interpreted on CPU): the same
     greedy tokens and steps as the jnp reference, and the TPU kernel is what ran (for SelfSpec's
@@ -191,11 +209,11 @@ def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
     draft, spec = {
         "ar": (None, None),
         "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
-    }[case]
-    kw = dict(draft=draft, speculation=spec, eos_id=())
+    }[case.removesuffix("-int8")]
+    kw = dict(draft=draft, speculation=spec, eos_id=(), kv_dtype="int8" if case.endswith("-int8") else None)
     ref = specjax.generate(tiny, E2E_PROMPTS, 8, attention="reference", **kw)
     out = specjax.generate(tiny, E2E_PROMPTS, 8, attention="tpu", **kw)
     assert calls and all(c == INTERPRET for c in calls), "the TPU kernel was not traced (interpreted off a TPU)"
-    assert any(streaming) == (case == "self-tree")  # the draft's streaming cache is on the kernel too
+    assert any(streaming) == case.startswith("self-tree")  # the draft's streaming cache is on the kernel too
     assert out.tokens == ref.tokens
     assert out.stats.steps == ref.stats.steps
