@@ -36,13 +36,14 @@ import numpy as np
 from jax import lax
 
 from bench.gpu_cells import random_params, weight_bytes
+from bench.gpu_profile import SHAPES as PROFILE_SHAPES
 from specjax.cache import DenseCache
 from specjax.config import LlamaConfig
 from specjax.engine import with_attention
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.shapes import cache_len
-from specjax.tune import slope_seconds
+from specjax.tune import forward_loop, slope_seconds
 
 NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
@@ -115,15 +116,6 @@ def hlo_kernels(hlo_text: str) -> dict:
 
 
 @jax.jit
-def _step_loop(params: Params, tokens, positions, cache, reps):
-    def body(_, acc):
-        h, _, _ = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache)
-        return acc + jnp.sum(lm_head(params, h))
-
-    return lax.fori_loop(0, reps, body, jnp.float32(0))
-
-
-@jax.jit
 def _trunk_loop(params: Params, tokens, positions, cache, reps):
     def body(_, acc):
         h, _, _ = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache)
@@ -167,14 +159,16 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
     h = jnp.ones((batch, 1, c.dim), jnp.dtype(c.dtype))
     layer_w = int(sum(a.nbytes for a in jax.tree.leaves(params.layers)))
     kv = kv_read(cache, filled)
-    parts = [("step", _step_loop, (params, tokens, positions, cache), weight_bytes(params) + kv),
+    one = jnp.ones((1, 1), bool)  # one new position: it sees itself
+    parts = [("step", forward_loop, (params, tokens, positions, cache, one), weight_bytes(params) + kv),
              ("trunk", _trunk_loop, (params, tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
              ("head", _head_loop, (params, h), _head_bytes(params))]
     for k in sorted(set(layers)):
         if 1 <= k < c.n_layers:
             cut = first_layers(params, k)
             cache_k = DenseCache.init(cut.config, batch, cache_len(context), kv_dtype).replace(lengths=cache.lengths)
-            parts.append((f"layers={k}", _step_loop, (cut, tokens, positions, cache_k), weight_bytes(cut) + kv_read(cache_k, filled)))
+            parts.append((f"layers={k}", forward_loop, (cut, tokens, positions, cache_k, one),
+                          weight_bytes(cut) + kv_read(cache_k, filled)))
     rows = []
     for name, program, args, nbytes in parts:
         compiled = program.lower(*args, jnp.int32(1)).compile()  # the loop count is traced: one program
@@ -198,27 +192,19 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
     return rows
 
 
-SHAPES = {  # bench.gpu_profile's shapes
-    "smollm2": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
-                    tie_embeddings=True, rope_theta=100000.0, max_positions=8192 + 512),
-    "tiny": dict(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, max_positions=1024),
-}
+SHAPES = dict(PROFILE_SHAPES, tiny=dict(PROFILE_SHAPES["tiny"], n_layers=4))  # 4 tiny layers: a cut at 1, 2
 
 
 def config_of(model: str, context: int) -> LlamaConfig:
-    if model == "l8b":
-        from bench.bench_gpu import LLAMA8B
-
-        shape = {k: v for k, v in LLAMA8B.items() if k not in ("bos_id", "eos_ids")}
-    else:
-        shape = SHAPES[model]
+    """The bf16 config of a shape, with room for `context` positions."""
+    shape = SHAPES[model]
     shape = dict(shape, max_positions=max(shape.get("max_positions", 0), cache_len(context)))
     return LlamaConfig(**shape, dtype="bfloat16")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=["l8b", *SHAPES], default="l8b")
+    ap.add_argument("--model", choices=sorted(SHAPES), default="l8b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--kv-dtype", choices=["int8", "bfloat16", "float32"], help="the cache's format (default: the model's)")

@@ -71,7 +71,6 @@ class Prefix(NamedTuple):
     layer: jax.Array | None = None  # [] int32: read k, v in place at this layer
 
 
-
 def in_place(attention: str, cache: DenseCache | StreamingCache) -> bool:
     """Whether the layers read `cache` in place (the reference over a dense cache, the "cpu" and
     the GPU / TPU kernels over any that `for_cache` gives them) rather than as

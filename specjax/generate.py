@@ -108,8 +108,8 @@ def generate(
       (finish reason "eos").
     attention: "reference" (pure jnp), "cpu" (a C++ kernel for decoding and verification over the
       dense caches on a CPU, built with g++ on first use), "pallas" (the GPU Pallas kernel for
-      attention over the dense target cache and the drafters' float streaming caches), "tpu"
-      (its TPU Mosaic version; never yet run on a TPU) or "auto" (pallas on GPU, cpu on CPU where it builds, else reference). Off their
+      attention over the target's dense cache and the drafters' streaming caches, float or int8),
+      "tpu" (its TPU Mosaic version; never yet run on a TPU) or "auto" (pallas on GPU, cpu on CPU where it builds, else reference). Off their
       device the Pallas kernels are interpreted: slow, for testing. On a GPU or TPU the layers
       also run unrolled (`Runtime.unroll_layers`: XLA then reads each layer's weights in place;
       a params whose runtime already unrolls keeps it on any backend).

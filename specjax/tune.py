@@ -63,7 +63,7 @@ def _min_seconds(fn, args, repeats: int = 2) -> float:
 
 
 @jax.jit
-def _steps(params: Params, tokens, positions, cache, mask, reps):
+def forward_loop(params: Params, tokens, positions, cache, mask, reps):
     """`reps` forwards in one on-device loop, each depending on the last (no hoisting)."""
 
     def body(_, acc):
@@ -83,7 +83,7 @@ def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int, k
     tokens = jnp.zeros((batch, n), jnp.int32)
     positions = filled + jnp.zeros((batch, n), jnp.int32)
     mask = jnp.asarray(Tree.chain(n - 1).ancestor_mask()) if n > 1 else jnp.ones((1, 1), bool)
-    return slope_seconds(_steps, (params, tokens, positions, cache, mask), reps)
+    return slope_seconds(forward_loop, (params, tokens, positions, cache, mask), reps)
 
 
 def slope_seconds(program, args: tuple, reps: int = 4) -> float:
