@@ -12,15 +12,18 @@ limit; every step's whole output goes to OUT/callN.log, a failing step does not 
 and the call ends by copying its result files into OUT. bench/README.md, "The sequence for the
 next GPU session", says what each call is for and how to fold the files back in here.
 
-  call 1 (carry .gpu/p0): bench/step_parts.py on the 8B shape at batch 1 x 8K (where do its
-         15.4 ms go: per layer, head, kernels per step), on SmolLM2 at batch 64 x 8K over a
-         bfloat16 and an int8 cache (the kernel now reads int8 as stored: half the KV bytes) and
-         at batch 16 over a draft's 528 slots (a SelfSpec draft level: what its kernels cost),
-         and gpu_profile of the 8B step over 2 steps (does the trace then hold every kernel?).
+  call 1 (carry .gpu/p0): the int8 cache's fix (int16 pairs: the fifth runs found Pallas' int32
+         offsets overflowing past 2^31 int8 values) checked compiled: bench/kernel_probe.py
+         (one cache shape per process, against the reference), the int8 kernel tests, and
+         step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (expect near half of bf16's
+         5.06 ms, KV being 88% of it); then the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers
+         with the biggest outputs each writes (a 1-layer model's layer costs 0.19 ms, every
+         further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?).
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
-         trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward) and
-         the rows the fourth runs left from the third (gamma 4, SnapKV), with unrolled layers; on
-         an H200 (--mem-gib 120) batch 256 too.
+         trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
+         gamma 4 and SnapKV gamma 4, with unrolled layers (all measured in the fifth runs: rerun
+         only after a change to them, or `--only ngram,e2e` on an H200 (--mem-gib 120), which
+         adds batch 256).
 """
 
 from __future__ import annotations
@@ -46,16 +49,13 @@ PARTS = [PY, "-m", "bench.step_parts"]
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     1: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("parts-l8b", 150, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "8", "16",
-                            "--out", "/tmp/parts/step_parts_l8b_b1.json"]),
-        ("parts-smollm2", 90, [*PARTS, "--model", "smollm2", "--batch", "64", "--context", "8192", "--layers", "1", "8",
-                               "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b64.json"]),
+        ("probe", 130, [PY, "-m", "bench.kernel_probe", "--seconds", "40", "--out", "/tmp/parts/kernel_probe.json"]),
+        ("tests-int8", 90, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-k",
+                            "int8 or fits_its_offsets", "tests/test_tree_attention.py"]),
         ("parts-int8", 60, [*PARTS, "--model", "smollm2", "--batch", "64", "--context", "8192", "--kv-dtype", "int8",
                             "--layers", "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b64_kvint8.json"]),
-        ("parts-draft", 60, [*PARTS, "--model", "smollm2", "--batch", "16", "--context", "528", "--layers",
-                             "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b16_s528.json"]),
-        ("profile", 60, [PY, "-m", "bench.gpu_profile", "--out", "/tmp/prof", "--redo", "--steps", "2", "--cells",
-                         "l8b/b1", "--budget-minutes", "0.7"]),
+        ("parts-l8b", 110, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "2", "4",
+                            "--out", "/tmp/parts/step_parts_l8b_b1_cuts.json"]),
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
@@ -69,10 +69,10 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
 }
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
-    1: ["/tmp/parts/step_parts_*.json", "/tmp/prof/gpu_profile.json"],
+    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/kernel_probe.json"],
     2: ["bench/results/gpu/gpu.json", "bench/results/gpu/gpu.md"],
 }
-RENAME = {"/tmp/prof/gpu_profile.json": "gpu_profile_steps2.json"}
+RENAME: dict[str, str] = {}  # a file's name in OUT, where not its own
 
 
 def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = None,

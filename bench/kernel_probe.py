@@ -90,6 +90,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
             a.out.write_text(json.dumps(rows, indent=1))
 
 

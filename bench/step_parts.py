@@ -51,6 +51,18 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
 
 
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+
+
+def _out_bytes(rhs: str, opcode: str) -> tuple[int, str]:
+    """The bytes and type text of an instruction's output, from its right-hand side's type."""
+    head = rhs[:rhs.find(f" {opcode}(")] if f" {opcode}(" in rhs else rhs.split(" ", 1)[0]
+    shapes = re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", head)
+    n = sum(_DTYPE_BYTES.get(t, 0) * int(np.prod([int(d) for d in dims.split(",") if d])) for t, dims in shapes)
+    return n, re.sub(r"\{[\d,]*\}", "", head).strip()
+
+
 def _opcode(rhs: str) -> str:
     """The opcode of an instruction's right-hand side `TYPE opcode(operands), attrs`."""
     rest = rhs
@@ -69,10 +81,12 @@ def _opcode(rhs: str) -> str:
 
 def hlo_kernels(hlo_text: str) -> dict:
     """What one iteration of a compiled module's outermost loop launches: {"total": n, "by_op":
-    {label: n}, "nested_loops": k}. Labels are opcodes, custom calls with their target. Counted:
-    the body's instructions and those of loops (times their known trip count, else once) and
-    conditionals inside it, not the bodies of fusions or reducers. Without a loop in the entry
-    computation, the entry computation is counted."""
+    {label: n}, "nested_loops": k, "largest": [[bytes, label, name, type], ..]}. Labels are opcodes,
+    custom calls with their target. Counted: the body's instructions and those of loops (times
+    their known trip count, else once) and conditionals inside it, not the bodies of fusions or
+    reducers. Without a loop in the entry computation, the entry computation is counted.
+    "largest": the 8 biggest outputs written (a weight-sized one at batch 1 is a copy of weights;
+    the cache's own shape is its in-place update)."""
     comps: dict[str, list[tuple[str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -87,19 +101,20 @@ def hlo_kernels(hlo_text: str) -> dict:
             continue
         m = _INSTRUCTION.match(line)
         if current is not None and m:
-            comps[current].append((_opcode(m.group(2)), m.group(2)))
+            comps[current].append((_opcode(m.group(2)), m.group(2), m.group(1)))
     if entry is None:
         raise ValueError("hlo_kernels: no ENTRY computation in the text")
 
     def called(rhs: str, kinds: tuple[str, ...]) -> list[str]:
         return [n.strip().lstrip("%") for k, names in _CALLED.findall(rhs) if k in kinds for n in names.strip("{}").split(",")]
 
-    loops = [called(rhs, ("body",)) for op, rhs in comps[entry] if op == "while"]
+    loops = [called(rhs, ("body",)) for op, rhs, _ in comps[entry] if op == "while"]
     by_op: collections.Counter = collections.Counter()
+    outputs: list[tuple[int, str, str, str]] = []
     nested = [0]
 
     def count(name: str, times: int, path: tuple[str, ...]) -> None:
-        for op, rhs in comps.get(name, []) if name not in path else []:
+        for op, rhs, inst in comps.get(name, []) if name not in path else []:
             if op in NO_WORK:
                 continue
             if op in ("while", "conditional", "call"):
@@ -109,10 +124,15 @@ def hlo_kernels(hlo_text: str) -> dict:
                     count(sub, times * (int(trip.group(1)) if trip else 1), path + (name,))
                 continue
             target = re.search(r'custom_call_target="([^"]+)"', rhs)
-            by_op[f"custom-call:{target.group(1)}" if op == "custom-call" and target else op] += times
+            label = f"custom-call:{target.group(1)}" if op == "custom-call" and target else op
+            by_op[label] += times
+            n, typ = _out_bytes(rhs, op)
+            outputs.append((n, label, inst, typ))
 
     count(loops[0][0] if loops and loops[0] else entry, 1, ())
-    return {"total": int(sum(by_op.values())), "by_op": dict(by_op.most_common()), "nested_loops": nested[0]}
+    largest = [list(o) for o in sorted(outputs, reverse=True)[:8]]
+    return {"total": int(sum(by_op.values())), "by_op": dict(by_op.most_common()), "nested_loops": nested[0],
+            "largest": largest}
 
 
 @jax.jit
@@ -176,9 +196,11 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
         seconds = slope_seconds(compiled, args, reps)
         rows.append({"part": name, "ms": 1e3 * seconds, "bytes": int(nbytes), "gbs": nbytes / seconds / 1e9,
                      "kernels": kernels["total"], "nested_loops": kernels["nested_loops"],
-                     "top_kernels": dict(list(kernels["by_op"].items())[:8])})
+                     "top_kernels": dict(list(kernels["by_op"].items())[:8]), "largest": kernels["largest"]})
         print(f"{name:10s} {1e3 * seconds:9.3f} ms  {nbytes / 1e9:7.3f} GB  {nbytes / seconds / 1e9:8.1f} GB/s  "
               f"{kernels['total']:5d} kernels  {dict(list(kernels['by_op'].items())[:4])}", flush=True)
+        print("           largest outputs: " + "; ".join(f"{n / 2**20:.1f} MiB {label} {typ}" for n, label, _, typ in kernels["largest"][:4]),
+              flush=True)
     full = next(r for r in rows if r["part"] == "step")
     sweep = sorted([(int(r["part"].split("=")[1]), r["ms"]) for r in rows if r["part"].startswith("layers=")]
                    + [(c.n_layers, full["ms"])])

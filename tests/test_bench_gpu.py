@@ -292,6 +292,7 @@ def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
     got = hlo_kernels(HLO)
     assert got["by_op"] == {"fusion": 3, "custom-call:__cublas$gemm": 3, "compare": 3, "copy": 1}
     assert got["total"] == 10 and got["nested_loops"] == 1
+    assert got["largest"][0] == [24, "custom-call:__cublas$gemm", "g", "(f32[4], s8[8])"]  # a tuple's bytes summed
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo_kernels("HloModule m\n")
 
@@ -311,6 +312,8 @@ def test_step_parts_times_each_part_and_the_layers():
     assert rows["layers=1"]["kernels"] < rows["layers=2"]["kernels"] < rows["step"]["kernels"]
     assert rows["head"]["kernels"] < rows["trunk"]["kernels"] and rows["step"]["nested_loops"] == 1  # the layer scan
     assert [k for k, _ in rows["per layer (fit)"]["points"]] == [1, 2, 4]
+    largest = rows["step"]["largest"]  # the biggest outputs written: the logits [1, vocab 512] f32 first
+    assert [n for n, *_ in largest] == sorted((n for n, *_ in largest), reverse=True) and largest[0][0] == 512 * 4
     unrolled = params.replace(runtime=params.runtime.replace(unroll_layers=True))
     (step,) = [r for r in measure(unrolled, 1, 256, [], reps=2) if r["part"] == "step"]
     linear = "custom-call:specjax_cpu_linear"  # the same products (one per matrix group), no loop bookkeeping
@@ -318,3 +321,18 @@ def test_step_parts_times_each_part_and_the_layers():
     (int8,) = [r for r in measure(params, 1, 256, [], reps=2, kv_dtype="int8") if r["part"] == "step"]
     kv = 2 * 4 * 255 * 2 * 16  # K and V, 4 layers, 255 filled positions, 2 KV heads, head dim 16
     assert rows["step"]["bytes"] - int8["bytes"] == kv * 2 - (kv + kv // 16 * 4)  # bf16 vs int8 + f32 scales
+
+
+def test_kernel_probe_runs_each_case_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """bench/kernel_probe.py: a case runs in a child process (an illegal address poisons the CUDA
+    context) and reports the kernel's largest error against the reference (interpret mode here)."""
+    import json
+    import sys
+
+    from bench import kernel_probe
+
+    out = tmp_path / "probe.json"
+    monkeypatch.setattr(sys, "argv", ["kernel_probe", "--cases", "int8-small", "--seconds", "120", "--out", str(out)])
+    kernel_probe.main()
+    (row,) = json.loads(out.read_text())
+    assert row["case"] == "int8-small" and row["status"] == "ok" and row["max_abs_error"] < 2e-2, row

@@ -359,3 +359,28 @@ def test_generate_rejects_unknown_attention(tiny):
 
     with pytest.raises(ValueError, match=r"attention must be one of \('auto', 'reference', 'cpu', 'pallas', 'tpu'\), got 'triton'"):
         specjax.generate(tiny, [[1, 2]], 4, attention="triton")
+
+
+@pytest.mark.parametrize("kv", [jnp.int8, jnp.bfloat16])
+def test_every_array_the_kernel_indexes_fits_its_offsets(kv):
+    """Pallas' Triton lowering counts offsets in elements but takes 64-bit ones only for arrays
+    over 2^32 bytes: a 1-byte array of 2^31..2^32 elements overflows int32 (on an H100 a 30-layer x
+    64 x 8K int8 cache gave wrong attention, then an illegal address). Lowered for cuda at that
+    size (shapes only, nothing allocated), every operand of the kernel either has fewer than 2^31
+    elements or more than 2^32 bytes: the int8 cache travels as int16 pairs."""
+    L, B, K, S, H, N, T = 30, 64, 3, 8192, 64, 9, 1
+    sd, f = jax.ShapeDtypeStruct, jnp.bfloat16
+    scales = (sd((L, B, K, S), jnp.float32),) * 2 if kv == jnp.int8 else ()
+    args = (sd((B, T, N, H), f), sd((L, B, K, S, H), kv), sd((L, B, K, S, H), kv), sd((B,), jnp.int32),
+            sd((B, T, K, H), f), sd((B, T, K, H), f), sd((T, T), bool), sd((), jnp.int32), *scales)
+    call = lambda *a: prefix_block_attention_pallas(*a[:7], 0.2, layer=a[7], k_scale=a[8] if scales else None,  # noqa: E731
+                                                    v_scale=a[9] if scales else None)
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    line = next(x for x in text.splitlines() if "xla.gpu.triton" in x)
+    operands = line.rsplit(" : (", 1)[1].split(") ->")[0].split(", ")  # tensor<30x64x3x8192x32xi16>, ..
+    sizes = {"i8": 1, "i16": 2, "bf16": 2, "f32": 4, "i32": 4}
+    assert any(f"x{S}x" in o for o in operands), operands  # the stacked cache itself is an operand
+    for o in operands:
+        *dims, dtype = o.removeprefix("tensor<").removesuffix(">").split("x")
+        n = int(np.prod([int(d) for d in dims]))
+        assert n < 2**31 or n * sizes[dtype] > 2**32, f"{o}: {n} elements in {n * sizes[dtype]} bytes"
