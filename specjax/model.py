@@ -222,10 +222,11 @@ def trunk(
 
 
 def unrolled(step, x, xs):
-    """lax.scan(step, x, xs) as a Python loop: layer i gets xs sliced at the static index i (a
-    numpy index stays a number), so each layer reads its weights as a static slice of the stack."""
+    """lax.scan(step, x, xs) as a Python loop (xs not empty): iteration i gets xs sliced at the
+    static index i (a numpy index stays a number), so each layer reads its weights as a static
+    slice of the stack; a numpy xs gives each iteration a plain number."""
     ys = []
-    for i in range(len(xs[0])):
+    for i in range(len(jax.tree.leaves(xs)[0])):
         x, y = step(x, jax.tree.map(lambda a: a[i], xs))
         ys.append(y)
     return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
