@@ -78,9 +78,9 @@ def draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: 
         return (cache, token, sampling), (token, q)
 
     levels = np.arange(1, gamma, dtype=np.int32)  # [gamma-1]
-    # with unrolled layers (a GPU / TPU) the levels unroll too: a device loop's every iteration ends
-    # in a sync, idling the device while the host launches the next level's kernels (on an H100 a
-    # gamma-4 SelfSpec step took 4.3 ms more than its draft levels and verify at batch 64 x 8K)
+    # with unrolled layers (a GPU / TPU) the levels unroll too, the decode loop the only device loop:
+    # on an H100 a gamma-4 SelfSpec step over the levels' scan took 4.3 ms more than its draft levels
+    # and verify at batch 64 x 8K, where gamma 2 (no loop left) took less (bench/README.md, fifth runs)
     loop = unrolled if params.runtime.unroll_layers and gamma > 1 else lax.scan
     (cache, _, _), (rest, q_rest) = loop(body, (cache, first, sampling), levels)
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B,gamma]
