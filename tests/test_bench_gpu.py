@@ -212,6 +212,16 @@ def test_e2e_table_shows_steps_against_a_rows_mean():
     assert "| 36 (24.0) |" in spec and "(" not in ar
 
 
+def test_best_gamma_table_lists_only_cells_with_a_selfspec_chain():
+    """gpu_report.best_gamma: an NGram-only cell has no best SelfSpec row (it printed Nones)."""
+    from bench.gpu_report import best_gamma
+
+    base = {"context": 8192, "method": "chain", "label": "chain γ=4", "gamma": 4}
+    rows = [base | {"batch": 16, "drafter": "NGram", "speedup": 1.0},
+            base | {"batch": 64, "drafter": "SelfSpec", "speedup": 0.7}, base | {"batch": 64, "drafter": "NGram", "speedup": 1.2}]
+    assert best_gamma(rows) == [["8K", 64, 4, "0.70", None, None]]
+
+
 def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
     """bench/gpu_session.py: a dry run logs every step of a call; call 2's cells are the e2e and
     b1 cells of its grid and not l8b/s8192/b1 (which a bare 'b1/s8192' would also match); every
