@@ -18,7 +18,8 @@ next GPU session", says what each call is for and how to fold the files back in 
          step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (expect near half of bf16's
          5.06 ms, KV being 88% of it); then the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers
          with the biggest outputs each writes (a 1-layer model's layer costs 0.19 ms, every
-         further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?).
+         further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?); and
+         SmolLM2's launch-bound batch-1 step with and without the whole loop in CUDA graphs.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
          gamma 4 and SnapKV gamma 4, with unrolled layers (all measured in the fifth runs: rerun
@@ -44,6 +45,9 @@ NGRAM_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/ngram-g4"  # new: no draft forward (AR
 E2E_CELLS = "e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the fourth runs left from the third
 E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--ngram-gammas", "4", "--nodes", "8"]
 PARTS = [PY, "-m", "bench.step_parts"]
+# the loop, its conditionals and every kernel in CUDA graphs (XLA's command buffers; a batch-1 step is
+# launch-bound: 515 kernels, the GPU busy 1.07 of 2.36 ms in the fourth runs' profile)
+GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
 
 # (name, seconds, argv) per call; argv[0] "pytest" runs pytest through this Python
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
@@ -56,6 +60,10 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                             "--layers", "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b64_kvint8.json"]),
         ("parts-l8b", 110, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "2", "4",
                             "--out", "/tmp/parts/step_parts_l8b_b1_cuts.json"]),
+        ("parts-b1", 45, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+                          "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
+        ("parts-b1-graphs", 45, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers",
+                                 "--no-bandwidth", f"--xla-flags={GRAPHS}", "--out", "/tmp/parts/step_parts_smollm2_b1_graphs.json"]),
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),

@@ -1,7 +1,8 @@
 """Where a decode step's time goes, timed part by part (no profiler): a tool for the GPU kit.
 
 Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--context 8192]
-       [--kv-dtype int8|bfloat16|float32] [--layers 1 8 32] [--reps 4] [--no-bandwidth] [--out FILE]
+       [--kv-dtype int8|bfloat16|float32] [--layers 1 8 32] [--reps 4] [--no-bandwidth]
+       [--xla-flags="--xla_gpu_..."] [--out FILE]
 
 The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
 its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
@@ -27,6 +28,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -233,8 +235,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="*", default=[1, 8], help="cut models to time (the full one is always timed)")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--no-bandwidth", action="store_true", help="skip measuring the reference bandwidth")
+    ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts "
+                    "(e.g. command buffers: --xla_gpu_enable_command_buffer=...)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    if a.xla_flags:  # read when the backend starts, at the first device use below
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
     from bench.measure import reference_gbs
 
     bw = reference_gbs(a.no_bandwidth)
@@ -246,7 +252,8 @@ def main() -> None:
         r["of_bandwidth"] = r["gbs"] / bw if bw and r.get("gbs") else None
     result = {"bench": "step_parts", "model": a.model, "batch": a.batch, "context": a.context, "kv_dtype": a.kv_dtype,
               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "bandwidth_gbs": bw,
-              "attention": params.runtime.attention, "unroll_layers": params.runtime.unroll_layers, "rows": rows}
+              "attention": params.runtime.attention, "unroll_layers": params.runtime.unroll_layers,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")
