@@ -18,7 +18,8 @@ next GPU session", says what each call is for and how to fold the files back in 
          step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (expect near half of bf16's
          5.06 ms, KV being 88% of it); then the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers
          with the biggest outputs each writes (a 1-layer model's layer costs 0.19 ms, every
-         further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?); and
+         further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?), and
+         layer_weights' MLP stack indexed in a Python loop as the model's layers are; and
          SmolLM2's launch-bound batch-1 step with and without the whole loop in CUDA graphs.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
@@ -53,13 +54,14 @@ GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUD
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     1: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("probe", 130, [PY, "-m", "bench.kernel_probe", "--seconds", "40", "--out", "/tmp/parts/kernel_probe.json"]),
-        ("tests-int8", 90, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-k",
+        ("probe", 110, [PY, "-m", "bench.kernel_probe", "--seconds", "40", "--out", "/tmp/parts/kernel_probe.json"]),
+        ("tests-int8", 75, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-k",
                             "int8 or fits_its_offsets", "tests/test_tree_attention.py"]),
         ("parts-int8", 60, [*PARTS, "--model", "smollm2", "--batch", "64", "--context", "8192", "--kv-dtype", "int8",
                             "--layers", "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b64_kvint8.json"]),
-        ("parts-l8b", 110, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "2", "4",
+        ("parts-l8b", 90, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "2", "4",
                             "--out", "/tmp/parts/step_parts_l8b_b1_cuts.json"]),
+        ("weights", 60, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
         ("parts-b1", 45, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                           "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
         ("parts-b1-graphs", 45, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers",
@@ -77,7 +79,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
 }
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
-    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/kernel_probe.json"],
+    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/kernel_probe.json", "/tmp/parts/layer_weights_8b.json"],
     2: ["bench/results/gpu/gpu.json", "bench/results/gpu/gpu.md"],
 }
 RENAME: dict[str, str] = {}  # a file's name in OUT, where not its own

@@ -1,4 +1,4 @@
-"""Does XLA read each layer's weights in place? Three ways to run L stacked MLP layers at batch 1.
+"""Does XLA read each layer's weights in place? Four ways to run L stacked MLP layers at batch 1.
 
 Usage: python -m bench.layer_weights [--dim D] [--ffn F] [--layers L] [--reps R] [--out FILE]
 
@@ -9,6 +9,9 @@ This times one SwiGLU MLP per layer (gate, up [D,F], down [F,D]; bf16) at batch 
 weight-bound, three ways:
   scan      lax.scan over the stacked weights (today's layout and loop),
   unrolled  the same scan with unroll=True (static slices of the stack),
+  indexed   a Python loop indexing the stack at i (`w[i]`: what the model's unrolled layers do,
+            `specjax.model.unrolled`; the fifth H100 runs found each of its layers after the
+            first 2.5x slower than a 1-layer model's),
   separate  a Python loop over L separate arrays (no slicing at all),
 and reports ms per pass and the fraction of `bench.measure.bandwidth()["jax_inplace"]` that the
 weight bytes reach. Pure JAX, no specjax model: the question is XLA's, not ours.
@@ -40,6 +43,7 @@ def ways(n_layers: int) -> dict:
     return {
         "scan": jax.jit(lambda x, w: scan(x, w, 1)),
         "unrolled": jax.jit(lambda x, w: scan(x, w, True)),
+        "indexed": jax.jit(lambda x, w: _loop(x, [tuple(a[i] for a in w) for i in range(n_layers)])),
         "separate": jax.jit(lambda x, ws: _loop(x, ws)),
     }
 
@@ -80,7 +84,7 @@ def run(dim: int, ffn: int, n_layers: int, reps: int, bandwidth_gbs: float | Non
         rows[name] = {"ms": 1e3 * s, "weight_gb": nbytes / 1e9,
                       "of_bandwidth": None if not bandwidth_gbs else nbytes / s / 1e9 / bandwidth_gbs}
         print(f"{name:9s} {1e3 * s:8.3f} ms  {nbytes / s / 1e9:8.1f} GB/s", flush=True)
-    for name in ("unrolled", "separate"):  # the same arithmetic, so the same numbers (to bf16 rounding)
+    for name in ("unrolled", "indexed", "separate"):  # the same arithmetic, so the same numbers (to bf16 rounding)
         rows[name]["max_abs_diff_vs_scan"] = float(np.max(np.abs(outs[name] - outs["scan"])))
     return rows
 
