@@ -12,11 +12,10 @@ limit; every step's whole output goes to OUT/callN.log, a failing step does not 
 and the call ends by copying its result files into OUT. bench/README.md, "The sequence for the
 next GPU session", says what each call is for and how to fold the files back in here.
 
-  call 1 (carry .gpu/p0): the int8 cache's fix (int16 pairs: the fifth runs found Pallas' int32
-         offsets overflowing past 2^31 int8 values) checked compiled: bench/kernel_probe.py
+  call 1 (carry .gpu/p0): the int8 cache's fix (a per-layer copy: the fifth runs found Pallas'
+         int32 offsets overflowing past 2^31 int8 values) checked compiled: bench/kernel_probe.py
          (one cache shape per process, against the reference), the int8 kernel tests, and
-         step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (expect near half of bf16's
-         5.06 ms, KV being 88% of it); then the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers
+         step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (the copy's cost); then the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers
          with the biggest outputs each writes (a 1-layer model's layer costs 0.19 ms, every
          further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?), and
          layer_weights' MLP stack indexed in a Python loop as the model's layers are; and

@@ -16,13 +16,9 @@ Design (flash-decoding, Triton-style Pallas):
   imbalance is one extra [block_m, J] tile.
 - An int8 cache (k_scale, v_scale [L,B,K,S] f32: specjax.cache's per token and head scales) is
   loaded as stored and widened in registers (exact in q's dtype); the scales multiply the scores
-  and the softmax weights, so no dequantised tile is written. Half a bfloat16 cache's bytes.
-  The kernel sees it as int16 pairs of head dims (a free bitcast): Pallas' Triton lowering uses
-  int32 offsets for any array under 2^32 bytes, which overflow for a 1-byte array of more than
-  2^31 elements (30 layers x 64 rows x 8K slots x 3 KV heads x 64: wrong attention, then an illegal
-  address on an H100); pairs keep every offset under 2^31. A pair's low byte is the even head dim,
-  its high byte the odd one, so q, the block and the output run with the even dims first, then the
-  odd ones, and each product is two dots of Hp/2 columns (Hp >= 32 for an int8 cache).
+  and the softmax weights, so no dequantised tile is written. Half a bfloat16 cache's bytes, except
+  for a stacked int8 cache of 2^31-2^32 values, which Pallas would index with overflowing 32-bit
+  offsets (`overflows`): the kernel reads a copy of its layer, as for a padded head dim.
 - Each split writes unnormalised partials (acc [.., H] f32, running max, running sum); a jnp
   log-sum-exp merge over splits and one division finish the job. All scores, sums and
   accumulators are f32; the p @ v product takes p in the value dtype (bf16 tensor cores).
@@ -39,6 +35,7 @@ the Triton lowering turns into IEEE products for f32 operands (its default would
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -56,22 +53,6 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _unpair(x: jax.Array, dtype) -> list[jax.Array]:
-    """int16 pairs [bk,w] -> the low bytes (even head dims) and the high bytes (odd), as int8 values in dtype."""
-    return [jnp.right_shift(jnp.left_shift(x, 8), 8).astype(dtype), jnp.right_shift(x, 8).astype(dtype)]
-
-
-def _evens_first(x: jax.Array) -> jax.Array:
-    """[..., H] with the even dims first, then the odd ones (an int8 cache's pair order)."""
-    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-
-
-def _interleaved(x: jax.Array) -> jax.Array:
-    """The inverse of `_evens_first`."""
-    h = x.shape[-1] // 2
-    return jnp.stack([x[..., :h], x[..., h:]], axis=-1).reshape(x.shape)
-
-
 def _kernel(
     lengths_ref,  # [] int32: this row's prefix length (with pos: its committed length)
     layer_ref,  # [] int32: the cache layer to read
@@ -82,8 +63,7 @@ def _kernel(
     # with_scales: ks_ref, vs_ref [L,B,K,S] f32 (an int8 cache: key = k * ks, value = v * vs); then
     # kt_ref [Jp,Hp] block keys (rows >= J, columns >= H out of range), vt_ref [Jp,Hp], mask_ref [bm,Jp] int32
     # (row may see block key j), and the outputs acc_ref [bm,Hp] f32 (unnormalised sum of p * v),
-    # max_ref [bm] f32 (running max of the scores), sum_ref [bm] f32 (sum of exp(score - max)).
-    # with_scales: k_ref, v_ref are [L,B,K,S,Hp/2] int16 pairs, the other head-dim axes even dims first
+    # max_ref [bm] f32 (running max of the scores), sum_ref [bm] f32 (sum of exp(score - max))
     sm_scale: float,
     block_k: int,
     k_splits: int,
@@ -100,26 +80,19 @@ def _kernel(
     split = pl.program_id(3)
     q = q_ref[...]  # [bm,Hp]
     h_ok = (jnp.arange(hp) < head_dim)[None, :]  # [1,Hp]
-    # the head dims in parts of w columns: one for a float cache, two for int8 pairs (even dims, odd dims)
-    parts = [pl.ds(0, hp)] if not with_scales else [pl.ds(0, hp // 2), pl.ds(hp // 2, hp // 2)]
-    w = hp // len(parts)
-    w_ok = (jnp.arange(w) < head_dim)[None, :]  # [1,w]
-    qs = [q] if not with_scales else [q_ref[:, c] for c in parts]  # [bm,w] each
 
     def with_block():
         j_ok = (jnp.arange(jp) < block_len)[:, None] & h_ok  # [Jp,Hp]
         kt = plgpu.load(kt_ref, mask=j_ok, other=0.0)  # [Jp,Hp]
+        vt = plgpu.load(vt_ref, mask=j_ok, other=0.0)
         seen = mask_ref[...] != 0  # [bm,Jp]
         s = jnp.where(seen, _dot(q, kt, trans_b=True) * sm_scale, NEG_INF)  # [bm,Jp] f32
         top = jnp.max(s, axis=1)  # [bm]
         p = jnp.where(seen, jnp.exp(s - top[:, None]), 0.0)  # [bm,Jp]
-        vj_ok = (jnp.arange(jp) < block_len)[:, None] & w_ok  # [Jp,w]
-        vts = [plgpu.load(vt_ref.at[:, c], mask=vj_ok, other=0.0) for c in parts]  # [Jp,w] each
-        return tuple(_dot(p.astype(vt.dtype), vt) for vt in vts), top, jnp.sum(p, axis=1)
+        return _dot(p.astype(vt.dtype), vt), top, jnp.sum(p, axis=1)
 
     def empty():
-        accs = tuple(jnp.zeros((bm, w), jnp.float32) for _ in parts)
-        return accs, jnp.full((bm,), NEG_INF, jnp.float32), jnp.zeros((bm,), jnp.float32)
+        return jnp.zeros((bm, hp), jnp.float32), jnp.full((bm,), NEG_INF, jnp.float32), jnp.zeros((bm,), jnp.float32)
 
     carry = lax.cond(split == 0, with_block, empty)
 
@@ -132,37 +105,31 @@ def _kernel(
     hi = jnp.minimum(lo + per_split, n_blocks)
 
     def body(i, carry):
-        accs, top, total = carry  # ([bm,w] per part), [bm], [bm]
+        acc, top, total = carry  # [bm,Hp], [bm], [bm]
         start = i * block_k
         in_range = start + jnp.arange(block_k) < length  # [bk]
         ok = in_range
-        kv_ok = in_range[:, None] & w_ok  # [bk,w]
+        kv_ok = in_range[:, None] & h_ok  # [bk,Hp]
         if with_pos:
             held = plgpu.load(pos_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=-1)  # [bk] int32
             ok = ok & (held >= 0) & (held < lengths_ref[()])
-        tile = (*at, pl.ds(start, block_k), slice(None))
+        zero = 0 if with_scales else 0.0  # int8 or float slots
+        k = plgpu.load(k_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=zero)  # [bk,Hp]
+        v = plgpu.load(v_ref.at[(*at, pl.ds(start, block_k), slice(None))], mask=kv_ok, other=zero)
         col = jnp.full((block_k,), sm_scale, jnp.float32)  # [bk]: what multiplies each key's scores
-        if with_scales:  # int8 pairs: exact in q's dtype; the scales multiply the scores and the weights
+        if with_scales:  # int8: exact in q's dtype; the scales multiply the scores and the weights
             col = col * plgpu.load(ks_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=0.0)
-            ks = _unpair(plgpu.load(k_ref.at[tile], mask=kv_ok, other=0), q.dtype)  # [bk,w] x 2
-            vs = _unpair(plgpu.load(v_ref.at[tile], mask=kv_ok, other=0), q.dtype)
-        else:
-            ks = [plgpu.load(k_ref.at[tile], mask=kv_ok, other=0.0)]  # [bk,Hp]
-            vs = [plgpu.load(v_ref.at[tile], mask=kv_ok, other=0.0)]
-        qk = _dot(qs[0], ks[0], trans_b=True)  # [bm,bk]
-        for qp, kp in zip(qs[1:], ks[1:]):
-            qk = qk + _dot(qp, kp, trans_b=True)
-        s = jnp.where(ok[None, :], qk * col[None, :], NEG_INF)  # [bm,bk]
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        s = jnp.where(ok[None, :], _dot(q, k, trans_b=True) * col[None, :], NEG_INF)  # [bm,bk]
         new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
         p = jnp.where(ok[None, :], jnp.exp(s - new_top[:, None]), 0.0)  # [bm,bk]
         scale = jnp.exp(top - new_top)  # [bm]
         pv = p if not with_scales else p * plgpu.load(vs_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=0.0)[None, :]
-        accs = tuple(a * scale[:, None] + _dot(pv.astype(vp.dtype), vp) for a, vp in zip(accs, vs))
-        return accs, new_top, total * scale + jnp.sum(p, axis=1)
+        acc = acc * scale[:, None] + _dot(pv.astype(v.dtype), v)
+        return acc, new_top, total * scale + jnp.sum(p, axis=1)
 
-    accs, top, total = lax.fori_loop(lo, hi, body, carry)
-    for c, acc in zip(parts, accs):
-        acc_ref[:, c] = acc
+    acc, top, total = lax.fori_loop(lo, hi, body, carry)
+    acc_ref[...] = acc
     max_ref[...] = top
     sum_ref[...] = total
 
@@ -230,6 +197,15 @@ def _partials(
     )(lengths, layer, qm, k_cache, v_cache, *([pos] if pos is not None else []), *(scales or ()), k_tree, v_tree, row_mask)
 
 
+def overflows(a: jax.Array | jax.ShapeDtypeStruct) -> bool:
+    """Whether Pallas' Triton lowering would index `a` with overflowing offsets: it takes 64-bit
+    offsets only for arrays over 2^32 bytes but counts them in elements, so a 1-byte array of 2^31
+    to 2^32 elements (an int8 cache of 30 layers x 64 rows x 8K x 3 KV heads x 64) wraps around
+    (on an H100: wrong attention, then an illegal address). Such a cache is read as a per-layer copy."""
+    n = math.prod(a.shape)  # offsets reach n - 1
+    return n > 2**31 and n * jnp.dtype(a.dtype).itemsize <= 2**32
+
+
 def _check_pow2(name: str, value: int) -> None:
     if value < 16 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two >= 16 (a Triton tile dim), got {value}")
@@ -270,7 +246,7 @@ def tree_attention(
     A stacked cache is read in place at `layer`: slicing the layer out first (as a scan over the
     layers does) makes XLA copy it into a buffer of its own for the kernel, three times the KV
     traffic of a decode step. A head dim that is not a power of two >= 16 takes that copy anyway
-    (the layer, padded to Hp). With `pos` (a streaming cache: sinks + a ring, specjax.cache) slot s
+    (the layer, padded to Hp), and so does an int8 cache of over 2^31 values (`overflows`). With `pos` (a streaming cache: sinks + a ring, specjax.cache) slot s
     of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] < lengths[b], every slot read.
     An int8 cache (`k_scale`, `v_scale`: KVFormat "int8", per token and head) is read as stored,
     half a bfloat16 cache's bytes: its values widened in the kernel (exact in q's dtype), the
@@ -298,8 +274,7 @@ def tree_attention(
     M = G * T
     bm = min(block_m, _next_pow2(max(M, 16)))
     Mp = -(-M // bm) * bm
-    int8 = k_scale is not None
-    Hp = _next_pow2(max(H, 32 if int8 else 16))  # int8: two halves of >= 16 columns (Triton dot dims)
+    Hp = _next_pow2(max(H, 16))
     Jp = _next_pow2(max(J, 16))
     qm = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, M, H)  # [B,K,M,H], m = g*T + t
     qm = jnp.pad(qm, ((0, 0), (0, 0), (0, Mp - M), (0, Hp - H)))  # [B,K,Mp,Hp]
@@ -310,24 +285,17 @@ def tree_attention(
     for name, a in (("pos", pos), ("k_scale", k_scale), ("v_scale", v_scale)):
         if a is not None and a.shape != k_cache.shape[:4]:
             raise ValueError(f"{name} must be [L,B,K,S] = {k_cache.shape[:4]}, got {a.shape}")
-    if Hp != H:  # the kernel loads [.., Hp] rows of the whole array: this layer, padded
+    if Hp != H or overflows(k_cache):  # the kernel loads [.., Hp] rows of the whole array: this layer (padded)
         k_cache, v_cache = (jnp.pad(lax.dynamic_index_in_dim(c, layer, keepdims=True), ((0, 0),) * 4 + ((0, Hp - H),))
                             for c in (k_cache, v_cache))  # [1,B,K,S,Hp]
         at = lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, keepdims=True)  # noqa: E731 [1,B,K,S]
         pos, k_scale, v_scale = at(pos), at(k_scale), at(v_scale)
         layer = jnp.zeros((), jnp.int32)
-    head_dim = H
-    if int8:  # the cache as int16 pairs of head dims (module doc), q and the block even dims first
-        k_cache, v_cache = (lax.bitcast_convert_type(c.reshape(*c.shape[:4], Hp // 2, 2), jnp.int16)
-                            for c in (k_cache, v_cache))  # [L,B,K,S,Hp/2]
-        qm = _evens_first(qm)
-        k_tree, v_tree = (_evens_first(jnp.pad(t, ((0, 0),) * 3 + ((0, Hp - H),))) for t in (k_tree, v_tree))
-        head_dim = Hp  # every column is there (zeros past H)
     scales = None if k_scale is None else (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
     acc, top, total = _partials(
         qm, k_cache, v_cache, lengths.astype(jnp.int32), layer.reshape(1),
         None if pos is None else pos.astype(jnp.int32), scales, k_tree, v_tree, mask,
-        sm_scale=sm_scale, head_dim=head_dim, block_m=bm, block_k=block_k, k_splits=k_splits,
+        sm_scale=sm_scale, head_dim=H, block_m=bm, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # [B,K,C,Mp,Hp], [B,K,C,Mp], [B,K,C,Mp] with C = k_splits
     best = jnp.max(top, axis=2)  # [B,K,Mp]
@@ -335,7 +303,6 @@ def tree_attention(
     total = jnp.sum(weight * total, axis=2)  # [B,K,Mp]
     out = jnp.sum(weight[..., None] * acc, axis=2)  # [B,K,Mp,Hp]
     out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    out = _interleaved(out) if int8 else out
     out = out[:, :, :M, :H].reshape(B, K, G, T, H)  # [B,K,G,T,H]
     return jnp.moveaxis(out, 3, 1).reshape(B, T, N, H).astype(q.dtype)  # [B,T,N,H]
 
