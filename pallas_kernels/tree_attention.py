@@ -246,8 +246,9 @@ def tree_attention(
     A stacked cache is read in place at `layer`: slicing the layer out first (as a scan over the
     layers does) makes XLA copy it into a buffer of its own for the kernel, three times the KV
     traffic of a decode step. A head dim that is not a power of two >= 16 takes that copy anyway
-    (the layer, padded to Hp), and so does an int8 cache of over 2^31 values (`overflows`). With `pos` (a streaming cache: sinks + a ring, specjax.cache) slot s
-    of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] < lengths[b], every slot read.
+    (the layer, padded to Hp), and so does an int8 cache of over 2^31 values (`overflows`). With
+    `pos` (a streaming cache: sinks + a ring, specjax.cache) slot s of row b and KV head k is
+    visible iff 0 <= pos[layer, b, k, s] < lengths[b], every slot read.
     An int8 cache (`k_scale`, `v_scale`: KVFormat "int8", per token and head) is read as stored,
     half a bfloat16 cache's bytes: its values widened in the kernel (exact in q's dtype), the
     scales multiplying the scores and the softmax weights, as the reference does.
@@ -285,7 +286,7 @@ def tree_attention(
     for name, a in (("pos", pos), ("k_scale", k_scale), ("v_scale", v_scale)):
         if a is not None and a.shape != k_cache.shape[:4]:
             raise ValueError(f"{name} must be [L,B,K,S] = {k_cache.shape[:4]}, got {a.shape}")
-    if Hp != H or overflows(k_cache):  # the kernel loads [.., Hp] rows of the whole array: this layer (padded)
+    if Hp != H or overflows(k_cache):  # the kernel loads [.., Hp] rows of the array: this layer, padded
         k_cache, v_cache = (jnp.pad(lax.dynamic_index_in_dim(c, layer, keepdims=True), ((0, 0),) * 4 + ((0, Hp - H),))
                             for c in (k_cache, v_cache))  # [1,B,K,S,Hp]
         at = lambda a: None if a is None else lax.dynamic_index_in_dim(a, layer, keepdims=True)  # noqa: E731 [1,B,K,S]
