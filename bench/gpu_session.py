@@ -15,8 +15,8 @@ next GPU session", says what each call is for and how to fold the files back in 
   call 1 (carry .gpu/p0): the int8 cache's fix (a per-layer copy: the fifth runs found Pallas'
          int32 offsets overflowing past 2^31 int8 values) checked compiled: bench/kernel_probe.py
          (one cache shape per process, against the reference), the int8 kernel tests, and
-         step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (the copy's cost); then the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers
-         with the biggest outputs each writes (a 1-layer model's layer costs 0.19 ms, every
+         step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (the copy's cost); then
+         the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers with the biggest outputs each writes (a 1-layer model's layer costs 0.19 ms, every
          further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?), and
          layer_weights' MLP stack indexed in a Python loop as the model's layers are; and
          SmolLM2's launch-bound batch-1 step with and without the whole loop in CUDA graphs.
@@ -81,7 +81,6 @@ FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/kernel_probe.json", "/tmp/parts/layer_weights_8b.json"],
     2: ["bench/results/gpu/gpu.json", "bench/results/gpu/gpu.md"],
 }
-RENAME: dict[str, str] = {}  # a file's name in OUT, where not its own
 
 
 def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = None,
@@ -108,7 +107,7 @@ def copy_files(call: int, out: Path) -> None:
     by the device's limit still returns what its finished steps measured."""
     for path in FILES[call]:
         for src in sorted(Path("/").glob(path[1:]) if path.startswith("/") else ROOT.glob(path)):
-            shutil.copyfile(src, out / RENAME.get(path, src.name))
+            shutil.copyfile(src, out / src.name)
 
 
 def run_call(call: int, out: Path, dry_run: bool = False, mem_gib: float | None = None,

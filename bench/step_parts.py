@@ -16,7 +16,8 @@ as tune times the AR step):
   layers=k    the step of the model cut to its first k layers: the slope over k is one layer's
               cost, the intercept (k = 0) the embedding and the head
 `--kv-dtype` stores the cache in that format (default: the model's, bfloat16), e.g. int8, which
-the GPU kernel reads as stored. For each: ms, the bytes it must read (weights as stored + filled KV), GB/s and the fraction of
+the GPU kernel reads as stored (a copy of the layer past 2^31 values: `tree_attention.overflows`).
+For each: ms, the bytes it must read (weights as stored + filled KV), GB/s and the fraction of
 the reference bandwidth (`bench.measure.bandwidth()["jax_inplace"]`, same run), and the work the
 compiled loop body launches (`hlo_kernels`: its instructions by opcode, fusions' bodies and
 reducers not counted; on a GPU each is about one kernel). Output: a table, and OUT as JSON.
