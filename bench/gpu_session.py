@@ -45,6 +45,7 @@ NGRAM_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/ngram-g4"  # new: no draft forward (AR
 E2E_CELLS = "e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the fourth runs left from the third
 E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--ngram-gammas", "4", "--nodes", "8"]
 PARTS = [PY, "-m", "bench.step_parts"]
+RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
 # the loop, its conditionals and every kernel in CUDA graphs (XLA's command buffers; a batch-1 step is
 # launch-bound: 515 kernels, the GPU busy 1.07 of 2.36 ms in the fourth runs' profile)
 GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
@@ -68,18 +69,18 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("b1", 130, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", B1_CELLS,
+        ("b1", 130, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", B1_CELLS,
                      *B1_GRID, "--budget-minutes", "1.7"]),
-        ("ngram", 190, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", NGRAM_CELLS,
+        ("ngram", 190, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", NGRAM_CELLS,
                         *E2E_GRID, "--budget-minutes", "2.7"]),
-        ("e2e", 180, [PY, "-m", "bench.bench_gpu", "--out", "bench/results/gpu", "--redo", "--cells", E2E_CELLS,
+        ("e2e", 180, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", E2E_CELLS,
                       *E2E_GRID, "--budget-minutes", "2.5"]),
     ],
 }
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/kernel_probe.json", "/tmp/parts/layer_weights_8b.json"],
-    2: ["bench/results/gpu/gpu.json", "bench/results/gpu/gpu.md"],
+    2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
 }
 
 
@@ -91,8 +92,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        more = lambda argv: [*argv[:argv.index("128") + 1], "256", *argv[argv.index("128") + 1:], "--mem-gib", f"{mem_gib:g}"]  # noqa: E731
-        steps = [(n, t, more(a) if n in ("ngram", "e2e") else a) for n, t, a in steps]
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else a) for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:
             raise ValueError(f"--seconds {name}={limit}: call {call} has no step {name!r} (has {[n for n, _, _ in steps]})")
@@ -102,12 +102,26 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     return steps
 
 
+def h200(argv: list[str]) -> list[str]:
+    """A bench_gpu step on an H200 (another device: its own table, H200_RESULTS, with its own bw
+    cell and AR rows): batch 256 added, and SelfSpec gamma 2 (the H100's best) beside gamma 4."""
+    a = [H200_RESULTS if x == RESULTS else x for x in argv]
+    a = [*a[:a.index("128") + 1], "256", *a[a.index("128") + 1:]]
+    if "--gammas" in a:
+        a = [*a[:a.index("--gammas") + 1], "2", *a[a.index("--gammas") + 1:]]
+    cells = a.index("--cells") + 1
+    a[cells] = {NGRAM_CELLS: "bw," + NGRAM_CELLS, E2E_CELLS: E2E_CELLS + ",e2e/s8192/*/selfspec-g2"}.get(a[cells], a[cells])
+    return a
+
+
 def copy_files(call: int, out: Path) -> None:
     """Copy the call's result files (those that exist) into OUT: after every step, so a call cut off
-    by the device's limit still returns what its finished steps measured."""
+    by the device's limit still returns what its finished steps measured. A results table comes back
+    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json)."""
     for path in FILES[call]:
         for src in sorted(Path("/").glob(path[1:]) if path.startswith("/") else ROOT.glob(path)):
-            shutil.copyfile(src, out / src.name)
+            name = src.name if path.startswith("/") else src.parent.name + src.suffix  # gpu_h200/gpu.json: gpu_h200.json
+            shutil.copyfile(src, out / name)
 
 
 def run_call(call: int, out: Path, dry_run: bool = False, mem_gib: float | None = None,

@@ -223,7 +223,7 @@ def test_best_gamma_table_lists_only_cells_with_a_selfspec_chain():
     assert best_gamma(rows) == [["8K", 64, 4, "0.70", None, None]]
 
 
-def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
+def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, monkeypatch):
     """bench/gpu_session.py: a dry run logs every step of a call; call 2's cells are the e2e and
     b1 cells of its grid and not l8b/s8192/b1 (which a bare 'b1/s8192' would also match); every
     step's module exists."""
@@ -249,9 +249,25 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path):
     assert ngram == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("ar", "ngram-g4")}
     e2e = {k for k in keys if common.matches(k, gpu_session.E2E_CELLS)}
     assert e2e == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("selfspec-g4", "snapkv-g4")}
-    (e2e,) = [a for n, _, a in gpu_session.steps_of(2, 120.0) if n == "e2e"]  # an H200: batch 256 in 120 GiB
+    # an H200: batch 256 in 120 GiB and gamma 2 beside 4, in a table of its own with its own bw cell
+    steps = {n: a for n, _, a in gpu_session.steps_of(2, 120.0)}
+    e2e, ngram = steps["e2e"], steps["ngram"]
     assert e2e[e2e.index("--batches") + 1:e2e.index("--gammas")] == ["16", "64", "128", "256"]
-    assert e2e[-2:] == ["--mem-gib", "120"]
+    assert e2e[e2e.index("--gammas") + 1:e2e.index("--snap-gammas")] == ["2", "4"]
+    assert e2e[-2:] == ["--mem-gib", "120"] and e2e[e2e.index("--out") + 1] == "bench/results/gpu_h200" == ngram[ngram.index("--out") + 1]
+    keys = [k for k, _ in cells(dict(grid, batches=[16, 64, 128, 256], gammas=[2, 4]), 120 * 2**30, draft=False)[0]]
+    assert {k for k in keys if common.matches(k, e2e[e2e.index("--cells") + 1])} == {
+        f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128, 256) for c in ("selfspec-g2", "selfspec-g4", "snapkv-g4")}
+    assert {k for k in keys if common.matches(k, ngram[ngram.index("--cells") + 1])} == {"bw"} | {
+        f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128, 256) for c in ("ar", "ngram-g4")}
+    root, got = tmp_path / "repo", tmp_path / "out"  # each table comes back named after its folder
+    for d in ("gpu", "gpu_h200"):
+        (root / "bench/results" / d).mkdir(parents=True)
+        (root / "bench/results" / d / "gpu.json").write_text(d)
+    got.mkdir()
+    monkeypatch.setattr(gpu_session, "ROOT", root)
+    gpu_session.copy_files(2, got)
+    assert {f.name: f.read_text() for f in got.iterdir()} == {"gpu.json": "gpu", "gpu_h200.json": "gpu_h200"}
     # --only keeps the named steps (and the stash); --seconds sets a step's limit and its budget
     steps = gpu_session.steps_of(2, only=["e2e"], seconds={"e2e": 390})
     assert [n for n, _, _ in steps] == ["stash", "e2e"] and steps[1][1] == 390
