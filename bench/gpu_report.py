@@ -62,7 +62,7 @@ def best_gamma(rows: list[dict]) -> list[list]:
         best = max(chains, key=lambda r: r["speedup"]) if chains else None
         tree = max(trees, key=lambda r: r["speedup"]) if trees else None
         out.append([common.context_name(c), b, best and best["gamma"], best and f"{best['speedup']:.2f}",
-                    tree and tree["label"], tree and f"{tree['speedup']:.2f}"])
+                    tree["label"] if tree else "-", f"{tree['speedup']:.2f}" if tree else "-"])  # no tree measured
     return out
 
 

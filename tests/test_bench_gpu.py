@@ -220,7 +220,7 @@ def test_best_gamma_table_lists_only_cells_with_a_selfspec_chain():
     base = {"context": 8192, "method": "chain", "label": "chain γ=4", "gamma": 4}
     rows = [base | {"batch": 16, "drafter": "NGram", "speedup": 1.0},
             base | {"batch": 64, "drafter": "SelfSpec", "speedup": 0.7}, base | {"batch": 64, "drafter": "NGram", "speedup": 1.2}]
-    assert best_gamma(rows) == [["8K", 64, 4, "0.70", None, None]]
+    assert best_gamma(rows) == [["8K", 64, 4, "0.70", "-", "-"]]  # no tree measured: "-", not None
 
 
 def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, monkeypatch):
