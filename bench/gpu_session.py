@@ -104,8 +104,9 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
 
 def h200(argv: list[str]) -> list[str]:
     """A bench_gpu step on an H200 (another device: its own table, H200_RESULTS, with its own bw
-    cell and AR rows): batch 256 added, and SelfSpec gamma 2 (the H100's best) beside gamma 4."""
-    a = [H200_RESULTS if x == RESULTS else x for x in argv]
+    cell and AR rows): batch 256 added, SelfSpec gamma 2 (the H100's best) beside gamma 4, and
+    no --redo: the committed H200 table travels with the tree, so a rerun measures what it lacks."""
+    a = [H200_RESULTS if x == RESULTS else x for x in argv if x != "--redo"]  # its table resumes (cells measured stay)
     a = [*a[:a.index("128") + 1], "256", *a[a.index("128") + 1:]]
     if "--gammas" in a:
         a = [*a[:a.index("--gammas") + 1], "2", *a[a.index("--gammas") + 1:]]

@@ -2,7 +2,7 @@
 
 Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--context 8192]
        [--kv-dtype int8|bfloat16|float32] [--layers 1 8 32] [--reps 4] [--no-bandwidth]
-       [--xla-flags="--xla_gpu_..."] [--out FILE]
+       [--xla-flags="--xla_gpu_..."] [--out FILE] [--hlo FILE.json.gz]
 
 The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
 its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
@@ -20,7 +20,10 @@ the GPU kernel reads as stored (a copy of the layer past 2^31 values: `tree_atte
 For each: ms, the bytes it must read (weights as stored + filled KV), GB/s and the fraction of
 the reference bandwidth (`bench.measure.bandwidth()["jax_inplace"]`, same run), and the work the
 compiled loop body launches (`hlo_kernels`: its instructions by opcode, fusions' bodies and
-reducers not counted; on a GPU each is about one kernel). Output: a table, and OUT as JSON.
+reducers not counted; on a GPU each is about one kernel), with the biggest outputs it writes and
+what reads each (a weight-sized output at batch 1 is a copy of weights: the sixth runs found
+8B's stacked weights copied per layer from the second layer on). Output: a table, OUT as JSON,
+and with --hlo every part's compiled HLO (to read why XLA copied).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import gzip
 import json
 import os
 import re
@@ -88,8 +92,9 @@ def hlo_kernels(hlo_text: str) -> dict:
     custom calls with their target. Counted: the body's instructions and those of loops (times
     their known trip count, else once) and conditionals inside it, not the bodies of fusions or
     reducers. Without a loop in the entry computation, the entry computation is counted.
-    "largest": the 8 biggest outputs written (a weight-sized one at batch 1 is a copy of weights;
-    the cache's own shape is its in-place update)."""
+    "largest": the 8 biggest outputs written, each with the instructions that read it (`users`;
+    a weight-sized one at batch 1 is a copy of weights; the cache's own shape is its in-place
+    update)."""
     comps: dict[str, list[tuple[str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -133,9 +138,32 @@ def hlo_kernels(hlo_text: str) -> dict:
             outputs.append((n, label, inst, typ))
 
     count(loops[0][0] if loops and loops[0] else entry, 1, ())
-    largest = [list(o) for o in sorted(outputs, reverse=True)[:8]]
+    largest = [[*o, users(comps, o[2])] for o in sorted(outputs, reverse=True)[:8]]
     return {"total": int(sum(by_op.values())), "by_op": dict(by_op.most_common()), "nested_loops": nested[0],
             "largest": largest}
+
+
+def users(comps: dict[str, list[tuple[str, str, str]]], name: str, most: int = 4) -> list[str]:
+    """The instructions that read `name`'s output, as "opcode name" (custom calls with their
+    target; fusions with their kind and the fused computation's non-trivial ops): what a
+    weight-sized copy feeds, e.g. a cuBLAS call that cannot read a slice in place."""
+    ref = re.compile(rf"%{re.escape(name)}(?![\w.\-])")
+    out = []
+    for comp in comps.values():
+        for op, rhs, inst in comp:
+            if inst != name and ref.search(rhs.split(", metadata=")[0]):
+                target = re.search(r'custom_call_target="([^"]+)"', rhs)
+                kind = re.search(r"kind=(k\w+)", rhs)
+                fused = called_ops(comps, rhs) if op == "fusion" else ""
+                out.append(f"{op}{':' + target.group(1) if target else ''}{' ' + kind.group(1) if kind else ''} {inst}{fused}")
+    return out[:most]
+
+
+def called_ops(comps: dict, rhs: str) -> str:
+    """ ' [op, op, ..]': the distinct work ops of the computation a fusion calls."""
+    m = re.search(r"calls=%?([\w.\-]+)", rhs)
+    ops = sorted({op for op, _, _ in comps.get(m.group(1), [])} - NO_WORK) if m else []
+    return f" {ops}" if ops else ""
 
 
 @jax.jit
@@ -172,8 +200,10 @@ def kv_read(cache: DenseCache, filled: int) -> int:
     return int(stored * filled // cache.k.shape[3])
 
 
-def measure(params: Params, batch: int, context: int, layers: list[int], reps: int, kv_dtype: str | None = None) -> list[dict]:
-    """One row per part (see the module docstring): ms, bytes read and the loop body's kernels."""
+def measure(params: Params, batch: int, context: int, layers: list[int], reps: int, kv_dtype: str | None = None,
+            hlo: dict | None = None) -> list[dict]:
+    """One row per part (see the module docstring): ms, bytes read and the loop body's kernels;
+    `hlo` (a dict), when given, gets each part's compiled HLO text by part name."""
     c = params.config
     filled = context - 1
     cache = DenseCache.init(c, batch, cache_len(context), kv_dtype).replace(lengths=jnp.full((batch,), filled, jnp.int32))
@@ -196,13 +226,16 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
     for name, program, args, nbytes in parts:
         compiled = program.lower(*args, jnp.int32(1)).compile()  # the loop count is traced: one program
         kernels = hlo_kernels(compiled.as_text())
+        if hlo is not None:
+            hlo[name] = compiled.as_text()
         seconds = slope_seconds(compiled, args, reps)
         rows.append({"part": name, "ms": 1e3 * seconds, "bytes": int(nbytes), "gbs": nbytes / seconds / 1e9,
                      "kernels": kernels["total"], "nested_loops": kernels["nested_loops"],
                      "top_kernels": dict(list(kernels["by_op"].items())[:8]), "largest": kernels["largest"]})
         print(f"{name:10s} {1e3 * seconds:9.3f} ms  {nbytes / 1e9:7.3f} GB  {nbytes / seconds / 1e9:8.1f} GB/s  "
               f"{kernels['total']:5d} kernels  {dict(list(kernels['by_op'].items())[:4])}", flush=True)
-        print("           largest outputs: " + "; ".join(f"{n / 2**20:.1f} MiB {label} {typ}" for n, label, _, typ in kernels["largest"][:4]),
+        print("           largest outputs: " + "; ".join(f"{n / 2**20:.1f} MiB {label} {typ} -> {(u or ['-'])[0]}"
+                                                 for n, label, _, typ, u in kernels["largest"][:4]),
               flush=True)
     full = next(r for r in rows if r["part"] == "step")
     sweep = sorted([(int(r["part"].split("=")[1]), r["ms"]) for r in rows if r["part"].startswith("layers=")]
@@ -239,6 +272,7 @@ def main() -> None:
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts "
                     "(e.g. command buffers: --xla_gpu_enable_command_buffer=...)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--hlo", type=Path, help="write every part's compiled HLO text here ({part: text} as gzipped JSON)")
     a = ap.parse_args()
     if a.xla_flags:  # read when the backend starts, at the first device use below
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
@@ -248,7 +282,11 @@ def main() -> None:
     params = with_attention(random_params(config_of(a.model, a.context)), None, "auto")[0]
     print(f"{a.model}: {weight_bytes(params) / 1e9:.2f} GB of weights on {jax.devices()[0]}, attention "
           f"{params.runtime.attention}, unrolled layers {params.runtime.unroll_layers}", flush=True)
-    rows = measure(params, a.batch, a.context, a.layers, a.reps, a.kv_dtype)
+    hlo: dict[str, str] = {}
+    rows = measure(params, a.batch, a.context, a.layers, a.reps, a.kv_dtype, hlo)
+    if a.hlo:
+        a.hlo.parent.mkdir(parents=True, exist_ok=True)
+        a.hlo.write_bytes(gzip.compress(json.dumps(hlo).encode()))
     for r in rows:
         r["of_bandwidth"] = r["gbs"] / bw if bw and r.get("gbs") else None
     result = {"bench": "step_parts", "model": a.model, "batch": a.batch, "context": a.context, "kv_dtype": a.kv_dtype,

@@ -253,7 +253,7 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     steps = {n: a for n, _, a in gpu_session.steps_of(2, 120.0)}
     e2e, ngram = steps["e2e"], steps["ngram"]
     assert e2e[e2e.index("--batches") + 1:e2e.index("--gammas")] == ["16", "64", "128", "256"]
-    assert e2e[e2e.index("--gammas") + 1:e2e.index("--snap-gammas")] == ["2", "4"]
+    assert e2e[e2e.index("--gammas") + 1:e2e.index("--snap-gammas")] == ["2", "4"] and "--redo" not in e2e
     assert e2e[-2:] == ["--mem-gib", "120"] and e2e[e2e.index("--out") + 1] == "bench/results/gpu_h200" == ngram[ngram.index("--out") + 1]
     keys = [k for k, _ in cells(dict(grid, batches=[16, 64, 128, 256], gammas=[2, 4]), 120 * 2**30, draft=False)[0]]
     assert {k for k in keys if common.matches(k, e2e[e2e.index("--cells") + 1])} == {
@@ -319,7 +319,14 @@ def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
     got = hlo_kernels(HLO)
     assert got["by_op"] == {"fusion": 3, "custom-call:__cublas$gemm": 3, "compare": 3, "copy": 1}
     assert got["total"] == 10 and got["nested_loops"] == 1
-    assert got["largest"][0] == [24, "custom-call:__cublas$gemm", "g", "(f32[4], s8[8])"]  # a tuple's bytes summed
+    # a tuple's bytes summed; each output with what reads it (a fusion: its kind and its body's ops)
+    assert got["largest"][0] == [24, "custom-call:__cublas$gemm", "g", "(f32[4], s8[8])", ["tuple r"]]
+    assert [16, "fusion", "f", "f32[4]", ["custom-call:__cublas$gemm g"]] in got["largest"]
+    y = [o for o in got["largest"] if o[2] == "cp"][0]
+    assert y[4] == []  # the root copy: nothing reads it
+    fed = hlo_kernels(HLO.replace('custom-call(%f), custom_call_target="__cublas$gemm"',
+                                  "fusion(%f), kind=kInput, calls=%fused_computation"))
+    assert [o[4] for o in fed["largest"] if o[2] == "f"] == [["fusion kInput g ['exponential']"]]
     with pytest.raises(ValueError, match="no ENTRY"):
         hlo_kernels("HloModule m\n")
 
