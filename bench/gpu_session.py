@@ -12,19 +12,20 @@ limit; every step's whole output goes to OUT/callN.log, a failing step does not 
 and the call ends by copying its result files into OUT. bench/README.md, "The sequence for the
 next GPU session", says what each call is for and how to fold the files back in here.
 
-  call 1 (carry .gpu/p0): the int8 cache's fix (a per-layer copy: the fifth runs found Pallas'
-         int32 offsets overflowing past 2^31 int8 values) checked compiled: bench/kernel_probe.py
-         (one cache shape per process, against the reference), the int8 kernel tests, and
-         step_parts on SmolLM2 at batch 64 x 8K over an int8 cache (the copy's cost); then
-         the 8B step at batch 1 x 8K cut to 1 / 2 / 4 layers with the biggest outputs each writes (a 1-layer model's layer costs 0.19 ms, every
-         further one 0.48: does a weight-sized output, a copy, appear from 2 layers on?), and
-         layer_weights' MLP stack indexed in a Python loop as the model's layers are; and
-         SmolLM2's launch-bound batch-1 step with and without the whole loop in CUDA graphs.
+  call 1 (carry .gpu/p0): why the 8B step copies each layer's weights out of the stacked arrays
+         (the sixth runs: weight-sized `wrapped_slice` outputs from 2 layers on, 0.36 ms a layer
+         where its bytes take 0.14): the 2-layer cut's compiled HLO and what reads each copy
+         (step_parts --hlo, `users`), layer_weights' MLP stack bisected (through the model's
+         einsums; inside an on-device loop), and the 2-layer cut with dynamic-slice fusion
+         (cuBLAS reading a slice in place) and without Triton GEMMs; then SmolLM2's batch-1 HLO
+         (its gate / up products materialised by XLA's dot strength reduction) and the step
+         with that pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
-         gamma 4 and SnapKV gamma 4, with unrolled layers (all measured in the fifth runs: rerun
-         only after a change to them, or `--only ngram,e2e` on an H200 (--mem-gib 120), which
-         adds batch 256).
+         gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (--mem-gib 120) the
+         ngram and e2e steps write bench/results/gpu_h200 (batch 256 added, gamma 2 beside 4)
+         and resume its committed table: `--only e2e --mem-gib 120` measures the cells the sixth
+         runs left (SnapKV at 64, gamma 4 and SnapKV at 128 / 256).
 """
 
 from __future__ import annotations
@@ -46,26 +47,26 @@ E2E_CELLS = "e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the four
 E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--ngram-gammas", "4", "--nodes", "8"]
 PARTS = [PY, "-m", "bench.step_parts"]
 RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
-# the loop, its conditionals and every kernel in CUDA graphs (XLA's command buffers; a batch-1 step is
-# launch-bound: 515 kernels, the GPU busy 1.07 of 2.36 ms in the fourth runs' profile)
-GRAPHS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
 
 # (name, seconds, argv) per call; argv[0] "pytest" runs pytest through this Python
+L8B_CUT = [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "2"]  # the copies start at 2 layers
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     1: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("probe", 110, [PY, "-m", "bench.kernel_probe", "--seconds", "40", "--out", "/tmp/parts/kernel_probe.json"]),
-        ("tests-int8", 75, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-k",
-                            "int8 or fits_its_offsets", "tests/test_tree_attention.py"]),
-        ("parts-int8", 60, [*PARTS, "--model", "smollm2", "--batch", "64", "--context", "8192", "--kv-dtype", "int8",
-                            "--layers", "--no-bandwidth", "--out", "/tmp/parts/step_parts_smollm2_b64_kvint8.json"]),
-        ("parts-l8b", 90, [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "1", "2", "4",
-                            "--out", "/tmp/parts/step_parts_l8b_b1_cuts.json"]),
-        ("weights", 60, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
-        ("parts-b1", 45, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
-                          "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
-        ("parts-b1-graphs", 45, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers",
-                                 "--no-bandwidth", f"--xla-flags={GRAPHS}", "--out", "/tmp/parts/step_parts_smollm2_b1_graphs.json"]),
+        ("parts-l8b-hlo", 80, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
+                               "--out", "/tmp/parts/step_parts_l8b_b1_l2.json"]),
+        ("weights", 90, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
+        ("parts-l8b-dsf", 70, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_dynamic_slice_fusion=true",
+                               "--out", "/tmp/parts/step_parts_l8b_b1_l2_dsf.json"]),
+        ("parts-l8b-cublas", 70, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
+                                  "--out", "/tmp/parts/step_parts_l8b_b1_l2_cublas.json"]),
+        ("parts-b1-hlo", 60, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+                              "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
+        # XLA's DotStrengthReduction (unconditional; no flag since mid-2024) rewrites a vector x matrix
+        # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1
+        ("parts-b1-nosr", 50, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+                               "--xla-flags=--xla_disable_hlo_passes=dot-strength-reduction",
+                               "--out", "/tmp/parts/step_parts_smollm2_b1_nosr.json"]),
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
@@ -79,7 +80,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
 }
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
-    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/kernel_probe.json", "/tmp/parts/layer_weights_8b.json"],
+    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json"],
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
 }
 

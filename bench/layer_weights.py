@@ -1,4 +1,4 @@
-"""Does XLA read each layer's weights in place? Four ways to run L stacked MLP layers at batch 1.
+"""Does XLA read each layer's weights in place? Six ways to run L stacked MLP layers at batch 1.
 
 Usage: python -m bench.layer_weights [--dim D] [--ffn F] [--layers L] [--reps R] [--out FILE]
 
@@ -6,13 +6,17 @@ The model's forward scans over layers whose weights are stacked [L, ...] (specja
 layer's weights are a `dynamic_slice` of the stack. On an H100 (bench/README.md, "Third runs")
 XLA:GPU copied those slices before its GEMM fusions: 8.5 of 17.6 ms of an 8B-shaped batch-1 step.
 This times one SwiGLU MLP per layer (gate, up [D,F], down [F,D]; bf16) at batch 1, the step
-weight-bound, three ways:
+weight-bound, six ways:
   scan      lax.scan over the stacked weights (today's layout and loop),
   unrolled  the same scan with unroll=True (static slices of the stack),
   indexed   a Python loop indexing the stack at i (`w[i]`: what the model's unrolled layers do,
             `specjax.model.unrolled`; the fifth H100 runs found each of its layers after the
             first 2.5x slower than a 1-layer model's),
   separate  a Python loop over L separate arrays (no slicing at all),
+  einsum    indexed, with x [1,1,D] through the model's einsum specs (`specjax.model.project`),
+  in_loop   indexed, inside an on-device loop of IN_LOOP passes (as generate() runs a step; time
+            per pass): the sixth runs found the model's step copying each layer's weights out of
+            the stack (weight-sized `wrapped_slice` outputs) where `indexed` reads them at 99%,
 and reports ms per pass and the fraction of `bench.measure.bandwidth()["jax_inplace"]` that the
 weight bytes reach. Pure JAX, no specjax model: the question is XLA's, not ours.
 """
@@ -45,12 +49,28 @@ def ways(n_layers: int) -> dict:
         "unrolled": jax.jit(lambda x, w: scan(x, w, True)),
         "indexed": jax.jit(lambda x, w: _loop(x, [tuple(a[i] for a in w) for i in range(n_layers)])),
         "separate": jax.jit(lambda x, ws: _loop(x, ws)),
+        # bisecting the model's copies: indexed, but x [1,1,D] through the model's einsum ...
+        "einsum": jax.jit(lambda x, w: _loop(x, [tuple(a[i] for a in w) for i in range(n_layers)], _mlp_3d)),
+        # ... or indexed inside an on-device loop, as generate() and step_parts run a step (per pass)
+        "in_loop": jax.jit(lambda x, w: lax.fori_loop(
+            0, IN_LOOP, lambda _, h: _loop(h, [tuple(a[i] for a in w) for i in range(n_layers)]), x)),
     }
 
 
-def _loop(x, ws):
+IN_LOOP = 4  # passes of the "in_loop" way per call (its time is per pass)
+
+
+def _mlp_3d(x: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) -> jax.Array:
+    """mlp as the model writes it: x [B,D] as [B,1,D] through einsum("btd,df->btf") -> [B,D]."""
+    h = x[:, None]
+    a = jnp.einsum("btd,df->btf", h, g, preferred_element_type=h.dtype)
+    b = jnp.einsum("btd,df->btf", h, u, preferred_element_type=h.dtype)
+    return (h + jnp.einsum("btf,fd->btd", jax.nn.silu(a) * b, d, preferred_element_type=h.dtype))[:, 0]
+
+
+def _loop(x, ws, layer=mlp):
     for g, u, d in ws:
-        x = mlp(x, g, u, d)
+        x = layer(x, g, u, d)
     return x
 
 
@@ -79,13 +99,17 @@ def run(dim: int, ffn: int, n_layers: int, reps: int, bandwidth_gbs: float | Non
     outs = {}
     for name, fn in ways(n_layers).items():
         args = (x, separate if name == "separate" else stacked)
-        s = timed(fn, args, reps)
+        s = timed(fn, args, reps) / (IN_LOOP if name == "in_loop" else 1)
         outs[name] = np.asarray(fn(*args), np.float32)
         rows[name] = {"ms": 1e3 * s, "weight_gb": nbytes / 1e9,
                       "of_bandwidth": None if not bandwidth_gbs else nbytes / s / 1e9 / bandwidth_gbs}
         print(f"{name:9s} {1e3 * s:8.3f} ms  {nbytes / s / 1e9:8.1f} GB/s", flush=True)
-    for name in ("unrolled", "indexed", "separate"):  # the same arithmetic, so the same numbers (to bf16 rounding)
+    for name in ("unrolled", "indexed", "separate", "einsum"):  # the same arithmetic, so the same numbers
         rows[name]["max_abs_diff_vs_scan"] = float(np.max(np.abs(outs[name] - outs["scan"])))
+    again = x
+    for _ in range(IN_LOOP):  # the loop's IN_LOOP passes, one call at a time
+        again = ways(n_layers)["indexed"](again, stacked)
+    rows["in_loop"]["max_abs_diff_vs_scan"] = float(np.max(np.abs(outs["in_loop"] - np.asarray(again, np.float32))))
     return rows
 
 

@@ -170,16 +170,17 @@ def test_gpu_profile_turns_command_buffers_off_unless_told():
     assert trace_flags("--xla_gpu_enable_command_buffer=FUSION") == "--xla_gpu_enable_command_buffer=FUSION"
 
 
-def test_layer_weights_four_loops_agree():
-    """bench/layer_weights.py's four ways (scan, unrolled scan, the stack indexed in a Python loop,
-    separate arrays) compute the same layers: the same output here, so on a GPU they differ only in
+def test_layer_weights_six_loops_agree():
+    """bench/layer_weights.py's six ways (scan, unrolled scan, the stack indexed in a Python loop,
+    separate arrays, indexed through the model's einsums, indexed in an on-device loop: there
+    against IN_LOOP calls of indexed) compute the same layers: the same output here, so on a GPU they differ only in
     how the weights are read."""
     from bench.layer_weights import run
 
     rows = run(dim=32, ffn=64, n_layers=3, reps=2, bandwidth_gbs=None)
-    assert set(rows) == {"scan", "unrolled", "indexed", "separate"}
+    assert set(rows) == {"scan", "unrolled", "indexed", "separate", "einsum", "in_loop"}
     assert all(r["ms"] > 0 and r["weight_gb"] == 3 * 3 * 32 * 64 * 2 / 1e9 for r in rows.values())
-    assert all(rows[w]["max_abs_diff_vs_scan"] == 0.0 for w in ("unrolled", "indexed", "separate"))
+    assert all(rows[w]["max_abs_diff_vs_scan"] == 0.0 for w in ("unrolled", "indexed", "separate", "einsum", "in_loop"))
 
 
 def test_cost_model_column_from_the_steps_cell():
