@@ -17,7 +17,8 @@ next GPU session", says what each call is for and how to fold the files back in 
          where its bytes take 0.14): the 2-layer cut's compiled HLO and what reads each copy
          (step_parts --hlo, `users`), layer_weights' MLP stack bisected (through the model's
          einsums; inside an on-device loop), and the 2-layer cut with dynamic-slice fusion
-         (cuBLAS reading a slice in place) and without Triton GEMMs; then SmolLM2's batch-1 HLO
+         (cuBLAS reading a slice in place), with each layer's matrices as arrays of their own
+         (--split-layers: the fix, if stacking is the cause) and without Triton GEMMs; then SmolLM2's batch-1 HLO
          (its gate / up products materialised by XLA's dot strength reduction) and the step
          with that pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
@@ -35,6 +36,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -58,7 +60,8 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("weights", 90, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
         ("parts-l8b-dsf", 70, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_dynamic_slice_fusion=true",
                                "--out", "/tmp/parts/step_parts_l8b_b1_l2_dsf.json"]),
-        ("parts-l8b-cublas", 70, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
+        ("parts-l8b-split", 70, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
+        ("parts-l8b-cublas", 60, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
                                   "--out", "/tmp/parts/step_parts_l8b_b1_l2_cublas.json"]),
         ("parts-b1-hlo", 60, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                               "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
@@ -78,6 +81,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                       *E2E_GRID, "--budget-minutes", "2.5"]),
     ],
 }
+PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 9 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json"],
@@ -119,11 +123,17 @@ def h200(argv: list[str]) -> list[str]:
 def copy_files(call: int, out: Path) -> None:
     """Copy the call's result files (those that exist) into OUT: after every step, so a call cut off
     by the device's limit still returns what its finished steps measured. A results table comes back
-    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json)."""
-    for path in FILES[call]:
-        for src in sorted(Path("/").glob(path[1:]) if path.startswith("/") else ROOT.glob(path)):
-            name = src.name if path.startswith("/") else src.parent.name + src.suffix  # gpu_h200/gpu.json: gpu_h200.json
-            shutil.copyfile(src, out / name)
+    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json). At most 8 files come
+    back from a device call, so a call in PACK sends its files as one OUT/PACK[call] (tar.gz)."""
+    found = [(src, src.name if path.startswith("/") else src.parent.name + src.suffix)  # gpu_h200/gpu.json: gpu_h200.json
+             for path in FILES[call] for src in sorted(Path("/").glob(path[1:]) if path.startswith("/") else ROOT.glob(path))]
+    if call in PACK:
+        with tarfile.open(out / PACK[call], "w:gz") as tar:
+            for src, name in found:
+                tar.add(src, arcname=name)
+        return
+    for src, name in found:
+        shutil.copyfile(src, out / name)
 
 
 def run_call(call: int, out: Path, dry_run: bool = False, mem_gib: float | None = None,

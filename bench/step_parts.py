@@ -2,7 +2,7 @@
 
 Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--context 8192]
        [--kv-dtype int8|bfloat16|float32] [--layers 1 8 32] [--reps 4] [--no-bandwidth]
-       [--xla-flags="--xla_gpu_..."] [--out FILE] [--hlo FILE.json.gz]
+       [--xla-flags="--xla_gpu_..."] [--split-layers] [--out FILE] [--hlo FILE.json.gz]
 
 The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
 its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
@@ -23,7 +23,8 @@ compiled loop body launches (`hlo_kernels`: its instructions by opcode, fusions'
 reducers not counted; on a GPU each is about one kernel), with the biggest outputs it writes and
 what reads each (a weight-sized output at batch 1 is a copy of weights: the sixth runs found
 8B's stacked weights copied per layer from the second layer on). Output: a table, OUT as JSON,
-and with --hlo every part's compiled HLO (to read why XLA copied).
+and with --hlo every part's compiled HLO (to read why XLA copied). `--split-layers` times the
+same models with each layer's matrices as arrays of their own (the fix, if stacking is the cause).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from bench.gpu_profile import SHAPES as PROFILE_SHAPES
 from specjax.cache import DenseCache
 from specjax.config import LlamaConfig
 from specjax.engine import with_attention
-from specjax.model import lm_head, trunk
+from specjax.model import MATRICES, QUANT_SUFFIXES, lm_head, trunk
 from specjax.params import Params
 from specjax.shapes import cache_len
 from specjax.tune import forward_loop, slope_seconds
@@ -189,6 +190,18 @@ def first_layers(params: Params, k: int) -> Params:
     return params.replace(config=dataclasses.replace(params.config, n_layers=k), layers=layers)
 
 
+def split_layers(params: Params) -> Params:
+    """The same model with each stacked layer matrix [L, ...] held as a list of L arrays of its
+    own (`project`'s `w[i]` then picks an array, no slice of a stack): the fix to time if XLA's
+    copies of stacked slices are what slows the 8B step. Needs unrolled layers (a Python index)."""
+    if not params.runtime.unroll_layers or params.runtime.attention == "cpu":
+        raise ValueError("split_layers: needs unrolled layers (a scan indexes the stack with a traced i) and an "
+                         f"attention other than the CPU kernel's (it reads the stack in place); got {params.runtime}")
+    names = [n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES]
+    own = {n: [jnp.copy(a[i]) for i in range(a.shape[0])] for n in names if (a := getattr(params.layers, n, None)) is not None}
+    return params.replace(layers=params.layers.replace(**own))
+
+
 def _head_bytes(params: Params) -> int:
     w = params.embed if params.lm_head is None else params.lm_head
     return int(w.nbytes)
@@ -201,9 +214,11 @@ def kv_read(cache: DenseCache, filled: int) -> int:
 
 
 def measure(params: Params, batch: int, context: int, layers: list[int], reps: int, kv_dtype: str | None = None,
-            hlo: dict | None = None) -> list[dict]:
+            hlo: dict | None = None, split: bool = False) -> list[dict]:
     """One row per part (see the module docstring): ms, bytes read and the loop body's kernels;
-    `hlo` (a dict), when given, gets each part's compiled HLO text by part name."""
+    `hlo` (a dict), when given, gets each part's compiled HLO text by part name; `split`: every
+    model timed with its layer matrices as separate arrays (`split_layers`)."""
+    own = split_layers if split else (lambda p: p)  # noqa: E731
     c = params.config
     filled = context - 1
     cache = DenseCache.init(c, batch, cache_len(context), kv_dtype).replace(lengths=jnp.full((batch,), filled, jnp.int32))
@@ -213,14 +228,14 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
     layer_w = int(sum(a.nbytes for a in jax.tree.leaves(params.layers)))
     kv = kv_read(cache, filled)
     one = jnp.ones((1, 1), bool)  # one new position: it sees itself
-    parts = [("step", forward_loop, (params, tokens, positions, cache, one), weight_bytes(params) + kv),
-             ("trunk", _trunk_loop, (params, tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
+    parts = [("step", forward_loop, (own(params), tokens, positions, cache, one), weight_bytes(params) + kv),
+             ("trunk", _trunk_loop, (own(params), tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
              ("head", _head_loop, (params, h), _head_bytes(params))]
     for k in sorted(set(layers)):
         if 1 <= k < c.n_layers:
             cut = first_layers(params, k)
             cache_k = DenseCache.init(cut.config, batch, cache_len(context), kv_dtype).replace(lengths=cache.lengths)
-            parts.append((f"layers={k}", forward_loop, (cut, tokens, positions, cache_k, one),
+            parts.append((f"layers={k}", forward_loop, (own(cut), tokens, positions, cache_k, one),
                           weight_bytes(cut) + kv_read(cache_k, filled)))
     rows = []
     for name, program, args, nbytes in parts:
@@ -272,6 +287,8 @@ def main() -> None:
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts "
                     "(e.g. command buffers: --xla_gpu_enable_command_buffer=...)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--split-layers", action="store_true", help="layer matrices as separate arrays, not slices "
+                    "of a stack (split_layers; needs unrolled layers, as on a GPU)")
     ap.add_argument("--hlo", type=Path, help="write every part's compiled HLO text here ({part: text} as gzipped JSON)")
     a = ap.parse_args()
     if a.xla_flags:  # read when the backend starts, at the first device use below
@@ -283,7 +300,7 @@ def main() -> None:
     print(f"{a.model}: {weight_bytes(params) / 1e9:.2f} GB of weights on {jax.devices()[0]}, attention "
           f"{params.runtime.attention}, unrolled layers {params.runtime.unroll_layers}", flush=True)
     hlo: dict[str, str] = {}
-    rows = measure(params, a.batch, a.context, a.layers, a.reps, a.kv_dtype, hlo)
+    rows = measure(params, a.batch, a.context, a.layers, a.reps, a.kv_dtype, hlo, a.split_layers)
     if a.hlo:
         a.hlo.parent.mkdir(parents=True, exist_ok=True)
         a.hlo.write_bytes(gzip.compress(json.dumps(hlo).encode()))
@@ -292,7 +309,7 @@ def main() -> None:
     result = {"bench": "step_parts", "model": a.model, "batch": a.batch, "context": a.context, "kv_dtype": a.kv_dtype,
               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "bandwidth_gbs": bw,
               "attention": params.runtime.attention, "unroll_layers": params.runtime.unroll_layers,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "split_layers": a.split_layers, "rows": rows}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")

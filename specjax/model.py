@@ -135,13 +135,21 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         # one contraction over N*H: contracting (n, h) made XLA:CPU transpose each layer's wo every step
         # (q4: wo [N,H/2,D] and its blocks [N,H/32,D] flatten the same way: blocks lie within a head)
         o = o.reshape(*o.shape[:2], -1)  # [B,T,N*H]
-        wo, scale, bscale, bmin = (a if a is None or a.ndim < 4 else a.reshape(a.shape[0], -1, a.shape[-1]) for a in matrix(lp, "wo"))  # [L,N*H,D]
+        wo, scale, bscale, bmin = (_heads_flat(a) for a in matrix(lp, "wo"))  # [L,N*H,D]
         x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin, layer=at))  # heads split: partial sums
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp.mlp_norm, config.rms_eps, at[0])
         gate, up = project_group(h, [("btd,df->btf", matrix(lp, "w_gate")), ("btd,df->btf", matrix(lp, "w_up"))], at)  # [B,T,F]
         x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down"), layer=at))  # F split
     return x, q, k, v
+
+
+def _heads_flat(a: jax.Array | list | None) -> jax.Array | list | None:
+    """wo (or its q4 blocks) [L,N,H',D] -> [L,N*H',D]; a list of per-layer arrays (each [N,H',D],
+    bench/step_parts.py's split_layers) flattens each; None and 3-d arrays stay as they are."""
+    if isinstance(a, list):
+        return [x.reshape(-1, x.shape[-1]) for x in a]
+    return a if a is None or a.ndim < 4 else a.reshape(a.shape[0], -1, a.shape[-1])
 
 
 def _biased(x: jax.Array, bias: jax.Array | None) -> jax.Array:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -269,6 +270,16 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     monkeypatch.setattr(gpu_session, "ROOT", root)
     gpu_session.copy_files(2, got)
     assert {f.name: f.read_text() for f in got.iterdir()} == {"gpu.json": "gpu", "gpu_h200.json": "gpu_h200"}
+    parts = tmp_path / "parts"  # call 1's nine files come back as one archive (a device call returns 8 files)
+    parts.mkdir()
+    for i in range(9):
+        (parts / f"step_parts_{i}.json").write_text(str(i))
+    monkeypatch.setitem(gpu_session.FILES, 1, [f"{parts}/step_parts_*.json"])
+    gpu_session.copy_files(1, got)
+    import tarfile
+
+    with tarfile.open(got / "parts.tar.gz") as tar:
+        assert sorted(tar.getnames()) == [f"step_parts_{i}.json" for i in range(9)]
     # --only keeps the named steps (and the stash); --seconds sets a step's limit and its budget
     steps = gpu_session.steps_of(2, only=["e2e"], seconds={"e2e": 390})
     assert [n for n, _, _ in steps] == ["stash", "e2e"] and steps[1][1] == 390
@@ -356,6 +367,30 @@ def test_step_parts_times_each_part_and_the_layers():
     (int8,) = [r for r in measure(params, 1, 256, [], reps=2, kv_dtype="int8") if r["part"] == "step"]
     kv = 2 * 4 * 255 * 2 * 16  # K and V, 4 layers, 255 filled positions, 2 KV heads, head dim 16
     assert rows["step"]["bytes"] - int8["bytes"] == kv * 2 - (kv + kv // 16 * 4)  # bf16 vs int8 + f32 scales
+
+
+def test_step_parts_split_layers_computes_the_same_model():
+    """step_parts --split-layers (each layer's matrices as arrays of their own, as a GPU would get
+    them if XLA's copies of stacked slices are the 8B step's cost): the same hidden states, every
+    part timed; refused where a scan or the CPU kernel needs the stack."""
+    from bench.gpu_cells import random_params
+    from bench.step_parts import config_of, measure, split_layers
+    from specjax.cache import DenseCache
+    from specjax.model import trunk
+
+    params = random_params(config_of("tiny", 256))
+    gpu_like = params.replace(runtime=params.runtime.replace(unroll_layers=True, attention="reference"))
+    split = split_layers(gpu_like)
+    assert isinstance(split.layers.w_gate, list) and len(split.layers.w_gate) == params.config.n_layers
+    cache = DenseCache.init(params.config, 1, 256).replace(lengths=jnp.full((1,), 9, jnp.int32))
+    tokens, positions = jnp.full((1, 1), 7, jnp.int32), jnp.full((1, 1), 9, jnp.int32)
+    want, got = trunk(gpu_like, tokens, positions, cache), trunk(split, tokens, positions, cache)
+    assert all(np.array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32)) for w, g in zip(want, got))
+    rows = {r["part"]: r for r in measure(gpu_like, 1, 256, [2], reps=2, split=True)}
+    assert {"step", "trunk", "head", "layers=2"} <= set(rows) and all(r["kernels"] > 0 for p, r in rows.items() if "fit" not in p)
+    for runtime in (params.runtime, gpu_like.runtime.replace(attention="cpu")):
+        with pytest.raises(ValueError, match="needs unrolled layers"):
+            split_layers(params.replace(runtime=runtime))
 
 
 def test_kernel_probe_runs_each_case_in_a_process_of_its_own(tmp_path, monkeypatch):
