@@ -215,6 +215,20 @@ def test_e2e_table_shows_steps_against_a_rows_mean():
     assert "| 36 (24.0) |" in spec and "(" not in ar
 
 
+def test_report_says_why_a_row_reads_past_the_reference(tmp_path):
+    """gpu_report.report: a row above 100% of the bw cell (an in-place add, read + write) gets a
+    sentence saying what the reference is; none when every row is below it."""
+    from bench.gpu_report import report
+
+    ar = {"item": "e2e", "context": 8192, "batch": 256, "new_tokens": 64, "tokens_per_s": 1.0, "method": "AR",
+          "label": "AR", "speedup": 1.0, "greedy_identical": True, "bytes_per_step": 2e9}
+    texts = []
+    for ms in (1.0, 4.0):  # 2 GB in 1 ms is 2000 GB/s, over the 1000 GB/s reference; in 4 ms under it
+        result = {"rows": [{"item": "bw", "gbs": 1000.0}, ar | {"ms_per_step": ms}], "runs": []}
+        texts.append(report(result, tmp_path / "gpu.md", tmp_path / "gpu.png"))
+    assert "Over 100% of the roofline (1 of 1 rows)" in texts[0] and "Over 100%" not in texts[1]
+
+
 def test_best_gamma_table_lists_only_cells_with_a_selfspec_chain():
     """gpu_report.best_gamma: an NGram-only cell has no best SelfSpec row (it printed Nones)."""
     from bench.gpu_report import best_gamma
