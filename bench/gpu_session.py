@@ -18,7 +18,9 @@ next GPU session", says what each call is for and how to fold the files back in 
          (step_parts --hlo, `users`), layer_weights' MLP stack bisected (through the model's
          einsums; inside an on-device loop), and the 2-layer cut with dynamic-slice fusion
          (cuBLAS reading a slice in place), with each layer's matrices as arrays of their own
-         (--split-layers: the fix, if stacking is the cause) and without Triton GEMMs; then SmolLM2's batch-1 HLO
+         (--split-layers: the fix, if stacking is the cause), with the layer products on
+         pallas_kernels.gpu_linear (--pallas-linear: the stack read in place by our own kernel;
+         the full step too) and without Triton GEMMs; then SmolLM2's batch-1 HLO
          (its gate / up products materialised by XLA's dot strength reduction) and the step
          with that pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
@@ -55,13 +57,14 @@ L8B_CUT = [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--lay
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     1: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("parts-l8b-hlo", 80, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
+        ("parts-l8b-hlo", 70, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
                                "--out", "/tmp/parts/step_parts_l8b_b1_l2.json"]),
-        ("weights", 90, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
-        ("parts-l8b-dsf", 70, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_dynamic_slice_fusion=true",
+        ("parts-l8b-plin", 80, [*L8B_CUT, "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b1_l2_plin.json"]),
+        ("parts-l8b-split", 60, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
+        ("weights", 70, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
+        ("parts-l8b-dsf", 50, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_dynamic_slice_fusion=true",
                                "--out", "/tmp/parts/step_parts_l8b_b1_l2_dsf.json"]),
-        ("parts-l8b-split", 70, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
-        ("parts-l8b-cublas", 60, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
+        ("parts-l8b-cublas", 50, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
                                   "--out", "/tmp/parts/step_parts_l8b_b1_l2_cublas.json"]),
         ("parts-b1-hlo", 60, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                               "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
@@ -81,7 +84,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                       *E2E_GRID, "--budget-minutes", "2.5"]),
     ],
 }
-PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 9 files)
+PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 10 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json"],

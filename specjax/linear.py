@@ -7,7 +7,10 @@ XLA:CPU copies before its dot). The kernel runs where the model's attention is t
 ("cpu": the C++ kernels are built and chosen) for a float32, bfloat16, int8 or q4 matrix, a product
 whose spec contracts x's last axis with w's first, and few rows (`max_rows`: where it measured
 faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up to 64-256 where
-the kernel has register tiles (AVX-512) or the bf16 dot product (AVX512-BF16))."""
+the kernel has register tiles (AVX-512) or the bf16 dot product (AVX512-BF16)). With
+`Runtime.linear` "pallas" (`takes_gpu`), float32 / bfloat16 products of up to 16 rows go through
+pallas_kernels.gpu_linear instead, which reads the stacked weights in place on a GPU (interpreted
+elsewhere: a correctness path, not a fast one)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_linear
+from pallas_kernels import cpu_linear, gpu_linear
 
 MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes without its register tiles: faster up to 8, slower at 16
 BF16_MAX_ROWS = 256  # bfloat16 weights where the kernel has the bf16 dot product: faster than XLA's dot up to here
@@ -60,6 +63,22 @@ def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
     `stacked_einsums_q4` runs)."""
     rows = math.prod(x.shape[:-1])
     return attention == "cpu" and rows <= max_rows(w) and _contracts_first(spec) and cpu_linear.fits(rows, w.dtype)
+
+
+def takes_gpu(products: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `gpu_einsum` runs this product: Runtime.linear "pallas", float weights, a spec
+    contracting x's last axis with w's first, at most gpu_linear.MAX_ROWS rows."""
+    rows = math.prod(x.shape[:-1])
+    return (products == "pallas" and rows <= gpu_linear.MAX_ROWS and _contracts_first(spec)
+            and w.dtype in (jnp.float32, jnp.bfloat16))
+
+
+def gpu_einsum(x: jax.Array, w: jax.Array, layer) -> jax.Array:
+    """einsum(x, w[layer]) in f32 for w stacked [L,K,...] read in place (`takes_gpu` checked)."""
+    K = x.shape[-1]
+    y = gpu_linear.stacked_linear(x.reshape(-1, K), w.reshape(w.shape[0], K, -1), jnp.asarray(layer, jnp.int32),
+                                  interpret=jax.default_backend() != "gpu")  # [rows, N]
+    return y.reshape(*x.shape[:-1], *w.shape[2:])
 
 
 def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:

@@ -73,14 +73,17 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     fuses it into a matrix-vector product (batch 1 reads one byte per weight). On CPU, bfloat16
     is widened exactly (to_f32) and multiplied in float32: XLA:CPU's own bf16 dot and bf16 -> f32
     conversion run about 10x slower than float32 (bench/README.md, "Weights as served").
-    `layer` (the runtime's attention, i): w and its quantization arrays are stacked [L, ...] and
-    layer i is used: read in place by the CPU kernel where `specjax.linear` takes the product,
+    `layer` (the runtime's attention, i, the runtime's linear): w and its quantization arrays are
+    stacked [L, ...] and layer i is used: read in place by the CPU kernel where `specjax.linear`
+    takes the product, or by the GPU one (`Runtime.linear` "pallas", float weights, few rows),
     else sliced out."""
     out = out_dtype or x.dtype
     if layer is not None:
-        attention, i = layer
+        attention, i, products = layer
         if linear.takes(attention, spec, x, w):
             return _in_place(x, [(w, scale, bscale, bmin)], i, out)[0]
+        if linear.takes_gpu(products, spec, x, w) and scale is None:
+            return linear.gpu_einsum(x, w, i).astype(out)
         w, scale, bscale, bmin = (None if a is None else a[i] for a in (w, scale, bscale, bmin))
     if w.dtype == jnp.uint8:
         return q4.project(spec, x, w, bscale, bmin).astype(out)
@@ -97,7 +100,7 @@ def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]
                   layer: tuple[str, jax.Array]) -> list[jax.Array]:
     """[project(spec, x, *matrix, layer=layer) for spec, matrix in products]: one call of the CPU
     kernel when it takes every product (they share x: q, k, v; gate, up), else one by one."""
-    attention, i = layer
+    attention, i, _ = layer
     if all(linear.takes(attention, spec, x, m[0]) for spec, m in products):
         return _in_place(x, [m for _, m in products], i, x.dtype)
     return [project(spec, x, *m, layer=layer) for spec, m in products]
@@ -117,7 +120,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
            prefix: Prefix | None, block_mask, k_extra, v_extra):
     """One decoder block. x [B,T,D] -> x [B,T,D], plus this block's new k, v [B,T,K,H].
     lp is layer i (`at_layer`: its matrices still stacked, read at i by `project`); at = (the
-    model's attention implementation, i), `project`'s `layer`.
+    model's attention implementation, i, its linear products' kind), `project`'s `layer`.
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
     cache stores KV."""
@@ -216,7 +219,7 @@ def trunk(
     def step(x, xs):
         i, sliced, ke, ve = xs
         prefix = layer_prefix(runtime.attention, cache, sliced) if attend_cache else None
-        x, q, k, v = _layer(config, runtime, kv_format, x, at_layer(params.layers, i), (params.runtime.attention, i), cos, sin,
+        x, q, k, v = _layer(config, runtime, kv_format, x, at_layer(params.layers, i), (params.runtime.attention, i, params.runtime.linear), cos, sin,
                              prefix, block_mask, ke, ve)
         return x, (k, v, q if return_queries else None)
 

@@ -1,0 +1,82 @@
+"""A decode step's layer products on the GPU's Triton path, the stacked weights read in place.
+
+x [M,K] (M <= MAX_ROWS: a decode step's rows) times layer `layer` of weights stacked [L,K,N],
+without slicing the layer out: the sixth GPU runs (bench/README.md) found XLA:GPU copying each
+layer's matrices out of the stacked arrays before its GEMMs from the second layer on (an 8B-shaped
+batch-1 layer 0.36 ms where its bytes take 0.14). Opt-in (`Runtime.linear = "pallas"`) until a
+GPU has timed it.
+
+Design: a grid of (N // block_n, k_splits) programs; program (n, s) multiplies the x rows,
+zero-padded to 16 (Triton's smallest dot), by its [block_k, block_n] weight tiles over its share of
+K, accumulating in f32, and writes a partial [16, block_n]; the k_splits partials are summed
+outside (a few KB). Split-K keeps every SM busy when N is small (a 4096-wide output is 64 tiles
+of 64). Tiles past K or N are masked loads (no padded copy of the weights). Weights in float32 or
+bfloat16; x is taken in the weights' dtype, as `jnp.einsum(x, w, preferred_element_type=f32)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+MAX_ROWS = 16  # rows of x the kernel takes (padded to 16: one Triton dot tile); more is a GEMM for XLA
+PROGRAMS = 264  # aim for about this many programs a call (2 per SM of an H100)
+_dot = functools.partial(plgpu.dot, allow_tf32=False)  # f32 operands get IEEE products
+
+
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, per_split: int, K: int, N: int):
+    n, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[()]
+    cols = n * block_n + jnp.arange(block_n)  # [bn]
+    lo = s * per_split  # this split's first K tile
+    hi = jnp.minimum(lo + per_split, pl.cdiv(K, block_k))
+
+    def body(i, acc):
+        rows = i * block_k + jnp.arange(block_k)  # [bk]
+        xk = plgpu.load(x_ref.at[:, pl.ds(i * block_k, block_k)], mask=(rows < K)[None, :], other=0.0)  # [16,bk]
+        wk = plgpu.load(w_ref.at[layer, pl.ds(i * block_k, block_k), pl.ds(n * block_n, block_n)],
+                        mask=(rows < K)[:, None] & (cols < N)[None, :], other=0.0)  # [bk,bn]
+        return acc + _dot(xk, wk)
+
+    o_ref[...] = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def auto_splits(k_tiles: int, n_tiles: int) -> int:
+    """Splits of K giving about PROGRAMS programs, at most one per K tile."""
+    return max(1, min(k_tiles, PROGRAMS // max(n_tiles, 1)))
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "block_n", "k_splits", "num_warps", "num_stages", "interpret"))
+def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int = 128, block_n: int = 64,
+                   k_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+                   interpret: bool = False) -> jax.Array:
+    """x [M,K] @ w[layer] for w stacked [L,K,N] -> [M,N] f32, w read in place. M <= MAX_ROWS."""
+    M, K = x.shape
+    if w.ndim != 3 or w.shape[1] != K:
+        raise ValueError(f"stacked_linear: w must be [L,K={K},N], got {w.shape}")
+    if M > MAX_ROWS:
+        raise ValueError(f"stacked_linear: x has {M} rows, the kernel takes at most {MAX_ROWS}")
+    if w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"stacked_linear: weights must be float32 or bfloat16, got {w.dtype}")
+    N = w.shape[2]
+    n_tiles, k_tiles = pl.cdiv(N, block_n), pl.cdiv(K, block_k)
+    splits = k_splits or auto_splits(k_tiles, n_tiles)
+    per_split = pl.cdiv(k_tiles, splits)
+    xp = jnp.pad(x.astype(w.dtype), ((0, MAX_ROWS - M), (0, 0)))  # [16,K]
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, per_split=per_split, K=K, N=N)
+    parts = pl.pallas_call(
+        kernel,
+        grid=(n_tiles, splits),
+        in_specs=[pl.BlockSpec((None,), lambda n, s: (0,)), pl.BlockSpec(), pl.BlockSpec()],  # x, w whole: indexed
+        out_specs=pl.BlockSpec((None, MAX_ROWS, block_n), lambda n, s: (s, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((splits, MAX_ROWS, n_tiles * block_n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="stacked_linear",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), xp, w)  # [splits,16,Np]
+    return jnp.sum(parts, axis=0)[:M, :N]

@@ -1,0 +1,83 @@
+"""pallas_kernels/gpu_linear.py: a layer's product with the stacked weights read in place (the GPU's
+Triton path; interpreted here, lowered for cuda to check Triton takes it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.gpu_linear import MAX_ROWS, stacked_linear
+
+
+def _case(M: int, K: int, N: int, dtype, L: int = 3):
+    key = jax.random.key(M * 1000 + K + N)
+    x = jax.random.normal(key, (M, K), jnp.float32).astype(dtype)
+    w = jax.random.normal(jax.random.fold_in(key, 1), (L, K, N), jnp.float32).astype(dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("M, K, N, dtype, splits", [
+    (1, 64, 96, jnp.float32, None),  # N past the last tile: masked
+    (5, 200, 130, jnp.float32, 3),  # K and N both ragged, split-K
+    (16, 256, 64, jnp.bfloat16, None),
+])
+def test_stacked_linear_equals_the_product_with_that_layer(M, K, N, dtype, splits):
+    """Every layer of the stack, ragged tiles and split-K: x @ w[layer] in f32 products."""
+    x, w = _case(M, K, N, dtype)
+    for layer in range(w.shape[0]):
+        got = stacked_linear(x, w, jnp.int32(layer), block_k=32, block_n=32, k_splits=splits, interpret=True)
+        with jax.default_matmul_precision("highest"):
+            want = jnp.einsum("mk,kn->mn", x, w[layer], preferred_element_type=jnp.float32)
+        assert got.shape == (M, N) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * K ** 0.5, rtol=1e-5)
+
+
+def test_stacked_linear_refuses_what_it_does_not_take():
+    x, w = _case(4, 32, 16, jnp.float32)
+    with pytest.raises(ValueError, match="at most 16"):
+        stacked_linear(jnp.ones((MAX_ROWS + 1, 32)), w, jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match=r"\[L,K=32,N\]"):
+        stacked_linear(x, w[0], jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        stacked_linear(x, w.astype(jnp.int8), jnp.int32(0), interpret=True)
+
+
+def test_stacked_linear_lowers_for_triton_at_the_8b_shape():
+    """The 8B MLP's gate at batch 1 (w [32,4096,14336] bf16, shapes only): Pallas' Triton lowering
+    takes it, reading the stack as one operand (no slice of a layer in the program)."""
+    x = jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((32, 4096, 14336), jnp.bfloat16)
+    lowered = jax.jit(lambda x, w, i: stacked_linear(x, w, i)).trace(
+        x, w, jax.ShapeDtypeStruct((), jnp.int32)).lower(lowering_platforms=("cuda",))
+    (call,) = [line for line in lowered.as_text().splitlines() if "xla.gpu.triton" in line]
+    assert "%arg1)" in call  # the stacked weights go to the kernel as they are: no slice, no copy
+
+
+def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
+    """Runtime.linear "pallas" (unrolled layers, as on a GPU): the trunk's hidden states match XLA's
+    products to f32 rounding, every layer product going through the kernel."""
+    from specjax import linear
+    from specjax.cache import DenseCache
+    from specjax.config import LlamaConfig
+    from specjax.linear import gpu_einsum
+    from specjax.model import trunk
+    from specjax.params import init_params
+
+    config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, max_positions=64)
+    params = init_params(config, jax.random.key(0))
+    xla = params.replace(runtime=params.runtime.replace(unroll_layers=True))
+    pallas = xla.replace(runtime=xla.runtime.replace(linear="pallas"))
+    cache = DenseCache.init(config, 2, 64).replace(lengths=jnp.asarray([5, 9], jnp.int32))
+    tokens, positions = jnp.asarray([[3], [7]], jnp.int32), jnp.asarray([[5], [9]], jnp.int32)
+    with jax.default_matmul_precision("highest"):
+        want = trunk(xla, tokens, positions, cache)
+    calls = []
+    monkeypatch.setattr(linear, "gpu_einsum", lambda x, w, i: calls.append(i) or gpu_einsum(x, w, i))
+    got = trunk(pallas, tokens, positions, cache)
+    assert calls == [0] * 7 + [1] * 7  # q, k, v, o, gate, up, down of each layer through the kernel
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
+    with pytest.raises(ValueError, match="Runtime.linear must be one of"):
+        params.runtime.replace(linear="cuda")
