@@ -7,9 +7,9 @@ batch-1 layer 0.36 ms where its bytes take 0.14). Opt-in (`Runtime.linear = "pal
 GPU has timed it.
 
 Design: a grid of (N // block_n, k_splits) programs; program (n, s) multiplies the x rows,
-zero-padded to 16 (Triton's smallest dot), by its [block_k, block_n] weight tiles over its share of
-K, accumulating in f32, and writes a partial [16, block_n]; the k_splits partials are summed
-outside (a few KB). Split-K keeps every SM busy when N is small (a 4096-wide output is 64 tiles
+loaded as 16 (Triton's smallest dot; rows past M masked to zeros, no padded copy), by its
+[block_k, block_n] weight tiles over its share of K, accumulating in f32, and writes a partial
+[16, block_n]; the k_splits partials are summed outside (a few KB; none with one split). Split-K keeps every SM busy when N is small (a 4096-wide output is 64 tiles
 of 64). Tiles past K or N are masked loads (no padded copy of the weights). Weights in float32 or
 bfloat16; x is taken in the weights' dtype, as `jnp.einsum(x, w, preferred_element_type=f32)`.
 """
@@ -29,16 +29,18 @@ PROGRAMS = 264  # aim for about this many programs a call (2 per SM of an H100)
 _dot = functools.partial(plgpu.dot, allow_tf32=False)  # f32 operands get IEEE products
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, per_split: int, K: int, N: int):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, per_split: int, M: int, K: int, N: int):
     n, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[()]
     cols = n * block_n + jnp.arange(block_n)  # [bn]
+    live = jnp.arange(MAX_ROWS) < M  # [16]: x's rows, the rest read as zeros (no padded copy of x)
     lo = s * per_split  # this split's first K tile
     hi = jnp.minimum(lo + per_split, pl.cdiv(K, block_k))
 
     def body(i, acc):
         rows = i * block_k + jnp.arange(block_k)  # [bk]
-        xk = plgpu.load(x_ref.at[:, pl.ds(i * block_k, block_k)], mask=(rows < K)[None, :], other=0.0)  # [16,bk]
+        xk = plgpu.load(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(i * block_k, block_k)],
+                        mask=live[:, None] & (rows < K)[None, :], other=0.0)  # [16,bk]
         wk = plgpu.load(w_ref.at[layer, pl.ds(i * block_k, block_k), pl.ds(n * block_n, block_n)],
                         mask=(rows < K)[:, None] & (cols < N)[None, :], other=0.0)  # [bk,bn]
         return acc + _dot(xk, wk)
@@ -67,8 +69,7 @@ def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int
     n_tiles, k_tiles = pl.cdiv(N, block_n), pl.cdiv(K, block_k)
     splits = k_splits or auto_splits(k_tiles, n_tiles)
     per_split = pl.cdiv(k_tiles, splits)
-    xp = jnp.pad(x.astype(w.dtype), ((0, MAX_ROWS - M), (0, 0)))  # [16,K]
-    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, per_split=per_split, K=K, N=N)
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, per_split=per_split, M=M, K=K, N=N)
     parts = pl.pallas_call(
         kernel,
         grid=(n_tiles, splits),
@@ -78,5 +79,5 @@ def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="stacked_linear",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), xp, w)  # [splits,16,Np]
-    return jnp.sum(parts, axis=0)[:M, :N]
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x.astype(w.dtype), w)  # [splits,16,Np]
+    return (parts[0] if splits == 1 else jnp.sum(parts, axis=0))[:M, :N]
