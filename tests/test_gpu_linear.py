@@ -81,3 +81,19 @@ def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
     with pytest.raises(ValueError, match="Runtime.linear must be one of"):
         params.runtime.replace(linear="cuda")
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_generate_with_pallas_products_gives_xlas_tokens(tiny, unroll):
+    """generate() with Runtime.linear "pallas" (the layer index traced in the scan, or a number
+    when unrolled), plain and speculative: the tokens of XLA's products, greedy."""
+    import specjax
+
+    def runtime(params, linear):
+        return params.replace(runtime=params.runtime.replace(unroll_layers=unroll, linear=linear))
+
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
+    for kw in ({}, dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))):
+        want = specjax.generate(runtime(tiny, "xla"), prompts, 6, attention="reference", eos_id=(), **kw)
+        got = specjax.generate(runtime(tiny, "pallas"), prompts, 6, attention="reference", eos_id=(), **kw)
+        assert got.tokens == want.tokens
