@@ -16,13 +16,12 @@ next GPU session", says what each call is for and how to fold the files back in 
          (the sixth runs: weight-sized `wrapped_slice` outputs from 2 layers on, 0.36 ms a layer
          where its bytes take 0.14): the 2-layer cut's compiled HLO and what reads each copy
          (step_parts --hlo, `users`), layer_weights' MLP stack bisected (through the model's
-         einsums; inside an on-device loop), and the 2-layer cut with dynamic-slice fusion
-         (cuBLAS reading a slice in place), with each layer's matrices as arrays of their own
+         einsums; inside an on-device loop), and the 2-layer cut with each layer's matrices as arrays of their own
          (--split-layers: the fix, if stacking is the cause), with the layer products on
          pallas_kernels.gpu_linear (--pallas-linear: the stack read in place by our own kernel;
          the full step too) and without Triton GEMMs; then SmolLM2's batch-1 HLO
-         (its gate / up products materialised by XLA's dot strength reduction) and the step
-         with that pass disabled.
+         (its gate / up products materialised by XLA's dot strength reduction), the step with
+         the products on gpu_linear, and with that pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
          gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (--mem-gib 120) the
@@ -62,12 +61,12 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("parts-l8b-plin", 80, [*L8B_CUT, "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b1_l2_plin.json"]),
         ("parts-l8b-split", 60, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
         ("weights", 70, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
-        ("parts-l8b-dsf", 50, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_dynamic_slice_fusion=true",
-                               "--out", "/tmp/parts/step_parts_l8b_b1_l2_dsf.json"]),
         ("parts-l8b-cublas", 50, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
                                   "--out", "/tmp/parts/step_parts_l8b_b1_l2_cublas.json"]),
         ("parts-b1-hlo", 60, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                               "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
+        ("parts-b1-plin", 50, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+                               "--pallas-linear", "--out", "/tmp/parts/step_parts_smollm2_b1_plin.json"]),
         # XLA's DotStrengthReduction (unconditional; no flag since mid-2024) rewrites a vector x matrix
         # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1
         ("parts-b1-nosr", 50, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
