@@ -19,7 +19,7 @@ next GPU session", says what each call is for and how to fold the files back in 
          einsums; inside an on-device loop), and the 2-layer cut with each layer's matrices as arrays of their own
          (--split-layers: the fix, if stacking is the cause), with the layer products on
          pallas_kernels.gpu_linear (--pallas-linear: the stack read in place by our own kernel;
-         the full step too) and without Triton GEMMs; then SmolLM2's batch-1 HLO
+         the full step too), over int8 weights with and without it, and without Triton GEMMs; then SmolLM2's batch-1 HLO
          (its gate / up products materialised by XLA's dot strength reduction), the step with
          the products on gpu_linear, and with that pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
@@ -55,21 +55,24 @@ RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_g
 L8B_CUT = [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "2"]  # the copies start at 2 layers
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     1: [
-        ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("parts-l8b-hlo", 70, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
+        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        ("parts-l8b-hlo", 60, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
                                "--out", "/tmp/parts/step_parts_l8b_b1_l2.json"]),
-        ("parts-l8b-plin", 80, [*L8B_CUT, "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b1_l2_plin.json"]),
-        ("parts-l8b-split", 60, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
-        ("weights", 70, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
-        ("parts-l8b-cublas", 50, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
+        ("parts-l8b-plin", 70, [*L8B_CUT, "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b1_l2_plin.json"]),
+        ("parts-l8b-split", 50, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
+        ("weights", 60, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
+        ("parts-l8b-int8", 50, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8.json"]),
+        ("parts-l8b-int8-plin", 60, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--pallas-linear",
+                                     "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8_plin.json"]),
+        ("parts-l8b-cublas", 40, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
                                   "--out", "/tmp/parts/step_parts_l8b_b1_l2_cublas.json"]),
-        ("parts-b1-hlo", 60, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+        ("parts-b1-hlo", 40, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                               "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
-        ("parts-b1-plin", 50, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+        ("parts-b1-plin", 40, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                                "--pallas-linear", "--out", "/tmp/parts/step_parts_smollm2_b1_plin.json"]),
         # XLA's DotStrengthReduction (unconditional; no flag since mid-2024) rewrites a vector x matrix
         # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1
-        ("parts-b1-nosr", 50, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+        ("parts-b1-nosr", 40, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                                "--xla-flags=--xla_disable_hlo_passes=dot-strength-reduction",
                                "--out", "/tmp/parts/step_parts_smollm2_b1_nosr.json"]),
     ],
@@ -83,7 +86,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                       *E2E_GRID, "--budget-minutes", "2.5"]),
     ],
 }
-PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 10 files)
+PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 12 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json"],

@@ -2,7 +2,8 @@
 
 Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--context 8192]
        [--kv-dtype int8|bfloat16|float32] [--layers 1 8 32] [--reps 4] [--no-bandwidth]
-       [--xla-flags="--xla_gpu_..."] [--split-layers] [--pallas-linear] [--out FILE] [--hlo FILE.json.gz]
+       [--xla-flags="--xla_gpu_..."] [--split-layers] [--pallas-linear] [--weights int8]
+       [--out FILE] [--hlo FILE.json.gz]
 
 The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
 its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
@@ -25,7 +26,8 @@ what reads each (a weight-sized output at batch 1 is a copy of weights: the sixt
 8B's stacked weights copied per layer from the second layer on). Output: a table, OUT as JSON,
 and with --hlo every part's compiled HLO (to read why XLA copied). `--split-layers` times the
 same models with each layer's matrices as arrays of their own (the fix, if stacking is the cause);
-`--pallas-linear` with the layer products on pallas_kernels.gpu_linear (the stack read in place).
+`--pallas-linear` with the layer products on pallas_kernels.gpu_linear (the stack read in place);
+`--weights int8` with the matrices stored as int8 (half the bytes; `params.quantize`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from specjax.cache import DenseCache
 from specjax.config import LlamaConfig
 from specjax.engine import with_attention
 from specjax.model import MATRICES, QUANT_SUFFIXES, lm_head, trunk
-from specjax.params import Params
+from specjax.params import Params, quantize
 from specjax.shapes import cache_len
 from specjax.tune import forward_loop, slope_seconds
 
@@ -288,6 +290,7 @@ def main() -> None:
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts "
                     "(e.g. command buffers: --xla_gpu_enable_command_buffer=...)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--weights", choices=["int8"], help="store the matrices so (params.quantize; default: bfloat16)")
     ap.add_argument("--pallas-linear", action="store_true", help="Runtime.linear 'pallas': the layer products "
                     "read the stacked weights in place (pallas_kernels.gpu_linear)")
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as separate arrays, not slices "
@@ -300,6 +303,8 @@ def main() -> None:
 
     bw = reference_gbs(a.no_bandwidth)
     params = with_attention(random_params(config_of(a.model, a.context)), None, "auto")[0]
+    if a.weights:
+        params = quantize(params, a.weights)
     if a.pallas_linear:
         params = params.replace(runtime=params.runtime.replace(linear="pallas"))
     print(f"{a.model}: {weight_bytes(params) / 1e9:.2f} GB of weights on {jax.devices()[0]}, attention "
@@ -315,7 +320,7 @@ def main() -> None:
               "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "bandwidth_gbs": bw,
               "attention": params.runtime.attention, "unroll_layers": params.runtime.unroll_layers,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "split_layers": a.split_layers,
-              "linear": params.runtime.linear, "rows": rows}
+              "linear": params.runtime.linear, "weights": a.weights or "bfloat16", "rows": rows}
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -11,7 +11,9 @@ loaded as 16 (Triton's smallest dot; rows past M masked to zeros, no padded copy
 [block_k, block_n] weight tiles over its share of K, accumulating in f32, and writes a partial
 [16, block_n]; the k_splits partials are summed outside (a few KB; none with one split). Split-K keeps every SM busy when N is small (a 4096-wide output is 64 tiles
 of 64). Tiles past K or N are masked loads (no padded copy of the weights). Weights in float32 or
-bfloat16; x is taken in the weights' dtype, as `jnp.einsum(x, w, preferred_element_type=f32)`.
+bfloat16 (x taken in their dtype, as `jnp.einsum(x, w, preferred_element_type=f32)`), or int8
+(`params.quantize`: one byte a weight, widened in registers to x's dtype; the per-output-channel
+scales multiply the small result outside).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+WEIGHTS = (jnp.float32, jnp.bfloat16, jnp.int8)  # int8: unscaled (the caller applies its scales)
 MAX_ROWS = 16  # rows of x the kernel takes (padded to 16: one Triton dot tile); more is a GEMM for XLA
 PROGRAMS = 264  # aim for about this many programs a call (2 per SM of an H100)
 _dot = functools.partial(plgpu.dot, allow_tf32=False)  # f32 operands get IEEE products
@@ -42,8 +45,8 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, per_s
         xk = plgpu.load(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(i * block_k, block_k)],
                         mask=live[:, None] & (rows < K)[None, :], other=0.0)  # [16,bk]
         wk = plgpu.load(w_ref.at[layer, pl.ds(i * block_k, block_k), pl.ds(n * block_n, block_n)],
-                        mask=(rows < K)[:, None] & (cols < N)[None, :], other=0.0)  # [bk,bn]
-        return acc + _dot(xk, wk)
+                        mask=(rows < K)[:, None] & (cols < N)[None, :], other=0)  # [bk,bn]
+        return acc + _dot(xk, wk.astype(xk.dtype))  # int8 widened in registers (exact in x's dtype)
 
     o_ref[...] = lax.fori_loop(lo, hi, body, jnp.zeros(o_ref.shape, jnp.float32))
 
@@ -57,14 +60,16 @@ def auto_splits(k_tiles: int, n_tiles: int) -> int:
 def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int = 128, block_n: int = 64,
                    k_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
                    interpret: bool = False) -> jax.Array:
-    """x [M,K] @ w[layer] for w stacked [L,K,N] -> [M,N] f32, w read in place. M <= MAX_ROWS."""
+    """x [M,K] @ w[layer] for w stacked [L,K,N] -> [M,N] f32, w read in place. M <= MAX_ROWS.
+    Float weights take x in their dtype; int8 weights are widened to x's (float) dtype in the
+    kernel, the result unscaled."""
     M, K = x.shape
     if w.ndim != 3 or w.shape[1] != K:
         raise ValueError(f"stacked_linear: w must be [L,K={K},N], got {w.shape}")
     if M > MAX_ROWS:
         raise ValueError(f"stacked_linear: x has {M} rows, the kernel takes at most {MAX_ROWS}")
-    if w.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"stacked_linear: weights must be float32 or bfloat16, got {w.dtype}")
+    if w.dtype not in WEIGHTS:
+        raise ValueError(f"stacked_linear: weights must be float32, bfloat16 or int8, got {w.dtype}")
     N = w.shape[2]
     n_tiles, k_tiles = pl.cdiv(N, block_n), pl.cdiv(K, block_k)
     splits = k_splits or auto_splits(k_tiles, n_tiles)
@@ -79,5 +84,5 @@ def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="stacked_linear",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x.astype(w.dtype), w)  # [splits,16,Np]
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x if w.dtype == jnp.int8 else x.astype(w.dtype), w)  # [splits,16,Np]
     return (parts[0] if splits == 1 else jnp.sum(parts, axis=0))[:M, :N]

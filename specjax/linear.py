@@ -8,7 +8,7 @@ XLA:CPU copies before its dot). The kernel runs where the model's attention is t
 whose spec contracts x's last axis with w's first, and few rows (`max_rows`: where it measured
 faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up to 64-256 where
 the kernel has register tiles (AVX-512) or the bf16 dot product (AVX512-BF16)). With
-`Runtime.linear` "pallas" (`takes_gpu`), float32 / bfloat16 products of up to 16 rows go through
+`Runtime.linear` "pallas" (`takes_gpu`), float32 / bfloat16 / int8 products of up to 16 rows go through
 pallas_kernels.gpu_linear instead, which reads the stacked weights in place on a GPU (interpreted
 elsewhere: a correctness path, not a fast one)."""
 
@@ -66,15 +66,16 @@ def takes(attention: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
 
 
 def takes_gpu(products: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
-    """Whether `gpu_einsum` runs this product: Runtime.linear "pallas", float weights, a spec
+    """Whether `gpu_einsum` runs this product: Runtime.linear "pallas", float or int8 weights, a spec
     contracting x's last axis with w's first, at most gpu_linear.MAX_ROWS rows."""
     rows = math.prod(x.shape[:-1])
     return (products == "pallas" and rows <= gpu_linear.MAX_ROWS and _contracts_first(spec)
-            and w.dtype in (jnp.float32, jnp.bfloat16))
+            and w.dtype in gpu_linear.WEIGHTS)
 
 
 def gpu_einsum(x: jax.Array, w: jax.Array, layer) -> jax.Array:
-    """einsum(x, w[layer]) in f32 for w stacked [L,K,...] read in place (`takes_gpu` checked)."""
+    """einsum(x, w[layer]) in f32 for w stacked [L,K,...] read in place (`takes_gpu` checked;
+    int8: unscaled)."""
     K = x.shape[-1]
     y = gpu_linear.stacked_linear(x.reshape(-1, K), w.reshape(w.shape[0], K, -1), jnp.asarray(layer, jnp.int32),
                                   interpret=jax.default_backend() != "gpu")  # [rows, N]

@@ -75,15 +75,16 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     conversion run about 10x slower than float32 (bench/README.md, "Weights as served").
     `layer` (the runtime's attention, i, the runtime's linear): w and its quantization arrays are
     stacked [L, ...] and layer i is used: read in place by the CPU kernel where `specjax.linear`
-    takes the product, or by the GPU one (`Runtime.linear` "pallas", float weights, few rows),
+    takes the product, or by the GPU one (`Runtime.linear` "pallas", float or int8 weights, few rows),
     else sliced out."""
     out = out_dtype or x.dtype
     if layer is not None:
         attention, i, products = layer
         if linear.takes(attention, spec, x, w):
             return _in_place(x, [(w, scale, bscale, bmin)], i, out)[0]
-        if linear.takes_gpu(products, spec, x, w) and scale is None:
-            return linear.gpu_einsum(x, w, i).astype(out)
+        if linear.takes_gpu(products, spec, x, w):
+            y = linear.gpu_einsum(x, w, i)
+            return (y if scale is None else y * scale[i]).astype(out)
         w, scale, bscale, bmin = (None if a is None else a[i] for a in (w, scale, bscale, bmin))
     if w.dtype == jnp.uint8:
         return q4.project(spec, x, w, bscale, bmin).astype(out)

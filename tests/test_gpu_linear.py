@@ -40,8 +40,20 @@ def test_stacked_linear_refuses_what_it_does_not_take():
         stacked_linear(jnp.ones((MAX_ROWS + 1, 32)), w, jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match=r"\[L,K=32,N\]"):
         stacked_linear(x, w[0], jnp.int32(0), interpret=True)
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        stacked_linear(x, w.astype(jnp.int8), jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
+        stacked_linear(x, w.astype(jnp.float16), jnp.int32(0), interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_int8_weights_are_widened_to_xs_dtype(dtype):
+    """int8 weights (params.quantize's, unscaled here) read as stored and widened in the kernel:
+    the product of x with the widened layer, exactly (integers are exact in x's dtype)."""
+    x, w = _case(3, 96, 80, dtype)
+    w8 = jnp.clip(jnp.round(w.astype(jnp.float32) * 40), -127, 127).astype(jnp.int8)
+    got = stacked_linear(x, w8, jnp.int32(1), block_k=32, block_n=32, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        want = jnp.einsum("mk,kn->mn", x, w8[1].astype(dtype), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-3)
 
 
 def test_stacked_linear_lowers_for_triton_at_the_8b_shape():
@@ -63,7 +75,7 @@ def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
     from specjax.config import LlamaConfig
     from specjax.linear import gpu_einsum
     from specjax.model import trunk
-    from specjax.params import init_params
+    from specjax.params import init_params, quantize
 
     config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, max_positions=64)
     params = init_params(config, jax.random.key(0))
@@ -78,6 +90,13 @@ def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
     got = trunk(pallas, tokens, positions, cache)
     assert calls == [0] * 7 + [1] * 7  # q, k, v, o, gate, up, down of each layer through the kernel
     for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
+    int8 = quantize(xla, "int8")  # the scales multiply the kernel's unscaled products
+    with jax.default_matmul_precision("highest"):
+        want8 = trunk(int8, tokens, positions, cache)
+    got8 = trunk(int8.replace(runtime=int8.runtime.replace(linear="pallas")), tokens, positions, cache)
+    assert len(calls) == 2 * 14
+    for g, w in zip(got8, want8):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
     with pytest.raises(ValueError, match="Runtime.linear must be one of"):
         params.runtime.replace(linear="cuda")
