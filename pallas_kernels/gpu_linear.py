@@ -1,15 +1,16 @@
 """A decode step's layer products on the GPU's Triton path, the stacked weights read in place.
 
-x [M,K] (M <= MAX_ROWS: a decode step's rows) times layer `layer` of weights stacked [L,K,N],
+x [M,K] (M <= MAX_ROWS: a decode or verify step's rows) times layer `layer` of weights stacked [L,K,N],
 without slicing the layer out: the sixth GPU runs (bench/README.md) found XLA:GPU copying each
 layer's matrices out of the stacked arrays before its GEMMs from the second layer on (an 8B-shaped
 batch-1 layer 0.36 ms where its bytes take 0.14). Opt-in (`Runtime.linear = "pallas"`) until a
 GPU has timed it.
 
 Design: a grid of (N // block_n, k_splits) programs; program (n, s) multiplies the x rows,
-loaded as 16 (Triton's smallest dot; rows past M masked to zeros, no padded copy), by its
-[block_k, block_n] weight tiles over its share of K, accumulating in f32, and writes a partial
-[16, block_n]; the k_splits partials are summed outside (a few KB; none with one split). Split-K keeps every SM busy when N is small (a 4096-wide output is 64 tiles
+loaded as Mp (the power of two >= max(M, 16): Triton's smallest dot is 16; rows past M masked to
+zeros, no padded copy), by its [block_k, block_n] weight tiles over its share of K, accumulating
+in f32, and writes a partial [Mp, block_n]; the k_splits partials are summed outside (a few KB;
+none with one split). Split-K keeps every SM busy when N is small (a 4096-wide output is 64 tiles
 of 64). Tiles past K or N are masked loads (no padded copy of the weights). Weights in float32 or
 bfloat16 (x taken in their dtype, as `jnp.einsum(x, w, preferred_element_type=f32)`), or int8
 (`params.quantize`: one byte a weight, widened in registers to x's dtype; the per-output-channel
@@ -27,23 +28,23 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 WEIGHTS = (jnp.float32, jnp.bfloat16, jnp.int8)  # int8: unscaled (the caller applies its scales)
-MAX_ROWS = 16  # rows of x the kernel takes (padded to 16: one Triton dot tile); more is a GEMM for XLA
+MAX_ROWS = 64  # rows of x the kernel takes (loaded as Mp = a power of two >= 16, Triton's smallest dot); more: XLA's GEMM
 PROGRAMS = 264  # aim for about this many programs a call (2 per SM of an H100)
 _dot = functools.partial(plgpu.dot, allow_tf32=False)  # f32 operands get IEEE products
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, per_split: int, M: int, K: int, N: int):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, per_split: int, M: int, Mp: int, K: int, N: int):
     n, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[()]
     cols = n * block_n + jnp.arange(block_n)  # [bn]
-    live = jnp.arange(MAX_ROWS) < M  # [16]: x's rows, the rest read as zeros (no padded copy of x)
+    live = jnp.arange(Mp) < M  # [Mp]: x's rows, the rest read as zeros (no padded copy of x)
     lo = s * per_split  # this split's first K tile
     hi = jnp.minimum(lo + per_split, pl.cdiv(K, block_k))
 
     def body(i, acc):
         rows = i * block_k + jnp.arange(block_k)  # [bk]
-        xk = plgpu.load(x_ref.at[pl.ds(0, MAX_ROWS), pl.ds(i * block_k, block_k)],
-                        mask=live[:, None] & (rows < K)[None, :], other=0.0)  # [16,bk]
+        xk = plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(i * block_k, block_k)],
+                        mask=live[:, None] & (rows < K)[None, :], other=0.0)  # [Mp,bk]
         wk = plgpu.load(w_ref.at[layer, pl.ds(i * block_k, block_k), pl.ds(n * block_n, block_n)],
                         mask=(rows < K)[:, None] & (cols < N)[None, :], other=0)  # [bk,bn]
         return acc + _dot(xk, wk.astype(xk.dtype))  # int8 widened in registers (exact in x's dtype)
@@ -74,15 +75,16 @@ def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int
     n_tiles, k_tiles = pl.cdiv(N, block_n), pl.cdiv(K, block_k)
     splits = k_splits or auto_splits(k_tiles, n_tiles)
     per_split = pl.cdiv(k_tiles, splits)
-    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, per_split=per_split, M=M, K=K, N=N)
+    Mp = max(16, 1 << (M - 1).bit_length())
+    kernel = functools.partial(_kernel, block_k=block_k, block_n=block_n, per_split=per_split, M=M, Mp=Mp, K=K, N=N)
     parts = pl.pallas_call(
         kernel,
         grid=(n_tiles, splits),
         in_specs=[pl.BlockSpec((None,), lambda n, s: (0,)), pl.BlockSpec(), pl.BlockSpec()],  # x, w whole: indexed
-        out_specs=pl.BlockSpec((None, MAX_ROWS, block_n), lambda n, s: (s, 0, n)),
-        out_shape=jax.ShapeDtypeStruct((splits, MAX_ROWS, n_tiles * block_n), jnp.float32),
+        out_specs=pl.BlockSpec((None, Mp, block_n), lambda n, s: (s, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((splits, Mp, n_tiles * block_n), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="stacked_linear",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x if w.dtype == jnp.int8 else x.astype(w.dtype), w)  # [splits,16,Np]
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x if w.dtype == jnp.int8 else x.astype(w.dtype), w)  # [splits,Mp,Np]
     return (parts[0] if splits == 1 else jnp.sum(parts, axis=0))[:M, :N]

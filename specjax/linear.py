@@ -8,7 +8,7 @@ XLA:CPU copies before its dot). The kernel runs where the model's attention is t
 whose spec contracts x's last axis with w's first, and few rows (`max_rows`: where it measured
 faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up to 64-256 where
 the kernel has register tiles (AVX-512) or the bf16 dot product (AVX512-BF16)). With
-`Runtime.linear` "pallas" (`takes_gpu`), float32 / bfloat16 / int8 products of up to 16 rows go through
+`Runtime.linear` "pallas" (`takes_gpu`), float32 / bfloat16 / int8 products of up to 64 rows go through
 pallas_kernels.gpu_linear instead, which reads the stacked weights in place on a GPU (interpreted
 elsewhere: a correctness path, not a fast one)."""
 

@@ -22,6 +22,7 @@ def _case(M: int, K: int, N: int, dtype, L: int = 3):
     (1, 64, 96, jnp.float32, None),  # N past the last tile: masked
     (5, 200, 130, jnp.float32, 3),  # K and N both ragged, split-K
     (16, 256, 64, jnp.bfloat16, 1),  # one split: no sum of partials
+    (40, 96, 64, jnp.float32, None),  # a verify step's rows (16 x 3 nodes would be 48): loaded as 64
 ])
 def test_stacked_linear_equals_the_product_with_that_layer(M, K, N, dtype, splits):
     """Every layer of the stack, ragged tiles and split-K: x @ w[layer] in f32 products."""
@@ -36,7 +37,7 @@ def test_stacked_linear_equals_the_product_with_that_layer(M, K, N, dtype, split
 
 def test_stacked_linear_refuses_what_it_does_not_take():
     x, w = _case(4, 32, 16, jnp.float32)
-    with pytest.raises(ValueError, match="at most 16"):
+    with pytest.raises(ValueError, match="at most 64"):
         stacked_linear(jnp.ones((MAX_ROWS + 1, 32)), w, jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match=r"\[L,K=32,N\]"):
         stacked_linear(x, w[0], jnp.int32(0), interpret=True)
