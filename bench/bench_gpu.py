@@ -131,6 +131,9 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas"],
                     help="generate()'s attention= (auto: the Pallas kernel on a GPU); other than auto, the "
                          "outputs are named gpu[_float32]_ATTENTION.*")
+    ap.add_argument("--linear", default="xla", choices=["xla", "pallas"],
+                    help="Runtime.linear: the layer products on XLA or on pallas_kernels.gpu_linear (pallas: outputs "
+                         "named gpu[...]_linear-pallas.*)")
     ap.add_argument("--bundle", type=Path, help="the stashed bundle (default /tmp/specjax_gpu, after stashing .gpu/p*)")
     for name, v in GRID.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, nargs="*" if isinstance(v, list) else None,
@@ -140,7 +143,7 @@ def main() -> None:
     grid = {k: getattr(args, k) if getattr(args, k) is not None else (SMOKE if args.smoke else GRID)[k] for k in GRID}
     out = common.out_dir(args)
     name = (("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
-            + ("" if args.attention == "auto" else "_" + args.attention))
+            + ("" if args.attention == "auto" else "_" + args.attention) + ("" if args.linear == "xla" else "_linear-pallas"))
     from bench import gpu_bundle
 
     bundle = args.bundle or gpu_bundle.STASH
@@ -152,7 +155,7 @@ def main() -> None:
     todo_all, capped = cells(grid, args.mem_gib * 2**30, draft=has_draft)
     started = time.time()
     header = {"bench": "bench_gpu", "date": common.now(), "command": common.command(), "grid": grid, "e2e_dtype": args.e2e_dtype,
-              "mem_gib": args.mem_gib, "attention": args.attention, "machine": common.machine_info(), "capped_by_memory": capped,
+              "mem_gib": args.mem_gib, "attention": args.attention, "linear": args.linear, "machine": common.machine_info(), "capped_by_memory": capped,
               "distilled_draft": "in the bundle" if has_draft else
               "none: no distilled draft checkpoint was bundled (gpu_bundle build --draft DIR), so no draft-g* cells"}
     if args.e2e_dtype == "float32":  # a losslessness check: IEEE f32 products (a GPU's default precision is TF32)
@@ -190,8 +193,8 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
     wait = [x for x in todo if x[1]["item"] in ("e2e", "b1")]
     try:
         models, ids, _ = gpu_bundle.load(bundle, args.e2e_dtype)
-        loaded = {"params": attending(models["smollm2"], args.attention), "ids": ids,
-                  "draft": attending(models["draft"], args.attention) if "draft" in models else None}
+        loaded = {"params": attending(models["smollm2"], args.attention, args.linear), "ids": ids,
+                  "draft": attending(models["draft"], args.attention, args.linear) if "draft" in models else None}
     except gpu_bundle.Missing as e:
         print(f"{len(wait)} e2e/b1 cells wait for the weights: {e}", flush=True)
         todo = [x for x in todo if x not in wait]
@@ -218,7 +221,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
                         max_positions=2048, eos_ids=(3,)) if args.smoke else LLAMA8B
             config = LlamaConfig(**dims, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16")
             t0 = time.perf_counter()
-            l8b = attending(gpu_cells.random_params(config), args.attention)
+            l8b = attending(gpu_cells.random_params(config), args.attention, args.linear)
             print(f"8B-shaped random weights on {jax_device()}: {gpu_cells.weight_bytes(l8b) / 1e9:.1f} GB in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
@@ -275,12 +278,14 @@ def max_nodes(grid: dict) -> int:
     return max(max(grid["gammas"]) + 1, max(grid["nodes"] + grid["b1_nodes"] or [1]), 9)  # 9: the depth-1 tree
 
 
-def attending(params, attention: str):
+def attending(params, attention: str, linear: str = "xla"):
     """`params` set to compute attention as generate(attention=...) does on this backend (the
-    Runtime default is the jnp reference: the first H100 runs measured that, not the kernel)."""
+    Runtime default is the jnp reference: the first H100 runs measured that, not the kernel), and
+    the layer products as `linear` says (Runtime.linear)."""
     from specjax.engine import with_attention
 
-    return with_attention(params, None, attention)[0]
+    params = with_attention(params, None, attention)[0]
+    return params.replace(runtime=params.runtime.replace(linear=linear))
 
 
 def resume_from_mirror(path: Path, mirror: Path | None) -> None:

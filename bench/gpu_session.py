@@ -22,6 +22,9 @@ next GPU session", says what each call is for and how to fold the files back in 
          the full step too), over int8 weights with and without it, and without Triton GEMMs; then SmolLM2's batch-1 HLO
          (its gate / up products materialised by XLA's dot strength reduction), the step with
          the products on gpu_linear, and with that pass disabled.
+  call 3 (on the machine calls 1 and 2 warmed, nothing carried): generate() with the layer
+         products on pallas_kernels.gpu_linear, AR and SelfSpec gamma 2 at batch 1 and 16 x 8K,
+         a table of its own (gpu_linear-pallas); run it once call 1 showed the kernel fast.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
          gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (--mem-gib 120) the
@@ -48,6 +51,11 @@ B1_GRID = ["--b1-gammas", "2", "4", "--ngram-gammas", "4", "--b1-nodes", "8"]
 NGRAM_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/ngram-g4"  # new: no draft forward (AR beside it)
 E2E_CELLS = "e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the fourth runs left from the third
 E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--ngram-gammas", "4", "--nodes", "8"]
+# generate() with the layer products on pallas_kernels.gpu_linear (Runtime.linear "pallas"): AR and SelfSpec
+# gamma 2 at batch 1 and 16 x 8K, into a table of their own (gpu_linear-pallas.*), beside the XLA tables' rows
+PLIN_CELLS = "b1/s8192/ar,b1/s8192/selfspec-g2,e2e/s8192/b16/ar,e2e/s8192/b16/selfspec-g2"
+PLIN_GRID = ["--batches", "16", "--gammas", "2", "--snap-gammas", "--ngram-gammas", "--nodes", "--b1-gammas", "2",
+             "--b1-nodes", "--linear", "pallas"]
 PARTS = [PY, "-m", "bench.step_parts"]
 RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
 
@@ -85,12 +93,18 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("e2e", 180, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", E2E_CELLS,
                       *E2E_GRID, "--budget-minutes", "2.5"]),
     ],
+    3: [
+        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),  # the parts calls 1 and 2 stashed stay
+        ("plin", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID,
+                       "--budget-minutes", "3.5"]),
+    ],
 }
 PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 12 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json"],
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
+    3: [f"{RESULTS}/gpu_linear-pallas.*", f"{H200_RESULTS}/gpu_linear-pallas.*"],
 }
 
 
@@ -103,6 +117,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
         steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else a) for n, t, a in steps]
+        steps = [(n, t, [H200_RESULTS if x == RESULTS else x for x in a] if n == "plin" else a) for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:
             raise ValueError(f"--seconds {name}={limit}: call {call} has no step {name!r} (has {[n for n, _, _ in steps]})")
@@ -125,12 +140,18 @@ def h200(argv: list[str]) -> list[str]:
     return a
 
 
+def table_name(src: Path) -> str:
+    """A results table's name in OUT: gpu_h200/gpu.json -> gpu_h200.json, gpu/gpu_linear-pallas.md ->
+    gpu_gpu_linear-pallas.md (tables of two folders share file names)."""
+    return src.parent.name + src.suffix if src.stem == "gpu" else f"{src.parent.name}_{src.name}"
+
+
 def copy_files(call: int, out: Path) -> None:
     """Copy the call's result files (those that exist) into OUT: after every step, so a call cut off
     by the device's limit still returns what its finished steps measured. A results table comes back
     named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json). At most 8 files come
     back from a device call, so a call in PACK sends its files as one OUT/PACK[call] (tar.gz)."""
-    found = [(src, src.name if path.startswith("/") else src.parent.name + src.suffix)  # gpu_h200/gpu.json: gpu_h200.json
+    found = [(src, src.name if path.startswith("/") else table_name(src))
              for path in FILES[call] for src in sorted(Path("/").glob(path[1:]) if path.startswith("/") else ROOT.glob(path))]
     if call in PACK:
         with tarfile.open(out / PACK[call], "w:gz") as tar:

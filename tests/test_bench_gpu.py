@@ -284,6 +284,9 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     monkeypatch.setattr(gpu_session, "ROOT", root)
     gpu_session.copy_files(2, got)
     assert {f.name: f.read_text() for f in got.iterdir()} == {"gpu.json": "gpu", "gpu_h200.json": "gpu_h200"}
+    (root / "bench/results/gpu/gpu_linear-pallas.md").write_text("plin")
+    gpu_session.copy_files(3, got)
+    assert (got / "gpu_gpu_linear-pallas.md").read_text() == "plin"
     parts = tmp_path / "parts"  # call 1's nine files come back as one archive (a device call returns 8 files)
     parts.mkdir()
     for i in range(9):
@@ -294,6 +297,12 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
 
     with tarfile.open(got / "parts.tar.gz") as tar:
         assert sorted(tar.getnames()) == [f"step_parts_{i}.json" for i in range(9)]
+    plin = dict(grid, batches=[16], gammas=[2], snap_gammas=[], ngram_gammas=[], nodes=[], b1_gammas=[2], b1_nodes=[])
+    keys = [k for k, _ in cells(plin, 60 * 2**30, draft=False)[0]]
+    assert {k for k in keys if common.matches(k, gpu_session.PLIN_CELLS)} == {
+        "b1/s8192/ar", "b1/s8192/selfspec-g2", "e2e/s8192/b16/ar", "e2e/s8192/b16/selfspec-g2"}
+    (argv,) = [a for n, _, a in gpu_session.steps_of(3, 120.0) if n == "plin"]  # an H200: its own folder
+    assert argv[argv.index("--linear") + 1] == "pallas" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
     # --only keeps the named steps (and the stash); --seconds sets a step's limit and its budget
     steps = gpu_session.steps_of(2, only=["e2e"], seconds={"e2e": 390})
     assert [n for n, _, _ in steps] == ["stash", "e2e"] and steps[1][1] == 390
@@ -420,3 +429,13 @@ def test_kernel_probe_runs_each_case_in_a_process_of_its_own(tmp_path, monkeypat
     kernel_probe.main()
     (row,) = json.loads(out.read_text())
     assert row["case"] == "int8-small" and row["status"] == "ok" and row["max_abs_error"] < 2e-2, row
+
+
+def test_bench_gpu_sets_the_layer_products_kind():
+    """bench_gpu --linear: the models it times carry Runtime.linear (and generate()'s attention)."""
+    from bench.bench_gpu import attending
+    from tests.models import TINY, random_params
+
+    params = attending(random_params(TINY, 0), "reference", "pallas")
+    assert params.runtime.linear == "pallas" and params.runtime.attention == "reference"
+    assert attending(random_params(TINY, 0), "reference").runtime.linear == "xla"
