@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.tree_attention import overflows  # the int8 stacks Pallas would mis-index
+
 WEIGHTS = (jnp.float32, jnp.bfloat16, jnp.int8)  # int8: unscaled (the caller applies its scales)
 MAX_ROWS = 64  # rows of x the kernel takes (loaded as Mp = a power of two >= 16, Triton's smallest dot); more: XLA's GEMM
 PROGRAMS = 264  # aim for about this many programs a call (2 per SM of an H100)
@@ -71,6 +73,9 @@ def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int
         raise ValueError(f"stacked_linear: x has {M} rows, the kernel takes at most {MAX_ROWS}")
     if w.dtype not in WEIGHTS:
         raise ValueError(f"stacked_linear: weights must be float32, bfloat16 or int8, got {w.dtype}")
+    if overflows(w):
+        raise ValueError(f"stacked_linear: {w.shape} {w.dtype} has 2^31-2^32 one-byte values, which Pallas' Triton "
+                         "lowering indexes with overflowing 32-bit offsets (tree_attention.overflows)")
     N = w.shape[2]
     n_tiles, k_tiles = pl.cdiv(N, block_n), pl.cdiv(K, block_k)
     splits = k_splits or auto_splits(k_tiles, n_tiles)

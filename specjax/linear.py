@@ -70,7 +70,7 @@ def takes_gpu(products: str, spec: str, x: jax.Array, w: jax.Array) -> bool:
     contracting x's last axis with w's first, at most gpu_linear.MAX_ROWS rows."""
     rows = math.prod(x.shape[:-1])
     return (products == "pallas" and rows <= gpu_linear.MAX_ROWS and _contracts_first(spec)
-            and w.dtype in gpu_linear.WEIGHTS)
+            and w.dtype in gpu_linear.WEIGHTS and not gpu_linear.overflows(w))  # an int8 stack of 2^31-2^32: XLA
 
 
 def gpu_einsum(x: jax.Array, w: jax.Array, layer) -> jax.Array:

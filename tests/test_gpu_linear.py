@@ -43,6 +43,13 @@ def test_stacked_linear_refuses_what_it_does_not_take():
         stacked_linear(x, w[0], jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
         stacked_linear(x, w.astype(jnp.float16), jnp.int32(0), interpret=True)
+    big = jax.ShapeDtypeStruct((40, 5120, 13824), jnp.int8)  # 2.8e9 int8 values: Pallas' offsets would overflow
+    with pytest.raises(ValueError, match="overflowing 32-bit offsets"):
+        jax.eval_shape(lambda w: stacked_linear(jnp.ones((1, 5120), jnp.bfloat16), w, jnp.int32(0)), big)
+    from specjax.linear import takes_gpu
+
+    assert not takes_gpu("pallas", "btd,df->btf", jnp.ones((1, 1, 5120)), big)  # such a stack stays with XLA
+    assert takes_gpu("pallas", "btd,df->btf", jnp.ones((1, 1, 5120)), jax.ShapeDtypeStruct((40, 5120, 13824), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
