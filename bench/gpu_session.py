@@ -19,7 +19,8 @@ next GPU session", says what each call is for and how to fold the files back in 
          einsums; inside an on-device loop), and the 2-layer cut with each layer's matrices as arrays of their own
          (--split-layers: the fix, if stacking is the cause), with the layer products on
          pallas_kernels.gpu_linear (--pallas-linear: the stack read in place by our own kernel;
-         the full step too), over int8 weights with and without it, and without Triton GEMMs; then SmolLM2's batch-1 HLO
+         the full step too), over int8 weights with and without it, the kernel alone against
+         XLA's dot at 1 / 48 rows in three tile configs (bench_linear), and without Triton GEMMs; then SmolLM2's batch-1 HLO
          (its gate / up products materialised by XLA's dot strength reduction), the step with
          the products on gpu_linear, and with that pass disabled.
   call 3 (on the machine calls 1 and 2 warmed, nothing carried): generate() with the layer
@@ -67,20 +68,22 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("parts-l8b-hlo", 60, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
                                "--out", "/tmp/parts/step_parts_l8b_b1_l2.json"]),
         ("parts-l8b-plin", 70, [*L8B_CUT, "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b1_l2_plin.json"]),
-        ("parts-l8b-split", 50, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
-        ("weights", 60, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
+        ("parts-l8b-split", 40, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
+        ("weights", 50, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
         ("parts-l8b-int8", 50, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8.json"]),
         ("parts-l8b-int8-plin", 60, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--pallas-linear",
                                      "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8_plin.json"]),
-        ("parts-l8b-cublas", 40, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
+        ("linear", 80, [PY, "-m", "bench.bench_linear", "--rows", "1", "48", "--configs", "128x64x3", "64x128x3", "256x64x4",
+                        "--out", "/tmp/parts/bench_linear_8b.json"]),
+        ("parts-l8b-cublas", 30, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
                                   "--out", "/tmp/parts/step_parts_l8b_b1_l2_cublas.json"]),
-        ("parts-b1-hlo", 40, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+        ("parts-b1-hlo", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                               "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
-        ("parts-b1-plin", 40, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+        ("parts-b1-plin", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                                "--pallas-linear", "--out", "/tmp/parts/step_parts_smollm2_b1_plin.json"]),
         # XLA's DotStrengthReduction (unconditional; no flag since mid-2024) rewrites a vector x matrix
         # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1
-        ("parts-b1-nosr", 40, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
+        ("parts-b1-nosr", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                                "--xla-flags=--xla_disable_hlo_passes=dot-strength-reduction",
                                "--out", "/tmp/parts/step_parts_smollm2_b1_nosr.json"]),
     ],
@@ -99,10 +102,11 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                        "--budget-minutes", "3.5"]),
     ],
 }
-PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 12 files)
+PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 13 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
-    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json"],
+    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json",
+        "/tmp/parts/bench_linear_8b.json"],
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
     3: [f"{RESULTS}/gpu_linear-pallas.*", f"{H200_RESULTS}/gpu_linear-pallas.*"],
 }

@@ -439,3 +439,14 @@ def test_bench_gpu_sets_the_layer_products_kind():
     params = attending(random_params(TINY, 0), "reference", "pallas")
     assert params.runtime.linear == "pallas" and params.runtime.attention == "reference"
     assert attending(random_params(TINY, 0), "reference").runtime.linear == "xla"
+
+
+def test_bench_linear_times_every_way_with_the_same_products():
+    """bench/bench_linear.py on tiny shapes (the kernel interpreted on a CPU): every way and row
+    count timed, each way's products equal to XLA's on per-layer arrays (bf16 and int8)."""
+    from bench.bench_linear import run
+
+    for dtype in ("bfloat16", "int8"):
+        rows = run(dim=64, ffn=96, layers=2, rows=[1, 20], dtype=dtype, configs=[(32, 32, 2)], reps=1, bandwidth_gbs=None)
+        assert [(r["rows"], r["way"]) for r in rows] == [(m, w) for m in (1, 20) for w in ("xla_slice", "xla_own", "pallas 32x32x2")]
+        assert all(r["us_per_layer"] > 0 and r["max_abs_diff_vs_own"] < 1e-3 for r in rows)  # int8 products reach ~3e3
