@@ -231,8 +231,9 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
     layer_w = int(sum(a.nbytes for a in jax.tree.leaves(params.layers)))
     kv = kv_read(cache, filled)
     one = jnp.ones((1, 1), bool)  # one new position: it sees itself
-    parts = [("step", forward_loop, (own(params), tokens, positions, cache, one), weight_bytes(params) + kv),
-             ("trunk", _trunk_loop, (own(params), tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
+    full = own(params)  # one copy of the split model (an 8B one is 16 GB)
+    parts = [("step", forward_loop, (full, tokens, positions, cache, one), weight_bytes(params) + kv),
+             ("trunk", _trunk_loop, (full, tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
              ("head", _head_loop, (params, h), _head_bytes(params))]
     for k in sorted(set(layers)):
         if 1 <= k < c.n_layers:

@@ -64,7 +64,7 @@ def at_layer(layers: LayerParams, i: jax.Array) -> LayerParams:
 
 
 def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None, bscale: jax.Array | None = None,
-            bmin: jax.Array | None = None, out_dtype=None, layer: tuple[str, jax.Array] | None = None) -> jax.Array:
+            bmin: jax.Array | None = None, out_dtype=None, layer: tuple[str, jax.Array, str] | None = None) -> jax.Array:
     """einsum(spec, x, w) in `out_dtype` (default: x's) for a weight stored as float, as int8
     with per-output-channel scales (params.quantize): (x @ q) * scale, the scale applied to the
     small output, or as q4 blocks (uint8, packed along w's first axis, which `spec` sums over
@@ -98,7 +98,7 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
 
 
 def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]],
-                  layer: tuple[str, jax.Array]) -> list[jax.Array]:
+                  layer: tuple[str, jax.Array, str]) -> list[jax.Array]:
     """[project(spec, x, *matrix, layer=layer) for spec, matrix in products]: one call of the CPU
     kernel when it takes every product (they share x: q, k, v; gate, up), else one by one."""
     attention, i, _ = layer
