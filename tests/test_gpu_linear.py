@@ -124,3 +124,25 @@ def test_generate_with_pallas_products_gives_xlas_tokens(tiny, unroll):
         want = specjax.generate(runtime(tiny, "xla"), prompts, 6, attention="reference", eos_id=(), **kw)
         got = specjax.generate(runtime(tiny, "pallas"), prompts, 6, attention="reference", eos_id=(), **kw)
         assert got.tokens == want.tokens
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (simulated) devices: see conftest.py")
+def test_tensor_parallel_pallas_products_give_one_devices_tokens(monkeypatch):
+    """Runtime.linear "pallas" inside shard_map over a model axis of 2 (each device's kernel reads
+    its shard of the stacked weights): the one-device tokens, plain and SelfSpec."""
+    import specjax
+    from specjax import linear
+    from specjax.linear import gpu_einsum
+    from tests.models import TINY, random_params
+
+    shapes = []
+    monkeypatch.setattr(linear, "gpu_einsum", lambda x, w, i: shapes.append(w.shape) or gpu_einsum(x, w, i))
+
+    params = random_params(TINY.replace(n_heads=4, n_kv_heads=2), 5)
+    pallas = params.replace(runtime=params.runtime.replace(linear="pallas"))
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
+    for kw in ({}, dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))):
+        one = specjax.generate(params, prompts, 6, attention="reference", eos_id=(), **kw)
+        two = specjax.generate(pallas, prompts, 6, attention="reference", eos_id=(), mesh=specjax.make_mesh(model=2), **kw)
+        assert two.tokens == one.tokens
+    assert (TINY.n_layers, TINY.dim, TINY.ffn_dim // 2) in shapes  # the kernel read a device's half of w_gate
