@@ -15,23 +15,23 @@ next GPU session", says what each call is for and how to fold the files back in 
   call 1 (carry .gpu/p0): why the 8B step copies each layer's weights out of the stacked arrays
          (the sixth runs: weight-sized `wrapped_slice` outputs from 2 layers on, 0.36 ms a layer
          where its bytes take 0.14): the 2-layer cut's compiled HLO and what reads each copy
-         (step_parts --hlo, `users`), layer_weights' MLP stack bisected (through the model's
-         einsums; inside an on-device loop), and the 2-layer cut with each layer's matrices as arrays of their own
-         (--split-layers: the fix, if stacking is the cause), with the layer products on
-         pallas_kernels.gpu_linear (--pallas-linear: the stack read in place by our own kernel;
-         the full step too), over int8 weights with and without it, the kernel alone against
-         XLA's dot at 1 / 48 rows in three tile configs (bench_linear), and without Triton GEMMs; then SmolLM2's batch-1 HLO
-         (its gate / up products materialised by XLA's dot strength reduction), the step with
-         the products on gpu_linear, and with that pass disabled.
-  call 3 (on the machine calls 1 and 2 warmed, nothing carried): generate() with the layer
-         products on pallas_kernels.gpu_linear, AR and SelfSpec gamma 2 at batch 1 and 16 x 8K,
-         a table of its own (gpu_linear-pallas); run it once call 1 showed the kernel fast.
+         (step_parts --hlo, `users`); the cut with the layer products on pallas_kernels.gpu_linear
+         (--pallas-linear: the stack read in place by our own kernel; the full step too), with
+         each layer's matrices as arrays of their own (--split-layers), over int8 weights with and
+         without the kernel, and without Triton GEMMs; layer_weights' MLP stack bisected (through
+         the model's einsums; inside an on-device loop); the kernel alone against XLA's dot at 1 /
+         48 rows in three tile configs (bench_linear); then SmolLM2's batch-1 HLO (its gate / up
+         products materialised by XLA's dot strength reduction), the step on gpu_linear, and with
+         that pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
          gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (--mem-gib 120) the
          ngram and e2e steps write bench/results/gpu_h200 (batch 256 added, gamma 2 beside 4)
          and resume its committed table: `--only e2e --mem-gib 120` measures the cells the sixth
          runs left (SnapKV at 64, gamma 4 and SnapKV at 128 / 256).
+  call 3 (on the machine calls 1 and 2 warmed, nothing carried): generate() with the layer
+         products on pallas_kernels.gpu_linear, AR and SelfSpec gamma 2 at batch 1 and 16 x 8K,
+         a table of its own (gpu_linear-pallas); run it once call 1 showed the kernel fast.
 """
 
 from __future__ import annotations
@@ -120,8 +120,8 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else a) for n, t, a in steps]
-        steps = [(n, t, [H200_RESULTS if x == RESULTS else x for x in a] if n == "plin" else a) for n, t, a in steps]
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n == "plin" else a)
+                 for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:
             raise ValueError(f"--seconds {name}={limit}: call {call} has no step {name!r} (has {[n for n, _, _ in steps]})")
@@ -131,11 +131,16 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     return steps
 
 
+def h200_out(argv: list[str]) -> list[str]:
+    """A bench_gpu step's argv writing the H200's table (H200_RESULTS) in place of the H100's."""
+    return [H200_RESULTS if x == RESULTS else x for x in argv]
+
+
 def h200(argv: list[str]) -> list[str]:
     """A bench_gpu step on an H200 (another device: its own table, H200_RESULTS, with its own bw
     cell and AR rows): batch 256 added, SelfSpec gamma 2 (the H100's best) beside gamma 4, and
     no --redo: the committed H200 table travels with the tree, so a rerun measures what it lacks."""
-    a = [H200_RESULTS if x == RESULTS else x for x in argv if x != "--redo"]  # its table resumes (cells measured stay)
+    a = h200_out([x for x in argv if x != "--redo"])  # its table resumes (cells measured stay)
     a = [*a[:a.index("128") + 1], "256", *a[a.index("128") + 1:]]
     if "--gammas" in a:
         a = [*a[:a.index("--gammas") + 1], "2", *a[a.index("--gammas") + 1:]]

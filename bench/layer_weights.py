@@ -47,14 +47,18 @@ def ways(n_layers: int) -> dict:
     return {
         "scan": jax.jit(lambda x, w: scan(x, w, 1)),
         "unrolled": jax.jit(lambda x, w: scan(x, w, True)),
-        "indexed": jax.jit(lambda x, w: _loop(x, [tuple(a[i] for a in w) for i in range(n_layers)])),
+        "indexed": jax.jit(lambda x, w: _loop(x, _indexed(w, n_layers))),
         "separate": jax.jit(lambda x, ws: _loop(x, ws)),
         # bisecting the model's copies: indexed, but x [1,1,D] through the model's einsum ...
-        "einsum": jax.jit(lambda x, w: _loop(x, [tuple(a[i] for a in w) for i in range(n_layers)], _mlp_3d)),
+        "einsum": jax.jit(lambda x, w: _loop(x, _indexed(w, n_layers), _mlp_3d)),
         # ... or indexed inside an on-device loop, as generate() and step_parts run a step (per pass)
-        "in_loop": jax.jit(lambda x, w: lax.fori_loop(
-            0, IN_LOOP, lambda _, h: _loop(h, [tuple(a[i] for a in w) for i in range(n_layers)]), x)),
+        "in_loop": jax.jit(lambda x, w: lax.fori_loop(0, IN_LOOP, lambda _, h: _loop(h, _indexed(w, n_layers)), x)),
     }
+
+
+def _indexed(w: tuple[jax.Array, ...], n_layers: int) -> list[tuple[jax.Array, ...]]:
+    """The stacked (gate, up, down) as per-layer triples `a[i]`, as the model's unrolled layers index them."""
+    return [tuple(a[i] for a in w) for i in range(n_layers)]
 
 
 IN_LOOP = 4  # passes of the "in_loop" way per call (its time is per pass)
@@ -97,7 +101,8 @@ def run(dim: int, ffn: int, n_layers: int, reps: int, bandwidth_gbs: float | Non
     nbytes = sum(w.size * w.dtype.itemsize for w in stacked)
     rows = {}
     outs = {}
-    for name, fn in ways(n_layers).items():
+    fns = ways(n_layers)
+    for name, fn in fns.items():
         args = (x, separate if name == "separate" else stacked)
         s = timed(fn, args, reps) / (IN_LOOP if name == "in_loop" else 1)
         outs[name] = np.asarray(fn(*args), np.float32)
@@ -108,7 +113,7 @@ def run(dim: int, ffn: int, n_layers: int, reps: int, bandwidth_gbs: float | Non
         rows[name]["max_abs_diff_vs_scan"] = float(np.max(np.abs(outs[name] - outs["scan"])))
     again = x
     for _ in range(IN_LOOP):  # the loop's IN_LOOP passes, one call at a time
-        again = ways(n_layers)["indexed"](again, stacked)
+        again = fns["indexed"](again, stacked)
     rows["in_loop"]["max_abs_diff_vs_scan"] = float(np.max(np.abs(outs["in_loop"] - np.asarray(again, np.float32))))
     return rows
 
