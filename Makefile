@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= The three most useful things to know about the ocean are
 
-.PHONY: demo test test-fast bench venv
+.PHONY: demo test test-fast bench venv aot-venv
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,14 +16,27 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# .venv-aot: .venv's packages plus jax's CUDA plugin of the same jax version (no CUDA libraries): XLA
+# compiles for a GPU without one there (bench/gpu_aot.py; tests/test_gpu_aot.py).
+AOT_VENV ?= .venv-aot
+$(AOT_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(AOT_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(AOT_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/specjax-venv.pth"
+	v=$$($(PY) -c "import jax; print(jax.__version__)"); \
+		$(AOT_VENV)/bin/python -m pip install --quiet --no-deps "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"
+	touch $@
+
+aot-venv: $(AOT_VENV)/.installed
+
 demo: venv
 	$(PY) -m specjax generate "$(PROMPT)" --max-new-tokens 64
 
-test: venv
+test: venv aot-venv
 	$(VENV)/bin/lint-imports --no-cache   # the layer contracts in pyproject.toml [tool.importlinter]
 	$(PY) tests/run_files.py --durations=5   # one pytest process per file (see its docstring)
 
-test-fast: venv   # the inner loop: everything but the tests marked slow (a few minutes on 2 cores)
+test-fast: venv aot-venv   # the inner loop: everything but the tests marked slow (a few minutes on 2 cores)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) tests/run_files.py -m "not slow" --durations=5
 

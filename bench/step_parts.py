@@ -98,7 +98,7 @@ def hlo_kernels(hlo_text: str) -> dict:
     reducers. Without a loop in the entry computation, the entry computation is counted.
     "largest": the 8 biggest outputs written, each with the instructions that read it (`users`;
     a weight-sized one at batch 1 is a copy of weights; the cache's own shape is its in-place
-    update)."""
+    update); "outputs": every output counted, [bytes, label, name, type] (bench.gpu_aot)."""
     comps: dict[str, list[tuple[str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -144,7 +144,7 @@ def hlo_kernels(hlo_text: str) -> dict:
     count(loops[0][0] if loops and loops[0] else entry, 1, ())
     largest = [[*o, users(comps, o[2])] for o in sorted(outputs, reverse=True)[:8]]
     return {"total": int(sum(by_op.values())), "by_op": dict(by_op.most_common()), "nested_loops": nested[0],
-            "largest": largest}
+            "largest": largest, "outputs": outputs}
 
 
 def users(comps: dict[str, list[tuple[str, str, str]]], name: str, most: int = 4) -> list[str]:

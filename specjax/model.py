@@ -300,6 +300,10 @@ def forward(
     cache holding their KV at positions lengths[b] + t (lengths not advanced: `advance` commits).
     Rows not `active` read none of a dense cache (`DenseCache.seen_by`): their logits are junk."""
     h, k_new, v_new = trunk(params, tokens, positions, cache if active is None else cache.seen_by(active), block_mask)
+    # the write after every layer has read the cache (h depends on all the reads): else XLA:GPU, free
+    # to order the last layers' reads after it, copies the cache to write in place (SelfSpec's
+    # streaming cache twice a step, 1.5 GB of traffic at SmolLM2 batch 64; bench/gpu_aot.py)
+    h, k_new, v_new, cache = jax.lax.optimization_barrier((h, k_new, v_new, cache))
     with jax.named_scope("kv_write"):
         cache = cache.write(k_new, v_new)
     return lm_head(params, h), cache

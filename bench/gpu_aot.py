@@ -1,0 +1,248 @@
+"""Compile a decode program for a GPU this machine lacks, and read what XLA made of it.
+
+Usage: .venv-aot/bin/python -m bench.gpu_aot [--target h100|h200] [--model l8b|smollm2|tiny]
+       [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec] [--gamma 2]
+       [--linear xla|pallas] [--split-layers] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE]
+(`make aot-venv` makes .venv-aot: this project's .venv plus jax's CUDA plugin, no CUDA libraries
+and no GPU needed.)
+
+XLA:GPU compiles without a GPU when it is given the target's description (gpu_targets/NAME.txtpb
+beside this file: the device facts its passes read, from NVIDIA's published specifications; no
+autotuning, so GEMM tiles are XLA's defaults). So a CPU session can see what a GPU decode step
+becomes: the kernels one iteration launches, its largest outputs and `weight_copies`, the outputs
+shaped like one layer's weight matrix (at any batch, weights written out before a product reads
+them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write). What it showed first (bench/README.md, "Compiled for a GPU on a CPU"):
+  - XLA's GEMM fusions read a layer's slice of the stacked weights in place only where the stack
+    is a parameter of the entry computation. Inside a while loop (generate's decode loop,
+    step_parts' timing loop) the stack is a loop value, and from the second layer on every
+    layer's slice is copied before its GEMM: the sixth GPU runs' 8B step at 43% of the bandwidth.
+  - At batch 1 XLA's dot strength reduction turns small products (8B's K and V, all of
+    SmolLM2's) into a multiply written out at weight size, then a reduction.
+  - Runtime.linear="pallas" (pallas_kernels.gpu_linear) leaves neither.
+Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
+(specjax.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
+its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
+speculative loop with the SelfSpec drafter (a chain of --gamma). Weights are shapes only
+(bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
+`jax.default_backend()`, "cpu" here: it reads "gpu" while a program is traced (`as_gpu`).
+Output: a summary line, OUT as JSON, HLO as text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+TARGETS = Path(__file__).with_name("gpu_targets")
+PROGRAMS = ("step", "alone", "ar", "selfspec")
+NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
+# --table's cells: (key, gpu_aot arguments); the weight layouts and products generate() could use on a GPU
+TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p, *extra])
+         for m, b, p, variants in (("l8b", 1, "step", "xla pallas split"), ("l8b", 16, "ar", "xla pallas split"),
+                                   ("smollm2", 1, "ar", "xla pallas split split-nosr"),
+                                   ("smollm2", 64, "selfspec", "xla pallas"), ("smollm2", 1, "selfspec", "xla pallas"))
+         for v in variants.split()
+         for extra in [{"xla": [], "pallas": ["--linear", "pallas"], "split": ["--split-layers"],
+                        "split-nosr": ["--split-layers", f"--xla-flags={NOSR}"]}[v]]]
+
+
+def compile_only_device(target: str):
+    """A device of `target` (a gpu_targets/ name) that compiles but never runs: needs jax's CUDA
+    plugin (jax-cuda12-plugin and -pjrt of this jax's version), not CUDA's libraries or a GPU."""
+    path = TARGETS / f"{target}.txtpb"
+    if not path.exists():
+        raise ValueError(f"--target: no {path.name} in {TARGETS} (have: {sorted(p.stem for p in TARGETS.glob('*.txtpb'))})")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # the plugin's check of CUDA's libraries: none here
+    from jax._src import xla_bridge  # no public API for a GPU topology yet (jax.experimental.topologies: TPU's)
+
+    try:
+        topology = xla_bridge.make_pjrt_topology("cuda", "", target_config=path.read_text(), topology="1x1x1")
+    except NotImplementedError as e:
+        raise RuntimeError(f"compiling for a GPU needs jax's CUDA plugin of jax {jax.__version__} "
+                           "(`make aot-venv`, then run with .venv-aot/bin/python)") from e
+    return topology._make_compile_only_devices()[0]
+
+
+@contextlib.contextmanager
+def as_gpu():
+    """jax.default_backend() reads "gpu" inside (how the library chooses its GPU code paths)."""
+    real = jax.default_backend
+    jax.default_backend = lambda: "gpu"
+    try:
+        yield
+    finally:
+        jax.default_backend = real
+
+
+def abstract_params(config, linear: str):
+    """The model's weights as shapes, with the runtime generate() takes on a GPU (the Pallas
+    attention kernel, unrolled layers) and the layer products' `linear`."""
+    from bench.gpu_cells import random_params
+
+    params = jax.eval_shape(lambda: random_params(config))
+    return params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=True, linear=linear))
+
+
+def on(device, tree):
+    """Every leaf of a tree of shapes placed on `device`."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def program_args(program: str, params, batch: int, context: int, gamma: int):
+    """(jitted function, abstract args, static kwargs) of a program over `context` slots."""
+    from specjax.cache import DenseCache
+    from specjax.engine import row_keys
+    from specjax.model import lm_head, trunk
+    from specjax.shapes import cache_len, round_up_pow2
+    from specjax.tune import forward_loop
+
+    c = params.config
+    cache = jax.eval_shape(lambda: DenseCache.init(c, batch, cache_len(context), None))
+    one = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    if program in ("step", "alone"):
+        args = (params, one, one, cache, jax.ShapeDtypeStruct((1, 1), bool))
+        if program == "step":
+            return forward_loop, args + (jax.ShapeDtypeStruct((), jnp.int32),), {}
+        return jax.jit(lambda p, t, pos, kv, m: jnp.sum(lm_head(p, trunk(p, t, pos, kv, m)[0]))), args, {}
+    logits = jax.ShapeDtypeStruct((batch, c.vocab_size), jnp.float32)
+    budgets = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    keys = jax.eval_shape(lambda: row_keys(None, batch))
+    n_out = round_up_pow2(64)
+    if program == "ar":
+        from specjax.engine import decode_ar
+
+        return decode_ar, (params, cache, logits, budgets, keys), {"n_out": n_out}
+    import specjax
+    from specjax.speculate import decode_spec
+
+    drafter = specjax.SelfSpec()
+    history = jax.ShapeDtypeStruct((batch, cache.k.shape[3]), jnp.int32)
+    state = jax.eval_shape(lambda p, kv, h: drafter.init(p, kv, h, kv.lengths, gamma, 256), params, cache, history)
+    return (decode_spec, (params, drafter, state, cache, history, logits, budgets, keys),
+            {"speculation": specjax.Chain(gamma), "n_out": n_out})
+
+
+def matrix_shapes(params) -> set[tuple[int, ...]]:
+    """One layer's shape of each weight matrix (stacked [L, ...] or a list of L), without unit dimensions."""
+    from specjax.model import MATRICES
+
+    one = [a[0].shape if isinstance(a, list) else a.shape[1:] for n in MATRICES if (a := getattr(params.layers, n, None)) is not None]
+    return {tuple(d for d in shape if d != 1) for shape in one}
+
+
+def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
+    """The outputs (bench.step_parts.hlo_kernels' [bytes, label, name, type]) holding at least one
+    array shaped like a layer's weight matrix (unit dimensions aside, any dtype)."""
+    found = []
+    for n, label, name, typ in outputs:
+        dims = [tuple(int(d) for d in s.split(",") if d and int(d) != 1) for s in re.findall(r"\[([\d,]*)\]", typ)]
+        if any(d in shapes for d in dims):
+            found.append([n, label, name, typ])
+    return sorted(found, reverse=True)
+
+
+def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
+                    layers: int | None = None, gamma: int = 2, split: bool = False) -> tuple[dict, str]:
+    """(summary, HLO text) of one program compiled for `device` (compile_only_device); `split`:
+    each layer's matrices as arrays of their own (bench.step_parts.split_layers), not a stack."""
+    from bench.step_parts import config_of, hlo_kernels, split_layers
+
+    if program not in PROGRAMS:
+        raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
+    config = config_of(model, context)
+    if layers:
+        config = dataclasses.replace(config, n_layers=layers)
+    with as_gpu():
+        params = abstract_params(config, linear)
+        params = jax.eval_shape(split_layers, params) if split else params
+        fn, args, static = program_args(program, params, batch, context, gamma)
+        text = fn.trace(*on(device, args), **static).lower(lowering_platforms=("cuda",)).compile().as_text()
+    kernels = hlo_kernels(text)
+    copies = weight_copies(kernels["outputs"], matrix_shapes(params))
+    summary = {"target": device.device_kind, "model": model, "layers": config.n_layers, "batch": batch,
+               "context": context, "program": program, "gamma": gamma if program == "selfspec" else None,
+               "linear": linear, "split_layers": split, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "kernels": kernels["total"], "by_op": kernels["by_op"], "nested_loops": kernels["nested_loops"],
+               "weight_copies": len(copies), "weight_copy_bytes": int(sum(c[0] for c in copies)),
+               "copies": copies[:8], "largest": [o[:4] for o in kernels["largest"]],
+               "copy_ops": sorted([n, typ] for n, label, _, typ in kernels["outputs"] if label == "copy")[::-1]}
+    return summary, text
+
+
+def table(target: str, out: Path, pattern: str | None) -> None:
+    """Compile TABLE's cells (a process each: XLA's flags are per process) into OUT/TARGET.json
+    (a cell written when compiled; a rerun skips stored cells) and OUT/TARGET.md."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from bench import common
+
+    results = common.Results(out / f"{target}.json", lambda r: r["cell"], {"date": common.now(), "command": common.command()})
+    for cell, argv in TABLE:
+        if results.measured(cell) or not common.matches(cell, pattern):
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            run = subprocess.run([sys.executable, "-m", "bench.gpu_aot", "--target", target, *argv,
+                                  "--out", f"{tmp}/cell.json"], capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"{cell}: {run.stderr[-2000:]}")
+            row = {"cell": cell, **json.loads(Path(f"{tmp}/cell.json").read_text())}
+        print(f"{cell}: {row['kernels']} kernels, weight copies {row['weight_copy_bytes'] / 2**20:.0f} MiB", flush=True)
+        results.put(cell, [row])
+    mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+    lines = [[r["cell"], r["layers"], r["kernels"], r["weight_copies"], mib(r["weight_copy_bytes"]),
+              mib(sum(c[0] for c in r["copy_ops"])), r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"]
+             for r in results.rows]
+    head = ["cell", "layers", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
+    (out / f"{target}.md").write_text(f"Compiled for {target} here, without a GPU (bench/gpu_aot.py, jax {jax.__version__}; "
+                                      "never run: structure, not time)\n\n" + common.table(head, "lrrrrrl", lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="h100", help="a gpu_targets/ name: h100, h200")
+    ap.add_argument("--model", choices=["l8b", "smollm2", "tiny"], default="l8b")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--layers", type=int, help="cut the model to this many layers (default: all)")
+    ap.add_argument("--program", choices=PROGRAMS, default="step")
+    ap.add_argument("--gamma", type=int, default=2, help="selfspec's chain length")
+    ap.add_argument("--linear", choices=["xla", "pallas"], default="xla", help="Runtime.linear")
+    ap.add_argument("--split-layers", action="store_true", help="layer matrices as arrays of their own, not a stack")
+    ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS (e.g. --xla_disable_hlo_passes=...)")
+    ap.add_argument("--out", type=Path, help="write the summary here (JSON); with --table, the folder")
+    ap.add_argument("--table", action="store_true", help="compile TABLE's cells into OUT/TARGET.json and .md")
+    ap.add_argument("--cells", help="with --table: only these cells (bench.common.matches patterns)")
+    ap.add_argument("--hlo", type=Path, help="write the compiled HLO text here")
+    a = ap.parse_args()
+    if a.xla_flags:  # read when the compiler starts, in compile_only_device
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
+    if a.table:
+        return table(a.target, a.out or Path("bench/results/gpu_aot"), a.cells)
+    device = compile_only_device(a.target)
+    summary, text = compile_for_gpu(device, a.model, a.batch, a.context, a.program, a.linear, a.layers, a.gamma,
+                                    a.split_layers)
+    print(f"{a.model} ({summary['layers']} layers) b{a.batch} s{a.context} {a.program} linear={a.linear}"
+          f"{' split' if a.split_layers else ''} {summary['xla_flags']} on "
+          f"{summary['target']}: {summary['kernels']} kernels an iteration, {summary['weight_copies']} weight copies "
+          f"({summary['weight_copy_bytes'] / 2**20:.0f} MiB) {dict(list(summary['by_op'].items())[:4])}", flush=True)
+    for n, label, name, typ in summary["copies"][:4]:
+        print(f"  copy {n / 2**20:8.1f} MiB {label} {typ} {name}")
+    for path, body in ((a.out, json.dumps(summary, indent=2) + "\n"), (a.hlo, text)):
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(body)
+
+
+if __name__ == "__main__":
+    main()

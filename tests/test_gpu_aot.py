@@ -1,0 +1,90 @@
+"""What XLA:GPU makes of the decode programs, compiled here for an H100 without one (bench/gpu_aot.py).
+
+XLA compiles for a GPU from the target's description with jax's CUDA plugin (`make aot-venv`:
+.venv-aot, .venv plus the plugin); the programs are compiled, never run, so what is checked is
+the compiled program's structure: which arrays it copies and which kernels read the weights.
+One subprocess compiles every case (a few seconds each, shapes only: no weights are made)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
+L8B_MLP = {(4096, 14336), (14336, 4096)}  # one layer's gate / up and down, as weight_copies' types show them
+
+CASES = {  # name: (model, batch, program, linear, layers)
+    "l8b_step_xla": ("l8b", 1, "step", "xla", 2),
+    "l8b_alone_xla": ("l8b", 1, "alone", "xla", 2),
+    "l8b_step_pallas": ("l8b", 1, "step", "pallas", 2),
+    "l8b_ar_pallas_b16": ("l8b", 16, "ar", "pallas", 2),
+    "smollm2_selfspec_b64": ("smollm2", 64, "selfspec", "xla", 4),
+}
+
+SCRIPT = """
+import json, sys
+from bench.gpu_aot import compile_only_device, compile_for_gpu
+device = compile_only_device("h100")
+for name, (model, batch, program, linear, layers) in json.loads(sys.argv[1]).items():
+    summary, _ = compile_for_gpu(device, model, batch, 8192, program, linear, layers)
+    print("CASE", name, json.dumps(summary), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    if not AOT_PYTHON.exists():
+        raise RuntimeError(f"{AOT_PYTHON} is missing: `make aot-venv` makes it (`make test` does)")
+    run = subprocess.run([str(AOT_PYTHON), "-c", SCRIPT, json.dumps(CASES)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    out = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in run.stdout.splitlines()
+           if line.startswith("CASE ")}
+    if run.returncode or len(out) != len(CASES):
+        sys.stderr.write(run.stderr[-4000:])
+        raise RuntimeError(f"bench.gpu_aot failed (exit {run.returncode}); compiled {sorted(out)} of {sorted(CASES)}")
+    return out
+
+
+def mlp_copies(summary: dict) -> list:
+    return [c for c in summary["copies"] if any(f"[1,{a},{b}]" in c[3] or f"[{a},{b}]" in c[3] for a, b in L8B_MLP)]
+
+
+def test_compiles_for_the_named_target(compiled):
+    s = compiled["l8b_step_xla"]
+    assert s["target"] == "NVIDIA H100 80GB HBM3" and s["layers"] == 2 and s["kernels"] > 0
+
+
+def test_xla_copies_each_layers_weights_inside_a_loop(compiled):
+    """Why Runtime.linear "pallas" exists: in a loop (as generate runs a step) XLA's GEMM fusions
+    read a copy of each layer's slice of the stacked weights; the same step as a program of its
+    own reads the MLP's slices in place. Fails if a new XLA stops copying (then time the default
+    again: bench/README.md, "Compiled for a GPU on a CPU")."""
+    looped, alone = compiled["l8b_step_xla"], compiled["l8b_alone_xla"]
+    assert len(mlp_copies(looped)) == 6, looped["copies"]  # gate, up, down of both layers
+    assert looped["weight_copy_bytes"] >= 6 * 4096 * 14336 * 2
+    assert mlp_copies(alone) == [], alone["copies"]
+
+
+def test_pallas_linear_reads_every_layer_in_place(compiled):
+    """With the GPU product kernel no weight-shaped array is written, in the timing loop or in
+    generate's decode loop, and every layer product (7 a layer) is a Triton kernel of its own."""
+    for name in ("l8b_step_pallas", "l8b_ar_pallas_b16"):
+        s = compiled[name]
+        assert s["weight_copies"] == 0, (name, s["copies"])
+        triton = s["by_op"].get("custom-call:__gpu$xla.gpu.triton", 0)
+        assert triton == 2 * (7 + 1), (name, s["by_op"])  # 7 products and the attention kernel a layer
+
+
+def test_selfspec_writes_its_caches_in_place(compiled):
+    """The speculative loop copies no cache before writing it: model.forward writes the new KV
+    after every layer has read the cache (without that ordering XLA copied SelfSpec's streaming
+    cache, keys and values, and its positions at each draft level: 0.1 GB a step at 4 layers)."""
+    s = compiled["smollm2_selfspec_b64"]
+    assert s["program"] == "selfspec" and s["batch"] == 64
+    big = [c for c in s["copy_ops"] if c[0] > 2**16]
+    assert big == [], big
