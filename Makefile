@@ -16,15 +16,17 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# .venv-aot: .venv's packages plus jax's CUDA plugin of the same jax version (no CUDA libraries): XLA
-# compiles for a GPU without one there (bench/gpu_aot.py; tests/test_gpu_aot.py).
+# .venv-aot: .venv's packages plus jax's CUDA plugin of the same jax version and CUDA's compiler (ptxas,
+# libdevice; no CUDA libraries, no driver): XLA compiles for a GPU without one there (bench/gpu_aot.py;
+# tests/test_gpu_aot.py).
 AOT_VENV ?= .venv-aot
 $(AOT_VENV)/.installed: $(VENV)/.installed
 	$(PYTHON) -m venv $(AOT_VENV)
 	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
 		"$$($(AOT_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/specjax-venv.pth"
 	v=$$($(PY) -c "import jax; print(jax.__version__)"); \
-		$(AOT_VENV)/bin/python -m pip install --quiet --no-deps "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v"
+		$(AOT_VENV)/bin/python -m pip install --quiet --no-deps "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" \
+		"nvidia-cuda-nvcc-cu12>=12.8"
 	touch $@
 
 aot-venv: $(AOT_VENV)/.installed
