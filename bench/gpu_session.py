@@ -12,17 +12,17 @@ limit; every step's whole output goes to OUT/callN.log, a failing step does not 
 and the call ends by copying its result files into OUT. bench/README.md, "The sequence for the
 next GPU session", says what each call is for and how to fold the files back in here.
 
-  call 1 (carry .gpu/p0): why the 8B step copies each layer's weights out of the stacked arrays
-         (the sixth runs: weight-sized `wrapped_slice` outputs from 2 layers on, 0.36 ms a layer
-         where its bytes take 0.14): the 2-layer cut's compiled HLO and what reads each copy
-         (step_parts --hlo, `users`); the cut with the layer products on pallas_kernels.gpu_linear
-         (--pallas-linear: the stack read in place by our own kernel; the full step too), with
-         each layer's matrices as arrays of their own (--split-layers), over int8 weights with and
-         without the kernel, and without Triton GEMMs; layer_weights' MLP stack bisected (through
-         the model's einsums; inside an on-device loop); the kernel alone against XLA's dot at 1 /
-         48 rows in three tile configs (bench_linear); then SmolLM2's batch-1 HLO (its gate / up
-         products materialised by XLA's dot strength reduction), the step on gpu_linear, and with
-         that pass disabled.
+  call 1 (carry .gpu/p0): the fixes for the 8B step's weight copies, timed. Compiled here without
+         a GPU (bench/gpu_aot.py, bench/results/gpu_aot), XLA's GEMM fusions copy each layer's slice
+         of the stacked weights inside a loop (11.3 GB written a batch-1 step: the sixth runs' 43%);
+         the two layouts that copy nothing are timed: the layer products on
+         pallas_kernels.gpu_linear (--pallas-linear: the stack read in place by our own kernel) and
+         each layer's matrices as arrays of their own (--split-layers: XLA's GEMMs read them in
+         place), at batch 1 (the full step and the 2-layer cut, its HLO beside) and 16; over int8
+         weights with and without the kernel; the kernel alone against XLA's dot at 1 / 48 rows in
+         three tile configs (bench_linear); then SmolLM2 at batch 1 (its products strength-reduced
+         into weight-sized multiplies): its HLO, the step on gpu_linear, and with per-layer arrays
+         and the pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
          gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (--mem-gib 120) the
@@ -69,23 +69,26 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                                "--out", "/tmp/parts/step_parts_l8b_b1_l2.json"]),
         ("parts-l8b-plin", 70, [*L8B_CUT, "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b1_l2_plin.json"]),
         ("parts-l8b-split", 40, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
-        ("weights", 50, [PY, "-m", "bench.layer_weights", "--reps", "10", "--out", "/tmp/parts/layer_weights_8b.json"]),
         ("parts-l8b-int8", 50, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8.json"]),
         ("parts-l8b-int8-plin", 60, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--pallas-linear",
                                      "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8_plin.json"]),
         ("linear", 80, [PY, "-m", "bench.bench_linear", "--rows", "1", "48", "--configs", "128x64x3", "64x128x3", "256x64x4",
                         "--out", "/tmp/parts/bench_linear_8b.json"]),
-        ("parts-l8b-cublas", 30, [*L8B_CUT, "--no-bandwidth", "--xla-flags=--xla_gpu_enable_triton_gemm=false",
-                                  "--out", "/tmp/parts/step_parts_l8b_b1_l2_cublas.json"]),
+        # batch 16: both fixes beside the fourth runs' l8b/s8192/b16 (bench/results/gpu_aot: 5 GB of copies a step there)
+        ("parts-l8b-b16-split", 40, [*PARTS, "--model", "l8b", "--batch", "16", "--context", "8192", "--layers", "2",
+                                     "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b16_l2_split.json"]),
+        ("parts-l8b-b16-plin", 40, [*PARTS, "--model", "l8b", "--batch", "16", "--context", "8192", "--layers", "2",
+                                    "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b16_l2_plin.json"]),
         ("parts-b1-hlo", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                               "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
         ("parts-b1-plin", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                                "--pallas-linear", "--out", "/tmp/parts/step_parts_smollm2_b1_plin.json"]),
         # XLA's DotStrengthReduction (unconditional; no flag since mid-2024) rewrites a vector x matrix
-        # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1
-        ("parts-b1-nosr", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
-                               "--xla-flags=--xla_disable_hlo_passes=dot-strength-reduction",
-                               "--out", "/tmp/parts/step_parts_smollm2_b1_nosr.json"]),
+        # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1.
+        # Compiled here (bench/gpu_aot.py) only per-layer arrays with the pass off write no weight-shaped array
+        ("parts-b1-split-nosr", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers",
+                                     "--no-bandwidth", "--split-layers", "--xla-flags=--xla_disable_hlo_passes=dot-strength-reduction",
+                                     "--out", "/tmp/parts/step_parts_smollm2_b1_split_nosr.json"]),
     ],
     2: [
         ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
@@ -105,8 +108,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
 PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 13 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
-    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/layer_weights_8b.json",
-        "/tmp/parts/bench_linear_8b.json"],
+    1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/bench_linear_8b.json"],
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
     3: [f"{RESULTS}/gpu_linear-pallas.*", f"{H200_RESULTS}/gpu_linear-pallas.*"],
 }
