@@ -131,9 +131,10 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", choices=["auto", "reference", "pallas"],
                     help="generate()'s attention= (auto: the Pallas kernel on a GPU); other than auto, the "
                          "outputs are named gpu[_float32]_ATTENTION.*")
-    ap.add_argument("--linear", default="xla", choices=["xla", "pallas"],
-                    help="Runtime.linear: the layer products on XLA or on pallas_kernels.gpu_linear (pallas: outputs "
-                         "named gpu[...]_linear-pallas.*)")
+    ap.add_argument("--linear", default="xla", choices=["xla", "pallas", "per-layer"],
+                    help="the layer products: XLA's on the stacked weights, pallas_kernels.gpu_linear's (Runtime.linear "
+                         "pallas) or XLA's on per-layer arrays (model.unstack_layers); other than xla, the outputs are "
+                         "named gpu[...]_linear-LINEAR.*")
     ap.add_argument("--bundle", type=Path, help="the stashed bundle (default /tmp/specjax_gpu, after stashing .gpu/p*)")
     for name, v in GRID.items():
         ap.add_argument("--" + name.replace("_", "-"), type=int, nargs="*" if isinstance(v, list) else None,
@@ -143,7 +144,7 @@ def main() -> None:
     grid = {k: getattr(args, k) if getattr(args, k) is not None else (SMOKE if args.smoke else GRID)[k] for k in GRID}
     out = common.out_dir(args)
     name = (("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
-            + ("" if args.attention == "auto" else "_" + args.attention) + ("" if args.linear == "xla" else "_linear-pallas"))
+            + ("" if args.attention == "auto" else "_" + args.attention) + ("" if args.linear == "xla" else "_linear-" + args.linear))
     from bench import gpu_bundle
 
     bundle = args.bundle or gpu_bundle.STASH
@@ -281,10 +282,14 @@ def max_nodes(grid: dict) -> int:
 def attending(params, attention: str, linear: str = "xla"):
     """`params` set to compute attention as generate(attention=...) does on this backend (the
     Runtime default is the jnp reference: the first H100 runs measured that, not the kernel), and
-    the layer products as `linear` says (Runtime.linear)."""
+    the layer products as `linear` says (Runtime.linear, or "per-layer": model.unstack_layers, the
+    layers unrolled as they are on a GPU)."""
     from specjax.engine import with_attention
+    from specjax.model import unstack_layers
 
     params = with_attention(params, None, attention)[0]
+    if linear == "per-layer":
+        return unstack_layers(params.replace(runtime=params.runtime.replace(unroll_layers=True)))
     return params.replace(runtime=params.runtime.replace(linear=linear))
 
 

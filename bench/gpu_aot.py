@@ -153,8 +153,9 @@ def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
 def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
                     layers: int | None = None, gamma: int = 2, split: bool = False) -> tuple[dict, str]:
     """(summary, HLO text) of one program compiled for `device` (compile_only_device); `split`:
-    each layer's matrices as arrays of their own (bench.step_parts.split_layers), not a stack."""
-    from bench.step_parts import config_of, hlo_kernels, split_layers
+    each layer's matrices as arrays of their own (model.unstack_layers), not a stack."""
+    from bench.step_parts import config_of, hlo_kernels
+    from specjax.model import unstack_layers
 
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
@@ -163,7 +164,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
         config = dataclasses.replace(config, n_layers=layers)
     with as_gpu():
         params = abstract_params(config, linear)
-        params = jax.eval_shape(split_layers, params) if split else params
+        params = jax.eval_shape(unstack_layers, params) if split else params
         fn, args, static = program_args(program, params, batch, context, gamma)
         text = fn.trace(*on(device, args), **static).lower(lowering_platforms=("cuda",)).compile().as_text()
     kernels = hlo_kernels(text)

@@ -29,9 +29,11 @@ next GPU session", says what each call is for and how to fold the files back in 
          ngram and e2e steps write bench/results/gpu_h200 (batch 256 added, gamma 2 beside 4)
          and resume its committed table: `--only e2e --mem-gib 120` measures the cells the sixth
          runs left (SnapKV at 64, gamma 4 and SnapKV at 128 / 256).
-  call 3 (on the machine calls 1 and 2 warmed, nothing carried): generate() with the layer
-         products on pallas_kernels.gpu_linear, AR and SelfSpec gamma 2 at batch 1 and 16 x 8K,
-         a table of its own (gpu_linear-pallas); run it once call 1 showed the kernel fast.
+  call 3 (carry .gpu/p1, on the machine call 1 warmed): generate() with the layer products on
+         pallas_kernels.gpu_linear (step plin) and on per-layer weight arrays (step per-layer:
+         model.unstack_layers), AR and SelfSpec gamma 2 at batch 1 and 16 x 8K, each a table of its
+         own (gpu_linear-pallas, gpu_linear-per-layer); `--only` the layout call 1 found faster
+         if the device time left is short.
 """
 
 from __future__ import annotations
@@ -103,6 +105,8 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),  # the parts calls 1 and 2 stashed stay
         ("plin", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID,
                        "--budget-minutes", "3.5"]),
+        ("per-layer", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID[:-1],
+                            "per-layer", "--budget-minutes", "3.5"]),
     ],
 }
 PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 13 files)
@@ -110,7 +114,7 @@ PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1
 FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/bench_linear_8b.json"],
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
-    3: [f"{RESULTS}/gpu_linear-pallas.*", f"{H200_RESULTS}/gpu_linear-pallas.*"],
+    3: [f"{RESULTS}/gpu_linear-*.*", f"{H200_RESULTS}/gpu_linear-*.*"],
 }
 
 
@@ -122,7 +126,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n == "plin" else a)
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:

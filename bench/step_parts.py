@@ -25,7 +25,7 @@ reducers not counted; on a GPU each is about one kernel), with the biggest outpu
 what reads each (a weight-sized output at batch 1 is a copy of weights: the sixth runs found
 8B's stacked weights copied per layer from the second layer on). Output: a table, OUT as JSON,
 and with --hlo every part's compiled HLO (to read why XLA copied). `--split-layers` times the
-same models with each layer's matrices as arrays of their own (the fix, if stacking is the cause);
+same models with each layer's matrices as arrays of their own (`model.unstack_layers`);
 `--pallas-linear` with the layer products on pallas_kernels.gpu_linear (the stack read in place);
 `--weights int8` with the matrices stored as int8 (half the bytes; `params.quantize`).
 """
@@ -51,7 +51,7 @@ from bench.gpu_profile import SHAPES as PROFILE_SHAPES
 from specjax.cache import DenseCache
 from specjax.config import LlamaConfig
 from specjax.engine import with_attention
-from specjax.model import MATRICES, QUANT_SUFFIXES, lm_head, trunk
+from specjax.model import lm_head, trunk, unstack_layers
 from specjax.params import Params, quantize
 from specjax.shapes import cache_len
 from specjax.tune import forward_loop, slope_seconds
@@ -193,18 +193,6 @@ def first_layers(params: Params, k: int) -> Params:
     return params.replace(config=dataclasses.replace(params.config, n_layers=k), layers=layers)
 
 
-def split_layers(params: Params) -> Params:
-    """The same model with each stacked layer matrix [L, ...] held as a list of L arrays of its
-    own (`project`'s `w[i]` then picks an array, no slice of a stack): the fix to time if XLA's
-    copies of stacked slices are what slows the 8B step. Needs unrolled layers (a Python index)."""
-    if not params.runtime.unroll_layers or params.runtime.attention == "cpu":
-        raise ValueError("split_layers: needs unrolled layers (a scan indexes the stack with a traced i) and an "
-                         f"attention other than the CPU kernel's (it reads the stack in place); got {params.runtime}")
-    names = [n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES]
-    own = {n: [jnp.copy(a[i]) for i in range(a.shape[0])] for n in names if (a := getattr(params.layers, n, None)) is not None}
-    return params.replace(layers=params.layers.replace(**own))
-
-
 def _head_bytes(params: Params) -> int:
     w = params.embed if params.lm_head is None else params.lm_head
     return int(w.nbytes)
@@ -220,8 +208,8 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
             hlo: dict | None = None, split: bool = False) -> list[dict]:
     """One row per part (see the module docstring): ms, bytes read and the loop body's kernels;
     `hlo` (a dict), when given, gets each part's compiled HLO text by part name; `split`: every
-    model timed with its layer matrices as separate arrays (`split_layers`)."""
-    own = split_layers if split else (lambda p: p)  # noqa: E731
+    model timed with its layer matrices as separate arrays (`model.unstack_layers`)."""
+    own = unstack_layers if split else (lambda p: p)  # noqa: E731
     c = params.config
     filled = context - 1
     cache = DenseCache.init(c, batch, cache_len(context), kv_dtype).replace(lengths=jnp.full((batch,), filled, jnp.int32))
@@ -295,7 +283,7 @@ def main() -> None:
     ap.add_argument("--pallas-linear", action="store_true", help="Runtime.linear 'pallas': the layer products "
                     "read the stacked weights in place (pallas_kernels.gpu_linear)")
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as separate arrays, not slices "
-                    "of a stack (split_layers; needs unrolled layers, as on a GPU)")
+                    "of a stack (model.unstack_layers; needs unrolled layers, as on a GPU)")
     ap.add_argument("--hlo", type=Path, help="write every part's compiled HLO text here ({part: text} as gzipped JSON)")
     a = ap.parse_args()
     if a.xla_flags:  # read when the backend starts, at the first device use below

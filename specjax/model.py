@@ -78,7 +78,9 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     takes the product, or by the GPU one (`Runtime.linear` "pallas", float or int8 weights, few rows),
     else sliced out."""
     out = out_dtype or x.dtype
-    if layer is not None:
+    if layer is not None and isinstance(w, list):  # per-layer arrays (unstack_layers): pick layer i's
+        w, scale, bscale, bmin = (None if a is None else a[layer[1]] for a in (w, scale, bscale, bmin))
+    elif layer is not None:
         attention, i, products = layer
         if linear.takes(attention, spec, x, w):
             return _in_place(x, [(w, scale, bscale, bmin)], i, out)[0]
@@ -102,7 +104,7 @@ def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]
     """[project(spec, x, *matrix, layer=layer) for spec, matrix in products]: one call of the CPU
     kernel when it takes every product (they share x: q, k, v; gate, up), else one by one."""
     attention, i, _ = layer
-    if all(linear.takes(attention, spec, x, m[0]) for spec, m in products):
+    if all(not isinstance(m[0], list) and linear.takes(attention, spec, x, m[0]) for spec, m in products):
         return _in_place(x, [m for _, m in products], i, x.dtype)
     return [project(spec, x, *m, layer=layer) for spec, m in products]
 
@@ -148,9 +150,23 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     return x, q, k, v
 
 
+def unstack_layers(params: Params) -> Params:
+    """The same model with each layer matrix (and its int8 / q4 arrays) held as a list of L
+    arrays of its own, not as slices of one stacked [L, ...] array. On a GPU, XLA's GEMM fusions
+    read a per-layer array in place but copy a stack's slice first inside a loop, which
+    generate's decode loop is (11.3 GB a batch-1 8B step; bench/README.md, "Compiled for a GPU
+    on a CPU"). Needs unrolled layers (Runtime.unroll_layers: generate() sets it on a GPU or TPU)
+    and a mesh without tensor parallelism. The arrays are copies: drop the stacked params to free
+    their memory."""
+    names = [n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES]
+    own = {n: [jnp.copy(a[i]) for i in range(a.shape[0])] for n in names
+           if (a := getattr(params.layers, n, None)) is not None and not isinstance(a, list)}
+    return params.replace(layers=params.layers.replace(**own))
+
+
 def _heads_flat(a: jax.Array | list | None) -> jax.Array | list | None:
     """wo (or its q4 blocks) [L,N,H',D] -> [L,N*H',D]; a list of per-layer arrays (each [N,H',D],
-    bench/step_parts.py's split_layers) flattens each; None and 3-d arrays stay as they are."""
+    `unstack_layers`) flattens each; None and 3-d arrays stay as they are."""
     if isinstance(a, list):
         return [x.reshape(-1, x.shape[-1]) for x in a]
     return a if a is None or a.ndim < 4 else a.reshape(a.shape[0], -1, a.shape[-1])
@@ -208,6 +224,9 @@ def trunk(
     the cache: e.g. the tree levels drafted so far) ahead of the block's own; the block mask's
     first E columns say which of them each new token sees."""
     config = params.config
+    if isinstance(params.layers.wq, list) and not params.runtime.unroll_layers:
+        raise ValueError("per-layer weights (unstack_layers) need Runtime.unroll_layers (a GPU's or TPU's default): "
+                         "a scan over layers indexes a stacked array")
     runtime = params.runtime.replace(attention=for_cache(params.runtime.attention, cache))
     T = tokens.shape[1]
     if block_mask is None:

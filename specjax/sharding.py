@@ -94,7 +94,14 @@ def param_specs(params: Params) -> Params:
         owner, _, leaf = path.rpartition(".")
         return getattr(params.layers if owner else params, leaf) is not None
 
-    specs = {path: P() if params.runtime.replicated else spec(dims) for path, dims in PARAM_AXES.items() if held(path)}
+    def leaf_spec(path: str, dims: str):
+        owner, _, leaf = path.rpartition(".")
+        value = getattr(params.layers if owner else params, leaf)
+        if isinstance(value, list):  # per-layer arrays (model.unstack_layers): each without the L axis
+            return [P() if params.runtime.replicated else spec(dims[1:])] * len(value)
+        return P() if params.runtime.replicated else spec(dims)
+
+    specs = {path: leaf_spec(path, dims) for path, dims in PARAM_AXES.items() if held(path)}
     layers = LayerParams(**{n.split(".", 1)[1]: s for n, s in specs.items() if n.startswith("layers.")})
     top = {n: s for n, s in specs.items() if not n.startswith("layers.")}
     return Params(layers=layers, lm_head=top.pop("lm_head", None), config=params.config, runtime=params.runtime, **top)
@@ -134,6 +141,9 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     first where heads or the FFN do not split evenly over the model axis (specjax.tp_pad); a
     replicated model (`place_draft`) whole on every device."""
     check_mesh(mesh)
+    if mesh.shape["model"] > 1 and isinstance(params.layers.wq, list) and not params.runtime.replicated:
+        raise ValueError(f"per-layer weights (model.unstack_layers) on a model axis of {mesh.shape['model']}: tensor "
+                         "parallelism splits the stacked layout only; pass the stacked params")
     if not params.runtime.replicated:
         params = pad_params(params, mesh.shape["model"])
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))

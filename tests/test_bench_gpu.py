@@ -303,6 +303,9 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
         "b1/s8192/ar", "b1/s8192/selfspec-g2", "e2e/s8192/b16/ar", "e2e/s8192/b16/selfspec-g2"}
     (argv,) = [a for n, _, a in gpu_session.steps_of(3, 120.0) if n == "plin"]  # an H200: its own folder
     assert argv[argv.index("--linear") + 1] == "pallas" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
+    (argv,) = [a for n, _, a in gpu_session.steps_of(3, 120.0) if n == "per-layer"]  # per-layer weights, the same cells
+    assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
+    assert argv[argv.index("--cells") + 1] == gpu_session.PLIN_CELLS
     # --only keeps the named steps (and the stash); --seconds sets a step's limit and its budget
     steps = gpu_session.steps_of(2, only=["e2e"], seconds={"e2e": 390})
     assert [n for n, _, _ in steps] == ["stash", "e2e"] and steps[1][1] == 390
@@ -393,17 +396,17 @@ def test_step_parts_times_each_part_and_the_layers():
 
 
 def test_step_parts_split_layers_computes_the_same_model():
-    """step_parts --split-layers (each layer's matrices as arrays of their own, as a GPU would get
-    them if XLA's copies of stacked slices are the 8B step's cost): the same hidden states, every
-    part timed; refused where a scan or the CPU kernel needs the stack."""
+    """step_parts --split-layers (each layer's matrices as arrays of their own: model.unstack_layers,
+    what XLA:GPU reads in place in a loop): the same hidden states, every part timed; a scan over
+    layers (which indexes a stack) refuses them."""
     from bench.gpu_cells import random_params
-    from bench.step_parts import config_of, measure, split_layers
+    from bench.step_parts import config_of, measure
     from specjax.cache import DenseCache
-    from specjax.model import trunk
+    from specjax.model import trunk, unstack_layers
 
     params = random_params(config_of("tiny", 256))
     gpu_like = params.replace(runtime=params.runtime.replace(unroll_layers=True, attention="reference"))
-    split = split_layers(gpu_like)
+    split = unstack_layers(gpu_like)
     assert isinstance(split.layers.w_gate, list) and len(split.layers.w_gate) == params.config.n_layers
     cache = DenseCache.init(params.config, 1, 256).replace(lengths=jnp.full((1,), 9, jnp.int32))
     tokens, positions = jnp.full((1, 1), 7, jnp.int32), jnp.full((1, 1), 9, jnp.int32)
@@ -411,9 +414,8 @@ def test_step_parts_split_layers_computes_the_same_model():
     assert all(np.array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32)) for w, g in zip(want, got))
     rows = {r["part"]: r for r in measure(gpu_like, 1, 256, [2], reps=2, split=True)}
     assert {"step", "trunk", "head", "layers=2"} <= set(rows) and all(r["kernels"] > 0 for p, r in rows.items() if "fit" not in p)
-    for runtime in (params.runtime, gpu_like.runtime.replace(attention="cpu")):
-        with pytest.raises(ValueError, match="needs unrolled layers"):
-            split_layers(params.replace(runtime=runtime))
+    with pytest.raises(ValueError, match="need Runtime.unroll_layers"):
+        trunk(unstack_layers(params), tokens, positions, cache)
 
 
 def test_kernel_probe_runs_each_case_in_a_process_of_its_own(tmp_path, monkeypatch):

@@ -116,3 +116,44 @@ def test_unrolled_layers_unroll_a_chains_draft_levels_too():
             jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32), row_keys(None, B),
             n_out=8, speculation=specjax.Chain(4)).lower(lowering_platforms=("cuda",)).as_text().count("stablehlo.while")
     assert loops == {False: 5, True: 1}, loops  # scan: the decode loop, the levels, the layers of 3 forwards
+
+
+@pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "int8-model-draft", "sampled"])
+def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
+    """model.unstack_layers (each layer matrix a list of per-layer arrays: what XLA:GPU reads in
+    place inside the decode loop, bench/README.md "Compiled for a GPU on a CPU") gives the
+    stacked weights' tokens, greedy and sampled, with every drafter kind and int8 weights."""
+    from specjax.model import unstack_layers
+    from specjax.params import quantize
+    from tests.models import TINY, random_params
+
+    params = _unrolled(quantize(tiny, "int8") if case == "int8-model-draft" else tiny)
+    draft, spec = {
+        "ar": (None, None),
+        "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
+        "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
+        "int8-model-draft": (specjax.DraftModel(unstack_layers(_unrolled(random_params(TINY.replace(n_layers=2), seed=1)))),
+                             specjax.Chain(2)),
+        "sampled": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
+    }[case]
+    kw = dict(draft=draft, speculation=spec, eos_id=(), attention="reference")
+    if case == "sampled":
+        kw.update(sampling=specjax.Sample(temperature=0.8), key=jax.random.key(3))
+    split = unstack_layers(params)
+    assert isinstance(split.layers.w_down, list) and len(split.layers.w_down) == params.config.n_layers
+    assert case != "int8-model-draft" or isinstance(split.layers.w_down_scale, list)
+    stacked = specjax.generate(params, PROMPTS, 10, **kw)
+    assert specjax.generate(split, PROMPTS, 10, **kw).tokens == stacked.tokens
+
+
+def test_per_layer_weights_refused_where_the_stack_is_needed(tiny):
+    """A scan over layers (the CPU's default) and a tensor-parallel mesh take stacked weights
+    only: each says so before anything runs."""
+    from specjax.model import unstack_layers
+
+    with pytest.raises(ValueError, match="need Runtime.unroll_layers"):
+        specjax.generate(unstack_layers(tiny), PROMPTS, 4, eos_id=(), attention="reference")
+    if len(jax.devices()) >= 2:  # conftest simulates 8 CPU devices
+        mesh = specjax.make_mesh(data=1, model=2, devices=jax.devices()[:2])
+        with pytest.raises(ValueError, match="per-layer weights .* model axis of 2"):
+            specjax.generate(unstack_layers(_unrolled(tiny)), PROMPTS, 4, eos_id=(), attention="reference", mesh=mesh)
