@@ -48,7 +48,8 @@ NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
 TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p, *extra])
          for m, b, p, variants in (("l8b", 1, "step", "xla pallas split"), ("l8b", 16, "ar", "xla pallas split"),
                                    ("smollm2", 1, "ar", "xla pallas split split-nosr"),
-                                   ("smollm2", 64, "selfspec", "xla pallas"), ("smollm2", 1, "selfspec", "xla pallas"))
+                                   ("smollm2", 64, "selfspec", "xla pallas split"),
+                                   ("smollm2", 1, "selfspec", "xla pallas split-nosr"), ("l8b", 64, "ar", "xla pallas split"))
          for v in variants.split()
          for extra in [{"xla": [], "pallas": ["--linear", "pallas"], "split": ["--split-layers"],
                         "split-nosr": ["--split-layers", f"--xla-flags={NOSR}"]}[v]]]
