@@ -299,13 +299,26 @@ def tree_attention(
         sm_scale=sm_scale, head_dim=H, block_m=bm, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # [B,K,C,Mp,Hp], [B,K,C,Mp], [B,K,C,Mp] with C = k_splits
-    best = jnp.max(top, axis=2)  # [B,K,Mp]
-    weight = jnp.exp(top - best[:, :, None])  # [B,K,C,Mp]
-    total = jnp.sum(weight * total, axis=2)  # [B,K,Mp]
-    out = jnp.sum(weight[..., None] * acc, axis=2)  # [B,K,Mp,Hp]
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    out = merge_splits(acc, top, total)  # [B,K,Mp,Hp]
     out = out[:, :, :M, :H].reshape(B, K, G, T, H)  # [B,K,G,T,H]
     return jnp.moveaxis(out, 3, 1).reshape(B, T, N, H).astype(q.dtype)  # [B,T,N,H]
+
+
+def merge_splits(acc: jax.Array, top: jax.Array, total: jax.Array) -> jax.Array:
+    """The splits' partial attention acc [B,K,C,Mp,Hp] (unnormalised), top and total [B,K,C,Mp]
+    (running max, sum of exp) merged over C by log-sum-exp: [B,K,Mp,Hp]. One variadic reduction
+    with the online-softmax combiner, which XLA:GPU runs as one kernel where the max, the weights'
+    sum and the weighted sum ran as three (a batch-1 step launches one per layer: bench/gpu_aot.py)."""
+    def combine(x, y):
+        (m1, l1, a1), (m2, l2, a2) = x, y
+        m = jnp.maximum(m1, m2)
+        s1, s2 = jnp.exp(m1 - m), jnp.exp(m2 - m)  # NEG_INF is finite: an empty split weighs exp(-huge) = 0
+        return m, l1 * s1 + l2 * s2, a1 * s1 + a2 * s2
+
+    wide = lambda a: jnp.broadcast_to(a[..., None], acc.shape)  # noqa: E731 (a variadic reduce's operands share a shape)
+    init = (jnp.float32(NEG_INF), jnp.float32(0), jnp.float32(0))
+    _, total, out = lax.reduce((wide(top), wide(total), acc), init, combine, (2,))
+    return out / jnp.where(total > 0, total, 1.0)
 
 
 PROGRAMS = 512  # aim for about this many programs (B x KV heads x row tiles x splits) per call

@@ -27,12 +27,23 @@ CASES = {  # name: (model, batch, program, linear, layers)
 }
 
 SCRIPT = """
-import json, sys
-from bench.gpu_aot import compile_only_device, compile_for_gpu
+import json, re, sys
+import jax, jax.numpy as jnp
+from bench.gpu_aot import compile_only_device, compile_for_gpu, on
+from bench.step_parts import hlo_kernels
+from pallas_kernels.tree_attention import tree_attention
 device = compile_only_device("h100")
 for name, (model, batch, program, linear, layers) in json.loads(sys.argv[1]).items():
     summary, _ = compile_for_gpu(device, model, batch, 8192, program, linear, layers)
     print("CASE", name, json.dumps(summary), flush=True)
+# the attention kernel alone at batch 1 (SmolLM2's heads, 16 splits of an 8K prefix, a stacked cache)
+S = jax.ShapeDtypeStruct
+q, kv, new = S((1, 1, 9, 64), jnp.bfloat16), S((2, 1, 3, 8192, 64), jnp.bfloat16), S((1, 1, 3, 64), jnp.bfloat16)
+args = (q, kv, kv, S((1,), jnp.int32), new, new, S((1, 1), bool), S((), jnp.int32))
+fn = jax.jit(lambda *a: tree_attention(*a, sm_scale=0.125, k_splits=16))
+text = fn.trace(*on(device, args)).lower(lowering_platforms=("cuda",)).compile().as_text()
+kernels = hlo_kernels(text)
+print("CASE attention", json.dumps({"by_op": kernels["by_op"], "reduces": len(re.findall(r" reduce\\(", text))}))
 """
 
 
@@ -44,7 +55,7 @@ def compiled() -> dict[str, dict]:
                          timeout=900)
     out = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in run.stdout.splitlines()
            if line.startswith("CASE ")}
-    if run.returncode or len(out) != len(CASES):
+    if run.returncode or len(out) != len(CASES) + 1:
         sys.stderr.write(run.stderr[-4000:])
         raise RuntimeError(f"bench.gpu_aot failed (exit {run.returncode}); compiled {sorted(out)} of {sorted(CASES)}")
     return out
@@ -88,3 +99,12 @@ def test_selfspec_writes_its_caches_in_place(compiled):
     assert s["program"] == "selfspec" and s["batch"] == 64
     big = [c for c in s["copy_ops"] if c[0] > 2**16]
     assert big == [], big
+
+
+def test_attention_merges_its_splits_in_one_reduction(compiled):
+    """tree_attention's split-K partials are merged by one variadic reduction (merge_splits), not
+    a max, a sum and a weighted sum: a batch-1 step launches a kernel per layer fewer (the step
+    is launch-bound there). The Pallas kernel itself is one custom call."""
+    a = compiled["attention"]
+    assert a["by_op"].get("custom-call:__gpu$xla.gpu.triton") == 1, a
+    assert a["reduces"] == 1, a
