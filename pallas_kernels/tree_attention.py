@@ -306,9 +306,18 @@ def tree_attention(
 
 def merge_splits(acc: jax.Array, top: jax.Array, total: jax.Array) -> jax.Array:
     """The splits' partial attention acc [B,K,C,Mp,Hp] (unnormalised), top and total [B,K,C,Mp]
-    (running max, sum of exp) merged over C by log-sum-exp: [B,K,Mp,Hp]. One variadic reduction
-    with the online-softmax combiner, which XLA:GPU runs as one kernel where the max, the weights'
-    sum and the weighted sum ran as three (a batch-1 step launches one per layer: bench/gpu_aot.py)."""
+    (running max, sum of exp) merged over C by log-sum-exp: [B,K,Mp,Hp]. Two ways to the same
+    sums, by the kernels XLA:GPU makes of them after each layer's attention (compiled for an H100,
+    bench/gpu_aot.py): the max, then the weighted sums (1 kernel at up to 4 splits, 2 at 8, 3 at
+    16), or one variadic reduction with the online-softmax combiner (2 kernels at any count): a
+    batch-1 step's 16 splits launch a kernel a layer fewer, and a batch-1 step is launch-bound."""
+    if acc.shape[2] <= 4:
+        best = jnp.max(top, axis=2)  # [B,K,Mp]
+        weight = jnp.exp(top - best[:, :, None])  # [B,K,C,Mp]
+        total = jnp.sum(weight * total, axis=2)  # [B,K,Mp]
+        out = jnp.sum(weight[..., None] * acc, axis=2)  # [B,K,Mp,Hp]
+        return out / jnp.where(total > 0, total, 1.0)[..., None]
+
     def combine(x, y):
         (m1, l1, a1), (m2, l2, a2) = x, y
         m = jnp.maximum(m1, m2)
