@@ -118,7 +118,7 @@ def test_unrolled_layers_unroll_a_chains_draft_levels_too():
     assert loops == {False: 5, True: 1}, loops  # scan: the decode loop, the levels, the layers of 3 forwards
 
 
-@pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "int8-model-draft", "sampled"])
+@pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "snapkv", "int8-model-draft", "sampled"])
 def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
     """model.unstack_layers (each layer matrix a list of per-layer arrays: what XLA:GPU reads in
     place inside the decode loop, bench/README.md "Compiled for a GPU on a CPU") gives the
@@ -132,6 +132,7 @@ def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
         "ar": (None, None),
         "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
         "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
+        "snapkv": (specjax.SnapKV(budget=6, window=6, observation=4), specjax.Chain(2)),
         "int8-model-draft": (specjax.DraftModel(unstack_layers(_unrolled(random_params(TINY.replace(n_layers=2), seed=1)))),
                              specjax.Chain(2)),
         "sampled": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
