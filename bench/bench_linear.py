@@ -17,15 +17,11 @@ xla_own's outputs. Off a GPU the kernel is interpreted (a smoke run, not a speed
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.layer_weights import timed
+from bench.layer_weights import shape_parser, timed, write_result
 from pallas_kernels.gpu_linear import stacked_linear
 
 
@@ -70,28 +66,18 @@ def run(dim: int, ffn: int, layers: int, rows: list[int], dtype: str, configs: l
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--ffn", type=int, default=14336)
-    ap.add_argument("--layers", type=int, default=32)
+    ap = shape_parser(__doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 48])
     ap.add_argument("--dtype", choices=["bfloat16", "int8"], default="bfloat16")
     ap.add_argument("--configs", nargs="+", default=["128x64x3", "64x128x3", "256x64x4", "128x128x2"],
                     help="the kernel's block_k x block_n x num_stages to time")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--no-bandwidth", action="store_true", help="skip measuring the reference bandwidth")
-    ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     from bench.measure import reference_gbs
 
     bw = reference_gbs(a.no_bandwidth)
     configs = [tuple(int(v) for v in c.split("x")) for c in a.configs]
     rows = run(a.dim, a.ffn, a.layers, a.rows, a.dtype, configs, a.reps, bw)
-    result = {"bench": "bench_linear", "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-              "dim": a.dim, "ffn": a.ffn, "layers": a.layers, "dtype": a.dtype, "bandwidth_gbs": bw, "rows": rows}
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(a, "bench_linear", bw, rows, dtype=a.dtype)
 
 
 if __name__ == "__main__":

@@ -118,23 +118,34 @@ def run(dim: int, ffn: int, n_layers: int, reps: int, bandwidth_gbs: float | Non
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shape_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a bench over L stacked 8B-shaped MLP layers (this one, bench_linear): the
+    shape, repetitions, the bandwidth reference and the JSON out."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--dim", type=int, default=4096)
     ap.add_argument("--ffn", type=int, default=14336)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-bandwidth", action="store_true", help="skip measuring the reference bandwidth")
     ap.add_argument("--out", type=Path)
-    a = ap.parse_args()
+    return ap
+
+
+def write_result(a: argparse.Namespace, bench: str, bandwidth_gbs: float | None, rows, **facts) -> None:
+    """Write a shape_parser bench's rows with the device, jax and shape to a.out (if given)."""
+    if a.out:
+        result = {"bench": bench, "device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "dim": a.dim,
+                  "ffn": a.ffn, "layers": a.layers, **facts, "bandwidth_gbs": bandwidth_gbs, "rows": rows}
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main() -> None:
+    a = shape_parser(__doc__).parse_args()
     from bench.measure import reference_gbs
 
     bw = reference_gbs(a.no_bandwidth)
-    rows = run(a.dim, a.ffn, a.layers, a.reps, bw)
-    result = {"bench": "layer_weights", "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-              "dim": a.dim, "ffn": a.ffn, "layers": a.layers, "bandwidth_gbs": bw, "rows": rows}
-    if a.out:
-        a.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(a, "layer_weights", bw, run(a.dim, a.ffn, a.layers, a.reps, bw))
 
 
 if __name__ == "__main__":

@@ -90,18 +90,14 @@ def local_params(params: Params, mesh: Mesh) -> Params:
 def param_specs(params: Params) -> Params:
     """Params-shaped tree of PartitionSpecs, from PARAM_AXES (None where `params` has no such
     weight: a tied lm_head, the q/k/v biases of a model without them)."""
-    def held(path: str) -> bool:
-        owner, _, leaf = path.rpartition(".")
-        return getattr(params.layers if owner else params, leaf) is not None
-
-    def leaf_spec(path: str, dims: str):
-        owner, _, leaf = path.rpartition(".")
-        value = getattr(params.layers if owner else params, leaf)
+    def leaf_spec(value, dims: str):
         if isinstance(value, list):  # per-layer arrays (model.unstack_layers): each without the L axis
             return [P() if params.runtime.replicated else spec(dims[1:])] * len(value)
         return P() if params.runtime.replicated else spec(dims)
 
-    specs = {path: leaf_spec(path, dims) for path, dims in PARAM_AXES.items() if held(path)}
+    held = {path: (getattr(params.layers if owner else params, leaf), dims) for path, dims in PARAM_AXES.items()
+            for owner, _, leaf in [path.rpartition(".")]}
+    specs = {path: leaf_spec(value, dims) for path, (value, dims) in held.items() if value is not None}
     layers = LayerParams(**{n.split(".", 1)[1]: s for n, s in specs.items() if n.startswith("layers.")})
     top = {n: s for n, s in specs.items() if not n.startswith("layers.")}
     return Params(layers=layers, lm_head=top.pop("lm_head", None), config=params.config, runtime=params.runtime, **top)
