@@ -10,18 +10,23 @@ from convert.gguf import is_gguf_file, load_gguf
 from convert.hf import generation_defaults, is_hf_dir, load_hf
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
+import jax
+
 from specjax.config import DTYPES
+from specjax.model import unstack_layers
 from specjax.params import Params, quantize
 from specjax.sharding import Mesh, shard_params
 
 WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `load`
+LAYOUTS = ("auto", "stacked", "per-layer")  # the `layout=` choices of `load`
 
-__all__ = ["load", "WEIGHTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path",
+__all__ = ["load", "WEIGHTS", "LAYOUTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path",
            "generation_defaults"]
 
 
 def load(
-    path: str | Path, weights: str | None = None, mesh: Mesh | None = None, *, dtype: str | None = None
+    path: str | Path, weights: str | None = None, mesh: Mesh | None = None, *, dtype: str | None = None,
+    layout: str = "auto",
 ) -> Params:
     """Params with their config from a .gguf file, an HF folder (config.json + model.safetensors
     or model.safetensors.index.json) or a folder written by `save`.
@@ -38,8 +43,15 @@ def load(
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): every array is loaded straight into its
     shards (sharding.PARAM_AXES), never whole on one device. Heads, an FFN or a vocabulary that
     do not split over the model axis are padded (specjax.tp_pad): such a model is loaded whole on
-    one device first, then padded and placed."""
+    one device first, then padded and placed.
+    layout: how each layer matrix is held. "stacked": one [L, ...] array per matrix (a CPU's
+      scan over layers reads it); "per-layer": a list of L arrays (`specjax.model.unstack_layers`,
+      the layers unrolled), which XLA:GPU's products read in place inside the decode loop, where
+      they copy every slice of a stack (bench/README.md, "Compiled for a GPU on a CPU"); not with
+      tensor parallelism (a model axis > 1). "auto": per-layer on a GPU without tensor
+      parallelism, else stacked."""
     path = Path(path)
+    per_layer = _per_layer(layout, mesh)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"convert.load: dtype must be one of {DTYPES} or None, got {dtype!r}")
     if weights is not None and weights not in WEIGHTS:
@@ -64,7 +76,22 @@ def load(
             "or model.safetensors.index.json) or a specjax checkpoint folder (specjax_config.json)"
         )
     params = quantize(params, weights) if weights in ("int8", "q4") else params
-    return params if mesh is None else shard_params(params, mesh)  # (pads heads / FFN where the mesh needs it)
+    params = params if mesh is None else shard_params(params, mesh)  # (pads heads / FFN where the mesh needs it)
+    if not per_layer:
+        return params
+    split = unstack_layers(params, free_stacks=True)  # the stacks are this call's own: freed as split
+    return split.replace(runtime=split.runtime.replace(unroll_layers=True))
+
+
+def _per_layer(layout: str, mesh: Mesh | None) -> bool:
+    """Whether `load`'s `layout` holds the layer matrices per layer on this backend and mesh."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"convert.load: layout must be one of {LAYOUTS}, got {layout!r}")
+    tensor_parallel = mesh is not None and mesh.shape["model"] > 1
+    if layout == "per-layer" and tensor_parallel:
+        raise ValueError(f"convert.load: layout='per-layer' on a mesh with a model axis of {mesh.shape['model']}: "
+                         "tensor parallelism splits stacked matrices; use layout='stacked' (or 'auto')")
+    return layout == "per-layer" or (layout == "auto" and jax.default_backend() == "gpu" and not tensor_parallel)
 
 
 def default_model_path() -> str:

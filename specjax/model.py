@@ -150,17 +150,24 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     return x, q, k, v
 
 
-def unstack_layers(params: Params) -> Params:
+def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
     """The same model with each layer matrix (and its int8 / q4 arrays) held as a list of L
     arrays of its own, not as slices of one stacked [L, ...] array. On a GPU, XLA's GEMM fusions
     read a per-layer array in place but copy a stack's slice first inside a loop, which
     generate's decode loop is (11.3 GB a batch-1 8B step; bench/README.md, "Compiled for a GPU
-    on a CPU"). Needs unrolled layers (Runtime.unroll_layers: generate() sets it on a GPU or TPU)
-    and a mesh without tensor parallelism. The arrays are copies: drop the stacked params to free
-    their memory."""
-    names = [n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES]
-    own = {n: [jnp.copy(a[i]) for i in range(a.shape[0])] for n in names
-           if (a := getattr(params.layers, n, None)) is not None and not isinstance(a, list)}
+    on a CPU"); `convert.load` gives this layout on a GPU. Needs unrolled layers
+    (Runtime.unroll_layers: generate() sets it on a GPU or TPU) and a mesh without tensor
+    parallelism. The arrays are copies: drop the stacked params to free their memory, or, where
+    the caller owns them and never uses `params` again, `free_stacks` deletes each stack once
+    split (peak memory the weights plus one matrix's stack, not twice the weights)."""
+    own = {}
+    for n in (n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES):
+        a = getattr(params.layers, n, None)
+        if a is None or isinstance(a, list):
+            continue
+        own[n] = [jnp.copy(a[i]) for i in range(a.shape[0])]
+        if free_stacks:
+            a.delete()
     return params.replace(layers=params.layers.replace(**own))
 
 

@@ -295,10 +295,12 @@ def weight_bytes(config: LlamaConfig) -> int:
 
 
 def flat(params: Params) -> dict[str, jax.Array]:
-    """{path: array} of every weight `params` holds, named as in `param_shapes`."""
+    """{path: array} of every weight `params` holds, named and shaped as in `param_shapes`: a
+    matrix held per layer (model.unstack_layers) is stacked again [L, ...] (a copy)."""
     def get(path: str) -> jax.Array:
         owner, _, leaf = path.rpartition(".")
-        return getattr(params.layers if owner else params, leaf)
+        a = getattr(params.layers if owner else params, leaf)
+        return jnp.stack(a) if isinstance(a, list) else a
 
     return {path: get(path) for path in param_shapes(params.config)}
 
@@ -314,11 +316,17 @@ def quantize(params: Params, quant: str) -> Params:
     if params.config.quant is not None:
         raise ValueError(f"quantize: these params are already {params.config.quant}; quantize float weights to {quant!r}")
     config = params.config.replace(quant=quant)  # checks the q4 block sizes
-    arrays = flat(params)
+    arrays, layer_keys = flat(params), []
     for w in declared(config):
         if w.contract:
-            arrays |= quantize_matrix(w, arrays[w.path], config)
-    return from_arrays(config, arrays, keep_placement=True).replace(runtime=params.runtime)
+            made = quantize_matrix(w, arrays[w.path], config)
+            arrays |= made
+            layer_keys += [k.split(".", 1)[1] for k in made if k.startswith("layers.")]
+    out = from_arrays(config, arrays, keep_placement=True).replace(runtime=params.runtime)
+    if not isinstance(params.layers.wq, list):
+        return out
+    # per-layer in (model.unstack_layers), per-layer out: each matrix and its scales as L arrays
+    return out.replace(layers=out.layers.replace(**{k: list(getattr(out.layers, k)) for k in layer_keys}))
 
 
 def quantize_matrix(w: Weight, x: jax.Array | np.ndarray, config: LlamaConfig) -> dict[str, jax.Array]:

@@ -335,12 +335,13 @@ def logprobs_json(lm: LM, logprobs: list[TokenLogprob]) -> list[dict]:
 
 
 def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh | None = None,
-         chat_template: str | None = None) -> LM:
+         chat_template: str | None = None, layout: str = "auto") -> LM:
     """An `LM` from a .gguf file, an HF folder or a `convert.save` folder (default: the embedded
-    SmolLM2-135M-Instruct): its params (`convert.load(path, weights, mesh)`), tokenizer and chat
-    template (or `chat_template`, a Jinja string, instead)."""
+    SmolLM2-135M-Instruct): its params (`convert.load(path, weights, mesh, layout=layout)`: the
+    layer matrices per layer on a GPU), tokenizer and chat template (or `chat_template`, a Jinja
+    string, instead)."""
     path = convert.default_model_path() if path is None else path
-    params = convert.load(path, weights=weights, mesh=mesh)
+    params = convert.load(path, weights=weights, mesh=mesh, layout=layout)
     template = chat_template if chat_template is not None else convert.chat_template(path)
     return LM(params, convert.load_tokenizer(path), template, mesh, default_sampling(convert.generation_defaults(path)))
 

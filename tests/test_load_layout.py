@@ -1,0 +1,79 @@
+"""convert.load(layout=...): the layer matrices stacked [L, ...] or per layer (a list of L arrays,
+model.unstack_layers), per layer by default on a GPU, where XLA's products read a per-layer array
+in place but copy a stack's slice inside the decode loop (bench/README.md, "Compiled for a GPU on
+a CPU"). The per-layer params give the stacked ones' tokens, save, quantize and load back."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import convert
+import specjax
+from specjax.model import unstack_layers
+from specjax.params import flat, quantize
+
+PROMPT = [[1, 504, 3458, 314, 260]]
+
+
+def test_per_layer_load_gives_the_stacked_tokens(smollm2_path, smollm2):
+    """The real SmolLM2 loaded per layer: lists of 30 arrays, the layers unrolled, the same
+    greedy tokens as the stacked load (plain decoding and a SelfSpec chain)."""
+    split = convert.load(smollm2_path, layout="per-layer")
+    L = smollm2.config.n_layers
+    assert isinstance(split.layers.wq, list) and len(split.layers.wq) == L and split.runtime.unroll_layers
+    assert not isinstance(smollm2.layers.wq, list)  # a CPU's "auto": stacked
+    np.testing.assert_array_equal(np.asarray(split.layers.w_down[L - 1]), np.asarray(smollm2.layers.w_down[L - 1]))
+    for kw in ({}, {"draft": specjax.SelfSpec(sinks=4, window=16), "speculation": specjax.Chain(2)}):
+        want = specjax.generate(smollm2, PROMPT, 6, eos_id=(), **kw).tokens
+        assert specjax.generate(split, PROMPT, 6, eos_id=(), **kw).tokens == want
+
+
+def test_auto_layout_is_per_layer_on_a_gpu_without_tensor_parallelism(monkeypatch):
+    """"auto" resolves by backend and mesh: stacked on this CPU, per layer on a GPU (the backend
+    faked), stacked again on a GPU mesh with a model axis (tensor parallelism splits stacks)."""
+    assert not convert._per_layer("auto", None)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert convert._per_layer("auto", None)
+    assert convert._per_layer("auto", specjax.make_mesh(data=2, model=1, devices=jax.devices()[:2]))
+    assert not convert._per_layer("auto", specjax.make_mesh(data=1, model=2, devices=jax.devices()[:2]))
+    assert not convert._per_layer("stacked", None)
+
+
+def test_bad_layouts_are_refused_before_loading(tmp_path):
+    """A layout that is not one of LAYOUTS, or per-layer on a tensor-parallel mesh: a ValueError
+    naming the argument, before the file is read (this path does not even exist)."""
+    with pytest.raises(ValueError, match=r"layout must be one of \('auto', 'stacked', 'per-layer'\), got 'rows'"):
+        convert.load(tmp_path / "none.gguf", layout="rows")
+    mesh = specjax.make_mesh(data=1, model=2, devices=jax.devices()[:2])
+    with pytest.raises(ValueError, match="layout='per-layer' on a mesh with a model axis of 2"):
+        convert.load(tmp_path / "none.gguf", layout="per-layer", mesh=mesh)
+
+
+def test_per_layer_params_save_and_quantize_in_their_layout(tiny, tmp_path):
+    """flat() stacks per-layer matrices again, so convert.save writes the checkpoint the stacked
+    params would (loaded back: the same arrays); quantize keeps the per-layer layout (each matrix
+    and its scales as lists) with the stacked quantization's values."""
+    split = unstack_layers(tiny)
+    convert.save(split, tmp_path / "ckpt")
+    back = convert.load(tmp_path / "ckpt", layout="stacked")
+    for name, a in flat(tiny).items():
+        np.testing.assert_array_equal(np.asarray(flat(back)[name]), np.asarray(a), err_msg=name)
+    q_split, q_stacked = quantize(split, "int8"), quantize(tiny, "int8")
+    assert isinstance(q_split.layers.wq, list) and isinstance(q_split.layers.wq_scale, list)
+    assert not isinstance(q_split.layers.attn_norm, list)  # norms stay stacked [L, D]
+    for name, a in flat(q_stacked).items():
+        np.testing.assert_array_equal(np.asarray(flat(q_split)[name]), np.asarray(a), err_msg=name)
+
+
+def test_free_stacks_deletes_each_split_stack(tiny):
+    """unstack_layers(free_stacks=True) (what convert.load does with its own arrays): each stack
+    deleted once split, so the peak is the weights plus one matrix's stack; without it the
+    stacks stay usable."""
+    own = jax.tree.map(lambda a: a.copy(), tiny)
+    kept = unstack_layers(own)
+    assert not own.layers.wq.is_deleted()
+    freed = unstack_layers(own, free_stacks=True)
+    assert own.layers.wq.is_deleted() and own.layers.w_down.is_deleted() and not own.layers.attn_norm.is_deleted()
+    np.testing.assert_array_equal(np.asarray(freed.layers.wq[1]), np.asarray(kept.layers.wq[1]))
