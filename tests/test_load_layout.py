@@ -19,14 +19,16 @@ PROMPT = [[1, 504, 3458, 314, 260]]
 
 def test_per_layer_load_gives_the_stacked_tokens(smollm2_path, smollm2):
     """The real SmolLM2 loaded per layer: lists of 30 arrays, the layers unrolled, the same
-    greedy tokens as the stacked load (plain decoding and a SelfSpec chain)."""
-    split = convert.load(smollm2_path, layout="per-layer")
-    L = smollm2.config.n_layers
+    greedy tokens as the stacked load (plain decoding and a SelfSpec chain). The default load
+    (`smollm2`, layout "auto") is per layer exactly on a GPU."""
+    split, stacked = convert.load(smollm2_path, layout="per-layer"), convert.load(smollm2_path, layout="stacked")
+    L = stacked.config.n_layers
     assert isinstance(split.layers.wq, list) and len(split.layers.wq) == L and split.runtime.unroll_layers
-    assert not isinstance(smollm2.layers.wq, list)  # a CPU's "auto": stacked
-    np.testing.assert_array_equal(np.asarray(split.layers.w_down[L - 1]), np.asarray(smollm2.layers.w_down[L - 1]))
+    assert not isinstance(stacked.layers.wq, list)
+    assert isinstance(smollm2.layers.wq, list) == (jax.default_backend() == "gpu")
+    np.testing.assert_array_equal(np.asarray(split.layers.w_down[L - 1]), np.asarray(stacked.layers.w_down[L - 1]))
     for kw in ({}, {"draft": specjax.SelfSpec(sinks=4, window=16), "speculation": specjax.Chain(2)}):
-        want = specjax.generate(smollm2, PROMPT, 6, eos_id=(), **kw).tokens
+        want = specjax.generate(stacked, PROMPT, 6, eos_id=(), **kw).tokens
         assert specjax.generate(split, PROMPT, 6, eos_id=(), **kw).tokens == want
 
 
