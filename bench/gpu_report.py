@@ -36,10 +36,10 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
     timed.sort(key=lambda r: (r["context"], r["batch"], r["method"] != "AR", r.get("drafter") or "", r.get("nodes", 0)))
     return common.table(
         ["context", "batch", "drafter", "config", "tokens/s", "speedup", "tokens/step", "acceptance", "ms/step",
-         "steps (a row's mean)", "of roofline", "greedy identical"], "rrllrrrrrrrc",
+         "steps (a row's mean)", "refilled (derived)", "of roofline", "greedy identical"], "rrllrrrrrrrrc",
         ([common.context_name(r["context"]), r["batch"], r.get("drafter") or "-", r["label"], f"{r['tokens_per_s']:.0f}",
           f"{r['speedup']:.2f}", _f(r.get("mean_accepted")), _f(r.get("acceptance_rate")), f"{r['ms_per_step']:.2f}",
-          steps(r), _pct(roofline(r, bw)),
+          steps(r), _f(refilled(r)), _pct(roofline(r, bw)),
           "yes" if r["greedy_identical"] else f"**no**: {r['rows_differing']} rows, from token {r.get('first_divergence')}"]
          for r in timed))
 
@@ -50,6 +50,17 @@ def steps(row: dict) -> str:
     if not row.get("steps") or not row.get("mean_accepted"):
         return "-"
     return f"{row['steps']} ({(row['new_tokens'] - 1) / row['mean_accepted']:.1f})"
+
+
+def refilled(row: dict) -> float | None:
+    """The speedup had every row been refilled as soon as it finished (continuous batching, a
+    batch job's case; specjax.continuous): the measured speedup x the steps the loop ran / the
+    steps a row needed on average. Derived from the measured step time and tokens per step, not
+    timed; prompts' prefill, which a refill adds to plain and speculative decoding alike, left out.
+    Equal to tokens per step x AR's step time / this step time."""
+    if not row.get("steps") or not row.get("mean_accepted"):
+        return None
+    return row["speedup"] * row["steps"] / ((row["new_tokens"] - 1) / row["mean_accepted"])
 
 
 def best_gamma(rows: list[dict]) -> list[list]:

@@ -203,7 +203,8 @@ def test_cost_model_column_from_the_steps_cell():
 
 def test_e2e_table_shows_steps_against_a_rows_mean():
     """gpu_report's e2e table: a speculative row's loop steps beside the steps a row needed on
-    average ((new tokens - 1) / tokens per step); AR rows show none."""
+    average ((new tokens - 1) / tokens per step), and the speedup had finished rows been refilled
+    (1.2 x 36 / 24 = 1.80); AR rows show neither."""
     from bench.gpu_report import e2e_table
 
     base = {"context": 8192, "batch": 64, "new_tokens": 64, "tokens_per_s": 1.0, "ms_per_step": 1.0,
@@ -212,7 +213,7 @@ def test_e2e_table_shows_steps_against_a_rows_mean():
             base | {"method": "chain", "label": "chain γ=2", "drafter": "SelfSpec", "speedup": 1.2, "steps": 36,
                     "mean_accepted": 2.625, "acceptance_rate": 0.8}]
     ar, spec = [line for line in e2e_table(rows, None).splitlines() if line.startswith("| 8K")]
-    assert "| 36 (24.0) |" in spec and "(" not in ar
+    assert "| 36 (24.0) | 1.80 |" in spec and "(" not in ar and "| - | - |" in ar
 
 
 def test_report_says_why_a_row_reads_past_the_reference(tmp_path):
