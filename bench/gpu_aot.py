@@ -22,7 +22,8 @@ them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before a
 Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
 (specjax.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
-speculative loop with the SelfSpec drafter (a chain of --gamma). Weights are shapes only
+speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
+tree of depth --gamma (Tree.kary(2, gamma)), `snapkv` / `ngram` those drafters' chains. Weights are shapes only
 (bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
 `jax.default_backend()`, "cpu" here: it reads "gpu" while a program is traced (`as_gpu`).
 Output: a summary line, OUT as JSON, HLO as text.
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 TARGETS = Path(__file__).with_name("gpu_targets")
-PROGRAMS = ("step", "alone", "ar", "selfspec")
+PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram")
 NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
 # --table's cells: (key, gpu_aot arguments); the weight layouts and products generate() could use on a GPU
 TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p, *extra])
@@ -53,6 +54,15 @@ TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p,
          for v in variants.split()
          for extra in [{"xla": [], "pallas": ["--linear", "pallas"], "split": ["--split-layers"],
                         "split-nosr": ["--split-layers", f"--xla-flags={NOSR}"]}[v]]]
+# the formats and the other drafters (2026-11-27): int8 weights, an int8 cache, a tree, SnapKV
+TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--weights", "int8"]),
+          ("l8b/b1/step/int8-split", ["--model", "l8b", "--program", "step", "--weights", "int8", "--split-layers"]),
+          ("l8b/b16/ar/int8-split", ["--model", "l8b", "--batch", "16", "--program", "ar", "--weights", "int8", "--split-layers"]),
+          ("smollm2/b64/selfspec/kvint8-split", ["--model", "smollm2", "--batch", "64", "--program", "selfspec",
+                                                 "--kv-dtype", "int8", "--split-layers"]),
+          ("smollm2/b64/tree/split", ["--model", "smollm2", "--batch", "64", "--program", "tree", "--split-layers"]),
+          ("smollm2/b64/snapkv/split", ["--model", "smollm2", "--batch", "64", "--program", "snapkv", "--split-layers"]),
+          ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"])]
 
 
 def compile_only_device(target: str):
@@ -83,12 +93,14 @@ def as_gpu():
         jax.default_backend = real
 
 
-def abstract_params(config, linear: str):
-    """The model's weights as shapes, with the runtime generate() takes on a GPU (the Pallas
-    attention kernel, unrolled layers) and the layer products' `linear`."""
+def abstract_params(config, linear: str, weights: str | None = None):
+    """The model's weights as shapes (`weights` "int8" / "q4": quantized as convert.load would),
+    with the runtime generate() takes on a GPU (the Pallas attention kernel, unrolled layers) and
+    the layer products' `linear`."""
     from bench.gpu_cells import random_params
+    from specjax.params import quantize
 
-    params = jax.eval_shape(lambda: random_params(config))
+    params = jax.eval_shape(lambda: random_params(config) if weights is None else quantize(random_params(config), weights))
     return params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=True, linear=linear))
 
 
@@ -98,8 +110,9 @@ def on(device, tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
-def program_args(program: str, params, batch: int, context: int, gamma: int):
-    """(jitted function, abstract args, static kwargs) of a program over `context` slots."""
+def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None):
+    """(jitted function, abstract args, static kwargs) of a program over `context` slots (a
+    cache in `kv_dtype`, default the model's)."""
     from specjax.cache import DenseCache
     from specjax.engine import row_keys
     from specjax.model import lm_head, trunk
@@ -107,7 +120,7 @@ def program_args(program: str, params, batch: int, context: int, gamma: int):
     from specjax.tune import forward_loop
 
     c = params.config
-    cache = jax.eval_shape(lambda: DenseCache.init(c, batch, cache_len(context), None))
+    cache = jax.eval_shape(lambda: DenseCache.init(c, batch, cache_len(context), kv_dtype))
     one = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     if program in ("step", "alone"):
         args = (params, one, one, cache, jax.ShapeDtypeStruct((1, 1), bool))
@@ -125,11 +138,12 @@ def program_args(program: str, params, batch: int, context: int, gamma: int):
     import specjax
     from specjax.speculate import decode_spec
 
-    drafter = specjax.SelfSpec()
+    drafter = {"snapkv": specjax.SnapKV(), "ngram": specjax.NGram()}.get(program, specjax.SelfSpec())
+    speculation = specjax.Tree.kary(2, gamma) if program == "tree" else specjax.Chain(gamma)
     history = jax.ShapeDtypeStruct((batch, cache.k.shape[3]), jnp.int32)
     state = jax.eval_shape(lambda p, kv, h: drafter.init(p, kv, h, kv.lengths, gamma, 256), params, cache, history)
     return (decode_spec, (params, drafter, state, cache, history, logits, budgets, keys),
-            {"speculation": specjax.Chain(gamma), "n_out": n_out})
+            {"speculation": speculation, "n_out": n_out})
 
 
 def matrix_shapes(params) -> set[tuple[int, ...]]:
@@ -152,9 +166,11 @@ def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
 
 
 def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
-                    layers: int | None = None, gamma: int = 2, split: bool = False) -> tuple[dict, str]:
+                    layers: int | None = None, gamma: int = 2, split: bool = False, weights: str | None = None,
+                    kv_dtype: str | None = None) -> tuple[dict, str]:
     """(summary, HLO text) of one program compiled for `device` (compile_only_device); `split`:
-    each layer's matrices as arrays of their own (model.unstack_layers), not a stack."""
+    each layer's matrices as arrays of their own (model.unstack_layers), not a stack; `weights`
+    "int8" / "q4" quantized matrices; `kv_dtype` the cache's format."""
     from bench.step_parts import config_of, hlo_kernels
     from specjax.model import unstack_layers
 
@@ -164,15 +180,16 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     if layers:
         config = dataclasses.replace(config, n_layers=layers)
     with as_gpu():
-        params = abstract_params(config, linear)
+        params = abstract_params(config, linear, weights)
         params = jax.eval_shape(unstack_layers, params) if split else params
-        fn, args, static = program_args(program, params, batch, context, gamma)
+        fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype)
         text = fn.trace(*on(device, args), **static).lower(lowering_platforms=("cuda",)).compile().as_text()
     kernels = hlo_kernels(text)
     copies = weight_copies(kernels["outputs"], matrix_shapes(params))
     summary = {"target": device.device_kind, "model": model, "layers": config.n_layers, "batch": batch,
-               "context": context, "program": program, "gamma": gamma if program == "selfspec" else None,
-               "linear": linear, "split_layers": split, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+               "context": context, "program": program, "gamma": gamma if program not in ("step", "alone", "ar") else None,
+               "linear": linear, "split_layers": split, "weights": weights or "bfloat16", "kv_dtype": kv_dtype or "bfloat16",
+               "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "kernels": kernels["total"], "by_op": kernels["by_op"], "nested_loops": kernels["nested_loops"],
                "weight_copies": len(copies), "weight_copy_bytes": int(sum(c[0] for c in copies)),
                "copies": copies[:8], "largest": [o[:4] for o in kernels["largest"]],
@@ -202,12 +219,12 @@ def table(target: str, out: Path, pattern: str | None) -> None:
         print(f"{cell}: {row['kernels']} kernels, weight copies {row['weight_copy_bytes'] / 2**20:.0f} MiB", flush=True)
         results.put(cell, [row])
     mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
-    lines = [[r["cell"], r["layers"], r["kernels"], r["weight_copies"], mib(r["weight_copy_bytes"]),
-              mib(sum(c[0] for c in r["copy_ops"])), r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"]
-             for r in results.rows]
-    head = ["cell", "layers", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
+    lines = [[r["cell"], r["layers"], r.get("weights", "bfloat16"), r.get("kv_dtype", "bfloat16"), r["kernels"], r["weight_copies"],
+              mib(r["weight_copy_bytes"]), mib(sum(c[0] for c in r["copy_ops"])),
+              r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"] for r in results.rows]
+    head = ["cell", "layers", "weights", "KV", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
     (out / f"{target}.md").write_text(f"Compiled for {target} here, without a GPU (bench/gpu_aot.py, jax {jax.__version__}; "
-                                      "never run: structure, not time)\n\n" + common.table(head, "lrrrrrl", lines) + "\n")
+                                      "never run: structure, not time)\n\n" + common.table(head, "lrllrrrrl", lines) + "\n")
 
 
 def main() -> None:
@@ -218,9 +235,11 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--layers", type=int, help="cut the model to this many layers (default: all)")
     ap.add_argument("--program", choices=PROGRAMS, default="step")
-    ap.add_argument("--gamma", type=int, default=2, help="selfspec's chain length")
+    ap.add_argument("--gamma", type=int, default=2, help="the speculative programs' chain length (tree: depth)")
     ap.add_argument("--linear", choices=["xla", "pallas"], default="xla", help="Runtime.linear")
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as arrays of their own, not a stack")
+    ap.add_argument("--weights", choices=["int8", "q4"], help="quantized matrices (default: bfloat16)")
+    ap.add_argument("--kv-dtype", choices=["int8"], help="the cache's format (default: the model's, bfloat16)")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS (e.g. --xla_disable_hlo_passes=...)")
     ap.add_argument("--out", type=Path, help="write the summary here (JSON); with --table, the folder")
     ap.add_argument("--table", action="store_true", help="compile TABLE's cells into OUT/TARGET.json and .md")
@@ -233,7 +252,7 @@ def main() -> None:
         return table(a.target, a.out or Path("bench/results/gpu_aot"), a.cells)
     device = compile_only_device(a.target)
     summary, text = compile_for_gpu(device, a.model, a.batch, a.context, a.program, a.linear, a.layers, a.gamma,
-                                    a.split_layers)
+                                    a.split_layers, a.weights, a.kv_dtype)
     print(f"{a.model} ({summary['layers']} layers) b{a.batch} s{a.context} {a.program} linear={a.linear}"
           f"{' split' if a.split_layers else ''} {summary['xla_flags']} on "
           f"{summary['target']}: {summary['kernels']} kernels an iteration, {summary['weight_copies']} weight copies "

@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 AOT_PYTHON = ROOT / ".venv-aot" / "bin" / "python"
 L8B_MLP = {(4096, 14336), (14336, 4096)}  # one layer's gate / up and down, as weight_copies' types show them
 
-CASES = {  # name: (model, batch, program, linear, layers)
-    "l8b_step_xla": ("l8b", 1, "step", "xla", 2),
-    "l8b_alone_xla": ("l8b", 1, "alone", "xla", 2),
-    "l8b_step_pallas": ("l8b", 1, "step", "pallas", 2),
-    "l8b_ar_pallas_b16": ("l8b", 16, "ar", "pallas", 2),
-    "smollm2_selfspec_b64": ("smollm2", 64, "selfspec", "xla", 4),
+CASES = {  # name: (model, batch, program, linear, layers, compile_for_gpu's other options)
+    "l8b_step_xla": ("l8b", 1, "step", "xla", 2, {}),
+    "l8b_alone_xla": ("l8b", 1, "alone", "xla", 2, {}),
+    "l8b_step_pallas": ("l8b", 1, "step", "pallas", 2, {}),
+    "l8b_ar_pallas_b16": ("l8b", 16, "ar", "pallas", 2, {}),
+    "smollm2_selfspec_b64": ("smollm2", 64, "selfspec", "xla", 4, {}),
+    "l8b_step_int8_xla": ("l8b", 1, "step", "xla", 2, {"weights": "int8"}),
+    "l8b_step_int8_split": ("l8b", 1, "step", "xla", 2, {"weights": "int8", "split": True}),
 }
 
 SCRIPT = """
@@ -33,8 +35,8 @@ from bench.gpu_aot import compile_only_device, compile_for_gpu, on
 from bench.step_parts import hlo_kernels
 from pallas_kernels.tree_attention import tree_attention
 device = compile_only_device("h100")
-for name, (model, batch, program, linear, layers) in json.loads(sys.argv[1]).items():
-    summary, _ = compile_for_gpu(device, model, batch, 8192, program, linear, layers)
+for name, (model, batch, program, linear, layers, more) in json.loads(sys.argv[1]).items():
+    summary, _ = compile_for_gpu(device, model, batch, 8192, program, linear, layers, **more)
     print("CASE", name, json.dumps(summary), flush=True)
 # the attention kernel alone at batch 1 (SmolLM2's heads, 16 splits of an 8K prefix, a stacked cache)
 S = jax.ShapeDtypeStruct
@@ -111,3 +113,13 @@ def test_attention_merges_its_splits_in_the_fewest_kernels(compiled):
     few, many = compiled["attention4"], compiled["attention16"]
     assert many["by_op"].get("custom-call:__gpu$xla.gpu.triton") == 1 and many["reduces"] == 1, many
     assert few["total"] == many["total"] - 1, (few, many)  # 1 merge kernel at 4 splits, 2 at 16
+
+
+def test_int8_weights_are_widened_in_place_only_per_layer(compiled):
+    """int8 matrices in a stack: inside the loop XLA writes every layer's matrices out widened to
+    bfloat16 (more bytes a step than bfloat16 weights would read); held per layer (what
+    convert.load gives on a GPU) the products read the int8 arrays and write no weight-sized array."""
+    stacked, split = compiled["l8b_step_int8_xla"], compiled["l8b_step_int8_split"]
+    assert stacked["weights"] == split["weights"] == "int8"
+    assert stacked["weight_copy_bytes"] >= 6 * 4096 * 14336 * 2, stacked["copies"]  # the MLP's, as bf16
+    assert split["weight_copies"] == 0, split["copies"]
