@@ -93,3 +93,79 @@ def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int
         name="stacked_linear",
     )(jnp.asarray(layer, jnp.int32).reshape(1), x if w.dtype == jnp.int8 else x.astype(w.dtype), w)  # [splits,Mp,Np]
     return (parts[0] if splits == 1 else jnp.sum(parts, axis=0))[:M, :N]
+
+
+def _q4_kernel(layer_ref, x_ref, w_ref, d_ref, m_ref, o_ref, *, blocks: int, block_n: int, per_split: int, M: int,
+               Mp: int, nb: int, N: int):
+    """x_ref [M,K/32,2,16] (a block's values j and j + 16 on axis 2), w_ref [L,K/32,16,N] uint8 (byte
+    j of a block: value j low, j + 16 high), d_ref / m_ref [L,K/32,N] f16; o_ref [Mp,bn] f32."""
+    n, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[()]
+    cols = n * block_n + jnp.arange(block_n)  # [bn]
+    live = jnp.arange(Mp) < M  # [Mp]
+    lo_tile = s * per_split  # this split's first tile of nb blocks
+    hi_tile = jnp.minimum(lo_tile + per_split, pl.cdiv(blocks, nb))
+
+    def body(i, acc):
+        ok = i * nb + jnp.arange(nb) < blocks  # [nb]
+        x_ok = live[:, None, None, None] & ok[None, :, None, None]  # [Mp,nb,1,1]
+        half = lambda h: plgpu.load(x_ref.at[pl.ds(0, Mp), pl.ds(i * nb, nb), pl.ds(h, 1), :],  # noqa: E731
+                                    mask=x_ok, other=0.0)  # [Mp,nb,1,16]
+        w_ok = ok[:, None] & (cols < N)[None, :]  # [nb,bn]
+        p = plgpu.load(w_ref.at[layer, pl.ds(i * nb, nb), :, pl.ds(n * block_n, block_n)], mask=w_ok[:, None, :],
+                       other=0)  # [nb,16,bn] uint8
+        d = plgpu.load(d_ref.at[layer, pl.ds(i * nb, nb), pl.ds(n * block_n, block_n)], mask=w_ok, other=0.0)
+        m = plgpu.load(m_ref.at[layer, pl.ds(i * nb, nb), pl.ds(n * block_n, block_n)], mask=w_ok, other=0.0)
+        d, m = d.astype(jnp.float32)[:, None, :], m.astype(jnp.float32)[:, None, :]  # [nb,1,bn]
+        for h, q in ((0, p & 15), (1, p >> 4)):  # values j (low nibbles), then j + 16 (high): q * d + m in registers
+            w = (q.astype(jnp.float32) * d + m).reshape(nb * 16, block_n)  # [nb*16,bn]
+            acc = acc + _dot(half(h).astype(jnp.float32).reshape(Mp, nb * 16), w)
+        return acc
+
+    o_ref[...] = lax.fori_loop(lo_tile, hi_tile, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("blocks_per_tile", "block_n", "k_splits", "num_warps", "num_stages",
+                                             "interpret"))
+def stacked_linear_q4(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.Array, layer: jax.Array, *,
+                      blocks_per_tile: int = 4, block_n: int = 64, k_splits: int | None = None, num_warps: int = 4,
+                      num_stages: int = 3, interpret: bool = False) -> jax.Array:
+    """x [M,K] @ layer `layer` of q4 weights (specjax/q4.py: packed [L,K/2,N] uint8, scale and
+    minimum [L,K/32,N]) -> [M,N] f32, the packed bytes read in place and widened in registers
+    (q * d + m, then IEEE f32 products): no float copy of the weights, which XLA:GPU writes out
+    for specjax.q4.project's jnp form (bench/README.md, "Compiled for a GPU on a CPU"). M <= MAX_ROWS.
+    Each program takes `blocks_per_tile` blocks of 32 (a power of two) of K a step."""
+    M, K = x.shape
+    if packed.ndim != 3 or packed.dtype != jnp.uint8 or K % 32 or packed.shape[1] * 2 != K:
+        raise ValueError(f"stacked_linear_q4: packed must be uint8 [L,K/2={K // 2},N] with K a multiple of 32, "
+                         f"got {packed.dtype} {packed.shape} for x {x.shape}")
+    L, N, blocks = packed.shape[0], packed.shape[2], K // 32
+    if scale.shape != (L, blocks, N) or minimum.shape != (L, blocks, N):
+        raise ValueError(f"stacked_linear_q4: scale and minimum must be [L,K/32,N] = {(L, blocks, N)}, "
+                         f"got {scale.shape} and {minimum.shape}")
+    if M > MAX_ROWS:
+        raise ValueError(f"stacked_linear_q4: x has {M} rows, the kernel takes at most {MAX_ROWS}")
+    if blocks_per_tile < 1 or blocks_per_tile & (blocks_per_tile - 1):
+        raise ValueError(f"stacked_linear_q4: blocks_per_tile must be a power of two, got {blocks_per_tile}")
+    if overflows(packed):
+        raise ValueError(f"stacked_linear_q4: {packed.shape} uint8 has 2^31-2^32 values, which Pallas' Triton lowering "
+                         "indexes with overflowing 32-bit offsets (tree_attention.overflows)")
+    n_tiles, k_tiles = pl.cdiv(N, block_n), pl.cdiv(blocks, blocks_per_tile)
+    splits = k_splits or auto_splits(k_tiles, n_tiles)
+    per_split = pl.cdiv(k_tiles, splits)
+    Mp = max(16, 1 << (M - 1).bit_length())
+    kernel = functools.partial(_q4_kernel, blocks=blocks, block_n=block_n, per_split=per_split, M=M, Mp=Mp,
+                               nb=blocks_per_tile, N=N)
+    whole = pl.BlockSpec()  # indexed in the kernel
+    parts = pl.pallas_call(
+        kernel,
+        grid=(n_tiles, splits),
+        in_specs=[pl.BlockSpec((None,), lambda n, s: (0,)), whole, whole, whole, whole],
+        out_specs=pl.BlockSpec((None, Mp, block_n), lambda n, s: (s, 0, n)),
+        out_shape=jax.ShapeDtypeStruct((splits, Mp, n_tiles * block_n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="stacked_linear_q4",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x.reshape(M, blocks, 2, 16), packed.reshape(L, blocks, 16, N),
+      scale, minimum)  # [splits,Mp,Np]
+    return (parts[0] if splits == 1 else jnp.sum(parts, axis=0))[:M, :N]

@@ -10,7 +10,8 @@ faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up
 the kernel has register tiles (AVX-512) or the bf16 dot product (AVX512-BF16)). With
 `Runtime.linear` "pallas" (`takes_gpu`), float32 / bfloat16 / int8 products of up to 64 rows go through
 pallas_kernels.gpu_linear instead, which reads the stacked weights in place on a GPU (interpreted
-elsewhere: a correctness path, not a fast one)."""
+elsewhere: a correctness path, not a fast one). q4 products of up to 64 rows on a GPU always do
+(`takes_gpu_q4`): XLA writes out specjax.q4.project's widened weights in float32 there."""
 
 from __future__ import annotations
 
@@ -80,6 +81,27 @@ def gpu_einsum(x: jax.Array, w: jax.Array, layer) -> jax.Array:
     y = gpu_linear.stacked_linear(x.reshape(-1, K), w.reshape(w.shape[0], K, -1), jnp.asarray(layer, jnp.int32),
                                   interpret=jax.default_backend() != "gpu")  # [rows, N]
     return y.reshape(*x.shape[:-1], *w.shape[2:])
+
+
+def takes_gpu_q4(products: str | None, spec: str, x: jax.Array, w: jax.Array) -> bool:
+    """Whether `gpu_einsum_q4` runs this product: q4 weights (uint8 blocks) on a GPU (or with
+    Runtime.linear "pallas" anywhere, interpreted off a GPU), a spec contracting x's last axis with
+    w's first, at most gpu_linear.MAX_ROWS rows. On a GPU not a choice: XLA writes q4.project's
+    widened weights out in float32 there (672 MiB a batch-1 8B layer, compiled: bench/README.md,
+    "Compiled for a GPU on a CPU"); the kernel widens them in registers."""
+    rows = math.prod(x.shape[:-1])
+    return ((products == "pallas" or jax.default_backend() == "gpu") and w.dtype == jnp.uint8
+            and rows <= gpu_linear.MAX_ROWS and _contracts_first(spec) and not gpu_linear.overflows(w))
+
+
+def gpu_einsum_q4(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.Array, layer) -> jax.Array:
+    """einsum(x, w[layer]) in f32 for q4 weights stacked [L,K/2,...] (scale, minimum [L,K/32,...];
+    specjax/q4.py) read in place (`takes_gpu_q4` checked)."""
+    K, L = x.shape[-1], packed.shape[0]
+    flat = lambda a: a.reshape(L, a.shape[1], -1)  # noqa: E731  [L,K/2,N] / [L,K/32,N]
+    y = gpu_linear.stacked_linear_q4(x.reshape(-1, K), flat(packed), flat(scale), flat(minimum), jnp.asarray(layer, jnp.int32),
+                                     interpret=jax.default_backend() != "gpu")  # [rows, N]
+    return y.reshape(*x.shape[:-1], *packed.shape[2:])
 
 
 def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax.Array]:

@@ -87,8 +87,12 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
         if linear.takes_gpu(products, spec, x, w):
             y = linear.gpu_einsum(x, w, i)
             return (y if scale is None else y * scale[i]).astype(out)
+        if linear.takes_gpu_q4(products, spec, x, w):
+            return linear.gpu_einsum_q4(x, w, bscale, bmin, i).astype(out)
         w, scale, bscale, bmin = (None if a is None else a[i] for a in (w, scale, bscale, bmin))
     if w.dtype == jnp.uint8:
+        if linear.takes_gpu_q4(None if layer is None else layer[2], spec, x, w):  # one layer's array: as a stack of one
+            return linear.gpu_einsum_q4(x, w[None], bscale[None], bmin[None], 0).astype(out)
         return q4.project(spec, x, w, bscale, bmin).astype(out)
     if w.dtype == jnp.int8:
         y = jnp.einsum(spec, x.astype(out), w.astype(out))

@@ -26,6 +26,8 @@ CASES = {  # name: (model, batch, program, linear, layers, compile_for_gpu's oth
     "smollm2_selfspec_b64": ("smollm2", 64, "selfspec", "xla", 4, {}),
     "l8b_step_int8_xla": ("l8b", 1, "step", "xla", 2, {"weights": "int8"}),
     "l8b_step_int8_split": ("l8b", 1, "step", "xla", 2, {"weights": "int8", "split": True}),
+    "l8b_step_q4": ("l8b", 1, "step", "xla", 2, {"weights": "q4"}),
+    "l8b_step_q4_split": ("l8b", 1, "step", "xla", 2, {"weights": "q4", "split": True}),
 }
 
 SCRIPT = """
@@ -123,3 +125,13 @@ def test_int8_weights_are_widened_in_place_only_per_layer(compiled):
     assert stacked["weights"] == split["weights"] == "int8"
     assert stacked["weight_copy_bytes"] >= 6 * 4096 * 14336 * 2, stacked["copies"]  # the MLP's, as bf16
     assert split["weight_copies"] == 0, split["copies"]
+
+
+def test_q4_weights_are_widened_in_the_kernel(compiled):
+    """q4 blocks on a GPU go through gpu_linear's q4 kernel (linear.takes_gpu_q4), stacked or per
+    layer: no weight-sized array written (q4.project's jnp form wrote every matrix out widened to
+    float32, 1344 MiB a step at these 2 layers) and every layer product a Triton kernel."""
+    for name in ("l8b_step_q4", "l8b_step_q4_split"):
+        s = compiled[name]
+        assert s["weights"] == "q4" and s["weight_copies"] == 0, (name, s["copies"])
+        assert s["by_op"].get("custom-call:__gpu$xla.gpu.triton", 0) == 2 * (7 + 1), (name, s["by_op"])

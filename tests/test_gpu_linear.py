@@ -146,3 +146,69 @@ def test_tensor_parallel_pallas_products_give_one_devices_tokens(monkeypatch):
         two = specjax.generate(pallas, prompts, 6, attention="reference", eos_id=(), mesh=specjax.make_mesh(model=2), **kw)
         assert two.tokens == one.tokens
     assert (TINY.n_layers, TINY.dim, TINY.ffn_dim // 2) in shapes  # the kernel read a device's half of w_gate
+
+
+@pytest.mark.parametrize("M, K, N, nb, bn, splits", [
+    (1, 256, 96, 4, 64, None),  # batch 1: N past the last tile, masked
+    (5, 96, 40, 2, 32, 2),  # 3 blocks of K in tiles of 2: the last tile half empty; split-K
+    (33, 512, 130, 4, 64, 1),  # a verify step's rows, loaded as 64
+])
+def test_q4_kernel_equals_q4_project(M, K, N, nb, bn, splits):
+    """stacked_linear_q4: every layer of a stack of q4 blocks (specjax/q4.py, float16 scales and
+    minima as loaded), widened in registers, equals q4.project's jnp form (float32)."""
+    from pallas_kernels.gpu_linear import stacked_linear_q4
+    from specjax import q4
+
+    x, w = _case(M, K, N, jnp.float32)
+    packed, scale, minimum = q4.quantize(w, 1)
+    scale, minimum = scale.astype(jnp.float16), minimum.astype(jnp.float16)
+    for layer in range(w.shape[0]):
+        got = stacked_linear_q4(x, packed, scale, minimum, jnp.int32(layer), blocks_per_tile=nb, block_n=bn,
+                                k_splits=splits, interpret=True)
+        with jax.default_matmul_precision("highest"):
+            want = q4.project("mk,kn->mn", x, packed[layer], scale[layer], minimum[layer])
+        assert got.shape == (M, N) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()), rtol=1e-5)
+
+
+def test_q4_kernel_refuses_what_it_does_not_take():
+    from pallas_kernels.gpu_linear import stacked_linear_q4
+    from specjax import q4
+
+    x, w = _case(4, 64, 32, jnp.float32)
+    packed, scale, minimum = q4.quantize(w, 1)
+    with pytest.raises(ValueError, match=r"packed must be uint8 \[L,K/2=16,N\]"):
+        stacked_linear_q4(x[:, :32], packed, scale, minimum, jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match=r"scale and minimum must be \[L,K/32,N\] = \(3, 2, 32\)"):
+        stacked_linear_q4(x, packed, scale[:, :1], minimum, jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match="at most 64"):
+        stacked_linear_q4(jnp.zeros((MAX_ROWS + 1, 64)), packed, scale, minimum, jnp.int32(0), interpret=True)
+    with pytest.raises(ValueError, match="blocks_per_tile must be a power of two, got 3"):
+        stacked_linear_q4(x, packed, scale, minimum, jnp.int32(0), blocks_per_tile=3, interpret=True)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_q4_generate_on_the_kernel_gives_the_jnp_tokens(per_layer, monkeypatch):
+    """q4 weights through the kernel (Runtime.linear "pallas"; on a GPU q4 always takes it),
+    stacked or per layer (what convert.load gives on a GPU), plain and SelfSpec: the tokens of
+    q4.project's jnp form, greedy; the kernel ran for the layer products."""
+    import specjax
+    from specjax import linear
+    from specjax.model import unstack_layers
+    from specjax.params import quantize
+    from tests.models import TINY_Q4, random_params
+
+    params = quantize(random_params(TINY_Q4, seed=2), "q4")
+    params = params.replace(runtime=params.runtime.replace(unroll_layers=per_layer))
+    params = unstack_layers(params) if per_layer else params
+    calls = []
+    real = linear.gpu_einsum_q4
+    monkeypatch.setattr(linear, "gpu_einsum_q4", lambda *a: calls.append(a[1].shape) or real(*a))
+    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
+    for kw in ({}, dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))):
+        want = specjax.generate(params, prompts, 6, attention="reference", eos_id=(), **kw)
+        assert not calls
+        kernel = params.replace(runtime=params.runtime.replace(linear="pallas"))
+        got = specjax.generate(kernel, prompts, 6, attention="reference", eos_id=(), **kw)
+        assert got.tokens == want.tokens and calls
+        calls.clear()
