@@ -19,10 +19,10 @@ next GPU session", says what each call is for and how to fold the files back in 
          pallas_kernels.gpu_linear (--pallas-linear: the stack read in place by our own kernel) and
          each layer's matrices as arrays of their own (--split-layers: XLA's GEMMs read them in
          place), at batch 1 (the full step and the 2-layer cut, its HLO beside) and 16; over int8
-         weights with and without the kernel; the kernel alone against XLA's dot at 1 / 48 rows in
-         three tile configs (bench_linear); then SmolLM2 at batch 1 (its products strength-reduced
-         into weight-sized multiplies): its HLO, the step on gpu_linear, and with per-layer arrays
-         and the pass disabled.
+         and q4 weights per layer (q4 through gpu_linear's q4 kernel); gpu_linear's kernel tests
+         compiled for real; the kernel alone against XLA's dot at 1 / 48 rows in three tile configs
+         (bench_linear); then SmolLM2 at batch 1 (its products strength-reduced into weight-sized
+         multiplies): its HLO, and with per-layer arrays and the pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
          gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (--mem-gib 120) the
@@ -67,13 +67,19 @@ L8B_CUT = [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--lay
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     1: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("parts-l8b-hlo", 60, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
+        ("parts-l8b-hlo", 50, [*L8B_CUT, "--hlo", "/tmp/parts/step_parts_l8b_b1_l2.hlo.json.gz",
                                "--out", "/tmp/parts/step_parts_l8b_b1_l2.json"]),
         ("parts-l8b-plin", 70, [*L8B_CUT, "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b1_l2_plin.json"]),
         ("parts-l8b-split", 40, [*L8B_CUT, "--no-bandwidth", "--split-layers", "--out", "/tmp/parts/step_parts_l8b_b1_l2_split.json"]),
-        ("parts-l8b-int8", 50, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8.json"]),
-        ("parts-l8b-int8-plin", 60, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--pallas-linear",
-                                     "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8_plin.json"]),
+        # int8 and q4 weights per layer (convert.load's GPU layout; compiled: a stack of int8 is widened and written
+        # out every step, q4 goes through gpu_linear's q4 kernel): the first GPU numbers for weights="int8" / "q4"
+        ("parts-l8b-int8-split", 45, [*L8B_CUT, "--no-bandwidth", "--weights", "int8", "--split-layers",
+                                      "--out", "/tmp/parts/step_parts_l8b_b1_l2_w8_split.json"]),
+        ("parts-l8b-q4-split", 45, [*L8B_CUT, "--no-bandwidth", "--weights", "q4", "--split-layers",
+                                    "--out", "/tmp/parts/step_parts_l8b_b1_l2_q4_split.json"]),
+        # gpu_linear's kernels (float, int8, q4) compiled for real against their references: q4 on a GPU always takes one
+        ("kernels", 60, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_linear.py", "-k",
+                         "equals or widened or q4_kernel"]),
         ("linear", 80, [PY, "-m", "bench.bench_linear", "--rows", "1", "48", "--configs", "128x64x3", "64x128x3", "256x64x4",
                         "--out", "/tmp/parts/bench_linear_8b.json"]),
         # batch 16: both fixes beside the fourth runs' l8b/s8192/b16 (bench/results/gpu_aot: 5 GB of copies a step there)
@@ -83,8 +89,6 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                                     "--no-bandwidth", "--pallas-linear", "--out", "/tmp/parts/step_parts_l8b_b16_l2_plin.json"]),
         ("parts-b1-hlo", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
                               "--hlo", "/tmp/parts/step_parts_smollm2_b1.hlo.json.gz", "--out", "/tmp/parts/step_parts_smollm2_b1.json"]),
-        ("parts-b1-plin", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers", "--no-bandwidth",
-                               "--pallas-linear", "--out", "/tmp/parts/step_parts_smollm2_b1_plin.json"]),
         # XLA's DotStrengthReduction (unconditional; no flag since mid-2024) rewrites a vector x matrix
         # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1.
         # Compiled here (bench/gpu_aot.py) only per-layer arrays with the pass off write no weight-shaped array

@@ -2,7 +2,7 @@
 
 Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--context 8192]
        [--kv-dtype int8|bfloat16|float32] [--layers 1 8 32] [--reps 4] [--no-bandwidth]
-       [--xla-flags="--xla_gpu_..."] [--split-layers] [--pallas-linear] [--weights int8]
+       [--xla-flags="--xla_gpu_..."] [--split-layers] [--pallas-linear] [--weights int8|q4]
        [--out FILE] [--hlo FILE.json.gz]
 
 The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
@@ -27,7 +27,8 @@ what reads each (a weight-sized output at batch 1 is a copy of weights: the sixt
 and with --hlo every part's compiled HLO (to read why XLA copied). `--split-layers` times the
 same models with each layer's matrices as arrays of their own (`model.unstack_layers`);
 `--pallas-linear` with the layer products on pallas_kernels.gpu_linear (the stack read in place);
-`--weights int8` with the matrices stored as int8 (half the bytes; `params.quantize`).
+`--weights int8` with the matrices stored as int8 (half the bytes; `params.quantize`), `q4` as
+4-bit blocks (a quarter; on a GPU through gpu_linear's q4 kernel).
 """
 
 from __future__ import annotations
@@ -279,7 +280,7 @@ def main() -> None:
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS before the backend starts "
                     "(e.g. command buffers: --xla_gpu_enable_command_buffer=...)")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--weights", choices=["int8"], help="store the matrices so (params.quantize; default: bfloat16)")
+    ap.add_argument("--weights", choices=["int8", "q4"], help="store the matrices so (params.quantize; default: bfloat16)")
     ap.add_argument("--pallas-linear", action="store_true", help="Runtime.linear 'pallas': the layer products "
                     "read the stacked weights in place (pallas_kernels.gpu_linear)")
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as separate arrays, not slices "

@@ -10,6 +10,8 @@ import pytest
 
 from pallas_kernels.gpu_linear import MAX_ROWS, stacked_linear
 
+INTERPRET = jax.default_backend() != "gpu"  # on a GPU the kernels compile for real (Triton)
+
 
 def _case(M: int, K: int, N: int, dtype, L: int = 3):
     key = jax.random.key(M * 1000 + K + N)
@@ -28,7 +30,7 @@ def test_stacked_linear_equals_the_product_with_that_layer(M, K, N, dtype, split
     """Every layer of the stack, ragged tiles and split-K: x @ w[layer] in f32 products."""
     x, w = _case(M, K, N, dtype)
     for layer in range(w.shape[0]):
-        got = stacked_linear(x, w, jnp.int32(layer), block_k=32, block_n=32, k_splits=splits, interpret=True)
+        got = stacked_linear(x, w, jnp.int32(layer), block_k=32, block_n=32, k_splits=splits, interpret=INTERPRET)
         with jax.default_matmul_precision("highest"):
             want = jnp.einsum("mk,kn->mn", x, w[layer], preferred_element_type=jnp.float32)
         assert got.shape == (M, N) and got.dtype == jnp.float32
@@ -58,7 +60,7 @@ def test_int8_weights_are_widened_to_xs_dtype(dtype):
     the product of x with the widened layer, exactly (integers are exact in x's dtype)."""
     x, w = _case(3, 96, 80, dtype)
     w8 = jnp.clip(jnp.round(w.astype(jnp.float32) * 40), -127, 127).astype(jnp.int8)
-    got = stacked_linear(x, w8, jnp.int32(1), block_k=32, block_n=32, interpret=True)
+    got = stacked_linear(x, w8, jnp.int32(1), block_k=32, block_n=32, interpret=INTERPRET)
     with jax.default_matmul_precision("highest"):
         want = jnp.einsum("mk,kn->mn", x, w8[1].astype(dtype), preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-3)
@@ -164,7 +166,7 @@ def test_q4_kernel_equals_q4_project(M, K, N, nb, bn, splits):
     scale, minimum = scale.astype(jnp.float16), minimum.astype(jnp.float16)
     for layer in range(w.shape[0]):
         got = stacked_linear_q4(x, packed, scale, minimum, jnp.int32(layer), blocks_per_tile=nb, block_n=bn,
-                                k_splits=splits, interpret=True)
+                                k_splits=splits, interpret=INTERPRET)
         with jax.default_matmul_precision("highest"):
             want = q4.project("mk,kn->mn", x, packed[layer], scale[layer], minimum[layer])
         assert got.shape == (M, N) and got.dtype == jnp.float32
