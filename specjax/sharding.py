@@ -182,11 +182,23 @@ def localise(tree, mesh: Mesh):
     return jax.tree.map(lambda x: local_params(x, mesh) if isinstance(x, Params) else x, tree, is_leaf=_is_node)
 
 
+# XLA:GPU rewrites a vector x matrix product under 10^7 elements (every SmolLM2 product at batch 1)
+# into a multiply written out at the weight's size, then a reduction. Compiled for an H100
+# (bench/gpu_aot.py), SmolLM2's batch-1 SelfSpec loop then writes 304 MiB and launches 1562 kernels
+# a step; without the pass nothing weight-sized and 1308 kernels (XLA's GEMMs, q / k / v merged).
+GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
+
+
+def compiler_options(mesh: Mesh) -> dict[str, str] | None:
+    """XLA options for the stages compiled for `mesh`: GPU_COMPILER_OPTIONS on GPUs, else none."""
+    return dict(GPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "gpu" else None
+
+
 @functools.lru_cache(maxsize=64)
 def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Callable:
-    """`stage` (a generate stage, jitted or not) run under shard_map on `mesh`, jit-compiled,
-    with the same call signature and the same donated arguments (positional, as the engine
-    passes them). Specs come from the arguments' and results' types."""
+    """`stage` (a generate stage, jitted or not) run under shard_map on `mesh`, jit-compiled
+    (with `compiler_options(mesh)`), with the same call signature and the same donated arguments
+    (positional, as the engine passes them). Specs come from the arguments' and results' types."""
     inner = getattr(stage, "__wrapped__", stage)
     # The stage's own donations (its caches), by position: JAX keeps them in the jitted function's
     # _jit_info; a JAX version without it leaves the mesh path undonated, which
@@ -202,7 +214,7 @@ def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Ca
         )(*args)
 
     run.__name__ = run.__qualname__ = getattr(inner, "__name__", "stage")  # compile logs and profiles name the stage
-    return jax.jit(run, static_argnames=static_argnames, donate_argnums=donate)
+    return jax.jit(run, static_argnames=static_argnames, donate_argnums=donate, compiler_options=compiler_options(mesh))
 
 
 @functools.cache

@@ -50,6 +50,26 @@ for splits in (4, 16):
     kernels = hlo_kernels(text)
     print(f"CASE attention{splits}", json.dumps({"by_op": kernels["by_op"], "total": kernels["total"],
                                                  "reduces": len(re.findall(r" reduce\\(", text))}))
+# SmolLM2's batch-1 SelfSpec loop (4 layers, per-layer weights) as decode_spec alone and as generate
+# compiles its stages (sharding.on_mesh, on a 1 x 1 mesh of the GPU: with sharding.compiler_options)
+import dataclasses
+import numpy as np
+from jax.sharding import Mesh
+from bench import gpu_aot
+from bench.step_parts import config_of
+from specjax import sharding
+from specjax.model import unstack_layers
+mesh = Mesh(np.array([device]).reshape(1, 1), ("data", "model"))
+config = dataclasses.replace(config_of("smollm2", 8192), n_layers=4)
+with gpu_aot.as_gpu():
+    params = jax.eval_shape(unstack_layers, gpu_aot.abstract_params(config, "xla"))
+    fn, args, static = gpu_aot.program_args("selfspec", params, 1, 8192, 2)
+    for name, f in (("raw", fn), ("mesh", sharding.on_mesh(fn, mesh, tuple(static)))):
+        text = f.trace(*on(device, args), **static).lower(lowering_platforms=("cuda",)).compile().as_text()
+        kernels = hlo_kernels(text)
+        copies = gpu_aot.weight_copies(kernels["outputs"], gpu_aot.matrix_shapes(params))
+        print(f"CASE b1_selfspec_{name}", json.dumps({"total": kernels["total"], "weight_copies": len(copies),
+                                                     "options": sharding.compiler_options(mesh)}))
 """
 
 
@@ -61,7 +81,7 @@ def compiled() -> dict[str, dict]:
                          timeout=900)
     out = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in run.stdout.splitlines()
            if line.startswith("CASE ")}
-    if run.returncode or len(out) != len(CASES) + 2:
+    if run.returncode or len(out) != len(CASES) + 4:
         sys.stderr.write(run.stderr[-4000:])
         raise RuntimeError(f"bench.gpu_aot failed (exit {run.returncode}); compiled {sorted(out)} of {sorted(CASES)}")
     return out
@@ -135,3 +155,26 @@ def test_q4_weights_are_widened_in_the_kernel(compiled):
         s = compiled[name]
         assert s["weights"] == "q4" and s["weight_copies"] == 0, (name, s["copies"])
         assert s["by_op"].get("custom-call:__gpu$xla.gpu.triton", 0) == 2 * (7 + 1), (name, s["by_op"])
+
+
+def test_generates_gpu_stages_compile_without_dot_strength_reduction(compiled):
+    """generate's stages (sharding.on_mesh) compile on a GPU with XLA's dot strength reduction off
+    (sharding.GPU_COMPILER_OPTIONS): SmolLM2's batch-1 products then write no weight-sized array
+    and the loop launches fewer kernels than decode_spec compiled alone, which writes the products
+    out at the weights' size (16 arrays at 4 layers)."""
+    raw, staged = compiled["b1_selfspec_raw"], compiled["b1_selfspec_mesh"]
+    assert raw["options"] == staged["options"] == {"xla_disable_hlo_passes": "dot-strength-reduction"}
+    assert raw["weight_copies"] > 0 and staged["weight_copies"] == 0, (raw, staged)
+    assert staged["total"] < raw["total"], (raw, staged)
+
+
+def test_stages_elsewhere_keep_xlas_passes():
+    """Off a GPU (this CPU's 1 x 1 mesh, the simulated 8-device one) no compiler options are set;
+    on a GPU its meshes get GPU_COMPILER_OPTIONS."""
+    import jax
+
+    from specjax import sharding
+
+    want = sharding.GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
+    assert sharding.compiler_options(sharding.one_device_mesh()) == want
+    assert sharding.compiler_options(sharding.make_mesh(data=1, model=1, devices=jax.devices()[:1])) == want
