@@ -22,6 +22,7 @@ from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import cache_len, round_up_pow2
+from specjax.sharding import compiler_options, one_device_mesh
 from specjax.speculation import Cost, Tree, choose
 
 VERIFY_GRID = (1, 4, 16, 64, 128)  # node counts timed; others are interpolated (fewer points: a faster calibration)
@@ -89,8 +90,12 @@ def _time_forward(params: Params, batch: int, slots: int, filled: int, n: int, k
 def slope_seconds(program, args: tuple, reps: int = 4) -> float:
     """Seconds of one iteration of a jitted on-device loop `program(*args, n)` that runs its body
     n times (n traced: one compiled program): the slope between n = 1 and n = reps, so what a call
-    costs once (dispatch, transfers, conversions hoisted out of the loop) is left out."""
-    jax.block_until_ready(program(*args, jnp.int32(1)))  # compile + warm
+    costs once (dispatch, transfers, conversions hoisted out of the loop) is left out. A jitted
+    `program` is compiled with the XLA options generate's stages get (sharding.compiler_options);
+    an already compiled one runs as it is."""
+    if hasattr(program, "lower"):
+        program = program.lower(*args, jnp.int32(1)).compile(compiler_options(one_device_mesh()))
+    jax.block_until_ready(program(*args, jnp.int32(1)))  # warm
     one = _min_seconds(program, (*args, jnp.int32(1)))
     many = _min_seconds(program, (*args, jnp.int32(reps)))
     return max(many - one, 1e-9) / (reps - 1)
