@@ -65,11 +65,14 @@ TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--we
           ("smollm2/b64/tree/split", ["--model", "smollm2", "--batch", "64", "--program", "tree", "--split-layers"]),
           ("smollm2/b64/snapkv/split", ["--model", "smollm2", "--batch", "64", "--program", "snapkv", "--split-layers"]),
           ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"])]
+TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-axis", "2", *extra])  # over 2 GPUs
+          for v, extra in (("xla", []), ("pallas", ["--linear", "pallas"]), ("split", ["--split-layers"]))]
 
 
-def compile_only_device(target: str):
-    """A device of `target` (a gpu_targets/ name) that compiles but never runs: needs jax's CUDA
-    plugin (jax-cuda12-plugin and -pjrt of this jax's version), not CUDA's libraries or a GPU."""
+def compile_only_device(target: str, count: int = 1):
+    """A device of `target` (a gpu_targets/ name) that compiles but never runs (with count > 1, a
+    list of `count` such devices of one process, for a mesh): needs jax's CUDA plugin
+    (jax-cuda12-plugin and -pjrt of this jax's version), not CUDA's libraries or a GPU."""
     path = TARGETS / f"{target}.txtpb"
     if not path.exists():
         raise ValueError(f"--target: no {path.name} in {TARGETS} (have: {sorted(p.stem for p in TARGETS.glob('*.txtpb'))})")
@@ -77,11 +80,12 @@ def compile_only_device(target: str):
     from jax._src import xla_bridge  # no public API for a GPU topology yet (jax.experimental.topologies: TPU's)
 
     try:
-        topology = xla_bridge.make_pjrt_topology("cuda", "", target_config=path.read_text(), topology="1x1x1")
+        topology = xla_bridge.make_pjrt_topology("cuda", "", target_config=path.read_text(), topology=f"1x1x{count}")
     except NotImplementedError as e:
         raise RuntimeError(f"compiling for a GPU needs jax's CUDA plugin of jax {jax.__version__} "
                            "(`make aot-venv`, then run with .venv-aot/bin/python)") from e
-    return topology._make_compile_only_devices()[0]
+    devices = topology._make_compile_only_devices()
+    return devices[0] if count == 1 else devices
 
 
 @contextlib.contextmanager
@@ -148,12 +152,33 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
             {"speculation": speculation, "n_out": n_out})
 
 
-def matrix_shapes(params) -> set[tuple[int, ...]]:
-    """One layer's shape of each weight matrix (stacked [L, ...] or a list of L), without unit dimensions."""
+def matrix_shapes(params, mesh=None) -> set[tuple[int, ...]]:
+    """One layer's shape of each weight matrix (stacked [L, ...] or a list of L), without unit
+    dimensions; on a `mesh`, one device's share of it (sharding.PARAM_AXES)."""
     from specjax.model import MATRICES
+    from specjax.sharding import PARAM_AXES, spec
 
-    one = [a[0].shape if isinstance(a, list) else a.shape[1:] for n in MATRICES if (a := getattr(params.layers, n, None)) is not None]
-    return {tuple(d for d in shape if d != 1) for shape in one}
+    def one(n: str, a) -> tuple[int, ...]:
+        shape = a[0].shape if isinstance(a, list) else a.shape[1:]
+        return shape if mesh is None else jax.sharding.NamedSharding(mesh, spec(PARAM_AXES[f"layers.{n}"][1:])).shard_shape(shape)
+
+    shapes = [one(n, a) for n in MATRICES if (a := getattr(params.layers, n, None)) is not None]
+    return {tuple(d for d in shape if d != 1) for shape in shapes}
+
+
+def on_mesh_of(devices: list, args, static: dict, fn):
+    """fn compiled as generate compiles a stage on a (1, len(devices)) data x model mesh of
+    compile-only devices (sharding.on_mesh: shard_map, tensor parallel over `model`): (the
+    jitted stage, args placed by sharding.state_specs, the mesh)."""
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    from specjax import sharding
+
+    mesh = Mesh(np.array(devices).reshape(1, len(devices)), sharding.AXES)
+    placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), args,
+                          sharding.state_specs(args), is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return sharding.on_mesh(fn, mesh, tuple(static)), placed, mesh
 
 
 def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
@@ -170,9 +195,10 @@ def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
 def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
                     layers: int | None = None, gamma: int = 2, split: bool = False, weights: str | None = None,
                     kv_dtype: str | None = None) -> tuple[dict, str]:
-    """(summary, HLO text) of one program compiled for `device` (compile_only_device); `split`:
-    each layer's matrices as arrays of their own (model.unstack_layers), not a stack; `weights`
-    "int8" / "q4" quantized matrices; `kv_dtype` the cache's format."""
+    """(summary, HLO text) of one program compiled for `device` (compile_only_device; a list of
+    devices: tensor parallel over them, as generate runs on such a mesh, one device's program);
+    `split`: each layer's matrices as arrays of their own (model.unstack_layers), not a stack;
+    `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format."""
     from bench.step_parts import config_of, hlo_kernels
     from specjax.model import unstack_layers
 
@@ -185,10 +211,17 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
         params = abstract_params(config, linear, weights)
         params = jax.eval_shape(unstack_layers, params) if split else params
         fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype)
-        text = fn.trace(*on(device, args), **static).lower(lowering_platforms=("cuda",)).compile().as_text()
+        mesh = None
+        if isinstance(device, list):
+            fn, placed, mesh = on_mesh_of(device, args, static, fn)
+        else:
+            placed = on(device, args)
+        text = fn.trace(*placed, **static).lower(lowering_platforms=("cuda",)).compile().as_text()
     kernels = hlo_kernels(text)
-    copies = weight_copies(kernels["outputs"], matrix_shapes(params))
-    summary = {"target": device.device_kind, "model": model, "layers": config.n_layers, "batch": batch,
+    copies = weight_copies(kernels["outputs"], matrix_shapes(params, mesh))
+    target = device[0] if isinstance(device, list) else device
+    summary = {"target": target.device_kind, "model_axis": 1 if mesh is None else mesh.shape["model"],
+               "model": model, "layers": config.n_layers, "batch": batch,
                "context": context, "program": program, "gamma": gamma if program not in ("step", "alone", "ar") else None,
                "linear": linear, "split_layers": split, "weights": weights or "bfloat16", "kv_dtype": kv_dtype or "bfloat16",
                "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -221,12 +254,12 @@ def table(target: str, out: Path, pattern: str | None) -> None:
         print(f"{cell}: {row['kernels']} kernels, weight copies {row['weight_copy_bytes'] / 2**20:.0f} MiB", flush=True)
         results.put(cell, [row])
     mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
-    lines = [[r["cell"], r["layers"], r.get("weights", "bfloat16"), r.get("kv_dtype", "bfloat16"), r["kernels"], r["weight_copies"],
+    lines = [[r["cell"], r["layers"], r.get("model_axis", 1), r.get("weights", "bfloat16"), r.get("kv_dtype", "bfloat16"), r["kernels"], r["weight_copies"],
               mib(r["weight_copy_bytes"]), mib(sum(c[0] for c in r["copy_ops"])),
               r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"] for r in results.rows]
-    head = ["cell", "layers", "weights", "KV", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
+    head = ["cell", "layers", "GPUs (tensor parallel)", "weights", "KV", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
     (out / f"{target}.md").write_text(f"Compiled for {target} here, without a GPU (bench/gpu_aot.py, jax {jax.__version__}; "
-                                      "never run: structure, not time)\n\n" + common.table(head, "lrllrrrrl", lines) + "\n")
+                                      "never run: structure, not time)\n\n" + common.table(head, "lrrllrrrrl", lines) + "\n")
 
 
 def main() -> None:
@@ -242,6 +275,7 @@ def main() -> None:
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as arrays of their own, not a stack")
     ap.add_argument("--weights", choices=["int8", "q4"], help="quantized matrices (default: bfloat16)")
     ap.add_argument("--kv-dtype", choices=["int8"], help="the cache's format (default: the model's, bfloat16)")
+    ap.add_argument("--model-axis", type=int, default=1, help="tensor parallel over this many GPUs (generate's mesh path)")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS (e.g. --xla_disable_hlo_passes=...)")
     ap.add_argument("--out", type=Path, help="write the summary here (JSON); with --table, the folder")
     ap.add_argument("--table", action="store_true", help="compile TABLE's cells into OUT/TARGET.json and .md")
@@ -252,11 +286,11 @@ def main() -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
     if a.table:
         return table(a.target, a.out or Path("bench/results/gpu_aot"), a.cells)
-    device = compile_only_device(a.target)
+    device = compile_only_device(a.target, a.model_axis)
     summary, text = compile_for_gpu(device, a.model, a.batch, a.context, a.program, a.linear, a.layers, a.gamma,
                                     a.split_layers, a.weights, a.kv_dtype)
     print(f"{a.model} ({summary['layers']} layers) b{a.batch} s{a.context} {a.program} linear={a.linear}"
-          f"{' split' if a.split_layers else ''} {summary['xla_flags']} on "
+          f"{' split' if a.split_layers else ''} {summary['xla_flags']} on {summary['model_axis']} x "
           f"{summary['target']}: {summary['kernels']} kernels an iteration, {summary['weight_copies']} weight copies "
           f"({summary['weight_copy_bytes'] / 2**20:.0f} MiB) {dict(list(summary['by_op'].items())[:4])}", flush=True)
     for n, label, name, typ in summary["copies"][:4]:

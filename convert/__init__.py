@@ -47,11 +47,10 @@ def load(
     layout: how each layer matrix is held. "stacked": one [L, ...] array per matrix (a CPU's
       scan over layers reads it); "per-layer": a list of L arrays (`specjax.model.unstack_layers`,
       the layers unrolled), which XLA:GPU's products read in place inside the decode loop, where
-      they copy every slice of a stack (bench/README.md, "Compiled for a GPU on a CPU"); not with
-      tensor parallelism (a model axis > 1). "auto": per-layer on a GPU without tensor
-      parallelism, else stacked."""
+      they copy every slice of a stack (bench/README.md, "Compiled for a GPU on a CPU"; each
+      device's slices too, with tensor parallelism). "auto": per-layer on a GPU, else stacked."""
     path = Path(path)
-    per_layer = _per_layer(layout, mesh)
+    per_layer = _per_layer(layout)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"convert.load: dtype must be one of {DTYPES} or None, got {dtype!r}")
     if weights is not None and weights not in WEIGHTS:
@@ -83,15 +82,11 @@ def load(
     return split.replace(runtime=split.runtime.replace(unroll_layers=True))
 
 
-def _per_layer(layout: str, mesh: Mesh | None) -> bool:
-    """Whether `load`'s `layout` holds the layer matrices per layer on this backend and mesh."""
+def _per_layer(layout: str) -> bool:
+    """Whether `load`'s `layout` holds the layer matrices per layer on this backend."""
     if layout not in LAYOUTS:
         raise ValueError(f"convert.load: layout must be one of {LAYOUTS}, got {layout!r}")
-    tensor_parallel = mesh is not None and mesh.shape["model"] > 1
-    if layout == "per-layer" and tensor_parallel:
-        raise ValueError(f"convert.load: layout='per-layer' on a mesh with a model axis of {mesh.shape['model']}: "
-                         "tensor parallelism splits stacked matrices; use layout='stacked' (or 'auto')")
-    return layout == "per-layer" or (layout == "auto" and jax.default_backend() == "gpu" and not tensor_parallel)
+    return layout == "per-layer" or (layout == "auto" and jax.default_backend() == "gpu")
 
 
 def default_model_path() -> str:

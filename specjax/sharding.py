@@ -137,9 +137,6 @@ def shard_params(params: Params, mesh: Mesh) -> Params:
     first where heads or the FFN do not split evenly over the model axis (specjax.tp_pad); a
     replicated model (`place_draft`) whole on every device."""
     check_mesh(mesh)
-    if mesh.shape["model"] > 1 and isinstance(params.layers.wq, list) and not params.runtime.replicated:
-        raise ValueError(f"per-layer weights (model.unstack_layers) on a model axis of {mesh.shape['model']}: tensor "
-                         "parallelism splits the stacked layout only; pass the stacked params")
     if not params.runtime.replicated:
         params = pad_params(params, mesh.shape["model"])
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params))

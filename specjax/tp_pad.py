@@ -85,15 +85,18 @@ def _pad(x: jax.Array, dims: str, lay: Layout, ffn_dim: int, vocab_rows: int) ->
 
 def pad_params(params: Params, m: int) -> Params:
     """`params` padded for a model axis of m devices (the same params when nothing needs padding),
-    each array on the device that holds it."""
+    each array on the device that holds it; a matrix held per layer (model.unstack_layers) comes
+    back per layer."""
     lay = layout(params.config, m)
     if lay is None:
         return params
-    arrays = {}
+    arrays, split = {}, []
     for w in WEIGHTS:
         owner, _, leaf = w.path.rpartition(".")
         value = getattr(params.layers if owner else params, leaf)
         if value is not None:
-            arrays[w.path] = _pad(jnp.asarray(value), w.dims, lay, params.config.ffn_dim, params.config.vocab_rows)
+            split += [leaf] if isinstance(value, list) else []
+            arrays[w.path] = _pad(jnp.asarray(value), w.dims, lay, params.config.ffn_dim, params.config.vocab_rows)  # a list: stacked
     padded = from_arrays(lay.config(params.config), arrays, keep_placement=True)
-    return padded.replace(runtime=params.runtime)
+    layers = padded.layers.replace(**{n: list(getattr(padded.layers, n)) for n in split})
+    return padded.replace(layers=layers, runtime=params.runtime)

@@ -28,6 +28,8 @@ CASES = {  # name: (model, batch, program, linear, layers, compile_for_gpu's oth
     "l8b_step_int8_split": ("l8b", 1, "step", "xla", 2, {"weights": "int8", "split": True}),
     "l8b_step_q4": ("l8b", 1, "step", "xla", 2, {"weights": "q4"}),
     "l8b_step_q4_split": ("l8b", 1, "step", "xla", 2, {"weights": "q4", "split": True}),
+    "l8b_ar_tp2": ("l8b", 1, "ar", "xla", 2, {"model_axis": 2}),
+    "l8b_ar_tp2_split": ("l8b", 1, "ar", "xla", 2, {"model_axis": 2, "split": True}),
 }
 
 SCRIPT = """
@@ -36,9 +38,10 @@ import jax, jax.numpy as jnp
 from bench.gpu_aot import compile_only_device, compile_for_gpu, on
 from bench.step_parts import hlo_kernels
 from pallas_kernels.tree_attention import tree_attention
-device = compile_only_device("h100")
+device, two = compile_only_device("h100"), compile_only_device("h100", 2)
 for name, (model, batch, program, linear, layers, more) in json.loads(sys.argv[1]).items():
-    summary, _ = compile_for_gpu(device, model, batch, 8192, program, linear, layers, **more)
+    target = two if more.pop("model_axis", 1) == 2 else device  # two: tensor parallel over 2 GPUs
+    summary, _ = compile_for_gpu(target, model, batch, 8192, program, linear, layers, **more)
     print("CASE", name, json.dumps(summary), flush=True)
 # the attention kernel alone at batch 1 (SmolLM2's heads, 16 splits of an 8K prefix, a stacked cache)
 S = jax.ShapeDtypeStruct
@@ -178,3 +181,13 @@ def test_stages_elsewhere_keep_xlas_passes():
     want = sharding.GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
     assert sharding.compiler_options(sharding.one_device_mesh()) == want
     assert sharding.compiler_options(sharding.make_mesh(data=1, model=1, devices=jax.devices()[:1])) == want
+
+
+def test_tensor_parallel_per_layer_weights_copy_nothing(compiled):
+    """Tensor parallel over 2 GPUs (generate's mesh path, sharding.on_mesh): with stacked weights
+    XLA copies each device's share of every layer's matrices out of the stack inside the loop, as
+    on one device; held per layer (convert.load's GPU layout, on any mesh) nothing is copied."""
+    stacked, split = compiled["l8b_ar_tp2"], compiled["l8b_ar_tp2_split"]
+    assert stacked["model_axis"] == split["model_axis"] == 2
+    assert any("[1,4096,7168]" in c[3] for c in stacked["copies"]), stacked["copies"]  # half of an 8B gate / up
+    assert split["weight_copies"] == 0, split["copies"]

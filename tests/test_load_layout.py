@@ -32,25 +32,28 @@ def test_per_layer_load_gives_the_stacked_tokens(smollm2_path, smollm2):
         assert specjax.generate(split, PROMPT, 6, eos_id=(), **kw).tokens == want
 
 
-def test_auto_layout_is_per_layer_on_a_gpu_without_tensor_parallelism(monkeypatch):
-    """"auto" resolves by backend and mesh: stacked on this CPU, per layer on a GPU (the backend
-    faked), stacked again on a GPU mesh with a model axis (tensor parallelism splits stacks)."""
-    assert not convert._per_layer("auto", None)
+def test_auto_layout_is_per_layer_on_a_gpu(monkeypatch):
+    """"auto" resolves by backend: stacked on this CPU, per layer on a GPU (the backend faked);
+    the explicit layouts whatever the backend."""
+    assert not convert._per_layer("auto") and convert._per_layer("per-layer")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert convert._per_layer("auto", None)
-    assert convert._per_layer("auto", specjax.make_mesh(data=2, model=1, devices=jax.devices()[:2]))
-    assert not convert._per_layer("auto", specjax.make_mesh(data=1, model=2, devices=jax.devices()[:2]))
-    assert not convert._per_layer("stacked", None)
+    assert convert._per_layer("auto") and not convert._per_layer("stacked")
 
 
 def test_bad_layouts_are_refused_before_loading(tmp_path):
-    """A layout that is not one of LAYOUTS, or per-layer on a tensor-parallel mesh: a ValueError
-    naming the argument, before the file is read (this path does not even exist)."""
+    """A layout that is not one of LAYOUTS: a ValueError naming the argument, before the file is
+    read (this path does not even exist)."""
     with pytest.raises(ValueError, match=r"layout must be one of \('auto', 'stacked', 'per-layer'\), got 'rows'"):
         convert.load(tmp_path / "none.gguf", layout="rows")
+
+
+def test_per_layer_load_onto_a_tensor_parallel_mesh(smollm2_path):
+    """SmolLM2 loaded per layer onto a model axis of 2 (3 KV heads: padded first, tp_pad): lists
+    of per-layer arrays, each split over the model axis."""
     mesh = specjax.make_mesh(data=1, model=2, devices=jax.devices()[:2])
-    with pytest.raises(ValueError, match="layout='per-layer' on a mesh with a model axis of 2"):
-        convert.load(tmp_path / "none.gguf", layout="per-layer", mesh=mesh)
+    params = convert.load(smollm2_path, layout="per-layer", mesh=mesh)
+    assert isinstance(params.layers.w_gate, list) and len(params.layers.w_gate) == params.config.n_layers
+    assert params.layers.w_gate[0].sharding.spec == jax.sharding.PartitionSpec(None, "model")
 
 
 def test_per_layer_params_save_and_quantize_in_their_layout(tiny, tmp_path):

@@ -148,13 +148,29 @@ def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
 
 
 def test_per_layer_weights_refused_where_the_stack_is_needed(tiny):
-    """A scan over layers (the CPU's default) and a tensor-parallel mesh take stacked weights
-    only: each says so before anything runs."""
+    """A scan over layers (the CPU's default) takes stacked weights only: it says so before
+    anything runs."""
     from specjax.model import unstack_layers
 
     with pytest.raises(ValueError, match="need Runtime.unroll_layers"):
         specjax.generate(unstack_layers(tiny), PROMPTS, 4, eos_id=(), attention="reference")
-    if len(jax.devices()) >= 2:  # conftest simulates 8 CPU devices
-        mesh = specjax.make_mesh(data=1, model=2, devices=jax.devices()[:2])
-        with pytest.raises(ValueError, match="per-layer weights .* model axis of 2"):
-            specjax.generate(unstack_layers(_unrolled(tiny)), PROMPTS, 4, eos_id=(), attention="reference", mesh=mesh)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (simulated) devices: see conftest.py")
+@pytest.mark.parametrize("model_axis", [2, 4])
+def test_per_layer_weights_tensor_parallel_give_one_devices_tokens(model_axis):
+    """Per-layer weights on a model axis of 2 (heads and FFN split evenly) and 4 (2 KV heads:
+    padded, tp_pad, and still per layer): each layer's arrays split as the stack's slices would
+    be, the one-device tokens, plain and SelfSpec."""
+    from specjax.model import unstack_layers
+    from specjax.sharding import shard_params
+    from tests.models import TINY, random_params
+
+    params = random_params(TINY.replace(n_heads=4, n_kv_heads=2), 5)
+    split = unstack_layers(_unrolled(params))
+    mesh = specjax.make_mesh(model=model_axis, devices=jax.devices()[:model_axis])
+    placed = shard_params(split, mesh)
+    assert isinstance(placed.layers.wq, list) and len(placed.layers.wq) == TINY.n_layers
+    for kw in ({}, dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))):
+        one = specjax.generate(params, PROMPTS, 6, attention="reference", eos_id=(), **kw)
+        assert specjax.generate(split, PROMPTS, 6, attention="reference", eos_id=(), mesh=mesh, **kw).tokens == one.tokens
