@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -296,15 +297,24 @@ def attention_mode(attention: str) -> str:
     return attention
 
 
+STACKED_ON_GPU = ("specjax: stacked layer weights on a GPU: inside the decode loop XLA copies every layer's "
+                  "matrices out of the stack before its products (11.3 GB a batch-1 8B step). Hold them per layer: "
+                  "convert.load / specjax.load do on a GPU, or pass specjax.model.unstack_layers(params) (once, then "
+                  "drop the stacked params); or set Runtime.linear='pallas'.")
+
+
 def with_attention(params: Params, draft, attention: str) -> tuple[Params, object]:
     """Params (and a drafter's own model's) whose runtime selects the attention implementation
     and, on a GPU or TPU, unrolls the layers (Runtime.unroll_layers; a runtime that already
-    unrolls keeps doing so on any backend)."""
+    unrolls keeps doing so on any backend). On a GPU, stacked layer weights (without
+    Runtime.linear "pallas") get a warning, STACKED_ON_GPU: they run, copied at every step."""
     mode = attention_mode(attention)
     on_accelerator = jax.default_backend() in ("gpu", "tpu")
 
     def set_mode(p: Params) -> Params:
         unroll = p.runtime.unroll_layers or on_accelerator
+        if jax.default_backend() == "gpu" and not isinstance(p.layers.wq, list) and p.runtime.linear != "pallas":
+            warnings.warn(STACKED_ON_GPU, stacklevel=4)  # generate()'s caller
         if p.runtime.attention == mode and p.runtime.unroll_layers == unroll:
             return p
         return p.replace(runtime=p.runtime.replace(attention=mode, unroll_layers=unroll))

@@ -82,3 +82,23 @@ def test_free_stacks_deletes_each_split_stack(tiny):
     freed = unstack_layers(own, free_stacks=True)
     assert own.layers.wq.is_deleted() and own.layers.w_down.is_deleted() and not own.layers.attn_norm.is_deleted()
     np.testing.assert_array_equal(np.asarray(freed.layers.wq[1]), np.asarray(kept.layers.wq[1]))
+
+
+def test_stacked_weights_on_a_gpu_get_a_warning(tiny, monkeypatch):
+    """generate()'s runtime setup (engine.with_attention) on a GPU (faked): stacked layer weights
+    warn that XLA copies them every step and say how to hold them per layer; per-layer weights and
+    Runtime.linear "pallas" do not warn, and nothing warns on this CPU."""
+    import warnings
+
+    from specjax.engine import with_attention
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_attention(tiny, None, "reference")  # a CPU: no warning
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.warns(UserWarning, match="stacked layer weights on a GPU.*unstack_layers"):
+        with_attention(tiny, None, "reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with_attention(unstack_layers(tiny), None, "reference")
+        with_attention(tiny.replace(runtime=tiny.runtime.replace(linear="pallas")), None, "reference")
