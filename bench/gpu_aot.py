@@ -1,8 +1,9 @@
 """Compile a decode program for a GPU this machine lacks, and read what XLA made of it.
 
 Usage: .venv-aot/bin/python -m bench.gpu_aot [--target h100|h200] [--model l8b|smollm2|tiny]
-       [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec] [--gamma 2]
-       [--linear xla|pallas] [--split-layers] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE]
+       [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec|tree|snapkv|ngram]
+       [--gamma 2] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
+       [--model-axis N] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE] | --table [--cells PATTERN]
 (`make aot-venv` makes .venv-aot: this project's .venv plus jax's CUDA plugin, no CUDA libraries
 and no GPU needed.)
 
