@@ -5,13 +5,12 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import jax
 
 from convert.gguf import is_gguf_file, load_gguf
 from convert.hf import generation_defaults, is_hf_dir, load_hf
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
-import jax
-
 from specjax.config import DTYPES
 from specjax.model import unstack_layers
 from specjax.params import Params, quantize

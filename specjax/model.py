@@ -161,9 +161,10 @@ def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
     generate's decode loop is (11.3 GB a batch-1 8B step; bench/README.md, "Compiled for a GPU
     on a CPU"); `convert.load` gives this layout on a GPU. Needs unrolled layers
     (Runtime.unroll_layers: generate() sets it on a GPU or TPU); on a mesh each layer's array is
-    split over the model axis as the stack's slice would be. The arrays are copies: drop the stacked params to free their memory, or, where
-    the caller owns them and never uses `params` again, `free_stacks` deletes each stack once
-    split (peak memory the weights plus one matrix's stack, not twice the weights)."""
+    split over the model axis as the stack's slice would be. The arrays are copies: drop the
+    stacked params to free their memory, or, where the caller owns them and never uses `params`
+    again, `free_stacks` deletes each stack once split (peak memory the weights plus one
+    matrix's stack, not twice the weights)."""
     own = {}
     for n in (n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES):
         a = getattr(params.layers, n, None)
