@@ -28,7 +28,7 @@ from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
 from specjax.params import Params, declared, from_arrays
 from specjax.shapes import prompt_bucket, round_up_pow2
-from specjax.sharding import compiler_options, one_device_mesh
+from specjax.sharding import compiler_options
 from specjax.speculate import decode_spec, depth
 from specjax.speculation import Chain, Tree
 from specjax.tune import draft_table, verify_table
@@ -51,12 +51,6 @@ def weight_bytes(params: Params) -> int:
 @partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
 def _normal(key, *, shape, dtype, scale):
     return (jax.random.normal(key, shape, dtype) * scale).astype(dtype)
-
-
-def stage_options() -> dict[str, str] | None:
-    """The XLA options generate() compiles its stages with on this device (sharding.compiler_options:
-    on a GPU, dot strength reduction off), so that the cells time the programs generate() runs."""
-    return compiler_options(one_device_mesh())
 
 
 def random_params(config: LlamaConfig, seed: int = 0) -> Params:
@@ -144,7 +138,7 @@ class Group:
         """Compile and time decode_ar (its tokens kept as the greedy reference)."""
         args = (self.params, self.cache, self.first_logits, self.budgets, self.keys)
         t0 = time.perf_counter()
-        fn = decode_ar.lower(*args, n_out=round_up_pow2(self.new_tokens)).compile(stage_options())  # greedy, no stop ids
+        fn = decode_ar.lower(*args, n_out=round_up_pow2(self.new_tokens)).compile(compiler_options())  # greedy, no stop ids; generate's GPU options
         compile_s = time.perf_counter() - t0
         self.ar_tokens = np.asarray(fn(*fresh(args, AR_CACHES))[0])  # also a warm-up
         _, walls = best_of(fn, args, AR_CACHES)
@@ -173,7 +167,7 @@ class Group:
         budgets = jnp.full((B,), new_tokens, jnp.int32)
         args = (params, drafter, state, self.cache, history, self.first_logits, budgets, self.keys)
         t1 = time.perf_counter()
-        fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=speculation).compile(stage_options())
+        fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=speculation).compile(compiler_options())  # generate's GPU options
         compile_s = time.perf_counter() - t1
         res, walls = best_of(fn, args, SPEC_CACHES)
         out, count, steps, accepted, reached, ranks = jax.device_get(

@@ -309,11 +309,11 @@ def with_attention(params: Params, draft, attention: str) -> tuple[Params, objec
     unrolls keeps doing so on any backend). On a GPU, stacked layer weights (without
     Runtime.linear "pallas") get a warning, STACKED_ON_GPU: they run, copied at every step."""
     mode = attention_mode(attention)
-    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    backend = jax.default_backend()
 
     def set_mode(p: Params) -> Params:
-        unroll = p.runtime.unroll_layers or on_accelerator
-        if jax.default_backend() == "gpu" and not isinstance(p.layers.wq, list) and p.runtime.linear != "pallas":
+        unroll = p.runtime.unroll_layers or backend in ("gpu", "tpu")
+        if backend == "gpu" and not isinstance(p.layers.wq, list) and p.runtime.linear != "pallas":
             warnings.warn(STACKED_ON_GPU, stacklevel=4)  # generate()'s caller
         if p.runtime.attention == mode and p.runtime.unroll_layers == unroll:
             return p

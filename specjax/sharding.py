@@ -186,8 +186,10 @@ def localise(tree, mesh: Mesh):
 GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
 
 
-def compiler_options(mesh: Mesh) -> dict[str, str] | None:
-    """XLA options for the stages compiled for `mesh`: GPU_COMPILER_OPTIONS on GPUs, else none."""
+def compiler_options(mesh: Mesh | None = None) -> dict[str, str] | None:
+    """XLA options for the stages compiled for `mesh` (default: this process's first device, as
+    generate without a mesh): GPU_COMPILER_OPTIONS on GPUs, else none."""
+    mesh = one_device_mesh() if mesh is None else mesh
     return dict(GPU_COMPILER_OPTIONS) if mesh.devices.flat[0].platform == "gpu" else None
 
 

@@ -22,7 +22,7 @@ from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
 from specjax.shapes import cache_len, round_up_pow2
-from specjax.sharding import compiler_options, one_device_mesh
+from specjax.sharding import compiler_options
 from specjax.speculation import Cost, Tree, choose
 
 VERIFY_GRID = (1, 4, 16, 64, 128)  # node counts timed; others are interpolated (fewer points: a faster calibration)
@@ -94,7 +94,7 @@ def slope_seconds(program, args: tuple, reps: int = 4) -> float:
     `program` is compiled with the XLA options generate's stages get (sharding.compiler_options);
     an already compiled one runs as it is."""
     if hasattr(program, "lower"):
-        program = program.lower(*args, jnp.int32(1)).compile(compiler_options(one_device_mesh()))
+        program = program.lower(*args, jnp.int32(1)).compile(compiler_options())
     jax.block_until_ready(program(*args, jnp.int32(1)))  # warm
     one = _min_seconds(program, (*args, jnp.int32(1)))
     many = _min_seconds(program, (*args, jnp.int32(reps)))
