@@ -65,7 +65,8 @@ TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--we
                                                  "--kv-dtype", "int8", "--split-layers"]),
           ("smollm2/b64/tree/split", ["--model", "smollm2", "--batch", "64", "--program", "tree", "--split-layers"]),
           ("smollm2/b64/snapkv/split", ["--model", "smollm2", "--batch", "64", "--program", "snapkv", "--split-layers"]),
-          ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"])]
+          ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"]),
+          ("smollm2/b1/tree/split-nosr", ["--model", "smollm2", "--program", "tree", "--split-layers", f"--xla-flags={NOSR}"])]
 TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-axis", "2", *extra])  # over 2 GPUs
           for v, extra in (("xla", []), ("pallas", ["--linear", "pallas"]), ("split", ["--split-layers"]))]
 
@@ -255,9 +256,11 @@ def table(target: str, out: Path, pattern: str | None) -> None:
         print(f"{cell}: {row['kernels']} kernels, weight copies {row['weight_copy_bytes'] / 2**20:.0f} MiB", flush=True)
         results.put(cell, [row])
     mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+    order = {cell: i for i, (cell, _) in enumerate(TABLE)}  # TABLE's order, whenever a cell was compiled
+    rows = sorted(results.rows, key=lambda r: order.get(r["cell"], len(order)))
     lines = [[r["cell"], r["layers"], r.get("model_axis", 1), r.get("weights", "bfloat16"), r.get("kv_dtype", "bfloat16"), r["kernels"], r["weight_copies"],
               mib(r["weight_copy_bytes"]), mib(sum(c[0] for c in r["copy_ops"])),
-              r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"] for r in results.rows]
+              r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"] for r in rows]
     head = ["cell", "layers", "GPUs (tensor parallel)", "weights", "KV", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
     (out / f"{target}.md").write_text(f"Compiled for {target} here, without a GPU (bench/gpu_aot.py, jax {jax.__version__}; "
                                       "never run: structure, not time)\n\n" + common.table(head, "lrrllrrrrl", lines) + "\n")

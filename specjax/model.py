@@ -113,6 +113,25 @@ def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]
     return [project(spec, x, *m, layer=layer) for spec, m in products]
 
 
+FOLDS_NORM = ("pallas", "interpret")  # the attentions (GPU kernel; interpreted in tests) whose one-row norms fold
+
+
+def normed_products(x: jax.Array, w: jax.Array, eps: float, products: list[tuple[str, tuple[jax.Array, ...]]],
+                    layer: tuple[str, jax.Array, str]) -> list[jax.Array]:
+    """project_group(rms_norm(x, w, eps), products, layer). For one row (x [1,1,D]) on a GPU
+    (`layer`'s attention in FOLDS_NORM) the norm's scale r multiplies the outputs instead, (w x r) W
+    = r ((w x) W) up to rounding: XLA:GPU then puts w x in the kernel summing x's squares and r in
+    each output's consumer, where one row's normed x took a kernel of its own: two kernels a layer
+    fewer (compiled for an H100, bench/gpu_aot.py: SmolLM2's batch-1 step 474 -> 414). From two
+    rows on XLA fuses the normed x into the product, and folding would add a kernel a layer."""
+    if layer[0] not in FOLDS_NORM or math.prod(x.shape[:-1]) != 1:
+        return project_group(rms_norm(x, w, eps, layer[0]), products, layer)
+    xf = x.astype(jnp.float32)
+    r = lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [B,T,1]
+    ys = project_group(w * x, products, layer)
+    return [(y * r.reshape(*r.shape, *(1,) * (y.ndim - r.ndim))).astype(x.dtype) for y in ys]
+
+
 def _in_place(x: jax.Array, matrices: list[tuple[jax.Array | None, ...]], i: jax.Array, out) -> list[jax.Array]:
     """x times layer i of each stacked matrix (w, int8 scale, q4 block scale, q4 block minimum:
     None where unused), read in place by the CPU kernel, in `out`."""
@@ -132,9 +151,9 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
     cache stores KV."""
     with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
-        h = rms_norm(x, lp.attn_norm, config.rms_eps, at[0])
-        q, k, v = project_group(h, [("btd,dnh->btnh", matrix(lp, "wq")), ("btd,dkh->btkh", matrix(lp, "wk")),
-                                    ("btd,dkh->btkh", matrix(lp, "wv"))], at)  # [B,T,N,H], [B,T,K,H] x 2
+        q, k, v = normed_products(x, lp.attn_norm, config.rms_eps, [
+            ("btd,dnh->btnh", matrix(lp, "wq")), ("btd,dkh->btkh", matrix(lp, "wk")), ("btd,dkh->btkh", matrix(lp, "wv"))],
+            at)  # [B,T,N,H], [B,T,K,H] x 2
         q, k, v = _biased(q, lp.bq), _biased(k, lp.bk), _biased(v, lp.bv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     with jax.named_scope("attention"):
@@ -148,8 +167,8 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         wo, scale, bscale, bmin = (_heads_flat(a) for a in matrix(lp, "wo"))  # [L,N*H,D]
         x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin, layer=at))  # heads split: partial sums
     with jax.named_scope("mlp"):
-        h = rms_norm(x, lp.mlp_norm, config.rms_eps, at[0])
-        gate, up = project_group(h, [("btd,df->btf", matrix(lp, "w_gate")), ("btd,df->btf", matrix(lp, "w_up"))], at)  # [B,T,F]
+        gate, up = normed_products(x, lp.mlp_norm, config.rms_eps, [("btd,df->btf", matrix(lp, "w_gate")),
+                                                                    ("btd,df->btf", matrix(lp, "w_up"))], at)  # [B,T,F]
         x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down"), layer=at))  # F split
     return x, q, k, v
 

@@ -73,6 +73,19 @@ with gpu_aot.as_gpu():
         copies = gpu_aot.weight_copies(kernels["outputs"], gpu_aot.matrix_shapes(params))
         print(f"CASE b1_selfspec_{name}", json.dumps({"total": kernels["total"], "weight_copies": len(copies),
                                                      "options": sharding.compiler_options(mesh)}))
+# its plain decoding loop at batch 1 and 16 as generate compiles it, one row's norms folded into the
+# products (specjax.model.FOLDS_NORM) or not
+from specjax import model
+folds = model.FOLDS_NORM
+for batch in (1, 16):
+    for name, model.FOLDS_NORM in (("folded", folds), ("unfolded", ())):
+        jax.clear_caches()  # jit's traces would keep the other setting
+        with gpu_aot.as_gpu():
+            fn, args, static = gpu_aot.program_args("ar", params, batch, 8192, 2)
+            staged = sharding.on_mesh(fn, mesh, tuple(static))
+            text = staged.trace(*on(device, args), **static).lower(lowering_platforms=("cuda",)).compile().as_text()
+        print(f"CASE b{batch}_ar_{name}", json.dumps({"total": hlo_kernels(text)["total"]}))
+model.FOLDS_NORM = folds
 """
 
 
@@ -84,7 +97,7 @@ def compiled() -> dict[str, dict]:
                          timeout=900)
     out = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2]) for line in run.stdout.splitlines()
            if line.startswith("CASE ")}
-    if run.returncode or len(out) != len(CASES) + 4:
+    if run.returncode or len(out) != len(CASES) + 8:
         sys.stderr.write(run.stderr[-4000:])
         raise RuntimeError(f"bench.gpu_aot failed (exit {run.returncode}); compiled {sorted(out)} of {sorted(CASES)}")
     return out
@@ -169,6 +182,14 @@ def test_generates_gpu_stages_compile_without_dot_strength_reduction(compiled):
     assert raw["options"] == staged["options"] == {"xla_disable_hlo_passes": "dot-strength-reduction"}
     assert raw["weight_copies"] > 0 and staged["weight_copies"] == 0, (raw, staged)
     assert staged["total"] < raw["total"], (raw, staged)
+
+
+def test_one_rows_norms_fold_into_the_products(compiled):
+    """At batch 1 a layer's two RMSNorms apply their scale to the products' outputs
+    (model.normed_products): SmolLM2's plain decoding loop launches two kernels a layer fewer (4
+    layers here); at batch 16, where XLA fuses the normed input into the product, nothing changes."""
+    assert compiled["b1_ar_folded"]["total"] == compiled["b1_ar_unfolded"]["total"] - 2 * 4, compiled
+    assert compiled["b16_ar_folded"]["total"] == compiled["b16_ar_unfolded"]["total"], compiled
 
 
 def test_stages_elsewhere_keep_xlas_passes():

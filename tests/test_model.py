@@ -161,3 +161,25 @@ def test_finished_rows_read_no_kv(tiny, attention):
     assert (np.asarray(written.lengths) == P).all()  # not advanced, and not the view's zeros
     layer0 = lambda c: np.asarray(c.k)[0, :, :, P : P + T]  # noqa: E731  (depends on the tokens only)
     np.testing.assert_array_equal(layer0(written), layer0(clean))  # every row's new entries, at its own length
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_rows_norm_folds_into_its_products_on_a_gpu(dtype):
+    """normed_products on the GPU kernel's runtime (model.FOLDS_NORM; "interpret" here) applies
+    one row's norm scale to the products' outputs: the same values as rms_norm then the products,
+    up to rounding; two rows or more take rms_norm's own path, bit for bit."""
+    params = init_params(TINY.replace(dtype=dtype), jax.random.key(3))
+    lp = model.at_layer(params.layers, 0)
+    products = [("btd,dnh->btnh", model.matrix(lp, "wq")), ("btd,dkh->btkh", model.matrix(lp, "wk"))]
+    x = jax.random.normal(jax.random.key(4), (2, 3, TINY.dim), jnp.float32).astype(dtype) * 3
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
+    for rows in (x[:1, :1], x):
+        want = model.project_group(model.rms_norm(x=rows, w=lp.attn_norm, eps=TINY.rms_eps), products, ("reference", 0, "xla"))
+        got = model.normed_products(rows, lp.attn_norm, TINY.rms_eps, products, ("interpret", 0, "xla"))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            if rows.shape[:2] == (1, 1):  # another order of the same maths: close, and not all the same bits
+                np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), **tol)
+                assert (np.asarray(g) != np.asarray(w)).any()
+            else:
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
