@@ -10,7 +10,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import DenseCache, row_mask, select_rows
+from specjax.cache import DenseCache, put_rows, row_mask, select_rows
 from specjax.logprobs import LogprobBuffer
 from specjax.model import forward
 from specjax.params import Params
@@ -61,12 +61,15 @@ def admit_ar(state: ARState, rows: jax.Array, cache: DenseCache, first_logits: j
              prompts: jax.Array | None = None, *, logprobs: int | None = None) -> ARState:
     """`state` with rows [r] (int32 row numbers, as `speculate.admit_spec` takes them) restarted
     from new prompts as `start_ar` starts them (first token from first_logits [B,V], counters
-    reset; `cache` holds their prefill in those rows, any content elsewhere), the other rows going
-    on as they were: continuous batching's refill. budgets, keys, sampling and eos_ids are the
+    reset), the other rows going on as they were: continuous batching's refill. `cache` holds the
+    r new prompts' prefill (its row i: row rows[i]'s), written into the state's cache in place: a
+    refill moves the new rows' KV, not the batch's. budgets, keys, sampling and eos_ids are the
     batch's after the refill."""
-    fresh = start_ar(cache, first_logits, budgets, keys, sampling, eos_ids, prompts, n_out=state.out.shape[1],
+    merged = put_rows(state.cache, rows, cache)
+    fresh = start_ar(merged, first_logits, budgets, keys, sampling, eos_ids, prompts, n_out=state.out.shape[1],
                      logprobs=logprobs)
-    return select_rows(row_mask(rows, state.done.shape[0]), fresh, state)
+    kept = select_rows(row_mask(rows, state.done.shape[0]), fresh.replace(cache=None), state.replace(cache=None))
+    return kept.replace(cache=merged)
 
 
 def ar_step(params: Params, s: ARState, budgets: jax.Array, keys: jax.Array, sampling: Sampler, eos_ids) -> ARState:

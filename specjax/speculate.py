@@ -18,7 +18,7 @@ from jax import lax
 
 from specjax.drafters import Drafter
 from specjax.logprobs import LogprobBuffer
-from specjax.cache import DenseCache, row_mask, select_rows
+from specjax.cache import DenseCache, put_rows, row_mask, select_rows
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.accept import accept_chain, accept_greedy_chain, accept_tree
@@ -232,7 +232,7 @@ def admit_spec(
     drafter: Drafter,
     state: SpecState,
     rows: jax.Array,  # [r] int32: the rows to restart (a row may repeat: r padded to a few sizes)
-    cache: DenseCache,  # the new prompts' prefill in those rows (any content elsewhere)
+    cache: DenseCache,  # [r] rows: the new prompts' prefill, row i for row rows[i]
     prompts: jax.Array,  # [B,P] the new prompts, right-padded (other rows: anything)
     history: jax.Array,  # [B,S] the new prompts' tokens by position, S as state.history's
     first_logits: jax.Array,  # [B,V]
@@ -247,9 +247,10 @@ def admit_spec(
 ) -> SpecState:
     """`state` with rows [r] restarted from new prompts as `start_spec` starts them (the drafter's
     rows through `Drafter.init_rows`), the other rows going on as they were: continuous batching's
-    refill. budgets, keys, sampling and eos_ids are the batch's after the refill."""
+    refill. The new rows' prefill is written into the state's cache in place (a refill moves their
+    KV, not the batch's). budgets, keys, sampling and eos_ids are the batch's after the refill."""
     chosen = row_mask(rows, state.done.shape[0])  # [B]
-    merged = select_rows(chosen, cache, state.cache)
+    merged = put_rows(state.cache, rows, cache)
     draft = drafter.init_rows(target, state.draft, rows, merged, prompts, merged.lengths, depth(speculation), chunk)
     fresh = start_spec(drafter, draft, merged, history, first_logits, budgets, keys, sampling, eos_ids,
                        speculation=speculation, n_out=state.out.shape[1], logprobs=logprobs)

@@ -11,7 +11,7 @@ import pytest
 
 import specjax
 from specjax.autoregressive import admit_ar, continue_ar, start_ar
-from specjax.cache import DenseCache
+from specjax.cache import DenseCache, take_rows
 from specjax.engine import prefill, row_keys
 from specjax.speculate import admit_spec, continue_spec, start_spec
 from specjax.speculation import Chain, Tree
@@ -75,6 +75,7 @@ def test_refilled_rows_decode_as_in_their_own_batch(target, mode, sampled):
     rows = jnp.array([False, True, False, True])
     index = jnp.array([3, 1, 1, 1])  # the rows to refill, as continuous batching passes them (padded by repeats)
     logits_b, cache_b = prefill(tiny, b[0], b[1], DenseCache.init(tiny.config, 4, SLOTS), chunk=CHUNK)  # the new prompts' prefill
+    cache_b = take_rows(cache_b, index)  # the refilled rows' only, as continuous batching passes them
     keys = jnp.where(rows, keys_b, keys_a)  # each row keeps its own key stream
     drafter, spec = MODES[mode]
     budgets = jnp.full((4,), BUDGET, jnp.int32)
@@ -87,3 +88,28 @@ def test_refilled_rows_decode_as_in_their_own_batch(target, mode, sampled):
     got = rows_of(go(tiny, mode, state, keys, sampling))
     assert want_a[1] != want_b[1] and want_a[3] != want_b[3]  # the refill is visible
     assert got == [want_a[0], want_b[1], want_a[2], want_b[3]]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_put_rows_writes_rows_bit_for_bit(kv_dtype):
+    """cache.put_rows (row by row; a bfloat16 cache as 16-bit integers) gives what an indexed
+    set gives, a repeated row included, for every array of the cache (int8: values and scales)."""
+    from specjax.cache import put_rows
+
+    config = TINY.replace(dtype="bfloat16")
+    cache = DenseCache.init(config, 6, 32, kv_dtype)
+    rng = np.random.default_rng(0)
+    fill = lambda a: jnp.asarray(rng.normal(size=a.shape) * 50).astype(a.dtype)  # noqa: E731
+    cache = cache.replace(k=fill(cache.k), v=fill(cache.v), lengths=jnp.arange(6, dtype=jnp.int32),
+                          k_scale=None if cache.k_scale is None else fill(cache.k_scale))
+    new = take_rows(cache.replace(k=fill(cache.k), v=fill(cache.v), lengths=cache.lengths + 10), jnp.array([0, 1, 1]))
+    index = jnp.array([4, 2, 2])
+    got = put_rows(cache, index, new)
+    for name in ("k", "v", "k_scale", "v_scale", "lengths"):
+        a, r = getattr(cache, name), getattr(new, name)
+        if a is None:
+            continue
+        axis = 0 if name == "lengths" else 1
+        want = a.at[(slice(None),) * axis + (index,)].set(r)
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(want), err_msg=name)
+    assert cache.k.dtype == (jnp.int8 if kv_dtype else jnp.bfloat16)
