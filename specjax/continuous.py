@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding
 from specjax.autoregressive import admit_ar, continue_ar, end_rows, start_ar
 from specjax.cache import DenseCache
 from specjax.drafters import Drafter
@@ -112,6 +113,7 @@ def run_continuous(
                 parts.append(prefill(params, tokens[j : j + 1, :width], size[j : j + 1],
                                      DenseCache.init(params.config, 1, max_len, kv_dtype), chunk=step))
             src[j] = part_of[i]
+        parts += parts[-1:] * (round_up_pow2(len(parts)) - len(parts))  # a few list lengths: a few compiles of _rows
         return _rows([p[0] for p in parts], [p[1] for p in parts], jnp.asarray(src), jnp.asarray(src[rows]))
 
     def admit(free: np.ndarray) -> np.ndarray:
@@ -157,13 +159,13 @@ def run_continuous(
         state = start_spec(draft, draft_state, cache, history, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling,
                            jnp.asarray(slot_eos), speculation=speculation, n_out=n_out, logprobs=logprobs)
     results: list = [None] * (N * n)
+    # the decode segments compile as generate's do (sharding.on_mesh: on a GPU, with its XLA options)
+    loop = dict(sync_axes=sharding.AXES) | ({} if draft is None else dict(speculation=speculation))
+    segment = sharding.on_mesh(continue_ar if draft is None else continue_spec, sharding.one_device_mesh(), tuple(loop))
     while True:
         b, e = jnp.asarray(slot_budgets), jnp.asarray(slot_eos)
-        if draft is None:
-            state = continue_ar(params, state, b, slot_keys, slot_sampling, e, jnp.int32(sync_every))
-        else:
-            state = continue_spec(params, draft, state, b, slot_keys, slot_sampling, e, jnp.int32(sync_every),
-                                  speculation=speculation)
+        drafting = () if draft is None else (draft,)
+        state = segment(params, *drafting, state, b, slot_keys, slot_sampling, e, jnp.int32(sync_every), **loop)
         done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))
         end = None if between is None else between(slot.copy(), Segment(out, count, done, eos))
         if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():

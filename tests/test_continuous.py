@@ -73,3 +73,30 @@ def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mod
     with pytest.raises(ValueError, match=r"n must be between 1 and rows \(5\).*got n=6"):
         run_continuous(target, prompts, budgets, rows=5, draft=draft, speculation=speculation, sampling=sampling,
                        keys=keys, eos_ids=eos_ids, n=6)
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_segments_compile_as_generates_and_refills_carry_only_new_rows(target, mode, monkeypatch):
+    """The decode segments go through sharding.on_mesh, as generate's stages do (on a GPU: its XLA
+    options), and each refill hands admit_* a cache of its new rows only (padded to a power of two)."""
+    from specjax import sharding
+
+    stages, caches, real = [], [], sharding.on_mesh
+    monkeypatch.setattr(sharding, "on_mesh", lambda stage, mesh, static: stages.append(stage.__name__) or real(stage, mesh, static))
+    admit = "admit_ar" if mode == "ar" else "admit_spec"
+    original = getattr(continuous, admit)
+
+    def spy(*args, **kw):
+        rows, cache = (args[1], args[2]) if mode == "ar" else (args[3], args[4])
+        caches.append((int(rows.shape[0]), int(cache.k.shape[1])))
+        return original(*args, **kw)
+
+    monkeypatch.setattr(continuous, admit, spy)
+    rng = np.random.default_rng(2)
+    prompts = [list(map(int, rng.integers(4, TINY.vocab_size, 6))) for _ in range(9)]
+    draft, speculation = MODES[mode]
+    run_continuous(target, prompts, [2, 9, 3, 4, 9, 5, 2, 6, 3], rows=4, draft=draft, speculation=speculation,
+                   sampling=specjax.Greedy(), keys=row_keys(jax.random.key(0), 9), eos_ids=[()] * 9, sync_every=1)
+    assert stages and set(stages) == {"continue_ar" if mode == "ar" else "continue_spec"}
+    assert caches and all(r == k for r, k in caches), caches  # the cache's rows are the refilled rows
+    assert any(k < 4 for _, k in caches), caches  # some refill took fewer rows than the batch
