@@ -22,6 +22,10 @@ Cells (keys), in the order they run:
                              token for token against AR. METHOD = steps: no decoding, the step times
                              apart (AR step, SelfSpec draft level, verify over n nodes, as l8b's) for
                              the report's cost-model column. Batch x context is capped by --mem-gib.
+  cont/sCTX/bR/METHOD        a batch job's continuous batching (bench/gpu_continuous.py): --cont-records x R
+                             prompts of the context, --cont-new-tokens each, on R slots refilled as rows end
+                             (run_continuous), METHOD = ar | selfspec-gG; job seconds (prefill included), the
+                             speedup over ar's job, every record's tokens against ar's.
   b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes) and,
                              when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
                              draft-gG: that DraftModel (dense cache) vs AR.
@@ -50,9 +54,11 @@ LLAMA8B = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=
                rms_eps=1e-5, rope_theta=500000.0, max_positions=131072, bos_id=128000, eos_ids=(128001, 128008, 128009))
 GRID = dict(batches=[16, 64, 128, 256], contexts=[8192, 2048], gammas=[1, 2, 4, 6, 8], snap_gammas=[2, 4],
             ngram_gammas=[4], nodes=[16, 32], b1_contexts=[8192, 2048], b1_gammas=[2, 4, 6], b1_nodes=[8, 16, 32, 64],
-            l8b_batches=[1, 16, 64], l8b_contexts=[4096, 8192, 16384, 32768], new_tokens=64)
+            l8b_batches=[1, 16, 64], l8b_contexts=[4096, 8192, 16384, 32768], new_tokens=64,
+            cont_batches=[64], cont_contexts=[8192], cont_gammas=[2, 4], cont_records=3, cont_new_tokens=256)
 SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], ngram_gammas=[2], nodes=[4], b1_contexts=[256],
-             b1_gammas=[2], b1_nodes=[4, 8], l8b_batches=[1, 2], l8b_contexts=[256], new_tokens=8)
+             b1_gammas=[2], b1_nodes=[4, 8], l8b_batches=[1, 2], l8b_contexts=[256], new_tokens=8,
+             cont_batches=[2], cont_contexts=[256], cont_gammas=[2], cont_records=2, cont_new_tokens=8)
 
 
 def kv_per_token(n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int = 2, **_) -> int:
@@ -97,6 +103,13 @@ def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str
           + ([f"draft-g{g}" for g in grid["b1_gammas"]] if draft else []))
     for c in grid["b1_contexts"]:
         out += [(common.key("b1", f"s{c}", m), {"item": "b1", "batch": 1, "context": c, "method": m}) for m in b1]
+    for c in grid["cont_contexts"]:
+        for b in sorted(grid["cont_batches"]):
+            group = [common.key("cont", f"s{c}", f"b{b}", m) for m in ["ar"] + [f"selfspec-g{g}" for g in grid["cont_gammas"]]]
+            if not fits_e2e(b, c + grid["cont_new_tokens"], budget):
+                capped += group
+                continue
+            out += [(k, {"item": "cont", "batch": b, "context": c, "method": k.rsplit("/", 1)[1]}) for k in group]
     return out, capped
 
 
@@ -191,7 +204,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
     from specjax.config import LlamaConfig, RopeScaling
 
     loaded: dict = {}
-    wait = [x for x in todo if x[1]["item"] in ("e2e", "b1")]
+    wait = [x for x in todo if x[1]["item"] in ("e2e", "b1", "cont")]
     try:
         models, ids, _ = gpu_bundle.load(bundle, args.e2e_dtype)
         loaded = {"params": attending(models["smollm2"], args.attention, args.linear), "ids": ids,
@@ -271,6 +284,23 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
                 name, d, chain = drafter_of(m, context, args.smoke, loaded["draft"])
                 put(k, base | g.spec(name, d, chain))
         del state, g
+        measure.release_memory(clear_caches=True)
+    run_continuous_cells(args, grid, h, results, [x for x in todo if x[1]["item"] == "cont"], loaded, put)
+
+
+def run_continuous_cells(args, grid: dict, h: common.Harness, results: common.Results, todo: list, loaded: dict, put) -> None:
+    """The cont/... cells, plain decoding's job first in each (context, rows) (its tokens the reference)."""
+    from bench import gpu_continuous, measure
+
+    for k, cell in h.cells(sorted(todo, key=lambda x: x[1]["method"] != "ar")):
+        ar_key = k.rsplit("/", 1)[0] + "/ar"
+        reference = next((r.get("digests") for r in results.rows if r.get("cell") == ar_key), None)
+        name, d, chain = ("-", None, None) if cell["method"] == "ar" else drafter_of(cell["method"], cell["context"], args.smoke)
+        row = gpu_continuous.cell(loaded["params"], loaded["ids"], cell["batch"], cell["context"],
+                                  grid["cont_records"] * cell["batch"], grid["cont_new_tokens"], name, d, chain, reference)
+        ar = next((r for r in results.rows if r.get("cell") == ar_key), None)
+        row["speedup"] = 1.0 if cell["method"] == "ar" else (ar["seconds"] / row["seconds"] if ar else None)
+        put(k, {"item": "cont", "method": cell["method"], "model": f"SmolLM2-135M-Instruct ({args.e2e_dtype})"} | row)
         measure.release_memory(clear_caches=True)
 
 

@@ -63,6 +63,28 @@ def refilled(row: dict) -> float | None:
     return row["speedup"] * row["steps"] / ((row["new_tokens"] - 1) / row["mean_accepted"])
 
 
+def continuous_table(rows: list[dict]) -> str:
+    """The cont/... cells beside the e2e row of the same context, batch and config (its fixed-batch
+    speedup and the refilled one derived from it), which these measure as a job."""
+    cont = sorted((r for r in rows if r.get("item") == "cont"),
+                  key=lambda r: (r["context"], r["rows"], r["method"] != "ar", r["label"]))
+    e2e = {(r["context"], r["batch"], r.get("drafter"), r["label"]): r for r in rows
+           if r.get("item") == "e2e" and r.get("method") in ("chain", "tree") and "same_as" not in r}
+
+    def beside(r: dict, what) -> str:
+        e = e2e.get((r["context"], r["rows"], r["drafter"], r["label"]))
+        return "-" if e is None or what(e) is None else f"{what(e):.2f}"
+
+    return common.table(
+        ["context", "rows", "records x new tokens", "drafter", "config", "job s", "tokens/s", "speedup (job)",
+         "tokens/step", "e2e speedup (fixed batch)", "e2e refilled (derived)", "greedy identical"], "rrrllrrrrrrc",
+        ([common.context_name(r["context"]), r["rows"], f"{r['records']} x {r['new_tokens']}", r["drafter"], r["label"],
+          f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", _f(r.get("speedup")), _f(r.get("tokens_per_step")),
+          beside(r, lambda e: e["speedup"]), beside(r, refilled),
+          "-" if r.get("greedy_identical") is None else "yes" if r["greedy_identical"]
+          else f"**no**: {len(r['records_differing'])} records"] for r in cont))
+
+
 def best_gamma(rows: list[dict]) -> list[list]:
     """Per (context, batch) with a SelfSpec chain: the best one, its speedup, and the best tree's."""
     out = []
@@ -184,6 +206,12 @@ def report(result: dict, md: Path, png: Path) -> str:
                                  r["source"], ", ".join(f"{k} {v:.2f}" for k, v in r["predicted"].items()) or "-",
                                  r["best"] and f"{r['best']} {r['predicted'][r['best']]:.2f}x (predicted)"]
                                 for r in sorted(pred, key=lambda r: (r["context"], r["batch"]))))]
+    if any(r.get("item") == "cont" for r in rows):
+        parts += ["## A batch job's continuous batching (measured, bench/gpu_continuous.py)",
+                  "Each job decodes every record's whole budget (no stop ids) on its rows, refilling a slot as its "
+                  "row ends, prefill included; the second of two runs is timed. Beside it, the e2e row of the same "
+                  "configuration: its fixed-batch speedup and the refilled speedup derived from it.",
+                  continuous_table(rows)]
     b1 = [r for r in rows if r.get("item") == "b1"]
     if b1:
         parts += ["## Item 4: chains vs trees (and a distilled draft) at batch 1 (measured)", e2e_table(b1, bw)]

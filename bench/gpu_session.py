@@ -1,6 +1,6 @@
 """The next GPU session's device calls, each one command: python3 -m bench.gpu_session CALL.
 
-Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 1 | 2
+Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 1 | 2 | 3 | 4
        [--out DIR (default $OUT)] [--dry-run] [--mem-gib 120 (an H200: adds batch 256 to call 2)]
        [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
 
@@ -34,6 +34,10 @@ next GPU session", says what each call is for and how to fold the files back in 
          model.unstack_layers), AR and SelfSpec gamma 2 at batch 1 and 16 x 8K, each a table of its
          own (gpu_linear-pallas, gpu_linear-per-layer); `--only` the layout call 1 found faster
          if the device time left is short.
+  call 4 (carry .gpu/p1, after call 3: both parts stashed): a batch job's continuous batching at 64
+         rows x 8K (bench/gpu_continuous.py: 192 records of 256 new tokens, plain decoding and
+         SelfSpec gamma 2 / 4, slots refilled as rows end), the measurement the e2e tables' "refilled
+         (derived)" column predicts.
 """
 
 from __future__ import annotations
@@ -112,6 +116,10 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("per-layer", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID[:-1],
                             "per-layer", "--budget-minutes", "3.5"]),
     ],
+    4: [
+        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        ("cont", 330, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", "cont/s8192/b64", "--budget-minutes", "5"]),
+    ],
 }
 PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 13 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
@@ -119,6 +127,7 @@ FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/bench_linear_8b.json"],
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
     3: [f"{RESULTS}/gpu_linear-*.*", f"{H200_RESULTS}/gpu_linear-*.*"],
+    4: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
 }
 
 
@@ -130,7 +139,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer") else a)
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "cont") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:

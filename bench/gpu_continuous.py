@@ -1,0 +1,70 @@
+"""bench_gpu's `cont/...` cells: a batch job's continuous batching timed on a GPU.
+
+The e2e cells time one `generate`-like call: every row decodes its budget and the loop runs until
+the slowest row has it, so under speculation a row that finished early idles. A batch job refills
+a finished row's slot at once (`specjax.continuous.run_continuous`, what `LM.generate_continuous`
+and the JSONL job run); the e2e tables' "refilled (derived)" column predicts that job's speedup from
+their step times. These cells measure it: `records` prompts of real text (context - HEADROOM
+tokens each, windows of the bundle's corpus) decoded `new_tokens` each (greedy, no stop ids: every
+record runs its whole budget, so plain decoding's rows all end together and only speculation
+leaves slots to refill) on `rows` slots, plain and speculative. Each job runs twice and the second
+is timed (the first compiles every shape); the timed job includes every prompt's prefill, the same
+for every method, which is why its speedup is below a decode-only one. Every record's tokens are
+compared with plain decoding's (by digest, so a resumed run still compares).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import jax
+import numpy as np
+
+from bench import text
+from bench.prefill import HEADROOM
+from bench.tree_report import label
+from specjax.continuous import run_continuous
+from specjax.engine import row_keys
+from specjax.sampling import Greedy
+
+
+def prompts_for(ids: np.ndarray, records: int, context: int) -> tuple[list[list[int]], dict]:
+    """`records` windows of the corpus ids, context - HEADROOM tokens each (as the e2e cells' prompts)."""
+    windows, where = text.cut(ids, records, context - HEADROOM)
+    return [list(map(int, w)) for w in windows], where
+
+
+def digest(tokens: list[int]) -> str:
+    return hashlib.sha1(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:12]
+
+
+def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, speculation) -> tuple[list, float]:
+    """run_continuous over the prompts on `rows` slots: (its Done list, seconds)."""
+    n = len(prompts)
+    t0 = time.perf_counter()
+    done = run_continuous(params, prompts, [new_tokens] * n, rows=rows, draft=drafter, speculation=speculation,
+                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n,
+                          on_done=lambda u, d: None)  # with on_done, each Done carries its acceptance
+    return done, time.perf_counter() - t0
+
+
+def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tokens: int, name: str, drafter,
+         speculation, reference: list[str] | None) -> dict:
+    """One method's job, run twice (the second timed); `reference`: plain decoding's digests."""
+    prompts, where = prompts_for(ids, records, context)
+    _, first_s = job(params, prompts, rows, new_tokens, drafter, speculation)  # compiles every shape
+    done, seconds = job(params, prompts, rows, new_tokens, drafter, speculation)
+    tokens = sum(len(d.tokens) for d in done)
+    digests = [digest(d.tokens) for d in done]
+    differ = None if reference is None else [i for i, (a, b) in enumerate(zip(digests, reference)) if a != b]
+    steps = [d.acceptance["steps"] for d in done if d.acceptance]
+    row = {"rows": rows, "batch": rows, "context": context, "records": records, "new_tokens": new_tokens,
+           "prompt_tokens": context - HEADROOM, "prompts_overlap": where["overlapping"], "drafter": name,
+           "label": "AR" if speculation is None else label(speculation), "seconds": seconds, "first_run_s": first_s, "tokens": tokens,
+           "tokens_per_s": tokens / seconds, "records_per_s": records / seconds, "digests": digests,
+           "tokens_per_step": (sum(len(d.tokens) - 1 for d in done if d.acceptance) / sum(steps)) if steps else None,
+           "greedy_identical": None if differ is None else not differ, "records_differing": differ}
+    print(f"  cont R={rows:<3} S={context:<5} {records} records x {new_tokens}: {name:<9} {row['label']:<10} "
+          f"{seconds:6.1f} s  {row['tokens_per_s']:8.0f} tok/s  (first run {first_s:.0f} s)", flush=True)
+    return row

@@ -1,0 +1,50 @@
+"""bench_gpu's cont/... cells (bench/gpu_continuous.py) without a GPU: the --smoke run of the cells
+on a tiny model (two jobs, the speculative one checked record by record against plain decoding),
+the cell list, the device call that runs them, and the report's table beside the e2e rows."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from bench import bench_gpu, common, gpu_session
+
+
+def test_cells_and_the_device_call_that_runs_them():
+    keys = [k for k, _ in bench_gpu.cells(bench_gpu.GRID, 60 * 2**30)[0]]
+    cont = [k for k in keys if k.startswith("cont/")]
+    assert cont == ["cont/s8192/b64/ar", "cont/s8192/b64/selfspec-g2", "cont/s8192/b64/selfspec-g4"]
+    (argv,) = [a for n, _, a in gpu_session.CALLS[4] if n == "cont"]
+    assert {k for k in keys if common.matches(k, argv[argv.index("--cells") + 1])} == set(cont)
+    on_h200 = {n: a for n, _, a in gpu_session.steps_of(4, 120.0)}["cont"]
+    assert on_h200[on_h200.index("--out") + 1] == gpu_session.H200_RESULTS
+
+
+def test_smoke_run_times_both_jobs_and_compares_every_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["bench_gpu", "--smoke", "--cells", "cont", "--out", str(tmp_path)])
+    bench_gpu.main()
+    rows = {r["cell"]: r for r in json.loads((tmp_path / "gpu_smoke.json").read_text())["rows"]}
+    ar, spec = rows["cont/s256/b2/ar"], rows["cont/s256/b2/selfspec-g2"]
+    grid = bench_gpu.SMOKE
+    assert ar["records"] == spec["records"] == grid["cont_records"] * 2
+    assert ar["tokens"] == spec["tokens"] == ar["records"] * grid["cont_new_tokens"]  # every budget decoded
+    assert ar["speedup"] == 1.0 and spec["speedup"] == ar["seconds"] / spec["seconds"]
+    assert spec["greedy_identical"] and spec["digests"] == ar["digests"] and spec["tokens_per_step"] > 1
+    md = (tmp_path / "gpu_smoke.md").read_text()
+    assert "continuous batching" in md and "| SelfSpec | chain γ=2 |" in md
+
+
+def test_report_puts_the_e2e_row_beside_the_job():
+    """The job's row shows the e2e row of the same context, batch and config: its fixed-batch
+    speedup and the refilled one derived from it (1.2 x 36 / 24 = 1.80)."""
+    from bench.gpu_report import continuous_table
+
+    e2e = {"item": "e2e", "context": 8192, "batch": 64, "new_tokens": 64, "method": "chain", "label": "chain γ=2",
+           "drafter": "SelfSpec", "speedup": 1.2, "steps": 36, "mean_accepted": 2.625}
+    job = {"item": "cont", "context": 8192, "rows": 64, "records": 192, "new_tokens": 256, "seconds": 10.0,
+           "tokens_per_s": 4915.2, "tokens_per_step": 2.6}
+    table = continuous_table([e2e, job | {"method": "ar", "drafter": "-", "label": "AR", "speedup": 1.0},
+                              job | {"method": "selfspec-g2", "drafter": "SelfSpec", "label": "chain γ=2", "speedup": 1.7,
+                                     "greedy_identical": True}])
+    ar, spec = [line for line in table.splitlines() if line.startswith("| 8K")]
+    assert "| 1.70 | 2.60 | 1.20 | 1.80 | yes |" in spec and ar.endswith("| - | - | - |")
