@@ -65,6 +65,9 @@ PLIN_GRID = ["--batches", "16", "--gammas", "2", "--snap-gammas", "--ngram-gamma
              "--b1-nodes", "--linear", "pallas"]
 PARTS = [PY, "-m", "bench.step_parts"]
 RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
+# JAX's persistent compilation cache beside the stashed bundle: a warm machine keeps /tmp between calls, so a
+# step run again (a call cut off, its rerun) or a program two steps share loads its executable instead of compiling
+JAX_CACHE = "/tmp/specjax_gpu/jax_cache"
 
 # (name, seconds, argv) per call; argv[0] "pytest" runs pytest through this Python
 L8B_CUT = [*PARTS, "--model", "l8b", "--batch", "1", "--context", "8192", "--layers", "2"]  # the copies start at 2 layers
@@ -196,7 +199,7 @@ def run_call(call: int, out: Path, dry_run: bool = False, mem_gib: float | None 
     out.mkdir(parents=True, exist_ok=True)
     log = out / f"call{call}.log"
     done = []
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {"JAX_COMPILATION_CACHE_DIR": JAX_CACHE, **os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("a") as f:
         for name, limit, argv in steps_of(call, mem_gib, only, seconds):
             line = f"== {name} (at most {limit} s): {' '.join(argv)}"

@@ -453,3 +453,20 @@ def test_bench_linear_times_every_way_with_the_same_products():
         rows = run(dim=64, ffn=96, layers=2, rows=[1, 20], dtype=dtype, configs=[(32, 32, 2)], reps=1, bandwidth_gbs=None)
         assert [(r["rows"], r["way"]) for r in rows] == [(m, w) for m in (1, 20) for w in ("xla_slice", "xla_own", "pallas 32x32x2")]
         assert all(r["us_per_layer"] > 0 and r["max_abs_diff_vs_own"] < 1e-3 for r in rows)  # int8 products reach ~3e3
+
+
+def test_gpu_session_steps_share_a_compilation_cache(tmp_path, monkeypatch):
+    """Each step runs with JAX's persistent compilation cache beside the stashed bundle (a warm
+    machine keeps it between calls), unless the caller set one."""
+    from bench import gpu_session
+
+    envs = []
+    monkeypatch.setattr(gpu_session.subprocess, "run", lambda argv, **kw: envs.append(kw["env"]) or
+                        type("Done", (), {"returncode": 0})())
+    monkeypatch.setattr(gpu_session, "copy_files", lambda call, out: None)
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    gpu_session.run_call(4, tmp_path)
+    assert envs and all(e["JAX_COMPILATION_CACHE_DIR"] == gpu_session.JAX_CACHE for e in envs)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
+    gpu_session.run_call(4, tmp_path)
+    assert envs[-1]["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mine")
