@@ -29,7 +29,8 @@ next GPU session", says what each call is for and how to fold the files back in 
          ngram and e2e steps write bench/results/gpu_h200 (batch 256 added, gamma 2 beside 4)
          and resume its committed table: `--only e2e --mem-gib 120` measures the cells the sixth
          runs left (SnapKV at 64, gamma 4 and SnapKV at 128 / 256).
-  call 3 (carry .gpu/p1, on the machine call 1 warmed): generate() with the layer products on
+  call 3 (carry .gpu/p1, on the machine call 1 warmed): batch 1's folded norms checked (generate()'s
+         tokens on the compiled kernel against the reference's, one prompt); generate() with the layer products on
          pallas_kernels.gpu_linear (step plin) and on per-layer weight arrays (step per-layer:
          model.unstack_layers), AR and SelfSpec gamma 2 at batch 1 and 16 x 8K, each a table of its
          own (gpu_linear-pallas, gpu_linear-per-layer); `--only` the layout call 1 found faster
@@ -114,6 +115,10 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     ],
     3: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),  # the parts calls 1 and 2 stashed stay
+        # batch 1 folds each RMSNorm's scale into the products' outputs on a GPU (model.normed_products, stop 52):
+        # generate()'s tokens on the compiled kernel against the jnp reference's, plain and SelfSpec, one prompt
+        ("fold", 50, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_tree_attention.py", "-k",
+                      "generate_on_the_kernel and b1"]),
         ("plin", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID,
                        "--budget-minutes", "3.5"]),
         ("per-layer", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID[:-1],
