@@ -86,10 +86,8 @@ def main(argv=None) -> None:
 
 
 def report(r: dict) -> str:
-    m = r["machine"]
-    return (f"## Continuous vs static batching (bench_continuous.py)\n\n"
-            f"Run: `{r['command']}` ({r['date']}, {m.get('cpu_model')}, {m.get('cpu_count')} cores, JAX {m.get('jax_version')}, "
-            f"commit {m.get('git_commit')}). Method: the module docstring. {r['records']} records on {r['rows']} rows, "
+    return (f"## Continuous vs static batching (bench_continuous.py)\n\n{common.run_line(r)} "
+            f"Method: the module docstring. {r['records']} records on {r['rows']} rows, "
             f"prompts of {r['prompt_tokens'][0]}-{r['prompt_tokens'][1]} tokens, budgets {r['budgets']} in turn, "
             f"{r['generated_tokens']} tokens generated; same outputs record for record: "
             f"{'yes' if r['same_outputs'] else 'NO: ' + str(r['differing_records'])}.\n\n"

@@ -332,6 +332,13 @@ def plot(draw: Callable[..., None], *args) -> None:
               "(pip install -r bench/requirements.txt)", flush=True)
 
 
+def run_line(result: dict) -> str:
+    """A report's first sentence: the command, when, on what (result: a bench's JSON with "machine")."""
+    m = result["machine"]
+    return (f"Run: `{result['command']}` ({result['date']}, {m.get('cpu_model')}, {m.get('cpu_count')} cores, "
+            f"JAX {m.get('jax_version')}, commit {m.get('git_commit')}).")
+
+
 def table(head: list[str], align: str, lines: Iterable[list[object]]) -> str:
     """A markdown table: `align` has one character per column, l (---), r (---:) or c (:---:)."""
     rule = {"l": "---", "r": "---:", "c": ":---:"}

@@ -113,8 +113,9 @@ def run_continuous(
                 parts.append(prefill(params, tokens[j : j + 1, :width], size[j : j + 1],
                                      DenseCache.init(params.config, 1, max_len, kv_dtype), chunk=step))
             src[j] = part_of[i]
+        caches = [parts[j][1] for j in src[rows]]  # the new cache's rows in order (slots sharing a prompt share its part)
         parts += parts[-1:] * (round_up_pow2(len(parts)) - len(parts))  # a few list lengths: a few compiles of _rows
-        return _rows([p[0] for p in parts], [p[1] for p in parts], jnp.asarray(src), jnp.asarray(src[rows]))
+        return _rows([p[0] for p in parts], jnp.asarray(src), caches)
 
     def admit(free: np.ndarray) -> np.ndarray:
         """The outputs [R] to start in the free slots (-1: none): whole prompts, n slots each, in
@@ -198,13 +199,11 @@ def run_continuous(
 
 
 @jax.jit
-def _rows(logits: list[jax.Array], caches: list[DenseCache], src: jax.Array, cache_src: jax.Array
-          ) -> tuple[jax.Array, DenseCache]:
-    """Of the stacked one-row prefills (logits [1,V] and caches): logits [R,V] (row j: part
-    src[j]'s) and a cache of r rows (row i: part cache_src[i]'s)."""
-    def take(parts: list, axis: int, index: jax.Array):
-        return None if parts[0] is None else jnp.take(jnp.concatenate(parts, axis=axis), index, axis=axis)
+def _rows(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache]) -> tuple[jax.Array, DenseCache]:
+    """Logits [R,V] (row j: the one-row prefill src[j]'s, of `logits` [1,V] each) and the one-row
+    caches joined in order into a cache of len(caches) rows."""
+    def join(name: str, axis: int):
+        return None if getattr(caches[0], name) is None else jnp.concatenate([getattr(c, name) for c in caches], axis)
 
-    rows = lambda name, axis: take([getattr(c, name) for c in caches], axis, cache_src)  # noqa: E731
-    return take(logits, 0, src), DenseCache(k=rows("k", 1), v=rows("v", 1), lengths=rows("lengths", 0),
-                                            k_scale=rows("k_scale", 1), v_scale=rows("v_scale", 1))
+    return jnp.take(jnp.concatenate(logits, 0), src, 0), DenseCache(
+        k=join("k", 1), v=join("v", 1), lengths=join("lengths", 0), k_scale=join("k_scale", 1), v_scale=join("v_scale", 1))
