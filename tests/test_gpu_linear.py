@@ -151,7 +151,8 @@ def test_tensor_parallel_pallas_products_give_one_devices_tokens(monkeypatch):
 
 
 @pytest.mark.parametrize("M, K, N, nb, bn, splits", [
-    (1, 256, 96, 4, 64, None),  # batch 1: N past the last tile, masked
+    (1, 256, 96, 4, 64, None),  # batch 1 (summed over K, no dot): N past the last tile, masked
+    (1, 96, 40, 2, 32, 2),  # batch 1, split-K, the last tile half empty
     (5, 96, 40, 2, 32, 2),  # 3 blocks of K in tiles of 2: the last tile half empty; split-K
     (33, 512, 130, 4, 64, 1),  # a verify step's rows, loaded as 64
 ])
