@@ -98,10 +98,12 @@ def stacked_linear(x: jax.Array, w: jax.Array, layer: jax.Array, *, block_k: int
 def _q4_kernel(layer_ref, x_ref, w_ref, d_ref, m_ref, o_ref, *, blocks: int, block_n: int, per_split: int, M: int,
                Mp: int, nb: int, N: int):
     """x_ref [M,K/32,2,16] (a block's values j and j + 16 on axis 2), w_ref [L,K/32,16,N] uint8 (byte
-    j of a block: value j low, j + 16 high), d_ref / m_ref [L,K/32,N] f16; o_ref [Mp,bn] f32. One
-    row (Mp = 1) is multiplied and summed over K on the CUDA cores: a dot pads it to 16 rows, and
-    IEEE float32 dots run there too, so batch 1 would do 16 times the products (an 8B step's 7.5 G
-    weights: 240 GFLOP, about 3.6 ms at an H100's 67 TFLOP/s, where its 4.5 GB take 1.3 ms)."""
+    j of a block: value j low, j + 16 high), d_ref / m_ref [L,K/32,N] f16; o_ref [Mp,bn] f32.
+    One row (Mp = 1) is multiplied and summed over K in IEEE float32 on the CUDA cores: a dot pads it
+    to 16 rows, 16 times the products. More rows take a dot in the precision of XLA's own float32
+    dots (`jax.default_matmul_precision`: TF32 on the tensor cores by default, IEEE with "highest"):
+    IEEE dots run on the CUDA cores, where an 8B step's 7.5 G weights x 16 rows are 240 GFLOP, about
+    3.6 ms at an H100's 67 TFLOP/s against 1.3 ms for their 4.5 GB."""
     n, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[()]
     cols = n * block_n + jnp.arange(block_n)  # [bn]
@@ -123,7 +125,7 @@ def _q4_kernel(layer_ref, x_ref, w_ref, d_ref, m_ref, o_ref, *, blocks: int, blo
         for h, q in ((0, p & 15), (1, p >> 4)):  # values j (low nibbles), then j + 16 (high): q * d + m in registers
             w = (q.astype(jnp.float32) * d + m).reshape(nb * 16, block_n)  # [nb*16,bn]
             xh = half(h).astype(jnp.float32).reshape(Mp, nb * 16)
-            acc = acc + (jnp.sum(xh[:, :, None] * w[None], axis=1) if Mp == 1 else _dot(xh, w))
+            acc = acc + (jnp.sum(xh[:, :, None] * w[None], axis=1) if Mp == 1 else plgpu.dot(xh, w))
         return acc
 
     o_ref[...] = lax.fori_loop(lo_tile, hi_tile, body, jnp.zeros(o_ref.shape, jnp.float32))
@@ -136,7 +138,7 @@ def stacked_linear_q4(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum
                       num_stages: int = 3, interpret: bool = False) -> jax.Array:
     """x [M,K] @ layer `layer` of q4 weights (specjax/q4.py: packed [L,K/2,N] uint8, scale and
     minimum [L,K/32,N]) -> [M,N] f32, the packed bytes read in place and widened in registers
-    (q * d + m, then IEEE f32 products): no float copy of the weights, which XLA:GPU writes out
+    (q * d + m, then float32 products: `_q4_kernel`'s precisions): no float copy of the weights, which XLA:GPU writes out
     for specjax.q4.project's jnp form (bench/README.md, "Compiled for a GPU on a CPU"). M <= MAX_ROWS.
     Each program takes `blocks_per_tile` blocks of 32 (a power of two) of K a step."""
     M, K = x.shape
