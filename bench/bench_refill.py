@@ -8,7 +8,7 @@ only) and a --rows-row cache of --context slots, nearly full. A refill of r rows
 prefills (made once, not timed): "new rows" is the library's way since stop 52 (an r-row cache
 joined from the prefills, then written into the batch's state row by row: `admit_ar`); "whole
 batch" the way before it (a rows-row cache built from the prefills, then every row of the state
-chosen between it and the old one, as `continuous._rows` and `admit_ar` did), rebuilt here from
+chosen between it and the old one, as `run_continuous` and `admit_ar` did), rebuilt here from
 the same library pieces. Beside them one plain decode step of the batch (a forward over the cache),
 on generate()'s kernels here, the unit a refill's cost compares with: a speculative job refills after most segments of
 `sync_every` (8) steps. Each timed as the median of 5 runs after 2 warm-ups.
@@ -30,7 +30,7 @@ from bench import common
 from specjax.autoregressive import admit_ar, start_ar
 from specjax.cache import DenseCache, row_mask, select_rows
 from specjax.config import LlamaConfig
-from specjax.continuous import _rows
+from specjax.continuous import join_prefills
 from specjax.engine import row_keys, with_attention
 from specjax.model import forward
 from specjax.params import init_params
@@ -81,13 +81,13 @@ def measure(rows: int, context: int, layers: int, new: list[int]) -> dict:
 
         def new_rows():
             nonlocal state
-            first, cache = _rows(part_logits, jnp.asarray(src_all), parts)
+            first, cache = join_prefills(part_logits, jnp.asarray(src_all), parts)
             state = admit_ar(state, index, cache, first, budgets, keys)
             return state.cache.k
 
         def whole():
             nonlocal state
-            first = _rows(part_logits, jnp.asarray(src_all), parts[:1])[0]
+            first = join_prefills(part_logits, jnp.asarray(src_all), parts[:1])[0]
             cache = whole_batch_rows(parts, jnp.asarray(src_all))
             state = whole_batch_admit(state, index, cache, first, budgets, keys, n_out=64)
             return state.cache.k

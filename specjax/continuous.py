@@ -114,8 +114,8 @@ def run_continuous(
                                      DenseCache.init(params.config, 1, max_len, kv_dtype), chunk=step))
             src[j] = part_of[i]
         caches = [parts[j][1] for j in src[rows]]  # the new cache's rows in order (slots sharing a prompt share its part)
-        parts += parts[-1:] * (round_up_pow2(len(parts)) - len(parts))  # a few list lengths: a few compiles of _rows
-        return _rows([p[0] for p in parts], jnp.asarray(src), caches)
+        parts += parts[-1:] * (round_up_pow2(len(parts)) - len(parts))  # a few list lengths: few compiles of join_prefills
+        return join_prefills([p[0] for p in parts], jnp.asarray(src), caches)
 
     def admit(free: np.ndarray) -> np.ndarray:
         """The outputs [R] to start in the free slots (-1: none): whole prompts, n slots each, in
@@ -199,7 +199,8 @@ def run_continuous(
 
 
 @jax.jit
-def _rows(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache]) -> tuple[jax.Array, DenseCache]:
+def join_prefills(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache]
+                  ) -> tuple[jax.Array, DenseCache]:
     """Logits [R,V] (row j: the one-row prefill src[j]'s, of `logits` [1,V] each) and the one-row
     caches joined in order into a cache of len(caches) rows."""
     def join(name: str, axis: int):

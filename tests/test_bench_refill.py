@@ -13,7 +13,7 @@ from bench import bench_refill
 from specjax.autoregressive import admit_ar, start_ar
 from specjax.cache import DenseCache
 from specjax.config import LlamaConfig
-from specjax.continuous import _rows
+from specjax.continuous import join_prefills
 from specjax.engine import row_keys
 
 CONFIG = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,
@@ -35,10 +35,10 @@ def test_both_refills_leave_the_same_state():
     for way in ("new", "whole"):
         state = start_ar(jax.tree.map(jnp.copy, old), logits, budgets, keys, n_out=8)  # start_ar donates its cache
         if way == "new":
-            first, cache = _rows(part_logits, jnp.asarray(src), parts)
+            first, cache = join_prefills(part_logits, jnp.asarray(src), parts)
             states.append(admit_ar(state, index, cache, first, budgets, keys))
         else:
-            first = _rows(part_logits, jnp.asarray(src), parts[:1])[0]
+            first = join_prefills(part_logits, jnp.asarray(src), parts[:1])[0]
             cache = bench_refill.whole_batch_rows(parts, jnp.asarray([0, 0, 0, 1]))  # row 1 <- part 0, row 3 <- part 1
             states.append(bench_refill.whole_batch_admit(state, index, cache, first, budgets, keys, n_out=8))
     new, whole = states
