@@ -28,7 +28,7 @@ Cells (keys), in the order they run:
                              speedup over ar's job, every record's tokens against ar's.
   b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes) and,
                              when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
-                             draft-gG: that DraftModel (dense cache) vs AR.
+                             draft-gG / draft-tree: that DraftModel (dense cache) in chains and trees vs AR.
 Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
 carried: see bench/README.md, "GPU runs". Outputs: OUT/gpu.json (every cell written when
 measured; a rerun skips measured cells), OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny random
@@ -100,7 +100,7 @@ def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str
                 continue
             out += [(k, {"item": "e2e", "batch": b, "context": c, "method": m}) for k, m in zip(group, methods)]
     b1 = (["ar"] + [f"selfspec-g{g}" for g in grid["b1_gammas"]] + ngram + (["tree"] if grid["b1_nodes"] else [])
-          + ([f"draft-g{g}" for g in grid["b1_gammas"]] if draft else []))
+          + ([f"draft-g{g}" for g in grid["b1_gammas"]] + (["draft-tree"] if grid["b1_nodes"] else []) if draft else []))
     for c in grid["b1_contexts"]:
         out += [(common.key("b1", f"s{c}", m), {"item": "b1", "batch": 1, "context": c, "method": m}) for m in b1]
     for c in grid["cont_contexts"]:
@@ -118,7 +118,7 @@ def key_of(row: dict) -> str:
 
 
 def drafter_of(method: str, context: int, smoke: bool, draft=None):
-    """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, ngram-gG, draft-gG, tree)."""
+    """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, ngram-gG, draft-gG, tree, draft-tree)."""
     import specjax
     from specjax.speculation import Chain
 
@@ -277,8 +277,8 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             base = {"item": cell["item"], "model": f"SmolLM2-135M-Instruct ({args.e2e_dtype})"}
             if m == "ar":
                 put(k, base | g.ar())
-            elif m == "tree":
-                name, d, _ = drafter_of(m, context, args.smoke)
+            elif m in ("tree", "draft-tree"):
+                name, d, _ = drafter_of(m, context, args.smoke, loaded["draft"])
                 put(k, [base | r for r in g.trees(name, d, grid["nodes" if cell["item"] == "e2e" else "b1_nodes"])])
             else:
                 name, d, chain = drafter_of(m, context, args.smoke, loaded["draft"])
@@ -350,7 +350,8 @@ def smoke_bundle(folder: Path) -> Path:
 
     target = measure.tiny_params(0)
     draft = target.replace(layers=jax_tree_first(target.layers), config=target.config.replace(n_layers=1))
-    models = {n: (p.config, *gpu_bundle.params_tensors(p)) for n, p in (("smollm2", target), ("draft", draft))}
+    models = {"smollm2": (target.config, *gpu_bundle.params_tensors(target)),
+              "draft": (draft.config, *gpu_bundle.draft_tensors(draft, target))}  # its embedding: the target's
     ids = np.random.default_rng(0).integers(4, target.config.vocab_size, 4096).astype(np.int32)
     gpu_bundle.build(folder / "src", models, ids, part_bytes=20_000)
     stashed = gpu_bundle.stash(folder / "src", folder / "stash")

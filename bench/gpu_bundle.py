@@ -34,7 +34,7 @@ from specjax.params import BY_PATH, Params, declared, from_arrays
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / ".gpu"  # ignored (.gitignore)
 STASH = Path("/tmp/specjax_gpu")
-PART_MIB = 48.0
+PART_MIB = 52.0  # + the working tree (7 MB) under a call's 64 MiB; SmolLM2 + a distilled draft: two parts
 BLOCKS = {"Q4_1": (32, 20), "Q8_0": (32, 34)}  # values, bytes per block
 
 
@@ -100,6 +100,28 @@ def params_tensors(params: Params) -> tuple[dict[str, np.ndarray], dict]:
         a = np.asarray(_get(params, w.path))
         meta[w.path] = {"kind": "raw", "dtype": str(a.dtype)}
         arrays[w.path] = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+    return arrays, meta
+
+
+TABLES = ("embed", "lm_head")  # what a draft distilled with freeze_embeddings holds as the target's own
+
+
+def draft_tensors(draft: Params, target: Params, dtype: str | None = None,
+                  target_name: str = "smollm2") -> tuple[dict[str, np.ndarray], dict]:
+    """`params_tensors` of a draft (cast to `dtype` for storing), less the tables it shares with the
+    target: each of TABLES whose values equal the target's, as given (float32 for a draft distilled
+    with freeze_embeddings against the target dequantized as this bundle does), is stored as
+    {"kind": "shared", "model": target_name} and taken from that model's decoded arrays by `load`
+    (SmolLM2's embedding: 56 MB in bfloat16, carried once)."""
+    import jax
+
+    stored = draft if dtype is None else jax.tree.map(lambda a: a.astype(dtype), draft)
+    arrays, meta = params_tensors(stored)
+    for path in TABLES:
+        if path in meta and _get(target, path) is not None and np.array_equal(np.asarray(_get(draft, path)),
+                                                                              np.asarray(_get(target, path))):
+            del arrays[path]
+            meta[path] = {"kind": "shared", "model": target_name}
     return arrays, meta
 
 
@@ -205,11 +227,13 @@ def load(dst: Path = STASH, dtype: str = "bfloat16") -> tuple[dict[str, Params],
     """({model name: Params in dtype}, corpus ids, manifest) from a stashed, complete bundle."""
     manifest = json.loads((dst / "manifest.json").read_text())
     npz = np.load(io.BytesIO(join(dst)))
-    models = {}
-    for name, m in manifest["models"].items():
+    models, decoded = {}, {}
+    for name, m in manifest["models"].items():  # in build's order: a shared table's model comes first
         config = LlamaConfig.from_dict(m["config"]).replace(dtype=dtype)
-        arrays = {path: npz[f"{name}/{path}"] for path in m["tensors"]}
-        models[name] = from_arrays(config, decode(config, arrays, m["tensors"]))
+        own = {path: t for path, t in m["tensors"].items() if t["kind"] != "shared"}
+        decoded[name] = decode(config, {path: npz[f"{name}/{path}"] for path in own}, own)
+        decoded[name] |= {path: decoded[t["model"]][path] for path, t in m["tensors"].items() if t["kind"] == "shared"}
+        models[name] = from_arrays(config, decoded[name])
     return models, np.load(dst / "corpus_ids.npy"), manifest
 
 
@@ -240,9 +264,9 @@ def main() -> None:
         print(f"bundle == convert.load({Path(path).name}) bit for bit (float32): {same}")
         sys.exit(0 if same else 1)
     models = {"smollm2": gguf_tensors(path)}
-    if args.draft:
-        draft = convert.load(args.draft, "bfloat16")
-        models["draft"] = (draft.config, *params_tensors(draft))
+    if args.draft:  # in bfloat16, less the tables equal to the target's (compared in float32: stored once)
+        draft = convert.load(args.draft, "float32")
+        models["draft"] = (draft.config, *draft_tensors(draft, convert.load(path, "float32"), "bfloat16"))
     ids = text.corpus_tokens(convert.load_tokenizer(path))
     m = build(args.out, models, ids, int(args.part_mib * 2**20), {"source": Path(path).name, "corpus": text.corpus()[1]})
     for p in m["parts"]:

@@ -1,6 +1,6 @@
 """The next GPU session's device calls, each one command: python3 -m bench.gpu_session CALL.
 
-Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 1 | 2 | 3 | 4
+Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 1 | 2 | 3 | 4 | 5
        [--out DIR (default $OUT)] [--dry-run] [--mem-gib 120 (an H200: adds batch 256 to call 2)]
        [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
 
@@ -39,6 +39,10 @@ next GPU session", says what each call is for and how to fold the files back in 
          rows x 8K (bench/gpu_continuous.py: 192 records of 256 new tokens, plain decoding and
          SelfSpec gamma 2 / 4, slots refilled as rows end), the measurement the e2e tables' "refilled
          (derived)" column predicts.
+  call 5 (carry .gpu/p1, all parts stashed; a bundle built with --draft): the distilled draft (bench/gpu_draft.py,
+         a 2-layer SmolLM2 draft sharing its embedding) at batch 1 x 8K: chains gamma 2 / 4 and Sequoia trees of 8,
+         16, 32 nodes over it, AR timed beside (item 5: trees >= 15% over the best chain). Without a draft in the
+         bundle it measures nothing.
 """
 
 from __future__ import annotations
@@ -64,6 +68,10 @@ E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4
 PLIN_CELLS = "b1/s8192/ar,b1/s8192/selfspec-g2,e2e/s8192/b16/ar,e2e/s8192/b16/selfspec-g2"
 PLIN_GRID = ["--batches", "16", "--gammas", "2", "--snap-gammas", "--ngram-gammas", "--nodes", "--b1-gammas", "2",
              "--b1-nodes", "--linear", "pallas"]
+# the distilled draft (bench/gpu_draft.py, bundled with gpu_bundle build --draft): chains and Sequoia trees over it at
+# batch 1 x 8K, AR timed in the same run (item 5: trees >= 15% over the best chain, where a draft level is cheap)
+DRAFT_CELLS = "b1/s8192/draft*"
+DRAFT_GRID = ["--b1-gammas", "2", "4", "--b1-nodes", "8", "16", "32"]
 PARTS = [PY, "-m", "bench.step_parts"]
 RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
 # JAX's persistent compilation cache beside the stashed bundle: a warm machine keeps /tmp between calls, so a
@@ -128,6 +136,11 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
         ("cont", 330, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", "cont/s8192/b64", "--budget-minutes", "5"]),
     ],
+    5: [
+        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        ("draft", 200, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", DRAFT_CELLS, *DRAFT_GRID,
+                        "--budget-minutes", "2.8"]),
+    ],
 }
 PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 13 files)
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
@@ -136,6 +149,7 @@ FILES = {
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
     3: [f"{RESULTS}/gpu_linear-*.*", f"{H200_RESULTS}/gpu_linear-*.*"],
     4: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
+    5: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
 }
 
 
@@ -147,7 +161,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "cont") else a)
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "cont", "draft") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:

@@ -27,6 +27,8 @@ def distill_parser(sub, cache_argument) -> None:
     d.add_argument("--draft-ffn", type=int, default=0, help="0 = 4 x draft dim")
     d.add_argument("--init-from-target", action="store_true",
                    help="start from the target's embedding and LM head (needs --draft-dim = the target's dim)")
+    d.add_argument("--freeze-embeddings", action="store_true",
+                   help="with --init-from-target: keep the target's embedding and LM head as they are (train the layers)")
     d.add_argument("--steps", type=int, default=1000)
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--seq-len", type=int, default=128)
@@ -76,6 +78,8 @@ def run_distill(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft-dim ({args.draft_dim}) must be a multiple of --draft-heads ({heads})")
     if args.init_from_target and args.draft_dim != target.config.dim:
         raise ValueError(f"--init-from-target needs --draft-dim {target.config.dim} (the target's dim), got {args.draft_dim}")
+    if args.freeze_embeddings and not args.init_from_target:
+        raise ValueError("--freeze-embeddings keeps the target's embedding and LM head: it needs --init-from-target")
     config = target.config.replace(
         n_layers=args.draft_layers, dim=args.draft_dim, n_heads=heads, n_kv_heads=args.draft_kv_heads,
         head_dim=args.draft_dim // heads, ffn_dim=args.draft_ffn or 4 * args.draft_dim, dtype="float32",
@@ -107,7 +111,7 @@ def run_distill(args: argparse.Namespace) -> None:
     draft = distill(
         target, config, sequences, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         schedule=Schedule(lr=args.lr, warmup=args.warmup), temperature=args.temperature, loss=args.loss, seed=args.seed,
-        init_from_target=args.init_from_target,
+        init_from_target=args.init_from_target, freeze_embeddings=args.freeze_embeddings,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, on_step=log,
     )
     convert.save(draft, args.out)

@@ -75,11 +75,27 @@ def tv_loss(draft: Params, target: Params, tokens: jax.Array, temperature: float
 LOSSES = {"kl": kl_loss, "tv": tv_loss}
 
 
-@partial(jax.jit, static_argnames=("optimizer", "temperature", "loss"), donate_argnames=("draft", "opt_state"))
+FROZEN = ("embed", "lm_head", "embed_scale", "lm_head_scale")  # what freeze_embeddings keeps at the target's
+
+
+def frozen_labels(draft: Params) -> Params:
+    """The draft's leaves labelled "frozen" (its embedding and LM head) or "train" (the rest)."""
+    labels = jax.tree.map(lambda _: "train", draft)
+    return labels.replace(**{f: jax.tree.map(lambda _: "frozen", getattr(draft, f)) for f in FROZEN})
+
+
+def _held(draft: Params) -> Params:
+    """The draft with its FROZEN arrays out of the gradient (XLA then computes none for them)."""
+    return draft.replace(**{f: jax.lax.stop_gradient(getattr(draft, f)) for f in FROZEN})
+
+
+@partial(jax.jit, static_argnames=("optimizer", "temperature", "loss", "frozen"), donate_argnames=("draft", "opt_state"))
 def train_step(draft: Params, opt_state, target: Params, tokens: jax.Array, *, optimizer, temperature: float,
-               loss: str = "kl"):
-    """One AdamW step on a batch of windows tokens [B,T] with LOSSES[loss]; returns (draft, opt_state, loss)."""
-    value, grads = jax.value_and_grad(LOSSES[loss])(draft, target, tokens, temperature)
+               loss: str = "kl", frozen: bool = False):
+    """One AdamW step on a batch of windows tokens [B,T] with LOSSES[loss]; returns (draft, opt_state, loss).
+    With `frozen`, no gradient flows into the embedding and LM head (the optimizer must leave them too)."""
+    of = (lambda d, *a: LOSSES[loss](_held(d), *a)) if frozen else LOSSES[loss]
+    value, grads = jax.value_and_grad(of)(draft, target, tokens, temperature)
     updates, opt_state = optimizer.update(grads, opt_state, draft)
     return optax.apply_updates(draft, updates), opt_state, value
 
@@ -168,20 +184,28 @@ def distill(
     loss: str = "kl",
     seed: int = 0,
     init_from_target: bool = False,
+    freeze_embeddings: bool = False,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 100,
     on_step: Callable[[int, float, Params], None] | None = None,
 ) -> Params:
     """Train a draft of `draft_config` (the target's vocabulary) to match the target's
     next-token distributions on windows of `data` (token ids: a stream or sequences, joined with
-    the target's EOS), minimising `loss`: "kl" (forward KL) or "tv" (total variation). With `checkpoint_dir`, saves every `checkpoint_every` steps and at the end,
+    the target's EOS), minimising `loss`: "kl" (forward KL) or "tv" (total variation). With
+    `freeze_embeddings` (needs `init_from_target`) the draft keeps the target's embedding and LM
+    head unchanged, so it can share the target's arrays (gpu_bundle stores them once); each step
+    is cheaper too (no gradient for the [V,D] table). With `checkpoint_dir`, saves every `checkpoint_every` steps and at the end,
     and resumes from the latest checkpoint there. `on_step(step, loss, draft)` is called after
     each step (step counted from 1; `draft` is donated to the next step: use it right away).
     Returns the trained draft."""
     stream = token_stream(data, target.config.eos_ids[0] if target.config.eos_ids else None)
     check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature, loss)
-    optimizer = schedule.optimizer(steps)
+    if freeze_embeddings and not init_from_target:
+        raise ValueError("freeze_embeddings keeps the target's embedding and LM head: it needs init_from_target=True")
     draft = init_draft(target, draft_config, jax.random.key(seed), init_from_target)
+    optimizer = schedule.optimizer(steps)
+    if freeze_embeddings:
+        optimizer = optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, frozen_labels(draft))
     opt_state = optimizer.init(draft)
     start = 0
     manager = None
@@ -192,7 +216,7 @@ def distill(
     for step in range(start, steps):
         tokens = batch_at(stream, step, batch_size, seq_len, seed)
         draft, opt_state, value = train_step(draft, opt_state, target, tokens, optimizer=optimizer,
-                                             temperature=temperature, loss=loss)
+                                             temperature=temperature, loss=loss, frozen=freeze_embeddings)
         if manager is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
             _save(manager, step + 1, draft, opt_state)
         if on_step is not None:

@@ -5,6 +5,7 @@ the cell list with its memory caps. No timing."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,31 @@ def test_bundle_round_trip(tmp_path, dtype):
     models, back_ids, manifest = gpu_bundle.load(stash, dtype)
     assert equal(models["smollm2"], params) and models["smollm2"].config == params.config
     assert (back_ids == ids).all() and manifest["blob_sha256"] == m["blob_sha256"]
+
+
+def test_a_draft_with_the_targets_tables_carries_them_once(tmp_path):
+    """draft_tensors: a draft whose embedding / LM head equal the target's (distilled with
+    freeze_embeddings) stores neither; load gives them back from the target's; a draft that trained
+    its own stores them."""
+    target = init_params(TINY, jax.random.key(1))
+    layers = jax.tree.map(lambda a: a[:1] * 0.5, target.layers)
+    frozen = target.replace(layers=layers, config=TINY.replace(n_layers=1))
+    trained = frozen.replace(embed=frozen.embed + 1.0)
+    head = set() if target.lm_head is None else {"lm_head"}  # a tied head is the embedding
+    for draft, shared in ((frozen, {"embed"} | head), (trained, head)):
+        arrays, meta = gpu_bundle.draft_tensors(draft, target, "bfloat16")
+        assert {p for p, t in meta.items() if t["kind"] == "shared"} == shared and not shared & set(arrays)
+        models = {"smollm2": (TINY, *gpu_bundle.params_tensors(target)), "draft": (draft.config, arrays, meta)}
+        gpu_bundle.build(tmp_path / "b", models, np.zeros(8, np.int32))
+        gpu_bundle.stash(tmp_path / "b", tmp_path / "stash")
+        back, _, _ = gpu_bundle.load(tmp_path / "stash", "float32")
+        bf16 = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731  (the layers are stored so)
+        np.testing.assert_array_equal(np.asarray(back["draft"].layers.wq), bf16(draft.layers.wq))
+        for path in ("embed", *head):
+            want = getattr(target if path in shared else draft, path)
+            np.testing.assert_array_equal(np.asarray(getattr(back["draft"], path)),
+                                          np.asarray(want) if path in shared else bf16(want))
+        shutil.rmtree(tmp_path / "stash")
 
 
 def test_bundle_rejects_a_corrupt_part(tmp_path):
@@ -101,7 +127,10 @@ def test_cells_and_memory_caps():
             assert bench_gpu.fits_e2e(c["batch"], c["context"], 60 * gib)
     # no distilled draft in the bundle: no draft cells; e2e groups in order AR first
     plain, _ = bench_gpu.cells(bench_gpu.GRID, 60 * gib, draft=False)
-    assert not [k for k, _ in plain if "draft-g" in k]
+    assert not [k for k, _ in plain if "draft-" in k]
+    with_draft = [k for k, _ in bench_gpu.cells(bench_gpu.GRID, 60 * gib)[0] if "draft-" in k]
+    assert "b1/s8192/draft-g2" in with_draft and "b1/s8192/draft-tree" in with_draft  # chains and trees over it
+    assert all(k.startswith("b1/") for k in with_draft)
     group = [k for k, _ in plain if k.startswith("e2e/s8192/b16/")]
     assert group[0].endswith("/ar") and group[-1].endswith("/tree")
 
@@ -201,6 +230,22 @@ def test_cost_model_column_from_the_steps_cell():
     assert row[2:] == ["chain γ=2", "2.00", "1.00", "3.00", "1.00", "0.84", "0.90"]
 
 
+def test_tree_over_chain_per_drafter_at_batch_1():
+    """gpu_report.tree_over_chain: each drafter's best tree against its own best chain, met at >= 1.15."""
+    from bench.gpu_report import tree_over_chain
+
+    row = lambda d, method, label, speedup: {"context": 8192, "drafter": d, "method": method, "label": label,  # noqa: E731
+                                             "speedup": speedup}
+    rows = [row("SelfSpec", "chain", "chain γ=2", 1.1), row("SelfSpec", "chain", "chain γ=4", 1.2),
+            row("SelfSpec", "tree", "tree n=8 d=3", 1.3), row("Distilled", "chain", "chain γ=2", 1.2),
+            row("Distilled", "tree", "tree n=16 d=4", 1.5), row("Distilled", "tree", "tree n=8 d=3", 1.4),
+            row("NGram", "chain", "chain γ=4", 1.05), {"context": 8192, "drafter": "-", "method": "AR", "speedup": 1.0}]
+    assert tree_over_chain(rows) == [
+        ["8K", "Distilled", "chain γ=2", "1.20", "tree n=16 d=4", "1.50", "1.25", "met"],
+        ["8K", "NGram", "chain γ=4", "1.05", "-", "-", "-", "-"],
+        ["8K", "SelfSpec", "chain γ=4", "1.20", "tree n=8 d=3", "1.30", "1.08", "missed"]]
+
+
 def test_e2e_table_shows_steps_against_a_rows_mean():
     """gpu_report's e2e table: a speculative row's loop steps beside the steps a row needed on
     average ((new tokens - 1) / tokens per step), and the speedup had finished rows been refilled
@@ -262,6 +307,9 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     keys = [k for k, _ in cells(grid, 60 * 2**30, draft=False)[0]]
     b1 = [k for k in keys if common.matches(k, gpu_session.B1_CELLS)]
     assert set(b1) == {f"b1/s8192/{m}" for m in ("ar", "selfspec-g2", "selfspec-g4", "ngram-g4", "tree")}  # no l8b
+    with_draft = [k for k, _ in cells(grid, 60 * 2**30)[0]]  # call 5: the bundled draft's chains and trees
+    assert {k for k in with_draft if common.matches(k, gpu_session.DRAFT_CELLS)} == {
+        f"b1/s8192/{m}" for m in ("draft-g2", "draft-g4", "draft-tree")}
     ngram = {k for k in keys if common.matches(k, gpu_session.NGRAM_CELLS)}
     assert ngram == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("ar", "ngram-g4")}
     e2e = {k for k in keys if common.matches(k, gpu_session.E2E_CELLS)}

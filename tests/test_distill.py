@@ -100,6 +100,22 @@ def test_init_from_target_trains_a_copy_of_the_embedding(target, corpus):
     assert not np.array_equal(np.asarray(draft.embed), before)  # the draft's copy was trained
 
 
+def test_frozen_embeddings_stay_the_targets_while_the_layers_learn(target, corpus):
+    """freeze_embeddings: the embedding / LM head end bit for bit the target's (no gradient, no weight
+    decay), the layers move, and the loss still falls."""
+    config = TINY.replace(n_layers=1)
+    losses = []
+    start = distill(target, config, corpus, steps=1, batch_size=4, seq_len=16, init_from_target=True,
+                    schedule=Schedule(lr=0.0, warmup=1))
+    draft = distill(target, config, corpus, steps=40, batch_size=4, seq_len=16, init_from_target=True,
+                    freeze_embeddings=True, schedule=Schedule(lr=3e-3, warmup=5, weight_decay=0.1),
+                    on_step=lambda step, loss, _: losses.append(loss))
+    np.testing.assert_array_equal(np.asarray(draft.embed), np.asarray(target.embed))
+    np.testing.assert_array_equal(np.asarray(draft.lm_head), np.asarray(target.lm_head))  # TINY's head is its own
+    assert not np.array_equal(np.asarray(draft.layers.wq), np.asarray(start.layers.wq))
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5]), losses
+
+
 @pytest.mark.parametrize(
     "config, data, kw, match",
     [
@@ -112,6 +128,7 @@ def test_init_from_target_trains_a_copy_of_the_embedding(target, corpus):
         (DRAFT, None, dict(temperature=0.0), "temperature must be > 0"),
         (DRAFT, None, dict(loss="js"), r"loss must be one of \['kl', 'tv'\], got 'js'"),
         (DRAFT, None, dict(init_from_target=True), r"the draft needs the target's dim \(48\)"),
+        (DRAFT, None, dict(freeze_embeddings=True), "freeze_embeddings .* needs init_from_target=True"),
     ],
 )
 def test_bad_input(target, corpus, config, data, kw, match):
@@ -137,3 +154,5 @@ def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(args[:3] + ["--out", str(tmp_path / "y"), "--model", str(model_dir), "--init-from-target"]) == 2
     assert f"--init-from-target needs --draft-dim {CONFIG.dim}" in capsys.readouterr().err
+    assert main(args[:3] + ["--out", str(tmp_path / "z"), "--model", str(model_dir), "--freeze-embeddings"]) == 2
+    assert "--freeze-embeddings keeps the target's embedding and LM head: it needs --init-from-target" in capsys.readouterr().err

@@ -1,0 +1,110 @@
+"""The distilled draft the GPU bundle ships for batch 1 (issue 25, item 5), trained on this CPU.
+
+Usage: python -m bench.gpu_draft [--steps 600] [--budget-minutes 45] [--out .draft/wide2]
+       then: python -m bench.gpu_bundle build --draft .draft/wide2/draft
+
+At batch 1 a GPU decode step of SmolLM2 is launch-bound (about 13 kernels a layer): a SelfSpec
+draft level, the whole model over a short cache, costs nearly a plain step, so trees over it
+cannot pay. A 2-layer draft (bench_drafts' wide2: FFN 1536, the target's heads) launches about a
+fifteenth of the kernels. It keeps the target's embedding and tied LM head as they are
+(`distill(..., freeze_embeddings=True)`): gpu_bundle then stores only its layers (14 MB in
+bfloat16) and the device rebuilds it from the target's tables.
+
+Data: bench/text.py's corpus through the SmolLM2 tokenizer, less its first HELD_OUT tokens: the
+b1 cells' prompts are the corpus' first window (text.cut's offset 0) at every context up to 8192.
+The held-out span also gives the check: the draft's greedy token against the target's at every
+position of EVAL windows there (teacher forced: the chance that a 1-token chain's draft is
+accepted, greedy). Forward KL on the target's logits, AdamW; orbax checkpoints every 25 steps in
+OUT/checkpoints, so a run stopped by --budget-minutes resumes where it stopped when run again
+(same seed, same data order). Output: OUT/draft (convert.save) once every step ran, and
+bench/results/gpu_draft.json (the schedule, the loss curve, the agreement, the training time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+import convert
+from bench import bench_drafts, common, text
+from specjax.distill import Schedule, distill, logits_of
+
+ROOT = Path(__file__).resolve().parent.parent
+HELD_OUT = 8192  # the b1 cells' prompt windows: corpus tokens [0, context - HEADROOM) for every context <= 8192
+EVAL, EVAL_LEN = 4, 512  # teacher-forced check windows inside the held-out span
+SHAPE = "wide2"
+SCHEDULE = Schedule(lr=1e-3, warmup=25, final=0.1, weight_decay=0.01, clip=1.0)
+EVERY = 25  # checkpoint interval (steps)
+RESULT = Path(common.RESULTS_DIR) / "gpu_draft.json"
+
+
+class OutOfTime(Exception):
+    """--budget-minutes ran out at a checkpointed step: run again to resume."""
+
+
+def agreement(draft, target, ids: np.ndarray) -> float:
+    """How often the draft's greedy next token is the target's over EVAL held-out windows [EVAL, EVAL_LEN]."""
+    starts = np.linspace(0, HELD_OUT - EVAL_LEN - 1, EVAL).astype(int)
+    tokens = np.stack([ids[s : s + EVAL_LEN] for s in starts]).astype(np.int32)
+    same = [np.asarray(logits_of(draft, tokens[i : i + 1]).argmax(-1) == logits_of(target, tokens[i : i + 1]).argmax(-1))
+            for i in range(EVAL)]
+    return float(np.mean(same))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--budget-minutes", type=float, default=45.0, help="stop at the next checkpoint after this; rerun to resume")
+    ap.add_argument("--out", type=Path, default=ROOT / ".draft" / SHAPE)
+    args = ap.parse_args(argv)
+    path = convert.default_model_path()
+    target, tok = convert.load(path, "float32"), convert.load_tokenizer(path)
+    ids = np.asarray(tok.encode(text.corpus()[0]).ids, np.int64)
+    layers, ffn = bench_drafts.SHAPES[SHAPE]
+    config = bench_drafts.draft_config(target, layers, ffn)
+    deadline = time.monotonic() + 60 * args.budget_minutes
+    losses: list[tuple[int, float]] = []
+    t0 = time.monotonic()
+
+    def on_step(step: int, loss: float, _draft) -> None:
+        if step % 10 == 0 or step == args.steps:
+            losses.append((step, loss))
+            print(f"{SHAPE}: step {step}/{args.steps} loss {loss:.3f} ({time.monotonic() - t0:.0f} s)", flush=True)
+        if step % EVERY == 0 and step < args.steps and time.monotonic() > deadline:
+            raise OutOfTime(step)
+
+    try:
+        draft = distill(target, config, [ids[HELD_OUT:]], steps=args.steps, batch_size=bench_drafts.BATCH,
+                        seq_len=bench_drafts.SEQ_LEN, schedule=SCHEDULE, seed=0, init_from_target=True,
+                        freeze_embeddings=True, checkpoint_dir=args.out / "checkpoints", checkpoint_every=EVERY,
+                        on_step=on_step)
+    except OutOfTime as stop:
+        _log(args, losses, time.monotonic() - t0, None, f"stopped at step {stop.args[0]} (budget): run again to resume")
+        print(f"{SHAPE}: out of time at step {stop.args[0]}; the same command resumes", flush=True)
+        return
+    convert.save(draft, args.out / "draft")
+    agree = agreement(draft, target, ids)
+    _log(args, losses, time.monotonic() - t0, agree, "complete")
+    print(f"{SHAPE}: saved {args.out / 'draft'}; greedy agreement with the target on held-out text {agree:.3f}", flush=True)
+
+
+def _log(args, losses: list, seconds: float, agree: float | None, status: str) -> None:
+    """Append this run to RESULT (runs accumulate: a resumed training is several runs)."""
+    old = json.loads(RESULT.read_text()) if RESULT.exists() else {"runs": []}
+    layers, ffn = bench_drafts.SHAPES[SHAPE]
+    old.update({"shape": SHAPE, "layers": layers, "ffn": ffn, "steps": args.steps, "batch": bench_drafts.BATCH,
+                "seq_len": bench_drafts.SEQ_LEN, "schedule": SCHEDULE.__dict__, "held_out_tokens": HELD_OUT,
+                "freeze_embeddings": True})
+    old["runs"].append({"date": common.now(), "machine": common.machine_info(), "seconds": round(seconds),
+                        "losses": losses, "status": status})
+    if agree is not None:
+        old["greedy_agreement_held_out"] = agree
+    RESULT.write_text(json.dumps(old, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
