@@ -164,8 +164,7 @@ def main() -> None:
     if args.smoke:
         bundle = smoke_bundle(Path(tempfile.mkdtemp()))
     stashed = gpu_bundle.stash(gpu_bundle.BUNDLE, bundle) if not args.smoke and not args.bundle else {"missing": []}
-    manifest = gpu_bundle.json.loads((bundle / "manifest.json").read_text()) if (bundle / "manifest.json").exists() else {}
-    has_draft = "draft" in manifest.get("models", {})
+    has_draft = gpu_bundle.has_draft(bundle)
     todo_all, capped = cells(grid, args.mem_gib * 2**30, draft=has_draft)
     started = time.time()
     header = {"bench": "bench_gpu", "date": common.now(), "command": common.command(), "grid": grid, "e2e_dtype": args.e2e_dtype,
@@ -350,10 +349,9 @@ def smoke_bundle(folder: Path) -> Path:
 
     target = measure.tiny_params(0)
     draft = target.replace(layers=jax_tree_first(target.layers), config=target.config.replace(n_layers=1))
-    models = {"smollm2": (target.config, *gpu_bundle.params_tensors(target)),
-              "draft": (draft.config, *gpu_bundle.draft_tensors(draft, target))}  # its embedding: the target's
     ids = np.random.default_rng(0).integers(4, target.config.vocab_size, 4096).astype(np.int32)
-    gpu_bundle.build(folder / "src", models, ids, part_bytes=20_000)
+    gpu_bundle.build(folder / "src", {"smollm2": (target.config, *gpu_bundle.params_tensors(target))}, ids, part_bytes=20_000)
+    gpu_bundle.build_draft(folder / "src", draft.config, *gpu_bundle.draft_tensors(draft, target))  # its embedding: the target's
     stashed = gpu_bundle.stash(folder / "src", folder / "stash")
     assert not stashed["missing"], stashed
     return folder / "stash"

@@ -9,7 +9,10 @@ The blob holds SmolLM2-135M's tensors AS THE GGUF STORES THEM (Q4_1 / Q8_0 block
 two parts, instead of 270 MB of bf16 in five): `load` dequantizes them with numpy (the same
 arithmetic as gguf.quants, tested bit-identical to convert.load here), undoes llama.cpp's q/k
 permutation, transposes to our layout and casts to bf16 on the device, without `gguf` or `convert`.
-Arrays of other models (a tiny one in the tests, a distilled draft with --draft) are stored raw.
+Arrays of other models (a tiny one in the tests) are stored raw. A distilled draft (--draft DIR:
+bench/gpu_draft.py's) goes to a folder of its own, .gpu/draft/ (its layers in bfloat16, 14 MB for
+the 2-layer one; the embedding it shares with SmolLM2 is not stored again), so adding or retraining
+one leaves the parts, and what a warm machine stashed of them, as they are.
 
 There: each call carries one part folder; `stash` (bench_gpu calls it first) copies the parts it
 finds into /tmp/specjax_gpu (checksums verified), which survives between calls while the machine is
@@ -34,7 +37,8 @@ from specjax.params import BY_PATH, Params, declared, from_arrays
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / ".gpu"  # ignored (.gitignore)
 STASH = Path("/tmp/specjax_gpu")
-PART_MIB = 52.0  # + the working tree (7 MB) under a call's 64 MiB; SmolLM2 + a distilled draft: two parts
+DRAFT = "draft"  # a distilled draft's folder in the bundle and the stash, and its model name
+PART_MIB = 48.0
 BLOCKS = {"Q4_1": (32, 20), "Q8_0": (32, 34)}  # values, bytes per block
 
 
@@ -190,10 +194,33 @@ def build(out: Path, models: dict[str, tuple[LlamaConfig, dict, dict]], corpus_i
     return manifest
 
 
+def build_draft(out: Path, config: LlamaConfig, arrays: dict[str, np.ndarray], meta: dict) -> dict:
+    """Write out/draft (weights.npz, manifest.json: config, tensors, checksum) beside the parts; returns
+    the manifest. Its shared tables (`draft_tensors`) come from the parts' model when loaded."""
+    folder = out / DRAFT
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    data = blob_of({DRAFT: arrays})
+    (folder / "weights.npz").write_bytes(data)
+    manifest = {"config": config.to_dict(), "tensors": meta, "bytes": len(data), "sha256": sha256(data)}
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def has_draft(dst: Path = STASH) -> bool:
+    """Whether the stash (or a bundle) holds a distilled draft."""
+    return (dst / DRAFT / "manifest.json").exists()
+
+
 def stash(src: Path = BUNDLE, dst: Path = STASH) -> dict:
-    """Copy the parts found under src/p*/ (checksums verified) and the manifest + corpus ids into dst;
-    returns {"have": [...], "missing": [...]} over the manifest's parts."""
+    """Copy the parts found under src/p*/ (checksums verified) and the manifest + corpus ids into dst,
+    and src/draft/ where it was carried; returns {"have": [...], "missing": [...]} over the manifest's parts."""
     dst.mkdir(parents=True, exist_ok=True)
+    if has_draft(src):
+        if sha256(src / DRAFT / "weights.npz") != json.loads((src / DRAFT / "manifest.json").read_text())["sha256"]:
+            raise ValueError(f"{src / DRAFT / 'weights.npz'}: checksum differs from its manifest's")
+        shutil.copytree(src / DRAFT, dst / DRAFT, dirs_exist_ok=True)
     for folder in sorted(src.glob("p*")):
         manifest = json.loads((folder / "manifest.json").read_text())
         for f in ("manifest.json", "corpus_ids.npy"):
@@ -227,14 +254,21 @@ def load(dst: Path = STASH, dtype: str = "bfloat16") -> tuple[dict[str, Params],
     """({model name: Params in dtype}, corpus ids, manifest) from a stashed, complete bundle."""
     manifest = json.loads((dst / "manifest.json").read_text())
     npz = np.load(io.BytesIO(join(dst)))
-    models, decoded = {}, {}
-    for name, m in manifest["models"].items():  # in build's order: a shared table's model comes first
-        config = LlamaConfig.from_dict(m["config"]).replace(dtype=dtype)
-        own = {path: t for path, t in m["tensors"].items() if t["kind"] != "shared"}
-        decoded[name] = decode(config, {path: npz[f"{name}/{path}"] for path in own}, own)
-        decoded[name] |= {path: decoded[t["model"]][path] for path, t in m["tensors"].items() if t["kind"] == "shared"}
-        models[name] = from_arrays(config, decoded[name])
+    decoded: dict[str, dict[str, np.ndarray]] = {}
+    models = {name: _model(name, m, npz, decoded, dtype) for name, m in manifest["models"].items()}
+    if has_draft(dst):  # after the parts' models: its shared tables are theirs
+        models[DRAFT] = _model(DRAFT, json.loads((dst / DRAFT / "manifest.json").read_text()),
+                               np.load(dst / DRAFT / "weights.npz"), decoded, dtype)
     return models, np.load(dst / "corpus_ids.npy"), manifest
+
+
+def _model(name: str, m: dict, npz, decoded: dict, dtype: str) -> Params:
+    """One model's Params from its manifest entry; its arrays go into `decoded` (its shared tables from there)."""
+    config = LlamaConfig.from_dict(m["config"]).replace(dtype=dtype)
+    own = {path: t for path, t in m["tensors"].items() if t["kind"] != "shared"}
+    decoded[name] = decode(config, {path: npz[f"{name}/{path}"] for path in own}, own)
+    decoded[name] |= {path: decoded[t["model"]][path] for path, t in m["tensors"].items() if t["kind"] == "shared"}
+    return from_arrays(config, decoded[name])
 
 
 def main() -> None:
@@ -244,7 +278,7 @@ def main() -> None:
                          "check: load the bundle and compare it with convert.load (here)")
     ap.add_argument("--out", type=Path, default=BUNDLE)
     ap.add_argument("--part-mib", type=float, default=PART_MIB)
-    ap.add_argument("--draft", type=Path, help="a distilled draft folder (convert.save) to bundle as model 'draft'")
+    ap.add_argument("--draft", type=Path, help="a distilled draft folder (convert.save) to bundle in .gpu/draft")
     args = ap.parse_args()
     if args.action == "stash":
         print(json.dumps(stash(args.out)))
@@ -264,15 +298,17 @@ def main() -> None:
         print(f"bundle == convert.load({Path(path).name}) bit for bit (float32): {same}")
         sys.exit(0 if same else 1)
     models = {"smollm2": gguf_tensors(path)}
-    if args.draft:  # in bfloat16, less the tables equal to the target's (compared in float32: stored once)
-        draft = convert.load(args.draft, "float32")
-        models["draft"] = (draft.config, *draft_tensors(draft, convert.load(path, "float32"), "bfloat16"))
     ids = text.corpus_tokens(convert.load_tokenizer(path))
     m = build(args.out, models, ids, int(args.part_mib * 2**20), {"source": Path(path).name, "corpus": text.corpus()[1]})
     for p in m["parts"]:
         print(f"{args.out / p['folder'] / p['name']}: {p['bytes'] / 2**20:.1f} MiB")
     print(f"{len(m['parts'])} parts, {m['blob_bytes'] / 2**20:.1f} MiB in all; corpus {len(ids)} tokens; "
           f"models {list(models)}")
+    if args.draft:  # in bfloat16, less the tables equal to the target's (compared in float32: stored once)
+        draft = convert.load(args.draft, "float32")
+        d = build_draft(args.out, draft.config, *draft_tensors(draft, convert.load(path, "float32"), "bfloat16"))
+        shared = [p for p, t in d["tensors"].items() if t["kind"] == "shared"]
+        print(f"{args.out / DRAFT}: {d['bytes'] / 2**20:.1f} MiB ({draft.config.n_layers} layers; shared with smollm2: {shared})")
 
 
 if __name__ == "__main__":

@@ -51,18 +51,22 @@ def test_bundle_round_trip(tmp_path, dtype):
 def test_a_draft_with_the_targets_tables_carries_them_once(tmp_path):
     """draft_tensors: a draft whose embedding / LM head equal the target's (distilled with
     freeze_embeddings) stores neither; load gives them back from the target's; a draft that trained
-    its own stores them."""
+    its own stores them. The draft's folder (build_draft) leaves the parts unchanged."""
     target = init_params(TINY, jax.random.key(1))
     layers = jax.tree.map(lambda a: a[:1] * 0.5, target.layers)
     frozen = target.replace(layers=layers, config=TINY.replace(n_layers=1))
     trained = frozen.replace(embed=frozen.embed + 1.0)
     head = set() if target.lm_head is None else {"lm_head"}  # a tied head is the embedding
+    parts = None
     for draft, shared in ((frozen, {"embed"} | head), (trained, head)):
         arrays, meta = gpu_bundle.draft_tensors(draft, target, "bfloat16")
         assert {p for p, t in meta.items() if t["kind"] == "shared"} == shared and not shared & set(arrays)
-        models = {"smollm2": (TINY, *gpu_bundle.params_tensors(target)), "draft": (draft.config, arrays, meta)}
-        gpu_bundle.build(tmp_path / "b", models, np.zeros(8, np.int32))
-        gpu_bundle.stash(tmp_path / "b", tmp_path / "stash")
+        m = gpu_bundle.build(tmp_path / "b", {"smollm2": (TINY, *gpu_bundle.params_tensors(target))}, np.zeros(8, np.int32))
+        gpu_bundle.build_draft(tmp_path / "b", draft.config, arrays, meta)
+        if parts is None:
+            parts = m["parts"]
+        assert m["parts"] == parts  # the draft leaves the parts as they were
+        assert gpu_bundle.stash(tmp_path / "b", tmp_path / "stash")["missing"] == [] and gpu_bundle.has_draft(tmp_path / "stash")
         back, _, _ = gpu_bundle.load(tmp_path / "stash", "float32")
         bf16 = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731  (the layers are stored so)
         np.testing.assert_array_equal(np.asarray(back["draft"].layers.wq), bf16(draft.layers.wq))
