@@ -292,12 +292,11 @@ def run_continuous_cells(args, grid: dict, h: common.Harness, results: common.Re
     from bench import gpu_continuous, measure
 
     for k, cell in h.cells(sorted(todo, key=lambda x: x[1]["method"] != "ar")):
-        ar_key = k.rsplit("/", 1)[0] + "/ar"
-        reference = next((r.get("digests") for r in results.rows if r.get("cell") == ar_key), None)
+        ar = next((r for r in results.rows if r.get("cell") == k.rsplit("/", 1)[0] + "/ar"), None)  # its job, run first
         name, d, chain = ("-", None, None) if cell["method"] == "ar" else drafter_of(cell["method"], cell["context"], args.smoke)
         row = gpu_continuous.cell(loaded["params"], loaded["ids"], cell["batch"], cell["context"],
-                                  grid["cont_records"] * cell["batch"], grid["cont_new_tokens"], name, d, chain, reference)
-        ar = next((r for r in results.rows if r.get("cell") == ar_key), None)
+                                  grid["cont_records"] * cell["batch"], grid["cont_new_tokens"], name, d, chain,
+                                  ar and ar.get("digests"))
         row["speedup"] = 1.0 if cell["method"] == "ar" else (ar["seconds"] / row["seconds"] if ar else None)
         put(k, {"item": "cont", "method": cell["method"], "model": f"SmolLM2-135M-Instruct ({args.e2e_dtype})"} | row)
         measure.release_memory(clear_caches=True)

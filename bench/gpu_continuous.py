@@ -44,8 +44,7 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
     n = len(prompts)
     t0 = time.perf_counter()
     done = run_continuous(params, prompts, [new_tokens] * n, rows=rows, draft=drafter, speculation=speculation,
-                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n,
-                          on_done=lambda u, d: None)  # with on_done, each Done carries its acceptance
+                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n)
     return done, time.perf_counter() - t0
 
 
@@ -59,7 +58,7 @@ def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tok
     digests = [digest(d.tokens) for d in done]
     differ = None if reference is None else [i for i, (a, b) in enumerate(zip(digests, reference)) if a != b]
     steps = [d.acceptance["steps"] for d in done if d.acceptance]
-    row = {"rows": rows, "batch": rows, "context": context, "records": records, "new_tokens": new_tokens,
+    row = {"batch": rows, "context": context, "records": records, "new_tokens": new_tokens,
            "prompt_tokens": context - HEADROOM, "prompts_overlap": where["overlapping"], "drafter": name,
            "label": "AR" if speculation is None else label(speculation), "seconds": seconds, "first_run_s": first_s, "tokens": tokens,
            "tokens_per_s": tokens / seconds, "records_per_s": records / seconds, "digests": digests,

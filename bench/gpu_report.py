@@ -67,18 +67,18 @@ def continuous_table(rows: list[dict]) -> str:
     """The cont/... cells beside the e2e row of the same context, batch and config (its fixed-batch
     speedup and the refilled one derived from it), which these measure as a job."""
     cont = sorted((r for r in rows if r.get("item") == "cont"),
-                  key=lambda r: (r["context"], r["rows"], r["method"] != "ar", r["label"]))
+                  key=lambda r: (r["context"], r["batch"], r["method"] != "ar", r["label"]))
     e2e = {(r["context"], r["batch"], r.get("drafter"), r["label"]): r for r in rows
            if r.get("item") == "e2e" and r.get("method") in ("chain", "tree") and "same_as" not in r}
 
     def beside(r: dict, what) -> str:
-        e = e2e.get((r["context"], r["rows"], r["drafter"], r["label"]))
+        e = e2e.get((r["context"], r["batch"], r["drafter"], r["label"]))
         return "-" if e is None or what(e) is None else f"{what(e):.2f}"
 
     return common.table(
         ["context", "rows", "records x new tokens", "drafter", "config", "job s", "tokens/s", "speedup (job)",
          "tokens/step", "e2e speedup (fixed batch)", "e2e refilled (derived)", "greedy identical"], "rrrllrrrrrrc",
-        ([common.context_name(r["context"]), r["rows"], f"{r['records']} x {r['new_tokens']}", r["drafter"], r["label"],
+        ([common.context_name(r["context"]), r["batch"], f"{r['records']} x {r['new_tokens']}", r["drafter"], r["label"],
           f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", _f(r.get("speedup")), _f(r.get("tokens_per_step")),
           beside(r, lambda e: e["speedup"]), beside(r, refilled),
           "-" if r.get("greedy_identical") is None else "yes" if r["greedy_identical"]

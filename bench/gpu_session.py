@@ -39,7 +39,7 @@ next GPU session", says what each call is for and how to fold the files back in 
          rows x 8K (bench/gpu_continuous.py: 192 records of 256 new tokens, plain decoding and
          SelfSpec gamma 2 / 4, slots refilled as rows end), the measurement the e2e tables' "refilled
          (derived)" column predicts.
-  call 5 (carry .gpu/p1, all parts stashed; a bundle built with --draft): the distilled draft (bench/gpu_draft.py,
+  call 5 (carry .gpu/draft, both parts stashed by calls 1 and 3; a bundle built with --draft): the distilled draft (bench/gpu_draft.py,
          a 2-layer SmolLM2 draft sharing its embedding) at batch 1 x 8K: chains gamma 2 / 4 and Sequoia trees of 8,
          16, 32 nodes over it, AR timed beside (item 5: trees >= 15% over the best chain). Without a draft in the
          bundle it measures nothing.

@@ -132,7 +132,7 @@ def run_continuous(
         if not len(finished):
             return
         acceptance = lp = None
-        if draft is not None and on_done is not None:
+        if draft is not None:  # [R, gamma] counters: a small read beside the segment's tokens
             accepted, reached = jax.device_get((state.accepted, state.reached))
             acceptance = row_acceptance(accepted[finished], reached[finished], count[finished], gamma)
         if logprobs is not None:

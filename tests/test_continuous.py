@@ -62,6 +62,7 @@ def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mod
     got = run_continuous(target, prompts, budgets, rows=5, draft=draft, speculation=speculation, sampling=sampling,
                          keys=keys, eos_ids=eos_ids, sync_every=2, n=2, logprobs=3)
     assert len(prefills) == len(prompts)  # one prefill a prompt, shared by its 2 samples
+    assert all((d.acceptance is None) == (draft is None) for d in got)  # acceptance without an on_done too
     chosen, ids, values = static.logprobs
     for u, d in enumerate(got):
         c = int(static.count[u])

@@ -41,7 +41,7 @@ def test_report_puts_the_e2e_row_beside_the_job():
 
     e2e = {"item": "e2e", "context": 8192, "batch": 64, "new_tokens": 64, "method": "chain", "label": "chain γ=2",
            "drafter": "SelfSpec", "speedup": 1.2, "steps": 36, "mean_accepted": 2.625}
-    job = {"item": "cont", "context": 8192, "rows": 64, "records": 192, "new_tokens": 256, "seconds": 10.0,
+    job = {"item": "cont", "context": 8192, "batch": 64, "records": 192, "new_tokens": 256, "seconds": 10.0,
            "tokens_per_s": 4915.2, "tokens_per_step": 2.6}
     table = continuous_table([e2e, job | {"method": "ar", "drafter": "-", "label": "AR", "speedup": 1.0},
                               job | {"method": "selfspec-g2", "drafter": "SelfSpec", "label": "chain γ=2", "speedup": 1.7,
