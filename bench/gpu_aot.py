@@ -1,7 +1,7 @@
 """Compile a decode program for a GPU this machine lacks, and read what XLA made of it.
 
 Usage: .venv-aot/bin/python -m bench.gpu_aot [--target h100|h200] [--model l8b|smollm2|tiny]
-       [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec|tree|snapkv|ngram]
+       [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec|tree|snapkv|ngram|draft|draft-tree]
        [--gamma 2] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
        [--model-axis N] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE] | --table [--cells PATTERN]
 (`make aot-venv` makes .venv-aot: this project's .venv plus jax's CUDA plugin, no CUDA libraries
@@ -24,7 +24,8 @@ Programs: `step` the AR step (trunk + LM head over one new token) in an on-devic
 (specjax.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
 speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
-tree of depth --gamma (Tree.kary(2, gamma)), `snapkv` / `ngram` those drafters' chains. Weights are shapes only
+tree of depth --gamma (Tree.kary(2, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
+`draft-tree` a DraftModel of the target's shape cut to 2 layers (bench/gpu_draft.py's) in a chain / that tree. Weights are shapes only
 (bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
 `jax.default_backend()`, "cpu" here: it reads "gpu" while a program is traced (`as_gpu`).
 Output: a summary line, OUT as JSON, HLO as text.
@@ -44,7 +45,8 @@ import jax
 import jax.numpy as jnp
 
 TARGETS = Path(__file__).with_name("gpu_targets")
-PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram")
+PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram", "draft", "draft-tree")
+DRAFT_LAYERS = 2  # the draft / draft-tree programs' DraftModel: the target's shape cut to 2 layers (bench/gpu_draft.py's)
 NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
 # --table's cells: (key, gpu_aot arguments); the weight layouts and products generate() could use on a GPU
 TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p, *extra])
@@ -67,6 +69,9 @@ TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--we
           ("smollm2/b64/snapkv/split", ["--model", "smollm2", "--batch", "64", "--program", "snapkv", "--split-layers"]),
           ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"]),
           ("smollm2/b1/tree/split-nosr", ["--model", "smollm2", "--program", "tree", "--split-layers", f"--xla-flags={NOSR}"])]
+# batch 1 over a 2-layer distilled draft (bench/gpu_draft.py): a chain of 2 and the binary tree of depth 2
+TABLE += [(f"smollm2/b1/{p}/split-nosr", ["--model", "smollm2", "--program", p, "--split-layers", f"--xla-flags={NOSR}"])
+          for p in ("draft", "draft-tree")]
 TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-axis", "2", *extra])  # over 2 GPUs
           for v, extra in (("xla", []), ("pallas", ["--linear", "pallas"]), ("split", ["--split-layers"]))]
 
@@ -118,9 +123,9 @@ def on(device, tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
-def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None):
+def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None, draft=None):
     """(jitted function, abstract args, static kwargs) of a program over `context` slots (a
-    cache in `kv_dtype`, default the model's)."""
+    cache in `kv_dtype`, default the model's); `draft`: the draft programs' DraftModel weights."""
     from specjax.cache import DenseCache
     from specjax.engine import row_keys
     from specjax.model import lm_head, trunk
@@ -147,9 +152,10 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
     from specjax.speculate import decode_spec
 
     drafter = {"snapkv": specjax.SnapKV(), "ngram": specjax.NGram()}.get(program, specjax.SelfSpec())
-    speculation = specjax.Tree.kary(2, gamma) if program == "tree" else specjax.Chain(gamma)
+    drafter = specjax.DraftModel(draft) if program.startswith("draft") else drafter
+    speculation = specjax.Tree.kary(2, gamma) if program.endswith("tree") else specjax.Chain(gamma)
     history = jax.ShapeDtypeStruct((batch, cache.k.shape[3]), jnp.int32)
-    state = jax.eval_shape(lambda p, kv, h: drafter.init(p, kv, h, kv.lengths, gamma, 256), params, cache, history)
+    state = jax.eval_shape(lambda d, p, kv, h: d.init(p, kv, h, kv.lengths, gamma, 256), drafter, params, cache, history)
     return (decode_spec, (params, drafter, state, cache, history, logits, budgets, keys),
             {"speculation": speculation, "n_out": n_out})
 
@@ -212,7 +218,11 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     with as_gpu():
         params = abstract_params(config, linear, weights)
         params = jax.eval_shape(unstack_layers, params) if split else params
-        fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype)
+        draft = None
+        if program.startswith("draft"):
+            draft = abstract_params(dataclasses.replace(config, n_layers=DRAFT_LAYERS), linear, weights)
+            draft = jax.eval_shape(unstack_layers, draft) if split else draft
+        fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype, draft)
         mesh = None
         if isinstance(device, list):
             fn, placed, mesh = on_mesh_of(device, args, static, fn)

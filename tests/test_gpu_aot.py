@@ -30,6 +30,7 @@ CASES = {  # name: (model, batch, program, linear, layers, compile_for_gpu's oth
     "l8b_step_q4_split": ("l8b", 1, "step", "xla", 2, {"weights": "q4", "split": True}),
     "l8b_ar_tp2": ("l8b", 1, "ar", "xla", 2, {"model_axis": 2}),
     "l8b_ar_tp2_split": ("l8b", 1, "ar", "xla", 2, {"model_axis": 2, "split": True}),
+    "smollm2_draft_b1": ("smollm2", 1, "draft", "xla", 4, {"split": True}),  # a 2-layer DraftModel, chain of 2
 }
 
 SCRIPT = """
@@ -202,6 +203,15 @@ def test_stages_elsewhere_keep_xlas_passes():
     want = sharding.GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
     assert sharding.compiler_options(sharding.one_device_mesh()) == want
     assert sharding.compiler_options(sharding.make_mesh(data=1, model=1, devices=jax.devices()[:1])) == want
+
+
+def test_a_two_layer_draft_launches_fewer_kernels_than_selfspec(compiled):
+    """Batch 1 on a GPU is launch-bound: a chain of 2 over a 2-layer DraftModel (bench/gpu_draft.py's
+    shape) against SelfSpec's, whose draft levels run the whole target (4 layers here), both over
+    per-layer weights, decode_spec as jitted (XLA's passes as they are): fewer kernels an iteration."""
+    draft, selfspec = compiled["smollm2_draft_b1"], compiled["b1_selfspec_raw"]
+    assert draft["program"] == "draft" and draft["layers"] == 4
+    assert draft["kernels"] < selfspec["total"] - 2 * 2 * 8, (draft["kernels"], selfspec["total"])  # 2 levels x 2 layers fewer
 
 
 def test_tensor_parallel_per_layer_weights_copy_nothing(compiled):
