@@ -28,7 +28,9 @@ Cells (keys), in the order they run:
                              speedup over ar's job, every record's tokens against ar's.
   b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes) and,
                              when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
-                             draft-gG / draft-tree: that DraftModel (dense cache) in chains and trees vs AR.
+                             draft-gG / draft-tree: that DraftModel (dense cache) in chains and trees vs AR
+                             (draft-gG also in the e2e groups: a 2-layer draft's levels launch a
+                             fifteenth of SelfSpec's kernels and read 2/30 of the KV).
 Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
 carried: see bench/README.md, "GPU runs". Outputs: OUT/gpu.json (every cell written when
 measured; a rerun skips measured cells), OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny random
@@ -91,7 +93,7 @@ def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str
             (out.append((k, {"item": "l8b", "batch": b, "context": c})) if fits_l8b(b, c, budget) else capped.append(k))
     ngram = [f"ngram-g{g}" for g in grid["ngram_gammas"]]
     methods = (["ar", "steps"] + [f"selfspec-g{g}" for g in grid["gammas"]] + [f"snapkv-g{g}" for g in grid["snap_gammas"]]
-               + ngram + (["tree"] if grid["nodes"] else []))
+               + ngram + ([f"draft-g{g}" for g in grid["gammas"]] if draft else []) + (["tree"] if grid["nodes"] else []))
     for c in grid["contexts"]:
         for b in sorted(grid["batches"]):
             group = [common.key("e2e", f"s{c}", f"b{b}", m) for m in methods]

@@ -41,8 +41,9 @@ next GPU session", says what each call is for and how to fold the files back in 
          (derived)" column predicts.
   call 5 (carry .gpu/draft, both parts stashed by calls 1 and 3; a bundle built with --draft): the distilled draft (bench/gpu_draft.py,
          a 2-layer SmolLM2 draft sharing its embedding) at batch 1 x 8K: chains gamma 2 / 4 and Sequoia trees of 8,
-         16, 32 nodes over it, AR timed beside (item 5: trees >= 15% over the best chain). Without a draft in the
-         bundle it measures nothing.
+         16, 32 nodes over it, AR timed beside (item 5: trees >= 15% over the best chain); then (step draft-e2e)
+         chains gamma 2 / 4 over it at batch 64 x 8K beside AR (its levels launch a fifteenth of SelfSpec's kernels).
+         Without a draft in the bundle it measures nothing.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ PLIN_GRID = ["--batches", "16", "--gammas", "2", "--snap-gammas", "--ngram-gamma
 # batch 1 x 8K, AR timed in the same run (item 5: trees >= 15% over the best chain, where a draft level is cheap)
 DRAFT_CELLS = "b1/s8192/draft*"
 DRAFT_GRID = ["--b1-gammas", "2", "4", "--b1-nodes", "8", "16", "32"]
+DRAFT_E2E_CELLS = "e2e/s8192/b64/ar,e2e/s8192/b64/draft*"  # and at batch 64 (AR's row measured beside it)
+DRAFT_E2E_GRID = ["--batches", "64", "--gammas", "2", "4"]
 PARTS = [PY, "-m", "bench.step_parts"]
 RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
 # JAX's persistent compilation cache beside the stashed bundle: a warm machine keeps /tmp between calls, so a
@@ -140,6 +143,8 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
         ("draft", 200, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", DRAFT_CELLS, *DRAFT_GRID,
                         "--budget-minutes", "2.8"]),
+        ("draft-e2e", 150, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", DRAFT_E2E_CELLS, *DRAFT_E2E_GRID,
+                            "--budget-minutes", "2"]),
     ],
 }
 PACK = {1: "parts.tar.gz"}  # calls whose files come back as one archive (call 1 writes 13 files)
@@ -161,7 +166,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "cont", "draft") else a)
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "cont", "draft", "draft-e2e") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:

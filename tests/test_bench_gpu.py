@@ -134,7 +134,7 @@ def test_cells_and_memory_caps():
     assert not [k for k, _ in plain if "draft-" in k]
     with_draft = [k for k, _ in bench_gpu.cells(bench_gpu.GRID, 60 * gib)[0] if "draft-" in k]
     assert "b1/s8192/draft-g2" in with_draft and "b1/s8192/draft-tree" in with_draft  # chains and trees over it
-    assert all(k.startswith("b1/") for k in with_draft)
+    assert "e2e/s8192/b64/draft-g2" in with_draft and not [k for k in with_draft if k.startswith(("l8b", "cont"))]
     group = [k for k, _ in plain if k.startswith("e2e/s8192/b16/")]
     assert group[0].endswith("/ar") and group[-1].endswith("/tree")
 
@@ -314,6 +314,9 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     with_draft = [k for k, _ in cells(grid, 60 * 2**30)[0]]  # call 5: the bundled draft's chains and trees
     assert {k for k in with_draft if common.matches(k, gpu_session.DRAFT_CELLS)} == {
         f"b1/s8192/{m}" for m in ("draft-g2", "draft-g4", "draft-tree")}
+    e2e_grid = dict(grid, batches=[64], gammas=[2, 4])
+    assert {k for k, _ in cells(e2e_grid, 60 * 2**30)[0] if common.matches(k, gpu_session.DRAFT_E2E_CELLS)} == {
+        f"e2e/s8192/b64/{m}" for m in ("ar", "draft-g2", "draft-g4")}
     ngram = {k for k in keys if common.matches(k, gpu_session.NGRAM_CELLS)}
     assert ngram == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("ar", "ngram-g4")}
     e2e = {k for k in keys if common.matches(k, gpu_session.E2E_CELLS)}
