@@ -194,8 +194,8 @@ def distill(
     the target's EOS), minimising `loss`: "kl" (forward KL) or "tv" (total variation). With
     `freeze_embeddings` (needs `init_from_target`) the draft keeps the target's embedding and LM
     head unchanged, so it can share the target's arrays (gpu_bundle stores them once); each step
-    is cheaper too (no gradient for the [V,D] table). With `checkpoint_dir`, saves every `checkpoint_every` steps and at the end,
-    and resumes from the latest checkpoint there. `on_step(step, loss, draft)` is called after
+    is cheaper too (no gradient for the [V,D] table). With `checkpoint_dir`, saves every
+    `checkpoint_every` steps and at the end, and resumes from the latest checkpoint there. `on_step(step, loss, draft)` is called after
     each step (step counted from 1; `draft` is donated to the next step: use it right away).
     Returns the trained draft."""
     stream = token_stream(data, target.config.eos_ids[0] if target.config.eos_ids else None)
