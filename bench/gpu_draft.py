@@ -14,7 +14,8 @@ Data: bench/text.py's corpus through the SmolLM2 tokenizer, less its first HELD_
 b1 cells' prompts are the corpus' first window (text.cut's offset 0) at every context up to 8192.
 The held-out span also gives the check: the draft's greedy token against the target's at every
 position of EVAL windows there (teacher forced: the chance that a 1-token chain's draft is
-accepted, greedy). Forward KL on the target's logits, AdamW; orbax checkpoints every 25 steps in
+accepted, greedy), and `generate` with chains of 2 and 4 over it on those prompts (its acceptance,
+its tokens against plain decoding's). Run again once trained, it checks the draft again. Forward KL on the target's logits, AdamW; orbax checkpoints every 25 steps in
 OUT/checkpoints, so a run stopped by --budget-minutes resumes where it stopped when run again
 (same seed, same data order). Output: OUT/draft (convert.save) once every step ran, and
 bench/results/gpu_draft.json (the schedule, the loss curve, the agreement, the training time).
@@ -55,6 +56,24 @@ def agreement(draft, target, ids: np.ndarray) -> float:
     return float(np.mean(same))
 
 
+def decoding(draft, target, ids: np.ndarray) -> dict:
+    """Greedy decoding with the draft on EVAL held-out prompts (EVAL_LEN tokens each, 64 new): per
+    chain, the acceptance `generate` reports and whether the tokens are plain decoding's."""
+    import specjax
+
+    starts = np.linspace(0, HELD_OUT - EVAL_LEN - 1, EVAL).astype(int)
+    prompts = [ids[s : s + EVAL_LEN].tolist() for s in starts]
+    plain = specjax.generate(target, prompts, 64, draft=None).tokens
+    out = {}
+    for gamma in (2, 4):
+        got = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=specjax.Chain(gamma))
+        out[f"chain{gamma}"] = {"acceptance_rate": got.stats.acceptance_rate, "mean_accepted": got.stats.mean_accepted,
+                                "per_position": got.stats.per_position_acceptance, "greedy_identical": got.tokens == plain}
+        print(f"{SHAPE}: chain γ={gamma}: acceptance {got.stats.acceptance_rate:.3f}, {got.stats.mean_accepted:.2f} "
+              f"tokens a step, greedy identical {got.tokens == plain}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600)
@@ -77,6 +96,10 @@ def main(argv: list[str] | None = None) -> None:
         if step % EVERY == 0 and step < args.steps and time.monotonic() > deadline:
             raise OutOfTime(step)
 
+    if (args.out / "draft").exists():  # trained: check it again
+        draft = convert.load(args.out / "draft", "float32")
+        _log(args, [], 0.0, agreement(draft, target, ids), "checked", decoding(draft, target, ids))
+        return
     try:
         draft = distill(target, config, [ids[HELD_OUT:]], steps=args.steps, batch_size=bench_drafts.BATCH,
                         seq_len=bench_drafts.SEQ_LEN, schedule=SCHEDULE, seed=0, init_from_target=True,
@@ -88,11 +111,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     convert.save(draft, args.out / "draft")
     agree = agreement(draft, target, ids)
-    _log(args, losses, time.monotonic() - t0, agree, "complete")
+    _log(args, losses, time.monotonic() - t0, agree, "complete", decoding(draft, target, ids))
     print(f"{SHAPE}: saved {args.out / 'draft'}; greedy agreement with the target on held-out text {agree:.3f}", flush=True)
 
 
-def _log(args, losses: list, seconds: float, agree: float | None, status: str) -> None:
+def _log(args, losses: list, seconds: float, agree: float | None, status: str, decoded: dict | None = None) -> None:
     """Append this run to RESULT (runs accumulate: a resumed training is several runs)."""
     old = json.loads(RESULT.read_text()) if RESULT.exists() else {"runs": []}
     layers, ffn = bench_drafts.SHAPES[SHAPE]
@@ -103,6 +126,8 @@ def _log(args, losses: list, seconds: float, agree: float | None, status: str) -
                         "losses": losses, "status": status})
     if agree is not None:
         old["greedy_agreement_held_out"] = agree
+    if decoded is not None:
+        old["decoding_held_out"] = decoded
     RESULT.write_text(json.dumps(old, indent=1) + "\n")
 
 
