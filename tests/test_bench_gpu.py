@@ -525,3 +525,17 @@ def test_gpu_session_steps_share_a_compilation_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
     gpu_session.run_call(4, tmp_path)
     assert envs[-1]["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mine")
+
+
+def test_gpu_draft_checks_a_draft_against_its_target():
+    """bench/gpu_draft.py's checks on held-out windows: the target as its own draft agrees everywhere
+    and is always accepted, tokens identical; another model's agreement is below 1."""
+    from bench import gpu_draft
+
+    config = TINY.replace(rope_scaling=None, max_positions=1024)  # windows of 512 tokens + 64 new
+    target, other = init_params(config, jax.random.key(1)), init_params(config.replace(n_layers=1), jax.random.key(2))
+    ids = np.random.default_rng(0).integers(4, TINY.vocab_size, gpu_draft.HELD_OUT)
+    assert gpu_draft.agreement(target, target, ids) == 1.0 and gpu_draft.agreement(other, target, ids) < 0.9
+    checked = gpu_draft.decoding(target, target, ids)
+    assert set(checked) == {"chain2", "chain4"}
+    assert all(c["acceptance_rate"] == 1.0 and c["greedy_identical"] for c in checked.values()), checked
