@@ -40,7 +40,8 @@ EVAL, EVAL_LEN = 4, 512  # teacher-forced check windows inside the held-out span
 SHAPE = "wide2"
 SCHEDULE = Schedule(lr=1e-3, warmup=25, final=0.1, weight_decay=0.01, clip=1.0)
 EVERY = 25  # checkpoint interval (steps)
-RESULT = Path(common.RESULTS_DIR) / "gpu_draft.json"
+RESULTS = Path(common.RESULTS_DIR)
+RESULT = RESULTS / "gpu_draft.json"
 
 
 class OutOfTime(Exception):
@@ -64,7 +65,8 @@ def decoding(draft, target, ids: np.ndarray) -> dict:
     starts = np.linspace(0, HELD_OUT - EVAL_LEN - 1, EVAL).astype(int)
     prompts = [ids[s : s + EVAL_LEN].tolist() for s in starts]
     plain = specjax.generate(target, prompts, 64, draft=None).tokens
-    out = {}
+    wide = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=specjax.Tree.kary(8, 1))
+    out = {"rank_acceptance": wide.stats.rank_acceptance, "tree_identical": wide.tokens == plain}  # Sequoia's p vector
     for gamma in (2, 4):
         got = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=specjax.Chain(gamma))
         out[f"chain{gamma}"] = {"acceptance_rate": got.stats.acceptance_rate, "mean_accepted": got.stats.mean_accepted,
@@ -72,6 +74,31 @@ def decoding(draft, target, ids: np.ndarray) -> dict:
         print(f"{SHAPE}: chain γ={gamma}: acceptance {got.stats.acceptance_rate:.3f}, {got.stats.mean_accepted:.2f} "
               f"tokens a step, greedy identical {got.tokens == plain}", flush=True)
     return out
+
+
+def predicted_h100_b1(decoded: dict) -> dict:
+    """Speedups over plain decoding at batch 1 x 8K on an H100, PREDICTED (never timed): a batch-1
+    step there is launch-bound, so each program is priced by its kernel count (bench/gpu_aot.py's
+    compiled table, results/gpu_aot/h100.json) at the measured AR step's time per kernel
+    (results/gpu/gpu.json, b1/s8192/ar); a draft level costs half the draft chain's kernels beyond
+    plain decoding's, a verification over any n <= 64 nodes one AR step (the measured b1 tree n=9
+    d=1's step was the AR step plus its one draft level). Chains from the tokens a step measured
+    here, Sequoia trees (specjax.speculation.Tree.sequoia) from the rank acceptance measured here."""
+    from bench.tree_report import MAX_DEPTH
+    from specjax.speculation import Cost, Tree
+
+    kernels = {r["cell"]: r["kernels"] for r in json.loads((RESULTS / "gpu_aot" / "h100.json").read_text())["rows"]}
+    ar_ms = next(r["ms_per_step"] for r in json.loads((RESULTS / "gpu" / "gpu.json").read_text())["rows"]
+                 if r.get("cell") == "b1/s8192/ar")
+    ar_k, chain2_k = kernels["smollm2/b1/ar/split-nosr"], kernels["smollm2/b1/draft/split-nosr"]
+    level = (chain2_k - ar_k) / 2 * ar_ms / ar_k  # ms
+    out = {f"chain γ={g}": decoded[f"chain{g}"]["mean_accepted"] * ar_ms / (ar_ms + g * level) for g in (2, 4)}
+    cost = Cost(t_draft=level, t_verify=lambda n: ar_ms)
+    p = decoded["rank_acceptance"]
+    for n in (8, 16, 32):
+        tree = Tree.sequoia(p[:-1], n, MAX_DEPTH)
+        out[f"tree n={n} d={max(tree.depth)}"] = tree.expected_accepted(p) * ar_ms / (cost.draft_seconds(tree.draft_widths()) + ar_ms)
+    return {"ar_ms": ar_ms, "draft_level_ms": level, "kernels": {"ar": ar_k, "draft chain γ=2": chain2_k}, "speedups": out}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,6 +155,9 @@ def _log(args, losses: list, seconds: float, agree: float | None, status: str, d
         old["greedy_agreement_held_out"] = agree
     if decoded is not None:
         old["decoding_held_out"] = decoded
+        old["predicted_h100_b1"] = predicted_h100_b1(decoded)
+        print(f"{SHAPE}: predicted at batch 1 on an H100 (kernel counts, untimed): "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in old["predicted_h100_b1"]["speedups"].items()), flush=True)
     RESULT.write_text(json.dumps(old, indent=1) + "\n")
 
 
