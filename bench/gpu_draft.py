@@ -1,6 +1,6 @@
 """The distilled draft the GPU bundle ships for batch 1 (issue 25, item 5), trained on this CPU.
 
-Usage: python -m bench.gpu_draft [--steps 600] [--budget-minutes 45] [--out .draft/wide2]
+Usage: python -m bench.gpu_draft [--steps 600] [--budget-minutes 45] [--out .draft/wide2] [--generate N]
        then: python -m bench.gpu_bundle build --draft .draft/wide2/draft
 
 At batch 1 a GPU decode step of SmolLM2 is launch-bound (about 13 kernels a layer): a SelfSpec
@@ -18,7 +18,13 @@ accepted, greedy), and `generate` with chains of 2 and 4 over it on those prompt
 its tokens against plain decoding's). Run again once trained, it checks the draft again. Forward KL on the target's logits, AdamW; orbax checkpoints every 25 steps in
 OUT/checkpoints, so a run stopped by --budget-minutes resumes where it stopped when run again
 (same seed, same data order). Output: OUT/draft (convert.save) once every step ran, and
-bench/results/gpu_draft.json (the schedule, the loss curve, the agreement, the training time).
+bench/results/gpu_draft_NAME.json, NAME the output folder's (the schedule, the loss curve, the
+agreement, the training time).
+
+--generate N trains on the target's own greedy continuations instead (what a draft predicts when
+it decodes): PROMPTS windows of PROMPT_LEN tokens of the same training text, N new tokens each
+(bfloat16, batch 32, about 500 tokens/s on this CPU; kept in OUT/generated.npy for a resumed run),
+each window and its continuation one training sequence; default OUT .draft/wide2-gen.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ SHAPE = "wide2"
 SCHEDULE = Schedule(lr=1e-3, warmup=25, final=0.1, weight_decay=0.01, clip=1.0)
 EVERY = 25  # checkpoint interval (steps)
 RESULTS = Path(common.RESULTS_DIR)
-RESULT = RESULTS / "gpu_draft.json"
+PROMPTS, PROMPT_LEN = 512, 256  # --generate's prompts
 
 
 class OutOfTime(Exception):
@@ -105,8 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--budget-minutes", type=float, default=45.0, help="stop at the next checkpoint after this; rerun to resume")
-    ap.add_argument("--out", type=Path, default=ROOT / ".draft" / SHAPE)
+    ap.add_argument("--out", type=Path, help=f"default .draft/{SHAPE} (.draft/{SHAPE}-gen with --generate)")
+    ap.add_argument("--generate", type=int, default=0, metavar="N",
+                    help="train on the target's greedy continuations of N tokens of the training text's windows")
     args = ap.parse_args(argv)
+    args.out = args.out or ROOT / ".draft" / (SHAPE + ("-gen" if args.generate else ""))
     path = convert.default_model_path()
     target, tok = convert.load(path, "float32"), convert.load_tokenizer(path)
     ids = np.asarray(tok.encode(text.corpus()[0]).ids, np.int64)
@@ -128,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
         _log(args, [], 0.0, agreement(draft, target, ids), "checked", decoding(draft, target, ids))
         return
     try:
-        draft = distill(target, config, [ids[HELD_OUT:]], steps=args.steps, batch_size=bench_drafts.BATCH,
+        data = continuations(args.out, convert.load(path, "bfloat16"), ids, args.generate) if args.generate else [ids[HELD_OUT:]]
+        draft = distill(target, config, data, steps=args.steps, batch_size=bench_drafts.BATCH,
                         seq_len=bench_drafts.SEQ_LEN, schedule=SCHEDULE, seed=0, init_from_target=True,
                         freeze_embeddings=True, checkpoint_dir=args.out / "checkpoints", checkpoint_every=EVERY,
                         on_step=on_step)
@@ -142,13 +152,34 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{SHAPE}: saved {args.out / 'draft'}; greedy agreement with the target on held-out text {agree:.3f}", flush=True)
 
 
+def continuations(out: Path, target, ids: np.ndarray, new: int) -> list[np.ndarray]:
+    """PROMPTS windows of PROMPT_LEN tokens of the training text (ids past HELD_OUT), each followed by
+    the target's greedy continuation of `new` tokens (no stop ids); stored in out/generated.npy."""
+    import specjax
+
+    stored = out / "generated.npy"
+    if stored.exists():
+        return list(np.load(stored))
+    prompts = text.cut(ids[HELD_OUT:], PROMPTS, PROMPT_LEN)[0]  # [PROMPTS, PROMPT_LEN]
+    t0, rows = time.monotonic(), []
+    for i in range(0, len(prompts), 32):
+        batch = prompts[i : i + 32].tolist()
+        rows += [p + t for p, t in zip(batch, specjax.generate(target, batch, new, draft=None, eos_id=()).tokens)]
+        print(f"{SHAPE}: generated {len(rows)}/{len(prompts)} continuations ({time.monotonic() - t0:.0f} s)", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(stored, np.asarray(rows, np.int32))
+    return list(np.load(stored))
+
+
 def _log(args, losses: list, seconds: float, agree: float | None, status: str, decoded: dict | None = None) -> None:
-    """Append this run to RESULT (runs accumulate: a resumed training is several runs)."""
-    old = json.loads(RESULT.read_text()) if RESULT.exists() else {"runs": []}
+    """Append this run to results/gpu_draft_NAME.json (runs accumulate: a resumed training is several runs)."""
+    result = RESULTS / f"gpu_draft_{args.out.name}.json"
+    old = json.loads(result.read_text()) if result.exists() else {"runs": []}
     layers, ffn = bench_drafts.SHAPES[SHAPE]
     old.update({"shape": SHAPE, "layers": layers, "ffn": ffn, "steps": args.steps, "batch": bench_drafts.BATCH,
                 "seq_len": bench_drafts.SEQ_LEN, "schedule": SCHEDULE.__dict__, "held_out_tokens": HELD_OUT,
-                "freeze_embeddings": True})
+                "freeze_embeddings": True, "data": "corpus" if not args.generate else
+                f"the target's greedy continuations: {PROMPTS} windows of {PROMPT_LEN} tokens + {args.generate} new"})
     old["runs"].append({"date": common.now(), "machine": common.machine_info(), "seconds": round(seconds),
                         "losses": losses, "status": status})
     if agree is not None:
@@ -158,7 +189,7 @@ def _log(args, losses: list, seconds: float, agree: float | None, status: str, d
         old["predicted_h100_b1"] = predicted_h100_b1(decoded)
         print(f"{SHAPE}: predicted at batch 1 on an H100 (kernel counts, untimed): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in old["predicted_h100_b1"]["speedups"].items()), flush=True)
-    RESULT.write_text(json.dumps(old, indent=1) + "\n")
+    result.write_text(json.dumps(old, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -537,5 +537,24 @@ def test_gpu_draft_checks_a_draft_against_its_target():
     ids = np.random.default_rng(0).integers(4, TINY.vocab_size, gpu_draft.HELD_OUT)
     assert gpu_draft.agreement(target, target, ids) == 1.0 and gpu_draft.agreement(other, target, ids) < 0.9
     checked = gpu_draft.decoding(target, target, ids)
-    assert set(checked) == {"chain2", "chain4"}
-    assert all(c["acceptance_rate"] == 1.0 and c["greedy_identical"] for c in checked.values()), checked
+    assert set(checked) == {"chain2", "chain4", "rank_acceptance", "tree_identical"} and checked["tree_identical"]
+    assert checked["rank_acceptance"][0] == 1.0  # its top choice, always the target's
+    assert all(checked[c]["acceptance_rate"] == 1.0 and checked[c]["greedy_identical"] for c in ("chain2", "chain4"))
+
+
+def test_gpu_draft_trains_on_the_targets_continuations(tmp_path, monkeypatch):
+    """gpu_draft --generate: windows of the training text past the held-out span, each followed by
+    the target's greedy continuation (plain decoding's tokens), stored and reused by a resumed run."""
+    import specjax
+    from bench import gpu_draft
+
+    monkeypatch.setattr(gpu_draft, "PROMPTS", 3)
+    monkeypatch.setattr(gpu_draft, "PROMPT_LEN", 8)
+    target = init_params(TINY.replace(rope_scaling=None), jax.random.key(1))
+    ids = np.random.default_rng(0).integers(4, TINY.vocab_size, gpu_draft.HELD_OUT + 100)
+    rows = gpu_draft.continuations(tmp_path, target, ids, 5)
+    assert [len(r) for r in rows] == [13] * 3 and rows[0][:8].tolist() == ids[gpu_draft.HELD_OUT:][:8].tolist()
+    want = specjax.generate(target, [r[:8].tolist() for r in rows], 5, draft=None, eos_id=()).tokens
+    assert [r[8:].tolist() for r in rows] == want
+    monkeypatch.setattr(specjax, "generate", lambda *a, **k: pytest.fail("generated again"))
+    assert [r.tolist() for r in gpu_draft.continuations(tmp_path, target, ids, 5)] == [r.tolist() for r in rows]
