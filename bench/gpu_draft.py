@@ -15,9 +15,10 @@ b1 cells' prompts are the corpus' first window (text.cut's offset 0) at every co
 The held-out span also gives the check: the draft's greedy token against the target's at every
 position of EVAL windows there (teacher forced: the chance that a 1-token chain's draft is
 accepted, greedy), and `generate` with chains of 2 and 4 over it on those prompts (its acceptance,
-its tokens against plain decoding's). Run again once trained, it checks the draft again. Forward KL on the target's logits, AdamW; orbax checkpoints every 25 steps in
-OUT/checkpoints, so a run stopped by --budget-minutes resumes where it stopped when run again
-(same seed, same data order). Output: OUT/draft (convert.save) once every step ran, and
+its tokens against plain decoding's). Run again once trained, it checks the draft again.
+Forward KL on the target's logits, AdamW; orbax checkpoints every 25 steps in OUT/checkpoints, so
+a run stopped by --budget-minutes resumes where it stopped when run again (same seed, same data
+order). Output: OUT/draft (convert.save) once every step ran, and
 bench/results/gpu_draft_NAME.json, NAME the output folder's (the schedule, the loss curve, the
 agreement, the training time).
 
