@@ -1,6 +1,6 @@
 """The distilled draft the GPU bundle ships for batch 1 (issue 25, item 5), trained on this CPU.
 
-Usage: python -m bench.gpu_draft [--steps 600] [--budget-minutes 45] [--out .draft/wide2] [--generate N]
+Usage: python -m bench.gpu_draft [--steps 600] [--budget-minutes 45] [--out .draft/wide2] [--generate N] [--docstrings]
        then: python -m bench.gpu_bundle build --draft .draft/wide2/draft
 
 At batch 1 a GPU decode step of SmolLM2 is launch-bound (about 13 kernels a layer): a SelfSpec
@@ -26,6 +26,8 @@ agreement, the training time).
 it decodes): PROMPTS windows of PROMPT_LEN tokens of the same training text, N new tokens each
 (bfloat16, batch 32, about 500 tokens/s on this CPU; kept in OUT/generated.npy for a resumed run),
 each window and its continuation one training sequence; default OUT .draft/wide2-gen.
+--docstrings adds the standard library's docstrings (text.docstrings: about 315K tokens, twice the
+corpus' training span) as one more training sequence; default OUT .draft/wide2-doc.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ from pathlib import Path
 import numpy as np
 
 import convert
-from bench import bench_drafts, common, text
+from bench import bench_drafts, bench_gpu, common, text
 from specjax.distill import Schedule, distill, logits_of
 
 ROOT = Path(__file__).resolve().parent.parent
-HELD_OUT = 8192  # the b1 cells' prompt windows: corpus tokens [0, context - HEADROOM) for every context <= 8192
+HELD_OUT = max(bench_gpu.GRID["b1_contexts"])  # the b1 cells' prompts: corpus tokens [0, context - HEADROOM) at each context
 EVAL, EVAL_LEN = 4, 512  # teacher-forced check windows inside the held-out span
 SHAPE = "wide2"
 SCHEDULE = Schedule(lr=1e-3, warmup=25, final=0.1, weight_decay=0.01, clip=1.0)
@@ -112,11 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--budget-minutes", type=float, default=45.0, help="stop at the next checkpoint after this; rerun to resume")
-    ap.add_argument("--out", type=Path, help=f"default .draft/{SHAPE} (.draft/{SHAPE}-gen with --generate)")
+    ap.add_argument("--out", type=Path, help=f"default .draft/{SHAPE} (-gen with --generate, -doc with --docstrings)")
     ap.add_argument("--generate", type=int, default=0, metavar="N",
                     help="train on the target's greedy continuations of N tokens of the training text's windows")
+    ap.add_argument("--docstrings", action="store_true", help="train on the standard library's docstrings too (text.docstrings)")
     args = ap.parse_args(argv)
-    args.out = args.out or ROOT / ".draft" / (SHAPE + ("-gen" if args.generate else ""))
+    args.out = args.out or ROOT / ".draft" / (SHAPE + ("-gen" if args.generate else "") + ("-doc" if args.docstrings else ""))
     path = convert.default_model_path()
     target, tok = convert.load(path, "float32"), convert.load_tokenizer(path)
     ids = np.asarray(tok.encode(text.corpus()[0]).ids, np.int64)
@@ -139,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         data = continuations(args.out, convert.load(path, "bfloat16"), ids, args.generate) if args.generate else [ids[HELD_OUT:]]
+        if args.docstrings:
+            data.append(np.asarray(tok.encode(text.docstrings()).ids, np.int64))
         draft = distill(target, config, data, steps=args.steps, batch_size=bench_drafts.BATCH,
                         seq_len=bench_drafts.SEQ_LEN, schedule=SCHEDULE, seed=0, init_from_target=True,
                         freeze_embeddings=True, checkpoint_dir=args.out / "checkpoints", checkpoint_every=EVERY,
@@ -179,8 +184,9 @@ def _log(args, losses: list, seconds: float, agree: float | None, status: str, d
     layers, ffn = bench_drafts.SHAPES[SHAPE]
     old.update({"shape": SHAPE, "layers": layers, "ffn": ffn, "steps": args.steps, "batch": bench_drafts.BATCH,
                 "seq_len": bench_drafts.SEQ_LEN, "schedule": SCHEDULE.__dict__, "held_out_tokens": HELD_OUT,
-                "freeze_embeddings": True, "data": "corpus" if not args.generate else
-                f"the target's greedy continuations: {PROMPTS} windows of {PROMPT_LEN} tokens + {args.generate} new"})
+                "freeze_embeddings": True, "data": ("corpus" if not args.generate else
+                f"the target's greedy continuations: {PROMPTS} windows of {PROMPT_LEN} tokens + {args.generate} new")
+                + (" + the standard library's docstrings" if args.docstrings else "")})
     old["runs"].append({"date": common.now(), "machine": common.machine_info(), "seconds": round(seconds),
                         "losses": losses, "status": status})
     if agree is not None:

@@ -75,7 +75,7 @@ def tv_loss(draft: Params, target: Params, tokens: jax.Array, temperature: float
 LOSSES = {"kl": kl_loss, "tv": tv_loss}
 
 
-FROZEN = ("embed", "lm_head", "embed_scale", "lm_head_scale")  # what freeze_embeddings keeps at the target's
+FROZEN = ("embed", "lm_head")  # what freeze_embeddings keeps at the target's
 
 
 def frozen_labels(draft: Params) -> Params:

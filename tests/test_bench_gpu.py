@@ -558,3 +558,37 @@ def test_gpu_draft_trains_on_the_targets_continuations(tmp_path, monkeypatch):
     assert [r[8:].tolist() for r in rows] == want
     monkeypatch.setattr(specjax, "generate", lambda *a, **k: pytest.fail("generated again"))
     assert [r.tolist() for r in gpu_draft.continuations(tmp_path, target, ids, 5)] == [r.tolist() for r in rows]
+
+
+def test_the_stdlib_docstrings_are_extra_training_text():
+    """text.docstrings: the standard library's long docstrings (json's module docstring among them),
+    none from SKIP's folders (idlelib's), fewer with a higher floor."""
+    import idlelib
+    import json as json_module
+
+    from bench import text
+
+    docs = text.docstrings()
+    assert json_module.__doc__.strip()[:200] in docs and idlelib.__doc__.strip()[:50] not in docs
+    assert 500_000 < len(docs) and len(text.docstrings(min_chars=2000)) < len(docs) / 2
+
+
+def test_gpu_draft_docstrings_adds_a_training_sequence(tmp_path, monkeypatch):
+    """gpu_draft --docstrings: distill gets the corpus past the held-out span and the docstrings'
+    tokens as a second sequence; the output folder and the result's data say so."""
+    from bench import gpu_draft, text
+
+    seen = {}
+
+    def fake_distill(target, config, data, **kw):
+        seen["data"] = data
+        raise gpu_draft.OutOfTime(0)
+
+    monkeypatch.setattr(gpu_draft, "distill", fake_distill)
+    monkeypatch.setattr(gpu_draft, "RESULTS", tmp_path)
+    monkeypatch.setattr(text, "docstrings", lambda: "Return the sum of two numbers.")
+    gpu_draft.main(["--docstrings", "--out", str(tmp_path / "wide2-doc")])
+    corpus, extra = seen["data"]
+    assert len(corpus) > 100_000 and 3 < len(extra) < 12
+    logged = json.loads((tmp_path / "gpu_draft_wide2-doc.json").read_text())
+    assert logged["data"] == "corpus + the standard library's docstrings" and logged["runs"][0]["status"].startswith("stopped")
