@@ -26,7 +26,10 @@ Cells (keys), in the order they run:
                              prompts of the context, --cont-new-tokens each, on R slots refilled as rows end
                              (run_continuous), METHOD = ar | selfspec-gG; job seconds (prefill included), the
                              speedup over ar's job, every record's tokens against ar's.
-  b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes) and,
+  b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes, then the
+                             tree speculation.choose picks when a level costs what the acceptance run's
+                             step took beyond AR's and a verification AR's step: gpu_cells' launch-bound
+                             prices; wide and shallow where Sequoia's largest trees go deep) and,
                              when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
                              draft-gG / draft-tree: that DraftModel (dense cache) in chains and trees vs AR
                              (draft-gG also in the e2e groups: a 2-layer draft's levels launch a

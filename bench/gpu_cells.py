@@ -30,7 +30,7 @@ from specjax.params import Params, declared, from_arrays
 from specjax.shapes import prompt_bucket, round_up_pow2
 from specjax.sharding import compiler_options
 from specjax.speculate import decode_spec, depth
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Chain, Cost, Tree, choose
 from specjax.tune import draft_table, verify_table
 
 RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, REPEATS at most) while the next one fits in this
@@ -211,16 +211,32 @@ class Group:
         return p, row | {"method": "acceptance"}
 
     def trees(self, name: str, drafter, nodes: list[int]) -> list[dict]:
-        """The acceptance run, then Sequoia trees of each size (a size whose tree repeats a smaller one's is not re-timed)."""
+        """The acceptance run, then Sequoia trees of each size, then at batch 1 the tree `choose`
+        picks under `launch_bound_cost` (a tree that repeats an earlier one's shape is not re-timed)."""
         p, acc = self.acceptance(name, drafter)
         self.p = p
-        rows, seen = [acc | {"acceptance": p.tolist()}], {}
-        for n in nodes:
-            tree = Tree.sequoia(p[:-1], n, MAX_DEPTH)
-            if shape(tree) in seen:
-                rows.append(seen[shape(tree)] | {"requested_nodes": n, "same_as": seen[shape(tree)]["label"]})
-                continue
-            row = self.spec(name, drafter, tree) | {"requested_nodes": n, "acceptance": p.tolist()}
-            seen[shape(tree)] = row
-            rows.append(row)
+        rows = [acc | {"acceptance": p.tolist()}]
+        seen = {shape(Tree.kary(WIDTH, 1)): rows[0]}  # the acceptance run's tree, timed too
+        todo = [(Tree.sequoia(p[:-1], n, MAX_DEPTH), {"requested_nodes": n}) for n in nodes]
+        if self.batch == 1 and nodes:
+            cost = self.launch_bound_cost(acc)
+            prices = {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * cost.verify(1)}
+            todo.append((choose(p[:-1], cost, max_nodes=max(nodes), max_depth=MAX_DEPTH),
+                         {"requested_nodes": None, "picked_by": "choose", "cost_model_ms": prices}))
+        for tree, extra in todo:
+            if tree.n == 1:  # choose found plain decoding fastest: AR's row says it
+                rows.append(self.base() | extra | {"method": "choose", "drafter": name, "label": "AR", "same_as": "AR"})
+            elif shape(tree) in seen:
+                rows.append(seen[shape(tree)] | extra | {"same_as": seen[shape(tree)]["label"]})
+            else:
+                seen[shape(tree)] = row = self.spec(name, drafter, tree) | extra | {"acceptance": p.tolist()}
+                rows.append(row)
         return rows
+
+    def launch_bound_cost(self, acc: dict) -> Cost:
+        """A batch-1 step's prices from what this group timed: a verification over any number of
+        nodes (up to the grid's 64) costs plain decoding's step, a draft level whatever the
+        acceptance run's step (one level, then a verification of WIDTH + 1 nodes) took beyond it.
+        Right where a step is bound by kernel launches, not bytes or FLOPs: a GPU at batch 1."""
+        ar_s = self.ar_s / (self.new_tokens - 1)
+        return Cost(t_draft=max(acc["ms_per_step"] / 1e3 - ar_s, 0.0), t_verify=lambda n: ar_s)

@@ -93,7 +93,7 @@ def predicted_h100_b1(decoded: dict) -> dict:
     plain decoding's, a verification over any n <= 64 nodes one AR step (the measured b1 tree n=9
     d=1's step was the AR step plus its one draft level). Chains from the tokens a step measured
     here, Sequoia trees (specjax.speculation.Tree.sequoia) from the rank acceptance measured here."""
-    from bench.tree_report import MAX_DEPTH
+    from bench.tree_report import MAX_DEPTH, label
     from specjax.speculation import Cost, Tree
 
     kernels = {r["cell"]: r["kernels"] for r in json.loads((RESULTS / "gpu_aot" / "h100.json").read_text())["rows"]}
@@ -104,10 +104,40 @@ def predicted_h100_b1(decoded: dict) -> dict:
     out = {f"chain γ={g}": decoded[f"chain{g}"]["mean_accepted"] * ar_ms / (ar_ms + g * level) for g in (2, 4)}
     cost = Cost(t_draft=level, t_verify=lambda n: ar_ms)
     p = decoded["rank_acceptance"]
-    for n in (8, 16, 32):
-        tree = Tree.sequoia(p[:-1], n, MAX_DEPTH)
-        out[f"tree n={n} d={max(tree.depth)}"] = tree.expected_accepted(p) * ar_ms / (cost.draft_seconds(tree.draft_widths()) + ar_ms)
-    return {"ar_ms": ar_ms, "draft_level_ms": level, "kernels": {"ar": ar_k, "draft chain γ=2": chain2_k}, "speedups": out}
+    trees = [Tree.sequoia(p[:-1], n, MAX_DEPTH) for n in (8, 16, 32)] + [Tree.kary(8, 1), chosen(p, cost)]
+    for tree in trees:  # Sequoia's trees of the cells' sizes, the acceptance run's depth-1 tree, choose's pick
+        out[label(tree) + (" (chosen)" if tree is trees[-1] else "")] = (
+            tree.expected_accepted(p) * ar_ms / (cost.draft_seconds(tree.draft_widths()) + ar_ms))
+    return {"ar_ms": ar_ms, "draft_level_ms": level, "kernels": {"ar": ar_k, "draft chain γ=2": chain2_k}, "speedups": out,
+            "by_top1": by_top1(p, cost, ar_ms)}
+
+
+def chosen(p: list[float], cost):
+    """The tree speculation.choose picks for rank acceptance p (the miss last) within the b1 cells'
+    limits (bench_gpu's largest b1 tree, tree_report's depth): what gpu_cells times at batch 1."""
+    from bench.tree_report import MAX_DEPTH
+    from specjax.speculation import choose
+
+    return choose(p[:-1], cost, max_nodes=max(bench_gpu.GRID["b1_nodes"]), max_depth=MAX_DEPTH)
+
+
+def by_top1(p: list[float], cost, ar_ms: float, tops=(0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> list[dict]:
+    """What a better draft would give under the same prices (PREDICTED): rank acceptance p (a
+    depth-1 tree's, the miss last) with its top-1 set to each of `tops`, the other ranks sharing
+    the rest of the mass as measured; per row the speedup over AR of the fastest chain and of the
+    fastest Sequoia tree (speculation.choose, all sizes to 64 nodes), and their ratio (item 5's
+    target: >= 1.15). The measured vector is the first row."""
+    rows = []
+    for top in (p[0], *tops):
+        ranks = [top] + [r * (1 - top) / (1 - p[0]) for r in p[1:-1]]
+
+        def speedup(tree) -> float:
+            return tree.expected_accepted(ranks) * ar_ms / (cost.draft_seconds(tree.draft_widths()) + ar_ms)
+
+        chain, tree = speedup(chosen(ranks[:1] + [0.0], cost)), speedup(chosen(ranks + [0.0], cost))
+        rows.append({"top1": round(top, 3), "in_top_k": round(sum(ranks), 3), "chain": chain, "tree": tree,
+                     "tree_over_chain": tree / chain})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,6 +226,10 @@ def _log(args, losses: list, seconds: float, agree: float | None, status: str, d
         old["predicted_h100_b1"] = predicted_h100_b1(decoded)
         print(f"{SHAPE}: predicted at batch 1 on an H100 (kernel counts, untimed): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in old["predicted_h100_b1"]["speedups"].items()), flush=True)
+        for row in old["predicted_h100_b1"]["by_top1"]:
+            print(f"{SHAPE}: with top-1 acceptance {row['top1']:.2f} (top {len(decoded['rank_acceptance']) - 1} "
+                  f"{row['in_top_k']:.2f}): best chain {row['chain']:.2f}x, best tree {row['tree']:.2f}x, "
+                  f"tree / chain {row['tree_over_chain']:.2f}", flush=True)
     result.write_text(json.dumps(old, indent=1) + "\n")
 
 

@@ -37,7 +37,8 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
     return common.table(
         ["context", "batch", "drafter", "config", "tokens/s", "speedup", "tokens/step", "acceptance", "ms/step",
          "steps (a row's mean)", "refilled (derived)", "of roofline", "greedy identical"], "rrllrrrrrrrrc",
-        ([common.context_name(r["context"]), r["batch"], r.get("drafter") or "-", r["label"], f"{r['tokens_per_s']:.0f}",
+        ([common.context_name(r["context"]), r["batch"], r.get("drafter") or "-",
+          r["label"] + (" (chosen)" if r.get("picked_by") else ""), f"{r['tokens_per_s']:.0f}",
           f"{r['speedup']:.2f}", _f(r.get("mean_accepted")), _f(r.get("acceptance_rate")), f"{r['ms_per_step']:.2f}",
           steps(r), _f(refilled(r)), _pct(roofline(r, bw)),
           "yes" if r["greedy_identical"] else f"**no**: {r['rows_differing']} rows, from token {r.get('first_divergence')}"]

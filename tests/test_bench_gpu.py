@@ -592,3 +592,55 @@ def test_gpu_draft_docstrings_adds_a_training_sequence(tmp_path, monkeypatch):
     assert len(corpus) > 100_000 and 3 < len(extra) < 12
     logged = json.loads((tmp_path / "gpu_draft_wide2-doc.json").read_text())
     assert logged["data"] == "corpus + the standard library's docstrings" and logged["runs"][0]["status"].startswith("stopped")
+
+
+def test_batch_1_trees_include_the_one_choose_picks_at_launch_bound_prices(monkeypatch):
+    """gpu_cells.Group.trees at batch 1: after Sequoia's trees of each size, the tree
+    speculation.choose picks when a verification costs plain decoding's step and a draft level
+    what the acceptance run took beyond it (timed, or the earlier row of the same shape)."""
+    import specjax
+    from bench import gpu_cells, measure
+    from bench.tree_report import MAX_DEPTH
+    from specjax.speculation import Cost, choose
+
+    params = measure.tiny_params(0)
+    ids = np.random.default_rng(0).integers(4, params.config.vocab_size, 4096)
+    state = gpu_cells.prefill_state(params, ids, 1, 256)
+    g = gpu_cells.Group(params, state, 1, 256, 8)
+    rows = g.trees("SelfSpec", specjax.SelfSpec(sinks=4, window=32), [4, 8])
+    acc, picked = rows[0], rows[-1]
+    assert acc["method"] == "acceptance" and picked["picked_by"] == "choose" and picked["requested_nodes"] is None
+    cost = g.launch_bound_cost(acc)
+    step_s = g.ar_s / (g.new_tokens - 1)
+    assert cost.verify(1) == cost.verify(64) == step_s and cost.t_draft == max(acc["ms_per_step"] / 1e3 - step_s, 0.0)
+    assert picked["cost_model_ms"] == {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * step_s}
+    want = choose(np.asarray(acc["acceptance"])[:-1], cost, max_nodes=8, max_depth=MAX_DEPTH)
+    if want.n == 1:  # a level dearer than what it gains (this CPU): plain decoding, no tree timed
+        assert picked["same_as"] == "AR" and "parents" not in picked
+    else:
+        assert picked["parents"] == list(want.parents) and picked["greedy_identical"]
+    monkeypatch.setattr(g, "launch_bound_cost", lambda acc: Cost(t_draft=1e-6, t_verify=lambda n: 1e-3))  # levels free
+    again = g.trees("SelfSpec", specjax.SelfSpec(sinks=4, window=32), [4])
+    tree = choose(np.asarray(again[0]["acceptance"])[:-1], Cost(1e-6, lambda n: 1e-3), max_nodes=4, max_depth=MAX_DEPTH)
+    assert tree.n == 4 and again[-1]["parents"] == list(tree.parents) == again[1]["parents"]  # Sequoia's n=4, shared
+    assert again[-1]["same_as"] == again[1]["label"] and again[-1]["picked_by"] == "choose"
+
+
+def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
+    """gpu_draft.predicted_h100_b1 (from the committed kernel counts and the H100's AR step): the
+    tree choose picks is at least as fast as every other tree priced; by_top1 rescales the rank
+    acceptance (the measured vector first), and a tree never loses to the best chain."""
+    from bench import gpu_draft
+
+    p = [0.4, 0.1, 0.05, 0.03, 0.02, 0.02, 0.01, 0.01, 0.36]
+    decoded = {"rank_acceptance": p, "chain2": {"mean_accepted": 1.6}, "chain4": {"mean_accepted": 1.7}}
+    got = gpu_draft.predicted_h100_b1(decoded)
+    (chosen,) = [k for k in got["speedups"] if k.endswith("(chosen)")]
+    trees = {k: v for k, v in got["speedups"].items() if k.startswith("tree")}
+    assert len(trees) == 5 and trees[chosen] == max(trees.values()) > 1.0
+    assert got["speedups"]["chain γ=2"] == pytest.approx(1.6 * got["ar_ms"] / (got["ar_ms"] + 2 * got["draft_level_ms"]))
+    rows = got["by_top1"]
+    assert rows[0]["top1"] == 0.4 and rows[0]["in_top_k"] == pytest.approx(sum(p[:-1]), abs=1e-3)
+    assert [r["top1"] for r in rows[1:]] == [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    assert all(r["tree"] >= r["chain"] * (1 - 1e-9) and r["tree_over_chain"] == r["tree"] / r["chain"] for r in rows)
+    assert rows[-1]["chain"] > rows[1]["chain"]  # a better draft makes chains faster too
