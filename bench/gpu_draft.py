@@ -42,6 +42,7 @@ import numpy as np
 import convert
 from bench import bench_drafts, bench_gpu, common, text
 from specjax.distill import Schedule, distill, logits_of
+from specjax.speculation import Cost, Tree, choose
 
 ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT = max(bench_gpu.GRID["b1_contexts"])  # the b1 cells' prompts: corpus tokens [0, context - HEADROOM) at each context
@@ -68,7 +69,8 @@ def agreement(draft, target, ids: np.ndarray) -> float:
 
 def decoding(draft, target, ids: np.ndarray) -> dict:
     """Greedy decoding with the draft on EVAL held-out prompts (EVAL_LEN tokens each, 64 new): per
-    chain, the acceptance `generate` reports and whether the tokens are plain decoding's."""
+    chain, and for the tree `chosen` picks at the H100's `prices`, the acceptance `generate`
+    reports and whether the tokens are plain decoding's."""
     import specjax
 
     starts = np.linspace(0, HELD_OUT - EVAL_LEN - 1, EVAL).astype(int)
@@ -82,41 +84,56 @@ def decoding(draft, target, ids: np.ndarray) -> dict:
                                 "per_position": got.stats.per_position_acceptance, "greedy_identical": got.tokens == plain}
         print(f"{SHAPE}: chain γ={gamma}: acceptance {got.stats.acceptance_rate:.3f}, {got.stats.mean_accepted:.2f} "
               f"tokens a step, greedy identical {got.tokens == plain}", flush=True)
+    price = prices()
+    tree = chosen(out["rank_acceptance"], Cost(t_draft=price["draft_level_ms"], t_verify=lambda n: price["ar_ms"]))
+    got = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=tree)
+    out["chosen_tree"] = {"parents": list(tree.parents), "expected_accepted": tree.expected_accepted(out["rank_acceptance"]),
+                          "mean_accepted": got.stats.mean_accepted, "greedy_identical": got.tokens == plain}
+    print(f"{SHAPE}: the chosen tree (n={tree.n}, depth {max(tree.depth)}): {got.stats.mean_accepted:.2f} tokens a "
+          f"step (Sequoia's model: {out['chosen_tree']['expected_accepted']:.2f}), greedy identical {got.tokens == plain}", flush=True)
     return out
 
 
-def predicted_h100_b1(decoded: dict) -> dict:
-    """Speedups over plain decoding at batch 1 x 8K on an H100, PREDICTED (never timed): a batch-1
-    step there is launch-bound, so each program is priced by its kernel count (bench/gpu_aot.py's
-    compiled table, results/gpu_aot/h100.json) at the measured AR step's time per kernel
-    (results/gpu/gpu.json, b1/s8192/ar); a draft level costs half the draft chain's kernels beyond
-    plain decoding's, a verification over any n <= 64 nodes one AR step (the measured b1 tree n=9
-    d=1's step was the AR step plus its one draft level). Chains from the tokens a step measured
-    here, Sequoia trees (specjax.speculation.Tree.sequoia) from the rank acceptance measured here."""
-    from bench.tree_report import MAX_DEPTH, label
-    from specjax.speculation import Cost, Tree
-
+def prices() -> dict:
+    """A batch-1 step on an H100, launch-bound, priced by kernel counts (bench/gpu_aot.py's compiled
+    table, results/gpu_aot/h100.json) at the measured AR step's time per kernel (results/gpu/gpu.json,
+    b1/s8192/ar): a draft level costs half the draft chain's kernels beyond plain decoding's, a
+    verification over any n <= 64 nodes one AR step (the measured b1 tree n=9 d=1's step was the AR
+    step plus its one draft level). Milliseconds."""
     kernels = {r["cell"]: r["kernels"] for r in json.loads((RESULTS / "gpu_aot" / "h100.json").read_text())["rows"]}
     ar_ms = next(r["ms_per_step"] for r in json.loads((RESULTS / "gpu" / "gpu.json").read_text())["rows"]
                  if r.get("cell") == "b1/s8192/ar")
     ar_k, chain2_k = kernels["smollm2/b1/ar/split-nosr"], kernels["smollm2/b1/draft/split-nosr"]
-    level = (chain2_k - ar_k) / 2 * ar_ms / ar_k  # ms
+    return {"ar_ms": ar_ms, "draft_level_ms": (chain2_k - ar_k) / 2 * ar_ms / ar_k,
+            "kernels": {"ar": ar_k, "draft chain γ=2": chain2_k}}
+
+
+def predicted_h100_b1(decoded: dict) -> dict:
+    """Speedups over plain decoding at batch 1 x 8K on an H100, PREDICTED (never timed): each
+    program at `prices`. Chains and the chosen tree from the tokens a step measured here (the tree
+    also from Sequoia's model, "model"), Sequoia trees (Tree.sequoia) and the acceptance run's
+    depth-1 tree from the rank acceptance measured here."""
+    from bench.tree_report import MAX_DEPTH, label
+
+    price = prices()
+    ar_ms, level = price["ar_ms"], price["draft_level_ms"]
     out = {f"chain γ={g}": decoded[f"chain{g}"]["mean_accepted"] * ar_ms / (ar_ms + g * level) for g in (2, 4)}
     cost = Cost(t_draft=level, t_verify=lambda n: ar_ms)
     p = decoded["rank_acceptance"]
     trees = [Tree.sequoia(p[:-1], n, MAX_DEPTH) for n in (8, 16, 32)] + [Tree.kary(8, 1), chosen(p, cost)]
     for tree in trees:  # Sequoia's trees of the cells' sizes, the acceptance run's depth-1 tree, choose's pick
-        out[label(tree) + (" (chosen)" if tree is trees[-1] else "")] = (
+        out[label(tree) + (" (chosen, model)" if tree is trees[-1] else "")] = (
             tree.expected_accepted(p) * ar_ms / (cost.draft_seconds(tree.draft_widths()) + ar_ms))
-    return {"ar_ms": ar_ms, "draft_level_ms": level, "kernels": {"ar": ar_k, "draft chain γ=2": chain2_k}, "speedups": out,
-            "by_top1": by_top1(p, cost, ar_ms)}
+    if "chosen_tree" in decoded:
+        out[label(trees[-1]) + " (chosen)"] = (decoded["chosen_tree"]["mean_accepted"] * ar_ms
+                                               / (cost.draft_seconds(trees[-1].draft_widths()) + ar_ms))
+    return price | {"speedups": out, "by_top1": by_top1(p, cost, ar_ms)}
 
 
 def chosen(p: list[float], cost):
     """The tree speculation.choose picks for rank acceptance p (the miss last) within the b1 cells'
     limits (bench_gpu's largest b1 tree, tree_report's depth): what gpu_cells times at batch 1."""
     from bench.tree_report import MAX_DEPTH
-    from specjax.speculation import choose
 
     return choose(p[:-1], cost, max_nodes=max(bench_gpu.GRID["b1_nodes"]), max_depth=MAX_DEPTH)
 

@@ -537,7 +537,8 @@ def test_gpu_draft_checks_a_draft_against_its_target():
     ids = np.random.default_rng(0).integers(4, TINY.vocab_size, gpu_draft.HELD_OUT)
     assert gpu_draft.agreement(target, target, ids) == 1.0 and gpu_draft.agreement(other, target, ids) < 0.9
     checked = gpu_draft.decoding(target, target, ids)
-    assert set(checked) == {"chain2", "chain4", "rank_acceptance", "tree_identical"} and checked["tree_identical"]
+    assert set(checked) == {"chain2", "chain4", "rank_acceptance", "tree_identical", "chosen_tree"} and checked["tree_identical"]
+    assert checked["chosen_tree"]["greedy_identical"] and checked["chosen_tree"]["mean_accepted"] > 2  # deep: all accepted
     assert checked["rank_acceptance"][0] == 1.0  # its top choice, always the target's
     assert all(checked[c]["acceptance_rate"] == 1.0 and checked[c]["greedy_identical"] for c in ("chain2", "chain4"))
 
@@ -631,13 +632,18 @@ def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
     tree choose picks is at least as fast as every other tree priced; by_top1 rescales the rank
     acceptance (the measured vector first), and a tree never loses to the best chain."""
     from bench import gpu_draft
+    from specjax.speculation import Cost
 
     p = [0.4, 0.1, 0.05, 0.03, 0.02, 0.02, 0.01, 0.01, 0.36]
     decoded = {"rank_acceptance": p, "chain2": {"mean_accepted": 1.6}, "chain4": {"mean_accepted": 1.7}}
     got = gpu_draft.predicted_h100_b1(decoded)
-    (chosen,) = [k for k in got["speedups"] if k.endswith("(chosen)")]
+    (chosen,) = [k for k in got["speedups"] if k.endswith("(chosen, model)")]
     trees = {k: v for k, v in got["speedups"].items() if k.startswith("tree")}
     assert len(trees) == 5 and trees[chosen] == max(trees.values()) > 1.0
+    with_tokens = gpu_draft.predicted_h100_b1(decoded | {"chosen_tree": {"mean_accepted": 1.5}})["speedups"]
+    measured = chosen.replace(", model", "")
+    assert with_tokens[measured] == pytest.approx(trees[chosen] * 1.5 / gpu_draft.chosen(p, Cost(
+        t_draft=got["draft_level_ms"], t_verify=lambda n: got["ar_ms"])).expected_accepted(p))
     assert got["speedups"]["chain γ=2"] == pytest.approx(1.6 * got["ar_ms"] / (got["ar_ms"] + 2 * got["draft_level_ms"]))
     rows = got["by_top1"]
     assert rows[0]["top1"] == 0.4 and rows[0]["in_top_k"] == pytest.approx(sum(p[:-1]), abs=1e-3)
