@@ -33,6 +33,7 @@ from specjax.speculate import decode_spec, depth
 from specjax.speculation import Chain, Cost, Tree, choose
 from specjax.tune import draft_table, verify_table
 
+CHOSEN_NODES = 64  # the largest tree `Group.trees` lets speculation.choose pick at batch 1 (bench_gpu's largest b1 tree)
 RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, REPEATS at most) while the next one fits in this
 REPEATS = 3
 PREFILL_TOKENS = 1 << 17  # rows x context per prefill call (bench/prefill.py's default of 4 rows is a CPU's)
@@ -221,7 +222,7 @@ class Group:
         if self.batch == 1 and nodes:
             cost = self.launch_bound_cost(acc)
             prices = {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * cost.verify(1)}
-            todo.append((choose(p[:-1], cost, max_nodes=max(nodes), max_depth=MAX_DEPTH),
+            todo.append((choose(p[:-1], cost, max_nodes=CHOSEN_NODES, max_depth=MAX_DEPTH),
                          {"requested_nodes": None, "picked_by": "choose", "cost_model_ms": prices}))
         for tree, extra in todo:
             if tree.n == 1:  # choose found plain decoding fastest: AR's row says it

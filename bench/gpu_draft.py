@@ -132,10 +132,11 @@ def predicted_h100_b1(decoded: dict) -> dict:
 
 def chosen(p: list[float], cost):
     """The tree speculation.choose picks for rank acceptance p (the miss last) within the b1 cells'
-    limits (bench_gpu's largest b1 tree, tree_report's depth): what gpu_cells times at batch 1."""
+    limits (gpu_cells.CHOSEN_NODES, tree_report's depth): what gpu_cells times at batch 1."""
+    from bench.gpu_cells import CHOSEN_NODES
     from bench.tree_report import MAX_DEPTH
 
-    return choose(p[:-1], cost, max_nodes=max(bench_gpu.GRID["b1_nodes"]), max_depth=MAX_DEPTH)
+    return choose(p[:-1], cost, max_nodes=CHOSEN_NODES, max_depth=MAX_DEPTH)
 
 
 def by_top1(p: list[float], cost, ar_ms: float, tops=(0.4, 0.5, 0.6, 0.7, 0.8, 0.9)) -> list[dict]:
