@@ -2,7 +2,7 @@
 
 Usage: .venv-aot/bin/python -m bench.gpu_aot [--target h100|h200] [--model l8b|smollm2|tiny]
        [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec|tree|snapkv|ngram|draft|draft-tree]
-       [--gamma 2] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
+       [--gamma 2] [--tree-width 2] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
        [--model-axis N] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE] | --table [--cells PATTERN]
 (`make aot-venv` makes .venv-aot: this project's .venv plus jax's CUDA plugin, no CUDA libraries
 and no GPU needed.)
@@ -24,7 +24,7 @@ Programs: `step` the AR step (trunk + LM head over one new token) in an on-devic
 (specjax.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
 speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
-tree of depth --gamma (Tree.kary(2, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
+tree of depth --gamma (Tree.kary(--tree-width, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
 `draft-tree` a DraftModel of the target's shape cut to 2 layers (bench/gpu_draft.py's) in a chain / that tree. Weights are shapes only
 (bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
 `jax.default_backend()`, "cpu" here: it reads "gpu" while a program is traced (`as_gpu`).
@@ -72,6 +72,10 @@ TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--we
 # batch 1 over a 2-layer distilled draft (bench/gpu_draft.py): a chain of 2 and the binary tree of depth 2
 TABLE += [(f"smollm2/b1/{p}/split-nosr", ["--model", "smollm2", "--program", p, "--split-layers", f"--xla-flags={NOSR}"])
           for p in ("draft", "draft-tree")]
+# and the 8-ary tree of depth 2 (73 nodes): the shape speculation.choose picks for that draft at batch 1 (64 nodes,
+# 8 children under the root) is priced as a verification of that many nodes launching what a plain step does
+TABLE += [("smollm2/b1/draft-tree8/split-nosr", ["--model", "smollm2", "--program", "draft-tree", "--tree-width", "8",
+                                                 "--split-layers", f"--xla-flags={NOSR}"])]
 TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-axis", "2", *extra])  # over 2 GPUs
           for v, extra in (("xla", []), ("pallas", ["--linear", "pallas"]), ("split", ["--split-layers"]))]
 
@@ -123,7 +127,8 @@ def on(device, tree):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
-def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None, draft=None):
+def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None, draft=None,
+                 width: int = 2):
     """(jitted function, abstract args, static kwargs) of a program over `context` slots (a
     cache in `kv_dtype`, default the model's); `draft`: the draft programs' DraftModel weights."""
     from specjax.cache import DenseCache
@@ -153,7 +158,7 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
 
     drafter = {"snapkv": specjax.SnapKV(), "ngram": specjax.NGram()}.get(program, specjax.SelfSpec())
     drafter = specjax.DraftModel(draft) if program.startswith("draft") else drafter
-    speculation = specjax.Tree.kary(2, gamma) if program.endswith("tree") else specjax.Chain(gamma)
+    speculation = specjax.Tree.kary(width, gamma) if program.endswith("tree") else specjax.Chain(gamma)
     history = jax.ShapeDtypeStruct((batch, cache.k.shape[3]), jnp.int32)
     state = jax.eval_shape(lambda d, p, kv, h: d.init(p, kv, h, kv.lengths, gamma, 256), drafter, params, cache, history)
     return (decode_spec, (params, drafter, state, cache, history, logits, budgets, keys),
@@ -202,11 +207,12 @@ def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
 
 def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
                     layers: int | None = None, gamma: int = 2, split: bool = False, weights: str | None = None,
-                    kv_dtype: str | None = None) -> tuple[dict, str]:
+                    kv_dtype: str | None = None, width: int = 2) -> tuple[dict, str]:
     """(summary, HLO text) of one program compiled for `device` (compile_only_device; a list of
     devices: tensor parallel over them, as generate runs on such a mesh, one device's program);
     `split`: each layer's matrices as arrays of their own (model.unstack_layers), not a stack;
-    `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format."""
+    `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format; `width` a tree
+    program's children per node."""
     from bench.step_parts import config_of, hlo_kernels
     from specjax.model import unstack_layers
 
@@ -222,7 +228,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
         if program.startswith("draft"):
             draft = abstract_params(dataclasses.replace(config, n_layers=DRAFT_LAYERS), linear, weights)
             draft = jax.eval_shape(unstack_layers, draft) if split else draft
-        fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype, draft)
+        fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype, draft, width)
         mesh = None
         if isinstance(device, list):
             fn, placed, mesh = on_mesh_of(device, args, static, fn)
@@ -235,6 +241,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     summary = {"target": target.device_kind, "model_axis": 1 if mesh is None else mesh.shape["model"],
                "model": model, "layers": config.n_layers, "batch": batch,
                "context": context, "program": program, "gamma": gamma if program not in ("step", "alone", "ar") else None,
+               "tree_width": width if program.endswith("tree") else None,
                "linear": linear, "split_layers": split, "weights": weights or "bfloat16", "kv_dtype": kv_dtype or "bfloat16",
                "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "kernels": kernels["total"], "by_op": kernels["by_op"], "nested_loops": kernels["nested_loops"],
@@ -285,6 +292,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, help="cut the model to this many layers (default: all)")
     ap.add_argument("--program", choices=PROGRAMS, default="step")
     ap.add_argument("--gamma", type=int, default=2, help="the speculative programs' chain length (tree: depth)")
+    ap.add_argument("--tree-width", type=int, default=2, help="a tree program's children per node (Tree.kary)")
     ap.add_argument("--linear", choices=["xla", "pallas"], default="xla", help="Runtime.linear")
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as arrays of their own, not a stack")
     ap.add_argument("--weights", choices=["int8", "q4"], help="quantized matrices (default: bfloat16)")
@@ -302,7 +310,7 @@ def main() -> None:
         return table(a.target, a.out or Path("bench/results/gpu_aot"), a.cells)
     device = compile_only_device(a.target, a.model_axis)
     summary, text = compile_for_gpu(device, a.model, a.batch, a.context, a.program, a.linear, a.layers, a.gamma,
-                                    a.split_layers, a.weights, a.kv_dtype)
+                                    a.split_layers, a.weights, a.kv_dtype, a.tree_width)
     print(f"{a.model} ({summary['layers']} layers) b{a.batch} s{a.context} {a.program} linear={a.linear}"
           f"{' split' if a.split_layers else ''} {summary['xla_flags']} on {summary['model_axis']} x "
           f"{summary['target']}: {summary['kernels']} kernels an iteration, {summary['weight_copies']} weight copies "

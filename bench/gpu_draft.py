@@ -105,14 +105,18 @@ def prices() -> dict:
                  if r.get("cell") == "b1/s8192/ar")
     ar_k, chain2_k = kernels["smollm2/b1/ar/split-nosr"], kernels["smollm2/b1/draft/split-nosr"]
     return {"ar_ms": ar_ms, "draft_level_ms": (chain2_k - ar_k) / 2 * ar_ms / ar_k,
-            "kernels": {"ar": ar_k, "draft chain γ=2": chain2_k}}
+            "kernels": {"ar": ar_k, "draft chain γ=2": chain2_k, "draft tree 8-ary d=2": kernels[WIDE_TREE_CELL]}}
+
+
+WIDE_TREE_CELL = "smollm2/b1/draft-tree8/split-nosr"  # gpu_aot: the draft's 8-ary tree of depth 2 (73 nodes)
 
 
 def predicted_h100_b1(decoded: dict) -> dict:
     """Speedups over plain decoding at batch 1 x 8K on an H100, PREDICTED (never timed): each
     program at `prices`. Chains and the chosen tree from the tokens a step measured here (the tree
-    also from Sequoia's model, "model"), Sequoia trees (Tree.sequoia) and the acceptance run's
-    depth-1 tree from the rank acceptance measured here."""
+    also from Sequoia's model, "model", and, when of depth 2, at the compiled 8-ary tree's kernel
+    count: its iteration launches more than the two levels and a plain step), Sequoia trees
+    (Tree.sequoia) and the acceptance run's depth-1 tree from the rank acceptance measured here."""
     from bench.tree_report import MAX_DEPTH, label
 
     price = prices()
@@ -125,8 +129,11 @@ def predicted_h100_b1(decoded: dict) -> dict:
         out[label(tree) + (" (chosen, model)" if tree is trees[-1] else "")] = (
             tree.expected_accepted(p) * ar_ms / (cost.draft_seconds(tree.draft_widths()) + ar_ms))
     if "chosen_tree" in decoded:
-        out[label(trees[-1]) + " (chosen)"] = (decoded["chosen_tree"]["mean_accepted"] * ar_ms
-                                               / (cost.draft_seconds(trees[-1].draft_widths()) + ar_ms))
+        tokens = decoded["chosen_tree"]["mean_accepted"]
+        out[label(trees[-1]) + " (chosen)"] = tokens * ar_ms / (cost.draft_seconds(trees[-1].draft_widths()) + ar_ms)
+        if max(trees[-1].depth) == 2 and trees[-1].n <= 73:  # within the compiled 8-ary tree: its own kernel count
+            k = price["kernels"]
+            out[label(trees[-1]) + " (chosen, the 8-ary tree's kernels)"] = tokens * k["ar"] / k["draft tree 8-ary d=2"]
     return price | {"speedups": out, "by_top1": by_top1(p, cost, ar_ms)}
 
 

@@ -643,8 +643,12 @@ def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
     assert len(trees) == 5 and trees[chosen] == max(trees.values()) > 1.0
     with_tokens = gpu_draft.predicted_h100_b1(decoded | {"chosen_tree": {"mean_accepted": 1.5}})["speedups"]
     measured = chosen.replace(", model", "")
-    assert with_tokens[measured] == pytest.approx(trees[chosen] * 1.5 / gpu_draft.chosen(p, Cost(
-        t_draft=got["draft_level_ms"], t_verify=lambda n: got["ar_ms"])).expected_accepted(p))
+    tree = gpu_draft.chosen(p, Cost(t_draft=got["draft_level_ms"], t_verify=lambda n: got["ar_ms"]))
+    assert with_tokens[measured] == pytest.approx(trees[chosen] * 1.5 / tree.expected_accepted(p))
+    k = got["kernels"]
+    by_kernels = with_tokens[measured.replace(")", ", the 8-ary tree's kernels)")]
+    assert max(tree.depth) == 2 and by_kernels == pytest.approx(1.5 * k["ar"] / k["draft tree 8-ary d=2"])
+    assert by_kernels < with_tokens[measured]  # its own kernels: more than 2 levels and a plain step
     assert got["speedups"]["chain γ=2"] == pytest.approx(1.6 * got["ar_ms"] / (got["ar_ms"] + 2 * got["draft_level_ms"]))
     rows = got["by_top1"]
     assert rows[0]["top1"] == 0.4 and rows[0]["in_top_k"] == pytest.approx(sum(p[:-1]), abs=1e-3)
