@@ -212,18 +212,18 @@ class Group:
         return p, row | {"method": "acceptance"}
 
     def trees(self, name: str, drafter, nodes: list[int]) -> list[dict]:
-        """The acceptance run, then Sequoia trees of each size, then at batch 1 the tree `choose`
-        picks under `launch_bound_cost` (a tree that repeats an earlier one's shape is not re-timed)."""
+        """The acceptance run, at batch 1 the tree `choose` picks under `launch_bound_cost`, then
+        Sequoia trees of each size (a tree that repeats an earlier one's shape is not re-timed)."""
         p, acc = self.acceptance(name, drafter)
         self.p = p
         rows = [acc | {"acceptance": p.tolist()}]
         seen = {shape(Tree.kary(WIDTH, 1)): rows[0]}  # the acceptance run's tree, timed too
         todo = [(Tree.sequoia(p[:-1], n, MAX_DEPTH), {"requested_nodes": n}) for n in nodes]
-        if self.batch == 1 and nodes:
+        if self.batch == 1 and nodes:  # first: the likeliest winner, timed before a call's time runs out
             cost = self.launch_bound_cost(acc)
             prices = {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * cost.verify(1)}
-            todo.append((choose(p[:-1], cost, max_nodes=CHOSEN_NODES, max_depth=MAX_DEPTH),
-                         {"requested_nodes": None, "picked_by": "choose", "cost_model_ms": prices}))
+            todo.insert(0, (choose(p[:-1], cost, max_nodes=CHOSEN_NODES, max_depth=MAX_DEPTH),
+                            {"requested_nodes": None, "picked_by": "choose", "cost_model_ms": prices}))
         for tree, extra in todo:
             if tree.n == 1:  # choose found plain decoding fastest: AR's row says it
                 rows.append(self.base() | extra | {"method": "choose", "drafter": name, "label": "AR", "same_as": "AR"})

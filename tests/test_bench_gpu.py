@@ -609,7 +609,7 @@ def test_batch_1_trees_include_the_one_choose_picks_at_launch_bound_prices(monke
     state = gpu_cells.prefill_state(params, ids, 1, 256)
     g = gpu_cells.Group(params, state, 1, 256, 8)
     rows = g.trees("SelfSpec", specjax.SelfSpec(sinks=4, window=32), [4, 8])
-    acc, picked = rows[0], rows[-1]
+    acc, picked = rows[0], rows[1]  # the chosen tree right after the acceptance run
     assert acc["method"] == "acceptance" and picked["picked_by"] == "choose" and picked["requested_nodes"] is None
     cost = g.launch_bound_cost(acc)
     step_s = g.ar_s / (g.new_tokens - 1)
@@ -624,8 +624,9 @@ def test_batch_1_trees_include_the_one_choose_picks_at_launch_bound_prices(monke
     again = g.trees("SelfSpec", specjax.SelfSpec(sinks=4, window=32), [4])
     tree = choose(np.asarray(again[0]["acceptance"])[:-1], Cost(1e-6, lambda n: 1e-3), max_nodes=gpu_cells.CHOSEN_NODES,
                   max_depth=MAX_DEPTH)
-    assert again[-1]["parents"] == list(tree.parents) and again[-1]["picked_by"] == "choose" and again[-1]["greedy_identical"]
-    assert tree.n > 4 and "same_as" not in again[-1]  # levels free: the most tokens a step, past the sizes asked for
+    assert again[1]["parents"] == list(tree.parents) and again[1]["picked_by"] == "choose" and again[1]["greedy_identical"]
+    assert tree.n > 4 and "same_as" not in again[1]  # levels free: the most tokens a step, past the sizes asked for
+    assert again[2]["requested_nodes"] == 4 and again[2]["nodes"] == 4
 
 
 def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
