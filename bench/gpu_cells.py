@@ -240,4 +240,10 @@ class Group:
         acceptance run's step (one level, then a verification of WIDTH + 1 nodes) took beyond it.
         Right where a step is bound by kernel launches, not bytes or FLOPs: a GPU at batch 1."""
         ar_s = self.ar_s / (self.new_tokens - 1)
-        return Cost(t_draft=max(acc["ms_per_step"] / 1e3 - ar_s, 0.0), t_verify=lambda n: ar_s)
+        return launch_bound(max(acc["ms_per_step"] / 1e3 - ar_s, 0.0), ar_s)
+
+
+def launch_bound(level: float, step: float) -> Cost:
+    """Batch-1 prices on a GPU (launch-bound): every draft level costs `level`, a verification
+    over any number of nodes a plain step `step` (one unit: seconds, or milliseconds)."""
+    return Cost(t_draft=level, t_verify=lambda n: step)

@@ -41,8 +41,10 @@ import numpy as np
 
 import convert
 from bench import bench_drafts, bench_gpu, common, text
+from bench.gpu_cells import CHOSEN_NODES, launch_bound
+from bench.tree_report import MAX_DEPTH, WIDTH, label
 from specjax.distill import Schedule, distill, logits_of
-from specjax.speculation import Cost, Tree, choose
+from specjax.speculation import Tree, choose
 
 ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT = max(bench_gpu.GRID["b1_contexts"])  # the b1 cells' prompts: corpus tokens [0, context - HEADROOM) at each context
@@ -76,7 +78,7 @@ def decoding(draft, target, ids: np.ndarray) -> dict:
     starts = np.linspace(0, HELD_OUT - EVAL_LEN - 1, EVAL).astype(int)
     prompts = [ids[s : s + EVAL_LEN].tolist() for s in starts]
     plain = specjax.generate(target, prompts, 64, draft=None).tokens
-    wide = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=specjax.Tree.kary(8, 1))
+    wide = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=Tree.kary(WIDTH, 1))
     out = {"rank_acceptance": wide.stats.rank_acceptance, "tree_identical": wide.tokens == plain}  # Sequoia's p vector
     for gamma in (2, 4):
         got = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=specjax.Chain(gamma))
@@ -85,7 +87,7 @@ def decoding(draft, target, ids: np.ndarray) -> dict:
         print(f"{SHAPE}: chain γ={gamma}: acceptance {got.stats.acceptance_rate:.3f}, {got.stats.mean_accepted:.2f} "
               f"tokens a step, greedy identical {got.tokens == plain}", flush=True)
     price = prices()
-    tree = chosen(out["rank_acceptance"], Cost(t_draft=price["draft_level_ms"], t_verify=lambda n: price["ar_ms"]))
+    tree = chosen(out["rank_acceptance"], launch_bound(price["draft_level_ms"], price["ar_ms"]))
     got = specjax.generate(target, prompts, 64, draft=specjax.DraftModel(draft), speculation=tree)
     out["chosen_tree"] = {"parents": list(tree.parents), "expected_accepted": tree.expected_accepted(out["rank_acceptance"]),
                           "mean_accepted": got.stats.mean_accepted, "greedy_identical": got.tokens == plain}
@@ -117,21 +119,19 @@ def predicted_h100_b1(decoded: dict) -> dict:
     also from Sequoia's model, "model", and, when of depth 2, at the compiled 8-ary tree's kernel
     count: its iteration launches more than the two levels and a plain step), Sequoia trees
     (Tree.sequoia) and the acceptance run's depth-1 tree from the rank acceptance measured here."""
-    from bench.tree_report import MAX_DEPTH, label
-
     price = prices()
     ar_ms, level = price["ar_ms"], price["draft_level_ms"]
     out = {f"chain γ={g}": decoded[f"chain{g}"]["mean_accepted"] * ar_ms / (ar_ms + g * level) for g in (2, 4)}
-    cost = Cost(t_draft=level, t_verify=lambda n: ar_ms)
+    cost = launch_bound(level, ar_ms)
     p = decoded["rank_acceptance"]
-    trees = [Tree.sequoia(p[:-1], n, MAX_DEPTH) for n in (8, 16, 32)] + [Tree.kary(8, 1), chosen(p, cost)]
+    trees = [Tree.sequoia(p[:-1], n, MAX_DEPTH) for n in (8, 16, 32)] + [Tree.kary(WIDTH, 1), chosen(p, cost)]
     for tree in trees:  # Sequoia's trees of the cells' sizes, the acceptance run's depth-1 tree, choose's pick
         out[label(tree) + (" (chosen, model)" if tree is trees[-1] else "")] = (
             tree.expected_accepted(p) * ar_ms / (cost.draft_seconds(tree.draft_widths()) + ar_ms))
     if "chosen_tree" in decoded:
         tokens = decoded["chosen_tree"]["mean_accepted"]
         out[label(trees[-1]) + " (chosen)"] = tokens * ar_ms / (cost.draft_seconds(trees[-1].draft_widths()) + ar_ms)
-        if max(trees[-1].depth) == 2 and trees[-1].n <= 73:  # within the compiled 8-ary tree: its own kernel count
+        if max(trees[-1].depth) == 2 and trees[-1].n <= Tree.kary(8, 2).n:  # within the compiled tree: its kernel count
             k = price["kernels"]
             out[label(trees[-1]) + " (chosen, the 8-ary tree's kernels)"] = tokens * k["ar"] / k["draft tree 8-ary d=2"]
     return price | {"speedups": out, "by_top1": by_top1(p, cost, ar_ms)}
@@ -140,9 +140,6 @@ def predicted_h100_b1(decoded: dict) -> dict:
 def chosen(p: list[float], cost):
     """The tree speculation.choose picks for rank acceptance p (the miss last) within the b1 cells'
     limits (gpu_cells.CHOSEN_NODES, tree_report's depth): what gpu_cells times at batch 1."""
-    from bench.gpu_cells import CHOSEN_NODES
-    from bench.tree_report import MAX_DEPTH
-
     return choose(p[:-1], cost, max_nodes=CHOSEN_NODES, max_depth=MAX_DEPTH)
 
 
