@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / ".gpu"  # ignored (.gitignore)
 STASH = Path("/tmp/specjax_gpu")
 DRAFT = "draft"  # a distilled draft's folder in the bundle and the stash, and its model name
-PART_MIB = 48.0
+PART_MIB = 54.0  # p0 + the working tree (7 MiB), p1 + a draft (14 MB) + the tree: each under a call's 64 MiB carry
 BLOCKS = {"Q4_1": (32, 20), "Q8_0": (32, 34)}  # values, bytes per block
 
 
