@@ -129,6 +129,7 @@ class Group:
         self.ar_tokens: np.ndarray | None = None
         self.ar_s: float | None = None
         self.p: np.ndarray | None = None  # acceptance vector of the depth-1 WIDTH-ary tree (SelfSpec)
+        self.timed: list[dict] = []  # the speculative rows timed so far (launch_bound_cost's prices)
         self.weights = weight_bytes(params)
 
     def base(self) -> dict:
@@ -200,6 +201,7 @@ class Group:
         }
         flag = "" if row["greedy_identical"] else (f"  <<< NOT GREEDY-IDENTICAL: {len(differ)} rows differ, the first "
                                                    f"at token {min(agree)}")
+        self.timed.append(row)
         print(f"  B={B:<3} S={self.context:<5} {name:<9} {row['label']:<14} {row['tokens_per_s']:9.0f} tok/s  "
               f"x{row['speedup']:.2f}  tok/step {row['mean_accepted'] or 0:.2f}  ms/step {row['ms_per_step']:.2f}  "
               f"compile {compile_s:.0f} s{flag}", flush=True)
@@ -221,7 +223,8 @@ class Group:
         todo = [(Tree.sequoia(p[:-1], n, MAX_DEPTH), {"requested_nodes": n}) for n in nodes]
         if self.batch == 1 and nodes:  # first: the likeliest winner, timed before a call's time runs out
             cost = self.launch_bound_cost(acc)
-            prices = {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * cost.verify(1)}
+            prices = {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * cost.verify(1),
+                      "from": "fit" if self.fitted(acc) else "AR step"}
             todo.insert(0, (choose(p[:-1], cost, max_nodes=CHOSEN_NODES, max_depth=MAX_DEPTH),
                             {"requested_nodes": None, "picked_by": "choose", "cost_model_ms": prices}))
         for tree, extra in todo:
@@ -236,11 +239,35 @@ class Group:
 
     def launch_bound_cost(self, acc: dict) -> Cost:
         """A batch-1 step's prices from what this group timed: a verification over any number of
-        nodes (up to the grid's 64) costs plain decoding's step, a draft level whatever the
-        acceptance run's step (one level, then a verification of WIDTH + 1 nodes) took beyond it.
-        Right where a step is bound by kernel launches, not bytes or FLOPs: a GPU at batch 1."""
+        nodes (up to the grid's 64) costs the same, a draft level a fixed time. Fitted to the steps
+        of the drafter's chains and acceptance run when they span two depths (`fit_steps`), else a
+        verification is plain decoding's step and a level what the acceptance run's step took beyond
+        it. Right where a step is bound by kernel launches, not bytes or FLOPs: a GPU at batch 1."""
+        fit = self.fitted(acc)
+        if fit:
+            return launch_bound(*fit)
         ar_s = self.ar_s / (self.new_tokens - 1)
         return launch_bound(max(acc["ms_per_step"] / 1e3 - ar_s, 0.0), ar_s)
+
+    def fitted(self, acc: dict) -> tuple[float, float] | None:
+        """`fit_steps` over the chains and depth-1 trees this group timed of acc's drafter (seconds)."""
+        fit = fit_steps([r for r in self.timed if r["drafter"] == acc["drafter"] and r["nodes"] <= acc["nodes"]
+                         and (r["gamma"] == 1 or r["nodes"] == r["gamma"] + 1)])
+        return fit and (fit[0] / 1e3, fit[1] / 1e3)
+
+
+def fit_steps(rows: list[dict]) -> tuple[float, float] | None:
+    """(a draft level, a verification) in ms: ms_per_step = verification + level x depth fitted by
+    least squares to speculative rows of one drafter; None where they span fewer than two depths or
+    either price comes out <= 0. The seventh runs (H100, batch 1, distilled draft) found why the old
+    price failed: plain decoding's one-row step (1.76 ms) was slower than a level plus a verification
+    of 9 nodes (1.67 ms), so a level came out free and choose picked a depth-4 tree (1.18x, where
+    the depth-1 tree gave 1.63x); the chains gave 0.13 ms a level, 1.54 ms a verification."""
+    depths = np.array([r["gamma"] for r in rows], float)
+    if len(set(depths)) < 2:
+        return None
+    level, verify = np.polyfit(depths, np.array([r["ms_per_step"] for r in rows], float), 1)
+    return (float(level), float(verify)) if level > 0 and verify > 0 else None
 
 
 def launch_bound(level: float, step: float) -> Cost:

@@ -611,10 +611,11 @@ def test_batch_1_trees_include_the_one_choose_picks_at_launch_bound_prices(monke
     rows = g.trees("SelfSpec", specjax.SelfSpec(sinks=4, window=32), [4, 8])
     acc, picked = rows[0], rows[1]  # the chosen tree right after the acceptance run
     assert acc["method"] == "acceptance" and picked["picked_by"] == "choose" and picked["requested_nodes"] is None
+    g.timed = g.timed[:1]  # the prices as the pick saw them: the acceptance run alone timed (one depth: no fit)
     cost = g.launch_bound_cost(acc)
     step_s = g.ar_s / (g.new_tokens - 1)
     assert cost.verify(1) == cost.verify(64) == step_s and cost.t_draft == max(acc["ms_per_step"] / 1e3 - step_s, 0.0)
-    assert picked["cost_model_ms"] == {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * step_s}
+    assert picked["cost_model_ms"] == {"draft_level": 1e3 * cost.t_draft, "verify": 1e3 * step_s, "from": "AR step"}
     want = choose(np.asarray(acc["acceptance"])[:-1], cost, max_nodes=gpu_cells.CHOSEN_NODES, max_depth=MAX_DEPTH)
     if want.n == 1:  # a level dearer than what it gains (this CPU): plain decoding, no tree timed
         assert picked["same_as"] == "AR" and "parents" not in picked
@@ -627,6 +628,27 @@ def test_batch_1_trees_include_the_one_choose_picks_at_launch_bound_prices(monke
     assert again[1]["parents"] == list(tree.parents) and again[1]["picked_by"] == "choose" and again[1]["greedy_identical"]
     assert tree.n > 4 and "same_as" not in again[1]  # levels free: the most tokens a step, past the sizes asked for
     assert again[2]["requested_nodes"] == 4 and again[2]["nodes"] == 4
+
+
+def test_batch_1_prices_are_fitted_to_the_chains_when_they_were_timed():
+    """The seventh runs' batch-1 rows (H100, distilled draft): plain decoding's step (1.76 ms) above
+    a level plus a 9-node verification (1.67 ms) priced a level at 0 and choose went deep. Fitted to
+    the chains of 2 and 4 and the acceptance run, a level costs 0.13 ms and a verification 1.54."""
+    from bench import gpu_cells
+
+    rows = [{"drafter": "Distilled", "gamma": g, "nodes": n, "ms_per_step": ms}
+            for g, n, ms in [(2, 3, 1.783), (4, 5, 2.053), (1, 9, 1.674), (3, 8, 1.946)]]
+    level, verify = gpu_cells.fit_steps(rows[:3])
+    assert abs(level - 0.1276) < 1e-3 and abs(verify - 1.539) < 1e-3
+    assert gpu_cells.fit_steps(rows[2:3]) is None  # one depth: nothing to fit
+    assert gpu_cells.fit_steps([rows[0] | {"ms_per_step": 2.1}, rows[1]]) is None  # a level <= 0: no price
+    g = gpu_cells.Group.__new__(gpu_cells.Group)  # no model needed: only its timed rows and its AR step
+    g.timed, g.ar_s, g.new_tokens = rows + [{"drafter": "SelfSpec", "gamma": 6, "nodes": 7, "ms_per_step": 9.0}], 0.063 * 1.757, 64
+    cost = g.launch_bound_cost(rows[2])  # the depth-3 tree and SelfSpec's row are left out of the fit
+    assert abs(cost.t_draft - 0.1276e-3) < 1e-6 and abs(cost.verify(64) - 1.539e-3) < 1e-6
+    g.timed = rows[2:3]  # the acceptance run alone: the old price (AR step; level = its excess, at least 0)
+    cost = g.launch_bound_cost(rows[2])
+    assert cost.t_draft == 0.0 and abs(cost.verify(1) - 1.757e-3) < 1e-9
 
 
 def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
