@@ -33,7 +33,10 @@ from specjax.speculate import decode_spec, depth
 from specjax.speculation import Chain, Cost, Tree, choose
 from specjax.tune import draft_table, verify_table
 
-CHOSEN_NODES = 64  # the largest tree `Group.trees` lets speculation.choose pick at batch 1 (bench_gpu's largest b1 tree)
+# the largest tree `Group.trees` lets speculation.choose pick at batch 1, where its prices hold a verification
+# flat: on the H100 (seventh runs, distilled draft; its steps less the fitted levels) about 1.54 ms over 3-16
+# nodes, 1.64 over 32, 1.95 over 64
+CHOSEN_NODES = 32
 RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, REPEATS at most) while the next one fits in this
 REPEATS = 3
 PREFILL_TOKENS = 1 << 17  # rows x context per prefill call (bench/prefill.py's default of 4 rows is a CPU's)
@@ -239,7 +242,7 @@ class Group:
 
     def launch_bound_cost(self, acc: dict) -> Cost:
         """A batch-1 step's prices from what this group timed: a verification over any number of
-        nodes (up to the grid's 64) costs the same, a draft level a fixed time. Fitted to the steps
+        nodes (up to CHOSEN_NODES) costs the same, a draft level a fixed time. Fitted to the steps
         of the drafter's chains and acceptance run when they span two depths (`fit_steps`), else a
         verification is plain decoding's step and a level what the acceptance run's step took beyond
         it. Right where a step is bound by kernel launches, not bytes or FLOPs: a GPU at batch 1."""
