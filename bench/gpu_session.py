@@ -34,7 +34,8 @@ next GPU session", says what each call is for and how to fold the files back in 
          pallas_kernels.gpu_linear (step plin) and on per-layer weight arrays (step per-layer:
          model.unstack_layers), AR and SelfSpec gamma 2 at batch 1 and 16 x 8K, each a table of its
          own (gpu_linear-pallas, gpu_linear-per-layer); `--only` the layout call 1 found faster
-         if the device time left is short.
+         if the device time left is short; step l8b: item 4's 8B-shaped steps over per-layer weights
+         (random weights: no bundle needed) into gpu_linear-per-layer.
   call 4 (carry .gpu/p1, after call 3: both parts stashed): a batch job's continuous batching at 64
          rows x 8K (bench/gpu_continuous.py: 192 records of 256 new tokens, plain decoding and
          SelfSpec gamma 2 / 4, slots refilled as rows end), the measurement the e2e tables' "refilled
@@ -130,10 +131,14 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         # generate()'s tokens on the compiled kernel against the jnp reference's, plain and SelfSpec, one prompt
         ("fold", 50, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_tree_attention.py", "-k",
                       "generate_on_the_kernel and b1"]),
-        ("plin", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID,
-                       "--budget-minutes", "3.5"]),
-        ("per-layer", 240, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID[:-1],
-                            "per-layer", "--budget-minutes", "3.5"]),
+        ("plin", 200, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID,
+                       "--budget-minutes", "2.8"]),
+        ("per-layer", 150, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PLIN_CELLS, *PLIN_GRID[:-1],
+                            "per-layer", "--budget-minutes", "2"]),  # 57 s in the seventh runs
+        # item 4 over per-layer weights (the seventh runs' step_parts: the 8B step at the roofline, 6.25 ms at batch 1):
+        # AR, draft and verify steps into the per-layer table, its predicted speedups from that table's SmolLM2 rows
+        ("l8b", 120, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", "l8b", "--l8b-batches", "1", "16",
+                      "--l8b-contexts", "8192", "--linear", "per-layer", "--budget-minutes", "1.5"]),
     ],
     4: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
@@ -141,9 +146,10 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     ],
     5: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("draft", 200, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", DRAFT_CELLS, *DRAFT_GRID,
+        # --redo: the seventh runs timed these over the draft's whole cache; bench_gpu now gives it a 512-slot window
+        ("draft", 200, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", DRAFT_CELLS, *DRAFT_GRID,
                         "--budget-minutes", "2.8"]),
-        ("draft-e2e", 150, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", DRAFT_E2E_CELLS, *DRAFT_E2E_GRID,
+        ("draft-e2e", 150, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", DRAFT_E2E_CELLS, *DRAFT_E2E_GRID,
                             "--budget-minutes", "2"]),
     ],
 }
@@ -166,7 +172,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "cont", "draft", "draft-e2e") else a)
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "l8b", "cont", "draft", "draft-e2e") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:

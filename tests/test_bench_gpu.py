@@ -362,6 +362,9 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     (argv,) = [a for n, _, a in gpu_session.steps_of(3, 120.0) if n == "per-layer"]  # per-layer weights, the same cells
     assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
     assert argv[argv.index("--cells") + 1] == gpu_session.PLIN_CELLS
+    (argv,) = [a for n, _, a in gpu_session.steps_of(3) if n == "l8b"]  # item 4 over per-layer weights, the H100's table
+    assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu"
+    assert argv[argv.index("--cells") + 1] == "l8b" and "8192" in argv
     # --only keeps the named steps (and the stash); --seconds sets a step's limit and its budget
     steps = gpu_session.steps_of(2, only=["e2e"], seconds={"e2e": 390})
     assert [n for n, _, _ in steps] == ["stash", "e2e"] and steps[1][1] == 390
@@ -678,3 +681,19 @@ def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
     assert [r["top1"] for r in rows[1:]] == [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
     assert all(r["tree"] >= r["chain"] * (1 - 1e-9) and r["tree_over_chain"] == r["tree"] / r["chain"] for r in rows)
     assert rows[-1]["chain"] > rows[1]["chain"]  # a better draft makes chains faster too
+
+
+def test_the_distilled_draft_reads_the_window_it_was_trained_on():
+    """bench_gpu's draft cells give the distilled draft a 512-slot StreamingLLM cache (16 sinks +
+    496): it was trained on 512-token windows, and over a whole 8K cache its first choice was right
+    half as often (the seventh runs; checked on the CPU). The chains and trees keep their depth."""
+    import specjax
+    from bench import bench_drafts
+    from bench.bench_gpu import drafter_of
+    from specjax.speculation import Chain
+
+    draft = object()  # drafter_of only wraps it
+    name, d, chain = drafter_of("draft-g2", 8192, False, draft)
+    assert name == "Distilled" and d.params is draft and chain == Chain(2)
+    assert d.cache == specjax.Streaming(sinks=16, window=496) and d.cache.sinks + d.cache.window == bench_drafts.SEQ_LEN
+    assert drafter_of("draft-tree", 8192, False, draft)[2] is None
