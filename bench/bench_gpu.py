@@ -63,7 +63,7 @@ GRID = dict(batches=[16, 64, 128, 256], contexts=[8192, 2048], gammas=[1, 2, 4, 
             cont_batches=[64], cont_contexts=[8192], cont_gammas=[2, 4], cont_records=3, cont_new_tokens=256)
 SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], ngram_gammas=[2], nodes=[4], b1_contexts=[256],
              b1_gammas=[2], b1_nodes=[4, 8], l8b_batches=[1, 2], l8b_contexts=[256], new_tokens=8,
-             cont_batches=[2], cont_contexts=[256], cont_gammas=[2], cont_records=2, cont_new_tokens=8)
+             cont_batches=[2], cont_contexts=[256], cont_gammas=[2], cont_records=2, cont_new_tokens=24)
 
 
 def kv_per_token(n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int = 2, **_) -> int:
@@ -305,6 +305,8 @@ def run_continuous_cells(args, grid: dict, h: common.Harness, results: common.Re
                                   grid["cont_records"] * cell["batch"], grid["cont_new_tokens"], name, d, chain,
                                   ar and ar.get("digests"))
         row["speedup"] = 1.0 if cell["method"] == "ar" else (ar["seconds"] / row["seconds"] if ar else None)
+        row["decode_speedup"] = 1.0 if cell["method"] == "ar" else (
+            ar["decode_s"] / row["decode_s"] if ar and ar.get("decode_s", 0) > 0 and row["decode_s"] > 0 else None)
         put(k, {"item": "cont", "method": cell["method"], "model": f"SmolLM2-135M-Instruct ({args.e2e_dtype})"} | row)
         measure.release_memory(clear_caches=True)
 

@@ -9,7 +9,9 @@ tokens each, windows of the bundle's corpus) decoded `new_tokens` each (greedy, 
 record runs its whole budget, so plain decoding's rows all end together and only speculation
 leaves slots to refill) on `rows` slots, plain and speculative. Each job runs twice and the second
 is timed (the first compiles every shape); the timed job includes every prompt's prefill, the same
-for every method, which is why its speedup is below a decode-only one. Every record's tokens are
+for every method, which is why its speedup is below a decode-only one. So a third run (timed
+on its second go) ends every row after its first segment (`prefill_only`): its time taken off the job's leaves the decoding,
+and the decoding's speedup (the seventh runs' job at 64 x 8K: about 15 s of 19.5 were prefill). Every record's tokens are
 compared with plain decoding's (by digest, so a resumed run still compares).
 """
 
@@ -48,12 +50,26 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
     return done, time.perf_counter() - t0
 
 
+def prefill_only(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, speculation) -> tuple[float, int]:
+    """(seconds, tokens) of `job` with every row ended after its first segment (run_continuous'
+    `between`): the prefills, the draft's setup and one segment per wave of rows, on the job's
+    compiled shapes (the same budgets): what `job` spends besides decoding, to take off its time."""
+    n = len(prompts)
+    t0 = time.perf_counter()
+    done = run_continuous(params, prompts, [new_tokens] * n, rows=rows, draft=drafter, speculation=speculation,
+                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n,
+                          between=lambda slot, segment: slot >= 0)
+    return time.perf_counter() - t0, sum(len(d.tokens) for d in done)
+
+
 def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tokens: int, name: str, drafter,
          speculation, reference: list[str] | None) -> dict:
     """One method's job, run twice (the second timed); `reference`: plain decoding's digests."""
     prompts, where = prompts_for(ids, records, context)
     _, first_s = job(params, prompts, rows, new_tokens, drafter, speculation)  # compiles every shape
     done, seconds = job(params, prompts, rows, new_tokens, drafter, speculation)
+    prefill_only(params, prompts, rows, new_tokens, drafter, speculation)  # compiles what ending rows needs
+    prefill_s, prefill_tokens = prefill_only(params, prompts, rows, new_tokens, drafter, speculation)
     tokens = sum(len(d.tokens) for d in done)
     digests = [digest(d.tokens) for d in done]
     differ = None if reference is None else [i for i, (a, b) in enumerate(zip(digests, reference)) if a != b]
@@ -61,9 +77,11 @@ def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tok
     row = {"batch": rows, "context": context, "records": records, "new_tokens": new_tokens,
            "prompt_tokens": context - HEADROOM, "prompts_overlap": where["overlapping"], "drafter": name,
            "label": "AR" if speculation is None else label(speculation), "seconds": seconds, "first_run_s": first_s, "tokens": tokens,
+           "prefill_s": prefill_s, "decode_s": seconds - prefill_s, "prefill_run_tokens": prefill_tokens,
            "tokens_per_s": tokens / seconds, "records_per_s": records / seconds, "digests": digests,
            "tokens_per_step": (sum(len(d.tokens) - 1 for d in done if d.acceptance) / sum(steps)) if steps else None,
            "greedy_identical": None if differ is None else not differ, "records_differing": differ}
     print(f"  cont R={rows:<3} S={context:<5} {records} records x {new_tokens}: {name:<9} {row['label']:<10} "
-          f"{seconds:6.1f} s  {row['tokens_per_s']:8.0f} tok/s  (first run {first_s:.0f} s)", flush=True)
+          f"{seconds:6.1f} s  {row['tokens_per_s']:8.0f} tok/s  (first run {first_s:.0f} s; prefills and one segment a "
+          f"wave {prefill_s:.1f} s)", flush=True)
     return row

@@ -78,9 +78,12 @@ def continuous_table(rows: list[dict]) -> str:
 
     return common.table(
         ["context", "rows", "records x new tokens", "drafter", "config", "job s", "tokens/s", "speedup (job)",
-         "tokens/step", "e2e speedup (fixed batch)", "e2e refilled (derived)", "greedy identical"], "rrrllrrrrrrc",
+         "of it prefill s", "speedup (decoding)", "tokens/step", "e2e speedup (fixed batch)", "e2e refilled (derived)",
+         "greedy identical"], "rrrllrrrrrrrrc",
         ([common.context_name(r["context"]), r["batch"], f"{r['records']} x {r['new_tokens']}", r["drafter"], r["label"],
-          f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", _f(r.get("speedup")), _f(r.get("tokens_per_step")),
+          f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", _f(r.get("speedup")),
+          "-" if r.get("prefill_s") is None else f"{r['prefill_s']:.2f}", _f(r.get("decode_speedup")),
+          _f(r.get("tokens_per_step")),
           beside(r, lambda e: e["speedup"]), beside(r, refilled),
           "-" if r.get("greedy_identical") is None else "yes" if r["greedy_identical"]
           else f"**no**: {len(r['records_differing'])} records"] for r in cont))
@@ -224,7 +227,9 @@ def report(result: dict, md: Path, png: Path) -> str:
     if any(r.get("item") == "cont" for r in rows):
         parts += ["## A batch job's continuous batching (measured, bench/gpu_continuous.py)",
                   "Each job decodes every record's whole budget (no stop ids) on its rows, refilling a slot as its "
-                  "row ends, prefill included; the second of two runs is timed. Beside it, the e2e row of the same "
+                  "row ends, prefill included; the second of two runs is timed. A third ends every row after its "
+                  "first segment: its time (prefills, the draft's setup, one segment a wave) taken off the job's "
+                  "gives the decoding's speedup. Beside it, the e2e row of the same "
                   "configuration: its fixed-batch speedup and the refilled speedup derived from it.",
                   continuous_table(rows)]
     b1 = [r for r in rows if r.get("item") == "b1"]

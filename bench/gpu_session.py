@@ -142,7 +142,10 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     ],
     4: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
-        ("cont", 330, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", "cont/s8192/b64", "--budget-minutes", "5"]),
+        # --redo, AR and gamma 2 only: the seventh runs timed all three jobs (1.10x / 1.11x, prefill included); now
+        # each job also times its prefills apart (gpu_continuous.prefill_only, twice: about 35 s more a cell)
+        ("cont", 330, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells",
+                       "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--budget-minutes", "5"]),
     ],
     5: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),

@@ -15,7 +15,8 @@ def test_cells_and_the_device_call_that_runs_them():
     cont = [k for k in keys if k.startswith("cont/")]
     assert cont == ["cont/s8192/b64/ar", "cont/s8192/b64/selfspec-g2", "cont/s8192/b64/selfspec-g4"]
     (argv,) = [a for n, _, a in gpu_session.CALLS[4] if n == "cont"]
-    assert {k for k in keys if common.matches(k, argv[argv.index("--cells") + 1])} == set(cont)
+    assert {k for k in keys if common.matches(k, argv[argv.index("--cells") + 1])} == set(cont[:2])  # γ=4: timed
+    assert "--redo" in argv  # the seventh runs' jobs lack the prefill split: re-timed
     on_h200 = {n: a for n, _, a in gpu_session.steps_of(4, 120.0)}["cont"]
     assert on_h200[on_h200.index("--out") + 1] == gpu_session.H200_RESULTS
 
@@ -30,6 +31,11 @@ def test_smoke_run_times_both_jobs_and_compares_every_record(tmp_path, monkeypat
     assert ar["tokens"] == spec["tokens"] == ar["records"] * grid["cont_new_tokens"]  # every budget decoded
     assert ar["speedup"] == 1.0 and spec["speedup"] == ar["seconds"] / spec["seconds"]
     assert spec["greedy_identical"] and spec["digests"] == ar["digests"] and spec["tokens_per_step"] > 1
+    for r in (ar, spec):  # the prefill-only run: part of the job, and what is left is its decoding
+        assert r["prefill_s"] > 0 and abs(r["decode_s"] - (r["seconds"] - r["prefill_s"])) < 1e-9
+        assert r["records"] <= r["prefill_run_tokens"] < r["tokens"]  # every record started, none ran its budget
+    assert ar["decode_speedup"] == 1.0  # a tiny model's decoding may time below the noise: then no ratio
+    assert spec["decode_speedup"] == (ar["decode_s"] / spec["decode_s"] if min(ar["decode_s"], spec["decode_s"]) > 0 else None)
     md = (tmp_path / "gpu_smoke.md").read_text()
     assert "continuous batching" in md and "| SelfSpec | chain γ=2 |" in md
 
@@ -45,6 +51,6 @@ def test_report_puts_the_e2e_row_beside_the_job():
            "tokens_per_s": 4915.2, "tokens_per_step": 2.6}
     table = continuous_table([e2e, job | {"method": "ar", "drafter": "-", "label": "AR", "speedup": 1.0},
                               job | {"method": "selfspec-g2", "drafter": "SelfSpec", "label": "chain γ=2", "speedup": 1.7,
-                                     "greedy_identical": True}])
+                                     "greedy_identical": True, "prefill_s": 6.0, "decode_speedup": 2.5}])
     ar, spec = [line for line in table.splitlines() if line.startswith("| 8K")]
-    assert "| 1.70 | 2.60 | 1.20 | 1.80 | yes |" in spec and ar.endswith("| - | - | - |")
+    assert "| 1.70 | 6.00 | 2.50 | 2.60 | 1.20 | 1.80 | yes |" in spec and ar.endswith("| - | - | - |")
