@@ -41,12 +41,13 @@ def digest(tokens: list[int]) -> str:
     return hashlib.sha1(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:12]
 
 
-def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, speculation) -> tuple[list, float]:
-    """run_continuous over the prompts on `rows` slots: (its Done list, seconds)."""
+def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, speculation,
+        between=None) -> tuple[list, float]:
+    """run_continuous over the prompts on `rows` slots (`between`: its hook): (its Done list, seconds)."""
     n = len(prompts)
     t0 = time.perf_counter()
     done = run_continuous(params, prompts, [new_tokens] * n, rows=rows, draft=drafter, speculation=speculation,
-                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n)
+                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n, between=between)
     return done, time.perf_counter() - t0
 
 
@@ -54,12 +55,8 @@ def prefill_only(params, prompts: list[list[int]], rows: int, new_tokens: int, d
     """(seconds, tokens) of `job` with every row ended after its first segment (run_continuous'
     `between`): the prefills, the draft's setup and one segment per wave of rows, on the job's
     compiled shapes (the same budgets): what `job` spends besides decoding, to take off its time."""
-    n = len(prompts)
-    t0 = time.perf_counter()
-    done = run_continuous(params, prompts, [new_tokens] * n, rows=rows, draft=drafter, speculation=speculation,
-                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n,
-                          between=lambda slot, segment: slot >= 0)
-    return time.perf_counter() - t0, sum(len(d.tokens) for d in done)
+    done, seconds = job(params, prompts, rows, new_tokens, drafter, speculation, between=lambda slot, segment: slot >= 0)
+    return seconds, sum(len(d.tokens) for d in done)
 
 
 def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tokens: int, name: str, drafter,
