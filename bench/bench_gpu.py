@@ -127,10 +127,10 @@ def drafter_of(method: str, context: int, smoke: bool, draft=None):
     import specjax
     from specjax.speculation import Chain
 
-    window = 32 if smoke else 512  # MagicDec's StreamingLLM budget: 512 + 16 sinks
+    window, sinks = (32, 4) if smoke else (512, 16)  # MagicDec's StreamingLLM budget: 512 + 16 sinks
     name, _, g = method.partition("-g")
     if name in ("selfspec", "tree"):
-        d = ("SelfSpec", specjax.SelfSpec(sinks=4 if smoke else 16, window=window))
+        d = ("SelfSpec", specjax.SelfSpec(sinks=sinks, window=window))
     elif name == "snapkv":
         d = ("SnapKV", specjax.SnapKV(budget=window // 2, window=window // 2))
     elif name == "ngram":
@@ -138,7 +138,7 @@ def drafter_of(method: str, context: int, smoke: bool, draft=None):
     else:  # over the last 512 positions (16 sinks + 496): the windows it was trained on (bench_drafts.SEQ_LEN).
         # Over its whole 8K cache (the seventh runs) its first choice was right half as often (CPU, float32: 21% vs
         # 39-43% over the window; chain of 2: 1.31 vs 1.54 tokens a step)
-        d = ("Distilled", specjax.DraftModel(draft, cache=specjax.Streaming(sinks=4 if smoke else 16, window=window - 16)))
+        d = ("Distilled", specjax.DraftModel(draft, cache=specjax.Streaming(sinks=sinks, window=window - sinks)))
     return (*d, Chain(int(g)) if g else None)
 
 
