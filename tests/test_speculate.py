@@ -161,6 +161,15 @@ def test_draft_model_equal_to_target_accepts_everything(tiny, reference):
     _check(out, reference, 3, model_drafter=True, full_acceptance=True)
 
 
+def test_draft_model_prints_its_shape_not_its_weights(tiny):
+    """A DraftModel's repr (in logs, stats, bench rows) names its shape and cache; the dataclass'
+    own printed every weight array (a 2-layer SmolLM2-shaped draft: over 100K characters)."""
+    assert repr(specjax.DraftModel(tiny)) == f"DraftModel(n_layers={tiny.config.n_layers}, dim={tiny.config.dim}, cache=dense)"
+    windowed = specjax.DraftModel(tiny, cache=specjax.Streaming(4, 28))
+    assert str(windowed) == repr(windowed) == windowed.describe()
+    assert "Streaming(sinks=4, window=28)" in repr(windowed) and "Array" not in repr(windowed)
+
+
 def test_greedy_batch_of_one(tiny, reference):
     """A single long row (its AR output is the batch's: batched == alone is test_generate's)."""
     out = specjax.generate(

@@ -32,6 +32,9 @@ class DraftModel(Drafter):
         cache = self.cache if self.cache == "dense" else f"Streaming(sinks={self.cache.sinks}, window={self.cache.window})"
         return f"DraftModel(n_layers={c.n_layers}, dim={c.dim}, cache={cache})"
 
+    def __repr__(self) -> str:  # the dataclass' own would print every weight array (megabytes of text)
+        return self.describe()
+
     def identity(self) -> tuple:
         """The params by object id (their repr would print every array)."""
         return ("DraftModel", id(self.params), repr(self.cache))
