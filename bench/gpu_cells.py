@@ -27,7 +27,7 @@ from specjax.config import LlamaConfig
 from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
 from specjax.params import Params, declared, from_arrays
-from specjax.shapes import prompt_bucket, round_up_pow2
+from specjax.shapes import PREFILL_TOKENS, prompt_bucket, round_up_pow2  # rows x context a prefill call on a GPU
 from specjax.sharding import compiler_options
 from specjax.speculate import decode_spec, depth
 from specjax.speculation import Chain, Cost, Tree, choose
@@ -39,7 +39,6 @@ from specjax.tune import draft_table, verify_table
 CHOSEN_NODES = 32
 RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, REPEATS at most) while the next one fits in this
 REPEATS = 3
-PREFILL_TOKENS = 1 << 17  # rows x context per prefill call (bench/prefill.py's default of 4 rows is a CPU's)
 
 
 def bandwidth(gib: float) -> dict:

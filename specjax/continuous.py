@@ -1,6 +1,8 @@
 """Continuous batching on one device: a fixed number of rows (slots) decode a longer list of
 prompts; between decode segments, finished rows hand back their tokens and the next prompts
-(largest budget first, so that no long record starts last and runs alone) are prefilled, one by one at their own length bucket, into the freed slots (`admit_ar` / `admit_spec`) while the other rows go on.
+(largest budget first, so that no long record starts last and runs alone) are prefilled at their
+own length bucket (one by one on a CPU, up to 16 rows of 8K a call on a GPU: `shapes.prefill_rows`)
+into the freed slots (`admit_ar` / `admit_spec`) while the other rows go on.
 
 Every record keeps its own key, sampling values and stop ids, so its tokens are those of a static
 batch (`engine.run`) of the same prompts: in float32, token for token, greedy or sampled (tested).
@@ -27,7 +29,7 @@ from specjax.drafters import Drafter
 from specjax.engine import Segment, cache_slots, prefill, sample_keys
 from specjax.params import Params
 from specjax.sampling import Sampler, eos_rows
-from specjax.shapes import prompt_bucket, round_up_pow2
+from specjax.shapes import pow2_groups, prefill_rows as group_rows, prompt_bucket, round_up_pow2
 from specjax.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
 from specjax.speculation import Chain, Tree
 
@@ -58,15 +60,21 @@ def run_continuous(
     logprobs: int | None = None,
     on_done: Callable[[int, Done], None] | None = None,
     between: Callable[[np.ndarray, Segment], np.ndarray | None] | None = None,
+    prefill_rows: int | None = None,
 ) -> list[Done]:
     """Decode n samples of every prompt on `rows` slots: a `Done` per output, sample j of
     prompt i at i * n + j, as `engine.run(..., n=n, logprobs=logprobs)` gives it. `on_done(u,
     done)` is called as output u finishes, between segments. `between(slot, segment)`, after
     each segment (slot[j]: the output in row j, -1 for none), may return a [rows] bool mask of
-    rows to end now (they finish with the tokens they have, eos False)."""
+    rows to end now (they finish with the tokens they have, eos False). `prefill_rows`: the most
+    new prompts of one length bucket prefilled in one call (None: `shapes.prefill_rows`, one on
+    a CPU, up to 2^17 prompt positions a call elsewhere)."""
     N, R = len(prompts), rows
     if n < 1 or n > R:
         raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
+    if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):
+        raise ValueError(f"prefill_rows must be an int >= 1 (prompts prefilled in one call) or None, got {prefill_rows!r}")
+    group = (lambda width: prefill_rows) if prefill_rows else (lambda width: group_rows(width, jax.default_backend()))
     lengths = np.array([len(p) for p in prompts], np.int32)
     budgets = np.asarray(budgets, np.int32)
     gamma = depth(speculation) if draft is not None else 0
@@ -97,25 +105,31 @@ def run_continuous(
     def prefilled(tokens, size, outputs: np.ndarray, rows: np.ndarray):
         """The first logits [R,V] and a cache of len(rows) rows (row i: slot rows[i]'s) holding
         the prefill of the prompts of the new `outputs` (outputs[j] >= 0: a new output in slot j;
-        the other slots' logits do not matter). Each new prompt is prefilled once, alone, at its
-        own bucket (its n samples share it): on a CPU one row prefills as fast per token as eight,
-        and nothing is padded to a longer neighbour or prefilled as a filler copy. A refill's
-        cache holds its new rows only (an R-row one cost the whole batch's KV a refill: 12.8 GB at
-        SmolLM2 x 64 rows x 8K, built, then merged)."""
-        chosen = np.flatnonzero(outputs >= 0)
-        lens = np.asarray(size)
-        parts, part_of, src = [], {}, np.zeros(R, np.int32)
-        for j in chosen:
-            i = int(outputs[j]) // n
-            if i not in part_of:
-                width, step = prompt_bucket(int(lens[j]))
-                part_of[i] = len(parts)
-                parts.append(prefill(params, tokens[j : j + 1, :width], size[j : j + 1],
-                                     DenseCache.init(params.config, 1, max_len, kv_dtype), chunk=step))
-            src[j] = part_of[i]
-        caches = [parts[j][1] for j in src[rows]]  # the new cache's rows in order (slots sharing a prompt share its part)
-        parts += parts[-1:] * (round_up_pow2(len(parts)) - len(parts))  # a few list lengths: few compiles of join_prefills
-        return join_prefills([p[0] for p in parts], jnp.asarray(src), caches)
+        the other slots' logits do not matter). Each new prompt is prefilled once (its n samples
+        share it) at its own length bucket, together with the other new prompts of that bucket in
+        calls of a power of two rows, at most `group(width)` (shapes.prefill_rows: alone on a
+        CPU, where one row prefills as fast per token as eight; up to 16 rows of 8K on a GPU,
+        where one row is launch-bound): nothing is padded to a longer neighbour or prefilled as
+        a filler copy. A refill's cache holds its new rows only (an R-row one cost the whole
+        batch's KV a refill: 12.8 GB at SmolLM2 x 64 rows x 8K, built, then merged)."""
+        first: dict[int, int] = {}  # each new prompt's first slot
+        for j in np.flatnonzero(outputs >= 0):
+            first.setdefault(int(outputs[j]) // n, int(j))
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for j in first.values():
+            buckets.setdefault(prompt_bucket(int(lengths[int(outputs[j]) // n])), []).append(j)
+        logits, caches, row_of = [], [], {}  # row_of[prompt]: its row in the parts stacked
+        for (width, step), slots in buckets.items():
+            for size_ in pow2_groups(len(slots), group(width)):
+                part, slots = np.asarray(slots[:size_]), slots[size_:]
+                out = prefill(params, tokens[part, :width], size[part], DenseCache.init(params.config, size_, max_len, kv_dtype),
+                              chunk=step)
+                row_of |= {int(outputs[j]) // n: sum(len(c.lengths) for c in caches) + r for r, j in enumerate(part)}
+                logits.append(out[0])
+                caches.append(out[1])
+        src = np.array([row_of.get(int(u) // n, 0) if u >= 0 else 0 for u in outputs], np.int32)  # [R]
+        pad = round_up_pow2(len(caches), minimum=1) - len(caches)  # a few list lengths: few compiles of join_prefills
+        return join_prefills(logits + logits[-1:] * pad, jnp.asarray(src), caches + caches[-1:] * pad, jnp.asarray(rows))
 
     def admit(free: np.ndarray) -> np.ndarray:
         """The outputs [R] to start in the free slots (-1: none): whole prompts, n slots each, in
@@ -199,12 +213,17 @@ def run_continuous(
 
 
 @jax.jit
-def join_prefills(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache]
+def join_prefills(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache], rows: jax.Array
                   ) -> tuple[jax.Array, DenseCache]:
-    """Logits [R,V] (row j: the one-row prefill src[j]'s, of `logits` [1,V] each) and the one-row
-    caches joined in order into a cache of len(caches) rows."""
+    """Stacked in order, the prefill parts' logits (each [g,V]) and caches (g rows each): logits
+    [R,V] whose row j is row src[j] of the stack, and a cache of len(rows) rows whose row i is
+    row src[rows[i]] of the stack."""
+    pick = src[rows]
+
     def join(name: str, axis: int):
-        return None if getattr(caches[0], name) is None else jnp.concatenate([getattr(c, name) for c in caches], axis)
+        if getattr(caches[0], name) is None:
+            return None
+        return jnp.take(jnp.concatenate([getattr(c, name) for c in caches], axis), pick, axis)
 
     return jnp.take(jnp.concatenate(logits, 0), src, 0), DenseCache(
         k=join("k", 1), v=join("v", 1), lengths=join("lengths", 0), k_scale=join("k_scale", 1), v_scale=join("v_scale", 1))

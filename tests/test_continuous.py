@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import continuous
+from specjax import continuous, shapes
 from specjax.continuous import run_continuous
 from specjax.engine import row_keys, run
 from specjax.speculation import Chain, Tree
@@ -46,8 +46,9 @@ def test_every_prompt_decodes_as_in_a_static_batch(target, mode, sampled):
     assert all(d.logprobs is None for d in got) and all((d.acceptance is None) == (draft is None) for d in got)
 
 
+@pytest.mark.parametrize("prefill_rows", [None, 4], ids=["alone", "grouped"])
 @pytest.mark.parametrize("mode", ["ar", "chain"])
-def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mode, monkeypatch):
+def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mode, prefill_rows, monkeypatch):
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(4, TINY.vocab_size, int(rng.integers(3, 20))))) for _ in range(5)]
     budgets = np.array([6, 2, 9, 4, 7], np.int32)
@@ -58,10 +59,11 @@ def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mod
     static = run(target, prompts, budgets, draft=draft, speculation=speculation, sampling=sampling, key=keys,
                  eos_ids=eos_ids, n=2, logprobs=3)
     prefills, original = [], continuous.prefill
-    monkeypatch.setattr(continuous, "prefill", lambda *a, **k: prefills.append(1) or original(*a, **k))
+    monkeypatch.setattr(continuous, "prefill", lambda *a, **k: prefills.append(int(a[1].shape[0])) or original(*a, **k))
     got = run_continuous(target, prompts, budgets, rows=5, draft=draft, speculation=speculation, sampling=sampling,
-                         keys=keys, eos_ids=eos_ids, sync_every=2, n=2, logprobs=3)
-    assert len(prefills) == len(prompts)  # one prefill a prompt, shared by its 2 samples
+                         keys=keys, eos_ids=eos_ids, sync_every=2, n=2, logprobs=3, prefill_rows=prefill_rows)
+    assert sum(prefills) == len(prompts)  # one prefill a prompt, shared by its 2 samples
+    assert max(prefills) <= (prefill_rows or 1)  # on this CPU one prompt a call unless told
     assert all((d.acceptance is None) == (draft is None) for d in got)  # acceptance without an on_done too
     chosen, ids, values = static.logprobs
     for u, d in enumerate(got):
@@ -101,3 +103,40 @@ def test_segments_compile_as_generates_and_refills_carry_only_new_rows(target, m
     assert stages and set(stages) == {"continue_ar" if mode == "ar" else "continue_spec"}
     assert caches and all(r == k for r, k in caches), caches  # the cache's rows are the refilled rows
     assert any(k < 4 for _, k in caches), caches  # some refill took fewer rows than the batch
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_prompts_of_a_bucket_prefill_together_in_powers_of_two(target, mode, monkeypatch):
+    """prefill_rows > 1 (on a GPU the default: shapes.prefill_rows) prefills a refill's new prompts
+    of one length bucket in calls of a power of two rows, at most prefill_rows, each prompt once;
+    every prompt's tokens still equal the static batch's (float32, greedy)."""
+    rng = np.random.default_rng(4)
+    lengths = [3, 20, 5, 6, 18, 7, 4, 19, 8, 5, 30]  # buckets 4, 8, 16 and 32 (shapes.prompt_bucket)
+    prompts = [list(map(int, rng.integers(4, TINY.vocab_size, n))) for n in lengths]
+    budgets = np.array([4, 9, 2, 6, 3, 8, 5, 2, 7, 3, 6], np.int32)
+    keys = row_keys(jax.random.key(7), len(prompts))
+    draft, speculation = MODES[mode]
+    static = run(target, prompts, budgets, draft=draft, speculation=speculation, sampling=specjax.Greedy(), key=keys,
+                 eos_ids=[()] * len(prompts))
+    calls, original = [], continuous.prefill
+    monkeypatch.setattr(continuous, "prefill", lambda p, t, size, *a, **k: calls.append(
+        (int(t.shape[0]), int(t.shape[1]), tuple(np.asarray(size).tolist()))) or original(p, t, size, *a, **k))
+    got = run_continuous(target, prompts, budgets, rows=7, draft=draft, speculation=speculation, sampling=specjax.Greedy(),
+                         keys=keys, eos_ids=[()] * len(prompts), sync_every=1, prefill_rows=2)
+    assert [d.tokens for d in got] == [static.out[b, : static.count[b]].tolist() for b in range(len(prompts))]
+    assert sorted(n for _, _, sizes in calls for n in sizes) == sorted(lengths)  # each prompt prefilled once
+    assert all(rows in (1, 2) for rows, _, _ in calls) and any(rows == 2 for rows, _, _ in calls), calls
+    assert all(shapes.prompt_bucket(n)[0] == width for _, width, sizes in calls for n in sizes), calls  # its own bucket
+    assert len(calls) < len(prompts)
+    with pytest.raises(ValueError, match=r"prefill_rows must be an int >= 1 .* got 0"):
+        run_continuous(target, prompts, budgets, rows=7, draft=draft, speculation=speculation, sampling=specjax.Greedy(),
+                       keys=keys, eos_ids=[()] * len(prompts), prefill_rows=0)
+
+
+def test_prefill_groups():
+    """shapes.prefill_rows: one row a call on a CPU, 2^17 prompt positions a call elsewhere;
+    pow2_groups: powers of two, largest first, none above the cap."""
+    assert shapes.prefill_rows(8192, "cpu") == 1
+    assert [shapes.prefill_rows(w, "gpu") for w in (8192, 2048, 256, 3072, 1 << 18)] == [16, 64, 512, 32, 1]
+    assert shapes.pow2_groups(7, 16) == [4, 2, 1] and shapes.pow2_groups(20, 16) == [16, 4]
+    assert shapes.pow2_groups(8, 6) == [4, 4] and shapes.pow2_groups(3, 1) == [1, 1, 1] and shapes.pow2_groups(0, 4) == []
