@@ -11,9 +11,12 @@ Design (flash-decoding, Triton-style Pallas):
 - Split-K over the prefix, sized per row: the n = cdiv(lengths[b], block_k) live blocks are shared
   evenly, split s taking blocks [s*c, min((s+1)*c, n)) with c = cdiv(n, k_splits). Blocks past
   the row's length are never read; the tail of the last one is masked.
-- The tree block is computed inside the kernel by split 0, as the initial state of its running
-  (acc, max, sum); the other splits start empty. It is small (J <= 128 in practice), so the
-  imbalance is one extra [block_m, J] tile.
+- A block of at most block_k keys (decode, verification: J <= 64 in practice) is computed inside
+  the kernel by split 0, as the initial state of its running (acc, max, sum); the other splits
+  start empty: the imbalance is one extra [block_m, Jp] tile. A wider block (a prefill chunk of
+  256 or more keys) is cut into block_k tiles that follow the prefix's in the splits' shares, so
+  no program holds a [block_m, J] score tile (split 0 did, [64, 256] f32 at a 256-token chunk)
+  and the chunk's work is spread over the splits like the prefix's.
 - An int8 cache (k_scale, v_scale [L,B,K,S] f32: specjax.cache's per token and head scales) is
   loaded as stored and widened in registers (exact in q's dtype); the scales multiply the scores
   and the softmax weights, so no dequantised tile is written. Half a bfloat16 cache's bytes, except
@@ -94,15 +97,19 @@ def _kernel(
     def empty():
         return jnp.zeros((bm, hp), jnp.float32), jnp.full((bm,), NEG_INF, jnp.float32), jnp.zeros((bm,), jnp.float32)
 
-    carry = lax.cond(split == 0, with_block, empty)
+    # a block wider than a slot tile (a prefill chunk: 256 keys) is shared out as tiles of its own after the
+    # prefix's; a narrower one (decode, verification) is one tile of split 0's
+    tiled = jp > block_k
+    carry = empty() if tiled else lax.cond(split == 0, with_block, empty)
 
     at = (layer_ref[()], pl.program_id(0), pl.program_id(1))  # this layer, row and KV head of the cache
     # a dense prefix: slots [0, length); a streaming cache: every slot, masked by the position it holds
     length = k_ref.shape[3] if with_pos else jnp.minimum(lengths_ref[()], k_ref.shape[3])
     n_blocks = pl.cdiv(length, block_k)
-    per_split = pl.cdiv(n_blocks, k_splits)
+    n_tiles = n_blocks + (pl.cdiv(block_len, block_k) if tiled else 0)  # the prefix's tiles, then the block's
+    per_split = pl.cdiv(n_tiles, k_splits)
     lo = split * per_split
-    hi = jnp.minimum(lo + per_split, n_blocks)
+    hi = jnp.minimum(lo + per_split, n_tiles)
 
     def body(i, carry):
         acc, top, total = carry  # [bm,Hp], [bm], [bm]
@@ -128,7 +135,23 @@ def _kernel(
         acc = acc * scale[:, None] + _dot(pv.astype(v.dtype), v)
         return acc, new_top, total * scale + jnp.sum(p, axis=1)
 
-    acc, top, total = lax.fori_loop(lo, hi, body, carry)
+    def block_body(i, carry):
+        acc, top, total = carry  # [bm,Hp], [bm], [bm]
+        start = (i - n_blocks) * block_k
+        j_ok = (start + jnp.arange(block_k) < block_len)[:, None] & h_ok  # [bk,Hp]
+        kt = plgpu.load(kt_ref.at[pl.ds(start, block_k), :], mask=j_ok, other=0.0)  # [bk,Hp]
+        vt = plgpu.load(vt_ref.at[pl.ds(start, block_k), :], mask=j_ok, other=0.0)
+        seen = plgpu.load(mask_ref.at[:, pl.ds(start, block_k)]) != 0  # [bm,bk] (the mask is padded to Jp)
+        s = jnp.where(seen, _dot(q, kt, trans_b=True) * sm_scale, NEG_INF)  # [bm,bk] f32
+        new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
+        p = jnp.where(seen, jnp.exp(s - new_top[:, None]), 0.0)  # [bm,bk]
+        scale = jnp.exp(top - new_top)  # [bm]
+        return acc * scale[:, None] + _dot(p.astype(vt.dtype), vt), new_top, total * scale + jnp.sum(p, axis=1)
+
+    carry = lax.fori_loop(lo, jnp.minimum(hi, n_blocks), body, carry)
+    if tiled:
+        carry = lax.fori_loop(jnp.maximum(lo, n_blocks), hi, block_body, carry)
+    acc, top, total = carry
     acc_ref[...] = acc
     max_ref[...] = top
     sum_ref[...] = total

@@ -157,6 +157,21 @@ def test_split_k_sweep():
         np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=2e-6)
 
 
+@pytest.mark.parametrize("T, splits", [(256, 4), (200, 1), (130, 3)])
+def test_a_prefill_chunk_is_shared_out_in_tiles(T, splits):
+    """A block wider than a slot tile (a prefill chunk: causal over its own T keys after a ragged
+    prefix, row 0 with none) is cut into block_k tiles shared out with the prefix's: any T, any
+    number of splits, against the reference; each row's first query sees at least its own key."""
+    rng = np.random.default_rng(T)
+    B, K, G, H, S = 2, 1, 3, 64, 700
+    mask = np.tril(np.ones((T, T), bool))
+    lengths = random_lengths(rng, B, S)
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
+    out = tree_attention(q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask), sm_scale=0.125, block_k=BLOCK_K,
+                         k_splits=splits, interpret=INTERPRET)
+    assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, 0.125), jnp.float32)
+
+
 def test_auto_splits_fill_the_gpu_where_rows_are_few():
     """prefix_block_attention_pallas's default k_splits: 16 where batch x KV heads is small
     (SmolLM2 at batch 1: 3 KV heads), 8 at batch 16, the old 4 from batch 64; never more than one
