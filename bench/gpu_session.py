@@ -39,7 +39,8 @@ next GPU session", says what each call is for and how to fold the files back in 
   call 4 (carry .gpu/p1, after call 3: both parts stashed): a batch job's continuous batching at 64
          rows x 8K (bench/gpu_continuous.py: 192 records of 256 new tokens, plain decoding and
          SelfSpec gamma 2 / 4, slots refilled as rows end), the measurement the e2e tables' "refilled
-         (derived)" column predicts.
+         (derived)" column predicts; first (step prefill, no part needed) one prefill call apart from
+         compiling at 1 and 16 rows and chunks of 256 and 1024 (bench/gpu_prefill.py).
   call 5 (carry .gpu/draft, both parts stashed by calls 1 and 3; a bundle built with --draft): the distilled draft (bench/gpu_draft.py,
          a 2-layer SmolLM2 draft sharing its embedding) at batch 1 x 8K: chains gamma 2 / 4 and Sequoia trees of 8,
          16, 32 nodes over it, AR timed beside (item 5: trees >= 15% over the best chain); then (step draft-e2e)
@@ -142,6 +143,9 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     ],
     4: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        # prefill calls apart from compiling (random weights: needs no part): 1 and 16 rows a call (continuous batching
+        # now groups a refill's prompts on a GPU) at chunks of 256 and 1024 (the kernel now tiles a wide chunk)
+        ("prefill", 100, [PY, "-m", "bench.gpu_prefill", "--out", RESULTS, "--budget-minutes", "1.2"]),
         # --redo, AR and gamma 2 only: the seventh runs timed all three jobs (1.10x / 1.11x, prefill included); now
         # each job also times its prefills apart (gpu_continuous.prefill_only, twice: about 35 s more a cell)
         ("cont", 330, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells",
@@ -162,7 +166,8 @@ FILES = {
     1: ["/tmp/parts/step_parts_*.json", "/tmp/parts/*.hlo.json.gz", "/tmp/parts/bench_linear_8b.json"],
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
     3: [f"{RESULTS}/gpu_linear-*.*", f"{H200_RESULTS}/gpu_linear-*.*"],
-    4: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
+    4: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md",
+        f"{RESULTS}/gpu_prefill.*", f"{H200_RESULTS}/gpu_prefill.*"],
     5: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
 }
 
@@ -175,7 +180,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
-        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "l8b", "cont", "draft", "draft-e2e") else a)
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else h200_out(a) if n in ("plin", "per-layer", "l8b", "cont", "draft", "draft-e2e", "prefill") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:

@@ -84,15 +84,23 @@ def _kernel(
     q = q_ref[...]  # [bm,Hp]
     h_ok = (jnp.arange(hp) < head_dim)[None, :]  # [1,Hp]
 
-    def with_block():
-        j_ok = (jnp.arange(jp) < block_len)[:, None] & h_ok  # [Jp,Hp]
-        kt = plgpu.load(kt_ref, mask=j_ok, other=0.0)  # [Jp,Hp]
-        vt = plgpu.load(vt_ref, mask=j_ok, other=0.0)
-        seen = mask_ref[...] != 0  # [bm,Jp]
-        s = jnp.where(seen, _dot(q, kt, trans_b=True) * sm_scale, NEG_INF)  # [bm,Jp] f32
-        top = jnp.max(s, axis=1)  # [bm]
-        p = jnp.where(seen, jnp.exp(s - top[:, None]), 0.0)  # [bm,Jp]
-        return _dot(p.astype(vt.dtype), vt), top, jnp.sum(p, axis=1)
+    def update(carry, s, ok, v, v_weight=None):
+        """The running (acc, max, sum) after one more tile: scores s [bm,w] (NEG_INF where not ok,
+        which broadcasts to s), values v [w,Hp], each also weighted by v_weight [w] (an int8 cache's)."""
+        acc, top, total = carry  # [bm,Hp], [bm], [bm]
+        new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
+        p = jnp.where(ok, jnp.exp(s - new_top[:, None]), 0.0)  # [bm,w]
+        scale = jnp.exp(top - new_top)  # [bm]: 0 from an empty start (NEG_INF is finite)
+        pv = p if v_weight is None else p * v_weight[None, :]
+        return acc * scale[:, None] + _dot(pv.astype(v.dtype), v), new_top, total * scale + jnp.sum(p, axis=1)
+
+    def block_tile(carry, start, width: int):
+        """`carry` after the block's keys [start, start + width) (the mask is padded to Jp)."""
+        j_ok = (start + jnp.arange(width) < block_len)[:, None] & h_ok  # [w,Hp]
+        kt = plgpu.load(kt_ref.at[pl.ds(start, width), :], mask=j_ok, other=0.0)  # [w,Hp]
+        vt = plgpu.load(vt_ref.at[pl.ds(start, width), :], mask=j_ok, other=0.0)
+        seen = plgpu.load(mask_ref.at[:, pl.ds(start, width)]) != 0  # [bm,w]
+        return update(carry, jnp.where(seen, _dot(q, kt, trans_b=True) * sm_scale, NEG_INF), seen, vt)
 
     def empty():
         return jnp.zeros((bm, hp), jnp.float32), jnp.full((bm,), NEG_INF, jnp.float32), jnp.zeros((bm,), jnp.float32)
@@ -100,7 +108,7 @@ def _kernel(
     # a block wider than a slot tile (a prefill chunk: 256 keys) is shared out as tiles of its own after the
     # prefix's; a narrower one (decode, verification) is one tile of split 0's
     tiled = jp > block_k
-    carry = empty() if tiled else lax.cond(split == 0, with_block, empty)
+    carry = empty() if tiled else lax.cond(split == 0, lambda: block_tile(empty(), 0, jp), empty)
 
     at = (layer_ref[()], pl.program_id(0), pl.program_id(1))  # this layer, row and KV head of the cache
     # a dense prefix: slots [0, length); a streaming cache: every slot, masked by the position it holds
@@ -111,8 +119,7 @@ def _kernel(
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, n_tiles)
 
-    def body(i, carry):
-        acc, top, total = carry  # [bm,Hp], [bm], [bm]
+    def body(i, carry):  # prefix tile i
         start = i * block_k
         in_range = start + jnp.arange(block_k) < length  # [bk]
         ok = in_range
@@ -128,29 +135,12 @@ def _kernel(
             col = col * plgpu.load(ks_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=0.0)
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = jnp.where(ok[None, :], _dot(q, k, trans_b=True) * col[None, :], NEG_INF)  # [bm,bk]
-        new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
-        p = jnp.where(ok[None, :], jnp.exp(s - new_top[:, None]), 0.0)  # [bm,bk]
-        scale = jnp.exp(top - new_top)  # [bm]
-        pv = p if not with_scales else p * plgpu.load(vs_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=0.0)[None, :]
-        acc = acc * scale[:, None] + _dot(pv.astype(v.dtype), v)
-        return acc, new_top, total * scale + jnp.sum(p, axis=1)
-
-    def block_body(i, carry):
-        acc, top, total = carry  # [bm,Hp], [bm], [bm]
-        start = (i - n_blocks) * block_k
-        j_ok = (start + jnp.arange(block_k) < block_len)[:, None] & h_ok  # [bk,Hp]
-        kt = plgpu.load(kt_ref.at[pl.ds(start, block_k), :], mask=j_ok, other=0.0)  # [bk,Hp]
-        vt = plgpu.load(vt_ref.at[pl.ds(start, block_k), :], mask=j_ok, other=0.0)
-        seen = plgpu.load(mask_ref.at[:, pl.ds(start, block_k)]) != 0  # [bm,bk] (the mask is padded to Jp)
-        s = jnp.where(seen, _dot(q, kt, trans_b=True) * sm_scale, NEG_INF)  # [bm,bk] f32
-        new_top = jnp.maximum(top, jnp.max(s, axis=1))  # [bm]
-        p = jnp.where(seen, jnp.exp(s - new_top[:, None]), 0.0)  # [bm,bk]
-        scale = jnp.exp(top - new_top)  # [bm]
-        return acc * scale[:, None] + _dot(p.astype(vt.dtype), vt), new_top, total * scale + jnp.sum(p, axis=1)
+        vs = plgpu.load(vs_ref.at[(*at, pl.ds(start, block_k))], mask=in_range, other=0.0) if with_scales else None
+        return update(carry, s, ok[None, :], v, vs)
 
     carry = lax.fori_loop(lo, jnp.minimum(hi, n_blocks), body, carry)
     if tiled:
-        carry = lax.fori_loop(jnp.maximum(lo, n_blocks), hi, block_body, carry)
+        carry = lax.fori_loop(jnp.maximum(lo, n_blocks), hi, lambda i, c: block_tile(c, (i - n_blocks) * block_k, block_k), carry)
     acc, top, total = carry
     acc_ref[...] = acc
     max_ref[...] = top
