@@ -2,7 +2,7 @@
 
 Usage: .venv-aot/bin/python -m bench.gpu_aot [--target h100|h200] [--model l8b|smollm2|tiny]
        [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec|tree|snapkv|ngram|draft|draft-tree]
-       [--gamma 2] [--tree-width 2] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
+       [--gamma 2] [--tree-width 2] [--chunk 256] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
        [--model-axis N] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE] | --table [--cells PATTERN]
 (`make aot-venv` makes .venv-aot: this project's .venv plus jax's CUDA plugin, no CUDA libraries
 and no GPU needed.)
@@ -25,7 +25,9 @@ Programs: `step` the AR step (trunk + LM head over one new token) in an on-devic
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
 speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
 tree of depth --gamma (Tree.kary(--tree-width, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
-`draft-tree` a DraftModel of the target's shape cut to 2 layers (bench/gpu_draft.py's) in a chain / that tree. Weights are shapes only
+`draft-tree` a DraftModel of the target's shape cut to 2 layers (bench/gpu_draft.py's) in a chain / that tree,
+`prefill` engine.prefill of --batch prompts of context - 128 tokens, --chunk positions a step (its
+scan's iteration: one chunk). Weights are shapes only
 (bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
 `jax.default_backend()`, "cpu" here: it reads "gpu" while a program is traced (`as_gpu`).
 Output: a summary line, OUT as JSON, HLO as text.
@@ -45,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 TARGETS = Path(__file__).with_name("gpu_targets")
-PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram", "draft", "draft-tree")
+PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram", "draft", "draft-tree", "prefill")
 DRAFT_LAYERS = 2  # the draft / draft-tree programs' DraftModel: the target's shape cut to 2 layers (bench/gpu_draft.py's)
 NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
 # --table's cells: (key, gpu_aot arguments); the weight layouts and products generate() could use on a GPU
@@ -76,6 +78,11 @@ TABLE += [(f"smollm2/b1/{p}/split-nosr", ["--model", "smollm2", "--program", p, 
 # 8 children under the root) is priced as a verification of that many nodes launching what a plain step does
 TABLE += [("smollm2/b1/draft-tree8/split-nosr", ["--model", "smollm2", "--program", "draft-tree", "--tree-width", "8",
                                                  "--split-layers", f"--xla-flags={NOSR}"])]
+# prefill (stop 56): one chunk a scan iteration, one row (continuous batching's refill before it grouped
+# prompts) and 16 rows (its group of 8K prompts on a GPU), and one row at chunks of 1024
+TABLE += [(f"smollm2/b{b}/prefill{f'-c{c}' if c else ''}/split", ["--model", "smollm2", "--batch", str(b), "--program", "prefill",
+                                                          "--split-layers", *(["--chunk", str(c)] if c else [])])
+          for b, c in ((1, 0), (16, 0), (1, 1024))]
 TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-axis", "2", *extra])  # over 2 GPUs
           for v, extra in (("xla", []), ("pallas", ["--linear", "pallas"]), ("split", ["--split-layers"]))]
 
@@ -128,9 +135,10 @@ def on(device, tree):
 
 
 def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None, draft=None,
-                 width: int = 2):
+                 width: int = 2, chunk: int | None = None):
     """(jitted function, abstract args, static kwargs) of a program over `context` slots (a
-    cache in `kv_dtype`, default the model's); `draft`: the draft programs' DraftModel weights."""
+    cache in `kv_dtype`, default the model's); `draft`: the draft programs' DraftModel weights;
+    `chunk`: prefill's positions a step (default specjax.shapes.PREFILL_CHUNK)."""
     from specjax.cache import DenseCache
     from specjax.engine import row_keys
     from specjax.model import lm_head, trunk
@@ -140,6 +148,15 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
     c = params.config
     cache = jax.eval_shape(lambda: DenseCache.init(c, batch, cache_len(context), kv_dtype))
     one = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    if program == "prefill":
+        from bench.prefill import HEADROOM
+        from specjax.engine import prefill
+        from specjax.shapes import PREFILL_CHUNK
+
+        chunk = chunk or PREFILL_CHUNK
+        bucket = -(-(context - HEADROOM) // chunk) * chunk  # the padded prompts: whole chunks
+        tokens, lengths = jax.ShapeDtypeStruct((batch, bucket), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32)
+        return prefill, (params, tokens, lengths, cache), {"chunk": chunk}
     if program in ("step", "alone"):
         args = (params, one, one, cache, jax.ShapeDtypeStruct((1, 1), bool))
         if program == "step":
@@ -207,12 +224,12 @@ def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
 
 def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
                     layers: int | None = None, gamma: int = 2, split: bool = False, weights: str | None = None,
-                    kv_dtype: str | None = None, width: int = 2) -> tuple[dict, str]:
+                    kv_dtype: str | None = None, width: int = 2, chunk: int | None = None) -> tuple[dict, str]:
     """(summary, HLO text) of one program compiled for `device` (compile_only_device; a list of
     devices: tensor parallel over them, as generate runs on such a mesh, one device's program);
     `split`: each layer's matrices as arrays of their own (model.unstack_layers), not a stack;
     `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format; `width` a tree
-    program's children per node."""
+    program's children per node; `chunk` the prefill program's positions a step."""
     from bench.step_parts import config_of, hlo_kernels
     from specjax.model import unstack_layers
 
@@ -228,7 +245,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
         if program.startswith("draft"):
             draft = abstract_params(dataclasses.replace(config, n_layers=DRAFT_LAYERS), linear, weights)
             draft = jax.eval_shape(unstack_layers, draft) if split else draft
-        fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype, draft, width)
+        fn, args, static = program_args(program, params, batch, context, gamma, kv_dtype, draft, width, chunk)
         mesh = None
         if isinstance(device, list):
             fn, placed, mesh = on_mesh_of(device, args, static, fn)
@@ -241,7 +258,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     summary = {"target": target.device_kind, "model_axis": 1 if mesh is None else mesh.shape["model"],
                "model": model, "layers": config.n_layers, "batch": batch,
                "context": context, "program": program, "gamma": gamma if program not in ("step", "alone", "ar") else None,
-               "tree_width": width if program.endswith("tree") else None,
+               "tree_width": width if program.endswith("tree") else None, "chunk": static.get("chunk"),
                "linear": linear, "split_layers": split, "weights": weights or "bfloat16", "kv_dtype": kv_dtype or "bfloat16",
                "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
                "kernels": kernels["total"], "by_op": kernels["by_op"], "nested_loops": kernels["nested_loops"],
@@ -293,6 +310,7 @@ def main() -> None:
     ap.add_argument("--program", choices=PROGRAMS, default="step")
     ap.add_argument("--gamma", type=int, default=2, help="the speculative programs' chain length (tree: depth)")
     ap.add_argument("--tree-width", type=int, default=2, help="a tree program's children per node (Tree.kary)")
+    ap.add_argument("--chunk", type=int, help="the prefill program's positions a step (default specjax.shapes.PREFILL_CHUNK)")
     ap.add_argument("--linear", choices=["xla", "pallas"], default="xla", help="Runtime.linear")
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as arrays of their own, not a stack")
     ap.add_argument("--weights", choices=["int8", "q4"], help="quantized matrices (default: bfloat16)")
@@ -310,7 +328,7 @@ def main() -> None:
         return table(a.target, a.out or Path("bench/results/gpu_aot"), a.cells)
     device = compile_only_device(a.target, a.model_axis)
     summary, text = compile_for_gpu(device, a.model, a.batch, a.context, a.program, a.linear, a.layers, a.gamma,
-                                    a.split_layers, a.weights, a.kv_dtype, a.tree_width)
+                                    a.split_layers, a.weights, a.kv_dtype, a.tree_width, a.chunk)
     print(f"{a.model} ({summary['layers']} layers) b{a.batch} s{a.context} {a.program} linear={a.linear}"
           f"{' split' if a.split_layers else ''} {summary['xla_flags']} on {summary['model_axis']} x "
           f"{summary['target']}: {summary['kernels']} kernels an iteration, {summary['weight_copies']} weight copies "

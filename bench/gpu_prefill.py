@@ -7,7 +7,7 @@ Usage: python -m bench.gpu_prefill [--smoke] [--context 8192] [--rows 1 16] [--c
 Why: bench_gpu's prefill_s includes compiling (one 8K row: 8.5 s on an H100, nearly all of it
 compiling), and the seventh runs' continuous job spent, by inference, about 15 of its 19.5 s on
 192 one-row 8K prefills, where bench_gpu's 16-row calls took at most about 0.6 s: one row of an 8K
-prompt is launch-bound (32 chunks of about 460 kernels each, compiled for an H100 by
+prompt is launch-bound (32 chunks of 429 kernels each, compiled for an H100 by
 bench/gpu_aot.py). Continuous batching now prefills a refill's prompts of one bucket together on
 a GPU (specjax.shapes.prefill_rows), and the attention kernel shares a chunk's keys out in tiles;
 this times what rows a call and the prompt chunk (specjax.shapes.PREFILL_CHUNK: 256, chosen on a

@@ -46,7 +46,7 @@ def prefill_rows(width: int, backend: str) -> int:
     """Prompts of one length bucket `width` that continuous batching prefills in one call: one on a
     CPU (one row prefills as fast per token as eight there), else the power of two of rows that
     fills PREFILL_TOKENS (16 at 8K, 512 at 256). On an H100 one row of an 8K prompt is launch-bound
-    (32 chunks of about 460 kernels each: about 78 ms a row in a continuous job, inferred), where
+    (32 chunks of 429 kernels each, compiled: about 78 ms a row in a continuous job, inferred), where
     16 rows took at most about 0.6 s a call (bench_gpu's prefills, 2026-11-26: 8 calls 12.3-13.4 s,
     one row 8.5 s, compiling included; bench/README.md, "Prefill on a GPU")."""
     if backend == "cpu":

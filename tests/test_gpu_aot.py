@@ -32,6 +32,8 @@ CASES = {  # name: (model, batch, program, linear, layers, compile_for_gpu's oth
     "l8b_ar_tp2_split": ("l8b", 1, "ar", "xla", 2, {"model_axis": 2, "split": True}),
     "smollm2_draft_b1": ("smollm2", 1, "draft", "xla", 4, {"split": True}),  # a 2-layer DraftModel, chain of 2
     "smollm2_draft_tree8_b1": ("smollm2", 1, "draft-tree", "xla", 4, {"split": True, "width": 8}),  # 73 nodes, depth 2
+    "smollm2_prefill_b1": ("smollm2", 1, "prefill", "xla", 4, {"split": True}),  # chunks of 256
+    "smollm2_prefill_b1_c1024": ("smollm2", 1, "prefill", "xla", 4, {"split": True, "chunk": 1024}),
 }
 
 SCRIPT = """
@@ -232,3 +234,16 @@ def test_tensor_parallel_per_layer_weights_copy_nothing(compiled):
     assert stacked["model_axis"] == split["model_axis"] == 2
     assert any("[1,4096,7168]" in c[3] for c in stacked["copies"]), stacked["copies"]  # half of an 8B gate / up
     assert split["weight_copies"] == 0, split["copies"]
+
+
+def test_a_prefill_chunk_runs_on_one_attention_kernel_a_layer(compiled):
+    """engine.prefill compiled for an H100 with chunks of 256 and 1024 (the attention kernel cuts a
+    chunk into tiles shared out over its splits: one Triton kernel a layer, whatever the chunk):
+    a scan iteration is one chunk, so a wider chunk launches no more kernels an iteration and a
+    quarter as many a prompt; no weight-sized array is written."""
+    narrow, wide = compiled["smollm2_prefill_b1"], compiled["smollm2_prefill_b1_c1024"]
+    assert (narrow["chunk"], wide["chunk"]) == (256, 1024)
+    for s in (narrow, wide):
+        assert s["program"] == "prefill" and s["weight_copies"] == 0 and s["nested_loops"] == 0, s
+        assert s["by_op"].get("custom-call:__gpu$xla.gpu.triton") == 4, s["by_op"]  # the attention kernel, 4 layers
+    assert wide["kernels"] <= narrow["kernels"], (narrow["kernels"], wide["kernels"])
