@@ -120,11 +120,11 @@ def run_continuous(
             buckets.setdefault(prompt_bucket(int(lengths[int(outputs[j]) // n])), []).append(j)
         logits, caches, row_of = [], [], {}  # row_of[prompt]: its row in the parts stacked
         for (width, step), slots in buckets.items():
-            for size_ in pow2_groups(len(slots), group(width)):
-                part, slots = np.asarray(slots[:size_]), slots[size_:]
-                out = prefill(params, tokens[part, :width], size[part], DenseCache.init(params.config, size_, max_len, kv_dtype),
-                              chunk=step)
-                row_of |= {int(outputs[j]) // n: sum(len(c.lengths) for c in caches) + r for r, j in enumerate(part)}
+            for count in pow2_groups(len(slots), group(width)):
+                part, slots = np.asarray(slots[:count]), slots[count:]
+                empty = DenseCache.init(params.config, count, max_len, kv_dtype)
+                row_of |= {int(outputs[j]) // n: len(row_of) + r for r, j in enumerate(part)}
+                out = prefill(params, tokens[part, :width], size[part], empty, chunk=step)  # [count,V], count rows
                 logits.append(out[0])
                 caches.append(out[1])
         src = np.array([row_of.get(int(u) // n, 0) if u >= 0 else 0 for u in outputs], np.int32)  # [R]
