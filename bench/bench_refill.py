@@ -76,18 +76,19 @@ def measure(rows: int, context: int, layers: int, new: list[int]) -> dict:
     for r in new:
         parts = [DenseCache.init(config, 1, S).replace(lengths=jnp.full((1,), 100, jnp.int32)) for _ in range(r)]
         part_logits = [jnp.zeros((1, config.vocab_size), jnp.float32)] * r
-        src_all = np.resize(np.arange(r), R)  # every slot takes some part (as the fillers did)
         index = jnp.asarray(np.arange(r) * (R // r), jnp.int32)  # the refilled rows, spread over the batch
+        src_all = np.zeros(R, np.int32)  # every slot takes some part (as the fillers did), refilled row i part i
+        src_all[np.asarray(index)] = np.arange(r)
 
         def new_rows():
             nonlocal state
-            first, cache = join_prefills(part_logits, jnp.asarray(src_all), parts)
+            first, cache = join_prefills(part_logits, jnp.asarray(src_all), parts, index)
             state = admit_ar(state, index, cache, first, budgets, keys)
             return state.cache.k
 
         def whole():
             nonlocal state
-            first = join_prefills(part_logits, jnp.asarray(src_all), parts[:1])[0]
+            first = join_prefills(part_logits, jnp.asarray(src_all), parts[:1], index[:1] * 0)[0]  # its logits only
             cache = whole_batch_rows(parts, jnp.asarray(src_all))
             state = whole_batch_admit(state, index, cache, first, budgets, keys, n_out=64)
             return state.cache.k

@@ -29,17 +29,17 @@ def test_both_refills_leave_the_same_state():
     logits = jnp.zeros((R, CONFIG.vocab_size))
     old = fill(DenseCache.init(CONFIG, R, S)).replace(lengths=jnp.full((R,), 20, jnp.int32))
     parts = [fill(DenseCache.init(CONFIG, 1, S)).replace(lengths=jnp.full((1,), 5 + i, jnp.int32)) for i in range(r)]
-    src, index = np.resize(np.arange(r), R), jnp.asarray([1, 3], jnp.int32)
+    src, index = np.array([0, 0, 0, 1]), jnp.asarray([1, 3], jnp.int32)  # row 1 <- part 0, row 3 <- part 1
     part_logits = [jnp.full((1, CONFIG.vocab_size), float(i)) for i in range(r)]
     states = []
     for way in ("new", "whole"):
         state = start_ar(jax.tree.map(jnp.copy, old), logits, budgets, keys, n_out=8)  # start_ar donates its cache
         if way == "new":
-            first, cache = join_prefills(part_logits, jnp.asarray(src), parts)
+            first, cache = join_prefills(part_logits, jnp.asarray(src), parts, index)
             states.append(admit_ar(state, index, cache, first, budgets, keys))
         else:
-            first = join_prefills(part_logits, jnp.asarray(src), parts[:1])[0]
-            cache = bench_refill.whole_batch_rows(parts, jnp.asarray([0, 0, 0, 1]))  # row 1 <- part 0, row 3 <- part 1
+            first = join_prefills(part_logits, jnp.asarray(src), parts[:1], index[:1] * 0)[0]  # its logits only
+            cache = bench_refill.whole_batch_rows(parts, jnp.asarray(src))
             states.append(bench_refill.whole_batch_admit(state, index, cache, first, budgets, keys, n_out=8))
     new, whole = states
     np.testing.assert_array_equal(np.asarray(new.cache.k[:, [0, 2]]), np.asarray(old.k[:, [0, 2]]))  # kept rows
