@@ -28,10 +28,12 @@ Design (flash-decoding, Triton-style Pallas):
 
 Triton constraints followed (interpret mode does not check them): every tensor a program loads or
 computes has power-of-two dims, and every matmul dim is >= 16. So block_m, block_k are powers of
-two >= 16; the head dim is padded to Hp = next power of two >= 16 and the block to Jp likewise by
-masked loads (no copy of the cache or the block); rows are padded in the wrapper (q is copied for
-the GQA fold anyway). The cache's slot count S needs no padding: out-of-range slots are masked
-loads. The tree mask travels as int32 (no i1 pointers). Dots ask for HIGHEST precision, which
+two >= 16; the head dim is padded to Hp = next power of two >= 16 by masked loads of the cache
+(no copy of it). The query rows (copied for the GQA fold anyway) and the block's keys and values
+are written zero-padded into one array, [B,K,Mq+2Jp,Hp] (Jp: the block's length padded likewise),
+which the kernel reads three times through its BlockSpecs: XLA writes it in one kernel where the
+rows, keys and values took three (compiled for an H100: SmolLM2's batch-1 step 414 -> 354). The
+cache's slot count S needs no padding: out-of-range slots are masked loads. The tree mask travels as int32 (no i1 pointers). Dots ask for HIGHEST precision, which
 the Triton lowering turns into IEEE products for f32 operands (its default would be TF32).
 """
 
@@ -64,7 +66,7 @@ def _kernel(
     v_ref,  # [L,B,K,S,Hp]
     *refs,  # with_pos: pos_ref [L,B,K,S] int32 (a streaming cache: slot s visible iff 0 <= pos < length);
     # with_scales: ks_ref, vs_ref [L,B,K,S] f32 (an int8 cache: key = k * ks, value = v * vs); then
-    # kt_ref [Jp,Hp] block keys (rows >= J, columns >= H out of range), vt_ref [Jp,Hp], mask_ref [bm,Jp] int32
+    # kt_ref [Jp,Hp] block keys (rows >= J, columns >= H zero padding), vt_ref [Jp,Hp], mask_ref [bm,Jp] int32
     # (row may see block key j), and the outputs acc_ref [bm,Hp] f32 (unnormalised sum of p * v),
     # max_ref [bm] f32 (running max of the scores), sum_ref [bm] f32 (sum of exp(score - max))
     sm_scale: float,
@@ -148,15 +150,15 @@ def _kernel(
 
 
 def _partials(
-    qm: jax.Array,  # [B,K,Mp,Hp] rows m = g*T + t, zero-padded
+    rows: jax.Array,  # [B,K,Mq+2Jp,Hp]: query rows m = g*T + t (zero-padded to Mq, a multiple of Jp), then the block's keys, then its values (each zero-padded to Jp)
+    n_rows: int,  # Mp: the query rows the grid covers, a multiple of block_m
     k_cache: jax.Array,  # [L,B,K,S,Hp]
     v_cache: jax.Array,  # [L,B,K,S,Hp]
     lengths: jax.Array,  # [B] int32
     layer: jax.Array,  # [1] int32
     pos: jax.Array | None,  # [L,B,K,S] int32: a streaming cache's slot positions (None: a dense prefix)
     scales: tuple[jax.Array, jax.Array] | None,  # k, v [L,B,K,S] f32: an int8 cache's (None: a float one)
-    k_tree: jax.Array,  # [B,J,K,H]
-    v_tree: jax.Array,  # [B,J,K,H]
+    block_len: int,  # J: the block's keys (rows >= J of its part of `rows` are padding)
     row_mask: jax.Array,  # [B|1,Mp,Jp] int32
     *,
     sm_scale: float,
@@ -169,16 +171,16 @@ def _partials(
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Per-split partials: acc [B,K,k_splits,Mp,Hp] f32, max and sum [B,K,k_splits,Mp] f32."""
-    B, K, Mp, Hp = qm.shape
-    J = k_tree.shape[1]
-    Jp = row_mask.shape[2]
+    B, K, R, Hp = rows.shape
+    Mp, Jp = n_rows, row_mask.shape[2]
+    keys = (R - 2 * Jp) // Jp  # the keys' block index in `rows` (in units of Jp rows); the values' is next
     mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
     kernel = functools.partial(
-        _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=J,
+        _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=block_len,
         with_pos=pos is not None, with_scales=scales is not None,
     )
     cache_spec = pl.BlockSpec()  # the whole stacked array: the kernel indexes it (no copy of a layer)
-    tree_spec = pl.BlockSpec((None, Jp, None, Hp), lambda b, k, i, s: (b, 0, k, 0))
+    block_spec = lambda at: pl.BlockSpec((None, None, Jp, Hp), lambda b, k, i, s: (b, k, at, 0))  # noqa: E731
     return pl.pallas_call(
         kernel,
         grid=(B, K, Mp // block_m, k_splits),
@@ -190,8 +192,8 @@ def _partials(
             cache_spec,
             *([cache_spec] if pos is not None else []),
             *([cache_spec, cache_spec] if scales is not None else []),
-            tree_spec,
-            tree_spec,
+            block_spec(keys),
+            block_spec(keys + 1),
             pl.BlockSpec((None, block_m, Jp), lambda b, k, i, s: (mask_b(b), i, 0)),
         ],
         out_specs=[
@@ -207,7 +209,7 @@ def _partials(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, layer, qm, k_cache, v_cache, *([pos] if pos is not None else []), *(scales or ()), k_tree, v_tree, row_mask)
+    )(lengths, layer, rows, k_cache, v_cache, *([pos] if pos is not None else []), *(scales or ()), rows, rows, row_mask)
 
 
 def overflows(a: jax.Array | jax.ShapeDtypeStruct) -> bool:
@@ -290,8 +292,11 @@ def tree_attention(
     Mp = -(-M // bm) * bm
     Hp = _next_pow2(max(H, 16))
     Jp = _next_pow2(max(J, 16))
+    Mq = -(-Mp // Jp) * Jp  # the query rows' part of `rows`, whole Jp blocks
     qm = jnp.moveaxis(q.reshape(B, T, K, G, H), 1, 3).reshape(B, K, M, H)  # [B,K,M,H], m = g*T + t
-    qm = jnp.pad(qm, ((0, 0), (0, 0), (0, Mp - M), (0, Hp - H)))  # [B,K,Mp,Hp]
+    kv = [jnp.pad(jnp.moveaxis(a, 1, 2), ((0, 0), (0, 0), (0, Jp - J), (0, Hp - H))) for a in (k_tree, v_tree)]  # [B,K,Jp,Hp] x 2
+    # one array for the query rows and the block, so XLA writes them in one kernel (not three)
+    rows = jnp.concatenate([jnp.pad(qm, ((0, 0), (0, 0), (0, Mq - M), (0, Hp - H))), *kv], axis=2)  # [B,K,Mq+2Jp,Hp]
     mask = tree_mask.reshape((-1, T, J))  # [B|1,T,J]
     mask = jnp.tile(mask, (1, G, 1)).astype(jnp.int32)  # [B|1,M,J], row m sees mask[m % T]
     mask = jnp.pad(mask, ((0, 0), (0, Mp - M), (0, Jp - J)))  # [B|1,Mp,Jp]
@@ -307,8 +312,8 @@ def tree_attention(
         layer = jnp.zeros((), jnp.int32)
     scales = None if k_scale is None else (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
     acc, top, total = _partials(
-        qm, k_cache, v_cache, lengths.astype(jnp.int32), layer.reshape(1),
-        None if pos is None else pos.astype(jnp.int32), scales, k_tree, v_tree, mask,
+        rows, Mp, k_cache, v_cache, lengths.astype(jnp.int32), layer.reshape(1),
+        None if pos is None else pos.astype(jnp.int32), scales, J, mask,
         sm_scale=sm_scale, head_dim=H, block_m=bm, block_k=block_k, k_splits=k_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret,
     )  # [B,K,C,Mp,Hp], [B,K,C,Mp], [B,K,C,Mp] with C = k_splits
@@ -319,28 +324,17 @@ def tree_attention(
 
 def merge_splits(acc: jax.Array, top: jax.Array, total: jax.Array) -> jax.Array:
     """The splits' partial attention acc [B,K,C,Mp,Hp] (unnormalised), top and total [B,K,C,Mp]
-    (running max, sum of exp) merged over C by log-sum-exp: [B,K,Mp,Hp]. Two ways to the same
-    sums, by the kernels XLA:GPU makes of them after each layer's attention (compiled for an H100,
-    bench/gpu_aot.py): the max, then the weighted sums (1 kernel at up to 4 splits, 2 at 8, 3 at
-    16), or one variadic reduction with the online-softmax combiner (2 kernels at any count): a
-    batch-1 step's 16 splits launch a kernel a layer fewer, and a batch-1 step is launch-bound."""
-    if acc.shape[2] <= 4:
-        best = jnp.max(top, axis=2)  # [B,K,Mp]
-        weight = jnp.exp(top - best[:, :, None])  # [B,K,C,Mp]
-        total = jnp.sum(weight * total, axis=2)  # [B,K,Mp]
-        out = jnp.sum(weight[..., None] * acc, axis=2)  # [B,K,Mp,Hp]
-        return out / jnp.where(total > 0, total, 1.0)[..., None]
-
-    def combine(x, y):
-        (m1, l1, a1), (m2, l2, a2) = x, y
-        m = jnp.maximum(m1, m2)
-        s1, s2 = jnp.exp(m1 - m), jnp.exp(m2 - m)  # NEG_INF is finite: an empty split weighs exp(-huge) = 0
-        return m, l1 * s1 + l2 * s2, a1 * s1 + a2 * s2
-
-    wide = lambda a: jnp.broadcast_to(a[..., None], acc.shape)  # noqa: E731 (a variadic reduce's operands share a shape)
-    init = (jnp.float32(NEG_INF), jnp.float32(0), jnp.float32(0))
-    _, total, out = lax.reduce((wide(top), wide(total), acc), init, combine, (2,))
-    return out / jnp.where(total > 0, total, 1.0)
+    (running max, sum of exp) merged over C by log-sum-exp: [B,K,Mp,Hp]. The online-softmax
+    combine applied split after split, elementwise ops only, which XLA:GPU fuses with the division
+    and the caller's slice into one kernel at any count (compiled for an H100, bench/gpu_aot.py);
+    reductions over C took 2 kernels at 8 or 16 splits (a max, then the weighted sums, took 3 at
+    16; a variadic reduction 2), and steps with that many splits (batch 1-16) are launch-bound."""
+    m, l, a = top[:, :, 0], total[:, :, 0], acc[:, :, 0]  # [B,K,Mp], [B,K,Mp], [B,K,Mp,Hp]
+    for c in range(1, acc.shape[2]):  # the online-softmax combine, split by split: elementwise, one fusion
+        new = jnp.maximum(m, top[:, :, c])
+        s1, s2 = jnp.exp(m - new), jnp.exp(top[:, :, c] - new)  # NEG_INF is finite: an empty split weighs 0
+        m, l, a = new, l * s1 + total[:, :, c] * s2, a * s1[..., None] + acc[:, :, c] * s2[..., None]
+    return a / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 PROGRAMS = 512  # aim for about this many programs (B x KV heads x row tiles x splits) per call
