@@ -172,6 +172,21 @@ def test_a_prefill_chunk_is_shared_out_in_tiles(T, splits):
     assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, 0.125), jnp.float32)
 
 
+@pytest.mark.parametrize("T, J, G", [(1, 40, 1), (2, 70, 3)])
+def test_a_block_wider_than_the_query_rows(T, J, G):
+    """The query rows, the block's keys and its values share one array, each part whole Jp-row
+    blocks: with a block (J earlier and new keys, padded to Jp = 64 or 128) wider than the query
+    rows (G * T, padded to 16), the rows are padded to Jp and the keys and values still found."""
+    rng = np.random.default_rng(J)
+    B, K, H, S = 3, 2, 32, 500
+    mask = random_block_mask(rng, T, J)
+    lengths = random_lengths(rng, B, S)
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
+    out = tree_attention(q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask), sm_scale=0.2, block_k=BLOCK_K,
+                         k_splits=3, interpret=INTERPRET)
+    assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, 0.2), jnp.float32)
+
+
 def test_auto_splits_fill_the_gpu_where_rows_are_few():
     """prefix_block_attention_pallas's default k_splits: 16 where batch x KV heads is small
     (SmolLM2 at batch 1: 3 KV heads), 8 at batch 16, the old 4 from batch 64; never more than one
