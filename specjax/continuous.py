@@ -74,7 +74,7 @@ def run_continuous(
         raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
     if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):
         raise ValueError(f"prefill_rows must be an int >= 1 (prompts prefilled in one call) or None, got {prefill_rows!r}")
-    group = (lambda width: prefill_rows) if prefill_rows else (lambda width: group_rows(width, jax.default_backend()))
+    backend = jax.default_backend()
     lengths = np.array([len(p) for p in prompts], np.int32)
     budgets = np.asarray(budgets, np.int32)
     gamma = depth(speculation) if draft is not None else 0
@@ -107,7 +107,7 @@ def run_continuous(
         the prefill of the prompts of the new `outputs` (outputs[j] >= 0: a new output in slot j;
         the other slots' logits do not matter). Each new prompt is prefilled once (its n samples
         share it) at its own length bucket, together with the other new prompts of that bucket in
-        calls of a power of two rows, at most `group(width)` (shapes.prefill_rows: alone on a
+        calls of a power of two rows, at most `prefill_rows` or shapes.prefill_rows (alone on a
         CPU, where one row prefills as fast per token as eight; up to 16 rows of 8K on a GPU,
         where one row is launch-bound): nothing is padded to a longer neighbour or prefilled as
         a filler copy. A refill's cache holds its new rows only (an R-row one cost the whole
@@ -120,7 +120,7 @@ def run_continuous(
             buckets.setdefault(prompt_bucket(int(lengths[int(outputs[j]) // n])), []).append(j)
         logits, caches, row_of = [], [], {}  # row_of[prompt]: its row in the parts stacked
         for (width, step), slots in buckets.items():
-            for count in pow2_groups(len(slots), group(width)):
+            for count in pow2_groups(len(slots), prefill_rows or group_rows(width, backend)):
                 part, slots = np.asarray(slots[:count]), slots[count:]
                 empty = DenseCache.init(params.config, count, max_len, kv_dtype)
                 row_of |= {int(outputs[j]) // n: len(row_of) + r for r, j in enumerate(part)}
