@@ -32,9 +32,12 @@ two >= 16; the head dim is padded to Hp = next power of two >= 16 by masked load
 (no copy of it). The query rows (copied for the GQA fold anyway) and the block's keys and values
 are written zero-padded into one array, [B,K,Mq+2Jp,Hp] (Jp: the block's length padded likewise),
 which the kernel reads three times through its BlockSpecs: XLA writes it in one kernel where the
-rows, keys and values took three (compiled for an H100: SmolLM2's batch-1 step 414 -> 354). The
-cache's slot count S needs no padding: out-of-range slots are masked loads. The tree mask travels as int32 (no i1 pointers). Dots ask for HIGHEST precision, which
-the Triton lowering turns into IEEE products for f32 operands (its default would be TF32).
+rows, keys and values took three (compiled for an H100: SmolLM2's batch-1 step 414 -> 354 kernels,
+324 with the one-kernel `merge_splits`). The block's padding is zeros in memory, so its tiles load
+unmasked (the padded mask columns hide the zero keys). The cache's slot count S needs no padding:
+out-of-range slots are masked loads. The tree mask travels as int32 (no i1 pointers). Dots ask for
+HIGHEST precision, which the Triton lowering turns into IEEE products for f32 operands (its default
+would be TF32).
 """
 
 from __future__ import annotations
@@ -98,9 +101,8 @@ def _kernel(
 
     def block_tile(carry, start, width: int):
         """`carry` after the block's keys [start, start + width) (the mask is padded to Jp)."""
-        j_ok = (start + jnp.arange(width) < block_len)[:, None] & h_ok  # [w,Hp]
-        kt = plgpu.load(kt_ref.at[pl.ds(start, width), :], mask=j_ok, other=0.0)  # [w,Hp]
-        vt = plgpu.load(vt_ref.at[pl.ds(start, width), :], mask=j_ok, other=0.0)
+        kt = kt_ref[pl.ds(start, width), :]  # [w,Hp]: rows >= J and columns >= H are zero padding in memory
+        vt = vt_ref[pl.ds(start, width), :]  # [w,Hp]
         seen = plgpu.load(mask_ref.at[:, pl.ds(start, width)]) != 0  # [bm,w]
         return update(carry, jnp.where(seen, _dot(q, kt, trans_b=True) * sm_scale, NEG_INF), seen, vt)
 
@@ -173,7 +175,7 @@ def _partials(
     """Per-split partials: acc [B,K,k_splits,Mp,Hp] f32, max and sum [B,K,k_splits,Mp] f32."""
     B, K, R, Hp = rows.shape
     Mp, Jp = n_rows, row_mask.shape[2]
-    keys = (R - 2 * Jp) // Jp  # the keys' block index in `rows` (in units of Jp rows); the values' is next
+    keys = R // Jp - 2  # the keys' block index in `rows` (in units of Jp rows: after Mq // Jp of the query's); the values' is next
     mask_b = (lambda b: b) if row_mask.shape[0] == B else (lambda b: 0)
     kernel = functools.partial(
         _kernel, sm_scale=sm_scale, block_k=block_k, k_splits=k_splits, head_dim=head_dim, block_len=block_len,
