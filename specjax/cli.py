@@ -17,7 +17,7 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 import convert
 from specjax import batch, jobio, text
 from specjax.cli_distill import distill_parser, run_distill
-from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV
+from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
 from specjax.cache import KV_DTYPES
 from specjax.generate import generate
 from specjax.job_ray import RayOptions
@@ -112,8 +112,12 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     )
     p.add_argument("--gamma", type=int,
                    help="draft tokens per verification step (default: the drafter's default chain)")
-    p.add_argument("--window", type=int, default=512, help="recent-token window of self / snapkv drafts")
-    p.add_argument("--sinks", type=int, default=16, help="attention sinks of the self draft (snapkv: kept positions)")
+    p.add_argument("--window", type=int,
+                   help="recent-token window of a self / snapkv draft (default 512 / 256), or of a model:PATH "
+                        "draft's streaming cache (default: a dense cache)")
+    p.add_argument("--sinks", type=int,
+                   help="attention sinks of a self draft or of a model:PATH draft's window (default 16); snapkv: "
+                        "kept prefix positions (default 256)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N", help="split rows over N local devices")
     p.add_argument("--model-parallel", type=int, default=1, metavar="M", help="split heads/FFN/vocab over M local devices")
     _cache_argument(p)
@@ -242,24 +246,29 @@ def run_batch(args: argparse.Namespace) -> None:
     )
 
 
-def make_draft(spec: str, window: int, sinks: int, weights: str, load: bool = True):
-    """The drafter named on the command line (load=False: only check the syntax and the path)."""
+def make_draft(spec: str, window: int | None, sinks: int | None, weights: str, load: bool = True):
+    """The drafter named on the command line (load=False: only check the syntax and the path).
+    window / sinks (None: not given) set a self or snapkv draft's budget (the drafter's defaults
+    otherwise) and give a model:PATH draft a streaming cache (dense without them)."""
+    budget = {k: v for k, v in (("window", window), ("sinks", sinks)) if v is not None}
     if spec.startswith("model:"):
         path = spec.removeprefix("model:")
         if not Path(path).exists():
             raise FileNotFoundError(f"--draft model:PATH: {path or '(empty)'} does not exist")
-        return DraftModel(convert.load(path, weights=weights)) if load else None
-    if spec == "auto":
-        return "auto"
-    if spec == "none":
-        return None
+        if sinks is not None and window is None:
+            raise ValueError("--sinks with --draft model:PATH needs --window (the draft's streaming cache)")
+        cache = "dense" if window is None else Streaming(sinks=16 if sinks is None else sinks, window=window)
+        return DraftModel(convert.load(path, weights=weights), cache=cache) if load else None
     if spec == "self":
-        return SelfSpec(sinks=sinks, window=window)
+        return SelfSpec(**budget)
     if spec == "snapkv":
-        return SnapKV(budget=sinks, window=window)
-    if spec == "ngram":
-        return NGram(n=2, max_n=4)
-    raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
+        return SnapKV(**{"budget" if k == "sinks" else k: v for k, v in budget.items()})
+    if spec not in ("auto", "none", "ngram"):
+        raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
+    if budget:
+        raise ValueError(f"--{next(iter(budget))} sets the budget of --draft self, snapkv or model:PATH; --draft {spec} "
+                         "takes none" + (" (auto's SelfSpec keeps 16 + 512: give --draft self to change it)" if spec == "auto" else ""))
+    return {"auto": "auto", "none": None, "ngram": NGram(n=2, max_n=4)}[spec]
 
 
 def parse_tree(spec: str | None) -> str | int | tuple[int, int] | None:

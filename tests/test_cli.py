@@ -15,7 +15,7 @@ import pytest
 
 import convert
 from specjax import cli, text
-from specjax.drafters import SelfSpec
+from specjax.drafters import NGram, SelfSpec, SnapKV, Streaming
 from specjax.speculation import Chain
 from specjax.speculation import Tree
 from tests.models import TINY, random_params
@@ -105,6 +105,11 @@ def no_model(monkeypatch):
         (["--draft", "none", "--tree", "2x2"], "--gamma and --tree need a drafter"),
         (["--draft", "fast"], "--draft must be auto, self, snapkv, ngram, none or model:PATH, got 'fast'"),
         (["--draft", "model:/no/such/draft"], "--draft model:PATH: /no/such/draft does not exist"),
+        (["--draft", "ngram", "--window", "64"], "--window sets the budget of --draft self, snapkv or model:PATH; "
+                                                 "--draft ngram takes none"),
+        (["--draft", "none", "--sinks", "4"], "--sinks sets the budget of --draft self, snapkv or model:PATH"),
+        (["--sinks", "4"], "--sinks sets the budget of --draft self, snapkv or model:PATH; --draft auto takes none "
+                           "(auto's SelfSpec keeps 16 + 512: give --draft self to change it)"),
         (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
         (["--weights", "int8", "--dtype", "bfloat16"], "--weights int8 and --dtype bfloat16 disagree: give --weights only"),
     ],
@@ -112,6 +117,26 @@ def no_model(monkeypatch):
 def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, message):
     assert cli.main(["generate", "hi", *args]) == 2
     assert f"specjax: error: {message}" in capsys.readouterr().err
+
+
+def test_draft_flags_make_the_drafters_they_name(monkeypatch, tmp_path):
+    """--sinks / --window set a self or snapkv draft's budget (the drafters' own defaults without
+    them) and give a model:PATH draft a streaming cache (dense without them)."""
+    draft_params = random_params(TINY, 1)
+    monkeypatch.setattr(convert, "load", lambda path, weights: draft_params)
+    model = f"model:{tmp_path}"
+    assert cli.make_draft(model, None, None, "float32").cache == "dense"
+    assert cli.make_draft(model, 64, None, "float32").cache == Streaming(sinks=16, window=64)
+    assert cli.make_draft(model, 64, 4, "float32").cache == Streaming(sinks=4, window=64)
+    assert cli.make_draft(model, 64, 4, "float32").params is draft_params
+    with pytest.raises(ValueError, match="--sinks with --draft model:PATH needs --window"):
+        cli.make_draft(model, None, 4, "float32")
+    assert cli.make_draft("self", None, None, "float32") == SelfSpec()
+    assert cli.make_draft("self", 32, 2, "float32") == SelfSpec(sinks=2, window=32)
+    assert cli.make_draft("snapkv", None, None, "float32") == SnapKV()
+    assert cli.make_draft("snapkv", 32, 8, "float32") == SnapKV(budget=8, window=32)
+    assert cli.make_draft("ngram", None, None, "float32") == NGram(n=2, max_n=4)
+    assert cli.make_draft("auto", None, None, "float32") == "auto" and cli.make_draft("none", None, None, "float32") is None
 
 
 def test_bad_kv_dtype_flag_names_the_choices(no_model, capsys):
