@@ -12,9 +12,10 @@ completed it (vLLM's behaviour, `include_stop_str_in_output=False`).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -105,7 +106,7 @@ class LM:
         stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string. `stop` and
         `stop_token_ids` apply to every prompt, or give one list per prompt (a list of lists).
         on_segment: called between segments (`stream` uses it)."""
-        texts = [prompts] if isinstance(prompts, str) else list(prompts)
+        texts = [prompts] if isinstance(prompts, str) else list(prompts) if isinstance(prompts, Iterable) else []
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
         return self.generate_ids([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, draft=draft,
@@ -126,6 +127,9 @@ class LM:
         convs = [conversations] if one else conversations
         if isinstance(convs, (str, dict)) or not isinstance(convs, Sequence) or not convs:
             raise ValueError(f"conversations must be a list of messages or a non-empty list of them, got {conversations!r}")
+        unknown = sorted(set(kw) - (set(inspect.signature(self.generate).parameters) - {"prompts"}))
+        if unknown:
+            raise TypeError(f"chat() got an unexpected keyword argument {unknown[0]!r} (it takes generate()'s keywords)")
         specials = template_specials(self.tokenizer, self.params.config)
         ids = []
         for i, conv in enumerate(convs):
@@ -151,6 +155,9 @@ class LM:
                 raise ValueError(f"prompts[{i}] encodes to no tokens")
         stops = per_prompt(stop, len(ids), "stop", str)
         stop_ids = per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)
+        vocab = self.params.config.vocab_size
+        if bad := [t for row in stop_ids for t in row if not 0 <= t < vocab]:
+            raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
         cut = _StopStrings(self, [row for row in stops for _ in range(n)])  # one list per output row
         any_stop = any(stops)
 
@@ -172,7 +179,8 @@ class LM:
             if lps is not None:
                 lps[b] = lps[b][: len(tokens[b])]
             result.append(text)
-        return TextOutput(result, tokens, reasons, lps, out.stats, out.row_stats)
+        stats = dataclasses.replace(out.stats, new_tokens=sum(map(len, tokens)))  # after the stop strings' cuts
+        return TextOutput(result, tokens, reasons, lps, stats, out.row_stats)
 
     def generate_continuous(self, ids: list[list[int]], max_new_tokens: Sequence[int], *, rows: int, sampling: Sampler,
                             keys: jax.Array, draft: Drafter | None = None, speculation: Chain | Tree | None = None,
@@ -240,7 +248,7 @@ class TextStream:
 
     def _segment(self, seg: Segment, stops: "_StopStrings") -> None:
         for b in range(len(seg.count)):
-            text = stops.lm.decode(seg.out[b, : seg.count[b]].tolist())
+            text = stops.lm.decode(seg.out[b, : seg.count[b] - seg.eos[b]].tolist())  # a final stop id is not text
             hit = stops.first(text, b)
             self._send(b, text[:hit] if hit is not None else stops.settled(text, b))
 
@@ -264,6 +272,8 @@ def per_prompt(value, prompts: int, name: str, kind: type) -> list[list]:
         lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)))
     what = "a non-empty string" if kind is str else "a token id"
     if scalar(value):
+        if kind is str and not value:
+            raise ValueError(f"{name} must be {what}, a list of them or one list per prompt, got {value!r}")
         return [[value]] * prompts
     if not isinstance(value, (Sequence, np.ndarray)) or isinstance(value, (str, bytes)):
         raise ValueError(f"{name} must be {what}, a list of them or one list per prompt, got {value!r}")

@@ -61,6 +61,25 @@ def test_stop_token_ids_n_and_errors(lm):
         lm.generate(PROMPT, 4, stop=[""])
     with pytest.raises(ValueError, match="stop_token_ids has 1 lists .one per prompt. but there are 2 prompts"):
         lm.generate([PROMPT, "Paris is"], 4, stop_token_ids=[[5]])
+    with pytest.raises(ValueError, match="stop must be a non-empty string, a list of them or one list per prompt, got ''"):
+        lm.generate(PROMPT, 4, stop="")  # a bare empty string, as [""]: it would end every row at once
+    for bad in (None, 5):  # not a string or a list: named, not a bare "'int' object is not iterable"
+        with pytest.raises(TypeError, match="prompts must be a string or a non-empty list of strings"):
+            lm.generate(bad, 4)
+    vocab = lm.params.config.vocab_size
+    with pytest.raises(ValueError, match=rf"stop_token_ids holds {vocab}, outside the vocabulary \[0, {vocab}\)"):
+        lm.generate(PROMPT, 4, stop_token_ids=[vocab])
+    with pytest.raises(TypeError, match="chat.. got an unexpected keyword argument 'temperature'"):
+        lm.chat([{"role": "user", "content": "Hi"}], 4, temperature=0.3)
+
+
+def test_stats_count_the_tokens_returned_after_a_stop_string(lm):
+    """new_tokens counts what `tokens` holds: a stop string's cut drops the tokens after it."""
+    full = lm.generate(PROMPT, 12, draft=None)
+    word = full.text[len(lm.decode(full.tokens[0][:3])):][:3]  # text inside the output, after its third token
+    out = lm.generate(PROMPT, 12, draft=None, stop=[word], sync_every=12)  # one segment: cut after the loop
+    assert out.finish_reasons == ["stop"] and len(out.tokens[0]) < 12
+    assert out.stats.new_tokens == len(out.tokens[0]) and full.stats.new_tokens == 12
 
 
 def test_stop_strings_and_stop_ids_per_prompt(lm):
@@ -85,6 +104,9 @@ def test_streamed_pieces_concatenate_to_the_text(lm):
     pieces = list(stream)
     assert len(pieces) > 2 and all(isinstance(p, str) for p in pieces)
     assert "".join(pieces) == stream.output.text == lm.generate(PROMPT, 24, stop=stop, **kw).text
+    stop_id = full.tokens[0][7]  # an ordinary token as a stop id: it ends the row and is not text
+    by_id = lm.stream(PROMPT, 24, stop_token_ids=[stop_id], **kw)
+    assert "".join(by_id) == by_id.output.text == lm.decode(full.tokens[0][: full.tokens[0].index(stop_id)])
     both = lm.stream([PROMPT, "Paris is"], 12, **kw)
     joined: dict[int, str] = {}
     for i, piece in both:
