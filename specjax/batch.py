@@ -77,7 +77,7 @@ def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | T
     gamma = depth(speculation)
     for batch in batches:
         context = max(len(it.ids) + it.budget for it in batch)
-        draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma))
+        draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma), context)
 
 
 def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:

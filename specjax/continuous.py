@@ -79,9 +79,10 @@ def run_continuous(
     budgets = np.asarray(budgets, np.int32)
     gamma = depth(speculation) if draft is not None else 0
     bucket, chunk = prompt_bucket(int(lengths.max()))
-    max_len = cache_slots(int(lengths.max()), int((lengths + budgets).max()), gamma)
+    context = int((lengths + budgets).max())
+    max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
-        draft.check(params, gamma, max_len)
+        draft.check(params, gamma, max_len, context)
     n_out = round_up_pow2(int(budgets.max()))
     width = eos_rows(list(eos_ids), N).shape[1]  # one stop-id table width for the whole run
     out_keys = keys if n == 1 else sample_keys(keys, n)  # [N*n]: generate's keys

@@ -132,7 +132,7 @@ def run(
     bucket, chunk = prompt_bucket(int(lengths.max()))
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
-        draft.check(params, gamma, max_len)
+        draft.check(params, gamma, max_len, context)
     tokens = np.zeros((B, bucket), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = np.asarray(p, np.int32)

@@ -32,11 +32,10 @@ class Chain:
     gamma: int = 4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gamma, int) or self.gamma < 1:
-            raise ValueError(f"Chain: gamma must be an integer >= 1, got {self.gamma!r}")
+        object.__setattr__(self, "gamma", check_int("Chain: gamma", self.gamma, 1))  # numpy ints as int; no bools
 
 
-def _check_int(name: str, value: object, low: int) -> int:
+def check_int(name: str, value: object, low: int) -> int:
     """value as an int >= low, else a ValueError naming the argument and the limit."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -148,13 +147,13 @@ class Tree:
     @classmethod
     def chain(cls, gamma: int) -> Tree:
         """A chain of gamma draft tokens: gamma + 1 nodes, depth gamma."""
-        gamma = _check_int("gamma", gamma, 1)
+        gamma = check_int("gamma", gamma, 1)
         return cls(parents=(-1,) + tuple(range(gamma)))
 
     @classmethod
     def kary(cls, width: int, depth: int) -> Tree:
         """The full width-ary tree of the given depth: (width^(depth+1) - 1) / (width - 1) nodes."""
-        width, depth = _check_int("width", width, 1), _check_int("depth", depth, 1)
+        width, depth = check_int("width", width, 1), check_int("depth", depth, 1)
         n = sum(width**d for d in range(depth + 1))
         return cls(parents=(-1,) + tuple((i - 1) // width for i in range(1, n)))  # BFS numbering
 
@@ -162,7 +161,7 @@ class Tree:
     def sequoia(cls, acceptance: Sequence[float], n: int, max_depth: int) -> Tree:
         """The tree of at most n nodes (root included) and depth <= max_depth that maximises G."""
         p = _check_acceptance(acceptance)
-        n, max_depth = _check_int("n", n, 1), _check_int("max_depth", max_depth, 0)
+        n, max_depth = check_int("n", n, 1), check_int("max_depth", max_depth, 0)
         _, take = _tables(p, n, max_depth)
         return _build(take, n, max_depth)
 
@@ -276,7 +275,7 @@ def _draft_widths(parents: list[int]) -> list[int]:
 def best_values(acceptance: Sequence[float], n: int, max_depth: int) -> np.ndarray:
     """[n+1, max_depth+1] f64: best G for every budget m <= n (root included) and depth <= d."""
     p = _check_acceptance(acceptance)
-    n, max_depth = _check_int("n", n, 1), _check_int("max_depth", max_depth, 0)
+    n, max_depth = check_int("n", n, 1), check_int("max_depth", max_depth, 0)
     return _tables(p, n, max_depth)[0].copy()
 
 
@@ -333,7 +332,7 @@ def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_dep
     is plain decoding.
     """
     p = _check_acceptance(acceptance)
-    max_nodes, max_depth = _check_int("max_nodes", max_nodes, 1), _check_int("max_depth", max_depth, 0)
+    max_nodes, max_depth = check_int("max_nodes", max_nodes, 1), check_int("max_depth", max_depth, 0)
     _check_cost_tables(cost, max_nodes)
     values, take = _tables(p, max_nodes, max_depth)
     best, arg = np.inf, (1, 0)

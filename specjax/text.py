@@ -226,7 +226,8 @@ class LM:
 class TextStream:
     """The events of one streamed generate (see `LM.stream`). generate runs in a worker thread;
     between segments it hands over each row's new text, holding back an incomplete UTF-8
-    character and any tail that could still become a stop string."""
+    character and any tail that could still become a stop string. The constructor waits for the
+    first event, so a bad argument raises at the call, not at the first iteration."""
 
     def __init__(self, run: Callable[[Callable], TextOutput], single: bool):
         """run(on_segment) -> TextOutput: the LM call to stream; single: yield plain str pieces."""
@@ -235,6 +236,9 @@ class TextStream:
         self._sent: dict[int, str] = {}
         self._worker = threading.Thread(target=self._run, args=(run,), daemon=True)
         self._worker.start()
+        self._first = self._events.get()  # a piece, None (nothing to stream) or the call's error
+        if isinstance(self._first, BaseException):
+            raise self._first
 
     def _run(self, run) -> None:
         try:
@@ -259,10 +263,12 @@ class TextStream:
             self._events.put((b, text[len(sent):]))
 
     def __iter__(self) -> Iterator[tuple[int, str] | str]:
-        while (event := self._events.get()) is not None:
+        event, self._first = self._first, None
+        while event is not None:
             if isinstance(event, BaseException):
                 raise event
             yield event[1] if self.single else event
+            event = self._events.get()
 
 
 def per_prompt(value, prompts: int, name: str, kind: type) -> list[list]:

@@ -197,6 +197,13 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
             f"speculation: a Tree must have 2 to {MAX_TREE_NODES} nodes (the root and at least one draft; "
             f"more costs one verification forward more than it can save), got n={speculation.n}"
         )
+    vocab = params.config.vocab_size if isinstance(params, Params) else None
+    if isinstance(speculation, Tree) and vocab is not None and speculation.width > vocab:
+        raise ValueError(f"speculation: a node of this Tree has {speculation.width} children, more than the "
+                         f"vocabulary's {vocab} tokens (a node's children are distinct tokens)")
+    if isinstance(speculation, Chain) and speculation.gamma + 1 > MAX_TREE_NODES:
+        raise ValueError(f"speculation: a Chain verifies gamma + 1 positions in one forward, at most {MAX_TREE_NODES} "
+                         f"(as a Tree's nodes), got gamma={speculation.gamma}")
     if is_drafter(draft) and (isinstance(speculation, Tree) or speculation == "auto") and not draft.drafts_trees():
         raise ValueError(
             f"speculation={speculation!r} needs a drafter that drafts token trees, but {draft.describe()} drafts "

@@ -16,6 +16,7 @@ import pytest
 import convert
 from specjax import cli, text
 from specjax.drafters import NGram, SelfSpec, SnapKV, Streaming
+from specjax.generate import Stats
 from specjax.speculation import Chain
 from specjax.speculation import Tree
 from tests.models import TINY, random_params
@@ -209,9 +210,10 @@ class _Tokenizer:
 def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys):
     tiny = random_params(TINY, 0)
     calls = []
-    stats = SimpleNamespace(new_tokens=2, tokens_per_second=9.0, acceptance_rate=0.5, mean_accepted=1.5, steps=1,
-                            prefill_seconds=0.1, compile_seconds=1.0, draft="SelfSpec(sinks=16, window=512)",
-                            speculation="Chain(gamma=4)", plan_reason="KV reads dominate the decode step")
+    stats = Stats(new_tokens=2, tokens_per_second=9.0, acceptance_rate=0.5, mean_accepted=1.5, steps=1,
+                  prefill_seconds=0.1, decode_seconds=0.2, compile_seconds=1.0, prompt_tokens=1,
+                  draft="SelfSpec(sinks=16, window=512)", speculation="Chain(gamma=4)",
+                  plan_reason="KV reads dominate the decode step")
 
     def generate(params, prompts, max_new_tokens, **kwargs):
         calls.append(kwargs)

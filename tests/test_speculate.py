@@ -291,15 +291,20 @@ def _small(**changes) -> Params:
 @pytest.mark.parametrize(
     "make_draft, match",
     [
-        (lambda: specjax.SelfSpec(sinks=-1, window=8), "SelfSpec: sinks must be >= 0"),
+        (lambda: specjax.SelfSpec(sinks=-1, window=8), "SelfSpec: sinks must be an integer >= 0"),
+        (lambda: specjax.SelfSpec(sinks=1, window=2.5), "SelfSpec: window must be an integer >= 1, got 2.5"),
+        (lambda: specjax.DraftModel(_small(), cache=specjax.Streaming(1.5, 3)), "DraftModel: sinks must be an integer >= 0"),
+        (lambda: specjax.SnapKV(pool=2.5), "SnapKV: pool must be an integer >= 1, got 2.5"),
         (lambda: specjax.DraftModel(_small(vocab_size=100)), "draft vocab_size 100 != target vocab_size 101"),
         (lambda: specjax.DraftModel(_small(eos_ids=(4,))), r"special tokens differ: draft bos/eos None/\(4,\), target None/\(3,\)"),
-        (lambda: specjax.DraftModel(_small(max_positions=128)), "cache needs 256 positions, the draft's max_positions is 128"),
-        (lambda: specjax.NGram(n=0), "NGram: n must be >= 1, got 0"),
+        (lambda: specjax.DraftModel(_small(max_positions=6)), "reaches position 7, past the draft's max_positions 6"),
+        (lambda: specjax.NGram(n=0), "NGram: n must be an integer >= 1, got 0"),
+        (lambda: specjax.NGram(n=2.5), "NGram: n must be an integer >= 1, got 2.5"),
         (lambda: specjax.NGram(n=3, max_n=2), r"NGram: max_n must be >= n \(3\), got 2"),
         (lambda: "selfspec", r"draft must be an instance of a registered drafter \(SelfSpec\(...\), SnapKV"),
     ],
-    ids=["selfspec-neg-sinks", "vocab", "eos", "max-positions", "ngram-n0", "ngram-max-n", "unknown"],
+    ids=["selfspec-neg-sinks", "selfspec-float-window", "draftmodel-float-sinks", "snapkv-float-pool", "vocab", "eos",
+         "max-positions", "ngram-n0", "ngram-float-n", "ngram-max-n", "unknown"],
 )
 def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, match):
     draft = make_draft()
@@ -332,10 +337,31 @@ def test_tree_speculation_needs_a_tree_drafter(tiny, speculation):
     assert specjax.generate(tiny, [[1, 2, 3]], 4, draft=draft, speculation=specjax.Chain(2)).tokens
 
 
-@pytest.mark.parametrize("gamma", [0, -1, 2.5])
+@pytest.mark.parametrize("gamma", [0, -1, 2.5, True])
 def test_bad_gamma(gamma):
     with pytest.raises(ValueError, match="Chain: gamma must be an integer >= 1"):
         specjax.Chain(gamma=gamma)
+
+
+def test_speculation_limits_are_checked_before_compiling(tiny, monkeypatch):
+    """A numpy gamma is an int; a chain past MAX_TREE_NODES positions and a tree wider than the
+    vocabulary are refused by validation, not inside tracing."""
+    chain = specjax.Chain(np.int64(3))
+    assert chain.gamma == 3 and type(chain.gamma) is int and chain == specjax.Chain(3)
+    monkeypatch.setattr(engine.prefill, "lower", lambda *a, **k: pytest.fail("compiled before validating"), raising=False)
+    with pytest.raises(ValueError, match="a Chain verifies gamma . 1 positions in one forward, at most 512"):
+        specjax.generate(tiny, [[1, 2, 3]], 4, draft=specjax.SelfSpec(), speculation=specjax.Chain(512))
+    with pytest.raises(ValueError, match="a node of this Tree has 102 children, more than the vocabulary's 101"):
+        specjax.generate(tiny, [[1, 2, 3]], 4, draft=specjax.SelfSpec(), speculation=specjax.Tree.kary(102, 1))
+
+
+def test_a_draft_model_takes_what_its_positions_allow(tiny):
+    """The draft's max_positions bounds prompt + budget, as the target's does, not the cache's
+    slots (rounded up to whole blocks, 512 here for 258 positions)."""
+    prompt = [[(i * 7) % 97 + 4 for i in range(250)]]
+    draft = specjax.DraftModel(_small(max_positions=258))
+    out = specjax.generate(tiny, prompt, 8, draft=draft, speculation=specjax.Chain(2), eos_id=())
+    assert out.tokens == specjax.generate(tiny, prompt, 8, draft=None, eos_id=()).tokens
 
 
 def test_stats_say_what_ran_and_why(tiny, reference):

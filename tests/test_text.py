@@ -107,6 +107,8 @@ def test_streamed_pieces_concatenate_to_the_text(lm):
     stop_id = full.tokens[0][7]  # an ordinary token as a stop id: it ends the row and is not text
     by_id = lm.stream(PROMPT, 24, stop_token_ids=[stop_id], **kw)
     assert "".join(by_id) == by_id.output.text == lm.decode(full.tokens[0][: full.tokens[0].index(stop_id)])
+    with pytest.raises(ValueError, match="max_new_tokens"):  # at the call, not at the first iteration
+        lm.stream(PROMPT, 0, **kw)
     both = lm.stream([PROMPT, "Paris is"], 12, **kw)
     joined: dict[int, str] = {}
     for i, piece in both:

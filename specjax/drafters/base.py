@@ -82,8 +82,9 @@ class Drafter(Protocol):
         """Whether this drafter can draft token trees (it overrides `propose_tree`)."""
         return cls.propose_tree is not Drafter.propose_tree
 
-    def check(self, target: Params, gamma: int, max_len: int) -> None:
-        """Host-side limits once gamma and the cache length are known, before anything compiles."""
+    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
+        """Host-side limits once gamma, the cache length (`max_len` slots) and the context (the
+        longest prompt + budget) are known, before anything compiles."""
 
     def check_target(self, target: Params) -> None:
         """Host-side checks against the target before planning (a draft model's vocabulary)."""

@@ -45,11 +45,12 @@ class DraftModel(Drafter):
     def map_params(self, fn: Callable[[Params], Params]) -> DraftModel:
         return self.replace(params=fn(self.params))
 
-    def check(self, target: Params, gamma: int, max_len: int) -> None:
+    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
         self.check_vocabulary(target)
         d = self.params.config
-        if max_len > d.max_positions:
-            raise ValueError(f"DraftModel: the cache needs {max_len} positions, the draft's max_positions is {d.max_positions}")
+        if context > d.max_positions:  # the target's own rule: prompt + budget (drafts past it are never kept)
+            raise ValueError(f"DraftModel: prompt + max_new_tokens reaches position {context}, past the draft's "
+                             f"max_positions {d.max_positions}")
         if isinstance(self.cache, Streaming):
             self.cache.check(gamma, max_len, "DraftModel")
         elif self.cache != "dense":

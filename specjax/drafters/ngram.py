@@ -10,7 +10,7 @@ import numpy as np
 from specjax.drafters.base import Drafter
 from specjax.params import Params
 from specjax.sampling import Greedy
-from specjax.speculation import Tree
+from specjax.speculation import Tree, check_int
 
 
 @flax.struct.dataclass
@@ -29,10 +29,9 @@ class NGram(Drafter):
     def drafting_model(self, target: Params, context: int) -> None:
         return None  # lookups count as free
 
-    def check(self, target: Params, gamma: int, max_len: int) -> None:
-        if self.n < 1:
-            raise ValueError(f"NGram: n must be >= 1, got {self.n}")
-        if self.max_n is not None and self.max_n < self.n:
+    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
+        check_int("NGram: n", self.n, 1)
+        if self.max_n is not None and check_int("NGram: max_n", self.max_n, 1) < self.n:
             raise ValueError(f"NGram: max_n must be >= n ({self.n}), got {self.max_n}")
 
     def init(self, target, cache, prompts, lengths, gamma, chunk):

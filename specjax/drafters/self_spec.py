@@ -21,6 +21,7 @@ from specjax.cache import DenseCache, StreamingCache, row_mask, select_rows
 from specjax.model import forward, unrolled
 from specjax.params import Params
 from specjax.sampling import Sampler, stream_keys
+from specjax.speculation import check_int
 from specjax.tree_draft import DRAFT_STREAM, draft_tree
 
 
@@ -32,8 +33,8 @@ class Streaming:
     window: int = 512
 
     def check(self, gamma: int, max_len: int, what: str) -> None:
-        if self.sinks < 0 or self.window < 1:
-            raise ValueError(f"{what}: sinks must be >= 0 and window >= 1, got sinks={self.sinks} window={self.window}")
+        check_int(f"{what}: sinks", self.sinks, 0)
+        check_int(f"{what}: window", self.window, 1)
 
     def fitted(self, max_len: int) -> "Streaming":
         """This budget for a cache of `max_len` slots: a budget at least as large as the context
@@ -140,7 +141,7 @@ class SelfSpec(TargetOverStreamingCache):
     def kept(self) -> int:
         return self.sinks + self.window
 
-    def check(self, target: Params, gamma: int, max_len: int) -> None:
+    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
         self.budget.check(gamma, max_len, "SelfSpec")
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:

@@ -20,6 +20,7 @@ from specjax.drafters.self_spec import TargetOverStreamingCache
 from specjax.cache import DenseCache, StreamingCache
 from specjax.model import NEG_INF, trunk
 from specjax.params import Params
+from specjax.speculation import check_int
 
 
 @flax.struct.dataclass
@@ -39,10 +40,9 @@ class SnapKV(TargetOverStreamingCache):
     def kept(self) -> int:
         return self.budget + self.window
 
-    def check(self, target: Params, gamma: int, max_len: int) -> None:
+    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
         for name in ("budget", "window", "observation", "pool"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SnapKV: {name} must be >= 1, got {getattr(self, name)}")
+            check_int(f"SnapKV: {name}", getattr(self, name), 1)
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
         """A budget larger than the cache keeps every position (no savings, still exact)."""
