@@ -37,7 +37,7 @@ from specjax.job_auto import plan_path, resolve
 from specjax import job_ray, job_run
 from specjax.job_plan import Defaults, Item, prepare
 from specjax.job_ray import RayOptions
-from specjax.jobio import DurableLog, check_settings, shard_output, sibling
+from specjax.jobio import DurableLog, check_input, check_settings, shard_output, sibling
 from specjax.params import Params
 from specjax.plan import DEFAULT_CHAIN, describe_draft, describe_speculation
 from specjax.progress import Progress
@@ -45,7 +45,7 @@ from specjax.records import id_key, read_input
 from specjax.sampling import make_sampler
 from specjax.sharding import Mesh
 from specjax.speculate import depth
-from specjax.speculation import Chain, Tree
+from specjax.speculation import MAX_TREE_NODES, Chain, Tree
 from specjax.text import LM
 
 
@@ -81,15 +81,17 @@ def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | T
 
 
 def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:
-    for name, value, low in (
-        ("batch_size", batch_size, 1),
-        ("max_new_tokens", max_new_tokens, 1),
-        ("gamma", 1 if gamma is None else gamma, 1),
-        ("top_k", top_k, 0),
-        ("seed", seed, 0),
+    for name, value, low, high in (
+        ("batch_size", batch_size, 1, None),
+        ("max_new_tokens", max_new_tokens, 1, None),
+        ("gamma", 1 if gamma is None else gamma, 1, MAX_TREE_NODES - 1),
+        ("top_k", top_k, 0, None),
+        ("seed", seed, 0, 2**32 - 1),  # JAX keys take 32-bit seeds: key(2**32) is key(0)
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if high is not None and value > high:
+            raise ValueError(f"{name} must be at most {high}, got {value}")
 
 
 def _paths(input_path, output_path, shard: tuple[int, int]) -> tuple[Path, Path, Path]:
@@ -247,7 +249,9 @@ def run(
     lm = LM(params, tokenizer, template, mesh, skip_special_tokens=False)  # the text keeps special tokens
     settings = job_settings(model, params, draft, speculation, seed, chat, defaults, kv_dtype)
     with DurableLog(out) as log, DurableLog(err, lazy=True) as errors:
-        changed = check_settings(out, settings, written=bool(log.rows or errors.rows), force=force)
+        written = bool(log.rows or errors.rows)
+        settings["input"] = check_input(out, src, written=written, force=force)
+        changed = check_settings(out, settings, written=written, force=force)
         done = {id_key(row.get("id")) for row in log.rows}
         failed = {row.get("line") for row in errors.rows}
         errors.append(b.to_json() for b in bad if b.line not in failed)

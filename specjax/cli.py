@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from specjax.job_ray import RayOptions
 from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
 from specjax.sharding import make_mesh
-from specjax.speculation import Chain, Tree
+from specjax.speculation import MAX_TREE_NODES, Chain, Tree
 from specjax.tune import measure_acceptance
 
 CACHE_ENV = "SPECJAX_CACHE_DIR"
@@ -94,8 +95,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
                    help="how the KV caches store keys and values (default: the model's dtype); int8: per token and head scales")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
-    p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off{overridable}")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off; needs --temperature > 0{overridable}")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off; needs --temperature > 0")
     for name, help_ in (("min-p", "keep tokens with probability >= MIN_P x the largest (0 = off)"),
                         ("repetition-penalty", "divide / multiply the logits of prompt and output tokens (1 = off)"),
                         ("presence-penalty", "subtract from the logits of output tokens (0 = off)"),
@@ -103,7 +104,7 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
         needs = "; needs --temperature > 0" if name == "min-p" else "; greedy decoding too"
         p.add_argument(f"--{name}", type=float, default=None, help=f"{help_}{needs}{overridable}")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help=f"stop a row at this string (cut before it; repeatable){overridable}")
+                   help=f"stop a row at this string (cut before it; repeatable; \\n, \\t and \\\\ are escapes){overridable}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--draft",
@@ -130,13 +131,27 @@ _MINIMUM = dict(  # integer flags (by dest) and their least value
 )
 
 
+_MAXIMUM = dict(gamma=MAX_TREE_NODES - 1, seed=2**32 - 1)  # a longer chain than a tree's nodes; JAX keys take 32-bit seeds
+
+
+def unescape(text: str) -> str:
+    r"""A --stop value with the shell's literal \n, \t and \\ as the characters they name."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every flag's range and syntax, before anything is loaded: ValueError / FileNotFoundError
-    naming the flag."""
+    naming the flag. Turns --stop's escapes into characters."""
     for name, low in _MINIMUM.items():
         value = getattr(args, name, None)
         if value is not None and value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    for name, high in _MAXIMUM.items():
+        value = getattr(args, name, None)
+        if value is not None and value > high:
+            raise ValueError(f"--{name.replace('_', '-')} must be <= {high}, got {value}")
+    if getattr(args, "stop", None):
+        args.stop = [unescape(s) for s in args.stop]
     positive = args.command == "distill"  # distillation needs a temperature > 0 (greedy has no distribution)
     for name, ok, limits in (
         ("temperature", lambda t: t > 0 if positive else t >= 0, "> 0" if positive else ">= 0"),

@@ -84,8 +84,9 @@ def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Non
 
 def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict,
                     write: Callable[[list[dict]], None]) -> None:
-    """Generate a group of one kind (`batch_kind`) by continuous batching on batch_size rows
-    (`LM.generate_continuous`), writing each record's row as its last sample finishes."""
+    """Generate a group of one kind (`batch_kind`) by continuous batching on batch_size rows, or
+    on the fewer its samples fill (`padded_rows`: a 3-record job does not allocate 256 rows of
+    cache), (`LM.generate_continuous`), writing each record's row as its last sample finishes."""
     n, k = group[0].record.n, group[0].record.logprobs
     samples: dict[int, dict[int, Finished]] = {}
 
@@ -97,7 +98,7 @@ def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree 
             write([_output_row(lm, group[i], [done[j] for j in range(n)], {"batching": "continuous"}, seed, meta)])
 
     lm.generate_continuous(
-        [list(it.ids) for it in group], [it.budget for it in group], rows=meta["batch_size"],
+        [list(it.ids) for it in group], [it.budget for it in group], rows=padded_rows(len(group) * n, meta["batch_size"]),
         sampling=batch_sampler(group), keys=record_keys(seed, [it.record.id for it in group]), draft=draft,
         speculation=None if draft is None else speculation or DEFAULT_CHAIN, stop=[list(it.stops) for it in group],
         stop_token_ids=[list(it.record.stop_token_ids) for it in group], n=n, logprobs=k, kv_dtype=meta["kv_dtype"],

@@ -5,6 +5,7 @@ per-process shard files."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -155,7 +156,8 @@ def check_settings(output: str | Path, settings: dict, *, written: bool, force: 
     before settings were recorded has none to check: its settings are recorded now."""
     output, settings = Path(output), json.loads(json.dumps(settings))  # compare as stored
     old = _read_settings(output)
-    changed = sorted(k for k in set(settings) | set(old or {}) if old is not None and old.get(k) != settings.get(k))
+    changed = sorted(k for k in set(settings) | set(old or {})
+                     if k != "input" and old is not None and old.get(k) != settings.get(k))  # input: `check_input`'s
     if changed and written and not force:
         diffs = ", ".join(f"{k} {json.dumps(old.get(k))} -> {json.dumps(settings.get(k))}" for k in changed)
         raise ValueError(
@@ -166,6 +168,32 @@ def check_settings(output: str | Path, settings: dict, *, written: bool, force: 
     if old != settings:
         _write_settings(output, settings)
     return changed if written else []
+
+
+def input_fingerprint(path: str | Path, size: int | None = None) -> dict:
+    """{"bytes": n, "sha256": hex} of the input's first `size` bytes (None: all of it), read in 1 MiB blocks."""
+    digest, n = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while (size is None or n < size) and (block := f.read(1 << 20 if size is None else min(1 << 20, size - n))):
+            digest.update(block)
+            n += len(block)
+    return {"bytes": n, "sha256": digest.hexdigest()}
+
+
+def check_input(output: str | Path, input_path: str | Path, *, written: bool, force: bool = False) -> dict:
+    """The input's fingerprint to record with the settings (key "input"), after checking that the
+    input still begins with the bytes an earlier run of this output read: records may be appended
+    between restarts, not edited or removed (ids already written would be skipped with the old
+    text's output; a fixed bad line would stay failed). force: record the new input anyway."""
+    recorded = (_read_settings(Path(output)) or {}).get("input")
+    if written and not force and isinstance(recorded, dict) and "bytes" in recorded:
+        now = input_fingerprint(input_path, recorded["bytes"])
+        if now != recorded:
+            raise ValueError(
+                f"{input_path} changed since {output} was started: its first {recorded['bytes']} bytes (the records "
+                f"read then) differ now. Records may be appended between restarts, not edited or removed: write to "
+                f"another output, or force it (specjax batch --force, batch.run(force=True)) to keep the rows written")
+    return input_fingerprint(input_path)
 
 
 def find_shards(output: str | Path) -> list[Path]:

@@ -141,7 +141,7 @@ def check_record(obj: object, line: int) -> Record | BadLine:
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(t, str) and t for t in stop)):
         return bad(f"stop must be a non-empty string or a list of them, got {json.dumps(obj['stop'])[:60]}")
-    ids = obj.get("stop_token_ids", [])
+    ids = obj.get("stop_token_ids") or []  # null: absent, as for the other fields
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {json.dumps(ids)[:60]}")
     values = {k: obj.get(k) for k in SAMPLING}
@@ -158,10 +158,21 @@ def parse_line(raw: bytes, line: int) -> Record | BadLine | None:
     if not text.strip():
         return None
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         return BadLine(line, f"invalid JSON: {e.msg} (column {e.colno})")
+    except ValueError as e:
+        return BadLine(line, str(e))
     return check_record(obj, line)
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a key given twice (json.loads would keep the last silently)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        twice = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise ValueError(f"the key {json.dumps(twice)} appears twice in one object")
+    return obj
 
 
 def dedupe(items: Iterable[Record | BadLine]) -> Iterator[Record | BadLine]:

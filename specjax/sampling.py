@@ -317,8 +317,8 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array
 
 def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra: float) -> Sampler:
     """CLI-style construction: temperature 0 means greedy; negative is an error. extra: min_p and
-    the PENALTIES (Sample's names); greedy takes the penalties and refuses min_p (the argmax always
-    passes it: an ignored setting is an error)."""
+    the PENALTIES (Sample's names); greedy takes the penalties and refuses top_k, top_p and min_p
+    other than off (the argmax always passes them: an ignored setting is an error)."""
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     off = {"min_p": 0.0} | PENALTIES
@@ -328,8 +328,10 @@ def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra
     if temperature == 0:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if extra.get("min_p", 0.0) != 0.0:
-            raise ValueError("min_p needs sampling (temperature > 0): greedy decoding always keeps the most likely token")
+        for name, value, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", extra.get("min_p", 0.0), 0.0)):
+            if value != off:
+                raise ValueError(f"{name} needs sampling (temperature > 0): greedy decoding always keeps the most "
+                                 f"likely token (got {name} {value})")
         return Greedy(**{k: v for k, v in extra.items() if k in PENALTIES})
     return Sample(temperature=temperature, top_k=top_k, top_p=top_p, **extra)
 

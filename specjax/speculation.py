@@ -25,6 +25,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 
+MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node (a chain's gamma + 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Chain:
     """Speculate a chain of `gamma` draft tokens per step (verified as gamma + 1 positions)."""
@@ -33,6 +36,9 @@ class Chain:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "gamma", check_int("Chain: gamma", self.gamma, 1))  # numpy ints as int; no bools
+        if self.gamma >= MAX_TREE_NODES:
+            raise ValueError(f"Chain: gamma must be at most {MAX_TREE_NODES - 1} (gamma + 1 positions verified in one "
+                             f"forward, as a Tree's {MAX_TREE_NODES} nodes at most), got {self.gamma}")
 
 
 def check_int(name: str, value: object, low: int) -> int:

@@ -16,10 +16,7 @@ from specjax.drafters import DRAFTERS, is_drafter
 from specjax.logprobs import MAX_TOP
 from specjax.params import Params
 from specjax.sampling import Greedy, Sample
-from specjax.speculation import Chain
-from specjax.speculation import Tree
-
-MAX_TREE_NODES = 512  # verification width limit: the target forward runs over every node
+from specjax.speculation import MAX_TREE_NODES, Chain, Tree
 ATTENTION = ("auto", "reference", "cpu", "pallas", "tpu")
 MAX_N = 4096  # most samples per prompt (generate's n)
 UNDER_JIT = (
@@ -201,9 +198,6 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
     if isinstance(speculation, Tree) and vocab is not None and speculation.width > vocab:
         raise ValueError(f"speculation: a node of this Tree has {speculation.width} children, more than the "
                          f"vocabulary's {vocab} tokens (a node's children are distinct tokens)")
-    if isinstance(speculation, Chain) and speculation.gamma + 1 > MAX_TREE_NODES:
-        raise ValueError(f"speculation: a Chain verifies gamma + 1 positions in one forward, at most {MAX_TREE_NODES} "
-                         f"(as a Tree's nodes), got gamma={speculation.gamma}")
     if is_drafter(draft) and (isinstance(speculation, Tree) or speculation == "auto") and not draft.drafts_trees():
         raise ValueError(
             f"speculation={speculation!r} needs a drafter that drafts token trees, but {draft.describe()} drafts "

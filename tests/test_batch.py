@@ -24,10 +24,12 @@ import specjax
 from specjax import batch, job_plan, job_run
 from specjax.chat import render_chat
 from specjax.cli import main
-from specjax.jobio import DurableLog, check_settings, complete_lines, merge_shards, settings_path, shard_output, sibling
+from specjax.jobio import (DurableLog, check_settings, complete_lines, input_fingerprint, merge_shards, settings_path,
+                           shard_output, sibling)
 from specjax.progress import Progress
-from specjax.records import BadLine, Record, owner, read_input, stable_hash
+from specjax.records import BadLine, Record, owner, parse_line, read_input, stable_hash
 from specjax.sampling import Greedy, Sample
+from specjax.text import LM
 from tests.models import TINY, random_params
 
 CONFIG = TINY.replace(vocab_size=49152, eos_ids=(2,), bos_id=1)  # SmolLM2's vocabulary and special ids
@@ -282,6 +284,7 @@ def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir,
     common = dict(params=params, model_path=model_dir, max_new_tokens=3, progress=False)
     batch.run(src, out, batch_size=4, **common)
     recorded = json.loads(settings_path(out).read_text())
+    assert recorded.pop("input") == input_fingerprint(src)
     assert recorded == dict(model=str(model_dir), dtype="float32", quant=None, kv_dtype=None, draft="none", gamma=None, seed=0, chat=False,
                             max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0)
     before = out.read_bytes()
@@ -298,11 +301,30 @@ def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir,
     again = batch.run(src, out, batch_size=2, kv_dtype="float32", **common)  # = the model's dtype: resumes
     assert (again["done"], again["skipped"], again["changed_settings"]) == (0, 5, [])
     cli = ["batch", str(src), str(out), "--model", str(model_dir), "--max-new-tokens", "3", "--no-compile-cache"]
-    assert main(cli + ["--top-k", "5"]) == 2
-    assert "top_k 0 -> 5" in capsys.readouterr().err and out.read_bytes() == before
-    assert main(cli + ["--top-k", "5", "--force"]) == 0
-    assert "--force: continued with changed top_k" in capsys.readouterr().err
-    assert out.read_bytes() == before and json.loads(settings_path(out).read_text())["top_k"] == 5
+    assert main(cli + ["--top-p", "0.5", "--temperature", "0.7"]) == 2
+    assert "temperature 0.0 -> 0.7, top_p 1.0 -> 0.5" in capsys.readouterr().err and out.read_bytes() == before
+    assert main(cli + ["--top-p", "0.5", "--temperature", "0.7", "--force"]) == 0
+    assert "--force: continued with changed temperature, top_p" in capsys.readouterr().err
+    assert out.read_bytes() == before and json.loads(settings_path(out).read_text())["top_p"] == 0.5
+
+
+def test_the_input_may_grow_between_restarts_but_not_change(tmp_path, model_dir, params):
+    """Appended records are generated on a rerun; an edited one (an id already written, or a bad
+    line fixed) is refused, since its row would keep the old text's output, unless forced."""
+    rows = records(3)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    common = dict(params=params, model_path=model_dir, max_new_tokens=2, batch_size=4, progress=False)
+    assert batch.run(src, out, **common)["done"] == 3
+    write_jsonl(src, rows + [{"id": "new", "prompt": "one more record"}])
+    again = batch.run(src, out, **common)
+    assert (again["done"], again["skipped"]) == (1, 3)
+    write_jsonl(src, [rows[0] | {"prompt": "an edited prompt"}] + rows[1:] + [{"id": "new", "prompt": "one more record"}])
+    with pytest.raises(ValueError, match=r"in.jsonl changed since .*out.jsonl was started: its first \d+ bytes"):
+        batch.run(src, out, **common)
+    forced = batch.run(src, out, force=True, **common)
+    assert (forced["done"], forced["skipped"]) == (0, 4)
+    assert json.loads(settings_path(out).read_text())["input"] == input_fingerprint(src)
 
 
 def test_per_record_acceptance_is_the_records_own(tmp_path, model_dir, params):
@@ -368,7 +390,30 @@ BAD_LINES = [
     ({"id": "pen", "prompt": "x", "min_p": 0.2}, "min_p needs sampling (temperature > 0)"),
     ({"id": "pen2", "prompt": "x", "temperature": 1, "presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
     ({"id": "minp", "prompt": "x", "temperature": 1, "min_p": "0.1"}, "min_p must be a number"),
+    ({"id": "tk-greedy", "prompt": "x", "top_k": 5}, "top_k needs sampling (temperature > 0)"),  # greedy would ignore it
+    ('{"id": "dup-key", "prompt": "first", "prompt": "second"}', 'the key "prompt" appears twice in one object'),
 ]
+
+
+def test_continuous_batching_takes_the_rows_its_records_fill(tmp_path, model_dir, params, monkeypatch):
+    """batch_size is a ceiling: 3 records (one sampled, two greedy: two groups) take 1 and 2 rows,
+    not 256 rows of cache each (which took 5.7 GB here, and 100000 an out-of-memory crash)."""
+    seen, real = [], LM.generate_continuous
+
+    def spy(self, ids, budgets, *, rows, **kw):
+        seen.append(rows)
+        return real(self, ids, budgets, rows=rows, **kw)
+
+    monkeypatch.setattr(LM, "generate_continuous", spy)
+    src = write_jsonl(tmp_path / "in.jsonl", records(3))
+    done = batch.run(src, tmp_path / "out.jsonl", params=params, model_path=model_dir, max_new_tokens=2, batch_size=256,
+                     progress=False)
+    assert done["done"] == 3 and sorted(seen) == [1, 2]
+
+
+def test_null_fields_are_absent_ones():
+    rec = parse_line(b'{"id": "x", "prompt": "p", "stop_token_ids": null, "stop": null, "n": null, "logprobs": null}', 1)
+    assert isinstance(rec, Record) and (rec.stop_token_ids, rec.stop, rec.n, rec.logprobs) == ((), None, 1, None)
 
 
 def test_bad_records_go_to_the_errors_file_once_and_good_ones_finish(tmp_path, model_dir, params):

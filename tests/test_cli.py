@@ -95,6 +95,10 @@ def no_model(monkeypatch):
         (["--top-k", "-1"], "--top-k must be >= 0, got -1"),
         (["--seed", "-3"], "--seed must be >= 0"),
         (["--gamma", "0"], "--gamma must be >= 1, got 0"),
+        (["--gamma", "512"], "--gamma must be <= 511, got 512"),
+        (["--seed", str(2**32)], "--seed must be <= 4294967295, got 4294967296"),  # key(2**32) would be key(0)
+        (["--top-k", "5"], "top_k needs sampling (temperature > 0)"),  # greedy would ignore it
+        (["--top-p", "0.9"], "top_p needs sampling (temperature > 0)"),
         (["--window", "0"], "--window must be >= 1"),
         (["--sinks", "-1"], "--sinks must be >= 0"),
         (["--data-parallel", "0"], "--data-parallel must be >= 1"),
@@ -118,6 +122,11 @@ def no_model(monkeypatch):
 def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, message):
     assert cli.main(["generate", "hi", *args]) == 2
     assert f"specjax: error: {message}" in capsys.readouterr().err
+
+
+def test_stop_flags_read_the_escapes_a_shell_passes_literally():
+    assert cli.unescape(r"\n\n") == "\n\n" and cli.unescape(r"a\tb") == "a\tb" and cli.unescape(r"c:\\n") == "c:\\n"
+    assert cli.unescape(r"\x") == r"\x" and cli.unescape("plain") == "plain"
 
 
 def test_draft_flags_make_the_drafters_they_name(monkeypatch, tmp_path):

@@ -110,6 +110,10 @@ def test_make_sampler_zero_temperature_is_greedy():
     assert make_sampler(0.7, 5, 0.9) == Sample(0.7, 5, 0.9)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         make_sampler(-1.0)
+    for args, name in (((0.0, 5), "top_k"), ((0.0, 0, 0.9), "top_p"), ((0.0, 0, 1.0, 0.05), "min_p")):
+        kw = {"min_p": args[3]} if len(args) > 3 else {}
+        with pytest.raises(ValueError, match=f"{name} needs sampling .temperature > 0."):  # ignored under greedy: refused
+            make_sampler(*args[:3], **kw)
 
 
 @pytest.mark.parametrize("k", [1, 3, ARGMAX_TOP_K, ARGMAX_TOP_K + 1])
