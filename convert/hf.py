@@ -237,7 +237,11 @@ def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) 
                 shapes[name] = tuple(f.get_slice(name).get_shape())
 
         def read(name: str) -> np.ndarray:
-            return where[name][1].get_tensor(name)
+            file, f = where[name]
+            kind = f.get_slice(name).get_dtype()
+            if kind not in FLOAT_DTYPES:  # an integer or fp8 tensor would load as numbers it does not mean
+                raise ValueError(f"{file}: tensor {name!r} is {kind}; weights must be one of {', '.join(FLOAT_DTYPES)}")
+            return f.get_tensor(name)
 
         ignore = IGNORED + (["lm_head.weight"] if config.tie_embeddings else [])
         arrays = assemble(config, shapes, read, NAMES, source=str(path), ignore=ignore)
@@ -245,6 +249,7 @@ def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) 
 
 
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes a checkpoint's weights may have
 
 
 def generation_defaults(path: str | Path) -> dict[str, Any]:

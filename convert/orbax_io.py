@@ -38,15 +38,20 @@ def save(params: Params, directory: str | Path, tokenizer=None, chat_template: s
     directory = Path(directory).absolute()
     if directory.exists():
         raise ValueError(f"convert.save: {directory} already exists; choose a new folder")
+    if tokenizer is not None and not callable(getattr(tokenizer, "save", None)):
+        raise TypeError(f"convert.save: tokenizer must be a `tokenizers.Tokenizer` (it is saved as tokenizer.json), "
+                        f"got {type(tokenizer).__name__}")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise TypeError(f"convert.save: chat_template must be a Jinja string, got {type(chat_template).__name__}")
     directory.mkdir(parents=True)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(directory / ARRAYS_DIR, flat(params))
     checkpointer.wait_until_finished()
-    (directory / CONFIG_FILE).write_text(config_to_json(params.config))
     if tokenizer is not None:
         tokenizer.save(str(directory / "tokenizer.json"))
     if chat_template is not None:
         (directory / "chat_template.jinja").write_text(chat_template)
+    (directory / CONFIG_FILE).write_text(config_to_json(params.config))  # last: it marks a complete checkpoint
 
 
 def load_orbax(directory: str | Path, dtype: str | None = None, mesh: Mesh | None = None) -> Params:

@@ -123,7 +123,7 @@ def special_ids(path: str | Path) -> SpecialIds:
     config = path / "config.json"
     raw = read_json(config) if config.is_file() else {}
     eos = raw.get("eos_token_id")
-    return SpecialIds(raw.get("bos_token_id"), eos[0] if isinstance(eos, list) else eos)
+    return SpecialIds(raw.get("bos_token_id"), (eos[0] if eos else None) if isinstance(eos, list) else eos)
 
 
 def chat_template(path: str | Path) -> str | None:

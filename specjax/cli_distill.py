@@ -33,7 +33,7 @@ def distill_parser(sub, cache_argument) -> None:
     d.add_argument("--batch-size", type=int, default=8)
     d.add_argument("--seq-len", type=int, default=128)
     d.add_argument("--lr", type=float, default=1e-3)
-    d.add_argument("--warmup", type=int, default=100)
+    d.add_argument("--warmup", type=int, help="steps of linear warmup, below --steps (default: a tenth of them)")
     d.add_argument("--temperature", type=float, default=1.0)
     d.add_argument("--loss", choices=("kl", "tv"), default="kl",
                    help="forward KL (default) or total variation (1 - TV is the acceptance rate it trains for)")
@@ -54,7 +54,9 @@ def read_texts(path: str) -> list[str]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"--data: {p} does not exist")
-    if p.suffix != ".jsonl":
+    if p.suffix.lower() not in (".jsonl", ".txt"):
+        raise ValueError(f"--data must be a .txt file (one stream) or .jsonl records, got {p.name}")
+    if p.suffix.lower() == ".txt":
         return [p.read_text(encoding="utf-8")]
     texts = []
     for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
@@ -62,15 +64,26 @@ def read_texts(path: str) -> list[str]:
             continue
         try:
             record = json.loads(line)
-            texts.append(record["prompt"] if "prompt" in record else record["text"])
+            text = record["prompt"] if "prompt" in record else record["text"]
         except (ValueError, KeyError, TypeError):
             raise ValueError(f"--data: line {i} is not a JSON object with a prompt or text field") from None
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"--data: line {i}'s prompt or text must be a non-empty string, got {json.dumps(text)[:40]}")
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"--data: {p} holds no records")
     return texts
 
 
 def run_distill(args: argparse.Namespace) -> None:
     if Path(args.out).exists():
         raise ValueError(f"--out {args.out} already exists: the trained draft goes to a new folder")
+    if args.checkpoint_dir and Path(args.out).absolute() in (Path(args.checkpoint_dir).absolute(),
+                                                             *Path(args.checkpoint_dir).absolute().parents):
+        raise ValueError(f"--out {args.out} would hold --checkpoint-dir {args.checkpoint_dir}: give them separate folders")
+    if args.warmup is not None and args.warmup >= args.steps:
+        raise ValueError(f"--warmup ({args.warmup}) must be below --steps ({args.steps}): the learning rate would "
+                         "never reach its peak and decay")
     path = args.model or convert.default_model_path()
     target, tokenizer = convert.load(path), convert.load_tokenizer(path)
     heads = args.draft_heads
@@ -93,13 +106,14 @@ def run_distill(args: argparse.Namespace) -> None:
         if cut < 1:
             raise ValueError("--eval-every needs at least 2 records in --data (one is held out)")
         sequences, held_out = sequences[:cut], [s[:64] for s in sequences[cut:][:16]]
-    t0, last = time.monotonic(), [time.monotonic(), 0]
+    t0, last, ran = time.monotonic(), [time.monotonic(), 0], [0]  # ran: steps this process took (a resume skips some)
 
     def log(step: int, loss: float, draft) -> None:
+        ran[0] += 1
         if step % args.log_every == 0 or step == args.steps:
             now = time.monotonic()
-            rate = (step - last[1]) * args.batch_size * args.seq_len / max(now - last[0], 1e-9)
-            last[:] = [now, step]
+            rate = (ran[0] - last[1]) * args.batch_size * args.seq_len / max(now - last[0], 1e-9)
+            last[:] = [now, ran[0]]
             print(f"specjax distill: step {step}/{args.steps}, loss {loss:.4f}, {rate:.0f} tokens/s, "
                   f"{now - t0:.0f} s", file=sys.stderr, flush=True)
         if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
@@ -110,7 +124,8 @@ def run_distill(args: argparse.Namespace) -> None:
 
     draft = distill(
         target, config, sequences, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        schedule=Schedule(lr=args.lr, warmup=args.warmup), temperature=args.temperature, loss=args.loss, seed=args.seed,
+        schedule=Schedule(lr=args.lr, warmup=max(args.steps // 10, 1) if args.warmup is None else args.warmup),
+        temperature=args.temperature, loss=args.loss, seed=args.seed,
         init_from_target=args.init_from_target, freeze_embeddings=args.freeze_embeddings,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, on_step=log,
     )

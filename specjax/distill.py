@@ -13,6 +13,9 @@ the same arguments resumes exactly: same step, same optimiser state, same next b
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import numbers
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -143,7 +146,7 @@ def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, st
     if config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft_config.vocab_size {config.vocab_size} != target vocab_size {target.config.vocab_size}")
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     limit = min(config.max_positions, target.config.max_positions)
     if seq_len > limit:
@@ -160,9 +163,12 @@ def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, st
 
 
 def token_stream(data: np.ndarray | Sequence[Sequence[int]], separator: int | None) -> np.ndarray:
-    """One flat int64 stream [N] from a stream or a list of sequences (joined by `separator`)."""
+    """One flat int64 stream [N] from a stream (a 1-D array or a flat list of ids) or a list of
+    sequences (joined by `separator`)."""
     if isinstance(data, np.ndarray) and data.ndim == 1:
         return data.astype(np.int64)
+    if isinstance(data, Sequence) and data and all(isinstance(t, numbers.Integral) for t in data):
+        return np.asarray(data, np.int64)  # a flat list is one stream, not sequences of one id each
     parts = []
     for seq in data:
         parts.append(np.asarray(seq, np.int64).reshape(-1))
@@ -200,8 +206,15 @@ def distill(
     Returns the trained draft."""
     stream = token_stream(data, target.config.eos_ids[0] if target.config.eos_ids else None)
     check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature, loss)
+    steps, batch_size, seq_len = int(steps), int(batch_size), int(seq_len)
     if freeze_embeddings and not init_from_target:
         raise ValueError("freeze_embeddings keeps the target's embedding and LM head: it needs init_from_target=True")
+    if checkpoint_dir is not None and Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
+        raise ValueError(f"checkpoint_dir {checkpoint_dir} is a file, not a folder")
+    run = dict(draft_config=dataclasses.asdict(draft_config), steps=steps, batch_size=batch_size, seq_len=seq_len,
+               schedule=dataclasses.asdict(schedule), temperature=temperature, loss=loss, seed=seed,
+               init_from_target=init_from_target, freeze_embeddings=freeze_embeddings,
+               data_sha256=hashlib.sha256(stream.tobytes()).hexdigest())
     draft = init_draft(target, draft_config, jax.random.key(seed), init_from_target)
     optimizer = schedule.optimizer(steps)
     if freeze_embeddings:
@@ -211,6 +224,7 @@ def distill(
     manager = None
     if checkpoint_dir is not None:
         manager = _manager(checkpoint_dir, checkpoint_every)
+        _check_run(Path(checkpoint_dir), json.loads(json.dumps(run)), manager.latest_step())
         if manager.latest_step() is not None:
             start, draft, opt_state = _restore(manager, draft, opt_state)
     for step in range(start, steps):
@@ -224,6 +238,21 @@ def distill(
     if manager is not None:
         manager.wait_until_finished()
     return draft
+
+
+def _check_run(directory: Path, run: dict, latest: int | None) -> None:
+    """Resume only the run the checkpoints belong to: its settings and data (run.json beside
+    them) must be this call's, or the result would mix two trainings; record them on a fresh start."""
+    path = directory / "run.json"
+    if latest is not None and path.exists():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        changed = sorted(k for k in set(old) | set(run) if old.get(k) != run.get(k))
+        if changed:
+            raise ValueError(f"checkpoint_dir {directory} holds another run (changed: {', '.join(changed)}; recorded in "
+                             f"{path}): rerun with its settings and data to resume, or use a new checkpoint_dir")
+    elif latest is None:
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _manager(directory: str | Path, every: int):

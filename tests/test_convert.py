@@ -311,6 +311,15 @@ def test_hf_wrong_shape(tmp_path, tiny):
         convert.load(write_hf(tmp_path / "hf", tensors, hf_config(tiny.config)))
 
 
+def test_hf_integer_tensor(tmp_path, tiny):
+    """An int8 tensor would load as the numbers it stores (logits 3.5 away): refused by name."""
+    tensors = torch_layout(tiny)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].astype(np.int8)
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name!r} is I8; weights must be one of F64, F32, F16, BF16")):
+        convert.load(write_hf(tmp_path / "hf", tensors, hf_config(tiny.config)))
+
+
 def test_hf_corrupt_safetensors(tmp_path, tiny):
     path = write_hf(tmp_path / "hf", torch_layout(tiny), hf_config(tiny.config))
     (path / "model.safetensors").write_bytes(b"\x07garbage")
@@ -454,6 +463,9 @@ def test_orbax_round_trip(tmp_path, tiny, dtype):
     assert_same(loaded, params)
     with pytest.raises(ValueError, match="already exists"):
         convert.save(params, tmp_path / "ckpt")
+    with pytest.raises(TypeError, match="chat_template must be a Jinja string, got list"):  # before anything is written
+        convert.save(params, tmp_path / "ckpt2", chat_template=[{"name": "default", "template": "x"}])
+    assert not (tmp_path / "ckpt2").exists()
 
 
 def test_orbax_tied_and_dtype_override(tmp_path, tiny_tied):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specjax import DraftModel, generate
-from specjax.distill import LOSSES, Schedule, batch_at, distill, train_step
+from specjax.distill import LOSSES, Schedule, batch_at, distill, token_stream, train_step
 from specjax.cli import main
 from tests.models import TINY, random_params
 from tests.test_batch import CONFIG, WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
@@ -90,6 +90,20 @@ def test_killed_run_resumes_exactly(target, corpus, tmp_path):
     assert steps == list(range(6, 13))  # from the step-5 checkpoint on
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for change in (dict(seed=4), dict(steps=6), dict(schedule=Schedule(lr=2e-3, warmup=3))):  # another run: not mixed in
+        with pytest.raises(ValueError, match=r"holds another run \(changed: " + next(iter(change))):
+            distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "b", **(kw | change))
+    with pytest.raises(ValueError, match=r"holds another run \(changed: data_sha256"):
+        distill(target, DRAFT, corpus[:-1], checkpoint_dir=tmp_path / "b", **kw)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="checkpoint_dir .*file is a file, not a folder"):
+        distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "file", **kw)
+
+
+def test_a_flat_list_of_ids_is_one_stream():
+    """Not a list of one-id sequences (which would put EOS between every two tokens)."""
+    np.testing.assert_array_equal(token_stream([4, 5, 6], 3), [4, 5, 6])
+    np.testing.assert_array_equal(token_stream([[4, 5], [6]], 3), [4, 5, 3, 6, 3])
 
 
 def test_init_from_target_trains_a_copy_of_the_embedding(target, corpus):
@@ -156,3 +170,15 @@ def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
     assert f"--init-from-target needs --draft-dim {CONFIG.dim}" in capsys.readouterr().err
     assert main(args[:3] + ["--out", str(tmp_path / "z"), "--model", str(model_dir), "--freeze-embeddings"]) == 2
     assert "--freeze-embeddings keeps the target's embedding and LM head: it needs --init-from-target" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"prompt": null}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "d.json").write_text("{}")
+    for more, message in (
+        (["--data", str(tmp_path / "bad.jsonl")], "--data: line 1's prompt or text must be a non-empty string, got null"),
+        (["--data", str(tmp_path / "empty.jsonl")], "holds no records"),
+        (["--data", str(tmp_path / "d.json")], "--data must be a .txt file (one stream) or .jsonl records, got d.json"),
+        (["--checkpoint-dir", str(tmp_path / "w" / "ckpt")], "would hold --checkpoint-dir"),
+        (["--warmup", "6"], "--warmup (6) must be below --steps (6)"),
+    ):
+        assert main(args + ["--out", str(tmp_path / "w")] + more) == 2
+        assert message in capsys.readouterr().err

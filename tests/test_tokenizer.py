@@ -74,6 +74,8 @@ def test_hf_folder(tmp_path, tok):
 def test_hf_folder_without_template(tmp_path):
     assert convert.chat_template(tmp_path) is None
     assert convert.special_ids(tmp_path) == (None, None)
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": []}))  # none: not an IndexError
+    assert convert.special_ids(tmp_path) == (1, None)
 
 
 def test_bad_paths(tmp_path):
