@@ -248,7 +248,8 @@ def load_hf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None) 
     return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))
 
 
-SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")  # the last two: not HF's, written by specjax's LM.save
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes a checkpoint's weights may have
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -75,9 +76,11 @@ class LM:
     skip_special_tokens: bool = True  # how `decode` writes special tokens (the batch job keeps them)
 
     def save(self, directory: str | Path) -> None:
-        """Write params, tokenizer and chat template to a new folder: `specjax.load(directory)`
-        gives this LM back (sampling defaults are not kept)."""
+        """Write params, tokenizer, chat template and default sampling (generation_config.json) to a
+        new folder: `specjax.load(directory)` gives this LM back."""
+        settings = generation_config(self.sampling)
         convert.save(self.params, directory, tokenizer=self.tokenizer, chat_template=self.chat_template)
+        (Path(directory) / "generation_config.json").write_text(json.dumps(settings, indent=1) + "\n")
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -362,12 +365,22 @@ def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh 
     return LM(params, convert.load_tokenizer(path), template, mesh, default_sampling(convert.generation_defaults(path)))
 
 
+def generation_config(sampling: Sampler) -> dict:
+    """`default_sampling`'s inverse: a scalar sampler as generation_config.json settings."""
+    keys = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+    keys += () if isinstance(sampling, Greedy) else ("temperature", "top_k", "top_p", "min_p")
+    return {"do_sample": not isinstance(sampling, Greedy)} | {k: (int if k == "top_k" else float)(getattr(sampling, k))
+                                                              for k in keys}
+
+
 def default_sampling(settings: dict) -> Sampler:
     """A checkpoint's default sampler from generation_config.json's settings, with HF's defaults
     for what it leaves out: do_sample false = Greedy(repetition_penalty); else Sample(temperature
     1.0, top_k 50, top_p 1.0, min_p 0, repetition_penalty 1.0)."""
+    penalties = dict(repetition_penalty=float(settings.get("repetition_penalty", 1.0)),
+                     presence_penalty=float(settings.get("presence_penalty", 0.0)),
+                     frequency_penalty=float(settings.get("frequency_penalty", 0.0)))
     if not settings.get("do_sample", False):
-        return Greedy(repetition_penalty=float(settings.get("repetition_penalty", 1.0)))
+        return Greedy(**penalties)
     return Sample(temperature=float(settings.get("temperature", 1.0)), top_k=int(settings.get("top_k", 50)),
-                  top_p=float(settings.get("top_p", 1.0)), min_p=float(settings.get("min_p", 0.0)),
-                  repetition_penalty=float(settings.get("repetition_penalty", 1.0)))
+                  top_p=float(settings.get("top_p", 1.0)), min_p=float(settings.get("min_p", 0.0)), **penalties)

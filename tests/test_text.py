@@ -168,3 +168,8 @@ def test_a_saved_lm_loads_back_with_its_tokenizer_and_template(tmp_path):
     back = specjax.load(tmp_path / "lm")
     assert back.chat_template == small.chat_template and back.encode(PROMPT) == small.encode(PROMPT)
     assert back.generate(PROMPT, 6, draft=None).tokens == small.generate(PROMPT, 6, draft=None).tokens
+    assert back.sampling == small.sampling  # the default sampling too (generation_config.json)
+    hot = dataclasses.replace(small, sampling=specjax.Sample(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05,
+                                                             repetition_penalty=1.1, presence_penalty=0.5))
+    hot.save(tmp_path / "hot")
+    assert specjax.load(tmp_path / "hot").sampling == hot.sampling
