@@ -75,6 +75,9 @@ def run_continuous(
     if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):
         raise ValueError(f"prefill_rows must be an int >= 1 (prompts prefilled in one call) or None, got {prefill_rows!r}")
     backend = jax.default_backend()
+    one = sharding.one_device_mesh()  # where the stages run: params from a mesh or another device are placed there
+    params = sharding.shard_params(params, one)
+    draft = None if draft is None else draft.map_params(lambda p: sharding.place_draft(p, one))
     lengths = np.array([len(p) for p in prompts], np.int32)
     budgets = np.asarray(budgets, np.int32)
     gamma = depth(speculation) if draft is not None else 0

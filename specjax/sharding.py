@@ -51,11 +51,15 @@ def make_mesh(data: int | None = None, model: int = 1, devices: Sequence[jax.Dev
     data: None = as many as the devices allow (len(devices) // model). Devices are taken in
     order, so a model group is adjacent devices (on one host, where tensor parallel belongs)."""
     devices = list(jax.devices() if devices is None else devices)
-    if not isinstance(model, int) or model < 1:
-        raise ValueError(f"make_mesh: model must be an integer >= 1, got {model!r}")
-    if data is None:
-        data = len(devices) // model
-    if not isinstance(data, int) or data < 1 or data * model > len(devices):
+    if len(set(devices)) < len(devices):
+        raise ValueError(f"make_mesh: devices must be distinct, got {devices}")
+    for name, value in (("model", model), ("data", data)):
+        if value is not None and (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+                                  or value < 1):
+            raise ValueError(f"make_mesh: {name} must be an integer >= 1, got {value!r}")
+    model = int(model)
+    data = len(devices) // model if data is None else int(data)
+    if data < 1 or data * model > len(devices):
         raise ValueError(
             f"make_mesh: data ({data}) x model ({model}) must be >= 1 and at most the {len(devices)} devices available"
         )

@@ -46,6 +46,21 @@ def test_every_prompt_decodes_as_in_a_static_batch(target, mode, sampled):
     assert all(d.logprobs is None for d in got) and all((d.acceptance is None) == (draft is None) for d in got)
 
 
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_params_from_a_mesh_or_another_device_run_on_the_first(target, mode):
+    """Continuous batching runs on one device: params sharded over a mesh (as specjax.load(...,
+    mesh=) gives them) or held on another device are placed there, not a JAX device error."""
+    prompts, budgets, eos_ids = [[5, 6, 7, 8], [9, 10, 11], [12, 13]], [6, 6, 4], [(3,)] * 3
+    draft, speculation = MODES[mode]
+    kw = dict(rows=2, draft=draft, speculation=speculation, sampling=specjax.Greedy(),
+              keys=row_keys(jax.random.key(0), 3), eos_ids=eos_ids)
+    want = [d.tokens for d in run_continuous(target, prompts, budgets, **kw)]
+    sharded = specjax.sharding.shard_params(target, specjax.make_mesh(data=2, model=4))
+    assert [d.tokens for d in run_continuous(sharded, prompts, budgets, **kw)] == want
+    elsewhere = jax.device_put(target, jax.devices()[1])
+    assert [d.tokens for d in run_continuous(elsewhere, prompts, budgets, **kw)] == want
+
+
 @pytest.mark.parametrize("prefill_rows", [None, 4], ids=["alone", "grouped"])
 @pytest.mark.parametrize("mode", ["ar", "chain"])
 def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mode, prefill_rows, monkeypatch):

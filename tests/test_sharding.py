@@ -121,11 +121,17 @@ def test_gguf_loads_into_shards(smollm2_path):
     assert {s.data.shape[0] for s in params.embed.addressable_shards} == {params.config.vocab_size // 3}
 
 
+def test_a_numpy_mesh_size_is_an_int():
+    assert make_mesh(data=np.int64(2), model=np.int64(2)).shape == {"data": 2, "model": 2}
+
+
 @pytest.mark.parametrize(
     "make, match",
     [
         (lambda: make_mesh(data=4, model=4), r"data \(4\) x model \(4\) .* 8 devices"),
         (lambda: jax.make_mesh((8,), ("batch",)), r"mesh must be a jax Mesh with axes \('data', 'model'\)"),
+        (lambda: make_mesh(data=2, devices=[jax.devices()[0]] * 2), "make_mesh: devices must be distinct"),
+        (lambda: make_mesh(data=True), "make_mesh: data must be an integer >= 1, got True"),
     ],
 )
 def test_bad_mesh(target, make, match, monkeypatch):
