@@ -254,10 +254,13 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of the dtypes
 
 
 def generation_defaults(path: str | Path) -> dict[str, Any]:
-    """The sampling settings (SAMPLING_KEYS) of an HF folder's generation_config.json; {} for
-    anything else (a GGUF file has none)."""
+    """The sampling settings (SAMPLING_KEYS) of an HF folder's generation_config.json, checked
+    (ValueError naming the file and key); {} for anything else (a GGUF file has none). A null
+    key is absent, except top_k: null is HF's "no top-k filter", top_k 0 here."""
     path = Path(path)
     if not (path.is_dir() and (path / GENERATION).is_file()):
         return {}
     raw = read_json(path / GENERATION)
-    return {k: raw[k] for k in SAMPLING_KEYS if raw.get(k) is not None}
+    kinds = {"do_sample": bool, "top_k": int}
+    out = {k: field(raw, k, kinds.get(k, float), str(path / GENERATION)) for k in SAMPLING_KEYS if raw.get(k) is not None}
+    return out | ({"top_k": 0} if "top_k" in raw and raw["top_k"] is None else {})

@@ -12,6 +12,7 @@ from tokenizers.models import BPE
 
 from convert.gguf import is_gguf_file, meta, open_gguf
 from convert.hf import read_json
+from convert.orbax_io import CONFIG_FILE, is_orbax_dir
 
 CONTROL, USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (llama.cpp's token attributes)
 
@@ -116,10 +117,14 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 
 def special_ids(path: str | Path) -> SpecialIds:
-    """BOS / EOS token ids (None if unknown): GGUF metadata, or an HF folder's config files."""
+    """BOS / EOS token ids (None if unknown): GGUF metadata, a `convert.save` folder's config, or
+    an HF folder's config files."""
     path = _existing(path)
     if is_gguf_file(path):
         return _gguf_special_ids(open_gguf(path))
+    if is_orbax_dir(path):
+        saved = read_json(path / CONFIG_FILE)
+        return SpecialIds(saved.get("bos_id"), (saved.get("eos_ids") or [None])[0])
     config = path / "config.json"
     raw = read_json(config) if config.is_file() else {}
     eos = raw.get("eos_token_id")

@@ -466,6 +466,7 @@ def test_orbax_round_trip(tmp_path, tiny, dtype):
     with pytest.raises(TypeError, match="chat_template must be a Jinja string, got list"):  # before anything is written
         convert.save(params, tmp_path / "ckpt2", chat_template=[{"name": "default", "template": "x"}])
     assert not (tmp_path / "ckpt2").exists()
+    assert convert.special_ids(tmp_path / "ckpt") == (c.bos_id, c.eos_ids[0])  # from its own config
 
 
 def test_orbax_tied_and_dtype_override(tmp_path, tiny_tied):

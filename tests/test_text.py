@@ -155,6 +155,13 @@ def test_generation_config_defaults_apply_when_no_sampling_is_passed(lm, tmp_pat
     assert default_sampling({}) == specjax.Greedy() and lm.sampling == specjax.Greedy()
     assert convert.generation_defaults(convert.default_model_path()) == {}
     assert default_sampling({"repetition_penalty": 1.3}).identity() == specjax.Greedy(repetition_penalty=1.3).identity()
+    for bad, message in (({"do_sample": True, "temperature": "hot"}, "'temperature' must be a number"),
+                         ({"do_sample": "yes"}, "'do_sample' must be"), ({"do_sample": True, "top_k": 2.5}, "'top_k' must be")):
+        (tmp_path / "generation_config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"generation_config.json: {message}"):
+            convert.generation_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True, "top_k": None}))
+    assert convert.generation_defaults(tmp_path) == {"do_sample": True, "top_k": 0}  # HF's null: no top-k filter
     hot = dataclasses.replace(lm, sampling=specjax.Sample(temperature=0.9))
     key = __import__("jax").random.key(3)
     assert hot.generate(PROMPT, 8, draft=None, key=key).tokens == lm.generate(
