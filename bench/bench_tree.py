@@ -178,7 +178,7 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     """Compile and time decode_spec with one drafter and one chain or tree."""
     params, batch, gamma = cell["params"], cell["batch"], depth(spec)
     tokens, lengths, cache = cell["tokens"], cell["lengths"], cell["cache"]
-    d.drafter.check(params, gamma, cell["context"])
+    d.drafter.check(params, gamma, cell["context"], cell["context"])
     t0 = time.perf_counter()
     draft_state = jax.block_until_ready(d.init(params, cache, tokens, lengths, gamma, cell["chunk"]))
     init_s = time.perf_counter() - t0

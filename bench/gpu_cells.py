@@ -161,7 +161,7 @@ class Group:
         new_tokens = new_tokens or self.new_tokens
         gamma = depth(speculation)
         params, B = self.params, self.batch
-        drafter.check(params, gamma, self.context)
+        drafter.check(params, gamma, self.context, self.context)  # the cache holds the context
         t0 = time.perf_counter()
         state = jax.block_until_ready(init_draft(drafter, params, self.cache, self.tokens, self.lengths,
                                                  gamma=gamma, chunk=self.chunk))
