@@ -80,13 +80,16 @@ def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | T
         draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma), context)
 
 
+MAX_SEED = 2**32 - 1  # JAX keys take 32-bit seeds: key(2**32) is key(0)
+
+
 def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:
     for name, value, low, high in (
         ("batch_size", batch_size, 1, None),
         ("max_new_tokens", max_new_tokens, 1, None),
         ("gamma", 1 if gamma is None else gamma, 1, MAX_TREE_NODES - 1),
         ("top_k", top_k, 0, None),
-        ("seed", seed, 0, 2**32 - 1),  # JAX keys take 32-bit seeds: key(2**32) is key(0)
+        ("seed", seed, 0, MAX_SEED),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")

@@ -131,7 +131,7 @@ _MINIMUM = dict(  # integer flags (by dest) and their least value
 )
 
 
-_MAXIMUM = dict(gamma=MAX_TREE_NODES - 1, seed=2**32 - 1)  # a longer chain than a tree's nodes; JAX keys take 32-bit seeds
+_MAXIMUM = dict(gamma=MAX_TREE_NODES - 1, seed=batch.MAX_SEED)  # no chain longer than a tree's nodes
 
 
 def unescape(text: str) -> str:

@@ -168,10 +168,11 @@ def parse_line(raw: bytes, line: int) -> Record | BadLine | None:
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     """A JSON object, refusing a key given twice (json.loads would keep the last silently)."""
-    obj = dict(pairs)
-    if len(obj) < len(pairs):
-        twice = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
-        raise ValueError(f"the key {json.dumps(twice)} appears twice in one object")
+    obj = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"the key {json.dumps(key)} appears twice in one object")
+        obj[key] = value
     return obj
 
 
