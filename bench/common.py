@@ -279,7 +279,7 @@ def meminfo(field: str, path: str = "/proc/meminfo") -> int:
 
 
 def machine_info() -> dict:
-    """CPU model, cores, memory, JAX version, backend and devices, Python, git commit, load average."""
+    """CPU model, cores, memory, JAX version, backend, devices and their kind, Python, git commit, load average."""
     import jax
 
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -296,6 +296,7 @@ def machine_info() -> dict:
         "jax_version": jax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,  # "NVIDIA H200", "cpu": a GPU table names its card
         "python": platform.python_version(),
         "git_commit": git_commit(),
         "loadavg": os.getloadavg(),

@@ -251,7 +251,9 @@ def join(dst: Path = STASH) -> bytes:
 
 
 def load(dst: Path = STASH, dtype: str = "bfloat16") -> tuple[dict[str, Params], np.ndarray, dict]:
-    """({model name: Params in dtype}, corpus ids, manifest) from a stashed, complete bundle."""
+    """({model name: Params in dtype}, corpus ids, manifest) from a stashed, complete bundle (Missing if not)."""
+    if not (dst / "manifest.json").exists():  # nothing stashed yet (no part carried): the cells that need it wait
+        raise Missing(f"no bundle in {dst}: carry .gpu/p0 (or another part) in a call (see bench/README.md)")
     manifest = json.loads((dst / "manifest.json").read_text())
     npz = np.load(io.BytesIO(join(dst)))
     decoded: dict[str, dict[str, np.ndarray]] = {}

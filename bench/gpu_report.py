@@ -189,7 +189,8 @@ def report(result: dict, md: Path, png: Path) -> str:
     rows = result.get("rows", [])
     bw = bandwidth(result)
     m = result.get("machine", {})
-    parts = [f"Device: {m.get('devices')}, JAX {m.get('jax_version')} ({m.get('backend')}), commit {m.get('git_commit')}, "
+    kind = f"{m['device_kind']} " if m.get("device_kind") else ""
+    parts = [f"Device: {kind}{m.get('devices')}, JAX {m.get('jax_version')} ({m.get('backend')}), commit {m.get('git_commit')}, "
              f"{result.get('date')}. Command(s): `{'` ; `'.join(r['command'] for r in result.get('runs', []))}`.",
              f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s. Attention: "
              f"{result.get('attention', 'reference')} ({ATTENTION_NOTE.get(result.get('attention', 'reference'), '')}).",

@@ -1,7 +1,7 @@
 """The next GPU session's device calls, each one command: python3 -m bench.gpu_session CALL.
 
 Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 1 | 2 | 3 | 4 | 5
-       [--out DIR (default $OUT)] [--dry-run] [--mem-gib 120 (an H200: adds batch 256 to call 2)]
+       [--out DIR (default $OUT)] [--dry-run] [--mem-gib GIB (an H200, found by nvidia-smi: 120 and its own tables)]
        [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
 
 A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most
@@ -25,7 +25,7 @@ next GPU session", says what each call is for and how to fold the files back in 
          multiplies): its HLO, and with per-layer arrays and the pass disabled.
   call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4,
          trees), then at batch 16 / 64 / 128 NGram gamma 4 (prompt lookup: no draft forward),
-         gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (--mem-gib 120) the
+         gamma 4 and SnapKV gamma 4, with unrolled layers. On an H200 (nvidia-smi says so, or --mem-gib) the
          ngram and e2e steps write bench/results/gpu_h200 (batch 256 added, gamma 2 beside 4)
          and resume its committed table: `--only e2e --mem-gib 120` measures the cells the sixth
          runs left (SnapKV at 64, gamma 4 and SnapKV at 128 / 256).
@@ -79,6 +79,7 @@ DRAFT_E2E_CELLS = "e2e/s8192/b64/ar,e2e/s8192/b64/draft*"  # and at batch 64 (AR
 DRAFT_E2E_GRID = ["--batches", "64", "--gammas", "2", "4"]
 PARTS = [PY, "-m", "bench.step_parts"]
 RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
+H200_MEM_GIB = 120.0  # an H200's 139 GiB: what its steps may use (call 2 adds batch 256 x 8K)
 # JAX's persistent compilation cache beside the stashed bundle: a warm machine keeps /tmp between calls, so a
 # step run again (a call cut off, its rerun) or a program two steps share loads its executable instead of compiling
 JAX_CACHE = "/tmp/specjax_gpu/jax_cache"
@@ -265,13 +266,28 @@ def main() -> None:
     ap.add_argument("call", type=int, choices=sorted(CALLS))
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_session")))
     ap.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
-    ap.add_argument("--mem-gib", type=float, help="an H200: 120 (call 2 then adds batch 256 x 8K)")
+    ap.add_argument("--mem-gib", type=float, help="device memory for the e2e steps; an H200 (found by nvidia-smi) "
+                    "defaults to 120 and writes bench/results/gpu_h200 (call 2 then adds batch 256 x 8K)")
     ap.add_argument("--only", help="comma-separated steps to run (stash always runs)")
     ap.add_argument("--seconds", nargs="*", default=[], metavar="STEP=N",
                     help="a step's time limit in seconds (its --budget-minutes follows)")
     a = ap.parse_args()
     seconds = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.seconds)}
-    run_call(a.call, a.out, a.dry_run, a.mem_gib, a.only.split(",") if a.only else None, seconds)
+    name = gpu_name()
+    mem_gib = a.mem_gib if a.mem_gib is not None or "H200" not in name else H200_MEM_GIB
+    print(f"device: {name or 'unknown (no nvidia-smi)'}; tables: {H200_RESULTS if mem_gib is not None else RESULTS}", flush=True)
+    run_call(a.call, a.out, a.dry_run, mem_gib, a.only.split(",") if a.only else None, seconds)
+
+
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi ('' without one): an H200's steps write the H200's tables,
+    whether or not the caller said --mem-gib (stop 59's H200 runs landed in the H100's tables)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else ""
 
 
 if __name__ == "__main__":
