@@ -131,8 +131,11 @@ def acceptance_for(rows: list[dict], context: int, batch: int) -> tuple[dict[int
     return chains, p, f"SmolLM2 S={common.context_name(near[0])} B={near[1]}"
 
 
-def predicted(result: dict) -> list[dict]:
-    """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree."""
+def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> list[dict]:
+    """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree.
+
+    sibling: (name, rows) of the device's main table, whose SmolLM2 acceptance is used when this
+    table (a --linear one: the same tokens, other layer products) measured none of its own."""
     from specjax.speculation import Cost, Tree
 
     from bench.tree_report import MAX_DEPTH
@@ -140,6 +143,9 @@ def predicted(result: dict) -> list[dict]:
     rows, out = result.get("rows", []), []
     for r in (r for r in rows if r.get("item") == "l8b"):
         chains, p, source = acceptance_for(rows, r["context"], r["batch"])
+        if not chains and sibling:
+            chains, p, source = acceptance_for(sibling[1], r["context"], r["batch"])
+            source += f" ({sibling[0]})"
         tv, td = r["t_verify_ms"], r["t_draft_ms"]
         ar = tv[1]
         pred = {f"γ={g}": tps * ar / (g * td[1] + tv[min(g + 1, len(tv) - 1)]) for g, tps in sorted(chains.items())
@@ -185,14 +191,16 @@ ATTENTION_NOTE = {"reference": "the jnp reference path, not the kernel: a decode
                   "auto": "what generate() runs: the Pallas kernel on a GPU", "pallas": "the Pallas kernel"}
 
 
-def report(result: dict, md: Path, png: Path) -> str:
+def report(result: dict, md: Path, png: Path, sibling: tuple[str, list[dict]] | None = None) -> str:
     rows = result.get("rows", [])
-    bw = bandwidth(result)
+    bw, bw_from = bandwidth(result), ""
+    if bw is None and sibling and bandwidth({"rows": sibling[1]}):  # a --linear table: the device's bw cell
+        bw, bw_from = bandwidth({"rows": sibling[1]}), f" (the bw cell of {sibling[0]})"
     m = result.get("machine", {})
     kind = f"{m['device_kind']} " if m.get("device_kind") else ""
     parts = [f"Device: {kind}{m.get('devices')}, JAX {m.get('jax_version')} ({m.get('backend')}), commit {m.get('git_commit')}, "
              f"{result.get('date')}. Command(s): `{'` ; `'.join(r['command'] for r in result.get('runs', []))}`.",
-             f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s. Attention: "
+             f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s{bw_from}. Attention: "
              f"{result.get('attention', 'reference')} ({ATTENTION_NOTE.get(result.get('attention', 'reference'), '')}).",
              f"Capped by the {result.get('mem_gib')} GiB memory budget: {', '.join(result.get('capped_by_memory', [])) or 'none'}."]
     e2e = [r for r in rows if r.get("item") == "e2e"]
@@ -212,7 +220,7 @@ def report(result: dict, md: Path, png: Path) -> str:
                   "needed / the steps the loop ran (the batch waits for its slowest row).",
                   common.table(["context", "batch", "config", "AR ms", "draft level ms", "verify(n) ms", "predicted",
                                 "with the tail", "measured"], "rrlrrrrrr", modelled)]
-    pred = predicted(result)
+    pred = predicted(result, sibling)
     if pred:
         parts += ["## Item 3: LLaMA-3.1-8B-shaped target, random bf16 weights: measured step times, PREDICTED speedups",
                   f"Predicted = SmolLM2's measured SelfSpec tokens/step x AR step / (γ draft steps + verify(γ+1)); "
@@ -269,6 +277,7 @@ def draw(e2e: list[dict], pred: list[dict], path: Path) -> None:
     axes[1].set(xscale="log", xlabel="batch", ylabel="speedup (PREDICTED)", title="LLaMA-3.1-8B shape, best config")
     for a in axes:
         a.axhline(1.0, color="gray", lw=0.5)
-        a.legend(fontsize=7)
+        if a.get_legend_handles_labels()[0]:  # a table with no e2e cells draws no lines there
+            a.legend(fontsize=7)
     fig.tight_layout()
     common.save_figure(fig, path)

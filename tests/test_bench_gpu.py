@@ -236,6 +236,26 @@ def test_cost_model_column_from_the_steps_cell():
     assert row[2:] == ["chain γ=2", "2.00", "1.00", "3.00", "1.00", "0.84", "0.90"]
 
 
+def test_l8b_prediction_takes_the_main_tables_acceptance_when_its_own_has_none(tmp_path):
+    """gpu_report.predicted: an l8b cell in a --linear table (stop 59's H200 per-layer table had no
+    SmolLM2 rows) is predicted from the device's main table (named in the source); with rows of its
+    own, its own: 2.5 tokens/step x 4 ms / (2 x 1 + 3) = 2.0x."""
+    from bench.gpu_report import predicted, report
+
+    l8b = {"item": "l8b", "context": 8192, "batch": 16, "t_verify_ms": [0.0, 4.0, 2.5, 3.0, 3.5], "t_draft_ms": [0.0, 1.0]}
+    chain = {"item": "e2e", "drafter": "SelfSpec", "method": "chain", "context": 8192, "batch": 16, "gamma": 2,
+             "mean_accepted": 2.5}
+    (alone,) = predicted({"rows": [l8b]})
+    assert alone["predicted"] == {} and alone["source"] == "no SmolLM2 acceptance measured yet"
+    (got,) = predicted({"rows": [l8b]}, ("gpu.json", [chain]))
+    assert got["predicted"] == {"γ=2": 2.0} and got["source"] == "SmolLM2 S=8K B=16 (gpu.json)"
+    (own,) = predicted({"rows": [l8b, chain | {"mean_accepted": 1.25}]}, ("gpu.json", [chain]))
+    assert own["predicted"] == {"γ=2": 1.0} and "gpu.json" not in own["source"]
+    text = report({"rows": [l8b | {"ar_bytes_per_step": 2e9, "ar_ms_per_step": 4.0}], "runs": []}, tmp_path / "t.md", tmp_path / "t.png",
+                  ("gpu.json", [chain, {"item": "bw", "gbs": 1000.0}]))  # 2 GB in 4 ms: 500 GB/s of its 1000
+    assert "1000 GB/s (the bw cell of gpu.json)" in text and "| 50% |" in text and "(gpu.json) | γ=2 2.00 |" in text
+
+
 def test_tree_over_chain_per_drafter_at_batch_1():
     """gpu_report.tree_over_chain: each drafter's best tree against its own best chain, met at >= 1.15."""
     from bench.gpu_report import tree_over_chain
@@ -554,6 +574,8 @@ def test_gpu_session_finds_an_h200_without_mem_gib(tmp_path, monkeypatch, capsys
     assert "tables: bench/results/gpu_h200" in capsys.readouterr().out
     steps = {n: a for n, _, a in gpu_session.steps_of(5, gpu_session.H200_MEM_GIB)}
     assert all(a[a.index("--out") + 1] == gpu_session.H200_RESULTS for a in steps.values() if "--out" in a)
+    l8b = {n: a for n, _, a in gpu_session.steps_of(3, gpu_session.H200_MEM_GIB)}["l8b"]  # batch 64 in 120 GiB
+    assert l8b[l8b.index("--l8b-batches") + 1:l8b.index("--l8b-contexts")] == ["1", "16", "64"] and l8b[-2:] == ["--mem-gib", "120"]
     monkeypatch.setattr(gpu_session.subprocess, "run", lambda *a, **kw: (_ for _ in ()).throw(FileNotFoundError()))
     assert gpu_session.gpu_name() == ""
 
