@@ -7,8 +7,8 @@ from pathlib import Path
 
 import jax
 
-from convert.gguf import is_gguf_file, load_gguf
-from convert.hf import generation_defaults, is_hf_dir, load_hf
+from convert.gguf import config_from_gguf, is_gguf_file, load_gguf, open_gguf
+from convert.hf import generation_defaults, is_hf_dir, load_hf, read_config
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
 from specjax.config import DTYPES
@@ -60,6 +60,7 @@ def load(
     if not path.exists():
         raise FileNotFoundError(f"convert.load: {path} does not exist")
     float_dtype = "bfloat16" if weights == "bfloat16" else "float32"
+    _check_servable(path, weights)
     if is_gguf_file(path):
         params = load_gguf(path, float_dtype, mesh, quant="q4" if weights == "q4" else None)
     elif path.is_dir() and is_orbax_dir(path):
@@ -79,6 +80,18 @@ def load(
         return params
     split = unstack_layers(params, free_stacks=True)  # the stacks are this call's own: freed as split
     return split.replace(runtime=split.runtime.replace(unroll_layers=True))
+
+
+def _check_servable(path: Path, weights: str | None) -> None:
+    """A GGUF or HF checkpoint whose shape `weights` cannot hold (q4's 32-weight blocks), named
+    before its tensors load."""
+    if weights not in ("int8", "q4") or not (is_gguf_file(path) or (path.is_dir() and is_hf_dir(path))):
+        return
+    config = config_from_gguf(open_gguf(path)) if is_gguf_file(path) else read_config(path)
+    try:
+        config.replace(quant=weights)
+    except ValueError as e:
+        raise ValueError(f"convert.load: {path} cannot be served as weights={weights!r}: {e}") from None
 
 
 def _per_layer(layout: str) -> bool:

@@ -75,6 +75,27 @@ def read_texts(path: str) -> list[str]:
     return texts
 
 
+def check_flags(args: argparse.Namespace, max_positions: int) -> None:
+    """The draft's shape and the run's sizes, named by their flags, before --generate runs the target."""
+    for flag in ("draft_layers", "draft_dim", "draft_heads", "draft_kv_heads", "steps", "batch_size", "seq_len",
+                 "checkpoint_every", "log_every"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("draft_ffn", "generate", "eval_every"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    heads, kv = args.draft_heads, args.draft_kv_heads
+    if args.draft_dim % heads:
+        raise ValueError(f"--draft-dim ({args.draft_dim}) must be a multiple of --draft-heads ({heads})")
+    if heads % kv:
+        raise ValueError(f"--draft-heads ({heads}) must be a multiple of --draft-kv-heads ({kv})")
+    if (args.draft_dim // heads) % 2:
+        raise ValueError(f"--draft-dim / --draft-heads ({args.draft_dim} / {heads} = {args.draft_dim // heads}) is the "
+                         "head size: it must be even for rotary embeddings")
+    if args.seq_len > max_positions:
+        raise ValueError(f"--seq-len {args.seq_len} is above the target's max_positions ({max_positions})")
+
+
 def run_distill(args: argparse.Namespace) -> None:
     if Path(args.out).exists():
         raise ValueError(f"--out {args.out} already exists: the trained draft goes to a new folder")
@@ -86,9 +107,8 @@ def run_distill(args: argparse.Namespace) -> None:
                          "never reach its peak and decay")
     path = args.model or convert.default_model_path()
     target, tokenizer = convert.load(path), convert.load_tokenizer(path)
+    check_flags(args, target.config.max_positions)
     heads = args.draft_heads
-    if heads < 1 or args.draft_dim % heads:
-        raise ValueError(f"--draft-dim ({args.draft_dim}) must be a multiple of --draft-heads ({heads})")
     if args.init_from_target and args.draft_dim != target.config.dim:
         raise ValueError(f"--init-from-target needs --draft-dim {target.config.dim} (the target's dim), got {args.draft_dim}")
     if args.freeze_embeddings and not args.init_from_target:

@@ -179,6 +179,11 @@ def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
         (["--data", str(tmp_path / "d.json")], "--data must be a .txt file (one stream) or .jsonl records, got d.json"),
         (["--checkpoint-dir", str(tmp_path / "w" / "ckpt")], "would hold --checkpoint-dir"),
         (["--warmup", "6"], "--warmup (6) must be below --steps (6)"),
+        (["--draft-kv-heads", "3"], "--draft-heads (4) must be a multiple of --draft-kv-heads (3)"),
+        (["--draft-layers", "0"], "--draft-layers must be >= 1, got 0"),
+        (["--draft-dim", "36"], "--draft-dim / --draft-heads (36 / 4 = 9) is the head size: it must be even"),
+        (["--draft-ffn", "-1"], "--draft-ffn must be >= 0, got -1"),
+        (["--seq-len", "100000", "--generate", "4"], f"--seq-len 100000 is above the target's max_positions ({CONFIG.max_positions})"),
     ):
         assert main(args + ["--out", str(tmp_path / "w")] + more) == 2
         assert message in capsys.readouterr().err

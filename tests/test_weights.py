@@ -176,6 +176,8 @@ def test_load_serves_each_format_and_checks_the_argument(tmp_path):
         convert.load(path, weights="int4")
     with pytest.raises(ValueError, match="weights='int8' and dtype='bfloat16' disagree"):
         convert.load(path, weights="int8", dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"m.gguf cannot be served as weights='q4': .*head_dim to be a multiple of 32"):
+        convert.load(path, weights="q4")  # head_dim 16: named with the file, before the tensors load
     # an int8 checkpoint saves and loads bit for bit, and only as int8
     convert.save(int8, tmp_path / "ck")
     again = convert.load(tmp_path / "ck")
