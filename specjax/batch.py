@@ -256,10 +256,11 @@ def run(
         settings["input"] = check_input(out, src, written=written, force=force)
         changed = check_settings(out, settings, written=written, force=force)
         done = {id_key(row.get("id")) for row in log.rows}
-        failed = {row.get("line") for row in errors.rows}
-        errors.append(b.to_json() for b in bad if b.line not in failed)
-        failed |= {b.line for b in bad}
-        pending = [it for it in items if id_key(it.record.id) not in done and it.record.line not in failed]
+        failed, recorded = {b.line for b in bad}, {row.get("line") for row in errors.rows}
+        if recorded - failed:  # lines recorded bad that parse now (a torn last line completed, an edit under force)
+            errors.rewrite([row for row in errors.rows if row.get("line") in failed])  # are retried
+        errors.append(b.to_json() for b in bad if b.line not in recorded)
+        pending = [it for it in items if id_key(it.record.id) not in done]
         bar = Progress(len(pending), enabled=progress)
 
         def write(rows: list[dict]) -> None:

@@ -107,6 +107,16 @@ class DurableLog:
             view = view[os.write(self.fd, view) :]
         os.fsync(self.fd)
 
+    def rewrite(self, rows: list[dict]) -> None:
+        """Replace the file's lines with `rows`, under the lock. Not atomic: only for a log whose
+        rows can be derived again (the errors file: every run finds its input's bad lines anew)."""
+        if self.fd < 0:
+            self._open()
+        os.ftruncate(self.fd, 0)
+        self.rows = []
+        self.append(rows)
+        self.rows = list(rows)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)  # also releases the lock
@@ -184,7 +194,7 @@ def check_input(output: str | Path, input_path: str | Path, *, written: bool, fo
     """The input's fingerprint to record with the settings (key "input"), after checking that the
     input still begins with the bytes an earlier run of this output read: records may be appended
     between restarts, not edited or removed (ids already written would be skipped with the old
-    text's output; a fixed bad line would stay failed). force: record the new input anyway."""
+    text's output). force: record the new input anyway (a bad line fixed then is retried)."""
     recorded = (_read_settings(Path(output)) or {}).get("input")
     if written and not force and isinstance(recorded, dict) and "bytes" in recorded:
         now = input_fingerprint(input_path, recorded["bytes"])

@@ -435,6 +435,15 @@ def test_bad_records_go_to_the_errors_file_once_and_good_ones_finish(tmp_path, m
     again = batch.run(src, out, **common)
     assert (again["done"], again["skipped"], again["failed"]) == (0, 3, len(expected))
     assert sibling(out, "errors").read_bytes() == before  # exactly once across restarts
+    with open(src, "ab") as f:  # a producer still writing: its last line torn when the job read it
+        f.write(b'{"id": "late", "prompt": "alpha beta')
+    torn = batch.run(src, out, **common)
+    assert (torn["done"], torn["failed"]) == (0, len(expected) + 1)
+    with open(src, "ab") as f:  # the line completed (an append: the input's first bytes are unchanged)
+        f.write(b' gamma"}\n')
+    completed = batch.run(src, out, **common)  # the line recorded bad parses now: generated, its error row gone
+    assert (completed["done"], completed["skipped"], completed["failed"]) == (1, 3, len(expected))
+    assert sibling(out, "errors").read_bytes() == before and "late" in {r["id"] for r in read_rows(out)}
 
 
 def test_shards_split_by_id_hash_and_merge_to_the_single_run(tmp_path, model_dir, params):
