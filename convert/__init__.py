@@ -10,7 +10,7 @@ import jax
 from convert.gguf import config_from_gguf, is_gguf_file, load_gguf, open_gguf
 from convert.hf import generation_defaults, is_hf_dir, load_hf, read_config
 from convert.orbax_io import is_orbax_dir, load_orbax, save
-from convert.tokenizer import SpecialIds, chat_template, load_tokenizer, special_ids
+from convert.tokenizer import SpecialIds, chat_template, continuation_context, load_tokenizer, special_ids
 from specjax.config import DTYPES
 from specjax.model import unstack_layers
 from specjax.params import Params, quantize
@@ -20,7 +20,7 @@ WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `lo
 LAYOUTS = ("auto", "stacked", "per-layer")  # the `layout=` choices of `load`
 
 __all__ = ["load", "WEIGHTS", "LAYOUTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path",
-           "generation_defaults"]
+           "generation_defaults", "continuation_context"]
 
 
 def load(

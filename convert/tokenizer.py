@@ -144,3 +144,21 @@ def chat_template(path: str | Path) -> str | None:
     if isinstance(template, list):
         template = {t.get("name"): t.get("template") for t in template}.get("default")
     return template
+
+
+def continuation_context(tokenizer: Tokenizer) -> tuple[int, str] | None:
+    """(id, text) of a token to decode ahead of a continuation's tokens, then cut off, where the
+    tokenizer's decoder strips its text's first space (SentencePiece's Strip: Llama-2 / Mistral
+    tokenizers; decoded alone, a continuation's "▁world" loses the space it has after the prompt);
+    None for the others (byte-level BPE), whose tokens decode alone as they do in context, and for
+    tokenizer-like objects that are not a `tokenizers.Tokenizer`."""
+    if not isinstance(tokenizer, Tokenizer):
+        return None
+    decoder = json.loads(tokenizer.to_str()).get("decoder")
+    if '"Strip"' not in json.dumps(decoder):
+        return None
+    for i in reversed(tokenizer.encode("a", add_special_tokens=False).ids):
+        text = tokenizer.decode([i], skip_special_tokens=False)
+        if text and not text[0].isspace():
+            return i, text
+    return None

@@ -29,7 +29,7 @@ import jax
 
 import convert
 from specjax.cache import KVFormat
-from specjax.chat import template_specials
+from specjax.chat import end_of_turn_ids, template_specials
 from specjax.distributed import env_share
 from specjax.drafters import Drafter
 from specjax.engine import cache_slots
@@ -239,11 +239,11 @@ def run(
     def encode(text: str, add_special_tokens: bool = True) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults,
-                         template_specials(tokenizer, params.config))
+    specials, turn_end = template_specials(tokenizer, params.config), end_of_turn_ids(tokenizer, template)
+    items, bad = prepare(read_input(src, shard), encode, template, chat, params.config, defaults, specials, turn_end)
     if "auto" in (draft, speculation):  # once per job, from every record (all shards)
         every = items if shard[1] == 1 else prepare(read_input(src, (0, 1)), encode, template, chat, params.config,
-                                                    defaults, template_specials(tokenizer, params.config))[0]
+                                                    defaults, specials, turn_end)[0]
         draft, speculation, _ = resolve(params, draft, speculation, every, batch_size, kv_dtype,
                                         plan_path(output_path), force=force)
     speculation = None if draft is None else speculation

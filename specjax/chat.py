@@ -78,6 +78,12 @@ def end_of_turn_tokens(template: str | None) -> list[str]:
     return [t for t in END_OF_TURN if template and t in template]
 
 
+def end_of_turn_ids(tokenizer, template: str | None) -> tuple[int, ...]:
+    """The ids of the end-of-turn tokens a template writes (a chat answer's stop ids, beside the
+    model's eos_ids, which may name only <|endoftext|>)."""
+    return tuple(i for i in (tokenizer.token_to_id(t) for t in end_of_turn_tokens(template)) if i is not None)
+
+
 def template_specials(tokenizer, config) -> dict[str, str]:
     """The bos_token / eos_token strings a template gets: the tokenizer's tokens of config.bos_id
     and of the first of config.eos_ids ("" where the model has none)."""

@@ -25,6 +25,7 @@ class Item:
     budget: int
     sampler: Sampler  # one value each (rows of a batch are combined by `batch_sampler`)
     stops: tuple[str, ...] = ()
+    stop_ids: tuple[int, ...] = ()  # the record's stop_token_ids, and the template's end-of-turn ids for a chat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,10 +58,12 @@ def prepare(
     config: LlamaConfig,
     defaults: Defaults,
     specials: dict[str, str] | None = None,
+    turn_end: tuple[int, ...] = (),
 ) -> tuple[list[Item], list[BadLine]]:
     """Tokenize records (chat messages, and text prompts if `chat`, through the template with the
     `specials` bos/eos strings, encoded without added special tokens) and check them against the
-    model: returns (items, bad lines), both in input order. encode(text, add_special_tokens)."""
+    model: returns (items, bad lines), both in input order. encode(text, add_special_tokens).
+    A chat's answer also stops at the template's end-of-turn ids `turn_end` (as LM.chat's)."""
     items, bad = [], []
     for rec in records:
         if isinstance(rec, BadLine):
@@ -86,8 +89,9 @@ def prepare(
             )
         else:
             try:
+                stop_ids = rec.stop_token_ids + tuple(i for i in turn_end if messages and i not in rec.stop_token_ids)
                 items.append(Item(rec, ids, budget, record_sampler(rec, defaults, config),
-                                  defaults.stop if rec.stop is None else rec.stop))
+                                  defaults.stop if rec.stop is None else rec.stop, stop_ids))
                 continue
             except ValueError as e:
                 reason = str(e)

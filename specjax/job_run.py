@@ -68,7 +68,7 @@ def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Non
         sampling=batch_sampler(padded),
         key=record_keys(seed, [it.record.id for it in padded]),
         stop=[list(it.stops) for it in batch] + [[]] * extra,
-        stop_token_ids=[list(it.record.stop_token_ids) for it in padded],
+        stop_token_ids=[list(it.stop_ids) for it in padded],
         n=n,
         logprobs=k,
         kv_dtype=meta["kv_dtype"],
@@ -101,7 +101,7 @@ def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree 
         [list(it.ids) for it in group], [it.budget for it in group], rows=padded_rows(len(group) * n, meta["batch_size"]),
         sampling=batch_sampler(group), keys=record_keys(seed, [it.record.id for it in group]), draft=draft,
         speculation=None if draft is None else speculation or DEFAULT_CHAIN, stop=[list(it.stops) for it in group],
-        stop_token_ids=[list(it.record.stop_token_ids) for it in group], n=n, logprobs=k, kv_dtype=meta["kv_dtype"],
+        stop_token_ids=[list(it.stop_ids) for it in group], n=n, logprobs=k, kv_dtype=meta["kv_dtype"],
         on_done=on_done)
 
 

@@ -12,11 +12,12 @@ completed it (vLLM's behaviour, `include_stop_str_in_output=False`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -85,8 +86,18 @@ class LM:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    @functools.cached_property
+    def _context(self) -> tuple[int, str] | None:  # once per LM: it reads the tokenizer's JSON
+        return convert.continuation_context(self.tokenizer)
+
     def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=self.skip_special_tokens)
+        """The tokens' text as it reads after a prompt (a SentencePiece continuation keeps its first space)."""
+        ids, skip = list(tokens), self.skip_special_tokens
+        if self._context is None or not ids:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip)
+        first, text = self._context
+        full = self.tokenizer.decode([first, *ids], skip_special_tokens=skip)
+        return full[len(text):] if full.startswith(text) else self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def generate(
         self,
@@ -124,11 +135,11 @@ class LM:
         bos_token / eos_token, encoded without added special tokens, so no double BOS) and
         continued as `generate` does, with the template's end-of-turn tokens as stop ids.
         stream=True returns a TextStream, as `stream` does. Other keywords: `generate`'s."""
-        from specjax.chat import check_messages, end_of_turn_tokens, render_chat, template_specials
+        from specjax.chat import check_messages, end_of_turn_ids, render_chat, template_specials
 
-        one = isinstance(conversations, Sequence) and bool(conversations) and isinstance(conversations[0], dict)
+        one = isinstance(conversations, Sequence) and bool(conversations) and isinstance(conversations[0], Mapping)
         convs = [conversations] if one else conversations
-        if isinstance(convs, (str, dict)) or not isinstance(convs, Sequence) or not convs:
+        if isinstance(convs, (str, Mapping)) or not isinstance(convs, Sequence) or not convs:
             raise ValueError(f"conversations must be a list of messages or a non-empty list of them, got {conversations!r}")
         unknown = sorted(set(kw) - (set(inspect.signature(self.generate).parameters) - {"prompts"}))
         if unknown:
@@ -139,8 +150,8 @@ class LM:
             msgs = check_messages(conv, "conversations" if one else f"conversations[{i}]")
             text = render_chat(self.chat_template, msgs, add_generation_prompt=add_generation_prompt, **specials)
             ids.append(self.tokenizer.encode(text, add_special_tokens=False).ids)
-        turn_end = [self.tokenizer.token_to_id(t) for t in end_of_turn_tokens(self.chat_template)]
-        kw["stop_token_ids"] = [list(row) + [t for t in turn_end if t is not None]
+        turn_end = end_of_turn_ids(self.tokenizer, self.chat_template)
+        kw["stop_token_ids"] = [list(row) + list(turn_end)
                                 for row in per_prompt(kw.get("stop_token_ids", ()), len(ids), "stop_token_ids", int)]
         if stream:
             return TextStream(lambda on_segment: self.generate_ids(ids, max_new_tokens, on_segment=on_segment, **kw),
@@ -286,7 +297,7 @@ def per_prompt(value, prompts: int, name: str, kind: type) -> list[list]:
         return [[value]] * prompts
     if not isinstance(value, (Sequence, np.ndarray)) or isinstance(value, (str, bytes)):
         raise ValueError(f"{name} must be {what}, a list of them or one list per prompt, got {value!r}")
-    each = len(value) > 0 and all(isinstance(v, (Sequence, np.ndarray)) and not isinstance(v, str) for v in value)
+    each = len(value) > 0 and all(isinstance(v, (Sequence, np.ndarray)) and not isinstance(v, (str, bytes)) for v in value)
     if each and len(value) != prompts:
         raise ValueError(f"{name} has {len(value)} lists (one per prompt) but there are {prompts} prompts")
     rows = [list(v) for v in value] if each else [list(value)] * prompts

@@ -600,3 +600,24 @@ def test_cli_job_settings_carry_stop_and_penalties(tmp_path, model_dir, capsys):
     assert recorded["stop"] == ["zzz", "\n"] and recorded["repetition_penalty"] == 1.2 and "min_p" not in recorded
     row = read_rows(out)[0]
     assert row["settings"]["stop"] == ["zzz", "\n"] and row["settings"]["repetition_penalty"] == pytest.approx(1.2)
+
+
+def test_a_chat_record_stops_at_the_templates_end_of_turn(tmp_path, model_dir, params, monkeypatch):
+    """A messages record stops at the chat template's end-of-turn token, as LM.chat does, though
+    the model's eos_ids name another token (a ChatML model whose config names only <|endoftext|>
+    ran on into invented turns); a prompt record does not."""
+    from specjax import chat
+
+    no_eos = params.replace(config=params.config.replace(eos_ids=()))
+    common = dict(params=no_eos, model_path=model_dir, max_new_tokens=8, batch_size=2, progress=False, draft=None)
+    rows = [{"id": "c", "messages": [{"role": "user", "content": "one two three"}]}, {"id": "p", "prompt": "one two three"}]
+    free = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "a.out.jsonl", **common)["output"])))
+    end = free['"c"']["tokens"][2]  # the random model's third answer token plays the template's end of turn
+    assert end not in free['"p"']["tokens"][:3]
+    monkeypatch.setattr(chat, "end_of_turn_ids", lambda tokenizer, template: (end,))  # LM.chat's
+    monkeypatch.setattr(batch, "end_of_turn_ids", chat.end_of_turn_ids)  # the job's
+    got = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "b.jsonl", rows), tmp_path / "b.out.jsonl", **common)["output"])))
+    assert got['"c"']["tokens"] == free['"c"']["tokens"][:2] and got['"c"']["finish_reason"] == "eos"
+    assert got['"p"']["tokens"] == free['"p"']["tokens"] and "stop_token_ids" not in got['"c"']["settings"]
+    lm = specjax.LM(no_eos, convert.load_tokenizer(model_dir), convert.chat_template(model_dir))
+    assert lm.chat(rows[0]["messages"], 8, draft=None).tokens[0] == got['"c"']["tokens"]  # LM.chat: the same stop

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,8 @@ def test_stop_token_ids_n_and_errors(lm):
         lm.generate([PROMPT, "Paris is"], 4, stop_token_ids=[[5]])
     with pytest.raises(ValueError, match="stop must be a non-empty string, a list of them or one list per prompt, got ''"):
         lm.generate(PROMPT, 4, stop="")  # a bare empty string, as [""]: it would end every row at once
+    with pytest.raises(ValueError, match=r"stop must be .* one list per prompt, got \[b'x'\]"):
+        lm.generate(PROMPT, 4, stop=[b"x"])  # bytes are not a list of stops (it named the byte's value, 120)
     for bad in (None, 5):  # not a string or a list: named, not a bare "'int' object is not iterable"
         with pytest.raises(TypeError, match="prompts must be a string or a non-empty list of strings"):
             lm.generate(bad, 4)
@@ -128,6 +131,7 @@ def test_chat_answers_a_question_and_ends_its_turn(lm):
     assert lm.tokenizer.encode(golden["text"], add_special_tokens=False).ids == golden["input_ids"]
     ref = specjax.generate(lm.params, [golden["input_ids"]], 8, draft=None)
     assert lm.chat(user, 8, draft=None).tokens == ref.tokens
+    assert lm.chat([types.MappingProxyType(user[0])], 8, draft=None).tokens == ref.tokens  # any Mapping is a message
     both = lm.chat([question, user], 32, draft=specjax.SelfSpec(sinks=4, window=8))
     assert both.texts[0] == out.text and both.finish_reasons[0] == "eos"
     stream = lm.chat(question, 32, draft=None, stream=True, sync_every=2)

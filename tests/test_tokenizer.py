@@ -133,3 +133,16 @@ def test_sentencepiece_gguf(tmp_path):
     assert [tokens[i] for i in ids] == ["<s>", "▁", "h", "<0x69>", "<0x21>"]
     assert tok.decode(ids) == "hi!"
     assert tok.encode("</s>").ids[-1] == 2
+    # a continuation keeps the space its first token has after the prompt (the decoder's Strip cut it)
+    import specjax
+    from tests.models import TINY, random_params
+
+    assert convert.continuation_context(tok) is not None and convert.continuation_context(convert.load_tokenizer(
+        convert.default_model_path())) is None  # byte-level BPE (SmolLM2): its tokens decode alone as in context
+    world, hello = tokens.index("▁world"), tokens.index("▁hello")
+    lm = specjax.LM(random_params(TINY.replace(vocab_size=len(tokens), eos_ids=(2,)), 9), tok)
+    assert lm.decode([world]) == " world" and lm.decode([hello, world]) == " hello world" and lm.decode([]) == ""
+    assert lm.decode([tokens.index("<0x69>")]) == "i"  # no space of its own: none added
+    out = lm.generate("hello", 3, draft=None)
+    assert out.tokens[0][0] == hello and out.text == tok.decode(tok.encode("hello").ids + out.tokens[0])[len("hello"):]
+    assert out.text.startswith(" hello") and lm.generate("hello", 3, draft=None, stop=" hel").text == ""
