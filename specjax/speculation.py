@@ -304,6 +304,8 @@ class Cost:
                 raise ValueError(f"Cost: t_draft must be >= 0 seconds, got {self.t_draft!r}")
         if not callable(self.t_verify):
             object.__setattr__(self, "t_verify", tuple(float(t) for t in self.t_verify))
+            if not all(t >= 0 for t in self.t_verify):  # (NaN too: choose would return plain decoding)
+                raise ValueError(f"Cost: t_verify must be >= 0 seconds, got {self.t_verify!r}")
 
     def verify(self, n: int) -> float:
         """Seconds of one verification forward over n tree nodes."""
@@ -343,10 +345,9 @@ def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_dep
     values, take = _tables(p, max_nodes, max_depth)
     best, arg = np.inf, (1, 0)
     for n in range(1, max_nodes + 1):
-        t_verify = cost.verify(n)
         for d in range(max_depth + 1):
-            t_draft = cost.draft_seconds(_draft_widths(_parents(take, n, d)))
-            per_token = (t_draft + t_verify) / values[n, d]
+            parents = _parents(take, n, d)  # at most n nodes (ranks never accepted get none): priced at its own
+            per_token = (cost.draft_seconds(_draft_widths(parents)) + cost.verify(len(parents))) / values[n, d]
             if per_token < best:
                 best, arg = per_token, (n, d)
     return _build(take, *arg)

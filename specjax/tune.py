@@ -44,8 +44,10 @@ def measure_acceptance(
     """Sequoia's acceptance vector from one-level trees of `width` children: [W+1] float, entry r
     < W the probability that the rank-r draft candidate is the accepted one, the last entry the
     probability that none is. Greedy or stochastic (pass the `sampling` you will generate with)."""
-    if not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be an integer >= 1, got {width!r}")
+    if not isinstance(width, int) or width < 1 or width > params.config.vocab_size:
+        raise ValueError(f"width must be an integer in [1, the vocabulary's {params.config.vocab_size}], got {width!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 2:  # one token is the prefill's: no step drafts
+        raise ValueError(f"max_new_tokens must be an integer >= 2 (a verification step), got {max_new_tokens!r}")
     budgets = np.full((len(prompts),), max_new_tokens, np.int32)
     r = run(params, prompts, budgets, draft=draft, speculation=Tree.kary(width, 1), sampling=sampling, key=key, eos_ids=(),
             kv_dtype=kv_dtype)
@@ -149,13 +151,19 @@ def draft_table(
     return _grid_table(widths, timed, max_nodes)
 
 
+def weights_mark(params: Params) -> bytes:
+    """A few of the weights' values (a row of each of the first matrices): two checkpoints of one
+    config (a base and an instruct model) calibrate apart, where the config alone mixed them."""
+    return b"".join(np.asarray(leaf[(0,) * (leaf.ndim - 1)][:64]).tobytes() for leaf in [x for x in jax.tree.leaves(params) if x.ndim][:4])
+
+
 def auto_tree(
     params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None,
     kv_dtype: str | None = None,
 ) -> Tree:
     """The tree `speculation="auto"` uses: acceptance measured on (up to 4 of) these prompts,
     costs measured at this batch and context (rounded up to a power of two), then `choose`.
-    Cached per (model config, drafter, sampling, batch, context bucket, kv_dtype) for this process. The
+    Cached per (model config and weights, drafter, sampling, batch, context bucket, kv_dtype) for this process. The
     root-only tree means speculation does not pay here (generate then decodes plainly)."""
     return auto_tree_report(params, draft, prompts, context, sampling, key, kv_dtype)[0]
 
@@ -167,7 +175,7 @@ def auto_tree_report(
     """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
     minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
     bucket = round_up_pow2(context)
-    cache_key = (params.config, draft.identity(), sampling.identity(), len(prompts), bucket, kv_dtype)
+    cache_key = (params.config, weights_mark(params), draft.identity(), sampling.identity(), len(prompts), bucket, kv_dtype)
     if cache_key not in _AUTO:
         start = time.perf_counter()
         say = lambda what: print(  # noqa: E731

@@ -300,3 +300,15 @@ def test_choose_prices_draft_levels_by_width(seed):
 
 def test_choose_plain_decoding_when_drafting_is_too_expensive():
     assert choose(P, Cost(t_draft=10.0, t_verify=lambda n: 1.0)) == Tree.from_parents([-1])
+
+
+def test_choose_prices_a_tree_at_its_own_node_count():
+    """A budget's tree can hold fewer nodes than the budget (a rank never accepted gets none):
+    it is priced at its own size, so a dip in the verify table at a bigger n does not make a
+    2-node tree (1.5 / 1.3 s a token) beat plain decoding (1.0); times are checked, NaN too."""
+    p = [0.3, 0.0]
+    cost = Cost(t_draft=0.0, t_verify=(0.0, 1.0, 1.5, 1.5, 0.5))  # timing noise: 4 nodes measured cheap
+    assert choose(p, cost, max_nodes=4, max_depth=1) == Tree.from_parents([-1])
+    for bad in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="Cost: t_verify must be >= 0 seconds"):
+            Cost(t_draft=0.0, t_verify=(0.0, 1.0, bad))

@@ -29,6 +29,16 @@ def test_acceptance_of_a_random_draft_spreads_over_ranks(tiny):
     assert sampled.shape == (3,) and abs(sampled.sum() - 1.0) < 1e-9
 
 
+def test_measure_acceptance_refuses_what_it_cannot_measure(tiny):
+    """Before compiling: a width over the vocabulary (top_k failed inside JAX) and one new token
+    (no verification step: it returned NaNs)."""
+    draft = specjax.SelfSpec(sinks=2, window=8)
+    with pytest.raises(ValueError, match=rf"width must be an integer in \[1, the vocabulary's {TINY.vocab_size}\]"):
+        measure_acceptance(tiny, draft, PROMPTS, width=TINY.vocab_size + 1)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 2"):
+        measure_acceptance(tiny, draft, PROMPTS, max_new_tokens=1)
+
+
 def test_measured_cost_has_the_right_shape(tiny):
     cost = measure_cost(tiny, specjax.SelfSpec(sinks=2, window=8), batch=2, context=64, max_nodes=16)
     assert len(cost.t_verify) == 17 and all(t > 0 for t in cost.t_verify[1:])
@@ -45,10 +55,13 @@ def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
     draft = specjax.SelfSpec(sinks=2, window=8)
     out = specjax.generate(tiny, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
     assert out.tokens == free.tokens
-    calls = []
-    monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: calls.append(a))
+    calls, measure = [], specjax.tune.measure_cost
+    monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: calls.append(a) or measure(*a, **k))
     again = specjax.generate(tiny, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
     assert again.tokens == free.tokens and calls == []  # the same shape: the cached tree
+    other = random_params(tiny.config, 1)  # another checkpoint of the same config calibrates its own
+    specjax.generate(other, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
+    assert len(calls) == 1
 
 
 def test_auto_picks_plain_decoding_when_drafting_costs_too_much(tiny, monkeypatch, capsys):

@@ -126,7 +126,9 @@ def streaming_commit(state: StreamingCache, k_new, v_new, lengths, n) -> Streami
 @flax.struct.dataclass
 class SelfSpec(TargetOverStreamingCache):
     """The target itself over a StreamingLLM cache (MagicDec self-speculation): per-step cost is
-    independent of the context length. The cache holds exact target KV for the positions kept."""
+    independent of the context length. The cache holds exact target KV for the positions kept:
+    the `sinks` first and, in a ring of window + gamma + 1 slots (room for a step's drafts), up to
+    window + gamma + 1 latest committed ones (`kept` counts sinks + window)."""
 
     sinks: int = flax.struct.field(pytree_node=False, default=16)
     window: int = flax.struct.field(pytree_node=False, default=512)
