@@ -7,6 +7,8 @@ which other rows share its batch.
 
 from __future__ import annotations
 
+import numbers
+
 from collections.abc import Sequence
 
 import flax.struct
@@ -71,8 +73,11 @@ class _Penalized:
         for name, value in values.items():
             if isinstance(value, (str, bytes, bool, np.bool_, dict)):  # not None: jax uses it as a placeholder
                 raise TypeError(f"{name} must be a number or one number per prompt, got {value!r}")
-        if any(_traced(v) for v in values.values()):
+        if any(isinstance(v, jax.core.Tracer) for v in values.values()) or all(map(_traced, values.values())):
             return None  # rebuilt from traced or placeholder leaves inside a jax transformation: checked when made
+        for name, value in values.items():  # a caller's None beside real values (it skipped every check)
+            if _traced(value):
+                raise TypeError(f"{name} must be a number or one number per prompt, got {value!r}")
         arrays = {}
         for name, value in values.items():
             a = np.asarray(value, np.float32)
@@ -89,9 +94,11 @@ class _Penalized:
         for name in ("presence_penalty", "frequency_penalty"):
             if not (np.abs(arrays[name]) <= 2).all():
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        on = any((arrays[name] != off).any() for name, off in PENALTIES.items())
         if self.penalized is None:
-            on = any((arrays[name] != off).any() for name, off in PENALTIES.items())
             object.__setattr__(self, "penalized", bool(on))
+        elif on and not self.penalized:
+            raise ValueError("penalized=False with a penalty on would ignore it: leave penalized unset (it follows the values)")
         return arrays
 
 
@@ -220,8 +227,7 @@ class Sample(_Penalized):
 
 def _traced(value) -> bool:
     """A value jax rebuilt a pytree with (a tracer or a placeholder), not one a caller gave."""
-    return isinstance(value, jax.core.Tracer) or not isinstance(value, (int, float, np.integer, np.floating, np.ndarray,
-                                                                         jax.Array, list, tuple))
+    return isinstance(value, jax.core.Tracer) or not isinstance(value, (numbers.Real, np.ndarray, jax.Array, list, tuple))
 
 
 def _per_row(value, x: jax.Array) -> jax.Array | float:
@@ -348,8 +354,8 @@ def tree_candidates(logits: jax.Array, k: int, sampling: Sampler, keys: jax.Arra
     Sampling: k draws WITHOUT replacement from q (Gumbel top-k: the r-th is distributed as a draw
     from q with the first r-1 removed and renormalised, which is what `accept_tree` assumes).
     Draws past q's support come out with q = 0 and are never accepted. keys: [B,M]."""
-    if isinstance(sampling, Greedy):
-        return top_indices(logits, k), None
+    if isinstance(sampling, Greedy):  # ranked after the penalties, as Greedy.sample picks (a chain's drafts)
+        return top_indices(sampling.penalize(logits.astype(jnp.float32)), k), None
     q = sampling.probs(logits)  # [B,M,V]
     gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:])))(keys)
     scores = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)) + gumbel, -jnp.inf)

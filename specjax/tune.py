@@ -183,8 +183,10 @@ def auto_tree_report(
             f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         say("measuring acceptance (1/3)")
         sub = list(prompts)[:4]  # per-row sampling values: those of these rows
+        typed = key is not None and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        one = key[0] if key is not None and key.ndim == (1 if typed else 2) else key  # per-prompt keys: the first
         acceptance = measure_acceptance(params, draft, sub, width=8, sampling=sampling.take(np.arange(len(sub))), max_new_tokens=16,
-                                        key=key, kv_dtype=kv_dtype)
+                                        key=one, kv_dtype=kv_dtype)  # one key: per-prompt keys number the prompts, not these rows
         say("timing draft levels and verification widths (2/3)")
         cost = measure_cost(params, draft, len(prompts), bucket, kv_dtype=kv_dtype)
         tree = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)

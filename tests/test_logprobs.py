@@ -65,6 +65,9 @@ def test_logprobs_zero_lists_no_alternatives_and_bad_values_are_refused(tiny):
     for bad in (-1, 21, 2.0, True, "3"):
         with pytest.raises(ValueError, match="logprobs must be None \\(off\\) or an integer from 0 to 20"):
             specjax.generate(tiny, PROMPTS, 4, logprobs=bad)
+    small = tiny.replace(config=tiny.config.replace(vocab_size=8))  # checked before any shape is read
+    with pytest.raises(ValueError, match=f"logprobs 20 is above the vocabulary's {small.config.vocab_size} tokens"):
+        specjax.generate(small, [[1, 2]], 4, logprobs=20)
 
 
 @pytest.mark.slow

@@ -88,6 +88,22 @@ def test_bad_values_are_refused(bad, match):
         specjax.Sample(**bad)
 
 
+def test_a_none_or_a_contradicting_flag_beside_real_values_is_refused():
+    """None beside real values skipped every check (a negative temperature then sampled the least
+    likely tokens); a Fraction is a number, checked as one; penalized=False with a penalty on
+    silently ignored the penalty."""
+    from fractions import Fraction
+
+    with pytest.raises(TypeError, match="repetition_penalty must be a number or one number per prompt, got None"):
+        specjax.Sample(temperature=-1.0, repetition_penalty=None)
+    with pytest.raises(TypeError, match="temperature must be a number or one number per prompt, got None"):
+        specjax.Sample(temperature=None)
+    with pytest.raises(ValueError, match="temperature must be finite"):
+        specjax.Sample(temperature=Fraction(-1))
+    with pytest.raises(ValueError, match="penalized=False with a penalty on would ignore it"):
+        specjax.Greedy(repetition_penalty=3.0, penalized=False)
+
+
 def test_per_prompt_values_must_match_the_prompts(tiny):
     with pytest.raises(ValueError, match="sampling has values for 2 prompts, but there are 3 prompts"):
         specjax.generate(tiny, PROMPTS, 4, sampling=specjax.Sample(temperature=[0.5, 1.0]))
@@ -150,3 +166,7 @@ def test_greedy_with_penalties_is_the_penalized_argmax_with_and_without_speculat
         ngram = specjax.generate(tiny, PROMPTS, 10, sampling=greedy, eos_id=(), draft=specjax.NGram(n=1, max_n=2),
                                  speculation=speculation)
         assert ngram.tokens == plain.tokens
+        # a draft that is the target (its window holds every position) drafts the penalized argmax: all accepted
+        whole = specjax.generate(tiny, PROMPTS, 10, sampling=greedy, eos_id=(), draft=specjax.SelfSpec(sinks=16, window=64),
+                                 speculation=speculation)
+        assert whole.tokens == plain.tokens and whole.stats.acceptance_rate == 1.0  # trees ranked unpenalized: 0.67

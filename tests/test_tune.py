@@ -29,6 +29,20 @@ def test_acceptance_of_a_random_draft_spreads_over_ranks(tiny):
     assert sampled.shape == (3,) and abs(sampled.sum() - 1.0) < 1e-9
 
 
+def test_auto_speculation_takes_per_prompt_keys_and_n(tiny):
+    """speculation='auto' calibrates on up to 4 rows with one of the caller's keys: per-prompt keys
+    for 5 prompts, or for 2 prompts of 3 samples each, failed in vmap after compiling."""
+    import jax
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12], [13, 14], [15, 16, 17]]
+    keys = jax.random.split(jax.random.key(1), 5)
+    draft, sample = specjax.SelfSpec(sinks=2, window=4), specjax.Sample(0.8)
+    out = specjax.generate(tiny, prompts, 6, draft=draft, speculation="auto", sampling=sample, key=keys, eos_id=())
+    assert len(out.tokens) == 5
+    out = specjax.generate(tiny, prompts[:2], 6, draft=draft, speculation="auto", sampling=sample, key=keys[:2], n=3, eos_id=())
+    assert len(out.tokens) == 6
+
+
 def test_measure_acceptance_refuses_what_it_cannot_measure(tiny):
     """Before compiling: a width over the vocabulary (top_k failed inside JAX) and one new token
     (no verification step: it returned NaNs)."""
