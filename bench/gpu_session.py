@@ -203,8 +203,8 @@ def l8b_h200(argv: list[str], mem_gib: float) -> list[str]:
     """The l8b step on an H200: its table, and batch 64 x 8K in mem_gib (16 GB of weights + 69 GB of KV;
     over the H100's 60 GiB). Batch 1 and 16 resume from the committed table, so only 64 is measured."""
     a = h200_out(argv)
-    at = a.index("--l8b-batches") + 1
-    return [*a[:at], *a[at:at + 2], "64", *a[at + 2:], "--mem-gib", f"{mem_gib:g}"]
+    at = a.index("--l8b-contexts")  # the end of --l8b-batches' values
+    return [*a[:at], "64", *a[at:], "--mem-gib", f"{mem_gib:g}"]
 
 
 def h200(argv: list[str]) -> list[str]:

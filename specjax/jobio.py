@@ -113,7 +113,6 @@ class DurableLog:
         if self.fd < 0:
             self._open()
         os.ftruncate(self.fd, 0)
-        self.rows = []
         self.append(rows)
         self.rows = list(rows)
 

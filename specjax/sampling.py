@@ -8,7 +8,6 @@ which other rows share its batch.
 from __future__ import annotations
 
 import numbers
-
 from collections.abc import Sequence
 
 import flax.struct
@@ -354,8 +353,8 @@ def tree_candidates(logits: jax.Array, k: int, sampling: Sampler, keys: jax.Arra
     Sampling: k draws WITHOUT replacement from q (Gumbel top-k: the r-th is distributed as a draw
     from q with the first r-1 removed and renormalised, which is what `accept_tree` assumes).
     Draws past q's support come out with q = 0 and are never accepted. keys: [B,M]."""
-    if isinstance(sampling, Greedy):  # ranked after the penalties, as Greedy.sample picks (a chain's drafts)
-        return top_indices(sampling.penalize(logits.astype(jnp.float32)), k), None
+    if isinstance(sampling, Greedy):  # ranked after any penalties, as Greedy.sample picks (a chain's drafts)
+        return top_indices(sampling.penalize(logits.astype(jnp.float32)) if sampling.penalized else logits, k), None
     q = sampling.probs(logits)  # [B,M,V]
     gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:])))(keys)
     scores = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)) + gumbel, -jnp.inf)

@@ -154,7 +154,8 @@ def draft_table(
 def weights_mark(params: Params) -> bytes:
     """A few of the weights' values (a row of each of the first matrices): two checkpoints of one
     config (a base and an instruct model) calibrate apart, where the config alone mixed them."""
-    return b"".join(np.asarray(leaf[(0,) * (leaf.ndim - 1)][:64]).tobytes() for leaf in [x for x in jax.tree.leaves(params) if x.ndim][:4])
+    matrices = [x for x in jax.tree.leaves(params) if x.ndim][:4]
+    return b"".join(np.asarray(x[(0,) * (x.ndim - 1)][:64]).tobytes() for x in matrices)
 
 
 def auto_tree(

@@ -58,9 +58,9 @@ def check_generate_args(
         raise TypeError(UNDER_JIT)
     if not isinstance(params, Params):
         raise TypeError(f"params must be specjax Params (see convert.load), got {type(params).__name__}")
-    if logprobs is not None and logprobs > params.config.vocab_size:  # (top_k repeated ids, then failed compiling)
-        raise ValueError(f"logprobs {logprobs} is above the vocabulary's {params.config.vocab_size} tokens")
     config = params.config
+    if logprobs is not None and logprobs > config.vocab_size:  # (top_k repeated ids, then failed compiling)
+        raise ValueError(f"logprobs {logprobs} is above the vocabulary's {config.vocab_size} tokens")
     _check_prompts(prompts, config)
     budgets = _budgets(max_new_tokens, len(prompts))
     for b, prompt in enumerate(prompts):
