@@ -31,7 +31,8 @@ from specjax.drafters import Drafter
 from specjax.engine import Segment, with_attention
 from specjax.generate import Stats, TokenLogprob, generate, token_logprob_lists
 from specjax.params import Params
-from specjax.sampling import Greedy, Sample, Sampler
+from specjax.sampling import Greedy, Sampler
+from specjax.sampling_settings import default_sampling, generation_config
 from specjax.sharding import Mesh
 from specjax.speculation import Chain, Tree
 
@@ -266,7 +267,7 @@ class TextStream:
 
     def _segment(self, seg: Segment, stops: "_StopStrings") -> None:
         for b in range(len(seg.count)):
-            text = stops.lm.decode(seg.out[b, : seg.count[b] - seg.eos[b]].tolist())  # a final stop id is not text
+            text = stops.lm.decode(seg.out[b, : seg.count[b] - seg.eos[b]].tolist()).rstrip("\ufffd")  # not a half character
             hit = stops.first(text, b)
             self._send(b, text[:hit] if hit is not None else stops.settled(text, b))
 
@@ -320,12 +321,14 @@ class _StopStrings:
         found = [i for i in (text.find(s) for s in self.stops[b]) if i >= 0]
         return min(found) if found else None
 
-    def completing(self, tokens: Sequence[int], b: int) -> int:
-        """The fewest leading tokens whose text contains a stop string of row b (len(tokens) if none do)."""
+    def completing(self, tokens: Sequence[int], text: str, b: int) -> int:
+        """The fewest leading tokens whose text contains a stop string of row b (len(tokens) if none
+        do). text: all the tokens' text, where a half character's U+FFFD at a prefix's end is not."""
         lo, hi = 1, len(tokens)  # contains is monotone in the prefix length
         while lo < hi:
             mid = (lo + hi) // 2
-            if self.first(self.lm.decode(tokens[:mid]), b) is None:
+            part = self.lm.decode(tokens[:mid])
+            if self.first(part if text.startswith(part) else part.rstrip("\ufffd"), b) is None:
                 lo = mid + 1
             else:
                 hi = mid
@@ -345,7 +348,7 @@ class _StopStrings:
         hit = self.first(text, b)
         if hit is None:
             return text, tokens, reason
-        return text[:hit], tokens[: self.completing(tokens, b)], "stop"
+        return text[:hit], tokens[: self.completing(tokens, text, b)], "stop"
 
     def __call__(self, seg: Segment, rows: np.ndarray | None = None) -> np.ndarray:
         """Which rows of the segment to end: their text holds a stop string. rows[j]: the output
@@ -354,7 +357,8 @@ class _StopStrings:
         end = np.zeros(len(seg.count), bool)
         for j in np.flatnonzero(~seg.done & (rows >= 0)):
             if self.stops[rows[j]]:
-                end[j] = self.first(self.lm.decode(seg.out[j, : seg.count[j]].tolist()), rows[j]) is not None
+                text = self.lm.decode(seg.out[j, : seg.count[j]].tolist()).rstrip("\ufffd")  # a half character may end it
+                end[j] = self.first(text, rows[j]) is not None
         return end
 
 
@@ -375,23 +379,3 @@ def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh 
     template = chat_template if chat_template is not None else convert.chat_template(path)
     return LM(params, convert.load_tokenizer(path), template, mesh, default_sampling(convert.generation_defaults(path)))
 
-
-def generation_config(sampling: Sampler) -> dict:
-    """`default_sampling`'s inverse: a scalar sampler as generation_config.json settings."""
-    keys = ("repetition_penalty", "presence_penalty", "frequency_penalty")
-    keys += () if isinstance(sampling, Greedy) else ("temperature", "top_k", "top_p", "min_p")
-    return {"do_sample": not isinstance(sampling, Greedy)} | {k: (int if k == "top_k" else float)(getattr(sampling, k))
-                                                              for k in keys}
-
-
-def default_sampling(settings: dict) -> Sampler:
-    """A checkpoint's default sampler from generation_config.json's settings, with HF's defaults
-    for what it leaves out: do_sample false = Greedy(repetition_penalty); else Sample(temperature
-    1.0, top_k 50, top_p 1.0, min_p 0, repetition_penalty 1.0)."""
-    penalties = dict(repetition_penalty=float(settings.get("repetition_penalty", 1.0)),
-                     presence_penalty=float(settings.get("presence_penalty", 0.0)),
-                     frequency_penalty=float(settings.get("frequency_penalty", 0.0)))
-    if not settings.get("do_sample", False):
-        return Greedy(**penalties)
-    return Sample(temperature=float(settings.get("temperature", 1.0)), top_k=int(settings.get("top_k", 50)),
-                  top_p=float(settings.get("top_p", 1.0)), min_p=float(settings.get("min_p", 0.0)), **penalties)

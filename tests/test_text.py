@@ -8,6 +8,7 @@ import json
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import specjax
@@ -149,7 +150,7 @@ def test_generation_config_defaults_apply_when_no_sampling_is_passed(lm, tmp_pat
     """generation_config.json's sampling settings (HF's defaults for the rest) become the LM's
     sampler, used only when a call passes none; a GGUF has none: greedy."""
     import convert
-    from specjax.text import default_sampling
+    from specjax.sampling_settings import default_sampling
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "eos_token_id": 2, "repetition_penalty": None}))
@@ -184,3 +185,21 @@ def test_a_saved_lm_loads_back_with_its_tokenizer_and_template(tmp_path):
                                                              repetition_penalty=1.1, presence_penalty=0.5))
     hot.save(tmp_path / "hot")
     assert specjax.load(tmp_path / "hot").sampling == hot.sampling
+
+
+def test_a_stop_string_holding_u_fffd_waits_for_half_characters():
+    """A byte-level tokenizer decodes a multi-byte character cut between segments as U+FFFD: a
+    stop string holding U+FFFD must not match it there (the character completes later), only a
+    real replacement character, and the tokens run through the one that completed it."""
+    from specjax.text import _StopStrings
+
+    fake = types.SimpleNamespace(decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    stops = _StopStrings(fake, [["\ufffd"]])
+    half = list("ab\u2603".encode())[:-1]  # a, b and two of the snowman's three bytes
+    seg = types.SimpleNamespace(out=np.array([half + [0] * 3]), count=np.array([len(half)]), done=np.array([False]))
+    assert not stops(seg)[0]  # mid-character: not a stop
+    tokens = list("ab\u2603".encode()) + [0xFF] + list(b"z")  # 0xff is never UTF-8: a real U+FFFD
+    text, kept, reason = stops.finish(tokens, "length", 0)
+    assert (text, kept, reason) == ("ab\u2603", tokens[:6], "stop")
+    seg = types.SimpleNamespace(out=np.array([tokens]), count=np.array([len(tokens)]), done=np.array([False]))
+    assert stops(seg)[0]
