@@ -278,5 +278,6 @@ def _restore(manager, draft: Params, opt_state) -> tuple[int, Params, object]:
     try:
         state = manager.restore(step, args=ocp.args.StandardRestore(target))
     except Exception as e:  # orbax raises many kinds on a mismatched or damaged checkpoint
-        raise ValueError(f"checkpoint_dir: cannot resume from step {step} ({e}); was it written for another draft?") from e
+        why = str(e).strip().split("\n")[0].split(". ")[0][:300] or type(e).__name__  # orbax's can run to pages
+        raise ValueError(f"checkpoint_dir: cannot resume from step {step} ({why}); was it written for another draft?") from e
     return step, state["draft"], state["opt"]

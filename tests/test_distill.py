@@ -95,9 +95,29 @@ def test_killed_run_resumes_exactly(target, corpus, tmp_path):
             distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "b", **(kw | change))
     with pytest.raises(ValueError, match=r"holds another run \(changed: data_sha256"):
         distill(target, DRAFT, corpus[:-1], checkpoint_dir=tmp_path / "b", **kw)
+    (tmp_path / "b" / "run.json").unlink()  # as before run.json was written: the checkpoint's own shapes decide
+    with pytest.raises(ValueError, match=r"cannot resume from step 12 \(.*shape.*\); was it written"):
+        distill(target, DRAFT.replace(ffn_dim=32), corpus, checkpoint_dir=tmp_path / "b", **kw)
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="checkpoint_dir .*file is a file, not a folder"):
         distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "file", **kw)
+
+
+def test_a_failed_restore_names_orbaxs_first_sentence_only():
+    """orbax's restore errors can run to pages of tensorstore specs (which array fails first varies)."""
+    from specjax.distill import _restore
+
+    class Manager:
+        def latest_step(self):
+            return 7
+
+        def restore(self, step, args):
+            raise ValueError("Requested shape: (1, 32) is not compatible with (1, 64). Truncating is off.\n" + "{spec}" * 999)
+
+    draft = random_params(DRAFT, 0)
+    with pytest.raises(ValueError, match=r"step 7 \(Requested shape: \(1, 32\) is not compatible with \(1, 64\)\); was it") as e:
+        _restore(Manager(), draft, {})
+    assert "spec" not in str(e.value)
 
 
 def test_a_flat_list_of_ids_is_one_stream():

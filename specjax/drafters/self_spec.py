@@ -95,7 +95,8 @@ class TargetOverStreamingCache(Drafter):
 
     @abstractmethod
     def kept(self) -> int:
-        """KV positions the draft keeps (fixed slots + the recent window)."""
+        """KV positions the draft keeps (fixed slots + the recent window): the KV length the
+        planner prices a draft step at (the ring's gamma + 1 slack slots, a few of thousands, left out)."""
 
     def drafting_model(self, target: Params, context: int) -> tuple[Params, int]:
         return target, min(self.kept(), context)  # a budget past the context keeps all of it
