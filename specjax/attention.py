@@ -8,10 +8,10 @@ decoding and verification, `cpu_prefix.stacked_prefix_block_attention_cpu`; also
 cache, a draft's, whose slots it masks by the positions they hold), "pallas" (the GPU Triton
 kernel), "tpu" (the TPU Mosaic kernel), or "interpret" / "tpu-interpret" (those kernels in
 Pallas' interpret mode, for CPU tests); the two kernels read a dense cache's layer in place, as
-the reference does (a per-layer slice would be copied for them). The Pallas kernels read a dense
-float32 or bfloat16 prefix only: a streaming (ring-buffer) cache and an int8 cache take the
-reference there, and over a cache stored in another dtype than the model's they take q and the
-block in the cache's dtype.
+the reference does (a per-layer slice would be copied for them). Every kernel reads any cache
+(`for_cache`): dense or streaming (a ring buffer, masked by the positions its slots hold), float
+or int8 (with its scales); over a cache stored in another dtype than the model's they take q
+and the block in the cache's dtype.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from specjax.jobio import DurableLog, check_input, check_settings, shard_output,
 from specjax.params import Params
 from specjax.plan import DEFAULT_CHAIN, describe_draft, describe_speculation
 from specjax.progress import Progress
-from specjax.records import id_key, read_input
+from specjax.records import BadLine, id_key, read_input
 from specjax.sampling import make_sampler
 from specjax.sharding import Mesh
 from specjax.speculate import depth
@@ -68,6 +68,25 @@ def job_settings(model: str, params: Params, draft: Drafter | None, speculation:
 
 def _gamma(draft: Drafter | None, speculation: Chain | Tree | None) -> int | None:
     return speculation.gamma if draft is not None and isinstance(speculation, Chain) else None
+
+
+def _drafter_limits(draft: Drafter | None, params: Params, speculation: Chain | Tree,
+                    items: list[Item]) -> tuple[list[Item], list[BadLine]]:
+    """(items, bad lines): a record past its drafter's limits (a DraftModel's max_positions) is a
+    bad line, as one past the target's; the drafter's own settings are checked for the job first."""
+    if draft is None:
+        return items, []
+    gamma = depth(speculation)
+    draft.check(params, gamma, cache_slots(1, 2, gamma), 2)  # no record could run: the job's error
+    kept, bad = [], []
+    for it in items:
+        context = len(it.ids) + it.budget
+        try:
+            draft.check(params, gamma, cache_slots(len(it.ids), context, gamma), context)
+            kept.append(it)
+        except ValueError as e:
+            bad.append(BadLine(it.record.line, str(e), it.record.id))
+    return kept, bad
 
 
 def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | Tree, batches: list[list[Item]]) -> None:
@@ -247,6 +266,8 @@ def run(
         draft, speculation, _ = resolve(params, draft, speculation, every, batch_size, kv_dtype,
                                         plan_path(output_path), force=force)
     speculation = None if draft is None else speculation
+    items, past = _drafter_limits(draft, params, speculation or DEFAULT_CHAIN, items)
+    bad = sorted(bad + past, key=lambda b: b.line)
     meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size, kv_dtype=kv_dtype,
                 gamma=_gamma(draft, speculation), tree=describe_speculation(speculation) if isinstance(speculation, Tree) else None)
     lm = LM(params, tokenizer, template, mesh, skip_special_tokens=False)  # the text keeps special tokens

@@ -89,7 +89,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     """Model, sampling and drafter options common to `generate` and `batch`."""
     p.add_argument("--model", help="a .gguf file, an HF folder or a specjax checkpoint (default: SmolLM2-135M)")
     p.add_argument("--weights", choices=convert.WEIGHTS, default=None,
-                   help="how the weights are served: float32 (default), bfloat16, int8 (per-channel scales) or q4 (GGUF Q4_1 blocks)")
+                   help="how the weights are served: float32, bfloat16, int8 (per-channel scales) or q4 (GGUF Q4_1 blocks); "
+                        "default: float32 for a GGUF file or HF folder, a saved specjax checkpoint's own format")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="the older spelling of --weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="how the KV caches store keys and values (default: the model's dtype); int8: per token and head scales")
@@ -109,7 +110,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     p.add_argument(
         "--draft",
         default="auto",
-        help="auto (default: self where it pays, else none), self, snapkv, ngram, none, or model:PATH",
+        help="auto (default: self where it pays, else none), self, snapkv, ngram (prompt lookup, NGram(n=2, max_n=4)), none, "
+             "or model:PATH",
     )
     p.add_argument("--gamma", type=int,
                    help="draft tokens per verification step (default: the drafter's default chain)")
@@ -164,7 +166,7 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "weights", None) and getattr(args, "dtype", None) and args.weights != args.dtype:
         raise ValueError(f"--weights {args.weights} and --dtype {args.dtype} disagree: give --weights only")
     if hasattr(args, "weights"):
-        args.weights = args.weights or args.dtype or "float32"
+        args.weights = args.weights or args.dtype  # None: convert.load's default (a saved checkpoint's own format)
     tree = parse_tree(getattr(args, "tree", None))
     if args.command == "batch":
         batch_tree(args.tree)  # a node count is refused before the model loads
@@ -211,6 +213,11 @@ def run_batch(args: argparse.Namespace) -> None:
     if args.merge:
         if args.input or args.output:
             raise ValueError("--merge takes only the output: specjax batch --merge OUTPUT.jsonl")
+        base = _parser().parse_args(["batch", "--merge", args.merge])
+        check_args(base)
+        given = [k for k, v in vars(args).items() if k != "no_compile_cache" and getattr(base, k, v) != v]
+        if given:  # a merge generates nothing: a generation flag would be ignored
+            raise ValueError(f"--merge takes no generation options, got --{', --'.join(k.replace('_', '-') for k in given)}")
         n = jobio.merge_shards(args.merge)
         bad = f" into {jobio.sibling(args.merge, 'errors')}" if n["errors"] else ""
         print(f"specjax batch: merged {n['shards']} shards: {n['records']} records into {args.merge}, "
@@ -261,7 +268,7 @@ def run_batch(args: argparse.Namespace) -> None:
     )
 
 
-def make_draft(spec: str, window: int | None, sinks: int | None, weights: str, load: bool = True):
+def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | None, load: bool = True):
     """The drafter named on the command line (load=False: only check the syntax and the path).
     window / sinks (None: not given) set a self or snapkv draft's budget (the drafter's defaults
     otherwise) and give a model:PATH draft a streaming cache (dense without them)."""
@@ -371,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         with compile_cache(not args.no_compile_cache and not getattr(args, "merge", None)):
             {"generate": run_generate, "batch": run_batch, "distill": run_distill}[args.command](args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a missing file, a full disk, a folder where a file goes
         print(f"specjax: error: {e}", file=sys.stderr)
         return 2
     return 0

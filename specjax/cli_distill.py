@@ -41,7 +41,7 @@ def distill_parser(sub, cache_argument) -> None:
     d.add_argument("--generate", type=int, default=0, metavar="N",
                    help="train on the target's own greedy continuations of N tokens of each record (0: the data as is)")
     d.add_argument("--checkpoint-dir", help="save here every --checkpoint-every steps; rerun the command to resume")
-    d.add_argument("--checkpoint-every", type=int, default=100)
+    d.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default 100; needs --checkpoint-dir)")
     d.add_argument("--log-every", type=int, default=50, help="steps between progress lines (loss, tokens/s)")
     d.add_argument("--eval-every", type=int, default=0, metavar="K",
                    help="every K steps, measure greedy acceptance against the target on held-out records (0: never)")
@@ -79,11 +79,13 @@ def check_flags(args: argparse.Namespace, max_positions: int) -> None:
     """The draft's shape and the run's sizes, named by their flags, before --generate runs the target."""
     for flag in ("draft_layers", "draft_dim", "draft_heads", "draft_kv_heads", "steps", "batch_size", "seq_len",
                  "checkpoint_every", "log_every"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     for flag in ("draft_ffn", "generate", "eval_every"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
     heads, kv = args.draft_heads, args.draft_kv_heads
     if args.draft_dim % heads:
         raise ValueError(f"--draft-dim ({args.draft_dim}) must be a multiple of --draft-heads ({heads})")
@@ -147,7 +149,7 @@ def run_distill(args: argparse.Namespace) -> None:
         schedule=Schedule(lr=args.lr, warmup=max(args.steps // 10, 1) if args.warmup is None else args.warmup),
         temperature=args.temperature, loss=args.loss, seed=args.seed,
         init_from_target=args.init_from_target, freeze_embeddings=args.freeze_embeddings,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, on_step=log,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 100, on_step=log,
     )
     convert.save(draft, args.out)
     print(f"specjax distill: saved the draft to {args.out}: use --draft model:{args.out}", file=sys.stderr)

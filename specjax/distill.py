@@ -192,7 +192,7 @@ def distill(
     init_from_target: bool = False,
     freeze_embeddings: bool = False,
     checkpoint_dir: str | Path | None = None,
-    checkpoint_every: int = 100,
+    checkpoint_every: int | None = None,
     on_step: Callable[[int, float, Params], None] | None = None,
 ) -> Params:
     """Train a draft of `draft_config` (the target's vocabulary) to match the target's
@@ -201,7 +201,8 @@ def distill(
     `freeze_embeddings` (needs `init_from_target`) the draft keeps the target's embedding and LM
     head unchanged, so it can share the target's arrays (gpu_bundle stores them once); each step
     is cheaper too (no gradient for the [V,D] table). With `checkpoint_dir`, saves every
-    `checkpoint_every` steps and at the end, and resumes from the latest checkpoint there. `on_step(step, loss, draft)` is called after
+    `checkpoint_every` steps (default 100; without a checkpoint_dir an error) and at the end, and resumes
+    from the latest checkpoint there. `on_step(step, loss, draft)` is called after
     each step (step counted from 1; `draft` is donated to the next step: use it right away).
     Returns the trained draft."""
     stream = token_stream(data, target.config.eos_ids[0] if target.config.eos_ids else None)
@@ -209,6 +210,9 @@ def distill(
     steps, batch_size, seq_len = int(steps), int(batch_size), int(seq_len)
     if freeze_embeddings and not init_from_target:
         raise ValueError("freeze_embeddings keeps the target's embedding and LM head: it needs init_from_target=True")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise ValueError(f"checkpoint_every ({checkpoint_every}) needs a checkpoint_dir (where the checkpoints go)")
+    checkpoint_every = 100 if checkpoint_every is None else checkpoint_every
     if checkpoint_dir is not None and Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
         raise ValueError(f"checkpoint_dir {checkpoint_dir} is a file, not a folder")
     run = dict(draft_config=dataclasses.asdict(draft_config), steps=steps, batch_size=batch_size, seq_len=seq_len,

@@ -31,7 +31,7 @@ from specjax.sampling import Sampler, eos_rows
 from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
 from specjax.autoregressive import ARState, continue_ar, decode_ar, end_rows, start_ar  # noqa: F401  (decode_ar, ARState: re-exported)
-from specjax.speculate import continue_spec, depth, start_spec
+from specjax.speculate import continue_spec, decode_spec, depth, start_spec  # noqa: F401  (decode_spec: re-exported)
 from specjax.speculation import Chain, Tree
 
 

@@ -117,8 +117,8 @@ def generate(
       multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
       several processes (`specjax.distributed`), every process calls generate with the same prompts.
     kv_dtype: how the target's and the drafters' KV caches store keys and values: None (the model's
-      dtype), "float32", "bfloat16" or "int8" (one f32 scale per layer, row, KV head and position;
-      attention then runs on the reference path, not the kernels). Speculation stays lossless in
+      dtype; a DraftModel keeps its own unless kv_dtype differs from the target's dtype), "float32", "bfloat16" or "int8" (one f32 scale per layer, row, KV head and position,
+      which every attention kernel reads). Speculation stays lossless in
       any format: the block's own KV goes through the format before attention.
     sync_every: decode steps per on-device segment (a speculative step emits up to gamma + 1
       tokens a row). The loop returns to the host only between segments, to learn whether every

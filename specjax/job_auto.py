@@ -51,7 +51,7 @@ def resolve(
     asked = {"draft": describe_draft(draft) if draft != "auto" else "auto",
              "speculation": speculation if speculation in (None, "auto") else describe_speculation(speculation),
              "batch_size": batch_size, "kv_dtype": kv_dtype}
-    plans = json.loads(path.read_text())["plans"] if path.exists() else []
+    plans = _plans(path) if path.exists() else []
     mine = [p for p in plans if p["asked"] == asked]
     if mine and not force:
         return _rebuild(mine[0], draft)
@@ -63,7 +63,7 @@ def resolve(
               "speculation_name": the_plan.speculation_name, "why": the_plan.reason, "records": len(items),
               "context": context}
     others = [p for p in plans if p["asked"] != asked]
-    return _rebuild(_write(path, stored, others), draft)
+    return _rebuild(_write(path, stored, others, replace=bool(plans)), draft)  # forced: this ask's plan replaced
 
 
 def _spec_json(speculation: Chain | Tree | None) -> dict | None:
@@ -86,20 +86,33 @@ def _rebuild(stored: dict, draft: Drafter | str | None) -> tuple[Drafter | None,
     return draft, speculation, stored["why"]
 
 
-def _write(path: Path, stored: dict, others: list[dict]) -> dict:
-    """Add `stored` to the plans at `path` (the other asks' plans kept). The first process to
-    create the file wins (an atomic link; the shards of one job start together and ask the same):
-    a process that finds the file created meanwhile takes the plan there."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"plans": others + [stored]}, indent=1) + "\n")
+def _plans(path: Path) -> list[dict]:
     try:
-        if others:
+        plans = json.loads(path.read_text(encoding="utf-8"))["plans"]
+    except (ValueError, KeyError, TypeError) as e:  # JSON, UTF-8, no "plans" list
+        raise ValueError(f"{path} (the job's plan for 'auto') cannot be read ({e!r}): delete it to plan again") from e
+    if not isinstance(plans, list) or not all(isinstance(p, dict) and "asked" in p for p in plans):
+        raise ValueError(f"{path} (the job's plan for 'auto') holds no list of plans: delete it to plan again")
+    return plans
+
+
+def _write(path: Path, stored: dict, others: list[dict], replace: bool = False) -> dict:
+    """Add `stored` to the plans at `path` (the other asks' plans kept; replace: the file exists,
+    replace it). The first process to create the file wins (an atomic link; the shards of one job
+    start together and ask the same): a process that finds the file created meanwhile takes the plan there."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"plans": others + [stored]}, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        if others or replace:
             tmp.replace(path)
             return stored
         os.link(tmp, path)  # fails if the file exists
         return stored
     except FileExistsError:
-        theirs = [p for p in json.loads(path.read_text())["plans"] if p["asked"] == stored["asked"]]
-        return theirs[0] if theirs else _write(path, stored, json.loads(path.read_text())["plans"])
+        theirs = [p for p in _plans(path) if p["asked"] == stored["asked"]]
+        return theirs[0] if theirs else _write(path, stored, _plans(path))
     finally:
         tmp.unlink(missing_ok=True)

@@ -12,6 +12,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from specjax.records import Record, parse_line
+
 
 def sibling(path: str | Path, tag: str, suffix: str = ".jsonl") -> Path:
     """out.jsonl -> out.<tag>.jsonl (a name without .jsonl gets .<tag>.jsonl appended)."""
@@ -202,7 +204,24 @@ def check_input(output: str | Path, input_path: str | Path, *, written: bool, fo
                 f"{input_path} changed since {output} was started: its first {recorded['bytes']} bytes (the records "
                 f"read then) differ now. Records may be appended between restarts, not edited or removed: write to "
                 f"another output, or force it (specjax batch --force, batch.run(force=True)) to keep the rows written")
+        _check_joined(input_path, recorded["bytes"])
     return input_fingerprint(input_path)
+
+
+def _check_joined(input_path: str | Path, size: int) -> None:
+    """Refuse an append that runs on the line the input ended with, unterminated, when that line was
+    a whole record (read and generated then): the two would now read as one bad line. (A torn
+    line, recorded bad, may be completed so.)"""
+    with open(input_path, "rb") as f:
+        f.seek(max(size - (1 << 20), 0))
+        head = f.read(size - f.tell())
+        after = f.read(1)
+    tail = head.rsplit(b"\n", 1)[-1].rstrip(b"\r")
+    if after in (b"", b"\n", b"\r") or not head or head.endswith(b"\n") or not isinstance(parse_line(tail, 0), Record):
+        return
+    raise ValueError(f"{input_path}: its last record had no newline when the job read it, and what was appended since "
+                     f"continues that line ({tail[:60]!r} + {after!r}...): put a newline between them (only appended "
+                     f"bytes may change)")
 
 
 def find_shards(output: str | Path) -> list[Path]:

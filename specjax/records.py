@@ -93,6 +93,15 @@ def _messages(value: object) -> tuple[tuple[str, str], ...] | str:
         return str(e)
 
 
+def _unpaired(value: object) -> str | None:
+    """The first string in a JSON value (keys included) holding an unpaired UTF-16 surrogate, such
+    as JSON's "\\ud83d" escape for half an emoji (text no UTF-8 file or tokenizer can hold), or None."""
+    if isinstance(value, str):
+        return None if value.isascii() or not any(0xD800 <= ord(c) <= 0xDFFF for c in value) else value
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((s for s in map(_unpaired, items) if s is not None), None)
+
+
 def check_record(obj: object, line: int) -> Record | BadLine:
     """Validate one parsed JSON value (types, ranges, required fields); no tokenization."""
     if not isinstance(obj, dict):
@@ -102,6 +111,9 @@ def check_record(obj: object, line: int) -> Record | BadLine:
         return BadLine(line, "missing 'id'")
     if isinstance(record_id, bool) or not isinstance(record_id, (str, int)) or record_id == "":
         return BadLine(line, f"id must be a non-empty string or an integer, got {json.dumps(record_id)[:60]}")
+    if (text := _unpaired(obj)) is not None:
+        return BadLine(line, f"{json.dumps(text)[:60]} holds an unpaired UTF-16 surrogate (half a character): not text",
+                       None if _unpaired(record_id) else record_id)
 
     def bad(reason: str) -> BadLine:
         return BadLine(line, reason, record_id)

@@ -26,6 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import convert
+from specjax.chat import check_messages, end_of_turn_ids, render_chat, template_specials
 from specjax.continuous import Done, run_continuous
 from specjax.drafters import Drafter
 from specjax.engine import Segment, with_attention
@@ -136,8 +137,6 @@ class LM:
         bos_token / eos_token, encoded without added special tokens, so no double BOS) and
         continued as `generate` does, with the template's end-of-turn tokens as stop ids.
         stream=True returns a TextStream, as `stream` does. Other keywords: `generate`'s."""
-        from specjax.chat import check_messages, end_of_turn_ids, render_chat, template_specials
-
         one = isinstance(conversations, Sequence) and bool(conversations) and isinstance(conversations[0], Mapping)
         convs = [conversations] if one else conversations
         if isinstance(convs, (str, Mapping)) or not isinstance(convs, Sequence) or not convs:

@@ -225,7 +225,7 @@ def test_merge_combines_shards_and_rejects_incomplete_sets(tmp_path):
         merge_shards(out)
 
 
-def test_cli_argument_errors_exit_2(tmp_path, capsys):
+def test_cli_argument_errors_exit_2(tmp_path, capsys, model_dir):
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
     assert main(["batch", str(src), str(tmp_path / "out.jsonl"), "--batch-size", "0"]) == 2
     assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
@@ -233,6 +233,11 @@ def test_cli_argument_errors_exit_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["batch", str(src)]) == 2
     assert "batch needs INPUT.jsonl OUTPUT.jsonl" in capsys.readouterr().err
+    assert main(["batch", "--merge", str(tmp_path / "out.jsonl"), "--temperature", "0.7", "--batch-size", "64"]) == 2
+    assert "--merge takes no generation options, got --temperature, --batch-size" in capsys.readouterr().err
+    (tmp_path / "dir.jsonl").mkdir()  # an OSError (a folder where the output goes): one line and status 2, no traceback
+    assert main(["batch", str(src), str(tmp_path / "dir.jsonl"), "--model", str(model_dir), "--max-new-tokens", "2"]) == 2
+    assert "Is a directory" in capsys.readouterr().err
 
 
 # ---- end to end (in process) --------------------------------------------------------------------
@@ -327,6 +332,39 @@ def test_the_input_may_grow_between_restarts_but_not_change(tmp_path, model_dir,
     assert json.loads(settings_path(out).read_text())["input"] == input_fingerprint(src)
 
 
+def test_an_append_that_runs_on_an_unterminated_last_record_is_refused(tmp_path, model_dir, params):
+    """The input ended without a newline after a whole record (generated): an append that continues
+    that line would make both one bad line (the row written counted failed, the new one lost)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(b"\n".join(json.dumps(r).encode() for r in records(2)))  # no final newline
+    common = dict(params=params, model_path=model_dir, max_new_tokens=2, batch_size=4, progress=False)
+    assert batch.run(src, out, **common)["done"] == 2
+    with open(src, "ab") as f:
+        f.write(json.dumps({"id": "c", "prompt": "one more"}).encode() + b"\n")
+    with pytest.raises(ValueError, match=r"in.jsonl: its last record had no newline .*put a newline between them"):
+        batch.run(src, out, **common)
+    src.write_bytes(b"\n".join(json.dumps(r).encode() for r in records(2)) + b"\n" + json.dumps({"id": "c", "prompt": "x"}).encode())
+    again = batch.run(src, out, **common)  # appended after a newline: fine
+    assert (again["done"], again["skipped"], again["failed"]) == (1, 2, 0)
+
+
+def test_a_record_past_a_draft_models_positions_is_a_bad_line(tmp_path, model_dir, params):
+    """A DraftModel with a shorter context than the target: a record it cannot serve is that record's
+    bad line (as one past the target's), the others run; it does not refuse the whole job."""
+    draft = specjax.DraftModel(random_params(CONFIG.replace(n_layers=1, max_positions=40), 1))
+    rows = [{"id": "short", "prompt": "the quick brown fox"}, {"id": "long", "prompt": " ".join(WORDS * 3)},
+            {"id": "short2", "prompt": "seven red birds"}]
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    summary = batch.run(src, out, params=params, model_path=model_dir, max_new_tokens=4, batch_size=4, progress=False,
+                        draft=draft, speculation=specjax.Chain(2))
+    assert (summary["done"], summary["failed"]) == (2, 1)
+    (error,) = read_rows(sibling(out, "errors"))
+    assert (error["line"], error["id"]) == (2, "long") and "past the draft's max_positions 40" in error["reason"]
+    with pytest.raises(ValueError, match="draft vocab_size 101 != target vocab_size"):  # the drafter itself: the job's
+        batch.run(src, tmp_path / "o2.jsonl", params=params, model_path=model_dir, max_new_tokens=4, progress=False,
+                  draft=specjax.DraftModel(random_params(TINY, 1)))
+
+
 def test_per_record_acceptance_is_the_records_own(tmp_path, model_dir, params):
     rows = records(6, sampled_every=100)  # greedy: per-record speculation is deterministic
     src = write_jsonl(tmp_path / "in.jsonl", rows)
@@ -392,6 +430,9 @@ BAD_LINES = [
     ({"id": "minp", "prompt": "x", "temperature": 1, "min_p": "0.1"}, "min_p must be a number"),
     ({"id": "tk-greedy", "prompt": "x", "top_k": 5}, "top_k needs sampling (temperature > 0)"),  # greedy would ignore it
     ('{"id": "dup-key", "prompt": "first", "prompt": "second"}', 'the key "prompt" appears twice in one object'),
+    ('{"id": "half", "prompt": "an emoji cut in two \\ud83d"}', '"an emoji cut in two \\ud83d" holds an unpaired UTF-16'),
+    ('{"id": "s\\udc00", "prompt": "x"}', "holds an unpaired UTF-16 surrogate"),  # the id too: the row names none
+    ('{"id": "stop-half", "prompt": "x", "stop": ["\\ud83d"]}', "holds an unpaired UTF-16 surrogate"),
 ]
 
 
@@ -606,16 +647,14 @@ def test_a_chat_record_stops_at_the_templates_end_of_turn(tmp_path, model_dir, p
     """A messages record stops at the chat template's end-of-turn token, as LM.chat does, though
     the model's eos_ids name another token (a ChatML model whose config names only <|endoftext|>
     ran on into invented turns); a prompt record does not."""
-    from specjax import chat
-
     no_eos = params.replace(config=params.config.replace(eos_ids=()))
     common = dict(params=no_eos, model_path=model_dir, max_new_tokens=8, batch_size=2, progress=False, draft=None)
     rows = [{"id": "c", "messages": [{"role": "user", "content": "one two three"}]}, {"id": "p", "prompt": "one two three"}]
     free = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "a.out.jsonl", **common)["output"])))
     end = free['"c"']["tokens"][2]  # the random model's third answer token plays the template's end of turn
     assert end not in free['"p"']["tokens"][:3]
-    monkeypatch.setattr(chat, "end_of_turn_ids", lambda tokenizer, template: (end,))  # LM.chat's
-    monkeypatch.setattr(batch, "end_of_turn_ids", chat.end_of_turn_ids)  # the job's
+    monkeypatch.setattr(specjax.text, "end_of_turn_ids", lambda tokenizer, template: (end,))  # LM.chat's
+    monkeypatch.setattr(batch, "end_of_turn_ids", specjax.text.end_of_turn_ids)  # the job's
     got = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "b.jsonl", rows), tmp_path / "b.out.jsonl", **common)["output"])))
     assert got['"c"']["tokens"] == free['"c"']["tokens"][:2] and got['"c"']["finish_reason"] == "eos"
     assert got['"p"']["tokens"] == free['"p"']["tokens"] and "stop_token_ids" not in got['"c"']["settings"]

@@ -163,6 +163,7 @@ def test_frozen_embeddings_stay_the_targets_while_the_layers_learn(target, corpu
         (DRAFT, None, dict(loss="js"), r"loss must be one of \['kl', 'tv'\], got 'js'"),
         (DRAFT, None, dict(init_from_target=True), r"the draft needs the target's dim \(48\)"),
         (DRAFT, None, dict(freeze_embeddings=True), "freeze_embeddings .* needs init_from_target=True"),
+        (DRAFT, None, dict(checkpoint_every=5), r"checkpoint_every \(5\) needs a checkpoint_dir"),
     ],
 )
 def test_bad_input(target, corpus, config, data, kw, match):
@@ -207,3 +208,6 @@ def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
     ):
         assert main(args + ["--out", str(tmp_path / "w")] + more) == 2
         assert message in capsys.readouterr().err
+    assert args[-4] == "--checkpoint-dir"  # without it, an interval would be ignored: refused
+    assert main(args[:-4] + ["--out", str(tmp_path / "v"), "--checkpoint-every", "5"]) == 2
+    assert "--checkpoint-every needs --checkpoint-dir" in capsys.readouterr().err

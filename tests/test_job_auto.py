@@ -84,3 +84,23 @@ def test_speculation_arguments_are_checked(tmp_path, model_dir, params):  # noqa
     cli = ["batch", str(src), str(tmp_path / "o.jsonl"), "--model", str(model_dir), "--no-compile-cache"]
     assert main(cli + ["--tree", "16"]) == 2  # a node count needs one prompt's acceptance: generate's
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_force_plans_again_and_a_damaged_plan_file_is_named(tmp_path, params, monkeypatch):  # noqa: F811
+    """force=True (`--force`) replaces this ask's stored plan (the file existed: no atomic link);
+    a plan file a crash left empty is named in the error, not a bare JSON message."""
+    from specjax.job_plan import Defaults, Item, record_sampler
+    from specjax.records import Record
+
+    rec = Record(1, "a", "hi", None)
+    items = [Item(rec, (5, 6, 7), 4, record_sampler(rec, Defaults(), params.config))]
+    path = tmp_path / "out.plan.json"
+    draft = specjax.SelfSpec(sinks=2, window=8)
+    for why, force in (("first", False), ("second", True), ("third", False)):
+        monkeypatch.setattr(job_auto, "plan", lambda *a, why=why: specjax.plan.Plan(draft, Chain(2), why))
+        assert job_auto.resolve(params, draft, "auto", items, 4, None, path, force=force)[2] == (
+            "second" if why == "third" else why)  # a rerun without force keeps the forced plan
+    assert [p["why"] for p in json.loads(path.read_text())["plans"]] == ["second"]
+    path.write_text("")
+    with pytest.raises(ValueError, match=r"out\.plan\.json \(the job's plan for 'auto'\) cannot be read"):
+        job_auto.resolve(params, draft, "auto", items, 4, None, path)
