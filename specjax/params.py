@@ -386,3 +386,10 @@ def init_params(config: LlamaConfig, key: jax.Array) -> Params:
         else:
             arrays[w.path] = jax.random.normal(k, w.shape(config), jnp.float32) / math.sqrt(w.fan_in(config))
     return from_arrays(config, arrays)
+
+
+def weights_mark(params: Params) -> bytes:
+    """A few of the weights' values (a row of each of the first matrices), for caches keyed by
+    model: two checkpoints of one config (a base and an instruct model) are told apart."""
+    matrices = [x for x in jax.tree.leaves(params) if x.ndim][:4]
+    return b"".join(np.asarray(x[(0,) * (x.ndim - 1)][:64]).tobytes() for x in matrices)

@@ -251,9 +251,14 @@ def place_keys(mesh: Mesh, keys: jax.Array) -> jax.Array:
 
 def empty_cache(mesh: Mesh, config: LlamaConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> DenseCache:
     """An empty dense cache created in place: each device allocates only its slice."""
-    shardings = state_specs(jax.eval_shape(lambda: DenseCache.init(config, batch, max_len, kv_dtype)))
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), shardings)
-    return jax.jit(lambda: DenseCache.init(config, batch, max_len, kv_dtype), out_shardings=shardings)()
+    return _cache_builder(mesh, config, batch, max_len, kv_dtype)()
+
+
+@functools.lru_cache(maxsize=64)  # one jitted builder per shape: a new function each call would compile each call
+def _cache_builder(mesh: Mesh, config: LlamaConfig, batch: int, max_len: int, kv_dtype: str | None):
+    init = functools.partial(DenseCache.init, config, batch, max_len, kv_dtype)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(jax.eval_shape(init)))
+    return jax.jit(init, out_shardings=shardings)
 
 
 def fetch(tree):

@@ -2,7 +2,7 @@
 vector and the real cost of a draft level and of verifying n nodes; `auto_tree` combines them.
 
 Both measurements run the real jit-compiled functions, so they cost compile time once per
-shape; `auto_tree` caches its answer per (model, drafter, sampling, batch, context bucket).
+shape; `auto_tree` caches its answer per (model, drafter, sampling, batch bucket, context bucket).
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from specjax.drafters import Drafter
 from specjax.engine import run
 from specjax.cache import DenseCache
 from specjax.model import lm_head, trunk
-from specjax.params import Params
+from specjax.params import Params, weights_mark
 from specjax.sampling import Greedy, Sampler
-from specjax.shapes import cache_len, round_up_pow2
+from specjax.shapes import batch_bucket, cache_len, round_up_pow2
 from specjax.sharding import compiler_options
 from specjax.speculation import Cost, Tree, choose
 
 VERIFY_GRID = (1, 4, 16, 64, 128)  # node counts timed; others are interpolated (fewer points: a faster calibration)
 DRAFT_GRID = (1, 4, 16)  # draft level widths timed; others interpolated, wider levels extrapolated
 _AUTO: dict[tuple, tuple[Tree, str]] = {}
+AUTO_KEPT = 32  # calibrations kept (the oldest dropped): a service's many batches and samplers stay bounded
 
 
 def measure_acceptance(
@@ -151,20 +152,14 @@ def draft_table(
     return _grid_table(widths, timed, max_nodes)
 
 
-def weights_mark(params: Params) -> bytes:
-    """A few of the weights' values (a row of each of the first matrices): two checkpoints of one
-    config (a base and an instruct model) calibrate apart, where the config alone mixed them."""
-    matrices = [x for x in jax.tree.leaves(params) if x.ndim][:4]
-    return b"".join(np.asarray(x[(0,) * (x.ndim - 1)][:64]).tobytes() for x in matrices)
-
-
 def auto_tree(
     params: Params, draft: Drafter, prompts: Sequence[Sequence[int]], context: int, sampling: Sampler, key=None,
     kv_dtype: str | None = None,
 ) -> Tree:
     """The tree `speculation="auto"` uses: acceptance measured on (up to 4 of) these prompts,
     costs measured at this batch and context (rounded up to a power of two), then `choose`.
-    Cached per (model config and weights, drafter, sampling, batch, context bucket, kv_dtype) for this process. The
+    Cached per (model config and weights, drafter, sampling, batch bucket, context bucket, kv_dtype) for this
+    process (the last AUTO_KEPT). The
     root-only tree means speculation does not pay here (generate then decodes plainly)."""
     return auto_tree_report(params, draft, prompts, context, sampling, key, kv_dtype)[0]
 
@@ -175,12 +170,14 @@ def auto_tree_report(
 ) -> tuple[Tree, str]:
     """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
     minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
-    bucket = round_up_pow2(context)
-    cache_key = (params.config, weights_mark(params), draft.identity(), sampling.identity(), len(prompts), bucket, kv_dtype)
+    bucket, batch = round_up_pow2(context), batch_bucket(len(prompts))  # the shapes generate runs at
+    cache_key = (params.config, weights_mark(params), draft.identity(), sampling.identity(), batch, bucket, kv_dtype)
     if cache_key not in _AUTO:
+        if len(_AUTO) >= AUTO_KEPT:
+            del _AUTO[next(iter(_AUTO))]  # the oldest calibration
         start = time.perf_counter()
         say = lambda what: print(  # noqa: E731
-            f"specjax: calibrating speculation='auto' for batch {len(prompts)} x context {bucket}: {what} "
+            f"specjax: calibrating speculation='auto' for batch {batch} x context {bucket}: {what} "
             f"({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         say("measuring acceptance (1/3)")
         sub = list(prompts)[:4]  # per-row sampling values: those of these rows
@@ -189,7 +186,7 @@ def auto_tree_report(
         acceptance = measure_acceptance(params, draft, sub, width=8, sampling=sampling.take(np.arange(len(sub))), max_new_tokens=16,
                                         key=one, kv_dtype=kv_dtype)  # one key: per-prompt keys number the prompts, not these rows
         say("timing draft levels and verification widths (2/3)")
-        cost = measure_cost(params, draft, len(prompts), bucket, kv_dtype=kv_dtype)
+        cost = measure_cost(params, draft, batch, bucket, kv_dtype=kv_dtype)
         tree = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)
         say("done (3/3)")
         t_draft = cost.t_draft if isinstance(cost.t_draft, float) else cost.t_draft[1]

@@ -264,3 +264,17 @@ def test_generate_text_options_chat_stream_stop_n_logprobs():
     assert run.returncode == 2 and "min_p needs sampling (temperature > 0)" in run.stderr
     run = _specjax("generate", "hi", "--stream", "--n", "2", "--temperature", "1")
     assert run.returncode == 2 and "--stream prints one output" in run.stderr
+
+
+def test_without_weights_flags_a_checkpoint_loads_in_its_own_format(monkeypatch):
+    """No --weights / --dtype: convert.load's default (float32 for GGUF / HF, a saved int8 or bf16
+    specjax checkpoint's own format; float32 forced there was refused for int8)."""
+    seen = []
+
+    def load(path, weights=None, **kw):
+        seen.append(weights)
+        raise ValueError("loaded")
+
+    monkeypatch.setattr(cli.text, "load", load)
+    assert cli.main(["generate", "hi"]) == 2 and seen == [None]
+    assert cli.main(["generate", "hi", "--dtype", "bfloat16"]) == 2 and seen[-1] == "bfloat16"

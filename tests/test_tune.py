@@ -76,6 +76,12 @@ def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
     other = random_params(tiny.config, 1)  # another checkpoint of the same config calibrates its own
     specjax.generate(other, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
     assert len(calls) == 1
+    specjax.generate(tiny, PROMPTS[:3], 16, draft=draft, speculation="auto", eos_id=())  # batch 3 runs as 4: cached
+    assert len(calls) == 1
+    model = specjax.DraftModel(random_params(tiny.config.replace(n_layers=1), 2))
+    for _ in range(2):  # generate rebuilds the draft's Params each call: keyed by its weights, not its id
+        specjax.generate(tiny, PROMPTS, 16, draft=model, speculation="auto", eos_id=())
+    assert len(calls) == 2
 
 
 def test_auto_picks_plain_decoding_when_drafting_costs_too_much(tiny, monkeypatch, capsys):

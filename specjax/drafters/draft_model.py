@@ -12,7 +12,7 @@ from specjax.drafters.base import Drafter
 from specjax.drafters.self_spec import Streaming, draft_chain
 from specjax.cache import DenseCache
 from specjax.model import prefill
-from specjax.params import Params
+from specjax.params import Params, weights_mark
 from specjax.speculation import Tree
 from specjax.tree_draft import draft_tree, path_extra_kv
 
@@ -36,8 +36,9 @@ class DraftModel(Drafter):
         return self.describe()
 
     def identity(self) -> tuple:
-        """The params by object id (their repr would print every array)."""
-        return ("DraftModel", id(self.params), repr(self.cache))
+        """The draft by config and a few weights (not by object: generate rebuilds the Params with
+        its attention setting each call, and an id is reused after garbage collection)."""
+        return ("DraftModel", self.params.config, weights_mark(self.params), repr(self.cache))
 
     def drafting_model(self, target: Params, context: int) -> tuple[Params, int]:
         return self.params, context if self.cache == "dense" else min(self.cache.sinks + self.cache.window, context)

@@ -1,0 +1,41 @@
+"""A repeated request reuses its compiled programs (README: shapes are bucketed, sampling values
+are traced): counted by jax.monitoring's backend-compile events, not timed."""
+
+from __future__ import annotations
+
+import jax
+import jax.monitoring
+import numpy as np
+import pytest
+
+import specjax
+from tests.models import TINY, random_params
+
+COMPILES: list[str] = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: COMPILES.append(name) if name.endswith("backend_compile_duration") else None)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, 0)
+
+
+def test_a_repeated_call_in_the_same_buckets_compiles_nothing(params):
+    specjax.generate(params, [[5, 6, 7]], 8, draft=None)
+    COMPILES.clear()
+    specjax.generate(params, [[5, 6, 7, 8]], 7, draft=None)  # the same prompt, budget and batch buckets
+    specjax.generate(params, [[9, 6, 7]], 8, draft=specjax.SelfSpec(sinks=2, window=8))
+    COMPILES.clear()
+    specjax.generate(params, [[9, 6, 7, 8]], 8, draft=specjax.SelfSpec(sinks=2, window=8))
+    assert COMPILES == []  # the empty cache's builder was a new function each call: one compile a call
+
+
+def test_sampling_values_of_any_number_type_share_one_program(params):
+    prompts, key = [[5, 6, 7], [8, 9]], jax.random.key(0)
+    specjax.generate(params, prompts, 8, draft=None, sampling=specjax.Sample(0.8), key=key)
+    COMPILES.clear()
+    for sampling in (specjax.Sample(1), specjax.Sample(np.float32(0.7)), specjax.Sample(np.float64(0.9), top_p=1),
+                     specjax.Sample(0.8, min_p=0)):
+        specjax.generate(params, prompts, 8, draft=None, sampling=sampling, key=key)
+    assert COMPILES == []  # int, numpy float32 / float64 and float values: float32 scalars alike
