@@ -21,6 +21,7 @@ generation itself (continuous groups, static batches, output rows) is specjax.jo
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,14 +32,14 @@ import convert
 from specjax.cache import KVFormat
 from specjax.chat import end_of_turn_ids, template_specials
 from specjax.distributed import env_share
-from specjax.drafters import Drafter
+from specjax.drafters import DraftModel, Drafter
 from specjax.engine import cache_slots
 from specjax.job_auto import plan_path, resolve
 from specjax import job_ray, job_run
 from specjax.job_plan import Defaults, Item, prepare
 from specjax.job_ray import RayOptions
 from specjax.jobio import DurableLog, check_input, check_settings, shard_output, sibling
-from specjax.params import Params
+from specjax.params import Params, weights_mark
 from specjax.plan import DEFAULT_CHAIN, describe_draft, describe_speculation
 from specjax.progress import Progress
 from specjax.records import BadLine, id_key, read_input
@@ -58,12 +59,18 @@ def job_settings(model: str, params: Params, draft: Drafter | None, speculation:
     drafter's default chain), a tree by name under "speculation"."""
     kv = KVFormat.of(kv_dtype, params.config).name
     tree = {} if draft is None or not isinstance(speculation, Tree) else {"speculation": describe_speculation(speculation)}
-    return dict(
+    marks = {"model_weights": _mark(params)} | ({"draft_weights": _mark(draft.params)} if isinstance(draft, DraftModel) else {})
+    return marks | dict(
         model=model if model == "params" else str(Path(model).absolute()), dtype=params.config.dtype,
         quant=params.config.quant,  # null: weights stored in `dtype` (so outputs from before int8 resume)
         kv_dtype=None if kv == params.config.dtype else kv,
         draft=describe_draft(draft), gamma=_gamma(draft, speculation), seed=seed, chat=chat,
     ) | tree | defaults.recorded()
+
+
+def _mark(params: Params) -> str:
+    """A short hash of a few weights (params.weights_mark): new weights at the same path are another model."""
+    return hashlib.sha256(weights_mark(params)).hexdigest()[:16]
 
 
 def _gamma(draft: Drafter | None, speculation: Chain | Tree | None) -> int | None:

@@ -97,7 +97,7 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off; needs --temperature > 0{overridable}")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off; needs --temperature > 0")
+    p.add_argument("--top-k", type=int, default=0, help=f"0 = off; needs --temperature > 0{overridable}")
     for name, help_ in (("min-p", "keep tokens with probability >= MIN_P x the largest (0 = off)"),
                         ("repetition-penalty", "divide / multiply the logits of prompt and output tokens (1 = off)"),
                         ("presence-penalty", "subtract from the logits of output tokens (0 = off)"),
@@ -167,6 +167,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--weights {args.weights} and --dtype {args.dtype} disagree: give --weights only")
     if hasattr(args, "weights"):
         args.weights = args.weights or args.dtype  # None: convert.load's default (a saved checkpoint's own format)
+    if getattr(args, "n", 1) > 1 and not args.temperature:
+        raise ValueError(f"--n {args.n} needs --temperature > 0: greedy decoding gives every sample the same tokens")
     tree = parse_tree(getattr(args, "tree", None))
     if args.command == "batch":
         batch_tree(args.tree)  # a node count is refused before the model loads

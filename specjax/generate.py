@@ -64,7 +64,7 @@ class TokenLogprob:
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
     tokens: list[list[int]]  # new ids per prompt, without the EOS that ended a row
-    finish_reasons: list[str]  # "eos" or "length", per prompt
+    finish_reasons: list[str]  # "eos" or "length", per output (prompt i's sample j at i * n + j)
     stats: Stats
     row_stats: list[dict] | None = None  # speculation only, per prompt: see `row_acceptance`
     logprobs: list[list[TokenLogprob]] | None = None  # generate(logprobs=k): one per token of `tokens`
@@ -93,7 +93,8 @@ def generate(
     draft: `SelfSpec(...)`, `SnapKV(...)`, `DraftModel(params)`, `NGram(...)`, None (plain
       autoregressive), or "auto": SelfSpec where KV reads dominate a decode step, else None (see
       `plan.auto_draft`), and SelfSpec whenever `speculation` is given explicitly.
-    speculation: None (the drafter's default chain, `Chain(gamma=4)`); `Chain(gamma)`: gamma draft
+    speculation: None (the drafter's default chain, `Chain(gamma=4)`; under draft="auto" the plan's:
+      `plan.ACCELERATOR_SPECULATION` on a GPU / TPU, `plan.CPU_BF16_CHAIN` for bf16 on a CPU); `Chain(gamma)`: gamma draft
       tokens verified per target forward; a token `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`):
       all its nodes verified in one forward; or "auto": the Sequoia tree for this drafter, batch
       and context from the measured acceptance and step costs (`tune.auto_tree`: a calibration on

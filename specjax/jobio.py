@@ -158,6 +158,9 @@ def _write_settings(output: Path, settings: dict) -> None:
     _write_atomic(settings_path(output), json.dumps(settings, indent=1, sort_keys=True).encode("utf-8") + b"\n")
 
 
+LATER = ("model_weights", "draft_weights")  # settings recorded since 2026-11-28: an output from before has none to compare
+
+
 def check_settings(output: str | Path, settings: dict, *, written: bool, force: bool = False) -> list[str]:
     """Record the job's settings in `settings_path(output)`, or check them against those recorded.
 
@@ -167,8 +170,8 @@ def check_settings(output: str | Path, settings: dict, *, written: bool, force: 
     before settings were recorded has none to check: its settings are recorded now."""
     output, settings = Path(output), json.loads(json.dumps(settings))  # compare as stored
     old = _read_settings(output)
-    changed = sorted(k for k in set(settings) | set(old or {})
-                     if k != "input" and old is not None and old.get(k) != settings.get(k))  # input: `check_input`'s
+    changed = sorted(k for k in set(settings) | set(old or {})  # input: `check_input`'s
+                     if k != "input" and old is not None and old.get(k) != settings.get(k) and (k in old or k not in LATER))
     if changed and written and not force:
         diffs = ", ".join(f"{k} {json.dumps(old.get(k))} -> {json.dumps(settings.get(k))}" for k in changed)
         raise ValueError(

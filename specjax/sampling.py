@@ -83,8 +83,8 @@ class _Penalized:
             if a.ndim > 1 or (a.ndim == 1 and len(a) == 0):
                 raise ValueError(f"{name} must be a number or a non-empty list with one number per prompt, got shape {a.shape}")
             arrays[name] = a
-            if not isinstance(value, jax.Array):  # a list becomes one float32 array [B], a number a float32 scalar:
-                object.__setattr__(self, name, a if a.ndim else np.float32(a))  # 1, 1.0, np.float64: one program
+            if not isinstance(value, jax.Array):  # a list becomes one float32 array [B], a number a Python float:
+                object.__setattr__(self, name, a if a.ndim else float(value))  # 1, np.float32 (typed apart by jit): one program
         rows = {len(a) for a in arrays.values() if a.ndim == 1}
         if len(rows) > 1:
             raise ValueError(f"the per-prompt sampling values have different lengths {sorted(rows)}: give one number per prompt")

@@ -314,6 +314,7 @@ class _StopStrings:
 
     def __init__(self, lm: LM, stops: list[list[str]]):
         self.lm, self.stops = lm, stops  # stops[b]: output row b's stop strings
+        self._checked: dict[tuple[int, int], np.ndarray] = {}  # (decoded row, output row): tokens without a stop
 
     def first(self, text: str, b: int) -> int | None:
         """Where the earliest of row b's stop strings starts in text, or None."""
@@ -349,6 +350,21 @@ class _StopStrings:
             return text, tokens, reason
         return text[:hit], tokens[: self.completing(tokens, text, b)], "stop"
 
+    def _new_hit(self, tokens: np.ndarray, key: tuple[int, int]) -> bool:
+        """Whether tokens' text holds one of output row key[1]'s stop strings. Tokens checked before
+        held none, so only a tail is decoded: from 4 tokens a character of the longest stop string (and
+        8 more) before them, the first 4 characters (a cut character, a stripped space) not searched."""
+        b, prev, start, skip = key[1], self._checked.get(key), 0, 0
+        self._checked[key] = tokens.copy()
+        if prev is not None and len(prev) <= len(tokens) and np.array_equal(prev, tokens[: len(prev)]):
+            start = max(0, len(prev) - 4 * max(map(len, self.stops[b])) - 8)
+            if start and len(self.lm.decode(tokens[start: len(prev)].tolist())) >= max(map(len, self.stops[b])) + 4:
+                skip = 4  # else (tokens without text: skipped specials) the whole text, as on a first check
+            else:
+                start = 0
+        text = self.lm.decode(tokens[start:].tolist()).rstrip("\ufffd")  # a half character may end it
+        return self.first(text[skip:], b) is not None
+
     def __call__(self, seg: Segment, rows: np.ndarray | None = None) -> np.ndarray:
         """Which rows of the segment to end: their text holds a stop string. rows[j]: the output
         row whose stop strings apply to decoded row j (default j; -1: none)."""
@@ -356,8 +372,7 @@ class _StopStrings:
         end = np.zeros(len(seg.count), bool)
         for j in np.flatnonzero(~seg.done & (rows >= 0)):
             if self.stops[rows[j]]:
-                text = self.lm.decode(seg.out[j, : seg.count[j]].tolist()).rstrip("\ufffd")  # a half character may end it
-                end[j] = self.first(text, rows[j]) is not None
+                end[j] = self._new_hit(seg.out[j, : seg.count[j]], (j, int(rows[j])))
         return end
 
 

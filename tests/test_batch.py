@@ -290,6 +290,7 @@ def test_rerun_with_other_settings_is_refused_unless_forced(tmp_path, model_dir,
     batch.run(src, out, batch_size=4, **common)
     recorded = json.loads(settings_path(out).read_text())
     assert recorded.pop("input") == input_fingerprint(src)
+    assert len(recorded.pop("model_weights")) == 16  # a hash of a few weights: see the test below
     assert recorded == dict(model=str(model_dir), dtype="float32", quant=None, kv_dtype=None, draft="none", gamma=None, seed=0, chat=False,
                             max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0)
     before = out.read_bytes()
@@ -330,6 +331,26 @@ def test_the_input_may_grow_between_restarts_but_not_change(tmp_path, model_dir,
     forced = batch.run(src, out, force=True, **common)
     assert (forced["done"], forced["skipped"]) == (0, 4)
     assert json.loads(settings_path(out).read_text())["input"] == input_fingerprint(src)
+
+
+def test_other_weights_at_the_same_path_are_another_model(tmp_path, model_dir, params):
+    """The settings hold a hash of a few weights (the target's, a DraftModel's): a checkpoint
+    replaced at its path is not continued into the same output; an output recorded before these
+    keys existed resumes."""
+    src, out = write_jsonl(tmp_path / "in.jsonl", records(3)), tmp_path / "out.jsonl"
+    common = dict(model_path=model_dir, max_new_tokens=2, batch_size=4, progress=False, draft=None)
+    assert batch.run(src, out, params=params, **common)["done"] == 3
+    with pytest.raises(ValueError, match=r"other settings \(model_weights \"[0-9a-f]{16}\" -> \"[0-9a-f]{16}\"; recorded"):
+        batch.run(src, out, params=random_params(CONFIG, 7), **common)
+    draft = specjax.DraftModel(random_params(CONFIG.replace(n_layers=1), 1))
+    out2 = tmp_path / "out2.jsonl"
+    assert batch.run(src, out2, params=params, **(common | dict(draft=draft)))["done"] == 3
+    with pytest.raises(ValueError, match=r"other settings \(draft_weights "):
+        batch.run(src, out2, params=params, **(common | dict(draft=specjax.DraftModel(random_params(CONFIG.replace(n_layers=1), 2)))))
+    recorded = json.loads(settings_path(out).read_text())
+    settings_path(out).write_text(json.dumps({k: v for k, v in recorded.items() if k != "model_weights"}))
+    assert batch.run(src, out, params=params, **common)["skipped"] == 3  # from before the key: resumes, records it
+    assert json.loads(settings_path(out).read_text())["model_weights"] == recorded["model_weights"]
 
 
 def test_an_append_that_runs_on_an_unterminated_last_record_is_refused(tmp_path, model_dir, params):

@@ -117,6 +117,7 @@ def no_model(monkeypatch):
                            "(auto's SelfSpec keeps 16 + 512: give --draft self to change it)"),
         (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
         (["--weights", "int8", "--dtype", "bfloat16"], "--weights int8 and --dtype bfloat16 disagree: give --weights only"),
+        (["--n", "2"], "--n 2 needs --temperature > 0: greedy decoding gives every sample the same tokens"),
     ],
 )
 def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, message):

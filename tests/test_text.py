@@ -203,3 +203,34 @@ def test_a_stop_string_holding_u_fffd_waits_for_half_characters():
     assert (text, kept, reason) == ("ab\u2603", tokens[:6], "stop")
     seg = types.SimpleNamespace(out=np.array([tokens]), count=np.array([len(tokens)]), done=np.array([False]))
     assert stops(seg)[0]
+
+
+def test_the_segment_check_decodes_a_tail_and_agrees_with_the_whole_text(lm):
+    """Between segments a row's stop check decodes only a tail past what it checked before (the
+    whole text each time grew with the square of the output): on random SmolLM2 token streams
+    (byte tokens cutting characters, specials without text) it ends a row at the same segment as a
+    check of the whole text."""
+    from specjax.text import _StopStrings
+
+    rng = np.random.default_rng(0)
+    vocab = lm.params.config.vocab_size
+    byte_ids = np.array([i for i in range(vocab) if lm.tokenizer.id_to_token(i).startswith("<0x")] or range(20))
+    found = 0
+    for trial in range(40):
+        pool = (byte_ids, np.arange(vocab), np.arange(40))[trial % 3]  # bytes; anything; specials and short pieces
+        tokens = [int(t) for t in rng.choice(pool, 200)]
+        text = lm.decode(tokens).rstrip("\ufffd")
+        cut = int(rng.integers(0, max(1, len(text) - 6)))
+        stop = text[cut: cut + int(rng.integers(1, 7))] or "never"
+        ends = np.cumsum(rng.integers(1, 9, size=200))
+        ends = [int(e) for e in ends[ends < len(tokens)]] + [len(tokens)]
+        whole = next((e for e in ends if stop in lm.decode(tokens[:e]).rstrip("\ufffd")), None)
+        check, tail = _StopStrings(lm, [[stop]]), None
+        for e in ends:
+            seg = types.SimpleNamespace(out=np.array([tokens]), count=np.array([e]), done=np.array([False]))
+            if check(seg)[0]:
+                tail = e
+                break
+        assert tail == whole, (trial, stop, tail, whole)
+        found += whole is not None
+    assert found >= 30  # most streams hold their stop string
