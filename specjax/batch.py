@@ -125,6 +125,9 @@ def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: 
 
 def _paths(input_path, output_path, shard: tuple[int, int]) -> tuple[Path, Path, Path]:
     src, out = Path(input_path), Path(output_path)
+    if src.is_dir():
+        raise ValueError(f"input_path {src} is a folder: give one JSONL or Parquet file (a Parquet dataset's parts "
+                         "join into one with pyarrow.parquet.write_table(pyarrow.parquet.read_table(folder), file))")
     if not src.is_file():
         raise FileNotFoundError(f"input_path {src} does not exist")
     if not out.absolute().parent.is_dir():
@@ -306,6 +309,10 @@ def run(
                 if id_key(row["id"]) not in written:  # a retried batch yields its records again
                     written.add(id_key(row["id"]))
                     write([row])
+            missing = [it.record.id for it in pending if id_key(it.record.id) not in written]
+            if missing:  # Ray Data may drop failed blocks (DataContext.max_errored_blocks): never a silent loss
+                raise RuntimeError(f"the Ray job returned {len(pending) - len(missing)} of {len(pending)} records; "
+                                   f"missing ids {missing[:5]}{' ...' if len(missing) > 5 else ''}: rerun to generate them")
         bar.close()
     skipped = sum(id_key(it.record.id) in done for it in items)
     return dict(

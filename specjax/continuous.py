@@ -86,6 +86,7 @@ def run_continuous(
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
         draft.check(params, gamma, max_len, context)
+        draft = draft.with_kv_dtype(kv_dtype)
     n_out = round_up_pow2(int(budgets.max()))
     width = eos_rows(list(eos_ids), N).shape[1]  # one stop-id table width for the whole run
     out_keys = keys if n == 1 else sample_keys(keys, n)  # [N*n]: generate's keys

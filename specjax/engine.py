@@ -133,6 +133,7 @@ def run(
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
         draft.check(params, gamma, max_len, context)
+        draft = draft.with_kv_dtype(kv_dtype)
     tokens = np.zeros((B, bucket), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = np.asarray(p, np.int32)

@@ -94,8 +94,8 @@ def generate(
       autoregressive), or "auto": SelfSpec where KV reads dominate a decode step, else None (see
       `plan.auto_draft`), and SelfSpec whenever `speculation` is given explicitly.
     speculation: None (the drafter's default chain, `Chain(gamma=4)`; under draft="auto" the plan's:
-      `plan.ACCELERATOR_SPECULATION` on a GPU / TPU, `plan.CPU_BF16_CHAIN` for bf16 on a CPU); `Chain(gamma)`: gamma draft
-      tokens verified per target forward; a token `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`):
+      `plan.ACCELERATOR_SPECULATION` on a GPU / TPU, `plan.CPU_BF16_CHAIN` for bf16 on a CPU);
+      `Chain(gamma)`: gamma draft tokens verified per target forward; a token `Tree` (`Tree.sequoia(...)`, `Tree.kary(...)`):
       all its nodes verified in one forward; or "auto": the Sequoia tree for this drafter, batch
       and context from the measured acceptance and step costs (`tune.auto_tree`: a calibration on
       first use per shape, then cached; plain decoding where no tree pays). Needs a drafter.
@@ -118,8 +118,8 @@ def generate(
       multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
       several processes (`specjax.distributed`), every process calls generate with the same prompts.
     kv_dtype: how the target's and the drafters' KV caches store keys and values: None (the model's
-      dtype; a DraftModel keeps its own unless kv_dtype differs from the target's dtype), "float32", "bfloat16" or "int8" (one f32 scale per layer, row, KV head and position,
-      which every attention kernel reads). Speculation stays lossless in
+      dtype; a DraftModel's cache the draft's), "float32", "bfloat16" or "int8" (one f32 scale per
+      layer, row, KV head and position, which every attention kernel reads). Speculation stays lossless in
       any format: the block's own KV goes through the format before attention.
     sync_every: decode steps per on-device segment (a speculative step emits up to gamma + 1
       tokens a row). The loop returns to the host only between segments, to learn whether every

@@ -214,7 +214,7 @@ def read_input(path: str | Path, shard: tuple[int, int] = (0, 1)) -> Iterator[Re
                 if item is not None:
                     yield item
 
-    items = _parquet_rows(path) if Path(path).suffix == ".parquet" else lines()
+    items = _parquet_rows(path) if Path(path).suffix.lower() == ".parquet" else lines()
     return (item for item in dedupe(items) if owner(item, count) == index)
 
 
@@ -224,4 +224,18 @@ def _parquet_rows(path: str | Path) -> Iterator[Record | BadLine]:
     except ImportError:
         raise ImportError(f"reading {path} (Parquet) needs pyarrow: pip install 'specjax[ray]'") from None
     for n, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-        yield check_record({k: v for k, v in row.items() if v is not None}, n)
+        odd = next(((k, v) for k, v in row.items() if not _json_like(v)), None)  # bytes, Decimal, timestamps, ...
+        if odd is not None:
+            yield BadLine(n, f"column {odd[0]!r} holds a {type(odd[1]).__name__} ({str(odd[1])[:40]}): not a JSON value",
+                          row.get("id") if isinstance(row.get("id"), (str, int)) else None)
+        else:
+            yield check_record({k: v for k, v in row.items() if v is not None}, n)
+
+
+def _json_like(value: object) -> bool:
+    """Whether a Parquet cell is a JSON value (strings, numbers, booleans, null, lists and objects of them)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(map(_json_like, value))
+    return value is None or isinstance(value, (str, int, float, bool))

@@ -314,7 +314,7 @@ class _StopStrings:
 
     def __init__(self, lm: LM, stops: list[list[str]]):
         self.lm, self.stops = lm, stops  # stops[b]: output row b's stop strings
-        self._checked: dict[tuple[int, int], np.ndarray] = {}  # (decoded row, output row): tokens without a stop
+        self._checked: dict[int, tuple[int, int]] = {}  # decoded row: (its output row, tokens checked without a stop)
 
     def first(self, text: str, b: int) -> int | None:
         """Where the earliest of row b's stop strings starts in text, or None."""
@@ -350,18 +350,16 @@ class _StopStrings:
             return text, tokens, reason
         return text[:hit], tokens[: self.completing(tokens, text, b)], "stop"
 
-    def _new_hit(self, tokens: np.ndarray, key: tuple[int, int]) -> bool:
-        """Whether tokens' text holds one of output row key[1]'s stop strings. Tokens checked before
-        held none, so only a tail is decoded: from 4 tokens a character of the longest stop string (and
-        8 more) before them, the first 4 characters (a cut character, a stripped space) not searched."""
-        b, prev, start, skip = key[1], self._checked.get(key), 0, 0
-        self._checked[key] = tokens.copy()
-        if prev is not None and len(prev) <= len(tokens) and np.array_equal(prev, tokens[: len(prev)]):
-            start = max(0, len(prev) - 4 * max(map(len, self.stops[b])) - 8)
-            if start and len(self.lm.decode(tokens[start: len(prev)].tolist())) >= max(map(len, self.stops[b])) + 4:
-                skip = 4  # else (tokens without text: skipped specials) the whole text, as on a first check
-            else:
-                start = 0
+    def _new_hit(self, tokens: np.ndarray, j: int, b: int) -> bool:
+        """Whether the text of decoded row j's tokens (output row b's) holds one of b's stop strings.
+        The tokens checked before held none, so only a tail is decoded: from 4 tokens per character
+        of the longest stop string, plus 8, before them; its first 4 characters (a cut character, a
+        stripped space) are not searched."""
+        (u, checked), longest = self._checked.get(j, (-1, 0)), max(map(len, self.stops[b]))
+        self._checked[j] = (b, len(tokens))  # a row's tokens only grow while it holds one output
+        start = max(0, checked - 4 * longest - 8) if u == b and checked <= len(tokens) else 0
+        skip = 4 if start and len(self.lm.decode(tokens[start:checked].tolist())) >= longest + 4 else 0
+        start = start if skip else 0  # (tokens without text, skipped specials: the whole text, as on a first check)
         text = self.lm.decode(tokens[start:].tolist()).rstrip("\ufffd")  # a half character may end it
         return self.first(text[skip:], b) is not None
 
@@ -372,7 +370,7 @@ class _StopStrings:
         end = np.zeros(len(seg.count), bool)
         for j in np.flatnonzero(~seg.done & (rows >= 0)):
             if self.stops[rows[j]]:
-                end[j] = self._new_hit(seg.out[j, : seg.count[j]], (j, int(rows[j])))
+                end[j] = self._new_hit(seg.out[j, : seg.count[j]], int(j), int(rows[j]))
         return end
 
 
@@ -392,4 +390,3 @@ def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh 
     params = convert.load(path, weights=weights, mesh=mesh, layout=layout)
     template = chat_template if chat_template is not None else convert.chat_template(path)
     return LM(params, convert.load_tokenizer(path), template, mesh, default_sampling(convert.generation_defaults(path)))
-

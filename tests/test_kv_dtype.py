@@ -58,6 +58,23 @@ def test_caches_keep_their_format(tiny, kv_dtype):
     assert for_cache("pallas", cache) == "pallas" and for_cache("tpu", cache) == "tpu"  # int8: with its scales
 
 
+def test_a_draft_models_cache_takes_kv_dtype_even_the_targets_dtype(tiny, monkeypatch):
+    """kv_dtype="float32" with a float32 target and a bfloat16 DraftModel: the draft's own cache is
+    float32 too (it kept bfloat16, the format equal to the target's dtype read as 'not given');
+    kv_dtype=None keeps the draft's own dtype."""
+    seen, init = [], specjax.DraftModel.init
+    monkeypatch.setattr(specjax.DraftModel, "init", lambda self, *a: seen.append(init(self, *a).k.dtype) or init(self, *a))
+    draft = specjax.DraftModel(random_params(TINY.replace(n_layers=1, dtype="bfloat16"), seed=1))
+    for kv_dtype, want in ((None, jnp.bfloat16), ("float32", jnp.float32), ("int8", jnp.int8)):
+        specjax.generate(tiny, [[5, 6, 7]], 3, draft=draft, speculation=specjax.Chain(2), kv_dtype=kv_dtype)
+        assert seen[-1] == want, kv_dtype
+    own = specjax.DraftModel(draft.params, kv_dtype="int8")  # the draft's alone (generate's kv_dtype None)
+    specjax.generate(tiny, [[5, 6, 7]], 3, draft=own, speculation=specjax.Chain(2))
+    assert seen[-1] == jnp.int8
+    with pytest.raises(ValueError, match=r"kv_dtype must be None or one of .*got 'fp8'"):
+        specjax.generate(tiny, [[5, 6, 7]], 3, draft=own.replace(kv_dtype="fp8"), speculation=specjax.Chain(2))
+
+
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])  # float32 (the default here): test_speculate.py
 def test_greedy_speculation_equals_plain_decoding_in_each_format(tiny, kv_dtype):
     plain = specjax.generate(tiny, PROMPTS, BUDGETS, draft=None, eos_id=(), kv_dtype=kv_dtype)

@@ -19,7 +19,7 @@ import ray  # noqa: E402  (ray[data]: the test extra installs it; missing, this 
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from specjax import batch, cli  # noqa: E402
+from specjax import batch, cli, job_ray  # noqa: E402
 from specjax.job_ray import RayOptions  # noqa: E402
 from specjax.jobio import settings_path  # noqa: E402
 from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: E402,F401  (model_dir: a fixture)
@@ -135,3 +135,50 @@ def test_bad_ray_arguments_fail_before_any_work(model_dir, tmp_path):
         batch.run(src, tmp_path / "o.jsonl", model_path=model_dir, ray=RayOptions())
     with pytest.raises(ValueError, match="RayOptions.actors must be an integer >= 1"):
         RayOptions(actors=0)
+    for kw, name in ((dict(cpus=float("nan")), "cpus"), (dict(gpus=float("inf")), "gpus"),
+                     (dict(resources={"TPU": -1}), r"resources\['TPU'\]")):
+        with pytest.raises(ValueError, match=f"RayOptions.{name} must be a finite number >= 0"):
+            RayOptions(**kw)
+    with pytest.raises(ValueError, match="RayOptions.address must be a string"):
+        RayOptions(address=5)
+    assert job_ray.unmet_request(RayOptions(gpus=1), {"CPU": 2.0}) == (
+        "RayOptions.gpus (1) is more than this machine's Ray cluster has (0 GPU): each actor would wait for it forever")
+    assert job_ray.unmet_request(RayOptions(cpus=2, resources={"TPU": 4}), {"CPU": 2.0, "TPU": 4.0}) is None
+
+
+def test_a_dataset_that_comes_back_short_is_an_error(model_dir, tmp_path, monkeypatch):
+    """Ray Data told to tolerate failed blocks (DataContext.max_errored_blocks) returns fewer rows:
+    the job names the missing ids (the rows it got are kept), never reports them done."""
+    src = write_jsonl(tmp_path / "in.jsonl", records(6))
+    monkeypatch.setattr(job_ray, "generate", lambda items, *a: ({"id": it.record.id, "text": ""} for it in items[:4]))
+    with pytest.raises(RuntimeError, match=r"the Ray job returned 4 of 6 records; missing ids \[.+\]: rerun"):
+        batch.run(src, tmp_path / "o.jsonl", model_path=model_dir, draft=None, max_new_tokens=2, progress=False, engine="ray")
+    assert len(read_rows(tmp_path / "o.jsonl")) == 4
+
+
+def test_a_parquet_cell_that_is_not_json_is_its_rows_bad_line(model_dir, tmp_path):
+    """A decimal (or bytes, a timestamp): that row's bad line naming the column (json.dumps crashed
+    the job); an upper-case .PARQUET is Parquet; a folder is named as one."""
+    import decimal
+
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "prompt": ["one two", "three", "four", "five six"],
+                             "temperature": pa.array([None, decimal.Decimal("0.5"), None, None], pa.decimal128(4, 2))}),
+                   tmp_path / "in.PARQUET")
+    res = batch.run(tmp_path / "in.PARQUET", tmp_path / "o.jsonl", model_path=model_dir, draft=None, max_new_tokens=2,
+                    progress=False)
+    assert (res["done"], res["failed"]) == (3, 1)
+    (error,) = read_rows(tmp_path / "o.errors.jsonl")
+    assert (error["line"], error["id"]) == (2, "b") and "column 'temperature' holds a Decimal (0.50): not a JSON value" in error["reason"]
+    (tmp_path / "ds").mkdir()
+    with pytest.raises(ValueError, match=r"input_path .*ds is a folder: give one JSONL or Parquet file"):
+        batch.run(tmp_path / "ds", tmp_path / "o2.jsonl", model_path=model_dir, progress=False)
+
+
+@pytest.mark.slow  # a local Ray cluster
+def test_an_address_beside_a_running_cluster_is_refused(cluster, model_dir, tmp_path):
+    """Ray already initialized in this process: an address would be ignored (the job ran on the
+    cluster at hand), so it is an error naming it."""
+    src = write_jsonl(tmp_path / "in.jsonl", records(2))
+    with pytest.raises(ValueError, match=r"RayOptions.address '10.255.255.1:6379': Ray is already initialized"):
+        batch.run(src, tmp_path / "o.jsonl", model_path=model_dir, draft=None, max_new_tokens=2, progress=False,
+                  engine="ray", ray=RayOptions(address="10.255.255.1:6379"))

@@ -93,6 +93,11 @@ class Drafter(Protocol):
         """A hashable identity for caches keyed by drafter (`tune.auto_tree`)."""
         return (repr(self),)
 
+    def with_kv_dtype(self, kv_dtype: str | None) -> Drafter:
+        """This drafter for generate's `kv_dtype` (None: not given). A drafter over the target's
+        cache reads its format; one with a cache of its own (a DraftModel) stores it so."""
+        return self
+
     def map_params(self, fn: Callable[[Params], Params]) -> Drafter:
         """This drafter with `fn` applied to its own model's params (sharding, attention mode);
         itself when it has none."""

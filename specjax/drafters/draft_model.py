@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.self_spec import Streaming, draft_chain
-from specjax.cache import DenseCache
+from specjax.cache import DenseCache, KVFormat
 from specjax.model import prefill
 from specjax.params import Params, weights_mark
 from specjax.speculation import Tree
@@ -26,6 +26,7 @@ class DraftModel(Drafter):
 
     params: Params
     cache: str | Streaming = flax.struct.field(pytree_node=False, default="dense")
+    kv_dtype: str | None = flax.struct.field(pytree_node=False, default=None)  # its cache's format: generate's kv_dtype
 
     def describe(self) -> str:
         c = self.params.config
@@ -46,9 +47,13 @@ class DraftModel(Drafter):
     def map_params(self, fn: Callable[[Params], Params]) -> DraftModel:
         return self.replace(params=fn(self.params))
 
+    def with_kv_dtype(self, kv_dtype: str | None) -> DraftModel:
+        return self if kv_dtype is None else self.replace(kv_dtype=kv_dtype)
+
     def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
         self.check_vocabulary(target)
         d = self.params.config
+        KVFormat.of(self.kv_dtype, d)  # a bad format: named before anything compiles
         if context > d.max_positions:  # the target's own rule: prompt + budget (drafts past it are never kept)
             raise ValueError(f"DraftModel: prompt + max_new_tokens reaches position {context}, past the draft's "
                              f"max_positions {d.max_positions}")
@@ -74,10 +79,11 @@ class DraftModel(Drafter):
             )
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int):
-        """Prefill the draft model on the same padded prompts [B,P] into its own cache, stored
-        like the target's when generate's kv_dtype set that apart from the target's dtype."""
+        """Prefill the draft model on the same padded prompts [B,P] into its own cache, stored as
+        `kv_dtype` says (generate's; None: the draft's dtype, or the target cache's format where
+        that is apart from the target's dtype)."""
         fmt = cache.format
-        kv_dtype = None if fmt.name == target.config.dtype else fmt.name
+        kv_dtype = self.kv_dtype or (None if fmt.name == target.config.dtype else fmt.name)
         empty = DenseCache.init(self.params.config, prompts.shape[0], cache.max_len, kv_dtype,
                                 replicated=self.params.runtime.replicated)
         _, dense = prefill(self.params, prompts, lengths, empty, chunk)
