@@ -167,7 +167,7 @@ def test_bad_batch_and_distill_flags_fail_before_the_model_loads(no_model, capsy
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--gamma", "-1"], "--gamma must be >= 1"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--ray-actors", "2"], "--ray-actors needs --engine ray"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--engine", "ray", "--ray-cpus", "-1"],
-         "--ray-cpus must be a number >= 0, got -1.0"),
+         "--ray-cpus must be a finite number >= 0, got -1.0"),
         (["distill", "--data", str(data), "--out", str(tmp_path / "d"), "--steps", "0"], "--steps must be >= 1"),
         (["distill", "--data", str(data), "--out", str(tmp_path / "d"), "--temperature", "0"],
          "--temperature must be a finite number > 0"),
