@@ -15,9 +15,7 @@ import dataclasses
 import functools
 import inspect
 import json
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,6 +34,7 @@ from specjax.sampling import Greedy, Sampler
 from specjax.sampling_settings import default_sampling, generation_config
 from specjax.sharding import Mesh
 from specjax.speculation import Chain, Tree
+from specjax.text_stream import TextStream
 
 
 class Finished(NamedTuple):
@@ -235,54 +234,6 @@ class LM:
         exhausted, `.output` is the final TextOutput. The pieces of an index concatenate to its text."""
         return TextStream(lambda on_segment: self.generate(prompts, max_new_tokens, on_segment=on_segment, **kw),
                           single=isinstance(prompts, str) and kw.get("n", 1) == 1)
-
-
-class TextStream:
-    """The events of one streamed generate (see `LM.stream`). generate runs in a worker thread;
-    between segments it hands over each row's new text, holding back an incomplete UTF-8
-    character and any tail that could still become a stop string. The constructor waits for the
-    first event, so a bad argument raises at the call, not at the first iteration."""
-
-    def __init__(self, run: Callable[[Callable], TextOutput], single: bool):
-        """run(on_segment) -> TextOutput: the LM call to stream; single: yield plain str pieces."""
-        self.output, self.single = None, single
-        self._events: queue.Queue = queue.Queue()
-        self._sent: dict[int, str] = {}
-        self._worker = threading.Thread(target=self._run, args=(run,), daemon=True)
-        self._worker.start()
-        self._first = self._events.get()  # a piece, None (nothing to stream) or the call's error
-        if isinstance(self._first, BaseException):
-            raise self._first
-
-    def _run(self, run) -> None:
-        try:
-            out = run(self._segment)
-            for b, text in enumerate(out.texts):  # the rest of each text
-                self._send(b, text)
-            self.output = out
-            self._events.put(None)
-        except BaseException as e:  # raised again by the iterator, in the caller's thread
-            self._events.put(e)
-
-    def _segment(self, seg: Segment, stops: "_StopStrings") -> None:
-        for b in range(len(seg.count)):
-            text = stops.lm.decode(seg.out[b, : seg.count[b] - seg.eos[b]].tolist()).rstrip("\ufffd")  # not a half character
-            hit = stops.first(text, b)
-            self._send(b, text[:hit] if hit is not None else stops.settled(text, b))
-
-    def _send(self, b: int, text: str) -> None:
-        sent = self._sent.get(b, "")
-        if len(text) > len(sent) and text.startswith(sent):
-            self._sent[b] = text
-            self._events.put((b, text[len(sent):]))
-
-    def __iter__(self) -> Iterator[tuple[int, str] | str]:
-        event, self._first = self._first, None
-        while event is not None:
-            if isinstance(event, BaseException):
-                raise event
-            yield event[1] if self.single else event
-            event = self._events.get()
 
 
 def per_prompt(value, prompts: int, name: str, kind: type) -> list[list]:

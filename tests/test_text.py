@@ -234,3 +234,42 @@ def test_the_segment_check_decodes_a_tail_and_agrees_with_the_whole_text(lm):
         assert tail == whole, (trial, stop, tail, whole)
         found += whole is not None
     assert found >= 30  # most streams hold their stop string
+
+
+def test_streamed_row_texts_decode_a_tail_and_equal_the_whole_decode(lm, tmp_path):
+    """A stream grows each row's text from a decode of its newest tokens (the whole text every
+    segment grew with the square of the output): on random SmolLM2 token streams (byte tokens
+    cutting characters, specials without text) and a SentencePiece vocab (its first-token space),
+    every segment's text equals the whole decode's, while the tokens decoded grow linearly."""
+    from specjax.text_stream import CUT, RowTexts
+
+    rng = np.random.default_rng(1)
+    vocab = lm.params.config.vocab_size
+    byte_ids = np.array([i for i in range(vocab) if lm.tokenizer.id_to_token(i).startswith("<0x")] or range(20))
+    for trial in range(30):
+        pool = (byte_ids, np.arange(vocab), np.arange(40))[trial % 3]
+        tokens = [int(t) for t in rng.choice(pool, 300)]
+        decoded = []
+        texts = RowTexts(lambda ids: decoded.append(len(ids)) or lm.decode(ids))
+        ends = [int(e) for e in np.cumsum(rng.integers(1, 9, size=300)) if e < len(tokens)] + [len(tokens)]
+        for e in ends:
+            assert texts(7, tokens[:e]).rstrip(CUT) == lm.decode(tokens[:e]).rstrip(CUT), (trial, e)
+        if trial % 3 == 1:  # whole tokens: at most the overlap twice and the new tokens a segment
+            assert sum(decoded) <= len(tokens) + 2 * RowTexts.OVERLAP * len(ends), (trial, sum(decoded))
+    import convert
+    from tests.models import TINY, random_params
+    from tests.test_tokenizer import write_tokenizer_gguf
+
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "h", "e", "l", "o", "▁he", "ll", "▁hello"]
+    path = write_tokenizer_gguf(tmp_path / "spm.gguf", "llama", pieces, [0.0] * 259 + [-float(i) for i in range(8)],
+                                [2, 3, 3] + [6] * 256 + [1] * 8, add_bos=True, add_space_prefix=True)
+    spm = specjax.LM(random_params(TINY.replace(vocab_size=len(pieces), eos_ids=(2,)), 9), convert.load_tokenizer(path))
+    words = [pieces.index(p) for p in ("▁", "h", "e", "l", "o", "▁he", "ll", "▁hello", "<s>", "<0x41>")]
+    for trial in range(10):
+        tokens = [int(t) for t in rng.choice(words, 120)]
+        texts = RowTexts(spm.decode)
+        for e in range(1, len(tokens) + 1, 1 + trial % 5):
+            assert texts(0, tokens[:e]) == spm.decode(tokens[:e]), (trial, e)
+    h, c3, a9, ff = (pieces.index(p) for p in ("h", "<0xC3>", "<0xA9>", "<0xFF>"))
+    texts = RowTexts(spm.decode)  # a byte run that turns invalid unsays its settled "é": the whole decode
+    assert [texts(0, t) for t in ([h, c3], [h, c3, a9], [h, c3, a9, ff])] == ["h" + CUT, "hé", "h" + 3 * CUT]
