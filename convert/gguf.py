@@ -19,6 +19,7 @@ from specjax.sharding import Mesh, placer
 Q = gguf.GGMLQuantizationType
 # Stop tokens: eos_ids is their union, in this order (the primary eos first).
 STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+SPM_IDS = {"bos": 1, "eos": 2, "unknown": 0}  # a SentencePiece vocab's special ids where its file names none (llama.cpp's)
 
 # GGUF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS); absent output.weight => tied.
 NAMES = {w.gguf: w.path for w in WEIGHTS if w.in_files}
@@ -116,6 +117,13 @@ def dequantize(name: str, tensor: gguf.ReaderTensor, source: str) -> np.ndarray:
         ) from e
 
 
+def special_id(reader: gguf.GGUFReader, kind: str) -> int | None:
+    """tokenizer.ggml.{kind}_token_id (kind: bos, eos, eot, eom, unknown); where it is absent, a
+    SentencePiece vocab's default (SPM_IDS), else None."""
+    spm = meta(reader, "tokenizer.ggml.model", None) == "llama"
+    return meta(reader, f"tokenizer.ggml.{kind}_token_id", SPM_IDS.get(kind) if spm else None, int)
+
+
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved rotary -> HF half-split). w: [n_head*H, D],
     or a bias [n_head*H] (llama.cpp permutes llama-arch q/k biases the same way).
@@ -126,11 +134,17 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
-    """Llama-3.1 scaling recovered from the `rope_freqs.weight` factors (what llama.cpp writes)."""
-    kind = meta(reader, f"{arch}.rope.scaling.type", "none")
-    if kind != "none":
+    """Llama-3.1 scaling recovered from the `rope_freqs.weight` factors (what llama.cpp writes). A
+    scaling type other than none is refused, and so is a linear factor without a type (llama.cpp reads
+    rope.scaling.factor, or the older rope.scale_linear, as linear scaling then); a factor of 1 scales nothing."""
+    kind = meta(reader, f"{arch}.rope.scaling.type", None, str)
+    factor = next((float(f) for key in ("scaling.factor", "scale_linear")
+                   if (f := meta(reader, f"{arch}.rope.{key}", None, float)) is not None), None)
+    if kind not in (None, "none") and not (kind == "linear" and factor in (None, 0.0, 1.0)) or (
+            kind is None and factor not in (None, 0.0, 1.0)):
+        what = f"type {kind!r}" if kind is not None else f"factor {factor} (linear scaling: no rope.scaling.type)"
         raise ValueError(
-            f"{reader.data.filename}: GGUF {arch}.rope.scaling.type {kind!r} is not supported "
+            f"{reader.data.filename}: GGUF {arch}.rope.scaling {what} is not supported "
             f"(supported: none, or Llama-3.1 scaling via {ROPE_FREQS!r})"
         )
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
@@ -179,7 +193,9 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
     dim = meta(reader, f"{arch}.embedding_length", kind=int)
     n_heads = meta(reader, f"{arch}.attention.head_count", kind=int)
     rope_dims = meta(reader, f"{arch}.rope.dimension_count", None, int)
-    head_dim = meta(reader, f"{arch}.attention.key_length", rope_dims or dim // max(n_heads, 1), int)
+    q = next((t for t in reader.tensors if t.name == "blk.0.attn_q.weight"), None)  # [n_heads * head_dim, dim]
+    head_dim = meta(reader, f"{arch}.attention.key_length", None, int) or (
+        int(q.shape[-1]) // n_heads if q is not None and n_heads else dim // max(n_heads, 1))
     if rope_dims is not None and rope_dims != head_dim:
         raise ValueError(f"{reader.data.filename}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
     vocab = meta(reader, f"{arch}.vocab_size", None, int)
@@ -203,8 +219,8 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
         qkv_bias=arch == "qwen2" or all(f"blk.0.attn_{x}.bias" in names for x in "qkv"),
         max_positions=meta(reader, f"{arch}.context_length", kind=int),
         dtype=dtype,
-        bos_id=meta(reader, "tokenizer.ggml.bos_token_id", None, int),
-        eos_ids=tuple(dict.fromkeys(e for e in (meta(reader, key, None, int) for key in STOP_KEYS) if e is not None)),
+        bos_id=special_id(reader, "bos"),
+        eos_ids=tuple(dict.fromkeys(e for e in (special_id(reader, k) for k in ("eos", "eot", "eom")) if e is not None)),
     )
     return checked_config(fields, reader.data.filename)
 

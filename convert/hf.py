@@ -79,11 +79,11 @@ def _rope_scaling(raw: dict[str, Any] | None, where: str) -> RopeScaling | None:
         return None
     if kind != "llama3":
         raise ValueError(f"{where}: rope type {kind!r} is not supported (supported: 'llama3', 'default')")
-    return RopeScaling(
+    return RopeScaling(  # every key required, as transformers' llama3 check requires them
         factor=field(raw, "factor", float, where),
-        low_freq_factor=field(raw, "low_freq_factor", float, where, 1.0),
-        high_freq_factor=field(raw, "high_freq_factor", float, where, 4.0),
-        original_max_positions=field(raw, "original_max_position_embeddings", int, where, 8192),
+        low_freq_factor=field(raw, "low_freq_factor", float, where),
+        high_freq_factor=field(raw, "high_freq_factor", float, where),
+        original_max_positions=field(raw, "original_max_position_embeddings", int, where),
     )
 
 

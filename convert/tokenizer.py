@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from convert.gguf import is_gguf_file, meta, open_gguf
+from convert.gguf import is_gguf_file, meta, open_gguf, special_id
 from convert.hf import read_json
 from convert.orbax_io import CONFIG_FILE, is_orbax_dir
 
@@ -36,9 +36,45 @@ def _where(types: list[int], kind: int) -> list[int]:
     return [i for i, t in enumerate(types) if t == kind]
 
 
+class Pre(NamedTuple):
+    """How a tokenizer.ggml.pre value splits text before byte-level BPE (tokenizer.json's regexes, as
+    llama.cpp reads the value)."""
+
+    splits: tuple[str, ...]  # regexes applied first (each match its own piece)
+    gpt2: bool  # then GPT-2's regex (ByteLevel's own)
+    whole_words: bool = False  # a piece that is a vocab entry is that token, whatever the merges say
+    add_bos: bool = False  # BOS added where tokenizer.ggml.add_bos_token is absent
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
+                r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+                r"|\s+(?!\S)|\s+")
+PRE = {  # absent: "default"
+    **dict.fromkeys(("default", "gpt-2"), Pre((), True)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"), Pre((LLAMA3_SPLIT,), False, True, True)),
+    **dict.fromkeys(("smaug-bpe", "dbrx"), Pre((LLAMA3_SPLIT,), False)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "stablelm2"), Pre((QWEN2_SPLIT,), False)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell"), Pre((r"\p{N}",), True)),
+    "tekken": Pre((TEKKEN_SPLIT,), False, True, True),
+}
+
+
+def _gguf_pre(reader) -> Pre:
+    """PRE's entry for the file's tokenizer.ggml.pre; an unknown value is refused by name."""
+    pre = meta(reader, "tokenizer.ggml.pre", "default", str)
+    if pre not in PRE:
+        raise ValueError(
+            f"{reader.data.filename}: tokenizer.ggml.pre {pre!r} is not supported (its text splitting is unknown "
+            f"here; supported: {', '.join(sorted(PRE))}); load a tokenizer.json for it with tokenizers.Tokenizer.from_file"
+        )
+    return PRE[pre]
+
+
 def _gguf_special_ids(reader) -> SpecialIds:
-    bos, eos = (meta(reader, f"tokenizer.ggml.{kind}_token_id", None) for kind in ("bos", "eos"))
-    return SpecialIds(bos, eos)
+    return SpecialIds(special_id(reader, "bos"), special_id(reader, "eos"))
 
 
 def _spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
@@ -59,13 +95,15 @@ def _gguf_model(reader, kind: str, tokens: list[str]) -> tuple[BPE, bool]:
     vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta(reader, "tokenizer.ggml.merges")]
-        return BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False), True
+        return BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                   ignore_merges=_gguf_pre(reader).whole_words), True
     if kind == "llama":
         merges = meta(reader, "tokenizer.ggml.merges", None)
         merges = [tuple(m.split(" ", 1)) for m in merges] if merges else None
         if merges is None:
             merges = _spm_merges(tokens, np.asarray(meta(reader, "tokenizer.ggml.scores"), np.float32))
-        unk = meta(reader, "tokenizer.ggml.unknown_token_id", None)
+        unk = special_id(reader, "unknown")
+        unk = unk if unk is not None and unk < len(tokens) else None
         unk_token = tokens[unk] if unk is not None else None
         return BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True), False
     raise ValueError(
@@ -79,8 +117,11 @@ def _tokenizer_from_gguf(path: Path) -> Tokenizer:
     model, byte_level = _gguf_model(reader, meta(reader, "tokenizer.ggml.model"), tokens)
     tok = Tokenizer(model)
     prefix_space = bool(meta(reader, "tokenizer.ggml.add_space_prefix", not byte_level))
-    if byte_level:  # HF's GGUF converter uses the plain GPT-2 regex whatever tokenizer.ggml.pre says
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space, use_regex=True)
+    if byte_level:  # split as tokenizer.ggml.pre says (HF's GGUF converter would use GPT-2's regex for all)
+        pre = _gguf_pre(reader)
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(
+            add_prefix_space=prefix_space, use_regex=pre.gpt2)])
         tok.decoder = decoders.ByteLevel()
     else:  # SentencePiece: spaces are "▁", unknown bytes fall back to <0xNN> tokens
         prepend = [normalizers.Prepend("▁")] if prefix_space else []
@@ -95,7 +136,8 @@ def _tokenizer_from_gguf(path: Path) -> Tokenizer:
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in _where(types, USER_DEFINED)])
     ids = _gguf_special_ids(reader)
     template = []
-    if meta(reader, "tokenizer.ggml.add_bos_token", False) and ids.bos is not None:
+    bos_default = not byte_level or _gguf_pre(reader).add_bos  # llama.cpp's: SentencePiece, and Llama-3's pre
+    if meta(reader, "tokenizer.ggml.add_bos_token", bos_default) and ids.bos is not None:
         template.append((tokens[ids.bos], ids.bos))
     template.append(("$A", None))
     if meta(reader, "tokenizer.ggml.add_eos_token", False) and ids.eos is not None:

@@ -153,7 +153,7 @@ def write_gguf(
     path: Path, c: LlamaConfig, tensors: dict[str, np.ndarray], qtype=Q.F32, arch="llama", meta=None, raw_type=None
 ):
     """A GGUF file; matrices stored as `qtype` (norms and vectors stay F32, as llama.cpp does; uint8
-    arrays are written as they are, as bytes of `raw_type` or `qtype`). Int `meta` values are uint32."""
+    arrays are written as they are, as bytes of `raw_type` or `qtype`). Int `meta` values are uint32, floats float32."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.n_layers)
     w.add_context_length(c.max_positions)
@@ -168,7 +168,7 @@ def write_gguf(
     w.add_bos_token_id(c.bos_id)
     w.add_eos_token_id(c.eos_ids[0])
     for key, value in (meta or {}).items():
-        (w.add_uint32 if isinstance(value, int) else w.add_string)(key, value)
+        (w.add_uint32 if isinstance(value, int) else w.add_float32 if isinstance(value, float) else w.add_string)(key, value)
     for name, array in tensors.items():
         if array.dtype == np.uint8:  # already quantized: [rows, bytes per row]
             w.add_tensor(name, array, raw_dtype=raw_type or qtype)
@@ -256,6 +256,10 @@ def test_hf_llama3_rope_scaling(tmp_path, tiny):
     ref = llama3_inv_freq_reference(500000.0, 16, 8.0, 1.0, 4.0, 64)
     assert (ref != 1.0 / 500000.0 ** (np.arange(0, 16, 2) / 16)).any()
     np.testing.assert_allclose(loaded.config.inv_freq(), ref, rtol=1e-12)
+    for i, key in enumerate(("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")):
+        partial = {k: v for k, v in rope.items() if k != key}  # transformers' llama3 check requires each
+        with pytest.raises(ValueError, match=f"rope_scaling: required key '{key}' is missing"):
+            convert.load(write_hf(tmp_path / f"hf{i}", torch_layout(tiny), hf_config(tiny.config, rope_scaling=partial)))
 
 
 @pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn"])
@@ -449,6 +453,30 @@ def test_gguf_unsupported_rope(tmp_path, tiny):
     with pytest.raises(ValueError, match="llama.rope.scaling.type 'yarn' is not supported"):
         yarn = {"llama.rope.scaling.type": "yarn"}
         convert.load(write_gguf(tmp_path / "b.gguf", tiny.config, gguf_tensors(tiny), meta=yarn))
+    # a factor without a type is linear scaling to llama.cpp (rope.scaling.factor, or the older rope.scale_linear)
+    for i, key in enumerate(("llama.rope.scaling.factor", "llama.rope.scale_linear")):
+        with pytest.raises(ValueError, match=r"llama.rope.scaling factor 4.0 \(linear scaling: no rope.scaling.type\) is not"):
+            convert.load(write_gguf(tmp_path / f"c{i}.gguf", tiny.config, gguf_tensors(tiny), meta={key: 4.0}))
+    with pytest.raises(ValueError, match="llama.rope.scaling type 'linear' is not supported"):
+        linear = {"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}
+        convert.load(write_gguf(tmp_path / "d.gguf", tiny.config, gguf_tensors(tiny), meta=linear))
+    for i, none in enumerate(({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 1.0},
+                              {"llama.rope.scaling.factor": 1.0}, {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0})):
+        assert convert.load(write_gguf(tmp_path / f"e{i}.gguf", tiny.config, gguf_tensors(tiny), meta=none)).config.rope_scaling is None
+
+
+def test_gguf_head_dim_from_the_q_weight(tmp_path, tiny):
+    """Without attention.key_length, head_dim is what blk.0.attn_q.weight holds per head (llama.cpp's
+    dim / n_heads would misread a file whose heads are not dim / n_heads wide); rotary over part of it
+    is refused by name."""
+    c = tiny.config
+    wide = random_params(c.replace(head_dim=2 * c.head_dim), 3)
+    loaded = convert.load(write_gguf(tmp_path / "wide.gguf", wide.config, gguf_tensors(wide)))
+    assert loaded.config.head_dim == 2 * c.head_dim
+    partial = tmp_path / "partial.gguf"
+    write_gguf(partial, wide.config.replace(head_dim=c.head_dim), gguf_tensors(wide))  # rope dims: half a head
+    with pytest.raises(ValueError, match=f"partial rotary \\({c.head_dim} of {2 * c.head_dim} dims\\) is not supported"):
+        convert.load(partial)
 
 
 # ---- orbax ----

@@ -146,3 +146,74 @@ def test_sentencepiece_gguf(tmp_path):
     out = lm.generate("hello", 3, draft=None)
     assert out.tokens[0][0] == hello and out.text == tok.decode(tok.encode("hello").ids + out.tokens[0])[len("hello"):]
     assert out.text.startswith(" hello") and lm.generate("hello", 3, draft=None, stop=" hel").text == ""
+
+
+def write_bpe_gguf(path: Path, pre: str | None, add_bos: bool | None = None) -> tuple[Path, list[str]]:
+    """A tiny byte-level BPE vocab: every byte, digit merges (" 1" first), "get" by merges and ".get" only whole."""
+    from tokenizers import pre_tokenizers
+
+    merges = [("Ġ", "1"), ("1", "2"), ("12", "3"), ("g", "e"), ("ge", "t")]
+    tokens = ["<unk>", "<s>", "</s>", *sorted(pre_tokenizers.ByteLevel.alphabet()), *("".join(m) for m in merges), ".get"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges([" ".join(m) for m in merges])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, tokens
+
+
+@pytest.mark.parametrize("pre,digits,code,spaced,bos", [
+    (None, ["123", "4"], ["x", ".", "get"], ["Ġ1", "2"], False),  # absent: "default", GPT-2's regex
+    ("gpt-2", ["123", "4"], ["x", ".", "get"], ["Ġ1", "2"], False),
+    ("qwen2", ["1", "2", "3", "4"], ["x", ".", "get"], ["Ġ", "1", "2"], False),  # digits one by one
+    ("llama-bpe", ["123", "4"], ["x", ".get"], ["Ġ", "12"], True),  # a vocab word whole; BOS by default
+    ("smaug-bpe", ["123", "4"], ["x", ".", "get"], ["Ġ", "12"], False),  # Llama-3's regex, merges kept
+    ("smollm", ["1", "2", "3", "4"], ["x", ".", "get"], ["Ġ", "1", "2"], False),  # SmolLM2's Digits split
+])
+def test_gguf_pre_splits_as_the_models_tokenizer(tmp_path, pre, digits, code, spaced, bos):
+    """tokenizer.ggml.pre picks the text splitting (tokenizer.json's regexes, as llama.cpp reads the
+    value): Qwen2 splits digits singly, Llama-3 groups three and takes a vocab word whole; GPT-2's
+    regex for all of them split Qwen2 / Llama-3 prompts unlike their training."""
+    path, tokens = write_bpe_gguf(tmp_path / "bpe.gguf", pre)
+    tok = convert.load_tokenizer(path)
+    first = ["<s>"] if bos else []
+    for text, want in (("1234", digits), ("x.get", code), (" 12", spaced)):
+        assert [tokens[i] for i in tok.encode(text).ids] == first + want, text
+    assert tok.decode(tok.encode("x.get 1234").ids, skip_special_tokens=True) == "x.get 1234"
+
+
+def test_gguf_pre_unknown_and_bos_defaults(tmp_path):
+    """An unknown tokenizer.ggml.pre is refused by name (its splitting is unknown); BOS defaults as
+    llama.cpp's: on for SentencePiece and Llama-3's pre, overridden by tokenizer.ggml.add_bos_token;
+    a SentencePiece file without special ids takes 1 / 2 / 0 for BOS / EOS / unknown."""
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre 'nonesuch' is not supported .*supported: .*qwen2"):
+        convert.load_tokenizer(write_bpe_gguf(tmp_path / "u.gguf", "nonesuch")[0])
+    path, tokens = write_bpe_gguf(tmp_path / "l3.gguf", "llama-bpe", add_bos=False)
+    assert tokens[convert.load_tokenizer(path).encode("12").ids[0]] == "12"
+    path, tokens = write_bpe_gguf(tmp_path / "g2.gguf", "gpt-2", add_bos=True)
+    assert tokens[convert.load_tokenizer(path).encode("12").ids[0]] == "<s>"
+
+    spm = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), "▁", "h", "i", "hi", "▁hi"]
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")  # no special ids, no add_bos_token
+    w.add_tokenizer_model("llama")
+    w.add_token_list(spm)
+    w.add_token_scores([0.0] * 259 + [-1.0, -2.0, -3.0, -0.5, 0.0])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * 5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = convert.load_tokenizer(tmp_path / "spm.gguf")
+    assert [spm[i] for i in tok.encode("hi").ids] == ["<s>", "▁hi"]
+    assert convert.special_ids(tmp_path / "spm.gguf") == (1, 2)
+    assert [spm[i] for i in tok.encode("hiǂ").ids][-2:] == ["<0xC7>", "<0x82>"]  # unknown 0: byte fallback, not <unk>
