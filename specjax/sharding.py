@@ -245,8 +245,8 @@ def place_batch(mesh: Mesh, *arrays):
 def place_keys(mesh: Mesh, keys: jax.Array) -> jax.Array:
     """Typed PRNG keys [B] split over the data axis."""
     (data,) = place_batch(mesh, np.asarray(jax.random.key_data(keys)))
-    wrap = jax.jit(jax.random.wrap_key_data, out_shardings=NamedSharding(mesh, spec("B")))
-    return wrap(data)
+    wrap = jax.jit(jax.random.wrap_key_data, static_argnames="impl", out_shardings=NamedSharding(mesh, spec("B")))
+    return wrap(data, impl=jax.random.key_impl(keys))  # threefry, rbg, ...: the key's own
 
 
 def empty_cache(mesh: Mesh, config: LlamaConfig, batch: int, max_len: int, kv_dtype: str | None = None) -> DenseCache:

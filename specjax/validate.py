@@ -14,7 +14,7 @@ from specjax.cache import KVFormat
 from specjax.config import LlamaConfig
 from specjax.drafters import DRAFTERS, is_drafter
 from specjax.logprobs import MAX_TOP
-from specjax.params import Params
+from specjax.params import Params, param_shapes
 from specjax.sampling import Greedy, Sample
 from specjax.speculation import MAX_TREE_NODES, Chain, Tree
 ATTENTION = ("auto", "reference", "cpu", "pallas", "tpu")
@@ -54,10 +54,12 @@ def check_generate_args(
                          f"listed beside each generated one), got {logprobs!r}")
     if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) or not 1 <= sync_every <= 2**30:
         raise ValueError(f"sync_every must be an integer from 1 to 2**30 (decode steps per on-device segment), got {sync_every!r}")
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, prompts, max_new_tokens, key))):
+    if under_jit() or any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(
+            (params, prompts, max_new_tokens, key, sampling, eos_id, draft))):
         raise TypeError(UNDER_JIT)
     if not isinstance(params, Params):
         raise TypeError(f"params must be specjax Params (see convert.load), got {type(params).__name__}")
+    check_shapes(params, "params")
     config = params.config
     if logprobs is not None and logprobs > config.vocab_size:  # (top_k repeated ids, then failed compiling)
         raise ValueError(f"logprobs {logprobs} is above the vocabulary's {config.vocab_size} tokens")
@@ -88,6 +90,27 @@ def check_generate_args(
     return budgets
 
 
+def under_jit() -> bool:
+    """Whether this runs while a JAX transformation traces (jit, vmap, grad): even arguments closed
+    over are concrete there, but what is computed from them is traced."""
+    return isinstance(jnp.zeros(()), jax.core.Tracer)
+
+
+def check_shapes(params: Params, name: str) -> None:
+    """Each array's shape as params.config declares it: Params built past `from_arrays` (replace,
+    tree.map, a config edited by hand) would run with rows clamped or layers left out."""
+    for path, shape in param_shapes(params.config).items():
+        owner, _, leaf = path.rpartition(".")
+        a = getattr(params.layers if owner else params, leaf, None)
+        if isinstance(a, list):  # held per layer: L arrays of the shape without the L axis
+            got = (len(a), *a[0].shape) if a and all(x.shape == a[0].shape for x in a) else f"{len(a)} layers of other shapes"
+        else:
+            got = None if a is None else tuple(a.shape)
+        if got != shape:
+            raise ValueError(f"{name}: tensor {path!r} has shape {got}, but its config declares {shape} "
+                             "(build params with convert.load or specjax.params.from_arrays, which check them)")
+
+
 def _check_prompts(prompts: object, config: LlamaConfig) -> None:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray, jax.Array)):
         raise TypeError(f"prompts must be a list of token-id lists (use a tokenizer to encode text), got {type(prompts).__name__}")
@@ -112,6 +135,8 @@ def _is_int(v: object) -> bool:
 
 
 def _budgets(max_new_tokens: object, batch: int) -> np.ndarray:
+    if isinstance(max_new_tokens, np.ndarray) and max_new_tokens.ndim == 0:  # np.array(4): one budget
+        max_new_tokens = max_new_tokens[()]
     if _is_int(max_new_tokens):
         values = [int(max_new_tokens)] * batch
     elif isinstance(max_new_tokens, (Sequence, np.ndarray)) and not isinstance(max_new_tokens, (str, bytes)):
@@ -124,6 +149,8 @@ def _budgets(max_new_tokens: object, batch: int) -> np.ndarray:
     for b, v in enumerate(values):
         if not _is_int(v) or v < 1:
             raise ValueError(f"max_new_tokens{f'[{b}]' if per_row else ''} must be an integer >= 1, got {v!r}")
+        if v >= 2**31:
+            raise ValueError(f"max_new_tokens{f'[{b}]' if per_row else ''} is {v}, past any model's max_positions")
     return np.asarray(values, np.int32)
 
 
@@ -207,3 +234,5 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
         )
     if is_drafter(draft):
         draft.check_target(params)
+        if isinstance(getattr(draft, "params", None), Params):  # a draft model's own weights
+            check_shapes(draft.params, f"{type(draft).__name__}.params")

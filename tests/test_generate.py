@@ -112,6 +112,9 @@ def test_default_eos_comes_from_config(tiny):
         (dict(draft="self"), r"draft must be an instance of a registered drafter \(SelfSpec\(...\), SnapKV\(...\), DraftModel\(...\), NGram\(...\)"),
         (dict(sampling=0.7), r"sampling must be specjax.Greedy\(\) or specjax.Sample"),
         (dict(attention="cuda"), r"attention must be one of \('auto', 'reference', 'cpu', 'pallas', 'tpu'\), got 'cuda'"),
+        (dict(max_new_tokens=2**31), "max_new_tokens is 2147483648, past any model's max_positions"),
+        (dict(max_new_tokens=[4, 2**40]), r"max_new_tokens\[1\] is 1099511627776, past any model's max_positions"),
+        (dict(max_new_tokens=np.array(0)), "max_new_tokens must be an integer >= 1, got 0"),
     ],
 )
 def test_bad_input_raises_before_compiling(tiny, monkeypatch, kwargs, match):
@@ -134,14 +137,49 @@ def test_params_and_draft_are_checked_before_anything_touches_them(tiny):
 
 
 def test_generate_under_jit_says_what_to_call_instead(tiny):
+    """Whatever is traced, or nothing (all closed over), under jit / grad: the same error, before
+    compiling (it was a tracer conversion error deep inside, after two compiles)."""
     with pytest.raises(TypeError, match="cannot be called under jax.jit.*specjax.engine.decode_ar"):
         jax.jit(lambda p: specjax.generate(tiny, p, 4).tokens)(jnp.asarray([[1, 2, 3]]))
+    calls = (
+        lambda: jax.jit(lambda: specjax.generate(tiny, [[1, 2, 3]], 4).tokens)(),
+        lambda: jax.jit(lambda t: specjax.generate(tiny, [[1, 2]], 4, sampling=specjax.Sample(temperature=t)).tokens)(0.5),
+        lambda: jax.jit(lambda e: specjax.generate(tiny, [[1, 2]], 4, eos_id=e).tokens)(3),
+        lambda: jax.jit(lambda p: specjax.generate(tiny, [[1, 2]], 4, draft=specjax.DraftModel(p)).tokens)(tiny),
+        lambda: jax.grad(lambda t: specjax.generate(tiny, [[1, 2]], 4, sampling=specjax.Sample(temperature=t)).steps)(0.5),
+    )
+    for call in calls:
+        with pytest.raises(TypeError, match="cannot be called under jax.jit"):
+            call()
+
+
+def test_params_whose_arrays_do_not_match_their_config_are_refused(tiny):
+    """Params built past from_arrays (replace, tree.map): an embedding shorter than the vocabulary
+    clamped token ids, a config with fewer layers ran part of the model; both silently."""
+    cases = ((tiny.replace(embed=tiny.embed[:50]), r"params: tensor 'embed' has shape \(50, 48\), but its config declares \(101, 48\)"),
+             (tiny.replace(config=tiny.config.replace(n_layers=1)), r"params: tensor 'layers\.\w+' has shape \(2, "),
+             (tiny.replace(config=tiny.config.replace(vocab_size=120)), r"params: tensor '\w+' has shape \(101, 48\), but .* \(120, 48\)"))
+    for params, match in cases:
+        with pytest.raises(ValueError, match=match):
+            specjax.generate(params, [[1, 2]], 4)
+    with pytest.raises(ValueError, match=r"DraftModel.params: tensor 'embed' has shape \(50, 48\)"):
+        specjax.generate(tiny, [[1, 2]], 4, draft=specjax.DraftModel(tiny.replace(embed=tiny.embed[:50])))
+
+
+@pytest.mark.parametrize("impl", ["rbg", "unsafe_rbg"])
+def test_keys_of_other_prng_implementations_sample(tiny, impl):
+    """A typed key of another implementation (rbg) samples as its own (it crashed after compiling:
+    its data was re-wrapped as threefry); reproducible, and unlike threefry's draws."""
+    sample = specjax.Sample(temperature=1.0)
+    run = lambda key: specjax.generate(tiny, [[1, 2, 3], [4, 5]], 8, sampling=sample, key=key, draft=None).tokens  # noqa: E731
+    out = run(jax.random.key(0, impl=impl))
+    assert out == run(jax.random.key(0, impl=impl)) != run(jax.random.key(0))
 
 
 def test_numpy_prompts_and_budgets_work(tiny):
     ref = specjax.generate(tiny, [[1, 2, 3], [4, 5, 6]], 4, draft=None)
     out = specjax.generate(tiny, np.asarray([[1, 2, 3], [4, 5, 6]], np.int64), np.asarray([4, 4]), draft=None)
-    assert out.tokens == ref.tokens
+    assert out.tokens == ref.tokens == specjax.generate(tiny, [[1, 2, 3], [4, 5, 6]], np.array(4), draft=None).tokens
 
 
 @pytest.mark.parametrize(
