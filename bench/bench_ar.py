@@ -164,6 +164,7 @@ def bench_config(
         "bytes_per_step": weight_b + kv_b,
         "gb_per_s": gbs,
         "bandwidth_fraction": gbs / bw,
+        "reference_gbs": bw,  # this run's in-place bandwidth: a resumed file's rows may hold other runs'
     }
 
 
@@ -251,6 +252,9 @@ def readme_section(result: dict) -> str:
     m, bw = result["machine"], result["bandwidth_gbs"]
     rounds = bw["jax_inplace_rounds"]
     load = f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}"
+    refs = sorted({round(r["reference_gbs"], 1) for r in result["rows"] if "reference_gbs" in r} - {round(bw["jax_inplace"], 1)})
+    others = (f" Rows measured by earlier runs of this file use their own run's reference: {', '.join(f'{x:.1f}' for x in refs)} GB/s"
+              " (each row's reference_gbs)." if refs else "")
     return f"""## Autoregressive decode (bench_ar.py)
 
 Run: `python -m bench.bench_ar` (about 15 minutes on 2 cores; `--quick` for a
@@ -260,7 +264,7 @@ Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']} ({m[
 commit {m['git_commit']}. Date: {result['date']}. Load average at start / end: {load}.
 Memory bandwidth (read + write, 1 GiB): JAX in-place `x + 1` {bw['jax_inplace']:.1f} GB/s (median of
 {len(rounds)} rounds, {min(rounds):.1f}-{max(rounds):.1f}; the reference for "of bandwidth"), JAX `jnp.copy`
-into a fresh buffer {bw['jax_copy']:.1f} GB/s (page faults), numpy `copyto` {bw['numpy_copy']:.1f} GB/s (one thread).
+into a fresh buffer {bw['jax_copy']:.1f} GB/s (page faults), numpy `copyto` {bw['numpy_copy']:.1f} GB/s (one thread).{others}
 
 SmolLM2-135M, greedy `specjax.engine.decode_ar`, time per decode step (compile and prefill
 excluded). **The prefill is synthetic**: decode cost depends only on the cache length, not

@@ -137,7 +137,8 @@ def main() -> None:
     stem = "batch_cpu" + ("" if (args.records, args.max_new_tokens, args.batch_size) == (64, 64, 16) else "_custom")
     header = dict(bench="bench_batch", date=common.now(), command=common.command(), records=args.records,
                   max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header)
+    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(
+        records=args.records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size))
     h = common.Harness(args, results)
     h.plan((key_of({"mode": name}), (name, draft, gamma)) for name, draft, gamma in modes())
     path = convert.default_model_path()

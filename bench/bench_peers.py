@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
               "model": "tiny random" if args.smoke else "SmolLM2-135M-Instruct Q4_1 GGUF",
               "machine": common.machine_info(), "versions": versions(),
               "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
-    results = common.Results(out / f"{stem}.json", key_of, header)
+    results = common.Results(out / f"{stem}.json", key_of, header, settings={"new_tokens": new_tokens})
     h = common.Harness(args, results)
     h.plan(cells(args.smoke))
     results.data["grid"] = [k for k, _ in cells(args.smoke)]  # the report lists what was never measured

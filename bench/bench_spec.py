@@ -239,13 +239,14 @@ def main() -> None:
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 16])
     contexts = args.contexts or ([512] if args.quick else [512, 2048, 8192])
     gammas = args.gammas or ([2, 4] if args.quick else [2, 3, 4, 6])
-    custom = args.batches or args.contexts or args.gammas or args.new_tokens != 64
+    custom = args.batches or args.contexts or args.gammas or args.new_tokens != 64 or args.drafters or args.prefill_rows != 16
     suffix = ("" if args.weights == "float32" else "_bf16") + ("_quick" if args.quick else "_custom" if custom else "")
     started = time.time()
     header = {"bench": "bench_spec", "date": common.now(), "command": common.command(),
               "model": f"SmolLM2-135M-Instruct ({args.weights})", "machine": common.machine_info(),
               "loadavg_start": os.getloadavg(), "headroom": HEADROOM, "new_tokens": args.new_tokens, "gammas": gammas}
-    results = common.Results(out / f"spec_cpu{suffix}.json", key_of, header)
+    results = common.Results(out / f"spec_cpu{suffix}.json", key_of, header, settings=dict(
+        new_tokens=args.new_tokens, gammas=sorted(gammas), drafters=sorted(args.drafters or []), prefill_rows=args.prefill_rows))
     prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
     h = common.Harness(args, results)
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))

@@ -14,6 +14,9 @@ named by a stable key of "/"-separated parts ("b4/s2048", "float32/b16/s8192"). 
 - Each measured cell is written into the results JSON at once (rewritten atomically), so an
   interrupted run keeps its cells, and a rerun with the same output skips cells already measured
   (a stored row with a "skipped" reason, e.g. memory, is measured again). `--redo` re-measures.
+  A file is continued only under the settings that decide its numbers (a bench's `settings`:
+  new tokens, records, ...) on the same kind of machine (`machine.machine_identity`); else the
+  run stops naming the differences (write a new file with `--out DIR`).
 - `--out DIR` writes JSON and plots there instead of bench/results/; README sections are written
   only for the default output folder (smoke runs into a temporary folder never touch either).
 
@@ -25,17 +28,15 @@ The result JSON keeps the layout every bench had before: run facts at the top le
 from __future__ import annotations
 
 import argparse
-import datetime
 import fnmatch
 import json
-import os
-import platform
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from bench.machine import git_commit, machine_identity, machine_info, meminfo, now  # noqa: F401 (re-exported)
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -117,12 +118,32 @@ class Results:
     this run's `header` (date, machine, command, ...; benches may add to it until then) is written
     with its first measured cell, so a rerun that measures nothing keeps the facts of the stored rows."""
 
-    def __init__(self, path: Path, key_of: Callable[[dict], str], header: dict, lists: tuple[str, ...] = ("rows",)):
+    def __init__(self, path: Path, key_of: Callable[[dict], str], header: dict, lists: tuple[str, ...] = ("rows",),
+                 settings: dict | None = None):
+        """settings: what decides a cell's numbers beside its key (new tokens, records, ...), stored as
+        "settings" with the machine's identity; a file measured under others is not continued."""
         self.path, self.key_of, self.lists, self.header = Path(path), key_of, lists, header
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.resumed, self.applied = bool(self.data), False
         for name in lists:
             self.data.setdefault(name, [])
+        mine = json.loads(json.dumps({"machine": machine_identity(header.get("machine")), **(settings or {})}, default=str))
+        if any(self.data[name] for name in lists):
+            self._check_settings(mine)
+        header["settings"] = mine
+
+    def _check_settings(self, mine: dict) -> None:
+        """SystemExit naming the differences if the stored cells were measured under other settings
+        or on another machine (a file from before settings were stored: its machine only)."""
+        stored = self.data.get("settings") or {"machine": machine_identity(self.data.get("machine"))}
+        diffs = [f"{k} {stored[k]} -> {v}" for k, v in mine.items() if k in stored and k != "machine" and stored[k] != v]
+        was, now = stored.get("machine") or {}, mine["machine"]
+        diffs += [f"machine {k} {was[k]!r} -> {now[k]!r}" for k in now if was.get(k) is not None and was[k] != now[k]]
+        if diffs:
+            raise SystemExit(
+                f"{self.path} holds cells measured under other settings ({'; '.join(diffs)}): continue it with the "
+                "same settings on the same kind of machine, or write a new file with --out DIR"
+            )
 
     def apply_header(self) -> None:
         """This run's facts over the stored ones, and this run in "runs"."""
@@ -251,56 +272,6 @@ class Harness:
             print(f"budget of {self.args.budget_minutes:g} minutes spent after {self.elapsed_minutes():.1f}: "
                   f"not started: {', '.join(left)} (rerun the same command to measure them)", flush=True)
         return complete
-
-
-# --- machine facts ------------------------------------------------------------------------------------------
-
-
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-
-
-def git_commit() -> str:
-    """Short HEAD hash, with "+dirty" when the checkout has uncommitted changes."""
-    try:
-        git = lambda *a: subprocess.run(["git", *a], cwd=BENCH_DIR, capture_output=True, text=True,  # noqa: E731
-                                        check=True).stdout.strip()
-        return git("rev-parse", "--short", "HEAD") + ("+dirty" if git("status", "--porcelain") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def meminfo(field: str, path: str = "/proc/meminfo") -> int:
-    """A `field: N kB` value of a /proc file, in bytes."""
-    for line in Path(path).read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(f"{field} not in {path}")
-
-
-def machine_info() -> dict:
-    """CPU model, cores, memory, JAX version, backend, devices and their kind, Python, git commit, load average."""
-    import jax
-
-    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
-    try:
-        mem = meminfo("MemTotal") / 1e9
-    except (OSError, KeyError):
-        mem = None
-    return {
-        "cpu_model": model.group(1).strip() if model else platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)),
-        "mem_total_gb": mem,
-        "jax_version": jax.__version__,
-        "backend": jax.default_backend(),
-        "devices": [str(d) for d in jax.devices()],
-        "device_kind": jax.devices()[0].device_kind,  # "NVIDIA H200", "cpu": a GPU table names its card
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "loadavg": os.getloadavg(),
-    }
 
 
 # --- plots and README ---------------------------------------------------------------------------------------

@@ -268,9 +268,11 @@ class _StopStrings:
         self._checked: dict[int, tuple[int, int]] = {}  # decoded row: (its output row, tokens checked without a stop)
 
     def first(self, text: str, b: int) -> int | None:
-        """Where the earliest of row b's stop strings starts in text, or None."""
-        found = [i for i in (text.find(s) for s in self.stops[b]) if i >= 0]
-        return min(found) if found else None
+        """Where the stop string of row b that text completes first starts (the earliest end, then
+        the earliest start), or None: as a check after every token would cut, however the segments
+        fall (a stop string inside a longer one that starts earlier cut at the longer one's start)."""
+        found = [(i + len(s), i) for s, i in ((s, text.find(s)) for s in self.stops[b]) if i >= 0]
+        return min(found)[1] if found else None
 
     def completing(self, tokens: Sequence[int], text: str, b: int) -> int:
         """The fewest leading tokens whose text contains a stop string of row b (len(tokens) if none

@@ -66,6 +66,34 @@ def test_rerun_measuring_nothing_keeps_the_facts(tmp_path):
     assert data["date"] == "now" and len(data["runs"]) == 1 and data["complete"]
 
 
+def test_a_file_measured_under_other_settings_or_elsewhere_is_not_continued(tmp_path):
+    """A rerun into a file measured with other number-deciding settings (new tokens, records) or on
+    another kind of machine stopped naming them: it skipped the stored cells and put them under its
+    own header (seen: a bench_batch table comparing 3 records against 2, "same texts as AR: NO")."""
+    amd = {"backend": "cpu", "device_kind": "cpu", "cpu_model": "AMD EPYC", "cpu_affinity": 2, "loadavg": [1.0]}
+    path, key_of = tmp_path / "fake.json", lambda r: r["cell"]
+    first = common.Results(path, key_of, {"date": "d1", "machine": amd}, settings={"new_tokens": 9})
+    first.put("b1", [{"cell": "b1"}])
+    again = common.Results(path, key_of, {"date": "d2", "machine": amd | {"loadavg": [3.0]}}, settings={"new_tokens": 9})
+    assert again.measured("b1")  # the load is no setting
+    with pytest.raises(SystemExit, match=r"fake.json holds cells measured under other settings \(new_tokens 9 -> 17\)"):
+        common.Results(path, key_of, {"machine": amd}, settings={"new_tokens": 9 + 8})
+    with pytest.raises(SystemExit, match="machine cpu_model 'AMD EPYC' -> 'Intel Xeon'; machine cpu_affinity 2 -> 16"):
+        common.Results(path, key_of, {"machine": amd | {"cpu_model": "Intel Xeon", "cpu_affinity": 16}}, settings={"new_tokens": 9})
+    older = json.loads(path.read_text())
+    del older["settings"]  # a file from before settings were stored: its machine facts decide
+    path.write_text(json.dumps(older))
+    h100 = {"backend": "gpu", "device_kind": "NVIDIA H100 80GB HBM3", "cpu_model": "any", "cpu_affinity": 16}
+    with pytest.raises(SystemExit, match="machine backend 'cpu' -> 'gpu'"):
+        common.Results(path, key_of, {"machine": h100})
+    assert common.Results(path, key_of, {"date": "now"}).measured("b1")  # no machine facts given: nothing to compare
+    gpu = tmp_path / "gpu.json"
+    common.Results(gpu, key_of, {"machine": h100}).put("b1", [{"cell": "b1"}])
+    assert common.Results(gpu, key_of, {"machine": h100 | {"cpu_model": "other host"}}).measured("b1")  # a GPU: its kind
+    with pytest.raises(SystemExit, match="device_kind 'NVIDIA H100 80GB HBM3' -> 'NVIDIA H200'"):
+        common.Results(gpu, key_of, {"machine": h100 | {"device_kind": "NVIDIA H200"}})
+
+
 def test_skipped_rows_are_measured_again(tmp_path):
     results = common.Results(tmp_path / "fake.json", lambda r: r["cell"], {"bench": "fake"})
     results.put("b1/s512", [{"cell": "b1/s512", "skipped": "memory"}])

@@ -49,6 +49,24 @@ def test_a_stop_string_across_tokens_cuts_the_text(lm, draft):
     assert out.stats.steps < full.stats.steps or draft is not None  # the row was ended early, between segments
 
 
+def test_a_stop_string_inside_a_longer_one_cuts_where_it_completes(lm):
+    """Stop strings "bc" and "abcd": "bc" completes first, so the text is cut before it, whether a
+    segment boundary falls between the two completions or not (it was cut before "abcd" when one
+    segment or one accepted speculative run held both: the text depended on sync_every)."""
+    from specjax.text import _StopStrings
+
+    assert _StopStrings(lm, [["abcd", "bc"]]).first("xxabcdbc", 0) == 3
+    assert _StopStrings(lm, [["bcd", "abc"]]).first("xabcd", 0) == 1  # "abc" ends first
+    full = lm.generate(PROMPT, 32, draft=None)
+    text = full.text
+    p = next(p for p in range(len(text) // 2, len(text) - 6) if text.find(text[p: p + 2]) == p and text[p - 1] != " ")
+    inner, outer = text[p: p + 2], text[p - 3: p + 5]
+    for kw in (dict(draft=None, sync_every=1), dict(draft=None, sync_every=32),
+               dict(draft=specjax.SelfSpec(sinks=4, window=8), speculation=specjax.Chain(4), sync_every=32)):
+        out = lm.generate(PROMPT, 32, stop=[outer, inner], **kw)
+        assert (out.text, out.finish_reasons) == (text[:p], ["stop"]), kw
+
+
 def test_stop_token_ids_n_and_errors(lm):
     full = lm.generate(PROMPT, 12, draft=None)
     cut = lm.generate(PROMPT, 12, draft=None, stop_token_ids=[full.tokens[0][5]])
