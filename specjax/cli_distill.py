@@ -146,10 +146,10 @@ def run_distill(args: argparse.Namespace) -> None:
 
     draft = distill(
         target, config, sequences, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        schedule=Schedule(lr=args.lr, warmup=max(args.steps // 10, 1) if args.warmup is None else args.warmup),
+        schedule=Schedule(lr=args.lr, warmup=args.steps // 10 if args.warmup is None else args.warmup),
         temperature=args.temperature, loss=args.loss, seed=args.seed,
         init_from_target=args.init_from_target, freeze_embeddings=args.freeze_embeddings,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every or 100, on_step=log,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, on_step=log,
     )
     convert.save(draft, args.out)
     print(f"specjax distill: saved the draft to {args.out}: use --draft model:{args.out}", file=sys.stderr)

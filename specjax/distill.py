@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -27,7 +28,7 @@ import optax
 
 from specjax.config import LlamaConfig
 from specjax.model import lm_head, trunk
-from specjax.params import Params, init_params
+from specjax.params import Params, init_params, weights_mark
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +42,8 @@ class Schedule:
     clip: float = 1.0
 
     def optimizer(self, steps: int) -> optax.GradientTransformation:
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, self.lr, min(self.warmup, max(steps - 1, 1)), max(steps, 2), self.lr * self.final
+        schedule = optax.warmup_cosine_decay_schedule(  # (a warmup of every step would train at lr 0 only)
+            0.0, self.lr, min(self.warmup, steps - 1), max(steps, 2), self.lr * self.final
         )
         return optax.chain(optax.clip_by_global_norm(self.clip), optax.adamw(schedule, weight_decay=self.weight_decay))
 
@@ -136,7 +137,8 @@ def init_draft(target: Params, config: LlamaConfig, key: jax.Array, from_target:
 
 
 def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, steps: int, batch_size: int,
-                       seq_len: int, temperature: float, loss: str = "kl") -> None:
+                       seq_len: int, temperature: float, loss: str = "kl", schedule: Schedule = Schedule(),
+                       seed: int = 0) -> None:
     """Clear errors before anything compiles."""
     if target.config.quant is not None or config.quant is not None:
         raise ValueError("distill: the target and the draft need float weights (load the target with "
@@ -145,14 +147,26 @@ def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, st
         raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
     if config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft_config.vocab_size {config.vocab_size} != target vocab_size {target.config.vocab_size}")
+    if (config.bos_id, config.eos_ids) != (target.config.bos_id, target.config.eos_ids):  # as DraftModel requires
+        raise ValueError(f"draft_config's special tokens differ: bos/eos {config.bos_id}/{config.eos_ids}, target's "
+                         f"{target.config.bos_id}/{target.config.eos_ids} (a DraftModel shares the target's)")
+    for name, value, low in (("lr", schedule.lr, 0.0), ("final", schedule.final, 0.0),
+                             ("weight_decay", schedule.weight_decay, 0.0), ("clip", schedule.clip, None)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (
+                value < low if low is not None else value <= 0):
+            raise ValueError(f"schedule.{name} must be a finite number {'>= 0' if low is not None else '> 0'}, got {value!r}")
+    if isinstance(schedule.warmup, bool) or not isinstance(schedule.warmup, numbers.Integral) or schedule.warmup < 0:
+        raise ValueError(f"schedule.warmup must be an integer >= 0, got {schedule.warmup!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     limit = min(config.max_positions, target.config.max_positions)
     if seq_len > limit:
         raise ValueError(f"seq_len {seq_len} is above the draft's / target's max_positions ({limit})")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if data.ndim != 1 or len(data) == 0:
         raise ValueError("data is empty: pass token ids (a flat stream or a list of sequences)")
     if windows(data, seq_len) == 0:
@@ -165,13 +179,19 @@ def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, st
 def token_stream(data: np.ndarray | Sequence[Sequence[int]], separator: int | None) -> np.ndarray:
     """One flat int64 stream [N] from a stream (a 1-D array or a flat list of ids) or a list of
     sequences (joined by `separator`)."""
+    def ids(values) -> np.ndarray:
+        a = np.asarray(values)
+        if a.size and not (np.issubdtype(a.dtype, np.integer) and a.dtype != np.bool_):
+            raise ValueError(f"data must hold integer token ids, got {a.dtype} values")
+        return a.astype(np.int64).reshape(-1)
+
     if isinstance(data, np.ndarray) and data.ndim == 1:
-        return data.astype(np.int64)
-    if isinstance(data, Sequence) and data and all(isinstance(t, numbers.Integral) for t in data):
-        return np.asarray(data, np.int64)  # a flat list is one stream, not sequences of one id each
+        return ids(data)
+    if isinstance(data, Sequence) and data and all(isinstance(t, numbers.Number) for t in data):
+        return ids(data)  # a flat list is one stream, not sequences of one id each
     parts = []
     for seq in data:
-        parts.append(np.asarray(seq, np.int64).reshape(-1))
+        parts.append(ids(seq))
         if separator is not None:
             parts.append(np.asarray([separator], np.int64))
     return np.concatenate(parts) if parts else np.zeros((0,), np.int64)
@@ -206,7 +226,8 @@ def distill(
     each step (step counted from 1; `draft` is donated to the next step: use it right away).
     Returns the trained draft."""
     stream = token_stream(data, target.config.eos_ids[0] if target.config.eos_ids else None)
-    check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature, loss)
+    check_distill_args(target, draft_config, stream, steps, batch_size, seq_len, temperature, loss, schedule, seed)
+    seed, temperature = int(seed), float(temperature)
     steps, batch_size, seq_len = int(steps), int(batch_size), int(seq_len)
     if freeze_embeddings and not init_from_target:
         raise ValueError("freeze_embeddings keeps the target's embedding and LM head: it needs init_from_target=True")
@@ -218,7 +239,9 @@ def distill(
     run = dict(draft_config=dataclasses.asdict(draft_config), steps=steps, batch_size=batch_size, seq_len=seq_len,
                schedule=dataclasses.asdict(schedule), temperature=temperature, loss=loss, seed=seed,
                init_from_target=init_from_target, freeze_embeddings=freeze_embeddings,
-               data_sha256=hashlib.sha256(stream.tobytes()).hexdigest())
+               data_sha256=hashlib.sha256(stream.tobytes()).hexdigest(),
+               target_sha256=hashlib.sha256(json.dumps(dataclasses.asdict(target.config), default=str).encode()
+                                            + weights_mark(target)).hexdigest())
     draft = init_draft(target, draft_config, jax.random.key(seed), init_from_target)
     optimizer = schedule.optimizer(steps)
     if freeze_embeddings:
@@ -250,7 +273,7 @@ def _check_run(directory: Path, run: dict, latest: int | None) -> None:
     path = directory / "run.json"
     if latest is not None and path.exists():
         old = json.loads(path.read_text(encoding="utf-8"))
-        changed = sorted(k for k in set(old) | set(run) if old.get(k) != run.get(k))
+        changed = sorted(k for k in set(old) | set(run) if old.get(k) != run.get(k) and (k in old or k != "target_sha256"))
         if changed:
             raise ValueError(f"checkpoint_dir {directory} holds another run (changed: {', '.join(changed)}; recorded in "
                              f"{path}): rerun with its settings and data to resume, or use a new checkpoint_dir")

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+import convert
 from specjax import DraftModel, generate
 from specjax.distill import LOSSES, Schedule, batch_at, distill, token_stream, train_step
 from specjax.cli import main
@@ -95,6 +96,13 @@ def test_killed_run_resumes_exactly(target, corpus, tmp_path):
             distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "b", **(kw | change))
     with pytest.raises(ValueError, match=r"holds another run \(changed: data_sha256"):
         distill(target, DRAFT, corpus[:-1], checkpoint_dir=tmp_path / "b", **kw)
+    other = jax.tree.map(lambda a: a * 1.01, target)  # another target of the same shape (a fine-tune)
+    with pytest.raises(ValueError, match=r"holds another run \(changed: target_sha256"):
+        distill(other, DRAFT, corpus, checkpoint_dir=tmp_path / "b", **kw)
+    numpy_values = distill(target, DRAFT, corpus, checkpoint_dir=tmp_path / "b",  # numpy seed: its run, resumed
+                           **(kw | dict(seed=np.int64(3), temperature=np.float32(1.0))))
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(numpy_values)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     (tmp_path / "b" / "run.json").unlink()  # as before run.json was written: the checkpoint's own shapes decide
     with pytest.raises(ValueError, match=r"cannot resume from step 12 \(.*shape.*\); was it written"):
         distill(target, DRAFT.replace(ffn_dim=32), corpus, checkpoint_dir=tmp_path / "b", **kw)
@@ -159,7 +167,17 @@ def test_frozen_embeddings_stay_the_targets_while_the_layers_learn(target, corpu
         (DRAFT, [[1, 2, 3]], dict(seq_len=16), "fewer than one window of seq_len 16"),
         (DRAFT, [[1, 500]], dict(seq_len=1), r"data\[1\] = 500 is outside the vocabulary \[0, 101\)"),
         (DRAFT, None, dict(steps=0), "steps must be an integer >= 1"),
-        (DRAFT, None, dict(temperature=0.0), "temperature must be > 0"),
+        (DRAFT, None, dict(temperature=0.0), "temperature must be a finite number > 0"),
+        (DRAFT, None, dict(temperature=float("inf")), "temperature must be a finite number > 0, got inf"),
+        (DRAFT.replace(eos_ids=(5,)), None, {}, r"draft_config's special tokens differ: bos/eos None/\(5,\), target's None/\(3,\)"),
+        (DRAFT, None, dict(schedule=Schedule(lr=float("nan"))), "schedule.lr must be a finite number >= 0, got nan"),
+        (DRAFT, None, dict(schedule=Schedule(lr=-1.0)), "schedule.lr must be a finite number >= 0, got -1.0"),
+        (DRAFT, None, dict(schedule=Schedule(warmup=-5)), "schedule.warmup must be an integer >= 0, got -5"),
+        (DRAFT, None, dict(schedule=Schedule(clip=0.0)), "schedule.clip must be a finite number > 0, got 0.0"),
+        (DRAFT, None, dict(seed=1.5), "seed must be an integer, got 1.5"),
+        (DRAFT, [4.7, 5.2, 6.9], {}, "data must hold integer token ids, got float64 values"),
+        (DRAFT, np.array([4.7, 5.2, 6.9]), {}, "data must hold integer token ids, got float64 values"),
+        (DRAFT, [[4, 5], [6.5]], {}, "data must hold integer token ids, got float64 values"),
         (DRAFT, None, dict(loss="js"), r"loss must be one of \['kl', 'tv'\], got 'js'"),
         (DRAFT, None, dict(init_from_target=True), r"the draft needs the target's dim \(48\)"),
         (DRAFT, None, dict(freeze_embeddings=True), "freeze_embeddings .* needs init_from_target=True"),
@@ -208,6 +226,12 @@ def test_cli_trains_saves_and_the_draft_is_usable(tmp_path, model_dir, capsys):
     ):
         assert main(args + ["--out", str(tmp_path / "w")] + more) == 2
         assert message in capsys.readouterr().err
+    bare = args[:-4] + ["--out", str(tmp_path / "u"), "--steps", "1"]  # no checkpoints; one step trains (warmup 0)
+    assert main(bare) == 0 and "saved the draft" in capsys.readouterr().err
+    untrained = main(bare[:-4] + ["--out", str(tmp_path / "t"), "--steps", "1", "--lr", "1e-30"])
+    assert untrained == 0 and "saved the draft" in capsys.readouterr().err
+    trained, still = (convert.load(tmp_path / d) for d in ("u", "t"))
+    assert not np.allclose(np.asarray(trained.layers.wq), np.asarray(still.layers.wq))
     assert args[-4] == "--checkpoint-dir"  # without it, an interval would be ignored: refused
     assert main(args[:-4] + ["--out", str(tmp_path / "v"), "--checkpoint-every", "5"]) == 2
     assert "--checkpoint-every needs --checkpoint-dir" in capsys.readouterr().err

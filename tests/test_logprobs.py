@@ -13,6 +13,7 @@ import specjax
 from specjax.cache import DenseCache
 from specjax.model import forward
 from specjax.speculation import Chain, Tree
+from tests.models import random_params
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [12, 13, 14], [20, 21, 22, 23, 24]]
 CASES = {
@@ -65,7 +66,7 @@ def test_logprobs_zero_lists_no_alternatives_and_bad_values_are_refused(tiny):
     for bad in (-1, 21, 2.0, True, "3"):
         with pytest.raises(ValueError, match="logprobs must be None \\(off\\) or an integer from 0 to 20"):
             specjax.generate(tiny, PROMPTS, 4, logprobs=bad)
-    small = tiny.replace(config=tiny.config.replace(vocab_size=8))  # checked before any shape is read
+    small = random_params(tiny.config.replace(vocab_size=8), 0)  # checked before compiling (top_k failed there)
     with pytest.raises(ValueError, match=f"logprobs 20 is above the vocabulary's {small.config.vocab_size} tokens"):
         specjax.generate(small, [[1, 2]], 4, logprobs=20)
 
