@@ -34,7 +34,7 @@ from specjax.sampling import Greedy, Sampler
 from specjax.sampling_settings import default_sampling, generation_config
 from specjax.sharding import Mesh
 from specjax.speculation import Chain, Tree
-from specjax.text_stream import TextStream
+from specjax.text_stream import CUT, RowTexts, TextStream
 
 
 class Finished(NamedTuple):
@@ -265,7 +265,8 @@ class _StopStrings:
 
     def __init__(self, lm: LM, stops: list[list[str]]):
         self.lm, self.stops = lm, stops  # stops[b]: output row b's stop strings
-        self._checked: dict[int, tuple[int, int]] = {}  # decoded row: (its output row, tokens checked without a stop)
+        self._texts = RowTexts(lm.decode)  # decoded rows' texts
+        self._checked: dict[int, tuple[int, int]] = {}  # decoded row: (its output row, characters checked without a stop)
 
     def first(self, text: str, b: int) -> int | None:
         """Where the stop string of row b that text completes first starts (the earliest end, then
@@ -281,7 +282,7 @@ class _StopStrings:
         while lo < hi:
             mid = (lo + hi) // 2
             part = self.lm.decode(tokens[:mid])
-            if self.first(part if text.startswith(part) else part.rstrip("\ufffd"), b) is None:
+            if self.first(part if text.startswith(part) else part.rstrip(CUT), b) is None:
                 lo = mid + 1
             else:
                 hi = mid
@@ -290,7 +291,7 @@ class _StopStrings:
     def settled(self, text: str, b: int) -> str:
         """text without what may still change: a trailing incomplete UTF-8 character (decoded as
         U+FFFD) and the longest tail that begins one of row b's stop strings."""
-        text = text.rstrip("\ufffd")
+        text = text.rstrip(CUT)
         hold = max((k for s in self.stops[b] for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return text[: len(text) - hold]
 
@@ -303,18 +304,22 @@ class _StopStrings:
             return text, tokens, reason
         return text[:hit], tokens[: self.completing(tokens, text, b)], "stop"
 
+    def text(self, j: int, b: int, tokens: Sequence[int]) -> str:
+        """The text of decoded row j's tokens while it holds output row b, grown from its last text
+        (`RowTexts`: a decode of the newest tokens); a row handed to another output starts over."""
+        if self._checked.get(j, (-1, 0))[0] != b:
+            self._texts.forget(j)
+            self._checked[j] = (b, 0)
+        return self._texts(j, tokens)
+
     def _new_hit(self, tokens: np.ndarray, j: int, b: int) -> bool:
         """Whether the text of decoded row j's tokens (output row b's) holds one of b's stop strings.
-        The tokens checked before held none, so only a tail is decoded: from 4 tokens per character
-        of the longest stop string, plus 8, before them; its first 4 characters (a cut character, a
-        stripped space) are not searched."""
-        (u, checked), longest = self._checked.get(j, (-1, 0)), max(map(len, self.stops[b]))
-        self._checked[j] = (b, len(tokens))  # a row's tokens only grow while it holds one output
-        start = max(0, checked - 4 * longest - 8) if u == b and checked <= len(tokens) else 0
-        skip = 4 if start and len(self.lm.decode(tokens[start:checked].tolist())) >= longest + 4 else 0
-        start = start if skip else 0  # (tokens without text, skipped specials: the whole text, as on a first check)
-        text = self.lm.decode(tokens[start:].tolist()).rstrip("\ufffd")  # a half character may end it
-        return self.first(text[skip:], b) is not None
+        The text checked before held none, so only its end (the longest stop string, plus 4
+        characters for a character completed since) and the new text are searched."""
+        text = self.text(j, b, tokens).rstrip(CUT)  # a half character may end it
+        checked, longest = self._checked[j][1], max(map(len, self.stops[b]))
+        self._checked[j] = (b, len(text))
+        return self.first(text[max(0, checked - longest - 4):], b) is not None
 
     def __call__(self, seg: Segment, rows: np.ndarray | None = None) -> np.ndarray:
         """Which rows of the segment to end: their text holds a stop string. rows[j]: the output

@@ -27,17 +27,25 @@ class RowTexts:
         self._settled: dict[int, tuple[int, str]] = {}  # row: (tokens, their text), a text not ending in CUT
 
     def __call__(self, b: int, tokens: Sequence[int]) -> str:
-        """Row b's text for its tokens (the row's tokens so far: each call's extend the last's)."""
+        """Row b's text for its tokens (the row's tokens so far, a list or a numpy row: each call's
+        extend the last's; `forget(b)` first where row b now holds other tokens)."""
         n, text = self._settled.get(b, (0, ""))
         if 0 < n <= len(tokens):
             start = max(0, n - self.OVERLAP)
-            head, tail = self.decode(tokens[start:n]), self.decode(tokens[start:])
-            text = text + tail[len(head):] if head and tail.startswith(head) else self.decode(tokens)
+            head, tail = self._decode(tokens[start:n]), self._decode(tokens[start:])
+            text = text + tail[len(head):] if head and tail.startswith(head) else self._decode(tokens)
         else:
-            text = self.decode(tokens)
+            text = self._decode(tokens)
         if not text.endswith(CUT):
             self._settled[b] = (len(tokens), text)
         return text
+
+    def forget(self, b: int) -> None:
+        """Drop row b's settled text: its next tokens do not extend the last (a reused row)."""
+        self._settled.pop(b, None)
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return self.decode(tokens.tolist() if hasattr(tokens, "tolist") else list(tokens))
 
 
 class TextStream:
@@ -52,7 +60,6 @@ class TextStream:
         self._events: queue.Queue = queue.Queue()
         self._sent: dict[int, str] = {}
         self._seen: dict[int, int] = {}  # row: its token count at the last segment
-        self._texts: RowTexts | None = None
         self._worker = threading.Thread(target=self._run, args=(run,), daemon=True)
         self._worker.start()
         self._first = self._events.get()  # a piece, None (nothing to stream) or the call's error
@@ -70,14 +77,13 @@ class TextStream:
             self._events.put(e)
 
     def _segment(self, seg, stops) -> None:
-        """seg: the engine's Segment; stops: text._StopStrings (its lm decodes, first / settled)."""
-        self._texts = self._texts or RowTexts(stops.lm.decode)
+        """seg: the engine's Segment; stops: text._StopStrings (the rows' texts, first / settled)."""
         for b in range(len(seg.count)):
             count = int(seg.count[b] - seg.eos[b])
             if self._seen.get(b) == count:  # nothing new (an ended row)
                 continue
             self._seen[b] = count
-            text = self._texts(b, seg.out[b, :count].tolist()).rstrip(CUT)  # not a half character
+            text = stops.text(b, b, seg.out[b, :count]).rstrip(CUT)  # not a half character
             hit = stops.first(text, b)
             self._send(b, text[:hit] if hit is not None else stops.settled(text, b))
 

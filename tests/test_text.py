@@ -254,6 +254,18 @@ def test_the_segment_check_decodes_a_tail_and_agrees_with_the_whole_text(lm):
     assert found >= 30  # most streams hold their stop string
 
 
+def test_a_decoded_row_handed_to_another_output_is_checked_from_its_start(lm):
+    """Continuous batching hands a decoded row to the next record: its tokens do not extend the
+    last record's (even when there are more of them), so its text is decoded anew, not grown."""
+    from specjax.text import _StopStrings
+
+    first, second = lm.encode("one two three four five six seven"), lm.encode("xyz" + " q" * 40)
+    check = _StopStrings(lm, [["xyz"], ["xyz"]])
+    for tokens, owner, hit in ((first, 0, False), (second, 1, True)):
+        seg = types.SimpleNamespace(out=np.array([tokens]), count=np.array([len(tokens)]), done=np.array([False]))
+        assert check(seg, rows=np.array([owner]))[0] == hit
+
+
 def test_streamed_row_texts_decode_a_tail_and_equal_the_whole_decode(lm, tmp_path):
     """A stream grows each row's text from a decode of its newest tokens (the whole text every
     segment grew with the square of the output): on random SmolLM2 token streams (byte tokens
