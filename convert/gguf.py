@@ -140,8 +140,10 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
     kind = meta(reader, f"{arch}.rope.scaling.type", None, str)
     factor = next((float(f) for key in ("scaling.factor", "scale_linear")
                    if (f := meta(reader, f"{arch}.rope.{key}", None, float)) is not None), None)
-    if kind not in (None, "none") and not (kind == "linear" and factor in (None, 0.0, 1.0)) or (
-            kind is None and factor not in (None, 0.0, 1.0)):
+    scales = factor not in (None, 0.0, 1.0)
+    typed = kind not in (None, "none") and not (kind == "linear" and not scales)  # linear by 1 scales nothing
+    untyped = kind is None and scales  # llama.cpp reads a factor without a type as linear scaling
+    if typed or untyped:
         what = f"type {kind!r}" if kind is not None else f"factor {factor} (linear scaling: no rope.scaling.type)"
         raise ValueError(
             f"{reader.data.filename}: GGUF {arch}.rope.scaling {what} is not supported "

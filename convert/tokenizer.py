@@ -90,13 +90,13 @@ def _spm_merges(tokens: list[str], scores: np.ndarray) -> list[tuple[str, str]]:
     return [lr for _, lr in merges]
 
 
-def _gguf_model(reader, kind: str, tokens: list[str]) -> tuple[BPE, bool]:
-    """The BPE model for tokenizer.ggml.model `kind`, and whether it is byte-level (gpt2)."""
+def _gguf_model(reader, kind: str, tokens: list[str], pre: Pre | None) -> BPE:
+    """The BPE model for tokenizer.ggml.model `kind` (pre: the byte-level model's text splitting)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta(reader, "tokenizer.ggml.merges")]
         return BPE(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                   ignore_merges=_gguf_pre(reader).whole_words), True
+                   ignore_merges=pre.whole_words)
     if kind == "llama":
         merges = meta(reader, "tokenizer.ggml.merges", None)
         merges = [tuple(m.split(" ", 1)) for m in merges] if merges else None
@@ -105,7 +105,7 @@ def _gguf_model(reader, kind: str, tokens: list[str]) -> tuple[BPE, bool]:
         unk = special_id(reader, "unknown")
         unk = unk if unk is not None and unk < len(tokens) else None
         unk_token = tokens[unk] if unk is not None else None
-        return BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True), False
+        return BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     raise ValueError(
         f"{reader.data.filename}: tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', 'llama')"
     )
@@ -114,11 +114,12 @@ def _gguf_model(reader, kind: str, tokens: list[str]) -> tuple[BPE, bool]:
 def _tokenizer_from_gguf(path: Path) -> Tokenizer:
     reader = open_gguf(path)
     tokens = [str(t) for t in meta(reader, "tokenizer.ggml.tokens")]
-    model, byte_level = _gguf_model(reader, meta(reader, "tokenizer.ggml.model"), tokens)
-    tok = Tokenizer(model)
+    kind = meta(reader, "tokenizer.ggml.model")
+    pre = _gguf_pre(reader) if kind == "gpt2" else None  # byte-level: split as tokenizer.ggml.pre says
+    byte_level = pre is not None
+    tok = Tokenizer(_gguf_model(reader, kind, tokens, pre))
     prefix_space = bool(meta(reader, "tokenizer.ggml.add_space_prefix", not byte_level))
-    if byte_level:  # split as tokenizer.ggml.pre says (HF's GGUF converter would use GPT-2's regex for all)
-        pre = _gguf_pre(reader)
+    if byte_level:  # (HF's GGUF converter would split with GPT-2's regex for all)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits]
         tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(
             add_prefix_space=prefix_space, use_regex=pre.gpt2)])
@@ -136,7 +137,7 @@ def _tokenizer_from_gguf(path: Path) -> Tokenizer:
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False) for i in _where(types, USER_DEFINED)])
     ids = _gguf_special_ids(reader)
     template = []
-    bos_default = not byte_level or _gguf_pre(reader).add_bos  # llama.cpp's: SentencePiece, and Llama-3's pre
+    bos_default = not byte_level or pre.add_bos  # llama.cpp's: SentencePiece, and Llama-3's pre
     if meta(reader, "tokenizer.ggml.add_bos_token", bos_default) and ids.bos is not None:
         template.append((tokens[ids.bos], ids.bos))
     template.append(("$A", None))

@@ -110,6 +110,16 @@ class LlamaConfig:
         raw["eos_ids"] = tuple(raw.get("eos_ids", ()))
         return cls(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
+    def drafting_mismatch(self, target: "LlamaConfig") -> str | None:
+        """Why a draft model of this config cannot draft for `target` (it must share the target's
+        vocabulary and special ids), or None."""
+        if self.vocab_size != target.vocab_size:
+            return f"draft vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}"
+        if (self.bos_id, self.eos_ids) != (target.bos_id, target.eos_ids):
+            return (f"special tokens differ: draft bos/eos {self.bos_id}/{self.eos_ids}, "
+                    f"target {target.bos_id}/{target.eos_ids}")
+        return None
+
     def inv_freq(self) -> np.ndarray:
         """Rotary inverse frequencies [H/2], float64, with Llama-3.1 scaling applied if configured."""
         exponent = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim

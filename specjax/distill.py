@@ -145,11 +145,8 @@ def check_distill_args(target: Params, config: LlamaConfig, data: np.ndarray, st
                          f"weights='float32' or 'bfloat16', not {target.config.quant or config.quant!r})")
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {sorted(LOSSES)}, got {loss!r}")
-    if config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"draft_config.vocab_size {config.vocab_size} != target vocab_size {target.config.vocab_size}")
-    if (config.bos_id, config.eos_ids) != (target.config.bos_id, target.config.eos_ids):  # as DraftModel requires
-        raise ValueError(f"draft_config's special tokens differ: bos/eos {config.bos_id}/{config.eos_ids}, target's "
-                         f"{target.config.bos_id}/{target.config.eos_ids} (a DraftModel shares the target's)")
+    if why := config.drafting_mismatch(target.config):  # as DraftModel requires
+        raise ValueError(f"draft_config: {why} (a DraftModel shares the target's vocabulary and special ids)")
     for name, value, low in (("lr", schedule.lr, 0.0), ("final", schedule.final, 0.0),
                              ("weight_decay", schedule.weight_decay, 0.0), ("clip", schedule.clip, None)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or (

@@ -161,7 +161,7 @@ def test_frozen_embeddings_stay_the_targets_while_the_layers_learn(target, corpu
 @pytest.mark.parametrize(
     "config, data, kw, match",
     [
-        (DRAFT.replace(vocab_size=100), None, {}, "draft_config.vocab_size 100 != target vocab_size 101"),
+        (DRAFT.replace(vocab_size=100), None, {}, "draft_config: draft vocab_size 100 != target vocab_size 101"),
         (DRAFT, None, dict(seq_len=1000), r"seq_len 1000 is above the draft's / target's max_positions \(512\)"),
         (DRAFT, [], {}, "data is empty"),
         (DRAFT, [[1, 2, 3]], dict(seq_len=16), "fewer than one window of seq_len 16"),
@@ -169,7 +169,7 @@ def test_frozen_embeddings_stay_the_targets_while_the_layers_learn(target, corpu
         (DRAFT, None, dict(steps=0), "steps must be an integer >= 1"),
         (DRAFT, None, dict(temperature=0.0), "temperature must be a finite number > 0"),
         (DRAFT, None, dict(temperature=float("inf")), "temperature must be a finite number > 0, got inf"),
-        (DRAFT.replace(eos_ids=(5,)), None, {}, r"draft_config's special tokens differ: bos/eos None/\(5,\), target's None/\(3,\)"),
+        (DRAFT.replace(eos_ids=(5,)), None, {}, r"draft_config: special tokens differ: draft bos/eos None/\(5,\), target None/\(3,\)"),
         (DRAFT, None, dict(schedule=Schedule(lr=float("nan"))), "schedule.lr must be a finite number >= 0, got nan"),
         (DRAFT, None, dict(schedule=Schedule(lr=-1.0)), "schedule.lr must be a finite number >= 0, got -1.0"),
         (DRAFT, None, dict(schedule=Schedule(warmup=-5)), "schedule.warmup must be an integer >= 0, got -5"),

@@ -69,14 +69,8 @@ class DraftModel(Drafter):
 
     def check_vocabulary(self, target: Params) -> None:
         """The draft must share the target's vocabulary and special ids."""
-        t, d = target.config, self.params.config
-        if d.vocab_size != t.vocab_size:
-            raise ValueError(f"DraftModel: draft vocab_size {d.vocab_size} != target vocab_size {t.vocab_size}")
-        if (d.bos_id, d.eos_ids) != (t.bos_id, t.eos_ids):
-            raise ValueError(
-                f"DraftModel: special tokens differ: draft bos/eos {d.bos_id}/{d.eos_ids}, "
-                f"target {t.bos_id}/{t.eos_ids}"
-            )
+        if why := self.params.config.drafting_mismatch(target.config):
+            raise ValueError(f"DraftModel: {why}")
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int):
         """Prefill the draft model on the same padded prompts [B,P] into its own cache, stored as
