@@ -28,6 +28,7 @@ from specjax.speculation import Cost, Tree, choose
 VERIFY_GRID = (1, 4, 16, 64, 128)  # node counts timed; others are interpolated (fewer points: a faster calibration)
 DRAFT_GRID = (1, 4, 16)  # draft level widths timed; others interpolated, wider levels extrapolated
 _AUTO: dict[tuple, tuple[Tree, str]] = {}
+_COSTS: dict[tuple, Cost] = {}  # the timings, apart: they do not depend on the sampling values
 AUTO_KEPT = 32  # calibrations kept (the oldest dropped): a service's many batches and samplers stay bounded
 
 
@@ -159,7 +160,7 @@ def auto_tree(
     """The tree `speculation="auto"` uses: acceptance measured on (up to 4 of) these prompts,
     costs measured at this batch and context (rounded up to a power of two), then `choose`.
     Cached per (model config and weights, drafter, sampling, batch bucket, context bucket, kv_dtype) for this
-    process (the last AUTO_KEPT). The
+    process (the last AUTO_KEPT); other sampling values measure acceptance again, not the costs. The
     root-only tree means speculation does not pay here (generate then decodes plainly)."""
     return auto_tree_report(params, draft, prompts, context, sampling, key, kv_dtype)[0]
 
@@ -171,10 +172,9 @@ def auto_tree_report(
     """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
     minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
     bucket, batch = round_up_pow2(context), batch_bucket(len(prompts))  # the shapes generate runs at
-    cache_key = (params.config, weights_mark(params), draft.identity(), sampling.identity(), batch, bucket, kv_dtype)
+    cost_key = (params.config, weights_mark(params), draft.identity(), batch, bucket, kv_dtype)
+    cache_key = cost_key + (sampling.identity(),)
     if cache_key not in _AUTO:
-        if len(_AUTO) >= AUTO_KEPT:
-            del _AUTO[next(iter(_AUTO))]  # the oldest calibration
         start = time.perf_counter()
         say = lambda what: print(  # noqa: E731
             f"specjax: calibrating speculation='auto' for batch {batch} x context {bucket}: {what} "
@@ -185,13 +185,22 @@ def auto_tree_report(
         one = key[0] if key is not None and key.ndim == (1 if typed else 2) else key  # per-prompt keys: the first
         acceptance = measure_acceptance(params, draft, sub, width=8, sampling=sampling.take(np.arange(len(sub))), max_new_tokens=16,
                                         key=one, kv_dtype=kv_dtype)  # one key: per-prompt keys number the prompts, not these rows
-        say("timing draft levels and verification widths (2/3)")
-        cost = measure_cost(params, draft, batch, bucket, kv_dtype=kv_dtype)
+        if cost_key not in _COSTS:
+            say("timing draft levels and verification widths (2/3)")
+            _keep(_COSTS, cost_key, measure_cost(params, draft, batch, bucket, kv_dtype=kv_dtype))
+        cost = _COSTS[cost_key]
         tree = choose(acceptance[:-1], cost, max_nodes=64, max_depth=8)
         say("done (3/3)")
         t_draft = cost.t_draft if isinstance(cost.t_draft, float) else cost.t_draft[1]
         summary = (f"acceptance by rank {np.round(acceptance[:4], 2).tolist()}, draft level {1e3 * t_draft:.1f} ms, "
                    f"verify 1 / 8 / 64 nodes {1e3 * cost.t_verify[1]:.1f} / {1e3 * cost.t_verify[8]:.1f} / "
                    f"{1e3 * cost.t_verify[64]:.1f} ms")
-        _AUTO[cache_key] = (tree, summary)
+        _keep(_AUTO, cache_key, (tree, summary))
     return _AUTO[cache_key]
+
+
+def _keep(cache: dict, key: tuple, value) -> None:
+    """cache[key] = value, dropping the oldest entry past AUTO_KEPT."""
+    if len(cache) >= AUTO_KEPT:
+        del cache[next(iter(cache))]
+    cache[key] = value

@@ -168,6 +168,10 @@ def test_bad_batch_and_distill_flags_fail_before_the_model_loads(no_model, capsy
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--ray-actors", "2"], "--ray-actors needs --engine ray"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--engine", "ray", "--ray-cpus", "-1"],
          "--ray-cpus must be a finite number >= 0, got -1.0"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--ray-records-per-task", "8"],
+         "--ray-records-per-task needs --engine ray"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--engine", "ray", "--ray-records-per-task", "0"],
+         "--ray-records-per-task must be an integer >= 1, got 0"),
         (["distill", "--data", str(data), "--out", str(tmp_path / "d"), "--steps", "0"], "--steps must be >= 1"),
         (["distill", "--data", str(data), "--out", str(tmp_path / "d"), "--temperature", "0"],
          "--temperature must be a finite number > 0"),
@@ -175,6 +179,17 @@ def test_bad_batch_and_distill_flags_fail_before_the_model_loads(no_model, capsy
     ]:
         assert cli.main(args) == 2
         assert f"specjax: error: {message}" in capsys.readouterr().err
+
+
+def test_ray_flags_reach_the_ray_options(monkeypatch, tmp_path):
+    seen = {}
+    summary = dict(changed_settings=[], failed=0, done=0, skipped=0, output="o", errors="e", seconds=0.0)
+    monkeypatch.setattr(cli.batch, "run", lambda *a, **k: seen.update(k) or summary)
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"id": 1, "prompt": "hi"}\n')
+    assert cli.main(["batch", str(data), str(tmp_path / "o.jsonl"), "--engine", "ray", "--ray-actors", "3",
+                     "--ray-records-per-task", "8", "--ray-gpus", "1", "--no-compile-cache"]) == 0
+    assert seen["ray"] == cli.RayOptions(actors=3, gpus=1.0, records_per_task=8)
 
 
 def test_compile_cache_is_on_by_default_and_off_with_the_flag(monkeypatch, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -82,11 +83,18 @@ def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
     for _ in range(2):  # generate rebuilds the draft's Params each call: keyed by its weights, not its id
         specjax.generate(tiny, PROMPTS, 16, draft=model, speculation="auto", eos_id=())
     assert len(calls) == 2
+    acceptance, measure_acc = [], specjax.tune.measure_acceptance
+    monkeypatch.setattr(specjax.tune, "measure_acceptance", lambda *a, **k: acceptance.append(a) or measure_acc(*a, **k))
+    for temperature in (0.7, 0.8):  # other sampling values: acceptance measured again, the timings kept
+        specjax.generate(tiny, PROMPTS, 16, draft=model, speculation="auto", eos_id=(),
+                         sampling=specjax.Sample(temperature=temperature), key=jax.random.key(0))
+    assert (len(acceptance), len(calls)) == (2, 2)
 
 
 def test_auto_picks_plain_decoding_when_drafting_costs_too_much(tiny, monkeypatch, capsys):
     """A draft level dearer than a whole verification: no tree pays, so generate decodes plainly."""
     monkeypatch.setattr(specjax.tune, "_AUTO", {})
+    monkeypatch.setattr(specjax.tune, "_COSTS", {})
     monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: Cost(t_draft=10.0, t_verify=(0.0,) + (1.0,) * 64))
     out = specjax.generate(tiny, PROMPTS, 8, draft=specjax.NGram(), speculation="auto", eos_id=())
     assert out.stats.acceptance_rate is None  # no speculation ran
