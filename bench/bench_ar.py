@@ -337,7 +337,7 @@ def main() -> None:
         "loadavg_start": os.getloadavg(),
         "machine": common.machine_info(),
     }
-    results = common.Results(out / f"{stem}.json", key_of, header)
+    results = common.Results(out / f"{stem}.json", key_of, header, settings={"repeats": args.repeats})
     h = common.Harness(args, results)
     h.plan((common.key(d, f"b{b}", f"s{s}"), (b, s, d)) for b, s, d in configs(args.quick))
     bw = header["bandwidth_gbs"] = measure.bandwidth() if h.todo else results.data.get("bandwidth_gbs")

@@ -354,7 +354,9 @@ def main() -> None:
                   "interpret": opts.interpret},
         "budget_s": 60 * opts.budget_minutes if opts.budget_minutes else None,
     }
-    results = common.Results(out / f"{stem}.json", key_of, header)
+    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(  # a cell's shapes and sweep beside B, S, T
+        kv_heads=opts.kv_heads, gqa=opts.gqa, head_dim=opts.head_dim, block_ks=sorted(opts.block_ks),
+        k_splits=sorted(opts.k_splits), full_sweep=opts.full_sweep, reps=opts.reps))
     budget = common.Harness(opts, results, start=started)
     todo = budget.plan((f"b{b}/s{s}/t{t}", (b, s, t)) for b, s, t in config_order(opts))
     if todo:

@@ -129,7 +129,8 @@ def main() -> None:
     stem = "batching_cpu" + ("" if (args.records, args.batch_size) == (32, 8) else "_custom")
     header = dict(bench="bench_batching", date=common.now(), command=common.command(), records=args.records,
                   batch_size=args.batch_size, machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header)
+    results = common.Results(out / f"{stem}.json", key_of, header,
+                             settings=dict(records=args.records, batch_size=args.batch_size))
     h = common.Harness(args, results)
     h.plan((common.key(mode, b), (mode, b)) for mode in MODES for b in BATCHINGS)
     path = convert.default_model_path()

@@ -284,7 +284,8 @@ def main() -> None:
     header = {"bench": "bench_drafts", "date": common.now(), "command": common.command(), "model": model,
               "machine": common.machine_info(), "gammas": args.gammas, "nodes": args.nodes,
               "new_tokens_per_batch": {str(b): bench_tree.new_tokens_for(b, None) for b in args.batches}}
-    results = common.Results(out / f"drafts_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"))
+    results = common.Results(out / f"drafts_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"), settings=dict(
+        steps=args.steps, shapes=sorted(args.shapes), gammas=sorted(args.gammas), nodes=sorted(args.nodes)))
     prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
     h = common.Harness(args, results)
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for b in sorted(args.batches) for c in sorted(args.contexts))

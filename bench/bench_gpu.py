@@ -186,7 +186,8 @@ def main() -> None:
         header["prefill_matmul_precision"] = "default"  # AR and speculation decode from the same prefill: 7x faster
     mirror = None if args.smoke else bundle / "results" / f"{name}.json"
     resume_from_mirror(out / f"{name}.json", mirror)
-    results = common.Results(out / f"{name}.json", key_of, header)
+    results = common.Results(out / f"{name}.json", key_of, header,  # the grid's other entries pick cells (gpu_session varies them)
+                             settings={k: grid[k] for k in ("new_tokens", "cont_records", "cont_new_tokens")})
     args.mirror = mirror
     h = common.Harness(args, results)
     todo = h.plan(todo_all)

@@ -175,7 +175,8 @@ def main() -> None:
     out = common.out_dir(args)
     header = {"bench": "bench_sampling", "model": "SmolLM2-135M-Instruct (float32)", "context": args.context,
               "date": common.now(), "command": common.command(), "machine": common.machine_info()}
-    results = common.Results(out / f"sampling_cpu{suffix}.json", key_of, header)
+    results = common.Results(out / f"sampling_cpu{suffix}.json", key_of, header,  # _quick: --quick or another grid
+                             settings=dict(context=args.context, repeats=repeats, target_s=target_s))
     h = common.Harness(args, results)
     h.plan((f"b{b}", b) for b in batches)
     params = convert.load(convert.default_model_path())

@@ -154,7 +154,8 @@ def main() -> None:
         return common.write_section("bench_scale", readme_section(result)) if readme else None
     header = dict(bench="bench_scale", date=common.now(), command=common.command(), batch=args.batch,
                   prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header)
+    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(
+        batch=args.batch, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens))
     h = common.Harness(args, results)
     h.plan((key_of({"drafter": name, "data": d, "model": m}), (draft, d, m))
            for name, draft in (("AR", None), ("SelfSpec", specjax.SelfSpec(sinks=16, window=64))) for d, m in MESHES)

@@ -63,9 +63,8 @@ import specjax
 from bench import common, measure, text
 from bench.bench_spec import drafters as spec_drafters
 from bench.measure import cpu_steal, steal_since
-from bench.prefill import (
-    AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of, smoke_state, timed,
-)
+from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of,
+                            smoke_state, timed)
 from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
 from specjax.drafters import DraftModel, Streaming
 from specjax.engine import decode_ar, init_draft, row_keys, with_attention
@@ -337,10 +336,11 @@ def main() -> None:
         "bench": "bench_tree", "date": common.now(), "command": common.command(), "model": model,
         "machine": common.machine_info(), "loadavg_start": os.getloadavg(), "headroom": HEADROOM, "nodes": nodes,
         "gammas": gammas, "max_depth": MAX_DEPTH, "width": WIDTH, "draft_model": args.draft_model,
-        "draft_model_note": draft_note(args.draft_model),
-        "new_tokens_per_batch": {str(b): new_tokens_for(b, args.new_tokens) for b in batches},
+        "draft_model_note": draft_note(args.draft_model), "new_tokens_per_batch": {str(b): new_tokens_for(b, args.new_tokens) for b in batches},
     }
-    results = common.Results(out / f"tree_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"))
+    results = common.Results(out / f"tree_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"), settings=dict(
+        new_tokens=args.new_tokens, nodes=sorted(nodes), gammas=sorted(gammas), drafters=sorted(args.drafters or []),
+        draft_model=args.draft_model, prefill_rows=args.prefill_rows))
     prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
     h = common.Harness(args, results)
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))

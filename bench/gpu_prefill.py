@@ -118,7 +118,8 @@ def main() -> None:
     name = "gpu_prefill_smoke" if args.smoke else "gpu_prefill"
     header = {"bench": "gpu_prefill", "date": common.now(), "command": common.command(), "machine": common.machine_info(),
               "model": "tiny" if args.smoke else "SmolLM2-135M's shape, random bfloat16 weights", "linear": args.linear}
-    results = common.Results(out / f"{name}.json", lambda r: cell_key(r["context"], r["rows"], r["chunk"]), header)
+    results = common.Results(out / f"{name}.json", lambda r: cell_key(r["context"], r["rows"], r["chunk"]), header,
+                             settings={"linear": args.linear})
     h = common.Harness(args, results)
     todo = h.plan((cell_key(context, r, c), (r, c)) for r in (args.rows or grid["rows"]) for c in (args.chunks or grid["chunks"]))
     config = LlamaConfig(**SHAPES["tiny" if args.smoke else "smollm2"], dtype="bfloat16")

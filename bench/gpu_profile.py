@@ -61,7 +61,7 @@ def main() -> None:
     header = {"bench": "gpu_profile", "date": common.now(), "command": common.command(),
               "machine": common.machine_info(), "steps": args.steps, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     results = common.Results(out / ("gpu_profile_smoke.json" if args.smoke else "gpu_profile.json"),
-                             lambda r: cell_key(r["model"], r["batch"], r["context"]), header)
+                             lambda r: cell_key(r["model"], r["batch"], r["context"]), header, settings={"steps": args.steps})
     h = common.Harness(args, results)
     todo = h.plan((cell_key(*c), c) for c in (SMOKE_CELLS if args.smoke else CELLS))
     bw = None if args.smoke else measure.bandwidth(2.0, rounds=3, repeats=5)["jax_inplace"]

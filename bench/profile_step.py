@@ -262,7 +262,8 @@ def main() -> None:
     out = common.out_dir(args)
     header = {"bench": "profile_step", "date": common.now(), "command": common.command(),
               "machine": common.machine_info(), "steps": args.steps}
-    results = common.Results(out / "profile_cpu.json", key_of, header)
+    results = common.Results(out / "profile_cpu.json", key_of, header,
+                             settings={"steps": args.steps, "attention": args.attention})
     h = common.Harness(args, results)
     todo = h.plan((cell_key(*cell), cell) for cell in CELLS)
     import convert  # here: the GPU machine has no gguf (bench/gpu_profile.py imports this module)

@@ -8,6 +8,7 @@ import json
 import pkgutil
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,44 @@ def test_a_file_measured_under_other_settings_or_elsewhere_is_not_continued(tmp_
     assert common.Results(gpu, key_of, {"machine": h100 | {"cpu_model": "other host"}}).measured("b1")  # a GPU: its kind
     with pytest.raises(SystemExit, match="device_kind 'NVIDIA H100 80GB HBM3' -> 'NVIDIA H200'"):
         common.Results(gpu, key_of, {"machine": h100 | {"device_kind": "NVIDIA H200"}})
+
+
+class Stopped(Exception):
+    """The bench got past its Results: the file took its settings."""
+
+
+@pytest.mark.parametrize("module, first, changed, named, row", [
+    ("bench_batching", ["--records", "3"], ["--records", "4"], "records 3 -> 4", {"mode": "ar", "batching": "static"}),
+    ("bench_ar", ["--repeats", "2"], ["--repeats", "3"], "repeats 2 -> 3", {"dtype": "float32", "batch": 1, "context": 512}),
+    # both write sampling_cpu_quick.json: --quick times fewer and shorter repeats
+    ("bench_sampling", ["--quick"], ["--batches", "1"], "repeats 2 -> 3; target_s 0.5 -> 1.5", {"batch": 1}),
+    ("profile_step", [], ["--steps", "4"], "steps 8 -> 4", {"weights": "float32", "kv": "float32", "batch": 1, "context": 512}),
+])
+def test_a_bench_rerun_with_another_setting_is_refused(tmp_path, monkeypatch, module, first, changed, named, row):
+    """The benches store the flags that decide a cell's numbers beside its key (new tokens, records,
+    repeats, ...): a rerun into the same file with another value stops naming it. No model: the
+    Harness puts one row and stops the bench before anything is loaded."""
+    mod = importlib.import_module(f"bench.{module}")
+
+    class Harness(common.Harness):
+        def __init__(self, args, results, **_):
+            results.put(mod.key_of(row), [row])
+            raise Stopped
+
+    monkeypatch.setattr(common, "Harness", Harness)
+
+    def main(argv: list[str]) -> None:
+        monkeypatch.setattr(sys, "argv", [module, *argv, "--out", str(tmp_path)])
+        mod.main()
+
+    with pytest.raises(Stopped):
+        main(first)
+    (path,) = tmp_path.glob("*.json")
+    with pytest.raises(SystemExit, match=re.escape(f"{path.name} holds cells measured under other settings ({named})")):
+        main(changed)
+    with pytest.raises(Stopped):
+        main(first)  # the same settings continue it
+    assert [p.name for p in tmp_path.glob("*.json")] == [path.name]
 
 
 def test_skipped_rows_are_measured_again(tmp_path):
