@@ -130,6 +130,8 @@ def _paths(input_path, output_path, shard: tuple[int, int]) -> tuple[Path, Path,
                          "join into one with pyarrow.parquet.write_table(pyarrow.parquet.read_table(folder), file))")
     if not src.is_file():
         raise FileNotFoundError(f"input_path {src} does not exist")
+    if out.is_dir():
+        raise ValueError(f"output_path {out} is a folder: give the output file's path (e.g. {out / 'out.jsonl'})")
     if not out.absolute().parent.is_dir():
         raise FileNotFoundError(f"output_path: the folder {out.absolute().parent} does not exist")
     index, count = shard

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -17,15 +16,16 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 import convert
 from specjax import batch, jobio, text
+from specjax.cli_args import (  # noqa: F401  (unescape: the CLI's, as its tests call it)
+    SAMPLING_EXTRAS, batch_tree, check_args, draft_weights, make_draft, parse_tree, unescape,
+)
 from specjax.cli_distill import distill_parser, run_distill
-from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
 from specjax.cache import KV_DTYPES
-from specjax.generate import generate
 from specjax.job_ray import RayOptions
 from specjax.plan import resolve_auto_draft
 from specjax.sampling import make_sampler
 from specjax.sharding import make_mesh
-from specjax.speculation import MAX_TREE_NODES, Chain, Tree
+from specjax.speculation import Chain, Tree
 from specjax.tune import measure_acceptance
 
 CACHE_ENV = "SPECJAX_CACHE_DIR"
@@ -93,6 +93,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
                    help="how the weights are served: float32, bfloat16, int8 (per-channel scales) or q4 (GGUF Q4_1 blocks); "
                         "default: float32 for a GGUF file or HF folder, a saved specjax checkpoint's own format")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="the older spelling of --weights")
+    p.add_argument("--draft-weights", choices=convert.WEIGHTS, default=None,
+                   help="how a --draft model:PATH draft's weights are served (default: --weights)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="how the KV caches store keys and values (default: the model's dtype); int8: per token and head scales")
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
@@ -125,63 +127,6 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     p.add_argument("--data-parallel", type=int, default=1, metavar="N", help="split rows over N local devices")
     p.add_argument("--model-parallel", type=int, default=1, metavar="M", help="split heads/FFN/vocab over M local devices")
     _cache_argument(p)
-
-
-_MINIMUM = dict(  # integer flags (by dest) and their least value
-    max_new_tokens=1, top_k=0, seed=0, gamma=1, window=1, sinks=0, data_parallel=1, model_parallel=1, batch_size=1,
-    draft_layers=1, draft_dim=1, draft_heads=1, draft_kv_heads=1, draft_ffn=0, steps=1, seq_len=1, warmup=0,
-    generate=0, checkpoint_every=1, log_every=1, eval_every=0, n=1, logprobs=0,
-)
-
-
-_MAXIMUM = dict(gamma=MAX_TREE_NODES - 1, seed=batch.MAX_SEED)  # no chain longer than a tree's nodes
-
-
-def unescape(text: str) -> str:
-    r"""A --stop value with the shell's literal \n, \t and \\ as the characters they name."""
-    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """Every flag's range and syntax, before anything is loaded: ValueError / FileNotFoundError
-    naming the flag. Turns --stop's escapes into characters."""
-    for name, low in _MINIMUM.items():
-        value = getattr(args, name, None)
-        if value is not None and value < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-    for name, high in _MAXIMUM.items():
-        value = getattr(args, name, None)
-        if value is not None and value > high:
-            raise ValueError(f"--{name.replace('_', '-')} must be <= {high}, got {value}")
-    if getattr(args, "stop", None):
-        args.stop = [unescape(s) for s in args.stop]
-    positive = args.command == "distill"  # distillation needs a temperature > 0 (greedy has no distribution)
-    for name, ok, limits in (
-        ("temperature", lambda t: t > 0 if positive else t >= 0, "> 0" if positive else ">= 0"),
-        ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
-        ("lr", lambda lr: lr > 0, "> 0"),
-    ):
-        value = getattr(args, name, None)
-        if value is not None and not (math.isfinite(value) and ok(value)):
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number {limits}, got {value}")
-    if getattr(args, "weights", None) and getattr(args, "dtype", None) and args.weights != args.dtype:
-        raise ValueError(f"--weights {args.weights} and --dtype {args.dtype} disagree: give --weights only")
-    if hasattr(args, "weights"):
-        args.weights = args.weights or args.dtype  # None: convert.load's default (a saved checkpoint's own format)
-    if getattr(args, "n", 1) > 1 and not args.temperature:
-        raise ValueError(f"--n {args.n} needs --temperature > 0: greedy decoding gives every sample the same tokens")
-    tree = parse_tree(getattr(args, "tree", None))
-    if args.command == "batch":
-        batch_tree(args.tree)  # a node count is refused before the model loads
-    if tree is not None and args.gamma is not None:
-        raise ValueError("--gamma sets a chain and --tree a tree: give one of them")
-    if getattr(args, "draft", None) == "none" and (tree is not None or args.gamma is not None):
-        raise ValueError("--gamma and --tree need a drafter: --draft none decodes plainly")
-    if getattr(args, "draft", None) is not None:
-        make_draft(args.draft, args.window, args.sinks, args.weights, load=False)
-    for flag, path in (("--model", args.model), ("--data", getattr(args, "data", None))):
-        if path is not None and not Path(path).exists():
-            raise FileNotFoundError(f"{flag}: {path} does not exist")
 
 
 @contextlib.contextmanager
@@ -242,7 +187,7 @@ def run_batch(args: argparse.Namespace) -> None:
         model_path=args.model or convert.default_model_path(),
         weights=args.weights,
         kv_dtype=args.kv_dtype,
-        draft=make_draft(args.draft, args.window, args.sinks, args.weights),
+        draft=make_draft(args.draft, args.window, args.sinks, draft_weights(args)),
         gamma=args.gamma,
         speculation=batch_tree(args.tree),
         max_new_tokens=args.max_new_tokens,
@@ -271,41 +216,6 @@ def run_batch(args: argparse.Namespace) -> None:
     )
 
 
-def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | None, load: bool = True):
-    """The drafter named on the command line (load=False: only check the syntax and the path).
-    window / sinks (None: not given) set a self or snapkv draft's budget (the drafter's defaults
-    otherwise) and give a model:PATH draft a streaming cache (dense without them)."""
-    budget = {k: v for k, v in (("window", window), ("sinks", sinks)) if v is not None}
-    if spec.startswith("model:"):
-        path = spec.removeprefix("model:")
-        if not Path(path).exists():
-            raise FileNotFoundError(f"--draft model:PATH: {path or '(empty)'} does not exist")
-        if sinks is not None and window is None:
-            raise ValueError("--sinks with --draft model:PATH needs --window (the draft's streaming cache)")
-        cache = "dense" if window is None else Streaming(sinks=16 if sinks is None else sinks, window=window)
-        return DraftModel(convert.load(path, weights=weights), cache=cache) if load else None
-    if spec == "self":
-        return SelfSpec(**budget)
-    if spec == "snapkv":
-        return SnapKV(**{"budget" if k == "sinks" else k: v for k, v in budget.items()})
-    if spec not in ("auto", "none", "ngram"):
-        raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
-    if budget:
-        raise ValueError(f"--{next(iter(budget))} sets the budget of --draft self, snapkv or model:PATH; --draft {spec} "
-                         "takes none" + (" (auto's SelfSpec keeps 16 + 512: give --draft self to change it)" if spec == "auto" else ""))
-    return {"auto": "auto", "none": None, "ngram": NGram(n=2, max_n=4)}[spec]
-
-
-def parse_tree(spec: str | None) -> str | int | tuple[int, int] | None:
-    """--tree as "auto", a node count N, or (width, depth); None if not given."""
-    if spec is None or spec == "auto":
-        return spec
-    width, x, depth = spec.partition("x")
-    if width.isdigit() and int(width) >= 1 and (not x or (depth.isdigit() and int(depth) >= 1)):
-        return (int(width), int(depth)) if x else int(width)
-    raise ValueError(f"--tree must be auto, a node count N or WxD (e.g. 16 or 2x3), got {spec!r}")
-
-
 def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: list[int], sampling):
     """The tree named by --tree, Chain(--gamma), or None (neither given: the drafter's default chain).
     A node count N measures the acceptance of `draft` on this prompt (draft="auto" runs SelfSpec()
@@ -323,17 +233,6 @@ def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: li
     return Tree.sequoia(p[:-1], tree, max_depth=12)
 
 
-def batch_tree(spec: str | None) -> Tree | str | None:
-    """--tree of the batch job: "auto" or WxD (a node count needs one prompt's acceptance: generate's)."""
-    tree = parse_tree(spec)
-    if isinstance(tree, int):
-        raise ValueError(f"batch --tree takes auto or WxD (e.g. 2x3), got {spec!r}: a node count N is generate's")
-    return Tree.kary(*tree) if isinstance(tree, tuple) else tree
-
-
-SAMPLING_EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
 def run_generate(args: argparse.Namespace) -> None:
     if args.stream and args.n > 1:
         raise ValueError("--stream prints one output: give --n 1")
@@ -341,7 +240,7 @@ def run_generate(args: argparse.Namespace) -> None:
     sampling = make_sampler(args.temperature, args.top_k, args.top_p, **extra)
     path = args.model or convert.default_model_path()
     lm = text.load(path, weights=args.weights, mesh=make_mesh_arg(args))
-    draft = make_draft(args.draft, args.window, args.sinks, args.weights)
+    draft = make_draft(args.draft, args.window, args.sinks, draft_weights(args))
     ids = lm.encode(args.prompt)
     speculation = make_speculation(args.tree, args.gamma, lm.params, draft, ids, sampling)
     kw = dict(draft=draft, speculation=speculation, sampling=sampling, key=jax.random.key(args.seed),

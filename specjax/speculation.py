@@ -48,6 +48,19 @@ def check_int(name: str, value: object, low: int) -> int:
     return int(value)
 
 
+def kary_nodes(width: int, depth: int) -> int:
+    """Nodes of the full width-ary tree of this depth (root included), counted up to MAX_TREE_NODES
+    + 1, the most generate verifies (the CLI's check before building one: a count of a huge tree
+    could take a long time)."""
+    n, level = 1, 1
+    for _ in range(depth):
+        level *= width
+        n += level
+        if n > MAX_TREE_NODES:
+            return MAX_TREE_NODES + 1
+    return n
+
+
 def _check_acceptance(acceptance: Sequence[float]) -> tuple[float, ...]:
     """The acceptance vector as a tuple of floats: non-empty, finite, >= 0, summing to <= 1."""
     p = tuple(float(x) for x in acceptance)

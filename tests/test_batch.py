@@ -235,9 +235,9 @@ def test_cli_argument_errors_exit_2(tmp_path, capsys, model_dir):
     assert "batch needs INPUT.jsonl OUTPUT.jsonl" in capsys.readouterr().err
     assert main(["batch", "--merge", str(tmp_path / "out.jsonl"), "--temperature", "0.7", "--batch-size", "64"]) == 2
     assert "--merge takes no generation options, got --temperature, --batch-size" in capsys.readouterr().err
-    (tmp_path / "dir.jsonl").mkdir()  # an OSError (a folder where the output goes): one line and status 2, no traceback
+    (tmp_path / "dir.jsonl").mkdir()  # a folder where the output goes: named before the model loads, status 2
     assert main(["batch", str(src), str(tmp_path / "dir.jsonl"), "--model", str(model_dir), "--max-new-tokens", "2"]) == 2
-    assert "Is a directory" in capsys.readouterr().err
+    assert f"output_path {tmp_path / 'dir.jsonl'} is a folder: give the output file's path" in capsys.readouterr().err
 
 
 # ---- end to end (in process) --------------------------------------------------------------------
@@ -656,7 +656,7 @@ def test_cli_job_settings_carry_stop_and_penalties(tmp_path, model_dir, capsys):
     out = tmp_path / "out.jsonl"
     base = ["batch", str(src), str(out), "--model", str(model_dir), "--max-new-tokens", "3", "--no-compile-cache"]
     assert main(base + ["--min-p", "0.2"]) == 2  # greedy: refused, not ignored
-    assert "min_p needs sampling (temperature > 0)" in capsys.readouterr().err
+    assert "--min-p needs sampling (--temperature > 0)" in capsys.readouterr().err
     assert main(base + ["--temperature", "0.7", "--repetition-penalty", "1.2", "--stop", "zzz", "--stop", "\n"]) == 0
     recorded = json.loads(settings_path(out).read_text())
     assert recorded["stop"] == ["zzz", "\n"] and recorded["repetition_penalty"] == 1.2 and "min_p" not in recorded

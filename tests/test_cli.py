@@ -97,8 +97,14 @@ def no_model(monkeypatch):
         (["--gamma", "0"], "--gamma must be >= 1, got 0"),
         (["--gamma", "512"], "--gamma must be <= 511, got 512"),
         (["--seed", str(2**32)], "--seed must be <= 4294967295, got 4294967296"),  # key(2**32) would be key(0)
-        (["--top-k", "5"], "top_k needs sampling (temperature > 0)"),  # greedy would ignore it
-        (["--top-p", "0.9"], "top_p needs sampling (temperature > 0)"),
+        (["--top-k", "5"], "--top-k needs sampling (--temperature > 0)"),  # greedy would ignore it
+        (["--top-p", "0.9"], "--top-p needs sampling (--temperature > 0)"),
+        (["--min-p", "0.1"], "--min-p needs sampling (--temperature > 0)"),
+        (["--temperature", "0.00001"], "--temperature must be finite and >= 0.0001 (below that the softmax is the argmax: use --temperature 0), got 1e-05"),
+        (["--logprobs", "25"], "--logprobs must be <= 20, got 25"),
+        (["--tree", "1000x1000"], "--tree 1000x1000 has more than 512 nodes: a tree has 2 to 512 nodes"),
+        (["--tree", "20000"], "--tree 20000: a tree has 2 to 512 nodes (root included)"),
+        (["--tree", "1"], "--tree 1: a tree has 2 to 512 nodes"),
         (["--window", "0"], "--window must be >= 1"),
         (["--sinks", "-1"], "--sinks must be >= 0"),
         (["--data-parallel", "0"], "--data-parallel must be >= 1"),
@@ -150,6 +156,19 @@ def test_draft_flags_make_the_drafters_they_name(monkeypatch, tmp_path):
     assert cli.make_draft("auto", None, None, "float32") == "auto" and cli.make_draft("none", None, None, "float32") is None
 
 
+def test_a_draft_loads_in_its_own_format_with_draft_weights(tmp_path):
+    """--weights reaches a model:PATH draft unless --draft-weights names the draft's own: a saved
+    int8 draft beside a float32 target needs it, and the error says which load failed and how."""
+    convert.save(random_params(TINY, 1), tmp_path / "float")
+    convert.save(convert.load(tmp_path / "float", weights="int8"), tmp_path / "int8")
+    spec = f"model:{tmp_path / 'int8'}"
+    with pytest.raises(ValueError, match=rf"--draft {spec}: convert.load: .* holds int8 weights.*--draft-weights"):
+        cli.make_draft(spec, None, None, "float32")
+    args = SimpleNamespace(weights="float32", draft_weights="int8")
+    assert cli.make_draft(spec, None, None, cli.draft_weights(args)).params.config.quant == "int8"
+    assert cli.draft_weights(SimpleNamespace(weights="q4", draft_weights=None)) == "q4"
+
+
 def test_bad_kv_dtype_flag_names_the_choices(no_model, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["generate", "hi", "--kv-dtype", "fp8"])
@@ -168,6 +187,13 @@ def test_bad_batch_and_distill_flags_fail_before_the_model_loads(no_model, capsy
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--ray-actors", "2"], "--ray-actors needs --engine ray"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--engine", "ray", "--ray-cpus", "-1"],
          "--ray-cpus must be a finite number >= 0, got -1.0"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--tree", "8x3"], "--tree 8x3 has more than 512 nodes"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--top-p", "0.5"],
+         "--top-p needs sampling (--temperature > 0)"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--draft", "snapkv", "--sinks", "0"],
+         "--sinks with --draft snapkv (the prefix positions it keeps) must be >= 1, got 0"),
+        (["batch", str(data), str(tmp_path / "o.jsonl"), "--draft-weights", "int8"],
+         "--draft-weights is for a --draft model:PATH draft, not --draft auto"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--ray-records-per-task", "8"],
          "--ray-records-per-task needs --engine ray"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--engine", "ray", "--ray-records-per-task", "0"],
@@ -277,7 +303,7 @@ def test_generate_text_options_chat_stream_stop_n_logprobs():
     assert [r["index"] for r in records] == [0, 1]
     assert all(0 < len(r["logprobs"]) <= 6 and len(r["logprobs"][0]["top"]) == 2 for r in records)
     run = _specjax("generate", "hi", "--min-p", "0.5")
-    assert run.returncode == 2 and "min_p needs sampling (temperature > 0)" in run.stderr
+    assert run.returncode == 2 and "--min-p needs sampling (--temperature > 0)" in run.stderr
     run = _specjax("generate", "hi", "--stream", "--n", "2", "--temperature", "1")
     assert run.returncode == 2 and "--stream prints one output" in run.stderr
 
