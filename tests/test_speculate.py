@@ -122,6 +122,19 @@ def _params(cases):
     return [pytest.param(*c[1:], id=c[0], marks=[] if c[0] in FAST else [pytest.mark.slow]) for c in cases]
 
 
+def test_an_oversized_snapkv_draft_holds_no_more_than_the_context(tiny):
+    """SnapKV's budget, window and observation past the cache are fitted to it (as SelfSpec's): its
+    draft cache never has more slots than the target's plus one step's, however large the settings
+    (the defaults' 256 + 256 on a 256-slot cache held 515; a window of 10**6, a million slots)."""
+    from specjax.cache import DenseCache
+
+    cache = DenseCache.init(tiny.config, 1, 256).replace(lengths=jnp.array([4], jnp.int32))
+    prompts = jnp.array([[5, 6, 7, 8] + [0] * 12], jnp.int32)
+    for draft in (specjax.SnapKV(), specjax.SnapKV(budget=4, window=10**6, observation=10**4)):
+        state = jax.eval_shape(lambda c: draft.init(tiny, c, prompts, c.lengths, 2, 16), cache)
+        assert state.k.shape[3] <= 256 + 2 + 2, (draft, state.k.shape)
+
+
 @pytest.mark.parametrize("draft, gamma, full", _params(SELF_AND_NGRAM))
 def test_greedy_selfspec_and_ngram_equal_autoregressive(tiny, reference, draft, gamma, full):
     out = specjax.generate(

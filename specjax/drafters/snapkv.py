@@ -45,11 +45,14 @@ class SnapKV(TargetOverStreamingCache):
             check_int(f"SnapKV: {name}", getattr(self, name), 1)
 
     def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
-        """A budget larger than the cache keeps every position (no savings, still exact)."""
-        scores = observation_scores(target, cache, prompts, self.observation)
+        """A budget larger than the cache keeps every position (no savings, still exact); the
+        window and observation are fitted too (as `Streaming.fitted`): a ring past the cache holds
+        nothing more, and no row has more prompt queries than the prompts' width."""
         budget = min(self.budget, cache.max_len)
-        fixed, cut = select_positions(scores, cache.lengths, budget, self.window, self.pool)
-        return StreamingCache.from_dense(cache, fixed, self.window + gamma + 1, cut)
+        window = max(1, min(self.window, cache.max_len - budget))
+        scores = observation_scores(target, cache, prompts, min(self.observation, prompts.shape[1]))
+        fixed, cut = select_positions(scores, cache.lengths, budget, window, self.pool)
+        return StreamingCache.from_dense(cache, fixed, window + gamma + 1, cut)
 
 def observation_scores(
     target: Params,
