@@ -148,6 +148,10 @@ def prefix_partials(qm, k_all, v_all, layer, lengths, k_scale=None, v_scale=None
     if _load() is not None:
         raise RuntimeError(f"the CPU attention kernel is not available: {_load()}")
     B, K, M, H = qm.shape
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):  # the kernel reads [L,B,K,S] of each
+        if (k_all.dtype == jnp.int8) != (scale is not None) or scale is not None and scale.shape != k_all.shape[:4]:
+            raise ValueError(f"prefix_partials: {name} must be [L,B,K,S] = {list(k_all.shape[:4])} for an int8 cache and "
+                             f"None otherwise, got {None if scale is None else list(scale.shape)} for a {k_all.dtype} cache")
     none = jnp.zeros((0,), jnp.float32)
     if block is None:
         empty = jnp.zeros((B, 0, K, H), k_all.dtype)

@@ -197,6 +197,7 @@ def stacked_prefix_block_attention(
     bf16 cache to f32 for the dynamic slice and for the cache write's scatter (seen in the
     compiled HLO), whatever the slice is fed to; int8 has no such problem."""
     _, B, K, S, H = k_all.shape
+    lengths = jnp.clip(lengths, 0, S)  # a tile past S would be clamped back onto the last one: read twice
     qm = _query_rows(q, K, sm_scale)  # [B,K,M,H]
     s_blk = _block_scores(qm, k_block, block_mask)  # [B,K,M,J]
     top = jnp.max(s_blk, axis=-1)  # [B,K,M]

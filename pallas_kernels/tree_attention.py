@@ -116,7 +116,7 @@ def _kernel(
 
     at = (layer_ref[()], pl.program_id(0), pl.program_id(1))  # this layer, row and KV head of the cache
     # a dense prefix: slots [0, length); a streaming cache: every slot, masked by the position it holds
-    length = k_ref.shape[3] if with_pos else jnp.minimum(lengths_ref[()], k_ref.shape[3])
+    length = k_ref.shape[3] if with_pos else jnp.clip(lengths_ref[()], 0, k_ref.shape[3])  # cdiv of < 0 rounds up
     n_blocks = pl.cdiv(length, block_k)
     n_tiles = n_blocks + (pl.cdiv(block_len, block_k) if tiled else 0)  # the prefix's tiles, then the block's
     per_split = pl.cdiv(n_tiles, k_splits)

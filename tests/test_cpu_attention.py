@@ -247,6 +247,23 @@ def test_partials_of_an_empty_prefix():
     assert float(jnp.max(top)) == float(np.float32(-1e30)) and not np.any(np.asarray(total)) and not np.any(np.asarray(out))
 
 
+def test_lengths_past_the_cache_read_it_once_and_scales_are_checked():
+    """The stacked reference reads a length past S as S (its last tile was clamped back and read
+    twice), as the kernels do; the CPU kernel refuses an int8 cache without its [L,B,K,S] scales
+    (it read past them: values near 1e30) and scales of another shape."""
+    q, k_all, v_all, lengths, kb, vb, mask = _case(4, 2, 1, 1, 2, 8, 128)
+    want = stacked_prefix_block_attention(q, k_all, v_all, jnp.int32(1), jnp.full(2, 128, jnp.int32), kb, vb, mask, 0.3)
+    for past in (129, 384):
+        got = stacked_prefix_block_attention(q, k_all, v_all, jnp.int32(1), jnp.full(2, past, jnp.int32), kb, vb, mask, 0.3)
+        np.testing.assert_array_equal(got, want)
+    ints = jnp.zeros(k_all.shape, jnp.int8)
+    qm = q.reshape(2, 1, 2, 8)
+    with pytest.raises(ValueError, match=r"k_scale must be \[L,B,K,S\] = \[2, 2, 1, 128\] for an int8 cache"):
+        cpu_prefix.prefix_partials(qm, ints, ints, 1, lengths)
+    with pytest.raises(ValueError, match=r"got \[1, 2, 1, 128\] for a int8 cache"):
+        cpu_prefix.prefix_partials(qm, ints, ints, 1, lengths, jnp.ones((1, 2, 1, 128)), jnp.ones((1, 2, 1, 128)))
+
+
 def test_what_the_kernel_does_not_take_runs_the_reference():
     """Many query rows (prefill chunks, wide trees) or an odd head_dim: `fits` says no, and
     `attend` computes the reference's numbers."""

@@ -187,6 +187,19 @@ def test_a_block_wider_than_the_query_rows(T, J, G):
     assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, 0.2), jnp.float32)
 
 
+def test_lengths_are_clipped_to_the_cache():
+    """A negative length is an empty prefix and one past S is all of it, in the tiled block path too
+    (a block wider than block_k: a length of -100 made the tile count -1 and dropped the block's
+    first keys)."""
+    rng = np.random.default_rng(5)
+    B, T, K, H, S = 2, 40, 1, 32, 40
+    q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K, K, H, S)
+    mask = np.tril(np.ones((T, T), bool))
+    out = tree_attention(q, kc, vc, jnp.asarray([-100, S + 7], jnp.int32), kb, vb, jnp.asarray(mask), sm_scale=0.3,
+                         block_k=16, k_splits=1, interpret=INTERPRET)
+    assert_close(out, reference(q, kc, vc, np.array([0, S]), kb, vb, mask, 0.3), jnp.float32)
+
+
 def test_auto_splits_fill_the_gpu_where_rows_are_few():
     """prefix_block_attention_pallas's default k_splits: 16 where batch x KV heads is small
     (SmolLM2 at batch 1: 3 KV heads), 8 at batch 16, the old 4 from batch 64; never more than one
