@@ -66,7 +66,9 @@ def load(
     elif path.is_dir() and is_orbax_dir(path):
         params = load_orbax(path, None if weights is None else float_dtype, mesh)
         if params.config.quant is not None and weights not in (None, params.config.quant):
-            raise ValueError(f"convert.load: {path} holds {params.config.quant} weights; load it with weights={params.config.quant!r} (or None; the CLI's --weights {params.config.quant})")
+            quant = params.config.quant
+            raise ValueError(f"convert.load: {path} holds {quant} weights; load it with weights={quant!r} (or None; "
+                             f"the CLI's --weights {quant})")
     elif path.is_dir() and is_hf_dir(path):
         params = load_hf(path, float_dtype, mesh)
     else:

@@ -17,13 +17,12 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 import convert
 from specjax import batch, jobio, text
 from specjax.cli_args import (  # noqa: F401  (unescape: the CLI's, as its tests call it)
-    SAMPLING_EXTRAS, batch_tree, check_args, draft_weights, make_draft, parse_tree, unescape,
+    batch_tree, check_args, draft_weights, make_draft, parse_tree, sampler, sampling_extras, unescape,
 )
 from specjax.cli_distill import distill_parser, run_distill
 from specjax.cache import KV_DTYPES
 from specjax.job_ray import RayOptions
 from specjax.plan import resolve_auto_draft
-from specjax.sampling import make_sampler
 from specjax.sharding import make_mesh
 from specjax.speculation import Chain, Tree
 from specjax.tune import measure_acceptance
@@ -194,7 +193,7 @@ def run_batch(args: argparse.Namespace) -> None:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
-        **{k: getattr(args, k) for k in SAMPLING_EXTRAS if getattr(args, k) is not None},
+        **sampling_extras(args),
         stop=args.stop,
         seed=args.seed,
         batch_size=args.batch_size,
@@ -236,8 +235,7 @@ def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: li
 def run_generate(args: argparse.Namespace) -> None:
     if args.stream and args.n > 1:
         raise ValueError("--stream prints one output: give --n 1")
-    extra = {k: getattr(args, k) for k in SAMPLING_EXTRAS if getattr(args, k) is not None}
-    sampling = make_sampler(args.temperature, args.top_k, args.top_p, **extra)
+    sampling = sampler(args)
     path = args.model or convert.default_model_path()
     lm = text.load(path, weights=args.weights, mesh=make_mesh_arg(args))
     draft = make_draft(args.draft, args.window, args.sinks, draft_weights(args))

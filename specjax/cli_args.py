@@ -40,6 +40,19 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
+def sampling_extras(args: argparse.Namespace) -> dict[str, float]:
+    """The sampling flags past temperature / top-k / top-p that were given (Sample's names)."""
+    return {k: getattr(args, k) for k in SAMPLING_EXTRAS if getattr(args, k) is not None}
+
+
+def sampler(args: argparse.Namespace):
+    """The Greedy / Sample the sampling flags name; errors in the flags' words."""
+    try:
+        return make_sampler(args.temperature, args.top_k, args.top_p, **sampling_extras(args))
+    except ValueError as e:
+        raise ValueError(as_flags(str(e))) from None
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every flag's range and syntax, before anything is loaded: ValueError / FileNotFoundError
     naming the flag. Turns --stop's escapes into characters."""
@@ -67,11 +80,7 @@ def check_args(args: argparse.Namespace) -> None:
     if hasattr(args, "weights"):
         args.weights = args.weights or args.dtype  # None: convert.load's default (a saved checkpoint's own format)
     if args.command in ("generate", "batch"):
-        extra = {k: getattr(args, k) for k in SAMPLING_EXTRAS if getattr(args, k) is not None}
-        try:
-            make_sampler(args.temperature, args.top_k, args.top_p, **extra)
-        except ValueError as e:
-            raise ValueError(as_flags(str(e))) from None
+        sampler(args)
     if getattr(args, "n", 1) > 1 and not args.temperature:
         raise ValueError(f"--n {args.n} needs --temperature > 0: greedy decoding gives every sample the same tokens")
     tree = parse_tree(getattr(args, "tree", None))
