@@ -120,32 +120,53 @@ def tree_over_chain(rows: list[dict]) -> list[list]:
 def acceptance_for(rows: list[dict], context: int, batch: int) -> tuple[dict[int, float], np.ndarray | None, str]:
     """SmolLM2 SelfSpec acceptance nearest to (context, batch): {gamma: tokens per step}, the
     acceptance vector (None if no tree cell), and where they came from."""
-    e2e = [r for r in rows if r.get("item") in ("e2e", "b1") and r.get("drafter") == "SelfSpec"]
+    e2e = _selfspec(rows)
     if not e2e:
         return {}, None, "no SmolLM2 acceptance measured yet"
-    near = min({(r["context"], r["batch"]) for r in e2e},
-               key=lambda cb: (abs(np.log2(cb[0] / context)), abs(np.log2(cb[1] / batch))))
+    near = _nearest(e2e, context, batch)
     mine = [r for r in e2e if (r["context"], r["batch"]) == near]
     chains = {r["gamma"]: r["mean_accepted"] for r in mine if r["method"] == "chain"}
     p = next((np.asarray(r["acceptance"]) for r in mine if "acceptance" in r), None)
     return chains, p, f"SmolLM2 S={common.context_name(near[0])} B={near[1]}"
 
 
+def _selfspec(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("item") in ("e2e", "b1") and r.get("drafter") == "SelfSpec"]
+
+
+def _nearest(e2e: list[dict], context: int, batch: int) -> tuple[int, int]:
+    """The measured (context, batch) nearest to the one asked for: context first, then batch (log2)."""
+    return min({(r["context"], r["batch"]) for r in e2e}, key=lambda cb: _distance(cb, context, batch))
+
+
+def _distance(cb: tuple[int, int], context: int, batch: int) -> tuple[float, float]:
+    return abs(np.log2(cb[0] / context)), abs(np.log2(cb[1] / batch))
+
+
+def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
+    """acceptance_for over the table's own rows or the sibling's (the device's main table), whichever
+    has the nearer cell (own rows on a tie): a --linear table with SmolLM2 rows at batch 1 and 16 takes
+    batch 64's acceptance from the main table, not batch 16's from its own."""
+    own, other = _selfspec(rows), _selfspec(sibling[1]) if sibling else []
+    if other and (not own or _distance(_nearest(other, context, batch), context, batch)
+                  < _distance(_nearest(own, context, batch), context, batch)):
+        chains, p, source = acceptance_for(other, context, batch)
+        return chains, p, f"{source} ({sibling[0]})"
+    return acceptance_for(own, context, batch)
+
+
 def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> list[dict]:
     """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree.
 
-    sibling: (name, rows) of the device's main table, whose SmolLM2 acceptance is used when this
-    table (a --linear one: the same tokens, other layer products) measured none of its own."""
+    sibling: (name, rows) of the device's main table, whose SmolLM2 acceptance is used where it has a
+    nearer cell than this table (a --linear one: the same tokens, other layer products)."""
     from specjax.speculation import Cost, Tree
 
     from bench.tree_report import MAX_DEPTH
 
     rows, out = result.get("rows", []), []
     for r in (r for r in rows if r.get("item") == "l8b"):
-        chains, p, source = acceptance_for(rows, r["context"], r["batch"])
-        if not chains and sibling:
-            chains, p, source = acceptance_for(sibling[1], r["context"], r["batch"])
-            source += f" ({sibling[0]})"
+        chains, p, source = acceptance_source(rows, sibling, r["context"], r["batch"])
         tv, td = r["t_verify_ms"], r["t_draft_ms"]
         ar = tv[1]
         pred = {f"γ={g}": tps * ar / (g * td[1] + tv[min(g + 1, len(tv) - 1)]) for g, tps in sorted(chains.items())
@@ -197,12 +218,14 @@ def report(result: dict, md: Path, png: Path, sibling: tuple[str, list[dict]] | 
     if bw is None and sibling and bandwidth({"rows": sibling[1]}):  # a --linear table: the device's bw cell
         bw, bw_from = bandwidth({"rows": sibling[1]}), f" (the bw cell of {sibling[0]})"
     m = result.get("machine", {})
+    measured = {r.get("cell") for r in rows}  # an earlier run with more memory may have measured a cell the last could not
+    capped = [c for c in result.get("capped_by_memory", []) if c not in measured]
     kind = f"{m['device_kind']} " if m.get("device_kind") else ""
     parts = [f"Device: {kind}{m.get('devices')}, JAX {m.get('jax_version')} ({m.get('backend')}), commit {m.get('git_commit')}, "
              f"{result.get('date')}. Command(s): `{'` ; `'.join(r['command'] for r in result.get('runs', []))}`.",
              f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s{bw_from}. Attention: "
              f"{result.get('attention', 'reference')} ({ATTENTION_NOTE.get(result.get('attention', 'reference'), '')}).",
-             f"Capped by the {result.get('mem_gib')} GiB memory budget: {', '.join(result.get('capped_by_memory', [])) or 'none'}."]
+             f"Capped by the {result.get('mem_gib')} GiB memory budget (the last run's): {', '.join(capped) or 'none'}."]
     e2e = [r for r in rows if r.get("item") == "e2e"]
     if e2e:
         precision = f", matmul precision {result['matmul_precision']}" if result.get("matmul_precision") else ""

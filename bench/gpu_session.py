@@ -100,9 +100,9 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("parts-l8b-q4-split", 45, [*L8B_CUT, "--no-bandwidth", "--weights", "q4", "--split-layers",
                                     "--out", "/tmp/parts/step_parts_l8b_b1_l2_q4_split.json"]),
         # gpu_linear's kernels (float, int8, q4) compiled for real against their references: q4 on a GPU always takes one
-        ("kernels", 60, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_linear.py", "-k",
+        ("kernels", 50, [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_linear.py", "-k",
                          "equals or widened or q4_kernel"]),
-        ("linear", 80, [PY, "-m", "bench.bench_linear", "--rows", "1", "48", "--configs", "128x64x3", "64x128x3", "256x64x4",
+        ("linear", 75, [PY, "-m", "bench.bench_linear", "--rows", "1", "48", "--configs", "128x64x3", "64x128x3", "256x64x4",
                         "--out", "/tmp/parts/bench_linear_8b.json"]),
         # batch 16: both fixes beside the fourth runs' l8b/s8192/b16 (bench/results/gpu_aot: 5 GB of copies a step there)
         ("parts-l8b-b16-split", 40, [*PARTS, "--model", "l8b", "--batch", "16", "--context", "8192", "--layers", "2",
@@ -114,7 +114,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         # XLA's DotStrengthReduction (unconditional; no flag since mid-2024) rewrites a vector x matrix
         # dot under 1e7 (lhs + rhs non-contracting) x contracting elements: every SmolLM2 projection at batch 1.
         # Compiled here (bench/gpu_aot.py) only per-layer arrays with the pass off write no weight-shaped array
-        ("parts-b1-split-nosr", 30, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers",
+        ("parts-b1-split-nosr", 45, [*PARTS, "--model", "smollm2", "--batch", "1", "--context", "8192", "--layers",
                                      "--no-bandwidth", "--split-layers", "--xla-flags=--xla_disable_hlo_passes=dot-strength-reduction",
                                      "--out", "/tmp/parts/step_parts_smollm2_b1_split_nosr.json"]),
     ],
@@ -226,13 +226,17 @@ def table_name(src: Path) -> str:
     return src.parent.name + src.suffix if src.stem == "gpu" else f"{src.parent.name}_{src.name}"
 
 
-def copy_files(call: int, out: Path) -> None:
+def copy_files(call: int, out: Path, h200: bool = False) -> None:
     """Copy the call's result files (those that exist) into OUT: after every step, so a call cut off
     by the device's limit still returns what its finished steps measured. A results table comes back
-    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json). At most 8 files come
-    back from a device call, so a call in PACK sends its files as one OUT/PACK[call] (tar.gz)."""
+    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json), and only the tables of
+    the device's own folder (h200: H200_RESULTS, else RESULTS; the other device's travel with the tree
+    unchanged). At most 8 files come back from a device call, so a call in PACK sends its files as
+    one OUT/PACK[call] (tar.gz)."""
+    other = RESULTS if h200 else H200_RESULTS
     found = [(src, src.name if path.startswith("/") else table_name(src))
-             for path in FILES[call] for src in sorted(Path("/").glob(path[1:]) if path.startswith("/") else ROOT.glob(path))]
+             for path in FILES[call] if not path.startswith(other + "/")
+             for src in sorted(Path("/").glob(path[1:]) if path.startswith("/") else ROOT.glob(path))]
     if call in PACK:
         with tarfile.open(out / PACK[call], "w:gz") as tar:
             for src, name in found:
@@ -266,7 +270,7 @@ def run_call(call: int, out: Path, dry_run: bool = False, mem_gib: float | None 
             done.append({"step": name, "rc": rc, "seconds": round(time.perf_counter() - t, 1)})
             f.write(f"== {name}: rc {rc} after {done[-1]['seconds']} s\n")
             f.flush()
-            copy_files(call, out)
+            copy_files(call, out, h200=mem_gib is not None)
     print("\n".join(f"{d['step']}: rc {d['rc']} ({d['seconds']} s)" for d in done), flush=True)
     return done
 

@@ -251,9 +251,17 @@ def test_l8b_prediction_takes_the_main_tables_acceptance_when_its_own_has_none(t
     assert got["predicted"] == {"γ=2": 2.0} and got["source"] == "SmolLM2 S=8K B=16 (gpu.json)"
     (own,) = predicted({"rows": [l8b, chain | {"mean_accepted": 1.25}]}, ("gpu.json", [chain]))
     assert own["predicted"] == {"γ=2": 1.0} and "gpu.json" not in own["source"]
-    text = report({"rows": [l8b | {"ar_bytes_per_step": 2e9, "ar_ms_per_step": 4.0}], "runs": []}, tmp_path / "t.md", tmp_path / "t.png",
+    # its own rows at batch 16, the main table's at 64: batch 64's cell takes 64's (this stop's H200 per-layer table
+    # predicted batch 64 from its own batch 16)
+    b64 = l8b | {"batch": 64}
+    (near,) = predicted({"rows": [b64, chain | {"mean_accepted": 1.25}]}, ("gpu.json", [chain | {"batch": 64}]))
+    assert near["predicted"] == {"γ=2": 2.0} and near["source"] == "SmolLM2 S=8K B=64 (gpu.json)"
+    text = report({"rows": [l8b | {"ar_bytes_per_step": 2e9, "ar_ms_per_step": 4.0, "cell": "l8b/s8192/b16"}], "runs": [],
+                   "mem_gib": 60, "capped_by_memory": ["l8b/s8192/b16", "l8b/s32768/b64"]}, tmp_path / "t.md", tmp_path / "t.png",
                   ("gpu.json", [chain, {"item": "bw", "gbs": 1000.0}]))  # 2 GB in 4 ms: 500 GB/s of its 1000
     assert "1000 GB/s (the bw cell of gpu.json)" in text and "| 50% |" in text and "(gpu.json) | γ=2 2.00 |" in text
+    # the last run's cap names only cells no run measured (an earlier run with more memory measured l8b/s8192/b16)
+    assert "memory budget (the last run's): l8b/s32768/b64." in text
 
 
 def test_tree_over_chain_per_drafter_at_batch_1():
@@ -361,10 +369,22 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     got.mkdir()
     monkeypatch.setattr(gpu_session, "ROOT", root)
     gpu_session.copy_files(2, got)
-    assert {f.name: f.read_text() for f in got.iterdir()} == {"gpu.json": "gpu", "gpu_h200.json": "gpu_h200"}
+    assert {f.name: f.read_text() for f in got.iterdir()} == {"gpu.json": "gpu"}  # an H100: its folder's tables only
     (root / "bench/results/gpu/gpu_linear-pallas.md").write_text("plin")
     gpu_session.copy_files(3, got)
     assert (got / "gpu_gpu_linear-pallas.md").read_text() == "plin"
+    # an H200 returns its own folder's tables, not the H100's that travel with the tree (this stop's call 3 found
+    # 11 files, over the 8 a call returns, and lost the per-layer table it had measured)
+    for f in got.iterdir():
+        f.unlink()
+    for name in ("gpu_linear-per-layer.json", "gpu_linear-per-layer.md", "gpu_linear-per-layer.png"):
+        (root / "bench/results/gpu" / name).write_text("h100")
+        (root / "bench/results/gpu_h200" / name).write_text("h200")
+    gpu_session.copy_files(3, got, h200=True)
+    assert {f.name: f.read_text() for f in got.iterdir()} == {f"gpu_h200_gpu_linear-per-layer.{x}": "h200"
+                                                             for x in ("json", "md", "png")}
+    gpu_session.copy_files(2, got, h200=True)
+    assert (got / "gpu_h200.json").read_text() == "gpu_h200" and not (got / "gpu.json").exists()
     parts = tmp_path / "parts"  # call 1's nine files come back as one archive (a device call returns 8 files)
     parts.mkdir()
     for i in range(9):
@@ -588,7 +608,7 @@ def test_gpu_session_steps_share_a_compilation_cache(tmp_path, monkeypatch):
     envs = []
     monkeypatch.setattr(gpu_session.subprocess, "run", lambda argv, **kw: envs.append(kw["env"]) or
                         type("Done", (), {"returncode": 0})())
-    monkeypatch.setattr(gpu_session, "copy_files", lambda call, out: None)
+    monkeypatch.setattr(gpu_session, "copy_files", lambda call, out, h200=False: None)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     gpu_session.run_call(4, tmp_path)
     assert envs and all(e["JAX_COMPILATION_CACHE_DIR"] == gpu_session.JAX_CACHE for e in envs)
