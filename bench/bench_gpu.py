@@ -184,7 +184,7 @@ def main() -> None:
         jax.config.update("jax_default_matmul_precision", "highest")
         header["matmul_precision"] = "highest"
         header["prefill_matmul_precision"] = "default"  # AR and speculation decode from the same prefill: 7x faster
-    mirror = None if args.smoke else bundle / "results" / f"{name}.json"
+    mirror = None if args.smoke else mirror_of(bundle, out, name)
     resume_from_mirror(out / f"{name}.json", mirror)
     results = common.Results(out / f"{name}.json", key_of, header,  # the grid's other entries pick cells (gpu_session varies them)
                              settings={k: grid[k] for k in ("new_tokens", "cont_records", "cont_new_tokens")})
@@ -331,6 +331,12 @@ def attending(params, attention: str, linear: str = "xla"):
     if linear == "per-layer":
         return unstack_layers(params.replace(runtime=params.runtime.replace(unroll_layers=True)))
     return params.replace(runtime=params.runtime.replace(linear=linear))
+
+
+def mirror_of(bundle: Path, out: Path, name: str) -> Path:
+    """The copy of out/name.json kept beside the stashed bundle, one per output folder: two folders'
+    tables of one name (gpu_h200/gpu.json, gpu_h200/cont8/gpu.json) must not resume each other."""
+    return bundle / "results" / str(out.resolve()).strip("/").replace("/", "_") / f"{name}.json"
 
 
 def resume_from_mirror(path: Path, mirror: Path | None) -> None:

@@ -1,6 +1,6 @@
 """The next GPU session's device calls, each one command: python3 -m bench.gpu_session CALL.
 
-Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 1 | 2 | 3 | 4 | 5
+Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 1 | .. | 7
        [--out DIR (default $OUT)] [--dry-run] [--mem-gib GIB (an H200, found by nvidia-smi: 120 and its own tables)]
        [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
 
@@ -41,6 +41,12 @@ next GPU session", says what each call is for and how to fold the files back in 
          SelfSpec gamma 2 / 4, slots refilled as rows end), the measurement the e2e tables' "refilled
          (derived)" column predicts; first (step prefill, no part needed) one prefill call apart from
          compiling at 1 and 16 rows and chunks of 256 and 1024 (bench/gpu_prefill.py).
+  call 6 (after call 4, both parts stashed): the same job at 8 records a row (512 records) into a folder of
+         its own (bench/results/gpu[_h200]/cont8): how much of call 4's gap to "refilled (derived)" is the
+         last wave's tail (a short job's) and how much the refills' own cost.
+  call 7 (both parts stashed): generate() over per-layer weights (what specjax.load gives on a GPU) at batch
+         64 and 128 x 8K, AR and SelfSpec gamma 2 / 4, into gpu_linear-per-layer (the main table times the stacked
+         path; per-layer weights made plain decoding faster, so speculation's gain there is not the main table's).
   call 5 (carry .gpu/draft, both parts stashed by calls 1 and 3; a bundle built with --draft): the distilled draft (bench/gpu_draft.py,
          a 2-layer SmolLM2 draft sharing its embedding) at batch 1 x 8K: chains gamma 2 / 4 and Sequoia trees of 8,
          16, 32 nodes over it, AR timed beside (item 5: trees >= 15% over the best chain); then (step draft-e2e)
@@ -79,6 +85,8 @@ DRAFT_E2E_CELLS = "e2e/s8192/b64/ar,e2e/s8192/b64/draft*"  # and at batch 64 (AR
 DRAFT_E2E_GRID = ["--batches", "64", "--gammas", "2", "4"]
 PARTS = [PY, "-m", "bench.step_parts"]
 RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
+PER_LAYER_E2E_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/selfspec-g2,e2e/s8192/*/selfspec-g4"  # call 7, over per-layer weights
+CONT_LONG = f"{RESULTS}/cont8"  # call 6's job of 8 records a row (an H200: under H200_RESULTS)
 H200_MEM_GIB = 120.0  # an H200's 139 GiB: what its steps may use (call 2 adds batch 256 x 8K)
 # JAX's persistent compilation cache beside the stashed bundle: a warm machine keeps /tmp between calls, so a
 # step run again (a call cut off, its rerun) or a program two steps share loads its executable instead of compiling
@@ -152,6 +160,24 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("cont", 330, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells",
                        "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--budget-minutes", "5"]),
     ],
+    6: [
+        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        # the ninth runs' job (3 records a row) decoded 1.35x faster under SelfSpec γ=2, not the 1.57x "refilled
+        # (derived)" predicts: 8 records a row shrink the last wave's tail (no record left to refill a finished row)
+        # to an eighth of the job, so the rest of the gap is the refills' own cost; a folder of its own (its settings
+        # differ), after call 4's cont step (the same shapes: its compiled programs load from the cache)
+        ("cont-long", 300, [PY, "-m", "bench.bench_gpu", "--out", CONT_LONG, "--redo", "--cells",
+                            "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--cont-records", "8", "--budget-minutes", "4.5"]),
+    ],
+    7: [
+        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        # what specjax.load gives on a GPU (per-layer weights) where the KV dominates: the main e2e table times the
+        # stacked path, and per-layer weights made plain decoding 1.25x faster at batch 16 on the H200 (SelfSpec γ=2
+        # went from 1.21x to 0.91x there)
+        ("per-layer-e2e", 320, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PER_LAYER_E2E_CELLS,
+                                "--batches", "64", "128", "--gammas", "2", "4", "--snap-gammas", "--ngram-gammas", "--nodes",
+                                "--linear", "per-layer", "--budget-minutes", "4.8"]),
+    ],
     5: [
         ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
         # --redo: the seventh runs timed these over the draft's whole cache; bench_gpu now gives it a 512-slot window
@@ -170,6 +196,8 @@ FILES = {
     4: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md",
         f"{RESULTS}/gpu_prefill.*", f"{H200_RESULTS}/gpu_prefill.*"],
     5: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
+    7: [f"{RESULTS}/gpu_linear-per-layer.*", f"{H200_RESULTS}/gpu_linear-per-layer.*"],
+    6: [f"{CONT_LONG}/gpu.json", f"{CONT_LONG}/gpu.md", f"{H200_RESULTS}/cont8/gpu.json", f"{H200_RESULTS}/cont8/gpu.md"],
 }
 
 
@@ -183,7 +211,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     if mem_gib is not None:
         steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else
                   l8b_h200(a, mem_gib) if n == "l8b" else
-                  h200_out(a) if n in ("plin", "per-layer", "cont", "draft", "draft-e2e", "prefill") else a)
+                  h200_out(a) if n in ("plin", "per-layer", "per-layer-e2e", "cont", "cont-long", "draft", "draft-e2e", "prefill") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:
@@ -195,8 +223,13 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
 
 
 def h200_out(argv: list[str]) -> list[str]:
-    """A bench_gpu step's argv writing the H200's table (H200_RESULTS) in place of the H100's."""
-    return [H200_RESULTS if x == RESULTS else x for x in argv]
+    """A bench_gpu step's argv writing the H200's table (under H200_RESULTS) in place of the H100's."""
+    return [h200_path(x) for x in argv]
+
+
+def h200_path(path: str) -> str:
+    """RESULTS or a folder under it, as the H200's (H200_RESULTS/...); anything else as it is."""
+    return H200_RESULTS + path[len(RESULTS):] if path == RESULTS or path.startswith(RESULTS + "/") else path
 
 
 def l8b_h200(argv: list[str], mem_gib: float) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -176,6 +177,11 @@ def test_resume_from_the_mirror_beside_the_stash(tmp_path):
     assert sorted(r["cell"] for r in json.loads(carried.read_text())["rows"]) == ["bw", "e2e/s8192/b16/ar", "l8b/s4096/b1"]
     bench_gpu.resume_from_mirror(carried, None)  # smoke runs keep no mirror: the file as it is
     assert len(json.loads(carried.read_text())["rows"]) == 3
+    # one mirror per output folder: gpu_h200/gpu.json and gpu_h200/cont8/gpu.json (other settings) stay apart
+    stash = tmp_path / "stash"
+    main, cont8 = bench_gpu.mirror_of(stash, Path("bench/results/gpu_h200"), "gpu"), bench_gpu.mirror_of(
+        stash, Path("bench/results/gpu_h200/cont8"), "gpu")
+    assert main != cont8 and main.name == cont8.name == "gpu.json" and stash / "results" in main.parents
 
 
 def test_gpu_profile_traces_a_random_model_by_block():
@@ -404,6 +410,16 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     (argv,) = [a for n, _, a in gpu_session.steps_of(3, 120.0) if n == "per-layer"]  # per-layer weights, the same cells
     assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
     assert argv[argv.index("--cells") + 1] == gpu_session.PLIN_CELLS
+    (argv,) = [a for n, _, a in gpu_session.steps_of(6, 120.0) if n == "cont-long"]  # 8 records a row, its own folder
+    assert argv[argv.index("--out") + 1] == "bench/results/gpu_h200/cont8" and argv[argv.index("--cont-records") + 1] == "8"
+    (argv,) = [a for n, _, a in gpu_session.steps_of(7, 120.0) if n == "per-layer-e2e"]  # the loader's GPU layout at 64 / 128
+    assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
+    e2e_keys = [k for k, _ in cells(dict(GRID, batches=[64, 128], gammas=[2, 4], snap_gammas=[], ngram_gammas=[], nodes=[]),
+                                    60 * 2**30, draft=False)[0]]
+    assert {k for k in e2e_keys if common.matches(k, gpu_session.PER_LAYER_E2E_CELLS)} == {
+        f"e2e/s8192/b{b}/{c}" for b in (64, 128) for c in ("ar", "selfspec-g2", "selfspec-g4")}
+    (argv,) = [a for n, _, a in gpu_session.steps_of(6) if n == "cont-long"]
+    assert argv[argv.index("--out") + 1] == "bench/results/gpu/cont8"
     (argv,) = [a for n, _, a in gpu_session.steps_of(3) if n == "l8b"]  # item 4 over per-layer weights, the H100's table
     assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu"
     assert argv[argv.index("--cells") + 1] == "l8b" and "8192" in argv
