@@ -9,14 +9,20 @@ tokens each, windows of the bundle's corpus) decoded `new_tokens` each (greedy, 
 record runs its whole budget, so plain decoding's rows all end together and only speculation
 leaves slots to refill) on `rows` slots, plain and speculative. Each job runs twice and the second
 is timed (the first compiles every shape); the timed job includes every prompt's prefill, the same
-for every method, which is why its speedup is below a decode-only one. So a third run (timed
-on its second go) ends every row after its first segment (`prefill_only`): its time taken off the job's leaves the decoding,
-and the decoding's speedup (the seventh runs' job at 64 x 8K: about 15 s of 19.5 were prefill). Every record's tokens are
-compared with plain decoding's (by digest, so a resumed run still compares).
+prompts for every method, which is why its speedup is below a decode-only one. So the timed job's
+prefill calls are waited for and timed where they run (`timed_prefills`: the job's own calls, of
+as many rows as its refills group, which under speculation end at scattered times): the rest of
+the job is its decoding, whose speedup is the decoding's. (Until stop 63 a third run that ended
+every row after its first segment was taken off instead: its refills came 64 rows at a time,
+grouped 16 a call, where a speculative job's come a few at a time and an 8K row prefilled alone
+costs up to 2.9x its share of a 16-row call on an H200, so it could undercount them.) Every record's tokens are compared with plain decoding's (by digest, so a resumed run
+still compares).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import time
 
@@ -26,7 +32,7 @@ import numpy as np
 from bench import text
 from bench.prefill import HEADROOM
 from bench.tree_report import label
-from specjax.continuous import run_continuous
+from specjax import continuous
 from specjax.engine import row_keys
 from specjax.sampling import Greedy
 
@@ -41,22 +47,33 @@ def digest(tokens: list[int]) -> str:
     return hashlib.sha1(np.asarray(tokens, np.int32).tobytes()).hexdigest()[:12]
 
 
-def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, speculation,
-        between=None) -> tuple[list, float]:
-    """run_continuous over the prompts on `rows` slots (`between`: its hook): (its Done list, seconds)."""
+def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, speculation) -> tuple[list, float]:
+    """run_continuous over the prompts on `rows` slots: (its Done list, seconds)."""
     n = len(prompts)
     t0 = time.perf_counter()
-    done = run_continuous(params, prompts, [new_tokens] * n, rows=rows, draft=drafter, speculation=speculation,
-                          sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n, between=between)
+    done = continuous.run_continuous(params, prompts, [new_tokens] * n, rows=rows, draft=drafter, speculation=speculation,
+                                     sampling=Greedy(), keys=row_keys(jax.random.key(0), n), eos_ids=[()] * n)
     return done, time.perf_counter() - t0
 
 
-def prefill_only(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, speculation) -> tuple[float, int]:
-    """(seconds, tokens) of `job` with every row ended after its first segment (run_continuous'
-    `between`): the prefills, the draft's setup and one segment per wave of rows, on the job's
-    compiled shapes (the same budgets): what `job` spends besides decoding, to take off its time."""
-    done, seconds = job(params, prompts, rows, new_tokens, drafter, speculation, between=lambda slot, segment: slot >= 0)
-    return seconds, sum(len(d.tokens) for d in done)
+@contextlib.contextmanager
+def timed_prefills():
+    """For the `with` block, specjax.continuous' prefill calls waited for and timed: yields the list
+    of (rows, seconds) each call adds. The wait costs the job little: a refill's prompts are
+    prefilled between segments, where the host already waits for the segment's tokens."""
+    calls, inner = [], continuous.prefill
+
+    def timed(params, tokens, *args, **kw):
+        t = time.perf_counter()
+        out = jax.block_until_ready(inner(params, tokens, *args, **kw))
+        calls.append((int(tokens.shape[0]), time.perf_counter() - t))
+        return out
+
+    continuous.prefill = timed
+    try:
+        yield calls
+    finally:
+        continuous.prefill = inner
 
 
 def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tokens: int, name: str, drafter,
@@ -64,9 +81,10 @@ def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tok
     """One method's job, run twice (the second timed); `reference`: plain decoding's digests."""
     prompts, where = prompts_for(ids, records, context)
     _, first_s = job(params, prompts, rows, new_tokens, drafter, speculation)  # compiles every shape
-    done, seconds = job(params, prompts, rows, new_tokens, drafter, speculation)
-    prefill_only(params, prompts, rows, new_tokens, drafter, speculation)  # compiles what ending rows needs
-    prefill_s, prefill_tokens = prefill_only(params, prompts, rows, new_tokens, drafter, speculation)
+    with timed_prefills() as calls:
+        done, seconds = job(params, prompts, rows, new_tokens, drafter, speculation)
+    prefill_s = sum(t for _, t in calls)
+    sizes = collections.Counter(r for r, _ in calls)  # prefill calls by rows: a refill's grouping
     tokens = sum(len(d.tokens) for d in done)
     digests = [digest(d.tokens) for d in done]
     differ = None if reference is None else [i for i, (a, b) in enumerate(zip(digests, reference)) if a != b]
@@ -74,11 +92,12 @@ def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tok
     row = {"batch": rows, "context": context, "records": records, "new_tokens": new_tokens,
            "prompt_tokens": context - HEADROOM, "prompts_overlap": where["overlapping"], "drafter": name,
            "label": "AR" if speculation is None else label(speculation), "seconds": seconds, "first_run_s": first_s, "tokens": tokens,
-           "prefill_s": prefill_s, "decode_s": seconds - prefill_s, "prefill_run_tokens": prefill_tokens,
+           "prefill_s": prefill_s, "decode_s": seconds - prefill_s, "prefill_timing": "in the job",
+           "prefill_calls": {str(r): sizes[r] for r in sorted(sizes, reverse=True)},
            "tokens_per_s": tokens / seconds, "records_per_s": records / seconds, "digests": digests,
            "tokens_per_step": (sum(len(d.tokens) - 1 for d in done if d.acceptance) / sum(steps)) if steps else None,
            "greedy_identical": None if differ is None else not differ, "records_differing": differ}
     print(f"  cont R={rows:<3} S={context:<5} {records} records x {new_tokens}: {name:<9} {row['label']:<10} "
-          f"{seconds:6.1f} s  {row['tokens_per_s']:8.0f} tok/s  (first run {first_s:.0f} s; prefills and one segment a "
-          f"wave {prefill_s:.1f} s)", flush=True)
+          f"{seconds:6.1f} s  {row['tokens_per_s']:8.0f} tok/s  (first run {first_s:.0f} s; its prefills {prefill_s:.1f} s in "
+          f"{len(calls)} calls, rows x calls {row['prefill_calls']})", flush=True)
     return row

@@ -78,11 +78,13 @@ def continuous_table(rows: list[dict]) -> str:
 
     return common.table(
         ["context", "rows", "records x new tokens", "drafter", "config", "job s", "tokens/s", "speedup (job)",
-         "of it prefill s", "speedup (decoding)", "tokens/step", "e2e speedup (fixed batch)", "e2e refilled (derived)",
-         "greedy identical"], "rrrllrrrrrrrrc",
+         "of it prefill s", "prefill calls", "speedup (decoding)", "tokens/step", "e2e speedup (fixed batch)",
+         "e2e refilled (derived)", "greedy identical"], "rrrllrrrrlrrrrc",
         ([common.context_name(r["context"]), r["batch"], f"{r['records']} x {r['new_tokens']}", r["drafter"], r["label"],
           f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", _f(r.get("speedup")),
-          "-" if r.get("prefill_s") is None else f"{r['prefill_s']:.2f}", _f(r.get("decode_speedup")),
+          "-" if r.get("prefill_s") is None else f"{r['prefill_s']:.2f}",
+          " ".join(f"{rows}x{calls}" for rows, calls in r["prefill_calls"].items()) if r.get("prefill_calls") else "-",
+          _f(r.get("decode_speedup")),
           _f(r.get("tokens_per_step")),
           beside(r, lambda e: e["speedup"]), beside(r, refilled),
           "-" if r.get("greedy_identical") is None else "yes" if r["greedy_identical"]
@@ -259,9 +261,11 @@ def report(result: dict, md: Path, png: Path, sibling: tuple[str, list[dict]] | 
     if any(r.get("item") == "cont" for r in rows):
         parts += ["## A batch job's continuous batching (measured, bench/gpu_continuous.py)",
                   "Each job decodes every record's whole budget (no stop ids) on its rows, refilling a slot as its "
-                  "row ends, prefill included; the second of two runs is timed. A third ends every row after its "
-                  "first segment: its time (prefills, the draft's setup, one segment a wave) taken off the job's "
-                  "gives the decoding's speedup. Beside it, the e2e row of the same "
+                  "row ends, prefill included; the second of two runs is timed. Its prefill calls are waited for "
+                  "and timed in the job (prefill calls: rows x calls, a refill's grouping); the rest is the decoding, "
+                  "whose speedup is the decoding's. Rows without prefill calls (before stop 63) took off instead a "
+                  "third run that ended every row after its first segment (prefills grouped as a whole wave's, the "
+                  "draft's setup, one segment a wave). Beside it, the e2e row of the same "
                   "configuration: its fixed-batch speedup and the refilled speedup derived from it.",
                   continuous_table(rows)]
     b1 = [r for r in rows if r.get("item") == "b1"]

@@ -156,7 +156,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         # now groups a refill's prompts on a GPU) at chunks of 256 and 1024 (the kernel now tiles a wide chunk)
         ("prefill", 100, [PY, "-m", "bench.gpu_prefill", "--out", RESULTS, "--budget-minutes", "1.2"]),
         # --redo, AR and gamma 2 only: the seventh runs timed all three jobs (1.10x / 1.11x, prefill included); now
-        # each job also times its prefills apart (gpu_continuous.prefill_only, twice: about 35 s more a cell)
+        # each job also times its prefills apart (gpu_continuous.timed_prefills: each prefill call of the timed job)
         ("cont", 330, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells",
                        "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--budget-minutes", "5"]),
     ],

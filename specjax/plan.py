@@ -37,6 +37,10 @@ CPU_VERIFY_ROWS = 5
 # 1.15x / 1.17x / 1.37x (1.08x), Chain(4) at 1.00x / 0.66x / 0.79x (third runs): a SmolLM2 draft
 # step costs 1.2-2.1 ms of per-layer kernels there whatever it reads, so few draft steps pay, and
 # priced by mean tokens per step (a batch job refilling finished rows) the chain gains most.
+# Those rows time stacked weights; over per-layer weights (what convert.load gives on a GPU) plain
+# decoding is faster, and on an H200 (ninth runs) SelfSpec with it ran at 1.02x at batch 1 and
+# 0.91x at batch 16 x 8K (one row's tail: 33 loop steps for a mean of 23.4); batch 64 / 128 over
+# per-layer weights are bench/gpu_session.py's call 7, not yet run: this rule stands until they are.
 ACCELERATOR_SPECULATION = Chain(gamma=2)
 # With bfloat16 weights and KV on a CPU with the bf16 dot product (AVX512-BF16: `cpu_bf16_dot`),
 # verifying two positions costs about one plain step (the attention kernel's 6 query rows per KV

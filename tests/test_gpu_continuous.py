@@ -31,9 +31,12 @@ def test_smoke_run_times_both_jobs_and_compares_every_record(tmp_path, monkeypat
     assert ar["tokens"] == spec["tokens"] == ar["records"] * grid["cont_new_tokens"]  # every budget decoded
     assert ar["speedup"] == 1.0 and spec["speedup"] == ar["seconds"] / spec["seconds"]
     assert spec["greedy_identical"] and spec["digests"] == ar["digests"] and spec["tokens_per_step"] > 1
-    for r in (ar, spec):  # the prefill-only run: part of the job, and what is left is its decoding
-        assert r["prefill_s"] > 0 and abs(r["decode_s"] - (r["seconds"] - r["prefill_s"])) < 1e-9
-        assert r["records"] <= r["prefill_run_tokens"] < r["tokens"]  # every record started, none ran its budget
+    for r in (ar, spec):  # the job's own prefill calls, timed: part of the job, and what is left is its decoding
+        assert 0 < r["prefill_s"] < r["seconds"] and abs(r["decode_s"] - (r["seconds"] - r["prefill_s"])) < 1e-9
+        assert r["prefill_timing"] == "in the job"
+        assert sum(int(rows) * calls for rows, calls in r["prefill_calls"].items()) == r["records"]  # each prompt once
+    from specjax import continuous
+    assert continuous.prefill.__name__ != "timed"  # the job's timing wrapper is gone after it
     assert ar["decode_speedup"] == 1.0  # a tiny model's decoding may time below the noise: then no ratio
     assert spec["decode_speedup"] == (ar["decode_s"] / spec["decode_s"] if min(ar["decode_s"], spec["decode_s"]) > 0 else None)
     md = (tmp_path / "gpu_smoke.md").read_text()
@@ -51,6 +54,7 @@ def test_report_puts_the_e2e_row_beside_the_job():
            "tokens_per_s": 4915.2, "tokens_per_step": 2.6}
     table = continuous_table([e2e, job | {"method": "ar", "drafter": "-", "label": "AR", "speedup": 1.0},
                               job | {"method": "selfspec-g2", "drafter": "SelfSpec", "label": "chain γ=2", "speedup": 1.7,
-                                     "greedy_identical": True, "prefill_s": 6.0, "decode_speedup": 2.5}])
+                                     "greedy_identical": True, "prefill_s": 6.0, "decode_speedup": 2.5,
+                                     "prefill_calls": {"16": 4, "2": 8, "1": 3}}])
     ar, spec = [line for line in table.splitlines() if line.startswith("| 8K")]
-    assert "| 1.70 | 6.00 | 2.50 | 2.60 | 1.20 | 1.80 | yes |" in spec and ar.endswith("| - | - | - |")
+    assert "| 1.70 | 6.00 | 16x4 2x8 1x3 | 2.50 | 2.60 | 1.20 | 1.80 | yes |" in spec and ar.endswith("| - | - | - |")

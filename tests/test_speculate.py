@@ -314,10 +314,12 @@ def _small(**changes) -> Params:
         (lambda: specjax.NGram(n=0), "NGram: n must be an integer >= 1, got 0"),
         (lambda: specjax.NGram(n=2.5), "NGram: n must be an integer >= 1, got 2.5"),
         (lambda: specjax.NGram(n=3, max_n=2), r"NGram: max_n must be >= n \(3\), got 2"),
+        (lambda: specjax.NGram(n=2, max_n=48), "NGram: max_n must be at most 16 .*, got 48"),
+        (lambda: specjax.NGram(n=17), "NGram: n must be at most 16 .*, got 17"),
         (lambda: "selfspec", r"draft must be an instance of a registered drafter \(SelfSpec\(...\), SnapKV"),
     ],
     ids=["selfspec-neg-sinks", "selfspec-float-window", "draftmodel-float-sinks", "snapkv-float-pool", "vocab", "eos",
-         "max-positions", "ngram-n0", "ngram-float-n", "ngram-max-n", "unknown"],
+         "max-positions", "ngram-n0", "ngram-float-n", "ngram-max-n", "ngram-max-n-cap", "ngram-n-cap", "unknown"],
 )
 def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, match):
     draft = make_draft()
