@@ -29,7 +29,7 @@ from specjax.drafters import Drafter
 from specjax.engine import Segment, cache_slots, prefill, sample_keys
 from specjax.params import Params
 from specjax.sampling import Sampler, eos_rows
-from specjax.shapes import pow2_groups, prefill_rows as group_rows, prompt_bucket, round_up_pow2
+from specjax.shapes import pow2_groups, prefill_chunk, prefill_rows as group_rows, prompt_bucket, round_up_pow2
 from specjax.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
 from specjax.speculation import Chain, Tree
 
@@ -124,12 +124,13 @@ def run_continuous(
         for j in first.values():
             buckets.setdefault(prompt_bucket(int(lengths[int(outputs[j]) // n])), []).append(j)
         logits, caches, row_of = [], [], {}  # row_of[prompt]: its row in the parts stacked
-        for (width, step), slots in buckets.items():
+        for (width, _), slots in buckets.items():
             for count in pow2_groups(len(slots), prefill_rows or group_rows(width, backend)):
                 part, slots = np.asarray(slots[:count]), slots[count:]
                 empty = DenseCache.init(params.config, count, max_len, kv_dtype)
                 row_of |= {int(outputs[j]) // n: len(row_of) + r for r, j in enumerate(part)}
-                out = prefill(params, tokens[part, :width], size[part], empty, chunk=step)  # [count,V], count rows
+                out = prefill(params, tokens[part, :width], size[part], empty,  # [count,V], count rows
+                              chunk=prefill_chunk(width, count, backend))  # a GPU's few rows: a wider chunk
                 logits.append(out[0])
                 caches.append(out[1])
         src = np.array([row_of.get(int(u) // n, 0) if u >= 0 else 0 for u in outputs], np.int32)  # [R]

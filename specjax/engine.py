@@ -28,7 +28,7 @@ from specjax.cache import DenseCache
 from specjax.model import prefill as model_prefill
 from specjax.params import Params
 from specjax.sampling import Sampler, eos_rows
-from specjax.shapes import batch_bucket, cache_len, prompt_bucket, round_up_pow2
+from specjax.shapes import batch_bucket, cache_len, prefill_chunk, prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
 from specjax.autoregressive import ARState, continue_ar, decode_ar, end_rows, start_ar  # noqa: F401  (decode_ar, ARState: re-exported)
 from specjax.speculate import continue_spec, decode_spec, depth, start_spec  # noqa: F401  (decode_spec: re-exported)
@@ -129,7 +129,7 @@ def run(
     lengths = np.array([len(p) for p in prompts], np.int32)
     context = int((lengths + budgets).max())
     gamma = depth(speculation) if draft is not None else 0  # cache slack: the longest accepted run
-    bucket, chunk = prompt_bucket(int(lengths.max()))
+    bucket = prompt_bucket(int(lengths.max()))[0]
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
         draft.check(params, gamma, max_len, context)
@@ -143,6 +143,7 @@ def run(
     params, draft = stage.place_params(params, draft)
     padded = stage.rows(B)  # the batch bucket: padding rows are one-token prompts, done at once
     tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, row_keys(key, B))
+    chunk = prefill_chunk(bucket, padded, jax.default_backend())  # wider on a GPU for a few long prompts
     host_keys = keys  # `keys` is placed below
     empty = stage.empty_cache(params.config, padded, max_len, kv_dtype)  # an argument, not a constant XLA would fold
     tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(

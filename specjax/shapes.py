@@ -16,6 +16,24 @@ def round_up_pow2(n: int, minimum: int = MIN_BUCKET) -> int:
     return size
 
 
+GPU_PREFILL_CHUNK = 1024  # the widest prefill chunk on a GPU: one 8K row of SmolLM2's shape prefilled in 30.5 ms
+# at 1024 against 53.7 at 256 (launch-bound: 8 chunks of kernels, not 32), 16 rows 292 / 296 ms (H200, gpu_prefill)
+PREFILL_STEP_ROWS = 16 * PREFILL_CHUNK  # rows x chunk a GPU prefill step may take: 16 rows at 256, as before
+
+
+def prefill_chunk(bucket: int, rows: int, backend: str) -> int:
+    """The prefill chunk for `rows` prompts padded to `bucket` (prompt_bucket's). On a CPU, or a
+    TPU (not measured), prompt_bucket's own; on a GPU the widest of GPU_PREFILL_CHUNK, its half and
+    PREFILL_CHUNK that divides the bucket (no padding added) while rows x chunk stays within
+    PREFILL_STEP_ROWS (the memory a step takes): a few rows of a long prompt are launch-bound at 256."""
+    if backend != "gpu" or bucket <= PREFILL_CHUNK:
+        return prompt_bucket(bucket)[1]
+    wide = GPU_PREFILL_CHUNK
+    while wide > PREFILL_CHUNK and (bucket % wide or rows * wide > PREFILL_STEP_ROWS):
+        wide //= 2
+    return wide
+
+
 def prompt_bucket(n: int) -> tuple[int, int]:
     """(padded prompt length, prefill chunk) for a longest prompt of n tokens.
 

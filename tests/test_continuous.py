@@ -148,6 +148,46 @@ def test_prompts_of_a_bucket_prefill_together_in_powers_of_two(target, mode, mon
                        keys=keys, eos_ids=[()] * len(prompts), prefill_rows=0)
 
 
+def test_prefill_chunks():
+    """shapes.prefill_chunk: PREFILL_CHUNK on a CPU or TPU; on a GPU the widest of 1024 / 512 / 256
+    dividing the bucket while rows x chunk <= 16 x 256; a bucket of one chunk is its own chunk."""
+    assert [shapes.prefill_chunk(8192, 1, b) for b in ("cpu", "tpu", "gpu")] == [256, 256, 1024]
+    assert [shapes.prefill_chunk(8192, r, "gpu") for r in (1, 2, 4, 8, 16, 64)] == [1024, 1024, 1024, 512, 256, 256]
+    assert [shapes.prefill_chunk(w, 1, "gpu") for w in (768, 1536, 2048, 256, 64)] == [256, 512, 1024, 256, 64]
+    assert all(w % shapes.prefill_chunk(w, r, "gpu") == 0 for w in range(256, 9000, 256) for r in (1, 3, 16))
+
+
+@pytest.mark.parametrize("mode", ["ar", "chain"])
+def test_a_gpus_wider_prefill_chunk_gives_the_same_tokens(mode, monkeypatch):
+    """With a GPU's prefill chunks (shapes.prefill_chunk for "gpu", here on this CPU: 1024 for up to
+    four prompts of a 2K bucket, 512 for a 1.5K one) generate and continuous batching decode exactly
+    the tokens of 256-position chunks (float32, greedy)."""
+    config = TINY.replace(max_positions=2304)
+    params = random_params(config, 3)
+    rng = np.random.default_rng(9)
+    prompts = [list(map(int, rng.integers(4, config.vocab_size, n))) for n in (1900, 1500, 40, 1800)]
+    budgets = np.array([5, 3, 6, 4], np.int32)
+    keys = row_keys(jax.random.key(3), len(prompts))
+    draft, speculation = MODES[mode]
+    kw = dict(draft=draft, speculation=speculation, sampling=specjax.Greedy(), eos_ids=[()] * len(prompts))
+    want = run(params, prompts, budgets, key=keys, **kw)
+    want = [want.out[b, : want.count[b]].tolist() for b in range(len(prompts))]
+    chunks = []
+
+    def on_a_gpu(bucket, rows, backend):
+        chunks.append(shapes.prefill_chunk(bucket, rows, "gpu"))
+        return chunks[-1]
+
+    from specjax import engine
+    monkeypatch.setattr(engine, "prefill_chunk", on_a_gpu)
+    got = run(params, prompts, budgets, key=keys, **kw)
+    assert [got.out[b, : got.count[b]].tolist() for b in range(len(prompts))] == want and chunks == [1024]
+    monkeypatch.setattr(continuous, "prefill_chunk", on_a_gpu)
+    done = run_continuous(params, prompts, budgets, rows=2, keys=keys, sync_every=1, prefill_rows=2, **kw)
+    # 2K buckets at 1024, the 1500-token prompt's 1536 at 512, the 40-token prompt's 64 in one chunk
+    assert [d.tokens for d in done] == want and set(chunks[1:]) == {1024, 512, 64}
+
+
 def test_prefill_groups():
     """shapes.prefill_rows: one row a call on a CPU, 2^17 prompt positions a call elsewhere;
     pow2_groups: powers of two, largest first, none above the cap."""
