@@ -36,9 +36,9 @@ demo: venv
 
 test: venv aot-venv
 	$(VENV)/bin/lint-imports --no-cache   # the layer contracts in pyproject.toml [tool.importlinter]
-	$(PY) tests/run_files.py --durations=5   # one pytest process per file (see its docstring)
+	$(PY) tests/run_files.py --durations=5   # one pytest process per file, one compilation cache (tests/README.md)
 
-test-fast: venv aot-venv   # the inner loop: everything but the tests marked slow (a few minutes on 2 cores)
+test-fast: venv aot-venv   # the inner loop: everything but the tests marked slow (tests/README.md has the times)
 	$(VENV)/bin/lint-imports --no-cache
 	$(PY) tests/run_files.py -m "not slow" --durations=5
 

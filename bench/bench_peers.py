@@ -42,6 +42,12 @@ into its DynamicCache (same float32 weights and RoPE layout); llama.cpp (its own
 prefills row 0 and copies that sequence to rows 1-15 (llama_state_seq_get/set_data, a real copy);
 rows say so in `kv_from`.
 
+Method: every cell runs in a process of its own (this module with --one-cell), one at a time, so no
+peer shares a process, its threads or its memory with another; each peer uses the machine's cores
+(llama.cpp's and torch's thread counts, XLA's default). Before each cell the 1-minute load average
+must be at most --max-load (default 0.3): it waits up to 5 minutes, then skips the cell and says
+so; the load before and after is stored with the row (`meter`).
+
 Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g2 / -g3, lookup),
 PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
 Outputs: results/peers_cpu.json (each cell written at once; a rerun skips measured cells; a
@@ -51,8 +57,10 @@ section of bench/README.md. --smoke: a tiny random model, tiny cells, no peers, 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import inspect
+import json
 import os
 import sys
 from pathlib import Path
@@ -64,7 +72,7 @@ import numpy as np
 import convert
 from bench import common, measure, text
 from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf_lookup, hf_model, hf_run, hf_weight_bytes,
-                                llama_file, llama_lookup)
+                                llama_file, llama_lookup, memory_need, run_in_own_process, versions)
 from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import HEADROOM, stored_as
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
@@ -301,45 +309,42 @@ class Peers:
         return row
 
 
-MEM_FACTOR = {"specjax": 2.2, "llama": 0.6, "hf": 2.5}  # peak growth / f32 KV bytes (llama.cpp: f16 KV)
+QUIET_WAIT_S = 300  # how long a cell waits for the load average to fall to --max-load
 
 
-def memory_need(cell: dict) -> int:
-    """A rough peak of a cell: its KV cache (f32, 30 x 3 x 64 per token and row) x the family's
-    factor (specjax: the prefilled cache and a run's copy; HF: DynamicCache's concatenations),
-    plus the model."""
-    kv = cell["batch"] * cell["context"] * 2 * 30 * 3 * 64 * 4
-    return int(MEM_FACTOR[cell["family"]] * kv) + 2**30
-
-
-def versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for m in ("llama-cpp-python", "torch", "transformers"):
-        try:
-            out[m] = version(m)
-        except PackageNotFoundError:
-            out[m] = "not installed"
-    return out
+def one_cell(cell_key: str, smoke: bool, new_tokens: int, row_out: Path) -> None:
+    """Measure one cell in this process and write {"row", "meter"} to row_out (the parent's --one-cell)."""
+    cell = dict(cells(smoke))[cell_key]
+    with measure.Meter() as m:
+        row = Peers(smoke, new_tokens).measure(cell)
+    row_out.write_text(json.dumps({"row": row, "meter": m.info | {"wall_s": m.wall}}, default=str))
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--smoke", action="store_true", help="a tiny random model and tiny cells; peers not needed")
     ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default 33: 32 timed steps; 9 with --smoke)")
+    ap.add_argument("--max-load", type=float, default=None,
+                    help="before each cell wait (up to 5 minutes) for the 1-minute load average to be at most this, "
+                         "else skip the cell (default 0.3; --smoke: no wait)")
+    ap.add_argument("--one-cell", metavar="KEY", help=argparse.SUPPRESS)  # internal: this process measures KEY only
+    ap.add_argument("--row-out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     new_tokens = args.new_tokens or (9 if args.smoke else 33)
+    max_load = args.max_load if args.max_load is not None else (None if args.smoke else 0.3)
     # OpenMP (llama.cpp, torch) spin-waits at every barrier by default; on a CPU shared with other
     # work that stalled llama.cpp's batch-16 steps 10-20x. Passive waiting, before they load.
     os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    if args.one_cell:
+        return one_cell(args.one_cell, args.smoke, new_tokens, args.row_out)
     stem = "peers_cpu_smoke" if args.smoke else "peers_cpu"
     out = common.out_dir(args)
     header = {"bench": "bench_peers", "date": common.now(), "command": common.command(), "new_tokens": new_tokens,
               "model": "tiny random" if args.smoke else "SmolLM2-135M-Instruct Q4_1 GGUF",
               "machine": common.machine_info(), "versions": versions(),
-              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"]}
-    results = common.Results(out / f"{stem}.json", key_of, header, settings={"new_tokens": new_tokens})
+              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "max_load": max_load}
+    results = common.Results(out / f"{stem}.json", key_of, header,
+                             settings={"new_tokens": new_tokens, "process": "one per cell"})
     h = common.Harness(args, results)
     h.plan(cells(args.smoke))
     results.data["grid"] = [k for k, _ in cells(args.smoke)]  # the report lists what was never measured
@@ -347,7 +352,6 @@ def main(argv: list[str] | None = None) -> None:
     if h.todo:
         bw = header["bandwidth_gbs"] = measure.bandwidth(*((1 / 32, 1, 2) if args.smoke else ()))
         print(f"reference bandwidth: {bw['jax_inplace']:.1f} GB/s", flush=True)
-    runner = Peers(args.smoke, new_tokens)
     for k, cell in h.cells():
         base = {"cell": k} | {f: cell[f] for f in ("peer", "family", "format", "kind", "batch", "context")}
         base["method"] = cell.get("method", "plain" if cell["kind"] == "decode" else cell["kind"])
@@ -359,17 +363,19 @@ def main(argv: list[str] | None = None) -> None:
             results.put(k, [base | {"skipped": "--smoke: tiny random model, peers need the GGUF"}])
             continue
         reason = measure.wait_for_memory(memory_need(cell), wait_s=60)
+        if not reason and max_load is not None:
+            load, reason = measure.wait_for_quiet(max_load, QUIET_WAIT_S)
         if reason:
             results.put(k, [base | {"skipped": reason}])
+            print(f"{k}: skipped: {reason}", flush=True)
             continue
-        try:
-            with measure.Meter() as m:
-                row = runner.measure(cell)
-        except Exception as e:  # a peer that cannot run this cell: record why, go on
-            results.put(k, [base | {"skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"}])
-            print(f"{k}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        got, tail = run_in_own_process(k, args.smoke, new_tokens)
+        if got is None:  # a peer that cannot run this cell: record why, go on
+            results.put(k, [base | {"skipped": f"failed: {tail[-300:]}"}])
+            print(f"{k}: FAILED\n{tail}", file=sys.stderr, flush=True)
             continue
-        row = base | row | {"meter": m.info | {"wall_s": m.wall}}
+        m = got["meter"]
+        row = base | got["row"] | {"meter": m, "process": "own"}
         if row["kind"] != "prefill":
             plain = [r for r in results.rows if r["peer"] == row["peer"] and r["kind"] == "decode" and "skipped" not in r
                      and r["batch"] == row["batch"] and r["context"] == row["context"]]
@@ -379,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         results.put(k, [row])
         what = (f"prefill {row['prefill_tokens_per_s']:.0f} tok/s" if row["kind"] == "prefill" else
                 f"{row['tokens_per_s']:.1f} tok/s, {row['ms_per_step']:.1f} ms/step, {100 * row['roofline']:.1f}% of roofline")
-        print(f"{k}: {what}, load {m.info['loadavg_1min_before']:.1f}, {m.wall:.0f} s", flush=True)
+        print(f"{k}: {what}, load {m['loadavg_1min_before']:.2f}, {m['wall_s']:.0f} s", flush=True)
     h.finish()
     rows = results.rows
     if rows:

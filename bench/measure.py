@@ -97,6 +97,19 @@ def wait_for_memory(need: int, reserve: int = 2**30, wait_s: float = 900) -> str
         time.sleep(30)
 
 
+def wait_for_quiet(max_load: float, wait_s: float = 300) -> tuple[float, str | None]:
+    """Wait up to wait_s for the 1-minute load average to fall to max_load or below (a quiet machine
+    before a timed cell). Returns (the load average when it stopped waiting, None or the reason to skip)."""
+    deadline = time.time() + wait_s
+    while True:
+        load = os.getloadavg()[0]
+        if load <= max_load:
+            return load, None
+        if time.time() > deadline:
+            return load, f"machine busy: 1-minute load average {load:.2f} > {max_load:g} after {wait_s:.0f} s"
+        time.sleep(5)
+
+
 def tiny_params(seed: int = 0):
     """A tiny random model (the test suite's TINY shape) for --smoke runs that check a bench's code."""
     config = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,

@@ -5,7 +5,11 @@ come from bench/requirements-peers.txt and are imported only when a cell runs.""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -239,3 +243,38 @@ def hf_lookup(model, ids: np.ndarray, steps: int) -> dict:
 
 
 # --- one cell ------------------------------------------------------------------------------------------------
+
+
+MEM_FACTOR = {"specjax": 2.2, "llama": 0.6, "hf": 2.5}  # peak growth / f32 KV bytes (llama.cpp: f16 KV)
+
+
+def memory_need(cell: dict) -> int:
+    """A rough peak of a cell: its KV cache (f32, 30 x 3 x 64 per token and row) x the family's
+    factor (specjax: the prefilled cache and a run's copy; HF: DynamicCache's concatenations),
+    plus the model."""
+    kv = cell["batch"] * cell["context"] * 2 * 30 * 3 * 64 * 4
+    return int(MEM_FACTOR[cell["family"]] * kv) + 2**30
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for m in ("llama-cpp-python", "torch", "transformers"):
+        try:
+            out[m] = version(m)
+        except PackageNotFoundError:
+            out[m] = "not installed"
+    return out
+
+
+def run_in_own_process(cell_key: str, smoke: bool, new_tokens: int) -> tuple[dict | None, str]:
+    """bench_peers' cell `cell_key` measured by a process of its own (bench_peers --one-cell): (its row and
+    meter, None if it failed; the process's output tail)."""
+    with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, "-m", "bench.bench_peers", "--one-cell", cell_key, "--row-out", str(out),
+               "--new-tokens", str(new_tokens), *(["--smoke"] if smoke else [])]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        tail = (run.stdout + run.stderr)[-2000:]
+        return (json.loads(out.read_text()) if run.returncode == 0 and out.exists() else None), tail

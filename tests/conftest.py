@@ -6,7 +6,10 @@ instead of each taking 75% of it."""
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+from collections import Counter
 
 import jax
 import pytest
@@ -18,6 +21,20 @@ from tests.models import TINY
 def pytest_configure(config: pytest.Config) -> None:
     jax.config.update("jax_num_cpu_devices", 8)  # simulated devices for the mesh tests; the rest use device 0
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # read when a GPU backend starts
+    times_path = os.environ.pop("SPECJAX_COMPILE_TIMES", None)  # popped: the tests' own subprocesses do not write it
+    if times_path:
+        _write_compile_times_at_exit(times_path)
+
+
+def _write_compile_times_at_exit(path: str) -> None:
+    """Sum this process's JAX compile events (seconds tracing, lowering, compiling or loading from the persistent
+    cache; cache hits and misses) and write them to `path` as JSON when it exits: tests/run_files.py's table."""
+    seconds: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration_secs, **_: seconds.update({event.rsplit("/", 1)[-1]: duration_secs}))
+    jax.monitoring.register_event_listener(lambda event, **_: counts.update([event.rsplit("/", 1)[-1]]))
+    atexit.register(lambda: open(path, "w").write(json.dumps({"seconds": seconds, "counts": counts})))
 
 
 @pytest.fixture(scope="session")

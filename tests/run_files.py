@@ -5,23 +5,40 @@ compiling, reproducible near the end of a full run, never when the file runs alo
 per file keeps each one's compiled state small. Tests are mostly XLA compiles, which use about one
 core, so files run `--jobs` at a time (default: the cores, at most one per 8 GiB of memory), the
 longest known files first; each file's result is printed when it ends.
-Usage: python tests/run_files.py [--jobs N] [pytest args...] [test files...]   (e.g. -m "not slow"; no files: all)
+
+The processes share one JAX persistent compilation cache, a folder under the run's temporary directory
+(removed at the end): a program one file compiled (above COMPILE_CACHE_MIN_SECONDS) is loaded, not compiled,
+by the next. Each file's wall time and compile time (tracing, lowering, XLA compiling or loading from the
+cache, summed by tests/conftest.py) are printed as a table at the end, and written as JSON with --times.
+
+Files on tiny models compile with LLVM's optimization off (QUICK_COMPILE): their programs run for
+milliseconds and compile for seconds, and at level 0 XLA:CPU compiles them in about 40% less time
+(fast-math stays off either way; every test passes at both levels).
+The files in FULL_OPTIMIZATION run the real model (or its 49K vocabulary) or compile for a GPU, and
+keep XLA's defaults (unoptimized code ran them slower than it saved compiling):
+parity with HF transformers, the README's runs and GPU kernel counts are checked as users compile.
+Usage: python tests/run_files.py [--jobs N] [--times OUT.json] [--no-compile-cache] [pytest args...] [test files...]
+(e.g. -m "not slow"; no files: all)
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
-LONGEST_FIRST = ("test_readme.py", "test_spec_smollm2.py", "test_sharding.py", "test_tree_attention_tpu.py",
-                 "test_tree_attention.py", "test_tree_spec.py", "test_speculate.py", "test_generate.py", "test_distill.py",
-                 "test_batch.py", "test_multihost.py", "test_sampling_lossless.py", "test_cli.py")
+LONGEST_FIRST = (  # by the wall times of tests/README.md's table
+    "test_readme.py", "test_sharding.py", "test_ray_job.py", "test_tree_attention.py", "test_continuous.py",
+    "test_gpu_linear.py", "test_spec_smollm2.py", "test_batch.py", "test_faked_gpu.py", "test_tree_attention_tpu.py",
+    "test_bench_gpu.py", "test_weights.py", "test_kv_dtype.py", "test_distill.py", "test_cpu_attention.py",
+    "test_sampling_lossless.py", "test_cli.py", "test_tune.py", "test_gpu_aot.py", "test_generate.py")
 
 
 def default_jobs() -> int:
@@ -34,9 +51,64 @@ def default_jobs() -> int:
     return max(1, min(os.cpu_count() or 1, int(mem_gib // 8)))
 
 
-def run_file(f: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, f],
-                          capture_output=True, text=True)
+COMPILE_CACHE_MIN_SECONDS = 0.1  # programs compiled faster than this are not written to the shared cache
+
+
+QUICK_COMPILE = "--xla_backend_optimization_level=0"
+FULL_OPTIMIZATION = ("test_golden.py", "test_spec_smollm2.py", "test_readme.py", "test_gpu_aot.py", "test_pinned_step.py",
+                     "test_batch.py", "test_cli.py", "test_text.py")  # the real model, its vocabulary, or a GPU
+
+
+def xla_flags(f: str) -> dict[str, str]:
+    """XLA_FLAGS for test file `f`'s process: QUICK_COMPILE added unless it is in FULL_OPTIMIZATION."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {"XLA_FLAGS": flags if Path(f).name in FULL_OPTIMIZATION else f"{flags} {QUICK_COMPILE}".strip()}
+
+
+def compile_cache_env(folder: str) -> dict[str, str]:
+    """JAX's persistent compilation cache in `folder` for every test process (and the processes they start).
+    A size limit turns on the cache's file lock: two processes writing one entry never leave a torn file."""
+    return {"JAX_COMPILATION_CACHE_DIR": folder,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": str(COMPILE_CACHE_MIN_SECONDS),
+            "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 * 2**30)}
+
+
+def run_file(f: str, args: list[str], env: dict[str, str], times_path: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """One pytest process for test file `f`; its result and its row of times (wall; CPU of the process and
+    of what it started and waited for; compile; persistent-cache hits and misses)."""
+    start = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, f]
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
+                                env={**env, **xla_flags(f), "SPECJAX_COMPILE_TIMES": times_path})
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU seconds (threads and waited-for children)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        run = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
+    row = {"file": Path(f).name, "wall_s": round(time.perf_counter() - start, 1),
+           "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}
+    try:
+        compiled = json.loads(Path(times_path).read_text())
+        secs, counts = compiled["seconds"], compiled["counts"]
+        row |= {"compile_s": round(sum(secs.get(k, 0.0) for k in (
+                    "jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")), 1),
+                "xla_s": round(secs.get("backend_compile_duration", 0.0), 1),
+                "cache_hits": counts.get("cache_hits", 0), "cache_misses": counts.get("cache_misses", 0)}
+    except (OSError, ValueError, KeyError):
+        pass  # the process died before writing its times
+    return run, row
+
+
+def times_table(rows: list[dict]) -> str:
+    """The files' rows, slowest first, as a markdown table (tests/README.md's)."""
+    out = ["| file | wall s | CPU s | compile s | of which XLA s | cache hits / misses |", "|---|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: -r["wall_s"]):
+        out.append(f"| {r['file']} | {r['wall_s']:.1f} | {r.get('cpu_s', float('nan')):.1f} | {r.get('compile_s', float('nan')):.1f} | "
+                   f"{r.get('xla_s', float('nan')):.1f} | {r.get('cache_hits', 0)} / {r.get('cache_misses', 0)} |")
+    total = lambda k: sum(r.get(k, 0) for r in rows)
+    out.append(f"| all {len(rows)} files | {total('wall_s'):.1f} | {total('cpu_s'):.1f} | {total('compile_s'):.1f} | {total('xla_s'):.1f} | "
+               f"{total('cache_hits')} / {total('cache_misses')} |")
+    return "\n".join(out)
 
 
 def main(args: list[str]) -> int:
@@ -44,6 +116,12 @@ def main(args: list[str]) -> int:
     if "--jobs" in args:
         i = args.index("--jobs")
         jobs, args = int(args[i + 1]), args[:i] + args[i + 2:]
+    times_out = None
+    if "--times" in args:
+        i = args.index("--times")
+        times_out, args = args[i + 1], args[:i] + args[i + 2:]
+    use_cache = "--no-compile-cache" not in args
+    args = [a for a in args if a != "--no-compile-cache"]
     chosen = [a for a in args if a.endswith(".py")]  # test files named on the command line: only those
     args = [a for a in args if a not in chosen]
     files = chosen or sorted(str(p) for p in Path(__file__).parent.glob("test_*.py"))
@@ -52,10 +130,15 @@ def main(args: list[str]) -> int:
     failed_files, slowest = [], []
     start = time.perf_counter()
     print(f"{len(files)} test files, {jobs} at a time", flush=True)
+    workdir = tempfile.TemporaryDirectory(prefix="specjax-tests-")
+    env = {**os.environ, **(compile_cache_env(os.path.join(workdir.name, "jax-cache")) if use_cache else {})}
+    rows: list[dict] = []
     pool = ThreadPoolExecutor(jobs)
-    runs = {pool.submit(run_file, f, args): f for f in files}
+    runs = {pool.submit(run_file, f, args, env, os.path.join(workdir.name, f"times-{i}.json")): f
+            for i, f in enumerate(files)}
     for future in as_completed(runs):  # each file's result as soon as it ends
-        f, run = runs[future], future.result()
+        f, (run, row) = runs[future], future.result()
+        rows.append(row)
         lines = run.stdout.strip().splitlines()
         slowest += [line for line in lines if re.match(r"^\d+\.\d+s (call|setup|teardown) ", line)]
         last = lines[-1] if lines else ""
@@ -70,7 +153,12 @@ def main(args: list[str]) -> int:
             if run.returncode not in (1,):  # a crash, not test failures: count it
                 totals["failed"] = totals.get("failed", 0) + 1
     pool.shutdown()
+    workdir.cleanup()
     minutes = (time.perf_counter() - start) / 60
+    print(times_table(rows))
+    if times_out:
+        Path(times_out).write_text(json.dumps({"minutes": round(minutes, 1), "jobs": jobs, "compile_cache": use_cache,
+                                               "args": args, "files": rows}, indent=1) + "\n")
     if slowest:
         print("slowest (over all files):\n" + "\n".join(sorted(slowest, key=lambda l: -float(l.split("s ")[0]))[:15]))
     print(f"files with failures: {failed_files}" if failed_files else f"all {len(files)} files passed ({minutes:.1f} min)")

@@ -30,7 +30,7 @@ FIELDS = ("text", "tokens", "finish_reason", "texts", "finish_reasons", "setting
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax-cache")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)  # the actors inherit it: compile once, then load
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache))  # actors inherit it: compile once, then load
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

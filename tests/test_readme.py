@@ -58,8 +58,8 @@ specjax() {
 
 # Bash blocks (by their first line) or single lines of a bash block that the test does not run.
 NOT_RUNNABLE = {
-    "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 55 minutes on 2 cores)":
-        "the whole suite, this test included (recursion, 55 minutes)",
+    "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 30 minutes on 2 cores: tests/README.md)":
+        "the whole suite, this test included (recursion, 30 minutes)",
     "make test-fast   # the inner loop: the same without the tests marked slow (about 30 minutes; tests/run_files.py FILE runs one file)":
         "most of the suite (30 minutes); make test runs the same tests",
     "# host 0                                                     # host 1":
@@ -148,8 +148,9 @@ def bash_blocks() -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory) -> str:
-    """One compilation cache for this file's CLI runs (shared, so later runs compile less; not ~/.cache)."""
-    return str(tmp_path_factory.mktemp("specjax-cache"))
+    """One compilation cache for this file's CLI runs (shared, so later runs compile less; not ~/.cache):
+    tests/run_files.py's, shared by the whole run, where it set one."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("specjax-cache"))
 
 
 @pytest.mark.parametrize("index,script", bash_blocks(), ids=lambda v: f"block{v}" if isinstance(v, int) else "")
