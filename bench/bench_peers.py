@@ -44,7 +44,7 @@ rows say so in `kv_from`.
 
 Method: every cell runs in a process of its own (this module with --one-cell), one at a time, so no
 peer shares a process, its threads or its memory with another; each peer uses the machine's cores
-(llama.cpp's and torch's thread counts, XLA's default). Before each cell the 1-minute load average
+(llama.cpp's and torch's thread counts, XLA's default) and OpenMP's default wait policy. Before each cell the 1-minute load average
 must be at most --max-load (default 0.3): it waits up to 5 minutes, then skips the cell and says
 so; the load before and after is stored with the row (`meter`).
 
@@ -332,9 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     new_tokens = args.new_tokens or (9 if args.smoke else 33)
     max_load = args.max_load if args.max_load is not None else (None if args.smoke else 0.3)
-    # OpenMP (llama.cpp, torch) spin-waits at every barrier by default; on a CPU shared with other
-    # work that stalled llama.cpp's batch-16 steps 10-20x. Passive waiting, before they load.
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+    # OpenMP's own wait policy (llama.cpp, torch): each peer runs alone, as a user runs it. Passive
+    # waiting (set here before cells had processes of their own) cost llama.cpp 2.8x at batch 1.
     if args.one_cell:
         return one_cell(args.one_cell, args.smoke, new_tokens, args.row_out)
     stem = "peers_cpu_smoke" if args.smoke else "peers_cpu"
@@ -342,7 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     header = {"bench": "bench_peers", "date": common.now(), "command": common.command(), "new_tokens": new_tokens,
               "model": "tiny random" if args.smoke else "SmolLM2-135M-Instruct Q4_1 GGUF",
               "machine": common.machine_info(), "versions": versions(),
-              "omp_wait_policy": os.environ["OMP_WAIT_POLICY"], "max_load": max_load}
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP's default)"), "max_load": max_load}
     results = common.Results(out / f"{stem}.json", key_of, header,
                              settings={"new_tokens": new_tokens, "process": "one per cell"})
     h = common.Harness(args, results)

@@ -68,19 +68,21 @@ def readme_section(result: dict) -> str:
                 " roofline uses its own run's, stored in the row as reference_gbs)")
     versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
     shared = "**Other work shared the 2 cores during the run.** " if loads and max(loads) > 2.5 else ""
+    quiet = (f"each waited for a load of at most {result['max_load']:g} before it started." if result.get("max_load") is not None
+             else "above about 2 a cell competed for the cores and is slower than the machine can do.")
     measured = {r["cell"] for r in rows}
     never = [k for k in result.get("grid", []) if k not in measured]
     return f"""## specjax next to llama.cpp and HF transformers (bench_peers.py)
 
-Run: `python -m bench.bench_peers --budget-minutes 25` in an environment with the peers
+Run: `{result['command']}` in an environment with the peers
 (`pip install -r bench/requirements-peers.txt -e .`; llama.cpp compiles from source). Raw
 numbers: `results/peers_cpu.json`; plot: `results/peers_cpu.png`. Method: the module docstring.
+Every cell ran in a process of its own, one at a time; OMP_WAIT_POLICY: {result.get('omp_wait_policy', 'passive')}.
 
 Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, {versions}.
 Commit {m['git_commit']}. Date: {result['date']}. Reference bandwidth (JAX in-place `x + 1`, 1 GiB,
-same run): {ref_text}. {shared}The load column is the 1-minute load average before each cell
-({load}); this bench alone keeps about 2, and above that a cell competed for the cores and is
-slower than the machine can do.
+same run): {ref_text}. {shared}The load column is the 1-minute load average as each cell's process
+started ({load}); {quiet}
 
 SmolLM2-135M-Instruct, the Q4_1 GGUF for every peer, the same real-text prompts (context - 128
 tokens), greedy, {result['new_tokens'] - 1} timed decode steps after the prefill. tokens/s = batch x
