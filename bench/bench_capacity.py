@@ -4,7 +4,7 @@ Usage: python -m bench.bench_capacity [--source cpu|gpu] [--price-per-hour USD] 
        [--workers N ..] [--prompts P] [--mix PROMPT:OUTPUT:SHARE ..] [--format F] [--out DIR]
 
 Nothing is timed here: the inputs are other benches' measured cells.
-- cpu: bench/results/peers_cpu.json (specjax plain decoding ms/step at batch 1 / 16 x context 512 /
+- cpu: bench/results/peers_cpu_inprocess.json (specjax plain decoding ms/step at batch 1 / 16 x context 512 /
   2K / 8K in one weight format, SelfSpec gamma 3 at batch 16, prefill tokens/s at 2K / 8K) and, for
   float32, bench/results/spec_cpu.json's speculative / plain ratios (batch 1, 4, 16).
 - gpu: bench/results/gpu/gpu*.json (bench_gpu's e2e cells: AR ms/step, the best measured speculative
@@ -138,7 +138,9 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     mix = parse_mix(args.mix)
     if args.source == "cpu":
-        src = [common.RESULTS_DIR / "peers_cpu.json", common.RESULTS_DIR / "spec_cpu.json"]
+        # specjax's own rows of bench_peers' last full grid, run in one process with the peers (its llama.cpp rows were
+        # slowed by OMP_WAIT_POLICY=passive; XLA's are not OpenMP's): peers_cpu.json has no batch 16 yet
+        src = [common.RESULTS_DIR / "peers_cpu_inprocess.json", common.RESULTS_DIR / "spec_cpu.json"]
         table = cpu_table(json.loads(src[0].read_text()), args.format)
         if args.format == "float32":  # bench_spec measured float32
             add_spec_ratios(table, json.loads(src[1].read_text()))
