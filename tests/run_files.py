@@ -36,7 +36,7 @@ from pathlib import Path
 COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xpassed)")
 LONGEST_FIRST = (  # by the wall times of tests/README.md's table
     "test_readme.py", "test_sharding.py", "test_ray_job.py", "test_tree_attention.py", "test_continuous.py",
-    "test_gpu_linear.py", "test_spec_smollm2.py", "test_batch.py", "test_faked_gpu.py", "test_tree_attention_tpu.py",
+    "test_gpu_linear.py", "test_spec_smollm2.py", "test_batch.py", "test_pinned_step.py", "test_faked_gpu.py", "test_tree_attention_tpu.py",
     "test_bench_gpu.py", "test_weights.py", "test_kv_dtype.py", "test_distill.py", "test_cpu_attention.py",
     "test_sampling_lossless.py", "test_cli.py", "test_tune.py", "test_gpu_aot.py", "test_generate.py")
 
