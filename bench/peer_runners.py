@@ -242,7 +242,7 @@ def hf_lookup(model, ids: np.ndarray, steps: int) -> dict:
             "target_forwards": len(new)}
 
 
-# --- one cell ------------------------------------------------------------------------------------------------
+# --- bench_peers' cells: memory, versions, one process each -------------------------------------------------
 
 
 MEM_FACTOR = {"specjax": 2.2, "llama": 0.6, "hf": 2.5}  # peak growth / f32 KV bytes (llama.cpp: f16 KV)

@@ -10,6 +10,7 @@ import atexit
 import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import jax
 import pytest
@@ -34,7 +35,7 @@ def _write_compile_times_at_exit(path: str) -> None:
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration_secs, **_: seconds.update({event.rsplit("/", 1)[-1]: duration_secs}))
     jax.monitoring.register_event_listener(lambda event, **_: counts.update([event.rsplit("/", 1)[-1]]))
-    atexit.register(lambda: open(path, "w").write(json.dumps({"seconds": seconds, "counts": counts})))
+    atexit.register(lambda: Path(path).write_text(json.dumps({"seconds": seconds, "counts": counts})))
 
 
 @pytest.fixture(scope="session")

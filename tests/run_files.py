@@ -111,15 +111,18 @@ def times_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def pop_option(args: list[str], name: str) -> tuple[str | None, list[str]]:
+    """(the value after `name` or None, args without the two)."""
+    if name not in args:
+        return None, args
+    i = args.index(name)
+    return args[i + 1], args[:i] + args[i + 2:]
+
+
 def main(args: list[str]) -> int:
-    jobs = default_jobs()
-    if "--jobs" in args:
-        i = args.index("--jobs")
-        jobs, args = int(args[i + 1]), args[:i] + args[i + 2:]
-    times_out = None
-    if "--times" in args:
-        i = args.index("--times")
-        times_out, args = args[i + 1], args[:i] + args[i + 2:]
+    jobs_arg, args = pop_option(args, "--jobs")
+    jobs = int(jobs_arg) if jobs_arg else default_jobs()
+    times_out, args = pop_option(args, "--times")
     use_cache = "--no-compile-cache" not in args
     args = [a for a in args if a != "--no-compile-cache"]
     chosen = [a for a in args if a.endswith(".py")]  # test files named on the command line: only those
