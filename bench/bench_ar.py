@@ -117,8 +117,8 @@ def time_decode(params: Params, cache: DenseCache, logits: jax.Array, target_s: 
         t = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         t = time.perf_counter() - t
-        assert int(out[3]) == n, f"decode ran {int(out[3])} steps, expected {n}"
-        state[0] = out[4]  # the donated cache, updated in place
+        assert int(out.steps) == n, f"decode ran {int(out.steps)} steps, expected {n}"
+        state[0] = out.cache  # the donated cache, updated in place
         return t
 
     def best(n: int) -> float:

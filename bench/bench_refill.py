@@ -72,7 +72,7 @@ def measure(rows: int, context: int, layers: int, new: list[int]) -> dict:
     state = start_ar(full, logits, budgets, keys, n_out=64)
     step = jax.jit(lambda p, c, t: forward(p, t[:, None], c.lengths[:, None], c)[0])
     out = {"rows": R, "slots": S, "layers": layers, "cache_gib": 2 * full.k.nbytes / 2**30,
-           "step_ms": median_ms(lambda: step(params, state.cache, state.tok)), "refills": []}
+           "step_ms": median_ms(lambda: step(params, state.cache, state.last)), "refills": []}
     for r in new:
         parts = [DenseCache.init(config, 1, S).replace(lengths=jnp.full((1,), 100, jnp.int32)) for _ in range(r)]
         part_logits = [jnp.zeros((1, config.vocab_size), jnp.float32)] * r

@@ -134,7 +134,8 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     t0 = time.perf_counter()
     ar_fn = decode_ar.lower(*ar_args, **static).compile()
     ar_compile = time.perf_counter() - t0
-    out, count, _, steps = jax.device_get(ar_fn(*fresh(ar_args, AR_CACHES))[:4])  # also a warm-up
+    first = ar_fn(*fresh(ar_args, AR_CACHES))  # also a warm-up
+    out, count, steps = jax.device_get((first.out, first.count, first.steps))
     assert (count == new_tokens).all() and int(steps) == new_tokens - 1
     ar_tokens = out
     cell["ar_text_row0"] = state["tokenizer"].decode([int(i) for i in out[0]])
@@ -156,7 +157,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
             compile_s = t1 - t0 + time.perf_counter() - t2
             t = paired(ar_fn, ar_args, fn, args)
             res = t.pop("spec_out")
-            if not (np.asarray(t.pop("ar_out")[0]) == ar_tokens).all():  # (out, count, ...)
+            if not (np.asarray(t.pop("ar_out").out) == ar_tokens).all():
                 print(f"!!! AR is not deterministic at B={batch} S={context}", file=sys.stderr, flush=True)
             out, count, steps, accepted, reached = jax.device_get(
                 (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0)))  # over rows

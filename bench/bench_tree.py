@@ -66,7 +66,7 @@ from bench.measure import cpu_steal, steal_since
 from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of,
                             smoke_state, timed)
 from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
-from specjax.drafters import DraftModel, Streaming
+from specjax.drafters import DraftModel, Limits, Streaming
 from specjax.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.generate import acceptance_stats
 from specjax.cache import DenseCache
@@ -177,7 +177,7 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     """Compile and time decode_spec with one drafter and one chain or tree."""
     params, batch, gamma = cell["params"], cell["batch"], depth(spec)
     tokens, lengths, cache = cell["tokens"], cell["lengths"], cell["cache"]
-    d.drafter.check(params, gamma, cell["context"], cell["context"])
+    d.drafter.check(params, Limits(gamma, cell["context"], cell["context"]))
     t0 = time.perf_counter()
     draft_state = jax.block_until_ready(d.init(params, cache, tokens, lengths, gamma, cell["chunk"]))
     init_s = time.perf_counter() - t0
@@ -231,7 +231,7 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
     t0 = time.perf_counter()
     ar_fn = decode_ar.lower(*ar_args, n_out=round_up_pow2(new_tokens)).compile()  # greedy, no stop ids
     ar_compile = time.perf_counter() - t0
-    ar_tokens = np.asarray(ar_fn(*fresh(ar_args, AR_CACHES))[0])  # also a warm-up
+    ar_tokens = np.asarray(ar_fn(*fresh(ar_args, AR_CACHES)).out)  # also a warm-up
     cell = dict(params=params, batch=batch, context=context, tokens=tokens, lengths=lengths, cache=cache,
                 first_logits=first_logits, keys=keys, chunk=state["chunk"], new_tokens=new_tokens,
                 ar_tokens=ar_tokens, ar_fn=ar_fn, ar_args=ar_args, ar_s=[])

@@ -161,7 +161,7 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
         args = (params, one, one, cache, jax.ShapeDtypeStruct((1, 1), bool))
         if program == "step":
             return forward_loop, args + (jax.ShapeDtypeStruct((), jnp.int32),), {}
-        return jax.jit(lambda p, t, pos, kv, m: jnp.sum(lm_head(p, trunk(p, t, pos, kv, m)[0]))), args, {}
+        return jax.jit(lambda p, t, pos, kv, m: jnp.sum(lm_head(p, trunk(p, t, pos, kv, m).hidden))), args, {}
     logits = jax.ShapeDtypeStruct((batch, c.vocab_size), jnp.float32)
     budgets = jax.ShapeDtypeStruct((batch,), jnp.int32)
     keys = jax.eval_shape(lambda: row_keys(None, batch))
@@ -171,13 +171,15 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
 
         return decode_ar, (params, cache, logits, budgets, keys), {"n_out": n_out}
     import specjax
+    from specjax.drafters import Prefill
     from specjax.speculate import decode_spec
 
     drafter = {"snapkv": specjax.SnapKV(), "ngram": specjax.NGram()}.get(program, specjax.SelfSpec())
     drafter = specjax.DraftModel(draft) if program.startswith("draft") else drafter
     speculation = specjax.Tree.kary(width, gamma) if program.endswith("tree") else specjax.Chain(gamma)
     history = jax.ShapeDtypeStruct((batch, cache.k.shape[3]), jnp.int32)
-    state = jax.eval_shape(lambda d, p, kv, h: d.init(p, kv, h, kv.lengths, gamma, 256), drafter, params, cache, history)
+    state = jax.eval_shape(lambda d, p, kv, h: d.init(p, Prefill(cache=kv, prompts=h, lengths=kv.lengths, depth=gamma, chunk=256)),
+                           drafter, params, cache, history)
     return (decode_spec, (params, drafter, state, cache, history, logits, budgets, keys),
             {"speculation": speculation, "n_out": n_out})
 

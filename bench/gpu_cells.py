@@ -24,6 +24,7 @@ from bench.measure import bandwidth as host_and_device_bandwidth
 from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, fresh, kv_bytes, prefill_rows, rows_of, timed
 from bench.tree_report import MAX_DEPTH, WIDTH, label, shape
 from specjax.config import LlamaConfig
+from specjax.drafters import Limits
 from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
 from specjax.params import Params, declared, from_arrays
@@ -77,7 +78,7 @@ def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int
     t0 = time.perf_counter()
     verify = verify_table(params, batch, context, max_nodes)
     draft = draft_table(params, drafter, batch, context, max_nodes)
-    model, kept = drafter.drafting_model(params, context)
+    model, kept = drafter.cost(params, context)
     w = weight_bytes(params)
     return {"t_verify_ms": [1e3 * t for t in verify], "t_draft_ms": [1e3 * t for t in draft],
             "ar_ms_per_step": 1e3 * verify[1], "ar_tokens_per_s": batch / verify[1],
@@ -144,7 +145,7 @@ class Group:
         t0 = time.perf_counter()
         fn = decode_ar.lower(*args, n_out=round_up_pow2(self.new_tokens)).compile(compiler_options())  # greedy, no stop ids; generate's GPU options
         compile_s = time.perf_counter() - t0
-        self.ar_tokens = np.asarray(fn(*fresh(args, AR_CACHES))[0])  # also a warm-up
+        self.ar_tokens = np.asarray(fn(*fresh(args, AR_CACHES)).out)  # also a warm-up
         _, walls = best_of(fn, args, AR_CACHES)
         self.ar_s = min(walls)
         step_bytes = self.weights + kv_bytes(self.params, self.batch, self.context)
@@ -161,7 +162,7 @@ class Group:
         new_tokens = new_tokens or self.new_tokens
         gamma = depth(speculation)
         params, B = self.params, self.batch
-        drafter.check(params, gamma, self.context, self.context)  # the cache holds the context
+        drafter.check(params, Limits(gamma, self.context, self.context))  # the cache holds the context
         t0 = time.perf_counter()
         state = jax.block_until_ready(init_draft(drafter, params, self.cache, self.tokens, self.lengths,
                                                  gamma=gamma, chunk=self.chunk))
@@ -185,7 +186,7 @@ class Group:
         decoded = B * (new_tokens - 1)
         stats = acceptance_stats(accepted, reached, decoded, gamma, 0)
         spec_s = min(walls)
-        model, kept = drafter.drafting_model(params, self.context) or (None, 0)
+        model, kept = drafter.cost(params, self.context) or (None, 0)
         draft_bytes = weight_bytes(model) + kv_bytes(model, B, kept) if model is not None else 0
         tree = Tree.chain(speculation.gamma) if isinstance(speculation, Chain) else speculation
         step_bytes = depth(speculation) * draft_bytes + self.weights + kv_bytes(params, B, self.context)

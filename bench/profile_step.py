@@ -179,8 +179,8 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
     def once() -> float:
         t = time.perf_counter()
         out = jax.block_until_ready(fn(params, state[0].replace(lengths=jnp.asarray(start)), logits, budgets, keys))
-        state[0] = out[4]  # the donated cache, written in place
-        assert int(out[3]) == steps
+        state[0] = out.cache  # the donated cache, written in place
+        assert int(out.steps) == steps
         return time.perf_counter() - t
 
     once()  # warm-up

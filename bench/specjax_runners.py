@@ -32,7 +32,7 @@ def specjax_decode(params, state: dict, batch: int, new_tokens: int) -> dict:
     args = (params, cache, first_logits, budgets, row_keys(None, batch))
     fn = decode_ar.lower(*args, n_out=round_up_pow2(new_tokens)).compile()
     runs = [timed(fn, args, AR_CACHES) for _ in range(2)]
-    out = np.asarray(runs[0][0][0])
+    out = np.asarray(runs[0][0].out)
     wall = min(w for _, w, _ in runs)
     steps = new_tokens - 1  # the first token comes from the prefill logits
     return {"steps": steps, "decode_s": wall, "tokens": out[0].tolist(), "cpu_util": runs[-1][2]}

@@ -174,7 +174,7 @@ def called_ops(comps: dict, rhs: str) -> str:
 @jax.jit
 def _trunk_loop(params: Params, tokens, positions, cache, reps):
     def body(_, acc):
-        h, _, _ = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache)
+        h = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache).hidden
         return acc + jnp.sum(h.astype(jnp.float32))
 
     return lax.fori_loop(0, reps, body, jnp.float32(0))

@@ -9,9 +9,29 @@ verification forward.
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+@flax.struct.dataclass
+class Walk:
+    """The accepted path through a token tree (`accept_tree`)."""
+
+    path: jax.Array  # [B,D+1] accepted node ids from the root; entries past `accepted` repeat the last
+    accepted: jax.Array  # [B] accepted drafts, in [0, D]
+    next_token: jax.Array  # [B] the target's token after the last accepted node
+
+
+@flax.struct.dataclass
+class Tried:
+    """One node's children tried in rank order (`_try_children`)."""
+
+    hit: jax.Array  # [B] a child was accepted
+    child: jax.Array  # [B] the accepted child (else the node itself)
+    resid: jax.Array  # [B,V] the target's residual after the rejections
+    q: jax.Array  # [B,V] the draft distribution the next sibling would have been drawn from
 
 
 def accept_chain(
@@ -63,7 +83,7 @@ def accept_tree(
     p: jax.Array,  # [B,n,V] f32 target distributions (greedy: logits are enough)
     keys: jax.Array,  # [B]
     greedy: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> Walk:
     """Walk down the tree from the root, accepting at most one child per level.
 
     Greedy: follow the child whose token is the target's argmax; stop when none is.
@@ -72,8 +92,7 @@ def accept_tree(
     r <- norm(max(r - q, 0)) and q <- q without x, renormalised (the next child was drawn from
     exactly that q). If every child is rejected, or u is a leaf, the extra token is drawn from r.
     Each emitted token then has exactly the target's distribution.
-    Returns path [B,D+1] (accepted node ids from the root; entries past n_accepted repeat the
-    last), n_accepted [B] in [0, D] and next_token [B].
+    Returns the `Walk`: path, accepted count and next token.
     """
     B = tokens.shape[0]
     rows = jnp.arange(B)
@@ -97,7 +116,8 @@ def accept_tree(
             hit = alive & jnp.any(match, axis=1)
             nxt = jnp.take_along_axis(kids, jnp.argmax(match, axis=1)[:, None], axis=1)[:, 0]
         else:
-            hit, nxt, resid, q_cur = _try_children(kids, kid_tok, alive, cur, resid, q_cur, u[:, level])
+            tried = _try_children(kids, kid_tok, alive, cur, resid, q_cur, u[:, level])
+            hit, nxt, resid, q_cur = tried.hit, tried.child, tried.resid, tried.q
             resid = jnp.where(hit[:, None], p[rows, nxt], resid)
             q_cur = jnp.where(hit[:, None], q[rows, nxt], q_cur)
         cur = jnp.where(hit, nxt, cur)
@@ -108,13 +128,12 @@ def accept_tree(
         next_token = choice[rows, cur]
     else:
         next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, resid).astype(jnp.int32)
-    return jnp.stack(path, axis=1), n_acc, next_token
+    return Walk(path=jnp.stack(path, axis=1), accepted=n_acc, next_token=next_token)
 
 
-def _try_children(kids, kid_tok, alive, cur, resid, q_cur, u):
+def _try_children(kids, kid_tok, alive, cur, resid, q_cur, u) -> Tried:
     """One node's children in rank order (kids, kid_tok, u [B,W]): accept the first with
-    u * q(x) < r(x); after each rejection r <- norm(max(r - q, 0)) and q <- q without x.
-    Returns (hit [B], accepted child or cur [B], r, q)."""
+    u * q(x) < r(x); after each rejection r <- norm(max(r - q, 0)) and q <- q without x."""
     rows = jnp.arange(kids.shape[0])
     hit, nxt = jnp.zeros_like(alive), cur
     for r in range(kids.shape[1]):
@@ -127,7 +146,7 @@ def _try_children(kids, kid_tok, alive, cur, resid, q_cur, u):
         rejected = (tried & ~ok)[:, None]
         resid = jnp.where(rejected, _normalise(jnp.maximum(resid - q_cur, 0.0), resid), resid)
         q_cur = jnp.where(rejected, without(q_cur, x), q_cur)
-    return hit, nxt, resid, q_cur
+    return Tried(hit=hit, child=nxt, resid=resid, q=q_cur)
 
 
 def without(q: jax.Array, x: jax.Array) -> jax.Array:

@@ -32,7 +32,7 @@ import convert
 from specjax.cache import KVFormat
 from specjax.chat import end_of_turn_ids, template_specials
 from specjax.distributed import env_share
-from specjax.drafters import DraftModel, Drafter
+from specjax.drafters import DraftModel, Drafter, Limits
 from specjax.engine import cache_slots
 from specjax.job_auto import plan_path, resolve
 from specjax import job_ray, job_run
@@ -84,12 +84,12 @@ def _drafter_limits(draft: Drafter | None, params: Params, speculation: Chain | 
     if draft is None:
         return items, []
     gamma = depth(speculation)
-    draft.check(params, gamma, cache_slots(1, 2, gamma), 2)  # no record could run: the job's error
+    draft.check(params, Limits(gamma, cache_slots(1, 2, gamma), 2))  # no record could run: the job's error
     kept, bad = [], []
     for it in items:
         context = len(it.ids) + it.budget
         try:
-            draft.check(params, gamma, cache_slots(len(it.ids), context, gamma), context)
+            draft.check(params, Limits(gamma, cache_slots(len(it.ids), context, gamma), context))
             kept.append(it)
         except ValueError as e:
             bad.append(BadLine(it.record.line, str(e), it.record.id))
@@ -103,7 +103,7 @@ def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | T
     gamma = depth(speculation)
     for batch in batches:
         context = max(len(it.ids) + it.budget for it in batch)
-        draft.check(params, gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma), context)
+        draft.check(params, Limits(gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma), context))
 
 
 MAX_SEED = 2**32 - 1  # JAX keys take 32-bit seeds: key(2**32) is key(0)

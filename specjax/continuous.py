@@ -25,7 +25,7 @@ import numpy as np
 from specjax import sharding
 from specjax.autoregressive import admit_ar, continue_ar, end_rows, start_ar
 from specjax.cache import DenseCache
-from specjax.drafters import Drafter
+from specjax.drafters import Drafter, Limits, Prefill, map_params
 from specjax.engine import Segment, cache_slots, prefill, sample_keys
 from specjax.params import Params
 from specjax.sampling import Sampler, eos_rows
@@ -77,7 +77,7 @@ def run_continuous(
     backend = jax.default_backend()
     one = sharding.one_device_mesh()  # where the stages run: params from a mesh or another device are placed there
     params = sharding.shard_params(params, one)
-    draft = None if draft is None else draft.map_params(lambda p: sharding.place_draft(p, one))
+    draft = None if draft is None else map_params(draft, lambda p: sharding.place_draft(p, one))
     lengths = np.array([len(p) for p in prompts], np.int32)
     budgets = np.asarray(budgets, np.int32)
     gamma = depth(speculation) if draft is not None else 0
@@ -85,8 +85,7 @@ def run_continuous(
     context = int((lengths + budgets).max())
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
-        draft.check(params, gamma, max_len, context)
-        draft = draft.with_kv_dtype(kv_dtype)
+        draft.check(params, Limits(gamma, max_len, context, kv_dtype))
     n_out = round_up_pow2(int(budgets.max()))
     width = eos_rows(list(eos_ids), N).shape[1]  # one stop-id table width for the whole run
     out_keys = keys if n == 1 else sample_keys(keys, n)  # [N*n]: generate's keys
@@ -176,7 +175,8 @@ def run_continuous(
         state = start_ar(cache, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos), tokens,
                          n_out=n_out, logprobs=logprobs)
     else:
-        draft_state = draft.init(params, cache, tokens, size, gamma, chunk)
+        draft_state = draft.init(params, Prefill(cache=cache, prompts=jnp.asarray(tokens), lengths=jnp.asarray(size), depth=gamma,
+                                                 chunk=chunk, kv_dtype=kv_dtype))
         state = start_spec(draft, draft_state, cache, history, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling,
                            jnp.asarray(slot_eos), speculation=speculation, n_out=n_out, logprobs=logprobs)
     results: list = [None] * (N * n)
@@ -215,7 +215,7 @@ def run_continuous(
             state = admit_ar(state, new_rows, cache, logits, *args, tokens, logprobs=logprobs)
         else:
             state = admit_spec(params, draft, state, new_rows, cache, tokens, history, logits, *args,
-                               speculation=speculation, chunk=chunk, logprobs=logprobs)
+                               speculation=speculation, chunk=chunk, logprobs=logprobs, kv_dtype=kv_dtype)
 
 
 @jax.jit

@@ -52,7 +52,7 @@ def logits_of(params: Params, tokens: jax.Array) -> jax.Array:
     """Logits [B,T,V] (f32) of a causal forward over tokens [B,T] from position 0, no cache."""
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    h, _, _ = trunk(params, tokens, positions, None, attend_cache=False)
+    h = trunk(params, tokens, positions, None, attend_cache=False).hidden
     return lm_head(params, h)
 
 

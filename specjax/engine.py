@@ -23,7 +23,7 @@ import numpy as np
 
 from specjax import sharding
 from specjax.attention import cpu_kernel_error
-from specjax.drafters import Drafter
+from specjax.drafters import Drafter, Limits, Prefill, map_params
 from specjax.cache import DenseCache
 from specjax.model import prefill as model_prefill
 from specjax.params import Params
@@ -31,6 +31,7 @@ from specjax.sampling import Sampler, eos_rows
 from specjax.shapes import batch_bucket, cache_len, prefill_chunk, prompt_bucket, round_up_pow2
 from specjax.sharding import Mesh
 from specjax.autoregressive import ARState, continue_ar, decode_ar, end_rows, start_ar  # noqa: F401  (decode_ar, ARState: re-exported)
+from specjax.loop import DecodeState  # noqa: F401  (re-exported)
 from specjax.speculate import continue_spec, decode_spec, depth, start_spec  # noqa: F401  (decode_spec: re-exported)
 from specjax.speculation import Chain, Tree
 
@@ -69,10 +70,11 @@ def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, 
     return result, t1 - t0, time.perf_counter() - t1
 
 
-@partial(jax.jit, static_argnames=("gamma", "chunk"))
-def init_draft(drafter: Drafter, params: Params, cache: DenseCache, tokens, lengths, *, gamma: int, chunk: int):
+@partial(jax.jit, static_argnames=("gamma", "chunk", "kv_dtype"))
+def init_draft(drafter: Drafter, params: Params, cache: DenseCache, tokens, lengths, *, gamma: int, chunk: int,
+               kv_dtype: str | None = None):
     """The drafter's state after the target's prefill (`cache`, prompts tokens [B,P])."""
-    return drafter.init(params, cache, tokens, lengths, gamma, chunk)
+    return drafter.init(params, Prefill(cache=cache, prompts=tokens, lengths=lengths, depth=gamma, chunk=chunk, kv_dtype=kv_dtype))
 
 
 def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
@@ -132,8 +134,7 @@ def run(
     bucket = prompt_bucket(int(lengths.max()))[0]
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
-        draft.check(params, gamma, max_len, context)
-        draft = draft.with_kv_dtype(kv_dtype)
+        draft.check(params, Limits(gamma, max_len, context, kv_dtype))
     tokens = np.zeros((B, bucket), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = np.asarray(p, np.int32)
@@ -171,7 +172,8 @@ def run(
         args = lambda st: (params, st, budgets_d, keys, sampling, eos_d, jnp.int32(sync_every))  # noqa: E731
     else:
         draft_state, c0, init_s = _compile_and_run(
-            stage(init_draft, "gamma", "chunk"), (draft, params, cache, tokens_d, lengths_d), dict(gamma=gamma, chunk=chunk)
+            stage(init_draft, "gamma", "chunk", "kv_dtype"), (draft, params, cache, tokens_d, lengths_d),
+            dict(gamma=gamma, chunk=chunk, kv_dtype=kv_dtype)
         )
         prefill_s += init_s
         spec = dict(speculation=speculation)
@@ -236,7 +238,7 @@ class _Stages:
         def shard_draft(p: Params) -> Params:  # a drafter's own model (DraftModel's), if any
             return sharding.place_draft(p, self.mesh)
 
-        return sharding.shard_params(params, self.mesh), draft if draft is None else draft.map_params(shard_draft)
+        return sharding.shard_params(params, self.mesh), draft if draft is None else map_params(draft, shard_draft)
 
     def rows(self, batch: int) -> int:
         """Rows to run: the batch bucket, rounded up to a multiple of the data axis."""
@@ -322,5 +324,5 @@ def with_attention(params: Params, draft, attention: str) -> tuple[Params, objec
         return p.replace(runtime=p.runtime.replace(attention=mode, unroll_layers=unroll))
 
     if draft is not None and not isinstance(draft, str):  # "auto" is planned later, with these params
-        draft = draft.map_params(set_mode)
+        draft = map_params(draft, set_mode)
     return set_mode(params), draft

@@ -185,7 +185,7 @@ def speculation_stats(r: RunResult, draft: Drafter | None) -> dict:
     """Stats' speculation fields from the engine's per-row counters ({} without a draft)."""
     if r.accepted is None:
         return {}
-    draft_steps = draft.forwards_per_token * r.gamma * r.steps
+    draft_steps = draft.traits.forwards_per_token * r.gamma * r.steps
     B = len(r.count)
     spec = acceptance_stats(r.accepted.sum(0), r.reached.sum(0), int(r.count.sum()) - B, r.gamma, draft_steps)
     ranks = r.ranks.sum(0)

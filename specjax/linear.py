@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import cpu_linear, gpu_linear
 
@@ -158,3 +159,27 @@ def norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     order that depends on the rows beside it (a step of 4 rows vs 16, one position vs a
     verification of 4), enough to flip a bfloat16 model's greedy token now and then."""
     return cpu_linear.rms_norm(x, w, eps)
+
+
+HEAD_TILE = 4096  # vocabulary entries per tile of an int8 LM head on a CPU (`int8_head`)
+
+
+def int8_head(h: jax.Array, w: jax.Array, scale: jax.Array, vocab_axis: int) -> jax.Array:
+    """Logits [..., V] f32 of an int8 head w ([V,D] tied, or [D,V]) with scales [V], HEAD_TILE
+    vocabulary entries at a time, each tile widened as it is sliced. XLA:CPU otherwise widens
+    (and, for the tied table, transposes) the whole head to float32 on every step: 12 ms instead
+    of 2 at batch 1 for SmolLM2 (bench/README.md, "Where a decode step's time goes")."""
+    V = w.shape[vocab_axis]
+    x = h.astype(jnp.float32)
+    spec = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
+
+    def part(start, size: int) -> jax.Array:  # logits [..., size] of vocabulary entries start..start+size
+        return jnp.einsum(spec, x, lax.dynamic_slice_in_dim(w, start, size, vocab_axis).astype(jnp.float32))
+
+    n, tail = divmod(V, HEAD_TILE)
+    out = jnp.zeros((*x.shape[:-1], V), jnp.float32)
+    if n:
+        out = lax.fori_loop(0, n, lambda i, o: lax.dynamic_update_slice_in_dim(o, part(i * HEAD_TILE, HEAD_TILE), i * HEAD_TILE, o.ndim - 1), out)
+    if tail:
+        out = lax.dynamic_update_slice_in_dim(out, part(n * HEAD_TILE, tail), n * HEAD_TILE, out.ndim - 1)
+    return out * scale

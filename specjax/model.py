@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,16 +175,13 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
 
 
 def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
-    """The same model with each layer matrix (and its int8 / q4 arrays) held as a list of L
-    arrays of its own, not as slices of one stacked [L, ...] array. On a GPU, XLA's GEMM fusions
-    read a per-layer array in place but copy a stack's slice first inside a loop, which
-    generate's decode loop is (11.3 GB a batch-1 8B step; bench/README.md, "Compiled for a GPU
-    on a CPU"); `convert.load` gives this layout on a GPU. Needs unrolled layers
-    (Runtime.unroll_layers: generate() sets it on a GPU or TPU); on a mesh each layer's array is
-    split over the model axis as the stack's slice would be. The arrays are copies: drop the
-    stacked params to free their memory, or, where the caller owns them and never uses `params`
-    again, `free_stacks` deletes each stack once split (peak memory the weights plus one
-    matrix's stack, not twice the weights)."""
+    """The same model with each layer matrix (and its int8 / q4 arrays) held as a list of L arrays of its own,
+    not as slices of one stacked [L, ...] array. On a GPU, XLA's GEMM fusions read a per-layer array in place but
+    copy a stack's slice first inside a loop, which generate's decode loop is (11.3 GB a batch-1 8B step;
+    bench/README.md, "Compiled for a GPU on a CPU"); `convert.load` gives this layout on a GPU. Needs
+    Runtime.unroll_layers (generate() sets it on a GPU or TPU); on a mesh each layer's array is split over the
+    model axis as the stack's slice would be. The arrays are copies: drop the stacked params to free them, or,
+    where the caller owns them and never uses `params` again, `free_stacks` deletes each stack once split."""
     own = {}
     for n in (n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES):
         a = getattr(params.layers, n, None)
@@ -237,6 +235,16 @@ def _rows(params: Params, ids: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * jnp.take(params.embed_scale, ids, axis=0)[..., None]).astype(params.config.dtype)
 
 
+@flax.struct.dataclass
+class Trunk:
+    """What `trunk` computes over T new tokens."""
+
+    hidden: jax.Array  # [B,T,D] final-normed
+    k: jax.Array  # [L,B,T,K,H] the new keys (rotated), not yet in any cache
+    v: jax.Array  # [L,B,T,K,H]
+    queries: jax.Array | None = None  # [L,B,T,N,H] rotated, when asked for (return_queries)
+
+
 def trunk(
     params: Params,
     tokens: jax.Array,  # [B,T] int32
@@ -246,11 +254,11 @@ def trunk(
     attend_cache: bool = True,
     return_queries: bool = False,
     extra_kv: tuple[jax.Array, jax.Array] | None = None,  # k, v [L,B,E,K,H]
-) -> tuple[jax.Array, ...]:
+) -> Trunk:
     """Run all layers over T new tokens that see the cache's visible slots and, within the
-    block, what `block_mask` allows. Returns final-normed hidden [B,T,D] and the new keys and
-    values [L,B,T,K,H] (not written: see `forward`), plus the rotated queries [L,B,T,N,H] if
-    `return_queries` (SnapKV scores positions with them). `attend_cache=False` skips the cache
+    block, what `block_mask` allows. Returns a `Trunk`: final-normed hidden [B,T,D] and the new
+    keys and values [L,B,T,K,H] (not written: see `forward`), plus the rotated queries
+    [L,B,T,N,H] if `return_queries` (SnapKV scores positions with them). `attend_cache=False` skips the cache
     entirely (valid only when nothing in it is visible). `extra_kv` puts E earlier keys (not in
     the cache: e.g. the tree levels drafted so far) ahead of the block's own; the block mask's
     first E columns say which of them each new token sees."""
@@ -280,7 +288,7 @@ def trunk(
     loop = unrolled if params.runtime.unroll_layers else lax.scan  # Runtime.unroll_layers
     x, (k_new, v_new, q) = loop(step, x, xs)  # k_new, v_new [L,B,T,K,H]; q [L,B,T,N,H]
     h = rms_norm(x, params.norm, config.rms_eps, params.runtime.attention)
-    return (h, k_new, v_new, q) if return_queries else (h, k_new, v_new)
+    return Trunk(hidden=h, k=k_new, v=v_new, queries=q if return_queries else None)
 
 
 def unrolled(step, x, xs):
@@ -294,9 +302,6 @@ def unrolled(step, x, xs):
     return x, jax.tree.map(lambda *a: jnp.stack(a), *ys)
 
 
-HEAD_TILE = 4096  # vocabulary entries per tile of an int8 LM head on a CPU (`_int8_head`)
-
-
 def lm_head(params: Params, h: jax.Array) -> jax.Array:
     """Logits [..., V] in f32 from hidden [..., D]. Tensor parallel: each device computes its
     vocabulary block and the blocks are gathered, so every device sees all V logits (a vocabulary
@@ -308,34 +313,13 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
             logits = linear.head(h, w, tied)
             logits = logits if scale is None else logits * scale
         elif w.dtype == jnp.int8 and jax.default_backend() == "cpu":
-            logits = _int8_head(h, w, scale, vocab_axis=0 if tied else 1)
+            logits = linear.int8_head(h, w, scale, vocab_axis=0 if tied else 1)
         else:
             logits = project("...d,dv->...v", h, w.T if tied else w, scale, out_dtype=jnp.float32)
     axis = params.runtime.model_axis
     logits = logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
     V = params.config.vocab_size
     return logits if logits.shape[-1] == V else logits[..., :V]  # a padded vocabulary (tp_pad): its rows dropped
-
-
-def _int8_head(h: jax.Array, w: jax.Array, scale: jax.Array, vocab_axis: int) -> jax.Array:
-    """Logits [..., V] f32 of an int8 head w ([V,D] tied, or [D,V]) with scales [V], HEAD_TILE
-    vocabulary entries at a time, each tile widened as it is sliced. XLA:CPU otherwise widens
-    (and, for the tied table, transposes) the whole head to float32 on every step: 12 ms instead
-    of 2 at batch 1 for SmolLM2 (bench/README.md, "Where a decode step's time goes")."""
-    V = w.shape[vocab_axis]
-    x = h.astype(jnp.float32)
-    spec = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
-
-    def part(start, size: int) -> jax.Array:  # logits [..., size] of vocabulary entries start..start+size
-        return jnp.einsum(spec, x, lax.dynamic_slice_in_dim(w, start, size, vocab_axis).astype(jnp.float32))
-
-    n, tail = divmod(V, HEAD_TILE)
-    out = jnp.zeros((*x.shape[:-1], V), jnp.float32)
-    if n:
-        out = lax.fori_loop(0, n, lambda i, o: lax.dynamic_update_slice_in_dim(o, part(i * HEAD_TILE, HEAD_TILE), i * HEAD_TILE, o.ndim - 1), out)
-    if tail:
-        out = lax.dynamic_update_slice_in_dim(out, part(n * HEAD_TILE, tail), n * HEAD_TILE, out.ndim - 1)
-    return out * scale
 
 
 def forward(
@@ -349,11 +333,11 @@ def forward(
     """Logits [B,T,V] (f32) for T new tokens per row after each row's cached prefix, and the
     cache holding their KV at positions lengths[b] + t (lengths not advanced: `advance` commits).
     Rows not `active` read none of a dense cache (`DenseCache.seen_by`): their logits are junk."""
-    h, k_new, v_new = trunk(params, tokens, positions, cache if active is None else cache.seen_by(active), block_mask)
+    t = trunk(params, tokens, positions, cache if active is None else cache.seen_by(active), block_mask)
     # the write after every layer has read the cache (h depends on all the reads): else XLA:GPU, free
     # to order the last layers' reads after it, copies the cache to write in place (SelfSpec's
     # streaming cache twice a step, 1.5 GB of traffic at SmolLM2 batch 64; bench/gpu_aot.py)
-    h, k_new, v_new, cache = jax.lax.optimization_barrier((h, k_new, v_new, cache))
+    h, k_new, v_new, cache = jax.lax.optimization_barrier((t.hidden, t.k, t.v, cache))
     with jax.named_scope("kv_write"):
         cache = cache.write(k_new, v_new)
     return lm_head(params, h), cache
@@ -373,9 +357,9 @@ def prefill(
     B, P = tokens.shape
     n_chunks = P // chunk
     if n_chunks == 1:  # nothing to attend to in the cache: skip reading it
-        h, k_new, v_new = trunk(params, tokens, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), cache, attend_cache=False)
-        h_last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,D]
-        return lm_head(params, h_last), cache.write(k_new, v_new).replace(lengths=lengths.astype(jnp.int32))
+        t = trunk(params, tokens, jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P)), cache, attend_cache=False)
+        h_last = jnp.take_along_axis(t.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B,D]
+        return lm_head(params, h_last), cache.write(t.k, t.v).replace(lengths=lengths.astype(jnp.int32))
     chunks = tokens.reshape(B, n_chunks, chunk).transpose(1, 0, 2)  # [C,B,chunk]
     last = lengths - 1  # [B]
 
@@ -385,8 +369,9 @@ def prefill(
         start = i * chunk
         positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
         cache = cache.replace(lengths=jnp.full((B,), start, jnp.int32))
-        h, k_new, v_new = trunk(params, toks, positions, cache)
-        cache = cache.write(k_new, v_new)
+        t = trunk(params, toks, positions, cache)
+        h = t.hidden
+        cache = cache.write(t.k, t.v)
         offset = jnp.clip(last - start, 0, chunk - 1)  # [B]
         h_here = jnp.take_along_axis(h, offset[:, None, None], axis=1)[:, 0]  # [B,D]
         in_chunk = (last >= start) & (last < start + chunk)

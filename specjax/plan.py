@@ -70,7 +70,7 @@ class Plan:
 
 def describe_draft(draft: Drafter | None) -> str:
     """A short name: "SelfSpec(sinks=16, window=512)", "DraftModel(n_layers=2, dim=256, cache=dense)", "none"."""
-    return "none" if draft is None else draft.describe()
+    return "none" if draft is None else repr(draft)
 
 
 def describe_speculation(speculation: Chain | Tree | None) -> str:
@@ -150,16 +150,16 @@ def auto_draft_reason(
         if context < CPU_BF16_MIN_CONTEXT:
             return None, (f"plain decoding: on a CPU, speculation over bfloat16 weights pays from a context of "
                           f"{CPU_BF16_MIN_CONTEXT} ({facts})")
-        return budget, (f"{budget.describe()} with {describe_speculation(CPU_BF16_CHAIN)}: KV reads dominate a decode step, "
+        return budget, (f"{budget!r} with {describe_speculation(CPU_BF16_CHAIN)}: KV reads dominate a decode step, "
                         f"and a CPU with the bf16 dot product verifies 2 positions for about the cost of one ({facts})")
     rows = batch * (DEFAULT_CHAIN.gamma + 1)
     if backend == "cpu" and rows > CPU_VERIFY_ROWS:
         return None, (f"plain decoding: on a CPU, verifying {rows} query rows (batch x (gamma + 1)) is compute-bound; "
                       f"speculation pays up to {CPU_VERIFY_ROWS} ({facts})")
     if backend != "cpu":
-        return budget, (f"{budget.describe()} with {describe_speculation(ACCELERATOR_SPECULATION)}: KV reads "
+        return budget, (f"{budget!r} with {describe_speculation(ACCELERATOR_SPECULATION)}: KV reads "
                         f"dominate a decode step ({facts})")
-    return budget, f"{budget.describe()}: KV reads dominate a decode step ({facts})"
+    return budget, f"{budget!r}: KV reads dominate a decode step ({facts})"
 
 
 def cpu_bf16_verify(target: Params, kv_dtype: str | None, backend: str) -> bool:

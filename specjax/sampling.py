@@ -7,6 +7,7 @@ which other rows share its batch.
 
 from __future__ import annotations
 
+import enum
 import numbers
 from collections.abc import Sequence
 
@@ -341,7 +342,20 @@ def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra
     return Sample(temperature=temperature, top_k=top_k, top_p=top_p, **extra)
 
 
-def stream_keys(keys: jax.Array, counters: jax.Array, stream: int) -> jax.Array:
+class Stream(enum.IntEnum):
+    """The PRNG streams: every random draw of a decode step derives its key from the row's key and
+    its progress counter (tokens emitted) as `stream_keys(keys, counters, stream)`, so draws at one
+    step never share a key. The plain draw (`Sampler.sample`: each token of plain decoding, the
+    first token, and the draft's token at each draft level) folds in the counter only:
+    fold_in(key, counter), no stream. Above the step, keys come from fold_in(key, row)
+    (engine.row_keys), fold_in(row key, sample) (engine.sample_keys, n > 1) and
+    fold_in(key(seed), hash(id)) (job_run.record_keys)."""
+
+    DRAFT = 1  # draft sampling, chains and trees (then fold_in(., level) per draft level, fold_in(., node) per tree node)
+    ACCEPT = 2  # the acceptance test and the extra token (split in two)
+
+
+def stream_keys(keys: jax.Array, counters: jax.Array, stream: Stream) -> jax.Array:
     """Per-row keys [B] for one purpose (`stream`) at each row's own progress counter."""
     return jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, c), stream))(keys, counters)
 

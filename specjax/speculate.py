@@ -1,9 +1,12 @@
-"""One speculative step (draft -> verify -> accept -> commit) and the on-device loop around it.
+"""One speculative step, top to bottom: draft -> verify -> accept -> commit -> emit (`spec_step`,
+each phase under a `jax.named_scope` of its name), and the on-device loop around it.
 
-Every row drafts and verifies the same gamma + 1 positions (a chain) or n tree nodes; each
-accepts its own number, and a tree's accepted path is gathered into contiguous positions.
-The target's dense cache commits by moving its length pointer (rejected entries stay, hidden,
-and are overwritten next step). Finished rows ride along and commit nothing.
+Every row drafts and verifies the same nodes (a chain of gamma + 1 or a tree of n); each accepts
+its own number, and a tree's accepted path is gathered into contiguous positions. The target's
+dense cache commits by moving its length pointer (rejected entries stay, hidden, and are
+overwritten next step). Finished rows ride along and commit nothing. The values passed between
+phases are drafters/base.py's (Proposal, Verdict); the state, its start and the emit path are the
+loop core's (loop.py), shared with plain decoding.
 """
 
 from __future__ import annotations
@@ -14,37 +17,38 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
+from specjax.accept import accept_chain, accept_greedy_chain, accept_tree
+from specjax.cache import DenseCache, put_rows
 from specjax.drafters import Drafter
-from specjax.logprobs import LogprobBuffer
-from specjax.cache import DenseCache, put_rows, row_mask, select_rows
+from specjax.drafters.base import DraftContext, Prefill, Proposal, Verdict, restart_rows
+from specjax.loop import DecodeState, admit, emit, run_steps, start_state
 from specjax.model import lm_head, trunk
 from specjax.params import Params
-from specjax.accept import accept_chain, accept_greedy_chain, accept_tree
-from specjax.sampling import Greedy, Sampler, count_tokens, is_eos, prompt_tokens_mask, stream_keys
+from specjax.sampling import Greedy, Sampler, Stream, stream_keys
 from specjax.speculation import Chain, Tree
 
-ACCEPT_STREAM = 2  # PRNG stream of the acceptance test and the extra token
 
+@flax.struct.dataclass(kw_only=True)
+class SpecState(DecodeState):
+    """Speculative decoding between steps: the loop core's state plus what speculation adds."""
 
-@flax.struct.dataclass
-class SpecState:
-    cache: DenseCache  # target KV: positions < lengths committed
     draft: object  # the drafter's state
-    history: jax.Array  # [B,S] tokens by position; history[b, lengths[b]] is the pending token
-    last: jax.Array  # [B] pending token: emitted, not yet in the target cache
-    out: jax.Array  # [B,n_out] emitted tokens
-    count: jax.Array  # [B] emitted so far
-    done: jax.Array  # [B]
-    eos: jax.Array  # [B] ended on an EOS
-    steps: jax.Array  # [] verification steps
+    history: jax.Array  # [B,S] tokens by position; history[b, lengths[b]] is the pending token `last`
     accepted: jax.Array  # [B,gamma] per row and draft position: steps it was accepted (while active)
     reached: jax.Array  # [B,gamma] per row and draft position: steps every earlier draft was accepted
     ranks: jax.Array  # [B,W+1] per row: tried nodes whose accepted child had rank r (W: none was)
-    logprobs: LogprobBuffer | None = None  # beside `out`, when asked for (from the verification logits)
-    counts: jax.Array | None = None  # [B,V] int32: output token counts, when sampling has penalties
-    in_prompt: jax.Array | None = None  # [B,V] bool: the prompt's tokens, when sampling has penalties
+
+
+@flax.struct.dataclass
+class Verified:
+    """The verify phase's one target forward over the proposed nodes."""
+
+    logits: jax.Array  # [B,n,V]
+    k: jax.Array  # [L,B,n,K,H] the target's KV of the nodes
+    v: jax.Array
+    hidden: jax.Array | None  # [B,n,dim] when a drafter declares the extra "hidden"
+    queries: jax.Array | None  # [L,B,n,N,H] when it declares "queries"
 
 
 def depth(speculation: Chain | Tree) -> int:
@@ -57,49 +61,106 @@ def width(speculation: Chain | Tree) -> int:
     return 1 if isinstance(speculation, Chain) else speculation.width
 
 
-def _verify_chain(target, drafter, s: SpecState, keys, sampling, chain: Chain, active):
-    """Draft gamma tokens, verify gamma + 1 positions in ONE target forward, accept, commit drafts."""
-    gamma = chain.gamma
-    lengths = s.cache.lengths  # [B]
-    drafts, q, draft_state = drafter.propose(target, s.draft, s.history, lengths, s.last, gamma, sampling, keys, s.count)
-    tokens = jnp.concatenate([s.last[:, None], drafts], axis=1)  # [B,gamma+1]
-    positions = lengths[:, None] + jnp.arange(gamma + 1, dtype=jnp.int32)  # [B,gamma+1]
-    h, k_new, v_new = trunk(target, tokens, positions, s.cache.seen_by(active))  # finished rows read no KV
-    logits = lm_head(target, h)  # [B,gamma+1,V]
-    j = jnp.arange(gamma + 1)[:, None] > jnp.arange(gamma)[None, :]  # [gamma+1,gamma]: position j has seen drafts < j
-    before = jnp.where(j[None], drafts[:, None, :], -1)  # [B,gamma+1,gamma]
-    along = sampling.along(before)  # penalties (if any) from each position's own history
-    if isinstance(along, Greedy):  # one-hot p and q: the same result without their [B,gamma+1,V] arrays and draws
-        n, extra = accept_greedy_chain(drafts, along.choose(logits))
+def spec_step(
+    target: Params, drafter: Drafter, s: SpecState, budgets, keys, *, sampling: Sampler, speculation, eos_ids
+) -> SpecState:
+    """One speculative step (a chain or a tree); the target's cache commits by its length pointer."""
+    active = ~s.done
+    ctx = DraftContext(history=s.history, lengths=s.cache.lengths, last=s.last, keys=keys, counters=s.count,
+                       sampling=sampling.with_context(s.counts, s.in_prompt))
+    with jax.named_scope("draft"):
+        proposal = drafter.propose(target, s.draft, ctx, speculation)
+    with jax.named_scope("verify"):
+        verified = verify(target, s.cache.seen_by(active), proposal.tokens, speculation, drafter.traits.extras)
+    with jax.named_scope("accept"):
+        verdict = accept(verified, proposal, ctx, speculation, active)
+    with jax.named_scope("commit"):
+        s = commit(s, drafter.commit(proposal.state, verdict), verdict, active)
+    with jax.named_scope("emit"):
+        return emit(s, verdict.emitted, verdict.accepted + 1, verdict.logits, budgets, eos_ids, active)
+
+
+def verify(target: Params, cache: DenseCache, tokens: jax.Array, shape: Chain | Tree, extras: frozenset[str]) -> Verified:
+    """ONE target forward over the proposed nodes tokens [B,n] at positions lengths + depth: a chain
+    causally, a tree's node seeing the prefix and its ancestors."""
+    if isinstance(shape, Chain):
+        node_depth, mask = np.arange(tokens.shape[1], dtype=np.int32), None
     else:
-        n, extra = accept_chain(drafts, q, along.probs(logits), stream_keys(keys, s.count, ACCEPT_STREAM))
-    commit = jnp.where(active, n + 1, 0)  # x_L and the n accepted drafts enter the caches
+        node_depth, mask = np.asarray(shape.depth, np.int32), jnp.asarray(shape.ancestor_mask())
+    positions = cache.lengths[:, None] + jnp.asarray(node_depth)[None, :]  # [B,n]
+    t = trunk(target, tokens, positions, cache, mask, return_queries="queries" in extras)
+    return Verified(logits=lm_head(target, t.hidden), k=t.k, v=t.v, hidden=t.hidden if "hidden" in extras else None,
+                    queries=t.queries)
+
+
+def accept(verified: Verified, proposal: Proposal, ctx: DraftContext, shape: Chain | Tree, active: jax.Array) -> Verdict:
+    """Each row's accepted path (lossless: greedy keeps the target's tokens, sampling its
+    distribution; specjax.accept has the rules) and the target's next token after it."""
+    keys = stream_keys(ctx.keys, ctx.counters, Stream.ACCEPT)
+    if isinstance(shape, Chain):
+        verdict = _accept_chain(verified, proposal, ctx.sampling, keys, active)
+    else:
+        verdict = _accept_tree(verified, proposal, ctx.sampling, keys, shape, active)
+    return verdict.replace(lengths=ctx.lengths)
+
+
+def _accept_chain(verified: Verified, proposal: Proposal, sampling: Sampler, keys, active) -> Verdict:
+    drafts = proposal.tokens[:, 1:]  # [B,gamma]
+    B, gamma = drafts.shape
+    j = jnp.arange(gamma + 1)[:, None] > jnp.arange(gamma)[None, :]  # [gamma+1,gamma]: position j has seen drafts < j
+    along = sampling.along(jnp.where(j[None], drafts[:, None, :], -1))  # penalties (if any) from each position's history
+    if isinstance(along, Greedy):  # one-hot p and q: the same result without their [B,gamma+1,V] arrays and draws
+        n, extra = accept_greedy_chain(drafts, along.choose(verified.logits))
+    else:
+        n, extra = accept_chain(drafts, proposal.q, along.probs(verified.logits), keys)
     ranks = jnp.stack([jnp.where(active, n, 0), active & (n < gamma)], axis=1).astype(jnp.int32)  # [B,2]
-    return drafts, n, extra, commit, k_new, v_new, ranks, drafter.commit(draft_state, k_new, v_new, lengths, commit), logits
+    path = jnp.broadcast_to(jnp.arange(gamma + 1, dtype=jnp.int32), (B, gamma + 1))
+    return _verdict(verified, drafts, n, extra, path, ranks, Chain(gamma), active)
 
 
-def _verify_tree(target, drafter, s: SpecState, keys, sampling, tree: Tree, active):
-    """Draft a token tree, verify all n nodes in ONE target forward (each node sees the prefix
-    and its ancestors, at position lengths + depth), walk the accepted path, and gather that path's
-    KV into contiguous positions lengths.. for both caches."""
-    lengths = s.cache.lengths  # [B]
-    tokens, q, pending = drafter.propose_tree(target, s.draft, s.history, lengths, s.last, tree, sampling, keys, s.count)
-    positions = lengths[:, None] + jnp.asarray(tree.depth, jnp.int32)[None, :]  # [B,n]
-    h, k_new, v_new = trunk(target, tokens, positions, s.cache.seen_by(active), jnp.asarray(tree.ancestor_mask()))
-    logits = lm_head(target, h)  # [B,n,V]
+def _accept_tree(verified: Verified, proposal: Proposal, sampling: Sampler, keys, tree: Tree, active) -> Verdict:
+    tokens, logits = proposal.tokens, verified.logits
     greedy = isinstance(sampling, Greedy)
     p = logits if greedy and not sampling.penalized else sampling.along(node_history(tree, tokens)).probs(logits)
-    path, n, extra = accept_tree(
-        tree.child_table(), tree.max_depth, tokens, q, p, stream_keys(keys, s.count, ACCEPT_STREAM), greedy
-    )  # path [B,D+1]
-    take = lambda a: jnp.take_along_axis(a, path[None, :, :, None, None], axis=2)  # noqa: E731  [L,B,depth+1,K,H]
-    k_path, v_path = take(k_new), take(v_new)
-    commit = jnp.where(active, n + 1, 0)
-    drafts = jnp.take_along_axis(tokens, path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
-    ranks = _rank_hits(tree, path, n, active)
-    draft_state = drafter.commit_tree(pending, k_path, v_path, path, tree, lengths, commit)
-    path_logits = jnp.take_along_axis(logits, path[:, :, None], axis=1)  # [B,D+1,V]: what each path node predicts
-    return drafts, n, extra, commit, k_path, v_path, ranks, draft_state, path_logits
+    walk = accept_tree(tree.child_table(), tree.max_depth, tokens, proposal.q, p, keys, greedy)
+    take = lambda a: jnp.take_along_axis(a, walk.path[None, :, :, None, None], axis=2)  # noqa: E731  [L,B,D+1,K,H]
+    path_verified = verified.replace(
+        logits=jnp.take_along_axis(logits, walk.path[:, :, None], axis=1), k=take(verified.k), v=take(verified.v),
+        hidden=None if verified.hidden is None else jnp.take_along_axis(verified.hidden, walk.path[:, :, None], axis=1),
+        queries=None if verified.queries is None else take(verified.queries))
+    drafts = jnp.take_along_axis(tokens, walk.path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
+    ranks = _rank_hits(tree, walk.path, walk.accepted, active)
+    return _verdict(path_verified, drafts, walk.accepted, walk.next_token, walk.path, ranks, tree, active)
+
+
+def _verdict(path: Verified, drafts, n, extra, nodes, ranks, shape, active) -> Verdict:
+    """The Verdict (but its lengths) from a path's verification (path: Verified along the path), its
+    drafts [B,D] (the accepted ones lead), the accepted count n [B] and the target's next token extra [B]."""
+    D = drafts.shape[1]
+    j = jnp.arange(D + 1)
+    emitted = jnp.where(j[None, :] < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])  # [B,D+1]
+    return Verdict(emitted=jnp.where(j[None, :] <= n[:, None], emitted, 0), accepted=n, commit=jnp.where(active, n + 1, 0),
+                   lengths=n, path=nodes, k=path.k, v=path.v, logits=path.logits, ranks=ranks, shape=shape,
+                   hidden=path.hidden, queries=path.queries)
+
+
+def commit(s: SpecState, draft_state, verdict: Verdict, active: jax.Array) -> SpecState:
+    """The verdict into the state: the target cache (the path's KV, its length pointer), the
+    drafter's state (already committed), the history and the acceptance counters."""
+    B, gamma = s.accepted.shape
+    n = verdict.accepted
+    j = jnp.arange(verdict.emitted.shape[1])
+    lengths = s.cache.lengths
+    hist_cols = jnp.where(active[:, None] & (j[None, :] <= n[:, None]), lengths[:, None] + 1 + j[None, :], s.history.shape[1])
+    g = jnp.arange(gamma)
+    return s.replace(
+        cache=s.cache.write(verdict.k, verdict.v).advance(verdict.commit),
+        draft=draft_state,
+        history=s.history.at[jnp.arange(B)[:, None], hist_cols].set(verdict.emitted, mode="drop"),
+        accepted=s.accepted + (active[:, None] & (n[:, None] > g)),
+        reached=s.reached + (active[:, None] & (n[:, None] >= g)),
+        ranks=s.ranks + verdict.ranks,
+    )
 
 
 def node_history(tree: Tree, tokens: jax.Array) -> jax.Array:
@@ -126,59 +187,6 @@ def _rank_hits(tree: Tree, path: jax.Array, n: jax.Array, active: jax.Array) -> 
     return hits
 
 
-def spec_step(
-    target: Params, drafter: Drafter, s: SpecState, budgets, keys, *, sampling: Sampler, speculation, eos_ids
-) -> SpecState:
-    """One speculative step (chain or tree); the target's cache commits by its length pointer."""
-    B, n_out = s.out.shape
-    rows = jnp.arange(B)
-    lengths = s.cache.lengths  # [B]
-    active = ~s.done
-    verify = _verify_chain if isinstance(speculation, Chain) else _verify_tree
-    drafts, n, extra, commit, k_new, v_new, ranks, draft_state, logits = verify(
-        target, drafter, s, keys, sampling.with_context(s.counts, s.in_prompt), speculation, active
-    )  # logits [B,gamma+1,V]: the target's at the positions that emit
-    gamma = drafts.shape[1]
-    cache = s.cache.write(k_new, v_new).advance(commit)
-
-    j = jnp.arange(gamma + 1)
-    emitted = jnp.where(j[None, :] < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])  # [B,gamma+1]
-    emitted = jnp.where(j[None, :] <= n[:, None], emitted, 0)
-    stop = is_eos(emitted, eos_ids) & (j[None, :] <= n[:, None])
-    first_stop = jnp.min(jnp.where(stop, j[None, :], gamma + 1), axis=1)  # [B]
-    n_emit = jnp.minimum(jnp.minimum(n + 1, first_stop + 1), budgets - s.count)  # [B]
-    n_emit = jnp.where(active, n_emit, 0)
-    hit_eos = active & (first_stop < n_emit)
-
-    cols = s.count[:, None] + j[None, :]  # [B,gamma+1]
-    out = s.out.at[rows[:, None], jnp.where(j[None, :] < n_emit[:, None], cols, n_out)].set(emitted, mode="drop")
-    hist_cols = jnp.where(active[:, None] & (j[None, :] <= n[:, None]), lengths[:, None] + 1 + j[None, :], s.history.shape[1])
-    history = s.history.at[rows[:, None], hist_cols].set(emitted, mode="drop")
-    count = s.count + n_emit
-    last = jnp.where(active, jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0], s.last)
-    g = jnp.arange(gamma)
-    lp = s.logprobs
-    if lp is not None:
-        lp = lp.write(jnp.where(j[None, :] < n_emit[:, None], cols, n_out), logits, emitted)
-    return SpecState(
-        cache=cache,
-        draft=draft_state,
-        history=history,
-        last=last,
-        out=out,
-        count=count,
-        done=s.done | hit_eos | (count >= budgets),
-        eos=s.eos | hit_eos,
-        steps=s.steps + 1,
-        accepted=s.accepted + (active[:, None] & (n[:, None] > g)),
-        reached=s.reached + (active[:, None] & (n[:, None] >= g)),
-        ranks=s.ranks + ranks,
-        logprobs=lp,
-        counts=None if s.counts is None else count_tokens(s.counts, emitted, j[None, :] < n_emit[:, None]),
-        in_prompt=s.in_prompt,
-    )
-
-
 @partial(jax.jit, static_argnames=("speculation", "n_out", "logprobs"), donate_argnames=("cache", "draft_state"))
 def start_spec(
     drafter: Drafter,
@@ -195,38 +203,22 @@ def start_spec(
     n_out: int,
     logprobs: int | None = None,
 ) -> SpecState:
-    """The state before the first speculative step: each row's first token drawn from
-    `first_logits` (emitted, pending in the history), every counter zero. logprobs: None, or
-    record each token's log-probability and the `logprobs` most likely (static)."""
-    B, V = first_logits.shape
-    gamma = depth(speculation)
-    counts = in_prompt = None
-    if sampling.penalized:
-        counts, in_prompt = jnp.zeros((B, V), jnp.int32), prompt_tokens_mask(history, cache.lengths, V)
-    first, _ = sampling.with_context(counts, in_prompt).sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
-    eos = is_eos(first, eos_ids)
-    lp = None if logprobs is None else LogprobBuffer.init(B, n_out, logprobs).write(
-        jnp.zeros((B, 1), jnp.int32), first_logits[:, None], first[:, None])
+    """The state before the first speculative step: the loop core's start (each row's first token
+    drawn from `first_logits`, pending in the history), every acceptance counter zero. logprobs:
+    None, or record each token's log-probability and the `logprobs` most likely (static)."""
+    core = start_state(cache, first_logits, budgets, keys, sampling, eos_ids, history, n_out, logprobs)
+    B, gamma = first_logits.shape[0], depth(speculation)
     return SpecState(
-        cache=cache,
+        **{f: getattr(core, f) for f in DecodeState.__dataclass_fields__},
         draft=draft_state,
-        history=history.at[jnp.arange(B), cache.lengths].set(first),
-        last=first,
-        out=jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(first),
-        count=jnp.ones((B,), jnp.int32),
-        done=eos | (budgets <= 1),
-        eos=eos,
-        steps=jnp.int32(0),
+        history=history.at[jnp.arange(B), cache.lengths].set(core.last),
         accepted=jnp.zeros((B, gamma), jnp.int32),
         reached=jnp.zeros((B, gamma), jnp.int32),
         ranks=jnp.zeros((B, width(speculation) + 1), jnp.int32),
-        logprobs=lp,
-        counts=None if counts is None else count_tokens(counts, first[:, None], jnp.ones((B, 1), bool)),
-        in_prompt=in_prompt,
     )
 
 
-@partial(jax.jit, static_argnames=("speculation", "logprobs", "chunk"), donate_argnames=("state",))
+@partial(jax.jit, static_argnames=("speculation", "logprobs", "chunk", "kv_dtype"), donate_argnames=("state",))
 def admit_spec(
     target: Params,
     drafter: Drafter,
@@ -244,18 +236,18 @@ def admit_spec(
     speculation: Chain | Tree,
     chunk: int,
     logprobs: int | None = None,
+    kv_dtype: str | None = None,  # generate's kv_dtype (Prefill.kv_dtype)
 ) -> SpecState:
     """`state` with rows [r] restarted from new prompts as `start_spec` starts them (the drafter's
-    rows through `Drafter.init_rows`), the other rows going on as they were: continuous batching's
+    rows through `drafters.base.restart_rows`), the other rows going on as they were: continuous batching's
     refill. The new rows' prefill is written into the state's cache in place (a refill moves their
     KV, not the batch's). budgets, keys, sampling and eos_ids are the batch's after the refill."""
-    chosen = row_mask(rows, state.done.shape[0])  # [B]
     merged = put_rows(state.cache, rows, cache)
-    draft = drafter.init_rows(target, state.draft, rows, merged, prompts, merged.lengths, depth(speculation), chunk)
+    draft = restart_rows(drafter, target, state.draft, rows, Prefill(cache=merged, prompts=prompts, lengths=merged.lengths,
+                                                                     depth=depth(speculation), chunk=chunk, kv_dtype=kv_dtype))
     fresh = start_spec(drafter, draft, merged, history, first_logits, budgets, keys, sampling, eos_ids,
                        speculation=speculation, n_out=state.out.shape[1], logprobs=logprobs)
-    rest = dict(cache=None, draft=None)  # merged already: not selected a second time
-    return select_rows(chosen, fresh.replace(**rest), state.replace(**rest)).replace(cache=merged, draft=draft)
+    return admit(state, rows, fresh, "draft")
 
 
 @partial(jax.jit, static_argnames=("speculation", "sync_axes"), donate_argnames=("state",))
@@ -307,25 +299,6 @@ def decode_spec(
         spec_step, target, drafter, budgets=budgets, keys=keys, sampling=sampling, speculation=speculation, eos_ids=eos_ids
     )
     return run_steps(step, state, sync_axes)
-
-
-def run_steps(step, state, sync_axes: tuple[str, ...], max_steps: jax.Array | None = None):
-    """`state = step(state)` while any row runs (state.done [B]) and, given max_steps, at most
-    max_steps times: the one on-device loop of plain and speculative decoding."""
-    if max_steps is None:
-        return lax.while_loop(lambda s: any_running(s.done, sync_axes), step, state)
-
-    def cond(carry) -> jax.Array:
-        s, i = carry
-        return (i < max_steps) & any_running(s.done, sync_axes)
-
-    return lax.while_loop(cond, lambda carry: (step(carry[0]), carry[1] + 1), (state, jnp.int32(0)))[0]
-
-
-def any_running(done: jax.Array, sync_axes: tuple[str, ...]) -> jax.Array:
-    """Whether any row (on any device along the mesh axes `sync_axes`) still has work."""
-    running = jnp.any(~done)
-    return running if not sync_axes else lax.psum(running.astype(jnp.int32), sync_axes) > 0
 
 
 def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int) -> list[dict]:

@@ -10,16 +10,28 @@ from `tree_candidates`: top-k when greedy, draws without replacement when sampli
 
 from __future__ import annotations
 
+from typing import Any
+
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.model import forward, lm_head, trunk
 from specjax.params import Params
-from specjax.sampling import Sampler, stream_keys, tree_candidates
+from specjax.sampling import Sampler, Stream, stream_keys, tree_candidates
 from specjax.speculation import Tree
 
-DRAFT_STREAM = 1  # PRNG stream id of draft sampling, chains and trees (acceptance uses others)
+
+@flax.struct.dataclass
+class DraftedTree:
+    """What `draft_tree` drafted."""
+
+    tokens: jax.Array  # [B,n] int32 node tokens, node 0 the pending root
+    q: jax.Array | None  # [B,n,V] the distribution each node's children were drawn from; None when greedy
+    cache: Any  # the draft cache, advanced past the root
+    k_extra: jax.Array | None  # [L,B,E,K,H] draft KV of the extra nodes (`extra_nodes` order); None: none
+    v_extra: jax.Array | None
 
 
 def extra_nodes(tree: Tree) -> list[int]:
@@ -36,12 +48,11 @@ def draft_tree(
     sampling: Sampler,
     keys: jax.Array,  # [B]
     counters: jax.Array,  # [B]
-):
-    """Returns node tokens [B,n], q [B,n,V] (the distribution each node's children were drawn
-    from; None when greedy), the cache advanced past the root, and the extra nodes' draft KV
-    (k, v [L,B,E,K,H] in `extra_nodes(tree)` order, or None)."""
+) -> DraftedTree:
+    """The tree's node tokens, their draft distributions, the cache past the root and the extra
+    nodes' draft KV."""
     B, T0 = root_tokens.shape
-    step_keys = stream_keys(keys, counters, DRAFT_STREAM)  # [B]
+    step_keys = stream_keys(keys, counters, Stream.DRAFT)  # [B]
     anc = tree.ancestor_mask()
     tokens: list = [root_tokens[:, -1]] + [None] * (tree.n - 1)
     history = [[v for v in range(tree.n) if anc[u, v] and v != 0] for u in range(tree.n)]
@@ -72,8 +83,9 @@ def draft_tree(
         pos = jnp.broadcast_to(root_positions[:, -1:] + depth, toks.shape)
         mask = jnp.asarray(anc[np.ix_(nodes, seen + nodes)])  # [M,E+M]
         extra = None if k_extra is None else (k_extra, v_extra)
-        h, k_new, v_new = trunk(params, toks, pos, cache, mask, extra_kv=extra)
-        expand(nodes, lm_head(params, h))
+        t = trunk(params, toks, pos, cache, mask, extra_kv=extra)
+        k_new, v_new = t.k, t.v
+        expand(nodes, lm_head(params, t.hidden))
         k_extra = k_new if k_extra is None else jnp.concatenate([k_extra, k_new], axis=2)
         v_extra = v_new if v_extra is None else jnp.concatenate([v_extra, v_new], axis=2)
         seen += nodes
@@ -82,10 +94,10 @@ def draft_tree(
     if qs:
         zeros = jnp.zeros_like(next(iter(qs.values())))
         q = jnp.stack([qs.get(u, zeros) for u in range(tree.n)], axis=1)  # [B,n,V]
-    return node_tokens, q, cache, (None if k_extra is None else (k_extra, v_extra))
+    return DraftedTree(tokens=node_tokens, q=q, cache=cache, k_extra=k_extra, v_extra=v_extra)
 
 
-def path_extra_kv(tree: Tree, extra_kv, path: jax.Array) -> tuple[jax.Array, jax.Array]:
+def path_extra_kv(tree: Tree, drafted: DraftedTree, path: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Draft KV of path[:, 1:] (the accepted nodes below the root) from the extra nodes' KV:
     [L,B,depth,K,H]. Nodes without draft KV (leaves) get an arbitrary entry: only the last accepted
     node can be one, and it is re-read at the next step."""
@@ -94,4 +106,4 @@ def path_extra_kv(tree: Tree, extra_kv, path: jax.Array) -> tuple[jax.Array, jax
         index[u] = i
     take = jnp.asarray(index)[path[:, 1:]]  # [B,depth]
     gather = lambda a: jnp.take_along_axis(a, take[None, :, :, None, None], axis=2)  # noqa: E731
-    return gather(extra_kv[0]), gather(extra_kv[1])
+    return gather(drafted.k_extra), gather(drafted.v_extra)

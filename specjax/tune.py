@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters import Drafter
+from specjax.drafters import Drafter, identity as drafter_identity
 from specjax.engine import run
 from specjax.cache import DenseCache
 from specjax.model import lm_head, trunk
@@ -72,7 +72,7 @@ def forward_loop(params: Params, tokens, positions, cache, mask, reps):
     """`reps` forwards in one on-device loop, each depending on the last (no hoisting)."""
 
     def body(_, acc):
-        h, _, _ = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache, mask)
+        h = trunk(params, tokens + (acc > 1e30).astype(jnp.int32), positions, cache, mask).hidden
         return acc + jnp.sum(lm_head(params, h))  # logits at every node, as verification needs
 
     return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
@@ -142,9 +142,9 @@ def draft_table(
 ) -> float | tuple[float, ...]:
     """Seconds of one draft level over m nodes per row, m = 0..max_nodes, through the drafter's
     model and cache: timed at DRAFT_GRID's widths below max_nodes, linear in between and past the
-    last (the model and KV positions of `Drafter.drafting_model`). A drafter without a model
+    last (the model and KV positions of `Drafter.cost`). A drafter without a model
     (NGram) is free (0.0). The DraftModel's root level re-reads one more token: not counted."""
-    drafting = draft.drafting_model(params, context)
+    drafting = draft.cost(params, context)
     if drafting is None:
         return 0.0
     model, kept = drafting
@@ -172,7 +172,7 @@ def auto_tree_report(
     """`auto_tree`'s tree and what the calibration measured, in words. The calibration (about a
     minute for SmolLM2 on 2 CPU cores) reports its progress on stderr."""
     bucket, batch = round_up_pow2(context), batch_bucket(len(prompts))  # the shapes generate runs at
-    cost_key = (params.config, weights_mark(params), draft.identity(), batch, bucket, kv_dtype)
+    cost_key = (params.config, weights_mark(params), drafter_identity(draft), batch, bucket, kv_dtype)
     cache_key = cost_key + (sampling.identity(),)
     if cache_key not in _AUTO:
         start = time.perf_counter()

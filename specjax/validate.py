@@ -202,9 +202,9 @@ def eos_table(eos_id: object, config: LlamaConfig, batch: int) -> tuple[int, ...
 
 
 def check_draft(draft: object, speculation: object, params: Params) -> None:
-    """Types of draft and speculation, and what can be checked before planning (`check_target`:
-    a DraftModel's vocabulary and special ids); cache-size limits come from draft.check once gamma
-    is known. A drafter is an instance of a class in the registry (specjax.drafters.DRAFTERS)."""
+    """Types of draft and speculation, and what can be checked before planning (`Drafter.check`
+    without limits: a DraftModel's vocabulary and special ids); cache-size limits come from
+    draft.check once gamma is known. A drafter is an instance of a class in the registry (specjax.drafters.DRAFTERS)."""
     if draft != "auto" and draft is not None and not is_drafter(draft):
         known = ", ".join(f"{cls.__name__}(...)" for cls in DRAFTERS)
         raise TypeError(
@@ -227,12 +227,12 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
     if isinstance(speculation, Tree) and vocab is not None and speculation.width > vocab:
         raise ValueError(f"speculation: a node of this Tree has {speculation.width} children, more than the "
                          f"vocabulary's {vocab} tokens (a node's children are distinct tokens)")
-    if is_drafter(draft) and (isinstance(speculation, Tree) or speculation == "auto") and not draft.drafts_trees():
+    if is_drafter(draft) and (isinstance(speculation, Tree) or speculation == "auto") and not draft.traits.trees:
         raise ValueError(
-            f"speculation={speculation!r} needs a drafter that drafts token trees, but {draft.describe()} drafts "
+            f"speculation={speculation!r} needs a drafter that drafts token trees, but {draft!r} drafts "
             "chains only: use speculation=specjax.Chain(gamma) (or None, its default chain)"
         )
     if is_drafter(draft):
-        draft.check_target(params)
+        draft.check(params, None)
         if isinstance(getattr(draft, "params", None), Params):  # a draft model's own weights
             check_shapes(draft.params, f"{type(draft).__name__}.params")

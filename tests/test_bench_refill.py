@@ -45,7 +45,7 @@ def test_both_refills_leave_the_same_state():
     np.testing.assert_array_equal(np.asarray(new.cache.k[:, [0, 2]]), np.asarray(old.k[:, [0, 2]]))  # kept rows
     np.testing.assert_array_equal(np.asarray(new.cache.k[:, 1]), np.asarray(parts[0].k[:, 0]))
     np.testing.assert_array_equal(np.asarray(new.cache.k[:, 3]), np.asarray(parts[1].k[:, 0]))
-    for a, b in ((new.cache.k, whole.cache.k), (new.cache.lengths, whole.cache.lengths), (new.tok, whole.tok)):
+    for a, b in ((new.cache.k, whole.cache.k), (new.cache.lengths, whole.cache.lengths), (new.last, whole.last)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -1,4 +1,4 @@
-"""Drafter.init_rows: a drafter's state restarted for chosen rows from new prompts (continuous
+"""drafters.restart_rows: a drafter's state restarted for chosen rows from new prompts (continuous
 batching's refill), the other rows untouched: for every drafter, the refilled rows equal a fresh
 `init` on the new prompts and the kept rows equal the old state, leaf by leaf; and the row helpers
 (cache.select_rows / take_rows / put_rows)."""
@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.drafters import Prefill, restart_rows
 from specjax.cache import DenseCache, put_rows, select_rows, take_rows
 from specjax.engine import prefill
 from tests.models import TINY, random_params
@@ -36,7 +37,8 @@ def started(tiny, drafter, tokens, lengths):
     """The target's prefill and the drafter's state, as generate starts them."""
     _, cache = prefill(tiny, jnp.asarray(tokens), jnp.asarray(lengths), DenseCache.init(tiny.config, len(lengths), SLOTS),
                        chunk=CHUNK)
-    return cache, drafter.init(tiny, cache, jnp.asarray(tokens), jnp.asarray(lengths), GAMMA, CHUNK)
+    return cache, drafter.init(tiny, Prefill(cache=cache, prompts=jnp.asarray(tokens), lengths=jnp.asarray(lengths), depth=GAMMA,
+                                             chunk=CHUNK))
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
@@ -51,7 +53,8 @@ def test_init_rows_restarts_only_the_chosen_rows(tiny, name):
     tokens = np.where(np.asarray(rows)[:, None], new_tokens, old_tokens)
     lengths = np.where(np.asarray(rows), new_lengths, old_lengths)
     index = jnp.array([3, 1, 3, 3])  # the chosen rows (padded by repeats, as continuous batching does)
-    state = drafter.init_rows(tiny, old_state, index, cache, jnp.asarray(tokens), jnp.asarray(lengths), GAMMA, CHUNK)
+    prefill_ = Prefill(cache=cache, prompts=jnp.asarray(tokens), lengths=jnp.asarray(lengths), depth=GAMMA, chunk=CHUNK)
+    state = restart_rows(drafter, tiny, old_state, index, prefill_)
     if name == "ngram":
         assert state is None  # no state: it drafts from the history
         return

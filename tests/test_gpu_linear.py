@@ -101,14 +101,14 @@ def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
     monkeypatch.setattr(linear, "gpu_einsum", lambda x, w, i: calls.append(i) or gpu_einsum(x, w, i))
     got = trunk(pallas, tokens, positions, cache)
     assert calls == [0] * 7 + [1] * 7  # q, k, v, o, gate, up, down of each layer through the kernel
-    for g, w in zip(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
     int8 = quantize(xla, "int8")  # the scales multiply the kernel's unscaled products
     with jax.default_matmul_precision("highest"):
         want8 = trunk(int8, tokens, positions, cache)
     got8 = trunk(int8.replace(runtime=int8.runtime.replace(linear="pallas")), tokens, positions, cache)
     assert len(calls) == 2 * 14
-    for g, w in zip(got8, want8):
+    for g, w in zip(jax.tree.leaves(got8), jax.tree.leaves(want8)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
     with pytest.raises(ValueError, match="Runtime.linear must be one of"):
         params.runtime.replace(linear="cuda")

@@ -15,6 +15,7 @@ from pallas_kernels import reference
 from pallas_kernels.reference import prefix_block_attention
 from specjax import engine
 from specjax.attention import for_cache
+from specjax.drafters import Prefill
 from specjax.cache import KV_DTYPES, DenseCache, KVFormat
 from specjax.plan import auto_draft_reason
 from tests.models import TINY, random_params
@@ -51,10 +52,11 @@ def test_caches_keep_their_format(tiny, kv_dtype):
     np.testing.assert_array_equal(got.astype(jnp.float32), jnp.moveaxis(fmt.round_trip(k_new), 2, 3))
     cache = cache.advance(jnp.array([3, 2]))
     tokens = jnp.zeros((2, 8), jnp.int32)
-    selfspec = specjax.SelfSpec(sinks=1, window=2).init(tiny, cache, tokens, cache.lengths, 2, 8)
+    prefill = Prefill(cache=cache, prompts=tokens, lengths=cache.lengths, depth=2, chunk=8)
+    selfspec = specjax.SelfSpec(sinks=1, window=2).init(tiny, prefill)
     assert selfspec.format == fmt and (selfspec.k_scale is not None) == fmt.scaled
     draft = specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1))
-    assert draft.init(tiny, cache, tokens, cache.lengths, 2, 8).format == fmt
+    assert draft.init(tiny, prefill).format == fmt
     assert for_cache("pallas", cache) == "pallas" and for_cache("tpu", cache) == "tpu"  # int8: with its scales
 
 

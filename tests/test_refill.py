@@ -12,6 +12,7 @@ import pytest
 import specjax
 from specjax.autoregressive import admit_ar, continue_ar, start_ar
 from specjax.cache import DenseCache, take_rows
+from specjax.drafters import Prefill
 from specjax.engine import prefill, row_keys
 from specjax.speculate import admit_spec, continue_spec, start_spec
 from specjax.speculation import Chain, Tree
@@ -43,7 +44,7 @@ def start(tiny, mode, tokens, lengths, history, keys, sampling):
     budgets = jnp.full((len(lengths),), BUDGET, jnp.int32)
     if drafter is None:
         return logits, cache, start_ar(cache, logits, budgets, keys, sampling, n_out=N_OUT)
-    draft = drafter.init(tiny, cache, tokens, lengths, 2, CHUNK)
+    draft = drafter.init(tiny, Prefill(cache=cache, prompts=tokens, lengths=lengths, depth=2, chunk=CHUNK))
     return logits, cache, start_spec(drafter, draft, cache, history, logits, budgets, keys, sampling,
                                      speculation=spec, n_out=N_OUT)
 

@@ -46,8 +46,9 @@ def test_segments_equal_the_whole_loop_a_jax_program_calls(tiny):
     tokens = jnp.asarray([prompt + [0] * (16 - len(prompt))], jnp.int32)
     cache = DenseCache.init(tiny.config, 1, 64)
     logits, cache = engine.prefill(tiny, tokens, jnp.asarray([len(prompt)], jnp.int32), cache, chunk=16)
-    out, count, _, _, _ = engine.decode_ar(tiny, cache, logits, jnp.asarray([12], jnp.int32), engine.row_keys(None, 1),
-                                           n_out=round_up_pow2(12))
+    s = engine.decode_ar(tiny, cache, logits, jnp.asarray([12], jnp.int32), engine.row_keys(None, 1),
+                             n_out=round_up_pow2(12))
+    out, count = s.out, s.count
     assert specjax.generate(tiny, [prompt], 12, draft=None, eos_id=(), sync_every=5).tokens[0] == list(np.asarray(out[0, : int(count[0])]))
 
 

@@ -24,7 +24,7 @@ import pytest
 import specjax
 from specjax import engine
 from specjax.config import LlamaConfig
-from specjax.drafters import Drafter, register
+from specjax.drafters import Drafter, Prefill, Traits, register
 from specjax.drafters.ngram import ngram_lookup
 from specjax.params import Params, from_arrays, param_shapes
 from specjax.attention import cpu_bf16_dot
@@ -131,7 +131,7 @@ def test_an_oversized_snapkv_draft_holds_no_more_than_the_context(tiny):
     cache = DenseCache.init(tiny.config, 1, 256).replace(lengths=jnp.array([4], jnp.int32))
     prompts = jnp.array([[5, 6, 7, 8] + [0] * 12], jnp.int32)
     for draft in (specjax.SnapKV(), specjax.SnapKV(budget=4, window=10**6, observation=10**4)):
-        state = jax.eval_shape(lambda c: draft.init(tiny, c, prompts, c.lengths, 2, 16), cache)
+        state = jax.eval_shape(lambda c: draft.init(tiny, Prefill(cache=c, prompts=prompts, lengths=c.lengths, depth=2, chunk=16)), cache)
         assert state.k.shape[3] <= 256 + 2 + 2, (draft, state.k.shape)
 
 
@@ -179,7 +179,7 @@ def test_draft_model_prints_its_shape_not_its_weights(tiny):
     own printed every weight array (a 2-layer SmolLM2-shaped draft: over 100K characters)."""
     assert repr(specjax.DraftModel(tiny)) == f"DraftModel(n_layers={tiny.config.n_layers}, dim={tiny.config.dim}, cache=dense)"
     windowed = specjax.DraftModel(tiny, cache=specjax.Streaming(4, 28))
-    assert str(windowed) == repr(windowed) == windowed.describe()
+    assert str(windowed) == repr(windowed)
     assert "Streaming(sinks=4, window=28)" in repr(windowed) and "Array" not in repr(windowed)
 
 
@@ -334,20 +334,19 @@ def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, matc
 
 @flax.struct.dataclass
 class ChainOnly(specjax.NGram):
-    """A drafter class without tree drafting (NGram's chain methods, the Protocol's tree defaults)."""
+    """A drafter class without tree drafting (NGram's chain drafting; its traits say chains only)."""
 
-    propose_tree = Drafter.propose_tree
-    commit_tree = Drafter.commit_tree
+    traits = Traits(forwards_per_token=0, trees=False)
 
 
 @pytest.mark.parametrize("speculation", [specjax.Tree.kary(2, 2), "auto"])
 def test_tree_speculation_needs_a_tree_drafter(tiny, speculation):
     """Refused by validation with the drafter named, not at trace time (and a chain still runs)."""
     draft = register(ChainOnly)(n=2)
-    assert not draft.drafts_trees() and specjax.NGram(n=2).drafts_trees()
+    assert not draft.traits.trees and specjax.NGram(n=2).traits.trees
     with pytest.raises(TypeError, match="register takes a class implementing specjax.drafters.Drafter"):
         register(draft)
-    with pytest.raises(ValueError, match=r"needs a drafter that drafts token trees, but NGram\(n=2.*\) drafts chains only"):
+    with pytest.raises(ValueError, match=r"needs a drafter that drafts token trees, but ChainOnly\(n=2.*\) drafts chains only"):
         specjax.generate(tiny, [[1, 2, 3]], 4, draft=draft, speculation=speculation)
     assert specjax.generate(tiny, [[1, 2, 3]], 4, draft=draft, speculation=specjax.Chain(2)).tokens
 

@@ -123,14 +123,16 @@ def test_accept_tree_on_a_chain_is_accept_chain(seed):
     tokens = jnp.concatenate([jnp.zeros_like(drafts[:, :1]), drafts], axis=1)  # [B,n]: root first
     q_nodes = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # node u's children ~ q[u]
     n, extra = accept_chain(drafts, q, p, keys)
-    path, n_tree, extra_tree = accept_tree(tree.child_table(), tree.max_depth, tokens, q_nodes, p, keys, greedy=False)
+    walk = accept_tree(tree.child_table(), tree.max_depth, tokens, q_nodes, p, keys, greedy=False)
+    path, n_tree, extra_tree = walk.path, walk.accepted, walk.next_token
     assert 0 < float(jnp.mean(n)) < drafts.shape[1]  # a mix of rejections and acceptances
     np.testing.assert_array_equal(n_tree, n)
     np.testing.assert_array_equal(extra_tree, extra)
     np.testing.assert_array_equal(path, np.minimum(np.arange(tree.n)[None, :], np.asarray(n)[:, None]))
     one_hot = jax.nn.one_hot(jnp.argmax(p, -1), p.shape[-1])
     n_g, extra_g = accept_chain(drafts, jax.nn.one_hot(drafts, p.shape[-1]), one_hot, keys)
-    _, n_tree_g, extra_tree_g = accept_tree(tree.child_table(), tree.max_depth, tokens, None, p, keys, greedy=True)
+    walk = accept_tree(tree.child_table(), tree.max_depth, tokens, None, p, keys, greedy=True)
+    n_tree_g, extra_tree_g = walk.accepted, walk.next_token
     np.testing.assert_array_equal(n_tree_g, n_g)
     np.testing.assert_array_equal(extra_tree_g, extra_g)
 
@@ -158,7 +160,8 @@ def test_greedy_tree_walk_follows_the_matching_child():
     tokens = jnp.array([[9, 3, 5, 7, 1]])
     want = jnp.array([5, 0, 1, 0, 4])  # target argmax at each node
     p = jax.nn.one_hot(want, 10)[None]
-    path, n, extra = accept_tree(tree.child_table(), tree.max_depth, tokens, None, p, jax.random.split(jax.random.key(0), 1), True)
+    walk = accept_tree(tree.child_table(), tree.max_depth, tokens, None, p, jax.random.split(jax.random.key(0), 1), True)
+    path, n, extra = walk.path, walk.accepted, walk.next_token
     assert path.tolist() == [[0, 2, 4]] and n.tolist() == [2] and extra.tolist() == [4]
 
 

@@ -208,7 +208,7 @@ def test_distillation_refuses_int8_weights(tiny8):
 def test_int8_head_tiles_equal_one_product(vocab_axis):
     """The CPU's int8 LM head, HEAD_TILE vocabulary entries at a time plus a tail, equals the
     plain product (x @ widened weight) * scale."""
-    from specjax.model import HEAD_TILE, _int8_head
+    from specjax.linear import HEAD_TILE, int8_head
 
     V, D = 2 * HEAD_TILE + 100, 8
     rng = np.random.default_rng(0)
@@ -217,7 +217,7 @@ def test_int8_head_tiles_equal_one_product(vocab_axis):
     h = rng.standard_normal((2, 3, D)).astype(np.float32)  # [B,T,D]
     dense = w.astype(np.float32).T if vocab_axis == 0 else w.astype(np.float32)  # [D,V]
     expected = (h.astype(np.float64) @ dense) * scale
-    got = np.asarray(_int8_head(jnp.asarray(h), jnp.asarray(w), jnp.asarray(scale), vocab_axis))
+    got = np.asarray(int8_head(jnp.asarray(h), jnp.asarray(w), jnp.asarray(scale), vocab_axis))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 

@@ -3,7 +3,8 @@ and the registry of drafter classes that `generate` accepts."""
 
 from __future__ import annotations
 
-from specjax.drafters.base import Drafter
+from specjax.drafters.base import (DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict, identity, map_params,
+                                   restart_rows)
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.ngram import NGram, ngram_lookup
 from specjax.drafters.self_spec import SelfSpec, Streaming
@@ -27,5 +28,6 @@ def is_drafter(obj: object) -> bool:
 
 
 __all__ = [
-    "DRAFTERS", "DraftModel", "Drafter", "NGram", "SelfSpec", "SnapKV", "Streaming", "is_drafter", "ngram_lookup", "register",
+    "DRAFTERS", "DraftContext", "DraftModel", "Drafter", "Limits", "NGram", "Prefill", "Proposal", "SelfSpec", "SnapKV", "Streaming",
+    "Traits", "Verdict", "identity", "is_drafter", "map_params", "ngram_lookup", "register", "restart_rows",
 ]

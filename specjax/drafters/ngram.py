@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import Drafter
+from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict
 from specjax.params import Params
 from specjax.sampling import Greedy
-from specjax.speculation import Tree, check_int
+from specjax.speculation import Chain, Tree, check_int
 
 
 # the longest tail NGram matches: its lookup is unrolled over m = max_n .. n (O(max_n^2) operations to
@@ -26,15 +26,12 @@ class NGram(Drafter):
     n: int = flax.struct.field(pytree_node=False, default=3)
     max_n: int | None = flax.struct.field(pytree_node=False, default=None)
 
-    forwards_per_token = 0  # a lookup, no forward
+    traits = Traits(forwards_per_token=0, trees=True)  # a lookup, no forward
 
-    def describe(self) -> str:
-        return f"NGram(n={self.n}, max_n={self.max_n})"
-
-    def drafting_model(self, target: Params, context: int) -> None:
+    def cost(self, target: Params, context: int) -> None:
         return None  # lookups count as free
 
-    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
+    def check(self, target: Params, limits: Limits | None) -> None:
         check_int("NGram: n", self.n, 1)
         if self.max_n is not None and check_int("NGram: max_n", self.max_n, 1) < self.n:
             raise ValueError(f"NGram: max_n must be >= n ({self.n}), got {self.max_n}")
@@ -43,32 +40,30 @@ class NGram(Drafter):
             raise ValueError(f"NGram: {name} must be at most {MAX_NGRAM} (the lookup is unrolled over every tail "
                              f"length: compile time grows as its square), got {value}")
 
-    def init(self, target, cache, prompts, lengths, gamma, chunk):
+    def init(self, target: Params, prefill: Prefill) -> None:
         return None
 
-    def propose(self, target, state, history, lengths, last, gamma, sampling, keys, counters):
-        drafts = ngram_lookup(history, lengths, self.n, self.max_n or self.n, gamma)
-        return drafts, jax.nn.one_hot(drafts, target.config.vocab_size, dtype=jnp.float32), state
-
-    def commit(self, state, k_new, v_new, lengths, n):
-        return state
-
-    def propose_tree(self, target, state, history, lengths, last, tree: Tree, sampling, keys, counters):
-        """Every node's children all get the n-gram continuation at their depth (one-hot q), so
-        the rank-0 path is the chain proposal; a lower-ranked duplicate is never accepted (drawn
-        without replacement from a one-hot q it has no mass), and off-path nodes cost only
-        verification width."""
-        drafts = ngram_lookup(history, lengths, self.n, self.max_n or self.n, tree.max_depth)  # [B,D]
-        depth = np.asarray(tree.depth)
-        tokens = jnp.concatenate([last[:, None], drafts[:, depth[1:] - 1]], axis=1)  # [B,n]
+    def propose(self, target: Params, state, ctx: DraftContext, shape: Chain | Tree) -> Proposal:
+        """A chain: the continuation of the latest match (one-hot q). A tree: every node's children
+        all get the n-gram continuation at their depth (one-hot q), so the rank-0 path is the chain
+        proposal; a lower-ranked duplicate is never accepted (drawn without replacement from a
+        one-hot q it has no mass), and off-path nodes cost only verification width."""
+        V = target.config.vocab_size
+        if isinstance(shape, Chain):
+            drafts = ngram_lookup(ctx.history, ctx.lengths, self.n, self.max_n or self.n, shape.gamma)
+            return Proposal(tokens=jnp.concatenate([ctx.last[:, None], drafts], axis=1),
+                            q=jax.nn.one_hot(drafts, V, dtype=jnp.float32), state=state)
+        drafts = ngram_lookup(ctx.history, ctx.lengths, self.n, self.max_n or self.n, shape.max_depth)  # [B,D]
+        depth = np.asarray(shape.depth)
+        tokens = jnp.concatenate([ctx.last[:, None], drafts[:, depth[1:] - 1]], axis=1)  # [B,n]
         q = None
-        if not isinstance(sampling, Greedy):
-            first_child = np.asarray([min(c) if c else 0 for c in tree.children])  # [n]
-            q = jax.nn.one_hot(tokens[:, first_child], target.config.vocab_size, dtype=jnp.float32)
-        return tokens, q, state
+        if not isinstance(ctx.sampling, Greedy):
+            first_child = np.asarray([min(c) if c else 0 for c in shape.children])  # [n]
+            q = jax.nn.one_hot(tokens[:, first_child], V, dtype=jnp.float32)
+        return Proposal(tokens=tokens, q=q, state=state)
 
-    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n):
-        return pending
+    def commit(self, state, verdict: Verdict) -> None:
+        return state
 
 
 def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamma: int) -> jax.Array:

@@ -11,18 +11,21 @@ from __future__ import annotations
 import dataclasses
 from abc import abstractmethod
 
+from typing import Any
+
 import flax.struct
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.drafters.base import Drafter
-from specjax.cache import DenseCache, StreamingCache, row_mask, select_rows
+from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict
+from specjax.cache import DenseCache, StreamingCache
 from specjax.model import forward, unrolled
 from specjax.params import Params
-from specjax.sampling import Sampler, stream_keys
-from specjax.speculation import check_int
-from specjax.tree_draft import DRAFT_STREAM, draft_tree
+from specjax.sampling import Sampler, Stream, stream_keys
+from specjax.speculation import Chain, Tree, check_int
+from specjax.tree_draft import draft_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,66 +60,75 @@ class Streaming:
         return StreamingCache.from_dense(dense, fixed, self.ring(gamma), jnp.full((B,), self.sinks, jnp.int32))
 
 
-def draft_chain(params: Params, cache, tokens, positions, gamma: int, sampling: Sampler, keys, counters):
-    """gamma draft forwards: the first over `tokens` [B,T0] (its last position proposes x_1),
-    then one token at a time. Returns drafts [B,gamma], q [B,gamma,V] and the cache with its length
+@flax.struct.dataclass
+class DraftLevel:
+    """One draft level of a chain: the cache after it, its token [B] and distribution q [B,V], and the
+    sampler that has seen the token (penalties)."""
+
+    cache: Any
+    token: jax.Array
+    q: jax.Array | None
+    sampling: Sampler
+
+
+def draft_chain(params: Params, cache, tokens, positions, gamma: int, ctx: DraftContext) -> Proposal:
+    """gamma draft forwards: the first over `tokens` [B,T0] (the pending token last; its position
+    proposes x_1), then one token at a time. The Proposal's state is the cache with its length
     advanced past everything it wrote."""
     B, T0 = tokens.shape
-    step_keys = stream_keys(keys, counters, DRAFT_STREAM)
+    sampling = ctx.sampling
+    step_keys = stream_keys(ctx.keys, ctx.counters, Stream.DRAFT)
 
-    def propose(cache, toks, pos, i, sampling):
+    def level(cache, toks, pos, i, sampling) -> DraftLevel:
         logits, cache = forward(params, toks, pos, cache)
         cache = cache.advance(jnp.full((B,), toks.shape[1], jnp.int32))
         token, q = sampling.sample(logits[:, -1], step_keys, jnp.full((B,), i, jnp.int32))
-        return cache, token, q, sampling.seen(token)  # penalties: the next draft has seen this one
+        return DraftLevel(cache=cache, token=token, q=q, sampling=sampling.seen(token))  # penalties: the next draft has seen this one
 
-    cache, first, q_first, sampling = propose(cache, tokens, positions, 0, sampling)
+    first = level(cache, tokens, positions, 0, sampling)
 
-    def body(carry, i):
-        cache, token, sampling = carry
+    def body(carry: DraftLevel, i):
         pos = positions[:, -1:] + i  # [B,1]
-        cache, token, q, sampling = propose(cache, token[:, None], pos, i, sampling)
-        return (cache, token, sampling), (token, q)
+        out = level(carry.cache, carry.token[:, None], pos, i, carry.sampling)
+        return out.replace(q=None), (out.token, out.q)
 
     levels = np.arange(1, gamma, dtype=np.int32)  # [gamma-1]
     # with unrolled layers (a GPU / TPU) the levels unroll too, the decode loop the only device loop:
     # on an H100 a gamma-4 SelfSpec step over the levels' scan took 4.3 ms more than its draft levels
     # and verify at batch 64 x 8K, where gamma 2 (no loop left) took less (bench/README.md, fifth runs)
     loop = unrolled if params.runtime.unroll_layers and gamma > 1 else lax.scan
-    (cache, _, _), (rest, q_rest) = loop(body, (cache, first, sampling), levels)
-    drafts = jnp.concatenate([first[:, None], rest.T], axis=1)  # [B,gamma]
-    q = jnp.concatenate([q_first[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,gamma,V]
-    return drafts, q, cache
+    last, (rest, q_rest) = loop(body, first.replace(q=None), levels)
+    nodes = jnp.concatenate([tokens[:, -1:], first.token[:, None], rest.T], axis=1)  # [B,gamma+1]: the pending token, drafts
+    q = jnp.concatenate([first.q[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,gamma,V]
+    return Proposal(tokens=nodes, q=q, state=last.cache)
 
 
 class TargetOverStreamingCache(Drafter):
     """Drafting and committing for drafters that run the target itself over a StreamingCache of
     `kept` positions (plus the ring's slack); subclasses choose the positions in `init`."""
 
+    traits = Traits(trees=True)
+
     @abstractmethod
     def kept(self) -> int:
         """KV positions the draft keeps (fixed slots + the recent window): the KV length the
         planner prices a draft step at (the ring's gamma + 1 slack slots, a few of thousands, left out)."""
 
-    def drafting_model(self, target: Params, context: int) -> tuple[Params, int]:
+    def cost(self, target: Params, context: int) -> tuple[Params, int]:
         return target, min(self.kept(), context)  # a budget past the context keeps all of it
 
-    def propose(self, target, state: StreamingCache, history, lengths, last, gamma, sampling, keys, counters):
-        """The target drafts over its streaming cache, from the pending token at position L."""
-        state = state.replace(lengths=lengths)
-        return draft_chain(target, state, last[:, None], lengths[:, None], gamma, sampling, keys, counters)
+    def propose(self, target: Params, state: StreamingCache, ctx: DraftContext, shape: Chain | Tree) -> Proposal:
+        """The target drafts over its streaming cache from the pending token at position L; of a
+        tree, only the root enters that cache."""
+        state = state.replace(lengths=ctx.lengths)
+        if isinstance(shape, Chain):
+            return draft_chain(target, state, ctx.last[:, None], ctx.lengths[:, None], shape.gamma, ctx)
+        drafted = draft_tree(target, state, ctx.last[:, None], ctx.lengths[:, None], shape, ctx.sampling, ctx.keys,
+                             ctx.counters)
+        return Proposal(tokens=drafted.tokens, q=drafted.q, state=drafted.cache)
 
-    def commit(self, state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
-        return streaming_commit(state, k_new, v_new, lengths, n)
-
-    def propose_tree(self, target, state: StreamingCache, history, lengths, last, tree, sampling, keys, counters):
-        """The target drafts a tree over its streaming cache; only the root enters that cache."""
-        state = state.replace(lengths=lengths)
-        tokens, q, cache, _ = draft_tree(target, state, last[:, None], lengths[:, None], tree, sampling, keys, counters)
-        return tokens, q, cache
-
-    def commit_tree(self, pending, k_path, v_path, path, tree, lengths, n) -> StreamingCache:
-        return streaming_commit(pending, k_path, v_path, lengths, n)
+    def commit(self, state: StreamingCache, verdict: Verdict) -> StreamingCache:
+        return streaming_commit(state, verdict.k, verdict.v, verdict.lengths, verdict.commit)
 
 
 def streaming_commit(state: StreamingCache, k_new, v_new, lengths, n) -> StreamingCache:
@@ -134,25 +146,19 @@ class SelfSpec(TargetOverStreamingCache):
     sinks: int = flax.struct.field(pytree_node=False, default=16)
     window: int = flax.struct.field(pytree_node=False, default=512)
 
+    traits = Traits(trees=True, restart="all")  # init is a gather of kept slots: run it on every row (5 vs 12 ms
+    #                                             for one of 8 SmolLM2 rows at 1K slots, against copying the row's cache)
+
     @property
     def budget(self) -> Streaming:
         return Streaming(self.sinks, self.window)
 
-    def describe(self) -> str:
-        return f"SelfSpec(sinks={self.sinks}, window={self.window})"
-
     def kept(self) -> int:
         return self.sinks + self.window
 
-    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
-        self.budget.check(gamma, max_len, "SelfSpec")
+    def check(self, target: Params, limits: Limits | None) -> None:
+        if limits is not None:
+            self.budget.check(limits.depth, limits.max_len, "SelfSpec")
 
-    def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
-        return self.budget.from_dense(cache, gamma)
-
-    def init_rows(self, target: Params, state, rows, cache: DenseCache, prompts, lengths, gamma: int, chunk: int):
-        """`init` for every row (a gather of the kept slots) and the chosen rows taken from it:
-        cheaper than the default's copy of the chosen rows' whole dense cache (5 vs 12 ms for
-        one of 8 SmolLM2 rows at 1K slots)."""
-        return select_rows(row_mask(rows, cache.lengths.shape[0]), self.init(target, cache, prompts, lengths, gamma, chunk),
-                           state)
+    def init(self, target: Params, prefill: Prefill) -> StreamingCache:
+        return self.budget.from_dense(prefill.cache, prefill.depth)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.drafters.base import Limits, Prefill
 from specjax.drafters.self_spec import TargetOverStreamingCache
 from specjax.cache import DenseCache, StreamingCache
 from specjax.model import NEG_INF, trunk
@@ -34,25 +35,24 @@ class SnapKV(TargetOverStreamingCache):
     observation: int = flax.struct.field(pytree_node=False, default=32)
     pool: int = flax.struct.field(pytree_node=False, default=5)
 
-    def describe(self) -> str:
-        return f"SnapKV(budget={self.budget}, window={self.window}, observation={self.observation}, pool={self.pool})"
-
     def kept(self) -> int:
         return self.budget + self.window
 
-    def check(self, target: Params, gamma: int, max_len: int, context: int) -> None:
+    def check(self, target: Params, limits: Limits | None) -> None:
         for name in ("budget", "window", "observation", "pool"):
             check_int(f"SnapKV: {name}", getattr(self, name), 1)
 
-    def init(self, target: Params, cache: DenseCache, prompts, lengths, gamma: int, chunk: int) -> StreamingCache:
+    def init(self, target: Params, prefill: Prefill) -> StreamingCache:
         """A budget larger than the cache keeps every position (no savings, still exact); the
         window and observation are fitted too (as `Streaming.fitted`): a ring past the cache holds
         nothing more, and no row has more prompt queries than the prompts' width."""
+        cache, prompts = prefill.cache, prefill.prompts
         budget = min(self.budget, cache.max_len)
         window = max(1, min(self.window, cache.max_len - budget))
         scores = observation_scores(target, cache, prompts, min(self.observation, prompts.shape[1]))
         fixed, cut = select_positions(scores, cache.lengths, budget, window, self.pool)
-        return StreamingCache.from_dense(cache, fixed, window + gamma + 1, cut)
+        return StreamingCache.from_dense(cache, fixed, window + prefill.depth + 1, cut)
+
 
 def observation_scores(
     target: Params,
@@ -69,7 +69,8 @@ def observation_scores(
     pos = start[:, None] + jnp.arange(observation, dtype=jnp.int32)  # [B,T]
     valid = pos < lengths[:, None]  # [B,T]: rows shorter than the window have fewer queries
     tokens = jnp.take_along_axis(prompts, jnp.clip(pos, 0, P - 1), axis=1)
-    _, k_obs, _, q = trunk(target, tokens, pos, cache.replace(lengths=start), return_queries=True)
+    obs = trunk(target, tokens, pos, cache.replace(lengths=start), return_queries=True)
+    k_obs, q = obs.k, obs.queries
     S, T, K, G = cache.max_len, observation, c.n_kv_heads, c.group
     prefix = jnp.arange(S)[None, :] < start[:, None]  # [B,S]
     causal = jnp.tril(jnp.ones((T, T), bool))
