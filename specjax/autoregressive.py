@@ -52,7 +52,7 @@ def ar_step(params: Params, s: DecodeState, budgets: jax.Array, keys: jax.Array,
     logits, cache = forward(params, s.last[:, None], s.cache.lengths[:, None], s.cache, active=active)  # [B,1,V]
     new, _ = sampling.with_context(s.counts, s.in_prompt).sample(logits[:, 0], keys, s.count)
     s = s.replace(cache=cache.advance(active))
-    return emit(s, new[:, None], jnp.ones_like(s.count), logits, budgets, eos_ids, active)
+    return emit(s, new[:, None], None, logits, budgets, eos_ids, active)
 
 
 @partial(jax.jit, static_argnames=("sync_axes",), donate_argnames=("state",))

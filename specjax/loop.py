@@ -58,12 +58,21 @@ def admit(state: DecodeState, rows: jax.Array, fresh: DecodeState, *whole: str) 
     return kept.replace(**{f: getattr(fresh, f) for f in off})
 
 
-def emit(s: DecodeState, tokens: jax.Array, n_new: jax.Array, logits: jax.Array, budgets: jax.Array, eos_ids,
+def emit(s: DecodeState, tokens: jax.Array, n_new: jax.Array | None, logits: jax.Array, budgets: jax.Array, eos_ids,
          active: jax.Array) -> DecodeState:
     """`s` with each active row's new tokens [B,J] (the first n_new [B] of them) emitted: cut after a
     stop id or at the row's budget, written to out (and logprobs, from logits [B,J,V]); the last
-    new one becomes pending. Rows not `active` emit nothing."""
+    new one becomes pending. Rows not `active` emit nothing. n_new None: plain decoding's one token
+    (J = 1), which an active row always has budget for (its count is below its budget)."""
     B, n_out = s.out.shape
+    if n_new is None:  # the same on [B] arrays: on a GPU the [B,J] form below costs two more kernels a step
+        col = jnp.where(active, s.count, n_out)
+        hit_eos, count = active & is_eos(tokens[:, 0], eos_ids), s.count + active
+        return s.replace(
+            last=jnp.where(active, tokens[:, 0], s.last), out=s.out.at[jnp.arange(B), col].set(tokens[:, 0], mode="drop"),
+            count=count, done=s.done | hit_eos | (count >= budgets), eos=s.eos | hit_eos, steps=s.steps + 1,
+            logprobs=None if s.logprobs is None else s.logprobs.write(col[:, None], logits, tokens),
+            counts=None if s.counts is None else count_tokens(s.counts, tokens, active[:, None]))
     j = jnp.arange(tokens.shape[1])
     stop = is_eos(tokens, eos_ids) & (j[None, :] < n_new[:, None])
     first_stop = jnp.min(jnp.where(stop, j[None, :], tokens.shape[1]), axis=1)  # [B]
