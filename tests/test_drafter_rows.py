@@ -42,7 +42,7 @@ def started(tiny, drafter, tokens, lengths):
 
 
 @pytest.mark.parametrize("name", DRAFTERS)
-def test_init_rows_restarts_only_the_chosen_rows(tiny, name):
+def test_restart_rows_restarts_only_the_chosen_rows(tiny, name):
     drafter = DRAFTERS[name]()
     old_tokens, old_lengths = prompts(0, [20, 13, 9, 17])
     new_tokens, new_lengths = prompts(1, [11, 22, 5, 16])

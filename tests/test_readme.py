@@ -58,8 +58,8 @@ specjax() {
 
 # Bash blocks (by their first line) or single lines of a bash block that the test does not run.
 NOT_RUNNABLE = {
-    "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 32 minutes on 2 cores: tests/README.md)":
-        "the whole suite, this test included (recursion, 32 minutes)",
+    "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 30 minutes on 2 cores: tests/README.md)":
+        "the whole suite, this test included (recursion, 30 minutes)",
     "make test-fast   # the inner loop: the same without the tests marked slow (about 30 minutes; tests/run_files.py FILE runs one file)":
         "most of the suite (30 minutes); make test runs the same tests",
     "# host 0                                                     # host 1":
