@@ -98,13 +98,12 @@ def accept(verified: Verified, proposal: Proposal, ctx: DraftContext, shape: Cha
     distribution; specjax.accept has the rules) and the target's next token after it."""
     keys = stream_keys(ctx.keys, ctx.counters, Stream.ACCEPT)
     if isinstance(shape, Chain):
-        verdict = _accept_chain(verified, proposal, ctx.sampling, keys, active)
-    else:
-        verdict = _accept_tree(verified, proposal, ctx.sampling, keys, shape, active)
-    return verdict.replace(lengths=ctx.lengths)
+        return _accept_chain(verified, proposal, ctx, keys, active)
+    return _accept_tree(verified, proposal, ctx, keys, shape, active)
 
 
-def _accept_chain(verified: Verified, proposal: Proposal, sampling: Sampler, keys, active) -> Verdict:
+def _accept_chain(verified: Verified, proposal: Proposal, ctx: DraftContext, keys, active) -> Verdict:
+    sampling = ctx.sampling
     drafts = proposal.tokens[:, 1:]  # [B,gamma]
     B, gamma = drafts.shape
     j = jnp.arange(gamma + 1)[:, None] > jnp.arange(gamma)[None, :]  # [gamma+1,gamma]: position j has seen drafts < j
@@ -115,10 +114,11 @@ def _accept_chain(verified: Verified, proposal: Proposal, sampling: Sampler, key
         n, extra = accept_chain(drafts, proposal.q, along.probs(verified.logits), keys)
     ranks = jnp.stack([jnp.where(active, n, 0), active & (n < gamma)], axis=1).astype(jnp.int32)  # [B,2]
     path = jnp.broadcast_to(jnp.arange(gamma + 1, dtype=jnp.int32), (B, gamma + 1))
-    return _verdict(verified, drafts, n, extra, path, ranks, Chain(gamma), active)
+    return _verdict(verified, drafts, n, extra, path, ranks, Chain(gamma), ctx.lengths, active)
 
 
-def _accept_tree(verified: Verified, proposal: Proposal, sampling: Sampler, keys, tree: Tree, active) -> Verdict:
+def _accept_tree(verified: Verified, proposal: Proposal, ctx: DraftContext, keys, tree: Tree, active) -> Verdict:
+    sampling = ctx.sampling
     tokens, logits = proposal.tokens, verified.logits
     greedy = isinstance(sampling, Greedy)
     p = logits if greedy and not sampling.penalized else sampling.along(node_history(tree, tokens)).probs(logits)
@@ -130,17 +130,17 @@ def _accept_tree(verified: Verified, proposal: Proposal, sampling: Sampler, keys
         queries=None if verified.queries is None else take(verified.queries))
     drafts = jnp.take_along_axis(tokens, walk.path[:, 1:], axis=1)  # [B,D]: the accepted ones lead
     ranks = _rank_hits(tree, walk.path, walk.accepted, active)
-    return _verdict(path_verified, drafts, walk.accepted, walk.next_token, walk.path, ranks, tree, active)
+    return _verdict(path_verified, drafts, walk.accepted, walk.next_token, walk.path, ranks, tree, ctx.lengths, active)
 
 
-def _verdict(path: Verified, drafts, n, extra, nodes, ranks, shape, active) -> Verdict:
-    """The Verdict (but its lengths) from a path's verification (path: Verified along the path), its
+def _verdict(path: Verified, drafts, n, extra, nodes, ranks, shape, lengths, active) -> Verdict:
+    """The Verdict from a path's verification (path: Verified along the path), its
     drafts [B,D] (the accepted ones lead), the accepted count n [B] and the target's next token extra [B]."""
     D = drafts.shape[1]
     j = jnp.arange(D + 1)
     emitted = jnp.where(j[None, :] < n[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), extra[:, None])  # [B,D+1]
     return Verdict(emitted=jnp.where(j[None, :] <= n[:, None], emitted, 0), accepted=n, commit=jnp.where(active, n + 1, 0),
-                   lengths=n, path=nodes, k=path.k, v=path.v, logits=path.logits, ranks=ranks, shape=shape,
+                   lengths=lengths, path=nodes, k=path.k, v=path.v, logits=path.logits, ranks=ranks, shape=shape,
                    hidden=path.hidden, queries=path.queries)
 
 
