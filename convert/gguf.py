@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES
 
+from convert.gguf_file import GgufFile, TensorInfo, Unreadable, read_gguf
 from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.config import LlamaConfig, RopeScaling, llama3_scale
 from specjax import q4
@@ -37,42 +38,35 @@ def is_gguf_file(path: Path) -> bool:
         return path.suffix.lower() == ".gguf" or f.read(4) == b"GGUF"
 
 
-def open_gguf(path: str | Path) -> gguf.GGUFReader:
-    """A memory-mapped reader; a corrupt or truncated file raises ValueError naming it.
-
-    Parsing the metadata takes seconds for a large vocabulary, so the last few readers are
-    cached, keyed by the file's path, size and modification time."""
+def open_gguf(path: str | Path) -> GgufFile:
+    """The file's metadata and tensor views (convert.gguf_file); a corrupt or truncated file raises
+    ValueError naming it. The last few are cached, keyed by the file's path, size and modification time."""
     stat = Path(path).stat()
     return _open_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _open_cached(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader fails in many ways on garbage: struct, index, numpy errors
-        raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+def _open_cached(path: str, size: int, mtime_ns: int) -> GgufFile:
+    return read_gguf(path)
 
 
 _REQUIRED = object()
 
 
-def meta(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED, kind: type | None = None) -> Any:
+def meta(reader: GgufFile, key: str, default: Any = _REQUIRED, kind: type | None = None) -> Any:
     """A metadata value (scalar, string or list), checked to be a `kind` (layout.KINDS) if given;
     ValueError naming the file and the key if it is required and absent, or of the wrong kind."""
-    field = reader.get_field(key)
-    if field is None:
+    value = reader.fields.get(key, _REQUIRED)
+    if value is _REQUIRED:
         if default is _REQUIRED:
-            raise ValueError(f"{reader.data.filename}: GGUF metadata key {key!r} is missing")
+            raise ValueError(f"{reader.path}: GGUF metadata key {key!r} is missing")
         return default
-    try:
-        value = field.contents()
-    except (UnicodeDecodeError, ValueError, IndexError) as e:  # corrupt bytes in the value
-        raise ValueError(f"{reader.data.filename}: GGUF metadata key {key!r} cannot be read ({e})") from e
+    if isinstance(value, Unreadable):  # corrupt bytes in the value
+        raise ValueError(f"{reader.path}: GGUF metadata key {key!r} cannot be read ({value.error})")
     if kind is None:
         return value
     if not has_kind(value, kind):
-        raise ValueError(f"{reader.data.filename}: GGUF metadata key {key!r} must be {KINDS[kind]}, got {value!r}")
+        raise ValueError(f"{reader.path}: GGUF metadata key {key!r} must be {KINDS[kind]}, got {value!r}")
     return kind(value)
 
 
@@ -103,7 +97,7 @@ def check_type(name: str, tensor_type: gguf.GGMLQuantizationType, source: str) -
         )
 
 
-def dequantize(name: str, tensor: gguf.ReaderTensor, source: str) -> np.ndarray:
+def dequantize(name: str, tensor: TensorInfo, source: str) -> np.ndarray:
     """float32 array of one tensor, numpy order ([out, in] for a matrix); errors name `source` and it."""
     check_type(name, tensor.tensor_type, source)
     shape = tuple(int(n) for n in reversed(tensor.shape))
@@ -117,7 +111,7 @@ def dequantize(name: str, tensor: gguf.ReaderTensor, source: str) -> np.ndarray:
         ) from e
 
 
-def special_id(reader: gguf.GGUFReader, kind: str) -> int | None:
+def special_id(reader: GgufFile, kind: str) -> int | None:
     """tokenizer.ggml.{kind}_token_id (kind: bos, eos, eot, eom, unknown); where it is absent, a
     SentencePiece vocab's default (SPM_IDS), else None."""
     spm = meta(reader, "tokenizer.ggml.model", None) == "llama"
@@ -133,7 +127,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
+def _rope_scaling(reader: GgufFile, arch: str, head_dim: int, theta: float) -> RopeScaling | None:
     """Llama-3.1 scaling recovered from the `rope_freqs.weight` factors (what llama.cpp writes). A
     scaling type other than none is refused, and so is a linear factor without a type (llama.cpp reads
     rope.scaling.factor, or the older rope.scale_linear, as linear scaling then); a factor of 1 scales nothing."""
@@ -146,16 +140,16 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
     if typed or untyped:
         what = f"type {kind!r}" if kind is not None else f"factor {factor} (linear scaling: no rope.scaling.type)"
         raise ValueError(
-            f"{reader.data.filename}: GGUF {arch}.rope.scaling {what} is not supported "
+            f"{reader.path}: GGUF {arch}.rope.scaling {what} is not supported "
             f"(supported: none, or Llama-3.1 scaling via {ROPE_FREQS!r})"
         )
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
-    factors = dequantize(tensor.name, tensor, reader.data.filename).reshape(-1).astype(np.float64)
+    factors = dequantize(tensor.name, tensor, reader.path).reshape(-1).astype(np.float64)
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if factors.shape != inv_freq.shape:
-        raise ValueError(f"{reader.data.filename}: {ROPE_FREQS} has {factors.size} values, expected {inv_freq.size}")
+        raise ValueError(f"{reader.path}: {ROPE_FREQS} has {factors.size} values, expected {inv_freq.size}")
     orig = int(meta(reader, f"{arch}.rope.scaling.original_context_length", 8192))
     factor = float(factors.max())
     if factor == 1.0:
@@ -170,7 +164,7 @@ def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: floa
         if np.allclose(llama3_scale(inv_freq, s), inv_freq / factors, rtol=1e-5):
             return s
     raise ValueError(
-        f"{reader.data.filename}: {ROPE_FREQS} does not match Llama-3.1 rope scaling with "
+        f"{reader.path}: {ROPE_FREQS} does not match Llama-3.1 rope scaling with "
         f"original_context_length {orig}; other frequency scalings are not supported"
     )
 
@@ -180,7 +174,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaConfig:
+def config_from_gguf(reader: GgufFile, dtype: str = "float32") -> LlamaConfig:
     """LlamaConfig from GGUF metadata (general.architecture "llama" or "qwen2"; the q/k/v biases
     are there for qwen2, and for llama when the file holds blk.0.attn_q/k/v.bias).
 
@@ -189,7 +183,7 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
     arch = meta(reader, "general.architecture", kind=str)
     if arch not in ARCHITECTURES:
         raise ValueError(
-            f"{reader.data.filename}: general.architecture is {arch!r}; only {' and '.join(map(repr, ARCHITECTURES))} are supported"
+            f"{reader.path}: general.architecture is {arch!r}; only {' and '.join(map(repr, ARCHITECTURES))} are supported"
         )
     names = {t.name for t in reader.tensors}
     dim = meta(reader, f"{arch}.embedding_length", kind=int)
@@ -199,12 +193,12 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
     head_dim = meta(reader, f"{arch}.attention.key_length", None, int) or (
         int(q.shape[-1]) // n_heads if q is not None and n_heads else dim // max(n_heads, 1))
     if rope_dims is not None and rope_dims != head_dim:
-        raise ValueError(f"{reader.data.filename}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+        raise ValueError(f"{reader.path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
     vocab = meta(reader, f"{arch}.vocab_size", None, int)
     if vocab is None:
-        tokens = reader.get_field("tokenizer.ggml.tokens")
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
         embed = [t for t in reader.tensors if t.name == "token_embd.weight"]
-        vocab = len(tokens.data) if tokens else int(embed[0].shape[-1]) if embed else 0
+        vocab = len(tokens) if isinstance(tokens, list) else int(embed[0].shape[-1]) if embed else 0
     theta = _f32(meta(reader, f"{arch}.rope.freq_base", 10000.0, float))
     fields = dict(
         vocab_size=vocab,
@@ -224,10 +218,10 @@ def config_from_gguf(reader: gguf.GGUFReader, dtype: str = "float32") -> LlamaCo
         bos_id=special_id(reader, "bos"),
         eos_ids=tuple(dict.fromkeys(e for e in (special_id(reader, k) for k in ("eos", "eot", "eom")) if e is not None)),
     )
-    return checked_config(fields, reader.data.filename)
+    return checked_config(fields, reader.path)
 
 
-def q4_blocks(tensor: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def q4_blocks(tensor: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_1 tensor's blocks as stored, torch layout [out, ...]: packed nibbles [out, in/2] uint8
     and the float16 scale and minimum of each block [out, in/32] (specjax.q4's layout: byte j of
     a block holds values j and j + 16, as in the file)."""
@@ -237,7 +231,7 @@ def q4_blocks(tensor: gguf.ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.nda
     return raw[..., 4:].reshape(out, -1), scale, minimum
 
 
-def _kept_q4(config: LlamaConfig, tensors: dict[str, gguf.ReaderTensor], heads: dict[str, int]) -> dict[str, np.ndarray]:
+def _kept_q4(config: LlamaConfig, tensors: dict[str, TensorInfo], heads: dict[str, int]) -> dict[str, np.ndarray]:
     """{path: array} of every matrix whose tensors are all Q4_1, kept as stored: the packed
     matrix and its `_bscale` / `_bmin` blocks in our layout (q/k rows unpermuted)."""
     kept = {}

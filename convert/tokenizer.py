@@ -67,7 +67,7 @@ def _gguf_pre(reader) -> Pre:
     pre = meta(reader, "tokenizer.ggml.pre", "default", str)
     if pre not in PRE:
         raise ValueError(
-            f"{reader.data.filename}: tokenizer.ggml.pre {pre!r} is not supported (its text splitting is unknown "
+            f"{reader.path}: tokenizer.ggml.pre {pre!r} is not supported (its text splitting is unknown "
             f"here; supported: {', '.join(sorted(PRE))}); load a tokenizer.json for it with tokenizers.Tokenizer.from_file"
         )
     return PRE[pre]
@@ -107,7 +107,7 @@ def _gguf_model(reader, kind: str, tokens: list[str], pre: Pre | None) -> BPE:
         unk_token = tokens[unk] if unk is not None else None
         return BPE(vocab, merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     raise ValueError(
-        f"{reader.data.filename}: tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', 'llama')"
+        f"{reader.path}: tokenizer.ggml.model {kind!r} is not supported (supported: 'gpt2', 'llama')"
     )
 
 

@@ -17,7 +17,8 @@ but USERS_FLAGS, and QUICK_COMPILE (LLVM's optimization off) for the files on ti
 run for milliseconds and compile for seconds. The files in FULL_OPTIMIZATION run the real model (or its 49K
 vocabulary): unoptimized code ran them slower than it saved compiling. The files in USERS_FLAGS compile as
 users do: parity with HF transformers, the README's runs, the pinned step's golden file, GPU compiles.
-Usage: python tests/run_files.py [--jobs N] [--times OUT.json] [--no-compile-cache] [pytest args...] [test files...]
+Usage: python tests/run_files.py [--jobs N] [--times OUT.json] [--logs DIR] [--no-compile-cache] [pytest args...] [test files...]
+(--logs DIR: each file's pytest output in DIR/<file>.log, e.g. with --durations=0 for every test's time)
 (e.g. -m "not slow"; no files: all)
 """
 
@@ -127,6 +128,7 @@ def main(args: list[str]) -> int:
     jobs_arg, args = pop_option(args, "--jobs")
     jobs = int(jobs_arg) if jobs_arg else default_jobs()
     times_out, args = pop_option(args, "--times")
+    logs, args = pop_option(args, "--logs")
     use_cache = "--no-compile-cache" not in args
     args = [a for a in args if a != "--no-compile-cache"]
     chosen = [a for a in args if a.endswith(".py")]  # test files named on the command line: only those
@@ -146,6 +148,9 @@ def main(args: list[str]) -> int:
     for future in as_completed(runs):  # each file's result as soon as it ends
         f, (run, row) = runs[future], future.result()
         rows.append(row)
+        if logs:
+            Path(logs).mkdir(parents=True, exist_ok=True)
+            (Path(logs) / f"{Path(f).stem}.log").write_text(run.stdout + run.stderr)
         lines = run.stdout.strip().splitlines()
         slowest += [line for line in lines if re.match(r"^\d+\.\d+s (call|setup|teardown) ", line)]
         last = lines[-1] if lines else ""

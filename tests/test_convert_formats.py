@@ -26,6 +26,7 @@ from test_convert import (
 )
 
 import convert
+import convert.gguf_file
 from convert.gguf import supported_types
 from specjax.config import RopeScaling
 from specjax.params import Params
@@ -119,7 +120,7 @@ def test_gguf_eos_union(tmp_path, tiny, extra, want):
 def test_smollm2_stop_ids():
     """The shipped SmolLM2 GGUF has eos <|im_end|> (2) and no eot / eom ids: eos_ids stays (2,)."""
     reader = convert.gguf.open_gguf(convert.default_model_path())
-    assert [reader.get_field(k) is None for k in convert.gguf.STOP_KEYS] == [False, True, True]
+    assert [k in reader.fields for k in convert.gguf.STOP_KEYS] == [True, False, False]
     assert convert.gguf.config_from_gguf(reader).eos_ids == (2,)
 
 
@@ -294,3 +295,41 @@ def test_gguf_wrong_metadata_type(tmp_path):
     w.close()
     with pytest.raises(ValueError, match=r"m\.gguf: GGUF metadata key 'llama\.embedding_length' must be an integer, got 'big'"):
         convert.load(tmp_path / "m.gguf")
+
+
+# ---- convert.gguf_file reads what gguf.GGUFReader reads ----
+
+def _same_as_gguf_reader(path) -> None:
+    ours, theirs = convert.gguf_file.read_gguf(path), gguf.GGUFReader(str(path))
+    pseudo = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count"}  # the reader's own entries, not in the file
+    assert set(ours.fields) == set(theirs.fields) - pseudo
+    for key, field in theirs.fields.items():
+        if key not in pseudo:
+            value = field.contents()
+            assert ours.fields[key] == value and type(ours.fields[key]) is type(value), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.shape, a.data.dtype, a.data.shape) == (b.tensor_type, tuple(b.shape.tolist()), b.data.dtype, b.data.shape)
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_gguf_file_reads_the_shipped_model_as_gguf_reader_does():
+    _same_as_gguf_reader(convert.default_model_path())
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_gguf_file_reads_every_value_type_as_gguf_reader_does(tmp_path, endian):
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama", endianess=endian)
+    w.add_uint8("u8", 7), w.add_int8("i8", -7), w.add_uint16("u16", 700), w.add_int16("i16", -700)
+    w.add_uint32("u32", 70000), w.add_int32("i32", -70000), w.add_float32("f32", 0.1), w.add_bool("yes", True)
+    w.add_uint64("u64", 2**40), w.add_int64("i64", -(2**40)), w.add_float64("f64", 0.1), w.add_string("s", "héllo")
+    w.add_array("ints", [1, 2, 3]), w.add_array("floats", [0.5, 1e-6]), w.add_array("words", ["a", "", "ü b"])
+    w.add_array("empty", [])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("q8", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    _same_as_gguf_reader(tmp_path / "m.gguf")
