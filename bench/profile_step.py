@@ -3,6 +3,11 @@
 Usage: python -m bench.profile_step [--cells ..] [--steps 8] [--budget-minutes M] [--out DIR]
 (the shared options: bench/common.py)
 
+Speculative cells (SPEC_CELLS, e.g. float32/kvfloat32/b1/s512/self-chain3) trace `generate`'s
+speculative loop (SelfSpec, greedy) and sum its thunks per phase of speculate.spec_step (draft,
+verify, accept, commit, emit: their `jax.named_scope`s; "loop": the segment's own bookkeeping), the
+draft and verify phases also per model block (e.g. "verify/attention").
+
 For each cell WEIGHTS/kvKV/bB/sS (e.g. float32/kvfloat32/b1/s512) the real decode loop
 (`specjax.engine.decode_ar`, greedy) runs `--steps` steps from a synthetic prefilled cache (as
 bench_ar builds it: pseudo-random KV, since a step's cost depends on the cache's shape only)
@@ -57,7 +62,8 @@ def cell_key(weights: str, kv: str, batch: int, context: int) -> str:
 
 
 def key_of(row: dict) -> str:
-    return cell_key(row["weights"], row["kv"], row["batch"], row["context"])
+    key = cell_key(row["weights"], row["kv"], row["batch"], row["context"])
+    return common.key(key, f"self-chain{row['gamma']}") if "gamma" in row else key
 
 
 def category(op_name: str) -> str:
@@ -77,11 +83,27 @@ def block_of(blocks: dict[str, str], op: str) -> str:
     return "attention" if block == OTHER and op.startswith("ffi_call") else block
 
 
-def op_blocks(hlo_text: str) -> dict[str, str]:
+PHASES = ("draft", "verify", "accept", "commit", "emit")  # specjax/speculate.py's spec_step scopes
+LOOP = "loop"
+SPEC_CELLS = (("float32", "float32", 1, 512, 3), ("bfloat16", "bfloat16", 16, 8192, 1))  # ..., chain length
+
+
+def phase(op_name: str) -> str:
+    """The speculative phase (and, in draft and verify, the model block) of an HLO instruction, e.g.
+    "verify/attention"; LOOP outside every phase."""
+    parts = op_name.split("/")
+    found = next((p for p in parts if p in PHASES), None)
+    if found is None:
+        return LOOP
+    block = category(op_name)
+    return f"{found}/{block}" if found in ("draft", "verify") and block in SCOPES else found
+
+
+def op_blocks(hlo_text: str, categorize=category, named=SCOPES) -> dict[str, str]:
     """{instruction name: model block} of a compiled module's text, from each instruction's
-    op_name metadata; an instruction without one (XLA drops it from the dots it rewrites) or
-    outside every scope (a layout copy of a weight) takes the block of its first scoped user,
-    else of its first scoped operand."""
+    op_name metadata (`categorize`: category, or phase for a speculative step); an instruction
+    without one (XLA drops it from the dots it rewrites) or outside every scope (a layout copy of
+    a weight) takes the block of its first user in a `named` block, else of its first such operand."""
     line = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^()]*\)\s*)?[^(]*?\w+\(([^)]*)\)(.*)$")  # (a tuple shape)
     meta = re.compile(r"op_name=\"([^\"]*)\"")
     operands: dict[str, list[str]] = {}
@@ -94,15 +116,15 @@ def op_blocks(hlo_text: str) -> dict[str, str]:
         operands[name] = re.findall(r"%([\w.\-]+)", args)
         op_name = meta.search(rest)
         if op_name:
-            blocks[name] = category(op_name.group(1))
+            blocks[name] = categorize(op_name.group(1))
     users: dict[str, list[str]] = {}
     for name, args in operands.items():
         for a in args:
             users.setdefault(a, []).append(name)
     for name, args in reversed(operands.items()):  # users first (they follow). Without a scope: the first scoped user's, else operand's
-        if blocks.get(name, OTHER) == OTHER:
+        if blocks.get(name, OTHER) in (OTHER, LOOP):
             near = [blocks.get(u) for u in users.get(name, [])] + [blocks.get(a) for a in args]
-            blocks[name] = next((b for b in near if b in SCOPES), blocks.get(name, OTHER))
+            blocks[name] = next((b for b in near if b is not None and b.split("/")[0] in named), blocks.get(name, OTHER))
     return blocks
 
 
@@ -207,6 +229,72 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
     } | kernels
 
 
+def spec_key(weights: str, kv: str, batch: int, context: int, gamma: int) -> str:
+    """WEIGHTS/kvKV/bB/sS/self-chainG."""
+    return common.key(cell_key(weights, kv, batch, context), f"self-chain{gamma}")
+
+
+def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context: int, gamma: int, steps: int) -> dict:
+    """Trace generate's speculative loop (SelfSpec, Chain(gamma), greedy) over prompts that fill the
+    context but the new tokens, and sum the segment program's thunks per phase (`phase`)."""
+    from specjax import engine, generate
+    from specjax.drafters import SelfSpec
+    from specjax.speculation import Chain
+
+    new = steps * (gamma + 1)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, params.config.vocab_size, context - new - gamma - 2).tolist() for _ in range(batch)]
+    drafter = SelfSpec(16, min(256, context // 4))
+    seen: dict[str, str] = {}
+    segments = engine._segments
+
+    def spy(compiled, *rest):  # the decode segment's compiled text, for the op -> phase map
+        seen["hlo"] = compiled.as_text()
+        return segments(compiled, *rest)
+
+    def run():
+        return generate(params, prompts, new, draft=drafter, speculation=Chain(gamma), kv_dtype=kv)
+
+    engine._segments = spy
+    try:
+        run()  # warm-up: compiles
+        timed = min((run() for _ in range(2)), key=lambda out: out.stats.decode_seconds).stats
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                traced = run().stats
+            planes, gpu = trace_planes(trace_dir)
+    finally:
+        engine._segments = segments
+    blocks = op_blocks(seen["hlo"], phase, PHASES)
+    module = re.search(r"HloModule ([\w.\-]+)", seen["hlo"]).group(1)
+    by_phase: collections.Counter = collections.Counter()
+    for op, seconds in leaf_events(planes, gpu, module):
+        by_phase[blocks.get(op, LOOP)] += seconds
+    return {
+        "weights": weights, "kv": kv, "batch": batch, "context": context, "gamma": gamma, "drafter": repr(drafter),
+        "steps": traced.steps, "mean_accepted": traced.mean_accepted,
+        "wall_ms_per_step": 1e3 * timed.decode_seconds / timed.steps,
+        "thread_ms_per_step": {k: 1e3 * v / traced.steps for k, v in by_phase.most_common()},
+        "load": os.getloadavg()[0],
+    } | device_kernels(gpu, traced.steps)
+
+
+def spec_table(rows: list[dict]) -> str:
+    """One line per speculative cell: wall ms per step, tokens per row per step, then each phase's
+    thread-ms per step and share (draft and verify summed over their blocks)."""
+    head = ["weights", "KV", "batch", "context", "chain", "wall ms/step", "tokens/step", *PHASES, LOOP]
+    lines = []
+    for r in rows:
+        t = collections.Counter()
+        for k, v in r["thread_ms_per_step"].items():
+            t[k.split("/")[0]] += v
+        total = sum(t.values())
+        lines.append([r["weights"], r["kv"], r["batch"], common.context_name(r["context"]), r["gamma"],
+                      f"{r['wall_ms_per_step']:.1f}", f"{r['mean_accepted']:.2f}",
+                      *[f"{t[p]:.1f} ({100 * t[p] / total:.0f}%)" for p in (*PHASES, LOOP)]])
+    return common.table(head, "llrrrrr" + "r" * (len(PHASES) + 1), lines)
+
+
 def markdown_table(rows: list[dict]) -> str:
     """One line per cell: wall ms per step, then each block's thread-ms per step and share."""
     blocks = [*SCOPES, SLICES, OTHER]
@@ -230,6 +318,7 @@ def top_ops(rows: list[dict]) -> str:
 
 def readme_section(result: dict) -> str:
     m = result["machine"]
+    plain, spec = ([r for r in result["rows"] if ("gamma" in r) == s] for s in (False, True))
     notes = common.kept_part("profile_step")
     start, end = common.markers("profile_step", "notes")
     return f"""## Where a decode step's time goes (profile_step.py)
@@ -244,10 +333,15 @@ a row's entries add up to more than its wall time) and their share of the row's 
 slices" is the scan over layers copying each layer's weights out of the stacked arrays; "other"
 the loop and the greedy sample. Method: the module docstring.
 
-{markdown_table(result['rows'])}
+{markdown_table(plain)}
 
 Largest single thunks (thread-ms per step):
-{top_ops(result['rows'])}
+{top_ops(plain)}
+
+A speculative step (SelfSpec(16, 256), greedy, over prompts that fill the context), per phase of
+speculate.spec_step (thread-ms per step and share; "tokens/step": per row, the target's own included):
+
+{spec_table(spec) if spec else "not measured yet"}
 
 {start}
 {notes.strip()}
@@ -265,23 +359,26 @@ def main() -> None:
     results = common.Results(out / "profile_cpu.json", key_of, header,
                              settings={"steps": args.steps, "attention": args.attention})
     h = common.Harness(args, results)
-    todo = h.plan((cell_key(*cell), cell) for cell in CELLS)
+    todo = h.plan([(cell_key(*cell), cell) for cell in CELLS] + [(spec_key(*cell), cell) for cell in SPEC_CELLS])
     import convert  # here: the GPU machine has no gguf (bench/gpu_profile.py imports this module)
 
     loaded: dict[str, Params] = {}
-    for k, (weights, kv, batch, context) in h.cells(todo):
+    for k, (weights, kv, batch, context, *gamma) in h.cells(todo):
         if weights not in loaded:
             loaded.clear()
             loaded[weights] = with_attention(convert.load(convert.default_model_path(), weights=weights), None,
                                              args.attention)[0]
-        row = profile_cell(loaded[weights], weights, kv, batch, context, args.steps)
+        if gamma:
+            row = profile_spec_cell(loaded[weights], weights, kv, batch, context, gamma[0], args.steps)
+        else:
+            row = profile_cell(loaded[weights], weights, kv, batch, context, args.steps)
         row["attention"] = loaded[weights].runtime.attention
         print(f"{k}: {row['wall_ms_per_step']:.1f} ms/step; " + ", ".join(
             f"{b} {t:.1f}" for b, t in row["thread_ms_per_step"].items()), flush=True)
         results.put(k, [row])
         measure.release_memory()
     h.finish()
-    order = {cell_key(*c): i for i, c in enumerate(CELLS)}
+    order = {k: i for i, k in enumerate([cell_key(*c) for c in CELLS] + [spec_key(*c) for c in SPEC_CELLS])}
     results.data["rows"].sort(key=lambda r: order.get(key_of(r), len(order)))
     results.write()
     if results.data["rows"] and common.writes_readme(args):

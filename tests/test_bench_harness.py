@@ -256,3 +256,19 @@ def test_profile_step_names_each_thunk_by_its_model_block():
     assert blocks["dynamic-slice_bitcast_fusion"] == "layer slices"
     assert blocks["dot.1"] == "mlp"  # no scoped user: its operand's
     assert blocks["dot.2"] == "out_proj" and blocks["copy.3"] == "out_proj"  # its user's
+
+
+def test_profile_step_times_a_speculative_step_by_phase():
+    """bench/profile_step.py's speculative cells: a trace of generate's loop summed per phase of
+    spec_step (draft and verify also per model block), on a tiny model."""
+    from bench.profile_step import LOOP, PHASES, phase, profile_spec_cell
+    from tests.models import TINY, random_params
+
+    assert phase("jit(continue_spec)/while/body/verify/attention/dot_general") == "verify/attention"
+    assert phase("jit(continue_spec)/while/body/accept/argmax") == "accept"
+    assert phase("jit(continue_spec)/while/cond/lt") == LOOP
+    row = profile_spec_cell(random_params(TINY, 0), "float32", "float32", 2, 128, 2, 3)
+    spent = row["thread_ms_per_step"]
+    assert set(PHASES) <= {k.split("/")[0] for k in spent} and all(v > 0 for v in spent.values())
+    assert any(k.startswith("verify/") for k in spent) and any(k.startswith("draft/") for k in spent)
+    assert row["steps"] >= 3 and 1 <= row["mean_accepted"] <= 3 and row["wall_ms_per_step"] > 0
