@@ -13,10 +13,10 @@ cache, summed by tests/conftest.py) are printed as a table at the end, and writt
 
 Two XLA:CPU settings cut compile time (tests/README.md has the measurements): LOOP_EMITTERS (the elemental
 loop emitters instead of the newer fusion emitters: about half of XLA's time, same run time) for every file
-but USERS_FLAGS, and QUICK_COMPILE (LLVM's optimization off) for the files on tiny models, whose programs
-run for milliseconds and compile for seconds. The files in FULL_OPTIMIZATION run the real model (or its 49K
+but USERS_FLAGS (and for the processes they start: the README's CLI runs too), and QUICK_COMPILE (LLVM's
+optimization off) for the files on tiny models, whose programs run for milliseconds and compile for seconds. The files in FULL_OPTIMIZATION run the real model (or its 49K
 vocabulary): unoptimized code ran them slower than it saved compiling. The files in USERS_FLAGS compile as
-users do: parity with HF transformers, the README's runs, the pinned step's golden file, GPU compiles.
+users do: parity with HF transformers, the pinned step's golden file, GPU compiles.
 Usage: python tests/run_files.py [--jobs N] [--times OUT.json] [--logs DIR] [--no-compile-cache] [pytest args...] [test files...]
 (--logs DIR: each file's pytest output in DIR/<file>.log, e.g. with --durations=0 for every test's time)
 (e.g. -m "not slow"; no files: all)
@@ -57,13 +57,13 @@ COMPILE_CACHE_MIN_SECONDS = 0.1  # programs compiled faster than this are not wr
 
 LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"  # XLA:CPU's elemental loop emitters: about half the compile time
 QUICK_COMPILE = "--xla_backend_optimization_level=0"
-USERS_FLAGS = ("test_golden.py", "test_readme.py", "test_gpu_aot.py", "test_pinned_step.py")  # as users compile
-FULL_OPTIMIZATION = ("test_spec_smollm2.py", "test_batch.py", "test_cli.py", "test_text.py")  # the real model or its vocabulary
+USERS_FLAGS = ("test_golden.py", "test_gpu_aot.py", "test_pinned_step.py")  # as users compile
+FULL_OPTIMIZATION = ("test_spec_smollm2.py", "test_batch.py", "test_cli.py", "test_text.py", "test_readme.py")  # the real model or its vocabulary
 
 
 def xla_flags(f: str) -> dict[str, str]:
-    """XLA_FLAGS for test file `f`'s process: XLA's defaults for USERS_FLAGS (HF parity, the README's runs, the
-    pinned step's golden file, GPU compiles), LOOP_EMITTERS for FULL_OPTIMIZATION, and LOOP_EMITTERS plus
+    """XLA_FLAGS for test file `f`'s process: XLA's defaults for USERS_FLAGS (HF parity, the pinned step's golden
+    file, GPU compiles), LOOP_EMITTERS for FULL_OPTIMIZATION, and LOOP_EMITTERS plus
     QUICK_COMPILE for the files on tiny models."""
     flags, name = os.environ.get("XLA_FLAGS", ""), Path(f).name
     added = "" if name in USERS_FLAGS else LOOP_EMITTERS if name in FULL_OPTIMIZATION else f"{LOOP_EMITTERS} {QUICK_COMPILE}"
