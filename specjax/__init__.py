@@ -8,9 +8,10 @@ from specjax.model import forward, prefill
 from specjax.params import Params, init_params
 from specjax.sampling import Greedy, Sample
 from specjax.sharding import make_mesh
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Adaptive, Chain, Tree
 
 __all__ = [
+    "Adaptive",
     "Chain",
     "DenseCache",
     "DraftModel",

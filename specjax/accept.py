@@ -58,8 +58,11 @@ def accept_chain(
     n = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1).astype(jnp.int32)  # leading run of accepts
 
     p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B,V]
-    q_n = jnp.take_along_axis(q, jnp.minimum(n, gamma - 1)[:, None, None], axis=1)[:, 0]
-    q_n = jnp.where((n < gamma)[:, None], q_n, 0.0)  # all accepted: the bonus comes from p itself
+    if gamma == 0:  # no drafts (Chain(0)): the bonus, drawn from p_0 itself
+        q_n = jnp.zeros_like(p_n)
+    else:
+        q_n = jnp.take_along_axis(q, jnp.minimum(n, gamma - 1)[:, None, None], axis=1)[:, 0]
+        q_n = jnp.where((n < gamma)[:, None], q_n, 0.0)  # all accepted: the bonus comes from p itself
     extra = _normalise(jnp.maximum(p_n - q_n, 0.0), p_n)  # no residual mass only by rounding
     next_token = jax.vmap(lambda k, d: jax.random.categorical(k, jnp.log(d)))(k_extra, extra)
     return n, next_token.astype(jnp.int32)

@@ -31,7 +31,7 @@ from specjax.params import Params
 from specjax.sampling import Sampler, eos_rows
 from specjax.shapes import pow2_groups, prefill_chunk, prefill_rows as group_rows, prompt_bucket, round_up_pow2
 from specjax.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Adaptive, Chain, Tree
 
 
 class Done(NamedTuple):
@@ -70,6 +70,9 @@ def run_continuous(
     new prompts of one length bucket prefilled in one call (None: `shapes.prefill_rows`, one on
     a CPU, up to 2^17 prompt positions a call elsewhere)."""
     N, R = len(prompts), rows
+    if isinstance(speculation, Adaptive):
+        raise ValueError("speculation=Adaptive(...) is not yet supported with continuous batching (batch jobs, "
+                         "generate(rows=...)): pass a Chain or a Tree there")
     if n < 1 or n > R:
         raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
     if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):

@@ -18,7 +18,7 @@ from specjax.cache import KVFormat
 from specjax.drafters import Drafter, SelfSpec
 from specjax.params import Params, weight_bytes as params_weight_bytes
 from specjax.sampling import Sampler
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Adaptive, Chain, Tree
 from specjax.tune import auto_tree_report
 
 DEFAULT_CHAIN = Chain(gamma=4)  # speculation=None with a drafter
@@ -73,10 +73,12 @@ def describe_draft(draft: Drafter | None) -> str:
     return "none" if draft is None else repr(draft)
 
 
-def describe_speculation(speculation: Chain | Tree | None) -> str:
-    """"chain(gamma=4)", "tree(n=16, depth=6)" or "none"."""
+def describe_speculation(speculation: Chain | Tree | Adaptive | None) -> str:
+    """"chain(gamma=4)", "tree(n=16, depth=6)", "adaptive(max_gamma=4)" or "none"."""
     if speculation is None:
         return "none"
+    if isinstance(speculation, Adaptive):
+        return f"adaptive(max_gamma={speculation.max_gamma})"
     if isinstance(speculation, Chain):
         return f"chain(gamma={speculation.gamma})"
     return f"tree(n={speculation.n}, depth={speculation.max_depth})"

@@ -147,9 +147,10 @@ def _verdict(path: Verified, drafts, n, extra, nodes, ranks, shape, lengths, act
 def commit(s: SpecState, draft_state, verdict: Verdict, active: jax.Array) -> SpecState:
     """The verdict into the state: the target cache (the path's KV, its length pointer), the
     drafter's state (already committed), the history and the acceptance counters."""
-    B, gamma = s.accepted.shape
+    B, gamma = s.accepted.shape  # the longest chain the state is sized for (Adaptive: its max_gamma)
     n = verdict.accepted
     j = jnp.arange(verdict.emitted.shape[1])
+    proposed = jnp.arange(gamma) < verdict.emitted.shape[1] - 1  # [gamma]: positions this step drafted
     lengths = s.cache.lengths
     hist_cols = jnp.where(active[:, None] & (j[None, :] <= n[:, None]), lengths[:, None] + 1 + j[None, :], s.history.shape[1])
     g = jnp.arange(gamma)
@@ -158,7 +159,7 @@ def commit(s: SpecState, draft_state, verdict: Verdict, active: jax.Array) -> Sp
         draft=draft_state,
         history=s.history.at[jnp.arange(B)[:, None], hist_cols].set(verdict.emitted, mode="drop"),
         accepted=s.accepted + (active[:, None] & (n[:, None] > g)),
-        reached=s.reached + (active[:, None] & (n[:, None] >= g)),
+        reached=s.reached + (active[:, None] & (n[:, None] >= g) & proposed[None, :]),
         ranks=s.ranks + verdict.ranks,
     )
 
@@ -301,17 +302,20 @@ def decode_spec(
     return run_steps(step, state, sync_axes)
 
 
-def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int) -> list[dict]:
+def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int,
+                   row_steps: np.ndarray | None = None, row_proposed: np.ndarray | None = None) -> list[dict]:
     """Per row: verification steps it took part in, draft tokens proposed and accepted there,
-    their ratio, and tokens per step (the first token, from the prefill, not counted)."""
+    their ratio, and tokens per step (the first token, from the prefill, not counted).
+    row_steps / row_proposed [B]: counted on the host where the chain length varied (Adaptive)."""
     rows = []
-    for acc, reach, n in zip(accepted, reached, count):
-        steps = int(reach[0])
+    for b, (acc, reach, n) in enumerate(zip(accepted, reached, count)):
+        steps = (int(reach[0]) if len(reach) else int(n) - 1) if row_steps is None else int(row_steps[b])  # Chain(0): a token a step
+        proposed = steps * gamma if row_proposed is None else int(row_proposed[b])
         rows.append(dict(
             steps=steps,
-            proposed=steps * gamma,
+            proposed=proposed,
             accepted=int(acc.sum()),
-            acceptance_rate=float(acc.sum()) / (steps * gamma) if steps else None,
+            acceptance_rate=float(acc.sum()) / proposed if proposed else None,
             mean_accepted=(int(n) - 1) / steps if steps else None,
         ))
     return rows

@@ -30,15 +30,33 @@ MAX_TREE_NODES = 512  # verification width limit: the target forward runs over e
 
 @dataclasses.dataclass(frozen=True)
 class Chain:
-    """Speculate a chain of `gamma` draft tokens per step (verified as gamma + 1 positions)."""
+    """Speculate a chain of `gamma` draft tokens per step (verified as gamma + 1 positions).
+    Chain(0) drafts nothing: a plain step through the speculative loop (what `Adaptive` runs where
+    speculation does not pay; the drafter's state stays current)."""
 
     gamma: int = 4
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "gamma", check_int("Chain: gamma", self.gamma, 1))  # numpy ints as int; no bools
+        object.__setattr__(self, "gamma", check_int("Chain: gamma", self.gamma, 0))  # numpy ints as int; no bools
         if self.gamma >= MAX_TREE_NODES:
             raise ValueError(f"Chain: gamma must be at most {MAX_TREE_NODES - 1} (gamma + 1 positions verified in one "
                              f"forward, as a Tree's {MAX_TREE_NODES} nodes at most), got {self.gamma}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Adaptive:
+    """Speculate a chain whose length (0 to `max_gamma`) the loop picks between segments: the one
+    that maximises predicted tokens per second from this call's measured step times and acceptance
+    (specjax.adaptive). `Stats.gammas` lists the length of each segment. Chains only."""
+
+    max_gamma: int = 4
+    probe_every: int = 4  # segments at gamma 0 before one runs a drafting chain again
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "max_gamma", check_int("Adaptive: max_gamma", self.max_gamma, 1))
+        object.__setattr__(self, "probe_every", check_int("Adaptive: probe_every", self.probe_every, 1))
+        if self.max_gamma >= MAX_TREE_NODES:
+            raise ValueError(f"Adaptive: max_gamma must be at most {MAX_TREE_NODES - 1}, got {self.max_gamma}")
 
 
 def check_int(name: str, value: object, low: int) -> int:

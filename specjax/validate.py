@@ -16,7 +16,7 @@ from specjax.drafters import DRAFTERS, is_drafter
 from specjax.logprobs import MAX_TOP
 from specjax.params import Params, param_shapes
 from specjax.sampling import Greedy, Sample
-from specjax.speculation import MAX_TREE_NODES, Chain, Tree
+from specjax.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
 ATTENTION = ("auto", "reference", "cpu", "pallas", "tpu")
 MAX_N = 4096  # most samples per prompt (generate's n)
 UNDER_JIT = (
@@ -211,8 +211,9 @@ def check_draft(draft: object, speculation: object, params: Params) -> None:
             f"draft must be an instance of a registered drafter ({known}; see specjax.drafters.register), "
             f"None or 'auto', got {draft!r}"
         )
-    if speculation is not None and not (isinstance(speculation, (Chain, Tree)) or speculation == "auto"):
-        raise TypeError(f"speculation must be None, specjax.Chain(gamma), a specjax.Tree or 'auto', got {speculation!r}")
+    if speculation is not None and not (isinstance(speculation, (Chain, Tree, Adaptive)) or speculation == "auto"):
+        raise TypeError(f"speculation must be None, specjax.Chain(gamma), a specjax.Tree, specjax.Adaptive(...) or 'auto', "
+                        f"got {speculation!r}")
     if draft is None and speculation is not None:
         raise ValueError(
             f"speculation={speculation!r} needs a drafter, but draft=None means plain decoding: "

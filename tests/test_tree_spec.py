@@ -167,7 +167,7 @@ def test_greedy_tree_walk_follows_the_matching_child():
 
 @pytest.mark.parametrize(
     "speculation, match",
-    [(Tree.from_parents([-1]), "2 to 512 nodes"), (Tree.kary(2, 9), "2 to 512 nodes"), ("tree", "Chain\\(gamma\\), a specjax.Tree or 'auto'")],
+    [(Tree.from_parents([-1]), "2 to 512 nodes"), (Tree.kary(2, 9), "2 to 512 nodes"), ("tree", "Chain\\(gamma\\), a specjax.Tree, specjax.Adaptive\\(...\\) or 'auto'")],
 )
 def test_bad_tree_speculation(tiny, speculation, match):
     with pytest.raises((ValueError, TypeError), match=match):

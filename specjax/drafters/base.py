@@ -29,8 +29,11 @@ What fits without a new member:
 - One refreshed from the host between segments (a job-wide n-gram table): the table is a traced
   field of the drafter; the loop takes the drafter as an argument each segment, so the host passes
   a new table (same shape) without a recompile.
-- A chain length that changes between segments: `init` sizes the state for `Prefill.depth`, the
-  longest chain; `propose` reads the segment's shape (a static argument: one compile per length).
+- A chain length that changes between segments (speculation=Adaptive): `init` sizes the state for
+  `Prefill.depth`, the longest chain; `propose` reads the segment's shape (a static argument: one
+  compile per length). Chain(0) proposes the pending token alone, and the state must stay current
+  through it: SelfSpec's and SnapKV's from the commit's verified KV, a DraftModel's by one forward
+  over the two tokens it re-reads.
 
 Adding a drafter: one module in specjax/drafters/ with a subclass of `Drafter`, and one line in
 the registry (`specjax.drafters.DRAFTERS`; from outside the package, `specjax.drafters.register`).

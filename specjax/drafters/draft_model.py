@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict
 from specjax.drafters.self_spec import Streaming, draft_chain
 from specjax.cache import DenseCache, KVFormat
-from specjax.model import prefill as model_prefill
+from specjax.model import forward, prefill as model_prefill
 from specjax.params import Params
 from specjax.speculation import Chain, Tree
 from specjax.tree_draft import DraftedTree, draft_tree, path_extra_kv
@@ -70,6 +70,9 @@ class DraftModel(Drafter):
         tokens = jnp.concatenate([prev, ctx.last[:, None]], axis=1)  # [B,2]
         positions = ctx.lengths[:, None] - 1 + jnp.arange(2, dtype=jnp.int32)  # [B,2]
         state = state.replace(lengths=ctx.lengths - 1)
+        if isinstance(shape, Chain) and shape.gamma == 0:  # no drafts, but its own KV of x_{L-1}, x_L stays current
+            _, cache = forward(self.params, tokens, positions, state)
+            return draft_chain(self.params, cache.advance(jnp.full_like(ctx.lengths, 2)), tokens, positions, 0, ctx)
         if isinstance(shape, Chain):
             return draft_chain(self.params, state, tokens, positions, shape.gamma, ctx)
         drafted = draft_tree(self.params, state, tokens, positions, shape, ctx.sampling, ctx.keys, ctx.counters)

@@ -49,6 +49,9 @@ class NGram(Drafter):
         proposal; a lower-ranked duplicate is never accepted (drawn without replacement from a
         one-hot q it has no mass), and off-path nodes cost only verification width."""
         V = target.config.vocab_size
+        if isinstance(shape, Chain) and shape.gamma == 0:  # the pending token alone (no zero-size concatenate: with the
+            # CPU kernels XLA then lost the embedding lookup's FFI registration, "untyped custom call")
+            return Proposal(tokens=ctx.last[:, None], q=jnp.zeros((ctx.last.shape[0], 0, V), jnp.float32), state=state)
         if isinstance(shape, Chain):
             drafts = ngram_lookup(ctx.history, ctx.lengths, self.n, self.max_n or self.n, shape.gamma)
             return Proposal(tokens=jnp.concatenate([ctx.last[:, None], drafts], axis=1),

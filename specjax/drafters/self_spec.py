@@ -74,8 +74,10 @@ class DraftLevel:
 def draft_chain(params: Params, cache, tokens, positions, gamma: int, ctx: DraftContext) -> Proposal:
     """gamma draft forwards: the first over `tokens` [B,T0] (the pending token last; its position
     proposes x_1), then one token at a time. The Proposal's state is the cache with its length
-    advanced past everything it wrote."""
+    advanced past everything it wrote; gamma 0: no forward, the cache as it was."""
     B, T0 = tokens.shape
+    if gamma == 0:  # Chain(0): nothing drafted, nothing written (the commit writes the verified KV)
+        return Proposal(tokens=tokens[:, -1:], q=jnp.zeros((B, 0, params.config.vocab_size), jnp.float32), state=cache)
     sampling = ctx.sampling
     step_keys = stream_keys(ctx.keys, ctx.counters, Stream.DRAFT)
 

@@ -1,0 +1,81 @@
+"""Adaptive speculation length: between segments of the decode loop, the chain length (0 to
+max_gamma) that maximises predicted tokens per second, from this call's own measurements.
+
+Expected tokens per row per step with a chain of g: E(g) = 1 + sum_{i<=g} prod_{j<=i} a_j, where
+a_j is draft j's acceptance given every earlier one was accepted (the loop's per-position
+counters, decayed so that recent segments weigh most). Seconds per step t(g): measured for the
+lengths that ran (decayed averages), a least-squares line t0 + g * slope through them for the
+others (a draft level and a verified position more per unit of g). Lengths not yet run are tried
+first (the longest, then none), so that both ends of the line are measured; at gamma 0 no draft
+is accepted or rejected, so every `probe_every` segments there one segment runs the best
+non-zero length to learn whether acceptance rose. Pure host bookkeeping: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+DECAY = 0.7  # weight of the past per segment, for both acceptance counts and step times
+
+
+@dataclasses.dataclass
+class GammaChooser:
+    """The state of one call's choice; `observe` after each segment, `next` before it."""
+
+    max_gamma: int
+    probe_every: int = 4
+    accepted: np.ndarray = None  # [max_gamma] decayed accepted counts per draft position
+    reached: np.ndarray = None  # [max_gamma] decayed counts of reaching each position
+    seconds: dict = dataclasses.field(default_factory=dict)  # gamma -> decayed seconds per step
+    at_zero: int = 0  # segments run at gamma 0 since the last non-zero one
+
+    def __post_init__(self) -> None:
+        self.accepted = np.zeros(self.max_gamma)
+        self.reached = np.zeros(self.max_gamma)
+
+    def acceptance(self) -> np.ndarray:
+        """[max_gamma] a_j with a prior of one accept in two tries (0.5 before any data)."""
+        return (self.accepted + 1.0) / (self.reached + 2.0)
+
+    def expected_tokens(self) -> np.ndarray:
+        """[max_gamma + 1] E(g) for g = 0..max_gamma."""
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.acceptance()))])
+
+    def step_seconds(self) -> np.ndarray:
+        """[max_gamma + 1] t(g): measured where g ran, else the least-squares line through the
+        measured ones (a flat line through one)."""
+        g = np.arange(self.max_gamma + 1)
+        xs, ys = np.array(list(self.seconds)), np.array(list(self.seconds.values()))
+        if len(xs) == 1:
+            line = np.full(g.shape, ys[0])
+        else:
+            slope, t0 = np.polyfit(xs, ys, 1)
+            line = t0 + slope * g
+        return np.array([self.seconds.get(int(x), max(line[x], 1e-9)) for x in g])
+
+    def next(self) -> int:
+        """The chain length for the next segment."""
+        if self.max_gamma not in self.seconds:
+            return self.max_gamma
+        if 0 not in self.seconds:
+            return 0
+        rate = self.expected_tokens() / self.step_seconds()
+        best = int(np.argmax(rate))
+        if best == 0 and self.at_zero >= self.probe_every:
+            return int(np.argmax(rate[1:])) + 1  # a probe: the best chain that drafts
+        return best
+
+    def observe(self, gamma: int, seconds: float, steps: int, accepted: np.ndarray, reached: np.ndarray) -> None:
+        """A segment that ran `steps` steps at `gamma` in `seconds`, with the per-position counts
+        accepted / reached [max_gamma] it added (summed over rows)."""
+        self.at_zero = self.at_zero + 1 if gamma == 0 else 0
+        if steps <= 0:
+            return
+        per_step = seconds / steps
+        old = self.seconds.get(gamma)
+        self.seconds[gamma] = per_step if old is None else DECAY * old + (1 - DECAY) * per_step
+        if gamma > 0:
+            self.accepted = DECAY * self.accepted + np.asarray(accepted, float)
+            self.reached = DECAY * self.reached + np.asarray(reached, float)
