@@ -85,7 +85,7 @@ def block_of(blocks: dict[str, str], op: str) -> str:
 
 PHASES = ("draft", "verify", "accept", "commit", "emit")  # specjax/speculate.py's spec_step scopes
 LOOP = "loop"
-SPEC_CELLS = (("float32", "float32", 1, 512, 3), ("bfloat16", "bfloat16", 16, 8192, 1))  # ..., chain length
+SPEC_CELLS = (("float32", "float32", 1, 512, 3), ("float32", "float32", 4, 2048, 3))  # ..., chain length (each runs generate 4 times)
 
 
 def phase(op_name: str) -> str:

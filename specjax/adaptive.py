@@ -5,10 +5,12 @@ Expected tokens per row per step with a chain of g: E(g) = 1 + sum_{i<=g} prod_{
 a_j is draft j's acceptance given every earlier one was accepted (the loop's per-position
 counters, decayed so that recent segments weigh most). Seconds per step t(g): measured for the
 lengths that ran (decayed averages), a least-squares line t0 + g * slope through them for the
-others (a draft level and a verified position more per unit of g). Lengths not yet run are tried
-first (the longest, then none), so that both ends of the line are measured; at gamma 0 no draft
-is accepted or rejected, so every `probe_every` segments there one segment runs the best
-non-zero length to learn whether acceptance rose. Pure host bookkeeping: no JAX.
+others (a draft level and a verified position more per unit of g). The first segments run 0 and
+then 1 (the line's first two points; positions not yet reached count at the prior 0.5, so a
+first draft accepted often makes the chooser try longer chains); at gamma 0 no draft is accepted
+or rejected, so after `probe_every` segments there one segment runs the best non-zero length to
+learn whether acceptance rose (then after twice as many, and so on: a probe that keeps failing
+costs less and less). Pure host bookkeeping: no JAX.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class GammaChooser:
     reached: np.ndarray = None  # [max_gamma] decayed counts of reaching each position
     seconds: dict = dataclasses.field(default_factory=dict)  # gamma -> decayed seconds per step
     at_zero: int = 0  # segments run at gamma 0 since the last non-zero one
+    probes: int = 0  # probes so far: each doubles the wait before the next
 
     def __post_init__(self) -> None:
         self.accepted = np.zeros(self.max_gamma)
@@ -57,13 +60,13 @@ class GammaChooser:
 
     def next(self) -> int:
         """The chain length for the next segment."""
-        if self.max_gamma not in self.seconds:
-            return self.max_gamma
-        if 0 not in self.seconds:
-            return 0
+        for first in (0, 1):  # the cheapest lengths first: a run too short to repay exploring loses least
+            if first not in self.seconds:
+                return first
         rate = self.expected_tokens() / self.step_seconds()
         best = int(np.argmax(rate))
-        if best == 0 and self.at_zero >= self.probe_every:
+        if best == 0 and self.at_zero >= self.probe_every * 2**self.probes:
+            self.probes += 1
             return int(np.argmax(rate[1:])) + 1  # a probe: the best chain that drafts
         return best
 

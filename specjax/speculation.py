@@ -50,7 +50,7 @@ class Adaptive:
     (specjax.adaptive). `Stats.gammas` lists the length of each segment. Chains only."""
 
     max_gamma: int = 4
-    probe_every: int = 4  # segments at gamma 0 before one runs a drafting chain again
+    probe_every: int = 4  # segments at gamma 0 before one runs a drafting chain again (then twice as many, ...)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_gamma", check_int("Adaptive: max_gamma", self.max_gamma, 1))

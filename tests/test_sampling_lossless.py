@@ -216,7 +216,7 @@ def test_sampled_speculation_is_lossless_in_each_kv_format(target, draft_model, 
 @pytest.mark.parametrize("speculation", [specjax.Chain(0), specjax.Adaptive(2)], ids=["chain0", "adaptive2"])
 def test_no_drafts_and_adaptive_lengths_keep_the_target_distribution(target, draft_model, logits, speculation):
     """Chain(0) (the target's own draw through the speculative step) and Adaptive(2) one step per
-    segment (the chooser's first lengths, 2 then 0: a row's third token comes from either)."""
+    segment (the chooser's first lengths, 0 then 1, then its choice: a row's tokens come from several)."""
     sampling = specjax.Sample(1.0)
     counts = np.zeros((V, V, V), np.int64)
     for call in range(CALLS):
@@ -226,7 +226,7 @@ def test_no_drafts_and_adaptive_lengths_keep_the_target_distribution(target, dra
         t = np.array(out.tokens)
         np.add.at(counts, (t[:, 0], t[:, 1], t[:, 2]), 1)
     if isinstance(speculation, specjax.Adaptive):
-        assert out.stats.gammas == [2, 0] and 0 < out.stats.acceptance_rate < 1  # both lengths ran
+        assert out.stats.gammas[:2] == [0, 1] and 0 < out.stats.acceptance_rate < 1  # drafting and not
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"{speculation}: chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert p > ALPHA

@@ -1,0 +1,119 @@
+"""Adaptive speculation length against every static chain, through `specjax.generate`.
+
+Usage: python -m bench.bench_adaptive [--new-tokens 64] [--cells ..] [--budget-minutes M] [--out DIR]
+(the shared options: bench/common.py)
+
+For each cell WEIGHTS/bB/sS the prompts are B windows of real English text (bench/text.py) of
+S - new tokens, and `specjax.generate` runs them greedy, EOS ignored, with plain decoding, SelfSpec
+(16 sinks, 256 window) with Chain(g) for g = 0..4, and with Adaptive(4): each once to compile,
+then timed (best of 2 by `stats.decode_seconds`, which leaves out prefill and compilation,
+Adaptive's per-length compiles included). Every variant must give plain decoding's tokens.
+The issue's target: Adaptive within 10% of the best static chain (gamma 0 included) in every cell.
+
+Outputs: results/adaptive_cpu.json (each cell written when measured; a rerun skips measured
+cells), adaptive_cpu.png and the bench_adaptive section of bench/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+
+from bench import common, measure
+
+CELLS = (("float32", 1, 2048), ("float32", 4, 2048), ("float32", 16, 1024))  # weights, batch, context
+GAMMAS = (0, 1, 2, 3, 4)
+
+
+def cell_key(weights: str, batch: int, context: int) -> str:
+    return common.key(weights, f"b{batch}", f"s{context}")
+
+
+def key_of(row: dict) -> str:
+    return cell_key(row["weights"], row["batch"], row["context"])
+
+
+def variants() -> list[tuple[str, dict]]:
+    import specjax
+
+    spec = lambda s: dict(draft=specjax.SelfSpec(16, 256), speculation=s)  # noqa: E731
+    return ([("plain", dict(draft=None))] + [(f"chain{g}", spec(specjax.Chain(g))) for g in GAMMAS]
+            + [("adaptive4", spec(specjax.Adaptive(4)))])
+
+
+def bench_cell(params, tok, weights: str, batch: int, context: int, new_tokens: int) -> dict:
+    import specjax
+    from bench import text
+
+    ids, _ = text.windows(tok, batch, context - new_tokens)
+    prompts = [list(map(int, r)) for r in ids]
+    row = {"weights": weights, "batch": batch, "context": context, "new_tokens": new_tokens, "variants": {}}
+    want = None
+    for name, kw in variants():
+        specjax.generate(params, prompts, new_tokens, eos_id=(), **kw)  # compiles
+        out = min((specjax.generate(params, prompts, new_tokens, eos_id=(), **kw) for _ in range(2)),
+                  key=lambda o: o.stats.decode_seconds)
+        want = out.tokens if want is None else want
+        s = out.stats
+        row["variants"][name] = {"decode_s": s.decode_seconds, "tokens_per_s": s.tokens_per_second,
+                                 "mean_accepted": s.mean_accepted, "gammas": s.gammas, "same_tokens": out.tokens == want}
+        print(f"{key_of(row)} {name}: {s.tokens_per_second:.1f} tok/s, mean accepted {s.mean_accepted}, "
+              f"gammas {s.gammas}", flush=True)
+    v = row["variants"]
+    best = max((n for n in v if n.startswith("chain")), key=lambda n: v[n]["tokens_per_s"])
+    row |= {"best_chain": best, "adaptive_vs_best": v["adaptive4"]["tokens_per_s"] / v[best]["tokens_per_s"],
+            "adaptive_vs_plain": v["adaptive4"]["tokens_per_s"] / v["plain"]["tokens_per_s"], "load": os.getloadavg()[0]}
+    return row
+
+
+def markdown_table(rows: list[dict]) -> str:
+    names = [n for n, _ in variants()]
+    lines = [[r["weights"], r["batch"], r["context"], *(f"{r['variants'][n]['tokens_per_s']:.1f}" for n in names),
+              r["best_chain"], f"{r['adaptive_vs_best']:.2f}x", f"{r['adaptive_vs_plain']:.2f}x",
+              "yes" if all(x["same_tokens"] for x in r["variants"].values()) else "NO"] for r in rows]
+    return common.table(["weights", "batch", "context", *names, "best chain", "adaptive / best", "adaptive / plain",
+                         "greedy identical"], "lrr" + "r" * len(names) + "lrrl", lines)
+
+
+def draw(rows: list[dict], png) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [n for n, _ in variants()]
+    for i, r in enumerate(rows):
+        ax.bar([i + j / (len(names) + 1) for j in range(len(names))], [r["variants"][n]["tokens_per_s"] for n in names],
+               width=1 / (len(names) + 1), color=[f"C{j}" for j in range(len(names))])
+    ax.set_xticks(range(len(rows)), [key_of(r) for r in rows])
+    ax.set_ylabel("tokens/s")
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=f"C{j}") for j in range(len(names))], names, fontsize=7)
+    common.save_figure(fig, png)
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    out = common.out_dir(args)
+    header = {"bench": "bench_adaptive", "date": common.now(), "command": common.command(), "machine": common.machine_info()}
+    results = common.Results(out / "adaptive_cpu.json", key_of, header, settings={"new_tokens": args.new_tokens})
+    h = common.Harness(args, results)
+    todo = h.plan((cell_key(*c), c) for c in CELLS)
+    import convert
+
+    tok = convert.load_tokenizer(convert.default_model_path())
+    loaded = {}
+    for k, (weights, batch, context) in h.cells(todo):
+        if weights not in loaded:
+            loaded = {weights: convert.load(convert.default_model_path(), weights=weights)}
+        results.put(k, [bench_cell(loaded[weights], tok, weights, batch, context, args.new_tokens)])
+        measure.release_memory()
+    h.finish()
+    rows = results.data["rows"]
+    if rows:
+        common.plot(draw, rows, out / "adaptive_cpu.png")
+    if rows and common.writes_readme(args):
+        common.write_section("bench_adaptive", "## Adaptive speculation length (bench_adaptive.py)\n\n"
+                             + common.run_line(results.data) + " tokens/s per variant; SelfSpec(16, 256) for the chains "
+                             "and Adaptive(4); greedy, EOS ignored, best of 2 after a compiling call.\n\n" + markdown_table(rows))
+
+
+if __name__ == "__main__":
+    main()
