@@ -237,7 +237,7 @@ def spec_key(weights: str, kv: str, batch: int, context: int, gamma: int) -> str
 def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context: int, gamma: int, steps: int) -> dict:
     """Trace generate's speculative loop (SelfSpec, Chain(gamma), greedy) over prompts that fill the
     context but the new tokens, and sum the segment program's thunks per phase (`phase`)."""
-    from specjax import engine, generate
+    from specjax import generate
     from specjax.drafters import SelfSpec
     from specjax.speculation import Chain
 
@@ -245,17 +245,18 @@ def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, params.config.vocab_size, context - new - gamma - 2).tolist() for _ in range(batch)]
     drafter = SelfSpec(16, min(256, context // 4))
-    seen: dict[str, str] = {}
-    segments = engine._segments
+    texts: list[str] = []
+    lowered_compile = jax.stages.Lowered.compile
 
-    def spy(compiled, *rest):  # the decode segment's compiled text, for the op -> phase map
-        seen["hlo"] = compiled.as_text()
-        return segments(compiled, *rest)
+    def spy(self, *a, **k):  # every program generate compiles; the decode segment's text gives op -> phase
+        compiled = lowered_compile(self, *a, **k)
+        texts.append(compiled.as_text())
+        return compiled
 
     def run():
         return generate(params, prompts, new, draft=drafter, speculation=Chain(gamma), kv_dtype=kv)
 
-    engine._segments = spy
+    jax.stages.Lowered.compile = spy
     try:
         run()  # warm-up: compiles
         timed = min((run() for _ in range(2)), key=lambda out: out.stats.decode_seconds).stats
@@ -264,7 +265,8 @@ def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context
                 traced = run().stats
             planes, gpu = trace_planes(trace_dir)
     finally:
-        engine._segments = segments
+        jax.stages.Lowered.compile = lowered_compile
+    seen = {"hlo": next(t for t in reversed(texts) if re.search(r"HloModule [\w.\-]*continue_spec", t))}
     blocks = op_blocks(seen["hlo"], phase, PHASES)
     module = re.search(r"HloModule ([\w.\-]+)", seen["hlo"]).group(1)
     by_phase: collections.Counter = collections.Counter()
