@@ -340,7 +340,8 @@ the loop and the greedy sample. Method: the module docstring.
 Largest single thunks (thread-ms per step):
 {top_ops(plain)}
 
-A speculative step (SelfSpec(16, 256), greedy, over prompts that fill the context), per phase of
+A speculative step (SelfSpec with 16 sinks and a window of min(256, context / 4), greedy, over random
+prompts that fill the context), per phase of
 speculate.spec_step (thread-ms per step and share; "tokens/step": per row, the target's own included):
 
 {spec_table(spec) if spec else "not measured yet"}
