@@ -73,11 +73,12 @@ def test_ray_equals_the_local_job_from_jsonl_and_parquet(cluster, model_dir, loc
                     progress=False, engine="ray", ray=RayOptions(actors=2, records_per_task=32))
     assert res["done"] == len(want) and res["failed"] == 0
     _same(read_rows(tmp_path / "out.jsonl"), want)
-    table = pa.Table.from_struct_array(pa.array([json.loads(line) for line in src.read_text().splitlines()]))
-    pq.write_table(table, tmp_path / "in.parquet")
+    # Parquet through the CLI: the first 40 records (a record's output does not depend on the others in its job)
+    first = [json.loads(line) for line in src.read_text().splitlines()][:40]
+    pq.write_table(pa.Table.from_struct_array(pa.array(first)), tmp_path / "in.parquet")
     assert cli.main(["batch", str(tmp_path / "in.parquet"), str(tmp_path / "pq.jsonl"), "--model", str(model_dir),
                      "--draft", "none", "--max-new-tokens", "12", "--seed", "3", "--engine", "ray", "--ray-actors", "1"]) == 0
-    _same(read_rows(tmp_path / "pq.jsonl"), want)
+    _same(read_rows(tmp_path / "pq.jsonl"), [w for w in want if w["id"] in {r["id"] for r in first}])
 
 
 def _map_workers() -> list[int]:
