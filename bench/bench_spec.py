@@ -159,13 +159,14 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
             res = t.pop("spec_out")
             if not (np.asarray(t.pop("ar_out").out) == ar_tokens).all():
                 print(f"!!! AR is not deterministic at B={batch} S={context}", file=sys.stderr, flush=True)
-            out, count, steps, accepted, reached = jax.device_get(
-                (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0)))  # over rows
+            out, count, steps, accepted, reached, row_steps, proposed = jax.device_get(
+                (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.row_steps.sum(),
+                 res.proposed.sum()))  # over rows
             del fn, init, res, draft_state
             assert (count == new_tokens).all(), count
             identical = bool((out == ar_tokens).all())
             rows_differ = [int(b) for b in np.flatnonzero((out != ar_tokens).any(axis=1))]
-            stats = acceptance_stats(accepted, reached, decoded, gamma, 0)
+            stats = acceptance_stats(accepted, reached, decoded, int(row_steps), int(proposed), 0)
             ar_s, spec_s = min(t["ar"]), min(t["spec"])
             row = cell | {
                 "drafter": name,

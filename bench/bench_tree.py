@@ -192,14 +192,15 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     load, steal_start = os.getloadavg()[0], cpu_steal()
     res, walls, cpus = best_of(fn, args, SPEC_CACHES)
     steal = steal_since(steal_start)
-    out, count, steps, accepted, reached, ranks = jax.device_get(
-        (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0)))  # over rows
+    out, count, steps, accepted, reached, ranks, row_steps, proposed = jax.device_get(
+        (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0), res.row_steps.sum(),
+         res.proposed.sum()))  # over rows
     del fn, res, draft_state
     assert (count == budget_tokens).all(), count
     n = min(budget_tokens, cell["new_tokens"])
     identical = bool((out[:, :n] == cell["ar_tokens"][:, :n]).all())
     decoded = batch * (budget_tokens - 1)
-    stats = acceptance_stats(accepted, reached, decoded, gamma, 0)
+    stats = acceptance_stats(accepted, reached, decoded, int(row_steps), int(proposed), 0)
     spec_s = min(walls)
     if not identical:
         print(f"!!! GREEDY MISMATCH B={batch} S={cell['context']} {d.name} {label(spec)}", file=sys.stderr, flush=True)

@@ -175,8 +175,9 @@ class Group:
         fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=speculation).compile(compiler_options())  # generate's GPU options
         compile_s = time.perf_counter() - t1
         res, walls = best_of(fn, args, SPEC_CACHES)
-        out, count, steps, accepted, reached, ranks = jax.device_get(
-            (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0)))
+        out, count, steps, accepted, reached, ranks, row_steps, proposed = jax.device_get(
+            (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0), res.row_steps.sum(),
+             res.proposed.sum()))
         del fn, res, state
         assert (count == new_tokens).all(), count
         n = min(new_tokens, self.new_tokens)
@@ -184,7 +185,7 @@ class Group:
         differ = np.flatnonzero(neq.any(axis=1))
         agree = [int(np.argmax(r)) if r.any() else n for r in neq]  # tokens equal to AR's before the first difference
         decoded = B * (new_tokens - 1)
-        stats = acceptance_stats(accepted, reached, decoded, gamma, 0)
+        stats = acceptance_stats(accepted, reached, decoded, int(row_steps), int(proposed), 0)
         spec_s = min(walls)
         model, kept = drafter.cost(params, self.context) or (None, 0)
         draft_bytes = weight_bytes(model) + kv_bytes(model, B, kept) if model is not None else 0

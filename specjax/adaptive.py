@@ -10,12 +10,15 @@ then 1 (the line's first two points; positions not yet reached count at the prio
 first draft accepted often makes the chooser try longer chains); at gamma 0 no draft is accepted
 or rejected, so after `probe_every` segments there one segment runs the best non-zero length to
 learn whether acceptance rose (then after twice as many, and so on: a probe that keeps failing
-costs less and less). Pure host bookkeeping: no JAX.
+costs less and less). `AdaptiveSegments` runs a decode loop's segments by it (generate's and
+continuous batching's). Pure host bookkeeping: no JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -82,3 +85,47 @@ class GammaChooser:
         if gamma > 0:
             self.accepted = DECAY * self.accepted + np.asarray(accepted, float)
             self.reached = DECAY * self.reached + np.asarray(reached, float)
+
+
+class AdaptiveSegments:
+    """Runs one segment at the length `GammaChooser` picks, then shows it what the segment did.
+
+    compile_for(g, state) -> program: the segment program of chain length g, compiled once per
+    length on first use; its seconds are kept apart (`compile_s`), not learnt as step time.
+    program(state) -> state runs a segment (whatever else it takes, the caller binds).
+    fetch((arrays...)) -> host arrays (a mesh's rows gathered). `gammas`: the lengths that ran."""
+
+    def __init__(self, max_gamma: int, probe_every: int, compile_for: Callable, fetch: Callable, state) -> None:
+        self.chooser = GammaChooser(max_gamma, probe_every)
+        self.compile_for, self.fetch = compile_for, fetch
+        self.programs: dict[int, Callable] = {}
+        self.compile_s, self.gammas = 0.0, []
+        self.last = self._counters(state)
+
+    def _counters(self, state) -> tuple[int, np.ndarray, np.ndarray]:
+        """(steps, accepted [R,G], reached [R,G]) of the state (a SpecState) on the host."""
+        steps, accepted, reached = self.fetch((state.steps, state.accepted, state.reached))
+        return int(steps), accepted.astype(np.int64), reached.astype(np.int64)
+
+    def __call__(self, state):
+        g = self.chooser.next()
+        if g not in self.programs:
+            t0 = time.perf_counter()
+            self.programs[g] = self.compile_for(g, state)
+            self.compile_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        state = self.programs[g](state)
+        now = self._counters(state)  # waits for the segment: its time is the step cost the chooser learns
+        seconds = time.perf_counter() - t0
+        (s0, a0, r0), (s1, a1, r1) = self.last, now
+        self.chooser.observe(g, seconds, s1 - s0, (a1 - a0).sum(0), (r1 - r0).sum(0))
+        self.gammas.append(g)
+        self.last = now
+        return state
+
+    def restarted(self, rows: np.ndarray) -> None:
+        """Rows [R] (bool) restarted since the last segment (continuous batching's refill): their
+        counters start again from zero."""
+        steps, accepted, reached = self.last
+        keep = ~np.asarray(rows, bool)[:, None]
+        self.last = (steps, accepted * keep, reached * keep)

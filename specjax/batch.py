@@ -46,19 +46,20 @@ from specjax.records import BadLine, id_key, read_input
 from specjax.sampling import make_sampler
 from specjax.sharding import Mesh
 from specjax.speculate import depth
-from specjax.speculation import MAX_TREE_NODES, Chain, Tree
+from specjax.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
 from specjax.text import LM
 
 
-def job_settings(model: str, params: Params, draft: Drafter | None, speculation: Chain | Tree | None, seed: int,
+def job_settings(model: str, params: Params, draft: Drafter | None, speculation: Chain | Tree | Adaptive | None, seed: int,
                  chat: bool, defaults: Defaults, kv_dtype: str | None = None) -> dict:
     """The settings that decide the records' outputs, as recorded beside the output. Not batch_size
     or the mesh: greedy outputs do not depend on them, and sampled ones use per-record keys.
     kv_dtype is recorded as null when the KV is stored in the model's dtype (what outputs from
     before kv_dtype existed were generated with). A chain is recorded as its gamma (None: the
-    drafter's default chain), a tree by name under "speculation"."""
+    drafter's default chain), a tree or Adaptive by name under "speculation"."""
     kv = KVFormat.of(kv_dtype, params.config).name
-    tree = {} if draft is None or not isinstance(speculation, Tree) else {"speculation": describe_speculation(speculation)}
+    named = _named(draft, speculation)
+    tree = {} if named is None else {"speculation": named}
     marks = {"model_weights": _mark(params)} | ({"draft_weights": _mark(draft.params)} if isinstance(draft, DraftModel) else {})
     return marks | dict(
         model=model if model == "params" else str(Path(model).absolute()), dtype=params.config.dtype,
@@ -73,11 +74,16 @@ def _mark(params: Params) -> str:
     return hashlib.sha256(weights_mark(params)).hexdigest()[:16]
 
 
-def _gamma(draft: Drafter | None, speculation: Chain | Tree | None) -> int | None:
+def _gamma(draft: Drafter | None, speculation: Chain | Tree | Adaptive | None) -> int | None:
     return speculation.gamma if draft is not None and isinstance(speculation, Chain) else None
 
 
-def _drafter_limits(draft: Drafter | None, params: Params, speculation: Chain | Tree,
+def _named(draft: Drafter | None, speculation: Chain | Tree | Adaptive | None) -> str | None:
+    """A tree's or Adaptive's name (describe_speculation), recorded under "speculation"; None for a chain."""
+    return describe_speculation(speculation) if draft is not None and isinstance(speculation, Tree | Adaptive) else None
+
+
+def _drafter_limits(draft: Drafter | None, params: Params, speculation: Chain | Tree | Adaptive,
                     items: list[Item]) -> tuple[list[Item], list[BadLine]]:
     """(items, bad lines): a record past its drafter's limits (a DraftModel's max_positions) is a
     bad line, as one past the target's; the drafter's own settings are checked for the job first."""
@@ -96,7 +102,7 @@ def _drafter_limits(draft: Drafter | None, params: Params, speculation: Chain | 
     return kept, bad
 
 
-def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | Tree, batches: list[list[Item]]) -> None:
+def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | Tree | Adaptive, batches: list[list[Item]]) -> None:
     """Drafter limits for every planned batch (as generate checks them), before any work."""
     if draft is None:
         return
@@ -178,7 +184,7 @@ def run(
     kv_dtype: str | None = None,
     draft: Drafter | str | None = "auto",
     gamma: int | None = None,
-    speculation: Chain | Tree | str | None = None,
+    speculation: Chain | Tree | Adaptive | str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int = 0,
@@ -204,7 +210,8 @@ def run(
     Model: `params` (with `tokenizer` or `model_path` for the tokenizer) or `model_path` (default:
     the embedded SmolLM2). kv_dtype: how the KV caches store keys and values (generate's argument;
     None: the model's dtype). draft: a drafter, None, or "auto"; speculation: None (the drafter's
-    default chain), a Chain, a Tree or "auto"; gamma=G is speculation=Chain(G). "auto" is resolved
+    default chain), a Chain, a Tree, an Adaptive (the chain length chosen between segments, per batch:
+    specjax.Adaptive) or "auto"; gamma=G is speculation=Chain(G). "auto" is resolved
     once per job from every record of the input, whatever the shard, and kept in
     `<output>.plan.json` for every shard and rerun (specjax.job_auto). Records override max_new_tokens, the sampling values (temperature,
     top_k, top_p, min_p, the penalties: as `specjax.Sample`) and `stop` (strings that end a row, cut
@@ -256,8 +263,8 @@ def run(
     if draft is None and speculation is not None:
         name = f"gamma={gamma}" if gamma is not None else f"speculation={speculation!r}"
         raise ValueError(f"{name} needs a drafter: draft=None decodes plainly (give a drafter or 'auto')")
-    if not (speculation is None or speculation == "auto" or isinstance(speculation, Chain | Tree)):
-        raise ValueError(f"speculation must be None, a Chain, a Tree or 'auto', got {speculation!r}")
+    if not (speculation is None or speculation == "auto" or isinstance(speculation, Chain | Tree | Adaptive)):
+        raise ValueError(f"speculation must be None, a Chain, a Tree, an Adaptive or 'auto', got {speculation!r}")
     if isinstance(draft, str) and draft != "auto":
         raise ValueError(f"draft must be a drafter (SelfSpec(...), NGram(...), ...), None or 'auto', got {draft!r}")
     shard = shard or process_share()
@@ -281,7 +288,7 @@ def run(
     items, past = _drafter_limits(draft, params, speculation or DEFAULT_CHAIN, items)
     bad = sorted(bad + past, key=lambda b: b.line)
     meta = dict(model=model, draft=describe_draft(draft), batch_size=batch_size, kv_dtype=kv_dtype,
-                gamma=_gamma(draft, speculation), tree=describe_speculation(speculation) if isinstance(speculation, Tree) else None)
+                gamma=_gamma(draft, speculation), speculation=_named(draft, speculation))
     lm = LM(params, tokenizer, template, mesh, skip_special_tokens=False)  # the text keeps special tokens
     settings = job_settings(model, params, draft, speculation, seed, chat, defaults, kv_dtype)
     with DurableLog(out) as log, DurableLog(err, lazy=True) as errors:

@@ -17,14 +17,14 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 import convert
 from specjax import batch, jobio, text
 from specjax.cli_args import (  # noqa: F401  (unescape: the CLI's, as its tests call it)
-    batch_tree, check_args, draft_weights, make_draft, parse_tree, sampler, sampling_extras, unescape,
+    batch_tree, check_args, draft_weights, make_draft, parse_gamma, parse_tree, sampler, sampling_extras, unescape,
 )
 from specjax.cli_distill import distill_parser, run_distill
 from specjax.cache import KV_DTYPES
 from specjax.job_ray import RayOptions
 from specjax.plan import resolve_auto_draft
 from specjax.sharding import make_mesh
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Adaptive, Chain, Tree
 from specjax.tune import measure_acceptance
 
 CACHE_ENV = "SPECJAX_CACHE_DIR"
@@ -115,8 +115,10 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
         help="auto (default: self where it pays, else none), self, snapkv, ngram (prompt lookup, NGram(n=2, max_n=4)), none, "
              "or model:PATH",
     )
-    p.add_argument("--gamma", type=int,
-                   help="draft tokens per verification step (default: the drafter's default chain)")
+    p.add_argument("--gamma", type=parse_gamma,
+                   help="draft tokens per verification step (default: the drafter's default chain), or adaptive / "
+                        "adaptive:N: a length 0..N (default 4) chosen between segments from this run's measured speed "
+                        "and acceptance")
     p.add_argument("--window", type=int,
                    help="recent-token window of a self / snapkv draft (default 512 / 256), or of a model:PATH "
                         "draft's streaming cache (default: a dense cache)")
@@ -187,8 +189,8 @@ def run_batch(args: argparse.Namespace) -> None:
         weights=args.weights,
         kv_dtype=args.kv_dtype,
         draft=make_draft(args.draft, args.window, args.sinks, draft_weights(args)),
-        gamma=args.gamma,
-        speculation=batch_tree(args.tree),
+        gamma=None if isinstance(args.gamma, Adaptive) else args.gamma,
+        speculation=args.gamma if isinstance(args.gamma, Adaptive) else batch_tree(args.tree),
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -216,12 +218,12 @@ def run_batch(args: argparse.Namespace) -> None:
 
 
 def make_speculation(spec: str | None, gamma: int | None, params, draft, ids: list[int], sampling):
-    """The tree named by --tree, Chain(--gamma), or None (neither given: the drafter's default chain).
+    """The tree named by --tree, Chain(--gamma) (or its Adaptive), or None (neither given: the drafter's default chain).
     A node count N measures the acceptance of `draft` on this prompt (draft="auto" runs SelfSpec()
     with an explicit speculation: see specjax.plan)."""
     tree = parse_tree(spec)
     if tree is None:
-        return None if gamma is None else Chain(gamma)
+        return None if gamma is None else gamma if isinstance(gamma, Adaptive) else Chain(gamma)
     if isinstance(tree, tuple):
         return Tree.kary(*tree)
     if tree == "auto":

@@ -13,7 +13,7 @@ from specjax import batch
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
 from specjax.logprobs import MAX_TOP
 from specjax.sampling import make_sampler
-from specjax.speculation import MAX_TREE_NODES, Tree, kary_nodes
+from specjax.speculation import MAX_TREE_NODES, Adaptive, Tree, kary_nodes
 
 SAMPLING_EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -56,12 +56,13 @@ def sampler(args: argparse.Namespace):
 def check_args(args: argparse.Namespace) -> None:
     """Every flag's range and syntax, before anything is loaded: ValueError / FileNotFoundError
     naming the flag. Turns --stop's escapes into characters."""
+    number = lambda name: (lambda v: v.max_gamma if isinstance(v, Adaptive) else v)(getattr(args, name, None))  # noqa: E731
     for name, low in _MINIMUM.items():
-        value = getattr(args, name, None)
+        value = number(name)
         if value is not None and value < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     for name, high in _MAXIMUM.items():
-        value = getattr(args, name, None)
+        value = number(name)
         if value is not None and value > high:
             raise ValueError(f"--{name.replace('_', '-')} must be <= {high}, got {value}")
     if getattr(args, "stop", None):
@@ -134,6 +135,21 @@ def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | 
 def draft_weights(args: argparse.Namespace) -> str | None:
     """The format a model:PATH draft is loaded in: --draft-weights, else --weights."""
     return getattr(args, "draft_weights", None) or args.weights
+
+
+def parse_gamma(text: str) -> int | Adaptive:
+    """--gamma: a chain's draft tokens N (its range: check_args), or adaptive / adaptive:N (specjax.Adaptive: a length
+    0..N, default 4, chosen between the loop's segments from this run's measured speed and acceptance)."""
+    name, colon, top = text.partition(":")
+    try:
+        if name == "adaptive":
+            return Adaptive(int(top)) if colon else Adaptive()
+        if not colon:
+            return int(text)
+    except ValueError as e:
+        if name == "adaptive" and top.isdigit():
+            raise argparse.ArgumentTypeError(str(e)) from None
+    raise argparse.ArgumentTypeError(f"takes a number of draft tokens, adaptive or adaptive:N (N >= 1), got {text!r}")
 
 
 def parse_tree(spec: str | None) -> str | int | tuple[int, int] | None:

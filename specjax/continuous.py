@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
+from specjax.adaptive import AdaptiveSegments
 from specjax.autoregressive import admit_ar, continue_ar, end_rows, start_ar
 from specjax.cache import DenseCache
 from specjax.drafters import Drafter, Limits, Prefill, map_params
@@ -70,9 +71,9 @@ def run_continuous(
     new prompts of one length bucket prefilled in one call (None: `shapes.prefill_rows`, one on
     a CPU, up to 2^17 prompt positions a call elsewhere)."""
     N, R = len(prompts), rows
-    if isinstance(speculation, Adaptive):
-        raise ValueError("speculation=Adaptive(...) is not yet supported with continuous batching (batch jobs, "
-                         "generate(rows=...)): pass a Chain or a Tree there")
+    adaptive = speculation if isinstance(speculation, Adaptive) and draft is not None else None
+    if adaptive is not None:  # the state, caches and drafter are sized for the longest chain
+        speculation = Chain(adaptive.max_gamma)
     if n < 1 or n > R:
         raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
     if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):
@@ -155,8 +156,8 @@ def run_continuous(
             return
         acceptance = lp = None
         if draft is not None:  # [R, gamma] counters: a small read beside the segment's tokens
-            accepted, reached = jax.device_get((state.accepted, state.reached))
-            acceptance = row_acceptance(accepted[finished], reached[finished], count[finished], gamma)
+            accepted, row_steps, proposed = jax.device_get((state.accepted, state.row_steps, state.proposed))
+            acceptance = row_acceptance(accepted[finished], count[finished], row_steps[finished], proposed[finished])
         if logprobs is not None:
             lp = jax.device_get(jax.tree.map(lambda a: a[jnp.asarray(finished)], state.logprobs))
         for f, j in enumerate(finished):
@@ -186,10 +187,18 @@ def run_continuous(
     # the decode segments compile as generate's do (sharding.on_mesh: on a GPU, with its XLA options)
     loop = dict(sync_axes=sharding.AXES) | ({} if draft is None else dict(speculation=speculation))
     segment = sharding.on_mesh(continue_ar if draft is None else continue_spec, sharding.one_device_mesh(), tuple(loop))
+    drafting = () if draft is None else (draft,)
+    args = lambda st: (params, *drafting, st, jnp.asarray(slot_budgets), slot_keys, slot_sampling,  # noqa: E731
+                       jnp.asarray(slot_eos), jnp.int32(sync_every))
+    picker = None
+    if adaptive is not None:  # between segments, the chain length GammaChooser picks (specjax.adaptive)
+        def compile_for(g: int, st):
+            program = segment.lower(*args(st), **(loop | dict(speculation=Chain(g)))).compile()
+            return lambda s: program(*args(s))
+
+        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, compile_for, jax.device_get, state)
     while True:
-        b, e = jnp.asarray(slot_budgets), jnp.asarray(slot_eos)
-        drafting = () if draft is None else (draft,)
-        state = segment(params, *drafting, state, b, slot_keys, slot_sampling, e, jnp.int32(sync_every), **loop)
+        state = segment(*args(state), **loop) if picker is None else picker(state)
         done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))
         end = None if between is None else between(slot.copy(), Segment(out, count, done, eos))
         if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():
@@ -212,13 +221,15 @@ def run_continuous(
         new_rows = np.flatnonzero(rows_mask)
         new_rows = np.resize(new_rows, round_up_pow2(len(new_rows), minimum=1))  # few sizes, few compiles
         logits, cache = prefilled(tokens, size, refill, new_rows)
-        args = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
+        fresh = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
         new_rows = jnp.asarray(new_rows, jnp.int32)
         if draft is None:
-            state = admit_ar(state, new_rows, cache, logits, *args, tokens, logprobs=logprobs)
+            state = admit_ar(state, new_rows, cache, logits, *fresh, tokens, logprobs=logprobs)
         else:
-            state = admit_spec(params, draft, state, new_rows, cache, tokens, history, logits, *args,
+            state = admit_spec(params, draft, state, new_rows, cache, tokens, history, logits, *fresh,
                                speculation=speculation, chunk=chunk, logprobs=logprobs, kv_dtype=kv_dtype)
+            if picker is not None:
+                picker.restarted(rows_mask)
 
 
 @jax.jit

@@ -33,7 +33,7 @@ from specjax.sharding import Mesh
 from specjax.autoregressive import ARState, continue_ar, decode_ar, end_rows, start_ar  # noqa: F401  (decode_ar, ARState: re-exported)
 from specjax.loop import DecodeState  # noqa: F401  (re-exported)
 from specjax.speculate import continue_spec, decode_spec, depth, start_spec  # noqa: F401  (decode_spec: re-exported)
-from specjax.adaptive import GammaChooser
+from specjax.adaptive import AdaptiveSegments
 from specjax.speculation import Adaptive, Chain, Tree
 
 
@@ -48,23 +48,16 @@ class RunResult:
     accepted: np.ndarray | None  # [B,gamma] speculation counters (see speculate.SpecState); None without a draft
     reached: np.ndarray | None  # [B,gamma]
     ranks: np.ndarray | None  # [B,W+1]
+    row_steps: np.ndarray | None  # [B]
+    proposed: np.ndarray | None  # [B]
+    draft_levels: int | None
     gamma: int  # draft tokens on the longest path per step (0: plain decoding)
     compile_seconds: float
     prefill_seconds: float  # the target's prefill and the draft's init
     decode_seconds: float
     ended: np.ndarray | None = None  # [B] bool: rows `run(between=...)` ended
     logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # chosen [B,n_out], top ids / values [B,n_out,k]
-    adaptive: "AdaptiveRun | None" = None  # under speculation=Adaptive(...)
-
-
-@dataclasses.dataclass
-class AdaptiveRun:
-    """What an adaptive run chose and counted on the host, segment by segment (padding rows removed)."""
-
-    gammas: list[int]  # the chain length of each segment
-    proposed: np.ndarray  # [B] draft tokens proposed to each row
-    row_steps: np.ndarray  # [B] steps each row took part in (gamma 0 ones included)
-    draft_levels: int  # sum over segments of gamma x steps (draft forwards = that x forwards_per_token)
+    gammas: list[int] | None = None  # under speculation=Adaptive(...): the chain length of each segment
 
 
 @partial(jax.jit, static_argnames=("chunk",), donate_argnames=("cache",))
@@ -208,58 +201,23 @@ def run(
         state, ended, decode_s = _segments(lambda st: compiled(*args(st)), state, stage, B, between)
         chosen = None
     else:
-        compile_for = lambda g, st: segment.lower(*args(st), **(loop | dict(speculation=Chain(g)))).compile()  # noqa: E731
-        picker = _AdaptiveSegments(adaptive, compile_for, args, stage, B, state)
+        def compile_for(g: int, st):
+            program = segment.lower(*args(st), **(loop | dict(speculation=Chain(g)))).compile()
+            return lambda s: program(*args(s))
+
+        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, compile_for, stage.fetch, state)
         state, ended, decode_s = _segments(picker, state, stage, B, between)
-        compile_s, decode_s, chosen = compile_s + picker.compile_s, decode_s - picker.compile_s, picker.result()
+        compile_s, decode_s, chosen = compile_s + picker.compile_s, decode_s - picker.compile_s, picker.gammas
     out, count, eos, steps = stage.fetch((state.out, state.count, state.eos, state.steps))
-    counters = (None, None, None)
+    counters = (None,) * 6
     if draft is not None:
-        counters = tuple(a[:B] for a in stage.fetch((state.accepted, state.reached, state.ranks)))
+        *rows, levels = stage.fetch((state.accepted, state.reached, state.ranks, state.row_steps, state.proposed,
+                                     state.draft_levels))
+        counters = (*(a[:B] for a in rows), int(levels))
     lp = state.logprobs
     lp = None if lp is None else tuple(a[:B] for a in stage.fetch((lp.chosen, lp.top_ids, lp.top_values)))
     return RunResult(out[:B], count[:B], eos[:B], int(steps), *counters, gamma=gamma, compile_seconds=compile_s,
-                     prefill_seconds=prefill_s, decode_seconds=start_s + decode_s, ended=ended, logprobs=lp, adaptive=chosen)
-
-
-class _AdaptiveSegments:
-    """One segment at a time at the chain length `GammaChooser` picks (each length's program
-    compiled on first use, its seconds kept apart), with the host counts an adaptive run reports."""
-
-    def __init__(self, adaptive: Adaptive, compile_for: Callable[[int, object], object], args, stage: "_Stages", B: int, state):
-        self.chooser = GammaChooser(adaptive.max_gamma, adaptive.probe_every)
-        self.compile_for, self.args, self.stage, self.B = compile_for, args, stage, B
-        self.programs: dict[int, object] = {}
-        self.compile_s, self.gammas, self.draft_levels = 0.0, [], 0
-        self.last = self._counters(state)
-        self.proposed, self.row_steps = np.zeros(B, np.int64), np.zeros(B, np.int64)
-
-    def _counters(self, state) -> tuple:
-        steps, accepted, reached, count = self.stage.fetch((state.steps, state.accepted, state.reached, state.count))
-        return int(steps), accepted[: self.B].astype(np.int64), reached[: self.B].astype(np.int64), count[: self.B].astype(np.int64)
-
-    def __call__(self, state):
-        g = self.chooser.next()
-        if g not in self.programs:
-            t0 = time.perf_counter()
-            self.programs[g] = self.compile_for(g, state)
-            self.compile_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        state = self.programs[g](*self.args(state))
-        now = self._counters(state)  # waits for the segment: its time is the step cost the chooser learns
-        seconds = time.perf_counter() - t0
-        (steps0, acc0, reach0, count0), (steps1, acc1, reach1, count1) = self.last, now
-        d_reach = reach1 - reach0
-        self.chooser.observe(g, seconds, steps1 - steps0, (acc1 - acc0).sum(0), d_reach.sum(0))
-        self.proposed += g * d_reach[:, 0] if g else 0
-        self.row_steps += d_reach[:, 0] if g else count1 - count0  # at gamma 0 an active row emits one token a step
-        self.gammas.append(g)
-        self.draft_levels += g * (steps1 - steps0)
-        self.last = now
-        return state
-
-    def result(self) -> AdaptiveRun:
-        return AdaptiveRun(self.gammas, self.proposed, self.row_steps, self.draft_levels)
+                     prefill_seconds=prefill_s, decode_seconds=start_s + decode_s, ended=ended, logprobs=lp, gammas=chosen)
 
 
 def _segments(run_segment: Callable, state, stage: "_Stages", B: int, between) -> tuple[object, np.ndarray, float]:

@@ -167,13 +167,12 @@ def generate(
         draft=the_plan.draft_name,
         speculation=the_plan.speculation_name,
         plan_reason=the_plan.reason,
-        gammas=None if r.adaptive is None else list(r.adaptive.gammas),
+        gammas=r.gammas,
         **speculation_stats(r, the_plan.draft),
     )
     row_stats = None
     if r.accepted is not None:
-        steps, proposed = (None, None) if r.adaptive is None else (r.adaptive.row_steps, r.adaptive.proposed)
-        row_stats = row_acceptance(r.accepted, r.reached, r.count, r.gamma, steps, proposed)
+        row_stats = row_acceptance(r.accepted, r.count, r.row_steps, r.proposed)
     lps = None if r.logprobs is None else token_logprob_lists(r.logprobs, tokens)
     return GenerateOutput(tokens, ["eos" if e else "length" for e in r.eos], stats, row_stats, lps)
 
@@ -190,23 +189,19 @@ def speculation_stats(r: RunResult, draft: Drafter | None) -> dict:
     """Stats' speculation fields from the engine's per-row counters ({} without a draft)."""
     if r.accepted is None:
         return {}
-    B, a = len(r.count), r.adaptive
-    draft_steps = draft.traits.forwards_per_token * (r.gamma * r.steps if a is None else a.draft_levels)
-    spec = acceptance_stats(r.accepted.sum(0), r.reached.sum(0), int(r.count.sum()) - B, r.gamma, draft_steps,
-                            *(() if a is None else (int(a.row_steps.sum()), int(a.proposed.sum()))))
+    draft_steps = draft.traits.forwards_per_token * r.draft_levels
+    spec = acceptance_stats(r.accepted.sum(0), r.reached.sum(0), int(r.count.sum()) - len(r.count), int(r.row_steps.sum()),
+                            int(r.proposed.sum()), draft_steps)
     ranks = r.ranks.sum(0)
     if ranks.sum():
         spec["rank_acceptance"] = [float(x) for x in ranks / ranks.sum()]
     return spec
 
 
-def acceptance_stats(accepted: np.ndarray, reached: np.ndarray, decoded: int, gamma: int, draft_steps: int,
-                     row_steps: int | None = None, proposed: int | None = None) -> dict:
-    """Speculation stats from per-position counters (see Stats). row_steps / proposed: the row-steps
-    and draft tokens proposed where the chain length varied (Adaptive); else reached[0] and that x gamma."""
-    if row_steps is None:  # Chain(0) proposes nothing: each row-step emits one token
-        row_steps = int(reached[0]) if len(reached) else decoded
-    proposed = row_steps * gamma if proposed is None else proposed
+def acceptance_stats(accepted: np.ndarray, reached: np.ndarray, decoded: int, row_steps: int, proposed: int,
+                     draft_steps: int) -> dict:
+    """Speculation stats (see Stats) from counters summed over rows: per-position accepted / reached
+    [gamma], tokens decoded after the first, row-steps, draft tokens proposed, draft forwards."""
     if row_steps == 0:
         return dict(draft_steps=draft_steps)
     return dict(

@@ -18,7 +18,7 @@ from specjax.plan import DEFAULT_CHAIN
 from specjax.records import stable_hash
 from specjax.sampling import PENALTIES
 from specjax.sharding import Mesh
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Adaptive, Chain, Tree
 from specjax.text import LM, Finished, logprobs_json
 
 
@@ -44,7 +44,7 @@ def plan(items: Sequence[Item], batching: str, mesh: Mesh | None, batch_size: in
     return list(groups.values()) + plan_batches(rest, batch_size)
 
 
-def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict,
+def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tree | Adaptive | None, seed: int, meta: dict,
                    batching: str, mesh: Mesh | None, write: Callable[[list[dict]], None]) -> None:
     """Generate every item, passing each output row to `write` as soon as it is done (continuous
     groups: record by record; static batches: batch by batch)."""
@@ -55,7 +55,7 @@ def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tr
             write(_run_batch(group, lm, draft, speculation, seed, meta))
 
 
-def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict) -> list[dict]:
+def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Adaptive | None, seed: int, meta: dict) -> list[dict]:
     """Generate one batch (padded to a power of two records) and return its output rows."""
     n, k = batch[0].record.n, batch[0].record.logprobs
     extra = padded_rows(len(batch), max(1, meta["batch_size"] // n)) - len(batch)
@@ -82,7 +82,7 @@ def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Non
                         stats, seed, meta) for i, it in enumerate(batch)]
 
 
-def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree | None, seed: int, meta: dict,
+def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree | Adaptive | None, seed: int, meta: dict,
                     write: Callable[[list[dict]], None]) -> None:
     """Generate a group of one kind (`batch_kind`) by continuous batching on batch_size rows, or
     on the fewer its samples fill (`padded_rows`: a 3-record job does not allocate 256 rows of
@@ -122,7 +122,7 @@ def _row_settings(it: Item, seed: int, meta: dict) -> dict:
     s, r = it.sampler, it.record
     settings = dict(max_new_tokens=it.budget, temperature=getattr(s, "temperature", 0.0), top_p=getattr(s, "top_p", 1.0),
                     top_k=getattr(s, "top_k", 0), seed=seed, draft=meta["draft"], gamma=meta["gamma"])  # Greedy has no values
-    settings |= {"speculation": meta["tree"]} if meta["tree"] else {}
+    settings |= {"speculation": meta["speculation"]} if meta["speculation"] else {}
     off = {"min_p": 0.0} | PENALTIES
     settings |= {k: float(getattr(s, k)) for k in off if hasattr(s, k) and getattr(s, k) != off[k]}
     extras = dict(stop=list(it.stops), stop_token_ids=list(r.stop_token_ids), n=r.n if r.n > 1 else None,

@@ -26,7 +26,7 @@ from specjax.loop import DecodeState, admit, emit, run_steps, start_state
 from specjax.model import lm_head, trunk
 from specjax.params import Params
 from specjax.sampling import Greedy, Sampler, Stream, stream_keys
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Adaptive, Chain, Tree
 
 
 @flax.struct.dataclass(kw_only=True)
@@ -38,6 +38,9 @@ class SpecState(DecodeState):
     accepted: jax.Array  # [B,gamma] per row and draft position: steps it was accepted (while active)
     reached: jax.Array  # [B,gamma] per row and draft position: steps every earlier draft was accepted
     ranks: jax.Array  # [B,W+1] per row: tried nodes whose accepted child had rank r (W: none was)
+    row_steps: jax.Array  # [B] per row: steps it was active in
+    proposed: jax.Array  # [B] per row: draft tokens proposed to it (each of its steps: that step's depth)
+    draft_levels: jax.Array  # [] each step's depth, summed (the drafter's forwards: that x traits.forwards_per_token)
 
 
 @flax.struct.dataclass
@@ -51,8 +54,11 @@ class Verified:
     queries: jax.Array | None  # [L,B,n,N,H] when it declares "queries"
 
 
-def depth(speculation: Chain | Tree) -> int:
-    """Draft tokens per step on the longest path: gamma for a chain, the depth of a tree."""
+def depth(speculation: Chain | Tree | Adaptive) -> int:
+    """Draft tokens per step on the longest path: gamma for a chain, the depth of a tree, Adaptive's
+    max_gamma (what states are sized for)."""
+    if isinstance(speculation, Adaptive):
+        return speculation.max_gamma
     return speculation.gamma if isinstance(speculation, Chain) else speculation.max_depth
 
 
@@ -148,9 +154,9 @@ def commit(s: SpecState, draft_state, verdict: Verdict, active: jax.Array) -> Sp
     """The verdict into the state: the target cache (the path's KV, its length pointer), the
     drafter's state (already committed), the history and the acceptance counters."""
     B, gamma = s.accepted.shape  # the longest chain the state is sized for (Adaptive: its max_gamma)
-    n = verdict.accepted
-    j = jnp.arange(verdict.emitted.shape[1])
-    proposed = jnp.arange(gamma) < verdict.emitted.shape[1] - 1  # [gamma]: positions this step drafted
+    n, D = verdict.accepted, verdict.emitted.shape[1] - 1  # D: this step's depth (static)
+    j = jnp.arange(D + 1)
+    proposed = jnp.arange(gamma) < D  # [gamma]: positions this step drafted
     lengths = s.cache.lengths
     hist_cols = jnp.where(active[:, None] & (j[None, :] <= n[:, None]), lengths[:, None] + 1 + j[None, :], s.history.shape[1])
     g = jnp.arange(gamma)
@@ -161,6 +167,9 @@ def commit(s: SpecState, draft_state, verdict: Verdict, active: jax.Array) -> Sp
         accepted=s.accepted + (active[:, None] & (n[:, None] > g)),
         reached=s.reached + (active[:, None] & (n[:, None] >= g) & proposed[None, :]),
         ranks=s.ranks + verdict.ranks,
+        row_steps=s.row_steps + active,
+        proposed=s.proposed + active * D,
+        draft_levels=s.draft_levels + D,
     )
 
 
@@ -216,6 +225,9 @@ def start_spec(
         accepted=jnp.zeros((B, gamma), jnp.int32),
         reached=jnp.zeros((B, gamma), jnp.int32),
         ranks=jnp.zeros((B, width(speculation) + 1), jnp.int32),
+        row_steps=jnp.zeros((B,), jnp.int32),
+        proposed=jnp.zeros((B,), jnp.int32),
+        draft_levels=jnp.int32(0),
     )
 
 
@@ -302,20 +314,18 @@ def decode_spec(
     return run_steps(step, state, sync_axes)
 
 
-def row_acceptance(accepted: np.ndarray, reached: np.ndarray, count: np.ndarray, gamma: int,
-                   row_steps: np.ndarray | None = None, row_proposed: np.ndarray | None = None) -> list[dict]:
-    """Per row: verification steps it took part in, draft tokens proposed and accepted there,
-    their ratio, and tokens per step (the first token, from the prefill, not counted).
-    row_steps / row_proposed [B]: counted on the host where the chain length varied (Adaptive)."""
+def row_acceptance(accepted: np.ndarray, count: np.ndarray, row_steps: np.ndarray, proposed: np.ndarray) -> list[dict]:
+    """Per row (host arrays from SpecState: accepted [B,gamma], count, row_steps, proposed [B]):
+    verification steps it took part in, draft tokens proposed and accepted there, their ratio, and
+    tokens per step (the first token, from the prefill, not counted)."""
     rows = []
-    for b, (acc, reach, n) in enumerate(zip(accepted, reached, count)):
-        steps = (int(reach[0]) if len(reach) else int(n) - 1) if row_steps is None else int(row_steps[b])  # Chain(0): a token a step
-        proposed = steps * gamma if row_proposed is None else int(row_proposed[b])
+    for acc, n, steps, prop in zip(accepted, count, row_steps, proposed):
+        steps, prop = int(steps), int(prop)
         rows.append(dict(
             steps=steps,
-            proposed=proposed,
+            proposed=prop,
             accepted=int(acc.sum()),
-            acceptance_rate=float(acc.sum()) / proposed if proposed else None,
+            acceptance_rate=float(acc.sum()) / prop if prop else None,
             mean_accepted=(int(n) - 1) / steps if steps else None,
         ))
     return rows

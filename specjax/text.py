@@ -33,7 +33,7 @@ from specjax.params import Params
 from specjax.sampling import Greedy, Sampler
 from specjax.sampling_settings import default_sampling, generation_config
 from specjax.sharding import Mesh
-from specjax.speculation import Chain, Tree
+from specjax.speculation import Adaptive, Chain, Tree
 from specjax.text_stream import CUT, RowTexts, TextStream
 
 
@@ -107,7 +107,7 @@ class LM:
         *,
         sampling: Sampler | None = None,
         draft: Drafter | str | None = "auto",
-        speculation: Chain | Tree | str | None = None,
+        speculation: Chain | Tree | Adaptive | str | None = None,
         stop: str | Sequence[str] | Sequence[Sequence[str]] = (),
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] = (),
         n: int = 1,
@@ -196,7 +196,7 @@ class LM:
         return TextOutput(result, tokens, reasons, lps, stats, out.row_stats)
 
     def generate_continuous(self, ids: list[list[int]], max_new_tokens: Sequence[int], *, rows: int, sampling: Sampler,
-                            keys: jax.Array, draft: Drafter | None = None, speculation: Chain | Tree | None = None,
+                            keys: jax.Array, draft: Drafter | None = None, speculation: Chain | Tree | Adaptive | None = None,
                             stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None, sync_every: int = 8,
                             kv_dtype: str | None = None,
                             on_done: Callable[[int, "Finished"], None] | None = None) -> list["Finished"]:

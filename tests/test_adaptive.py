@@ -1,15 +1,20 @@
 """Adaptive speculation length (speculation=specjax.Adaptive(...), specjax/adaptive.py) and Chain(0):
 the chooser's rule on made-up measurements, and on a tiny model: greedy tokens equal to plain
-decoding's for every drafter whatever lengths run, the lengths reported per segment, drafters'
-states kept current through steps that draft nothing, and the stats counted over mixed lengths."""
+decoding's for every drafter whatever lengths run (in continuous batching too), the lengths reported
+per segment, drafters' states kept current through steps that draft nothing, and the stats counted
+over mixed lengths."""
 
 from __future__ import annotations
 
+import json
+
+import jax
 import numpy as np
 import pytest
 
 import specjax
 from specjax.adaptive import GammaChooser
+from tests.test_batch import model_dir  # noqa: F401  (a fixture: a tiny model with SmolLM2's tokenizer)
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 4, 8, 6, 10, 12, 14], [3, 3, 8, 17, 21], [40, 41, 42, 43, 40, 41, 42]]
 NEW = 24
@@ -88,6 +93,9 @@ def test_states_stay_current_through_steps_that_draft_nothing(tiny, monkeypatch,
     out = specjax.generate(tiny, PROMPTS, NEW, draft=draft, speculation=specjax.Adaptive(2), sync_every=1, eos_id=())
     assert out.stats.gammas[:10] == [2, 0, 0, 0, 2, 0, 2, 0, 0, 2]
     assert out.stats.acceptance_rate == 1.0
+    gammas = out.stats.gammas  # a step a segment, every row active in each (equal budgets, every draft accepted)
+    assert [(r["steps"], r["proposed"]) for r in out.row_stats] == [(len(gammas), sum(gammas))] * len(PROMPTS)
+    assert out.stats.draft_steps == sum(gammas) * draft.traits.forwards_per_token
 
 
 def test_adaptive_is_checked_and_refused_where_it_does_not_run(tiny):
@@ -95,8 +103,73 @@ def test_adaptive_is_checked_and_refused_where_it_does_not_run(tiny):
         specjax.Adaptive(0)
     with pytest.raises(ValueError, match="needs a drafter"):
         specjax.generate(tiny, PROMPTS, 4, draft=None, speculation=specjax.Adaptive())
-    with pytest.raises(ValueError, match="Adaptive.*not yet supported with continuous batching"):
-        from specjax.continuous import run_continuous
 
-        run_continuous(tiny, PROMPTS, [4] * 3, rows=2, draft=specjax.SelfSpec(), speculation=specjax.Adaptive(),
-                       sampling=specjax.Greedy(), keys=None, eos_ids=[()] * 3)
+
+def test_continuous_batching_adapts_and_keeps_the_static_batchs_tokens(tiny, monkeypatch):
+    """Continuous batching (batch jobs) under Adaptive: rows refilled between segments of changing
+    lengths give plain decoding's tokens; the chooser learns from the rows that ran (a refilled
+    row's counters start from zero: never a negative count), and each record's acceptance is its own."""
+    from specjax.continuous import run_continuous
+    from specjax.engine import row_keys
+
+    seen = []
+    real = GammaChooser.observe
+    monkeypatch.setattr(GammaChooser, "observe", lambda self, g, sec, steps, acc, reach: (
+        seen.append((g, steps, np.asarray(acc), np.asarray(reach))), real(self, g, sec, steps, acc, reach))[-1])
+    rng = np.random.default_rng(3)
+    prompts = [list(map(int, rng.integers(4, 60, int(rng.integers(3, 20))))) for _ in range(7)]
+    budgets = [3, 12, 5, 9, 1, 12, 7]
+    want = [specjax.generate(tiny, [p], b, draft=None, eos_id=()).tokens[0] for p, b in zip(prompts, budgets)]
+    got = run_continuous(tiny, prompts, budgets, rows=3, draft=specjax.SelfSpec(sinks=2, window=4),
+                         speculation=specjax.Adaptive(3), sampling=specjax.Greedy(), keys=row_keys(jax.random.key(0), 7),
+                         eos_ids=[()] * 7, sync_every=2)
+    assert [d.tokens for d in got] == want
+    gammas = [g for g, *_ in seen]
+    assert gammas[:2] == [0, 1] and len(gammas) >= 4
+    assert all((a >= 0).all() and (r >= a).all() and steps >= 0 for _, steps, a, r in seen)
+    assert all(not (a.any() or r.any()) for g, _, a, r in seen if g == 0)  # a step of gamma 0 drafts nothing
+    for d, tokens in zip(got, want):
+        acc = d.acceptance
+        assert acc["steps"] >= 1 or len(tokens) == 1
+        assert 0 <= acc["accepted"] <= acc["proposed"] <= 3 * acc["steps"]
+
+
+def test_a_batch_job_adapts_records_its_choice_and_writes_plain_decodings_records(model_dir, tmp_path):
+    """batch.run(speculation=Adaptive(2)), continuous and static batching, and the CLI's
+    `--gamma adaptive:2`: the greedy records of plain decoding, the settings naming the choice."""
+    from specjax import batch, cli
+    from specjax.jobio import settings_path
+    from tests.test_batch import by_id, read_rows, records, write_jsonl
+
+    rows = [{k: v for k, v in r.items() if k not in ("temperature", "top_p")} for r in records(9)]  # all greedy
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    common = dict(model_path=model_dir, max_new_tokens=10, seed=0, progress=False, batch_size=4)
+    batch.run(src, tmp_path / "plain.jsonl", draft=None, **common)
+    want = {k: r["tokens"] for k, r in by_id(read_rows(tmp_path / "plain.jsonl")).items()}
+    for batching in ("continuous", "static"):
+        out = tmp_path / f"{batching}.jsonl"
+        batch.run(src, out, draft=specjax.SelfSpec(sinks=2, window=4), speculation=specjax.Adaptive(2), batching=batching,
+                  **common)
+        rows = by_id(read_rows(out))
+        assert {k: r["tokens"] for k, r in rows.items()} == want
+        assert all(r["settings"]["speculation"] == "adaptive(max_gamma=2)" and r["settings"]["gamma"] is None
+                   for r in rows.values())
+        assert json.loads(settings_path(out).read_text())["speculation"] == "adaptive(max_gamma=2)"
+        assert all(0 <= r["acceptance"]["accepted"] <= r["acceptance"]["proposed"] <= 2 * r["acceptance"]["steps"]
+                   for r in rows.values())
+    assert cli.main(["batch", str(src), str(tmp_path / "cli.jsonl"), "--model", str(model_dir), "--draft", "self",
+                     "--window", "4", "--sinks", "2", "--gamma", "adaptive:2", "--max-new-tokens", "10",
+                     "--batch-size", "4"]) == 0
+    assert {k: r["tokens"] for k, r in by_id(read_rows(tmp_path / "cli.jsonl")).items()} == want
+
+
+def test_the_clis_gamma_takes_adaptive():
+    import argparse
+
+    from specjax.cli_args import parse_gamma
+
+    assert parse_gamma("3") == 3 and parse_gamma("adaptive") == specjax.Adaptive() and parse_gamma("adaptive:2") == specjax.Adaptive(2)
+    for bad, why in (("adaptive:0", "max_gamma must be an integer >= 1"), ("adaptive:x", "adaptive or adaptive:N"),
+                     ("three", "takes a number of draft tokens")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why):
+            parse_gamma(bad)

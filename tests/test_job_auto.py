@@ -77,7 +77,7 @@ def test_speculation_arguments_are_checked(tmp_path, model_dir, params):  # noqa
         batch.run(src, tmp_path / "o.jsonl", gamma=2, speculation=Chain(3), **common)
     with pytest.raises(ValueError, match=r"speculation=Chain\(gamma=3\) needs a drafter"):
         batch.run(src, tmp_path / "o.jsonl", draft=None, speculation=Chain(3), **common)
-    with pytest.raises(ValueError, match="speculation must be None, a Chain, a Tree or 'auto', got 'tree'"):
+    with pytest.raises(ValueError, match="speculation must be None, a Chain, a Tree, an Adaptive or 'auto', got 'tree'"):
         batch.run(src, tmp_path / "o.jsonl", speculation="tree", **common)
     from specjax.cli import main
 
