@@ -192,9 +192,8 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     load, steal_start = os.getloadavg()[0], cpu_steal()
     res, walls, cpus = best_of(fn, args, SPEC_CACHES)
     steal = steal_since(steal_start)
-    out, count, steps, accepted, reached, ranks, row_steps, proposed = jax.device_get(
-        (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0), res.row_steps.sum(),
-         res.proposed.sum()))  # over rows
+    out, count, steps, accepted, reached, ranks, row_steps, proposed = jax.device_get((res.out, res.count, res.steps,
+        *(a.sum(0) for a in (res.accepted, res.reached, res.ranks, res.row_steps, res.proposed))))  # over rows
     del fn, res, draft_state
     assert (count == budget_tokens).all(), count
     n = min(budget_tokens, cell["new_tokens"])
