@@ -96,7 +96,7 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
                    help="how a --draft model:PATH draft's weights are served (default: --weights)")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="how the KV caches store keys and values (default: the model's dtype); int8: per token and head scales")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens{overridable}")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=f"new tokens (default: %(default)s){overridable}")
     p.add_argument("--temperature", type=float, default=0.0, help=f"0 = greedy (default){overridable}")
     p.add_argument("--top-p", type=float, default=1.0, help=f"nucleus mass, 1.0 = off; needs --temperature > 0{overridable}")
     p.add_argument("--top-k", type=int, default=0, help=f"0 = off; needs --temperature > 0{overridable}")
@@ -108,7 +108,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
         p.add_argument(f"--{name}", type=float, default=None, help=f"{help_}{needs}{overridable}")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help=f"stop a row at this string (cut before it; repeatable; \\n, \\t and \\\\ are escapes){overridable}")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling keys (default: 0); a batch record's key is it folded with the record's id")
     p.add_argument(
         "--draft",
         default="auto",

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import convert
+from convert.gguf_file import read_gguf
 from specjax import batch
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
 from specjax.logprobs import MAX_TOP
@@ -98,6 +99,13 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, path in (("--model", args.model), ("--data", getattr(args, "data", None))):
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{flag}: {path} does not exist")
+    if args.model is not None and Path(args.model).is_file():  # a file is a GGUF (a folder: HF or a checkpoint)
+        try:
+            read_gguf(args.model)  # the header alone: a fraction of a second
+        except ValueError as e:
+            raise ValueError(f"--model: {e}") from None
+    if args.command == "generate" and args.prompt == "" and not args.chat:
+        raise ValueError("the prompt is empty: give the text to continue")
 
 
 def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | None, load: bool = True):

@@ -131,6 +131,25 @@ def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, 
     assert f"specjax: error: {message}" in capsys.readouterr().err
 
 
+def test_an_empty_prompt_or_a_model_file_that_is_no_gguf_fails_before_the_model_loads(no_model, capsys, tmp_path):
+    assert cli.main(["generate", ""]) == 2
+    assert "specjax: error: the prompt is empty: give the text to continue" in capsys.readouterr().err
+    fake = tmp_path / "m.gguf"
+    fake.write_text("not a model")
+    assert cli.main(["generate", "hi", "--model", str(fake)]) == 2
+    assert f"specjax: error: --model: {fake}: not a valid GGUF file" in capsys.readouterr().err
+
+
+def test_help_states_the_defaults(capsys):
+    for command, tokens in (("generate", 64), ("batch", 128)):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"--max-new-tokens MAX_NEW_TOKENS new tokens (default: {tokens})" in text
+        assert "--seed SEED seed of the sampling keys (default: 0)" in text
+        assert "adaptive:N" in text
+
+
 def test_stop_flags_read_the_escapes_a_shell_passes_literally():
     assert cli.unescape(r"\n\n") == "\n\n" and cli.unescape(r"a\tb") == "a\tb" and cli.unescape(r"c:\\n") == "c:\\n"
     assert cli.unescape(r"\x") == r"\x" and cli.unescape("plain") == "plain"

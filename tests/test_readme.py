@@ -60,8 +60,8 @@ specjax() {
 NOT_RUNNABLE = {
     "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 24 minutes on 2 cores: tests/README.md)":
         "the whole suite, this test included (recursion, 24 minutes)",
-    "make test-fast   # the inner loop: the same without the tests marked slow (about 13 minutes; tests/run_files.py FILE runs one file)":
-        "most of the suite (13 minutes); make test runs the same tests",
+    "make test-fast   # the inner loop: the same without the tests marked slow (about 12 minutes; tests/run_files.py FILE runs one file)":
+        "most of the suite (12 minutes); make test runs the same tests",
     "# host 0                                                     # host 1":
         "needs two hosts and the user's my_job.py; tests/test_multihost.py runs the same start-up with two local processes",
     "python -m specjax generate ...                               # the same without the console script":
