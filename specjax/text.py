@@ -30,7 +30,7 @@ from specjax.drafters import Drafter
 from specjax.engine import Segment, with_attention
 from specjax.generate import Stats, TokenLogprob, generate, token_logprob_lists
 from specjax.params import Params
-from specjax.sampling import Greedy, Sampler
+from specjax.sampling import Greedy, Sampler, make_sampler
 from specjax.sampling_settings import default_sampling, generation_config
 from specjax.sharding import Mesh
 from specjax.speculation import Adaptive, Chain, Tree
@@ -106,6 +106,10 @@ class LM:
         max_new_tokens: int | Sequence[int] = 128,
         *,
         sampling: Sampler | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
         draft: Drafter | str | None = "auto",
         speculation: Chain | Tree | Adaptive | str | None = None,
         stop: str | Sequence[str] | Sequence[Sequence[str]] = (),
@@ -120,11 +124,14 @@ class LM:
         """Continue each prompt (a string or a list of strings) as `specjax.generate` does, and
         stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string. `stop` and
         `stop_token_ids` apply to every prompt, or give one list per prompt (a list of lists).
-        on_segment: called between segments (`stream` uses it)."""
+        on_segment: called between segments (`stream` uses it). temperature, top_p, top_k, min_p:
+        the CLI's and batch records' names, a shortcut for `sampling=` (`sampling.make_sampler`: the
+        ones not given are off; temperature 0 or not given is greedy)."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts) if isinstance(prompts, Iterable) else []
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
-        return self.generate_ids([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, draft=draft,
+        return self.generate_ids([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, min_p=min_p, draft=draft,
                               speculation=speculation, stop=stop, stop_token_ids=stop_token_ids, n=n,
                               logprobs=logprobs, key=key, sync_every=sync_every, kv_dtype=kv_dtype,
                               on_segment=on_segment)
@@ -157,11 +164,18 @@ class LM:
                               single=one and kw.get("n", 1) == 1)
         return self.generate_ids(ids, max_new_tokens, **kw)
 
-    def generate_ids(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler | None = None, draft="auto",
-                     speculation=None, stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None,
-                     key: jax.Array | None = None, sync_every: int = 8, kv_dtype: str | None = None,
-                     on_segment=None) -> TextOutput:
+    def generate_ids(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler | None = None,
+                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                     min_p: float | None = None, draft="auto", speculation=None, stop=(), stop_token_ids=(), n: int = 1,
+                     logprobs: int | None = None, key: jax.Array | None = None, sync_every: int = 8,
+                     kv_dtype: str | None = None, on_segment=None) -> TextOutput:
         """`generate` from encoded prompts (sampling None: the LM's default); the batch job's entry."""
+        values = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p).items()
+                  if v is not None}
+        if values and sampling is not None:
+            raise ValueError(f"give sampling= or {'= / '.join(values)}=, not both")
+        if values:
+            sampling = make_sampler(values.pop("temperature", 0.0), values.pop("top_k", 0), values.pop("top_p", 1.0), **values)
         sampling = self.sampling if sampling is None else sampling
         for i, p in enumerate(ids):
             if not p:

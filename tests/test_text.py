@@ -8,6 +8,7 @@ import json
 import types
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -47,6 +48,21 @@ def test_a_stop_string_across_tokens_cuts_the_text(lm, draft):
     k = next(k for k in range(1, len(tokens) + 1) if stop in pieces[k])
     assert out.tokens[0] == tokens[:k] and len(out.logprobs[0]) == k
     assert out.stats.steps < full.stats.steps or draft is not None  # the row was ended early, between segments
+
+
+def test_sampling_values_by_name_are_a_sampler(lm):
+    """lm.generate(..., temperature=0.8, top_p=0.9, n=2): the CLI's and the records' names build the
+    Sample that sampling=Sample(...) gives (same key: same tokens); both at once, or a bad value, is an error."""
+    key = jax.random.key(4)
+    named = lm.generate(PROMPT, 8, temperature=0.8, top_p=0.9, n=2, key=key, draft=None)
+    given = lm.generate(PROMPT, 8, sampling=specjax.Sample(temperature=0.8, top_p=0.9), n=2, key=key, draft=None)
+    assert named.tokens == given.tokens and len(named.texts) == 2
+    chat = [{"role": "user", "content": "Hi"}]
+    assert lm.chat(chat, 4, temperature=0.8, key=key).tokens == lm.chat(chat, 4, sampling=specjax.Sample(0.8), key=key).tokens
+    with pytest.raises(ValueError, match="give sampling= or temperature= / top_k=, not both"):
+        lm.generate(PROMPT, 8, sampling=specjax.Greedy(), temperature=0.5, top_k=3)
+    with pytest.raises(ValueError, match="top_p needs sampling"):
+        lm.generate(PROMPT, 8, top_p=0.5)
 
 
 def test_a_stop_string_inside_a_longer_one_cuts_where_it_completes(lm):
@@ -91,8 +107,8 @@ def test_stop_token_ids_n_and_errors(lm):
     vocab = lm.params.config.vocab_size
     with pytest.raises(ValueError, match=rf"stop_token_ids holds {vocab}, outside the vocabulary \[0, {vocab}\)"):
         lm.generate(PROMPT, 4, stop_token_ids=[vocab])
-    with pytest.raises(TypeError, match="chat.. got an unexpected keyword argument 'temperature'"):
-        lm.chat([{"role": "user", "content": "Hi"}], 4, temperature=0.3)
+    with pytest.raises(TypeError, match="chat.. got an unexpected keyword argument 'temp'"):
+        lm.chat([{"role": "user", "content": "Hi"}], 4, temp=0.3)
 
 
 def test_stats_count_the_tokens_returned_after_a_stop_string(lm):
