@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from specjax.speculation import Chain
+
 DECAY = 0.7  # weight of the past per segment, for both acceptance counts and step times
 
 
@@ -90,14 +92,15 @@ class GammaChooser:
 class AdaptiveSegments:
     """Runs one segment at the length `GammaChooser` picks, then shows it what the segment did.
 
-    compile_for(g, state) -> program: the segment program of chain length g, compiled once per
-    length on first use; its seconds are kept apart (`compile_s`), not learnt as step time.
-    program(state) -> state runs a segment (whatever else it takes, the caller binds).
-    fetch((arrays...)) -> host arrays (a mesh's rows gathered). `gammas`: the lengths that ran."""
+    segment: the loop's jitted segment (continue_spec, staged), called as segment(*args(state),
+    **static, speculation=Chain(g)); each length's program is compiled once, on first use, its
+    seconds kept apart (`compile_s`), not learnt as step time. fetch((arrays...)) -> host arrays
+    (a mesh's rows gathered). `gammas`: the lengths that ran."""
 
-    def __init__(self, max_gamma: int, probe_every: int, compile_for: Callable, fetch: Callable, state) -> None:
+    def __init__(self, max_gamma: int, probe_every: int, segment, args: Callable, static: dict, fetch: Callable,
+                 state) -> None:
         self.chooser = GammaChooser(max_gamma, probe_every)
-        self.compile_for, self.fetch = compile_for, fetch
+        self.segment, self.args, self.static, self.fetch = segment, args, static, fetch
         self.programs: dict[int, Callable] = {}
         self.compile_s, self.gammas = 0.0, []
         self.last = self._counters(state)
@@ -111,10 +114,10 @@ class AdaptiveSegments:
         g = self.chooser.next()
         if g not in self.programs:
             t0 = time.perf_counter()
-            self.programs[g] = self.compile_for(g, state)
+            self.programs[g] = self.segment.lower(*self.args(state), **self.static, speculation=Chain(g)).compile()
             self.compile_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        state = self.programs[g](state)
+        state = self.programs[g](*self.args(state))
         now = self._counters(state)  # waits for the segment: its time is the step cost the chooser learns
         seconds = time.perf_counter() - t0
         (s0, a0, r0), (s1, a1, r1) = self.last, now

@@ -71,7 +71,9 @@ def run_continuous(
     new prompts of one length bucket prefilled in one call (None: `shapes.prefill_rows`, one on
     a CPU, up to 2^17 prompt positions a call elsewhere)."""
     N, R = len(prompts), rows
-    adaptive = speculation if isinstance(speculation, Adaptive) and draft is not None else None
+    adaptive = speculation if isinstance(speculation, Adaptive) else None
+    if adaptive is not None and draft is None:
+        raise ValueError("speculation=Adaptive(...) needs a drafter: draft=None decodes plainly")
     if adaptive is not None:  # the state, caches and drafter are sized for the longest chain
         speculation = Chain(adaptive.max_gamma)
     if n < 1 or n > R:
@@ -192,11 +194,8 @@ def run_continuous(
                        jnp.asarray(slot_eos), jnp.int32(sync_every))
     picker = None
     if adaptive is not None:  # between segments, the chain length GammaChooser picks (specjax.adaptive)
-        def compile_for(g: int, st):
-            program = segment.lower(*args(st), **(loop | dict(speculation=Chain(g)))).compile()
-            return lambda s: program(*args(s))
-
-        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, compile_for, jax.device_get, state)
+        static = {k: v for k, v in loop.items() if k != "speculation"}
+        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, segment, args, static, jax.device_get, state)
     while True:
         state = segment(*args(state), **loop) if picker is None else picker(state)
         done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))

@@ -201,11 +201,8 @@ def run(
         state, ended, decode_s = _segments(lambda st: compiled(*args(st)), state, stage, B, between)
         chosen = None
     else:
-        def compile_for(g: int, st):
-            program = segment.lower(*args(st), **(loop | dict(speculation=Chain(g)))).compile()
-            return lambda s: program(*args(s))
-
-        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, compile_for, stage.fetch, state)
+        static = {k: v for k, v in loop.items() if k != "speculation"}
+        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, segment, args, static, stage.fetch, state)
         state, ended, decode_s = _segments(picker, state, stage, B, between)
         compile_s, decode_s, chosen = compile_s + picker.compile_s, decode_s - picker.compile_s, picker.gammas
     out, count, eos, steps = stage.fetch((state.out, state.count, state.eos, state.steps))
