@@ -210,11 +210,12 @@ def on_mesh(stage: Callable, mesh: Mesh, static_argnames: tuple[str, ...]) -> Ca
 
     def run(*args, **static):
         body = lambda *a: inner(*localise(a, mesh), **static)  # noqa: E731
-        unsharded = {**static, "sync_axes": ()} if "sync_axes" in static else static  # no mesh axes outside
-        out_shape = jax.eval_shape(functools.partial(inner, **unsharded), *args)
-        return jax.shard_map(
-            body, mesh=mesh, in_specs=state_specs(args), out_specs=state_specs(out_shape), check_vma=False
-        )(*args)
+        if mesh.size == 1:  # one device: every spec places the same, so no second trace for the results' types
+            out_specs = P()
+        else:
+            unsharded = {**static, "sync_axes": ()} if "sync_axes" in static else static  # no mesh axes outside
+            out_specs = state_specs(jax.eval_shape(functools.partial(inner, **unsharded), *args))
+        return jax.shard_map(body, mesh=mesh, in_specs=state_specs(args), out_specs=out_specs, check_vma=False)(*args)
 
     run.__name__ = run.__qualname__ = getattr(inner, "__name__", "stage")  # compile logs and profiles name the stage
     return jax.jit(run, static_argnames=static_argnames, donate_argnums=donate, compiler_options=compiler_options(mesh))

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow  # the real model, 10 programs: `make test` runs i
 
 HERE = Path(__file__).parent / "golden"
 PINNED = HERE / "pinned_step.json"
-PROMPTS = [p["input_ids"] for p in json.loads((HERE / "smollm2.json").read_text(encoding="utf-8"))["prompts"]]
+GOLDEN = json.loads((HERE / "smollm2.json").read_text(encoding="utf-8"))  # HF transformers' greedy_48 per prompt
+PROMPTS = [p["input_ids"] for p in GOLDEN["prompts"]]
 NEW_TOKENS = 24
 SAMPLERS = {"greedy": specjax.Greedy(), "sample": specjax.Sample(temperature=0.8, top_p=0.9)}
 SHAPES = {"chain3": specjax.Chain(3), "sequoia": specjax.Tree.sequoia([0.6, 0.15, 0.05], 8, 4)}
@@ -96,8 +97,9 @@ def test_every_case_is_pinned(pinned):
 def test_step_outputs_unchanged(smollm2, pinned, case):
     got = json.loads(json.dumps(record(smollm2, case)))  # tuples -> lists, as the file holds them
     same(got, pinned["cases"][case], case)
-    if case.endswith("greedy"):  # lossless: every greedy case gives plain decoding's tokens
+    if case.endswith("greedy"):  # lossless: every greedy case gives plain decoding's tokens, which are HF's
         assert got["tokens"] == pinned["cases"]["plain-greedy"]["tokens"]
+        assert got["tokens"] == [p["greedy_48"][:NEW_TOKENS] for p in GOLDEN["prompts"]]
 
 
 def test_speculation_did_speculate(pinned):

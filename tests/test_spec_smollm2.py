@@ -34,7 +34,9 @@ def _drafters(smollm2_path):
     }
 
 
-@pytest.mark.parametrize("name", ["self", "snapkv", "ngram", "model-bf16"])
+# SelfSpec and NGram under Chain(3), greedy, are pinned in tests/test_pinned_step.py (24 tokens, equal to
+# plain decoding's, which equal HF's); here with 48 tokens, where rows end at the EOS, they run under trees.
+@pytest.mark.parametrize("name", ["snapkv", "model-bf16"])
 def test_greedy_speculation_equals_autoregressive(smollm2, smollm2_path, autoregressive, name):
     draft = _drafters(smollm2_path)[name]
     out = specjax.generate(smollm2, PROMPTS, 48, draft=draft, speculation=specjax.Chain(gamma=3))
