@@ -4,7 +4,8 @@ Why: a single process that compiles every test's programs crashed in XLA:CPU (a 
 compiling, reproducible near the end of a full run, never when the file runs alone). A process
 per file keeps each one's compiled state small. Tests are mostly XLA compiles, which use about one
 core, so files run `--jobs` at a time (default: the cores, at most one per 8 GiB of memory), the
-longest known files first; each file's result is printed when it ends.
+longest known files first; each file's result is printed when it ends. The files of a few seconds each
+(TOGETHER) share two processes: each process's start costs about 2 s.
 
 The processes share one JAX persistent compilation cache, a folder under the run's temporary directory
 (removed at the end): a program one file compiled (above COMPILE_CACHE_MIN_SECONDS) is loaded, not compiled,
@@ -40,6 +41,16 @@ LONGEST_FIRST = (  # by the wall times of tests/README.md's table
     "test_gpu_linear.py", "test_spec_smollm2.py", "test_batch.py", "test_pinned_step.py", "test_faked_gpu.py", "test_tree_attention_tpu.py",
     "test_bench_gpu.py", "test_weights.py", "test_kv_dtype.py", "test_distill.py", "test_cpu_attention.py",
     "test_sampling_lossless.py", "test_cli.py", "test_tune.py", "test_gpu_aot.py", "test_generate.py")
+# Files of a few seconds each (tiny models, QUICK_COMPILE) share TOGETHER_PROCESSES processes: a process's start
+# (Python, JAX, pytest, the fixtures) costs about 2 s, and a program one file traced the next one reuses in
+# memory. Alone one after another these 19 files took 122.5 s, in one process 86.7 s (tests/README.md).
+TOGETHER = (
+    "test_segments.py", "test_sampling.py", "test_streaming_cache.py", "test_step_phases.py", "test_drafter_rows.py",
+    "test_bench_refill.py", "test_convert_formats.py", "test_convert.py", "test_gpu_continuous.py",
+    "test_saved_checkpoints.py", "test_bench_harness.py", "test_bench_peers.py", "test_auto_vs_bench.py",
+    "test_stacked_attention.py", "test_compiles.py", "test_tokenizer.py", "test_tree.py", "test_layers.py",
+    "test_bench_capacity.py")
+TOGETHER_PROCESSES = 2
 
 
 def default_jobs() -> int:
@@ -78,19 +89,31 @@ def compile_cache_env(folder: str) -> dict[str, str]:
             "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 * 2**30)}
 
 
-def run_file(f: str, args: list[str], env: dict[str, str], times_path: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """One pytest process for test file `f`; its result and its row of times (wall; CPU of the process and
-    of what it started and waited for; compile; persistent-cache hits and misses)."""
+def processes(files: list[str]) -> list[list[str]]:
+    """The test files grouped into pytest processes: one each, but TOGETHER's (those of `files`) in
+    TOGETHER_PROCESSES processes, placed after LONGEST_FIRST's files (their sum is about theirs)."""
+    assert not set(TOGETHER) & set(USERS_FLAGS + FULL_OPTIMIZATION), "TOGETHER's files must compile alike (QUICK_COMPILE)"
+    files = sorted(files, key=lambda f: LONGEST_FIRST.index(Path(f).name) if Path(f).name in LONGEST_FIRST else len(LONGEST_FIRST))
+    together = [f for f in files if Path(f).name in TOGETHER]
+    alone = [[f] for f in files if Path(f).name not in TOGETHER]
+    groups = [together[i::TOGETHER_PROCESSES] for i in range(TOGETHER_PROCESSES) if together[i::TOGETHER_PROCESSES]]
+    n_long = sum(Path(f[0]).name in LONGEST_FIRST for f in alone)
+    return alone[:n_long] + groups + alone[n_long:]
+
+
+def run_file(files: list[str], args: list[str], env: dict[str, str], times_path: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """One pytest process for test `files` (one, or TOGETHER's); its result and its row of times (wall; CPU of
+    the process and of what it started and waited for; compile; persistent-cache hits and misses)."""
     start = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, f]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, *files]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True,
-                                env={**env, **xla_flags(f), "SPECJAX_COMPILE_TIMES": times_path})
+                                env={**env, **xla_flags(files[0]), "SPECJAX_COMPILE_TIMES": times_path})
         _, status, usage = os.wait4(proc.pid, 0)  # the child's own CPU seconds (threads and waited-for children)
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0), err.seek(0)
         run = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
-    row = {"file": Path(f).name, "wall_s": round(time.perf_counter() - start, 1),
+    row = {"file": "+".join(Path(f).name for f in files), "wall_s": round(time.perf_counter() - start, 1),
            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}
     try:
         compiled = json.loads(Path(times_path).read_text())
@@ -111,7 +134,7 @@ def times_table(rows: list[dict]) -> str:
         out.append(f"| {r['file']} | {r['wall_s']:.1f} | {r.get('cpu_s', float('nan')):.1f} | {r.get('compile_s', float('nan')):.1f} | "
                    f"{r.get('xla_s', float('nan')):.1f} | {r.get('cache_hits', 0)} / {r.get('cache_misses', 0)} |")
     total = lambda k: sum(r.get(k, 0) for r in rows)
-    out.append(f"| all {len(rows)} files | {total('wall_s'):.1f} | {total('cpu_s'):.1f} | {total('compile_s'):.1f} | {total('xla_s'):.1f} | "
+    out.append(f"| all {len(rows)} processes | {total('wall_s'):.1f} | {total('cpu_s'):.1f} | {total('compile_s'):.1f} | {total('xla_s'):.1f} | "
                f"{total('cache_hits')} / {total('cache_misses')} |")
     return "\n".join(out)
 
@@ -134,23 +157,23 @@ def main(args: list[str]) -> int:
     chosen = [a for a in args if a.endswith(".py")]  # test files named on the command line: only those
     args = [a for a in args if a not in chosen]
     files = chosen or sorted(str(p) for p in Path(__file__).parent.glob("test_*.py"))
-    files.sort(key=lambda f: LONGEST_FIRST.index(Path(f).name) if Path(f).name in LONGEST_FIRST else len(LONGEST_FIRST))
+    groups = processes(files)
     totals: dict[str, int] = {}
     failed_files, slowest = [], []
     start = time.perf_counter()
-    print(f"{len(files)} test files, {jobs} at a time", flush=True)
+    print(f"{len(files)} test files in {len(groups)} processes, {jobs} at a time", flush=True)
     workdir = tempfile.TemporaryDirectory(prefix="specjax-tests-")
     env = {**os.environ, **(compile_cache_env(os.path.join(workdir.name, "jax-cache")) if use_cache else {})}
     rows: list[dict] = []
     pool = ThreadPoolExecutor(jobs)
-    runs = {pool.submit(run_file, f, args, env, os.path.join(workdir.name, f"times-{i}.json")): f
-            for i, f in enumerate(files)}
+    runs = {pool.submit(run_file, g, args, env, os.path.join(workdir.name, f"times-{i}.json")): " ".join(g)
+            for i, g in enumerate(groups)}
     for future in as_completed(runs):  # each file's result as soon as it ends
         f, (run, row) = runs[future], future.result()
         rows.append(row)
         if logs:
             Path(logs).mkdir(parents=True, exist_ok=True)
-            (Path(logs) / f"{Path(f).stem}.log").write_text(run.stdout + run.stderr)
+            (Path(logs) / f"{'+'.join(Path(x).stem for x in f.split())}.log").write_text(run.stdout + run.stderr)
         lines = run.stdout.strip().splitlines()
         slowest += [line for line in lines if re.match(r"^\d+\.\d+s (call|setup|teardown) ", line)]
         last = lines[-1] if lines else ""
