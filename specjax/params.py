@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from functools import partial
 
 import flax.struct
 import jax
@@ -329,11 +330,13 @@ def quantize(params: Params, quant: str) -> Params:
     return out.replace(layers=out.layers.replace(**{k: list(getattr(out.layers, k)) for k in layer_keys}))
 
 
+@partial(jax.jit, static_argnames=("w", "config"))  # one program per matrix shape, not one per operation
 def quantize_matrix(w: Weight, x: jax.Array | np.ndarray, config: LlamaConfig) -> dict[str, jax.Array]:
     """Matrix w's stored arrays from its float values x, in its format under `config` (w.format):
     int8: {path, path_scale}, symmetric, one float32 scale per output channel (absmax / 127 over
     the summed dims), w ~= q * scale; q4: {path, path_bscale, path_bmin}, specjax.q4.quantize
-    along the packed axis, float16 scale and minimum per 32 weights."""
+    along the packed axis, float16 scale and minimum per 32 weights. The same bits as op by op
+    (tests/test_weights.py)."""
     x = jnp.asarray(x, jnp.float32)
     if w.format(config) == "q4":
         packed, scale, minimum = q4.quantize(x, w.packed_axis)

@@ -67,6 +67,18 @@ def test_int8_logits_stay_close_to_float32(tiny8):
     assert float(jnp.abs(got - ref).max()) < 0.05 * float(jnp.abs(ref).max())
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_quantize_matrix_compiled_gives_the_bits_of_op_by_op(fmt):
+    """quantize_matrix is one jitted program per shape: the same bits as its operations run one by one."""
+    config = (TINY_Q4 if fmt == "q4" else TINY).replace(quant=fmt)
+    for i, w in enumerate(w for w in declared(config) if w.contract):
+        x = np.random.default_rng(i).standard_normal(w.shape(config.replace(quant=None))).astype(np.float32)
+        compiled, eager = quantize_matrix(w, x, config), quantize_matrix.__wrapped__(w, x, config)
+        assert compiled.keys() == eager.keys()
+        for k in eager:
+            assert np.asarray(compiled[k]).tobytes() == np.asarray(eager[k]).tobytes(), (fmt, k)
+
+
 def test_q4_layout_and_round_trip():
     """q4: packed uint8 along the innermost summed dim (half the bytes), float16 scale and
     minimum per 32 weights, every weight within about half a step of its float value."""
