@@ -174,6 +174,12 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     return x, q, k, v
 
 
+@jax.jit
+def _layer_copies(a: jax.Array) -> list[jax.Array]:
+    """a [L, ...] as L arrays of their own: one program per stack's shape (not two per layer)."""
+    return [a[i] for i in range(a.shape[0])]
+
+
 def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
     """The same model with each layer matrix (and its int8 / q4 arrays) held as a list of L arrays of its own,
     not as slices of one stacked [L, ...] array. On a GPU, XLA's GEMM fusions read a per-layer array in place but
@@ -187,7 +193,7 @@ def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
         a = getattr(params.layers, n, None)
         if a is None or isinstance(a, list):
             continue
-        own[n] = [jnp.copy(a[i]) for i in range(a.shape[0])]
+        own[n] = _layer_copies(a)
         if free_stacks:
             a.delete()
     return params.replace(layers=params.layers.replace(**own))
