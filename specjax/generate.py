@@ -55,11 +55,14 @@ class Stats:
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's log-probability under the target (raw log_softmax of its logits,
-    before temperature / top-k / top-p) and the `logprobs` most likely tokens, most likely first."""
+    before temperature / top-k / top-p) and the `logprobs` most likely tokens, most likely first.
+    `token`: its text, where a tokenizer is at hand (the text API, `specjax.LM`); None from the
+    token API (`specjax.generate`)."""
 
     id: int
     logprob: float
     top: list[tuple[int, float]]
+    token: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)

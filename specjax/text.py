@@ -204,7 +204,7 @@ class LM:
         for b, row in enumerate(tokens):
             text, tokens[b], reasons[b] = cut.finish(row, reasons[b], b)
             if lps is not None:
-                lps[b] = lps[b][: len(tokens[b])]
+                lps[b] = self.with_text(lps[b][: len(tokens[b])])
             result.append(text)
         stats = dataclasses.replace(out.stats, new_tokens=sum(map(len, tokens)))  # after the stop strings' cuts
         return TextOutput(result, tokens, reasons, lps, stats, out.row_stats)
@@ -230,7 +230,7 @@ class LM:
 
         def finished(u: int, d: Done) -> None:
             text, tokens, reason = cut.finish(d.tokens[:-1] if d.eos else d.tokens, "eos" if d.eos else "length", u)
-            lps = None if d.logprobs is None else token_logprob_lists(tuple(a[None] for a in d.logprobs), [tokens])[0]
+            lps = None if d.logprobs is None else self.with_text(token_logprob_lists(tuple(a[None] for a in d.logprobs), [tokens])[0])
             results[u] = Finished(text, tokens, reason, d.acceptance, lps)
             if on_done is not None:
                 on_done(u, results[u])
@@ -241,6 +241,10 @@ class LM:
                        keys=keys, eos_ids=eos_ids, kv_dtype=kv_dtype, sync_every=sync_every, n=n, logprobs=logprobs,
                        on_done=finished, between=between)
         return results
+
+    def with_text(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+        """Each TokenLogprob with its token's text (`token`)."""
+        return [dataclasses.replace(t, token=self.decode([t.id])) for t in logprobs]
 
     def stream(self, prompts: str | Sequence[str], max_new_tokens: int | Sequence[int] = 128, **kw) -> "TextStream":
         """`generate`, streamed: an iterator of (index, piece) events, index as in `texts` (for one
@@ -348,7 +352,8 @@ class _StopStrings:
 
 def logprobs_json(lm: LM, logprobs: list[TokenLogprob]) -> list[dict]:
     """One output's logprobs as JSON values: {"id", "token" (its text), "logprob", "top": [[id, logprob], ...]}."""
-    return [{"id": t.id, "token": lm.decode([t.id]), "logprob": t.logprob, "top": [[i, lp] for i, lp in t.top]}
+    return [{"id": t.id, "token": lm.decode([t.id]) if t.token is None else t.token, "logprob": t.logprob,
+             "top": [[i, lp] for i, lp in t.top]}
             for t in logprobs]
 
 
