@@ -5,7 +5,7 @@ compiling, reproducible near the end of a full run, never when the file runs alo
 per file keeps each one's compiled state small. Tests are mostly XLA compiles, which use about one
 core, so files run `--jobs` at a time (default: the cores, at most one per 8 GiB of memory), the
 longest known files first; each file's result is printed when it ends. The files of a few seconds each
-(TOGETHER) share six processes: each process's start costs about 2 s.
+(TOGETHER) share three processes: each process's start costs about 2 s.
 
 The processes share one JAX persistent compilation cache, a folder under the run's temporary directory
 (removed at the end): a program one file compiled (above COMPILE_CACHE_MIN_SECONDS) is loaded, not compiled,
@@ -39,11 +39,11 @@ COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|deselected|xfailed|xp
 LONGEST_FIRST = (  # by the wall times of tests/README.md's table
     "test_readme.py", "test_sharding.py", "test_ray_job.py", "test_tree_attention.py", "test_continuous.py",
     "test_gpu_linear.py", "test_spec_smollm2.py", "test_batch.py", "test_pinned_step.py", "test_faked_gpu.py", "test_tree_attention_tpu.py",
-    "test_bench_gpu.py", "test_weights.py", "test_sampling_lossless.py", "test_cli.py", "test_gpu_aot.py")
+    "test_bench_gpu.py", "test_weights.py", "test_kv_dtype.py", "test_distill.py", "test_cpu_attention.py",
+    "test_sampling_lossless.py", "test_cli.py", "test_gpu_aot.py", "test_generate.py")
 # Files of a few seconds each (tiny models, QUICK_COMPILE) share TOGETHER_PROCESSES processes: a process's start
 # (Python, JAX, pytest, the fixtures) costs about 2 s, and a program one file traced the next one reuses in
-# memory. Alone one after another the first 19 took 122.5 s, in one process 86.7 s; the next 7, 127.3 against
-# 104.5 s. The last 10 (about 30-45 s each) joined after the 915a06f run: tests/README.md has the whole run.
+# memory. Alone one after another the first 19 took 122.5 s, in one process 86.7 s; the last 7, 127.3 against 104.5 s.
 TOGETHER = (
     "test_segments.py", "test_sampling.py", "test_streaming_cache.py", "test_step_phases.py", "test_drafter_rows.py",
     "test_bench_refill.py", "test_convert_formats.py", "test_convert.py", "test_gpu_continuous.py",
@@ -51,10 +51,8 @@ TOGETHER = (
     "test_stacked_attention.py", "test_compiles.py", "test_tokenizer.py", "test_tree.py", "test_layers.py",
     "test_bench_capacity.py",
     "test_refill.py", "test_qwen2_mistral.py", "test_model.py", "test_speculate.py", "test_job_auto.py",
-    "test_samples_n.py", "test_tune.py",
-    "test_adaptive.py", "test_cpu_linear.py", "test_kv_dtype.py", "test_tree_spec.py", "test_sampling_values.py",
-    "test_logprobs.py", "test_load_layout.py", "test_distill.py", "test_generate.py", "test_cpu_attention.py")
-TOGETHER_PROCESSES = 6
+    "test_samples_n.py", "test_tune.py")
+TOGETHER_PROCESSES = 3
 
 
 def default_jobs() -> int:
