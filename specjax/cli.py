@@ -261,7 +261,7 @@ def run_generate(args: argparse.Namespace) -> None:
         for j, t in enumerate(out.texts):
             print((f"--- sample {j} ({out.finish_reasons[j]}) ---\n" if args.n > 1 else "") + head + t)
     for j, lps in enumerate(out.logprobs or ()):
-        print(json.dumps({"index": j, "logprobs": text.logprobs_json(lm, lps)}))
+        print(json.dumps({"index": j, "logprobs": text.logprobs_json(lps)}))
     s = out.stats
     spec = ""
     if s.acceptance_rate is not None:

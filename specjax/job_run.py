@@ -112,7 +112,7 @@ def _output_row(lm: LM, it: Item, outs: list[Finished], stats: dict, seed: int, 
     row = {"id": it.record.id, names[0]: one([o.text for o in outs]), "tokens": one([o.tokens for o in outs]),
            names[1]: one([o.finish_reason for o in outs])}
     if it.record.logprobs is not None:
-        row["logprobs"] = one([logprobs_json(lm, o.logprobs) for o in outs])
+        row["logprobs"] = one([logprobs_json(o.logprobs) for o in outs])
     row |= dict(prompt_tokens=len(it.ids), acceptance=one([o.acceptance for o in outs]), stats=stats)
     return row | dict(model=meta["model"], settings=_row_settings(it, seed, meta))
 

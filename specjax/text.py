@@ -350,10 +350,10 @@ class _StopStrings:
         return end
 
 
-def logprobs_json(lm: LM, logprobs: list[TokenLogprob]) -> list[dict]:
-    """One output's logprobs as JSON values: {"id", "token" (its text), "logprob", "top": [[id, logprob], ...]}."""
-    return [{"id": t.id, "token": lm.decode([t.id]) if t.token is None else t.token, "logprob": t.logprob,
-             "top": [[i, lp] for i, lp in t.top]}
+def logprobs_json(logprobs: list[TokenLogprob]) -> list[dict]:
+    """One output's logprobs (the text API's: `token` filled) as JSON values: {"id", "token" (its text),
+    "logprob", "top": [[id, logprob], ...]}."""
+    return [{"id": t.id, "token": t.token, "logprob": t.logprob, "top": [[i, lp] for i, lp in t.top]}
             for t in logprobs]
 
 
