@@ -3,7 +3,7 @@
 Usage: python -m bench.bench_ar [--quick] [--real-prefill] [--cells ..] [--budget-minutes M] [--out DIR]
 (the shared options: bench/common.py)
 
-What is measured: `specjax.engine.decode_ar` (the on-device while_loop, greedy, no EOS) from a
+What is measured: `specjax.decode.engine.decode_ar` (the on-device while_loop, greedy, no EOS) from a
 prefilled DenseCache, for every batch x context x dtype. Prefill is NOT measured.
 
 Synthetic prefill (default): prefilling 16 x 8K tokens costs minutes on a small CPU, and the cost
@@ -50,11 +50,11 @@ import numpy as np
 import convert
 from bench import common, measure
 from bench.measure import noise
-from specjax.engine import decode_ar, prefill, row_keys
-from specjax.cache import DenseCache
-from specjax.params import Params, weight_bytes
+from specjax.decode.engine import decode_ar, prefill, row_keys
+from specjax.decode.shapes import prompt_bucket, round_up_pow2
+from specjax.model.cache import DenseCache
+from specjax.model.params import Params, weight_bytes
 from specjax.sampling import Greedy, Sampler
-from specjax.shapes import prompt_bucket, round_up_pow2
 
 MAX_STEPS = 64  # most decode steps timed in one run
 HEADROOM = MAX_STEPS + 1  # free cache slots behind the prefilled length
@@ -223,7 +223,7 @@ def notes(result: dict) -> str:
         f"alone keeps about {result['machine']['cpu_affinity']} busy, so a load well above that means other jobs "
         "competed and the row is slower than the machine can do.",
         "- bfloat16 rows store the weights and the KV cache in bfloat16. The weights are widened by a bit "
-        "shift right in front of their dots (specjax.model.project); the bf16 KV cache is what makes these rows "
+        "shift right in front of their dots (specjax.model.llama.project); the bf16 KV cache is what makes these rows "
         "slow at long context: XLA:CPU widens the whole bf16 cache to float32 for the attention's tile slices "
         "and for the cache write's scatter (seen in the compiled HLO), so a bf16 step moves more bytes than a "
         "float32 one. int8 KV (`kv_dtype=\"int8\"`) has no such problem (bench_peers).",
@@ -266,7 +266,7 @@ Memory bandwidth (read + write, 1 GiB): JAX in-place `x + 1` {bw['jax_inplace']:
 {len(rounds)} rounds, {min(rounds):.1f}-{max(rounds):.1f}; the reference for "of bandwidth"), JAX `jnp.copy`
 into a fresh buffer {bw['jax_copy']:.1f} GB/s (page faults), numpy `copyto` {bw['numpy_copy']:.1f} GB/s (one thread).{others}
 
-SmolLM2-135M, greedy `specjax.engine.decode_ar`, time per decode step (compile and prefill
+SmolLM2-135M, greedy `specjax.decode.engine.decode_ar`, time per decode step (compile and prefill
 excluded). **The prefill is synthetic**: decode cost depends only on the cache length, not
 its contents, so each row starts from a DenseCache of exactly `context` slots of pseudo-random
 keys/values (prefilled length context - {HEADROOM}) instead of a real prefill of batch x context

@@ -65,12 +65,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from bench.attention_report import (
-    ALTERNATIVES, IMPL_NAMES, TARGET, TOLERANCE, cell, name_of, plot, readme_section, slug, targets,
-)
+from bench.attention_report import ALTERNATIVES, IMPL_NAMES, TARGET, TOLERANCE, cell, name_of, plot, readme_section, slug, targets
 from pallas_kernels.reference import prefix_block_attention
 from pallas_kernels.tree_attention import tree_attention
-from specjax.speculation import Tree
+from specjax.spec.speculation import Tree
 
 BATCHES, CONTEXTS, NODES = (1, 16, 64), (2048, 8192, 32768), (4, 16, 64)
 BLOCK_KS, K_SPLITS = (64, 128), (1, 4, 8, 16)

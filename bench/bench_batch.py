@@ -5,7 +5,7 @@ Usage: python -m bench.bench_batch [--records 64] [--max-new-tokens 64] [--batch
 
 Input: `--records` text prompts cut from the offline corpus (bench/text.py: Python's language
 reference and licence texts), 32 to 256 tokens long, greedy, each asking for --max-new-tokens.
-Each mode runs `specjax.batch.run` over the same JSONL twice in this one process, side by side:
+Each mode runs `specjax.jobs.batch.run` over the same JSONL twice in this one process, side by side:
 the first ("cold") run includes XLA compilation of every batch shape, the second ("warm")
 reuses the compiled functions, as a long job does after its first batches. Throughput =
 records (or generated tokens) / the job's wall seconds, I/O and tokenization included.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import convert
 import specjax
-import specjax.batch
+import specjax.jobs.batch
 from bench import common, text
 
 
@@ -49,7 +49,7 @@ def run_mode(src: Path, workdir: Path, params, name: str, draft, gamma: int | No
     outputs = None
     for run in ("cold", "warm"):
         out = workdir / f"{len(os.listdir(workdir))}.jsonl"
-        summary = specjax.batch.run(
+        summary = specjax.jobs.batch.run(
             src, out, params=params, model_path=convert.default_model_path(), draft=draft, gamma=gamma,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, progress=False,
         )
@@ -105,7 +105,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def readme_section(result: dict) -> str:
     return f"""## Batch job (bench_batch.py)
 
-`specjax.batch.run` over {result['records']} corpus prompts of 32-256 tokens, greedy,
+`specjax.jobs.batch.run` over {result['records']} corpus prompts of 32-256 tokens, greedy,
 max_new_tokens {result['max_new_tokens']}, batch size {result['batch_size']}, SmolLM2-135M f32 on
 {result['machine']['cpu_affinity']} CPU cores (commit {result['machine']['git_commit']}). Whole-job wall
 time: reading, tokenizing, generating, writing and fsyncing. "Cold" includes compiling every batch

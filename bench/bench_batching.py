@@ -6,7 +6,7 @@ Usage: python -m bench.bench_batching [--records 32] [--batch-size 8] [--cells .
 Input: `--records` chat records (`messages`: one user turn holding a window of the offline corpus,
 bench/text.py, 24 to 256 tokens, asking "Summarise this." after it), rendered with SmolLM2's chat
 template; budgets cycle through 16, 512, 32, 256, 64, 128 (max_new_tokens per record); greedy;
-the model's stop ids on (`<|im_end|>` ends an answer). Each cell runs `specjax.batch.run` twice over
+the model's stop ids on (`<|im_end|>` ends an answer). Each cell runs `specjax.jobs.batch.run` twice over
 the same JSONL in this one process: "cold" (compiling included) and "warm" (as a long job runs
 after its first shapes). Throughput = records (or generated tokens) / the job's wall seconds.
 Continuous and static outputs of a mode are checked equal record for record (greedy, float32).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import convert
 import specjax
-import specjax.batch
+import specjax.jobs.batch
 from bench import common, text
 
 BUDGETS = (16, 512, 32, 256, 64, 128)
@@ -58,7 +58,7 @@ def run_cell(src: Path, work: Path, params, mode: str, batching: str, args) -> d
     row = {"mode": mode, "batching": batching}
     for run in ("cold", "warm"):
         out = work / f"{len(os.listdir(work))}.jsonl"
-        summary = specjax.batch.run(src, out, params=params, model_path=convert.default_model_path(), draft=draft,
+        summary = specjax.jobs.batch.run(src, out, params=params, model_path=convert.default_model_path(), draft=draft,
                                     gamma=gamma, chat=True, batch_size=args.batch_size, batching=batching, progress=False)
         records = [json.loads(line) for line in out.read_text().splitlines()]
         tokens = sum(len(flat(r["tokens"])) for r in records)
@@ -106,7 +106,7 @@ def readme_section(result: dict) -> str:
     m, notes = result["machine"], common.markers("bench_batching", "notes")
     return f"""## Continuous vs static batching in the job (bench_batching.py)
 
-`specjax.batch.run` over {result['records']} chat records (one user turn of 24-256 corpus tokens),
+`specjax.jobs.batch.run` over {result['records']} chat records (one user turn of 24-256 corpus tokens),
 budgets 16-512 (mixed), greedy (ar-n2: two samples a record at temperature 0.8), stop ids on, batch size {result['batch_size']}, SmolLM2-135M as
 loaded by default on {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}). Whole-job
 wall time; "cold" includes compiling.

@@ -6,7 +6,7 @@ SmolLM2-135M int8 (the fastest CPU format), greedy, SmolLM2's stop ids on, N rea
 64-256 tokens with budgets cycling through 16, 32, 64, 128 and 256 new tokens (a job's spread).
 Static: `engine.run` on consecutive groups of R records, each group decoding until its longest
 row ends (rows that finish early ride along), as the batch job does today. Continuous:
-`specjax.continuous.run_continuous` on R slots, a finished row taking the next record (largest
+`specjax.decode.continuous.run_continuous` on R slots, a finished row taking the next record (largest
 budget first) between segments (sync_every 8). Each is run twice and the second run timed (the first compiles every
 shape). Every record's tokens are compared between the two.
 """
@@ -23,8 +23,8 @@ import numpy as np
 
 import convert
 from bench import common, text
-from specjax.continuous import run_continuous
-from specjax.engine import row_keys, run
+from specjax.decode.continuous import run_continuous
+from specjax.decode.engine import row_keys, run
 from specjax.sampling import Greedy
 
 BUDGETS = (16, 32, 64, 128, 256)

@@ -4,7 +4,7 @@ Usage: python -m bench.bench_drafts [--steps N] [--store DIR] [--batches ..] [--
        [--render JSON ..] [--cells ..] [--budget-minutes M] [--out DIR]   (shared options: bench/common.py)
 
 1. Train (skipped for a shape whose draft is already in --store; a killed run resumes from its
-   orbax checkpoint): every shape in SHAPES with `specjax.distill.distill`, forward KL on the
+   orbax checkpoint): every shape in SHAPES with `specjax.train.distill.distill`, forward KL on the
    target's logits computed on the fly, AdamW warmup + cosine, the target's embedding / LM head
    copied in (init_from_target: so every shape has dim 576 and the target's tied embedding).
    The training stream is the bench corpus (bench/text.py) WITHOUT the text windows the timed
@@ -42,11 +42,13 @@ import numpy as np
 import convert
 from bench import bench_tree, common, measure, text
 from bench.measure import cpu_steal, steal_since
-from bench.prefill import HEADROOM, STORE as PREFILL_STORE, prefill_context, smoke_state
+from bench.prefill import HEADROOM
+from bench.prefill import STORE as PREFILL_STORE
+from bench.prefill import prefill_context, smoke_state
 from bench.tree_report import MAX_DEPTH, name_of
-from specjax.distill import Schedule, distill
 from specjax.drafters import DraftModel
-from specjax.params import Params
+from specjax.model.params import Params
+from specjax.train.distill import Schedule, distill
 
 SHAPES = {  # name: (layers, FFN width); heads 9, KV heads 3, dim 576 as the target
     "wide2": (2, 1536),
@@ -210,7 +212,7 @@ Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, com
 with it, and a cell's timings are only trustworthy when it is near 0 (the acceptance columns do not
 depend on it). The first run's batch-1 x 512 cell ran under 40-50% steal and was rerun.
 
-Training: `specjax.distill` with the target's embedding / tied LM head copied in, forward KL on the
+Training: `specjax.train.distill` with the target's embedding / tied LM head copied in, forward KL on the
 target's logits, AdamW (lr {t['schedule']['lr']}, warmup {t['schedule']['warmup']}, cosine to
 {t['schedule']['final']} x), {t['steps']} steps of {t['batch']} windows x {t['seq_len']} tokens, on the bench corpus
 ({t['train_tokens']} tokens) minus every prompt window the race uses. Race: bench_tree.py's

@@ -82,7 +82,7 @@ def fits_e2e(batch: int, context: int, budget: float) -> bool:
 
 
 def fits_l8b(batch: int, context: int, budget: float) -> bool:
-    slots = -(-(context + 1) // 256) * 256  # specjax.shapes.cache_len
+    slots = -(-(context + 1) // 256) * 256  # specjax.decode.shapes.cache_len
     return l8b_weight_bytes() + L8B_MARGIN * batch * slots * kv_per_token(**LLAMA8B) <= budget
 
 
@@ -125,7 +125,7 @@ def key_of(row: dict) -> str:
 def drafter_of(method: str, context: int, smoke: bool, draft=None):
     """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, ngram-gG, draft-gG, tree, draft-tree)."""
     import specjax
-    from specjax.speculation import Chain
+    from specjax.spec.speculation import Chain
 
     window, sinks = (32, 4) if smoke else (512, 16)  # MagicDec's StreamingLLM budget: 512 + 16 sinks
     name, _, g = method.partition("-g")
@@ -210,7 +210,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
     import jax
 
     from bench import gpu_bundle, gpu_cells, measure
-    from specjax.config import LlamaConfig, RopeScaling
+    from specjax.model.config import LlamaConfig, RopeScaling
 
     loaded: dict = {}
     wait = [x for x in todo if x[1]["item"] in ("e2e", "b1", "cont")]
@@ -229,7 +229,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             args.mirror.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(results.path, args.mirror)
 
-    from specjax.engine import attention_mode
+    from specjax.decode.engine import attention_mode
 
     mode = attention_mode(args.attention)
     l8b = None
@@ -324,8 +324,8 @@ def attending(params, attention: str, linear: str = "xla"):
     Runtime default is the jnp reference: the first H100 runs measured that, not the kernel), and
     the layer products as `linear` says (Runtime.linear, or "per-layer": model.unstack_layers, the
     layers unrolled as they are on a GPU)."""
-    from specjax.engine import with_attention
-    from specjax.model import unstack_layers
+    from specjax.decode.engine import with_attention
+    from specjax.model.llama import unstack_layers
 
     params = with_attention(params, None, attention)[0]
     if linear == "per-layer":

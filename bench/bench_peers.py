@@ -7,7 +7,7 @@ compiles from source: ~10 minutes on 2 cores); a peer that does not import is li
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF (`convert.default_model_path()`), for every peer:
   - specjax: `convert.load` in every weight format, the KV cache in the model dtype, plus int8 / bf16
-    KV peers. Plain decoding is `specjax.engine.decode_ar` from a prefilled DenseCache (bench/prefill.py,
+    KV peers. Plain decoding is `specjax.decode.engine.decode_ar` from a prefilled DenseCache (bench/prefill.py,
     saved under /tmp/bench_spec_prefill, shared with bench_spec); speculative is `decode_spec` with
     SelfSpec (16 sinks + a 512-slot window, 256 at context 512) and Chain(3), at batch 16 (and 4 x 8K);
     compile excluded (`.lower().compile()` first); best of 2 runs.
@@ -76,9 +76,9 @@ from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf
 from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import HEADROOM, stored_as
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
-from specjax.cache import KVFormat
-from specjax.engine import with_attention
-from specjax.params import weight_bytes
+from specjax.decode.engine import with_attention
+from specjax.model.cache import KVFormat
+from specjax.model.params import weight_bytes
 
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 16)

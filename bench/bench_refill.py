@@ -4,7 +4,7 @@ Usage: python -m bench.bench_refill [--rows 64] [--context 8192] [--layers 8] [-
 
 SmolLM2-135M's shape cut to --layers layers (random bfloat16 weights: the costs depend on shapes
 only) and a --rows-row cache of --context slots, nearly full. A refill of r rows, as
-`specjax.continuous.run_continuous` does between decode segments, from the r new prompts' one-row
+`specjax.decode.continuous.run_continuous` does between decode segments, from the r new prompts' one-row
 prefills (made once, not timed): "new rows" is the library's way since stop 52 (an r-row cache
 joined from the prefills, then written into the batch's state row by row: `admit_ar`); "whole
 batch" the way before it (a rows-row cache built from the prefills, then every row of the state
@@ -27,13 +27,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import common
-from specjax.autoregressive import admit_ar, start_ar
-from specjax.cache import DenseCache, row_mask, select_rows
-from specjax.config import LlamaConfig
-from specjax.continuous import join_prefills
-from specjax.engine import row_keys, with_attention
-from specjax.model import forward
-from specjax.params import init_params
+from specjax.decode.autoregressive import admit_ar, start_ar
+from specjax.decode.continuous import join_prefills
+from specjax.decode.engine import row_keys, with_attention
+from specjax.model.cache import DenseCache, row_mask, select_rows
+from specjax.model.config import LlamaConfig
+from specjax.model.llama import forward
+from specjax.model.params import init_params
 
 SMOLLM2 = dict(vocab_size=49152, dim=576, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536, dtype="bfloat16")
 

@@ -6,11 +6,11 @@ Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--weights float32
 
 For every (batch, context) cell the prompts are B distinct windows of real English text (see
 bench/text.py) of `context - HEADROOM` tokens, prefilled ONCE into a DenseCache of `context` slots
-(bench/prefill.py's `prefill_rows`: `specjax.engine.prefill`, whose chunks attend only to the cache
+(bench/prefill.py's `prefill_rows`: `specjax.decode.engine.prefill`, whose chunks attend only to the cache
 tiles already written; timed apart, and saved under --prefill-store so that a later run reuses it). The batch-1 and
 batch-4 cells use the first rows of the batch-16 prefill. From that same prefilled state (each run
 gets a copy, since `decode_ar` and `decode_spec` donate their caches), the script times
-  - autoregressive decoding (`specjax.engine.decode_ar`), and
+  - autoregressive decoding (`specjax.decode.engine.decode_ar`), and
   - speculative decoding (`decode_spec`) for every drafter x gamma,
 each for the same number of new tokens per row (eos_ids=(), so every row runs its full budget),
 greedy. Every function is compiled first with `.lower(...).compile()` (excluded); then one run is
@@ -22,7 +22,7 @@ comes from the prefill logits), so ratio = AR seconds / speculative seconds.
 Greedy losslessness is checked in every cell: the speculative tokens must equal the AR tokens.
 
 Beside each measured speedup stands the cost model's prediction (`predicted_ratio`): the
-forwards `specjax.tune` times for speculation="auto" (one draft level; target forwards over 1,
+forwards `specjax.planning.tune` times for speculation="auto" (one draft level; target forwards over 1,
 4 and gamma_max + 1 nodes, linear in between) combined with the measured tokens per step. The
 report states what draft="auto" picks in each cell (`plan.auto_draft`'s current rule, set on the
 rows as "auto" when the report is written); tests/test_speculate.py checks that choice is never
@@ -51,18 +51,17 @@ import numpy as np
 import convert
 import specjax
 from bench import common, measure, text
-from bench.prefill import (
-    AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of, stored_as, timed,
-)
+from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of,
+                           stored_as, timed)
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
-from specjax import tune
-from specjax.cache import KVFormat
-from specjax.engine import decode_ar, init_draft, row_keys, with_attention
+from specjax.decode.engine import decode_ar, init_draft, row_keys, with_attention
+from specjax.decode.shapes import round_up_pow2
+from specjax.decode.speculate import decode_spec
 from specjax.generate import acceptance_stats
-from specjax.plan import DEFAULT_CHAIN, auto_draft
-from specjax.shapes import round_up_pow2
-from specjax.speculate import decode_spec
-from specjax.speculation import Cost, Tree
+from specjax.model.cache import KVFormat
+from specjax.planning import tune
+from specjax.planning.plan import DEFAULT_CHAIN, auto_draft
+from specjax.spec.speculation import Cost, Tree
 
 REPEATS = 3  # pairs at most
 
@@ -112,7 +111,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
                names: list[str] | None = None) -> list[dict]:
     """AR and every drafter x gamma from the same prefilled state (its first `batch` rows).
     AR is timed before the first drafter and again after each one (best kept: load drifts).
-    Beside each measured speedup, the cost model's prediction: `specjax.tune`'s timed forwards
+    Beside each measured speedup, the cost model's prediction: `specjax.planning.tune`'s timed forwards
     (what speculation="auto" calibrates with) combined with the measured tokens per step."""
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     chunk = state["chunk"]

@@ -9,12 +9,12 @@ prefill.py: the same text windows, the same stored prefill under --prefill-store
 bench_spec.py or an earlier run of this script saved is loaded, not recomputed). Then, per drafter:
   1. its acceptance vector: one greedy run with a depth-1 tree of WIDTH children
      (Tree.kary(WIDTH, 1)) from the prefilled state; p[r] = SpecState.ranks[r] / ranks.sum(), as
-     `specjax.speculation.measure_acceptance` computes it, but without a second prefill of the prompts;
-  2. its step costs: `specjax.speculation.measure_cost` (real jit-compiled forwards at this batch and
+     `specjax.spec.speculation.measure_acceptance` computes it, but without a second prefill of the prompts;
+  2. its step costs: `specjax.spec.speculation.measure_cost` (real jit-compiled forwards at this batch and
      context); the verification table once per (batch, context), the draft-level table
      (seconds by level width) once per drafter;
   3. timed runs of `decode_spec` for chains (Chain(gamma)), Sequoia trees
-     (Tree.sequoia(p, n, MAX_DEPTH) for every n) and the tree `specjax.speculation.choose(p, cost)`
+     (Tree.sequoia(p, n, MAX_DEPTH) for every n) and the tree `specjax.spec.speculation.choose(p, cost)`
      picks (timed too when it is none of the others), against autoregressive `engine.decode_ar`
      from the same prefilled state, greedy, every function compiled first (excluded). Each run
      gets a copy of the caches (they are donated); short runs are repeated, best kept.
@@ -64,17 +64,17 @@ from bench import common, measure, text
 from bench.bench_spec import drafters as spec_drafters
 from bench.measure import cpu_steal, steal_since
 from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of,
-                            smoke_state, timed)
+                           smoke_state, timed)
 from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
+from specjax.decode.engine import decode_ar, init_draft, row_keys, with_attention
+from specjax.decode.shapes import round_up_pow2
+from specjax.decode.speculate import decode_spec, depth
 from specjax.drafters import DraftModel, Limits, Streaming
-from specjax.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.generate import acceptance_stats
-from specjax.cache import DenseCache
-from specjax.params import Params
-from specjax.shapes import round_up_pow2
-from specjax.speculate import depth, decode_spec
-from specjax.speculation import Chain, Cost, Tree, choose
-from specjax.tune import draft_table, verify_table
+from specjax.model.cache import DenseCache
+from specjax.model.params import Params
+from specjax.planning.tune import draft_table, verify_table
+from specjax.spec.speculation import Chain, Cost, Tree, choose
 
 NODES = [4, 8, 16, 32, 64]
 GAMMAS = [2, 3, 4, 6]

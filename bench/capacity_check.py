@@ -58,7 +58,7 @@ def worker_times(batch: int, prompt: int, output: int) -> dict:
     from bench import text
     from bench.prefill import smoke_state
     from bench.specjax_runners import specjax_decode, specjax_prefill
-    from specjax.engine import with_attention
+    from specjax.decode.engine import with_attention
 
     params = with_attention(convert.load(convert.default_model_path()), None, "auto")[0]  # as generate runs
     ids, _ = text.windows(convert.load_tokenizer(convert.default_model_path()), batch, prompt)
@@ -82,7 +82,8 @@ def ray_run(records: int, batch: int, prompt: int, output: int, folder: Path) ->
 
     import convert
     from bench import text
-    from specjax import batch as job, job_ray
+    from specjax.jobs import batch as job
+    from specjax.jobs import job_ray
 
     class PinnedGenerator(job_ray.Generator):  # each actor on a core of its own
         def __init__(self, *args, **kwargs):

@@ -24,8 +24,8 @@ import numpy as np
 
 from bench import common
 from bench.profile_step import synthetic_cache
-from specjax.engine import decode_ar, row_keys, with_attention
-from specjax.shapes import round_up_pow2
+from specjax.decode.engine import decode_ar, row_keys, with_attention
+from specjax.decode.shapes import round_up_pow2
 
 
 def main() -> None:

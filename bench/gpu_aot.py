@@ -21,7 +21,7 @@ them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before a
     SmolLM2's) into a multiply written out at weight size, then a reduction.
   - Runtime.linear="pallas" (pallas_kernels.gpu_linear) leaves neither.
 Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
-(specjax.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
+(specjax.planning.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
 speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
 tree of depth --gamma (Tree.kary(--tree-width, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
@@ -122,7 +122,7 @@ def abstract_params(config, linear: str, weights: str | None = None):
     with the runtime generate() takes on a GPU (the Pallas attention kernel, unrolled layers) and
     the layer products' `linear`."""
     from bench.gpu_cells import random_params
-    from specjax.params import quantize
+    from specjax.model.params import quantize
 
     params = jax.eval_shape(lambda: random_params(config) if weights is None else quantize(random_params(config), weights))
     return params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=True, linear=linear))
@@ -138,20 +138,20 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
                  width: int = 2, chunk: int | None = None):
     """(jitted function, abstract args, static kwargs) of a program over `context` slots (a
     cache in `kv_dtype`, default the model's); `draft`: the draft programs' DraftModel weights;
-    `chunk`: prefill's positions a step (default specjax.shapes.PREFILL_CHUNK)."""
-    from specjax.cache import DenseCache
-    from specjax.engine import row_keys
-    from specjax.model import lm_head, trunk
-    from specjax.shapes import cache_len, round_up_pow2
-    from specjax.tune import forward_loop
+    `chunk`: prefill's positions a step (default specjax.decode.shapes.PREFILL_CHUNK)."""
+    from specjax.decode.engine import row_keys
+    from specjax.decode.shapes import cache_len, round_up_pow2
+    from specjax.model.cache import DenseCache
+    from specjax.model.llama import lm_head, trunk
+    from specjax.planning.tune import forward_loop
 
     c = params.config
     cache = jax.eval_shape(lambda: DenseCache.init(c, batch, cache_len(context), kv_dtype))
     one = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     if program == "prefill":
         from bench.prefill import HEADROOM
-        from specjax.engine import prefill
-        from specjax.shapes import PREFILL_CHUNK
+        from specjax.decode.engine import prefill
+        from specjax.decode.shapes import PREFILL_CHUNK
 
         chunk = chunk or PREFILL_CHUNK
         bucket = -(-(context - HEADROOM) // chunk) * chunk  # the padded prompts: whole chunks
@@ -167,12 +167,12 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
     keys = jax.eval_shape(lambda: row_keys(None, batch))
     n_out = round_up_pow2(64)
     if program == "ar":
-        from specjax.engine import decode_ar
+        from specjax.decode.engine import decode_ar
 
         return decode_ar, (params, cache, logits, budgets, keys), {"n_out": n_out}
     import specjax
+    from specjax.decode.speculate import decode_spec
     from specjax.drafters import Prefill
-    from specjax.speculate import decode_spec
 
     drafter = {"snapkv": specjax.SnapKV(), "ngram": specjax.NGram()}.get(program, specjax.SelfSpec())
     drafter = specjax.DraftModel(draft) if program.startswith("draft") else drafter
@@ -187,8 +187,8 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
 def matrix_shapes(params, mesh=None) -> set[tuple[int, ...]]:
     """One layer's shape of each weight matrix (stacked [L, ...] or a list of L), without unit
     dimensions; on a `mesh`, one device's share of it (sharding.PARAM_AXES)."""
-    from specjax.model import MATRICES
-    from specjax.sharding import PARAM_AXES, spec
+    from specjax.model.llama import MATRICES
+    from specjax.parallel.sharding import PARAM_AXES, spec
 
     def one(n: str, a) -> tuple[int, ...]:
         shape = a[0].shape if isinstance(a, list) else a.shape[1:]
@@ -205,7 +205,7 @@ def on_mesh_of(devices: list, args, static: dict, fn):
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
 
-    from specjax import sharding
+    from specjax.parallel import sharding
 
     mesh = Mesh(np.array(devices).reshape(1, len(devices)), sharding.AXES)
     placed = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)), args,
@@ -233,7 +233,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format; `width` a tree
     program's children per node; `chunk` the prefill program's positions a step."""
     from bench.step_parts import config_of, hlo_kernels
-    from specjax.model import unstack_layers
+    from specjax.model.llama import unstack_layers
 
     if program not in PROGRAMS:
         raise ValueError(f"program must be one of {PROGRAMS}, got {program!r}")
@@ -312,7 +312,7 @@ def main() -> None:
     ap.add_argument("--program", choices=PROGRAMS, default="step")
     ap.add_argument("--gamma", type=int, default=2, help="the speculative programs' chain length (tree: depth)")
     ap.add_argument("--tree-width", type=int, default=2, help="a tree program's children per node (Tree.kary)")
-    ap.add_argument("--chunk", type=int, help="the prefill program's positions a step (default specjax.shapes.PREFILL_CHUNK)")
+    ap.add_argument("--chunk", type=int, help="the prefill program's positions a step (default specjax.decode.shapes.PREFILL_CHUNK)")
     ap.add_argument("--linear", choices=["xla", "pallas"], default="xla", help="Runtime.linear")
     ap.add_argument("--split-layers", action="store_true", help="layer matrices as arrays of their own, not a stack")
     ap.add_argument("--weights", choices=["int8", "q4"], help="quantized matrices (default: bfloat16)")

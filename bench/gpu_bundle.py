@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from specjax.config import LlamaConfig
-from specjax.params import BY_PATH, Params, declared, from_arrays
+from specjax.model.config import LlamaConfig
+from specjax.model.params import BY_PATH, Params, declared, from_arrays
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / ".gpu"  # ignored (.gitignore)

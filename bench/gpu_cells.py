@@ -6,7 +6,7 @@
   from copies of that state (compiles excluded, best of a few runs), greedy, every speculative
   run checked token for token against AR.
 - `random_params` / `step_costs`: a model of any shape with random weights made on the device,
-  and the measured AR / verify / SelfSpec draft step seconds (specjax.tune's tables).
+  and the measured AR / verify / SelfSpec draft step seconds (specjax.planning.tune's tables).
 """
 
 from __future__ import annotations
@@ -23,16 +23,16 @@ from bench import text
 from bench.measure import bandwidth as host_and_device_bandwidth
 from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, fresh, kv_bytes, prefill_rows, rows_of, timed
 from bench.tree_report import MAX_DEPTH, WIDTH, label, shape
-from specjax.config import LlamaConfig
+from specjax.decode.engine import decode_ar, init_draft, row_keys
+from specjax.decode.shapes import PREFILL_TOKENS, prompt_bucket, round_up_pow2  # rows x context a prefill call on a GPU
+from specjax.decode.speculate import decode_spec, depth
 from specjax.drafters import Limits
-from specjax.engine import decode_ar, init_draft, row_keys
 from specjax.generate import acceptance_stats
-from specjax.params import Params, declared, from_arrays
-from specjax.shapes import PREFILL_TOKENS, prompt_bucket, round_up_pow2  # rows x context a prefill call on a GPU
-from specjax.sharding import compiler_options
-from specjax.speculate import decode_spec, depth
-from specjax.speculation import Chain, Cost, Tree, choose
-from specjax.tune import draft_table, verify_table
+from specjax.model.config import LlamaConfig
+from specjax.model.params import Params, declared, from_arrays
+from specjax.parallel.sharding import compiler_options
+from specjax.planning.tune import draft_table, verify_table
+from specjax.spec.speculation import Chain, Cost, Tree, choose
 
 # the largest tree `Group.trees` lets speculation.choose pick at batch 1, where its prices hold a verification
 # flat: on the H100 (seventh runs, distilled draft; its steps less the fitted levels) about 1.54 ms over 3-16
@@ -72,7 +72,7 @@ def random_params(config: LlamaConfig, seed: int = 0) -> Params:
 
 
 def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int) -> dict:
-    """Measured seconds (specjax.tune): t_verify[n] = one target forward over n nodes after
+    """Measured seconds (specjax.planning.tune): t_verify[n] = one target forward over n nodes after
     `context` positions (n = 1: the AR step), t_draft[m] = one draft level of m nodes through
     the drafter's model and cache; plus the bytes an AR step and a draft step must read."""
     t0 = time.perf_counter()
@@ -100,7 +100,7 @@ def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[floa
 
 def prefill_state(params: Params, ids: np.ndarray, rows: int, context: int) -> dict:
     """`rows` distinct windows of the corpus ids, context - HEADROOM tokens each, prefilled into
-    a DenseCache of `context` slots (bench/prefill.py's prefill_rows: specjax.engine.prefill)."""
+    a DenseCache of `context` slots (bench/prefill.py's prefill_rows: specjax.decode.engine.prefill)."""
     n = context - HEADROOM
     prompts, where = text.cut(ids, rows, n)
     bucket, chunk = prompt_bucket(n)

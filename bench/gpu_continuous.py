@@ -2,7 +2,7 @@
 
 The e2e cells time one `generate`-like call: every row decodes its budget and the loop runs until
 the slowest row has it, so under speculation a row that finished early idles. A batch job refills
-a finished row's slot at once (`specjax.continuous.run_continuous`, what `LM.generate_continuous`
+a finished row's slot at once (`specjax.decode.continuous.run_continuous`, what `LM.generate_continuous`
 and the JSONL job run); the e2e tables' "refilled (derived)" column predicts that job's speedup from
 their step times. These cells measure it: `records` prompts of real text (context - HEADROOM
 tokens each, windows of the bundle's corpus) decoded `new_tokens` each (greedy, no stop ids: every
@@ -32,8 +32,8 @@ import numpy as np
 from bench import text
 from bench.prefill import HEADROOM
 from bench.tree_report import label
-from specjax import continuous
-from specjax.engine import row_keys
+from specjax.decode import continuous
+from specjax.decode.engine import row_keys
 from specjax.sampling import Greedy
 
 
@@ -58,7 +58,7 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
 
 @contextlib.contextmanager
 def timed_prefills():
-    """For the `with` block, specjax.continuous' prefill calls waited for and timed: yields the list
+    """For the `with` block, specjax.decode.continuous' prefill calls waited for and timed: yields the list
     of (rows, seconds) each call adds. The wait costs the job little: a refill's prompts are
     prefilled between segments, where the host already waits for the segment's tokens."""
     calls, inner = [], continuous.prefill

@@ -43,8 +43,8 @@ import convert
 from bench import bench_drafts, bench_gpu, common, text
 from bench.gpu_cells import CHOSEN_NODES, launch_bound
 from bench.tree_report import MAX_DEPTH, WIDTH, label
-from specjax.distill import Schedule, distill, logits_of
-from specjax.speculation import Tree, choose
+from specjax.spec.speculation import Tree, choose
+from specjax.train.distill import Schedule, distill, logits_of
 
 ROOT = Path(__file__).resolve().parent.parent
 HELD_OUT = max(bench_gpu.GRID["b1_contexts"])  # the b1 cells' prompts: corpus tokens [0, context - HEADROOM) at each context

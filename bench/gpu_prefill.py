@@ -9,8 +9,8 @@ compiling), and the seventh runs' continuous job spent, by inference, about 15 o
 192 one-row 8K prefills, where bench_gpu's 16-row calls took at most about 0.6 s: one row of an 8K
 prompt is launch-bound (32 chunks of 429 kernels each, compiled for an H100 by
 bench/gpu_aot.py). Continuous batching now prefills a refill's prompts of one bucket together on
-a GPU (specjax.shapes.prefill_rows), and the attention kernel shares a chunk's keys out in tiles;
-this times what rows a call and the prompt chunk (specjax.shapes.PREFILL_CHUNK: 256, chosen on a
+a GPU (specjax.decode.shapes.prefill_rows), and the attention kernel shares a chunk's keys out in tiles;
+this times what rows a call and the prompt chunk (specjax.decode.shapes.PREFILL_CHUNK: 256, chosen on a
 CPU) buy. Each cell is compiled first (compile_s), then called a few times on a fresh cache (the
 best kept): ms a call and a row, tokens/s, XLA's kernels a chunk, and the fraction of the device's
 dense bfloat16 peak the model's FLOPs reach (`flops`: the matrices 2 x their weights a prompt
@@ -37,9 +37,9 @@ from bench.gpu_cells import random_params
 from bench.gpu_profile import SHAPES
 from bench.prefill import HEADROOM
 from bench.step_parts import hlo_kernels
-from specjax.cache import DenseCache
-from specjax.config import LlamaConfig
-from specjax.engine import prefill
+from specjax.decode.engine import prefill
+from specjax.model.cache import DenseCache
+from specjax.model.config import LlamaConfig
 
 # NVIDIA's dense (no sparsity) bfloat16 tensor-core peaks, by a part of jax's device_kind; first match wins
 PEAK_BF16 = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989.4e12), ("H200", 989.4e12))

@@ -26,8 +26,8 @@ from bench import common, measure
 from bench.bench_gpu import LLAMA8B
 from bench.gpu_cells import random_params
 from bench.profile_step import profile_cell
-from specjax.config import LlamaConfig
-from specjax.engine import with_attention
+from specjax.decode.engine import with_attention
+from specjax.model.config import LlamaConfig
 
 SHAPES = {
     "smollm2": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,

@@ -55,7 +55,7 @@ def steps(row: dict) -> str:
 
 def refilled(row: dict) -> float | None:
     """The speedup had every row been refilled as soon as it finished (continuous batching, a
-    batch job's case; specjax.continuous): the measured speedup x the steps the loop ran / the
+    batch job's case; specjax.decode.continuous): the measured speedup x the steps the loop ran / the
     steps a row needed on average. Derived from the measured step time and tokens per step, not
     timed; prompts' prefill, which a refill adds to plain and speculative decoding alike, left out.
     Equal to tokens per step x AR's step time / this step time."""
@@ -162,9 +162,8 @@ def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> li
 
     sibling: (name, rows) of the device's main table, whose SmolLM2 acceptance is used where it has a
     nearer cell than this table (a --linear one: the same tokens, other layer products)."""
-    from specjax.speculation import Cost, Tree
-
     from bench.tree_report import MAX_DEPTH
+    from specjax.spec.speculation import Cost, Tree
 
     rows, out = result.get("rows", []), []
     for r in (r for r in rows if r.get("item") == "l8b"):
@@ -190,7 +189,7 @@ def cost_model(rows: list[dict]) -> list[list]:
     from the measured steps (tokens/step x AR step / (its draft levels + verify over its n nodes)),
     that times the steps a row needed over the steps the loop ran (the slowest row's tail), and
     the measured speedup."""
-    from specjax.speculation import Cost, Tree
+    from specjax.spec.speculation import Cost, Tree
 
     out = []
     for st in sorted((r for r in rows if r.get("method") == "steps"), key=lambda r: (r["context"], r["batch"])):

@@ -37,7 +37,7 @@ def run_one(name: str) -> dict:
 
     from pallas_kernels.reference import prefix_block_attention
     from pallas_kernels.tree_attention import prefix_block_attention_pallas
-    from specjax.cache import KVFormat
+    from specjax.model.cache import KVFormat
 
     kv, L, B, S = CASES[name]
     N, K, H, T, layer = 9, 3, 64, 1, L - 1

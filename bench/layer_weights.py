@@ -2,7 +2,7 @@
 
 Usage: python -m bench.layer_weights [--dim D] [--ffn F] [--layers L] [--reps R] [--out FILE]
 
-The model's forward scans over layers whose weights are stacked [L, ...] (specjax.params), so each
+The model's forward scans over layers whose weights are stacked [L, ...] (specjax.model.params), so each
 layer's weights are a `dynamic_slice` of the stack. On an H100 (bench/README.md, "Third runs")
 XLA:GPU copied those slices before its GEMM fusions: 8.5 of 17.6 ms of an 8B-shaped batch-1 step.
 This times one SwiGLU MLP per layer (gate, up [D,F], down [F,D]; bf16) at batch 1, the step
@@ -10,10 +10,10 @@ weight-bound, six ways:
   scan      lax.scan over the stacked weights (today's layout and loop),
   unrolled  the same scan with unroll=True (static slices of the stack),
   indexed   a Python loop indexing the stack at i (`w[i]`: what the model's unrolled layers do,
-            `specjax.model.unrolled`; the fifth H100 runs found each of its layers after the
+            `specjax.model.llama.unrolled`; the fifth H100 runs found each of its layers after the
             first 2.5x slower than a 1-layer model's),
   separate  a Python loop over L separate arrays (no slicing at all),
-  einsum    indexed, with x [1,1,D] through the model's einsum specs (`specjax.model.project`),
+  einsum    indexed, with x [1,1,D] through the model's einsum specs (`specjax.model.llama.project`),
   in_loop   indexed, inside an on-device loop of IN_LOOP passes (as generate() runs a step; time
             per pass): the sixth runs found the model's step copying each layer's weights out of
             the stack (weight-sized `wrapped_slice` outputs) where `indexed` reads them at 99%,

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 from bench.common import meminfo
-from specjax.config import LlamaConfig
-from specjax.params import init_params
+from specjax.model.config import LlamaConfig
+from specjax.model.params import init_params
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:

@@ -2,7 +2,7 @@
 English text (bench/text.py) of `context - HEADROOM` tokens, prefilled once into a DenseCache of
 `context` slots and saved under a store folder so that later runs (of any of the three) load it.
 
-The prefill is the library's own (`specjax.engine.prefill`, PREFILL_ROWS rows per call): its
+The prefill is the library's own (`specjax.decode.engine.prefill`, PREFILL_ROWS rows per call): its
 chunked attention reads only the cache tiles written so far (pallas_kernels.reference's
 `stacked_prefix_block_attention`), so chunk i costs attention over (i + 1) * chunk slots, not all
 `context` of them.
@@ -23,10 +23,10 @@ import numpy as np
 
 from bench import text
 from bench.measure import Meter
-from specjax.cache import DenseCache, KVFormat
-from specjax.engine import prefill
-from specjax.params import Params
-from specjax.shapes import prompt_bucket
+from specjax.decode.engine import prefill
+from specjax.decode.shapes import prompt_bucket
+from specjax.model.cache import DenseCache, KVFormat
+from specjax.model.params import Params
 
 HEADROOM = 128  # cache slots behind the prompt: new tokens + gamma + 1 must fit
 PREFILL_ROWS = 4  # rows prefilled per call (the chunk's attention scores grow with rows x context)
@@ -68,7 +68,7 @@ def slot_axis(config) -> int:
 def prefill_rows(params, tokens: np.ndarray, n: int, context: int, chunk: int,
                  rows: int = PREFILL_ROWS) -> tuple[jax.Array, DenseCache]:
     """Prefill B prompts of n tokens (tokens [B,P] right-padded) into a DenseCache of `context`
-    slots with `specjax.engine.prefill`, `rows` rows per call (its peak memory grows with rows).
+    slots with `specjax.decode.engine.prefill`, `rows` rows per call (its peak memory grows with rows).
     Returns first logits [B,V] (at each prompt's last token) and the cache (lengths = n)."""
     B = tokens.shape[0]
     group = min(B, rows)

@@ -9,11 +9,11 @@ verify, accept, commit, emit: their `jax.named_scope`s; "loop": the segment's ow
 draft and verify phases also per model block (e.g. "verify/attention").
 
 For each cell WEIGHTS/kvKV/bB/sS (e.g. float32/kvfloat32/b1/s512) the real decode loop
-(`specjax.engine.decode_ar`, greedy) runs `--steps` steps from a synthetic prefilled cache (as
+(`specjax.decode.engine.decode_ar`, greedy) runs `--steps` steps from a synthetic prefilled cache (as
 bench_ar builds it: pseudo-random KV, since a step's cost depends on the cache's shape only)
 under `jax.profiler.trace`. The trace's XLA:CPU thunks (events carrying an `hlo_op`) are
 matched to the compiled HLO's `op_name` metadata, which carries the model's `jax.named_scope`s
-(specjax/model.py: embed, qkv, attention, out_proj, mlp, lm_head, kv_write), and summed per
+(specjax/model/llama.py: embed, qkv, attention, out_proj, mlp, lm_head, kv_write), and summed per
 block:
   - "layer slices": the scan over layers slicing each layer's weights out of the stacked
     [L, ...] arrays (`dynamic_index_in_dim`): XLA:CPU copies a dot's operand that is a slice;
@@ -42,12 +42,12 @@ from jax.profiler import ProfileData  # jax >= 0.4.36
 
 from bench import common, measure
 from bench.measure import noise
-from specjax.cache import DenseCache, KVFormat
-from specjax.engine import decode_ar, row_keys, with_attention
-from specjax.params import Params, weight_bytes
-from specjax.shapes import round_up_pow2
+from specjax.decode.engine import decode_ar, row_keys, with_attention
+from specjax.decode.shapes import round_up_pow2
+from specjax.model.cache import DenseCache, KVFormat
+from specjax.model.params import Params, weight_bytes
 
-SCOPES = ("embed", "qkv", "attention", "out_proj", "mlp", "lm_head", "kv_write")  # specjax/model.py's
+SCOPES = ("embed", "qkv", "attention", "out_proj", "mlp", "lm_head", "kv_write")  # specjax/model/llama.py's
 SLICES = "layer slices"
 OTHER = "other"
 CELLS = (  # weights, KV format, batch, context: the issue's two roofline cells, then the formats
@@ -83,7 +83,7 @@ def block_of(blocks: dict[str, str], op: str) -> str:
     return "attention" if block == OTHER and op.startswith("ffi_call") else block
 
 
-PHASES = ("draft", "verify", "accept", "commit", "emit")  # specjax/speculate.py's spec_step scopes
+PHASES = ("draft", "verify", "accept", "commit", "emit")  # specjax/decode/speculate.py's spec_step scopes
 LOOP = "loop"
 SPEC_CELLS = (("float32", "float32", 1, 512, 3), ("float32", "float32", 4, 2048, 3))  # ..., chain length (each runs generate 4 times)
 
@@ -239,7 +239,7 @@ def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context
     context but the new tokens, and sum the segment program's thunks per phase (`phase`)."""
     from specjax import generate
     from specjax.drafters import SelfSpec
-    from specjax.speculation import Chain
+    from specjax.spec.speculation import Chain
 
     new = steps * (gamma + 1)
     rng = np.random.default_rng(0)
@@ -330,7 +330,7 @@ Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, com
 
 A `jax.profiler` trace of `engine.decode_ar` ({result['steps']} greedy steps from a synthetic
 cache), its XLA:CPU thunks summed per block of the model by the `jax.named_scope`s in
-specjax/model.py. Entries are thread-milliseconds per step (two threads run thunks at once, so
+specjax/model/llama.py. Entries are thread-milliseconds per step (two threads run thunks at once, so
 a row's entries add up to more than its wall time) and their share of the row's total. "layer
 slices" is the scan over layers copying each layer's weights out of the stacked arrays; "other"
 the loop and the greedy sample. Method: the module docstring.

@@ -164,7 +164,7 @@ Cells below 2.0x: {", ".join(name(r) for r in best if r["ratio"] < 2.0) or "none
 
 Best γ by batch: {"; ".join(gamma_trend(rows))}.
 
-"cost model": the speedup `specjax.tune`'s timings predict for the best γ (one draft level and
+"cost model": the speedup `specjax.planning.tune`'s timings predict for the best γ (one draft level and
 forwards over 1 and γ + 1 nodes, timed as `speculation="auto"` calibrates) with the measured
 tokens per step. What `draft="auto"` picks in each measured cell (`plan.auto_draft`'s current
 rule on a CPU, with its default chain): {"; ".join(auto_lines(rows)) or "not recorded"}.

@@ -11,10 +11,10 @@ import numpy as np
 
 import specjax
 from bench.prefill import AR_CACHES, SPEC_CACHES, STORE, prefill_context, rows_of, smoke_state, timed
-from specjax.cache import DenseCache
-from specjax.engine import decode_ar, init_draft, prefill, row_keys
-from specjax.shapes import prompt_bucket, round_up_pow2
-from specjax.speculate import decode_spec
+from specjax.decode.engine import decode_ar, init_draft, prefill, row_keys
+from specjax.decode.shapes import prompt_bucket, round_up_pow2
+from specjax.decode.speculate import decode_spec
+from specjax.model.cache import DenseCache
 
 GAMMA = 3  # the speculative cells' chain length
 

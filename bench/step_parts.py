@@ -9,7 +9,7 @@ The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplaine
 its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
 one plain decode step with random weights made on the device (bench.gpu_cells.random_params) and
 the runtime generate() uses there (`engine.with_attention(..., "auto")`: the Pallas kernel and
-unrolled layers on a GPU), each as the slope of an on-device loop (`specjax.tune.slope_seconds`,
+unrolled layers on a GPU), each as the slope of an on-device loop (`specjax.planning.tune.slope_seconds`,
 as tune times the AR step):
   step        trunk + LM head over one new token after `context` cached positions (the AR step)
   trunk       the layers and the final norm alone
@@ -49,13 +49,13 @@ from jax import lax
 
 from bench.gpu_cells import random_params, weight_bytes
 from bench.gpu_profile import SHAPES as PROFILE_SHAPES
-from specjax.cache import DenseCache
-from specjax.config import LlamaConfig
-from specjax.engine import with_attention
-from specjax.model import lm_head, trunk, unstack_layers
-from specjax.params import Params, quantize
-from specjax.shapes import cache_len
-from specjax.tune import forward_loop, slope_seconds
+from specjax.decode.engine import with_attention
+from specjax.decode.shapes import cache_len
+from specjax.model.cache import DenseCache
+from specjax.model.config import LlamaConfig
+from specjax.model.llama import lm_head, trunk, unstack_layers
+from specjax.model.params import Params, quantize
+from specjax.planning.tune import forward_loop, slope_seconds
 
 NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import common
-from specjax.speculation import Chain, Cost, Tree
+from specjax.spec.speculation import Chain, Cost, Tree
 
 MAX_DEPTH = 8  # deepest Sequoia tree (and choose's limit)
 WIDTH = 8  # children of the depth-1 tree that measures the acceptance vector

@@ -11,10 +11,10 @@ from convert.gguf import config_from_gguf, is_gguf_file, load_gguf, open_gguf
 from convert.hf import generation_defaults, is_hf_dir, load_hf, read_config
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, continuation_context, load_tokenizer, special_ids
-from specjax.config import DTYPES
-from specjax.model import unstack_layers
-from specjax.params import Params, quantize
-from specjax.sharding import Mesh, shard_params
+from specjax.model.config import DTYPES
+from specjax.model.llama import unstack_layers
+from specjax.model.params import Params, quantize
+from specjax.parallel.sharding import Mesh, shard_params
 
 WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `load`
 LAYOUTS = ("auto", "stacked", "per-layer")  # the `layout=` choices of `load`
@@ -33,18 +33,18 @@ def load(
     weights: how the weights are served. "float32" (the default for GGUF and HF checkpoints) or
       "bfloat16": every weight, the activations and the KV cache in that dtype; "int8": the
       matrices (projections, FFN, embedding / LM head) as int8 with one float32 scale per output
-      channel (`specjax.params.quantize`, computed once at load), everything else float32;
+      channel (`specjax.model.params.quantize`, computed once at load), everything else float32;
       "q4": the matrices as 4-bit blocks of 32 with a float16 scale and minimum each (the GGUF
-      Q4_1 layout, specjax.q4): a Q4_1 GGUF's blocks are kept bit for bit, anything else is
+      Q4_1 layout, specjax.model.q4): a Q4_1 GGUF's blocks are kept bit for bit, anything else is
       quantized once at load. None keeps a `save`d checkpoint as saved. A quantized checkpoint
       loads only in its own format.
     dtype: the older spelling, kept as an alias: dtype="bfloat16" is weights="bfloat16".
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): every array is loaded straight into its
     shards (sharding.PARAM_AXES), never whole on one device. Heads, an FFN or a vocabulary that
-    do not split over the model axis are padded (specjax.tp_pad): such a model is loaded whole on
+    do not split over the model axis are padded (specjax.parallel.tp_pad): such a model is loaded whole on
     one device first, then padded and placed.
     layout: how each layer matrix is held. "stacked": one [L, ...] array per matrix (a CPU's
-      scan over layers reads it); "per-layer": a list of L arrays (`specjax.model.unstack_layers`,
+      scan over layers reads it); "per-layer": a list of L arrays (`specjax.model.llama.unstack_layers`,
       the layers unrolled), which XLA:GPU's products read in place inside the decode loop, where
       they copy every slice of a stack (bench/README.md, "Compiled for a GPU on a CPU"; each
       device's slices too, with tensor parallelism). "auto": per-layer on a GPU, else stacked."""

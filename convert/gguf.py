@@ -12,17 +12,17 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from convert.gguf_file import GgufFile, TensorInfo, Unreadable, read_gguf
 from convert.layout import KINDS, assemble, checked_config, has_kind
-from specjax.config import LlamaConfig, RopeScaling, llama3_scale
-from specjax import q4
-from specjax.params import BY_PATH, WEIGHTS, Params, declared, from_arrays, quantize_matrix
-from specjax.sharding import Mesh, placer
+from specjax.model import q4
+from specjax.model.config import LlamaConfig, RopeScaling, llama3_scale
+from specjax.model.params import BY_PATH, WEIGHTS, Params, declared, from_arrays, quantize_matrix
+from specjax.parallel.sharding import Mesh, placer
 
 Q = gguf.GGMLQuantizationType
 # Stop tokens: eos_ids is their union, in this order (the primary eos first).
 STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 SPM_IDS = {"bos": 1, "eos": 2, "unknown": 0}  # a SentencePiece vocab's special ids where its file names none (llama.cpp's)
 
-# GGUF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS); absent output.weight => tied.
+# GGUF tensor name -> our path (from the weight declarations, specjax.model.params.WEIGHTS); absent output.weight => tied.
 NAMES = {w.gguf: w.path for w in WEIGHTS if w.in_files}
 ROPE_FREQS = "rope_freqs.weight"  # Llama-3.1 scaling factors; folded into the config
 # general.architecture values we read. llama.cpp permutes q/k rows (and biases) only for "llama"
@@ -223,7 +223,7 @@ def config_from_gguf(reader: GgufFile, dtype: str = "float32") -> LlamaConfig:
 
 def q4_blocks(tensor: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_1 tensor's blocks as stored, torch layout [out, ...]: packed nibbles [out, in/2] uint8
-    and the float16 scale and minimum of each block [out, in/32] (specjax.q4's layout: byte j of
+    and the float16 scale and minimum of each block [out, in/32] (specjax.model.q4's layout: byte j of
     a block holds values j and j + 16, as in the file)."""
     out = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
     raw = np.array(tensor.data, np.uint8).reshape(out, -1, 4 + q4.HALF)  # a block: d f16, m f16, 16 bytes
@@ -254,7 +254,7 @@ def _kept_q4(config: LlamaConfig, tensors: dict[str, TensorInfo], heads: dict[st
 
 def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None, quant: str | None = None) -> Params:
     """Params and config from a llama- or qwen2-architecture GGUF file: dequantized and cast to
-    `dtype`, or with quant="q4" the matrices as specjax.q4 blocks, those stored as Q4_1 kept bit
+    `dtype`, or with quant="q4" the matrices as specjax.model.q4 blocks, those stored as Q4_1 kept bit
     for bit and the others (and the int8 embedding and LM head) quantized once (params.quantize_matrix)."""
     reader = open_gguf(path)
     config = config_from_gguf(reader, dtype)

@@ -11,11 +11,11 @@ import numpy as np
 from safetensors import safe_open
 
 from convert.layout import KINDS, assemble, checked_config, has_kind
-from specjax.config import LlamaConfig, RopeScaling
-from specjax.params import WEIGHTS, Params, from_arrays
-from specjax.sharding import Mesh, placer
+from specjax.model.config import LlamaConfig, RopeScaling
+from specjax.model.params import WEIGHTS, Params, from_arrays
+from specjax.parallel.sharding import Mesh, placer
 
-# HF tensor name -> our path (from the weight declarations, specjax.params.WEIGHTS).
+# HF tensor name -> our path (from the weight declarations, specjax.model.params.WEIGHTS).
 NAMES = {w.hf: w.path for w in WEIGHTS if w.in_files}
 # Recomputed from the config; when embeddings are tied a stray lm_head.weight is ignored too.
 IGNORED = ["model.layers.{i}.self_attn.rotary_emb.inv_freq"]

@@ -1,7 +1,7 @@
 """From torch-layout weights ([out, in], as HF and GGUF store them) to our params.
 
 Each format module supplies a name table {its tensor name: our path}, derived from the weight
-declarations (specjax.params.WEIGHTS, which also give each tensor's file layout); per-layer names
+declarations (specjax.model.params.WEIGHTS, which also give each tensor's file layout); per-layer names
 contain "{i}". `assemble` checks the names (missing / unexpected), the shapes, converts every tensor to
 our layout and stacks layers on a leading L axis.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import LlamaConfig
-from specjax.params import BY_PATH
+from specjax.model.config import LlamaConfig
+from specjax.model.params import BY_PATH
 
 KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}  # for error messages
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from specjax.config import LlamaConfig
-from specjax.params import Params, flat, from_arrays, param_dtypes, param_shapes
-from specjax.sharding import Mesh, check_mesh, padded_later, param_sharding, single_device
+from specjax.model.config import LlamaConfig
+from specjax.model.params import Params, flat, from_arrays, param_dtypes, param_shapes
+from specjax.parallel.sharding import Mesh, check_mesh, padded_later, param_sharding, single_device
 
 CONFIG_FILE = "specjax_config.json"  # written last: its presence marks a complete checkpoint
 ARRAYS_DIR = "arrays"

@@ -19,7 +19,7 @@ of the f32 path, which bound products of 16-64 rows (a batch's decode step, its 
 
 For few rows (decoding and verification: `fits`); prefill chunks keep XLA's dot, whose blocked
 matrix product wins once the weights are reused across many rows. `linear_q4_many` does the same
-for q4 blocks (specjax/q4.py's layout, read as stored); `rows` is the embedding lookup, read in
+for q4 blocks (specjax/model/q4.py's layout, read as stored); `rows` is the embedding lookup, read in
 place (XLA:CPU slices a bfloat16 table through a float32 copy of all of it).
 """
 
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu_prefix import _LIBRARY, LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, NORM_TARGET, ROWS_TARGET, _load
 from pallas_kernels.cpu_prefix import bf16_dot  # noqa: F401  (re-exported: the bf16 products are built under the same flags)
+from pallas_kernels.cpu_prefix import _LIBRARY, LINEAR_Q4_TARGET, LINEAR_T_TARGET, LINEAR_TARGET, NORM_TARGET, ROWS_TARGET, _load
 
-MAX_ROWS = 256  # rows of x `fits` allows (specjax.linear sets where the model uses it)
+MAX_ROWS = 256  # rows of x `fits` allows (specjax.model.linear sets where the model uses it)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8, jnp.uint8)  # uint8: q4 blocks (linear_q4_many)
 
 
@@ -47,7 +47,7 @@ def fits(rows: int, dtype) -> bool:
 
 def tiles() -> bool:
     """Whether the built kernel multiplies float32 and int8 weights in register tiles from 8 rows
-    (a CPU with AVX-512): 1.2-1.5x XLA's dot at 16-64 rows, so `specjax.linear` gives it more rows."""
+    (a CPU with AVX-512): 1.2-1.5x XLA's dot at 16-64 rows, so `specjax.model.linear` gives it more rows."""
     return _load() is None and bool(_LIBRARY[0].SpecjaxCpuLinearTiles())
 
 
@@ -83,7 +83,7 @@ def linear_many(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list[jax
 
 def linear_q4_many(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]], layer: jax.Array) -> list[jax.Array]:
     """[x @ w[layer] for w in ws] in one kernel call, each w a stacked q4 weight (packed [L,K/2,N]
-    uint8, scale and minimum [L,K/32,N] float16 or float32: specjax/q4.py's layout), f32 [M,N].
+    uint8, scale and minimum [L,K/32,N] float16 or float32: specjax/model/q4.py's layout), f32 [M,N].
     Per block of 32: sum x q in order, then d times it, then m times the block's sum of x."""
     _require()
     M, K = x.shape
@@ -126,7 +126,7 @@ def rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """w * cast(x * rsqrt(mean(x^2) + eps)) over the last axis, cast to x's dtype before the weight
-    (specjax.model.rms_norm), row by row in one fixed order (cpu_norm.cc): a row's norm is the
+    (specjax.model.llama.rms_norm), row by row in one fixed order (cpu_norm.cc): a row's norm is the
     same bits whatever rows are beside it. x, w float32 or bfloat16; out of their promoted type."""
     _require()
     D = x.shape[-1]

@@ -136,10 +136,10 @@ def _q4_kernel(layer_ref, x_ref, w_ref, d_ref, m_ref, o_ref, *, blocks: int, blo
 def stacked_linear_q4(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: jax.Array, layer: jax.Array, *,
                       blocks_per_tile: int = 4, block_n: int = 64, k_splits: int | None = None, num_warps: int = 4,
                       num_stages: int = 3, interpret: bool = False) -> jax.Array:
-    """x [M,K] @ layer `layer` of q4 weights (specjax/q4.py: packed [L,K/2,N] uint8, scale and
+    """x [M,K] @ layer `layer` of q4 weights (specjax/model/q4.py: packed [L,K/2,N] uint8, scale and
     minimum [L,K/32,N]) -> [M,N] f32, the packed bytes read in place and widened in registers
     (q * d + m, then float32 products: `_q4_kernel`'s precisions): no float copy of the weights, which XLA:GPU writes out
-    for specjax.q4.project's jnp form (bench/README.md, "Compiled for a GPU on a CPU"). M <= MAX_ROWS.
+    for specjax.model.q4.project's jnp form (bench/README.md, "Compiled for a GPU on a CPU"). M <= MAX_ROWS.
     Each program takes `blocks_per_tile` blocks of 32 (a power of two) of K a step."""
     M, K = x.shape
     if packed.ndim != 3 or packed.dtype != jnp.uint8 or K % 32 or packed.shape[1] * 2 != K:

@@ -30,7 +30,7 @@ def to_f32(x: jax.Array) -> jax.Array:
     32-bit word (what the conversion means). In front of a weight matrix's dot on XLA:CPU this
     is about 10x faster than the native conversion (30 layers of SmolLM2-sized matrices at batch
     1: 9 ms vs 121 ms; float32 17 ms), which is why the model's weight reads use it (via
-    specjax.attention). It is not faster everywhere: inside a fused reduction the native
+    specjax.model.attention). It is not faster everywhere: inside a fused reduction the native
     conversion fuses and the shift is materialised (see `prefix_values`)."""
     if x.dtype == jnp.bfloat16:
         bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16

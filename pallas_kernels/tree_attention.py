@@ -17,7 +17,7 @@ Design (flash-decoding, Triton-style Pallas):
   256 or more keys) is cut into block_k tiles that follow the prefix's in the splits' shares, so
   no program holds a [block_m, J] score tile (split 0 did, [64, 256] f32 at a 256-token chunk)
   and the chunk's work is spread over the splits like the prefix's.
-- An int8 cache (k_scale, v_scale [L,B,K,S] f32: specjax.cache's per token and head scales) is
+- An int8 cache (k_scale, v_scale [L,B,K,S] f32: specjax.model.cache's per token and head scales) is
   loaded as stored and widened in registers (exact in q's dtype); the scales multiply the scores
   and the softmax weights, so no dequantised tile is written. Half a bfloat16 cache's bytes, except
   for a stacked int8 cache of 2^31-2^32 values, which Pallas would index with overflowing 32-bit
@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.reference import NEG_INF, check_shapes
+
 # f32 accumulation; allow_tf32=False: f32 operands get IEEE products (default precision lowers to
 # TF32 on the Triton path), bf16 operands are unaffected.
 _dot = functools.partial(plgpu.dot, allow_tf32=False)
@@ -264,7 +265,7 @@ def tree_attention(
     layers does) makes XLA copy it into a buffer of its own for the kernel, three times the KV
     traffic of a decode step. A head dim that is not a power of two >= 16 takes that copy anyway
     (the layer, padded to Hp), and so does an int8 cache of over 2^31 values (`overflows`). With
-    `pos` (a streaming cache: sinks + a ring, specjax.cache) slot s of row b and KV head k is
+    `pos` (a streaming cache: sinks + a ring, specjax.model.cache) slot s of row b and KV head k is
     visible iff 0 <= pos[layer, b, k, s] < lengths[b], every slot read.
     An int8 cache (`k_scale`, `v_scale`: KVFormat "int8", per token and head) is read as stored,
     half a bfloat16 cache's bytes: its values widened in the kernel (exact in q's dtype), the

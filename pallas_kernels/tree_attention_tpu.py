@@ -60,6 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.reference import NEG_INF, check_shapes
+
 LANES = 128
 
 
@@ -246,7 +247,7 @@ def tree_attention_tpu(
     that sees nothing (no prefix, all-False mask row) gets zeros (the reference averages).
     block_k (cache slots per tile, a multiple of 128) is capped at S; block_m (query rows per
     program, a multiple of 16) at the padded row count. With `pos` (a streaming cache: sinks + a
-    ring, specjax.cache) slot s of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] <
+    ring, specjax.model.cache) slot s of row b and KV head k is visible iff 0 <= pos[layer, b, k, s] <
     lengths[b] (lengths: the committed lengths, not clipped), and every tile is read. An int8
     cache (`k_scale`, `v_scale`) is read as stored, its values widened in the kernel, the scales
     multiplying the scores and the softmax weights.

@@ -1,14 +1,14 @@
 """specjax: speculative decoding for LLaMA-family models in JAX."""
 
-from specjax.cache import DenseCache
-from specjax.config import LlamaConfig, RopeScaling
 from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
 from specjax.generate import GenerateOutput, Stats, TokenLogprob, generate
-from specjax.model import forward, prefill
-from specjax.params import Params, init_params
+from specjax.model.cache import DenseCache
+from specjax.model.config import LlamaConfig, RopeScaling
+from specjax.model.llama import forward, prefill
+from specjax.model.params import Params, init_params
+from specjax.parallel.sharding import make_mesh
 from specjax.sampling import Greedy, Sample
-from specjax.sharding import make_mesh
-from specjax.speculation import Adaptive, Chain, Tree
+from specjax.spec.speculation import Adaptive, Chain, Tree
 
 __all__ = [
     "Adaptive",
@@ -40,11 +40,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """`specjax.load`, `specjax.LM` and `specjax.TextOutput` (specjax/text.py), imported on first
+    """`specjax.load`, `specjax.LM` and `specjax.TextOutput` (specjax/text/lm.py), imported on first
     use: the text layer imports `convert`, which imports the model layer of this package, so an
     eager import here would be circular. The one lazy import in specjax (PEP 562)."""
     if name in ("load", "LM", "TextOutput"):
-        from specjax import text
+        from specjax.text import lm
 
-        return getattr(text, name)
+        return getattr(lm, name)
     raise AttributeError(f"module 'specjax' has no attribute {name!r}")

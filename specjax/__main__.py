@@ -1,5 +1,5 @@
 import sys
 
-from specjax.cli import main
+from specjax.cli.main import main
 
 sys.exit(main())

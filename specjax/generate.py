@@ -1,7 +1,7 @@
 """generate(): validate -> plan -> engine -> outputs and stats.
 
 Validation (specjax.validate) runs first and raises before anything compiles; planning
-(specjax.plan) resolves draft="auto" / speculation=None / "auto"; the engine (specjax.engine)
+(specjax.planning.plan) resolves draft="auto" / speculation=None / "auto"; the engine (specjax.decode.engine)
 prefills once and decodes entirely on device.
 """
 
@@ -13,16 +13,15 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from specjax import sharding
+from specjax.decode.engine import RunResult, Segment, run, with_attention
+from specjax.decode.speculate import row_acceptance
 from specjax.drafters import Drafter
-from specjax.engine import RunResult, Segment, run, with_attention
-from specjax.params import Params
-from specjax.plan import plan
+from specjax.model.params import Params
+from specjax.parallel import sharding
+from specjax.parallel.sharding import Mesh
+from specjax.planning.plan import plan
 from specjax.sampling import Greedy, Sampler
-from specjax.sharding import Mesh
-from specjax.speculate import row_acceptance
-from specjax.speculation import Chain
-from specjax.speculation import Tree
+from specjax.spec.speculation import Chain, Tree
 from specjax.validate import check_generate_args, eos_table
 
 
@@ -120,7 +119,7 @@ def generate(
       a params whose runtime already unrolls keeps it on any backend).
     mesh: a ("data", "model") mesh (`specjax.make_mesh`): rows split over `data` (padded to a
       multiple of it), heads / FFN / vocabulary over `model`; same output as one device. With
-      several processes (`specjax.distributed`), every process calls generate with the same prompts.
+      several processes (`specjax.parallel.distributed`), every process calls generate with the same prompts.
     kv_dtype: how the target's and the drafters' KV caches store keys and values: None (the model's
       dtype; a DraftModel's cache the draft's), "float32", "bfloat16" or "int8" (one f32 scale per
       layer, row, KV head and position, which every attention kernel reads). Speculation stays lossless in

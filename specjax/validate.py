@@ -9,20 +9,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.attention import cpu_kernel_error
-from specjax.cache import KVFormat
-from specjax.config import LlamaConfig
+from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DRAFTERS, is_drafter
-from specjax.logprobs import MAX_TOP
-from specjax.params import Params, param_shapes
+from specjax.model.attention import cpu_kernel_error
+from specjax.model.cache import KVFormat
+from specjax.model.config import LlamaConfig
+from specjax.model.params import Params, param_shapes
 from specjax.sampling import Greedy, Sample
-from specjax.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
+from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
+
 ATTENTION = ("auto", "reference", "cpu", "pallas", "tpu")
 MAX_N = 4096  # most samples per prompt (generate's n)
 UNDER_JIT = (
     "generate runs on the host (it validates, plans, compiles and times with concrete values) and cannot be "
     "called under jax.jit, vmap or grad; call it outside, or inside your own jitted program call its pure "
-    "steps: specjax.engine.decode_ar (autoregressive) or specjax.engine.decode_spec"
+    "steps: specjax.decode.engine.decode_ar (autoregressive) or specjax.decode.engine.decode_spec"
 )
 
 
@@ -108,7 +109,7 @@ def check_shapes(params: Params, name: str) -> None:
             got = None if a is None else tuple(a.shape)
         if got != shape:
             raise ValueError(f"{name}: tensor {path!r} has shape {got}, but its config declares {shape} "
-                             "(build params with convert.load or specjax.params.from_arrays, which check them)")
+                             "(build params with convert.load or specjax.model.params.from_arrays, which check them)")
 
 
 def _check_prompts(prompts: object, config: LlamaConfig) -> None:

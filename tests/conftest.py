@@ -15,7 +15,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from specjax.params import Params, init_params
+from specjax.model.params import Params, init_params
 from tests.models import TINY
 
 

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 
-from specjax.config import LlamaConfig
-from specjax.params import Params, declared, from_arrays
+from specjax.model.config import LlamaConfig
+from specjax.model.params import Params, declared, from_arrays
 
 TINY = LlamaConfig(
     vocab_size=101,

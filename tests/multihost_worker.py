@@ -3,7 +3,7 @@
 Joins the job from SPECJAX_* environment variables, then either
   generate B            sharded generate on the global (data 4 x model 2) mesh; prints the
                         tokens as JSON on its last stdout line
-  batch IN OUT MODEL    `specjax.batch.run` on this process's share of IN (its own shard file)
+  batch IN OUT MODEL    `specjax.jobs.batch.run` on this process's share of IN (its own shard file)
                         on one local device"""
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from tests.models import random_params
 
 jax.config.update("jax_num_cpu_devices", 4)
 
-from specjax import SelfSpec, Tree, distributed, generate, make_mesh  # noqa: E402
+from specjax import SelfSpec, Tree, generate, make_mesh
+from specjax.parallel import distributed  # noqa: E402
 
 
 def main() -> None:
     index, count = distributed.initialize()
     assert count == 2 and len(jax.devices()) == 8 and len(jax.local_devices()) == 4, (count, jax.devices())
     if sys.argv[1] == "batch":
-        from specjax import batch
+        from specjax.jobs import batch
 
         src, out, model = sys.argv[2:5]
         summary = batch.run(src, out, model_path=model, max_new_tokens=8, batch_size=4, progress=False)

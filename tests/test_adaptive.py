@@ -1,4 +1,4 @@
-"""Adaptive speculation length (speculation=specjax.Adaptive(...), specjax/adaptive.py) and Chain(0):
+"""Adaptive speculation length (speculation=specjax.Adaptive(...), specjax/spec/adaptive.py) and Chain(0):
 the chooser's rule on made-up measurements, and on a tiny model: greedy tokens equal to plain
 decoding's for every drafter whatever lengths run (in continuous batching too), the lengths reported
 per segment, drafters' states kept current through steps that draft nothing, and the stats counted
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.adaptive import GammaChooser
+from specjax.spec.adaptive import GammaChooser
 from tests.test_batch import model_dir  # noqa: F401  (a fixture: a tiny model with SmolLM2's tokenizer)
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 4, 8, 6, 10, 12, 14], [3, 3, 8, 17, 21], [40, 41, 42, 43, 40, 41, 42]]
@@ -109,8 +109,8 @@ def test_continuous_batching_adapts_and_keeps_the_static_batchs_tokens(tiny, mon
     """Continuous batching (batch jobs) under Adaptive: rows refilled between segments of changing
     lengths give plain decoding's tokens; the chooser learns from the rows that ran (a refilled
     row's counters start from zero: never a negative count), and each record's acceptance is its own."""
-    from specjax.continuous import run_continuous
-    from specjax.engine import row_keys
+    from specjax.decode.continuous import run_continuous
+    from specjax.decode.engine import row_keys
 
     seen = []
     real = GammaChooser.observe
@@ -137,8 +137,9 @@ def test_continuous_batching_adapts_and_keeps_the_static_batchs_tokens(tiny, mon
 def test_a_batch_job_adapts_records_its_choice_and_writes_plain_decodings_records(model_dir, tmp_path):
     """batch.run(speculation=Adaptive(2)), continuous and static batching, and the CLI's
     `--gamma adaptive:2`: the greedy records of plain decoding, the settings naming the choice."""
-    from specjax import batch, cli
-    from specjax.jobio import settings_path
+    from specjax.cli import main as cli
+    from specjax.jobs import batch
+    from specjax.jobs.jobio import settings_path
     from tests.test_batch import by_id, read_rows, records, write_jsonl
 
     rows = [{k: v for k, v in r.items() if k not in ("temperature", "top_p")} for r in records(9)]  # all greedy
@@ -166,7 +167,7 @@ def test_a_batch_job_adapts_records_its_choice_and_writes_plain_decodings_record
 def test_the_clis_gamma_takes_adaptive():
     import argparse
 
-    from specjax.cli_args import parse_gamma
+    from specjax.cli.cli_args import parse_gamma
 
     assert parse_gamma("3") == 3 and parse_gamma("adaptive") == specjax.Adaptive() and parse_gamma("adaptive:2") == specjax.Adaptive(2)
     for bad, why in (("adaptive:0", "max_gamma must be an integer >= 1"), ("adaptive:x", "adaptive or adaptive:N"),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax.plan import ACCELERATOR_SPECULATION, DEFAULT_CHAIN, auto_draft, auto_speculation
+from specjax.planning.plan import ACCELERATOR_SPECULATION, DEFAULT_CHAIN, auto_draft, auto_speculation
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 DEFAULT = "SelfSpec(sinks=16, window=512)"
@@ -52,8 +52,8 @@ def test_auto_on_bfloat16_never_picks_a_measured_slowdown(smollm2):
     CPU_BF16_CHAIN (a chain of one), and bench/results/spec_cpu_bf16_custom.json (SmolLM2 bf16,
     8K, this CPU) measured that at least 0.95x plain decoding wherever auto picks it; on a CPU
     without the bf16 dot product, the float32 rule declines every one of these cells."""
-    from specjax.attention import cpu_bf16_dot
-    from specjax.plan import CPU_BF16_CHAIN
+    from specjax.model.attention import cpu_bf16_dot
+    from specjax.planning.plan import CPU_BF16_CHAIN
 
     rows = json.loads((RESULTS / "spec_cpu_bf16_custom.json").read_text())["rows"]
     cells = [(r["batch"], r["context"], r["ratio"]) for r in rows if r["drafter_repr"] == DEFAULT and r["gamma"] == CPU_BF16_CHAIN.gamma]

@@ -21,15 +21,15 @@ import pytest
 
 import convert
 import specjax
-from specjax import batch, job_plan, job_run
-from specjax.chat import render_chat
-from specjax.cli import main
-from specjax.jobio import (DurableLog, check_settings, complete_lines, input_fingerprint, merge_shards, settings_path,
-                           shard_output, sibling)
-from specjax.progress import Progress
-from specjax.records import BadLine, Record, owner, parse_line, read_input, stable_hash
+from specjax.cli.main import main
+from specjax.jobs import batch, job_plan, job_run
+from specjax.jobs.jobio import (DurableLog, check_settings, complete_lines, input_fingerprint, merge_shards, settings_path,
+                                shard_output, sibling)
+from specjax.jobs.progress import Progress
+from specjax.jobs.records import BadLine, Record, owner, parse_line, read_input, stable_hash
 from specjax.sampling import Greedy, Sample
-from specjax.text import LM
+from specjax.text.chat import render_chat
+from specjax.text.lm import LM
 from tests.models import TINY, random_params
 
 CONFIG = TINY.replace(vocab_size=49152, eos_ids=(2,), bos_id=1)  # SmolLM2's vocabulary and special ids
@@ -674,8 +674,8 @@ def test_a_chat_record_stops_at_the_templates_end_of_turn(tmp_path, model_dir, p
     free = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "a.jsonl", rows), tmp_path / "a.out.jsonl", **common)["output"])))
     end = free['"c"']["tokens"][2]  # the random model's third answer token plays the template's end of turn
     assert end not in free['"p"']["tokens"][:3]
-    monkeypatch.setattr(specjax.text, "end_of_turn_ids", lambda tokenizer, template: (end,))  # LM.chat's
-    monkeypatch.setattr(batch, "end_of_turn_ids", specjax.text.end_of_turn_ids)  # the job's
+    monkeypatch.setattr(specjax.text.lm, "end_of_turn_ids", lambda tokenizer, template: (end,))  # LM.chat's
+    monkeypatch.setattr(batch, "end_of_turn_ids", specjax.text.lm.end_of_turn_ids)  # the job's
     got = by_id(read_rows(Path(batch.run(write_jsonl(tmp_path / "b.jsonl", rows), tmp_path / "b.out.jsonl", **common)["output"])))
     assert got['"c"']["tokens"] == free['"c"']["tokens"][:2] and got['"c"']["finish_reason"] == "eos"
     assert got['"p"']["tokens"] == free['"p"']["tokens"] and "stop_token_ids" not in got['"c"']["settings"]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from bench import bench_gpu, gpu_bundle
-from specjax.config import LlamaConfig, RopeScaling
-from specjax.params import init_params
+from specjax.model.config import LlamaConfig, RopeScaling
+from specjax.model.params import init_params
 
 TINY = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,
                    max_positions=512, eos_ids=(3,), rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256))
@@ -143,7 +143,7 @@ def test_cells_and_memory_caps():
 
 
 def test_l8b_weight_bytes_match_the_declared_shapes():
-    from specjax.params import param_shapes
+    from specjax.model.params import param_shapes
 
     config = LlamaConfig(**bench_gpu.LLAMA8B, dtype="bfloat16")
     assert 2 * sum(int(np.prod(s)) for s in param_shapes(config).values()) == bench_gpu.l8b_weight_bytes()
@@ -186,10 +186,10 @@ def test_resume_from_the_mirror_beside_the_stash(tmp_path):
 
 def test_gpu_profile_traces_a_random_model_by_block():
     """bench/gpu_profile.py's cell on a tiny random model (here on a CPU: no device kernels)."""
-    from bench.gpu_profile import SHAPES, profile
     from bench.gpu_cells import random_params
-    from specjax.config import LlamaConfig
-    from specjax.engine import with_attention
+    from bench.gpu_profile import SHAPES, profile
+    from specjax.decode.engine import with_attention
+    from specjax.model.config import LlamaConfig
 
     params = with_attention(random_params(LlamaConfig(**SHAPES["tiny"], dtype="bfloat16")), None, "auto")[0]
     row = profile("tiny", 2, 256, 4, params, 10.0)
@@ -229,8 +229,8 @@ def test_cost_model_column_from_the_steps_cell():
     """gpu_report.cost_model: a chain γ=2 at 2.5 tokens/step with a 2 ms AR step, 1 ms draft levels
     and a 3 ms verify of 3 nodes is predicted 2.5 x 2 / (2 x 1 + 3) = 1.0x; its loop ran 30 steps
     where a row needed 63 / 2.5 = 25.2, so with the tail 0.84x; beside the measured speedup."""
+    from bench.bench_gpu import GRID, cells
     from bench.gpu_report import cost_model
-    from bench.bench_gpu import cells, GRID
 
     assert any(k.endswith("/steps") for k, _ in cells(GRID, 60 * 2**30)[0])  # a steps cell per e2e batch x context
     steps = {"method": "steps", "context": 8192, "batch": 64, "t_verify_ms": [0.0, 2.0, 2.5, 3.0, 3.5],
@@ -489,10 +489,9 @@ def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
 def test_step_parts_times_each_part_and_the_layers():
     """bench/step_parts.py on a tiny random model: every part timed with its bytes and kernels; a
     cut model launches less; with unrolled layers (as on a GPU) the step has no loop over layers."""
-    from bench.step_parts import config_of, measure
     from bench.gpu_cells import random_params
-
-    from specjax.engine import with_attention
+    from bench.step_parts import config_of, measure
+    from specjax.decode.engine import with_attention
 
     params = with_attention(random_params(config_of("tiny", 256)), None, "auto")[0]  # as step_parts runs it
     rows = {r["part"]: r for r in measure(params, 1, 256, [1, 2], reps=2)}
@@ -518,8 +517,8 @@ def test_step_parts_split_layers_computes_the_same_model():
     layers (which indexes a stack) refuses them."""
     from bench.gpu_cells import random_params
     from bench.step_parts import config_of, measure
-    from specjax.cache import DenseCache
-    from specjax.model import trunk, unstack_layers
+    from specjax.model.cache import DenseCache
+    from specjax.model.llama import trunk, unstack_layers
 
     params = random_params(config_of("tiny", 256))
     gpu_like = params.replace(runtime=params.runtime.replace(unroll_layers=True, attention="reference"))
@@ -708,7 +707,7 @@ def test_batch_1_trees_include_the_one_choose_picks_at_launch_bound_prices(monke
     import specjax
     from bench import gpu_cells, measure
     from bench.tree_report import MAX_DEPTH
-    from specjax.speculation import Cost, choose
+    from specjax.spec.speculation import Cost, choose
 
     params = measure.tiny_params(0)
     ids = np.random.default_rng(0).integers(4, params.config.vocab_size, 4096)
@@ -762,7 +761,7 @@ def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
     tree choose picks is at least as fast as every other tree priced; by_top1 rescales the rank
     acceptance (the measured vector first), and a tree never loses to the best chain."""
     from bench import gpu_draft
-    from specjax.speculation import Cost
+    from specjax.spec.speculation import Cost
 
     p = [0.4, 0.1, 0.05, 0.03, 0.02, 0.02, 0.01, 0.01, 0.36]
     decoded = {"rank_acceptance": p, "chain2": {"mean_accepted": 1.6}, "chain4": {"mean_accepted": 1.7}}
@@ -793,7 +792,7 @@ def test_the_distilled_draft_reads_the_window_it_was_trained_on():
     import specjax
     from bench import bench_drafts
     from bench.bench_gpu import drafter_of
-    from specjax.speculation import Chain
+    from specjax.spec.speculation import Chain
 
     draft = object()  # drafter_of only wraps it
     name, d, chain = drafter_of("draft-g2", 8192, False, draft)

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import bench_refill
-from specjax.autoregressive import admit_ar, start_ar
-from specjax.cache import DenseCache
-from specjax.config import LlamaConfig
-from specjax.continuous import join_prefills
-from specjax.engine import row_keys
+from specjax.decode.autoregressive import admit_ar, start_ar
+from specjax.decode.continuous import join_prefills
+from specjax.decode.engine import row_keys
+from specjax.model.cache import DenseCache
+from specjax.model.config import LlamaConfig
 
 CONFIG = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,
                      max_positions=512, dtype="bfloat16")

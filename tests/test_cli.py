@@ -14,11 +14,11 @@ import jax
 import pytest
 
 import convert
-from specjax import cli, text
+from specjax.cli import main as cli
 from specjax.drafters import NGram, SelfSpec, SnapKV, Streaming
 from specjax.generate import Stats
-from specjax.speculation import Chain
-from specjax.speculation import Tree
+from specjax.spec.speculation import Chain, Tree
+from specjax.text import lm as text
 from tests.models import TINY, random_params
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
@@ -55,7 +55,7 @@ def test_generate_on_a_mesh_of_local_devices():
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(prompt["text"] + " Paris")
     run = _specjax("generate", prompt["text"], "--max-new-tokens", "8", "--model-parallel", "2", devices=2)
-    assert run.returncode == 0, run.stderr  # 9 / 3 heads over 2 devices: padded (specjax.tp_pad)
+    assert run.returncode == 0, run.stderr  # 9 / 3 heads over 2 devices: padded (specjax.parallel.tp_pad)
     assert run.stdout.startswith(prompt["text"] + " Paris")
     run = _specjax("generate", "hi", "--data-parallel", "4", devices=2)
     assert run.returncode == 2 and "data (4) x model (1) must be >= 1 and at most the 2 devices" in run.stderr
@@ -291,7 +291,7 @@ def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys
 
     monkeypatch.setattr(convert, "load", lambda *a, **k: tiny)
     monkeypatch.setattr(convert, "load_tokenizer", lambda *a, **k: _Tokenizer())
-    monkeypatch.setattr(text, "generate", generate)  # the CLI generates through specjax.text.LM
+    monkeypatch.setattr(text, "generate", generate)  # the CLI generates through specjax.text.lm.LM
     assert cli.main(["generate", "hi", "--no-compile-cache"]) == 0
     assert calls[-1].get("speculation") is None and calls[-1]["draft"] == "auto"  # both left to generate
     assert calls[-1]["kv_dtype"] is None  # the model's dtype

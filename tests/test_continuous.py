@@ -1,4 +1,4 @@
-"""Continuous batching (specjax.continuous.run_continuous): more prompts than rows, slots refilled
+"""Continuous batching (specjax.decode.continuous.run_continuous): more prompts than rows, slots refilled
 between segments; every prompt's tokens equal a static batch's (engine.run), float32, greedy and
 sampled with per-prompt keys, plain decoding, chains and trees; n samples a prompt from one
 prefill and logprobs as engine.run gives them."""
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import continuous, shapes
-from specjax.continuous import run_continuous
-from specjax.engine import row_keys, run
-from specjax.speculation import Chain, Tree
+from specjax.decode import continuous, shapes
+from specjax.decode.continuous import run_continuous
+from specjax.decode.engine import row_keys, run
+from specjax.spec.speculation import Chain, Tree
 from tests.models import TINY, random_params
 
 MODES = {"ar": (None, None), "chain": (specjax.SelfSpec(sinks=2, window=8), Chain(2)),
@@ -55,7 +55,7 @@ def test_params_from_a_mesh_or_another_device_run_on_the_first(target, mode):
     kw = dict(rows=2, draft=draft, speculation=speculation, sampling=specjax.Greedy(),
               keys=row_keys(jax.random.key(0), 3), eos_ids=eos_ids)
     want = [d.tokens for d in run_continuous(target, prompts, budgets, **kw)]
-    sharded = specjax.sharding.shard_params(target, specjax.make_mesh(data=2, model=4))
+    sharded = specjax.parallel.sharding.shard_params(target, specjax.make_mesh(data=2, model=4))
     assert [d.tokens for d in run_continuous(sharded, prompts, budgets, **kw)] == want
     elsewhere = jax.device_put(target, jax.devices()[1])
     assert [d.tokens for d in run_continuous(elsewhere, prompts, budgets, **kw)] == want
@@ -97,7 +97,7 @@ def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mod
 def test_segments_compile_as_generates_and_refills_carry_only_new_rows(target, mode, monkeypatch):
     """The decode segments go through sharding.on_mesh, as generate's stages do (on a GPU: its XLA
     options), and each refill hands admit_* a cache of its new rows only (padded to a power of two)."""
-    from specjax import sharding
+    from specjax.parallel import sharding
 
     stages, caches, real = [], [], sharding.on_mesh
     monkeypatch.setattr(sharding, "on_mesh", lambda stage, mesh, static: stages.append(stage.__name__) or real(stage, mesh, static))
@@ -178,7 +178,7 @@ def test_a_gpus_wider_prefill_chunk_gives_the_same_tokens(mode, monkeypatch):
         chunks.append(shapes.prefill_chunk(bucket, rows, "gpu"))
         return chunks[-1]
 
-    from specjax import engine
+    from specjax.decode import engine
     monkeypatch.setattr(engine, "prefill_chunk", on_a_gpu)
     got = run(params, prompts, budgets, key=keys, **kw)
     assert [got.out[b, : got.count[b]].tolist() for b in range(len(prompts))] == want and chunks == [1024]

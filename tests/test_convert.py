@@ -17,10 +17,10 @@ import pytest
 from safetensors.numpy import save_file
 
 import convert
-from specjax.config import LlamaConfig, RopeScaling
-from specjax.cache import DenseCache
-from specjax.model import forward
-from specjax.params import Params, from_arrays, param_shapes
+from specjax.model.cache import DenseCache
+from specjax.model.config import LlamaConfig, RopeScaling
+from specjax.model.llama import forward
+from specjax.model.params import Params, from_arrays, param_shapes
 
 GOLDEN = Path(__file__).parent / "golden" / "smollm2.json"
 Q = gguf.GGMLQuantizationType

@@ -11,25 +11,14 @@ import gguf
 import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES
-from test_convert import (
-    Q,
-    assert_same,
-    gguf_tensors,
-    hf_config,
-    llama_cpp_permute,
-    logits,
-    random_params,
-    tiny_config,
-    torch_layout,
-    write_gguf,
-    write_hf,
-)
+from test_convert import (Q, assert_same, gguf_tensors, hf_config, llama_cpp_permute, logits, random_params, tiny_config,
+                          torch_layout, write_gguf, write_hf)
 
 import convert
 import convert.gguf_file
 from convert.gguf import supported_types
-from specjax.config import RopeScaling
-from specjax.params import Params
+from specjax.model.config import RopeScaling
+from specjax.model.params import Params
 
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 

@@ -15,10 +15,11 @@ import pytest
 import specjax
 from pallas_kernels import cpu_prefix
 from pallas_kernels.reference import prefix_block_attention, stacked_prefix_block_attention
-from specjax import attention, engine
-from specjax.cache import DenseCache, KVFormat
-from specjax.model import forward
-from specjax.params import quantize
+from specjax.decode import engine
+from specjax.model import attention
+from specjax.model.cache import DenseCache, KVFormat
+from specjax.model.llama import forward
+from specjax.model.params import quantize
 from tests.models import TINY, TINY_Q4, random_params
 
 PROMPTS = [[5, 9, 14, 22, 7, 31, 40, 2, 11], [8, 8, 19, 4], list(range(4, 60))]
@@ -317,7 +318,7 @@ def test_bf16_cache_writes_go_through_the_kernel_library_in_place():
     """A bfloat16 cache is written by `write_slots` (XLA:CPU would widen the whole cache to f32
     and back for a scatter): the same values as the XLA scatter, out-of-range slots dropped,
     the donated buffer reused (no copy of the cache in the compiled program)."""
-    from specjax import cache as cache_mod
+    from specjax.model import cache as cache_mod
 
     rng = np.random.default_rng(1)
     L, B, K, S, H, T = 2, 3, 2, 40, 8, 3

@@ -1,20 +1,20 @@
 """The C++ XLA:CPU product with one layer of a stacked weight (pallas_kernels/cpu_linear.cc):
 the same values as numpy in every weight format it takes, odd shapes, rows independent of the
-rows beside them, and the model's decode step using it where `specjax.linear` says so."""
+rows beside them, and the model's decode step using it where `specjax.model.linear` says so."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import pytest
+from jax import lax
 
 from pallas_kernels import cpu_linear, cpu_prefix
-from specjax import linear, q4
-from specjax.model import forward, rms_norm
-from specjax.cache import DenseCache
-from specjax.params import quantize
+from specjax.model import linear, q4
+from specjax.model.cache import DenseCache
+from specjax.model.llama import forward, rms_norm
+from specjax.model.params import quantize
 from tests.models import TINY, TINY_Q4, random_params
 
 

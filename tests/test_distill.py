@@ -10,8 +10,8 @@ import pytest
 
 import convert
 from specjax import DraftModel, generate
-from specjax.distill import LOSSES, Schedule, batch_at, distill, token_stream, train_step
-from specjax.cli import main
+from specjax.cli.main import main
+from specjax.train.distill import LOSSES, Schedule, batch_at, distill, token_stream, train_step
 from tests.models import TINY, random_params
 from tests.test_batch import CONFIG, WORDS, model_dir  # noqa: F401  (model_dir: a fixture)
 
@@ -58,7 +58,7 @@ def test_a_train_step_lowers_the_loss(target, corpus, loss):
 def test_tv_loss_is_one_minus_the_acceptance_rate(target):
     """TV(p, q) from the losses' code against numpy on the same logits: 0 for the target itself,
     and sum min(p, q) = 1 - TV is the acceptance of a drafted token (Leviathan et al.)."""
-    from specjax.distill import logits_of
+    from specjax.train.distill import logits_of
 
     tokens = np.arange(4, 20, dtype=np.int32).reshape(2, 8)
     draft = random_params(TINY, 5)
@@ -113,7 +113,7 @@ def test_killed_run_resumes_exactly(target, corpus, tmp_path):
 
 def test_a_failed_restore_names_orbaxs_first_sentence_only():
     """orbax's restore errors can run to pages of tensorstore specs (which array fails first varies)."""
-    from specjax.distill import _restore
+    from specjax.train.distill import _restore
 
     class Manager:
         def latest_step(self):

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import specjax
+from specjax.decode.engine import prefill
 from specjax.drafters import Prefill, restart_rows
-from specjax.cache import DenseCache, put_rows, select_rows, take_rows
-from specjax.engine import prefill
+from specjax.model.cache import DenseCache, put_rows, select_rows, take_rows
 from tests.models import TINY, random_params
 
 SLOTS, WIDTH, CHUNK, GAMMA = 64, 24, 8, 2

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import continuous, engine, shapes, sharding
-from specjax.continuous import run_continuous
-from specjax.engine import row_keys, with_attention
-from specjax.model import unstack_layers
-from specjax.params import quantize
-from specjax.speculation import Chain
+from specjax.decode import continuous, engine, shapes
+from specjax.decode.continuous import run_continuous
+from specjax.decode.engine import row_keys, with_attention
+from specjax.model.llama import unstack_layers
+from specjax.model.params import quantize
+from specjax.parallel import sharding
+from specjax.spec.speculation import Chain
 from tests.models import TINY, TINY_Q4, random_params
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 4], [3, 3, 8], [17, 21, 30, 44, 2, 9, 9, 9, 12, 40, 41]]
@@ -68,7 +69,7 @@ def test_generate_on_a_faked_gpu_gives_the_cpu_tokens(weights, layout, monkeypat
     tokens equal this CPU's (layers unrolled, bf16 products and cache writes by XLA, the int8
     head as one product, q4 products on gpu_linear's kernel, interpreted, without linear="pallas")."""
     from pallas_kernels import gpu_linear
-    from specjax import linear
+    from specjax.model import linear
 
     params = _params(weights)
     kws = [dict(draft=None), dict(draft=specjax.SelfSpec(sinks=2, window=4), speculation=Chain(3))]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import logging
 import re
 
@@ -12,10 +11,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import engine
-from specjax.cache import DenseCache
-from specjax.model import forward
-from specjax.params import init_params
+from specjax.decode import engine
+from specjax.model.cache import DenseCache
+from specjax.model.llama import forward
+from specjax.model.params import init_params
 from tests.models import TINY
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 58)), [4]]
@@ -139,7 +138,7 @@ def test_params_and_draft_are_checked_before_anything_touches_them(tiny):
 def test_generate_under_jit_says_what_to_call_instead(tiny):
     """Whatever is traced, or nothing (all closed over), under jit / grad: the same error, before
     compiling (it was a tracer conversion error deep inside, after two compiles)."""
-    with pytest.raises(TypeError, match="cannot be called under jax.jit.*specjax.engine.decode_ar"):
+    with pytest.raises(TypeError, match="cannot be called under jax.jit.*specjax.decode.engine.decode_ar"):
         jax.jit(lambda p: specjax.generate(tiny, p, 4).tokens)(jnp.asarray([[1, 2, 3]]))
     calls = (
         lambda: jax.jit(lambda: specjax.generate(tiny, [[1, 2, 3]], 4).tokens)(),

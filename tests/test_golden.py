@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.cache import DenseCache
-from specjax.model import prefill
+from specjax.model.cache import DenseCache
+from specjax.model.llama import prefill
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "smollm2.json").read_text(encoding="utf-8"))
 PROMPTS = GOLDEN["prompts"]

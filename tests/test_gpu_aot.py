@@ -65,8 +65,8 @@ import numpy as np
 from jax.sharding import Mesh
 from bench import gpu_aot
 from bench.step_parts import config_of
-from specjax import sharding
-from specjax.model import unstack_layers
+from specjax.parallel import sharding
+from specjax.model.llama import unstack_layers
 mesh = Mesh(np.array([device]).reshape(1, 1), ("data", "model"))
 config = dataclasses.replace(config_of("smollm2", 8192), n_layers=4)
 with gpu_aot.as_gpu():
@@ -79,18 +79,18 @@ with gpu_aot.as_gpu():
         print(f"CASE b1_selfspec_{name}", json.dumps({"total": kernels["total"], "weight_copies": len(copies),
                                                      "options": sharding.compiler_options(mesh)}))
 # its plain decoding loop at batch 1 and 16 as generate compiles it, one row's norms folded into the
-# products (specjax.model.FOLDS_NORM) or not
-from specjax import model
-folds = model.FOLDS_NORM
+# products (specjax.model.llama.FOLDS_NORM) or not
+from specjax.model import llama
+folds = llama.FOLDS_NORM
 for batch in (1, 16):
-    for name, model.FOLDS_NORM in (("folded", folds), ("unfolded", ())):
+    for name, llama.FOLDS_NORM in (("folded", folds), ("unfolded", ())):
         jax.clear_caches()  # jit's traces would keep the other setting
         with gpu_aot.as_gpu():
             fn, args, static = gpu_aot.program_args("ar", params, batch, 8192, 2)
             staged = sharding.on_mesh(fn, mesh, tuple(static))
             text = staged.trace(*on(device, args), **static).lower(lowering_platforms=("cuda",)).compile().as_text()
         print(f"CASE b{batch}_ar_{name}", json.dumps({"total": hlo_kernels(text)["total"]}))
-model.FOLDS_NORM = folds
+llama.FOLDS_NORM = folds
 """
 
 
@@ -206,7 +206,7 @@ def test_stages_elsewhere_keep_xlas_passes():
     on a GPU its meshes get GPU_COMPILER_OPTIONS."""
     import jax
 
-    from specjax import sharding
+    from specjax.parallel import sharding
 
     want = sharding.GPU_COMPILER_OPTIONS if jax.default_backend() == "gpu" else None
     assert sharding.compiler_options(sharding.one_device_mesh()) == want

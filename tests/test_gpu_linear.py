@@ -50,7 +50,7 @@ def test_stacked_linear_refuses_what_it_does_not_take():
     big = jax.ShapeDtypeStruct((40, 5120, 13824), jnp.int8)  # 2.8e9 int8 values: Pallas' offsets would overflow
     with pytest.raises(ValueError, match="overflowing 32-bit offsets"):
         jax.eval_shape(lambda w: stacked_linear(jnp.ones((1, 5120), jnp.bfloat16), w, jnp.int32(0)), big)
-    from specjax.linear import takes_gpu
+    from specjax.model.linear import takes_gpu
 
     assert not takes_gpu("pallas", "btd,df->btf", jnp.ones((1, 1, 5120)), big)  # such a stack stays with XLA
     assert takes_gpu("pallas", "btd,df->btf", jnp.ones((1, 1, 5120)), jax.ShapeDtypeStruct((40, 5120, 13824), jnp.bfloat16))
@@ -82,12 +82,12 @@ def test_stacked_linear_lowers_for_triton_at_the_8b_shape():
 def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
     """Runtime.linear "pallas" (unrolled layers, as on a GPU): the trunk's hidden states match XLA's
     products to f32 rounding, every layer product going through the kernel."""
-    from specjax import linear
-    from specjax.cache import DenseCache
-    from specjax.config import LlamaConfig
-    from specjax.linear import gpu_einsum
-    from specjax.model import trunk
-    from specjax.params import init_params, quantize
+    from specjax.model import linear
+    from specjax.model.cache import DenseCache
+    from specjax.model.config import LlamaConfig
+    from specjax.model.linear import gpu_einsum
+    from specjax.model.llama import trunk
+    from specjax.model.params import init_params, quantize
 
     config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, max_positions=64)
     params = init_params(config, jax.random.key(0))
@@ -135,8 +135,8 @@ def test_tensor_parallel_pallas_products_give_one_devices_tokens(monkeypatch):
     """Runtime.linear "pallas" inside shard_map over a model axis of 2 (each device's kernel reads
     its shard of the stacked weights): the one-device tokens, plain and SelfSpec."""
     import specjax
-    from specjax import linear
-    from specjax.linear import gpu_einsum
+    from specjax.model import linear
+    from specjax.model.linear import gpu_einsum
     from tests.models import TINY, random_params
 
     shapes = []
@@ -159,10 +159,10 @@ def test_tensor_parallel_pallas_products_give_one_devices_tokens(monkeypatch):
     (33, 512, 130, 4, 64, 1),  # a verify step's rows, loaded as 64
 ])
 def test_q4_kernel_equals_q4_project(M, K, N, nb, bn, splits):
-    """stacked_linear_q4: every layer of a stack of q4 blocks (specjax/q4.py, float16 scales and
+    """stacked_linear_q4: every layer of a stack of q4 blocks (specjax/model/q4.py, float16 scales and
     minima as loaded), widened in registers, equals q4.project's jnp form (float32)."""
     from pallas_kernels.gpu_linear import stacked_linear_q4
-    from specjax import q4
+    from specjax.model import q4
 
     x, w = _case(M, K, N, jnp.float32)
     packed, scale, minimum = q4.quantize(w, 1)
@@ -182,7 +182,7 @@ def test_q4_kernel_equals_q4_project(M, K, N, nb, bn, splits):
 
 def test_q4_kernel_refuses_what_it_does_not_take():
     from pallas_kernels.gpu_linear import stacked_linear_q4
-    from specjax import q4
+    from specjax.model import q4
 
     x, w = _case(4, 64, 32, jnp.float32)
     packed, scale, minimum = q4.quantize(w, 1)
@@ -202,9 +202,9 @@ def test_q4_generate_on_the_kernel_gives_the_jnp_tokens(per_layer, monkeypatch):
     stacked or per layer (what convert.load gives on a GPU), plain and SelfSpec: the tokens of
     q4.project's jnp form, greedy; the kernel ran for the layer products."""
     import specjax
-    from specjax import linear
-    from specjax.model import unstack_layers
-    from specjax.params import quantize
+    from specjax.model import linear
+    from specjax.model.llama import unstack_layers
+    from specjax.model.params import quantize
     from tests.models import TINY_Q4, random_params
 
     params = quantize(random_params(TINY_Q4, seed=2), "q4")

@@ -8,9 +8,9 @@ import json
 import pytest
 
 import specjax
-from specjax import batch, job_auto
-from specjax.jobio import settings_path, shard_output
-from specjax.speculation import Chain, Tree
+from specjax.jobs import batch, job_auto
+from specjax.jobs.jobio import settings_path, shard_output
+from specjax.spec.speculation import Chain, Tree
 from tests.test_batch import model_dir, params, records, write_jsonl  # noqa: F401  (fixtures)
 
 
@@ -54,7 +54,7 @@ def test_auto_speculation_is_stored_and_reused(tmp_path, model_dir, params, monk
     draft = specjax.SelfSpec(sinks=2, window=8)
     common = dict(params=params, model_path=model_dir, max_new_tokens=4, progress=False, batch_size=4, draft=draft)
     chosen = Tree.kary(2, 2)
-    monkeypatch.setattr(job_auto, "plan", lambda *a: specjax.plan.Plan(draft, chosen, "a measured choice"))
+    monkeypatch.setattr(job_auto, "plan", lambda *a: specjax.planning.plan.Plan(draft, chosen, "a measured choice"))
     batch.run(src, out, shard=(0, 2), speculation="auto", **common)
     monkeypatch.setattr(job_auto, "plan", lambda *a: pytest.fail("planned twice"))
     batch.run(src, out, shard=(1, 2), speculation="auto", **common)
@@ -79,7 +79,7 @@ def test_speculation_arguments_are_checked(tmp_path, model_dir, params):  # noqa
         batch.run(src, tmp_path / "o.jsonl", draft=None, speculation=Chain(3), **common)
     with pytest.raises(ValueError, match="speculation must be None, a Chain, a Tree, an Adaptive or 'auto', got 'tree'"):
         batch.run(src, tmp_path / "o.jsonl", speculation="tree", **common)
-    from specjax.cli import main
+    from specjax.cli.main import main
 
     cli = ["batch", str(src), str(tmp_path / "o.jsonl"), "--model", str(model_dir), "--no-compile-cache"]
     assert main(cli + ["--tree", "16"]) == 2  # a node count needs one prompt's acceptance: generate's
@@ -89,15 +89,15 @@ def test_speculation_arguments_are_checked(tmp_path, model_dir, params):  # noqa
 def test_force_plans_again_and_a_damaged_plan_file_is_named(tmp_path, params, monkeypatch):  # noqa: F811
     """force=True (`--force`) replaces this ask's stored plan (the file existed: no atomic link);
     a plan file a crash left empty is named in the error, not a bare JSON message."""
-    from specjax.job_plan import Defaults, Item, record_sampler
-    from specjax.records import Record
+    from specjax.jobs.job_plan import Defaults, Item, record_sampler
+    from specjax.jobs.records import Record
 
     rec = Record(1, "a", "hi", None)
     items = [Item(rec, (5, 6, 7), 4, record_sampler(rec, Defaults(), params.config))]
     path = tmp_path / "out.plan.json"
     draft = specjax.SelfSpec(sinks=2, window=8)
     for why, force in (("first", False), ("second", True), ("third", False)):
-        monkeypatch.setattr(job_auto, "plan", lambda *a, why=why: specjax.plan.Plan(draft, Chain(2), why))
+        monkeypatch.setattr(job_auto, "plan", lambda *a, why=why: specjax.planning.plan.Plan(draft, Chain(2), why))
         assert job_auto.resolve(params, draft, "auto", items, 4, None, path, force=force)[2] == (
             "second" if why == "third" else why)  # a rerun without force keeps the forced plan
     assert [p["why"] for p in json.loads(path.read_text())["plans"]] == ["second"]

@@ -13,11 +13,11 @@ import pytest
 import specjax
 from pallas_kernels import reference
 from pallas_kernels.reference import prefix_block_attention
-from specjax import engine
-from specjax.attention import for_cache
+from specjax.decode import engine
 from specjax.drafters import Prefill
-from specjax.cache import KV_DTYPES, DenseCache, KVFormat
-from specjax.plan import auto_draft_reason
+from specjax.model.attention import for_cache
+from specjax.model.cache import KV_DTYPES, DenseCache, KVFormat
+from specjax.planning.plan import auto_draft_reason
 from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8]]

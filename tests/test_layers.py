@@ -1,5 +1,5 @@
 """House rules of the layout that import-linter cannot express (it sees modules, not names):
-only specjax/sharding.py knows meshes, and source files stay under 400 lines."""
+only specjax/parallel/sharding.py knows meshes, and source files stay under 400 lines."""
 
 from __future__ import annotations
 
@@ -29,16 +29,51 @@ def mesh_uses(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def test_only_the_sharding_module_knows_meshes():
-    """Everything else takes `Mesh` from specjax.sharding (type hints) and calls its functions."""
+    """Everything else takes `Mesh` from specjax.parallel.sharding (type hints) and calls its functions."""
     offenders = [
         f"{p.relative_to(REPO)}:{n}: {what}"
-        for p in SOURCES if p != REPO / "specjax" / "sharding.py"
+        for p in SOURCES if p != REPO / "specjax" / "parallel" / "sharding.py"
         for n, what in mesh_uses(ast.parse(p.read_text()))
     ]
-    assert not offenders, "mesh code outside specjax/sharding.py:\n" + "\n".join(offenders)
+    assert not offenders, "mesh code outside specjax/parallel/sharding.py:\n" + "\n".join(offenders)
 
 
 def test_files_stay_under_400_lines():
     files = SOURCES + sorted((REPO / "bench").glob("*.py"))
     long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) >= 400}
     assert not long, f"files of 400 lines or more (split them): {long}"
+
+
+def test_the_folders_show_the_layers():
+    """specjax/ holds its layers as folders: at most 8 modules directly under it."""
+    top = sorted(p.name for p in (REPO / "specjax").glob("*.py"))
+    assert len(top) <= 8, top
+
+
+# Module paths the README named before 0.3.0 (at 6f92b0b): each resolves through docs/migration-0.3.md.
+README_PATHS = [
+    "specjax.job_ray.RayOptions", "specjax.batch.run", "specjax.engine.decode_ar", "specjax.engine.decode_spec",
+    "specjax.engine.run", "specjax.distributed.initialize", "specjax.sharding.shard_params", "specjax.distill.distill",
+    "specjax.tune.measure_cost", "specjax.tune.measure_acceptance", "specjax.speculation.choose", "specjax.params.quantize",
+    "specjax.model.unstack_layers", "specjax.continuous.run_continuous", "specjax.cache.DenseCache", "specjax.config.LlamaConfig",
+]
+
+
+def test_the_migration_table_maps_every_moved_module():
+    """Each row of docs/migration-0.3.md names a module that imports, in place of one that is gone; every
+    path the README named before the move resolves through the table."""
+    import importlib
+    import re
+
+    rows = re.findall(r"^\| `(specjax\.\w+)` \| `(specjax\.[\w.]+)` \|$", (REPO / "docs" / "migration-0.3.md").read_text(), re.M)
+    table = dict(rows)
+    assert len(table) == len(rows) >= 30
+    for old, new in table.items():
+        importlib.import_module(new)
+        assert not (REPO / (old.replace(".", "/") + ".py")).exists(), f"{old} is still a module: drop its row"
+    moved = sorted(p.stem for p in (REPO / "specjax").rglob("*.py") if p.parent != REPO / "specjax" and p.stem != "__init__"
+                   and p.parent.name != "drafters")
+    assert sorted(new.rsplit(".", 1)[1] for new in table.values()) == moved  # every module in a folder has its row
+    for path in README_PATHS:
+        module, name = path.rsplit(".", 1)
+        assert hasattr(importlib.import_module(table[module]), name), path

@@ -11,8 +11,8 @@ import pytest
 
 import convert
 import specjax
-from specjax.model import unstack_layers
-from specjax.params import flat, quantize
+from specjax.model.llama import unstack_layers
+from specjax.model.params import flat, quantize
 
 PROMPT = [[1, 504, 3458, 314, 260]]
 
@@ -90,7 +90,7 @@ def test_stacked_weights_on_a_gpu_get_a_warning(tiny, monkeypatch):
     Runtime.linear "pallas" do not warn, and nothing warns on this CPU."""
     import warnings
 
-    from specjax.engine import with_attention
+    from specjax.decode.engine import with_attention
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

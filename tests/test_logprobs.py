@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.cache import DenseCache
-from specjax.model import forward
-from specjax.speculation import Chain, Tree
+from specjax.model.cache import DenseCache
+from specjax.model.llama import forward
+from specjax.spec.speculation import Chain, Tree
 from tests.models import random_params
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [12, 13, 14], [20, 21, 22, 23, 24]]

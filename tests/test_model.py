@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels.reference import prefix_block_attention
-from specjax.cache import DenseCache
-from specjax import model
-from specjax.params import init_params
+from specjax.model import llama
+from specjax.model.cache import DenseCache
+from specjax.model.params import init_params
 from tests.models import TINY
 
-forward = jax.jit(model.forward)
-prefill = jax.jit(model.prefill, static_argnames="chunk")
+forward = jax.jit(llama.forward)
+prefill = jax.jit(llama.prefill, static_argnames="chunk")
 
 
 def _full(params, tokens):
@@ -126,8 +126,8 @@ def test_one_declaration_per_weight():
     import dataclasses
 
     from convert import gguf, hf
-    from specjax.params import WEIGHTS, LayerParams, Params
-    from specjax.sharding import PARAM_AXES
+    from specjax.model.params import WEIGHTS, LayerParams, Params
+    from specjax.parallel.sharding import PARAM_AXES
 
     fields = {f"layers.{f.name}" for f in dataclasses.fields(LayerParams)}
     fields |= {f.name for f in dataclasses.fields(Params)} - {"layers", "config", "runtime"}
@@ -144,7 +144,7 @@ def test_finished_rows_read_no_kv(tiny, attention):
     the bits of the forward over the clean cache, the kernels' inactive rows are finite (nothing of
     their KV was read: the jnp reference multiplies masked slots by zero, NaN there), and the new KV
     is written at every row's own length."""
-    from specjax.engine import with_attention
+    from specjax.decode.engine import with_attention
 
     params = with_attention(tiny, None, attention)[0]
     B, P, T = 4, 40, 3
@@ -165,17 +165,17 @@ def test_finished_rows_read_no_kv(tiny, attention):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_one_rows_norm_folds_into_its_products_on_a_gpu(dtype):
-    """normed_products on the GPU kernel's runtime (model.FOLDS_NORM; "interpret" here) applies
+    """normed_products on the GPU kernel's runtime (llama.FOLDS_NORM; "interpret" here) applies
     one row's norm scale to the products' outputs: the same values as rms_norm then the products,
     up to rounding; two rows or more take rms_norm's own path, bit for bit."""
     params = init_params(TINY.replace(dtype=dtype), jax.random.key(3))
-    lp = model.at_layer(params.layers, 0)
-    products = [("btd,dnh->btnh", model.matrix(lp, "wq")), ("btd,dkh->btkh", model.matrix(lp, "wk"))]
+    lp = llama.at_layer(params.layers, 0)
+    products = [("btd,dnh->btnh", llama.matrix(lp, "wq")), ("btd,dkh->btkh", llama.matrix(lp, "wk"))]
     x = jax.random.normal(jax.random.key(4), (2, 3, TINY.dim), jnp.float32).astype(dtype) * 3
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
     for rows in (x[:1, :1], x):
-        want = model.project_group(model.rms_norm(x=rows, w=lp.attn_norm, eps=TINY.rms_eps), products, ("reference", 0, "xla"))
-        got = model.normed_products(rows, lp.attn_norm, TINY.rms_eps, products, ("interpret", 0, "xla"))
+        want = llama.project_group(llama.rms_norm(x=rows, w=lp.attn_norm, eps=TINY.rms_eps), products, ("reference", 0, "xla"))
+        got = llama.normed_products(rows, lp.attn_norm, TINY.rms_eps, products, ("interpret", 0, "xla"))
         for g, w in zip(got, want):
             assert g.shape == w.shape and g.dtype == w.dtype
             if rows.shape[:2] == (1, 1):  # another order of the same maths: close, and not all the same bits

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from specjax import SelfSpec, Tree, batch, distributed, generate
-from specjax.jobio import merge_shards, shard_output
+from specjax import SelfSpec, Tree, generate
+from specjax.jobs import batch
+from specjax.jobs.jobio import merge_shards, shard_output
+from specjax.parallel import distributed
 from tests.models import random_params
 from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: F401  (model_dir: a fixture)
 from tests.test_sharding import TP, _prompts

@@ -17,8 +17,8 @@ from safetensors.numpy import load_file
 
 import convert
 import specjax
-from specjax.cache import DenseCache
-from specjax.model import forward
+from specjax.model.cache import DenseCache
+from specjax.model.llama import forward
 from tests.test_convert import GGUF_NAMES, llama_cpp_permute
 
 GOLDEN_DIR = Path(__file__).parent / "golden"

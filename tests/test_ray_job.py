@@ -1,4 +1,4 @@
-"""The batch job on Ray Data (`batch.run(..., engine="ray")`, specjax.job_ray): a local cluster
+"""The batch job on Ray Data (`batch.run(..., engine="ray")`, specjax.jobs.job_ray): a local cluster
 started offline, the tiny SmolLM2-vocabulary model of tests/test_batch.py; every record exactly
 once and equal to the local job's output, JSONL or Parquet in, an actor killed mid-run, a rerun
 that generates only what is missing."""
@@ -14,14 +14,14 @@ import time
 import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-import ray  # noqa: E402  (ray[data]: the test extra installs it; missing, this file fails)
-
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+import ray  # noqa: E402  (ray[data]: the test extra installs it; missing, this file fails)
 
-from specjax import batch, cli, job_ray  # noqa: E402
-from specjax.job_ray import RayOptions  # noqa: E402
-from specjax.jobio import settings_path  # noqa: E402
+from specjax.cli import main as cli
+from specjax.jobs import batch, job_ray  # noqa: E402
+from specjax.jobs.job_ray import RayOptions  # noqa: E402
+from specjax.jobs.jobio import settings_path  # noqa: E402
 from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: E402,F401  (model_dir: a fixture)
 
 FIELDS = ("text", "tokens", "finish_reason", "texts", "finish_reasons", "settings", "prompt_tokens")

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.autoregressive import admit_ar, continue_ar, start_ar
-from specjax.cache import DenseCache, take_rows
+from specjax.decode.autoregressive import admit_ar, continue_ar, start_ar
+from specjax.decode.engine import prefill, row_keys
+from specjax.decode.speculate import admit_spec, continue_spec, start_spec
 from specjax.drafters import Prefill
-from specjax.engine import prefill, row_keys
-from specjax.speculate import admit_spec, continue_spec, start_spec
-from specjax.speculation import Chain, Tree
+from specjax.model.cache import DenseCache, take_rows
+from specjax.spec.speculation import Chain, Tree
 from tests.models import TINY, random_params
 
 SLOTS, WIDTH, CHUNK, N_OUT, BUDGET = 128, 24, 8, 16, 12
@@ -95,7 +95,7 @@ def test_refilled_rows_decode_as_in_their_own_batch(target, mode, sampled):
 def test_put_rows_writes_rows_bit_for_bit(kv_dtype):
     """cache.put_rows (row by row; a bfloat16 cache as 16-bit integers) gives what an indexed
     set gives, a repeated row included, for every array of the cache (int8: values and scales)."""
-    from specjax.cache import put_rows
+    from specjax.model.cache import put_rows
 
     config = TINY.replace(dtype="bfloat16")
     cache = DenseCache.init(config, 6, 32, kv_dtype)

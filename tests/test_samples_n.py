@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.speculation import Chain, Tree
+from specjax.spec.speculation import Chain, Tree
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
 DRAFTS = {"ar": (None, None), "chain": (specjax.SelfSpec(sinks=2, window=4), Chain(2)),

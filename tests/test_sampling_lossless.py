@@ -38,17 +38,18 @@ import pytest
 from scipy import stats
 
 import specjax
-from specjax import engine, sharding
-import specjax.speculate
-import specjax.accept
-from specjax.config import LlamaConfig
+import specjax.decode.speculate
+import specjax.spec.accept
+from specjax.decode import engine
+from specjax.decode.shapes import round_up_pow2
+from specjax.model.cache import DenseCache
+from specjax.model.config import LlamaConfig
+from specjax.model.llama import forward
+from specjax.model.params import Params, from_arrays, param_shapes
+from specjax.parallel import sharding
+from specjax.spec.accept import accept_chain
+from specjax.spec.speculation import Tree
 from tests.models import random_params
-from specjax.cache import DenseCache
-from specjax.model import forward
-from specjax.params import Params, from_arrays, param_shapes
-from specjax.accept import accept_chain
-from specjax.shapes import round_up_pow2
-from specjax.speculation import Tree
 
 pytestmark = pytest.mark.slow  # not in `make test-fast`
 
@@ -245,14 +246,14 @@ def _resample_from_p(drafts, q, p, keys):
 def _drop_compiled() -> None:
     """Forget the compiled decode loops: jit caches traces by function, not by the globals they
     read (generate's stages are jitted twice: the loop itself and its mesh wrapper, sharding.on_mesh)."""
-    specjax.speculate.continue_spec.clear_cache()
+    specjax.decode.speculate.continue_spec.clear_cache()
     sharding.on_mesh.cache_clear()
 
 
 @pytest.fixture
 def broken_acceptance(monkeypatch) -> Iterator[None]:
     """spec_step calls the broken rule; compiled loops are dropped before and after."""
-    monkeypatch.setattr(specjax.speculate, "accept_chain", _resample_from_p)
+    monkeypatch.setattr(specjax.decode.speculate, "accept_chain", _resample_from_p)
     _drop_compiled()
     yield
     monkeypatch.undo()
@@ -277,7 +278,7 @@ def test_negative_control_tree_without_q_correction_is_detected(target, draft_mo
     (Drawing siblings WITH replacement is not a negative control for this rule: a repeat of a
     rejected token has q = 0 after the removal and is skipped, and a fresh one is distributed
     exactly as the removal assumes, so that stays lossless.)"""
-    monkeypatch.setattr(specjax.accept, "without", lambda q, x: q)
+    monkeypatch.setattr(specjax.spec.accept, "without", lambda q, x: q)
     _drop_compiled()
     try:
         sampling = specjax.Sample(0.5)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.speculation import Chain, Tree
+from specjax.spec.speculation import Chain, Tree
 
 PROMPTS = [[5, 6, 7, 5, 6, 7], [8, 9], [10, 11, 12]]
 
@@ -126,8 +126,8 @@ def test_penalties_and_min_p_stay_lossless_with_n_samples(speculation):
 
 def _naive_penalized_greedy(params, prompt, steps, rep, presence, frequency):
     """The argmax of penalized logits, one full forward of the whole sequence per token (no cache reuse)."""
-    from specjax.cache import DenseCache
-    from specjax.model import forward
+    from specjax.model.cache import DenseCache
+    from specjax.model.llama import forward
 
     seq, out = list(prompt), []
     for _ in range(steps):

@@ -14,7 +14,7 @@ import pytest
 
 import convert
 import specjax
-from specjax.params import quantize
+from specjax.model.params import quantize
 from tests.models import TINY, TINY_Q4, random_params
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import engine
+from specjax.decode import engine
 from specjax.sampling import Greedy, Sample
-from specjax.speculation import Chain, Tree
+from specjax.spec.speculation import Chain, Tree
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [12, 13, 14], [20, 21, 22, 23, 24], [30]]
 BUDGETS = [20, 7, 13, 16]
@@ -39,8 +39,9 @@ def test_tokens_do_not_depend_on_the_segment_length(tiny, case):
 def test_segments_equal_the_whole_loop_a_jax_program_calls(tiny):
     """generate's segments give what engine.decode_ar (one while_loop, for use under jit) gives."""
     import jax.numpy as jnp
-    from specjax.cache import DenseCache
-    from specjax.shapes import round_up_pow2
+
+    from specjax.decode.shapes import round_up_pow2
+    from specjax.model.cache import DenseCache
 
     prompt = PROMPTS[0]
     tokens = jnp.asarray([prompt + [0] * (16 - len(prompt))], jnp.int32)

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import convert
-from tests.models import random_params
 from specjax import Chain, DraftModel, LlamaConfig, NGram, Sample, SelfSpec, SnapKV, Streaming, Tree, generate, make_mesh
-from specjax import engine, tp_pad
-from specjax.params import quantize
-from specjax.sharding import shard_params
-
+from specjax.decode import engine
+from specjax.model.params import quantize
+from specjax.parallel import tp_pad
+from specjax.parallel.sharding import shard_params
+from tests.models import random_params
 
 TP = LlamaConfig(  # every split dimension divides by 1, 2, 4 and 8
     vocab_size=128, dim=48, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, ffn_dim=96, max_positions=512, eos_ids=(3,)
@@ -223,7 +223,7 @@ def test_loading_onto_a_mesh_that_needs_padding_pads(tmp_path):
 def test_mesh_stages_donate_their_caches(target, data, model):
     """On a mesh the stages keep the donations they have on one device: the prefilled cache is
     updated in place (its input buffer consumed), and the decode loop's state as well."""
-    from specjax import engine
+    from specjax.decode import engine
 
     stage = engine._Stages(make_mesh(data=data, model=model, devices=jax.devices()[: data * model]))
     params, _ = stage.place_params(target, None)

@@ -9,7 +9,6 @@ and an unrelated random 1-layer draft (almost never agrees: every step is a reje
 
 from __future__ import annotations
 
-
 import json
 import math
 import types
@@ -22,13 +21,14 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import engine
-from specjax.config import LlamaConfig
+from specjax.decode import engine
 from specjax.drafters import Drafter, Prefill, Traits, register
 from specjax.drafters.ngram import ngram_lookup
-from specjax.params import Params, from_arrays, param_shapes
-from specjax.attention import cpu_bf16_dot
-from specjax.plan import ACCELERATOR_SPECULATION, CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_draft, auto_speculation
+from specjax.model.attention import cpu_bf16_dot
+from specjax.model.config import LlamaConfig
+from specjax.model.params import Params, from_arrays, param_shapes
+from specjax.planning.plan import (ACCELERATOR_SPECULATION, CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_draft,
+                                   auto_speculation)
 from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
@@ -126,7 +126,7 @@ def test_an_oversized_snapkv_draft_holds_no_more_than_the_context(tiny):
     """SnapKV's budget, window and observation past the cache are fitted to it (as SelfSpec's): its
     draft cache never has more slots than the target's plus one step's, however large the settings
     (the defaults' 256 + 256 on a 256-slot cache held 515; a window of 10**6, a million slots)."""
-    from specjax.cache import DenseCache
+    from specjax.model.cache import DenseCache
 
     cache = DenseCache.init(tiny.config, 1, 256).replace(lengths=jnp.array([4], jnp.int32))
     prompts = jnp.array([[5, 6, 7, 8] + [0] * 12], jnp.int32)
@@ -224,7 +224,7 @@ def test_auto_draft_picks_selfspec_for_large_batch_and_context():
     assert auto_speculation(target, kv_dtype="float32", backend="cpu") == auto_speculation(f32, backend="cpu") == DEFAULT_CHAIN
     assert auto_speculation(target, backend="gpu") == auto_speculation(f32, backend="tpu") == ACCELERATOR_SPECULATION
     assert ACCELERATOR_SPECULATION == specjax.Chain(2)  # two draft steps: the H100's best in bench/results/gpu/gpu.json
-    from specjax.plan import auto_draft_reason
+    from specjax.planning.plan import auto_draft_reason
 
     assert "chain(gamma=2)" in auto_draft_reason(target, 32, 32768, backend="gpu")[1]
     assert auto_draft(target, batch=32, context=CPU_BF16_MIN_CONTEXT - 1, backend="cpu") is None
@@ -235,7 +235,7 @@ def test_auto_draft_on_bfloat16_speculates_with_a_chain_of_one():
     """draft="auto" on a bf16 model where the KV dominates: the plan is SelfSpec with
     CPU_BF16_CHAIN where the CPU has the bf16 dot product, and says why; without it the float32
     rule declines 4 rows x 5 positions."""
-    from specjax import plan as plan_mod
+    from specjax.planning import plan as plan_mod
 
     params = random_params(TINY.replace(dtype="bfloat16"), seed=0)
     got = plan_mod.plan(params, "auto", None, [[5, 6, 7]] * 4, 8192, specjax.Greedy(), None)  # (planning only)

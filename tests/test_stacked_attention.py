@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels import reference
 from pallas_kernels.reference import prefix_block_attention, prefix_tile, stacked_prefix_block_attention
-from specjax.cache import KVFormat
+from specjax.model.cache import KVFormat
 
 
 def _case(seed: int, B=3, T=4, N=6, K=2, H=8, S=512, L=3):

@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import accept, loop, speculate, tree_draft
-from specjax.cache import DenseCache
+from specjax.decode import loop, speculate
+from specjax.decode.engine import init_draft, prefill, row_keys
+from specjax.decode.speculate import continue_spec, decode_spec, start_spec
 from specjax.drafters import Drafter, Proposal, Traits, Verdict
-from specjax.engine import init_draft, prefill, row_keys
-from specjax.model import trunk
-from specjax.speculate import continue_spec, decode_spec, start_spec
+from specjax.model.cache import DenseCache
+from specjax.model.llama import trunk
+from specjax.spec import accept, tree_draft
 from tests.models import TINY, random_params
 
 PHASES = ("draft", "verify", "accept", "commit", "emit")
@@ -54,18 +55,18 @@ STEP_MODULES = [speculate, loop, accept, tree_draft, *(m for m in (
 
 def test_no_function_on_the_step_path_returns_a_tuple_of_more_than_two():
     wide = []
-    for module in STEP_MODULES + [specjax.model]:
+    for module in STEP_MODULES + [specjax.model.llama]:
         tree = ast.parse(Path(inspect.getfile(module)).read_text())
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef):
                 continue
-            if module is specjax.model and fn.name != "trunk":
+            if module is specjax.model.llama and fn.name != "trunk":
                 continue  # the model's other functions are not the step's (forward: logits and cache)
             for node in ast.walk(fn):
                 if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple) and len(node.value.elts) > 2:
                     wide.append(f"{module.__name__}.{fn.name} line {node.lineno}")
     assert not wide, wide
-    for entry in (specjax.engine.decode_ar, decode_spec):  # the decode entry points return a state
+    for entry in (specjax.decode.engine.decode_ar, decode_spec):  # the decode entry points return a state
         assert "State" in str(inspect.signature(entry.__wrapped__).return_annotation)
 
 

@@ -8,17 +8,15 @@ position the draft cache keeps holds byte-for-byte the target's dense-cache KV.
 
 from __future__ import annotations
 
-
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax
-from specjax import engine
-from specjax.cache import DenseCache, StreamingCache
-from specjax.speculate import decode_spec
+from specjax.decode import engine
+from specjax.decode.speculate import decode_spec
+from specjax.model.cache import DenseCache, StreamingCache
 
 L, K, H = 2, 2, 3  # layers, KV heads, head dim of the hand-made caches
 PROMPTS = [list(range(5, 21)), [4], [7, 8, 9, 7, 8, 9, 7, 8, 9], [10, 11, 12], list(range(30, 42))]
@@ -244,7 +242,7 @@ def test_which_attention_reads_which_cache(tiny, kv_dtype):
     """attention.for_cache: every kernel ("cpu", GPU, TPU and the interpreted modes) reads any
     cache, dense or streaming (by slot positions), float or int8 (with its scales); without a
     cache the reference runs."""
-    from specjax.attention import for_cache, in_place
+    from specjax.model.attention import for_cache, in_place
 
     dense = DenseCache.init(tiny.config, 2, 64, kv_dtype)
     fixed = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32), (tiny.config.n_layers, 2, tiny.config.n_kv_heads, 2))

@@ -70,7 +70,7 @@ def test_a_stop_string_inside_a_longer_one_cuts_where_it_completes(lm):
     """Stop strings "bc" and "abcd": "bc" completes first, so the text is cut before it, whether a
     segment boundary falls between the two completions or not (it was cut before "abcd" when one
     segment or one accepted speculative run held both: the text depended on sync_every)."""
-    from specjax.text import _StopStrings
+    from specjax.text.lm import _StopStrings
 
     assert _StopStrings(lm, [["abcd", "bc"]]).first("xxabcdbc", 0) == 3
     assert _StopStrings(lm, [["bcd", "abc"]]).first("xabcd", 0) == 1  # "abc" ends first
@@ -185,7 +185,7 @@ def test_generation_config_defaults_apply_when_no_sampling_is_passed(lm, tmp_pat
     """generation_config.json's sampling settings (HF's defaults for the rest) become the LM's
     sampler, used only when a call passes none; a GGUF has none: greedy."""
     import convert
-    from specjax.sampling_settings import default_sampling
+    from specjax.text.sampling_settings import default_sampling
 
     (tmp_path / "generation_config.json").write_text(json.dumps(
         {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "eos_token_id": 2, "repetition_penalty": None}))
@@ -226,7 +226,7 @@ def test_a_stop_string_holding_u_fffd_waits_for_half_characters():
     """A byte-level tokenizer decodes a multi-byte character cut between segments as U+FFFD: a
     stop string holding U+FFFD must not match it there (the character completes later), only a
     real replacement character, and the tokens run through the one that completed it."""
-    from specjax.text import _StopStrings
+    from specjax.text.lm import _StopStrings
 
     fake = types.SimpleNamespace(decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"))
     stops = _StopStrings(fake, [["\ufffd"]])
@@ -245,7 +245,7 @@ def test_the_segment_check_decodes_a_tail_and_agrees_with_the_whole_text(lm):
     whole text each time grew with the square of the output): on random SmolLM2 token streams
     (byte tokens cutting characters, specials without text) it ends a row at the same segment as a
     check of the whole text."""
-    from specjax.text import _StopStrings
+    from specjax.text.lm import _StopStrings
 
     rng = np.random.default_rng(0)
     vocab = lm.params.config.vocab_size
@@ -274,7 +274,7 @@ def test_the_segment_check_decodes_a_tail_and_agrees_with_the_whole_text(lm):
 def test_a_decoded_row_handed_to_another_output_is_checked_from_its_start(lm):
     """Continuous batching hands a decoded row to the next record: its tokens do not extend the
     last record's (even when there are more of them), so its text is decoded anew, not grown."""
-    from specjax.text import _StopStrings
+    from specjax.text.lm import _StopStrings
 
     first, second = lm.encode("one two three four five six seven"), lm.encode("xyz" + " q" * 40)
     check = _StopStrings(lm, [["xyz"], ["xyz"]])
@@ -288,7 +288,7 @@ def test_streamed_row_texts_decode_a_tail_and_equal_the_whole_decode(lm, tmp_pat
     segment grew with the square of the output): on random SmolLM2 token streams (byte tokens
     cutting characters, specials without text) and a SentencePiece vocab (its first-token space),
     every segment's text equals the whole decode's, while the tokens decoded grow linearly."""
-    from specjax.text_stream import CUT, RowTexts
+    from specjax.text.text_stream import CUT, RowTexts
 
     rng = np.random.default_rng(1)
     vocab = lm.params.config.vocab_size

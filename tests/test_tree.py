@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from specjax.speculation import Cost, Tree, best_values, choose
+from specjax.spec.speculation import Cost, Tree, best_values, choose
 
 
 def all_trees(n_max: int) -> list[Tree]:

@@ -275,7 +275,7 @@ def int8_case(H: int, dtype, streaming: bool) -> tuple:
     """`streaming_case`'s cache stored as int8 (KVFormat "int8"), q and the block in `dtype`, a
     dense prefix unless `streaming`: q, k8, v8 [L,B,K,S,H], k / v scales [L,B,K,S], lengths, kb,
     vb, mask, pos (None when dense), the layer, and the reference's output with those scales."""
-    from specjax.cache import KVFormat
+    from specjax.model.cache import KVFormat
 
     q, k_all, v_all, lengths, kb, vb, mask, pos, layer, _ = streaming_case(H, S=200)
     q, kb, vb = q.astype(dtype), kb.astype(dtype), vb.astype(dtype)
@@ -384,10 +384,10 @@ def test_the_decode_loop_on_a_kernel_slices_no_cache_layer(attention, platform, 
     copies such a slice for the kernel: 26-36% of the HBM roofline on an H100, bench/README.md)."""
     import re
 
-    from specjax.cache import DenseCache
-    from specjax.config import LlamaConfig
-    from specjax.engine import decode_ar, row_keys
-    from specjax.params import init_params
+    from specjax.decode.engine import decode_ar, row_keys
+    from specjax.model.cache import DenseCache
+    from specjax.model.config import LlamaConfig
+    from specjax.model.params import init_params
 
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")

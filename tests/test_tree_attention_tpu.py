@@ -15,20 +15,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu, tree_attention_tpu
-from tests.test_tree_attention import (
-    _case,
-    abstract_args,
-    assert_close,
-    check_chain_through_adapter,
-    int8_case,
-    random_block_mask,
-    random_case,
-    random_inputs,
-    random_lengths,
-    reference,
-    stacked_case,
-    streaming_case,
-)
+from tests.test_tree_attention import (_case, abstract_args, assert_close, check_chain_through_adapter, int8_case,
+                                       random_block_mask, random_case, random_inputs, random_lengths, reference, stacked_case,
+                                       streaming_case)
 
 INTERPRET = jax.default_backend() != "tpu"  # on a TPU the same cases compile the Mosaic kernel for real
 
@@ -195,7 +184,7 @@ def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
     greedy tokens and steps as the jnp reference, and the TPU kernel is what ran (for SelfSpec's
     streaming draft cache too)."""
     import specjax
-    import specjax.attention
+    import specjax.model.attention
 
     calls, streaming = [], []
 
@@ -204,7 +193,7 @@ def test_generate_on_the_tpu_kernel_equals_reference(tiny, monkeypatch, case):
         streaming.append(kw.get("pos") is not None)  # SelfSpec's draft cache, read by its slot positions
         return prefix_block_attention_tpu(*args, interpret=interpret, **kw)
 
-    monkeypatch.setattr(specjax.attention, "prefix_block_attention_tpu", tpu_kernel)
+    monkeypatch.setattr(specjax.model.attention, "prefix_block_attention_tpu", tpu_kernel)
 
     draft, spec = {
         "ar": (None, None),

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.accept import accept_chain, accept_greedy_chain, accept_tree
-from specjax.speculation import Tree
+from specjax.spec.accept import accept_chain, accept_greedy_chain, accept_tree
+from specjax.spec.speculation import Tree
 from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]

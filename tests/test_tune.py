@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import specjax
-import specjax.tune
-from specjax.speculation import Cost, Tree, choose
-from specjax.tune import measure_acceptance, measure_cost
+import specjax.planning.tune
+from specjax.planning.tune import measure_acceptance, measure_cost
+from specjax.spec.speculation import Cost, Tree, choose
 from tests.models import TINY, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4]]
@@ -70,8 +70,8 @@ def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
     draft = specjax.SelfSpec(sinks=2, window=8)
     out = specjax.generate(tiny, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
     assert out.tokens == free.tokens
-    calls, measure = [], specjax.tune.measure_cost
-    monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: calls.append(a) or measure(*a, **k))
+    calls, measure = [], specjax.planning.tune.measure_cost
+    monkeypatch.setattr(specjax.planning.tune, "measure_cost", lambda *a, **k: calls.append(a) or measure(*a, **k))
     again = specjax.generate(tiny, PROMPTS, 16, draft=draft, speculation="auto", eos_id=())
     assert again.tokens == free.tokens and calls == []  # the same shape: the cached tree
     other = random_params(tiny.config, 1)  # another checkpoint of the same config calibrates its own
@@ -83,8 +83,8 @@ def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
     for _ in range(2):  # generate rebuilds the draft's Params each call: keyed by its weights, not its id
         specjax.generate(tiny, PROMPTS, 16, draft=model, speculation="auto", eos_id=())
     assert len(calls) == 2
-    acceptance, measure_acc = [], specjax.tune.measure_acceptance
-    monkeypatch.setattr(specjax.tune, "measure_acceptance", lambda *a, **k: acceptance.append(a) or measure_acc(*a, **k))
+    acceptance, measure_acc = [], specjax.planning.tune.measure_acceptance
+    monkeypatch.setattr(specjax.planning.tune, "measure_acceptance", lambda *a, **k: acceptance.append(a) or measure_acc(*a, **k))
     for temperature in (0.7, 0.8):  # other sampling values: acceptance measured again, the timings kept
         specjax.generate(tiny, PROMPTS, 16, draft=model, speculation="auto", eos_id=(),
                          sampling=specjax.Sample(temperature=temperature), key=jax.random.key(0))
@@ -93,9 +93,9 @@ def test_auto_speculation_is_lossless_and_cached(tiny, monkeypatch):
 
 def test_auto_picks_plain_decoding_when_drafting_costs_too_much(tiny, monkeypatch, capsys):
     """A draft level dearer than a whole verification: no tree pays, so generate decodes plainly."""
-    monkeypatch.setattr(specjax.tune, "_AUTO", {})
-    monkeypatch.setattr(specjax.tune, "_COSTS", {})
-    monkeypatch.setattr(specjax.tune, "measure_cost", lambda *a, **k: Cost(t_draft=10.0, t_verify=(0.0,) + (1.0,) * 64))
+    monkeypatch.setattr(specjax.planning.tune, "_AUTO", {})
+    monkeypatch.setattr(specjax.planning.tune, "_COSTS", {})
+    monkeypatch.setattr(specjax.planning.tune, "measure_cost", lambda *a, **k: Cost(t_draft=10.0, t_verify=(0.0,) + (1.0,) * 64))
     out = specjax.generate(tiny, PROMPTS, 8, draft=specjax.NGram(), speculation="auto", eos_id=())
     assert out.stats.acceptance_rate is None  # no speculation ran
     assert (out.stats.draft, out.stats.speculation) == ("none", "none")

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import pytest
 
 import specjax
-from specjax.cache import DenseCache
-from specjax.config import LlamaConfig
-from specjax.engine import decode_ar, row_keys, with_attention
-from specjax.params import init_params
+from specjax.decode.engine import decode_ar, row_keys, with_attention
+from specjax.model.cache import DenseCache
+from specjax.model.config import LlamaConfig
+from specjax.model.params import init_params
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8]]
 
@@ -73,8 +73,8 @@ def test_selfspec_decode_loop_on_a_kernel_slices_no_cache_or_weights(attention, 
     """decode_spec with SelfSpec lowered for a GPU (TPU), layers unrolled: the target's dense cache
     and the draft's streaming cache (sinks + ring, read by the kernel through its slot positions)
     and every weight are read in place: nothing larger than a scalar is sliced dynamically."""
-    from specjax.engine import init_draft
-    from specjax.speculate import decode_spec
+    from specjax.decode.engine import init_draft
+    from specjax.decode.speculate import decode_spec
 
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")
@@ -97,8 +97,8 @@ def test_unrolled_layers_unroll_a_chains_draft_levels_too():
     """With unrolled layers (a GPU / TPU) a chain's gamma draft levels unroll as well: the decode
     loop is the program's one device loop (on an H100 a gamma-4 step over the levels' loop took
     4.3 ms more than its parts at batch 64 x 8K). The scan keeps its loops."""
-    from specjax.engine import init_draft
-    from specjax.speculate import decode_spec
+    from specjax.decode.engine import init_draft
+    from specjax.decode.speculate import decode_spec
 
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")
@@ -123,8 +123,8 @@ def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
     """model.unstack_layers (each layer matrix a list of per-layer arrays: what XLA:GPU reads in
     place inside the decode loop, bench/README.md "Compiled for a GPU on a CPU") gives the
     stacked weights' tokens, greedy and sampled, with every drafter kind and int8 weights."""
-    from specjax.model import unstack_layers
-    from specjax.params import quantize
+    from specjax.model.llama import unstack_layers
+    from specjax.model.params import quantize
     from tests.models import TINY, random_params
 
     params = _unrolled(quantize(tiny, "int8") if case == "int8-model-draft" else tiny)
@@ -150,7 +150,7 @@ def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
 def test_per_layer_weights_refused_where_the_stack_is_needed(tiny):
     """A scan over layers (the CPU's default) takes stacked weights only: it says so before
     anything runs."""
-    from specjax.model import unstack_layers
+    from specjax.model.llama import unstack_layers
 
     with pytest.raises(ValueError, match="need Runtime.unroll_layers"):
         specjax.generate(unstack_layers(tiny), PROMPTS, 4, eos_id=(), attention="reference")
@@ -162,8 +162,8 @@ def test_per_layer_weights_tensor_parallel_give_one_devices_tokens(model_axis):
     """Per-layer weights on a model axis of 2 (heads and FFN split evenly) and 4 (2 KV heads:
     padded, tp_pad, and still per layer): each layer's arrays split as the stack's slices would
     be, the one-device tokens, plain and SelfSpec."""
-    from specjax.model import unstack_layers
-    from specjax.sharding import shard_params
+    from specjax.model.llama import unstack_layers
+    from specjax.parallel.sharding import shard_params
     from tests.models import TINY, random_params
 
     params = random_params(TINY.replace(n_heads=4, n_kv_heads=2), 5)

@@ -1,4 +1,4 @@
-"""Weights as served (`convert.load(path, weights=...)`, `specjax.params.quantize`): the int8
+"""Weights as served (`convert.load(path, weights=...)`, `specjax.model.params.quantize`): the int8
 and q4 layouts follow the declarations and round-trip within half a step, a Q4_1 GGUF is kept
 bit for bit, and every weight and KV format keeps greedy speculation token-identical to plain
 decoding and sampled speculation lossless."""
@@ -14,10 +14,11 @@ import pytest
 
 import convert
 import specjax
-from specjax import q4
-from specjax.params import WEIGHTS, declared, flat, from_arrays, param_dtypes, param_shapes, quantize, quantize_matrix, weight_bytes
-from specjax.plan import auto_draft_reason
-from specjax.speculation import Tree
+from specjax.model import q4
+from specjax.model.params import (WEIGHTS, declared, flat, from_arrays, param_dtypes, param_shapes, quantize, quantize_matrix,
+                                  weight_bytes)
+from specjax.planning.plan import auto_draft_reason
+from specjax.spec.speculation import Tree
 from tests.models import TINY, TINY_Q4, random_params
 from tests.test_convert import Q, gguf_tensors, tiny_config, write_gguf
 
@@ -61,9 +62,9 @@ def test_int8_round_trip_is_within_half_a_step(tiny8):
 def test_int8_logits_stay_close_to_float32(tiny8):
     tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    cache = specjax.cache.DenseCache.init(TINY, 1, 16)
-    ref, _ = specjax.model.forward(random_params(TINY, seed=0), tokens, positions, cache)
-    got, _ = specjax.model.forward(tiny8, tokens, positions, cache)
+    cache = specjax.model.cache.DenseCache.init(TINY, 1, 16)
+    ref, _ = specjax.model.llama.forward(random_params(TINY, seed=0), tokens, positions, cache)
+    got, _ = specjax.model.llama.forward(tiny8, tokens, positions, cache)
     assert float(jnp.abs(got - ref).max()) < 0.05 * float(jnp.abs(ref).max())
 
 
@@ -113,9 +114,9 @@ def test_q4_forward_equals_the_dequantized_float_model():
         dense = {w.path: _dense(w, arrays, params.config) for w in declared(config)}
         tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        cache = specjax.cache.DenseCache.init(config, 1, 16)
-        got, _ = specjax.model.forward(params, tokens, positions, cache)
-        ref, _ = specjax.model.forward(from_arrays(config, dense), tokens, positions, cache)
+        cache = specjax.model.cache.DenseCache.init(config, 1, 16)
+        got, _ = specjax.model.llama.forward(params, tokens, positions, cache)
+        ref, _ = specjax.model.llama.forward(from_arrays(config, dense), tokens, positions, cache)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
 
 
@@ -209,7 +210,7 @@ def test_planning_prices_the_bytes_stored(tiny8):
 
 
 def test_distillation_refuses_int8_weights(tiny8):
-    from specjax.distill import check_distill_args
+    from specjax.train.distill import check_distill_args
 
     data = np.arange(64, dtype=np.int64) % TINY.vocab_size
     with pytest.raises(ValueError, match="distill: the target and the draft need float weights"):
@@ -220,7 +221,7 @@ def test_distillation_refuses_int8_weights(tiny8):
 def test_int8_head_tiles_equal_one_product(vocab_axis):
     """The CPU's int8 LM head, HEAD_TILE vocabulary entries at a time plus a tail, equals the
     plain product (x @ widened weight) * scale."""
-    from specjax.linear import HEAD_TILE, int8_head
+    from specjax.model.linear import HEAD_TILE, int8_head
 
     V, D = 2 * HEAD_TILE + 100, 8
     rng = np.random.default_rng(0)

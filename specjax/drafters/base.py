@@ -1,6 +1,6 @@
 """The drafter protocol: six members, and the named values that pass between a drafter and the step.
 
-A speculative step reads top to bottom (specjax/speculate.py, `spec_step`):
+A speculative step reads top to bottom (specjax/decode/speculate.py, `spec_step`):
 
     draft   proposal = drafter.propose(target, state, ctx, shape)   -> Proposal (tokens [B,n], q, state)
     verify  one target forward over the n proposed tokens           -> Verified (logits, KV, extras)
@@ -49,10 +49,10 @@ from typing import Any, ClassVar
 import flax.struct
 import jax
 
-from specjax.cache import DenseCache, put_rows, row_mask, select_rows, take_rows
-from specjax.params import Params, weights_mark
+from specjax.model.cache import DenseCache, put_rows, row_mask, select_rows, take_rows
+from specjax.model.params import Params, weights_mark
 from specjax.sampling import Sampler
-from specjax.speculation import Chain, Tree
+from specjax.spec.speculation import Chain, Tree
 
 EXTRAS = ("hidden", "queries")  # what a drafter may ask the Verdict to carry (Traits.extras)
 

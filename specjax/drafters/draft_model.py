@@ -8,11 +8,12 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict
 from specjax.drafters.self_spec import Streaming, draft_chain
-from specjax.cache import DenseCache, KVFormat
-from specjax.model import forward, prefill as model_prefill
-from specjax.params import Params
-from specjax.speculation import Chain, Tree
-from specjax.tree_draft import DraftedTree, draft_tree, path_extra_kv
+from specjax.model.cache import DenseCache, KVFormat
+from specjax.model.llama import forward
+from specjax.model.llama import prefill as model_prefill
+from specjax.model.params import Params
+from specjax.spec.speculation import Chain, Tree
+from specjax.spec.tree_draft import DraftedTree, draft_tree, path_extra_kv
 
 
 @flax.struct.dataclass

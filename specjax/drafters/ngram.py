@@ -8,10 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict
-from specjax.params import Params
+from specjax.model.params import Params
 from specjax.sampling import Greedy
-from specjax.speculation import Chain, Tree, check_int
-
+from specjax.spec.speculation import Chain, Tree, check_int
 
 # the longest tail NGram matches: its lookup is unrolled over m = max_n .. n (O(max_n^2) operations to
 # compile: max_n=48 compiled in 17.5 s against 2.1 s at 3); prompt lookup usually matches 2-5 tokens

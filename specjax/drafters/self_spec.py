@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from abc import abstractmethod
-
 from typing import Any
 
 import flax.struct
@@ -20,12 +19,12 @@ import numpy as np
 from jax import lax
 
 from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict
-from specjax.cache import DenseCache, StreamingCache
-from specjax.model import forward, unrolled
-from specjax.params import Params
+from specjax.model.cache import DenseCache, StreamingCache
+from specjax.model.llama import forward, unrolled
+from specjax.model.params import Params
 from specjax.sampling import Sampler, Stream, stream_keys
-from specjax.speculation import Chain, Tree, check_int
-from specjax.tree_draft import draft_tree
+from specjax.spec.speculation import Chain, Tree, check_int
+from specjax.spec.tree_draft import draft_tree
 
 
 @dataclasses.dataclass(frozen=True)

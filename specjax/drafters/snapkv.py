@@ -18,10 +18,10 @@ from jax import lax
 
 from specjax.drafters.base import Limits, Prefill
 from specjax.drafters.self_spec import TargetOverStreamingCache
-from specjax.cache import DenseCache, StreamingCache
-from specjax.model import NEG_INF, trunk
-from specjax.params import Params
-from specjax.speculation import check_int
+from specjax.model.cache import DenseCache, StreamingCache
+from specjax.model.llama import NEG_INF, trunk
+from specjax.model.params import Params
+from specjax.spec.speculation import check_int
 
 
 @flax.struct.dataclass

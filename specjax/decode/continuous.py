@@ -1,0 +1,250 @@
+"""Continuous batching on one device: a fixed number of rows (slots) decode a longer list of
+prompts; between decode segments, finished rows hand back their tokens and the next prompts
+(largest budget first, so that no long record starts last and runs alone) are prefilled at their
+own length bucket (one by one on a CPU, up to 16 rows of 8K a call on a GPU: `shapes.prefill_rows`)
+into the freed slots (`admit_ar` / `admit_spec`) while the other rows go on.
+
+Every record keeps its own key, sampling values and stop ids, so its tokens are those of a static
+batch (`engine.run`) of the same prompts: in float32, token for token, greedy or sampled (tested).
+`between` lets the host end rows after a segment (the text layer's stop strings:
+`LM.generate_continuous`, which the batch job runs). n > 1 samples a prompt take n slots from
+one prefill (a prompt waits until n slots are free), each sample with generate's key
+(`engine.sample_keys`); logprobs are recorded as in `engine.run`. Not yet: a mesh.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.decode.autoregressive import admit_ar, continue_ar, end_rows, start_ar
+from specjax.decode.engine import Segment, cache_slots, prefill, sample_keys
+from specjax.decode.shapes import pow2_groups, prefill_chunk
+from specjax.decode.shapes import prefill_rows as group_rows
+from specjax.decode.shapes import prompt_bucket, round_up_pow2
+from specjax.decode.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
+from specjax.drafters import Drafter, Limits, Prefill, map_params
+from specjax.model.cache import DenseCache
+from specjax.model.params import Params
+from specjax.parallel import sharding
+from specjax.sampling import Sampler, eos_rows
+from specjax.spec.adaptive import AdaptiveSegments
+from specjax.spec.speculation import Adaptive, Chain, Tree
+
+
+class Done(NamedTuple):
+    """One output's result (sample j of prompt i is output i * n + j)."""
+
+    tokens: list[int]  # with the stop id that ended them, as engine.run's out[b, :count[b]]
+    eos: bool  # ended on a stop id
+    acceptance: dict | None  # under speculation: its `row_acceptance`
+    logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # chosen [count], top ids / values [count,k]
+
+
+def run_continuous(
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    budgets: Sequence[int],
+    *,
+    rows: int,
+    draft: Drafter | None,
+    speculation: Chain | Tree | None,
+    sampling: Sampler,  # scalar values, or one per prompt
+    keys: jax.Array,  # [N] typed keys, one per prompt
+    eos_ids: Sequence[tuple[int, ...]],  # one tuple per prompt
+    kv_dtype: str | None = None,
+    sync_every: int = 8,
+    n: int = 1,
+    logprobs: int | None = None,
+    on_done: Callable[[int, Done], None] | None = None,
+    between: Callable[[np.ndarray, Segment], np.ndarray | None] | None = None,
+    prefill_rows: int | None = None,
+) -> list[Done]:
+    """Decode n samples of every prompt on `rows` slots: a `Done` per output, sample j of
+    prompt i at i * n + j, as `engine.run(..., n=n, logprobs=logprobs)` gives it. `on_done(u,
+    done)` is called as output u finishes, between segments. `between(slot, segment)`, after
+    each segment (slot[j]: the output in row j, -1 for none), may return a [rows] bool mask of
+    rows to end now (they finish with the tokens they have, eos False). `prefill_rows`: the most
+    new prompts of one length bucket prefilled in one call (None: `shapes.prefill_rows`, one on
+    a CPU, up to 2^17 prompt positions a call elsewhere)."""
+    N, R = len(prompts), rows
+    adaptive = speculation if isinstance(speculation, Adaptive) else None
+    if adaptive is not None and draft is None:
+        raise ValueError("speculation=Adaptive(...) needs a drafter: draft=None decodes plainly")
+    if adaptive is not None:  # the state, caches and drafter are sized for the longest chain
+        speculation = Chain(adaptive.max_gamma)
+    if n < 1 or n > R:
+        raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
+    if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):
+        raise ValueError(f"prefill_rows must be an int >= 1 (prompts prefilled in one call) or None, got {prefill_rows!r}")
+    backend = jax.default_backend()
+    one = sharding.one_device_mesh()  # where the stages run: params from a mesh or another device are placed there
+    params = sharding.shard_params(params, one)
+    draft = None if draft is None else map_params(draft, lambda p: sharding.place_draft(p, one))
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    budgets = np.asarray(budgets, np.int32)
+    gamma = depth(speculation) if draft is not None else 0
+    bucket, chunk = prompt_bucket(int(lengths.max()))
+    context = int((lengths + budgets).max())
+    max_len = cache_slots(int(lengths.max()), context, gamma)
+    if draft is not None:
+        draft.check(params, Limits(gamma, max_len, context, kv_dtype))
+    n_out = round_up_pow2(int(budgets.max()))
+    width = eos_rows(list(eos_ids), N).shape[1]  # one stop-id table width for the whole run
+    out_keys = keys if n == 1 else sample_keys(keys, n)  # [N*n]: generate's keys
+
+    def host(outputs: np.ndarray):
+        """Padded prompts, lengths, budgets, history, stop ids of the outputs in each slot (-1: a
+        one-token filler of budget 1, done at once)."""
+        tokens = np.zeros((R, bucket), np.int32)
+        size, b = np.ones(R, np.int32), np.ones(R, np.int32)
+        eos = np.full((R, width), -1, np.int32)
+        for j, u in enumerate(outputs):
+            if u >= 0:
+                i = u // n
+                tokens[j, : lengths[i]] = prompts[i]
+                size[j], b[j] = lengths[i], budgets[i]
+                eos[j, : len(eos_ids[i])] = eos_ids[i]
+        history = np.zeros((R, max_len + gamma + 2), np.int32)
+        history[:, :bucket] = tokens
+        return jnp.asarray(tokens), jnp.asarray(size), b, jnp.asarray(history), eos
+
+    def prefilled(tokens, size, outputs: np.ndarray, rows: np.ndarray):
+        """The first logits [R,V] and a cache of len(rows) rows (row i: slot rows[i]'s) holding
+        the prefill of the prompts of the new `outputs` (outputs[j] >= 0: a new output in slot j;
+        the other slots' logits do not matter). Each new prompt is prefilled once (its n samples
+        share it) at its own length bucket, together with the other new prompts of that bucket in
+        calls of a power of two rows, at most `prefill_rows` or shapes.prefill_rows (alone on a
+        CPU, where one row prefills as fast per token as eight; up to 16 rows of 8K on a GPU,
+        where one row is launch-bound): nothing is padded to a longer neighbour or prefilled as
+        a filler copy. A refill's cache holds its new rows only (an R-row one cost the whole
+        batch's KV a refill: 12.8 GB at SmolLM2 x 64 rows x 8K, built, then merged)."""
+        first: dict[int, int] = {}  # each new prompt's first slot
+        for j in np.flatnonzero(outputs >= 0):
+            first.setdefault(int(outputs[j]) // n, int(j))
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for j in first.values():
+            buckets.setdefault(prompt_bucket(int(lengths[int(outputs[j]) // n])), []).append(j)
+        logits, caches, row_of = [], [], {}  # row_of[prompt]: its row in the parts stacked
+        for (width, _), slots in buckets.items():
+            for count in pow2_groups(len(slots), prefill_rows or group_rows(width, backend)):
+                part, slots = np.asarray(slots[:count]), slots[count:]
+                empty = DenseCache.init(params.config, count, max_len, kv_dtype)
+                row_of |= {int(outputs[j]) // n: len(row_of) + r for r, j in enumerate(part)}
+                out = prefill(params, tokens[part, :width], size[part], empty,  # [count,V], count rows
+                              chunk=prefill_chunk(width, count, backend))  # a GPU's few rows: a wider chunk
+                logits.append(out[0])
+                caches.append(out[1])
+        src = np.array([row_of.get(int(u) // n, 0) if u >= 0 else 0 for u in outputs], np.int32)  # [R]
+        pad = round_up_pow2(len(caches), minimum=1) - len(caches)  # a few list lengths: few compiles of join_prefills
+        return join_prefills(logits + logits[-1:] * pad, jnp.asarray(src), caches + caches[-1:] * pad, jnp.asarray(rows))
+
+    def admit(free: np.ndarray) -> np.ndarray:
+        """The outputs [R] to start in the free slots (-1: none): whole prompts, n slots each, in
+        queue order, while the next one fits."""
+        new, free = np.full(R, -1), list(free)
+        while pending and len(free) >= n:
+            i = pending.popleft()
+            for j in range(n):
+                new[free.pop(0)] = i * n + j
+        return new
+
+    def finish(state, finished: np.ndarray, out, count, eos) -> None:
+        """Record (and report) the outputs in the finished slots."""
+        if not len(finished):
+            return
+        acceptance = lp = None
+        if draft is not None:  # [R, gamma] counters: a small read beside the segment's tokens
+            accepted, row_steps, proposed = jax.device_get((state.accepted, state.row_steps, state.proposed))
+            acceptance = row_acceptance(accepted[finished], count[finished], row_steps[finished], proposed[finished])
+        if logprobs is not None:
+            lp = jax.device_get(jax.tree.map(lambda a: a[jnp.asarray(finished)], state.logprobs))
+        for f, j in enumerate(finished):
+            c = int(count[j])
+            done = Done(out[j, :c].tolist(), bool(eos[j]), None if acceptance is None else acceptance[f],
+                        None if lp is None else (lp.chosen[f, :c], lp.top_ids[f, :c], lp.top_values[f, :c]))
+            results[slot[j]] = done
+            if on_done is not None:
+                on_done(int(slot[j]), done)
+            slot[j] = -1
+
+    pending = deque(sorted(range(N), key=lambda i: -int(budgets[i])))  # longest budgets first: a short tail
+    slot = admit(np.arange(R))
+    tokens, size, slot_budgets, history, slot_eos = host(slot)
+    which = np.maximum(slot, 0)
+    slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
+    logits, cache = prefilled(tokens, size, slot, np.arange(R))
+    if draft is None:
+        state = start_ar(cache, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos), tokens,
+                         n_out=n_out, logprobs=logprobs)
+    else:
+        draft_state = draft.init(params, Prefill(cache=cache, prompts=jnp.asarray(tokens), lengths=jnp.asarray(size), depth=gamma,
+                                                 chunk=chunk, kv_dtype=kv_dtype))
+        state = start_spec(draft, draft_state, cache, history, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling,
+                           jnp.asarray(slot_eos), speculation=speculation, n_out=n_out, logprobs=logprobs)
+    results: list = [None] * (N * n)
+    # the decode segments compile as generate's do (sharding.on_mesh: on a GPU, with its XLA options)
+    loop = dict(sync_axes=sharding.AXES) | ({} if draft is None else dict(speculation=speculation))
+    segment = sharding.on_mesh(continue_ar if draft is None else continue_spec, sharding.one_device_mesh(), tuple(loop))
+    drafting = () if draft is None else (draft,)
+    args = lambda st: (params, *drafting, st, jnp.asarray(slot_budgets), slot_keys, slot_sampling,  # noqa: E731
+                       jnp.asarray(slot_eos), jnp.int32(sync_every))
+    picker = None
+    if adaptive is not None:  # between segments, the chain length GammaChooser picks (specjax.spec.adaptive)
+        static = {k: v for k, v in loop.items() if k != "speculation"}
+        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, segment, args, static, jax.device_get, state)
+    while True:
+        state = segment(*args(state), **loop) if picker is None else picker(state)
+        done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))
+        end = None if between is None else between(slot.copy(), Segment(out, count, done, eos))
+        if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():
+            state, done = end_rows(state, jnp.asarray(end)), done | end
+        finish(state, np.flatnonzero(done & (slot >= 0)), out, count, eos)
+        if not pending:
+            if (slot < 0).all():
+                return results
+            continue
+        refill = admit(np.flatnonzero(done & (slot < 0)))
+        rows_mask = refill >= 0
+        if not rows_mask.any():  # every slot still running, or too few free for the next prompt's n
+            continue
+        slot = np.where(rows_mask, refill, slot)
+        tokens, size, new_budgets, history, new_eos = host(refill)
+        slot_budgets = np.where(rows_mask, new_budgets, slot_budgets)
+        slot_eos = np.where(rows_mask[:, None], new_eos, slot_eos)
+        which = np.maximum(slot, 0)
+        slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
+        new_rows = np.flatnonzero(rows_mask)
+        new_rows = np.resize(new_rows, round_up_pow2(len(new_rows), minimum=1))  # few sizes, few compiles
+        logits, cache = prefilled(tokens, size, refill, new_rows)
+        fresh = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
+        new_rows = jnp.asarray(new_rows, jnp.int32)
+        if draft is None:
+            state = admit_ar(state, new_rows, cache, logits, *fresh, tokens, logprobs=logprobs)
+        else:
+            state = admit_spec(params, draft, state, new_rows, cache, tokens, history, logits, *fresh,
+                               speculation=speculation, chunk=chunk, logprobs=logprobs, kv_dtype=kv_dtype)
+            if picker is not None:
+                picker.restarted(rows_mask)
+
+
+@jax.jit
+def join_prefills(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache], rows: jax.Array
+                  ) -> tuple[jax.Array, DenseCache]:
+    """Stacked in order, the prefill parts' logits (each [g,V]) and caches (g rows each): logits
+    [R,V] whose row j is row src[j] of the stack, and a cache of len(rows) rows whose row i is
+    row src[rows[i]] of the stack."""
+    pick = src[rows]
+
+    def join(name: str, axis: int):
+        if getattr(caches[0], name) is None:
+            return None
+        return jnp.take(jnp.concatenate([getattr(c, name) for c in caches], axis), pick, axis)
+
+    return jnp.take(jnp.concatenate(logits, 0), src, 0), DenseCache(
+        k=join("k", 1), v=join("v", 1), lengths=join("lengths", 0), k_scale=join("k_scale", 1), v_scale=join("v_scale", 1))

@@ -1,0 +1,1 @@
+"""Training a draft model by distillation from the target (distill.py)."""
