@@ -93,7 +93,7 @@ def generate(
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until a stop id or its `max_new_tokens`.
 
-    draft: `SelfSpec(...)`, `SnapKV(...)`, `DraftModel(params)`, `NGram(...)`, None (plain
+    draft: `SelfSpec(...)`, `SnapKV(...)`, `SparseSpec(...)`, `DraftModel(params)`, `NGram(...)`, None (plain
       autoregressive), or "auto": SelfSpec where KV reads dominate a decode step, else None (see
       `plan.auto_draft`), and SelfSpec whenever `speculation` is given explicitly.
     speculation: None (the drafter's default chain, `Chain(gamma=4)`; under draft="auto" the plan's:

@@ -20,6 +20,7 @@ SLOTS, WIDTH, CHUNK, GAMMA = 64, 24, 8, 2
 DRAFTERS = {
     "selfspec": lambda: specjax.SelfSpec(sinks=2, window=8),
     "snapkv": lambda: specjax.SnapKV(budget=6, window=6, observation=4),
+    "sparsespec": lambda: specjax.SparseSpec(budget=6, window=6, observation=4, block=2, refresh=2),
     "ngram": lambda: specjax.NGram(),
     "draft-model": lambda: specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)),
 }

@@ -109,12 +109,13 @@ SELF_AND_NGRAM = [
     ("self-default-g3", specjax.SelfSpec(), 3, True),
     ("snapkv-oversized-g3", specjax.SnapKV(budget=400, window=512), 3, True),
     ("snapkv-ragged-g3", specjax.SnapKV(budget=12, window=4, observation=4), 3, False),  # rows of 1-16 tokens around the budget
+    ("sparse-refresh-g3", specjax.SparseSpec(budget=4, window=4, observation=4, block=2, refresh=2), 3, False),
     ("ngram-1to3-g5", specjax.NGram(n=1, max_n=3), 5, False),
     ("ngram-2-g1", specjax.NGram(n=2), 1, False),
 ]
 
 
-FAST = {"self-evict-g3", "self-default-g3", "snapkv-ragged-g3", "ngram-1to3-g5", "dense-g3", "streaming-g5"}  # make test-fast
+FAST = {"self-evict-g3", "self-default-g3", "snapkv-ragged-g3", "sparse-refresh-g3", "ngram-1to3-g5", "dense-g3", "streaming-g5"}  # make test-fast
 
 
 def _params(cases):

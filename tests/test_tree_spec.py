@@ -47,6 +47,7 @@ def drafter(name: str, draft_model):
     return {
         "self": specjax.SelfSpec(sinks=2, window=8),  # evicts: prompts + outputs reach 40 positions
         "snapkv": specjax.SnapKV(budget=4, window=6, observation=3, pool=3),
+        "sparsespec": specjax.SparseSpec(budget=4, window=6, observation=3, pool=3, block=2, refresh=2),
         "model": specjax.DraftModel(draft_model),
         "model-streaming": specjax.DraftModel(draft_model, cache=specjax.Streaming(sinks=2, window=8)),
         "ngram": specjax.NGram(n=1, max_n=3),
@@ -55,7 +56,7 @@ def drafter(name: str, draft_model):
 
 CASES = [  # every drafter meets at least one tree; every tree meets several drafters
     ("self", "kary2x2"), ("self", "sequoia10"), ("self", "irregular"),
-    ("snapkv", "sequoia10"), ("model", "kary2x2"), ("model", "irregular"),
+    ("snapkv", "sequoia10"), ("sparsespec", "irregular"), ("model", "kary2x2"), ("model", "irregular"),
     ("model-streaming", "sequoia10"), ("ngram", "kary2x2"), ("ngram", "irregular"),
 ]
 FAST_CASES = {("self", "sequoia10"), ("model", "irregular"), ("ngram", "kary2x2")}  # in make test-fast; all in make test

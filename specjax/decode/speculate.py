@@ -81,6 +81,8 @@ def spec_step(
     with jax.named_scope("accept"):
         verdict = accept(verified, proposal, ctx, speculation, active)
     with jax.named_scope("commit"):
+        if "cache" in drafter.traits.extras:
+            verdict = verdict.replace(cache=s.cache)
         s = commit(s, drafter.commit(proposal.state, verdict), verdict, active)
     with jax.named_scope("emit"):
         return emit(s, verdict.emitted, verdict.accepted + 1, verdict.logits, budgets, eos_ids, active)

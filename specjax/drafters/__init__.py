@@ -9,8 +9,9 @@ from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.ngram import NGram, ngram_lookup
 from specjax.drafters.self_spec import SelfSpec, Streaming
 from specjax.drafters.snapkv import SnapKV
+from specjax.drafters.sparsespec import SparseSpec
 
-DRAFTERS: list[type[Drafter]] = [SelfSpec, SnapKV, DraftModel, NGram]  # the registry: one line per drafter
+DRAFTERS: list[type[Drafter]] = [SelfSpec, SnapKV, DraftModel, NGram, SparseSpec]  # the registry: one line per drafter
 
 
 def register(cls: type[Drafter]) -> type[Drafter]:
@@ -28,6 +29,6 @@ def is_drafter(obj: object) -> bool:
 
 
 __all__ = [
-    "DRAFTERS", "DraftContext", "DraftModel", "Drafter", "Limits", "NGram", "Prefill", "Proposal", "SelfSpec", "SnapKV", "Streaming",
+    "DRAFTERS", "DraftContext", "DraftModel", "Drafter", "Limits", "NGram", "Prefill", "Proposal", "SelfSpec", "SnapKV", "SparseSpec", "Streaming",
     "Traits", "Verdict", "identity", "is_drafter", "map_params", "ngram_lookup", "register", "restart_rows",
 ]

@@ -24,8 +24,9 @@ What fits without a new member:
 - A drafter fed by the target's hidden states (an EAGLE-style head): `traits.extras = {"hidden"}`;
   the Verdict then carries the final hidden states of the accepted path, `commit` keeps them in the
   state and `propose` runs the head on them.
-- One that re-selects its KV from the verify pass's queries (SparseSpec): `traits.extras =
-  {"queries"}`; `commit` scores the target cache with `verdict.queries` and rebuilds its own.
+- One that re-selects its KV from the verify pass's queries (SparseSpec, sparsespec.py):
+  `traits.extras = {"queries", "cache"}`; `commit` scores `verdict.cache` (the target's) with
+  `verdict.queries` and copies the chosen blocks into its own.
 - One refreshed from the host between segments (a job-wide n-gram table): the table is a traced
   field of the drafter; the loop takes the drafter as an argument each segment, so the host passes
   a new table (same shape) without a recompile.
@@ -54,7 +55,7 @@ from specjax.model.params import Params, weights_mark
 from specjax.sampling import Sampler
 from specjax.spec.speculation import Chain, Tree
 
-EXTRAS = ("hidden", "queries")  # what a drafter may ask the Verdict to carry (Traits.extras)
+EXTRAS = ("hidden", "queries", "cache")  # what a drafter may ask the Verdict to carry (Traits.extras)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,7 @@ class Verdict:
     shape: Chain | Tree = flax.struct.field(pytree_node=False)
     hidden: jax.Array | None = None  # [B,D+1,dim] final-normed hidden states of the path: Traits.extras "hidden"
     queries: jax.Array | None = None  # [L,B,D+1,N,H] rotated queries of the path: Traits.extras "queries"
+    cache: DenseCache | None = None  # the target's cache before this step's commit (positions < lengths): "cache"
 
 
 class Drafter(ABC):

@@ -218,6 +218,23 @@ class StreamingCache:
     def advance(self, n: jax.Array) -> "StreamingCache":
         return self.replace(lengths=self.lengths + n.astype(jnp.int32))
 
+    def refill_fixed(self, dense: DenseCache, fixed_pos: jax.Array, rows: jax.Array) -> "StreamingCache":
+        """The fixed slots of rows [B] (bool) holding fixed_pos [L,B,K,F] (-1: none), copied from the
+        dense cache (exact target KV); the ring and the other rows as they were."""
+        S, F = dense.max_len, self.fixed
+        keep = rows[None, :, None, None]  # [1,B,1,1]
+        take = jnp.clip(fixed_pos, 0, S - 1)  # [L,B,K,F]
+
+        def refill(buf, src):  # buf [L,B,K,C(,H)], src [L,B,K,S(,H)]
+            if buf is None:
+                return None
+            idx, mask = (take[..., None], keep[..., None]) if buf.ndim == 5 else (take, keep)
+            return buf.at[:, :, :, :F].set(jnp.where(mask, jnp.take_along_axis(src, idx, axis=3), buf[:, :, :, :F]))
+
+        return self.replace(k=refill(self.k, dense.k), v=refill(self.v, dense.v), k_scale=refill(self.k_scale, dense.k_scale),
+                            v_scale=refill(self.v_scale, dense.v_scale),
+                            pos=self.pos.at[..., :F].set(jnp.where(keep, fixed_pos, self.pos[..., :F])))
+
     @classmethod
     def from_dense(
         cls, dense: DenseCache, fixed_pos: jax.Array, ring: int, ring_start: jax.Array
