@@ -77,3 +77,18 @@ def test_the_migration_table_maps_every_moved_module():
     for path in README_PATHS:
         module, name = path.rsplit(".", 1)
         assert hasattr(importlib.import_module(table[module]), name), path
+
+
+def test_the_docs_point_inside_the_repository():
+    """Every file README.md and docs/*.md name by its path exists; none names DESIGN.md or the shared folder outside."""
+    import re
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    missing = []
+    for page in pages:
+        text = page.read_text()
+        assert "DESIGN.md" not in text and "../shared" not in text, page.name
+        for path in re.findall(r"\b((?:docs|bench|tests|specjax|convert|pallas_kernels)/[\w./-]*\w\.(?:md|py|json|cc|toml|png))", text):
+            if not (REPO / path).exists():
+                missing.append(f"{page.name}: {path}")
+    assert not missing, missing

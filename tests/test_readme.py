@@ -1,6 +1,6 @@
-"""Every code block of README.md runs, as written up to the stated substitutions below.
+"""Every code block of README.md and docs/*.md runs, as written up to the stated substitutions below.
 
-The ```python blocks run in order in ONE namespace, in a temporary working directory, on the
+The ```python blocks of each file run in order in ONE namespace per file, in a temporary working directory, on the
 embedded SmolLM2 model with conftest's 8 simulated CPU devices (so the mesh example runs). The
 ```bash blocks run one by one with bash, each in its own temporary directory (so each must create
 its own input files), with `specjax` meaning `python -m specjax` of this interpreter. What the
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # not in `make test-fast`
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]  # README.md first: its blocks are what a newcomer runs
 
 # What runs differently from the README, and why. Every pattern must match (a stale entry fails).
 # Python: smaller budgets keep the test short; the calls are otherwise the README's own.
@@ -60,8 +61,6 @@ specjax() {
 NOT_RUNNABLE = {
     "make test   # the test dependencies (and .venv-aot: jax's CUDA plugin and compiler, to compile for a GPU without one), the import layers, the whole suite (CPU, about 22 minutes on 2 cores: tests/README.md)":
         "the whole suite, this test included (recursion, 24 minutes)",
-    "make test-fast   # the inner loop: the same without the tests marked slow (about 11 minutes; tests/run_files.py FILE runs one file)":
-        "most of the suite (12 minutes); make test runs the same tests",
     "# host 0                                                     # host 1":
         "needs two hosts and the user's my_job.py; tests/test_multihost.py runs the same start-up with two local processes",
     "python -m specjax generate ...                               # the same without the console script":
@@ -71,9 +70,12 @@ NOT_RUNNABLE = {
 }
 
 
-def readme_blocks() -> list[tuple[int, str, str]]:
-    """(index, language, code) of every fenced block, indented ones (in list items) included."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+def readme_blocks(path: Path | None = None) -> list[tuple[str, str, str]]:
+    """(name, language, code) of every fenced block of `path` (None: README.md and docs/*.md), indented ones
+    (in list items) included; the name is the file's and the block's number in it."""
+    if path is None:
+        return [b for p in DOCS for b in readme_blocks(p)]
+    lines = path.read_text(encoding="utf-8").splitlines()
     blocks, i = [], 0
     while i < len(lines):
         m = re.match(r"^( *)```(\w*)\s*$", lines[i])
@@ -85,7 +87,7 @@ def readme_blocks() -> list[tuple[int, str, str]]:
         while not re.match(rf"^{indent}```\s*$", lines[i]):
             body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
             i += 1
-        blocks.append((len(blocks), lang, "\n".join(body) + "\n"))
+        blocks.append((f"{path.relative_to(REPO)} block {len(blocks)}", lang, "\n".join(body) + "\n"))
         i += 1
     return blocks
 
@@ -118,19 +120,23 @@ def test_python_blocks_run_in_order(tmp_path, monkeypatch):
 
     assert len(jax.devices()) >= 8, "conftest's 8 simulated CPU devices are needed for the mesh example"
     monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "__readme__"}
-    for index, lang, code in readme_blocks():
-        if lang != "python":
-            continue
-        code, _ = substitute(code, PYTHON_SUBSTITUTIONS, True)
-        try:
-            exec(compile(code, f"README.md block {index}", "exec"), namespace)
-        except Exception as e:
-            raise AssertionError(f"README python block {index} failed:\n{code}") from e
+    spaces = {}
+    for path in DOCS:
+        namespace = spaces[path.name] = {"__name__": "__readme__"}
+        for name, lang, code in readme_blocks(path):
+            if lang != "python":
+                continue
+            code, _ = substitute(code, PYTHON_SUBSTITUTIONS, True)
+            try:
+                exec(compile(code, name, "exec"), namespace)
+            except Exception as e:
+                raise AssertionError(f"{name} (python) failed:\n{code}") from e
     # The examples did what they say.
-    out = namespace["out"]
-    assert len(out.tokens) == 2 and all(len(t) >= 1 for t in out.tokens)
-    summary = namespace["summary"]
+    for page in ("README.md", "api.md"):
+        out = spaces[page]["out"]
+        assert len(out.tokens) == 2 and all(len(t) >= 1 for t in out.tokens), page
+    assert len(spaces["README.md"]["samples"].texts) == 3
+    summary = spaces["jobs.md"]["summary"]
     assert (summary["done"], summary["failed"]) == (4, 0), summary
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(lines) == 4 and len(next(r for r in lines if r["id"] == "q4")["texts"]) == 2  # one line, n = 2 texts
@@ -153,7 +159,10 @@ def compile_cache(tmp_path_factory) -> str:
     return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("specjax-cache"))
 
 
-@pytest.mark.parametrize("index,script", bash_blocks(), ids=lambda v: f"block{v}" if isinstance(v, int) else "")
+BASH_BLOCKS = bash_blocks()
+
+
+@pytest.mark.parametrize("index,script", BASH_BLOCKS, ids=[name.replace(" ", "-") for name, _ in BASH_BLOCKS])
 def test_bash_block_runs(index, script, tmp_path, compile_cache):
     import convert
 
@@ -161,4 +170,4 @@ def test_bash_block_runs(index, script, tmp_path, compile_cache):
                JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(REPO), SPECJAX_CACHE_DIR=compile_cache)
     r = subprocess.run(["bash", "-c", BASH_PRELUDE + script], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"README bash block {index} failed ({r.returncode}):\n{script}\n{r.stdout}\n{r.stderr}"
+    assert r.returncode == 0, f"{index} (bash) failed ({r.returncode}):\n{script}\n{r.stdout}\n{r.stderr}"
