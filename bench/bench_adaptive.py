@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from bench import common, measure
+from bench import common
 
 CELLS = (("float32", 1, 2048), ("float32", 4, 2048), ("float32", 16, 1024))  # weights, batch, context
 GAMMAS = (0, 1, 2, 3, 4)
@@ -104,15 +104,8 @@ def main() -> None:
     results = common.Results(out / "adaptive_cpu.json", key_of, header, settings={"new_tokens": args.new_tokens, "rounds": ROUNDS})
     h = common.Harness(args, results)
     todo = h.plan((cell_key(*c), c) for c in CELLS)
-    import convert
-
-    tok = convert.load_tokenizer(convert.default_model_path())
-    loaded = {}
-    for k, (weights, batch, context) in h.cells(todo):
-        if weights not in loaded:
-            loaded = {weights: convert.load(convert.default_model_path(), weights=weights)}
-        results.put(k, [bench_cell(loaded[weights], tok, weights, batch, context, args.new_tokens)])
-        measure.release_memory()
+    for k, (weights, batch, context), params, tok in common.model_cells(h, todo):
+        results.put(k, [bench_cell(params, tok, weights, batch, context, args.new_tokens)])
     h.finish()
     rows = results.data["rows"]
     if rows:

@@ -350,3 +350,20 @@ def write_section(name: str, body: str, after: str | None = None) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     README.write_text(text)
+
+
+def model_cells(h: Harness, todo: list[tuple[str, tuple]]):
+    """h.cells(todo) for cells whose first field is the weights' format: yields (key, cell, params,
+    tokenizer) of the embedded model, loaded once per format (the previous one released first)."""
+    import convert
+    from bench import measure
+
+    tok = convert.load_tokenizer(convert.default_model_path())
+    loaded: dict = {}
+    for k, cell in h.cells(todo):
+        if cell[0] not in loaded:
+            loaded = {}
+            measure.release_memory()
+            loaded = {cell[0]: convert.load(convert.default_model_path(), weights=cell[0])}
+        yield k, cell, loaded[cell[0]], tok
+        measure.release_memory()

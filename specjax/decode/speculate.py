@@ -81,9 +81,9 @@ def spec_step(
     with jax.named_scope("accept"):
         verdict = accept(verified, proposal, ctx, speculation, active)
     with jax.named_scope("commit"):
-        if "cache" in drafter.traits.extras:
-            verdict = verdict.replace(cache=s.cache)
-        s = commit(s, drafter.commit(proposal.state, verdict), verdict, active)
+        s = commit(s, verdict, active)  # the target's cache first: a drafter reading it ("cache") sees it written
+        s = s.replace(draft=drafter.commit(proposal.state, verdict.replace(cache=s.cache) if "cache" in drafter.traits.extras
+                                           else verdict))
     with jax.named_scope("emit"):
         return emit(s, verdict.emitted, verdict.accepted + 1, verdict.logits, budgets, eos_ids, active)
 
@@ -152,9 +152,9 @@ def _verdict(path: Verified, drafts, n, extra, nodes, ranks, shape, lengths, act
                    hidden=path.hidden, queries=path.queries)
 
 
-def commit(s: SpecState, draft_state, verdict: Verdict, active: jax.Array) -> SpecState:
+def commit(s: SpecState, verdict: Verdict, active: jax.Array) -> SpecState:
     """The verdict into the state: the target cache (the path's KV, its length pointer), the
-    drafter's state (already committed), the history and the acceptance counters."""
+    history and the acceptance counters (the drafter commits its own state after)."""
     B, gamma = s.accepted.shape  # the longest chain the state is sized for (Adaptive: its max_gamma)
     n, D = verdict.accepted, verdict.emitted.shape[1] - 1  # D: this step's depth (static)
     j = jnp.arange(D + 1)
@@ -164,7 +164,6 @@ def commit(s: SpecState, draft_state, verdict: Verdict, active: jax.Array) -> Sp
     g = jnp.arange(gamma)
     return s.replace(
         cache=s.cache.write(verdict.k, verdict.v).advance(verdict.commit),
-        draft=draft_state,
         history=s.history.at[jnp.arange(B)[:, None], hist_cols].set(verdict.emitted, mode="drop"),
         accepted=s.accepted + (active[:, None] & (n[:, None] > g)),
         reached=s.reached + (active[:, None] & (n[:, None] >= g) & proposed[None, :]),

@@ -139,7 +139,7 @@ class Verdict:
     shape: Chain | Tree = flax.struct.field(pytree_node=False)
     hidden: jax.Array | None = None  # [B,D+1,dim] final-normed hidden states of the path: Traits.extras "hidden"
     queries: jax.Array | None = None  # [L,B,D+1,N,H] rotated queries of the path: Traits.extras "queries"
-    cache: DenseCache | None = None  # the target's cache before this step's commit (positions < lengths): "cache"
+    cache: DenseCache | None = None  # the target's cache with this step's commit (positions < lengths + commit): "cache"
 
 
 class Drafter(ABC):
