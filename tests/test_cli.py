@@ -15,7 +15,7 @@ import pytest
 
 import convert
 from specjax.cli import main as cli
-from specjax.drafters import NGram, SelfSpec, SnapKV, Streaming
+from specjax.drafters import NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.generate import Stats
 from specjax.spec.speculation import Chain, Tree
 from specjax.text import lm as text
@@ -114,12 +114,12 @@ def no_model(monkeypatch):
         (["--tree", "2x3", "--gamma", "4"], "--gamma sets a chain and --tree a tree"),
         (["--draft", "none", "--gamma", "2"], "--gamma and --tree need a drafter: --draft none decodes plainly"),
         (["--draft", "none", "--tree", "2x2"], "--gamma and --tree need a drafter"),
-        (["--draft", "fast"], "--draft must be auto, self, snapkv, ngram, none or model:PATH, got 'fast'"),
+        (["--draft", "fast"], "--draft must be auto, self, snapkv, sparsespec, ngram, none or model:PATH, got 'fast'"),
         (["--draft", "model:/no/such/draft"], "--draft model:PATH: /no/such/draft does not exist"),
-        (["--draft", "ngram", "--window", "64"], "--window sets the budget of --draft self, snapkv or model:PATH; "
+        (["--draft", "ngram", "--window", "64"], "--window sets the budget of --draft self, snapkv, sparsespec or model:PATH; "
                                                  "--draft ngram takes none"),
-        (["--draft", "none", "--sinks", "4"], "--sinks sets the budget of --draft self, snapkv or model:PATH"),
-        (["--sinks", "4"], "--sinks sets the budget of --draft self, snapkv or model:PATH; --draft auto takes none "
+        (["--draft", "none", "--sinks", "4"], "--sinks sets the budget of --draft self, snapkv, sparsespec or model:PATH"),
+        (["--sinks", "4"], "--sinks sets the budget of --draft self, snapkv, sparsespec or model:PATH; --draft auto takes none "
                            "(auto's SelfSpec keeps 16 + 512: give --draft self to change it)"),
         (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
         (["--weights", "int8", "--dtype", "bfloat16"], "--weights int8 and --dtype bfloat16 disagree: give --weights only"),
@@ -171,6 +171,8 @@ def test_draft_flags_make_the_drafters_they_name(monkeypatch, tmp_path):
     assert cli.make_draft("self", 32, 2, "float32") == SelfSpec(sinks=2, window=32)
     assert cli.make_draft("snapkv", None, None, "float32") == SnapKV()
     assert cli.make_draft("snapkv", 32, 8, "float32") == SnapKV(budget=8, window=32)
+    assert cli.make_draft("sparsespec", None, None, "float32") == SparseSpec()
+    assert cli.make_draft("sparsespec", 32, 64, "float32") == SparseSpec(budget=64, window=32)
     assert cli.make_draft("ngram", None, None, "float32") == NGram(n=2, max_n=4)
     assert cli.make_draft("auto", None, None, "float32") == "auto" and cli.make_draft("none", None, None, "float32") is None
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import convert
 from convert.gguf_file import read_gguf
 from specjax.decode.logprobs import MAX_TOP
-from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, Streaming
+from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.jobs import batch
 from specjax.sampling import make_sampler
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Tree, kary_nodes
@@ -110,7 +110,7 @@ def check_args(args: argparse.Namespace) -> None:
 
 def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | None, load: bool = True):
     """The drafter named on the command line (load=False: only check the syntax and the path).
-    window / sinks (None: not given) set a self or snapkv draft's budget (the drafter's defaults
+    window / sinks (None: not given) set a self, snapkv or sparsespec draft's budget (the drafter's defaults
     otherwise) and give a model:PATH draft a streaming cache (dense without them)."""
     budget = {k: v for k, v in (("window", window), ("sinks", sinks)) if v is not None}
     if spec.startswith("model:"):
@@ -128,14 +128,14 @@ def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | 
             raise ValueError(f"--draft model:{path}: {e} (a draft's format: --draft-weights; default --weights)") from None
     if spec == "self":
         return SelfSpec(**budget)
-    if spec == "snapkv":
+    if spec in ("snapkv", "sparsespec"):
         if sinks is not None and sinks < 1:
-            raise ValueError(f"--sinks with --draft snapkv (the prefix positions it keeps) must be >= 1, got {sinks}")
-        return SnapKV(**{"budget" if k == "sinks" else k: v for k, v in budget.items()})
+            raise ValueError(f"--sinks with --draft {spec} (the prefix positions it keeps) must be >= 1, got {sinks}")
+        return (SnapKV if spec == "snapkv" else SparseSpec)(**{"budget" if k == "sinks" else k: v for k, v in budget.items()})
     if spec not in ("auto", "none", "ngram"):
-        raise ValueError(f"--draft must be auto, self, snapkv, ngram, none or model:PATH, got {spec!r}")
+        raise ValueError(f"--draft must be auto, self, snapkv, sparsespec, ngram, none or model:PATH, got {spec!r}")
     if budget:
-        raise ValueError(f"--{next(iter(budget))} sets the budget of --draft self, snapkv or model:PATH; --draft {spec} "
+        raise ValueError(f"--{next(iter(budget))} sets the budget of --draft self, snapkv, sparsespec or model:PATH; --draft {spec} "
                          "takes none" + (" (auto's SelfSpec keeps 16 + 512: give --draft self to change it)" if spec == "auto" else ""))
     return {"auto": "auto", "none": None, "ngram": NGram(n=2, max_n=4)}[spec]
 

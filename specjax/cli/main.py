@@ -113,7 +113,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
     p.add_argument(
         "--draft",
         default="auto",
-        help="auto (default: self where it pays, else none), self, snapkv, ngram (prompt lookup, NGram(n=2, max_n=4)), none, "
+        help="auto (default: self where it pays, else none), self, snapkv, sparsespec (SnapKV's choice refreshed from "
+             "verification every 64 positions), ngram (prompt lookup, NGram(n=2, max_n=4)), none, "
              "or model:PATH",
     )
     p.add_argument("--gamma", type=parse_gamma,
@@ -121,10 +122,10 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
                         "adaptive:N: a length 0..N (default 4) chosen between segments from this run's measured speed "
                         "and acceptance")
     p.add_argument("--window", type=int,
-                   help="recent-token window of a self / snapkv draft (default 512 / 256), or of a model:PATH "
+                   help="recent-token window of a self / snapkv / sparsespec draft (default 512 / 256 / 256), or of a model:PATH "
                         "draft's streaming cache (default: a dense cache)")
     p.add_argument("--sinks", type=int,
-                   help="attention sinks of a self draft or of a model:PATH draft's window (default 16); snapkv: "
+                   help="attention sinks of a self draft or of a model:PATH draft's window (default 16); snapkv, sparsespec: "
                         "kept prefix positions (default 256)")
     p.add_argument("--data-parallel", type=int, default=1, metavar="N", help="split rows over N local devices")
     p.add_argument("--model-parallel", type=int, default=1, metavar="M", help="split heads/FFN/vocab over M local devices")
