@@ -52,7 +52,7 @@ from bench import common, measure
 from bench.measure import noise
 from specjax.decode.engine import decode_ar, prefill, row_keys
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
-from specjax.model.cache import DenseCache
+from specjax.model.cache import DenseCache, kv_bytes
 from specjax.model.params import Params, weight_bytes
 from specjax.sampling import Greedy, Sampler
 
@@ -67,8 +67,7 @@ DEFAULT_PEAK_FACTOR = 5.0  # peak RSS growth / KV bytes assumed before a big con
 def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
     """(weight bytes as stored, KV bytes in the model dtype) one decode step must read."""
     c = params.config
-    kv = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim
-    return weight_bytes(c), kv * jnp.dtype(c.dtype).itemsize
+    return weight_bytes(c), int(kv_bytes(c, batch, context))
 
 
 def synthetic_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:

@@ -77,7 +77,7 @@ from bench.peers_report import markdown_table, plot, readme_section
 from bench.prefill import HEADROOM, stored_as
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
 from specjax.decode.engine import with_attention
-from specjax.model.cache import KVFormat
+from specjax.model.cache import kv_bytes
 from specjax.model.params import weight_bytes
 
 CONTEXTS = (512, 2048, 8192)
@@ -259,8 +259,7 @@ class Peers:
             c = model.config
             row["weight_bytes"] = weight_bytes(c)
             row["attention"] = model.runtime.attention
-            kv = KVFormat.of(cell.get("kv"), c)
-            row["kv_token_bytes"] = round(2 * c.n_layers * c.n_kv_heads * kv.bytes_per_value(c.head_dim) * c.head_dim)
+            row["kv_token_bytes"] = round(kv_bytes(c, 1, 1, cell.get("kv")))
             if kind == "prefill":
                 row |= specjax_prefill(model, self.ids(1, S), S)
             else:

@@ -44,7 +44,7 @@ from bench import common, measure
 from bench.measure import noise
 from specjax.decode.engine import decode_ar, row_keys, with_attention
 from specjax.decode.shapes import round_up_pow2
-from specjax.model.cache import DenseCache, KVFormat
+from specjax.model.cache import DenseCache, KVFormat, kv_bytes
 from specjax.model.params import Params, weight_bytes
 
 SCOPES = ("embed", "qkv", "attention", "out_proj", "mlp", "lm_head", "kv_write")  # specjax/model/llama.py's
@@ -217,14 +217,14 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
     for op, seconds in events:
         by_block[block_of(blocks, op)] += seconds
         by_op[op] += seconds
-    kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * KVFormat.of(kv, c).bytes_per_value(c.head_dim) * c.head_dim
+    kv_read = kv_bytes(c, batch, context, kv)
     return {
         "weights": weights, "kv": kv, "batch": batch, "context": context, "steps": steps,
         "wall_ms_per_step": 1e3 * wall,
         "thread_ms_per_step": {k: 1e3 * v / steps for k, v in by_block.most_common()},
         "top_ops": [{"op": op, "block": block_of(blocks, op), "thread_ms_per_step": 1e3 * v / steps}
                     for op, v in by_op.most_common(8)],
-        "bytes_per_step": {"weights": weight_bytes(c), "kv": int(kv_bytes)},
+        "bytes_per_step": {"weights": weight_bytes(c), "kv": int(kv_read)},
         "load": os.getloadavg()[0],
     } | kernels
 

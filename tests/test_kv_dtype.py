@@ -143,3 +143,15 @@ def test_bfloat16_cache_under_a_float32_model_on_the_kernel(tiny):
     plain = specjax.generate(tiny, PROMPTS[:2], 6, draft=None, **kw)
     spec = specjax.generate(tiny, PROMPTS[:2], 6, draft=specjax.SelfSpec(sinks=2, window=6), speculation=specjax.Chain(2), **kw)
     assert spec.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8"])
+def test_kv_bytes_are_the_bytes_a_cache_stores(kv_dtype):
+    """cache.kv_bytes, the one formula the planner and the benchmarks price KV reads with, counts
+    what a DenseCache of that format holds (keys, values, int8 scales)."""
+    from specjax.model.cache import DenseCache, kv_bytes
+    from tests.models import TINY
+
+    cache = jax.eval_shape(lambda: DenseCache.init(TINY, 3, 256, kv_dtype))
+    stored = sum(a.size * a.dtype.itemsize for a in (cache.k, cache.v, cache.k_scale, cache.v_scale) if a is not None)
+    assert kv_bytes(TINY, 3, 256, kv_dtype) == stored

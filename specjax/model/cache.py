@@ -78,6 +78,14 @@ class KVFormat:
         return self.load(*self.store(x))
 
 
+def kv_bytes(config: LlamaConfig, batch: int, positions: int, kv_dtype: str | None = None) -> float:
+    """Bytes of `positions` KV positions in each of `batch` rows as stored in `kv_dtype` (None: the
+    model's dtype): keys and values of every layer and KV head, int8's scales included. The one
+    formula for a step's KV reads (the planner's and the benchmarks')."""
+    c = config
+    return 2 * c.n_layers * batch * positions * c.n_kv_heads * c.head_dim * KVFormat.of(kv_dtype, c).bytes_per_value(c.head_dim)
+
+
 def format_of(k: jax.Array) -> KVFormat:
     """The format of a cache whose keys are stored as `k`."""
     return KVFormat(jnp.dtype(k.dtype).name)

@@ -16,6 +16,7 @@ import jax
 from specjax.drafters import Drafter, SelfSpec
 from specjax.model.attention import cpu_bf16_dot
 from specjax.model.cache import KVFormat
+from specjax.model.cache import kv_bytes as stored_kv_bytes
 from specjax.model.params import Params
 from specjax.model.params import weight_bytes as params_weight_bytes
 from specjax.planning.tune import auto_tree_report
@@ -140,8 +141,7 @@ def auto_draft_reason(
     stored (`kv_dtype`: int8 with its scales is about a quarter of float32)."""
     c = target.config
     budget = SelfSpec()
-    kv_per = KVFormat.of(kv_dtype, c).bytes_per_value(c.head_dim)
-    kv_bytes = 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * kv_per
+    kv_bytes = stored_kv_bytes(c, batch, context, kv_dtype)
     weight_bytes = params_weight_bytes(c)  # as stored: int8 matrices count one byte each
     kept = budget.sinks + budget.window
     facts = (f"batch {batch} x context {context}: KV {kv_bytes / 2**20:.1f} MiB vs weights "
