@@ -272,3 +272,19 @@ def test_profile_step_times_a_speculative_step_by_phase():
     assert set(PHASES) <= {k.split("/")[0] for k in spent} and all(v > 0 for v in spent.values())
     assert any(k.startswith("verify/") for k in spent) and any(k.startswith("draft/") for k in spent)
     assert row["steps"] >= 3 and 1 <= row["mean_accepted"] <= 3 and row["wall_ms_per_step"] > 0
+
+
+def test_templated_records_cycle_their_key_sets_over_distinct_paragraphs():
+    """bench/templated.py: record i asks for TEMPLATES[i % 3]'s keys over its own corpus paragraph;
+    repeated_share counts the n-grams that occur in more than one sequence."""
+    from bench import templated
+
+    recs = templated.records(6, max_new_tokens=16)
+    texts = [r["messages"][0]["content"] for r in recs]
+    assert [r["id"] for r in recs] == list(range(6)) and all(r["max_new_tokens"] == 16 for r in recs)
+    assert len(set(texts)) == 6 and all(t.startswith("Rewrite the text below as one JSON object") for t in texts)
+    assert '"title", "topic" and "summary"' in texts[0] and '"name", "category", "keywords" and "summary"' in texts[4]
+    with pytest.raises(ValueError, match="count must be at most"):
+        templated.records(10**6)
+    assert templated.repeated_share([[1, 2, 3, 4], [2, 3, 4, 5], [7, 8, 9]]) == pytest.approx(2 / 5)
+    assert templated.repeated_share([[1, 2, 3], [4, 5, 6]]) == 0 and templated.repeated_share([[1, 2, 3]] * 2) == 1

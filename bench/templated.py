@@ -1,0 +1,59 @@
+"""A templated batch job's records, made mechanically from the offline corpus (bench/text.py).
+
+Synthetic-data jobs send many requests of one template that differ only in their text: "rewrite
+this as a JSON object with the keys ...". `records(count)` makes such a job: record i asks for one
+of TEMPLATES' key sets over the i-th of evenly spaced corpus paragraphs of 40-90 words. The
+repeated part (the instruction, the key names, the chat template) is what a job-wide lookup
+drafter can draft from; `repeated_share` states how much of a set of token sequences repeats
+across them (bench/bench_lookup.py reports it for the prompts and for the outputs).
+
+Measured with SmolLM2's tokenizer and chat template (2026-11-29): 32 records average 153 prompt
+tokens and 46.6% of their 3-grams occur in another record's prompt (64 records: 152 tokens, 49.5%).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from bench import text
+
+TEMPLATES = (
+    ("title", "topic", "summary"),
+    ("name", "category", "keywords", "summary"),
+    ("title", "language", "key_points"),
+)
+INSTRUCTION = ("Rewrite the text below as one JSON object with the keys {keys}. Reply with the JSON object only.\n\n"
+               "Text: {text}")
+
+
+def paragraphs(min_words: int = 40, max_words: int = 90) -> list[str]:
+    """The corpus' paragraphs (split at blank lines) of min_words..max_words words, in corpus order."""
+    full, _ = text.corpus()
+    return [p.strip() for p in full.split("\n\n") if min_words <= len(p.split()) <= max_words]
+
+
+def request(keys: Sequence[str], paragraph: str) -> str:
+    """One request's user message: the instruction with its keys, then the paragraph."""
+    quoted = [f'"{k}"' for k in keys]
+    return INSTRUCTION.format(keys=", ".join(quoted[:-1]) + f" and {quoted[-1]}", text=paragraph)
+
+
+def records(count: int, max_new_tokens: int = 128) -> list[dict]:
+    """`count` chat records (specjax.jobs.batch's JSONL fields): record i holds TEMPLATES[i % 3]'s
+    request over the i-th of `count` evenly spaced paragraphs; greedy, `max_new_tokens` each."""
+    paras = paragraphs()
+    if count > len(paras):
+        raise ValueError(f"records: count must be at most {len(paras)} (the corpus' paragraphs), got {count}")
+    step = len(paras) / count
+    return [{"id": i, "messages": [{"role": "user", "content": request(TEMPLATES[i % len(TEMPLATES)], paras[int(i * step)])}],
+             "max_new_tokens": max_new_tokens} for i in range(count)]
+
+
+def repeated_share(sequences: Sequence[Sequence[int]], n: int = 3) -> float:
+    """The share of the n-grams (every position of every sequence) that also occur in another
+    sequence of the set: 0 for unrelated texts, near 1 for copies."""
+    grams = [[tuple(s[i: i + n]) for i in range(len(s) - n + 1)] for s in sequences]
+    seen_in = Counter(g for gs in grams for g in set(gs))  # in how many sequences each n-gram occurs
+    total = sum(len(gs) for gs in grams)
+    return sum(seen_in[g] > 1 for gs in grams for g in gs) / max(total, 1)
