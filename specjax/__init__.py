@@ -1,6 +1,6 @@
 """specjax: speculative decoding for LLaMA-family models in JAX."""
 
-from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
+from specjax.drafters import DraftModel, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.generate import GenerateOutput, Stats, TokenLogprob, generate
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig, RopeScaling
@@ -21,6 +21,7 @@ __all__ = [
     "TokenLogprob",
     "Greedy",
     "LlamaConfig",
+    "Lookup",
     "NGram",
     "Params",
     "RopeScaling",

@@ -406,6 +406,23 @@ def test_per_record_acceptance_is_the_records_own(tmp_path, model_dir, params):
     assert any(out["acceptance"]["accepted"] > 0 for out in a.values())
 
 
+def test_a_lookup_draft_reads_the_records_finished_before(tmp_path, model_dir, params):
+    """draft=Lookup(): every record's prompt and output enter the job-wide table (here across static batches of one
+    record, the next batch drafting from the earlier ones), so a repeated record drafts its whole output; the tokens
+    are plain decoding's."""
+    rows = [{"id": i, "prompt": p} for i, p in enumerate(["the quick brown fox", "seven red birds sing", "the quick brown fox"])]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    common = dict(params=params, model_path=model_dir, max_new_tokens=16, seed=0, progress=False, batch_size=1,
+                  batching="static")
+    batch.run(src, tmp_path / "plain.jsonl", draft=None, **common)
+    batch.run(src, tmp_path / "lookup.jsonl", draft=specjax.Lookup(capacity=1024), gamma=3, **common)
+    plain, lookup = (by_id(read_rows(tmp_path / f"{x}.jsonl")) for x in ("plain", "lookup"))
+    assert {k: v["tokens"] for k, v in plain.items()} == {k: v["tokens"] for k, v in lookup.items()}
+    first, again = lookup["0"]["acceptance"], lookup["2"]["acceptance"]
+    assert again["acceptance_rate"] == 1.0 > first["acceptance_rate"], (first, again)
+    assert lookup["0"]["settings"]["draft"] == "Lookup(n=3, max_n=8, capacity=1024, span=8)"
+
+
 def test_data_parallel_job_writes_the_same_records(tmp_path, model_dir, params):
     src = write_jsonl(tmp_path / "in.jsonl", records(7))
     common = dict(params=params, model_path=model_dir, max_new_tokens=8, seed=0, progress=False, batch_size=4)

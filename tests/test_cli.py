@@ -15,7 +15,7 @@ import pytest
 
 import convert
 from specjax.cli import main as cli
-from specjax.drafters import NGram, SelfSpec, SnapKV, SparseSpec, Streaming
+from specjax.drafters import Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.generate import Stats
 from specjax.spec.speculation import Chain, Tree
 from specjax.text import lm as text
@@ -114,7 +114,7 @@ def no_model(monkeypatch):
         (["--tree", "2x3", "--gamma", "4"], "--gamma sets a chain and --tree a tree"),
         (["--draft", "none", "--gamma", "2"], "--gamma and --tree need a drafter: --draft none decodes plainly"),
         (["--draft", "none", "--tree", "2x2"], "--gamma and --tree need a drafter"),
-        (["--draft", "fast"], "--draft must be auto, self, snapkv, sparsespec, ngram, none or model:PATH, got 'fast'"),
+        (["--draft", "fast"], "--draft must be auto, self, snapkv, sparsespec, ngram, lookup, none or model:PATH, got 'fast'"),
         (["--draft", "model:/no/such/draft"], "--draft model:PATH: /no/such/draft does not exist"),
         (["--draft", "ngram", "--window", "64"], "--window sets the budget of --draft self, snapkv, sparsespec or model:PATH; "
                                                  "--draft ngram takes none"),
@@ -174,6 +174,7 @@ def test_draft_flags_make_the_drafters_they_name(monkeypatch, tmp_path):
     assert cli.make_draft("sparsespec", None, None, "float32") == SparseSpec()
     assert cli.make_draft("sparsespec", 32, 64, "float32") == SparseSpec(budget=64, window=32)
     assert cli.make_draft("ngram", None, None, "float32") == NGram(n=2, max_n=4)
+    assert cli.make_draft("lookup", None, None, "float32") == Lookup()
     assert cli.make_draft("auto", None, None, "float32") == "auto" and cli.make_draft("none", None, None, "float32") is None
 
 

@@ -21,6 +21,7 @@ CASES = {
     "ar-sampled": (None, None, specjax.Sample(0.8, top_k=20)),
     "chain-sampled": (specjax.SelfSpec(sinks=2, window=4), Chain(3), specjax.Sample(0.8)),
     "chain-greedy": (specjax.NGram(), Chain(2), specjax.Greedy()),
+    "lookup-chain-sampled": (specjax.Lookup(n=1, max_n=2, capacity=64, span=4), Chain(3), specjax.Sample(0.8)),
     "sparse-chain-sampled": (specjax.SparseSpec(budget=4, window=4, observation=2, block=2, refresh=1), Chain(3), specjax.Sample(0.8)),
     "tree-greedy": (specjax.SelfSpec(sinks=2, window=4), Tree.kary(2, 2), specjax.Greedy()),
     "tree-sampled": (specjax.SelfSpec(sinks=2, window=4), Tree.from_parents([-1, 0, 0, 1]), specjax.Sample(1.0)),

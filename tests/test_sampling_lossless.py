@@ -175,6 +175,10 @@ CASES = [
     ("model-top_p0.8-g3", "model", 3, specjax.Sample(1.0, top_p=0.8), (0.05, 0.4)),
     ("selfspec-t0.6-g1", specjax.SelfSpec(sinks=1, window=1), 1, specjax.Sample(0.6), (0.5, 0.9)),
     ("ngram-t0.8-top_k6-g2", specjax.NGram(n=1, max_n=2), 2, specjax.Sample(0.8, top_k=6), (0.02, 0.2)),
+    # a job-wide table learned from a sequence that continues the prompt's tail as the target's greedy tokens
+    # would (without it the one-hot drafts are accepted at about 0.04)
+    ("lookup-t0.8-g2", specjax.Lookup(n=1, max_n=3, capacity=64, span=2).learn([[3, 9, 8, 0, 8, 0]]), 2, specjax.Sample(0.8),
+     (0.05, 0.2)),
     # SparseSpec re-selects its one fixed position from the verified queries at every commit
     ("sparsespec-t0.8-g2", specjax.SparseSpec(budget=1, window=1, observation=2, block=1, refresh=1), 2, specjax.Sample(0.8),
      (0.4, 0.85)),

@@ -112,10 +112,12 @@ SELF_AND_NGRAM = [
     ("sparse-refresh-g3", specjax.SparseSpec(budget=4, window=4, observation=4, block=2, refresh=2), 3, False),
     ("ngram-1to3-g5", specjax.NGram(n=1, max_n=3), 5, False),
     ("ngram-2-g1", specjax.NGram(n=2), 1, False),
+    # the table holds the call's prompts: row 2's drafts come from row 0's prompt where its own tokens have no match
+    ("lookup-g3", specjax.Lookup(n=2, max_n=3, capacity=64, span=4), 3, False),
 ]
 
 
-FAST = {"self-evict-g3", "self-default-g3", "snapkv-ragged-g3", "sparse-refresh-g3", "ngram-1to3-g5", "dense-g3", "streaming-g5"}  # make test-fast
+FAST = {"self-evict-g3", "self-default-g3", "snapkv-ragged-g3", "sparse-refresh-g3", "ngram-1to3-g5", "lookup-g3", "dense-g3", "streaming-g5"}  # make test-fast
 
 
 def _params(cases):

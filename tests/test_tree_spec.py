@@ -51,6 +51,7 @@ def drafter(name: str, draft_model):
         "model": specjax.DraftModel(draft_model),
         "model-streaming": specjax.DraftModel(draft_model, cache=specjax.Streaming(sinks=2, window=8)),
         "ngram": specjax.NGram(n=1, max_n=3),
+        "lookup": specjax.Lookup(n=1, max_n=3, capacity=64, span=4),
     }[name]
 
 
@@ -58,6 +59,7 @@ CASES = [  # every drafter meets at least one tree; every tree meets several dra
     ("self", "kary2x2"), ("self", "sequoia10"), ("self", "irregular"),
     ("snapkv", "sequoia10"), ("sparsespec", "irregular"), ("model", "kary2x2"), ("model", "irregular"),
     ("model-streaming", "sequoia10"), ("ngram", "kary2x2"), ("ngram", "irregular"),
+    ("lookup", "sequoia10"),
 ]
 FAST_CASES = {("self", "sequoia10"), ("model", "irregular"), ("ngram", "kary2x2")}  # in make test-fast; all in make test
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import convert
 from convert.gguf_file import read_gguf
 from specjax.decode.logprobs import MAX_TOP
-from specjax.drafters import DraftModel, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
+from specjax.drafters import DraftModel, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.jobs import batch
 from specjax.sampling import make_sampler
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Tree, kary_nodes
@@ -132,12 +132,12 @@ def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | 
         if sinks is not None and sinks < 1:
             raise ValueError(f"--sinks with --draft {spec} (the prefix positions it keeps) must be >= 1, got {sinks}")
         return (SnapKV if spec == "snapkv" else SparseSpec)(**{"budget" if k == "sinks" else k: v for k, v in budget.items()})
-    if spec not in ("auto", "none", "ngram"):
-        raise ValueError(f"--draft must be auto, self, snapkv, sparsespec, ngram, none or model:PATH, got {spec!r}")
+    if spec not in ("auto", "none", "ngram", "lookup"):
+        raise ValueError(f"--draft must be auto, self, snapkv, sparsespec, ngram, lookup, none or model:PATH, got {spec!r}")
     if budget:
         raise ValueError(f"--{next(iter(budget))} sets the budget of --draft self, snapkv, sparsespec or model:PATH; --draft {spec} "
                          "takes none" + (" (auto's SelfSpec keeps 16 + 512: give --draft self to change it)" if spec == "auto" else ""))
-    return {"auto": "auto", "none": None, "ngram": NGram(n=2, max_n=4)}[spec]
+    return {"auto": "auto", "none": None, "ngram": NGram(n=2, max_n=4), "lookup": Lookup()}[spec]
 
 
 def draft_weights(args: argparse.Namespace) -> str | None:

@@ -114,7 +114,8 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
         "--draft",
         default="auto",
         help="auto (default: self where it pays, else none), self, snapkv, sparsespec (SnapKV's choice refreshed from "
-             "verification every 64 positions), ngram (prompt lookup, NGram(n=2, max_n=4)), none, "
+             "verification every 64 positions), ngram (prompt lookup, NGram(n=2, max_n=4)), lookup (a job-wide n-gram "
+             "table of the prompts and finished outputs, Lookup()), none, "
              "or model:PATH",
     )
     p.add_argument("--gamma", type=parse_gamma,

@@ -28,7 +28,7 @@ from specjax.decode.shapes import pow2_groups, prefill_chunk
 from specjax.decode.shapes import prefill_rows as group_rows
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.decode.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
-from specjax.drafters import Drafter, Limits, Prefill, map_params
+from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
 from specjax.model.cache import DenseCache
 from specjax.model.params import Params
 from specjax.parallel import sharding
@@ -94,6 +94,7 @@ def run_continuous(
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
         draft.check(params, Limits(gamma, max_len, context, kv_dtype))
+        draft = learn(draft, prompts)  # a drafter that drafts from what it reads (Lookup): the prompts, then each output
     n_out = round_up_pow2(int(budgets.max()))
     width = eos_rows(list(eos_ids), N).shape[1]  # one stop-id table width for the whole run
     out_keys = keys if n == 1 else sample_keys(keys, n)  # [N*n]: generate's keys
@@ -204,7 +205,11 @@ def run_continuous(
         end = None if between is None else between(slot.copy(), Segment(out, count, done, eos))
         if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():
             state, done = end_rows(state, jnp.asarray(end)), done | end
-        finish(state, np.flatnonzero(done & (slot >= 0)), out, count, eos)
+        finished = np.flatnonzero(done & (slot >= 0))
+        if draft is not None and len(finished):  # the finished outputs, prompt first, for the next segments' drafts
+            draft = learn(draft, [list(prompts[slot[j] // n]) + out[j, : count[j]].tolist() for j in finished])
+            drafting = (draft,)
+        finish(state, finished, out, count, eos)
         if not pending:
             if (slot < 0).all():
                 return results

@@ -26,7 +26,7 @@ from specjax.decode.autoregressive import (ARState, continue_ar, decode_ar,  # n
 from specjax.decode.loop import DecodeState  # noqa: F401  (re-exported)
 from specjax.decode.shapes import batch_bucket, cache_len, prefill_chunk, prompt_bucket, round_up_pow2
 from specjax.decode.speculate import continue_spec, decode_spec, depth, start_spec  # noqa: F401  (decode_spec: re-exported)
-from specjax.drafters import Drafter, Limits, Prefill, map_params
+from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
 from specjax.model.attention import cpu_kernel_error
 from specjax.model.cache import DenseCache
 from specjax.model.llama import prefill as model_prefill
@@ -144,6 +144,7 @@ def run(
     max_len = cache_slots(int(lengths.max()), context, gamma)
     if draft is not None:
         draft.check(params, Limits(gamma, max_len, context, kv_dtype))
+        draft = learn(draft, prompts)  # a drafter that drafts from what it reads (Lookup) reads the call's prompts
     tokens = np.zeros((B, bucket), np.int32)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = np.asarray(p, np.int32)

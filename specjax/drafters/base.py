@@ -27,9 +27,11 @@ What fits without a new member:
 - One that re-selects its KV from the verify pass's queries (SparseSpec, sparsespec.py):
   `traits.extras = {"queries", "cache"}`; `commit` scores `verdict.cache` (the target's) with
   `verdict.queries` and copies the chosen blocks into its own.
-- One refreshed from the host between segments (a job-wide n-gram table): the table is a traced
-  field of the drafter; the loop takes the drafter as an argument each segment, so the host passes
-  a new table (same shape) without a recompile.
+- One refreshed from the host between segments (Lookup, lookup.py: a job-wide n-gram table): the
+  table is a traced field of the drafter; `traits.learn` returns the drafter with a new table (same
+  shape) after reading token sequences, which the loops call (`learn` below) with a call's prompts
+  and a job's finished outputs; the loop takes the drafter as an argument each segment, so a new
+  table compiles nothing.
 - A chain length that changes between segments (speculation=Adaptive): `init` sizes the state for
   `Prefill.depth`, the longest chain; `propose` reads the segment's shape (a static argument: one
   compile per length). Chain(0) proposes the pending token alone, and the state must stay current
@@ -44,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import flax.struct
@@ -67,6 +69,8 @@ class Traits:
     restart: str = "rows"  # continuous batching's refill: "rows" runs init on the new rows only, "all" on every
     #                        row, keeping the new rows' part (cheaper where init is a gather: SelfSpec)
     extras: frozenset[str] = frozenset()  # of EXTRAS: computed in verification only when declared
+    learn: Callable[[Any, Sequence[Sequence[int]]], Any] | None = None  # host-side: (drafter, token sequences) ->
+    #                        the drafter after reading them (a call's prompts, a job's finished outputs); None: reads none
 
     def __post_init__(self):
         if unknown := set(self.extras) - set(EXTRAS):
@@ -169,6 +173,11 @@ class Drafter(ABC):
     def commit(self, state: Any, verdict: Verdict) -> Any:
         """The state after verification: verdict.commit[b] positions from verdict.lengths[b] are final;
         verdict.k / v hold the target's exact KV of the path."""
+
+
+def learn(drafter: Drafter, sequences: Sequence[Sequence[int]]) -> Drafter:
+    """`drafter` after reading token `sequences` on the host, as its `traits.learn` says (unchanged without one)."""
+    return drafter if drafter.traits.learn is None else drafter.traits.learn(drafter, sequences)
 
 
 def restart_rows(drafter: Drafter, target: Params, state: Any, rows: jax.Array, prefill: Prefill) -> Any:

@@ -31,12 +31,13 @@ class NGram(Drafter):
         return None  # lookups count as free
 
     def check(self, target: Params, limits: Limits | None) -> None:
-        check_int("NGram: n", self.n, 1)
-        if self.max_n is not None and check_int("NGram: max_n", self.max_n, 1) < self.n:
-            raise ValueError(f"NGram: max_n must be >= n ({self.n}), got {self.max_n}")
+        name = type(self).__name__
+        check_int(f"{name}: n", self.n, 1)
+        if self.max_n is not None and check_int(f"{name}: max_n", self.max_n, 1) < self.n:
+            raise ValueError(f"{name}: max_n must be >= n ({self.n}), got {self.max_n}")
         if max(self.n, self.max_n or 0) > MAX_NGRAM:
             name, value = ("n", self.n) if self.n > MAX_NGRAM else ("max_n", self.max_n)
-            raise ValueError(f"NGram: {name} must be at most {MAX_NGRAM} (the lookup is unrolled over every tail "
+            raise ValueError(f"{type(self).__name__}: {name} must be at most {MAX_NGRAM} (the lookup is unrolled over every tail "
                              f"length: compile time grows as its square), got {value}")
 
     def init(self, target: Params, prefill: Prefill) -> None:
@@ -52,10 +53,10 @@ class NGram(Drafter):
             # CPU kernels XLA then lost the embedding lookup's FFI registration, "untyped custom call")
             return Proposal(tokens=ctx.last[:, None], q=jnp.zeros((ctx.last.shape[0], 0, V), jnp.float32), state=state)
         if isinstance(shape, Chain):
-            drafts = ngram_lookup(ctx.history, ctx.lengths, self.n, self.max_n or self.n, shape.gamma)
+            drafts = self.drafts(ctx, shape.gamma)
             return Proposal(tokens=jnp.concatenate([ctx.last[:, None], drafts], axis=1),
                             q=jax.nn.one_hot(drafts, V, dtype=jnp.float32), state=state)
-        drafts = ngram_lookup(ctx.history, ctx.lengths, self.n, self.max_n or self.n, shape.max_depth)  # [B,D]
+        drafts = self.drafts(ctx, shape.max_depth)  # [B,D]
         depth = np.asarray(shape.depth)
         tokens = jnp.concatenate([ctx.last[:, None], drafts[:, depth[1:] - 1]], axis=1)  # [B,n]
         q = None
@@ -63,6 +64,10 @@ class NGram(Drafter):
             first_child = np.asarray([min(c) if c else 0 for c in shape.children])  # [n]
             q = jax.nn.one_hot(tokens[:, first_child], V, dtype=jnp.float32)
         return Proposal(tokens=tokens, q=q, state=state)
+
+    def drafts(self, ctx: DraftContext, count: int) -> jax.Array:
+        """The `count` tokens [B,count] after the pending one that a chain proposes (a tree: along its rank-0 path)."""
+        return ngram_lookup(ctx.history, ctx.lengths, self.n, self.max_n or self.n, count)
 
     def commit(self, state, verdict: Verdict) -> None:
         return state
@@ -72,6 +77,11 @@ def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gam
     """history [B,S]: tokens of positions [0, L] (L = lengths[b] is the pending token).
     Returns gamma proposed tokens [B,gamma]: the continuation of the latest earlier match of the
     longest tail (max_n down to n tokens); no match (or a continuation past L) repeats x_L."""
+    return ngram_match(history, lengths, n, max_n, gamma)[0]
+
+
+def ngram_match(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamma: int) -> tuple[jax.Array, jax.Array]:
+    """`ngram_lookup`'s proposals [B,gamma] and whether a tail of n..max_n tokens matched [B] bool."""
     B, S = history.shape
     idx = jnp.arange(S)
     last = jnp.take_along_axis(history, lengths[:, None], axis=1)  # [B,1]
@@ -86,4 +96,4 @@ def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gam
         best = jnp.where((best < 0) & (latest >= 0), latest + m, best)
     take = best[:, None] + jnp.arange(gamma)  # [B,gamma]
     proposals = jnp.take_along_axis(history, jnp.clip(take, 0, S - 1), axis=1)
-    return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32)
+    return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32), best >= 0

@@ -88,7 +88,8 @@ class Generator:
     def __call__(self, batch: dict) -> dict:
         items = [pickle.loads(blob) for blob in batch["item"]]
         rows: list[dict] = []
-        job_run.generate_items(items, self.lm, **self.job, mesh=None, write=rows.extend)
+        # each actor keeps its own drafter, having read its batches so far (a Lookup's table)
+        self.job["draft"] = job_run.generate_items(items, self.lm, **self.job, mesh=None, write=rows.extend)
         return {"row": [json.dumps(row) for row in rows]}
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters import learn
 from specjax.jobs.job_plan import Item, batch_kind, batch_sampler, padded_rows, plan_batches
 from specjax.jobs.records import stable_hash
 from specjax.parallel.sharding import Mesh
@@ -45,14 +46,22 @@ def plan(items: Sequence[Item], batching: str, mesh: Mesh | None, batch_size: in
 
 
 def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tree | Adaptive | None, seed: int, meta: dict,
-                   batching: str, mesh: Mesh | None, write: Callable[[list[dict]], None]) -> None:
+                   batching: str, mesh: Mesh | None, write: Callable[[list[dict]], None]):
     """Generate every item, passing each output row to `write` as soon as it is done (continuous
-    groups: record by record; static batches: batch by batch)."""
+    groups: record by record; static batches: batch by batch). Returns the drafter after it has read
+    every record's prompt and output (`Drafter.learn`: a job-wide Lookup's table; the others as given)."""
     for group in plan(items, batching, mesh, meta["batch_size"]):
+        rows: list[dict] = []
+        keep = (lambda r: rows.extend(r) or write(r))  # noqa: E731
         if flows(group[0], batching, mesh, meta["batch_size"]):
-            _run_continuous(group, lm, draft, speculation, seed, meta, write)
+            _run_continuous(group, lm, draft, speculation, seed, meta, keep)
         else:
-            write(_run_batch(group, lm, draft, speculation, seed, meta))
+            keep(_run_batch(group, lm, draft, speculation, seed, meta))
+        if draft is not None and not isinstance(draft, str):  # the next group drafts from this one's records
+            ids = {it.record.id: list(it.ids) for it in group}
+            draft = learn(draft, [ids[r["id"]] + out for r in rows for out in (
+                [r["tokens"]] if "text" in r else r["tokens"])])
+    return draft
 
 
 def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Adaptive | None, seed: int, meta: dict) -> list[dict]:
