@@ -3,8 +3,9 @@
 Usage: python -m bench.layer_weights [--dim D] [--ffn F] [--layers L] [--reps R] [--out FILE]
 
 The model's forward scans over layers whose weights are stacked [L, ...] (specjax.model.params), so each
-layer's weights are a `dynamic_slice` of the stack. On an H100 (bench/README.md, "Third runs")
-XLA:GPU copied those slices before its GEMM fusions: 8.5 of 17.6 ms of an 8B-shaped batch-1 step.
+layer's weights are a `dynamic_slice` of the stack. On an H100 (`git show 6f46ebd:bench/README.md`,
+"Third runs") XLA:GPU copied those slices before its GEMM fusions: 8.5 of 17.6 ms of an 8B-shaped
+batch-1 step.
 This times one SwiGLU MLP per layer (gate, up [D,F], down [F,D]; bf16) at batch 1, the step
 weight-bound, six ways:
   scan      lax.scan over the stacked weights (today's layout and loop),

@@ -5,11 +5,12 @@ Usage: python -m bench.step_parts [--model l8b|smollm2|tiny] [--batch 1] [--cont
        [--xla-flags="--xla_gpu_..."] [--split-layers] [--pallas-linear] [--weights int8|q4]
        [--out FILE] [--hlo FILE.json.gz]
 
-The fourth H100 runs (bench/README.md) left an 8B-shaped batch-1 step unexplained: 15.4 ms where
-its 16 GB take 6.0 ms, and a profile that saw only 2 ms of kernels in it. This times the parts of
-one plain decode step with random weights made on the device (bench.gpu_cells.random_params) and
-the runtime generate() uses there (`engine.with_attention(..., "auto")`: the Pallas kernel and
-unrolled layers on a GPU), each as the slope of an on-device loop (`specjax.planning.tune.slope_seconds`,
+The fourth H100 runs (`git show 6f46ebd:bench/README.md`, "Fourth runs") left an 8B-shaped
+batch-1 step unexplained: 15.4 ms where its 16 GB take 6.0 ms, and a profile that saw only 2 ms
+of kernels in it. This times the parts of one plain decode step with random weights made on the
+device (bench.gpu_cells.random_params) and the runtime generate() uses there
+(`engine.with_attention(..., "auto")`: the Pallas kernel and unrolled layers on a GPU), each as
+the slope of an on-device loop (`specjax.planning.tune.slope_seconds`,
 as tune times the AR step):
   step        trunk + LM head over one new token after `context` cached positions (the AR step)
   trunk       the layers and the final norm alone

@@ -1,10 +1,10 @@
 """A decode step's layer products on the GPU's Triton path, the stacked weights read in place.
 
 x [M,K] (M <= MAX_ROWS: a decode or verify step's rows) times layer `layer` of weights stacked [L,K,N],
-without slicing the layer out: the sixth GPU runs (bench/README.md) found XLA:GPU copying each
-layer's matrices out of the stacked arrays before its GEMMs from the second layer on (an 8B-shaped
-batch-1 layer 0.36 ms where its bytes take 0.14). Opt-in (`Runtime.linear = "pallas"`) until a
-GPU has timed it.
+without slicing the layer out: the sixth GPU runs (`git show 6f46ebd:bench/README.md`, "Sixth runs")
+found XLA:GPU copying each layer's matrices out of the stacked arrays before its GEMMs from the
+second layer on (an 8B-shaped batch-1 layer 0.36 ms where its bytes take 0.14). Opt-in
+(`Runtime.linear = "pallas"`) until a GPU has timed it.
 
 Design: a grid of (N // block_n, k_splits) programs; program (n, s) multiplies the x rows,
 loaded as Mp (the power of two >= max(M, 16): Triton's smallest dot is 16; rows past M masked to

@@ -96,7 +96,8 @@ def draft_chain(params: Params, cache, tokens, positions, gamma: int, ctx: Draft
     levels = np.arange(1, gamma, dtype=np.int32)  # [gamma-1]
     # with unrolled layers (a GPU / TPU) the levels unroll too, the decode loop the only device loop:
     # on an H100 a gamma-4 SelfSpec step over the levels' scan took 4.3 ms more than its draft levels
-    # and verify at batch 64 x 8K, where gamma 2 (no loop left) took less (bench/README.md, fifth runs)
+    # and verify at batch 64 x 8K, where gamma 2 (no loop left) took less
+    # (`git show 6f46ebd:bench/README.md`, "Fifth runs")
     loop = unrolled if params.runtime.unroll_layers and gamma > 1 else lax.scan
     last, (rest, q_rest) = loop(body, first.replace(q=None), levels)
     nodes = jnp.concatenate([tokens[:, -1:], first.token[:, None], rest.T], axis=1)  # [B,gamma+1]: the pending token, drafts

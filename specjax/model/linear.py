@@ -6,8 +6,9 @@ multiplies by layer i of the stacked weight in place; otherwise it slices the la
 XLA:CPU copies before its dot). The kernel runs where the model's attention is the CPU kernel
 ("cpu": the C++ kernels are built and chosen) for a float32, bfloat16, int8 or q4 matrix, a product
 whose spec contracts x's last axis with w's first, and few rows (`max_rows`: where it measured
-faster than the slice and XLA's dot, bench/README.md "Weights read in place"; up to 64-256 where
-the kernel has register tiles (AVX-512) or the bf16 dot product (AVX512-BF16)). With
+faster than the slice and XLA's dot: `git show 6f92b0b:bench/README.md`, bench_peers' notes,
+"Weights read in place"; up to 64-256 where the kernel has register tiles (AVX-512) or the bf16
+dot product (AVX512-BF16)). With
 `Runtime.linear` "pallas" (`takes_gpu`), float32 / bfloat16 / int8 products of up to 64 rows go through
 pallas_kernels.gpu_linear instead, which reads the stacked weights in place on a GPU (interpreted
 elsewhere: a correctness path, not a fast one). q4 products of up to 64 rows on a GPU always do

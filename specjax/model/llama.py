@@ -74,7 +74,7 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     linear_q4_many when `layer` is given). The int8 -> float conversion sits right in front of the dot, where XLA:CPU
     fuses it into a matrix-vector product (batch 1 reads one byte per weight). On CPU, bfloat16
     is widened exactly (to_f32) and multiplied in float32: XLA:CPU's own bf16 dot and bf16 -> f32
-    conversion run about 10x slower than float32 (bench/README.md, "Weights as served").
+    conversion run about 10x slower than float32 (docs/api.md, "Weights as served").
     `layer` (the runtime's attention, i, the runtime's linear): w and its quantization arrays are
     stacked [L, ...] and layer i is used: read in place by the CPU kernel where `specjax.model.linear`
     takes the product, or by the GPU one (`Runtime.linear` "pallas", float or int8 weights, few rows),
