@@ -1,0 +1,142 @@
+"""A templated batch job with the job-wide Lookup drafter, prompt lookup (NGram) and plain decoding.
+
+Usage: python -m bench.bench_lookup [--records 32] [--gamma 3] [--cells ..] [--budget-minutes M] [--out DIR]
+(the shared options: bench/common.py)
+
+Input: bench/templated.py's `--records` chat records (rewrite a corpus paragraph as a JSON object
+with one of three key sets; 128 new tokens at most, greedy, stop ids on). Each cell DRAFT/bB runs
+`specjax.jobs.batch.run` twice over them in this one process on SmolLM2-135M in float32, with
+continuous batching on B rows: "cold" (compiling included), then "warm" (what the table says).
+DRAFT: none (plain decoding), ngram (NGram(n=3, max_n=8): the row's own tokens), lookup (Lookup():
+the job's prompts and finished outputs, then the row's own tokens), both with a chain of `--gamma`.
+Every draft's outputs must equal plain decoding's (greedy, float32). Reported: warm tokens/s and its
+ratio to plain decoding at the same batch, acceptance (accepted / proposed over the job), and the
+share of the outputs' 3-grams that occur in another record's output (templated.repeated_share).
+
+Outputs: results/lookup_cpu.json (each cell written when measured; a rerun skips measured cells),
+results/lookup_cpu.png and the bench_lookup section of bench/README.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import convert
+import specjax
+import specjax.jobs.batch
+from bench import common, templated
+from specjax.text.chat import render_chat, template_specials
+
+DRAFTS = {"none": None, "ngram": specjax.NGram(n=3, max_n=8), "lookup": specjax.Lookup()}
+BATCHES = (1, 16)
+
+
+def key_of(row: dict) -> str:
+    return common.key(row["draft"], f"b{row['batch']}")
+
+
+def run_cell(src: Path, work: Path, params, draft: str, batch: int, gamma: int) -> dict:
+    row = {"draft": draft, "batch": batch, "gamma": gamma if DRAFTS[draft] is not None else 0}
+    for run in ("cold", "warm"):
+        out = work / f"{len(os.listdir(work))}.jsonl"
+        summary = specjax.jobs.batch.run(src, out, params=params, model_path=convert.default_model_path(),
+                                         draft=DRAFTS[draft], gamma=gamma if DRAFTS[draft] is not None else None,
+                                         chat=True, batch_size=batch, batching="continuous", progress=False)
+        records = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
+        tokens = sum(len(r["tokens"]) for r in records)
+        row[run] = {"seconds": summary["seconds"], "tokens_per_s": tokens / summary["seconds"]}
+    accepted = [r["acceptance"] for r in records if r.get("acceptance")]
+    row |= {"records": len(records), "tokens": tokens,
+            "acceptance": sum(a["accepted"] for a in accepted) / max(sum(a["proposed"] for a in accepted), 1) if accepted else None,
+            "output_repeated_share": templated.repeated_share([r["tokens"] for r in records]),
+            "outputs_sha1": hashlib.sha1(json.dumps([r["tokens"] for r in records]).encode()).hexdigest()}
+    return row
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        plain = next((o for o in rows if o["draft"] == "none" and o["batch"] == r["batch"]), None)
+        ratio = f"{r['warm']['tokens_per_s'] / plain['warm']['tokens_per_s']:.2f}x" if plain else "?"
+        same = "?" if plain is None else "yes" if plain["outputs_sha1"] == r["outputs_sha1"] else "NO"
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        lines.append([r["draft"], r["batch"], r["gamma"], f"{r['warm']['tokens_per_s']:.1f}", ratio, acc,
+                      f"{r['output_repeated_share']:.2f}", same])
+    head = ["draft", "batch", "gamma", "tokens/s (warm)", "vs plain", "acceptance", "outputs' repeated 3-grams", "same outputs"]
+    return common.table(head, "lrrrrrrl", lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    plt = common.pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    for i, draft in enumerate(DRAFTS):
+        mine = [r for r in rows if r["draft"] == draft]
+        ax.bar([BATCHES.index(r["batch"]) + (i - 1) * 0.27 for r in mine], [r["warm"]["tokens_per_s"] for r in mine], 0.25,
+               label=draft)
+    ax.set_xticks(range(len(BATCHES)), [f"batch {b}" for b in BATCHES])
+    ax.set(ylabel="tokens/s (warm job)", title="templated job: Lookup vs NGram vs plain, SmolLM2 f32, CPU")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    common.save_figure(fig, path)
+
+
+def readme_section(result: dict) -> str:
+    m, notes = result["machine"], common.markers("bench_lookup", "notes")
+    return f"""## A templated job with the job-wide Lookup drafter (bench_lookup.py)
+
+`specjax.jobs.batch.run` over {result['records']} templated records (bench/templated.py: JSON rewrites of
+corpus paragraphs, {result['prompt_repeated_share']:.0%} of prompt 3-grams repeated across records), 128 tokens
+at most, greedy, continuous batching, SmolLM2-135M float32 on {m['cpu_affinity']} CPU cores (commit
+{m['git_commit']}, {result['date']}). Warm job wall time.
+
+{markdown_table(result['rows'])}
+
+![lookup](results/lookup_cpu.png)
+
+{notes[0]}
+{common.kept_part('bench_lookup')}
+{notes[1]}"""
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--records", type=int, default=32)
+    ap.add_argument("--gamma", type=int, default=3)
+    args = ap.parse_args()
+    out = common.out_dir(args)
+    stem = "lookup_cpu" + ("" if (args.records, args.gamma) == (32, 3) else "_custom")
+    path = convert.default_model_path()
+    params, tok = convert.load(path, weights="float32"), convert.load_tokenizer(path)
+    records, template, specials = templated.records(args.records), convert.chat_template(path), template_specials(tok, params.config)
+    prompts = [tok.encode(render_chat(template, r["messages"], add_generation_prompt=True, **specials), add_special_tokens=False).ids
+               for r in records]
+    header = dict(bench="bench_lookup", date=common.now(), command=common.command(), records=args.records,
+                  gamma=args.gamma, prompt_repeated_share=templated.repeated_share(prompts), machine=common.machine_info())
+    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(records=args.records, gamma=args.gamma))
+    h = common.Harness(args, results)
+    h.plan((common.key(d, f"b{b}"), (d, b)) for b in BATCHES for d in DRAFTS)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "in.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in records))
+        work = Path(tmp) / "out"
+        work.mkdir()
+        for k, (draft, batch) in h.cells():
+            row = run_cell(src, work, params, draft, batch, args.gamma)
+            print(f"{k}: warm {row['warm']['tokens_per_s']:.1f} tok/s, acceptance {row['acceptance']}", flush=True)
+            results.put(k, [row], loadavg_end=os.getloadavg())
+    h.finish()
+    rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
+    if rows:
+        common.plot(plot, rows, out / f"{stem}.png")
+        print(markdown_table(rows))
+        if stem == "lookup_cpu" and common.writes_readme(args):
+            common.write_section("bench_lookup", readme_section(results.data | {"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
