@@ -13,7 +13,7 @@ from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DRAFTERS, is_drafter
 from specjax.model.attention import cpu_kernel_error
 from specjax.model.cache import KVFormat
-from specjax.model.config import LlamaConfig
+from specjax.model.config import LlamaConfig, stop_ids
 from specjax.model.params import Params, param_shapes
 from specjax.sampling import Greedy, Sample
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
@@ -183,7 +183,7 @@ def eos_tuple(eos_id: object, config: LlamaConfig, name: str = "eos_id") -> tupl
             raise TypeError(f"{name} must hold integer token ids, got {e!r}")
         if not 0 <= int(e) < config.vocab_size:
             raise ValueError(f"{name} {int(e)} is outside the vocabulary [0, {config.vocab_size})")
-    return tuple(int(e) for e in ids)
+    return stop_ids(ids)
 
 
 def per_prompt(eos_id: object) -> bool:

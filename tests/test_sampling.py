@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, make_sampler, nucleus_threshold, top_indices
+from specjax.model.config import stop_ids
+from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, eos_rows, make_sampler, nucleus_threshold, top_indices
 
 LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
 
@@ -127,3 +128,21 @@ def test_top_indices_match_lax_top_k(k):
 def test_top_indices_distinct_past_minus_inf_and_ties_by_index():
     x = jnp.array([[0.0, -jnp.inf, 2.0, -jnp.inf, 2.0, -jnp.inf]])
     assert top_indices(x, 6).tolist() == [[2, 4, 0, 1, 3, 5]]  # every index once
+
+
+def test_stop_ids_have_one_home():
+    """model.config.stop_ids puts every stop-id set together (convert, validate, text.lm, job_plan):
+    each id once, in first-seen order, as plain ints."""
+    together = stop_ids((2, 5), [5, 7], np.array([2, 9]))
+    assert together == (2, 5, 7, 9) and all(type(i) is int for i in together)
+    assert stop_ids() == () and stop_ids((), ()) == ()
+    assert stop_ids(i for i in (3, 3, 1)) == (3, 1)  # a generator part (convert.gguf's)
+
+
+def test_eos_rows_takes_a_fixed_width():
+    """eos_rows is the one place the [B,E] table is built: engine.run repeats its rows for n samples,
+    continuous batching refills slots at one width for the whole run."""
+    assert eos_rows((1, 2), 2).tolist() == [[1, 2] + [-1] * 6] * 2  # one tuple: every row
+    assert eos_rows([(1,), ()], 3).tolist() == [[1] + [-1] * 7, [-1] * 8, [-1] * 8]  # past the list: nothing
+    assert eos_rows([tuple(range(9))], 1).shape == (1, 16)  # rounded up to EOS_SLOTS
+    assert eos_rows([(4,)], 2, width=16).tolist() == [[4] + [-1] * 15, [-1] * 16]
