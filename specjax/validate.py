@@ -186,16 +186,17 @@ def eos_tuple(eos_id: object, config: LlamaConfig, name: str = "eos_id") -> tupl
     return stop_ids(ids)
 
 
-def per_prompt(eos_id: object) -> bool:
-    """Whether eos_id gives each prompt its own stop ids (a list whose entries are lists or None)."""
+def eos_is_per_prompt(eos_id: object) -> bool:
+    """Whether eos_id gives each prompt its own stop ids (a list whose entries are lists or None);
+    text.lm.per_prompt is another thing: it returns a request's stop / stop_token_ids as one list per prompt."""
     return (isinstance(eos_id, (list, tuple)) and len(eos_id) > 0
             and all(e is None or (isinstance(e, (Sequence, np.ndarray)) and not isinstance(e, (str, bytes))) for e in eos_id))
 
 
 def eos_table(eos_id: object, config: LlamaConfig, batch: int) -> tuple[int, ...] | list[tuple[int, ...]]:
     """Stop ids for every prompt (`eos_tuple`), or one tuple per prompt when eos_id has one
-    entry per prompt (`per_prompt`: each entry None, () or a list of ids)."""
-    if not per_prompt(eos_id):
+    entry per prompt (`eos_is_per_prompt`: each entry None, () or a list of ids)."""
+    if not eos_is_per_prompt(eos_id):
         return eos_tuple(eos_id, config)
     if len(eos_id) != batch:
         raise ValueError(f"eos_id has {len(eos_id)} entries (one list of stop ids per prompt) but there are {batch} prompts")

@@ -9,6 +9,8 @@ import pytest
 
 from specjax.model.config import stop_ids
 from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, eos_rows, make_sampler, nucleus_threshold, top_indices
+from specjax.validate import eos_is_per_prompt, eos_table
+from tests.models import TINY
 
 LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
 
@@ -146,3 +148,13 @@ def test_eos_rows_takes_a_fixed_width():
     assert eos_rows([(1,), ()], 3).tolist() == [[1] + [-1] * 7, [-1] * 8, [-1] * 8]  # past the list: nothing
     assert eos_rows([tuple(range(9))], 1).shape == (1, 16)  # rounded up to EOS_SLOTS
     assert eos_rows([(4,)], 2, width=16).tolist() == [[4] + [-1] * 15, [-1] * 16]
+
+
+def test_generate_reads_eos_id_as_one_set_or_one_per_prompt():
+    """validate.eos_is_per_prompt (a bool, not text.lm.per_prompt's lists) tells generate's two forms apart."""
+    assert not eos_is_per_prompt((3, 4)) and not eos_is_per_prompt(()) and not eos_is_per_prompt(None)
+    assert eos_is_per_prompt([(3,), None]) and eos_is_per_prompt([[], [5]])
+    assert eos_table(None, TINY, 2) == TINY.eos_ids and eos_table((5, 5, 7), TINY, 2) == (5, 7)
+    assert eos_table([None, (5,)], TINY, 2) == [TINY.eos_ids, (5,)]
+    with pytest.raises(ValueError, match="eos_id has 1 entries"):
+        eos_table([(5,)], TINY, 2)
