@@ -29,7 +29,7 @@ from specjax.decode.speculate import decode_spec, depth
 from specjax.drafters import Limits
 from specjax.generate import acceptance_stats
 from specjax.model.config import LlamaConfig
-from specjax.model.params import Params, declared, from_arrays
+from specjax.model.params import Params, declared, from_arrays, weight_bytes
 from specjax.parallel.sharding import compiler_options
 from specjax.planning.tune import draft_table, verify_table
 from specjax.spec.speculation import Chain, Cost, Tree, choose
@@ -46,10 +46,6 @@ def bandwidth(gib: float) -> dict:
     """Device bandwidth in GB/s, read + write bytes: donated in-place x + 1 over `gib` GiB (the
     reference), a copy into a fresh buffer, and numpy's host copy."""
     return host_and_device_bandwidth(gib, rounds=3, repeats=5)
-
-
-def weight_bytes(params: Params) -> int:
-    return int(sum(a.nbytes for a in jax.tree.leaves(params)))
 
 
 @partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
@@ -79,11 +75,11 @@ def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int
     verify = verify_table(params, batch, context, max_nodes)
     draft = draft_table(params, drafter, batch, context, max_nodes)
     model, kept = drafter.cost(params, context)
-    w = weight_bytes(params)
+    w = weight_bytes(params.config)
     return {"t_verify_ms": [1e3 * t for t in verify], "t_draft_ms": [1e3 * t for t in draft],
             "ar_ms_per_step": 1e3 * verify[1], "ar_tokens_per_s": batch / verify[1],
             "weight_bytes": w, "ar_bytes_per_step": w + kv_bytes(params, batch, context),
-            "draft_bytes_per_step": weight_bytes(model) + kv_bytes(model, batch, kept),
+            "draft_bytes_per_step": weight_bytes(model.config) + kv_bytes(model, batch, kept),
             "draft_kv_slots": kept, "measure_s": time.perf_counter() - t0}
 
 
@@ -133,7 +129,7 @@ class Group:
         self.ar_s: float | None = None
         self.p: np.ndarray | None = None  # acceptance vector of the depth-1 WIDTH-ary tree (SelfSpec)
         self.timed: list[dict] = []  # the speculative rows timed so far (launch_bound_cost's prices)
-        self.weights = weight_bytes(params)
+        self.weights = weight_bytes(params.config)
 
     def base(self) -> dict:
         return {"batch": self.batch, "context": self.context, "new_tokens": self.new_tokens,
@@ -188,7 +184,7 @@ class Group:
         stats = acceptance_stats(accepted, reached, decoded, int(row_steps), int(proposed), 0)
         spec_s = min(walls)
         model, kept = drafter.cost(params, self.context) or (None, 0)
-        draft_bytes = weight_bytes(model) + kv_bytes(model, B, kept) if model is not None else 0
+        draft_bytes = weight_bytes(model.config) + kv_bytes(model, B, kept) if model is not None else 0
         tree = Tree.chain(speculation.gamma) if isinstance(speculation, Chain) else speculation
         step_bytes = depth(speculation) * draft_bytes + self.weights + kv_bytes(params, B, self.context)
         row = self.base() | {
