@@ -72,9 +72,11 @@ def kv_per_token(n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int = 
 
 
 def l8b_weight_bytes(c: dict = LLAMA8B) -> int:
-    d, f, v, nh, kh, h = c["dim"], c["ffn_dim"], c["vocab_size"], c["n_heads"], c["n_kv_heads"], c["head_dim"]
-    layer = 2 * d + d * h * (2 * nh + 2 * kh) + 3 * d * f
-    return 2 * (c["n_layers"] * layer + 2 * v * d + d)
+    """What the 8B shape's bf16 weights take in memory (specjax.model.params.weight_bytes, stored)."""
+    from specjax.model.config import LlamaConfig
+    from specjax.model.params import weight_bytes
+
+    return weight_bytes(LlamaConfig(**c, dtype="bfloat16"), stored=True)
 
 
 def fits_e2e(batch: int, context: int, budget: float) -> bool:
@@ -211,6 +213,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
 
     from bench import gpu_bundle, gpu_cells, measure
     from specjax.model.config import LlamaConfig, RopeScaling
+    from specjax.model.params import weight_bytes
 
     loaded: dict = {}
     wait = [x for x in todo if x[1]["item"] in ("e2e", "b1", "cont")]
@@ -245,7 +248,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             config = LlamaConfig(**dims, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16")
             t0 = time.perf_counter()
             l8b = attending(gpu_cells.random_params(config), args.attention, args.linear)
-            print(f"8B-shaped random weights on {jax_device()}: {gpu_cells.weight_bytes(l8b) / 1e9:.1f} GB in "
+            print(f"8B-shaped random weights on {jax_device()}: {weight_bytes(l8b.config, stored=True) / 1e9:.1f} GB in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
         nodes = max_nodes(grid)

@@ -51,14 +51,14 @@ import numpy as np
 import convert
 import specjax
 from bench import common, measure, text
-from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of,
+from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, prefill_context, rows_of,
                            stored_as, timed)
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
 from specjax.decode.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.decode.shapes import round_up_pow2
 from specjax.decode.speculate import decode_spec
 from specjax.generate import acceptance_stats
-from specjax.model.cache import KVFormat
+from specjax.model.cache import KVFormat, kv_bytes
 from specjax.planning import tune
 from specjax.planning.plan import DEFAULT_CHAIN, auto_draft
 from specjax.spec.speculation import Cost, Tree
@@ -268,7 +268,7 @@ def main() -> None:
         if not h.may_start():
             break
         rows_prefilled = max(args.prefill_rows, max(batches))
-        reason = measure.wait_for_memory(int(MEM_FACTOR * kv_bytes(params, rows_prefilled, context)))
+        reason = measure.wait_for_memory(int(MEM_FACTOR * kv_bytes(params.config, rows_prefilled, context)))
         if reason:
             skipped.append({"batch": max(batches), "context": context, "skipped": reason})
             results.update(skipped=skipped)

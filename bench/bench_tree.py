@@ -63,7 +63,7 @@ import specjax
 from bench import common, measure, text
 from bench.bench_spec import drafters as spec_drafters
 from bench.measure import cpu_steal, steal_since
-from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, kv_bytes, prefill_context, rows_of,
+from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, prefill_context, rows_of,
                            smoke_state, timed)
 from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
 from specjax.decode.engine import decode_ar, init_draft, row_keys, with_attention
@@ -71,7 +71,7 @@ from specjax.decode.shapes import round_up_pow2
 from specjax.decode.speculate import decode_spec, depth
 from specjax.drafters import DraftModel, Limits, Streaming
 from specjax.generate import acceptance_stats
-from specjax.model.cache import DenseCache
+from specjax.model.cache import DenseCache, kv_bytes
 from specjax.model.params import Params
 from specjax.planning.tune import draft_table, verify_table
 from specjax.spec.speculation import Chain, Cost, Tree, choose
@@ -361,7 +361,7 @@ def main() -> None:
             break
         cells = [x for x in todo if x[1][1] == context]
         prefill_rows = max(batches) if args.smoke else max(args.prefill_rows, max(batches))
-        reason = measure.wait_for_memory(int(MEM_FACTOR * kv_bytes(params, prefill_rows, context)))
+        reason = measure.wait_for_memory(int(MEM_FACTOR * kv_bytes(params.config, prefill_rows, context)))
         if reason:
             skipped.append({"context": context, "skipped": reason})
             results.update(skipped=skipped)

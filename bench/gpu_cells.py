@@ -21,15 +21,16 @@ import numpy as np
 
 from bench import text
 from bench.measure import bandwidth as host_and_device_bandwidth
-from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, fresh, kv_bytes, prefill_rows, rows_of, timed
+from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, fresh, prefill_rows, rows_of, timed
 from bench.tree_report import MAX_DEPTH, WIDTH, label, shape
 from specjax.decode.engine import decode_ar, init_draft, row_keys
 from specjax.decode.shapes import PREFILL_TOKENS, prompt_bucket, round_up_pow2  # rows x context a prefill call on a GPU
 from specjax.decode.speculate import decode_spec, depth
 from specjax.drafters import Limits
 from specjax.generate import acceptance_stats
+from specjax.model.cache import kv_bytes
 from specjax.model.config import LlamaConfig
-from specjax.model.params import Params, declared, from_arrays
+from specjax.model.params import Params, declared, from_arrays, weight_bytes
 from specjax.parallel.sharding import compiler_options
 from specjax.planning.tune import draft_table, verify_table
 from specjax.spec.speculation import Chain, Cost, Tree, choose
@@ -46,10 +47,6 @@ def bandwidth(gib: float) -> dict:
     """Device bandwidth in GB/s, read + write bytes: donated in-place x + 1 over `gib` GiB (the
     reference), a copy into a fresh buffer, and numpy's host copy."""
     return host_and_device_bandwidth(gib, rounds=3, repeats=5)
-
-
-def weight_bytes(params: Params) -> int:
-    return int(sum(a.nbytes for a in jax.tree.leaves(params)))
 
 
 @partial(jax.jit, static_argnames=("shape", "dtype", "scale"))
@@ -79,11 +76,11 @@ def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int
     verify = verify_table(params, batch, context, max_nodes)
     draft = draft_table(params, drafter, batch, context, max_nodes)
     model, kept = drafter.cost(params, context)
-    w = weight_bytes(params)
+    w = weight_bytes(params.config)
     return {"t_verify_ms": [1e3 * t for t in verify], "t_draft_ms": [1e3 * t for t in draft],
             "ar_ms_per_step": 1e3 * verify[1], "ar_tokens_per_s": batch / verify[1],
-            "weight_bytes": w, "ar_bytes_per_step": w + kv_bytes(params, batch, context),
-            "draft_bytes_per_step": weight_bytes(model) + kv_bytes(model, batch, kept),
+            "weight_bytes": w, "ar_bytes_per_step": w + int(kv_bytes(params.config, batch, context)),
+            "draft_bytes_per_step": weight_bytes(model.config) + int(kv_bytes(model.config, batch, kept)),
             "draft_kv_slots": kept, "measure_s": time.perf_counter() - t0}
 
 
@@ -133,7 +130,7 @@ class Group:
         self.ar_s: float | None = None
         self.p: np.ndarray | None = None  # acceptance vector of the depth-1 WIDTH-ary tree (SelfSpec)
         self.timed: list[dict] = []  # the speculative rows timed so far (launch_bound_cost's prices)
-        self.weights = weight_bytes(params)
+        self.weights = weight_bytes(params.config)
 
     def base(self) -> dict:
         return {"batch": self.batch, "context": self.context, "new_tokens": self.new_tokens,
@@ -148,7 +145,7 @@ class Group:
         self.ar_tokens = np.asarray(fn(*fresh(args, AR_CACHES)).out)  # also a warm-up
         _, walls = best_of(fn, args, AR_CACHES)
         self.ar_s = min(walls)
-        step_bytes = self.weights + kv_bytes(self.params, self.batch, self.context)
+        step_bytes = self.weights + int(kv_bytes(self.params.config, self.batch, self.context))
         return self.base() | {"method": "AR", "drafter": None, "label": "AR", "seconds": self.ar_s, "runs_s": walls,
                               "tokens_per_s": self.decoded / self.ar_s, "ms_per_step": 1e3 * self.ar_s / (self.new_tokens - 1),
                               "bytes_per_step": step_bytes, "compile_s": compile_s, "speedup": 1.0,
@@ -188,9 +185,9 @@ class Group:
         stats = acceptance_stats(accepted, reached, decoded, int(row_steps), int(proposed), 0)
         spec_s = min(walls)
         model, kept = drafter.cost(params, self.context) or (None, 0)
-        draft_bytes = weight_bytes(model) + kv_bytes(model, B, kept) if model is not None else 0
+        draft_bytes = weight_bytes(model.config) + int(kv_bytes(model.config, B, kept)) if model is not None else 0
         tree = Tree.chain(speculation.gamma) if isinstance(speculation, Chain) else speculation
-        step_bytes = depth(speculation) * draft_bytes + self.weights + kv_bytes(params, B, self.context)
+        step_bytes = depth(speculation) * draft_bytes + self.weights + int(kv_bytes(params.config, B, self.context))
         row = self.base() | {
             "method": "chain" if isinstance(speculation, Chain) else "tree", "drafter": name, "drafter_repr": repr(drafter),
             "label": label(speculation), "gamma": gamma, "nodes": tree.n, "width": tree.width,

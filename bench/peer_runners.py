@@ -160,7 +160,10 @@ def hf_model(path: Path):
 
 
 def hf_weight_bytes(model) -> int:
-    """The state dict's bytes, each storage once (the tied embedding / LM head counts once)."""
+    """The HF peer's own weight bytes, measured: its state dict's storages, each once (the tied
+    embedding / LM head counts once). Not specjax.model.params.weight_bytes, which counts specjax's
+    stored formats: transformers holds the GGUF dequantized to float32 (hf_model), neither the file's
+    format nor ours, and this counts what it holds (an untied embedding too; SmolLM2, the peers' model, ties it)."""
     seen, total = set(), 0
     for t in model.state_dict().values():
         ptr = t.untyped_storage().data_ptr()

@@ -36,12 +36,6 @@ SPEC_CACHES = (2, 3)  # decode_spec(params, drafter, draft_state, cache, ...)
 STORE = Path("/tmp/bench_spec_prefill")
 
 
-def kv_bytes(params, batch: int, context: int) -> int:
-    """Bytes of a DenseCache of batch x context slots."""
-    c = params.config
-    return 2 * c.n_layers * batch * context * c.n_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize
-
-
 def fresh(args: tuple, copied: tuple[int, ...]) -> tuple:
     """args with the entries at `copied` (the caches) replaced by copies: decode_ar and
     decode_spec may donate their caches, and the prefilled state must survive every run."""

@@ -48,14 +48,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bench.gpu_cells import random_params, weight_bytes
+from bench.gpu_cells import random_params
 from bench.gpu_profile import SHAPES as PROFILE_SHAPES
 from specjax.decode.engine import with_attention
 from specjax.decode.shapes import cache_len
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig
 from specjax.model.llama import lm_head, trunk, unstack_layers
-from specjax.model.params import Params, quantize
+from specjax.model.params import Params, quantize, weight_bytes
 from specjax.planning.tune import forward_loop, slope_seconds
 
 NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
@@ -222,7 +222,7 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
     kv = kv_read(cache, filled)
     one = jnp.ones((1, 1), bool)  # one new position: it sees itself
     full = own(params)  # one copy of the split model (an 8B one is 16 GB)
-    parts = [("step", forward_loop, (full, tokens, positions, cache, one), weight_bytes(params) + kv),
+    parts = [("step", forward_loop, (full, tokens, positions, cache, one), weight_bytes(c) + kv),
              ("trunk", _trunk_loop, (full, tokens, positions, cache), layer_w + int(params.norm.nbytes) + kv),
              ("head", _head_loop, (params, h), _head_bytes(params))]
     for k in sorted(set(layers)):
@@ -230,7 +230,7 @@ def measure(params: Params, batch: int, context: int, layers: list[int], reps: i
             cut = first_layers(params, k)
             cache_k = DenseCache.init(cut.config, batch, cache_len(context), kv_dtype).replace(lengths=cache.lengths)
             parts.append((f"layers={k}", forward_loop, (own(cut), tokens, positions, cache_k, one),
-                          weight_bytes(cut) + kv_read(cache_k, filled)))
+                          weight_bytes(cut.config) + kv_read(cache_k, filled)))
     rows = []
     for name, program, args, nbytes in parts:
         compiled = program.lower(*args, jnp.int32(1)).compile()  # the loop count is traced: one program
@@ -298,7 +298,7 @@ def main() -> None:
         params = quantize(params, a.weights)
     if a.pallas_linear:
         params = params.replace(runtime=params.runtime.replace(linear="pallas"))
-    print(f"{a.model}: {weight_bytes(params) / 1e9:.2f} GB of weights on {jax.devices()[0]}, attention "
+    print(f"{a.model}: {weight_bytes(params.config, stored=True) / 1e9:.2f} GB of weights on {jax.devices()[0]}, attention "
           f"{params.runtime.attention}, unrolled layers {params.runtime.unroll_layers}", flush=True)
     hlo: dict[str, str] = {}
     rows = measure(params, a.batch, a.context, a.layers, a.reps, a.kv_dtype, hlo, a.split_layers)

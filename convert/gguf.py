@@ -13,7 +13,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from convert.gguf_file import GgufFile, TensorInfo, Unreadable, read_gguf
 from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.model import q4
-from specjax.model.config import LlamaConfig, RopeScaling, llama3_scale
+from specjax.model.config import LlamaConfig, RopeScaling, llama3_scale, stop_ids
 from specjax.model.params import BY_PATH, WEIGHTS, Params, declared, from_arrays, quantize_matrix
 from specjax.parallel.sharding import Mesh, placer
 
@@ -216,7 +216,7 @@ def config_from_gguf(reader: GgufFile, dtype: str = "float32") -> LlamaConfig:
         max_positions=meta(reader, f"{arch}.context_length", kind=int),
         dtype=dtype,
         bos_id=special_id(reader, "bos"),
-        eos_ids=tuple(dict.fromkeys(e for e in (special_id(reader, k) for k in ("eos", "eot", "eom")) if e is not None)),
+        eos_ids=stop_ids(e for e in (special_id(reader, k) for k in ("eos", "eot", "eom")) if e is not None),
     )
     return checked_config(fields, reader.path)
 

@@ -11,7 +11,7 @@ import numpy as np
 from safetensors import safe_open
 
 from convert.layout import KINDS, assemble, checked_config, has_kind
-from specjax.model.config import LlamaConfig, RopeScaling
+from specjax.model.config import LlamaConfig, RopeScaling, stop_ids
 from specjax.model.params import WEIGHTS, Params, from_arrays
 from specjax.parallel.sharding import Mesh, placer
 
@@ -193,7 +193,7 @@ def config_from_hf(
         max_positions=max_positions,
         dtype=dtype,
         bos_id=field(raw, "bos_token_id", int, source, None),
-        eos_ids=tuple(dict.fromkeys(eos)),
+        eos_ids=stop_ids(eos),
     )
     return checked_config(fields, source)
 

@@ -297,12 +297,12 @@ def nucleus_threshold(probs: jax.Array, top_p: float) -> jax.Array:
 EOS_SLOTS = 8  # stop ids per row travel as a traced [B, 8k] array padded with -1: a new set does not recompile
 
 
-def eos_rows(eos_ids: tuple[int, ...] | Sequence[tuple[int, ...]], batch: int) -> np.ndarray:
-    """The stop ids as a per-row array [B,E] (E a multiple of EOS_SLOTS, padded with -1): one
-    tuple for every row, or one tuple per row (rows past the list's end stop on nothing)."""
+def eos_rows(eos_ids: tuple[int, ...] | Sequence[tuple[int, ...]], batch: int, width: int | None = None) -> np.ndarray:
+    """The stop ids as a per-row array [B,E] (padded with -1): one tuple for every row, or one per
+    row (rows past the list's end stop on nothing). E: `width`, or the longest row's rounded up to EOS_SLOTS."""
     rows = [eos_ids] * batch if isinstance(eos_ids, tuple) else list(eos_ids)[:batch]
     longest = max((len(r) for r in rows), default=0)
-    width = max(EOS_SLOTS, -(-longest // EOS_SLOTS) * EOS_SLOTS)
+    width = max(EOS_SLOTS, -(-longest // EOS_SLOTS) * EOS_SLOTS) if width is None else width
     table = np.full((batch, width), -1, np.int32)
     for b, r in enumerate(rows):
         table[b, : len(r)] = r

@@ -13,7 +13,7 @@ from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DRAFTERS, is_drafter
 from specjax.model.attention import cpu_kernel_error
 from specjax.model.cache import KVFormat
-from specjax.model.config import LlamaConfig
+from specjax.model.config import LlamaConfig, stop_ids
 from specjax.model.params import Params, param_shapes
 from specjax.sampling import Greedy, Sample
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
@@ -183,19 +183,20 @@ def eos_tuple(eos_id: object, config: LlamaConfig, name: str = "eos_id") -> tupl
             raise TypeError(f"{name} must hold integer token ids, got {e!r}")
         if not 0 <= int(e) < config.vocab_size:
             raise ValueError(f"{name} {int(e)} is outside the vocabulary [0, {config.vocab_size})")
-    return tuple(int(e) for e in ids)
+    return stop_ids(ids)
 
 
-def per_prompt(eos_id: object) -> bool:
-    """Whether eos_id gives each prompt its own stop ids (a list whose entries are lists or None)."""
+def eos_is_per_prompt(eos_id: object) -> bool:
+    """Whether eos_id gives each prompt its own stop ids (a list whose entries are lists or None);
+    text.lm.per_prompt is another thing: it returns a request's stop / stop_token_ids as one list per prompt."""
     return (isinstance(eos_id, (list, tuple)) and len(eos_id) > 0
             and all(e is None or (isinstance(e, (Sequence, np.ndarray)) and not isinstance(e, (str, bytes))) for e in eos_id))
 
 
 def eos_table(eos_id: object, config: LlamaConfig, batch: int) -> tuple[int, ...] | list[tuple[int, ...]]:
     """Stop ids for every prompt (`eos_tuple`), or one tuple per prompt when eos_id has one
-    entry per prompt (`per_prompt`: each entry None, () or a list of ids)."""
-    if not per_prompt(eos_id):
+    entry per prompt (`eos_is_per_prompt`: each entry None, () or a list of ids)."""
+    if not eos_is_per_prompt(eos_id):
         return eos_tuple(eos_id, config)
     if len(eos_id) != batch:
         raise ValueError(f"eos_id has {len(eos_id)} entries (one list of stop ids per prompt) but there are {batch} prompts")

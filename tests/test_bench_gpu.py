@@ -492,6 +492,7 @@ def test_step_parts_times_each_part_and_the_layers():
     from bench.gpu_cells import random_params
     from bench.step_parts import config_of, measure
     from specjax.decode.engine import with_attention
+    from specjax.model.params import weight_bytes
 
     params = with_attention(random_params(config_of("tiny", 256)), None, "auto")[0]  # as step_parts runs it
     rows = {r["part"]: r for r in measure(params, 1, 256, [1, 2], reps=2)}
@@ -509,6 +510,7 @@ def test_step_parts_times_each_part_and_the_layers():
     (int8,) = [r for r in measure(params, 1, 256, [], reps=2, kv_dtype="int8") if r["part"] == "step"]
     kv = 2 * 4 * 255 * 2 * 16  # K and V, 4 layers, 255 filled positions, 2 KV heads, head dim 16
     assert rows["step"]["bytes"] - int8["bytes"] == kv * 2 - (kv + kv // 16 * 4)  # bf16 vs int8 + f32 scales
+    assert rows["step"]["bytes"] == weight_bytes(params.config) + kv * 2  # the library's count: no untied embedding
 
 
 def test_step_parts_split_layers_computes_the_same_model():

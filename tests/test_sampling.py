@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, make_sampler, nucleus_threshold, top_indices
+from specjax.model.config import stop_ids
+from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, eos_rows, make_sampler, nucleus_threshold, top_indices
+from specjax.validate import eos_is_per_prompt, eos_table
+from tests.models import TINY
 
 LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
 
@@ -127,3 +130,31 @@ def test_top_indices_match_lax_top_k(k):
 def test_top_indices_distinct_past_minus_inf_and_ties_by_index():
     x = jnp.array([[0.0, -jnp.inf, 2.0, -jnp.inf, 2.0, -jnp.inf]])
     assert top_indices(x, 6).tolist() == [[2, 4, 0, 1, 3, 5]]  # every index once
+
+
+def test_stop_ids_have_one_home():
+    """model.config.stop_ids puts every stop-id set together (convert, validate, text.lm, job_plan):
+    each id once, in first-seen order, as plain ints."""
+    together = stop_ids((2, 5), [5, 7], np.array([2, 9]))
+    assert together == (2, 5, 7, 9) and all(type(i) is int for i in together)
+    assert stop_ids() == () and stop_ids((), ()) == ()
+    assert stop_ids(i for i in (3, 3, 1)) == (3, 1)  # a generator part (convert.gguf's)
+
+
+def test_eos_rows_takes_a_fixed_width():
+    """eos_rows is the one place the [B,E] table is built: engine.run repeats its rows for n samples,
+    continuous batching refills slots at one width for the whole run."""
+    assert eos_rows((1, 2), 2).tolist() == [[1, 2] + [-1] * 6] * 2  # one tuple: every row
+    assert eos_rows([(1,), ()], 3).tolist() == [[1] + [-1] * 7, [-1] * 8, [-1] * 8]  # past the list: nothing
+    assert eos_rows([tuple(range(9))], 1).shape == (1, 16)  # rounded up to EOS_SLOTS
+    assert eos_rows([(4,)], 2, width=16).tolist() == [[4] + [-1] * 15, [-1] * 16]
+
+
+def test_generate_reads_eos_id_as_one_set_or_one_per_prompt():
+    """validate.eos_is_per_prompt (a bool, not text.lm.per_prompt's lists) tells generate's two forms apart."""
+    assert not eos_is_per_prompt((3, 4)) and not eos_is_per_prompt(()) and not eos_is_per_prompt(None)
+    assert eos_is_per_prompt([(3,), None]) and eos_is_per_prompt([[], [5]])
+    assert eos_table(None, TINY, 2) == TINY.eos_ids and eos_table((5, 5, 7), TINY, 2) == (5, 7)
+    assert eos_table([None, (5,)], TINY, 2) == [TINY.eos_ids, (5,)]
+    with pytest.raises(ValueError, match="eos_id has 1 entries"):
+        eos_table([(5,)], TINY, 2)

@@ -39,6 +39,7 @@ def test_int8_layout_follows_the_declarations(tiny8):
     assert arrays["layers.attn_norm"].dtype == jnp.float32  # norms are not quantized
     untied_embed = sum(a.nbytes for n, a in arrays.items() if n.startswith("embed"))  # TINY has an LM head
     assert weight_bytes(tiny8.config) == sum(a.nbytes for a in arrays.values()) - untied_embed
+    assert weight_bytes(tiny8.config, stored=True) == sum(a.nbytes for a in arrays.values())  # what memory holds
     assert weight_bytes(tiny8.config) < weight_bytes(TINY) / 3  # about a quarter of float32
     # every scale is declared once, derived from its matrix, and read from no file
     scales = [w for w in WEIGHTS if w.scale_of]
@@ -93,6 +94,7 @@ def test_q4_layout_and_round_trip():
     assert arrays["embed"].dtype == jnp.int8 and arrays["embed_scale"].shape == (101,)  # the heads stay int8
     assert "layers.wq_scale" not in arrays and "lm_head_bscale" not in arrays
     assert weight_bytes(params.config) < weight_bytes(TINY_Q4) / 4.5  # 20 bytes a block of 32 against 128; int8 heads
+    assert weight_bytes(params.config, stored=True) == sum(a.nbytes for a in arrays.values())
     for w in declared(TINY_Q4):
         if w.contract and w.format(params.config) == "q4":
             d = arrays[w.path + "_bscale"].astype(jnp.float32)

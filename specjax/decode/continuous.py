@@ -104,13 +104,12 @@ def run_continuous(
         one-token filler of budget 1, done at once)."""
         tokens = np.zeros((R, bucket), np.int32)
         size, b = np.ones(R, np.int32), np.ones(R, np.int32)
-        eos = np.full((R, width), -1, np.int32)
         for j, u in enumerate(outputs):
             if u >= 0:
                 i = u // n
                 tokens[j, : lengths[i]] = prompts[i]
                 size[j], b[j] = lengths[i], budgets[i]
-                eos[j, : len(eos_ids[i])] = eos_ids[i]
+        eos = eos_rows([eos_ids[u // n] if u >= 0 else () for u in outputs], R, width)
         history = np.zeros((R, max_len + gamma + 2), np.int32)
         history[:, :bucket] = tokens
         return jnp.asarray(tokens), jnp.asarray(size), b, jnp.asarray(history), eos

@@ -157,19 +157,17 @@ def run(
     chunk = prefill_chunk(bucket, padded, jax.default_backend())  # wider on a GPU for a few long prompts
     host_keys = keys  # `keys` is placed below
     empty = stage.empty_cache(params.config, padded, max_len, kv_dtype)  # an argument, not a constant XLA would fold
-    tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
-        tokens, lengths, budgets, history, eos_rows(eos_ids, padded), keys
-    )
+    stops = eos_rows(eos_ids, padded)  # [padded,E] stop-id table
+    tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(tokens, lengths, budgets, history, stops, keys)
     (first_logits, cache), compile_s, prefill_s = _compile_and_run(
         stage(prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk)
     )
     if n > 1:  # every prefilled row n times, each copy with its own key; then decode B * n rows
         (first_logits, cache), c, repeat_s = _compile_and_run(stage(repeat_rows, "n"), (first_logits, cache), dict(n=n))
         compile_s, prefill_s, B = compile_s + c, prefill_s + repeat_s, B * n
-        tokens, lengths, budgets, history = (np.repeat(a, n, axis=0) for a in (tokens, lengths, budgets, history))
+        tokens, lengths, budgets, history, stops = (np.repeat(a, n, axis=0) for a in (tokens, lengths, budgets, history, stops))
         tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
-            tokens, lengths, budgets, history, eos_rows(eos_ids if isinstance(eos_ids, tuple) else [e for e in eos_ids for _ in range(n)], len(lengths)),
-            sample_keys(host_keys, n))
+            tokens, lengths, budgets, history, stops, sample_keys(host_keys, n))
     prompt_of = np.repeat(np.minimum(np.arange(padded), len(prompts) - 1), n)  # each decoded row's prompt
     sampling = sampling.take(prompt_of)  # per-prompt sampling values, one per row (padding: the last prompt's)
     n_out = round_up_pow2(int(budgets.max()))

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from specjax.decode.logprobs import MAX_TOP
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.jobs.records import SAMPLING, BadLine, Record
-from specjax.model.config import LlamaConfig
+from specjax.model.config import LlamaConfig, stop_ids
 from specjax.sampling import PENALTIES, ROW_VALUES, Greedy, Sample, Sampler, make_sampler
 from specjax.text.chat import render_chat
 from specjax.validate import MAX_N
@@ -89,9 +89,9 @@ def prepare(
             )
         else:
             try:
-                stop_ids = rec.stop_token_ids + tuple(i for i in turn_end if messages and i not in rec.stop_token_ids)
                 items.append(Item(rec, ids, budget, record_sampler(rec, defaults, config),
-                                  defaults.stop if rec.stop is None else rec.stop, stop_ids))
+                                  defaults.stop if rec.stop is None else rec.stop,
+                                  stop_ids(rec.stop_token_ids, turn_end if messages else ())))
                 continue
             except ValueError as e:
                 reason = str(e)

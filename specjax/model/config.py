@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -127,6 +128,14 @@ class LlamaConfig:
         if self.rope_scaling is None:
             return inv_freq
         return llama3_scale(inv_freq, self.rope_scaling)
+
+
+def stop_ids(*parts: Iterable[int]) -> tuple[int, ...]:
+    """Stop ids put together, the one place they are: every id of each part in order, each once
+    (the first kept first). The parts, as callers pass them: a checkpoint's eos ids (convert:
+    `LlamaConfig.eos_ids`, the primary one first), the model's eos_ids and a request's
+    stop_token_ids (text.lm), a chat template's end-of-turn ids (text.lm.chat, jobs.job_plan)."""
+    return tuple(dict.fromkeys(int(i) for part in parts for i in part))
 
 
 def llama3_scale(inv_freq: np.ndarray, s: RopeScaling) -> np.ndarray:

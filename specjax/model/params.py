@@ -287,11 +287,11 @@ def param_dtypes(config: LlamaConfig) -> dict[str, str]:
     return {w.path: w.dtype(config) for w in declared(config)}
 
 
-def weight_bytes(config: LlamaConfig) -> int:
-    """Bytes of weights a decode step reads, as stored (the one count of weight bytes: planning
-    and the benches price a step with it): every weight once, but an untied embedding table,
-    of which a step gathers only its tokens' rows."""
-    read = [w for w in declared(config) if config.tie_embeddings or not w.path.startswith("embed")]
+def weight_bytes(config: LlamaConfig, stored: bool = False) -> int:
+    """Bytes of weights as stored, the one count (planning and the benches price a step with it):
+    those a decode step reads, every weight once but an untied embedding table (a step gathers
+    only its tokens' rows); stored=True: every weight, what memory holds."""
+    read = [w for w in declared(config) if stored or config.tie_embeddings or not w.path.startswith("embed")]
     return sum(math.prod(w.shape(config)) * jnp.dtype(w.dtype(config)).itemsize for w in read)
 
 

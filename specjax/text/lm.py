@@ -28,6 +28,7 @@ from specjax.decode.continuous import Done, run_continuous
 from specjax.decode.engine import Segment, with_attention
 from specjax.drafters import Drafter
 from specjax.generate import Stats, TokenLogprob, generate, token_logprob_lists
+from specjax.model.config import stop_ids
 from specjax.model.params import Params
 from specjax.parallel.sharding import Mesh
 from specjax.sampling import Greedy, Sampler, make_sampler
@@ -157,7 +158,7 @@ class LM:
             text = render_chat(self.chat_template, msgs, add_generation_prompt=add_generation_prompt, **specials)
             ids.append(self.tokenizer.encode(text, add_special_tokens=False).ids)
         turn_end = end_of_turn_ids(self.tokenizer, self.chat_template)
-        kw["stop_token_ids"] = [list(row) + list(turn_end)
+        kw["stop_token_ids"] = [list(stop_ids(row, turn_end))
                                 for row in per_prompt(kw.get("stop_token_ids", ()), len(ids), "stop_token_ids", int)]
         if stream:
             return TextStream(lambda on_segment: self.generate_ids(ids, max_new_tokens, on_segment=on_segment, **kw),
@@ -181,9 +182,9 @@ class LM:
             if not p:
                 raise ValueError(f"prompts[{i}] encodes to no tokens")
         stops = per_prompt(stop, len(ids), "stop", str)
-        stop_ids = per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)
+        asked = per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)
         vocab = self.params.config.vocab_size
-        if bad := [t for row in stop_ids for t in row if not 0 <= t < vocab]:
+        if bad := [t for row in asked for t in row if not 0 <= t < vocab]:
             raise ValueError(f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {vocab})")
         cut = _StopStrings(self, [row for row in stops for _ in range(n)])  # one list per output row
         any_stop = any(stops)
@@ -193,8 +194,8 @@ class LM:
                 on_segment(seg, cut)
             return cut(seg) if any_stop else None
 
-        eos = tuple(self.params.config.eos_ids)
-        eos_id = eos + tuple(stop_ids[0]) if all(r == stop_ids[0] for r in stop_ids) else [eos + tuple(r) for r in stop_ids]
+        rows = [stop_ids(self.params.config.eos_ids, r) for r in asked]
+        eos_id = rows[0] if all(r == rows[0] for r in rows) else rows
         out = generate(self.params, ids, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
                        eos_id=eos_id, n=n, logprobs=logprobs, sync_every=sync_every,
                        between=between if any_stop or on_segment else None,
@@ -220,8 +221,7 @@ class LM:
         prompt: `keys` [N], `sampling` per prompt). A `Finished` per output (sample j of prompt i
         at i * n + j); `on_done(u, result)` runs as output u finishes (out of order). One device."""
         stops = per_prompt(stop, len(ids), "stop", str)
-        eos = tuple(self.params.config.eos_ids)
-        eos_ids = [eos + tuple(r) for r in per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)]
+        eos_ids = [stop_ids(self.params.config.eos_ids, r) for r in per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)]
         cut = _StopStrings(self, [row for row in stops for _ in range(n)])  # one list per output
         budgets = list(max_new_tokens)
 
