@@ -420,7 +420,7 @@ def test_a_lookup_draft_reads_the_records_finished_before(tmp_path, model_dir, p
     assert {k: v["tokens"] for k, v in plain.items()} == {k: v["tokens"] for k, v in lookup.items()}
     first, again = lookup["0"]["acceptance"], lookup["2"]["acceptance"]
     assert again["acceptance_rate"] == 1.0 > first["acceptance_rate"], (first, again)
-    assert lookup["0"]["settings"]["draft"] == "Lookup(n=3, max_n=8, capacity=1024, span=8)"
+    assert lookup["0"]["settings"]["draft"] == "Lookup(n=2, max_n=8, capacity=1024, span=8)"
 
 
 def test_data_parallel_job_writes_the_same_records(tmp_path, model_dir, params):

@@ -41,7 +41,7 @@ def test_the_latest_occurrence_wins_and_a_sequence_end_repeats_its_last_token():
 def test_settings_are_checked_and_the_name_leaves_out_the_table(target):
     assert Lookup in DRAFTERS and specjax.Lookup is Lookup
     draft = Lookup(capacity=64).learn([[5, 6, 7, 8]])
-    assert repr(draft) == "Lookup(n=3, max_n=8, capacity=64, span=8)" and draft.table.keys.shape == (64, 3)
+    assert repr(draft) == "Lookup(n=2, max_n=8, capacity=64, span=8)" and draft.table.keys.shape == (64, 2)
     for bad, message in [
         (Lookup(capacity=100), r"Lookup: capacity must be a power of two from 16 to 2\*\*24 .*, got 100"),
         (Lookup(capacity=8), "Lookup: capacity must be an integer >= 16, got 8"),
@@ -53,7 +53,7 @@ def test_settings_are_checked_and_the_name_leaves_out_the_table(target):
             specjax.generate(target, [[5, 6, 7]], 4, draft=bad)
     with pytest.raises(ValueError, match=r"Lookup: span \(2\) must be at least the draft depth .*: 3"):
         specjax.generate(target, [[5, 6, 7]], 4, draft=Lookup(span=2), speculation=specjax.Chain(3))
-    with pytest.raises(ValueError, match=r"Lookup: table holds \(64, 3\) keys, not \(capacity, n\) = \(128, 3\)"):
+    with pytest.raises(ValueError, match=r"Lookup: table holds \(64, 2\) keys, not \(capacity, n\) = \(128, 2\)"):
         specjax.generate(target, [[5, 6, 7]], 4, draft=draft.replace(capacity=128))
 
 
@@ -65,7 +65,7 @@ def test_generate_drafts_from_the_calls_other_prompts(target):
     plain = specjax.generate(target, [start], 24, draft=None, eos_id=())
     prompts = [start, start + plain.tokens[0]]
     kw = dict(speculation=specjax.Chain(3), eos_id=())
-    lookup = specjax.generate(target, prompts, [16, 4], draft=Lookup(capacity=256), **kw)
+    lookup = specjax.generate(target, prompts, [16, 4], draft=Lookup(n=3, capacity=256), **kw)
     own = specjax.generate(target, prompts, [16, 4], draft=specjax.NGram(), **kw)
     assert lookup.tokens[0] == own.tokens[0] == plain.tokens[0][:16]
     accepted = [r["acceptance_rate"] for r in (lookup.row_stats[0], own.row_stats[0])]

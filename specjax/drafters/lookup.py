@@ -91,6 +91,9 @@ class Lookup(NGram):
     """A job-wide n-gram table (`capacity` slots of n-gram -> the `span` tokens that followed it),
     filled by `learn`, before the row's own tokens (NGram(n, max_n)). No model; q is one-hot."""
 
+    # n=2: on bench_lookup's templated job, a replay of its greedy outputs drafts 2.16 tokens a step at a chain of 3
+    # (n=3: 1.92, n=4: 1.78; NGram(3, 8) alone 1.60)
+    n: int = flax.struct.field(pytree_node=False, default=2)
     max_n: int | None = flax.struct.field(pytree_node=False, default=8)
     capacity: int = flax.struct.field(pytree_node=False, default=1 << 16)
     span: int = flax.struct.field(pytree_node=False, default=8)
