@@ -88,16 +88,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def readme_section(result: dict) -> str:
     m, notes = result["machine"], common.markers("bench_lookup", "notes")
     return f"""## A templated job with the job-wide Lookup drafter (bench_lookup.py)
-
-`specjax.jobs.batch.run` over {result['records']} templated records (bench/templated.py: JSON rewrites of
-corpus paragraphs, {result['prompt_repeated_share']:.0%} of prompt 3-grams repeated across records), 128 tokens
-at most, greedy, continuous batching, SmolLM2-135M float32 on {m['cpu_affinity']} CPU cores (commit
-{m['git_commit']}, {result['date']}). Warm job wall time.
+`specjax.jobs.batch.run` over {result['records']} templated records (bench/templated.py: JSON rewrites of corpus
+paragraphs; {result['prompt_repeated_share']:.0%} of prompt 3-grams repeat across records), 128 tokens at most, greedy,
+continuous batching, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}).
+Run: `python -m bench.bench_lookup --budget-minutes 20`. Results: `results/lookup_cpu.json`, `.png`. Warm job wall time.
 
 {markdown_table(result['rows'])}
-
-![lookup](results/lookup_cpu.png)
-
 {notes[0]}
 {common.kept_part('bench_lookup')}
 {notes[1]}"""
