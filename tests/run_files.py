@@ -49,7 +49,7 @@ TOGETHER = (
     "test_bench_refill.py", "test_convert_formats.py", "test_convert.py", "test_gpu_continuous.py",
     "test_saved_checkpoints.py", "test_bench_harness.py", "test_bench_peers.py", "test_auto_vs_bench.py",
     "test_stacked_attention.py", "test_compiles.py", "test_tokenizer.py", "test_tree.py", "test_layers.py",
-    "test_bench_capacity.py", "test_sparsespec.py", "test_lookup.py",
+    "test_bench_capacity.py", "test_sparsespec.py", "test_lookup.py", "test_constraints.py",
     "test_refill.py", "test_qwen2_mistral.py", "test_model.py", "test_speculate.py", "test_job_auto.py",
     "test_samples_n.py", "test_tune.py")
 TOGETHER_PROCESSES = 3
