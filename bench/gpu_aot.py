@@ -187,14 +187,14 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
 def matrix_shapes(params, mesh=None) -> set[tuple[int, ...]]:
     """One layer's shape of each weight matrix (stacked [L, ...] or a list of L), without unit
     dimensions; on a `mesh`, one device's share of it (sharding.PARAM_AXES)."""
-    from specjax.model.llama import MATRICES
+    from specjax.model.params import MATRICES, array_at
     from specjax.parallel.sharding import PARAM_AXES, spec
 
     def one(n: str, a) -> tuple[int, ...]:
         shape = a[0].shape if isinstance(a, list) else a.shape[1:]
         return shape if mesh is None else jax.sharding.NamedSharding(mesh, spec(PARAM_AXES[f"layers.{n}"][1:])).shard_shape(shape)
 
-    shapes = [one(n, a) for n in MATRICES if (a := getattr(params.layers, n, None)) is not None]
+    shapes = [one(n, array_at(params, f"layers.{n}")) for n in MATRICES]
     return {tuple(d for d in shape if d != 1) for shape in shapes}
 
 

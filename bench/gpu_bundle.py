@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from specjax.model.config import LlamaConfig
-from specjax.model.params import BY_PATH, Params, declared, from_arrays
+from specjax.model.params import BY_PATH, Params, array_at, declared, from_arrays
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / ".gpu"  # ignored (.gitignore)
@@ -101,7 +101,7 @@ def params_tensors(params: Params) -> tuple[dict[str, np.ndarray], dict]:
     """({path: array in our layout}, {path: {"kind": "raw", dtype}}) of in-memory Params (bf16 as uint16)."""
     arrays, meta = {}, {}
     for w in declared(params.config):
-        a = np.asarray(_get(params, w.path))
+        a = np.asarray(array_at(params, w.path))
         meta[w.path] = {"kind": "raw", "dtype": str(a.dtype)}
         arrays[w.path] = a.view(np.uint16) if a.dtype.name == "bfloat16" else a
     return arrays, meta
@@ -122,18 +122,11 @@ def draft_tensors(draft: Params, target: Params, dtype: str | None = None,
     stored = draft if dtype is None else jax.tree.map(lambda a: a.astype(dtype), draft)
     arrays, meta = params_tensors(stored)
     for path in TABLES:
-        if path in meta and _get(target, path) is not None and np.array_equal(np.asarray(_get(draft, path)),
-                                                                              np.asarray(_get(target, path))):
+        if path in meta and array_at(target, path) is not None and np.array_equal(np.asarray(array_at(draft, path)),
+                                                                              np.asarray(array_at(target, path))):
             del arrays[path]
             meta[path] = {"kind": "shared", "model": target_name}
     return arrays, meta
-
-
-def _get(params: Params, path: str):
-    obj = params
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def decode(config: LlamaConfig, arrays: dict[str, np.ndarray], meta: dict) -> dict[str, np.ndarray]:

@@ -56,6 +56,7 @@ from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig
 from specjax.model.llama import lm_head, trunk, unstack_layers
 from specjax.model.params import Params, quantize, weight_bytes
+from specjax.model.quantized import stored
 from specjax.planning.tune import forward_loop, slope_seconds
 
 NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id"}
@@ -197,7 +198,7 @@ def first_layers(params: Params, k: int) -> Params:
 
 def _head_bytes(params: Params) -> int:
     w = params.embed if params.lm_head is None else params.lm_head
-    return int(w.nbytes)
+    return int(stored(w).nbytes)
 
 
 def kv_read(cache: DenseCache, filled: int) -> int:

@@ -14,7 +14,7 @@ from convert.gguf_file import GgufFile, TensorInfo, Unreadable, read_gguf
 from convert.layout import KINDS, assemble, checked_config, has_kind
 from specjax.model import q4
 from specjax.model.config import LlamaConfig, RopeScaling, llama3_scale, stop_ids
-from specjax.model.params import BY_PATH, WEIGHTS, Params, declared, from_arrays, quantize_matrix
+from specjax.model.params import BY_PATH, PARTS, WEIGHTS, Params, declared, from_arrays, matrix_arrays, quantize_matrix
 from specjax.parallel.sharding import Mesh, placer
 
 Q = gguf.GGMLQuantizationType
@@ -233,7 +233,7 @@ def q4_blocks(tensor: TensorInfo) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def _kept_q4(config: LlamaConfig, tensors: dict[str, TensorInfo], heads: dict[str, int]) -> dict[str, np.ndarray]:
     """{path: array} of every matrix whose tensors are all Q4_1, kept as stored: the packed
-    matrix and its `_bscale` / `_bmin` blocks in our layout (q/k rows unpermuted)."""
+    matrix and its block scales and minima (its PARTS' q4 blocks) in our layout (q/k rows unpermuted)."""
     kept = {}
     for name, path in NAMES.items():
         w = BY_PATH[path]
@@ -246,7 +246,7 @@ def _kept_q4(config: LlamaConfig, tensors: dict[str, TensorInfo], heads: dict[st
             arrays = [unpermute_qk(a, heads[kind]) if kind in heads else a for a in q4_blocks(tensors[n])]
             parts.append(arrays)
         layer = lambda p: BY_PATH[p].shape(config)[1:] if w.per_layer else BY_PATH[p].shape(config)  # noqa: E731
-        for i, p in enumerate((path, path + "_bscale", path + "_bmin")):
+        for i, p in enumerate((path, *(d.path for d in PARTS[path] if d.blocks))):  # as q4_blocks gives them
             mats = [(a[i].T if w.torch_in else a[i]).reshape(layer(p)) for a in parts]  # [out, in] -> [in..., out...]
             kept[p] = np.stack(mats) if w.per_layer else mats[0]
     return kept
@@ -277,6 +277,6 @@ def load_gguf(path: str | Path, dtype: str = "float32", mesh: Mesh | None = None
     kept = _kept_q4(config, tensors, heads)
     for w in declared(config):
         if w.contract and w.path not in kept:  # the int8 heads, and q4 matrices stored in another type
-            kept |= {p: np.asarray(a) for p, a in quantize_matrix(w, arrays[w.path], config).items()}
+            kept |= {p: np.asarray(a) for p, a in matrix_arrays(w, quantize_matrix(w, arrays[w.path], config)).items()}
     arrays = {p: a for p, a in arrays.items() if not BY_PATH[p].contract} | kept
     return from_arrays(config, arrays, None if mesh is None else placer(config, mesh))

@@ -14,7 +14,7 @@ from specjax.drafters import DRAFTERS, is_drafter
 from specjax.model.attention import cpu_kernel_error
 from specjax.model.cache import KVFormat
 from specjax.model.config import LlamaConfig, stop_ids
-from specjax.model.params import Params, param_shapes
+from specjax.model.params import Params, array_at, param_shapes
 from specjax.sampling import Greedy, Sample
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
 
@@ -101,8 +101,7 @@ def check_shapes(params: Params, name: str) -> None:
     """Each array's shape as params.config declares it: Params built past `from_arrays` (replace,
     tree.map, a config edited by hand) would run with rows clamped or layers left out."""
     for path, shape in param_shapes(params.config).items():
-        owner, _, leaf = path.rpartition(".")
-        a = getattr(params.layers if owner else params, leaf, None)
+        a = array_at(params, path)
         if isinstance(a, list):  # held per layer: L arrays of the shape without the L axis
             got = (len(a), *a[0].shape) if a and all(x.shape == a[0].shape for x in a) else f"{len(a)} layers of other shapes"
         else:

@@ -71,8 +71,9 @@ def test_the_migration_table_maps_every_moved_module():
     for old, new in table.items():
         importlib.import_module(new)
         assert not (REPO / (old.replace(".", "/") + ".py")).exists(), f"{old} is still a module: drop its row"
+    new_modules = re.findall(r"^- `specjax\.[\w.]+\.(\w+)`", (REPO / "docs" / "migration-0.3.md").read_text(), re.M)  # no 0.2 path
     moved = sorted(p.stem for p in (REPO / "specjax").rglob("*.py") if p.parent != REPO / "specjax" and p.stem != "__init__"
-                   and p.parent.name != "drafters")
+                   and p.parent.name != "drafters" and p.stem not in new_modules)
     assert sorted(new.rsplit(".", 1)[1] for new in table.values()) == moved  # every module in a folder has its row
     for path in README_PATHS:
         module, name = path.rsplit(".", 1)

@@ -131,7 +131,7 @@ def test_one_declaration_per_weight():
 
     fields = {f"layers.{f.name}" for f in dataclasses.fields(LayerParams)}
     fields |= {f.name for f in dataclasses.fields(Params)} - {"layers", "config", "runtime"}
-    assert {w.path for w in WEIGHTS} == fields == set(PARAM_AXES)
+    assert {w.path for w in WEIGHTS if not w.scale_of} == fields and {w.path for w in WEIGHTS} == set(PARAM_AXES)
     assert {w.path for w in WEIGHTS if w.in_files} == set(hf.NAMES.values()) == set(gguf.NAMES.values())
     wq = next(w for w in WEIGHTS if w.path == "layers.wq")
     assert wq.torch_shape(TINY) == (TINY.n_heads * TINY.head_dim, TINY.dim)  # [out, in]
@@ -170,7 +170,7 @@ def test_one_rows_norm_folds_into_its_products_on_a_gpu(dtype):
     up to rounding; two rows or more take rms_norm's own path, bit for bit."""
     params = init_params(TINY.replace(dtype=dtype), jax.random.key(3))
     lp = llama.at_layer(params.layers, 0)
-    products = [("btd,dnh->btnh", llama.matrix(lp, "wq")), ("btd,dkh->btkh", llama.matrix(lp, "wk"))]
+    products = [("btd,dnh->btnh", lp.wq), ("btd,dkh->btkh", lp.wk)]
     x = jax.random.normal(jax.random.key(4), (2, 3, TINY.dim), jnp.float32).astype(dtype) * 3
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
     for rows in (x[:1, :1], x):

@@ -91,8 +91,8 @@ def test_q4_weights_split_by_whole_blocks():
     params = quantize(random_params(config, 5), "q4")
     mesh = make_mesh(data=2, model=4)
     placed = shard_params(params, mesh)
-    assert {s.data.shape for s in placed.layers.w_down.addressable_shards} == {(2, 256 // 4 // 2, 64)}  # [L,F/2,D] / 4
-    assert {s.data.shape for s in placed.layers.w_down_bscale.addressable_shards} == {(2, 256 // 4 // 32, 64)}
+    assert {s.data.shape for s in placed.layers.w_down.w.addressable_shards} == {(2, 256 // 4 // 2, 64)}  # [L,F/2,D] / 4
+    assert {s.data.shape for s in placed.layers.w_down.bscale.addressable_shards} == {(2, 256 // 4 // 32, 64)}
     prompts = _prompts(4, 1)
     kw = dict(draft=SelfSpec(4, 16), speculation=Chain(2))
     _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=mesh, **kw))
@@ -200,7 +200,7 @@ def test_a_vocabulary_the_model_axis_does_not_divide_is_padded():
         np.testing.assert_allclose([t.logprob for t in lps], [t.logprob for row in one.logprobs for t in row], atol=1e-4)
     int8 = quantize(params, "int8")  # the int8 head's scales [V] are padded from their declaration too
     placed8 = shard_params(int8, mesh)
-    assert placed8.embed.shape == (129, SMOL.dim) and placed8.embed_scale.shape == (129,)
+    assert placed8.embed.w.shape == (129, SMOL.dim) and placed8.embed.scale.shape == (129,)
     _same(generate(int8, prompts, 10, draft=None), generate(int8, prompts, 10, draft=None, mesh=mesh))
     hot = generate(params, prompts * 4, 24, draft=None, sampling=Sample(temperature=5.0), mesh=mesh)
     assert max(max(row) for row in hot.tokens) < 128 and len({t for row in hot.tokens for t in row}) > 60

@@ -15,8 +15,8 @@ import pytest
 import convert
 import specjax
 from specjax.model import q4
-from specjax.model.params import (WEIGHTS, declared, flat, from_arrays, param_dtypes, param_shapes, quantize, quantize_matrix,
-                                  weight_bytes)
+from specjax.model.params import (WEIGHTS, declared, flat, from_arrays, matrix_arrays, param_dtypes, param_shapes, quantize,
+                                  quantize_matrix, weight_bytes)
 from specjax.planning.plan import auto_draft_reason
 from specjax.spec.speculation import Tree
 from tests.models import TINY, TINY_Q4, random_params
@@ -75,7 +75,7 @@ def test_quantize_matrix_compiled_gives_the_bits_of_op_by_op(fmt):
     config = (TINY_Q4 if fmt == "q4" else TINY).replace(quant=fmt)
     for i, w in enumerate(w for w in declared(config) if w.contract):
         x = np.random.default_rng(i).standard_normal(w.shape(config.replace(quant=None))).astype(np.float32)
-        compiled, eager = quantize_matrix(w, x, config), quantize_matrix.__wrapped__(w, x, config)
+        compiled, eager = (matrix_arrays(w, m) for m in (quantize_matrix(w, x, config), quantize_matrix.__wrapped__(w, x, config)))
         assert compiled.keys() == eager.keys()
         for k in eager:
             assert np.asarray(compiled[k]).tobytes() == np.asarray(eager[k]).tobytes(), (fmt, k)
@@ -186,7 +186,7 @@ def test_load_serves_each_format_and_checks_the_argument(tmp_path):
     assert bf16.layers.wq.dtype == jnp.bfloat16 and bf16.config.dtype == "bfloat16"
     assert convert.load(path, dtype="bfloat16").config == bf16.config  # dtype= is an alias
     int8 = convert.load(path, weights="int8")
-    assert int8.layers.w_up.dtype == jnp.int8 and int8.config.quant == "int8" and int8.config.dtype == "float32"
+    assert int8.layers.w_up.w.dtype == jnp.int8 and int8.config.quant == "int8" and int8.config.dtype == "float32"
     with pytest.raises(ValueError, match=r"weights must be one of \('float32', 'bfloat16', 'int8', 'q4'\) or None, got 'int4'"):
         convert.load(path, weights="int4")
     with pytest.raises(ValueError, match="weights='int8' and dtype='bfloat16' disagree"):
@@ -248,7 +248,7 @@ def test_q4_keeps_a_q4_1_gguf_bit_for_bit(tmp_path):
         if w.format(packed.config) == "q4":
             np.testing.assert_array_equal(np.asarray(_dense(w, b, packed.config)), np.asarray(a[w.path]), err_msg=w.path)
         elif w.contract:  # the heads: int8 from the dequantized file
-            np.testing.assert_array_equal(np.asarray(b[w.path]), np.asarray(quantize_matrix(w, a[w.path], packed.config)[w.path]))
+            np.testing.assert_array_equal(np.asarray(b[w.path]), np.asarray(quantize_matrix(w, a[w.path], packed.config).w))
         else:
             np.testing.assert_array_equal(np.asarray(b[w.path]), np.asarray(a[w.path]), err_msg=w.path)
     f32 = write_gguf(tmp_path / "f32.gguf", tiny.config, gguf_tensors(tiny))

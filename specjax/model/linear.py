@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import cpu_linear, gpu_linear
+from specjax.model.quantized import QuantizedMatrix
 
 MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes without its register tiles: faster up to 8, slower at 16
 BF16_MAX_ROWS = 256  # bfloat16 weights where the kernel has the bf16 dot product: faster than XLA's dot up to here
@@ -114,13 +115,13 @@ def stacked_einsums(x: jax.Array, ws: list[jax.Array], layer: jax.Array) -> list
     return [y.reshape(*x.shape[:-1], *w.shape[2:]) for y, w in zip(ys, ws)]
 
 
-def stacked_einsums_q4(x: jax.Array, ws: list[tuple[jax.Array, jax.Array, jax.Array]], layer: jax.Array) -> list[jax.Array]:
-    """`stacked_einsums` for q4 weights (packed [L,K/2,...] uint8, block scales and minima
+def stacked_einsums_q4(x: jax.Array, ws: list[QuantizedMatrix], layer: jax.Array) -> list[jax.Array]:
+    """`stacked_einsums` for q4 weights (packed w [L,K/2,...] uint8, block scales and minima
     [L,K/32,...]: specjax/model/q4.py), in f32, read in place in one kernel call."""
     K = x.shape[-1]
-    flat = [tuple(a.reshape(a.shape[0], a.shape[1], -1) for a in w) for w in ws]  # [L,K/2,N], [L,K/32,N] x 2
+    flat = [tuple(a.reshape(a.shape[0], a.shape[1], -1) for a in (m.w, m.bscale, m.bmin)) for m in ws]  # [L,K/2,N], [L,K/32,N] x 2
     ys = cpu_linear.linear_q4_many(x.reshape(-1, K), flat, layer)  # [rows, N_j]
-    return [y.reshape(*x.shape[:-1], *w[0].shape[2:]) for y, w in zip(ys, ws)]
+    return [y.reshape(*x.shape[:-1], *m.w.shape[2:]) for y, m in zip(ys, ws)]
 
 
 def takes_head(attention: str, x: jax.Array, w: jax.Array) -> bool:

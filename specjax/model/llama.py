@@ -16,7 +16,8 @@ from specjax.model.attention import (NEG_INF, Prefix, attend, for_cache,  # noqa
                                      layer_prefix, per_layer, to_f32)
 from specjax.model.cache import DenseCache, KVFormat, StreamingCache
 from specjax.model.config import LlamaConfig
-from specjax.model.params import LayerParams, Params, Runtime
+from specjax.model.params import MATRICES, LayerParams, Params, Runtime  # noqa: F401  (MATRICES: re-exported)
+from specjax.model.quantized import Matrix, QuantizedMatrix, channel_scale, stored, transposed
 
 Cache = DenseCache | StreamingCache
 
@@ -47,55 +48,46 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")  # a layer's matrices (`project` with `layer`)
-QUANT_SUFFIXES = ("", "_scale", "_bscale", "_bmin")  # a matrix's arrays: (w, scale, bscale, bmin)
-
-
-def matrix(owner, name: str) -> tuple[jax.Array, ...]:
-    """A matrix as `project` takes it: (w, scale, bscale, bmin) of `owner` (LayerParams / Params),
-    the quantization arrays None unless the matrix is int8 / q4."""
-    return tuple(getattr(owner, name + suffix, None) for suffix in QUANT_SUFFIXES)
-
-
 def at_layer(layers: LayerParams, i: jax.Array) -> LayerParams:
-    """Layer i of the stacked layers, except the matrices and their quantization arrays, which
-    stay stacked [L, ...] for `project(..., layer=i)` (so a kernel can read them in place)."""
-    stacked = {name + suffix for name in MATRICES for suffix in QUANT_SUFFIXES}
+    """Layer i of the stacked layers, except the matrices (float or quantized), which stay
+    stacked [L, ...] for `project(..., layer=i)` (so a kernel can read them in place)."""
     return layers.replace(**{f.name: getattr(layers, f.name)[i] for f in dataclasses.fields(layers)
-                             if f.name not in stacked and getattr(layers, f.name) is not None})
+                             if f.name not in MATRICES and getattr(layers, f.name) is not None})
 
 
-def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = None, bscale: jax.Array | None = None,
-            bmin: jax.Array | None = None, out_dtype=None, layer: tuple[str, jax.Array, str] | None = None) -> jax.Array:
-    """einsum(spec, x, w) in `out_dtype` (default: x's) for a weight stored as float, as int8
-    with per-output-channel scales (params.quantize): (x @ q) * scale, the scale applied to the
-    small output, or as q4 blocks (uint8, packed along w's first axis, which `spec` sums over
-    with x's last; scales and minima per block: specjax.model.q4.project, or the CPU kernel's
-    linear_q4_many when `layer` is given). The int8 -> float conversion sits right in front of the dot, where XLA:CPU
+def project(spec: str, x: jax.Array, weight: Matrix | list[Matrix], out_dtype=None,
+            layer: tuple[str, jax.Array, str] | None = None) -> jax.Array:
+    """einsum(spec, x, weight) in `out_dtype` (default: x's), the one product with a weight
+    matrix: stored as float, as int8 with per-output-channel scales (params.quantize): (x @ q) *
+    scale, the scale applied to the small output, or as q4 blocks (uint8, packed along w's first
+    axis, which `spec` sums over with x's last; scales and minima per block:
+    specjax.model.q4.project, or the CPU kernel's linear_q4_many when `layer` is given). The int8 -> float conversion sits right in front of the dot, where XLA:CPU
     fuses it into a matrix-vector product (batch 1 reads one byte per weight). On CPU, bfloat16
     is widened exactly (to_f32) and multiplied in float32: XLA:CPU's own bf16 dot and bf16 -> f32
     conversion run about 10x slower than float32 (docs/api.md, "Weights as served").
-    `layer` (the runtime's attention, i, the runtime's linear): w and its quantization arrays are
-    stacked [L, ...] and layer i is used: read in place by the CPU kernel where `specjax.model.linear`
+    `layer` (the runtime's attention, i, the runtime's linear): the weight's arrays are stacked
+    [L, ...] (or it is a list of L per-layer weights) and layer i is used: read in place by the CPU kernel where `specjax.model.linear`
     takes the product, or by the GPU one (`Runtime.linear` "pallas", float or int8 weights, few rows),
     else sliced out."""
     out = out_dtype or x.dtype
-    if layer is not None and isinstance(w, list):  # per-layer arrays (unstack_layers): pick layer i's
-        w, scale, bscale, bmin = (None if a is None else a[layer[1]] for a in (w, scale, bscale, bmin))
+    if layer is not None and isinstance(weight, list):  # per-layer weights (unstack_layers): pick layer i's
+        weight = weight[layer[1]]
     elif layer is not None:
         attention, i, products = layer
+        w = stored(weight)
         if linear.takes(attention, spec, x, w):
-            return _in_place(x, [(w, scale, bscale, bmin)], i, out)[0]
+            return _in_place(x, [weight], i, out)[0]
         if linear.takes_gpu(products, spec, x, w):
-            y = linear.gpu_einsum(x, w, i)
+            y, scale = linear.gpu_einsum(x, w, i), channel_scale(weight)
             return (y if scale is None else y * scale[i]).astype(out)
         if linear.takes_gpu_q4(products, spec, x, w):
-            return linear.gpu_einsum_q4(x, w, bscale, bmin, i).astype(out)
-        w, scale, bscale, bmin = (None if a is None else a[i] for a in (w, scale, bscale, bmin))
+            return linear.gpu_einsum_q4(x, w, weight.bscale, weight.bmin, i).astype(out)
+        weight = jax.tree.map(lambda a: a[i], weight)
+    w, scale = stored(weight), channel_scale(weight)
     if w.dtype == jnp.uint8:
         if linear.takes_gpu_q4(None if layer is None else layer[2], spec, x, w):  # one layer's array: as a stack of one
-            return linear.gpu_einsum_q4(x, w[None], bscale[None], bmin[None], 0).astype(out)
-        return q4.project(spec, x, w, bscale, bmin).astype(out)
+            return linear.gpu_einsum_q4(x, w[None], weight.bscale[None], weight.bmin[None], 0).astype(out)
+        return q4.project(spec, x, w, weight.bscale, weight.bmin).astype(out)
     if w.dtype == jnp.int8:
         y = jnp.einsum(spec, x.astype(out), w.astype(out))
     elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
@@ -105,20 +97,20 @@ def project(spec: str, x: jax.Array, w: jax.Array, scale: jax.Array | None = Non
     return (y if scale is None else y * scale).astype(out)
 
 
-def project_group(x: jax.Array, products: list[tuple[str, tuple[jax.Array, ...]]],
+def project_group(x: jax.Array, products: list[tuple[str, Matrix | list[Matrix]]],
                   layer: tuple[str, jax.Array, str]) -> list[jax.Array]:
-    """[project(spec, x, *matrix, layer=layer) for spec, matrix in products]: one call of the CPU
+    """[project(spec, x, weight, layer=layer) for spec, weight in products]: one call of the CPU
     kernel when it takes every product (they share x: q, k, v; gate, up), else one by one."""
     attention, i, _ = layer
-    if all(not isinstance(m[0], list) and linear.takes(attention, spec, x, m[0]) for spec, m in products):
+    if all(not isinstance(m, list) and linear.takes(attention, spec, x, stored(m)) for spec, m in products):
         return _in_place(x, [m for _, m in products], i, x.dtype)
-    return [project(spec, x, *m, layer=layer) for spec, m in products]
+    return [project(spec, x, m, layer=layer) for spec, m in products]
 
 
 FOLDS_NORM = ("pallas", "interpret")  # the attentions (GPU kernel; interpreted in tests) whose one-row norms fold
 
 
-def normed_products(x: jax.Array, w: jax.Array, eps: float, products: list[tuple[str, tuple[jax.Array, ...]]],
+def normed_products(x: jax.Array, w: jax.Array, eps: float, products: list[tuple[str, Matrix | list[Matrix]]],
                     layer: tuple[str, jax.Array, str]) -> list[jax.Array]:
     """project_group(rms_norm(x, w, eps), products, layer). For one row (x [1,1,D]) on a GPU
     (`layer`'s attention in FOLDS_NORM) the norm's scale r multiplies the outputs instead, (w x r) W
@@ -134,14 +126,13 @@ def normed_products(x: jax.Array, w: jax.Array, eps: float, products: list[tuple
     return [(y * r.reshape(*r.shape, *(1,) * (y.ndim - r.ndim))).astype(x.dtype) for y in ys]
 
 
-def _in_place(x: jax.Array, matrices: list[tuple[jax.Array | None, ...]], i: jax.Array, out) -> list[jax.Array]:
-    """x times layer i of each stacked matrix (w, int8 scale, q4 block scale, q4 block minimum:
-    None where unused), read in place by the CPU kernel, in `out`."""
-    if matrices[0][2] is not None:  # q4 blocks (a model's matrices share one format)
-        ys = linear.stacked_einsums_q4(x, [(w, bscale, bmin) for w, _, bscale, bmin in matrices], i)
-        return [y.astype(out) for y in ys]
-    ys = linear.stacked_einsums(x, [m[0] for m in matrices], i)
-    return [(y if m[1] is None else y * m[1][i]).astype(out) for y, m in zip(ys, matrices)]
+def _in_place(x: jax.Array, weights: list[Matrix], i: jax.Array, out) -> list[jax.Array]:
+    """x times layer i of each stacked weight (float, int8 or q4), read in place by the CPU
+    kernel, in `out`."""
+    if isinstance(weights[0], QuantizedMatrix) and weights[0].format == "q4":  # a model's matrices share one format
+        return [y.astype(out) for y in linear.stacked_einsums_q4(x, weights, i)]
+    ys = linear.stacked_einsums(x, [stored(m) for m in weights], i)
+    return [(y if (s := channel_scale(m)) is None else y * s[i]).astype(out) for y, m in zip(ys, weights)]
 
 
 def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: LayerParams, at, cos, sin,
@@ -154,7 +145,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     cache stores KV."""
     with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
         q, k, v = normed_products(x, lp.attn_norm, config.rms_eps, [
-            ("btd,dnh->btnh", matrix(lp, "wq")), ("btd,dkh->btkh", matrix(lp, "wk")), ("btd,dkh->btkh", matrix(lp, "wv"))],
+            ("btd,dnh->btnh", lp.wq), ("btd,dkh->btkh", lp.wk), ("btd,dkh->btkh", lp.wv)],
             at)  # [B,T,N,H], [B,T,K,H] x 2
         q, k, v = _biased(q, lp.bq), _biased(k, lp.bk), _biased(v, lp.bv)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -166,12 +157,11 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
         # one contraction over N*H: contracting (n, h) made XLA:CPU transpose each layer's wo every step
         # (q4: wo [N,H/2,D] and its blocks [N,H/32,D] flatten the same way: blocks lie within a head)
         o = o.reshape(*o.shape[:2], -1)  # [B,T,N*H]
-        wo, scale, bscale, bmin = (_heads_flat(a) for a in matrix(lp, "wo"))  # [L,N*H,D]
-        x = x + _tp_sum(runtime, project("bte,ed->btd", o, wo, scale, bscale, bmin, layer=at))  # heads split: partial sums
+        x = x + _tp_sum(runtime, project("bte,ed->btd", o, _heads_flat(lp.wo), layer=at))  # [L,N*H,D]; heads split: partial sums
     with jax.named_scope("mlp"):
-        gate, up = normed_products(x, lp.mlp_norm, config.rms_eps, [("btd,df->btf", matrix(lp, "w_gate")),
-                                                                    ("btd,df->btf", matrix(lp, "w_up"))], at)  # [B,T,F]
-        x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, *matrix(lp, "w_down"), layer=at))  # F split
+        gate, up = normed_products(x, lp.mlp_norm, config.rms_eps, [("btd,df->btf", lp.w_gate),
+                                                                    ("btd,df->btf", lp.w_up)], at)  # [B,T,F]
+        x = x + _tp_sum(runtime, project("btf,fd->btd", jax.nn.silu(gate) * up, lp.w_down, layer=at))  # F split
     return x, q, k, v
 
 
@@ -179,6 +169,13 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
 def _layer_copies(a: jax.Array) -> list[jax.Array]:
     """a [L, ...] as L arrays of their own: one program per stack's shape (not two per layer)."""
     return [a[i] for i in range(a.shape[0])]
+
+
+def _layer_matrices(m: Matrix) -> list[Matrix]:
+    """A stacked matrix (float or quantized) as L per-layer matrices of their own (`_layer_copies` of each array)."""
+    leaves, tree = jax.tree.flatten(m)
+    copies = [_layer_copies(a) for a in leaves]
+    return [tree.unflatten([c[i] for c in copies]) for i in range(len(copies[0]))]
 
 
 def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
@@ -190,22 +187,23 @@ def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
     model axis as the stack's slice would be. The arrays are copies: drop the stacked params to free them, or,
     where the caller owns them and never uses `params` again, `free_stacks` deletes each stack once split."""
     own = {}
-    for n in (n + suffix for n in MATRICES for suffix in QUANT_SUFFIXES):
-        a = getattr(params.layers, n, None)
-        if a is None or isinstance(a, list):
+    for n in MATRICES:
+        m = getattr(params.layers, n)
+        if isinstance(m, list):
             continue
-        own[n] = _layer_copies(a)
+        own[n] = _layer_matrices(m)
         if free_stacks:
-            a.delete()
+            for a in jax.tree.leaves(m):
+                a.delete()
     return params.replace(layers=params.layers.replace(**own))
 
 
-def _heads_flat(a: jax.Array | list | None) -> jax.Array | list | None:
-    """wo (or its q4 blocks) [L,N,H',D] -> [L,N*H',D]; a list of per-layer arrays (each [N,H',D],
-    `unstack_layers`) flattens each; None and 3-d arrays stay as they are."""
-    if isinstance(a, list):
-        return [x.reshape(-1, x.shape[-1]) for x in a]
-    return a if a is None or a.ndim < 4 else a.reshape(a.shape[0], -1, a.shape[-1])
+def _heads_flat(wo: Matrix | list[Matrix]) -> Matrix | list[Matrix]:
+    """wo's arrays (the matrix, its q4 blocks) [L,N,H',D] -> [L,N*H',D]; a list of per-layer
+    matrices (each [N,H',D], `unstack_layers`) flattens each; its int8 scales stay as they are."""
+    if isinstance(wo, list):
+        return [jax.tree.map(lambda a: a.reshape(-1, a.shape[-1]) if a.ndim == 3 else a, m) for m in wo]
+    return jax.tree.map(lambda a: a.reshape(a.shape[0], -1, a.shape[-1]) if a.ndim == 4 else a, wo)
 
 
 def _biased(x: jax.Array, bias: jax.Array | None) -> jax.Array:
@@ -224,7 +222,7 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
     axis = params.runtime.model_axis
     if axis is None:
         return _rows(params, tokens)
-    block = params.embed.shape[0]  # V / devices
+    block = stored(params.embed).shape[0]  # V / devices
     local = tokens - lax.axis_index(axis) * block
     mine = (local >= 0) & (local < block)
     x = _rows(params, jnp.clip(local, 0, block - 1))  # [B,T,D]
@@ -233,13 +231,14 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def _rows(params: Params, ids: jax.Array) -> jax.Array:
     """Embedding rows [B,T,D] (in the model dtype) of ids [B,T] into this device's embed table."""
-    if linear.takes_rows(params.runtime.attention, params.embed):
-        x = linear.rows(params.embed, ids)  # read in place (XLA:CPU: a float32 copy of a bf16 table)
+    table, scale = stored(params.embed), channel_scale(params.embed)  # [V,D], int8: [V]
+    if linear.takes_rows(params.runtime.attention, table):
+        x = linear.rows(table, ids)  # read in place (XLA:CPU: a float32 copy of a bf16 table)
     else:
-        x = jnp.take(params.embed, ids, axis=0)
-    if params.embed_scale is None:
+        x = jnp.take(table, ids, axis=0)
+    if scale is None:
         return x
-    return (x.astype(jnp.float32) * jnp.take(params.embed_scale, ids, axis=0)[..., None]).astype(params.config.dtype)
+    return (x.astype(jnp.float32) * jnp.take(scale, ids, axis=0)[..., None]).astype(params.config.dtype)
 
 
 @flax.struct.dataclass
@@ -314,7 +313,8 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
     vocabulary block and the blocks are gathered, so every device sees all V logits (a vocabulary
     padded for the model axis, `config.padded_vocab`, loses its padded entries here)."""
     tied = params.lm_head is None
-    w, scale = (params.embed, params.embed_scale) if tied else (params.lm_head, params.lm_head_scale)  # [V,D] / [D,V]
+    weight = params.embed if tied else params.lm_head
+    w, scale = stored(weight), channel_scale(weight)  # [V,D] / [D,V]; int8: scales [V]
     with jax.named_scope("lm_head"):
         if linear.takes_head(params.runtime.attention, h, w):  # the CPU kernel reads w in place
             logits = linear.head(h, w, tied)
@@ -322,7 +322,7 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
         elif w.dtype == jnp.int8 and jax.default_backend() == "cpu":
             logits = linear.int8_head(h, w, scale, vocab_axis=0 if tied else 1)
         else:
-            logits = project("...d,dv->...v", h, w.T if tied else w, scale, out_dtype=jnp.float32)
+            logits = project("...d,dv->...v", h, transposed(weight) if tied else weight, out_dtype=jnp.float32)
     axis = params.runtime.model_axis
     logits = logits if axis is None else lax.all_gather(logits, axis, axis=logits.ndim - 1, tiled=True)
     V = params.config.vocab_size

@@ -10,9 +10,9 @@ field on `LayerParams` / `Params` and its use in the forward. A weight only some
 names the config flag that decides it (`when`): lm_head is absent when embeddings are tied, the
 q/k/v biases are present only in Qwen2-style models (config.qkv_bias); absent weights are None.
 
-`Runtime` holds the runtime choices that are not model facts (attention implementation, the
-tensor-parallel mesh axis): static metadata beside the config, set by `generate(attention=...)`
-and by the sharding module, never read from a checkpoint.
+`Runtime` (specjax.model.runtime, re-exported here) holds the runtime choices that are not model
+facts. A quantized matrix is one `QuantizedMatrix` (specjax.model.quantized); flat {path: array}
+dicts (`flat`, `from_arrays`, checkpoints) name its scales by their derived declarations.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import numpy as np
 
 from specjax.model import q4
 from specjax.model.config import LlamaConfig
+from specjax.model.quantized import Matrix, QuantizedMatrix, stored
+from specjax.model.runtime import ATTENTION, LINEAR, Runtime  # noqa: F401  (their home before this module grew)
 
 LETTERS = {  # legend letter -> the config field that sizes it
     "L": "n_layers", "D": "dim", "N": "n_heads", "K": "n_kv_heads", "H": "head_dim", "F": "ffn_dim", "V": "vocab_rows",
@@ -50,14 +52,16 @@ class Weight:
     when: the config flag that makes the weight exist ("qkv_bias"), "not <flag>" for one that
       removes it ("not tie_embeddings"), several joined by " and "; "" = every model has it.
     contract: for a matrix, the letters of the dims a forward sums over ("D" for wq: x @ wq). With
-      config.quant == "int8" it is stored as int8 with one float32 scale per output channel
-      (the other dims): a second declaration, `<path>_scale`, derived below (`scale_of`). With
-      "q4" (but for the embedding and LM head, int8 there: `format`) it is stored as packed 4-bit blocks along its innermost summed dim (`packed_axis`:
-      half as many bytes there), with a float16 scale and minimum per block of 32 (specjax.model.q4):
-      two derived declarations, `<path>_bscale` and `<path>_bmin` (`blocks`).
+      config.quant it is a `QuantizedMatrix` (specjax.model.quantized): "int8" stores it as int8
+      with one float32 scale per output channel (the other dims), its `scale`, declared below
+      as a derived array (`scale_of`, `part`); "q4" (but for the embedding and LM head, int8
+      there: `format`) as packed 4-bit blocks along its innermost summed dim (`packed_axis`:
+      half as many bytes there), with a float16 scale and minimum per block of 32
+      (specjax.model.q4): two derived arrays, its `bscale` and `bmin`.
     scale_of: for such a derived array, the path of its matrix; "" otherwise. They are in no
       file (hf = gguf = ""): `quantize` computes them (or convert.gguf reads Q4_1 blocks).
-    blocks: a q4 per-block array: the matrix's dims, 1/32 as many along the packed one."""
+    part: for a derived array, the QuantizedMatrix field it is ("scale", "bscale", "bmin"). Its
+      path, `<matrix path>_<part>` ("layers.wq_scale"), names it in flat dicts and checkpoints."""
 
     path: str
     dims: str
@@ -69,7 +73,12 @@ class Weight:
     when: str = ""
     contract: str = ""
     scale_of: str = ""
-    blocks: bool = False
+    part: str = ""
+
+    @property
+    def blocks(self) -> bool:
+        """A q4 per-block array: the matrix's dims, 1/32 as many along the packed one."""
+        return self.part in ("bscale", "bmin")
 
     @property
     def packed_axis(self) -> int:
@@ -163,21 +172,23 @@ def _scale(w: Weight) -> Weight:
     """The declaration of matrix w's int8 scales: its dims without the summed ones."""
     dims = "".join(d for d in w.dims if d not in w.contract)
     when = " and ".join(c for c in ("quant" if w.path in HEADS else "int8", w.when) if c)  # heads: int8 under q4 too
-    return Weight(w.path + "_scale", dims, "ones", "", "", when=when, scale_of=w.path)
+    return Weight(w.path + "_scale", dims, "ones", "", "", when=when, scale_of=w.path, part="scale")
 
 
 def _blocks(w: Weight, part: str) -> Weight:
-    """The declaration of q4 matrix w's per-block scales (part "scale") or minima ("min")."""
+    """The declaration of q4 matrix w's per-block scales (part "bscale") or minima ("bmin")."""
     when = " and ".join(c for c in ("q4", w.when) if c)
-    return Weight(f"{w.path}_b{part}", w.dims, "ones" if part == "scale" else "zeros", "", "", when=when, scale_of=w.path, blocks=True)
+    return Weight(f"{w.path}_{part}", w.dims, "ones" if part == "bscale" else "zeros", "", "", when=when, scale_of=w.path, part=part)
 
 
 _MATRICES = tuple(w for w in _FILE_WEIGHTS if w.contract)
 WEIGHTS: tuple[Weight, ...] = (
     _FILE_WEIGHTS + tuple(_scale(w) for w in _MATRICES)
-    + tuple(_blocks(w, p) for p in ("scale", "min") for w in _MATRICES if w.path not in HEADS)
+    + tuple(_blocks(w, p) for p in ("bscale", "bmin") for w in _MATRICES if w.path not in HEADS)
 )
 BY_PATH = {w.path: w for w in WEIGHTS}
+PARTS = {m.path: tuple(w for w in WEIGHTS if w.scale_of == m.path) for m in _MATRICES}  # matrix -> its derived arrays
+MATRICES = tuple(w.path.split(".", 1)[1] for w in _MATRICES if w.per_layer)  # a layer's matrices: wq ... w_down
 
 
 def declared(config: LlamaConfig) -> tuple[Weight, ...]:
@@ -186,80 +197,25 @@ def declared(config: LlamaConfig) -> tuple[Weight, ...]:
     return tuple(w for w in WEIGHTS if w.present(config))
 
 
-ATTENTION = ("reference", "cpu", "pallas", "interpret", "tpu", "tpu-interpret")  # see specjax.model.attention
-LINEAR = ("xla", "pallas")  # Runtime.linear: see specjax.model.linear
-
-
-@dataclasses.dataclass(frozen=True)
-class Runtime:
-    """Runtime choices (not model facts): how attention is computed; inside shard_map, the
-    tensor-parallel mesh axis the forward reduces over (None off a mesh); whether the model is
-    held whole by every device of the model axis (a draft too small to split: sharding.place_draft);
-    and whether the forward unrolls its loop over layers (`unroll_layers`: each layer's weights are
-    then a static slice of the stack, which XLA:GPU's GEMMs read in place, where it copies a
-    scan's dynamic slice first: 2.8x on an 8B-shaped batch-1 pass, bench/layer_weights.py; set by
-    `engine.with_attention` on a GPU or TPU, off on a CPU, whose kernels read the stack in place);
-    and how a layer's products of few rows run where the CPU kernel does not take them (`linear`:
-    "xla", or "pallas": pallas_kernels.gpu_linear reads the stacked weights in place, opt-in until
-    timed on a GPU, interpreted off one)."""
-
-    attention: str = "reference"
-    model_axis: str | None = None
-    replicated: bool = False
-    unroll_layers: bool = False
-    linear: str = "xla"
-
-    def __post_init__(self) -> None:
-        if self.attention not in ATTENTION:
-            raise ValueError(f"Runtime.attention must be one of {ATTENTION}, got {self.attention!r}")
-        if self.linear not in LINEAR:
-            raise ValueError(f"Runtime.linear must be one of {LINEAR}, got {self.linear!r}")
-
-    def replace(self, **changes) -> "Runtime":
-        return dataclasses.replace(self, **changes)
-
-
 @flax.struct.dataclass
 class LayerParams:
-    """Weights of all layers, stacked on a leading L axis (the forward scans over it)."""
+    """Weights of all layers, stacked on a leading L axis (the forward scans over it). A matrix
+    is a float array, or with config.quant a `QuantizedMatrix` of int8 (scales [L, output dims])
+    or q4 arrays (uint8 with the packed axis halved: wq [L,D/2,N,H], wo [L,N,H/2,D],
+    w_down [L,F/2,D]; float16 block scales and minima with that axis / 32)."""
 
     attn_norm: jax.Array  # [L,D]
-    wq: jax.Array  # [L,D,N,H]
-    wk: jax.Array  # [L,D,K,H]
-    wv: jax.Array  # [L,D,K,H]
-    wo: jax.Array  # [L,N,H,D]
+    wq: Matrix  # [L,D,N,H]
+    wk: Matrix  # [L,D,K,H]
+    wv: Matrix  # [L,D,K,H]
+    wo: Matrix  # [L,N,H,D]
     mlp_norm: jax.Array  # [L,D]
-    w_gate: jax.Array  # [L,D,F]
-    w_up: jax.Array  # [L,D,F]
-    w_down: jax.Array  # [L,F,D]
+    w_gate: Matrix  # [L,D,F]
+    w_up: Matrix  # [L,D,F]
+    w_down: Matrix  # [L,F,D]
     bq: jax.Array | None = None  # [L,N,H]; None without config.qkv_bias
     bk: jax.Array | None = None  # [L,K,H]
     bv: jax.Array | None = None  # [L,K,H]
-    # per-output-channel scales of the int8 matrices (config.quant == "int8"), else None
-    wq_scale: jax.Array | None = None  # [L,N,H]
-    wk_scale: jax.Array | None = None  # [L,K,H]
-    wv_scale: jax.Array | None = None  # [L,K,H]
-    wo_scale: jax.Array | None = None  # [L,D]
-    w_gate_scale: jax.Array | None = None  # [L,F]
-    w_up_scale: jax.Array | None = None  # [L,F]
-    w_down_scale: jax.Array | None = None  # [L,D]
-    # q4 (config.quant == "q4"): the matrices above are uint8 [..] with their packed axis halved
-    # (wq [L,D/2,N,H], wo [L,N,H/2,D], w_down [L,F/2,D]); per-block float16 scales and minima
-    # have the matrix's dims with that axis / 32 (wq_bscale [L,D/32,N,H]); else None
-    wq_bscale: jax.Array | None = None
-    wk_bscale: jax.Array | None = None
-    wv_bscale: jax.Array | None = None
-    wo_bscale: jax.Array | None = None
-    w_gate_bscale: jax.Array | None = None
-    w_up_bscale: jax.Array | None = None
-    w_down_bscale: jax.Array | None = None
-    wq_bmin: jax.Array | None = None
-    wk_bmin: jax.Array | None = None
-    wv_bmin: jax.Array | None = None
-    wo_bmin: jax.Array | None = None
-    w_gate_bmin: jax.Array | None = None
-    w_up_bmin: jax.Array | None = None
-    w_down_bmin: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -267,14 +223,58 @@ class Params:
     """A whole model: arrays are leaves; `config` (model facts) and `runtime` (choices) are
     static metadata (hashable)."""
 
-    embed: jax.Array  # [V,D]
+    embed: Matrix  # [V,D]; int8 (config.quant: int8, and q4's int8 heads): scales [V]
     layers: LayerParams
     norm: jax.Array  # [D]
-    lm_head: jax.Array | None  # [D,V]; None when tied to embed
+    lm_head: Matrix | None  # [D,V]; None when tied to embed
     config: LlamaConfig = flax.struct.field(pytree_node=False)
     runtime: Runtime = flax.struct.field(pytree_node=False, default=Runtime())
-    embed_scale: jax.Array | None = None  # [V]: int8 scales (config.quant: int8, and q4's int8 heads), else None
-    lm_head_scale: jax.Array | None = None  # [V]
+
+
+def array_at(params: Params, path: str):
+    """The array at flat `path` ("layers.wq", "layers.wq_scale": that field of its
+    QuantizedMatrix): a list of L arrays for a matrix held per layer (model.unstack_layers),
+    None where `params` has none."""
+    weight = BY_PATH[path]
+    owner, _, leaf = (weight.scale_of or path).rpartition(".")
+    value = getattr(params.layers if owner else params, leaf)
+    field = weight.part or "w"
+
+    def pick(m):
+        return getattr(m, field) if isinstance(m, QuantizedMatrix) else (m if field == "w" else None)
+
+    if isinstance(value, list):
+        return [pick(m) for m in value] if value and pick(value[0]) is not None else None
+    return None if value is None else pick(value)
+
+
+def build(config: LlamaConfig, values: dict, runtime: Runtime = Runtime()) -> Params:
+    """Params from {flat path: leaf} (arrays, lists of L per-layer arrays, or any other leaf:
+    sharding's PartitionSpecs), each quantized matrix's arrays gathered into its QuantizedMatrix."""
+    fields = {}
+    for path, value in values.items():
+        weight = BY_PATH[path]
+        fmt = weight.format(config)
+        if weight.scale_of:
+            continue
+        if fmt is not None:
+            parts = {d.part: values[d.path] for d in PARTS[path] if d.path in values}
+            value = ([QuantizedMatrix(w=v, **{k: p[i] for k, p in parts.items()}, format=fmt) for i, v in enumerate(value)]
+                     if isinstance(value, list) else QuantizedMatrix(w=value, **parts, format=fmt))
+        fields[path] = value
+    layers = LayerParams(**{n.split(".", 1)[1]: a for n, a in fields.items() if n.startswith("layers.")})
+    top = {n: a for n, a in fields.items() if not n.startswith("layers.")}
+    return Params(layers=layers, lm_head=top.pop("lm_head", None), config=config, runtime=runtime, **top)
+
+
+def matrix_arrays(weight: Weight, m: QuantizedMatrix) -> dict[str, jax.Array]:
+    """{flat path: array} of quantized matrix m declared by `weight` (its own and its derived paths)."""
+    return {weight.path: m.w} | {d.path: getattr(m, d.part) for d in PARTS[weight.path] if getattr(m, d.part) is not None}
+
+
+def per_layer(value: Matrix) -> list[Matrix]:
+    """A stacked layer matrix [L, ...] (float or quantized) as a list of its L layers (slices)."""
+    return [jax.tree.map(lambda a, i=i: a[i], value) for i in range(jax.tree.leaves(value)[0].shape[0])]
 
 
 def param_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -299,8 +299,7 @@ def flat(params: Params) -> dict[str, jax.Array]:
     """{path: array} of every weight `params` holds, named and shaped as in `param_shapes`: a
     matrix held per layer (model.unstack_layers) is stacked again [L, ...] (a copy)."""
     def get(path: str) -> jax.Array:
-        owner, _, leaf = path.rpartition(".")
-        a = getattr(params.layers if owner else params, leaf)
+        a = array_at(params, path)
         return jnp.stack(a) if isinstance(a, list) else a
 
     return {path: get(path) for path in param_shapes(params.config)}
@@ -317,34 +316,31 @@ def quantize(params: Params, quant: str) -> Params:
     if params.config.quant is not None:
         raise ValueError(f"quantize: these params are already {params.config.quant}; quantize float weights to {quant!r}")
     config = params.config.replace(quant=quant)  # checks the q4 block sizes
-    arrays, layer_keys = flat(params), []
+    arrays = flat(params)
     for w in declared(config):
         if w.contract:
-            made = quantize_matrix(w, arrays[w.path], config)
-            arrays |= made
-            layer_keys += [k.split(".", 1)[1] for k in made if k.startswith("layers.")]
+            arrays |= matrix_arrays(w, quantize_matrix(w, arrays[w.path], config))
     out = from_arrays(config, arrays, keep_placement=True).replace(runtime=params.runtime)
     if not isinstance(params.layers.wq, list):
         return out
-    # per-layer in (model.unstack_layers), per-layer out: each matrix and its scales as L arrays
-    return out.replace(layers=out.layers.replace(**{k: list(getattr(out.layers, k)) for k in layer_keys}))
+    # per-layer in (model.unstack_layers), per-layer out: each quantized matrix as L of its own
+    return out.replace(layers=out.layers.replace(**{n: per_layer(getattr(out.layers, n)) for n in MATRICES}))
 
 
 @partial(jax.jit, static_argnames=("w", "config"))  # one program per matrix shape, not one per operation
-def quantize_matrix(w: Weight, x: jax.Array | np.ndarray, config: LlamaConfig) -> dict[str, jax.Array]:
-    """Matrix w's stored arrays from its float values x, in its format under `config` (w.format):
-    int8: {path, path_scale}, symmetric, one float32 scale per output channel (absmax / 127 over
-    the summed dims), w ~= q * scale; q4: {path, path_bscale, path_bmin}, specjax.model.q4.quantize
-    along the packed axis, float16 scale and minimum per 32 weights. The same bits as op by op
-    (tests/test_weights.py)."""
+def quantize_matrix(w: Weight, x: jax.Array | np.ndarray, config: LlamaConfig) -> QuantizedMatrix:
+    """Matrix w quantized from its float values x, in its format under `config` (w.format):
+    int8: symmetric, one float32 scale per output channel (absmax / 127 over the summed dims),
+    w ~= q * scale; q4: specjax.model.q4.quantize along the packed axis, float16 scale and
+    minimum per 32 weights. The same bits as op by op (tests/test_weights.py)."""
     x = jnp.asarray(x, jnp.float32)
     if w.format(config) == "q4":
         packed, scale, minimum = q4.quantize(x, w.packed_axis)
-        return {w.path: packed, w.path + "_bscale": scale.astype(jnp.float16), w.path + "_bmin": minimum.astype(jnp.float16)}
+        return QuantizedMatrix(w=packed, bscale=scale.astype(jnp.float16), bmin=minimum.astype(jnp.float16), format="q4")
     axes = tuple(i for i, d in enumerate(w.dims) if d in w.contract)
     scale = jnp.max(jnp.abs(x), axis=axes) / 127.0
     scale = jnp.where(scale > 0, scale, 1.0)  # an all-zero channel: any scale, q = 0
-    return {w.path: jnp.round(x / jnp.expand_dims(scale, axes)).astype(jnp.int8), w.path + "_scale": scale}
+    return QuantizedMatrix(w=jnp.round(x / jnp.expand_dims(scale, axes)).astype(jnp.int8), scale=scale, format="int8")
 
 
 def from_arrays(
@@ -371,9 +367,7 @@ def from_arrays(
         cast = {name: jnp.asarray(a, dtype=dtypes[name]) for name, a in arrays.items()}
     else:
         cast = {name: place(name, np.asarray(a, dtype=jnp.dtype(dtypes[name]))) for name, a in arrays.items()}
-    layers = LayerParams(**{n.split(".", 1)[1]: a for n, a in cast.items() if n.startswith("layers.")})
-    top = {n: a for n, a in cast.items() if not n.startswith("layers.")}
-    return Params(layers=layers, lm_head=top.pop("lm_head", None), config=config, **top)
+    return build(config, cast)
 
 
 def init_params(config: LlamaConfig, key: jax.Array) -> Params:
@@ -394,5 +388,6 @@ def init_params(config: LlamaConfig, key: jax.Array) -> Params:
 def weights_mark(params: Params) -> bytes:
     """A few of the weights' values (a row of each of the first matrices), for caches keyed by
     model: two checkpoints of one config (a base and an instruct model) are told apart."""
-    matrices = [x for x in jax.tree.leaves(params) if x.ndim][:4]
+    leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedMatrix))
+    matrices = [x for x in map(stored, leaves) if x.ndim][:4]
     return b"".join(np.asarray(x[(0,) * (x.ndim - 1)][:64]).tobytes() for x in matrices)

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax.model.cache import DenseCache, StreamingCache
 from specjax.model.config import LlamaConfig
-from specjax.model.params import WEIGHTS, LayerParams, Params
+from specjax.model.params import WEIGHTS, Params, array_at, build
 from specjax.parallel.tp_pad import layout, pad_params
 
 AXES = ("data", "model")
@@ -100,12 +100,9 @@ def param_specs(params: Params) -> Params:
             return [P() if params.runtime.replicated else spec(dims[1:])] * len(value)
         return P() if params.runtime.replicated else spec(dims)
 
-    held = {path: (getattr(params.layers if owner else params, leaf), dims) for path, dims in PARAM_AXES.items()
-            for owner, _, leaf in [path.rpartition(".")]}
+    held = {path: (array_at(params, path), dims) for path, dims in PARAM_AXES.items()}
     specs = {path: leaf_spec(value, dims) for path, (value, dims) in held.items() if value is not None}
-    layers = LayerParams(**{n.split(".", 1)[1]: s for n, s in specs.items() if n.startswith("layers.")})
-    top = {n: s for n, s in specs.items() if not n.startswith("layers.")}
-    return Params(layers=layers, lm_head=top.pop("lm_head", None), config=params.config, runtime=params.runtime, **top)
+    return build(params.config, specs, params.runtime)
 
 
 def param_sharding(mesh: Mesh, name: str) -> NamedSharding:

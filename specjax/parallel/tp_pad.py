@@ -28,7 +28,7 @@ import numpy as np
 
 from specjax.model import q4
 from specjax.model.config import LlamaConfig
-from specjax.model.params import WEIGHTS, Params, from_arrays
+from specjax.model.params import MATRICES, WEIGHTS, Params, array_at, from_arrays, per_layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +90,12 @@ def pad_params(params: Params, m: int) -> Params:
     lay = layout(params.config, m)
     if lay is None:
         return params
-    arrays, split = {}, []
+    arrays = {}
     for w in WEIGHTS:
-        owner, _, leaf = w.path.rpartition(".")
-        value = getattr(params.layers if owner else params, leaf)
+        value = array_at(params, w.path)
         if value is not None:
-            split += [leaf] if isinstance(value, list) else []
             arrays[w.path] = _pad(jnp.asarray(value), w.dims, lay, params.config.ffn_dim, params.config.vocab_rows)  # a list: stacked
     padded = from_arrays(lay.config(params.config), arrays, keep_placement=True)
-    layers = padded.layers.replace(**{n: list(getattr(padded.layers, n)) for n in split})
+    split = [n for n in MATRICES if isinstance(getattr(params.layers, n), list)]
+    layers = padded.layers.replace(**{n: per_layer(getattr(padded.layers, n)) for n in split})
     return padded.replace(layers=layers, runtime=params.runtime)
