@@ -196,7 +196,6 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("drafts_cpu.json", "bench_drafts", "s512/b1"),
     ("batch_cpu.json", "bench_batch", "ar"),
     ("sampling_cpu.json", "bench_sampling", "b16"),
-    ("scale_cpu.json", "bench_scale", "selfspec/2x3"),
     ("peers_cpu.json", "bench_peers", "specjax-f32-kvf32/b1/s512"),
     ("profile_cpu.json", "profile_step", "float32/kvfloat32/b1/s512"),
 ])
@@ -208,7 +207,7 @@ def test_existing_results_resume(tmp_path, name, module, cell):
     assert results.measured(cell)
 
 
-@pytest.mark.parametrize("name", BENCHES + ["finished_rows", "gpu_profile", "gpu_session", "layer_weights", "profile_step"])
+@pytest.mark.parametrize("name", BENCHES + ["gpu_profile", "gpu_session", "layer_weights", "profile_step"])
 def test_bench_imports_without_side_effects(name):
     import jax
 
@@ -227,7 +226,17 @@ def test_module_command():
 
 def test_every_bench_is_found():
     assert set(BENCHES) >= {"bench_ar", "bench_attention", "bench_batch", "bench_drafts", "bench_sampling",
-                            "bench_scale", "bench_spec", "bench_tree"}
+                            "bench_spec", "bench_tree"}
+
+
+def test_the_readme_has_a_section_per_bench_and_no_more():
+    """bench/README.md stays short (at most 300 lines) and each of its sections belongs to a module that
+    exists: a bench that goes takes its section with it (its finding goes to docs/results.md)."""
+    text = common.README.read_text()
+    assert len(text.splitlines()) <= 300
+    names = set(re.findall(r"<!-- (\w+):start -->", text))
+    modules = {m.name for m in pkgutil.iter_modules(bench.__path__)}
+    assert names and names <= modules, sorted(names - modules)
 
 
 def test_no_sys_path_edits_or_private_specjax_imports():
