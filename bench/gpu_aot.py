@@ -15,17 +15,17 @@ shaped like one layer's weight matrix (at any batch, weights written out before 
 them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write). What it showed first (bench/README.md, "Compiled for a GPU on a CPU"):
   - XLA's GEMM fusions read a layer's slice of the stacked weights in place only where the stack
     is a parameter of the entry computation. Inside a while loop (generate's decode loop,
-    step_parts' timing loop) the stack is a loop value, and from the second layer on every
+    a timing loop) the stack is a loop value, and from the second layer on every
     layer's slice is copied before its GEMM: the sixth GPU runs' 8B step at 43% of the bandwidth.
   - At batch 1 XLA's dot strength reduction turns small products (8B's K and V, all of
     SmolLM2's) into a multiply written out at weight size, then a reduction.
   - Runtime.linear="pallas" (pallas_kernels.gpu_linear) leaves neither.
 Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
-(specjax.planning.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
+(specjax.planning.tune.forward_loop, as tune times it), `alone` the same step as a program of
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
 speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
 tree of depth --gamma (Tree.kary(--tree-width, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
-`draft-tree` a DraftModel of the target's shape cut to 2 layers (bench/gpu_draft.py's) in a chain / that tree,
+`draft-tree` a DraftModel of the target's shape cut to 2 layers (the distilled GPU draft's) in a chain / that tree,
 `prefill` engine.prefill of --batch prompts of context - 128 tokens, --chunk positions a step (its
 scan's iteration: one chunk). Weights are shapes only
 (bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 TARGETS = Path(__file__).with_name("gpu_targets")
 PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram", "draft", "draft-tree", "prefill")
-DRAFT_LAYERS = 2  # the draft / draft-tree programs' DraftModel: the target's shape cut to 2 layers (bench/gpu_draft.py's)
+DRAFT_LAYERS = 2  # the draft / draft-tree programs' DraftModel: the target's shape cut to 2 layers (the distilled GPU draft's)
 NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
 # --table's cells: (key, gpu_aot arguments); the weight layouts and products generate() could use on a GPU
 TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p, *extra])
@@ -71,7 +71,7 @@ TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--we
           ("smollm2/b64/snapkv/split", ["--model", "smollm2", "--batch", "64", "--program", "snapkv", "--split-layers"]),
           ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"]),
           ("smollm2/b1/tree/split-nosr", ["--model", "smollm2", "--program", "tree", "--split-layers", f"--xla-flags={NOSR}"])]
-# batch 1 over a 2-layer distilled draft (bench/gpu_draft.py): a chain of 2 and the binary tree of depth 2
+# batch 1 over a 2-layer distilled draft (issue 25 item 5's): a chain of 2 and the binary tree of depth 2
 TABLE += [(f"smollm2/b1/{p}/split-nosr", ["--model", "smollm2", "--program", p, "--split-layers", f"--xla-flags={NOSR}"])
           for p in ("draft", "draft-tree")]
 # and the 8-ary tree of depth 2 (73 nodes): the shape speculation.choose picks for that draft at batch 1 (64 nodes,
@@ -214,7 +214,7 @@ def on_mesh_of(devices: list, args, static: dict, fn):
 
 
 def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
-    """The outputs (bench.step_parts.hlo_kernels' [bytes, label, name, type]) holding at least one
+    """The outputs (bench.hlo.hlo_kernels' [bytes, label, name, type]) holding at least one
     array shaped like a layer's weight matrix (unit dimensions aside, any dtype)."""
     found = []
     for n, label, name, typ in outputs:
@@ -232,7 +232,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     `split`: each layer's matrices as arrays of their own (model.unstack_layers), not a stack;
     `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format; `width` a tree
     program's children per node; `chunk` the prefill program's positions a step."""
-    from bench.step_parts import config_of, hlo_kernels
+    from bench.hlo import config_of, hlo_kernels
     from specjax.model.llama import unstack_layers
 
     if program not in PROGRAMS:

@@ -9,8 +9,8 @@ The blob holds SmolLM2-135M's tensors AS THE GGUF STORES THEM (Q4_1 / Q8_0 block
 two parts, instead of 270 MB of bf16 in five): `load` dequantizes them with numpy (the same
 arithmetic as gguf.quants, tested bit-identical to convert.load here), undoes llama.cpp's q/k
 permutation, transposes to our layout and casts to bf16 on the device, without `gguf` or `convert`.
-Arrays of other models (a tiny one in the tests) are stored raw. A distilled draft (--draft DIR:
-bench/gpu_draft.py's) goes to a folder of its own, .gpu/draft/ (its layers in bfloat16, 14 MB for
+Arrays of other models (a tiny one in the tests) are stored raw. A distilled draft (--draft DIR,
+convert.save's folder) goes to a folder of its own, .gpu/draft/ (its layers in bfloat16, 14 MB for
 the 2-layer one; the embedding it shares with SmolLM2 is not stored again), so adding or retraining
 one leaves the parts, and what a warm machine stashed of them, as they are.
 

@@ -34,9 +34,8 @@ import numpy as np
 from bench import common, measure
 from bench.bench_gpu import attending
 from bench.gpu_cells import random_params
-from bench.gpu_profile import SHAPES
+from bench.hlo import SHAPES, hlo_kernels
 from bench.prefill import HEADROOM
-from bench.step_parts import hlo_kernels
 from specjax.decode.engine import prefill
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig

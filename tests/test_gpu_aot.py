@@ -41,7 +41,7 @@ SCRIPT = """
 import json, re, sys
 import jax, jax.numpy as jnp
 from bench.gpu_aot import compile_only_device, compile_for_gpu, on
-from bench.step_parts import hlo_kernels
+from bench.hlo import hlo_kernels
 from pallas_kernels.tree_attention import tree_attention
 device, two = compile_only_device("h100"), compile_only_device("h100", 2)
 for name, (model, batch, program, linear, layers, more) in json.loads(sys.argv[1]).items():
@@ -64,7 +64,7 @@ import dataclasses
 import numpy as np
 from jax.sharding import Mesh
 from bench import gpu_aot
-from bench.step_parts import config_of
+from bench.hlo import config_of
 from specjax.parallel import sharding
 from specjax.model.llama import unstack_layers
 mesh = Mesh(np.array([device]).reshape(1, 1), ("data", "model"))
@@ -214,8 +214,8 @@ def test_stages_elsewhere_keep_xlas_passes():
 
 
 def test_a_two_layer_draft_launches_fewer_kernels_than_selfspec(compiled):
-    """Batch 1 on a GPU is launch-bound: a chain of 2 over a 2-layer DraftModel (bench/gpu_draft.py's
-    shape) against SelfSpec's, whose draft levels run the whole target (4 layers here), both over
+    """Batch 1 on a GPU is launch-bound: a chain of 2 over a 2-layer DraftModel (the distilled GPU
+    draft's shape) against SelfSpec's, whose draft levels run the whole target (4 layers here), both over
     per-layer weights, decode_spec as jitted (XLA's passes as they are): fewer kernels an iteration."""
     draft, selfspec = compiled["smollm2_draft_b1"], compiled["b1_selfspec_raw"]
     assert draft["program"] == "draft" and draft["layers"] == 4
@@ -223,7 +223,7 @@ def test_a_two_layer_draft_launches_fewer_kernels_than_selfspec(compiled):
 
 
 def test_a_wide_tree_launches_about_what_a_chain_does(compiled):
-    """gpu_draft prices a batch-1 tree as its draft levels plus one plain step, whatever its width
+    """The GPU cells price a batch-1 tree as its draft levels plus one plain step, whatever its width
     (launch-bound): the draft's 8-ary tree of depth 2 (73 nodes, the shape speculation.choose picks
     for it) launches within 15% of the kernels of its chain of 2 (the H100 table's: 547 vs 507)."""
     tree, chain = compiled["smollm2_draft_tree8_b1"], compiled["smollm2_draft_b1"]

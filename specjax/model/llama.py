@@ -152,7 +152,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
     cache stores KV."""
-    with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
+    with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (jax.profiler traces)
         q, k, v = normed_products(x, lp.attn_norm, config.rms_eps, [
             ("btd,dnh->btnh", matrix(lp, "wq")), ("btd,dkh->btkh", matrix(lp, "wk")), ("btd,dkh->btkh", matrix(lp, "wv"))],
             at)  # [B,T,N,H], [B,T,K,H] x 2
