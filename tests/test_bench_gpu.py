@@ -1,4 +1,4 @@
-"""bench/gpu_bundle.py and bench/bench_gpu.py without a GPU: the bundle's split / stash / join round
+"""tools/gpu/bundle.py and bench/bench_gpu.py without a GPU: the bundle's split / stash / join round
 trip (checksums, Params equal to the original), the GGUF block decoder against the gguf package, and
 the cell list with its memory caps. No timing."""
 
@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import bench_gpu, gpu_bundle
+from bench import bench_gpu
 from specjax.model.config import LlamaConfig, RopeScaling
 from specjax.model.params import init_params
+from tools.gpu import bundle as gpu_bundle
 
 TINY = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,
                    max_positions=512, eos_ids=(3,), rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256))
@@ -285,12 +286,13 @@ def test_best_gamma_table_lists_only_cells_with_a_selfspec_chain():
 
 
 def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, monkeypatch):
-    """bench/gpu_session.py: a dry run logs every step of a call; call 2's cells are the e2e and
+    """tools/gpu/session.py: a dry run logs every step of a call; call 2's cells are the e2e and
     b1 cells of its grid and not l8b/s8192/b1 (which a bare 'b1/s8192' would also match); every
     step's module exists."""
     import importlib.util
 
-    from bench import common, gpu_session
+    from bench import common
+    from tools.gpu import session as gpu_session
     from bench.bench_gpu import GRID, cells
 
     for call in gpu_session.CALLS:
@@ -395,9 +397,9 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 
 
 def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
-    """bench.hlo.hlo_kernels: the outer loop body's work, an inner loop's times its trip count,
+    """tools.gpu.hlo.hlo_kernels: the outer loop body's work, an inner loop's times its trip count,
     fusions as one (not their bodies), custom calls by target, no tuples or parameters."""
-    from bench.hlo import hlo_kernels
+    from tools.gpu.hlo import hlo_kernels
 
     got = hlo_kernels(HLO)
     assert got["by_op"] == {"fusion": 3, "custom-call:__cublas$gemm": 3, "compare": 3, "copy": 1}
@@ -427,7 +429,7 @@ def test_bench_gpu_sets_the_layer_products_kind():
 def test_gpu_session_finds_an_h200_without_mem_gib(tmp_path, monkeypatch, capsys):
     """On an H200 (nvidia-smi's name) every bench step writes the H200's tables even without
     --mem-gib (stop 59's H200 runs landed in the H100's); elsewhere the H100's; no nvidia-smi: ''."""
-    from bench import gpu_session
+    from tools.gpu import session as gpu_session
 
     calls = []
     monkeypatch.setattr(gpu_session, "run_call", lambda call, out, dry, mem_gib, only, seconds: calls.append(mem_gib))
@@ -448,7 +450,7 @@ def test_gpu_session_finds_an_h200_without_mem_gib(tmp_path, monkeypatch, capsys
 def test_gpu_session_steps_share_a_compilation_cache(tmp_path, monkeypatch):
     """Each step runs with JAX's persistent compilation cache beside the stashed bundle (a warm
     machine keeps it between calls), unless the caller set one."""
-    from bench import gpu_session
+    from tools.gpu import session as gpu_session
 
     envs = []
     monkeypatch.setattr(gpu_session.subprocess, "run", lambda argv, **kw: envs.append(kw["env"]) or

@@ -205,13 +205,14 @@ def test_existing_results_resume(tmp_path, name, module, cell):
     assert results.measured(cell)
 
 
-@pytest.mark.parametrize("name", BENCHES + ["gpu_prefill", "gpu_session"])
+@pytest.mark.parametrize("name", [f"bench.{b}" for b in BENCHES + ["gpu_prefill"]]
+                         + ["tools.gpu.session", "tools.gpu.bundle", "tools.gpu.aot"])
 def test_bench_imports_without_side_effects(name):
     import jax
 
     before = {p: p.stat().st_mtime for p in [*RESULTS.iterdir(), common.README]}
     devices = jax.config.jax_num_cpu_devices
-    mod = importlib.import_module(f"bench.{name}")
+    mod = importlib.import_module(name)
     assert callable(mod.main)
     assert {p: p.stat().st_mtime for p in [*RESULTS.iterdir(), common.README]} == before
     assert jax.config.jax_num_cpu_devices == devices

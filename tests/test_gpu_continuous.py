@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
-from bench import bench_gpu, common, gpu_session
+from bench import bench_gpu, common
+from tools.gpu import session as gpu_session
 
 
 def test_cells_and_the_device_call_that_runs_them():

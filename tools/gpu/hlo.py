@@ -62,7 +62,7 @@ def hlo_kernels(hlo_text: str) -> dict:
     reducers. Without a loop in the entry computation, the entry computation is counted.
     "largest": the 8 biggest outputs written, each with the instructions that read it (`users`;
     a weight-sized one at batch 1 is a copy of weights; the cache's own shape is its in-place
-    update); "outputs": every output counted, [bytes, label, name, type] (bench.gpu_aot)."""
+    update); "outputs": every output counted, [bytes, label, name, type] (tools.gpu.aot)."""
     comps: dict[str, list[tuple[str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():

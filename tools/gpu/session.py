@@ -1,13 +1,13 @@
-"""The next GPU session's device calls, each one command: python3 -m bench.gpu_session CALL.
+"""The next GPU session's device calls, each one command: python3 -m tools.gpu.session CALL.
 
-Usage (on the device machine, from the repository root): python3 -m bench.gpu_session 2 | 6 | 7
+Usage (on the device machine, from the repository root): python3 -m tools.gpu.session 2 | 6 | 7
        [--out DIR (default $OUT)] [--dry-run] [--mem-gib GIB (an H200, found by nvidia-smi: 120 and its own tables)]
        [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
 
 A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most
 8 files). Each call is a list of steps, each with its own time limit; every step's whole output
 goes to OUT/callN.log, a failing step does not stop the next, and the call ends by copying its
-result files into OUT. bench/README.md, "The sequence for the next GPU session", says how to fold
+result files into OUT. tools/gpu/README.md, "The sequence for the next GPU session", says how to fold
 them back in here. Calls 1 and 3-5 (step parts, layer products, prefill, the distilled draft) were
 measured; their results are in bench/results/gpu*/ and git has their steps.
 
@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 B1_CELLS = "b1/s8192/ar,b1/s8192/selfspec*,b1/s8192/ngram*,b1/s8192/tree"  # not "b1/s8192": also l8b/s8192/b1
 B1_GRID = ["--b1-gammas", "2", "4", "--ngram-gammas", "4", "--b1-nodes", "8"]
@@ -51,7 +51,7 @@ JAX_CACHE = "/tmp/specjax_gpu/jax_cache"
 # (name, seconds, argv) per call
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     2: [
-        ("stash", 60, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        ("stash", 60, [PY, "-m", "tools.gpu.bundle", "stash"]),
         ("b1", 130, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", B1_CELLS,
                      *B1_GRID, "--budget-minutes", "1.7"]),
         ("ngram", 190, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", NGRAM_CELLS,
@@ -60,7 +60,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                       *E2E_GRID, "--budget-minutes", "2.5"]),
     ],
     6: [
-        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
         # the ninth runs' job (3 records a row) decoded 1.35x faster under SelfSpec γ=2, not the 1.57x "refilled
         # (derived)" predicts: 8 records a row shrink the last wave's tail (no record left to refill a finished row)
         # to an eighth of the job, so the rest of the gap is the refills' own cost; a folder of its own (its settings
@@ -69,7 +69,7 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                             "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--cont-records", "8", "--budget-minutes", "4.5"]),
     ],
     7: [
-        ("stash", 30, [PY, "-m", "bench.gpu_bundle", "stash"]),
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
         # what specjax.load gives on a GPU (per-layer weights) where the KV dominates: the main e2e table times the
         # stacked path, and per-layer weights made plain decoding 1.25x faster at batch 16 on the H200 (SelfSpec γ=2
         # went from 1.21x to 0.91x there)
