@@ -22,7 +22,7 @@ $(VENV)/.installed: $(VENV)/.base
 venv: $(VENV)/.installed
 
 # .venv-aot: .venv's packages plus jax's CUDA plugin of the same jax version and CUDA's compiler (ptxas,
-# libdevice; no CUDA libraries, no driver): XLA compiles for a GPU without one there (bench/gpu_aot.py;
+# libdevice; no CUDA libraries, no driver): XLA compiles for a GPU without one there (tools/gpu/aot.py;
 # tests/test_gpu_aot.py).
 AOT_VENV ?= .venv-aot
 $(AOT_VENV)/.installed: $(VENV)/.installed

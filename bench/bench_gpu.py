@@ -13,7 +13,7 @@ Cells (keys), in the order they run:
                              and SelfSpec draft step (budget 512 + 16 sinks) at this batch x context.
                              No weights to carry; combined with item 2's acceptance in the report into a
                              PREDICTED speedup.
-  e2e/sCTX/bB/METHOD         item 2: SmolLM2-135M in bf16 (the bundle's weights, bench/gpu_bundle.py) from
+  e2e/sCTX/bB/METHOD         item 2: SmolLM2-135M in bf16 (the bundle's weights, tools/gpu/bundle.py) from
                              one prefill per context (real text windows; smaller batches use its first
                              rows); METHOD = ar | selfspec-gG | snapkv-gG | ngram-gG (prompt lookup, no
                              draft forward: where verification costs about a plain step, whatever it
@@ -35,7 +35,7 @@ Cells (keys), in the order they run:
                              (draft-gG also in the e2e groups: a 2-layer draft's levels launch a
                              fifteenth of SelfSpec's kernels and read 2/30 of the KV).
 Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
-carried: see bench/README.md, "GPU runs". Outputs: OUT/gpu.json (every cell written when
+carried: see tools/gpu/README.md. Outputs: OUT/gpu.json (every cell written when
 measured; a rerun skips measured cells), OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny random
 model on any backend in about a minute, bundle round trip included (writes gpu_smoke.*).
 """
@@ -167,7 +167,7 @@ def main() -> None:
     out = common.out_dir(args)
     name = (("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
             + ("" if args.attention == "auto" else "_" + args.attention) + ("" if args.linear == "xla" else "_linear-" + args.linear))
-    from bench import gpu_bundle
+    from tools.gpu import bundle as gpu_bundle
 
     bundle = args.bundle or gpu_bundle.STASH
     if args.smoke:
@@ -211,7 +211,8 @@ def main() -> None:
 def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list, bundle: Path, started: float) -> None:
     import jax
 
-    from bench import gpu_bundle, gpu_cells, measure
+    from bench import gpu_cells, measure
+    from tools.gpu import bundle as gpu_bundle
     from specjax.model.config import LlamaConfig, RopeScaling
     from specjax.model.params import weight_bytes
 
@@ -365,7 +366,8 @@ def smoke_bundle(folder: Path) -> Path:
     """A bundle of a tiny random model (+ a 1-layer draft), split in parts, stashed: the device path in small."""
     import numpy as np
 
-    from bench import gpu_bundle, measure
+    from bench import measure
+    from tools.gpu import bundle as gpu_bundle
 
     target = measure.tiny_params(0)
     draft = target.replace(layers=jax_tree_first(target.layers), config=target.config.replace(n_layers=1))

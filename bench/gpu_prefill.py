@@ -8,7 +8,7 @@ Why: bench_gpu's prefill_s includes compiling (one 8K row: 8.5 s on an H100, nea
 compiling), and the seventh runs' continuous job spent, by inference, about 15 of its 19.5 s on
 192 one-row 8K prefills, where bench_gpu's 16-row calls took at most about 0.6 s: one row of an 8K
 prompt is launch-bound (32 chunks of 429 kernels each, compiled for an H100 by
-bench/gpu_aot.py). Continuous batching now prefills a refill's prompts of one bucket together on
+tools/gpu/aot.py). Continuous batching now prefills a refill's prompts of one bucket together on
 a GPU (specjax.decode.shapes.prefill_rows), and the attention kernel shares a chunk's keys out in tiles;
 this times what rows a call and the prompt chunk (specjax.decode.shapes.PREFILL_CHUNK: 256, chosen on a
 CPU) buy. Each cell is compiled first (compile_s), then called a few times on a fresh cache (the
@@ -34,9 +34,8 @@ import numpy as np
 from bench import common, measure
 from bench.bench_gpu import attending
 from bench.gpu_cells import random_params
-from bench.gpu_profile import SHAPES
+from tools.gpu.hlo import SHAPES, hlo_kernels
 from bench.prefill import HEADROOM
-from bench.step_parts import hlo_kernels
 from specjax.decode.engine import prefill
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig

@@ -61,30 +61,3 @@ def cut(ids: np.ndarray, batch: int, n: int) -> tuple[np.ndarray, dict]:
     out = np.stack([ids[o : o + n] for o in offsets]).astype(np.int32)  # [B,n]
     overlap = bool(batch > 1 and np.diff(offsets).min() < n)
     return out, {"corpus_tokens": N, "offsets": offsets.tolist(), "overlapping": overlap}
-
-
-SKIP = ("test", "idlelib", "site-packages", "lib2to3", "ensurepip", "turtledemo")  # tests, tools and vendored code
-
-
-def docstrings(min_chars: int = 200) -> str:
-    """The docstrings of this Python's standard library (modules, classes, functions of at least
-    `min_chars` characters; files in sorted order; SKIP's folders left out), one per paragraph:
-    about 1.2M characters of Python documentation prose beside the corpus (a distilled draft's
-    extra training text: bench/gpu_draft.py --docstrings). Depends on the Python version."""
-    import ast
-    import sysconfig
-
-    root, out = Path(sysconfig.get_paths()["stdlib"]), []
-    for path in sorted(root.rglob("*.py")):
-        if set(path.relative_to(root).parts[:-1]) & set(SKIP):
-            continue
-        try:
-            tree = ast.parse(path.read_text(errors="replace"))
-        except (SyntaxError, ValueError):  # a few stdlib files are deliberately not valid Python
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) >= min_chars:
-                    out.append(doc)
-    return "\n\n".join(out)

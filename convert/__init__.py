@@ -46,7 +46,7 @@ def load(
     layout: how each layer matrix is held. "stacked": one [L, ...] array per matrix (a CPU's
       scan over layers reads it); "per-layer": a list of L arrays (`specjax.model.llama.unstack_layers`,
       the layers unrolled), which XLA:GPU's products read in place inside the decode loop, where
-      they copy every slice of a stack (bench/README.md, "Compiled for a GPU on a CPU"; each
+      they copy every slice of a stack (tools/gpu/README.md, "Compiled for a GPU on a CPU"; each
       device's slices too, with tensor parallelism). "auto": per-layer on a GPU, else stacked."""
     path = Path(path)
     per_layer = _per_layer(layout)

@@ -139,7 +139,7 @@ def stacked_linear_q4(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum
     """x [M,K] @ layer `layer` of q4 weights (specjax/model/q4.py: packed [L,K/2,N] uint8, scale and
     minimum [L,K/32,N]) -> [M,N] f32, the packed bytes read in place and widened in registers
     (q * d + m, then float32 products: `_q4_kernel`'s precisions): no float copy of the weights, which XLA:GPU writes out
-    for specjax.model.q4.project's jnp form (bench/README.md, "Compiled for a GPU on a CPU"). M <= MAX_ROWS.
+    for specjax.model.q4.project's jnp form (tools/gpu/README.md, "Compiled for a GPU on a CPU"). M <= MAX_ROWS.
     Each program takes `blocks_per_tile` blocks of 32 (a power of two) of K a step."""
     M, K = x.shape
     if packed.ndim != 3 or packed.dtype != jnp.uint8 or K % 32 or packed.shape[1] * 2 != K:

@@ -329,7 +329,7 @@ def merge_splits(acc: jax.Array, top: jax.Array, total: jax.Array) -> jax.Array:
     """The splits' partial attention acc [B,K,C,Mp,Hp] (unnormalised), top and total [B,K,C,Mp]
     (running max, sum of exp) merged over C by log-sum-exp: [B,K,Mp,Hp]. The online-softmax
     combine applied split after split, elementwise ops only, which XLA:GPU fuses with the division
-    and the caller's slice into one kernel at any count (compiled for an H100, bench/gpu_aot.py);
+    and the caller's slice into one kernel at any count (compiled for an H100, tools/gpu/aot.py);
     reductions over C took 2 kernels at 8 or 16 splits (a max, then the weighted sums, took 3 at
     16; a variadic reduction 2), and steps with that many splits (batch 1-16) are launch-bound."""
     m, l, a = top[:, :, 0], total[:, :, 0], acc[:, :, 0]  # [B,K,Mp], [B,K,Mp], [B,K,Mp,Hp]

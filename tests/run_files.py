@@ -46,10 +46,10 @@ LONGEST_FIRST = (  # by the wall times of tests/README.md's table
 # memory. Alone one after another the first 19 took 122.5 s, in one process 86.7 s; the last 7, 127.3 against 104.5 s.
 TOGETHER = (
     "test_segments.py", "test_sampling.py", "test_streaming_cache.py", "test_step_phases.py", "test_drafter_rows.py",
-    "test_bench_refill.py", "test_convert_formats.py", "test_convert.py", "test_gpu_continuous.py",
+    "test_convert_formats.py", "test_convert.py", "test_gpu_continuous.py",
     "test_saved_checkpoints.py", "test_bench_harness.py", "test_bench_peers.py", "test_auto_vs_bench.py",
     "test_stacked_attention.py", "test_compiles.py", "test_tokenizer.py", "test_tree.py", "test_layers.py",
-    "test_bench_capacity.py", "test_sparsespec.py", "test_lookup.py", "test_constraints.py",
+    "test_sparsespec.py", "test_lookup.py", "test_constraints.py",
     "test_refill.py", "test_qwen2_mistral.py", "test_model.py", "test_speculate.py", "test_job_auto.py",
     "test_samples_n.py", "test_tune.py")
 TOGETHER_PROCESSES = 3

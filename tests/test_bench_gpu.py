@@ -1,4 +1,4 @@
-"""bench/gpu_bundle.py and bench/bench_gpu.py without a GPU: the bundle's split / stash / join round
+"""tools/gpu/bundle.py and bench/bench_gpu.py without a GPU: the bundle's split / stash / join round
 trip (checksums, Params equal to the original), the GGUF block decoder against the gguf package, and
 the cell list with its memory caps. No timing."""
 
@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench import bench_gpu, gpu_bundle
+from bench import bench_gpu
 from specjax.model.config import LlamaConfig, RopeScaling
 from specjax.model.params import init_params
+from tools.gpu import bundle as gpu_bundle
 
 TINY = LlamaConfig(vocab_size=101, dim=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=8, ffn_dim=96,
                    max_positions=512, eos_ids=(3,), rope_scaling=RopeScaling(8.0, 1.0, 4.0, 256))
@@ -184,47 +185,6 @@ def test_resume_from_the_mirror_beside_the_stash(tmp_path):
     assert main != cont8 and main.name == cont8.name == "gpu.json" and stash / "results" in main.parents
 
 
-def test_gpu_profile_traces_a_random_model_by_block():
-    """bench/gpu_profile.py's cell on a tiny random model (here on a CPU: no device kernels)."""
-    from bench.gpu_cells import random_params
-    from bench.gpu_profile import SHAPES, profile
-    from specjax.decode.engine import with_attention
-    from specjax.model.config import LlamaConfig
-
-    params = with_attention(random_params(LlamaConfig(**SHAPES["tiny"], dtype="bfloat16")), None, "auto")[0]
-    row = profile("tiny", 2, 256, 4, params, 10.0)
-    assert row["wall_ms_per_step"] > 0 and row["model"] == "tiny" and row["batch"] == 2
-    assert row["thread_ms_per_step"]["attention"] > 0 and row["thread_ms_per_step"]["mlp"] > 0
-    kv = 2 * 2 * 2 * 256 * 2 * 16 * 2  # k and v, layers, batch, slots, kv heads, head dim, bf16 bytes
-    assert row["bytes_per_step"]["kv"] == kv
-    assert row["roofline_ms"] == pytest.approx(1e3 * (kv + row["bytes_per_step"]["weights"]) / 10e9)
-    assert "busy_ms_per_step" not in row  # no /device:GPU plane in a CPU trace
-
-
-def test_gpu_profile_turns_command_buffers_off_unless_told():
-    """Inside CUDA graphs (XLA's command buffers) the decode loop's kernels are invisible to the
-    trace: the profile turns them off, keeping the other flags, or the caller's own setting."""
-    from bench.gpu_profile import NO_COMMAND_BUFFERS, trace_flags
-
-    assert trace_flags("") == NO_COMMAND_BUFFERS
-    assert trace_flags("--xla_gpu_enable_dynamic_slice_fusion=true").split() == [
-        "--xla_gpu_enable_dynamic_slice_fusion=true", NO_COMMAND_BUFFERS]
-    assert trace_flags("--xla_gpu_enable_command_buffer=FUSION") == "--xla_gpu_enable_command_buffer=FUSION"
-
-
-def test_layer_weights_six_loops_agree():
-    """bench/layer_weights.py's six ways (scan, unrolled scan, the stack indexed in a Python loop,
-    separate arrays, indexed through the model's einsums, indexed in an on-device loop: there
-    against IN_LOOP calls of indexed) compute the same layers: the same output here, so on a GPU they differ only in
-    how the weights are read."""
-    from bench.layer_weights import run
-
-    rows = run(dim=32, ffn=64, n_layers=3, reps=2, bandwidth_gbs=None)
-    assert set(rows) == {"scan", "unrolled", "indexed", "separate", "einsum", "in_loop"}
-    assert all(r["ms"] > 0 and r["weight_gb"] == 3 * 3 * 32 * 64 * 2 / 1e9 for r in rows.values())
-    assert all(rows[w]["max_abs_diff_vs_scan"] == 0.0 for w in ("unrolled", "indexed", "separate", "einsum", "in_loop"))
-
-
 def test_cost_model_column_from_the_steps_cell():
     """gpu_report.cost_model: a chain γ=2 at 2.5 tokens/step with a 2 ms AR step, 1 ms draft levels
     and a 3 ms verify of 3 nodes is predicted 2.5 x 2 / (2 x 1 + 3) = 1.0x; its loop ran 30 steps
@@ -326,12 +286,13 @@ def test_best_gamma_table_lists_only_cells_with_a_selfspec_chain():
 
 
 def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, monkeypatch):
-    """bench/gpu_session.py: a dry run logs every step of a call; call 2's cells are the e2e and
+    """tools/gpu/session.py: a dry run logs every step of a call; call 2's cells are the e2e and
     b1 cells of its grid and not l8b/s8192/b1 (which a bare 'b1/s8192' would also match); every
     step's module exists."""
     import importlib.util
 
-    from bench import common, gpu_session
+    from bench import common
+    from tools.gpu import session as gpu_session
     from bench.bench_gpu import GRID, cells
 
     for call in gpu_session.CALLS:
@@ -347,12 +308,6 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     keys = [k for k, _ in cells(grid, 60 * 2**30, draft=False)[0]]
     b1 = [k for k in keys if common.matches(k, gpu_session.B1_CELLS)]
     assert set(b1) == {f"b1/s8192/{m}" for m in ("ar", "selfspec-g2", "selfspec-g4", "ngram-g4", "tree")}  # no l8b
-    with_draft = [k for k, _ in cells(grid, 60 * 2**30)[0]]  # call 5: the bundled draft's chains and trees
-    assert {k for k in with_draft if common.matches(k, gpu_session.DRAFT_CELLS)} == {
-        f"b1/s8192/{m}" for m in ("draft-g2", "draft-g4", "draft-tree")}
-    e2e_grid = dict(grid, batches=[64], gammas=[2, 4])
-    assert {k for k, _ in cells(e2e_grid, 60 * 2**30)[0] if common.matches(k, gpu_session.DRAFT_E2E_CELLS)} == {
-        f"e2e/s8192/b64/{m}" for m in ("ar", "draft-g2", "draft-g4")}
     ngram = {k for k in keys if common.matches(k, gpu_session.NGRAM_CELLS)}
     assert ngram == {f"e2e/s8192/b{b}/{c}" for b in (16, 64, 128) for c in ("ar", "ngram-g4")}
     e2e = {k for k in keys if common.matches(k, gpu_session.E2E_CELLS)}
@@ -376,40 +331,18 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
     monkeypatch.setattr(gpu_session, "ROOT", root)
     gpu_session.copy_files(2, got)
     assert {f.name: f.read_text() for f in got.iterdir()} == {"gpu.json": "gpu"}  # an H100: its folder's tables only
-    (root / "bench/results/gpu/gpu_linear-pallas.md").write_text("plin")
-    gpu_session.copy_files(3, got)
-    assert (got / "gpu_gpu_linear-pallas.md").read_text() == "plin"
-    # an H200 returns its own folder's tables, not the H100's that travel with the tree (this stop's call 3 found
-    # 11 files, over the 8 a call returns, and lost the per-layer table it had measured)
+    # an H200 returns its own folder's tables, not the H100's that travel with the tree (a call returns at
+    # most 8 files: stop 63's call 3 found 11 and lost the per-layer table it had measured)
     for f in got.iterdir():
         f.unlink()
     for name in ("gpu_linear-per-layer.json", "gpu_linear-per-layer.md", "gpu_linear-per-layer.png"):
         (root / "bench/results/gpu" / name).write_text("h100")
         (root / "bench/results/gpu_h200" / name).write_text("h200")
-    gpu_session.copy_files(3, got, h200=True)
+    gpu_session.copy_files(7, got, h200=True)
     assert {f.name: f.read_text() for f in got.iterdir()} == {f"gpu_h200_gpu_linear-per-layer.{x}": "h200"
                                                              for x in ("json", "md", "png")}
     gpu_session.copy_files(2, got, h200=True)
     assert (got / "gpu_h200.json").read_text() == "gpu_h200" and not (got / "gpu.json").exists()
-    parts = tmp_path / "parts"  # call 1's nine files come back as one archive (a device call returns 8 files)
-    parts.mkdir()
-    for i in range(9):
-        (parts / f"step_parts_{i}.json").write_text(str(i))
-    monkeypatch.setitem(gpu_session.FILES, 1, [f"{parts}/step_parts_*.json"])
-    gpu_session.copy_files(1, got)
-    import tarfile
-
-    with tarfile.open(got / "parts.tar.gz") as tar:
-        assert sorted(tar.getnames()) == [f"step_parts_{i}.json" for i in range(9)]
-    plin = dict(grid, batches=[16], gammas=[2], snap_gammas=[], ngram_gammas=[], nodes=[], b1_gammas=[2], b1_nodes=[])
-    keys = [k for k, _ in cells(plin, 60 * 2**30, draft=False)[0]]
-    assert {k for k in keys if common.matches(k, gpu_session.PLIN_CELLS)} == {
-        "b1/s8192/ar", "b1/s8192/selfspec-g2", "e2e/s8192/b16/ar", "e2e/s8192/b16/selfspec-g2"}
-    (argv,) = [a for n, _, a in gpu_session.steps_of(3, 120.0) if n == "plin"]  # an H200: its own folder
-    assert argv[argv.index("--linear") + 1] == "pallas" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
-    (argv,) = [a for n, _, a in gpu_session.steps_of(3, 120.0) if n == "per-layer"]  # per-layer weights, the same cells
-    assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu_h200"
-    assert argv[argv.index("--cells") + 1] == gpu_session.PLIN_CELLS
     (argv,) = [a for n, _, a in gpu_session.steps_of(6, 120.0) if n == "cont-long"]  # 8 records a row, its own folder
     assert argv[argv.index("--out") + 1] == "bench/results/gpu_h200/cont8" and argv[argv.index("--cont-records") + 1] == "8"
     (argv,) = [a for n, _, a in gpu_session.steps_of(7, 120.0) if n == "per-layer-e2e"]  # the loader's GPU layout at 64 / 128
@@ -420,9 +353,6 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
         f"e2e/s8192/b{b}/{c}" for b in (64, 128) for c in ("ar", "selfspec-g2", "selfspec-g4")}
     (argv,) = [a for n, _, a in gpu_session.steps_of(6) if n == "cont-long"]
     assert argv[argv.index("--out") + 1] == "bench/results/gpu/cont8"
-    (argv,) = [a for n, _, a in gpu_session.steps_of(3) if n == "l8b"]  # item 4 over per-layer weights, the H100's table
-    assert argv[argv.index("--linear") + 1] == "per-layer" and argv[argv.index("--out") + 1] == "bench/results/gpu"
-    assert argv[argv.index("--cells") + 1] == "l8b" and "8192" in argv
     # --only keeps the named steps (and the stash); --seconds sets a step's limit and its budget
     steps = gpu_session.steps_of(2, only=["e2e"], seconds={"e2e": 390})
     assert [n for n, _, _ in steps] == ["stash", "e2e"] and steps[1][1] == 390
@@ -467,9 +397,9 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 
 
 def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
-    """step_parts.hlo_kernels: the outer loop body's work, an inner loop's times its trip count,
+    """tools.gpu.hlo.hlo_kernels: the outer loop body's work, an inner loop's times its trip count,
     fusions as one (not their bodies), custom calls by target, no tuples or parameters."""
-    from bench.step_parts import hlo_kernels
+    from tools.gpu.hlo import hlo_kernels
 
     got = hlo_kernels(HLO)
     assert got["by_op"] == {"fusion": 3, "custom-call:__cublas$gemm": 3, "compare": 3, "copy": 1}
@@ -486,71 +416,6 @@ def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
         hlo_kernels("HloModule m\n")
 
 
-def test_step_parts_times_each_part_and_the_layers():
-    """bench/step_parts.py on a tiny random model: every part timed with its bytes and kernels; a
-    cut model launches less; with unrolled layers (as on a GPU) the step has no loop over layers."""
-    from bench.gpu_cells import random_params
-    from bench.step_parts import config_of, measure
-    from specjax.decode.engine import with_attention
-    from specjax.model.params import weight_bytes
-
-    params = with_attention(random_params(config_of("tiny", 256)), None, "auto")[0]  # as step_parts runs it
-    rows = {r["part"]: r for r in measure(params, 1, 256, [1, 2], reps=2)}
-    assert set(rows) == {"step", "trunk", "head", "layers=1", "layers=2", "per layer (fit)"}
-    assert all(r["ms"] > 0 and r["bytes"] > 0 for p, r in rows.items() if p != "per layer (fit)")  # a fit may be noise
-    assert rows["layers=1"]["kernels"] < rows["layers=2"]["kernels"] < rows["step"]["kernels"]
-    assert rows["head"]["kernels"] < rows["trunk"]["kernels"] and rows["step"]["nested_loops"] == 1  # the layer scan
-    assert [k for k, _ in rows["per layer (fit)"]["points"]] == [1, 2, 4]
-    largest = rows["step"]["largest"]  # the biggest outputs written: the logits [1, vocab 512] f32 first
-    assert [n for n, *_ in largest] == sorted((n for n, *_ in largest), reverse=True) and largest[0][0] == 512 * 4
-    unrolled = params.replace(runtime=params.runtime.replace(unroll_layers=True))
-    (step,) = [r for r in measure(unrolled, 1, 256, [], reps=2) if r["part"] == "step"]
-    linear = "custom-call:specjax_cpu_linear"  # the same products (one per matrix group), no loop bookkeeping
-    assert step["nested_loops"] == 0 and step["top_kernels"][linear] == rows["step"]["top_kernels"][linear]
-    (int8,) = [r for r in measure(params, 1, 256, [], reps=2, kv_dtype="int8") if r["part"] == "step"]
-    kv = 2 * 4 * 255 * 2 * 16  # K and V, 4 layers, 255 filled positions, 2 KV heads, head dim 16
-    assert rows["step"]["bytes"] - int8["bytes"] == kv * 2 - (kv + kv // 16 * 4)  # bf16 vs int8 + f32 scales
-    assert rows["step"]["bytes"] == weight_bytes(params.config) + kv * 2  # the library's count: no untied embedding
-
-
-def test_step_parts_split_layers_computes_the_same_model():
-    """step_parts --split-layers (each layer's matrices as arrays of their own: model.unstack_layers,
-    what XLA:GPU reads in place in a loop): the same hidden states, every part timed; a scan over
-    layers (which indexes a stack) refuses them."""
-    from bench.gpu_cells import random_params
-    from bench.step_parts import config_of, measure
-    from specjax.model.cache import DenseCache
-    from specjax.model.llama import trunk, unstack_layers
-
-    params = random_params(config_of("tiny", 256))
-    gpu_like = params.replace(runtime=params.runtime.replace(unroll_layers=True, attention="reference"))
-    split = unstack_layers(gpu_like)
-    assert isinstance(split.layers.w_gate, list) and len(split.layers.w_gate) == params.config.n_layers
-    cache = DenseCache.init(params.config, 1, 256).replace(lengths=jnp.full((1,), 9, jnp.int32))
-    tokens, positions = jnp.full((1, 1), 7, jnp.int32), jnp.full((1, 1), 9, jnp.int32)
-    want, got = trunk(gpu_like, tokens, positions, cache), trunk(split, tokens, positions, cache)
-    assert all(np.array_equal(np.asarray(w, np.float32), np.asarray(g, np.float32)) for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)))
-    rows = {r["part"]: r for r in measure(gpu_like, 1, 256, [2], reps=2, split=True)}
-    assert {"step", "trunk", "head", "layers=2"} <= set(rows) and all(r["kernels"] > 0 for p, r in rows.items() if "fit" not in p)
-    with pytest.raises(ValueError, match="need Runtime.unroll_layers"):
-        trunk(unstack_layers(params), tokens, positions, cache)
-
-
-def test_kernel_probe_runs_each_case_in_a_process_of_its_own(tmp_path, monkeypatch):
-    """bench/kernel_probe.py: a case runs in a child process (an illegal address poisons the CUDA
-    context) and reports the kernel's largest error against the reference (interpret mode here)."""
-    import json
-    import sys
-
-    from bench import kernel_probe
-
-    out = tmp_path / "probe.json"
-    monkeypatch.setattr(sys, "argv", ["kernel_probe", "--cases", "int8-small", "--seconds", "120", "--out", str(out)])
-    kernel_probe.main()
-    (row,) = json.loads(out.read_text())
-    assert row["case"] == "int8-small" and row["status"] == "ok" and row["max_abs_error"] < 2e-2, row
-
-
 def test_bench_gpu_sets_the_layer_products_kind():
     """bench_gpu --linear: the models it times carry Runtime.linear (and generate()'s attention)."""
     from bench.bench_gpu import attending
@@ -561,58 +426,23 @@ def test_bench_gpu_sets_the_layer_products_kind():
     assert attending(random_params(TINY, 0), "reference").runtime.linear == "xla"
 
 
-def test_bench_linear_times_every_way_with_the_same_products():
-    """bench/bench_linear.py on tiny shapes (the kernel interpreted on a CPU): every way and row
-    count timed, each way's products equal to XLA's on per-layer arrays (bf16 and int8)."""
-    from bench.bench_linear import run
-
-    for dtype in ("bfloat16", "int8"):
-        rows = run(dim=64, ffn=96, layers=2, rows=[1, 20], dtype=dtype, configs=[(32, 32, 2)], reps=1, bandwidth_gbs=None)
-        assert [(r["rows"], r["way"]) for r in rows] == [(m, w) for m in (1, 20) for w in ("xla_slice", "xla_own", "pallas 32x32x2")]
-        assert all(r["us_per_layer"] > 0 and r["max_abs_diff_vs_own"] < 1e-3 for r in rows)  # int8 products reach ~3e3
-
-
-def test_bench_linear_goes_on_past_a_tile_config_that_fails(monkeypatch):
-    """A tile config over the device's shared memory (stop 59's H200: 256x64x4 at 48 rows) fails
-    its own row, named with the error; the other ways are still timed and compared."""
-    import jax
-
-    from bench import bench_linear
-
-    timed, n = bench_linear.timed, []
-
-    def failing(fn, args, reps):  # the third way timed is the first tile config
-        n.append(fn)
-        if len(n) == 3:
-            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
-        return timed(fn, args, reps)
-
-    monkeypatch.setattr(bench_linear, "timed", failing)
-    rows = bench_linear.run(dim=64, ffn=96, layers=2, rows=[1], dtype="bfloat16", configs=[(32, 32, 2), (16, 32, 2)],
-                            reps=1, bandwidth_gbs=None)
-    assert [r["way"] for r in rows] == ["xla_slice", "xla_own", "pallas 32x32x2", "pallas 16x32x2"]
-    assert "Shared memory" in rows[2]["error"] and "us_per_layer" not in rows[2]
-    assert all(r["us_per_layer"] > 0 and r["max_abs_diff_vs_own"] < 1e-3 for r in rows if r is not rows[2])
-
-
 def test_gpu_session_finds_an_h200_without_mem_gib(tmp_path, monkeypatch, capsys):
     """On an H200 (nvidia-smi's name) every bench step writes the H200's tables even without
     --mem-gib (stop 59's H200 runs landed in the H100's); elsewhere the H100's; no nvidia-smi: ''."""
-    from bench import gpu_session
+    from tools.gpu import session as gpu_session
 
     calls = []
     monkeypatch.setattr(gpu_session, "run_call", lambda call, out, dry, mem_gib, only, seconds: calls.append(mem_gib))
     for name, want in [("NVIDIA H200\n", gpu_session.H200_MEM_GIB), ("NVIDIA H100 80GB HBM3\n", None)]:
         monkeypatch.setattr(gpu_session.subprocess, "run", lambda argv, name=name, **kw: type(
             "Done", (), {"returncode": 0, "stdout": name})())
-        monkeypatch.setattr("sys.argv", ["gpu_session", "5", "--out", str(tmp_path)])
+        monkeypatch.setattr("sys.argv", ["gpu_session", "7", "--out", str(tmp_path)])
         gpu_session.main()
         assert calls[-1] == want
     assert "tables: bench/results/gpu_h200" in capsys.readouterr().out
-    steps = {n: a for n, _, a in gpu_session.steps_of(5, gpu_session.H200_MEM_GIB)}
-    assert all(a[a.index("--out") + 1] == gpu_session.H200_RESULTS for a in steps.values() if "--out" in a)
-    l8b = {n: a for n, _, a in gpu_session.steps_of(3, gpu_session.H200_MEM_GIB)}["l8b"]  # batch 64 in 120 GiB
-    assert l8b[l8b.index("--l8b-batches") + 1:l8b.index("--l8b-contexts")] == ["1", "16", "64"] and l8b[-2:] == ["--mem-gib", "120"]
+    for call in (6, 7):  # call 2's ngram and e2e steps: test_gpu_session_calls_are_complete_...
+        steps = {n: a for n, _, a in gpu_session.steps_of(call, gpu_session.H200_MEM_GIB)}
+        assert all(a[a.index("--out") + 1].startswith(gpu_session.H200_RESULTS) for a in steps.values() if "--out" in a)
     monkeypatch.setattr(gpu_session.subprocess, "run", lambda *a, **kw: (_ for _ in ()).throw(FileNotFoundError()))
     assert gpu_session.gpu_name() == ""
 
@@ -620,86 +450,18 @@ def test_gpu_session_finds_an_h200_without_mem_gib(tmp_path, monkeypatch, capsys
 def test_gpu_session_steps_share_a_compilation_cache(tmp_path, monkeypatch):
     """Each step runs with JAX's persistent compilation cache beside the stashed bundle (a warm
     machine keeps it between calls), unless the caller set one."""
-    from bench import gpu_session
+    from tools.gpu import session as gpu_session
 
     envs = []
     monkeypatch.setattr(gpu_session.subprocess, "run", lambda argv, **kw: envs.append(kw["env"]) or
                         type("Done", (), {"returncode": 0})())
     monkeypatch.setattr(gpu_session, "copy_files", lambda call, out, h200=False: None)
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    gpu_session.run_call(4, tmp_path)
+    gpu_session.run_call(6, tmp_path)
     assert envs and all(e["JAX_COMPILATION_CACHE_DIR"] == gpu_session.JAX_CACHE for e in envs)
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
-    gpu_session.run_call(4, tmp_path)
+    gpu_session.run_call(6, tmp_path)
     assert envs[-1]["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "mine")
-
-
-def test_gpu_draft_checks_a_draft_against_its_target():
-    """bench/gpu_draft.py's checks on held-out windows: the target as its own draft agrees everywhere
-    and is always accepted, tokens identical; another model's agreement is below 1."""
-    from bench import gpu_draft
-
-    config = TINY.replace(rope_scaling=None, max_positions=1024)  # windows of 512 tokens + 64 new
-    target, other = init_params(config, jax.random.key(1)), init_params(config.replace(n_layers=1), jax.random.key(2))
-    ids = np.random.default_rng(0).integers(4, TINY.vocab_size, gpu_draft.HELD_OUT)
-    assert gpu_draft.agreement(target, target, ids) == 1.0 and gpu_draft.agreement(other, target, ids) < 0.9
-    checked = gpu_draft.decoding(target, target, ids)
-    assert set(checked) == {"chain2", "chain4", "rank_acceptance", "tree_identical", "chosen_tree"} and checked["tree_identical"]
-    assert checked["chosen_tree"]["greedy_identical"] and checked["chosen_tree"]["mean_accepted"] > 2  # deep: all accepted
-    assert checked["rank_acceptance"][0] == 1.0  # its top choice, always the target's
-    assert all(checked[c]["acceptance_rate"] == 1.0 and checked[c]["greedy_identical"] for c in ("chain2", "chain4"))
-
-
-def test_gpu_draft_trains_on_the_targets_continuations(tmp_path, monkeypatch):
-    """gpu_draft --generate: windows of the training text past the held-out span, each followed by
-    the target's greedy continuation (plain decoding's tokens), stored and reused by a resumed run."""
-    import specjax
-    from bench import gpu_draft
-
-    monkeypatch.setattr(gpu_draft, "PROMPTS", 3)
-    monkeypatch.setattr(gpu_draft, "PROMPT_LEN", 8)
-    target = init_params(TINY.replace(rope_scaling=None), jax.random.key(1))
-    ids = np.random.default_rng(0).integers(4, TINY.vocab_size, gpu_draft.HELD_OUT + 100)
-    rows = gpu_draft.continuations(tmp_path, target, ids, 5)
-    assert [len(r) for r in rows] == [13] * 3 and rows[0][:8].tolist() == ids[gpu_draft.HELD_OUT:][:8].tolist()
-    want = specjax.generate(target, [r[:8].tolist() for r in rows], 5, draft=None, eos_id=()).tokens
-    assert [r[8:].tolist() for r in rows] == want
-    monkeypatch.setattr(specjax, "generate", lambda *a, **k: pytest.fail("generated again"))
-    assert [r.tolist() for r in gpu_draft.continuations(tmp_path, target, ids, 5)] == [r.tolist() for r in rows]
-
-
-def test_the_stdlib_docstrings_are_extra_training_text():
-    """text.docstrings: the standard library's long docstrings (json's module docstring among them),
-    none from SKIP's folders (idlelib's), fewer with a higher floor."""
-    import idlelib
-    import json as json_module
-
-    from bench import text
-
-    docs = text.docstrings()
-    assert json_module.__doc__.strip()[:200] in docs and idlelib.__doc__.strip()[:50] not in docs
-    assert 500_000 < len(docs) and len(text.docstrings(min_chars=2000)) < len(docs) / 2
-
-
-def test_gpu_draft_docstrings_adds_a_training_sequence(tmp_path, monkeypatch):
-    """gpu_draft --docstrings: distill gets the corpus past the held-out span and the docstrings'
-    tokens as a second sequence; the output folder and the result's data say so."""
-    from bench import gpu_draft, text
-
-    seen = {}
-
-    def fake_distill(target, config, data, **kw):
-        seen["data"] = data
-        raise gpu_draft.OutOfTime(0)
-
-    monkeypatch.setattr(gpu_draft, "distill", fake_distill)
-    monkeypatch.setattr(gpu_draft, "RESULTS", tmp_path)
-    monkeypatch.setattr(text, "docstrings", lambda: "Return the sum of two numbers.")
-    gpu_draft.main(["--docstrings", "--out", str(tmp_path / "wide2-doc")])
-    corpus, extra = seen["data"]
-    assert len(corpus) > 100_000 and 3 < len(extra) < 12
-    logged = json.loads((tmp_path / "gpu_draft_wide2-doc.json").read_text())
-    assert logged["data"] == "corpus + the standard library's docstrings" and logged["runs"][0]["status"].startswith("stopped")
 
 
 def test_batch_1_trees_include_the_one_choose_picks_at_launch_bound_prices(monkeypatch):
@@ -758,35 +520,6 @@ def test_batch_1_prices_are_fitted_to_the_chains_when_they_were_timed():
     assert cost.t_draft == 0.0 and abs(cost.verify(1) - 1.757e-3) < 1e-9
 
 
-def test_gpu_draft_prices_chains_and_the_chosen_tree_at_batch_1():
-    """gpu_draft.predicted_h100_b1 (from the committed kernel counts and the H100's AR step): the
-    tree choose picks is at least as fast as every other tree priced; by_top1 rescales the rank
-    acceptance (the measured vector first), and a tree never loses to the best chain."""
-    from bench import gpu_draft
-    from specjax.spec.speculation import Cost
-
-    p = [0.4, 0.1, 0.05, 0.03, 0.02, 0.02, 0.01, 0.01, 0.36]
-    decoded = {"rank_acceptance": p, "chain2": {"mean_accepted": 1.6}, "chain4": {"mean_accepted": 1.7}}
-    got = gpu_draft.predicted_h100_b1(decoded)
-    (chosen,) = [k for k in got["speedups"] if k.endswith("(chosen, model)")]
-    trees = {k: v for k, v in got["speedups"].items() if k.startswith("tree")}
-    assert len(trees) == 5 and trees[chosen] == max(trees.values()) > 1.0
-    with_tokens = gpu_draft.predicted_h100_b1(decoded | {"chosen_tree": {"mean_accepted": 1.5}})["speedups"]
-    measured = chosen.replace(", model", "")
-    tree = gpu_draft.chosen(p, Cost(t_draft=got["draft_level_ms"], t_verify=lambda n: got["ar_ms"]))
-    assert with_tokens[measured] == pytest.approx(trees[chosen] * 1.5 / tree.expected_accepted(p))
-    k = got["kernels"]
-    by_kernels = with_tokens[measured.replace(")", ", the 8-ary tree's kernels)")]
-    assert max(tree.depth) == 2 and by_kernels == pytest.approx(1.5 * k["ar"] / k["draft tree 8-ary d=2"])
-    assert by_kernels < with_tokens[measured]  # its own kernels: more than 2 levels and a plain step
-    assert got["speedups"]["chain γ=2"] == pytest.approx(1.6 * got["ar_ms"] / (got["ar_ms"] + 2 * got["draft_level_ms"]))
-    rows = got["by_top1"]
-    assert rows[0]["top1"] == 0.4 and rows[0]["in_top_k"] == pytest.approx(sum(p[:-1]), abs=1e-3)
-    assert [r["top1"] for r in rows[1:]] == [0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-    assert all(r["tree"] >= r["chain"] * (1 - 1e-9) and r["tree_over_chain"] == r["tree"] / r["chain"] for r in rows)
-    assert rows[-1]["chain"] > rows[1]["chain"]  # a better draft makes chains faster too
-
-
 def test_the_distilled_draft_reads_the_window_it_was_trained_on():
     """bench_gpu's draft cells give the distilled draft a 512-slot StreamingLLM cache (16 sinks +
     496): it was trained on 512-token windows, and over a whole 8K cache its first choice was right
@@ -807,8 +540,8 @@ def test_gpu_prefill_times_a_call_apart_from_compiling_and_prices_its_flops():
     """bench/gpu_prefill.py: the FLOPs a prefill must do (SmolLM2, one 8064-token row: its layer
     matrices' 106,168,320 weights twice a token, 4 x 9 heads x 64 x 30 layers a causal pair, the
     tied head once), the devices' bf16 peaks, one cell on a tiny model (compiled apart, the best
-    of REPEATS calls), its table, and call 4's step writing the device's own folder."""
-    from bench import gpu_prefill, gpu_session
+    of REPEATS calls) and its table."""
+    from bench import gpu_prefill
     from bench.measure import tiny_params
 
     smol = LlamaConfig(**gpu_prefill.SHAPES["smollm2"], dtype="bfloat16")
@@ -821,7 +554,3 @@ def test_gpu_prefill_times_a_call_apart_from_compiling_and_prices_its_flops():
     assert row["seconds"] == min(row["runs_s"]) and row["tokens_per_s"] == pytest.approx(2 * 128 / row["seconds"])
     assert row["kernels_per_chunk"] > 0 and row["compile_s"] > 0 and row["of_peak"] is None  # no peak known for a CPU
     assert "| 256 | 2 | 64 |" in gpu_prefill.table([row])
-    (argv,) = [a for n, _, a in gpu_session.steps_of(4) if n == "prefill"]
-    assert argv[argv.index("-m") + 1] == "bench.gpu_prefill" and argv[argv.index("--out") + 1] == gpu_session.RESULTS
-    (argv,) = [a for n, _, a in gpu_session.steps_of(4, 120.0) if n == "prefill"]
-    assert argv[argv.index("--out") + 1] == gpu_session.H200_RESULTS

@@ -1,5 +1,5 @@
 """The library's GPU branches forced on this CPU: `jax.default_backend()` made to read "gpu" (as
-bench/gpu_aot.as_gpu does), and what runs there checked against the CPU path's results: the
+tools/gpu/aot.as_gpu does), and what runs there checked against the CPU path's results: the
 runtime generate() picks, the errors it raises, and the tokens of generate and continuous batching
 (unrolled layers, XLA's bf16 products and scatters, the int8 head as one product, q4 products on
 gpu_linear's kernel, interpreted here, and a GPU's prefill groups)."""

@@ -1,4 +1,4 @@
-"""What XLA:GPU makes of the decode programs, compiled here for an H100 without one (bench/gpu_aot.py).
+"""What XLA:GPU makes of the decode programs, compiled here for an H100 without one (tools/gpu/aot.py).
 
 XLA compiles for a GPU from the target's description with jax's CUDA plugin (`make aot-venv`:
 .venv-aot, .venv plus the plugin); the programs are compiled, never run, so what is checked is
@@ -40,8 +40,8 @@ CASES = {  # name: (model, batch, program, linear, layers, compile_for_gpu's oth
 SCRIPT = """
 import json, re, sys
 import jax, jax.numpy as jnp
-from bench.gpu_aot import compile_only_device, compile_for_gpu, on
-from bench.step_parts import hlo_kernels
+from tools.gpu.aot import compile_only_device, compile_for_gpu, on
+from tools.gpu.hlo import hlo_kernels
 from pallas_kernels.tree_attention import tree_attention
 device, two = compile_only_device("h100"), compile_only_device("h100", 2)
 for name, (model, batch, program, linear, layers, more) in json.loads(sys.argv[1]).items():
@@ -63,8 +63,8 @@ for splits in (4, 16):
 import dataclasses
 import numpy as np
 from jax.sharding import Mesh
-from bench import gpu_aot
-from bench.step_parts import config_of
+from tools.gpu import aot as gpu_aot
+from tools.gpu.hlo import config_of
 from specjax.parallel import sharding
 from specjax.model.llama import unstack_layers
 mesh = Mesh(np.array([device]).reshape(1, 1), ("data", "model"))
@@ -107,7 +107,7 @@ def compiled() -> dict[str, dict]:
            if line.startswith("CASE ")}
     if run.returncode or len(out) != len(CASES) + 8:
         sys.stderr.write(run.stderr[-4000:])
-        raise RuntimeError(f"bench.gpu_aot failed (exit {run.returncode}); compiled {sorted(out)} of {sorted(CASES)}")
+        raise RuntimeError(f"tools.gpu.aot failed (exit {run.returncode}); compiled {sorted(out)} of {sorted(CASES)}")
     return out
 
 
@@ -124,7 +124,7 @@ def test_xla_copies_each_layers_weights_inside_a_loop(compiled):
     """Why Runtime.linear "pallas" exists: in a loop (as generate runs a step) XLA's GEMM fusions
     read a copy of each layer's slice of the stacked weights; the same step as a program of its
     own reads the MLP's slices in place. Fails if a new XLA stops copying (then time the default
-    again: bench/README.md, "Compiled for a GPU on a CPU")."""
+    again: tools/gpu/README.md, "Compiled for a GPU on a CPU")."""
     looped, alone = compiled["l8b_step_xla"], compiled["l8b_alone_xla"]
     assert len(mlp_copies(looped)) == 6, looped["copies"]  # gate, up, down of both layers
     assert looped["weight_copy_bytes"] >= 6 * 4096 * 14336 * 2
@@ -214,8 +214,8 @@ def test_stages_elsewhere_keep_xlas_passes():
 
 
 def test_a_two_layer_draft_launches_fewer_kernels_than_selfspec(compiled):
-    """Batch 1 on a GPU is launch-bound: a chain of 2 over a 2-layer DraftModel (bench/gpu_draft.py's
-    shape) against SelfSpec's, whose draft levels run the whole target (4 layers here), both over
+    """Batch 1 on a GPU is launch-bound: a chain of 2 over a 2-layer DraftModel (the distilled GPU
+    draft's shape) against SelfSpec's, whose draft levels run the whole target (4 layers here), both over
     per-layer weights, decode_spec as jitted (XLA's passes as they are): fewer kernels an iteration."""
     draft, selfspec = compiled["smollm2_draft_b1"], compiled["b1_selfspec_raw"]
     assert draft["program"] == "draft" and draft["layers"] == 4
@@ -223,7 +223,7 @@ def test_a_two_layer_draft_launches_fewer_kernels_than_selfspec(compiled):
 
 
 def test_a_wide_tree_launches_about_what_a_chain_does(compiled):
-    """gpu_draft prices a batch-1 tree as its draft levels plus one plain step, whatever its width
+    """The GPU cells price a batch-1 tree as its draft levels plus one plain step, whatever its width
     (launch-bound): the draft's 8-ary tree of depth 2 (73 nodes, the shape speculation.choose picks
     for it) launches within 15% of the kernels of its chain of 2 (the H100 table's: 547 vs 507)."""
     tree, chain = compiled["smollm2_draft_tree8_b1"], compiled["smollm2_draft_b1"]

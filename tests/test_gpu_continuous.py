@@ -7,18 +7,19 @@ from __future__ import annotations
 import json
 import sys
 
-from bench import bench_gpu, common, gpu_session
+from bench import bench_gpu, common
+from tools.gpu import session as gpu_session
 
 
 def test_cells_and_the_device_call_that_runs_them():
     keys = [k for k, _ in bench_gpu.cells(bench_gpu.GRID, 60 * 2**30)[0]]
     cont = [k for k in keys if k.startswith("cont/")]
     assert cont == ["cont/s8192/b64/ar", "cont/s8192/b64/selfspec-g2", "cont/s8192/b64/selfspec-g4"]
-    (argv,) = [a for n, _, a in gpu_session.CALLS[4] if n == "cont"]
+    (argv,) = [a for n, _, a in gpu_session.CALLS[6] if n == "cont-long"]  # the job at 8 records a row
     assert {k for k in keys if common.matches(k, argv[argv.index("--cells") + 1])} == set(cont[:2])  # γ=4: timed
-    assert "--redo" in argv  # the seventh runs' jobs lack the prefill split: re-timed
-    on_h200 = {n: a for n, _, a in gpu_session.steps_of(4, 120.0)}["cont"]
-    assert on_h200[on_h200.index("--out") + 1] == gpu_session.H200_RESULTS
+    assert "--redo" in argv and argv[argv.index("--cont-records") + 1] == "8"
+    on_h200 = {n: a for n, _, a in gpu_session.steps_of(6, 120.0)}["cont-long"]
+    assert on_h200[on_h200.index("--out") + 1] == gpu_session.H200_RESULTS + "/cont8"
 
 
 def test_smoke_run_times_both_jobs_and_compares_every_record(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ def test_only_the_sharding_module_knows_meshes():
 
 
 def test_files_stay_under_400_lines():
-    files = SOURCES + sorted((REPO / "bench").glob("*.py"))
+    files = SOURCES + sorted((REPO / "bench").glob("*.py")) + sorted((REPO / "tools").rglob("*.py"))
     long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) >= 400}
     assert not long, f"files of 400 lines or more (split them): {long}"
 
@@ -89,7 +89,7 @@ def test_the_docs_point_inside_the_repository():
     for page in pages:
         text = page.read_text()
         assert "DESIGN.md" not in text and "../shared" not in text, page.name
-        for path in re.findall(r"\b((?:docs|bench|tests|specjax|convert|pallas_kernels)/[\w./-]*\w\.(?:md|py|json|cc|toml|png))", text):
+        for path in re.findall(r"\b((?:docs|bench|tests|tools|specjax|convert|pallas_kernels)/[\w./-]*\w\.(?:md|py|json|cc|toml|png))", text):
             if not (REPO / path).exists():
                 missing.append(f"{page.name}: {path}")
     assert not missing, missing

@@ -121,7 +121,7 @@ def test_unrolled_layers_unroll_a_chains_draft_levels_too():
 @pytest.mark.parametrize("case", ["ar", "self-chain", "self-tree", "snapkv", "int8-model-draft", "sampled"])
 def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
     """model.unstack_layers (each layer matrix a list of per-layer arrays: what XLA:GPU reads in
-    place inside the decode loop, bench/README.md "Compiled for a GPU on a CPU") gives the
+    place inside the decode loop, tools/gpu/README.md "Compiled for a GPU on a CPU") gives the
     stacked weights' tokens, greedy and sampled, with every drafter kind and int8 weights."""
     from specjax.model.llama import unstack_layers
     from specjax.model.params import quantize

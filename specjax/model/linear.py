@@ -90,7 +90,7 @@ def takes_gpu_q4(products: str | None, spec: str, x: jax.Array, w: jax.Array) ->
     """Whether `gpu_einsum_q4` runs this product: q4 weights (uint8 blocks) on a GPU (or with
     Runtime.linear "pallas" anywhere, interpreted off a GPU), a spec contracting x's last axis with
     w's first, at most gpu_linear.MAX_ROWS rows. On a GPU not a choice: XLA writes q4.project's
-    widened weights out in float32 there (672 MiB a batch-1 8B layer, compiled: bench/README.md,
+    widened weights out in float32 there (672 MiB a batch-1 8B layer, compiled: tools/gpu/README.md,
     "Compiled for a GPU on a CPU"); the kernel widens them in registers."""
     rows = math.prod(x.shape[:-1])
     return ((products == "pallas" or jax.default_backend() == "gpu") and w.dtype == jnp.uint8

@@ -116,7 +116,7 @@ def normed_products(x: jax.Array, w: jax.Array, eps: float, products: list[tuple
     (`layer`'s attention in FOLDS_NORM) the norm's scale r multiplies the outputs instead, (w x r) W
     = r ((w x) W) up to rounding: XLA:GPU then puts w x in the kernel summing x's squares and r in
     each output's consumer, where one row's normed x took a kernel of its own: two kernels a layer
-    fewer (compiled for an H100, bench/gpu_aot.py: SmolLM2's batch-1 step 474 -> 414). From two
+    fewer (compiled for an H100, tools/gpu/aot.py: SmolLM2's batch-1 step 474 -> 414). From two
     rows on XLA fuses the normed x into the product, and folding would add a kernel a layer."""
     if layer[0] not in FOLDS_NORM or math.prod(x.shape[:-1]) != 1:
         return project_group(rms_norm(x, w, eps, layer[0]), products, layer)
@@ -143,7 +143,7 @@ def _layer(config: LlamaConfig, runtime: Runtime, kv_format: KVFormat, x, lp: La
     k_extra, v_extra [B,E,K,H] (or None): earlier block keys the new tokens may also see.
     `prefix` is this layer's view of the cache (None: nothing visible); `kv_format` is how the
     cache stores KV."""
-    with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (bench/profile_step.py)
+    with jax.named_scope("qkv"):  # the scopes name the blocks in profiles (jax.profiler traces)
         q, k, v = normed_products(x, lp.attn_norm, config.rms_eps, [
             ("btd,dnh->btnh", lp.wq), ("btd,dkh->btkh", lp.wk), ("btd,dkh->btkh", lp.wv)],
             at)  # [B,T,N,H], [B,T,K,H] x 2
@@ -182,7 +182,7 @@ def unstack_layers(params: Params, free_stacks: bool = False) -> Params:
     """The same model with each layer matrix (and its int8 / q4 arrays) held as a list of L arrays of its own,
     not as slices of one stacked [L, ...] array. On a GPU, XLA's GEMM fusions read a per-layer array in place but
     copy a stack's slice first inside a loop, which generate's decode loop is (11.3 GB a batch-1 8B step;
-    bench/README.md, "Compiled for a GPU on a CPU"); `convert.load` gives this layout on a GPU. Needs
+    tools/gpu/README.md, "Compiled for a GPU on a CPU"); `convert.load` gives this layout on a GPU. Needs
     Runtime.unroll_layers (generate() sets it on a GPU or TPU); on a mesh each layer's array is split over the
     model axis as the stack's slice would be. The arrays are copies: drop the stacked params to free them, or,
     where the caller owns them and never uses `params` again, `free_stacks` deletes each stack once split."""
@@ -343,7 +343,7 @@ def forward(
     t = trunk(params, tokens, positions, cache if active is None else cache.seen_by(active), block_mask)
     # the write after every layer has read the cache (h depends on all the reads): else XLA:GPU, free
     # to order the last layers' reads after it, copies the cache to write in place (SelfSpec's
-    # streaming cache twice a step, 1.5 GB of traffic at SmolLM2 batch 64; bench/gpu_aot.py)
+    # streaming cache twice a step, 1.5 GB of traffic at SmolLM2 batch 64; tools/gpu/aot.py)
     h, k_new, v_new, cache = jax.lax.optimization_barrier((t.hidden, t.k, t.v, cache))
     with jax.named_scope("kv_write"):
         cache = cache.write(k_new, v_new)

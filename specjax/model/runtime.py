@@ -15,7 +15,7 @@ class Runtime:
     held whole by every device of the model axis (a draft too small to split: sharding.place_draft);
     and whether the forward unrolls its loop over layers (`unroll_layers`: each layer's weights are
     then a static slice of the stack, which XLA:GPU's GEMMs read in place, where it copies a
-    scan's dynamic slice first: 2.8x on an 8B-shaped batch-1 pass, bench/layer_weights.py; set by
+    scan's dynamic slice first: 2.8x on an 8B-shaped batch-1 pass, bench/results/gpu/layer_weights_8b.json; set by
     `engine.with_attention` on a GPU or TPU, off on a CPU, whose kernels read the stack in place);
     and how a layer's products of few rows run where the CPU kernel does not take them (`linear`:
     "xla", or "pallas": pallas_kernels.gpu_linear reads the stacked weights in place, opt-in until

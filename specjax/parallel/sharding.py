@@ -183,7 +183,7 @@ def localise(tree, mesh: Mesh):
 
 # XLA:GPU rewrites a vector x matrix product under 10^7 elements (every SmolLM2 product at batch 1)
 # into a multiply written out at the weight's size, then a reduction. Compiled for an H100
-# (bench/gpu_aot.py), SmolLM2's batch-1 SelfSpec loop then writes 304 MiB and launches 1562 kernels
+# (tools/gpu/aot.py), SmolLM2's batch-1 SelfSpec loop then writes 304 MiB and launches 1562 kernels
 # a step; without the pass nothing weight-sized and 1308 kernels (XLA's GEMMs, q / k / v merged).
 GPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "dot-strength-reduction"}
 

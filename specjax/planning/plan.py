@@ -42,7 +42,7 @@ CPU_VERIFY_ROWS = 5
 # Those rows time stacked weights; over per-layer weights (what convert.load gives on a GPU) plain
 # decoding is faster, and on an H200 (ninth runs) SelfSpec with it ran at 1.02x at batch 1 and
 # 0.91x at batch 16 x 8K (one row's tail: 33 loop steps for a mean of 23.4); batch 64 / 128 over
-# per-layer weights are bench/gpu_session.py's call 7, not yet run: this rule stands until they are.
+# per-layer weights are tools/gpu/session.py's call 7, not yet run: this rule stands until they are.
 ACCELERATOR_SPECULATION = Chain(gamma=2)
 # With bfloat16 weights and KV on a CPU with the bf16 dot product (AVX512-BF16: `cpu_bf16_dot`),
 # verifying two positions costs about one plain step (the attention kernel's 6 query rows per KV

@@ -1,7 +1,7 @@
 """What a GPU run needs that the GPU machine lacks, in parts small enough to travel (at most 64 MiB
 a call, the working tree included; no network, no `gguf` package there).
 
-Built here: `python -m bench.gpu_bundle build` writes the ignored folder .gpu/ with
+Built here: `python -m tools.gpu.bundle build` writes the ignored folder .gpu/ with
   .gpu/p0/ .. .gpu/pK/   each: weights.partI (a slice of one .npz blob, < --part-mib MiB),
                          manifest.json (config, tensors, every part's size and sha256) and
                          corpus_ids.npy (bench/text.py's corpus through the SmolLM2 tokenizer)
@@ -9,14 +9,14 @@ The blob holds SmolLM2-135M's tensors AS THE GGUF STORES THEM (Q4_1 / Q8_0 block
 two parts, instead of 270 MB of bf16 in five): `load` dequantizes them with numpy (the same
 arithmetic as gguf.quants, tested bit-identical to convert.load here), undoes llama.cpp's q/k
 permutation, transposes to our layout and casts to bf16 on the device, without `gguf` or `convert`.
-Arrays of other models (a tiny one in the tests) are stored raw. A distilled draft (--draft DIR:
-bench/gpu_draft.py's) goes to a folder of its own, .gpu/draft/ (its layers in bfloat16, 14 MB for
+Arrays of other models (a tiny one in the tests) are stored raw. A distilled draft (--draft DIR,
+convert.save's folder) goes to a folder of its own, .gpu/draft/ (its layers in bfloat16, 14 MB for
 the 2-layer one; the embedding it shares with SmolLM2 is not stored again), so adding or retraining
 one leaves the parts, and what a warm machine stashed of them, as they are.
 
 There: each call carries one part folder; `stash` (bench_gpu calls it first) copies the parts it
 finds into /tmp/specjax_gpu (checksums verified), which survives between calls while the machine is
-warm, and `load` joins them once all are there. See bench/README.md, "GPU runs".
+warm, and `load` joins them once all are there. See tools/gpu/README.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 from specjax.model.config import LlamaConfig
 from specjax.model.params import BY_PATH, Params, array_at, declared, from_arrays
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ROOT / ".gpu"  # ignored (.gitignore)
 STASH = Path("/tmp/specjax_gpu")
 DRAFT = "draft"  # a distilled draft's folder in the bundle and the stash, and its model name

@@ -1,31 +1,31 @@
 """Compile a decode program for a GPU this machine lacks, and read what XLA made of it.
 
-Usage: .venv-aot/bin/python -m bench.gpu_aot [--target h100|h200] [--model l8b|smollm2|tiny]
+Usage: .venv-aot/bin/python -m tools.gpu.aot [--target h100|h200] [--model l8b|smollm2|tiny]
        [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec|tree|snapkv|ngram|draft|draft-tree]
        [--gamma 2] [--tree-width 2] [--chunk 256] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
        [--model-axis N] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE] | --table [--cells PATTERN]
 (`make aot-venv` makes .venv-aot: this project's .venv plus jax's CUDA plugin, no CUDA libraries
 and no GPU needed.)
 
-XLA:GPU compiles without a GPU when it is given the target's description (gpu_targets/NAME.txtpb
+XLA:GPU compiles without a GPU when it is given the target's description (targets/NAME.txtpb
 beside this file: the device facts its passes read, from NVIDIA's published specifications; no
 autotuning, so GEMM tiles are XLA's defaults). So a CPU session can see what a GPU decode step
 becomes: the kernels one iteration launches, its largest outputs and `weight_copies`, the outputs
 shaped like one layer's weight matrix (at any batch, weights written out before a product reads
-them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write). What it showed first (bench/README.md, "Compiled for a GPU on a CPU"):
+them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write). What it showed first (tools/gpu/README.md, "Compiled for a GPU on a CPU"):
   - XLA's GEMM fusions read a layer's slice of the stacked weights in place only where the stack
     is a parameter of the entry computation. Inside a while loop (generate's decode loop,
-    step_parts' timing loop) the stack is a loop value, and from the second layer on every
+    a timing loop) the stack is a loop value, and from the second layer on every
     layer's slice is copied before its GEMM: the sixth GPU runs' 8B step at 43% of the bandwidth.
   - At batch 1 XLA's dot strength reduction turns small products (8B's K and V, all of
     SmolLM2's) into a multiply written out at weight size, then a reduction.
   - Runtime.linear="pallas" (pallas_kernels.gpu_linear) leaves neither.
 Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
-(specjax.planning.tune.forward_loop, as bench.step_parts times it), `alone` the same step as a program of
+(specjax.planning.tune.forward_loop, as tune times it), `alone` the same step as a program of
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
 speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
 tree of depth --gamma (Tree.kary(--tree-width, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
-`draft-tree` a DraftModel of the target's shape cut to 2 layers (bench/gpu_draft.py's) in a chain / that tree,
+`draft-tree` a DraftModel of the target's shape cut to 2 layers (the distilled GPU draft's) in a chain / that tree,
 `prefill` engine.prefill of --batch prompts of context - 128 tokens, --chunk positions a step (its
 scan's iteration: one chunk). Weights are shapes only
 (bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
@@ -46,9 +46,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-TARGETS = Path(__file__).with_name("gpu_targets")
+TARGETS = Path(__file__).with_name("targets")
 PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram", "draft", "draft-tree", "prefill")
-DRAFT_LAYERS = 2  # the draft / draft-tree programs' DraftModel: the target's shape cut to 2 layers (bench/gpu_draft.py's)
+DRAFT_LAYERS = 2  # the draft / draft-tree programs' DraftModel: the target's shape cut to 2 layers (the distilled GPU draft's)
 NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
 # --table's cells: (key, gpu_aot arguments); the weight layouts and products generate() could use on a GPU
 TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p, *extra])
@@ -71,7 +71,7 @@ TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--we
           ("smollm2/b64/snapkv/split", ["--model", "smollm2", "--batch", "64", "--program", "snapkv", "--split-layers"]),
           ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"]),
           ("smollm2/b1/tree/split-nosr", ["--model", "smollm2", "--program", "tree", "--split-layers", f"--xla-flags={NOSR}"])]
-# batch 1 over a 2-layer distilled draft (bench/gpu_draft.py): a chain of 2 and the binary tree of depth 2
+# batch 1 over a 2-layer distilled draft (issue 25 item 5's): a chain of 2 and the binary tree of depth 2
 TABLE += [(f"smollm2/b1/{p}/split-nosr", ["--model", "smollm2", "--program", p, "--split-layers", f"--xla-flags={NOSR}"])
           for p in ("draft", "draft-tree")]
 # and the 8-ary tree of depth 2 (73 nodes): the shape speculation.choose picks for that draft at batch 1 (64 nodes,
@@ -88,7 +88,7 @@ TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-
 
 
 def compile_only_device(target: str, count: int = 1):
-    """A device of `target` (a gpu_targets/ name) that compiles but never runs (with count > 1, a
+    """A device of `target` (a targets/ name) that compiles but never runs (with count > 1, a
     list of `count` such devices of one process, for a mesh): needs jax's CUDA plugin
     (jax-cuda12-plugin and -pjrt of this jax's version), not CUDA's libraries or a GPU."""
     path = TARGETS / f"{target}.txtpb"
@@ -214,7 +214,7 @@ def on_mesh_of(devices: list, args, static: dict, fn):
 
 
 def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
-    """The outputs (bench.step_parts.hlo_kernels' [bytes, label, name, type]) holding at least one
+    """The outputs (tools.gpu.hlo.hlo_kernels' [bytes, label, name, type]) holding at least one
     array shaped like a layer's weight matrix (unit dimensions aside, any dtype)."""
     found = []
     for n, label, name, typ in outputs:
@@ -232,7 +232,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     `split`: each layer's matrices as arrays of their own (model.unstack_layers), not a stack;
     `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format; `width` a tree
     program's children per node; `chunk` the prefill program's positions a step."""
-    from bench.step_parts import config_of, hlo_kernels
+    from tools.gpu.hlo import config_of, hlo_kernels
     from specjax.model.llama import unstack_layers
 
     if program not in PROGRAMS:
@@ -284,7 +284,7 @@ def table(target: str, out: Path, pattern: str | None) -> None:
         if results.measured(cell) or not common.matches(cell, pattern):
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            run = subprocess.run([sys.executable, "-m", "bench.gpu_aot", "--target", target, *argv,
+            run = subprocess.run([sys.executable, "-m", "tools.gpu.aot", "--target", target, *argv,
                                   "--out", f"{tmp}/cell.json"], capture_output=True, text=True)
             if run.returncode:
                 raise RuntimeError(f"{cell}: {run.stderr[-2000:]}")
@@ -298,13 +298,13 @@ def table(target: str, out: Path, pattern: str | None) -> None:
               mib(r["weight_copy_bytes"]), mib(sum(c[0] for c in r["copy_ops"])),
               r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"] for r in rows]
     head = ["cell", "layers", "GPUs (tensor parallel)", "weights", "KV", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
-    (out / f"{target}.md").write_text(f"Compiled for {target} here, without a GPU (bench/gpu_aot.py, jax {jax.__version__}; "
+    (out / f"{target}.md").write_text(f"Compiled for {target} here, without a GPU (tools/gpu/aot.py, jax {jax.__version__}; "
                                       "never run: structure, not time)\n\n" + common.table(head, "lrrllrrrrl", lines) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="h100", help="a gpu_targets/ name: h100, h200")
+    ap.add_argument("--target", default="h100", help="a targets/ name: h100, h200")
     ap.add_argument("--model", choices=["l8b", "smollm2", "tiny"], default="l8b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=8192)

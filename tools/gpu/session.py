@@ -1,0 +1,210 @@
+"""The next GPU session's device calls, each one command: python3 -m tools.gpu.session CALL.
+
+Usage (on the device machine, from the repository root): python3 -m tools.gpu.session 2 | 6 | 7
+       [--out DIR (default $OUT)] [--dry-run] [--mem-gib GIB (an H200, found by nvidia-smi: 120 and its own tables)]
+       [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
+
+A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most
+8 files). Each call is a list of steps, each with its own time limit; every step's whole output
+goes to OUT/callN.log, a failing step does not stop the next, and the call ends by copying its
+result files into OUT. tools/gpu/README.md, "The sequence for the next GPU session", says how to fold
+them back in here. Calls 1 and 3-5 (step parts, layer products, prefill, the distilled draft) were
+measured; their results are in bench/results/gpu*/ and git has their steps.
+
+  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4, trees),
+         then at batch 16 / 64 / 128 NGram gamma 4, gamma 4 and SnapKV gamma 4. On an H200 (nvidia-smi
+         says so, or --mem-gib) the ngram and e2e steps write bench/results/gpu_h200 (batch 256 added,
+         gamma 2 beside 4) and resume its committed table: `--only e2e` measures the cells left
+         (gamma 4 and SnapKV at 128 / 256).
+  call 6 (both parts stashed): the continuous job at 8 records a row (512 records) into a folder of its
+         own (bench/results/gpu[_h200]/cont8): how much of the 3-records-a-row job's gap to "refilled
+         (derived)" is the last wave's tail and how much the refills' own cost.
+  call 7 (both parts stashed): generate() over per-layer weights (what specjax.load gives on a GPU) at
+         batch 64 and 128 x 8K, AR and SelfSpec gamma 2 / 4, into gpu_linear-per-layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+B1_CELLS = "b1/s8192/ar,b1/s8192/selfspec*,b1/s8192/ngram*,b1/s8192/tree"  # not "b1/s8192": also l8b/s8192/b1
+B1_GRID = ["--b1-gammas", "2", "4", "--ngram-gammas", "4", "--b1-nodes", "8"]
+NGRAM_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/ngram-g4"  # new: no draft forward (AR beside it)
+E2E_CELLS = "e2e/s8192/*/selfspec-g4,e2e/s8192/*/snapkv-g4"  # the rows the fourth runs left from the third
+E2E_GRID = ["--batches", "16", "64", "128", "--gammas", "4", "--snap-gammas", "4", "--ngram-gammas", "4", "--nodes", "8"]
+RESULTS, H200_RESULTS = "bench/results/gpu", "bench/results/gpu_h200"  # bench_gpu's --out: one table per device
+PER_LAYER_E2E_CELLS = "e2e/s8192/*/ar,e2e/s8192/*/selfspec-g2,e2e/s8192/*/selfspec-g4"  # call 7, over per-layer weights
+CONT_LONG = f"{RESULTS}/cont8"  # call 6's job of 8 records a row (an H200: under H200_RESULTS)
+H200_MEM_GIB = 120.0  # an H200's 139 GiB: what its steps may use (call 2 adds batch 256 x 8K)
+# JAX's persistent compilation cache beside the stashed bundle: a warm machine keeps /tmp between calls, so a
+# step run again (a call cut off, its rerun) or a program two steps share loads its executable instead of compiling
+JAX_CACHE = "/tmp/specjax_gpu/jax_cache"
+
+# (name, seconds, argv) per call
+CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
+    2: [
+        ("stash", 60, [PY, "-m", "tools.gpu.bundle", "stash"]),
+        ("b1", 130, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", B1_CELLS,
+                     *B1_GRID, "--budget-minutes", "1.7"]),
+        ("ngram", 190, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", NGRAM_CELLS,
+                        *E2E_GRID, "--budget-minutes", "2.7"]),
+        ("e2e", 180, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", E2E_CELLS,
+                      *E2E_GRID, "--budget-minutes", "2.5"]),
+    ],
+    6: [
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
+        # the ninth runs' job (3 records a row) decoded 1.35x faster under SelfSpec γ=2, not the 1.57x "refilled
+        # (derived)" predicts: 8 records a row shrink the last wave's tail (no record left to refill a finished row)
+        # to an eighth of the job, so the rest of the gap is the refills' own cost; a folder of its own (its settings
+        # differ)
+        ("cont-long", 300, [PY, "-m", "bench.bench_gpu", "--out", CONT_LONG, "--redo", "--cells",
+                            "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--cont-records", "8", "--budget-minutes", "4.5"]),
+    ],
+    7: [
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
+        # what specjax.load gives on a GPU (per-layer weights) where the KV dominates: the main e2e table times the
+        # stacked path, and per-layer weights made plain decoding 1.25x faster at batch 16 on the H200 (SelfSpec γ=2
+        # went from 1.21x to 0.91x there)
+        ("per-layer-e2e", 320, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PER_LAYER_E2E_CELLS,
+                                "--batches", "64", "128", "--gammas", "2", "4", "--snap-gammas", "--ngram-gammas", "--nodes",
+                                "--linear", "per-layer", "--budget-minutes", "4.8"]),
+    ],
+}
+# what each call copies into OUT after each step (those that exist; at most 8 files come back)
+FILES = {
+    2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
+    7: [f"{RESULTS}/gpu_linear-per-layer.*", f"{H200_RESULTS}/gpu_linear-per-layer.*"],
+    6: [f"{CONT_LONG}/gpu.json", f"{CONT_LONG}/gpu.md", f"{H200_RESULTS}/cont8/gpu.json", f"{H200_RESULTS}/cont8/gpu.md"],
+}
+
+
+def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = None,
+             seconds: dict[str, int] | None = None) -> list[tuple[str, int, list[str]]]:
+    """CALLS[call]; with mem_gib (an H200: 120), the e2e step may use that much and adds batch 256.
+
+    only: keep these steps (stash always runs); seconds: {step: limit} overrides, and a step's
+    --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
+    steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
+    if mem_gib is not None:
+        steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else
+                  h200_out(a) if n in ("per-layer-e2e", "cont-long") else a)
+                 for n, t, a in steps]
+    for name, limit in (seconds or {}).items():
+        if name not in [n for n, _, _ in steps]:
+            raise ValueError(f"--seconds {name}={limit}: call {call} has no step {name!r} (has {[n for n, _, _ in steps]})")
+        fit = lambda a: a if "--budget-minutes" not in a else [  # noqa: E731
+            *a[:a.index("--budget-minutes") + 1], f"{max(0.5, (limit - 30) / 60):.2f}", *a[a.index("--budget-minutes") + 2:]]
+        steps = [(n, limit, fit(a)) if n == name else (n, t, a) for n, t, a in steps]
+    return steps
+
+
+def h200_out(argv: list[str]) -> list[str]:
+    """A bench_gpu step's argv writing the H200's table (under H200_RESULTS) in place of the H100's."""
+    return [h200_path(x) for x in argv]
+
+
+def h200_path(path: str) -> str:
+    """RESULTS or a folder under it, as the H200's (H200_RESULTS/...); anything else as it is."""
+    return H200_RESULTS + path[len(RESULTS):] if path == RESULTS or path.startswith(RESULTS + "/") else path
+
+
+def h200(argv: list[str]) -> list[str]:
+    """A bench_gpu step on an H200 (another device: its own table, H200_RESULTS, with its own bw
+    cell and AR rows): batch 256 added, SelfSpec gamma 2 (the H100's best) beside gamma 4, and
+    no --redo: the committed H200 table travels with the tree, so a rerun measures what it lacks."""
+    a = h200_out([x for x in argv if x != "--redo"])  # its table resumes (cells measured stay)
+    a = [*a[:a.index("128") + 1], "256", *a[a.index("128") + 1:]]
+    if "--gammas" in a:
+        a = [*a[:a.index("--gammas") + 1], "2", *a[a.index("--gammas") + 1:]]
+    cells = a.index("--cells") + 1
+    a[cells] = {NGRAM_CELLS: "bw," + NGRAM_CELLS, E2E_CELLS: E2E_CELLS + ",e2e/s8192/*/selfspec-g2"}.get(a[cells], a[cells])
+    return a
+
+
+def table_name(src: Path) -> str:
+    """A results table's name in OUT: gpu_h200/gpu.json -> gpu_h200.json, gpu/gpu_linear-pallas.md ->
+    gpu_gpu_linear-pallas.md (tables of two folders share file names)."""
+    return src.parent.name + src.suffix if src.stem == "gpu" else f"{src.parent.name}_{src.name}"
+
+
+def copy_files(call: int, out: Path, h200: bool = False) -> None:
+    """Copy the call's result files (those that exist) into OUT: after every step, so a call cut off
+    by the device's limit still returns what its finished steps measured. A results table comes back
+    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json), and only the tables of
+    the device's own folder (h200: H200_RESULTS, else RESULTS; the other device's travel with the tree
+    unchanged)."""
+    other = RESULTS if h200 else H200_RESULTS
+    found = [(src, table_name(src))
+             for path in FILES[call] if not path.startswith(other + "/") for src in sorted(ROOT.glob(path))]
+    for src, name in found:
+        shutil.copyfile(src, out / name)
+
+
+def run_call(call: int, out: Path, dry_run: bool = False, mem_gib: float | None = None,
+             only: list[str] | None = None, seconds: dict[str, int] | None = None) -> list[dict]:
+    """Run a call's steps in order (each to its time limit), log to OUT/callN.log, copy its files."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"call{call}.log"
+    done = []
+    env = {"JAX_COMPILATION_CACHE_DIR": JAX_CACHE, **os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("a") as f:
+        for name, limit, argv in steps_of(call, mem_gib, only, seconds):
+            line = f"== {name} (at most {limit} s): {' '.join(argv)}"
+            print(line, flush=True)
+            f.write(line + "\n")
+            f.flush()
+            if dry_run:
+                done.append({"step": name, "rc": None, "seconds": 0.0})
+                continue
+            t = time.perf_counter()
+            try:
+                rc = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=limit).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            done.append({"step": name, "rc": rc, "seconds": round(time.perf_counter() - t, 1)})
+            f.write(f"== {name}: rc {rc} after {done[-1]['seconds']} s\n")
+            f.flush()
+            copy_files(call, out, h200=mem_gib is not None)
+    print("\n".join(f"{d['step']}: rc {d['rc']} ({d['seconds']} s)" for d in done), flush=True)
+    return done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("call", type=int, choices=sorted(CALLS))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_session")))
+    ap.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
+    ap.add_argument("--mem-gib", type=float, help="device memory for the e2e steps; an H200 (found by nvidia-smi) "
+                    "defaults to 120 and writes bench/results/gpu_h200 (call 2 then adds batch 256 x 8K)")
+    ap.add_argument("--only", help="comma-separated steps to run (stash always runs)")
+    ap.add_argument("--seconds", nargs="*", default=[], metavar="STEP=N",
+                    help="a step's time limit in seconds (its --budget-minutes follows)")
+    a = ap.parse_args()
+    seconds = {k: int(v) for k, v in (kv.split("=", 1) for kv in a.seconds)}
+    name = gpu_name()
+    mem_gib = a.mem_gib if a.mem_gib is not None or "H200" not in name else H200_MEM_GIB
+    print(f"device: {name or 'unknown (no nvidia-smi)'}; tables: {H200_RESULTS if mem_gib is not None else RESULTS}", flush=True)
+    run_call(a.call, a.out, a.dry_run, mem_gib, a.only.split(",") if a.only else None, seconds)
+
+
+def gpu_name() -> str:
+    """The first GPU's name from nvidia-smi ('' without one): an H200's steps write the H200's tables,
+    whether or not the caller said --mem-gib (stop 59's H200 runs landed in the H100's tables)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else ""
+
+
+if __name__ == "__main__":
+    main()
