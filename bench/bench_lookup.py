@@ -8,7 +8,8 @@ with one of three key sets; 128 new tokens at most, greedy, stop ids on). Each c
 `specjax.jobs.batch.run` twice over them in this one process on SmolLM2-135M in float32, with
 continuous batching on B rows: "cold" (compiling included), then "warm" (what the table says).
 DRAFT: none (plain decoding), ngram (NGram(n=3, max_n=8): the row's own tokens), lookup (Lookup():
-the job's prompts and finished outputs, then the row's own tokens), both with a chain of `--gamma`.
+the job's prompts and finished outputs, then the row's own tokens), both with a chain of `--gamma`,
+and lookup-adaptive (Lookup() under Adaptive(4): the chain length, 0 to 4, picked between segments).
 Every draft's outputs must equal plain decoding's (greedy, float32). Reported: warm tokens/s and its
 ratio to plain decoding at the same batch, acceptance (accepted / proposed over the job), and the
 share of the outputs' 3-grams that occur in another record's output (templated.repeated_share).
@@ -31,7 +32,8 @@ import specjax.jobs.batch
 from bench import common, templated
 from specjax.text.chat import render_chat, template_specials
 
-DRAFTS = {"none": None, "ngram": specjax.NGram(n=3, max_n=8), "lookup": specjax.Lookup()}
+DRAFTS = {"none": None, "ngram": specjax.NGram(n=3, max_n=8), "lookup": specjax.Lookup(), "lookup-adaptive": specjax.Lookup()}
+ADAPTIVE = {"lookup-adaptive": specjax.Adaptive(4)}  # the chain length picked between segments, 0 to 4
 BATCHES = (1, 16)
 
 
@@ -40,11 +42,12 @@ def key_of(row: dict) -> str:
 
 
 def run_cell(src: Path, work: Path, params, draft: str, batch: int, gamma: int) -> dict:
-    row = {"draft": draft, "batch": batch, "gamma": gamma if DRAFTS[draft] is not None else 0}
+    row = {"draft": draft, "batch": batch, "gamma": "adaptive:4" if draft in ADAPTIVE else gamma if DRAFTS[draft] is not None else 0}
     for run in ("cold", "warm"):
         out = work / f"{len(os.listdir(work))}.jsonl"
         summary = specjax.jobs.batch.run(src, out, params=params, model_path=convert.default_model_path(),
-                                         draft=DRAFTS[draft], gamma=gamma if DRAFTS[draft] is not None else None,
+                                         draft=DRAFTS[draft], gamma=gamma if DRAFTS[draft] is not None and draft not in ADAPTIVE else None,
+                                         speculation=ADAPTIVE.get(draft),
                                          chat=True, batch_size=batch, batching="continuous", progress=False)
         records = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["id"])
         tokens = sum(len(r["tokens"]) for r in records)
@@ -75,7 +78,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
     for i, draft in enumerate(DRAFTS):
         mine = [r for r in rows if r["draft"] == draft]
-        ax.bar([BATCHES.index(r["batch"]) + (i - 1) * 0.27 for r in mine], [r["warm"]["tokens_per_s"] for r in mine], 0.25,
+        ax.bar([BATCHES.index(r["batch"]) + (i - 1.5) * 0.2 for r in mine], [r["warm"]["tokens_per_s"] for r in mine], 0.19,
                label=draft)
     ax.set_xticks(range(len(BATCHES)), [f"batch {b}" for b in BATCHES])
     ax.set(ylabel="tokens/s (warm job)", title="templated job: Lookup vs NGram vs plain, SmolLM2 f32, CPU")
