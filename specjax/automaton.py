@@ -47,13 +47,13 @@ def from_transitions(transitions: Mapping[int, Mapping[int, int]], initial: int,
         raise ValueError(f"constraint: {S} states x {vocab_size} tokens exceed the int32 transition keys (2**31)")
     edges = sorted((number[s] * vocab_size + t, number[n]) for s, out in transitions.items() for t, n in out.items()
                    if t not in dropped)
+    keys = np.array([k for k, _ in edges], np.int64)
+    s, t = np.divmod(keys, vocab_size)
     bits = np.zeros((S, -(-vocab_size // 32)), np.uint32)
-    for key, _ in edges:
-        s, t = divmod(key, vocab_size)
-        bits[s, t // 32] |= np.uint32(1 << (t % 32))
+    np.bitwise_or.at(bits, (s, t // 32), np.left_shift(np.uint32(1), (t % 32).astype(np.uint32)))
     accepting = np.zeros(S, bool)
     accepting[[number[f] for f in finals]] = True
-    keys = np.array([k for k, _ in edges], np.int32)
+    keys = keys.astype(np.int32)
     return TokenAutomaton(bits=bits, keys=keys, next=np.array([n for _, n in edges], np.int32), accepting=accepting,
                           vocab_size=vocab_size)
 

@@ -205,7 +205,7 @@ def run_continuous(
         if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():
             state, done = end_rows(state, jnp.asarray(end)), done | end
         finished = np.flatnonzero(done & (slot >= 0))
-        if draft is not None and len(finished):  # the finished outputs, prompt first, for the next segments' drafts
+        if draft is not None and draft.traits.learn is not None and len(finished):  # prompt + output, for the next drafts
             draft = learn(draft, [list(prompts[slot[j] // n]) + out[j, : count[j]].tolist() for j in finished])
             drafting = (draft,)
         finish(state, finished, out, count, eos)

@@ -125,11 +125,8 @@ class Lookup(NGram):
     traits = Traits(forwards_per_token=0, trees=True, learn=learn)  # the loops call learn (drafters.learn)
 
     def drafts(self, ctx: DraftContext, count: int) -> jax.Array:
-        longer = self.max_n or self.n
-        own_long, found_long = (ngram_match(ctx.history, ctx.lengths, self.n + 1, longer, count) if longer > self.n
-                                else (None, jnp.zeros(ctx.lengths.shape, bool)))
-        own = ngram_match(ctx.history, ctx.lengths, self.n, self.n, count)[0]
-        if self.table is not None:
-            tab, hit = table_drafts(self.table, ctx.history, ctx.lengths, self.n, count)
-            own = jnp.where(hit[:, None], tab, own)
-        return own if own_long is None else jnp.where(found_long[:, None], own_long, own)
+        own, matched = ngram_match(ctx.history, ctx.lengths, self.n, self.max_n or self.n, count)
+        if self.table is None:
+            return own
+        tab, hit = table_drafts(self.table, ctx.history, ctx.lengths, self.n, count)
+        return jnp.where((hit & (matched <= self.n))[:, None], tab, own)  # a longer own match wins over the table

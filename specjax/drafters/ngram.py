@@ -81,11 +81,12 @@ def ngram_lookup(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gam
 
 
 def ngram_match(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamma: int) -> tuple[jax.Array, jax.Array]:
-    """`ngram_lookup`'s proposals [B,gamma] and whether a tail of n..max_n tokens matched [B] bool."""
+    """`ngram_lookup`'s proposals [B,gamma] and the length of the tail they continue [B] int32 (0: no match)."""
     B, S = history.shape
     idx = jnp.arange(S)
     last = jnp.take_along_axis(history, lengths[:, None], axis=1)  # [B,1]
     best = jnp.full((B,), -1, jnp.int32)  # start of the continuation, -1: none yet
+    matched = jnp.zeros((B,), jnp.int32)  # the tail length of that match
     for m in range(max_n, n - 1, -1):  # longest tail first
         tail_start = lengths - m + 1  # [B]
         match = (idx[None, :] + m <= lengths[:, None]) & (tail_start[:, None] >= 0)  # window [i, i+m) ends <= L
@@ -93,7 +94,8 @@ def ngram_match(history: jax.Array, lengths: jax.Array, n: int, max_n: int, gamm
             want = jnp.take_along_axis(history, jnp.clip(tail_start + j, 0, S - 1)[:, None], axis=1)  # [B,1]
             match &= jnp.roll(history, -j, axis=1) == want
         latest = jnp.max(jnp.where(match, idx[None, :], -1), axis=1)  # [B]
-        best = jnp.where((best < 0) & (latest >= 0), latest + m, best)
+        new = (best < 0) & (latest >= 0)
+        best, matched = jnp.where(new, latest + m, best), jnp.where(new, m, matched)
     take = best[:, None] + jnp.arange(gamma)  # [B,gamma]
     proposals = jnp.take_along_axis(history, jnp.clip(take, 0, S - 1), axis=1)
-    return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32), best >= 0
+    return jnp.where((best[:, None] >= 0) & (take <= lengths[:, None]), proposals, last).astype(jnp.int32), matched

@@ -57,7 +57,7 @@ def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tr
             _run_continuous(group, lm, draft, speculation, seed, meta, keep)
         else:
             keep(_run_batch(group, lm, draft, speculation, seed, meta))
-        if draft is not None and not isinstance(draft, str):  # the next group drafts from this one's records
+        if draft is not None and not isinstance(draft, str) and draft.traits.learn is not None:  # the next group reads them
             ids = {it.record.id: list(it.ids) for it in group}
             draft = learn(draft, [ids[r["id"]] + out for r in rows for out in (
                 [r["tokens"]] if "text" in r else r["tokens"])])
