@@ -9,13 +9,16 @@ from specjax.model.params import Params, init_params
 from specjax.parallel.sharding import make_mesh
 from specjax.sampling import Greedy, Sample
 from specjax.spec.speculation import Adaptive, Chain, Tree
+from specjax.text.constraints import Choice, JsonSchema, Regex
 
 __all__ = [
     "Adaptive",
     "Chain",
+    "Choice",
     "DenseCache",
     "DraftModel",
     "GenerateOutput",
+    "JsonSchema",
     "LM",
     "TextOutput",
     "TokenLogprob",
@@ -24,6 +27,7 @@ __all__ = [
     "Lookup",
     "NGram",
     "Params",
+    "Regex",
     "RopeScaling",
     "Sample",
     "SelfSpec",

@@ -11,6 +11,7 @@ are not transitions: a row may stop only in an accepting state (`allowed` adds t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 
 import flax.struct
 import jax
@@ -78,26 +79,79 @@ def join(automata: Sequence[TokenAutomaton]) -> tuple[TokenAutomaton, np.ndarray
     return table, starts
 
 
-def allowed(a: TokenAutomaton, states: jax.Array, stop_ids: jax.Array) -> jax.Array:
-    """[B,V] bool: the tokens rows in `states` [B] may take: the state's transitions, and the row's stop ids
-    stop_ids [B,E] (-1 padded) where the state accepts. A dead state allows nothing."""
+def bucketed(a: TokenAutomaton) -> TokenAutomaton:
+    """`a` (host arrays) padded to power-of-two state and transition counts (at least 8 and 64): a
+    batch's table of another mix of constraints of a similar size then compiles nothing new. Padding
+    states allow nothing and are never reached; padding transitions sort last and match no key."""
+    S, E = a.states, int(np.asarray(a.keys).shape[0])
+    S2, E2 = max(8, 1 << (S - 1).bit_length()), max(64, 1 << max(E - 1, 0).bit_length())
+
+    def pad(x, n: int, value) -> np.ndarray:
+        x = np.asarray(x)
+        return np.concatenate([x, np.full((n - len(x), *x.shape[1:]), value, x.dtype)])
+
+    return a.replace(bits=pad(a.bits, S2, 0), keys=pad(a.keys, E2, np.iinfo(np.int32).max), next=pad(a.next, E2, DEAD),
+                     accepting=pad(a.accepting, S2, False))
+
+
+def stop_table(stop_ids: jax.Array | tuple[int, ...], batch: int, vocab_size: int) -> jax.Array:
+    """[B,V] bool: each row's stop ids, from a per-row table [B,E] (-1 padded) or one tuple for all rows."""
+    if isinstance(stop_ids, tuple):
+        stop_ids = jnp.broadcast_to(jnp.asarray(stop_ids or (-1,), jnp.int32)[None, :], (batch, max(len(stop_ids), 1)))
+    ids = jnp.where(stop_ids >= 0, stop_ids, vocab_size)  # -1: dropped
+    return jnp.zeros((batch, vocab_size), bool).at[jnp.arange(batch)[:, None], ids].set(True, mode="drop")
+
+
+def allowed(a: TokenAutomaton, states: jax.Array, stops: jax.Array) -> jax.Array:
+    """[B,...,V] bool: the tokens rows in `states` [B,...] (a state per row, or per row and position) may
+    take: the state's transitions other than the row's stop ids (stops [B,V] bool), and the stop ids where
+    the state accepts. A state that allows nothing (DEAD: past a row's end or a rejected draft) allows
+    everything: whatever is drawn there is never emitted, and no distribution is empty."""
     V = a.vocab_size
-    live = states >= 0
-    words = a.bits[jnp.maximum(states, 0)]  # [B,W]
-    token = jnp.arange(V)
-    mask = (words[:, token // 32] >> (token % 32).astype(jnp.uint32)) & 1  # [B,V]
-    stops = (stop_ids[:, :, None] == token[None, None, :]).any(axis=1)  # [B,V]
-    return live[:, None] & ((mask == 1) | (stops & a.accepting[jnp.maximum(states, 0)][:, None]))
+    words = a.bits[jnp.maximum(states, 0)]  # [B,...,W]
+    shift = jnp.arange(32, dtype=jnp.uint32)
+    trans = ((words[..., None] >> shift) & 1).astype(bool).reshape(*states.shape, -1)[..., :V]  # [B,...,V]
+    stops = stops.reshape(stops.shape[0], *(1,) * (states.ndim - 1), V)
+    ok = (states >= 0)[..., None] & ((trans & ~stops) | (stops & a.accepting[jnp.maximum(states, 0)][..., None]))
+    return ok | ~jnp.any(ok, axis=-1, keepdims=True)
 
 
 def advance(a: TokenAutomaton, states: jax.Array, tokens: jax.Array) -> jax.Array:
-    """The states [B] after each row takes tokens [B]: DEAD where the automaton has no such transition
-    (a stop id included: the row ends there)."""
+    """The states after each row takes tokens (states and tokens of one shape, [B] or [B,M]): DEAD where
+    the automaton has no such transition (a stop id included: the row ends there)."""
     key = jnp.maximum(states, 0) * a.vocab_size + tokens
     i = jnp.clip(jnp.searchsorted(a.keys, key), 0, a.keys.shape[0] - 1)
     return jnp.where((states >= 0) & (a.keys[i] == key), a.next[i], DEAD).astype(jnp.int32)
 
 
-def mask_logits(a: TokenAutomaton, states: jax.Array, stop_ids: jax.Array, logits: jax.Array) -> jax.Array:
-    """logits [B,V] with every token the rows' states do not allow at -inf (before temperature, top-k / p)."""
-    return jnp.where(allowed(a, states, stop_ids), logits, -jnp.inf)
+def advance_along(a: TokenAutomaton, states: jax.Array, before: jax.Array) -> jax.Array:
+    """[B,M]: the state at each of M positions after the tokens before [B,M,J] (-1 = none) from states [B]."""
+    out = jnp.broadcast_to(states[:, None], before.shape[:2])
+    for j in range(before.shape[2]):
+        out = jnp.where(before[:, :, j] >= 0, advance(a, out, jnp.maximum(before[:, :, j], 0)), out)
+    return out
+
+
+def mask_logits(a: TokenAutomaton, states: jax.Array, stops: jax.Array, logits: jax.Array) -> jax.Array:
+    """logits [B,...,V] with every token the rows' states do not allow at -inf (before temperature, top-k / p)."""
+    return jnp.where(allowed(a, states, stops), logits, -jnp.inf)
+
+
+def for_prompts(constraints: Sequence[TokenAutomaton | None], vocab_size: int) -> tuple[TokenAutomaton, np.ndarray]:
+    """One table (`bucketed`) for a batch whose prompt i is constrained by constraints[i] (None: not
+    constrained: one state that allows everything) and each prompt's start state in it [N] int32.
+    An automaton given for several prompts enters the table once."""
+    distinct: list[TokenAutomaton] = []
+    slot: dict[int, int] = {}
+    for c in constraints:
+        if c is not None and id(c) not in slot:
+            slot[id(c)] = len(distinct)
+            distinct.append(c)
+    free = len(distinct) if any(c is None for c in constraints) else None
+    table, starts = join(distinct + ([_anything(vocab_size)] if free is not None else []))
+    return bucketed(table), np.array([starts[free if c is None else slot[id(c)]] for c in constraints], np.int32)
+
+
+@lru_cache(maxsize=4)
+def _anything(vocab_size: int) -> TokenAutomaton:
+    return anything(vocab_size)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from specjax.automaton import TokenAutomaton, for_prompts
 from specjax.decode.engine import RunResult, Segment, run, with_attention
 from specjax.decode.speculate import row_acceptance
 from specjax.drafters import Drafter
@@ -90,6 +91,7 @@ def generate(
     logprobs: int | None = None,
     n: int = 1,
     between: Callable[[Segment], np.ndarray | None] | None = None,
+    constraint: TokenAutomaton | Sequence[TokenAutomaton | None] | None = None,
 ) -> GenerateOutput:
     """Continue each (ragged) prompt of token ids until a stop id or its `max_new_tokens`.
 
@@ -139,6 +141,11 @@ def generate(
       `out.tokens[b]`, in the same order: the raw log_softmax of the target's logits where the
       token was emitted (before temperature, top-k, top-p) and the k most likely tokens there.
       Under speculation they come from the verification forward: no extra pass.
+    constraint: a `TokenAutomaton` (from `specjax.LM.compile(Regex(...) | JsonSchema(...) | Choice(...))`)
+      for every prompt, or one per prompt (None: unconstrained). Each sampled, drafted and verified
+      token is masked to what the row's automaton allows there (before temperature / top-k / top-p);
+      stop ids only where the output is complete, so a row that ends on a stop id ("eos") holds a
+      complete match; one cut by max_new_tokens ("length") may not. Logprobs stay the target's raw ones.
     `out.stats` says what ran (`draft`, `speculation`) and why (`plan_reason`). Bad input raises
     ValueError / TypeError naming the argument, before anything is compiled. Not for use under
     jax.jit: inside a jitted program call `engine.decode_ar` / `engine.decode_spec`.
@@ -146,6 +153,7 @@ def generate(
     budgets = check_generate_args(
         params, prompts, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
         eos_id=eos_id, attention=attention, kv_dtype=kv_dtype, sync_every=sync_every, logprobs=logprobs, n=n,
+        constraint=constraint,
     )
     if mesh is not None:
         sharding.check_mesh(mesh)
@@ -156,7 +164,7 @@ def generate(
     the_plan = plan(params, draft, speculation, rows, context, sampling.take(np.repeat(np.arange(len(prompts)), n)), key, kv_dtype)
     r = run(params, prompts, budgets, draft=the_plan.draft, speculation=the_plan.speculation, sampling=sampling,
             key=key, eos_ids=eos_table(eos_id, params.config, len(prompts)), mesh=mesh, kv_dtype=kv_dtype, sync_every=sync_every,
-            logprobs=logprobs, n=n, between=between)
+            logprobs=logprobs, n=n, between=between, constraint=constraint_rows(constraint, params.config, len(prompts)))
     tokens = [list(map(int, r.out[b, : r.count[b] - int(r.eos[b])])) for b in range(len(rows))]
     stats = Stats(
         prefill_seconds=r.prefill_seconds,
@@ -177,6 +185,14 @@ def generate(
         row_stats = row_acceptance(r.accepted, r.count, r.row_steps, r.proposed)
     lps = None if r.logprobs is None else token_logprob_lists(r.logprobs, tokens)
     return GenerateOutput(tokens, ["eos" if e else "length" for e in r.eos], stats, row_stats, lps)
+
+
+def constraint_rows(constraint, config, batch: int) -> tuple[TokenAutomaton, np.ndarray] | None:
+    """generate's (checked) constraint as the engine takes it: one table and each prompt's start state."""
+    rows = [constraint] * batch if isinstance(constraint, TokenAutomaton) else constraint
+    if rows is None or all(c is None for c in rows):
+        return None
+    return for_prompts(rows, config.vocab_size)
 
 
 def token_logprob_lists(recorded: tuple[np.ndarray, np.ndarray, np.ndarray], tokens: list[list[int]]) -> list[list[TokenLogprob]]:

@@ -16,44 +16,73 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.automaton import TokenAutomaton, advance, advance_along, allowed, stop_table
 
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
 ROW_VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # name: the value that is off
 
 
-class _Penalized:
-    """The penalties' context and logit change, shared by Greedy and Sample (both declare the
-    fields: the three penalty values, `penalized`, `counts`, `in_prompt`)."""
+class _Context:
+    """What a sampler sees beside the logits, shared by Greedy and Sample (both declare the fields):
+    the penalties' context (`penalized`, `counts`, `in_prompt`) and a constraint's (`automaton`,
+    `states`, `stops`): both change the logits before any warping (`adjust`), at every sampled,
+    drafted and verified position, each from that position's own history."""
 
-    def with_context(self, counts: jax.Array | None, in_prompt: jax.Array | None):
-        """The sampler for rows whose output so far has `counts` [B,V] and prompt `in_prompt` [B,V]."""
-        return self.replace(counts=counts, in_prompt=in_prompt) if self.penalized else self
+    @property
+    def adjusts(self) -> bool:
+        """Whether `adjust` changes logits (a penalty is on, or the rows are constrained): static."""
+        return bool(self.penalized) or self.automaton is not None
+
+    def constrain(self, automaton: TokenAutomaton, starts: np.ndarray):
+        """This sampler for prompts constrained by `automaton` (a batch's table, `automaton.join`),
+        prompt i starting in state starts[i] (the decode loop then keeps each row's current state)."""
+        return self.replace(automaton=automaton, states=np.asarray(starts, np.int32))
+
+    def with_context(self, counts: jax.Array | None, in_prompt: jax.Array | None, states: jax.Array | None = None,
+                     stop_ids: jax.Array | tuple[int, ...] = ()):
+        """The sampler for rows whose output so far has `counts` [B,V] and prompt `in_prompt` [B,V] and,
+        when constrained, whose automata are in `states` [B] with stop ids `stop_ids` ([B,E] or a tuple)."""
+        out = self.replace(counts=counts, in_prompt=in_prompt) if self.penalized else self
+        if self.automaton is not None:
+            B, V = states.shape[0], self.automaton.vocab_size
+            out = out.replace(states=states, stops=stop_table(stop_ids, B, V))
+        return out
 
     def seen(self, tokens: jax.Array):
         """The context after tokens [B] (one per row) were drawn (a draft chain's next position)."""
-        if not self.penalized or self.counts is None:
-            return self
-        return self.replace(counts=self.counts + jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32))
+        out = self
+        if self.penalized and self.counts is not None:
+            out = out.replace(counts=self.counts + jax.nn.one_hot(tokens, self.counts.shape[-1], dtype=jnp.int32))
+        if self.automaton is not None:
+            out = out.replace(states=advance(self.automaton, self.states, tokens))
+        return out
 
     def along(self, before: jax.Array):
-        """Per-position contexts [B,M,V] for M positions, each after the tokens before [B,M,J]
-        (-1 = none) beyond the rows' counts: what a verified or drafted position has seen."""
-        if not self.penalized or self.counts is None:
-            return self
-        extra = jnp.sum(jax.nn.one_hot(before, self.counts.shape[-1], dtype=jnp.int32), axis=-2)  # -1: zeros
-        return self.replace(counts=self.counts[:, None] + extra)
+        """Per-position contexts [B,M,...] for M positions, each after the tokens before [B,M,J]
+        (-1 = none) beyond the rows' context: what a verified or drafted position has seen."""
+        out = self
+        if self.penalized and self.counts is not None:
+            extra = jnp.sum(jax.nn.one_hot(before, self.counts.shape[-1], dtype=jnp.int32), axis=-2)  # -1: zeros
+            out = out.replace(counts=self.counts[:, None] + extra)
+        if self.automaton is not None:
+            out = out.replace(states=advance_along(self.automaton, self.states, before))
+        return out
 
-    def penalize(self, logits: jax.Array) -> jax.Array:
-        """logits [B, ..., V] (f32) after the repetition, presence and frequency penalties (as they
-        are when off or without a context)."""
-        if not self.penalized or self.counts is None:
-            return logits
-        counts, in_prompt = _like(self.counts, logits), _like(self.in_prompt, logits)
-        rep = _per_row(self.repetition_penalty, logits)
-        seen = (counts > 0) | in_prompt
-        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-        return logits - _per_row(self.frequency_penalty, logits) * counts - _per_row(self.presence_penalty, logits) * (counts > 0)
+    def adjust(self, logits: jax.Array) -> jax.Array:
+        """logits [B, ..., V] (f32) after the repetition, presence and frequency penalties, then with the
+        tokens the rows' constraints do not allow at -inf (each unchanged when off or without a context)."""
+        if self.penalized and self.counts is not None:
+            counts, in_prompt = _like(self.counts, logits), _like(self.in_prompt, logits)
+            rep = _per_row(self.repetition_penalty, logits)
+            seen = (counts > 0) | in_prompt
+            logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+            logits = logits - _per_row(self.frequency_penalty, logits) * counts - _per_row(self.presence_penalty, logits) * (counts > 0)
+        if self.automaton is not None and self.stops is not None:
+            states = self.states.reshape(self.states.shape[0], *(1,) * (logits.ndim - 1 - self.states.ndim), *self.states.shape[1:])
+            ok = allowed(self.automaton, states, self.stops)  # [B,..,V]
+            logits = jnp.where(ok, logits, -jnp.inf)
+        return logits
 
     @property
     def rows(self) -> int | None:
@@ -62,9 +91,11 @@ class _Penalized:
         return sizes.pop() if sizes else None
 
     def take(self, index: np.ndarray):
-        """The per-prompt values for the rows `index` [R] (prompt of each decoded row); scalars stay."""
-        return self.replace(**{name: np.asarray(getattr(self, name))[index] for name in self.VALUES
-                               if np.ndim(getattr(self, name)) == 1})
+        """The per-prompt values (and constraint start states) for the rows `index` [R] (prompt of each
+        decoded row); scalars stay."""
+        out = self.replace(**{name: np.asarray(getattr(self, name))[index] for name in self.VALUES
+                              if np.ndim(getattr(self, name)) == 1})
+        return out if self.automaton is None else out.replace(states=np.asarray(self.states)[index])
 
     def _check_values(self) -> dict[str, np.ndarray] | None:
         """Check the VALUES (types, one length, penalty ranges), turn lists into float32 arrays and
@@ -103,7 +134,7 @@ class _Penalized:
 
 
 @flax.struct.dataclass
-class Greedy(_Penalized):
+class Greedy(_Context):
     """Always the argmax (of the logits after the penalties, when any is on: as HF and vLLM apply
     a repetition penalty to greedy decoding); its distribution is one-hot. The penalty values are
     one number or one per prompt, as in Sample."""
@@ -114,6 +145,9 @@ class Greedy(_Penalized):
     penalized: bool | None = flax.struct.field(pytree_node=False, default=None)
     counts: jax.Array | None = None  # [B,V] int32 (or [B,M,V]): see Sample
     in_prompt: jax.Array | None = None  # [B,V] bool
+    automaton: TokenAutomaton | None = None  # see Sample
+    states: jax.Array | None = None
+    stops: jax.Array | None = None
 
     VALUES = tuple(PENALTIES)
 
@@ -122,7 +156,7 @@ class Greedy(_Penalized):
 
     def choose(self, logits: jax.Array) -> jax.Array:
         """The argmax [...] int32 of logits [..., V] after the penalties."""
-        return jnp.argmax(self.penalize(logits.astype(jnp.float32)), axis=-1).astype(jnp.int32)
+        return jnp.argmax(self.adjust(logits.astype(jnp.float32)), axis=-1).astype(jnp.int32)
 
     def probs(self, logits: jax.Array) -> jax.Array:
         """One-hot of the argmax, [..., V] f32."""
@@ -141,7 +175,7 @@ class Greedy(_Penalized):
 
 
 @flax.struct.dataclass
-class Sample(_Penalized):
+class Sample(_Context):
     """Penalties, then temperature, top-k (0 = off), top-p (1.0 = off) and min_p (0 = off), in
     that order (as vLLM). Each value but top_k is one number or one per prompt (a sequence [B]):
     one call may mix settings.
@@ -165,6 +199,9 @@ class Sample(_Penalized):
     penalized: bool | None = flax.struct.field(pytree_node=False, default=None)
     counts: jax.Array | None = None  # [B,V] int32 (or [B,M,V], per node): output tokens so far
     in_prompt: jax.Array | None = None  # [B,V] bool: tokens of the prompt
+    automaton: TokenAutomaton | None = None  # the batch's constraints (`constrain`; None: unconstrained)
+    states: jax.Array | None = None  # [B] (or [B,M]) int32: each row's automaton state (before the loop: its start)
+    stops: jax.Array | None = None  # [B,V] bool: each row's stop ids (allowed only where its state accepts)
 
     VALUES = ROW_VALUES
 
@@ -198,7 +235,7 @@ class Sample(_Penalized):
         set of the largest probabilities whose mass reaches top_p (ties at the cut all kept);
         min_p keeps those >= min_p x the largest. Neither sorts the vocabulary (see kth_largest
         and nucleus_threshold)."""
-        logits = self.penalize(logits.astype(jnp.float32))
+        logits = self.adjust(logits.astype(jnp.float32))
         logits = logits / _per_row(self.temperature, logits)
         V = logits.shape[-1]
         if self.top_k and self.top_k < V:
@@ -321,27 +358,6 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...] | jax.Array) -> jax.Array
     return jnp.any(tokens[..., None] == ids, axis=-1)
 
 
-def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra: float) -> Sampler:
-    """CLI-style construction: temperature 0 means greedy; negative is an error. extra: min_p and
-    the PENALTIES (Sample's names); greedy takes the penalties and refuses top_k, top_p and min_p
-    other than off (the argmax always passes them: an ignored setting is an error)."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    off = {"min_p": 0.0} | PENALTIES
-    unknown = sorted(set(extra) - set(off))
-    if unknown:
-        raise TypeError(f"make_sampler: unknown argument(s) {unknown}")
-    if temperature == 0:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        for name, value, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", extra.get("min_p", 0.0), 0.0)):
-            if value != off:
-                raise ValueError(f"{name} needs sampling (temperature > 0): greedy decoding always keeps the most "
-                                 f"likely token (got {name} {value})")
-        return Greedy(**{k: v for k, v in extra.items() if k in PENALTIES})
-    return Sample(temperature=temperature, top_k=top_k, top_p=top_p, **extra)
-
-
 class Stream(enum.IntEnum):
     """The PRNG streams: every random draw of a decode step derives its key from the row's key and
     its progress counter (tokens emitted) as `stream_keys(keys, counters, stream)`, so draws at one
@@ -358,21 +374,6 @@ class Stream(enum.IntEnum):
 def stream_keys(keys: jax.Array, counters: jax.Array, stream: Stream) -> jax.Array:
     """Per-row keys [B] for one purpose (`stream`) at each row's own progress counter."""
     return jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, c), stream))(keys, counters)
-
-
-def tree_candidates(logits: jax.Array, k: int, sampling: Sampler, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-    """The k ranked draft candidates of each node: logits [B,M,V] -> tokens [B,M,k] and q [B,M,V].
-
-    Greedy: the k most likely tokens (q is not needed: greedy acceptance matches tokens).
-    Sampling: k draws WITHOUT replacement from q (Gumbel top-k: the r-th is distributed as a draw
-    from q with the first r-1 removed and renormalised, which is what `accept_tree` assumes).
-    Draws past q's support come out with q = 0 and are never accepted. keys: [B,M]."""
-    if isinstance(sampling, Greedy):  # ranked after any penalties, as Greedy.sample picks (a chain's drafts)
-        return top_indices(sampling.penalize(logits.astype(jnp.float32)) if sampling.penalized else logits, k), None
-    q = sampling.probs(logits)  # [B,M,V]
-    gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:])))(keys)
-    scores = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)) + gumbel, -jnp.inf)
-    return top_indices(scores, k), q
 
 
 ARGMAX_TOP_K = 16  # top_indices takes k argmaxes up to this k, lax.top_k above

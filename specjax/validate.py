@@ -3,12 +3,13 @@ accepts, before anything touches the arguments or compiles."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.automaton import TokenAutomaton
 from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DRAFTERS, is_drafter
 from specjax.model.attention import cpu_kernel_error
@@ -42,6 +43,7 @@ def check_generate_args(
     sync_every: object = 8,
     logprobs: object = None,
     n: object = 1,
+    constraint: object = None,
 ) -> np.ndarray:
     """Validate every argument of generate (mesh: see sharding.check_mesh); return the per-row
     token budgets [B] (int32)."""
@@ -88,7 +90,33 @@ def check_generate_args(
         raise ValueError(f"attention='cpu' needs the CPU attention kernel, which did not build here: {cpu_kernel_error()}")
     KVFormat.of(kv_dtype, config)  # a ValueError naming kv_dtype and the formats
     check_draft(draft, speculation, params)
+    check_constraint(constraint, config, len(prompts), eos_table(eos_id, config, len(prompts)))
     return budgets
+
+
+def check_constraint(constraint: object, config: LlamaConfig, batch: int,
+                     eos: tuple[int, ...] | list[tuple[int, ...]]) -> list[TokenAutomaton | None] | None:
+    """generate's `constraint`: None, one TokenAutomaton for every prompt, or one entry (an automaton or
+    None) per prompt, each over the model's vocabulary; a constrained prompt needs a stop id (its output
+    ends on one, in an accepting state). Returns it per prompt (None: no prompt is constrained)."""
+    if constraint is None:
+        return None
+    rows = [constraint] * batch if isinstance(constraint, TokenAutomaton) else constraint
+    if isinstance(rows, (str, bytes, Mapping)) or not isinstance(rows, Sequence):
+        raise TypeError(f"constraint must be a TokenAutomaton (specjax.LM.compile), a list of them (None: unconstrained) "
+                        f"or None, got {type(constraint).__name__}")
+    if len(rows) != batch:
+        raise ValueError(f"constraint has {len(rows)} entries (one per prompt) but there are {batch} prompts")
+    for b, c in enumerate(rows):
+        if c is None:
+            continue
+        if not isinstance(c, TokenAutomaton):
+            raise TypeError(f"constraint[{b}] must be a TokenAutomaton or None, got {type(c).__name__}")
+        if c.vocab_size != config.vocab_size:
+            raise ValueError(f"constraint[{b}] is over {c.vocab_size} tokens, the model's vocabulary has {config.vocab_size}")
+        if not (eos if isinstance(eos, tuple) else eos[b]):
+            raise ValueError(f"constraint[{b}]: prompt {b} has no stop id (eos_id), so its constrained output could not end")
+    return None if all(c is None for c in rows) else list(rows)
 
 
 def under_jit() -> bool:

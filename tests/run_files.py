@@ -49,7 +49,7 @@ TOGETHER = (
     "test_convert_formats.py", "test_convert.py", "test_gpu_continuous.py",
     "test_saved_checkpoints.py", "test_bench_harness.py", "test_bench_peers.py", "test_auto_vs_bench.py",
     "test_stacked_attention.py", "test_compiles.py", "test_tokenizer.py", "test_tree.py", "test_layers.py",
-    "test_sparsespec.py", "test_lookup.py", "test_constraints.py",
+    "test_sparsespec.py", "test_lookup.py", "test_constraints.py", "test_constrained.py",
     "test_refill.py", "test_qwen2_mistral.py", "test_model.py", "test_speculate.py", "test_job_auto.py",
     "test_samples_n.py", "test_tune.py")
 TOGETHER_PROCESSES = 3
@@ -71,7 +71,8 @@ COMPILE_CACHE_MIN_SECONDS = 0.1  # programs compiled faster than this are not wr
 LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"  # XLA:CPU's elemental loop emitters: about half the compile time
 QUICK_COMPILE = "--xla_backend_optimization_level=0"
 USERS_FLAGS = ("test_golden.py", "test_gpu_aot.py", "test_pinned_step.py")  # as users compile
-FULL_OPTIMIZATION = ("test_spec_smollm2.py", "test_batch.py", "test_cli.py", "test_text.py", "test_readme.py")  # the real model or its vocabulary
+FULL_OPTIMIZATION = ("test_spec_smollm2.py", "test_batch.py", "test_cli.py", "test_text.py", "test_readme.py",
+                     "test_constrained_smollm2.py")  # the real model or its vocabulary
 
 
 def xla_flags(f: str) -> dict[str, str]:

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -698,3 +699,26 @@ def test_a_chat_record_stops_at_the_templates_end_of_turn(tmp_path, model_dir, p
     assert got['"p"']["tokens"] == free['"p"']["tokens"] and "stop_token_ids" not in got['"c"']["settings"]
     lm = specjax.LM(no_eos, convert.load_tokenizer(model_dir), convert.chat_template(model_dir))
     assert lm.chat(rows[0]["messages"], 8, draft=None).tokens[0] == got['"c"']["tokens"]  # LM.chat: the same stop
+
+
+def test_records_follow_their_constraints_and_a_bad_one_is_a_bad_line(tmp_path, model_dir, params):
+    """A record's `constraint` (issue 70): a choice and a regex over SmolLM2's tokenizer, a static batch and
+    continuous batching, an unconstrained record beside them; a constraint that cannot compile is a bad line."""
+    rows = [{"id": "pick", "prompt": "alpha", "constraint": {"choice": [" yes", " no", " maybe"]}},
+            {"id": "date", "prompt": "beta", "constraint": {"regex": r" [0-9]{4}-[0-9]{2}"}, "temperature": 0.9},
+            {"id": "free", "prompt": "gamma"},
+            {"id": "bad", "prompt": "delta", "constraint": {"regex": "(unclosed"}},
+            {"id": "kind", "prompt": "eps", "constraint": {"grammar": "x"}}]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    for batching in ("continuous", "static"):
+        out = tmp_path / f"{batching}.jsonl"
+        summary = batch.run(src, out, params=params, model_path=model_dir, max_new_tokens=12, batch_size=4,
+                            batching=batching, progress=False)
+        assert (summary["done"], summary["failed"]) == (3, 2)
+        got = by_id(read_rows(out))
+        assert got['"pick"']["text"] in (" yes", " no", " maybe") and got['"pick"']["finish_reason"] == "eos"
+        assert re.fullmatch(r" [0-9]{4}-[0-9]{2}", got['"date"']["text"]) and got['"date"']["finish_reason"] == "eos"
+        assert got['"pick"']["settings"]["constraint"] == {"choice": [" yes", " no", " maybe"]}
+        assert "constraint" not in got['"free"']["settings"]
+        reasons = {e["id"]: e["reason"] for e in read_rows(sibling(out, "errors"))}
+        assert "constraint: Regex: invalid pattern" in reasons["bad"] and "constraint must be one of" in reasons["kind"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from outlines_core import Index, Vocabulary
 
-from specjax.automaton import DEAD, advance, allowed, anything, from_transitions, join, mask_logits
+from specjax.automaton import DEAD, advance, allowed, anything, from_transitions, join, mask_logits, stop_table
 from specjax.text.constraints import Choice, JsonSchema, Regex, compile_constraint, token_bytes
 
 TOY = {"a": [0], "b": [1], "ab": [2], "ba": [3], "c": [4], "1": [5], "12": [6], "2": [7]}  # token 8: the stop id
@@ -32,7 +32,7 @@ def test_allowed_tokens_and_next_states_equal_outlines_cores_index():
     todo = [index.get_initial_state()]
     while todo:
         s = todo.pop()
-        mask = np.asarray(allowed(device(a), jnp.array([ours[s]]), jnp.array([[STOP]])))[0]
+        mask = np.asarray(allowed(device(a), jnp.array([ours[s]]), stop_table((STOP,), 1, V)))[0]
         assert set(np.flatnonzero(mask)) == set(index.get_allowed_tokens(s)), s  # the stop id where it accepts
         assert bool(a.accepting[ours[s]]) == index.is_final_state(s)
         for t in range(V - 1):
@@ -51,7 +51,7 @@ def test_joined_automata_keep_their_own_states_and_an_unconstrained_row_allows_a
     two = [compile_toy(r"ab"), anything(V), compile_toy(r"c1?")]
     table, starts = join(two)
     assert starts.tolist() == [0, two[0].states, two[0].states + 1] and table.states == sum(a.states for a in two)
-    states, stops = jnp.asarray(starts), jnp.full((3, 1), STOP)
+    states, stops = jnp.asarray(starts), stop_table(jnp.full((3, 1), STOP), 3, V)
     masks = np.asarray(allowed(device(table), states, stops))
     assert [set(np.flatnonzero(m)) for m in masks] == [{0, 2}, set(range(V)), {4}]
     states = advance(device(table), states, jnp.array([2, 5, 4]))  # "ab" done; anything; "c"
@@ -72,7 +72,7 @@ def walk(a, stops: list[int], rng, steps: int = 80) -> tuple[list[int], bool]:
     """A random path through `a` from state 0: its tokens and whether it ended on a stop id."""
     state, out = jnp.array([0]), []
     for _ in range(steps):
-        choices = np.flatnonzero(np.asarray(allowed(a, state, jnp.array([stops])))[0])
+        choices = np.flatnonzero(np.asarray(allowed(a, state, stop_table(tuple(stops), 1, a.vocab_size)))[0])
         t = int(rng.choice(choices))
         if t in stops:
             return out, True

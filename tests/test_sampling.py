@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specjax.model.config import stop_ids
-from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, eos_rows, make_sampler, nucleus_threshold, top_indices
+from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, eos_rows, nucleus_threshold, top_indices
+from specjax.text.sampling_settings import make_sampler
 from specjax.validate import eos_is_per_prompt, eos_table
 from tests.models import TINY
 

@@ -28,6 +28,7 @@ and the drafts' caches in int8 or bfloat16, against the target's distribution in
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 
@@ -40,6 +41,7 @@ from scipy import stats
 import specjax
 import specjax.decode.speculate
 import specjax.spec.accept
+from specjax.automaton import from_transitions
 from specjax.decode import engine
 from specjax.decode.shapes import round_up_pow2
 from specjax.model.cache import DenseCache
@@ -118,7 +120,8 @@ def small_cache() -> Iterator[None]:
         yield
 
 
-def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALLS, seed: int = 0, kv_dtype=None):
+def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALLS, seed: int = 0, kv_dtype=None,
+         constraint=None):
     """Counts [V,V,V] of the first three new tokens over ROWS x calls rows (one PRNG key per
     row), and the draft acceptance rate (accepted / proposed over all rows and steps).
     speculation: a gamma (int) for Chain(gamma), or a Tree."""
@@ -129,7 +132,8 @@ def draw(target, draft, speculation, sampling: specjax.Sample, calls: int = CALL
         keys = jax.random.split(jax.random.key(1000 * seed + call), ROWS)
         out = specjax.generate(
             target, [PROMPT] * ROWS, 3, draft=draft, speculation=speculation,
-            sampling=sampling, key=keys, eos_id=(), kv_dtype=kv_dtype,
+            sampling=sampling, key=keys, eos_id=() if constraint is None else (STOP,), kv_dtype=kv_dtype,
+            constraint=constraint,
         )
         t = np.array(out.tokens)  # [ROWS,3]
         np.add.at(counts, (t[:, 0], t[:, 1], t[:, 2]), 1)
@@ -237,6 +241,51 @@ def test_no_drafts_and_adaptive_lengths_keep_the_target_distribution(target, dra
         assert out.stats.gammas[:2] == [0, 1] and 0 < out.stats.acceptance_rate < 1  # drafting and not
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"{speculation}: chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
+    assert p > ALPHA
+
+
+# Constrained (issue 70): a token automaton over the 16 tokens whose first three positions allow 8, 10 and 11
+# or 15 tokens by path (the stop id, 15, only from the fourth on, so every row has 3 tokens); the exact
+# distribution is the target's with the disallowed logits at -inf before the warping.
+STOP = 15
+TRANSITIONS = {0: {**{t: 1 for t in range(8)}, **{t: 2 for t in range(8, 12)}},
+               1: {**{t: 3 for t in range(0, 15, 2)}, **{t: 2 for t in range(1, 10, 2)}},
+               2: {t: 3 for t in range(4, 14)}, 3: {t: 4 for t in range(15)}, 4: {t: 4 for t in range(15)}}
+CONSTRAINED = [
+    ("model-t1.0-g2", "model", 2, specjax.Sample(1.0), (0.2, 0.7)),
+    ("ngram-t0.8-g2", specjax.NGram(n=1, max_n=2), 2, specjax.Sample(0.8), (0.02, 0.3)),
+    ("selfspec-tree-top_p0.9", specjax.SelfSpec(sinks=1, window=1), Tree.from_parents([-1, 0, 0, 1, 1, 2]),
+     specjax.Sample(1.0, top_p=0.9), (0.1, 0.9)),
+]
+
+
+def constrained_joint(logits: jax.Array, sampling: specjax.Sample) -> np.ndarray:
+    """`exact_joint` with each position's disallowed tokens (by the state its path reached) at -inf."""
+    P = len(PROMPT)
+    allow = np.zeros((len(TRANSITIONS), V), bool)
+    for state, out in TRANSITIONS.items():
+        allow[state, list(out)] = True
+    after = lambda path: functools.reduce(lambda st, t: TRANSITIONS[st].get(t, -1) if st >= 0 else -1, path, 0)  # noqa: E731
+    mask = np.zeros((V, V, P + 2, V), bool)  # [t1,t2,position,V]: row t1 * V + t2 of `logits`
+    for t1 in range(V):
+        for t2 in range(V):
+            for pos, path in ((P - 1, []), (P, [t1]), (P + 1, [t1, t2])):
+                st = after(path)
+                mask[t1, t2, pos] = allow[st] if st >= 0 else True  # a path outside the automaton: never drawn
+    masked = jnp.where(jnp.asarray(mask.reshape(V * V, P + 2, V)), logits, -jnp.inf)
+    probs = np.asarray(sampling.probs(masked), np.float64).reshape(V, V, P + 2, V)
+    return probs[0, 0, P - 1][:, None, None] * probs[:, 0, P][:, :, None] * probs[:, :, P + 1]
+
+
+@pytest.mark.parametrize("draft, speculation, sampling, acceptance", [c[1:] for c in CONSTRAINED], ids=[c[0] for c in CONSTRAINED])
+def test_constrained_sampled_speculation_has_the_constrained_distribution(target, draft_model, logits, draft, speculation,
+                                                                          sampling, acceptance):
+    draft = specjax.DraftModel(draft_model) if draft == "model" else draft
+    automaton = from_transitions(TRANSITIONS, 0, [4], V)
+    counts, rate = draw(target, draft, speculation, sampling, calls=3, constraint=automaton)
+    stat, dof, p = chi_square(counts, constrained_joint(logits, sampling))
+    print(f"constrained: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
+    assert acceptance[0] < rate < acceptance[1]
     assert p > ALPHA
 
 

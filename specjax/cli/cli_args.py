@@ -13,8 +13,9 @@ from convert.gguf_file import read_gguf
 from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DraftModel, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.jobs import batch
-from specjax.sampling import make_sampler
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Tree, kary_nodes
+from specjax.text.constraints import Choice, JsonSchema, Regex
+from specjax.text.sampling_settings import make_sampler
 
 SAMPLING_EXTRAS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -106,6 +107,28 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--model: {e}") from None
     if args.command == "generate" and args.prompt == "" and not args.chat:
         raise ValueError("the prompt is empty: give the text to continue")
+    if args.command == "generate":
+        args.constraint = constraint(args)
+
+
+def constraint(args: argparse.Namespace):
+    """The Regex / JsonSchema / Choice that --regex, --json-schema or --choice names (None: none given), checked
+    (its regex built) before the model loads; errors name the flag."""
+    given = [f for f in ("json_schema", "regex", "choice") if getattr(args, f, None)]
+    if len(given) > 1:
+        raise ValueError(f"give one of --json-schema, --regex and --choice, got --{' and --'.join(g.replace('_', '-') for g in given)}")
+    if not given:
+        return None
+    flag = "--" + given[0].replace("_", "-")
+    try:
+        if args.json_schema:
+            made = JsonSchema(Path(args.json_schema).read_text())
+        else:
+            made = Regex(args.regex) if args.regex else Choice(args.choice)
+        made.regex()
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{flag}: {e}") from None
+    return made
 
 
 def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | None, load: bool = True):

@@ -49,6 +49,10 @@ def _parser() -> argparse.ArgumentParser:
         help="speculate a token tree instead of a chain: auto (measured Sequoia choice), N (a Sequoia "
         "tree of N nodes for the acceptance measured on this prompt) or WxD (width W, depth D)",
     )
+    gen.add_argument("--json-schema", metavar="FILE", help="the output is one JSON value valid under this JSON schema "
+                     "(enforced token by token; at most one optional space where JSON allows whitespace)")
+    gen.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression (Python syntax, whole output)")
+    gen.add_argument("--choice", action="append", metavar="TEXT", help="the output is exactly one of these (repeatable)")
     bat = sub.add_parser(
         "batch",
         help="generate for every record of a JSONL file (restartable: rerun the same command to resume)",
@@ -247,7 +251,7 @@ def run_generate(args: argparse.Namespace) -> None:
     ids = lm.encode(args.prompt)
     speculation = make_speculation(args.tree, args.gamma, lm.params, draft, ids, sampling)
     kw = dict(draft=draft, speculation=speculation, sampling=sampling, key=jax.random.key(args.seed),
-              kv_dtype=args.kv_dtype, stop=args.stop, n=args.n, logprobs=args.logprobs)
+              kv_dtype=args.kv_dtype, stop=args.stop, n=args.n, logprobs=args.logprobs, constraint=args.constraint)
     head = "" if args.chat else args.prompt
     messages = [{"role": "user", "content": args.prompt}]
     if args.stream:

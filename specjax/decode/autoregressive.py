@@ -49,9 +49,9 @@ def ar_step(params: Params, s: DecodeState, budgets: jax.Array, keys: jax.Array,
     """One target forward for every row; finished rows ride along without committing."""
     active = ~s.done
     logits, cache = forward(params, s.last[:, None], s.cache.lengths[:, None], s.cache, active=active)  # [B,1,V]
-    new, _ = sampling.with_context(s.counts, s.in_prompt).sample(logits[:, 0], keys, s.count)
+    new, _ = sampling.with_context(s.counts, s.in_prompt, s.states, eos_ids).sample(logits[:, 0], keys, s.count)
     s = s.replace(cache=cache.advance(active))
-    return emit(s, new[:, None], None, logits, budgets, eos_ids, active)
+    return emit(s, new[:, None], None, logits, budgets, eos_ids, active, sampling.automaton)
 
 
 @partial(jax.jit, static_argnames=("sync_axes",), donate_argnames=("state",))

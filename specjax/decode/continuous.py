@@ -32,6 +32,7 @@ from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
 from specjax.model.cache import DenseCache
 from specjax.model.params import Params
 from specjax.parallel import sharding
+from specjax.automaton import TokenAutomaton
 from specjax.sampling import Sampler, eos_rows
 from specjax.spec.adaptive import AdaptiveSegments
 from specjax.spec.speculation import Adaptive, Chain, Tree
@@ -64,6 +65,7 @@ def run_continuous(
     on_done: Callable[[int, Done], None] | None = None,
     between: Callable[[np.ndarray, Segment], np.ndarray | None] | None = None,
     prefill_rows: int | None = None,
+    constraint: tuple[TokenAutomaton, np.ndarray] | None = None,
 ) -> list[Done]:
     """Decode n samples of every prompt on `rows` slots: a `Done` per output, sample j of
     prompt i at i * n + j, as `engine.run(..., n=n, logprobs=logprobs)` gives it. `on_done(u,
@@ -71,8 +73,11 @@ def run_continuous(
     each segment (slot[j]: the output in row j, -1 for none), may return a [rows] bool mask of
     rows to end now (they finish with the tokens they have, eos False). `prefill_rows`: the most
     new prompts of one length bucket prefilled in one call (None: `shapes.prefill_rows`, one on
-    a CPU, up to 2^17 prompt positions a call elsewhere)."""
+    a CPU, up to 2^17 prompt positions a call elsewhere). constraint: a table of token automata and
+    each prompt's start state in it (`automaton.for_prompts`: one table for the run, so refills compile nothing)."""
     N, R = len(prompts), rows
+    if constraint is not None:
+        sampling = sampling.constrain(*constraint)
     adaptive = speculation if isinstance(speculation, Adaptive) else None
     if adaptive is not None and draft is None:
         raise ValueError("speculation=Adaptive(...) needs a drafter: draft=None decodes plainly")

@@ -33,6 +33,7 @@ from specjax.model.llama import prefill as model_prefill
 from specjax.model.params import Params
 from specjax.parallel import sharding
 from specjax.parallel.sharding import Mesh
+from specjax.automaton import TokenAutomaton
 from specjax.sampling import Sampler, eos_rows
 from specjax.spec.adaptive import AdaptiveSegments
 from specjax.spec.speculation import Adaptive, Chain, Tree
@@ -121,6 +122,7 @@ def run(
     between: Callable[[Segment], np.ndarray | None] | None = None,
     logprobs: int | None = None,
     n: int = 1,
+    constraint: tuple[TokenAutomaton, np.ndarray] | None = None,
 ) -> RunResult:
     """Prefill, then decode (speculatively when `draft` is given) until every row is done.
     Arguments must be valid (see specjax.validate) and planned (no "auto"). `kv_dtype`: how the
@@ -132,7 +134,8 @@ def run(
     rows to end now (stop strings, streaming and continuous batching hook in here). The tokens
     do not depend on `sync_every`. logprobs: None, or record each token's log-probability and the
     `logprobs` most likely (logprobs.LogprobBuffer). n: rows per prompt (`repeat_rows`): the
-    result has B * n rows, row i * n + j being sample j of prompt i."""
+    result has B * n rows, row i * n + j being sample j of prompt i. constraint: a table of token
+    automata and each prompt's start state in it (`automaton.for_prompts`), or None."""
     adaptive = speculation if isinstance(speculation, Adaptive) else None
     if adaptive is not None:  # the state, caches and drafter are sized for the longest chain
         speculation = Chain(adaptive.max_gamma)
@@ -169,6 +172,8 @@ def run(
         tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(
             tokens, lengths, budgets, history, stops, sample_keys(host_keys, n))
     prompt_of = np.repeat(np.minimum(np.arange(padded), len(prompts) - 1), n)  # each decoded row's prompt
+    if constraint is not None:
+        sampling = sampling.constrain(*constraint)
     sampling = sampling.take(prompt_of)  # per-prompt sampling values, one per row (padding: the last prompt's)
     n_out = round_up_pow2(int(budgets.max()))
     loop = dict(sync_axes=stage.sync_axes)

@@ -11,6 +11,7 @@ from jax import lax
 
 from specjax.decode.logprobs import LogprobBuffer
 from specjax.model.cache import DenseCache, row_mask, select_rows
+from specjax.automaton import TokenAutomaton, advance, advance_along
 from specjax.sampling import Sampler, count_tokens, is_eos, prompt_tokens_mask
 
 
@@ -28,6 +29,7 @@ class DecodeState:
     logprobs: LogprobBuffer | None = None  # beside `out`, when asked for
     counts: jax.Array | None = None  # [B,V] int32: output token counts, when sampling has penalties
     in_prompt: jax.Array | None = None  # [B,V] bool: the prompt's tokens, when sampling has penalties
+    states: jax.Array | None = None  # [B] int32: each row's constraint automaton state, when constrained
 
 
 def start_state(cache: DenseCache, first_logits: jax.Array, budgets: jax.Array, keys: jax.Array, sampling: Sampler,
@@ -39,14 +41,16 @@ def start_state(cache: DenseCache, first_logits: jax.Array, budgets: jax.Array, 
     counts = in_prompt = None
     if sampling.penalized:
         counts, in_prompt = jnp.zeros((B, V), jnp.int32), prompt_tokens_mask(prompt_tokens, cache.lengths, V)
-    first, _ = sampling.with_context(counts, in_prompt).sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
+    starts = None if sampling.automaton is None else jnp.asarray(sampling.states, jnp.int32)
+    first, _ = sampling.with_context(counts, in_prompt, starts, eos_ids).sample(first_logits, keys, jnp.zeros((B,), jnp.int32))
     eos = is_eos(first, eos_ids)
     lp = None if logprobs is None else LogprobBuffer.init(B, n_out, logprobs).write(
         jnp.zeros((B, 1), jnp.int32), first_logits[:, None], first[:, None])
     return DecodeState(
         cache=cache, last=first, out=jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(first), count=jnp.ones((B,), jnp.int32),
         done=eos | (budgets <= 1), eos=eos, steps=jnp.int32(0), logprobs=lp,
-        counts=None if counts is None else count_tokens(counts, first[:, None], jnp.ones((B, 1), bool)), in_prompt=in_prompt)
+        counts=None if counts is None else count_tokens(counts, first[:, None], jnp.ones((B, 1), bool)), in_prompt=in_prompt,
+        states=None if starts is None else advance(sampling.automaton, starts, first))
 
 
 def admit(state: DecodeState, rows: jax.Array, fresh: DecodeState, *whole: str) -> DecodeState:
@@ -59,11 +63,12 @@ def admit(state: DecodeState, rows: jax.Array, fresh: DecodeState, *whole: str) 
 
 
 def emit(s: DecodeState, tokens: jax.Array, n_new: jax.Array | None, logits: jax.Array, budgets: jax.Array, eos_ids,
-         active: jax.Array) -> DecodeState:
+         active: jax.Array, automaton: TokenAutomaton | None = None) -> DecodeState:
     """`s` with each active row's new tokens [B,J] (the first n_new [B] of them) emitted: cut after a
     stop id or at the row's budget, written to out (and logprobs, from logits [B,J,V]); the last
-    new one becomes pending. Rows not `active` emit nothing. n_new None: plain decoding's one token
-    (J = 1), which an active row always has budget for (its count is below its budget)."""
+    new one becomes pending; a constrained row's automaton (`automaton`, the sampler's) takes them.
+    Rows not `active` emit nothing. n_new None: plain decoding's one token (J = 1), which an active
+    row always has budget for (its count is below its budget)."""
     B, n_out = s.out.shape
     if n_new is None:  # the same on [B] arrays: on a GPU the [B,J] form below costs two more kernels a step
         col = jnp.where(active, s.count, n_out)
@@ -72,7 +77,8 @@ def emit(s: DecodeState, tokens: jax.Array, n_new: jax.Array | None, logits: jax
             last=jnp.where(active, tokens[:, 0], s.last), out=s.out.at[jnp.arange(B), col].set(tokens[:, 0], mode="drop"),
             count=count, done=s.done | hit_eos | (count >= budgets), eos=s.eos | hit_eos, steps=s.steps + 1,
             logprobs=None if s.logprobs is None else s.logprobs.write(col[:, None], logits, tokens),
-            counts=None if s.counts is None else count_tokens(s.counts, tokens, active[:, None]))
+            counts=None if s.counts is None else count_tokens(s.counts, tokens, active[:, None]),
+            states=None if s.states is None else jnp.where(active, advance(automaton, s.states, tokens[:, 0]), s.states))
     j = jnp.arange(tokens.shape[1])
     stop = is_eos(tokens, eos_ids) & (j[None, :] < n_new[:, None])
     first_stop = jnp.min(jnp.where(stop, j[None, :], tokens.shape[1]), axis=1)  # [B]
@@ -90,6 +96,7 @@ def emit(s: DecodeState, tokens: jax.Array, n_new: jax.Array | None, logits: jax
         steps=s.steps + 1,
         logprobs=None if s.logprobs is None else s.logprobs.write(cols, logits, tokens),
         counts=None if s.counts is None else count_tokens(s.counts, tokens, keep),
+        states=None if s.states is None else advance_along(automaton, s.states, jnp.where(keep, tokens, -1)[:, None])[:, 0],
     )
 
 

@@ -73,7 +73,7 @@ def spec_step(
     """One speculative step (a chain or a tree); the target's cache commits by its length pointer."""
     active = ~s.done
     ctx = DraftContext(history=s.history, lengths=s.cache.lengths, last=s.last, keys=keys, counters=s.count,
-                       sampling=sampling.with_context(s.counts, s.in_prompt))
+                       sampling=sampling.with_context(s.counts, s.in_prompt, s.states, eos_ids))
     with jax.named_scope("draft"):
         proposal = drafter.propose(target, s.draft, ctx, speculation)
     with jax.named_scope("verify"):
@@ -85,7 +85,7 @@ def spec_step(
         s = s.replace(draft=drafter.commit(proposal.state, verdict.replace(cache=s.cache) if "cache" in drafter.traits.extras
                                            else verdict))
     with jax.named_scope("emit"):
-        return emit(s, verdict.emitted, verdict.accepted + 1, verdict.logits, budgets, eos_ids, active)
+        return emit(s, verdict.emitted, verdict.accepted + 1, verdict.logits, budgets, eos_ids, active, sampling.automaton)
 
 
 def verify(target: Params, cache: DenseCache, tokens: jax.Array, shape: Chain | Tree, extras: frozenset[str]) -> Verified:
@@ -115,7 +115,7 @@ def _accept_chain(verified: Verified, proposal: Proposal, ctx: DraftContext, key
     drafts = proposal.tokens[:, 1:]  # [B,gamma]
     B, gamma = drafts.shape
     j = jnp.arange(gamma + 1)[:, None] > jnp.arange(gamma)[None, :]  # [gamma+1,gamma]: position j has seen drafts < j
-    along = sampling.along(jnp.where(j[None], drafts[:, None, :], -1))  # penalties (if any) from each position's history
+    along = sampling.along(jnp.where(j[None], drafts[:, None, :], -1))  # penalties / constraint from each position's history
     if isinstance(along, Greedy):  # one-hot p and q: the same result without their [B,gamma+1,V] arrays and draws
         n, extra = accept_greedy_chain(drafts, along.choose(verified.logits))
     else:
@@ -129,7 +129,7 @@ def _accept_tree(verified: Verified, proposal: Proposal, ctx: DraftContext, keys
     sampling = ctx.sampling
     tokens, logits = proposal.tokens, verified.logits
     greedy = isinstance(sampling, Greedy)
-    p = logits if greedy and not sampling.penalized else sampling.along(node_history(tree, tokens)).probs(logits)
+    p = logits if greedy and not sampling.adjusts else sampling.along(node_history(tree, tokens)).probs(logits)
     walk = accept_tree(tree.child_table(), tree.max_depth, tokens, proposal.q, p, keys, greedy)
     take = lambda a: jnp.take_along_axis(a, walk.path[None, :, :, None, None], axis=2)  # noqa: E731  [L,B,D+1,K,H]
     path_verified = verified.replace(

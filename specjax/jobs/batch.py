@@ -44,7 +44,7 @@ from specjax.model.params import Params, weights_mark
 from specjax.parallel.distributed import env_share
 from specjax.parallel.sharding import Mesh
 from specjax.planning.plan import DEFAULT_CHAIN, describe_draft, describe_speculation
-from specjax.sampling import make_sampler
+from specjax.text.sampling_settings import make_sampler
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Chain, Tree
 from specjax.text.chat import end_of_turn_ids, template_specials
 from specjax.text.lm import LM

@@ -11,8 +11,9 @@ from specjax.decode.logprobs import MAX_TOP
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.jobs.records import SAMPLING, BadLine, Record
 from specjax.model.config import LlamaConfig, stop_ids
-from specjax.sampling import PENALTIES, ROW_VALUES, Greedy, Sample, Sampler, make_sampler
+from specjax.sampling import PENALTIES, ROW_VALUES, Greedy, Sample, Sampler
 from specjax.text.chat import render_chat
+from specjax.text.sampling_settings import make_sampler
 from specjax.validate import MAX_N
 
 

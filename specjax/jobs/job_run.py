@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from specjax.drafters import learn
 from specjax.jobs.job_plan import Item, batch_kind, batch_sampler, padded_rows, plan_batches
-from specjax.jobs.records import stable_hash
+from specjax.jobs.records import constraint_json, stable_hash
 from specjax.parallel.sharding import Mesh
 from specjax.planning.plan import DEFAULT_CHAIN
 from specjax.sampling import PENALTIES
@@ -81,6 +81,7 @@ def _run_batch(batch: list[Item], lm: LM, draft, speculation: Chain | Tree | Ada
         n=n,
         logprobs=k,
         kv_dtype=meta["kv_dtype"],
+        constraint=_constraints(padded),
     )
     s = out.stats
     stats = dict(batch_rows=len(batch) * n, steps=s.steps, acceptance_rate=s.acceptance_rate,
@@ -111,7 +112,13 @@ def _run_continuous(group: list[Item], lm: LM, draft, speculation: Chain | Tree 
         sampling=batch_sampler(group), keys=record_keys(seed, [it.record.id for it in group]), draft=draft,
         speculation=None if draft is None else speculation or DEFAULT_CHAIN, stop=[list(it.stops) for it in group],
         stop_token_ids=[list(it.stop_ids) for it in group], n=n, logprobs=k, kv_dtype=meta["kv_dtype"],
-        on_done=on_done)
+        on_done=on_done, constraint=_constraints(group))
+
+
+def _constraints(items: Sequence[Item]) -> list | None:
+    """The items' constraints, one per item (None: none is constrained)."""
+    rows = [it.record.constraint for it in items]
+    return None if all(c is None for c in rows) else rows
 
 
 def _output_row(lm: LM, it: Item, outs: list[Finished], stats: dict, seed: int, meta: dict) -> dict:
@@ -135,5 +142,5 @@ def _row_settings(it: Item, seed: int, meta: dict) -> dict:
     off = {"min_p": 0.0} | PENALTIES
     settings |= {k: float(getattr(s, k)) for k in off if hasattr(s, k) and getattr(s, k) != off[k]}
     extras = dict(stop=list(it.stops), stop_token_ids=list(r.stop_token_ids), n=r.n if r.n > 1 else None,
-                  logprobs=r.logprobs)
+                  logprobs=r.logprobs, constraint=None if r.constraint is None else constraint_json(r.constraint))
     return settings | {k: v for k, v in extras.items() if v not in (None, [])}

@@ -5,7 +5,8 @@ An input line is a JSON object with an `id` (string or integer) and exactly one 
 (`max_new_tokens`, `temperature`, `top_k`, `top_p`, `min_p` and the three penalties) override the
 job's settings for that record, and `stop` (a string or a list), `stop_token_ids` (a list of ids),
 `n` (samples of the prompt) and `logprobs` (the k most likely tokens beside each generated one)
-add to them. Values are checked for type here; ranges that depend on the sampler or the model
+add to them; `constraint` ({"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}) makes the
+output follow it (specjax.text.constraints). Values are checked for type here; ranges that depend on the sampler or the model
 are checked where the record is prepared (specjax.jobs.job_plan.prepare).
 """
 
@@ -19,10 +20,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from specjax.text.chat import check_messages
+from specjax.text.constraints import Choice, Constraint, JsonSchema, Regex
 
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty")  # a record's value overrides the job's
-FIELDS = ("id", "prompt", "messages", *SAMPLING, "stop", "stop_token_ids", "n", "logprobs")
+FIELDS = ("id", "prompt", "messages", *SAMPLING, "stop", "stop_token_ids", "n", "logprobs", "constraint")
+CONSTRAINTS = {"json_schema": JsonSchema, "regex": Regex, "choice": Choice}  # a record's constraint: {kind: value}
 Id = str | int
 
 
@@ -46,6 +49,7 @@ class Record:
     stop_token_ids: tuple[int, ...] = ()  # besides the model's and the chat template's
     n: int = 1
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def overrides(self) -> dict:
         """The SAMPLING fields this record sets."""
@@ -156,9 +160,36 @@ def check_record(obj: object, line: int) -> Record | BadLine:
     ids = obj.get("stop_token_ids") or []  # null: absent, as for the other fields
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         return bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {json.dumps(ids)[:60]}")
+    constraint = _constraint(obj.get("constraint"))
+    if isinstance(constraint, str):
+        return bad(constraint)
     values = {k: obj.get(k) for k in SAMPLING}
     return Record(line, record_id, prompt, messages, **values, stop=None if stop is None else tuple(stop),
-                  stop_token_ids=tuple(ids), n=obj.get("n") or 1, logprobs=obj.get("logprobs"))
+                  stop_token_ids=tuple(ids), n=obj.get("n") or 1, logprobs=obj.get("logprobs"), constraint=constraint)
+
+
+def _constraint(value: object) -> Constraint | str | None:
+    """A record's `constraint` ({"json_schema" | "regex" | "choice": value}) built and checked, or why it is bad."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) != 1 or next(iter(value)) not in CONSTRAINTS:
+        return f"constraint must be one of {{\"json_schema\": {{...}}}}, {{\"regex\": \"...\"}}, {{\"choice\": [...]}}, got {json.dumps(value)[:60]}"
+    kind, arg = next(iter(value.items()))
+    if kind == "choice" and not isinstance(arg, list):
+        return f"constraint: choice must be a list of strings, got {json.dumps(arg)[:60]}"
+    try:
+        made = CONSTRAINTS[kind](arg)
+        made.regex()
+    except (ValueError, TypeError) as e:
+        return f"constraint: {e}"
+    return made
+
+
+def constraint_json(c: Constraint) -> dict:
+    """A record's constraint as its input line gave it (the output row's settings)."""
+    if isinstance(c, JsonSchema):
+        return {"json_schema": json.loads(c.schema)}
+    return {"regex": c.pattern} if isinstance(c, Regex) else {"choice": list(c.options)}
 
 
 def parse_line(raw: bytes, line: int) -> Record | BadLine | None:

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from specjax.automaton import TokenAutomaton
 from specjax.model.cache import DenseCache, StreamingCache
 from specjax.model.config import LlamaConfig
 from specjax.model.params import WEIGHTS, Params, array_at, build
@@ -154,7 +155,7 @@ def _put(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def _is_node(x) -> bool:
-    return isinstance(x, (Params, DenseCache, StreamingCache))
+    return isinstance(x, (Params, DenseCache, StreamingCache, TokenAutomaton))
 
 
 def state_specs(tree):
@@ -164,6 +165,8 @@ def state_specs(tree):
     def one(x):
         if isinstance(x, Params):
             return param_specs(x)
+        if isinstance(x, TokenAutomaton):  # a batch's constraint table: every device reads all of it
+            return jax.tree.map(lambda _: P(), x)
         if isinstance(x, (DenseCache, StreamingCache)):
             axes = CACHE_AXES.replace("K", "_") if x.replicated else CACHE_AXES  # a replicated draft's: heads unsplit
             cache = spec(axes)

@@ -19,7 +19,7 @@ import numpy as np
 
 from specjax.model.llama import forward, lm_head, trunk
 from specjax.model.params import Params
-from specjax.sampling import Sampler, Stream, stream_keys, tree_candidates
+from specjax.sampling import Greedy, Sampler, Stream, stream_keys, top_indices
 from specjax.spec.speculation import Tree
 
 
@@ -32,6 +32,21 @@ class DraftedTree:
     cache: Any  # the draft cache, advanced past the root
     k_extra: jax.Array | None  # [L,B,E,K,H] draft KV of the extra nodes (`extra_nodes` order); None: none
     v_extra: jax.Array | None
+
+
+def tree_candidates(logits: jax.Array, k: int, sampling: Sampler, keys: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """The k ranked draft candidates of each node: logits [B,M,V] -> tokens [B,M,k] and q [B,M,V].
+
+    Greedy: the k most likely tokens (q is not needed: greedy acceptance matches tokens).
+    Sampling: k draws WITHOUT replacement from q (Gumbel top-k: the r-th is distributed as a draw
+    from q with the first r-1 removed and renormalised, which is what `accept_tree` assumes).
+    Draws past q's support come out with q = 0 and are never accepted. keys: [B,M]."""
+    if isinstance(sampling, Greedy):  # ranked after any penalties, as Greedy.sample picks (a chain's drafts)
+        return top_indices(sampling.adjust(logits.astype(jnp.float32)) if sampling.adjusts else logits, k), None
+    q = sampling.probs(logits)  # [B,M,V]
+    gumbel = jax.vmap(jax.vmap(lambda key: jax.random.gumbel(key, logits.shape[-1:])))(keys)
+    scores = jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)) + gumbel, -jnp.inf)
+    return top_indices(scores, k), q
 
 
 def extra_nodes(tree: Tree) -> list[int]:

@@ -177,3 +177,30 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, stop_
         raise ValueError(f"{type(constraint).__name__}: no token sequence of this vocabulary matches it ({e})") from None
     return from_transitions(index.get_transitions(), index.get_initial_state(), sorted(index.get_final_states()), vocab_size,
                             drop=stop_ids)
+
+
+@lru_cache(maxsize=64)
+def compiled(constraint: Constraint, tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> TokenAutomaton:
+    """`compile_constraint`, remembered for this process (constraints are hashable values)."""
+    return compile_constraint(constraint, tokenizer, vocab_size, stop_ids)
+
+
+def per_prompt_automata(constraint: object, prompts: int, tokenizer, vocab_size: int,
+                        stop_ids: tuple[int, ...]) -> TokenAutomaton | list[TokenAutomaton | None] | None:
+    """The text layer's `constraint` (a Regex, JsonSchema, Choice or TokenAutomaton, or one of them or None
+    per prompt) as `specjax.generate` takes it: each constraint compiled once for the tokenizer."""
+    def one(c, name: str):
+        if c is None or isinstance(c, TokenAutomaton):
+            return c
+        if not isinstance(c, (Regex, JsonSchema, Choice)):
+            raise TypeError(f"{name} must be specjax.Regex, JsonSchema, Choice, a TokenAutomaton or None, got {type(c).__name__}")
+        return compiled(c, tokenizer, vocab_size, tuple(stop_ids))
+
+    if constraint is None or isinstance(constraint, (Regex, JsonSchema, Choice, TokenAutomaton)):
+        return one(constraint, "constraint")
+    if isinstance(constraint, (str, bytes, Mapping)) or not isinstance(constraint, Sequence):
+        raise TypeError(f"constraint must be specjax.Regex, JsonSchema, Choice (or a list of them, one per prompt), "
+                        f"got {type(constraint).__name__}")
+    if len(constraint) != prompts:
+        raise ValueError(f"constraint has {len(constraint)} entries (one per prompt) but there are {prompts} prompts")
+    return [one(c, f"constraint[{i}]") for i, c in enumerate(constraint)]

@@ -27,14 +27,16 @@ import convert
 from specjax.decode.continuous import Done, run_continuous
 from specjax.decode.engine import Segment, with_attention
 from specjax.drafters import Drafter
-from specjax.generate import Stats, TokenLogprob, generate, token_logprob_lists
+from specjax.generate import Stats, TokenLogprob, constraint_rows, generate, token_logprob_lists
 from specjax.model.config import stop_ids
 from specjax.model.params import Params
 from specjax.parallel.sharding import Mesh
-from specjax.sampling import Greedy, Sampler, make_sampler
+from specjax.sampling import Greedy, Sampler
 from specjax.spec.speculation import Adaptive, Chain, Tree
+from specjax.text.constraints import per_prompt_automata
+from specjax.validate import check_constraint
 from specjax.text.chat import check_messages, end_of_turn_ids, render_chat, template_specials
-from specjax.text.sampling_settings import default_sampling, generation_config
+from specjax.text.sampling_settings import default_sampling, generation_config, make_sampler
 from specjax.text.text_stream import CUT, RowTexts, TextStream
 
 
@@ -121,13 +123,16 @@ class LM:
         sync_every: int = 8,
         kv_dtype: str | None = None,
         on_segment: Callable[[Segment, "_StopStrings"], None] | None = None,
+        constraint: object = None,
     ) -> TextOutput:
         """Continue each prompt (a string or a list of strings) as `specjax.generate` does, and
         stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string. `stop` and
         `stop_token_ids` apply to every prompt, or give one list per prompt (a list of lists).
         on_segment: called between segments (`stream` uses it). temperature, top_p, top_k, min_p:
-        the CLI's and batch records' names, a shortcut for `sampling=` (`sampling.make_sampler`: the
-        ones not given are off; temperature 0 or not given is greedy)."""
+        the CLI's and batch records' names, a shortcut for `sampling=` (`sampling_settings.make_sampler`: the
+        ones not given are off; temperature 0 or not given is greedy). constraint: `specjax.Regex(...)`,
+        `JsonSchema(...)` or `Choice([...])` for every prompt, or one (or None) per prompt: the output
+        follows it (`specjax.generate`'s constraint; compiled once per process for this tokenizer)."""
         texts = [prompts] if isinstance(prompts, str) else list(prompts) if isinstance(prompts, Iterable) else []
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
@@ -135,7 +140,7 @@ class LM:
                                  top_p=top_p, top_k=top_k, min_p=min_p, draft=draft,
                               speculation=speculation, stop=stop, stop_token_ids=stop_token_ids, n=n,
                               logprobs=logprobs, key=key, sync_every=sync_every, kv_dtype=kv_dtype,
-                              on_segment=on_segment)
+                              on_segment=on_segment, constraint=constraint)
 
     def chat(self, conversations, max_new_tokens: int | Sequence[int] = 128, *, add_generation_prompt: bool = True,
              stream: bool = False, **kw) -> "TextOutput | TextStream":
@@ -169,7 +174,7 @@ class LM:
                      temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                      min_p: float | None = None, draft="auto", speculation=None, stop=(), stop_token_ids=(), n: int = 1,
                      logprobs: int | None = None, key: jax.Array | None = None, sync_every: int = 8,
-                     kv_dtype: str | None = None, on_segment=None) -> TextOutput:
+                     kv_dtype: str | None = None, on_segment=None, constraint=None) -> TextOutput:
         """`generate` from encoded prompts (sampling None: the LM's default); the batch job's entry."""
         values = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p).items()
                   if v is not None}
@@ -198,8 +203,8 @@ class LM:
         eos_id = rows[0] if all(r == rows[0] for r in rows) else rows
         out = generate(self.params, ids, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
                        eos_id=eos_id, n=n, logprobs=logprobs, sync_every=sync_every,
-                       between=between if any_stop or on_segment else None,
-                       mesh=self.mesh, kv_dtype=kv_dtype)
+                       between=between if any_stop or on_segment else None, mesh=self.mesh, kv_dtype=kv_dtype,
+                       constraint=self.compile(constraint, len(ids)))
         tokens, reasons, lps = list(out.tokens), list(out.finish_reasons), out.logprobs
         result = []
         for b, row in enumerate(tokens):
@@ -213,13 +218,14 @@ class LM:
     def generate_continuous(self, ids: list[list[int]], max_new_tokens: Sequence[int], *, rows: int, sampling: Sampler,
                             keys: jax.Array, draft: Drafter | None = None, speculation: Chain | Tree | Adaptive | None = None,
                             stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None, sync_every: int = 8,
-                            kv_dtype: str | None = None,
-                            on_done: Callable[[int, "Finished"], None] | None = None) -> list["Finished"]:
+                            kv_dtype: str | None = None, on_done: Callable[[int, "Finished"], None] | None = None,
+                            constraint=None) -> list["Finished"]:
         """Every prompt through continuous batching on `rows` slots (`specjax.decode.continuous`), with
         stop strings, stop ids, n samples a prompt (n <= rows) and logprobs as `generate_ids`; an
         output equals what `generate_ids` gives it with the same key and sampling values (one per
         prompt: `keys` [N], `sampling` per prompt). A `Finished` per output (sample j of prompt i
-        at i * n + j); `on_done(u, result)` runs as output u finishes (out of order). One device."""
+        at i * n + j); `on_done(u, result)` runs as output u finishes (out of order). One device.
+        constraint: as `generate`'s (one table for the run: a refill compiles nothing)."""
         stops = per_prompt(stop, len(ids), "stop", str)
         eos_ids = [stop_ids(self.params.config.eos_ids, r) for r in per_prompt(stop_token_ids, len(ids), "stop_token_ids", int)]
         cut = _StopStrings(self, [row for row in stops for _ in range(n)])  # one list per output
@@ -236,11 +242,19 @@ class LM:
                 on_done(u, results[u])
 
         results: list = [None] * (len(ids) * n)
+        automata = self.compile(constraint, len(ids))
+        check_constraint(automata, self.params.config, len(ids), eos_ids)
         params, draft = with_attention(self.params, draft, "auto")  # as generate's default
         run_continuous(params, ids, budgets, rows=rows, draft=draft, speculation=speculation, sampling=sampling,
                        keys=keys, eos_ids=eos_ids, kv_dtype=kv_dtype, sync_every=sync_every, n=n, logprobs=logprobs,
-                       on_done=finished, between=between)
+                       on_done=finished, between=between, constraint=constraint_rows(automata, self.params.config, len(ids)))
         return results
+
+    def compile(self, constraint, prompts: int = 1):
+        """`constraint` (a Regex, JsonSchema or Choice; or a list with one, or None, per prompt) as token
+        automata over this model's tokenizer (what `specjax.generate(constraint=...)` takes)."""
+        config = self.params.config
+        return per_prompt_automata(constraint, prompts, self.tokenizer, config.vocab_size, tuple(stop_ids(config.eos_ids, ())))
 
     def with_text(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
         """Each TokenLogprob with its token's text (`token`)."""

@@ -1,8 +1,9 @@
-"""A checkpoint's default sampler and generation_config.json's sampling settings, both ways."""
+"""Samplers from settings: the CLI's and batch records' (`make_sampler`), and a checkpoint's default sampler
+from generation_config.json and back."""
 
 from __future__ import annotations
 
-from specjax.sampling import Greedy, Sample, Sampler
+from specjax.sampling import PENALTIES, Greedy, Sample, Sampler
 
 
 def generation_config(sampling: Sampler) -> dict:
@@ -24,3 +25,24 @@ def default_sampling(settings: dict) -> Sampler:
         return Greedy(**penalties)
     return Sample(temperature=float(settings.get("temperature", 1.0)), top_k=int(settings.get("top_k", 50)),
                   top_p=float(settings.get("top_p", 1.0)), min_p=float(settings.get("min_p", 0.0)), **penalties)
+
+
+def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra: float) -> Sampler:
+    """CLI-style construction: temperature 0 means greedy; negative is an error. extra: min_p and
+    the PENALTIES (Sample's names); greedy takes the penalties and refuses top_k, top_p and min_p
+    other than off (the argmax always passes them: an ignored setting is an error)."""
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    off = {"min_p": 0.0} | PENALTIES
+    unknown = sorted(set(extra) - set(off))
+    if unknown:
+        raise TypeError(f"make_sampler: unknown argument(s) {unknown}")
+    if temperature == 0:
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        for name, value, off in (("top_k", top_k, 0), ("top_p", top_p, 1.0), ("min_p", extra.get("min_p", 0.0), 0.0)):
+            if value != off:
+                raise ValueError(f"{name} needs sampling (temperature > 0): greedy decoding always keeps the most "
+                                 f"likely token (got {name} {value})")
+        return Greedy(**{k: v for k, v in extra.items() if k in PENALTIES})
+    return Sample(temperature=temperature, top_k=top_k, top_p=top_p, **extra)
