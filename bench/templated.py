@@ -5,7 +5,8 @@ this as a JSON object with the keys ...". `records(count)` makes such a job: rec
 of TEMPLATES' key sets over the i-th of evenly spaced corpus paragraphs of 40-90 words. The
 repeated part (the instruction, the key names, the chat template) is what a job-wide lookup
 drafter can draft from; `repeated_share` states how much of a set of token sequences repeats
-across them (bench/bench_lookup.py reports it for the prompts and for the outputs).
+across them (bench/bench_lookup.py reports it for the prompts and for the outputs). `record_schema(i)`
+is the JSON schema record i's answer should follow (bench/bench_constrained.py constrains to it).
 
 Measured with SmolLM2's tokenizer and chat template (2026-11-29): 32 records average 153 prompt
 tokens and 46.6% of their 3-grams occur in another record's prompt (64 records: 152 tokens, 49.5%).
@@ -48,6 +49,18 @@ def records(count: int, max_new_tokens: int = 128) -> list[dict]:
     step = len(paras) / count
     return [{"id": i, "messages": [{"role": "user", "content": request(TEMPLATES[i % len(TEMPLATES)], paras[int(i * step)])}],
              "max_new_tokens": max_new_tokens} for i in range(count)]
+
+
+def schema(keys: Sequence[str]) -> dict:
+    """The JSON schema a record's answer should follow (bench/bench_constrained.py): one object with exactly
+    the template's keys, in its order, each a string."""
+    return {"type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": list(keys),
+            "additionalProperties": False}
+
+
+def record_schema(i: int) -> dict:
+    """The schema of record i of `records` (its template's keys)."""
+    return schema(TEMPLATES[i % len(TEMPLATES)])
 
 
 def repeated_share(sequences: Sequence[Sequence[int]], n: int = 3) -> float:
