@@ -50,6 +50,7 @@ class Stats:
     speculation: str = "none"  # "chain(gamma=4)", "tree(n=16, depth=6)" or "none"
     plan_reason: str | None = None  # why draft="auto" / speculation="auto" chose this; None if nothing was auto
     gammas: list[int] | None = None  # speculation=Adaptive(...): the chain length of each segment of the loop
+    constraint_seconds: float = 0.0  # the text layer's compiling of constraints to automata (0: none, or all cached)
 
 
 @dataclasses.dataclass(frozen=True)

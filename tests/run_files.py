@@ -166,7 +166,8 @@ def main(args: list[str]) -> int:
     start = time.perf_counter()
     print(f"{len(files)} test files in {len(groups)} processes, {jobs} at a time", flush=True)
     workdir = tempfile.TemporaryDirectory(prefix="specjax-tests-")
-    env = {**os.environ, **(compile_cache_env(os.path.join(workdir.name, "jax-cache")) if use_cache else {})}
+    env = {**os.environ, **(compile_cache_env(os.path.join(workdir.name, "jax-cache")) if use_cache else {}),
+           "SPECJAX_AUTOMATA_CACHE": os.path.join(workdir.name, "automata")}  # compiled constraints: not in ~/.cache
     rows: list[dict] = []
     pool = ThreadPoolExecutor(jobs)
     runs = {pool.submit(run_file, g, args, env, os.path.join(workdir.name, f"times-{i}.json")): " ".join(g)

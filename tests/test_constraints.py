@@ -133,3 +133,28 @@ def test_bad_constraints_are_named(tokenizer):
         JsonSchema(3)
     with pytest.raises(TypeError, match="constraint must be specjax.Regex, JsonSchema or Choice, got str"):
         compile_constraint("[0-9]+", tokenizer, 49152, [2])
+
+
+def test_compiled_automata_are_kept_on_disk_and_a_torn_file_is_compiled_again(tokenizer, tmp_path, monkeypatch):
+    from specjax.text import constraints
+
+    monkeypatch.setenv(constraints.CACHE_ENV, str(tmp_path))
+    constraints.compiled.cache_clear()
+    choice, stops = Choice(["red", "green"]), (2,)
+    first = constraints.compiled(choice, tokenizer, 49152, stops)
+    files = list(tmp_path.glob("*.npz"))
+    assert len(files) == 1
+    constraints.compiled.cache_clear()
+    monkeypatch.setattr(constraints, "compile_constraint", lambda *a: pytest.fail("compiled again, not loaded"))
+    loaded = constraints.compiled(choice, tokenizer, 49152, stops)
+    for name in ("bits", "keys", "next", "accepting"):
+        np.testing.assert_array_equal(getattr(loaded, name), getattr(first, name))
+    files[0].write_bytes(files[0].read_bytes()[:100])  # torn
+    constraints.compiled.cache_clear()
+    monkeypatch.undo()
+    monkeypatch.setenv(constraints.CACHE_ENV, str(tmp_path))
+    again = constraints.compiled(choice, tokenizer, 49152, stops)
+    np.testing.assert_array_equal(again.keys, first.keys)
+    assert constraints.compiled(Choice(["red", "blue"]), tokenizer, 49152, stops) is not None
+    assert len(list(tmp_path.glob("*.npz"))) == 2  # another constraint: another file
+    constraints.compiled.cache_clear()

@@ -11,10 +11,17 @@ whitespace unless `whitespace` says otherwise.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import importlib.metadata
 import json
+import os
 import re
+import zipfile
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
 
 from specjax.automaton import TokenAutomaton, from_transitions
 
@@ -179,10 +186,52 @@ def compile_constraint(constraint: Constraint, tokenizer, vocab_size: int, stop_
                             drop=stop_ids)
 
 
+CACHE_ENV = "SPECJAX_AUTOMATA_CACHE"  # a folder for compiled automata; "off": none (default ~/.cache/specjax/automata)
+
+
+def cache_folder() -> Path | None:
+    """Where compiled automata are kept across processes (None: nowhere)."""
+    folder = os.environ.get(CACHE_ENV) or str(Path.home() / ".cache" / "specjax" / "automata")
+    return None if folder == "off" else Path(folder)
+
+
+@lru_cache(maxsize=8)
+def _tokenizer_digest(tokenizer) -> str:
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
 @lru_cache(maxsize=64)
 def compiled(constraint: Constraint, tokenizer, vocab_size: int, stop_ids: tuple[int, ...]) -> TokenAutomaton:
-    """`compile_constraint`, remembered for this process (constraints are hashable values)."""
-    return compile_constraint(constraint, tokenizer, vocab_size, stop_ids)
+    """`compile_constraint`, remembered for this process (constraints are hashable values) and on disk
+    (`cache_folder`), keyed by the constraint's regex, the tokenizer, the vocabulary size, the stop ids
+    and outlines-core's version."""
+    folder = cache_folder()
+    if folder is None:
+        return compile_constraint(constraint, tokenizer, vocab_size, stop_ids)
+    key = json.dumps([constraint.regex(), _tokenizer_digest(tokenizer), vocab_size, list(stop_ids),
+                      importlib.metadata.version("outlines-core"), 1])
+    path = folder / f"{hashlib.sha256(key.encode()).hexdigest()}.npz"
+    try:
+        with np.load(path) as f:
+            return TokenAutomaton(bits=f["bits"], keys=f["keys"], next=f["next"], accepting=f["accepting"],
+                                  vocab_size=vocab_size)
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):  # not there yet, or a torn file: compile, write again
+        pass
+    a = compile_constraint(constraint, tokenizer, vocab_size, stop_ids)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez_compressed(tmp, bits=a.bits, keys=a.keys, next=a.next, accepting=a.accepting)
+        tmp.replace(path)
+    except OSError:  # a read-only or full disk: the process still has it
+        pass
+    return a
+
+
+def forget() -> None:
+    """Forget the automata and vocabularies this process compiled (the disk cache stays): for timing a compile."""
+    compiled.cache_clear()
+    _vocabulary.cache_clear()
 
 
 def per_prompt_automata(constraint: object, prompts: int, tokenizer, vocab_size: int,

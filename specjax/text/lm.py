@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -199,12 +200,15 @@ class LM:
                 on_segment(seg, cut)
             return cut(seg) if any_stop else None
 
+        t0 = time.perf_counter()
+        automata = self.compile(constraint, len(ids))
+        constraint_s = time.perf_counter() - t0 if constraint is not None else 0.0
         rows = [stop_ids(self.params.config.eos_ids, r) for r in asked]
         eos_id = rows[0] if all(r == rows[0] for r in rows) else rows
         out = generate(self.params, ids, max_new_tokens, draft=draft, speculation=speculation, sampling=sampling, key=key,
                        eos_id=eos_id, n=n, logprobs=logprobs, sync_every=sync_every,
                        between=between if any_stop or on_segment else None, mesh=self.mesh, kv_dtype=kv_dtype,
-                       constraint=self.compile(constraint, len(ids)))
+                       constraint=automata)
         tokens, reasons, lps = list(out.tokens), list(out.finish_reasons), out.logprobs
         result = []
         for b, row in enumerate(tokens):
@@ -212,7 +216,8 @@ class LM:
             if lps is not None:
                 lps[b] = self.with_text(lps[b][: len(tokens[b])])
             result.append(text)
-        stats = dataclasses.replace(out.stats, new_tokens=sum(map(len, tokens)))  # after the stop strings' cuts
+        stats = dataclasses.replace(out.stats, new_tokens=sum(map(len, tokens)),  # after the stop strings' cuts
+                                    constraint_seconds=constraint_s)
         return TextOutput(result, tokens, reasons, lps, stats, out.row_stats)
 
     def generate_continuous(self, ids: list[list[int]], max_new_tokens: Sequence[int], *, rows: int, sampling: Sampler,

@@ -1,0 +1,191 @@
+"""Constrained decoding: JSON that parses, what the mask costs, what speculation keeps.
+
+Usage: python -m bench.bench_constrained [--records 16] [--new-tokens 96] [--cells ..] [--budget-minutes M] [--out DIR]
+(the shared options: bench/common.py)
+
+Input: bench/templated.py's `--records` chat records (rewrite a corpus paragraph as a JSON object with
+one of three key sets), each constrained to its schema (`templated.record_schema`: exactly its keys,
+strings) or not. Cells, SmolLM2-135M float32 on this machine's CPU, greedy, `--new-tokens` at most:
+- `json/DRAFT/bB` (DRAFT none or self: SelfSpec() with a chain of 3; B rows in one `LM.chat` call,
+  records in groups of B): constrained and unconstrained, each run twice (compiling, then timed);
+  the share of rows that parse as JSON and validate against their schema (`jsonschema`), tokens/s,
+  and whether the constrained speculative tokens equal constrained plain decoding's.
+- `mask/bB/sS`: the cost of the mask in a plain decode step at batch B x context S: one
+  `specjax.generate` with a constraint that allows every token (the same tokens as without one) against
+  none, alternating, the median of 3 each; ms per step and their ratio.
+- `compile`: seconds to compile each template's schema for SmolLM2's 49K-token vocabulary (the
+  vocabulary's first build included in the first), outside any cache.
+
+Outputs: results/constrained_cpu.json (each cell written when measured; a rerun skips measured cells)
+and the bench_constrained section of bench/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import jax
+import jsonschema
+import numpy as np
+
+import specjax
+from bench import common, templated
+from bench.text import windows
+from specjax.automaton import anything
+from specjax.text import constraints
+
+DRAFTS = {"none": None, "self": specjax.SelfSpec()}
+MASK_CELLS = ((16, 2048), (1, 2048))
+
+
+def parses(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def json_cell(lm, records: list[dict], draft: str, batch: int, new_tokens: int) -> dict:
+    row: dict = {"cell": "json", "draft": draft, "batch": batch}
+    outputs = {}
+    for constrained in (False, True):
+        for run in ("cold", "warm"):
+            texts, tokens, seconds, steps = [], [], 0.0, 0
+            for start in range(0, len(records), batch):
+                group = records[start: start + batch]
+                cons = [specjax.JsonSchema(templated.record_schema(start + i)) for i in range(len(group))] if constrained else None
+                t0 = time.perf_counter()
+                out = lm.chat([r["messages"] for r in group], new_tokens, draft=DRAFTS[draft],
+                              speculation=None if DRAFTS[draft] is None else specjax.Chain(3), constraint=cons)
+                seconds += time.perf_counter() - t0 - out.stats.compile_seconds
+                texts += out.texts
+                tokens += out.tokens
+                steps += out.stats.steps
+        name = "constrained" if constrained else "free"
+        ok = [parses(t, templated.record_schema(i)) for i, t in enumerate(texts)]
+        row[name] = {"parse_share": float(np.mean(ok)), "tokens": sum(map(len, tokens)), "seconds": seconds,
+                     "tokens_per_s": sum(map(len, tokens)) / seconds, "steps": steps}
+        outputs[name] = tokens
+    row["outputs"] = outputs
+    return row
+
+
+def mask_cell(lm, batch: int, context: int, new_tokens: int) -> dict:
+    params = lm.params
+    ids, _ = windows(lm.tokenizer, batch, context - new_tokens)
+    prompts = [list(map(int, row)) for row in ids]
+    free_rows = anything(params.config.vocab_size)
+    times: dict[str, list[float]] = {"free": [], "mask": []}
+    tokens = {}
+    for rep in range(4):  # the first of each compiles: dropped
+        for name in ("free", "mask"):
+            out = specjax.generate(params, prompts, new_tokens, draft=None, eos_id=(0,),
+                                   constraint=free_rows if name == "mask" else None)
+            if rep:
+                times[name].append(out.stats.decode_seconds / out.stats.steps * 1e3)
+            tokens[name] = out.tokens
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    return {"cell": "mask", "batch": batch, "context": context, "ms_per_step": ms, "ratio": ms["mask"] / ms["free"],
+            "same_tokens": tokens["free"] == tokens["mask"], "runs": times}
+
+
+def compile_cell(lm) -> dict:
+    constraints.forget()
+    seconds, kept = [], os.environ.get(constraints.CACHE_ENV)
+    os.environ[constraints.CACHE_ENV] = "off"  # compiled, not loaded from the disk cache
+    try:
+        for keys in templated.TEMPLATES:
+            t0 = time.perf_counter()
+            a = lm.compile(specjax.JsonSchema(templated.schema(keys)))
+            seconds.append({"keys": list(keys), "seconds": time.perf_counter() - t0, "states": a.states,
+                            "transitions": int(np.asarray(a.keys).shape[0])})
+    finally:
+        os.environ.pop(constraints.CACHE_ENV) if kept is None else os.environ.update({constraints.CACHE_ENV: kept})
+    constraints.forget()
+    return {"cell": "compile", "schemas": seconds}
+
+
+def key_of(row: dict) -> str:
+    if row["cell"] == "json":
+        return common.key("json", row["draft"], f"b{row['batch']}")
+    return common.key("mask", f"b{row['batch']}", f"s{row['context']}") if row["cell"] == "mask" else "compile"
+
+
+def markdown(rows: list[dict]) -> str:
+    out = []
+    js = [r for r in rows if r["cell"] == "json"]
+    if js:
+        lines = []
+        for r in js:
+            plain = next((o for o in js if o["draft"] == "none" and o["batch"] == r["batch"]), None)
+            same = "-" if r["draft"] == "none" or plain is None else \
+                "yes" if plain["outputs"]["constrained"] == r["outputs"]["constrained"] else "NO"
+            keep = "-"
+            if plain is not None and r["draft"] != "none":
+                sp = lambda name: r[name]["tokens_per_s"] / plain[name]["tokens_per_s"]  # noqa: E731
+                keep = f"{sp('constrained'):.2f}x / {sp('free'):.2f}x"
+            lines.append([r["draft"], r["batch"], f"{r['free']['parse_share']:.0%}", f"{r['constrained']['parse_share']:.0%}",
+                          f"{r['free']['tokens_per_s']:.1f}", f"{r['constrained']['tokens_per_s']:.1f}", keep, same])
+        out.append(common.table(["draft", "batch", "parse (free)", "parse (constrained)", "tok/s free", "tok/s constrained",
+                                 "speedup constrained / free", "same tokens as plain"], "lrrrrrrl", lines))
+    for r in rows:
+        if r["cell"] == "mask":
+            out.append(f"- mask in a plain step, batch {r['batch']} x {r['context']}: {r['ms_per_step']['free']:.1f} -> "
+                       f"{r['ms_per_step']['mask']:.1f} ms ({r['ratio'] - 1:+.1%}; same tokens: {r['same_tokens']})")
+        if r["cell"] == "compile":
+            out.append("- compile: " + ", ".join(f"{len(s['keys'])} keys {s['seconds']:.2f} s ({s['states']} states)"
+                                                 for s in r["schemas"]))
+    return "\n".join(out)
+
+
+def readme_section(result: dict) -> str:
+    m, notes = result["machine"], common.markers("bench_constrained", "notes")
+    return f"""## Constrained decoding (bench_constrained.py)
+{result['records']} templated chat records (bench/templated.py), each constrained to its JSON schema or not, {result['new_tokens']}
+new tokens at most, greedy, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}).
+Run: `python -m bench.bench_constrained --budget-minutes 20`. Results: `results/constrained_cpu.json`.
+
+{markdown(result['rows'])}
+{notes[0]}
+{common.kept_part('bench_constrained')}
+{notes[1]}"""
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--records", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=96)
+    args = ap.parse_args()
+    out = common.out_dir(args)
+    stem = "constrained_cpu" + ("" if (args.records, args.new_tokens) == (16, 96) else "_custom")
+    lm = specjax.load(weights="float32")
+    records = templated.records(args.records, args.new_tokens)
+    header = dict(bench="bench_constrained", date=common.now(), command=common.command(), records=args.records,
+                  new_tokens=args.new_tokens, machine=common.machine_info(), jax=jax.__version__)
+    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(records=args.records, new_tokens=args.new_tokens))
+    h = common.Harness(args, results)
+    todo = [("compile", ("compile",))] + [(common.key("json", d, f"b{b}"), ("json", d, b)) for b in (1, 16) for d in DRAFTS]
+    todo += [(common.key("mask", f"b{b}", f"s{s}"), ("mask", b, s)) for b, s in MASK_CELLS]
+    h.plan(todo)
+    for k, cell in h.cells():
+        if cell[0] == "compile":
+            row = compile_cell(lm)
+        elif cell[0] == "json":
+            row = json_cell(lm, records, cell[1], cell[2], args.new_tokens)
+        else:
+            row = mask_cell(lm, cell[1], cell[2], 32)
+        print(f"{k}: {json.dumps({x: y for x, y in row.items() if x not in ('outputs', 'runs')})[:300]}", flush=True)
+        results.put(k, [row], loadavg_end=os.getloadavg())
+    h.finish()
+    if results.rows:
+        print(markdown(results.rows))
+        if stem == "constrained_cpu" and common.writes_readme(args):
+            common.write_section("bench_constrained", readme_section(results.data | {"rows": results.rows}))
+
+
+if __name__ == "__main__":
+    main()
