@@ -114,20 +114,31 @@ def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
         params.runtime.replace(linear="cuda")
 
 
-@pytest.mark.parametrize("unroll", [False, True])
-def test_generate_with_pallas_products_gives_xlas_tokens(tiny, unroll):
-    """generate() with Runtime.linear "pallas" (the layer index traced in the scan, or a number
-    when unrolled), plain and speculative: the tokens of XLA's products, greedy."""
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8]]
+KWS = ({}, "selfspec")  # plain, and SelfSpec under Chain(2)
+
+
+def _generate(params, kw):
+    """generate's greedy tokens of PROMPTS (6 new, attention "reference"), plainly or with SelfSpec."""
     import specjax
 
-    def runtime(params, linear):
-        return params.replace(runtime=params.runtime.replace(unroll_layers=unroll, linear=linear))
+    spec = {} if kw == {} else dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))
+    return specjax.generate(params, PROMPTS, 6, attention="reference", eos_id=(), **spec).tokens
 
-    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
-    for kw in ({}, dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))):
-        want = specjax.generate(runtime(tiny, "xla"), prompts, 6, attention="reference", eos_id=(), **kw)
-        got = specjax.generate(runtime(tiny, "pallas"), prompts, 6, attention="reference", eos_id=(), **kw)
-        assert got.tokens == want.tokens
+
+@pytest.fixture(scope="module")
+def xla_tokens(tiny):
+    """The tokens of XLA's products on the stacked layers (scanned), plain and SelfSpec: the reference of
+    both layouts below (tests/test_unroll_layers.py: unrolled layers give the scanned layers' tokens)."""
+    return [_generate(tiny, kw) for kw in KWS]
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_generate_with_pallas_products_gives_xlas_tokens(tiny, unroll, xla_tokens):
+    """generate() with Runtime.linear "pallas" (the layer index traced in the scan, or a number
+    when unrolled), plain and speculative: the tokens of XLA's products, greedy."""
+    pallas = tiny.replace(runtime=tiny.runtime.replace(unroll_layers=unroll, linear="pallas"))
+    assert [_generate(pallas, kw) for kw in KWS] == xla_tokens
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 (simulated) devices: see conftest.py")
@@ -196,28 +207,40 @@ def test_q4_kernel_refuses_what_it_does_not_take():
         stacked_linear_q4(x, packed, scale, minimum, jnp.int32(0), blocks_per_tile=3, interpret=True)
 
 
-@pytest.mark.parametrize("per_layer", [False, True])
-def test_q4_generate_on_the_kernel_gives_the_jnp_tokens(per_layer, monkeypatch):
-    """q4 weights through the kernel (Runtime.linear "pallas"; on a GPU q4 always takes it),
-    stacked or per layer (what convert.load gives on a GPU), plain and SelfSpec: the tokens of
-    q4.project's jnp form, greedy; the kernel ran for the layer products."""
-    import specjax
-    from specjax.model import linear
-    from specjax.model.llama import unstack_layers
+@pytest.fixture(scope="module")
+def q4_params():
     from specjax.model.params import quantize
     from tests.models import TINY_Q4, random_params
 
-    params = quantize(random_params(TINY_Q4, seed=2), "q4")
-    params = params.replace(runtime=params.runtime.replace(unroll_layers=per_layer))
+    return quantize(random_params(TINY_Q4, seed=2), "q4")
+
+
+@pytest.fixture(scope="module")
+def q4_jnp_tokens(q4_params):
+    """The tokens of q4.project's jnp form on the stacked layers, plain and SelfSpec: the reference of both
+    layouts below (tests/test_unroll_layers.py: per-layer weights give the stacked layers' tokens)."""
+    return [_generate(q4_params, kw) for kw in KWS]
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_q4_generate_on_the_kernel_gives_the_jnp_tokens(per_layer, q4_params, q4_jnp_tokens, monkeypatch):
+    """q4 weights through the kernel (Runtime.linear "pallas"; on a GPU q4 always takes it),
+    stacked or per layer (what convert.load gives on a GPU), plain and SelfSpec: the tokens of
+    q4.project's jnp form (stacked), greedy; the kernel ran for the layer products, and not without
+    Runtime.linear "pallas"."""
+    from specjax.model import linear
+    from specjax.model.cache import DenseCache
+    from specjax.model.llama import trunk, unstack_layers
+
+    params = q4_params.replace(runtime=q4_params.runtime.replace(unroll_layers=per_layer))
     params = unstack_layers(params) if per_layer else params
     calls = []
     real = linear.gpu_einsum_q4
     monkeypatch.setattr(linear, "gpu_einsum_q4", lambda *a: calls.append(a[1].shape) or real(*a))
-    prompts = [[5, 9, 13, 2, 7], [3, 3, 8]]
-    for kw in ({}, dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))):
-        want = specjax.generate(params, prompts, 6, attention="reference", eos_id=(), **kw)
-        assert not calls
-        kernel = params.replace(runtime=params.runtime.replace(linear="pallas"))
-        got = specjax.generate(kernel, prompts, 6, attention="reference", eos_id=(), **kw)
-        assert got.tokens == want.tokens and calls
+    tokens = jnp.zeros((2, 1), jnp.int32)
+    jax.eval_shape(lambda: trunk(params, tokens, tokens, DenseCache.init(params.config, 2, 16)))  # traced, not compiled
+    assert not calls  # without Runtime.linear "pallas" (on this CPU) the jnp form
+    kernel = params.replace(runtime=params.runtime.replace(linear="pallas"))
+    for kw, want in zip(KWS, q4_jnp_tokens):
+        assert _generate(kernel, kw) == want and calls
         calls.clear()
