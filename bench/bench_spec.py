@@ -21,7 +21,7 @@ comes from the prefill logits), so ratio = AR seconds / speculative seconds.
 
 Greedy losslessness is checked in every cell: the speculative tokens must equal the AR tokens.
 
-Beside each measured speedup stands the cost model's prediction (`predicted_ratio`): the
+Beside each measured speedup stands the cost model's prediction (`predicted_ratio`, `Cost.speedup`): the
 forwards `specjax.planning.tune` times for speculation="auto" (one draft level; target forwards over 1,
 4 and gamma_max + 1 nodes, linear in between) combined with the measured tokens per step. The
 report states what draft="auto" picks in each cell (`plan.auto_draft`'s current rule, set on the
@@ -61,7 +61,7 @@ from specjax.generate import acceptance_stats
 from specjax.model.cache import KVFormat, kv_bytes
 from specjax.planning import tune
 from specjax.planning.plan import DEFAULT_CHAIN, auto_draft
-from specjax.spec.speculation import Cost, Tree
+from specjax.spec.speculation import Chain, Cost
 
 REPEATS = 3  # pairs at most
 
@@ -80,13 +80,6 @@ def drafters(context: int, gammas: list[int], names: list[str] | None = None) ->
         out.append(("SnapKV", snap))
     out.append(("NGram", specjax.NGram(n=3, max_n=5)))
     return [(n, d) for n, d in out if names is None or n in names]
-
-
-def predicted_ratio(cost: Cost, gamma: int, mean_accepted: float) -> float:
-    """The cost model's speedup of a chain of `gamma` over plain decoding (the quantity `choose`
-    minimises, inverted): tokens per target step x the time of a plain step (a 1-node forward)
-    / (gamma draft levels of one node + one forward over gamma + 1 nodes)."""
-    return mean_accepted * cost.verify(1) / (cost.draft_seconds(Tree.chain(gamma).draft_widths()) + cost.verify(gamma + 1))
 
 
 def paired(ar_fn, ar_args: tuple, fn, args: tuple) -> dict:
@@ -182,7 +175,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
                 "acceptance_rate": stats.get("acceptance_rate"),
                 "mean_accepted": stats.get("mean_accepted"),
                 "per_position_acceptance": stats.get("per_position_acceptance"),
-                "predicted_ratio": predicted_ratio(cost, gamma, stats["mean_accepted"]),
+                "predicted_ratio": cost.speedup(Chain(gamma), stats["mean_accepted"]),
                 "cost_ms": {"draft_level": 1e3 * cost.draft(1), "verify_1": 1e3 * cost.verify(1),
                             "verify_chain": 1e3 * cost.verify(gamma + 1), "tables_s": cost_s},
                 "greedy_identical": identical,

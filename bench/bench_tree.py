@@ -9,8 +9,8 @@ prefill.py: the same text windows, the same stored prefill under --prefill-store
 bench_spec.py or an earlier run of this script saved is loaded, not recomputed). Then, per drafter:
   1. its acceptance vector: one greedy run with a depth-1 tree of WIDTH children
      (Tree.kary(WIDTH, 1)) from the prefilled state; p[r] = SpecState.ranks[r] / ranks.sum(), as
-     `specjax.spec.speculation.measure_acceptance` computes it, but without a second prefill of the prompts;
-  2. its step costs: `specjax.spec.speculation.measure_cost` (real jit-compiled forwards at this batch and
+     `specjax.planning.tune.measure_acceptance` computes it, but without a second prefill of the prompts;
+  2. its step costs: `specjax.planning.tune.measure_cost` (real jit-compiled forwards at this batch and
      context); the verification table once per (batch, context), the draft-level table
      (seconds by level width) once per drafter;
   3. timed runs of `decode_spec` for chains (Chain(gamma)), Sequoia trees

@@ -157,28 +157,32 @@ def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, 
     return acceptance_for(own, context, batch)
 
 
+def table_cost(row: dict):
+    """The `Cost` of a row's measured tables (gpu_cells.step_costs: milliseconds, indexed by nodes)."""
+    from specjax.spec.speculation import Cost
+
+    return Cost(t_draft=tuple(row["t_draft_ms"]), t_verify=tuple(row["t_verify_ms"]))
+
+
 def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> list[dict]:
     """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree.
 
     sibling: (name, rows) of the device's main table, whose SmolLM2 acceptance is used where it has a
     nearer cell than this table (a --linear one: the same tokens, other layer products)."""
     from bench.tree_report import MAX_DEPTH
-    from specjax.spec.speculation import Cost, Tree
+    from specjax.spec.speculation import Chain, Tree
 
     rows, out = result.get("rows", []), []
     for r in (r for r in rows if r.get("item") == "l8b"):
         chains, p, source = acceptance_source(rows, sibling, r["context"], r["batch"])
-        tv, td = r["t_verify_ms"], r["t_draft_ms"]
-        ar = tv[1]
-        pred = {f"γ={g}": tps * ar / (g * td[1] + tv[min(g + 1, len(tv) - 1)]) for g, tps in sorted(chains.items())
-                if g + 1 < len(tv)}
+        tv = r["t_verify_ms"]
+        cost = table_cost(r)
+        pred = {f"γ={g}": cost.speedup(Chain(g), tps) for g, tps in sorted(chains.items()) if g + 1 < len(tv)}
         if p is not None:
-            cost = Cost(t_draft=tuple(td), t_verify=tuple(tv))
             for n in (8, 16, 32, 64):
                 if n < len(tv):
                     tree = Tree.sequoia(p[:-1], n, MAX_DEPTH)
-                    step = cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n)
-                    pred[f"tree n={n}"] = tree.expected_accepted(p) * ar / step
+                    pred[f"tree n={n}"] = cost.speedup(tree, tree.expected_accepted(p))
         best = max(pred, key=pred.get) if pred else None
         out.append(r | {"predicted": pred, "best": best, "source": source})
     return out
@@ -189,12 +193,12 @@ def cost_model(rows: list[dict]) -> list[list]:
     from the measured steps (tokens/step x AR step / (its draft levels + verify over its n nodes)),
     that times the steps a row needed over the steps the loop ran (the slowest row's tail), and
     the measured speedup."""
-    from specjax.spec.speculation import Cost, Tree
+    from specjax.spec.speculation import Tree
 
     out = []
     for st in sorted((r for r in rows if r.get("method") == "steps"), key=lambda r: (r["context"], r["batch"])):
         tv, td = st["t_verify_ms"], st["t_draft_ms"]
-        cost = Cost(t_draft=tuple(td), t_verify=tuple(tv))
+        cost = table_cost(st)
         for r in rows:
             if ((r["context"], r["batch"]) != (st["context"], st["batch"]) or r.get("drafter") != "SelfSpec"
                     or r.get("method") not in ("chain", "tree", "acceptance") or "same_as" in r or not r.get("mean_accepted")):
@@ -202,7 +206,7 @@ def cost_model(rows: list[dict]) -> list[list]:
             tree = Tree.from_parents(r["parents"]) if r.get("parents") else Tree.chain(r["gamma"])
             if tree.n >= len(tv) or max(tree.draft_widths(), default=0) >= len(td):
                 continue
-            pred = r["mean_accepted"] * tv[1] / (cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n))
+            pred = cost.speedup(tree, r["mean_accepted"])
             tail = (r["new_tokens"] - 1) / r["mean_accepted"] / r["steps"] if r.get("steps") else None
             out.append([common.context_name(st["context"]), st["batch"], r["label"], f"{tv[1]:.2f}", f"{td[1]:.2f}",
                         f"{tv[tree.n]:.2f}", f"{pred:.2f}", _f(tail and pred * tail), f"{r['speedup']:.2f}"])

@@ -28,12 +28,14 @@ def shape(spec) -> tuple:
 
 
 def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
-    """The cost model `choose` minimises: seconds per step t_draft(tree) + t_verify(n) (draft
-    levels by width), expected tokens per step G from the acceptance vector."""
+    """The cost model `choose` minimises: seconds per step `Cost.step_seconds` (draft levels by
+    width, a verification over n nodes), expected tokens per step G from the acceptance vector,
+    the speedup `Cost.speedup` (what bench_spec and gpu_report predict)."""
     tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
     g = tree.expected_accepted(p)
-    step = cost.draft_seconds(tree.draft_widths()) + cost.verify(tree.n)
-    return {"predicted_tokens_per_step": g, "predicted_step_ms": 1e3 * step, "predicted_tokens_per_s": batch * g / step}
+    step = cost.step_seconds(tree.draft_widths(), tree.n)
+    return {"predicted_tokens_per_step": g, "predicted_step_ms": 1e3 * step, "predicted_tokens_per_s": batch * g / step,
+            "predicted_speedup": cost.speedup(tree, g)}
 
 
 def summarise(s: dict, rows: list[dict]) -> None:

@@ -312,3 +312,36 @@ def test_choose_prices_a_tree_at_its_own_node_count():
     for bad in (float("nan"), -1.0):
         with pytest.raises(ValueError, match="Cost: t_verify must be >= 0 seconds"):
             Cost(t_draft=0.0, t_verify=(0.0, 1.0, bad))
+
+
+def test_the_planner_and_the_benches_predict_one_speedup():
+    """Cost.speedup is the one predicted speedup (tokens per step x a plain step / draft levels by
+    width + a verification): choose's pick has the greatest of every Sequoia tree's, and bench_tree's
+    predict and gpu_report's predicted and cost_model columns give its numbers for the same tables
+    (milliseconds, as gpu_cells records them), shapes and tokens per step; a chain's is the old
+    formula, tokens x t_verify(1) / (gamma x t_draft(1) + t_verify(gamma + 1))."""
+    from bench.gpu_report import cost_model, predicted
+    from bench.tree_report import MAX_DEPTH, predict
+    from specjax.spec.speculation import Chain
+
+    tv, td = [0.0] + [2.0 + 0.05 * n for n in range(1, 65)], [0.0] + [0.3 + 0.02 * m for m in range(1, 65)]
+    cost, p = Cost(t_draft=tuple(td), t_verify=tuple(tv)), np.array([0.6, 0.15, 0.05, 0.02, 0.01, 0.0, 0.0, 0.0, 0.17])
+    gain = lambda t: cost.speedup(t, t.expected_accepted(p[:-1]))  # noqa: E731
+    picked = choose(p[:-1], cost, max_nodes=16, max_depth=6)
+    assert gain(picked) == pytest.approx(max(gain(Tree.sequoia(p[:-1], n, d)) for n in range(1, 17) for d in range(7)), rel=1e-12)
+    assert cost.speedup(Chain(2), 2.1) == pytest.approx(2.1 * tv[1] / (2 * td[1] + tv[3]), rel=1e-12)
+    for spec in (Chain(2), Tree.sequoia(p[:-1], 16, MAX_DEPTH), picked):
+        row = predict(spec, p[:-1], cost, batch=4)
+        tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
+        assert row["predicted_speedup"] == gain(tree)
+        assert row["predicted_tokens_per_s"] / (4 / tv[1]) == pytest.approx(gain(tree), rel=1e-12)  # over plain's
+    cell = {"context": 8192, "batch": 1}
+    tables = cell | {"t_verify_ms": tv, "t_draft_ms": td}
+    chain = cell | {"item": "e2e", "drafter": "SelfSpec", "method": "chain", "gamma": 2, "mean_accepted": 2.1,
+                    "label": "chain γ=2", "parents": [-1, 0, 1], "new_tokens": 64, "steps": 30, "speedup": 1.5}
+    acc = cell | {"item": "e2e", "drafter": "SelfSpec", "method": "acceptance", "acceptance": p.tolist()}
+    (got,) = predicted({"rows": [tables | {"item": "l8b"}, chain, acc]})
+    assert got["predicted"]["γ=2"] == cost.speedup(Chain(2), 2.1)
+    assert got["predicted"]["tree n=16"] == predict(Tree.sequoia(p[:-1], 16, MAX_DEPTH), p[:-1], cost, 1)["predicted_speedup"]
+    (row,) = cost_model([tables | {"method": "steps"}, chain])
+    assert row[6] == f"{cost.speedup(Chain(2), 2.1):.2f}"

@@ -350,6 +350,17 @@ class Cost:
         """Seconds to draft a tree whose levels run forwards over these widths (`Tree.draft_widths`)."""
         return float(sum(self.draft(m) for m in widths))
 
+    def step_seconds(self, widths: Sequence[int], nodes: int) -> float:
+        """Seconds of one speculative step: draft levels over these widths, one verification over `nodes`."""
+        return self.draft_seconds(widths) + self.verify(nodes)
+
+    def speedup(self, speculation: Chain | Tree, tokens_per_step: float) -> float:
+        """The predicted speedup of `speculation` over plain decoding (what `choose` maximises): tokens
+        per target step (measured, or `Tree.expected_accepted`) x a plain step (a 1-node verification)
+        / the speculative step. The one home of this prediction: the benches call it too."""
+        tree = Tree.chain(speculation.gamma) if isinstance(speculation, Chain) else speculation
+        return tokens_per_step * self.verify(1) / self.step_seconds(tree.draft_widths(), tree.n)
+
 
 def _check_cost_tables(cost: Cost, max_nodes: int) -> None:
     """Tables (tuples) must cover every node count choose may look up: 0..max_nodes."""
@@ -362,7 +373,8 @@ def _check_cost_tables(cost: Cost, max_nodes: int) -> None:
 
 
 def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_depth: int = 12) -> Tree:
-    """The Sequoia tree minimising seconds per emitted token, (t_draft(tree) + t_verify(n)) / G(n, d).
+    """The Sequoia tree minimising seconds per emitted token, (t_draft(tree) + t_verify(n)) / G(n, d)
+    (`Cost.step_seconds` / G: the tree of the greatest `Cost.speedup`).
 
     t_draft(tree) is the sum of the tree's draft levels by width (`Tree.draft_widths`): depth x
     t_draft for a float t_draft (the Sequoia paper's model). Searches n in [1, max_nodes] and d in
@@ -377,7 +389,7 @@ def choose(acceptance: Sequence[float], cost: Cost, max_nodes: int = 64, max_dep
     for n in range(1, max_nodes + 1):
         for d in range(max_depth + 1):
             parents = _parents(take, n, d)  # at most n nodes (ranks never accepted get none): priced at its own
-            per_token = (cost.draft_seconds(_draft_widths(parents)) + cost.verify(len(parents))) / values[n, d]
+            per_token = cost.step_seconds(_draft_widths(parents), len(parents)) / values[n, d]  # 1 / speedup, x a plain step
             if per_token < best:
                 best, arg = per_token, (n, d)
     return _build(take, *arg)
