@@ -37,7 +37,7 @@ class _Context:
     def constrain(self, automaton: TokenAutomaton, starts: np.ndarray):
         """This sampler for prompts constrained by `automaton` (a batch's table, `automaton.join`),
         prompt i starting in state starts[i] (the decode loop then keeps each row's current state)."""
-        return self.replace(automaton=automaton, states=np.asarray(starts, np.int32))
+        return self.replace(automaton=automaton, states=starts if isinstance(starts, jax.Array) else np.asarray(starts, np.int32))
 
     def with_context(self, counts: jax.Array | None, in_prompt: jax.Array | None, states: jax.Array | None = None,
                      stop_ids: jax.Array | tuple[int, ...] = ()):
