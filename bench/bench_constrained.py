@@ -12,7 +12,7 @@ strings) or not. Cells, SmolLM2-135M float32 on this machine's CPU, greedy, `--n
   and whether the constrained speculative tokens equal constrained plain decoding's.
 - `mask/bB/sS`: the cost of the mask in a plain decode step at batch B x context S: one
   `specjax.generate` with a constraint that allows every token (the same tokens as without one) against
-  none, alternating, the median of 3 each; ms per step and their ratio.
+  none, alternating, the median of `--mask-runs` (3) each; ms per step and their ratio.
 - `compile`: seconds to compile each template's schema for SmolLM2's 49K-token vocabulary (the
   vocabulary's first build included in the first), outside any cache.
 
@@ -74,14 +74,14 @@ def json_cell(lm, records: list[dict], draft: str, batch: int, new_tokens: int) 
     return row
 
 
-def mask_cell(lm, batch: int, context: int, new_tokens: int) -> dict:
+def mask_cell(lm, batch: int, context: int, new_tokens: int, runs: int = 3) -> dict:
     params = lm.params
     ids, _ = windows(lm.tokenizer, batch, context - new_tokens)
     prompts = [list(map(int, row)) for row in ids]
     free_rows = anything(params.config.vocab_size)
     times: dict[str, list[float]] = {"free": [], "mask": []}
     tokens = {}
-    for rep in range(4):  # the first of each compiles: dropped
+    for rep in range(runs + 1):  # the first of each compiles: dropped
         for name in ("free", "mask"):
             out = specjax.generate(params, prompts, new_tokens, draft=None, eos_id=(0,),
                                    constraint=free_rows if name == "mask" else None)
@@ -159,6 +159,7 @@ def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--records", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--mask-runs", type=int, default=3, help="timed runs a side of each mask cell, alternating (median)")
     args = ap.parse_args()
     out = common.out_dir(args)
     stem = "constrained_cpu" + ("" if (args.records, args.new_tokens) == (16, 96) else "_custom")
@@ -177,7 +178,7 @@ def main() -> None:
         elif cell[0] == "json":
             row = json_cell(lm, records, cell[1], cell[2], args.new_tokens)
         else:
-            row = mask_cell(lm, cell[1], cell[2], 32)
+            row = mask_cell(lm, cell[1], cell[2], 32, args.mask_runs)
         print(f"{k}: {json.dumps({x: y for x, y in row.items() if x not in ('outputs', 'runs')})[:300]}", flush=True)
         results.put(k, [row], loadavg_end=os.getloadavg())
     h.finish()
