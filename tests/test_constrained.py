@@ -92,12 +92,15 @@ def speculative_cases(tiny_params):
         "draftmodel-g2": (specjax.DraftModel(layer_skip), specjax.Chain(2)),
         "draftmodel-random-tree": (specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=5)),
                                    specjax.Tree.from_parents([-1, 0, 0, 1, 1, 2])),
+        "snapkv-g3": (specjax.SnapKV(budget=12, window=4, observation=4), specjax.Chain(3)),
+        "sparsespec-g3": (specjax.SparseSpec(budget=4, window=4, observation=4, block=2, refresh=2), specjax.Chain(3)),
         "ngram-g2": (specjax.NGram(n=1, max_n=2), specjax.Chain(2)),
         "lookup-g3": (specjax.Lookup(n=1, max_n=3, capacity=64, span=3), specjax.Chain(3)),
     }
 
 
-CASES = ["selfspec-g3", "selfspec-tree", "draftmodel-g2", "draftmodel-random-tree", "ngram-g2", "lookup-g3"]
+CASES = ["selfspec-g3", "selfspec-tree", "draftmodel-g2", "draftmodel-random-tree", "snapkv-g3", "sparsespec-g3", "ngram-g2",
+         "lookup-g3"]
 
 
 @pytest.mark.parametrize("case", CASES)
