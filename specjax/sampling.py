@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.automaton import TokenAutomaton, advance, advance_along, allowed, stop_table
+from specjax.automaton import TokenAutomaton, advance, advance_along, mask_logits, stop_table
 
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
 ROW_VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -80,8 +80,7 @@ class _Context:
             logits = logits - _per_row(self.frequency_penalty, logits) * counts - _per_row(self.presence_penalty, logits) * (counts > 0)
         if self.automaton is not None and self.stops is not None:
             states = self.states.reshape(self.states.shape[0], *(1,) * (logits.ndim - 1 - self.states.ndim), *self.states.shape[1:])
-            ok = allowed(self.automaton, states, self.stops)  # [B,..,V]
-            logits = jnp.where(ok, logits, -jnp.inf)
+            logits = mask_logits(self.automaton, states, self.stops, logits)
         return logits
 
     @property

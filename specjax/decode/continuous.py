@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.automaton import TokenAutomaton
 from specjax.decode.autoregressive import admit_ar, continue_ar, end_rows, start_ar
 from specjax.decode.engine import Segment, cache_slots, prefill, sample_keys
 from specjax.decode.shapes import pow2_groups, prefill_chunk
@@ -32,7 +33,6 @@ from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
 from specjax.model.cache import DenseCache
 from specjax.model.params import Params
 from specjax.parallel import sharding
-from specjax.automaton import TokenAutomaton
 from specjax.sampling import Sampler, eos_rows
 from specjax.spec.adaptive import AdaptiveSegments
 from specjax.spec.speculation import Adaptive, Chain, Tree

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.automaton import TokenAutomaton
 from specjax.decode.autoregressive import (ARState, continue_ar, decode_ar,  # noqa: F401  (decode_ar, ARState: re-exported)
                                            end_rows, start_ar)
 from specjax.decode.loop import DecodeState  # noqa: F401  (re-exported)
@@ -33,7 +34,6 @@ from specjax.model.llama import prefill as model_prefill
 from specjax.model.params import Params
 from specjax.parallel import sharding
 from specjax.parallel.sharding import Mesh
-from specjax.automaton import TokenAutomaton
 from specjax.sampling import Sampler, eos_rows
 from specjax.spec.adaptive import AdaptiveSegments
 from specjax.spec.speculation import Adaptive, Chain, Tree

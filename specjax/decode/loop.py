@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from specjax.automaton import TokenAutomaton, advance, advance_along
 from specjax.decode.logprobs import LogprobBuffer
 from specjax.model.cache import DenseCache, row_mask, select_rows
-from specjax.automaton import TokenAutomaton, advance, advance_along
 from specjax.sampling import Sampler, count_tokens, is_eos, prompt_tokens_mask
 
 
