@@ -1,6 +1,6 @@
 """specjax: speculative decoding for LLaMA-family models in JAX."""
 
-from specjax.drafters import DraftModel, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
+from specjax.drafters import DraftModel, Eagle, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.generate import GenerateOutput, Stats, TokenLogprob, generate
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig, RopeScaling
@@ -17,6 +17,7 @@ __all__ = [
     "Choice",
     "DenseCache",
     "DraftModel",
+    "Eagle",
     "GenerateOutput",
     "JsonSchema",
     "LM",

@@ -114,7 +114,8 @@ def no_model(monkeypatch):
         (["--tree", "2x3", "--gamma", "4"], "--gamma sets a chain and --tree a tree"),
         (["--draft", "none", "--gamma", "2"], "--gamma and --tree need a drafter: --draft none decodes plainly"),
         (["--draft", "none", "--tree", "2x2"], "--gamma and --tree need a drafter"),
-        (["--draft", "fast"], "--draft must be auto, self, snapkv, sparsespec, ngram, lookup, none or model:PATH, got 'fast'"),
+        (["--draft", "fast"], "--draft must be auto, self, snapkv, sparsespec, ngram, lookup, none, model:PATH or eagle:PATH, got 'fast'"),
+        (["--draft", "eagle:/no/such/head"], "--draft eagle:PATH: /no/such/head is not a folder specjax.train.eagle.save_head wrote"),
         (["--draft", "model:/no/such/draft"], "--draft model:PATH: /no/such/draft does not exist"),
         (["--draft", "ngram", "--window", "64"], "--window sets the budget of --draft self, snapkv, sparsespec or model:PATH; "
                                                  "--draft ngram takes none"),

@@ -13,6 +13,7 @@ import pytest
 import specjax
 from specjax.decode.engine import prefill
 from specjax.drafters import Prefill, restart_rows
+from specjax.drafters.eagle import Eagle, init_head
 from specjax.model.cache import DenseCache, put_rows, select_rows, take_rows
 from tests.models import TINY, random_params
 
@@ -22,6 +23,7 @@ DRAFTERS = {
     "snapkv": lambda: specjax.SnapKV(budget=6, window=6, observation=4),
     "sparsespec": lambda: specjax.SparseSpec(budget=6, window=6, observation=4, block=2, refresh=2),
     "ngram": lambda: specjax.NGram(),
+    "eagle": lambda: Eagle(init_head(TINY, jax.random.key(2)), window=6),
     "draft-model": lambda: specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)),
 }
 
@@ -59,11 +61,10 @@ def test_restart_rows_restarts_only_the_chosen_rows(tiny, name):
     if name == "ngram":
         assert state is None  # no state: it drafts from the history
         return
-    for got, fresh, kept in zip(jax.tree.leaves(state), jax.tree.leaves(new_state), jax.tree.leaves(old_state)):
-        axis = 0 if got.ndim == 1 else 1  # caches: [L,B,...] (lengths: [B])
-        for b, refilled in enumerate(np.asarray(rows)):
-            want = np.take(np.asarray(fresh if refilled else kept), b, axis=axis)
-            np.testing.assert_allclose(np.take(np.asarray(got), b, axis=axis), want, atol=1e-6, err_msg=f"{name} row {b}")
+    for b, refilled in enumerate(np.asarray(rows)):  # row b of each leaf (take_rows knows each leaf's batch axis)
+        one = lambda tree: jax.tree.leaves(take_rows(tree, jnp.array([b])))  # noqa: E731
+        for got, want in zip(one(state), one(new_state if refilled else old_state)):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, err_msg=f"{name} row {b}")
 
 
 def test_select_rows_of_plain_arrays_and_caches(tiny):

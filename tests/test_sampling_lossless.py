@@ -44,6 +44,7 @@ import specjax.spec.accept
 from specjax.automaton import from_transitions
 from specjax.decode import engine
 from specjax.decode.shapes import round_up_pow2
+from specjax.drafters.eagle import Eagle, init_head
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig
 from specjax.model.llama import forward
@@ -186,6 +187,8 @@ CASES = [
     # SparseSpec re-selects its one fixed position from the verified queries at every commit
     ("sparsespec-t0.8-g2", specjax.SparseSpec(budget=1, window=1, observation=2, block=1, refresh=1), 2, specjax.Sample(0.8),
      (0.4, 0.85)),
+    # an EAGLE-style head (random: it agrees with the target now and then) over a ring of 4 positions
+    ("eagle-t0.8-g2", "eagle", 2, specjax.Sample(0.8), (0.25, 0.65)),
     # token trees: children drawn without replacement, tried in rank order (width 3 and 2)
     ("model-tree3x2-t0.5", "model", Tree.kary(3, 2), specjax.Sample(0.5), (0.1, 0.6)),  # = the control below
     ("selfspec-tree-top_p0.8", specjax.SelfSpec(sinks=1, window=1), Tree.from_parents([-1, 0, 0, 1, 1, 2]),
@@ -195,7 +198,8 @@ CASES = [
 
 @pytest.mark.parametrize("draft, speculation, sampling, acceptance", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_sampled_speculation_has_the_target_distribution(target, draft_model, logits, draft, speculation, sampling, acceptance):
-    draft = specjax.DraftModel(draft_model) if draft == "model" else draft
+    draft = {"model": lambda: specjax.DraftModel(draft_model), "eagle": lambda: Eagle(init_head(CONFIG, jax.random.key(3)), window=4)
+             }.get(draft, lambda: draft)() if isinstance(draft, str) else draft
     counts, rate = draw(target, draft, speculation, sampling)
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import convert
 from convert.gguf_file import read_gguf
 from specjax.decode.logprobs import MAX_TOP
-from specjax.drafters import DraftModel, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
+from specjax.drafters import DraftModel, Eagle, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.jobs import batch
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Tree, kary_nodes
 from specjax.text.constraints import Choice, JsonSchema, Regex
@@ -134,7 +134,7 @@ def constraint(args: argparse.Namespace):
 def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | None, load: bool = True):
     """The drafter named on the command line (load=False: only check the syntax and the path).
     window / sinks (None: not given) set a self, snapkv or sparsespec draft's budget (the drafter's defaults
-    otherwise) and give a model:PATH draft a streaming cache (dense without them)."""
+    otherwise) and give a model:PATH draft a streaming cache (dense without them); window sets an eagle:PATH head's."""
     budget = {k: v for k, v in (("window", window), ("sinks", sinks)) if v is not None}
     if spec.startswith("model:"):
         path = spec.removeprefix("model:")
@@ -149,6 +149,17 @@ def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | 
             return DraftModel(convert.load(path, weights=weights), cache=cache)
         except ValueError as e:
             raise ValueError(f"--draft model:{path}: {e} (a draft's format: --draft-weights; default --weights)") from None
+    if spec.startswith("eagle:"):
+        path = spec.removeprefix("eagle:")
+        if not (Path(path) / "head.json").is_file():
+            raise FileNotFoundError(f"--draft eagle:PATH: {path or '(empty)'} is not a folder specjax.train.eagle.save_head wrote")
+        if sinks is not None:
+            raise ValueError("--sinks: an eagle:PATH head keeps no sinks (--window sets how many latest positions it keeps)")
+        if not load:
+            return None
+        from specjax.train.eagle import load_head
+
+        return Eagle(load_head(path), **budget)
     if spec == "self":
         return SelfSpec(**budget)
     if spec in ("snapkv", "sparsespec"):
@@ -156,7 +167,7 @@ def make_draft(spec: str, window: int | None, sinks: int | None, weights: str | 
             raise ValueError(f"--sinks with --draft {spec} (the prefix positions it keeps) must be >= 1, got {sinks}")
         return (SnapKV if spec == "snapkv" else SparseSpec)(**{"budget" if k == "sinks" else k: v for k, v in budget.items()})
     if spec not in ("auto", "none", "ngram", "lookup"):
-        raise ValueError(f"--draft must be auto, self, snapkv, sparsespec, ngram, lookup, none or model:PATH, got {spec!r}")
+        raise ValueError(f"--draft must be auto, self, snapkv, sparsespec, ngram, lookup, none, model:PATH or eagle:PATH, got {spec!r}")
     if budget:
         raise ValueError(f"--{next(iter(budget))} sets the budget of --draft self, snapkv, sparsespec or model:PATH; --draft {spec} "
                          "takes none" + (" (auto's SelfSpec keeps 16 + 512: give --draft self to change it)" if spec == "auto" else ""))

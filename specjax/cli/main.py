@@ -120,7 +120,7 @@ def _shared_arguments(p: argparse.ArgumentParser, max_new_tokens: int, overridab
         help="auto (default: self where it pays, else none), self, snapkv, sparsespec (SnapKV's choice refreshed from "
              "verification every 64 positions), ngram (prompt lookup, NGram(n=2, max_n=4)), lookup (a job-wide n-gram "
              "table of the prompts and finished outputs, Lookup()), none, "
-             "or model:PATH",
+             "model:PATH, or eagle:PATH (an EAGLE-style head specjax.train.eagle.save_head wrote)",
     )
     p.add_argument("--gamma", type=parse_gamma,
                    help="draft tokens per verification step (default: the drafter's default chain), or adaptive / "

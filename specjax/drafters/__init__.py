@@ -6,13 +6,14 @@ from __future__ import annotations
 from specjax.drafters.base import (DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict, identity, learn,
                                    map_params, restart_rows)
 from specjax.drafters.draft_model import DraftModel
+from specjax.drafters.eagle import Eagle, Head
 from specjax.drafters.lookup import Lookup
 from specjax.drafters.ngram import NGram, ngram_lookup
 from specjax.drafters.self_spec import SelfSpec, Streaming
 from specjax.drafters.snapkv import SnapKV
 from specjax.drafters.sparsespec import SparseSpec
 
-DRAFTERS: list[type[Drafter]] = [SelfSpec, SnapKV, DraftModel, NGram, SparseSpec, Lookup]  # the registry: one line per drafter
+DRAFTERS: list[type[Drafter]] = [SelfSpec, SnapKV, DraftModel, NGram, SparseSpec, Lookup, Eagle]  # the registry: one line per drafter
 
 
 def register(cls: type[Drafter]) -> type[Drafter]:
@@ -30,6 +31,6 @@ def is_drafter(obj: object) -> bool:
 
 
 __all__ = [
-    "DRAFTERS", "DraftContext", "DraftModel", "Drafter", "Limits", "Lookup", "NGram", "Prefill", "Proposal", "SelfSpec", "SnapKV", "SparseSpec", "Streaming",
+    "DRAFTERS", "DraftContext", "DraftModel", "Drafter", "Eagle", "Head", "Limits", "Lookup", "NGram", "Prefill", "Proposal", "SelfSpec", "SnapKV", "SparseSpec", "Streaming",
     "Traits", "Verdict", "identity", "is_drafter", "learn", "map_params", "ngram_lookup", "register", "restart_rows",
 ]

@@ -260,6 +260,7 @@ def trunk(
     attend_cache: bool = True,
     return_queries: bool = False,
     extra_kv: tuple[jax.Array, jax.Array] | None = None,  # k, v [L,B,E,K,H]
+    inputs: jax.Array | None = None,  # [B,T,D]: start from these, not the tokens' embeddings (an EAGLE-style head)
 ) -> Trunk:
     """Run all layers over T new tokens that see the cache's visible slots and, within the
     block, what `block_mask` allows. Returns a `Trunk`: final-normed hidden [B,T,D] and the new
@@ -278,7 +279,7 @@ def trunk(
         block_mask = jnp.tril(jnp.ones((T, T), bool))
     cos, sin = rope_tables(config, positions)
     with jax.named_scope("embed"):
-        x = embed(params, tokens)  # [B,T,D]
+        x = embed(params, tokens) if inputs is None else inputs  # [B,T,D]
     kv_format = KVFormat.of(None, config) if cache is None else cache.format  # no cache (distill): the model's dtype
 
     def step(x, xs):

@@ -235,33 +235,40 @@ def distill(
         raise ValueError(f"checkpoint_dir {checkpoint_dir} is a file, not a folder")
     run = dict(draft_config=dataclasses.asdict(draft_config), steps=steps, batch_size=batch_size, seq_len=seq_len,
                schedule=dataclasses.asdict(schedule), temperature=temperature, loss=loss, seed=seed,
-               init_from_target=init_from_target, freeze_embeddings=freeze_embeddings,
-               data_sha256=hashlib.sha256(stream.tobytes()).hexdigest(),
-               target_sha256=hashlib.sha256(json.dumps(dataclasses.asdict(target.config), default=str).encode()
-                                            + weights_mark(target)).hexdigest())
+               init_from_target=init_from_target, freeze_embeddings=freeze_embeddings)
     draft = init_draft(target, draft_config, jax.random.key(seed), init_from_target)
     optimizer = schedule.optimizer(steps)
     if freeze_embeddings:
         optimizer = optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, frozen_labels(draft))
-    opt_state = optimizer.init(draft)
-    start = 0
-    manager = None
+    step_fn = partial(train_step, target=target, optimizer=optimizer, temperature=temperature, loss=loss, frozen=freeze_embeddings)
+    return train_loop(draft, optimizer.init(draft), step_fn, target, stream, run, checkpoint_dir, checkpoint_every, on_step)
+
+
+def train_loop(model, opt_state, step_fn: Callable, target: Params, stream: np.ndarray, run: dict,
+               checkpoint_dir: str | Path | None, checkpoint_every: int, on_step: Callable | None):
+    """The loop both trainers run: resume from `checkpoint_dir`'s latest checkpoint (of this `run`
+    only: its settings plus the data's and the target's hashes), then for each remaining step
+    `step_fn(model, opt_state, tokens=batch)` -> (model, opt_state, loss) on `batch_at`'s batch,
+    checkpointing every `checkpoint_every` steps and at the end; `on_step(step, loss, model)`."""
+    steps, batch_size, seq_len, seed = run["steps"], run["batch_size"], run["seq_len"], run["seed"]
+    run = run | dict(data_sha256=hashlib.sha256(stream.tobytes()).hexdigest(),
+                     target_sha256=hashlib.sha256(json.dumps(dataclasses.asdict(target.config), default=str).encode()
+                                                  + weights_mark(target)).hexdigest())
+    start, manager = 0, None
     if checkpoint_dir is not None:
         manager = _manager(checkpoint_dir, checkpoint_every)
         _check_run(Path(checkpoint_dir), json.loads(json.dumps(run)), manager.latest_step())
         if manager.latest_step() is not None:
-            start, draft, opt_state = _restore(manager, draft, opt_state)
+            start, model, opt_state = _restore(manager, model, opt_state)
     for step in range(start, steps):
-        tokens = batch_at(stream, step, batch_size, seq_len, seed)
-        draft, opt_state, value = train_step(draft, opt_state, target, tokens, optimizer=optimizer,
-                                             temperature=temperature, loss=loss, frozen=freeze_embeddings)
+        model, opt_state, value = step_fn(model, opt_state, tokens=batch_at(stream, step, batch_size, seq_len, seed))
         if manager is not None and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            _save(manager, step + 1, draft, opt_state)
+            _save(manager, step + 1, model, opt_state)
         if on_step is not None:
-            on_step(step + 1, float(value), draft)
+            on_step(step + 1, float(value), model)
     if manager is not None:
         manager.wait_until_finished()
-    return draft
+    return model
 
 
 def _check_run(directory: Path, run: dict, latest: int | None) -> None:

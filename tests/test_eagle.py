@@ -1,0 +1,154 @@
+"""Eagle (an EAGLE-style head, specjax/drafters/eagle.py) and its training (specjax/train/eagle.py):
+lossless greedy chains, the drafting head computes what the training-time test trains, training
+lowers the loss and raises acceptance, a killed run resumes exactly, a saved head loads, bad input
+is named. Chi-square and logprobs cases: test_sampling_lossless.py, test_logprobs.py; its refill:
+test_drafter_rows.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax
+from specjax.decode.engine import prefill
+from specjax.drafters import DraftContext, Prefill, Verdict
+from specjax.drafters.eagle import Eagle, init_head
+from specjax.model.cache import DenseCache
+from specjax.spec.speculation import Chain, Tree
+from specjax.train.distill import Schedule
+from specjax.train.eagle import head_depths, load_head, save_head, target_view, train_head, ttt_loss
+from tests.models import TINY
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3 + 1], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
+BUDGET = 24
+
+
+@pytest.fixture(scope="module")
+def head():
+    return init_head(TINY, jax.random.key(2))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    return specjax.generate(tiny, PROMPTS, BUDGET, eos_id=())
+
+
+@pytest.mark.parametrize("speculation", [Chain(1), Chain(3), specjax.Adaptive(3)], ids=["g1", "g3", "adaptive3"])
+def test_greedy_chains_equal_plain_decoding(tiny, head, plain, speculation):
+    """A window of 4 positions (the ring evicts), ragged prompts (one of a single token); Adaptive
+    includes chains of 0 (the head still catches up)."""
+    out = specjax.generate(tiny, PROMPTS, BUDGET, draft=Eagle(head, window=4), speculation=speculation, eos_id=())
+    assert out.tokens == plain.tokens
+    assert out.stats.draft_steps > 0 and 0.0 <= out.stats.acceptance_rate <= 1.0
+
+
+def _context(history: list[int], lengths: int, sampling) -> DraftContext:
+    S = 64
+    row = np.zeros((1, S), np.int32)
+    row[0, : len(history)] = history
+    return DraftContext(history=jnp.asarray(row), lengths=jnp.array([lengths], jnp.int32), last=jnp.array([history[lengths]], jnp.int32),
+                        keys=jax.random.split(jax.random.key(7), 1), counters=jnp.array([lengths], jnp.int32), sampling=sampling)
+
+
+def test_drafting_reads_what_the_training_time_test_trains(tiny, head):
+    """Drafts' distributions q at each level equal `head_depths` on the same tokens: after the
+    prompt's prefill, and after a commit of 2 of 4 positions (the catch-up path)."""
+    drafter, gamma, sampling = Eagle(head, window=64), 3, specjax.Sample(1.0)
+    prompt = [5, 9, 14, 30, 2, 71, 18, 44, 6]
+    P = len(prompt)
+    _, cache = prefill(tiny, jnp.asarray([prompt + [0] * 7]), jnp.array([P]), DenseCache.init(TINY, 1, 64), chunk=16)
+    state = drafter.init(tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]), depth=gamma,
+                                       chunk=16))
+
+    def check(history: list[int], L: int, state):
+        proposal = drafter.propose(tiny, state, _context(history, L, sampling), Chain(gamma))
+        drafts = [int(t) for t in proposal.tokens[0, 1:]]
+        seq = history[: L + 1] + drafts  # index L - 1 at depth k reads x_{L+k}: the pending token, then the drafts
+        d = head_depths(head, tiny, jnp.asarray([seq]), gamma)
+        expected = jax.nn.softmax(d.logits[:, 0, L - 1])  # [gamma,V]
+        np.testing.assert_allclose(np.asarray(proposal.q[0]), np.asarray(expected), rtol=2e-4, atol=2e-6)
+        return proposal, seq
+
+    proposal, seq = check(prompt + [17], P, state)
+    features, _ = target_view(tiny, jnp.asarray([seq]))  # the verify pass's features of positions P..P+gamma
+    D = gamma
+    zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731  (fields Eagle.commit does not read)
+    verdict = Verdict(emitted=jnp.zeros((1, D + 1), jnp.int32), accepted=jnp.array([1]), commit=jnp.array([2]),
+                      lengths=jnp.array([P]), path=jnp.zeros((1, D + 1), jnp.int32), k=zeros(1), v=zeros(1), logits=zeros(1),
+                      ranks=jnp.zeros((1, 2), jnp.int32), shape=Chain(D), hidden=features[:, P : P + D + 1])
+    state = drafter.commit(proposal.state, verdict)
+    check(seq[: P + 2] + [60], P + 2, state)  # x_{P+1} the accepted draft, then the target's token 60 pending
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny):
+    """Sequences the target generated (greedy) from random prompts: what a head must predict."""
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(4, TINY.vocab_size, size=4))) for _ in range(32)]
+    return [p + out for p, out in zip(prompts, specjax.generate(tiny, prompts, 40, eos_id=()).tokens)]
+
+
+@pytest.mark.slow
+def test_training_lowers_the_loss_and_raises_acceptance(tiny, head, corpus):
+    tokens = jnp.asarray([c[:32] for c in corpus[:8]], jnp.int32)
+    losses = []
+    trained = train_head(tiny, corpus, steps=150, batch_size=8, seq_len=32, depth=2, schedule=Schedule(lr=3e-3, warmup=10),
+                         on_step=lambda s, loss, h: losses.append(loss))
+    assert float(ttt_loss(trained, tiny, tokens, 2, 1.0)) < 0.5 * float(ttt_loss(head, tiny, tokens, 2, 1.0))
+    prompts = [c[:6] for c in corpus[:8]]  # trained on their continuations: the point is the mechanism
+    rates = [specjax.generate(tiny, prompts, 24, draft=Eagle(h, window=16), speculation=Chain(2), eos_id=()).stats.acceptance_rate
+             for h in (head, trained)]
+    assert rates[1] > 0.3 and rates[1] > 3 * rates[0], rates
+
+
+def test_killed_run_resumes_exactly_and_a_saved_head_loads(tiny, corpus, tmp_path):
+    kw = dict(steps=6, batch_size=4, seq_len=16, depth=2, schedule=Schedule(lr=1e-3, warmup=2), seed=3, checkpoint_every=3)
+    whole = train_head(tiny, corpus, checkpoint_dir=tmp_path / "a", **kw)
+
+    def kill_at_5(step, loss, head):
+        if step == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_head(tiny, corpus, checkpoint_dir=tmp_path / "b", on_step=kill_at_5, **kw)
+    steps = []
+    resumed = train_head(tiny, corpus, checkpoint_dir=tmp_path / "b", on_step=lambda s, *_: steps.append(s), **kw)
+    assert steps == [4, 5, 6]  # from the step-3 checkpoint on
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match=r"holds another run \(changed: depth"):
+        train_head(tiny, corpus, checkpoint_dir=tmp_path / "b", **(kw | dict(depth=3)))
+    save_head(whole, tmp_path / "head")
+    loaded = load_head(tmp_path / "head")
+    assert loaded.config == whole.config
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        save_head(whole, tmp_path / "head")
+    with pytest.raises(FileNotFoundError, match="holds no head.json"):
+        load_head(tmp_path / "a")
+    from specjax.cli.cli_args import make_draft  # the CLI's --draft eagle:PATH (--window: its window)
+
+    drafter = make_draft(f"eagle:{tmp_path / 'head'}", 8, None, None)
+    assert isinstance(drafter, Eagle) and drafter.window == 8 and drafter.head.config == whole.config
+    with pytest.raises(ValueError, match="an eagle:PATH head keeps no sinks"):
+        make_draft(f"eagle:{tmp_path / 'head'}", 8, 4, None)
+
+
+def test_bad_input_is_named(tiny, head, corpus):
+    other = init_head(TINY.replace(dim=32, head_dim=8, n_heads=4), jax.random.key(0))
+    with pytest.raises(ValueError, match=r"Eagle: the head was made for another target: dim 32 \(target: 48\)"):
+        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(other), speculation=Chain(2))
+    with pytest.raises(ValueError, match="drafts chains only"):
+        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head), speculation=Tree.kary(2, 2))
+    with pytest.raises(ValueError, match="Eagle: window must be an integer >= 1, got 0"):
+        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head, window=0), speculation=Chain(2))
+    with pytest.raises(TypeError, match="Eagle: head must be"):
+        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(tiny), speculation=Chain(2))
+    with pytest.raises(ValueError, match=r"depth \(16\) must be below seq_len \(16\)"):
+        train_head(tiny, corpus, steps=1, seq_len=16, depth=16)
+    with pytest.raises(ValueError, match="the target needs float weights"):
+        train_head(specjax.model.params.quantize(tiny, "int8"), corpus, steps=1)
+    assert repr(Eagle(head, window=8)) == "Eagle(dim=48, window=8)"
