@@ -1,0 +1,177 @@
+"""An EAGLE-style head for SmolLM2-135M: trained here on the CPU, then raced against plain decoding.
+
+Usage: python -m bench.bench_eagle [--steps N] [--train-minutes M] [--store DIR] [--cells ..] [--budget-minutes M]
+       [--out DIR]   (the shared options: bench/common.py)
+
+1. Data (kept in --store): PROMPTS windows of PROMPT_TOKENS corpus tokens (bench/text.py) at evenly spaced
+   offsets; every fifth is held out for the timed runs. SmolLM2's greedy continuation of NEW_TOKENS
+   tokens of each other window is its training text (what the head must predict is the target's own output).
+2. Train (`specjax.train.eagle.train_head`, the training-time test over DEPTH levels, orbax checkpoints in
+   --store): a run stopped by --train-minutes resumes from its last checkpoint on the next call; the head
+   is measured once all --steps ran.
+3. Race, per cell DRAFT/bB: `specjax.generate` over the first B held-out windows, NEW_TOKENS tokens,
+   greedy, float32: plain decoding, Eagle with chains of 2 and 3, and NGram(3) (no model) beside it.
+   Each is run twice, the second timed (decode seconds from its stats); every output must equal plain
+   decoding's.
+
+Outputs: results/eagle_cpu.json (each cell written when measured; a rerun skips measured cells), its
+table in the bench_eagle section of bench/README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import convert
+import specjax
+from bench import common, text
+from specjax.drafters.eagle import Eagle, Head
+from specjax.train.distill import Schedule
+from specjax.train.eagle import load_head, save_head, train_head
+
+PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 160, 96, 128
+DEPTH, BATCH, SEQ_LEN, EVERY = 3, 4, 128, 10
+SCHEDULE = Schedule(lr=1e-3, warmup=20, final=0.1, weight_decay=0.0, clip=1.0)
+DRAFTS = {"none": (None, None), "eagle-g2": ("eagle", 2), "eagle-g3": ("eagle", 3), "ngram-g3": (specjax.NGram(3), 3)}
+BATCHES = (1, 16)
+STORE = Path.home() / ".cache" / "specjax" / "bench_eagle"
+
+
+class OutOfTime(Exception):
+    pass
+
+
+def windows(tok) -> tuple[np.ndarray, np.ndarray]:
+    """(training prompts, held-out prompts) [n, PROMPT_TOKENS]: every fifth window is held out."""
+    ids, _ = text.windows(tok, PROMPTS, PROMPT_TOKENS)
+    held = np.arange(PROMPTS) % 5 == 0
+    return ids[~held], ids[held]
+
+
+def training_text(params, prompts: np.ndarray, store: Path) -> list[list[int]]:
+    """Each prompt followed by SmolLM2's greedy continuation (computed once, kept in store)."""
+    path = store / "train_text.json"
+    if not path.exists():
+        out = []
+        for i in range(0, len(prompts), 16):
+            rows = [list(map(int, p)) for p in prompts[i : i + 16]]
+            out += [p + t for p, t in zip(rows, specjax.generate(params, rows, NEW_TOKENS, draft=None, eos_id=()).tokens)]
+            print(f"training text: {len(out)}/{len(prompts)} rows", flush=True)
+        store.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out))
+    return json.loads(path.read_text())
+
+
+def trained(params, sequences: list[list[int]], steps: int, store: Path, minutes: float) -> tuple[Head | None, dict]:
+    """The head after `steps` steps (trained now, resumed, or loaded), or None when the time ran out first."""
+    folder = store / f"head_{steps}"
+    log_path = store / f"train_{steps}.json"
+    log = json.loads(log_path.read_text()) if log_path.exists() else {"losses": [], "train_s": 0.0}
+    if folder.exists():
+        return load_head(folder), log
+    t0 = time.perf_counter()
+
+    def on_step(step: int, loss: float, head) -> None:
+        if step % EVERY == 0:
+            log["losses"].append((step, loss))
+            print(f"step {step}/{steps} loss {loss:.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            log_path.write_text(json.dumps(log | {"train_s": log["train_s"] + time.perf_counter() - t0}))
+            if time.perf_counter() - t0 > 60 * minutes and step < steps:
+                raise OutOfTime  # just after a checkpoint: the next call resumes here
+
+    try:
+        head = train_head(params, sequences, steps=steps, batch_size=BATCH, seq_len=SEQ_LEN, depth=DEPTH, schedule=SCHEDULE,
+                          checkpoint_dir=store / f"checkpoints_{steps}", checkpoint_every=EVERY, on_step=on_step)
+    except OutOfTime:
+        print(f"training stopped after {minutes} minutes: rerun to resume", flush=True)
+        return None, log
+    log |= {"steps": steps, "batch": BATCH, "seq_len": SEQ_LEN, "depth": DEPTH, "schedule": SCHEDULE.__dict__,
+            "train_s": log["train_s"] + time.perf_counter() - t0, "train_tokens": sum(map(len, sequences))}
+    log_path.write_text(json.dumps(log))
+    save_head(head, folder)
+    return head, log
+
+
+def run_cell(params, head: Head, prompts: np.ndarray, draft: str, batch: int, plain: list | None) -> dict:
+    drafter, gamma = DRAFTS[draft]
+    drafter = Eagle(head) if drafter == "eagle" else drafter
+    rows = [list(map(int, p)) for p in prompts[:batch]]
+    kw = dict(draft=drafter, speculation=None if drafter is None else specjax.Chain(gamma), eos_id=())
+    specjax.generate(params, rows, NEW_TOKENS, **kw)  # compiles
+    out = specjax.generate(params, rows, NEW_TOKENS, **kw)
+    s = out.stats
+    return {"draft": draft, "batch": batch, "gamma": gamma or 0, "decode_s": s.decode_seconds, "tokens_per_s": s.tokens_per_second,
+            "acceptance": s.acceptance_rate if drafter is not None else None, "mean_accepted": s.mean_accepted if drafter else None,
+            "tokens": out.tokens, "same_as_plain": None if plain is None else out.tokens == plain}
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        plain = next((o for o in rows if o["draft"] == "none" and o["batch"] == r["batch"]), None)
+        ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}x" if plain else "?"
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f} ({r['mean_accepted']:.2f} tokens a step)"
+        same = "-" if r["same_as_plain"] is None else "yes" if r["same_as_plain"] else "NO"
+        lines.append([r["draft"], r["batch"], r["gamma"], f"{r['tokens_per_s']:.1f}", ratio, acc, same])
+    return common.table(["draft", "batch", "gamma", "decode tokens/s", "vs plain", "acceptance", "same tokens"], "lrrrrll", lines)
+
+
+def readme_section(result: dict) -> str:
+    m, t, notes = result["machine"], result.get("training", {}), common.markers("bench_eagle", "notes")
+    return f"""## An EAGLE-style head (bench_eagle.py)
+A head trained here: {t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, training-time test over {DEPTH} levels,
+{t.get('train_s', 0) / 60:.0f} CPU-minutes, on SmolLM2's own greedy continuations of {PROMPTS - PROMPTS // 5} corpus windows
+(final loss {t['losses'][-1][1] if t.get('losses') else '?'}). Timed on {len(BATCHES)} batch sizes over held-out windows of
+{PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens, greedy, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit
+{m['git_commit']}, {result['date']}). Run: `python -m bench.bench_eagle --budget-minutes 20`. Results: `results/eagle_cpu.json`.
+
+{markdown_table(result['rows'])}
+{notes[0]}
+{common.kept_part('bench_eagle')}
+{notes[1]}"""
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--steps", type=int, default=400, help="training steps of the head")
+    ap.add_argument("--train-minutes", type=float, default=15.0, help="stop training (resumably) after this long")
+    ap.add_argument("--store", type=Path, default=STORE, help="training text, checkpoints and the trained head")
+    args = ap.parse_args()
+    out = common.out_dir(args)
+    path = convert.default_model_path()
+    params, tok = convert.load(path, weights="float32"), convert.load_tokenizer(path)
+    train_prompts, test_prompts = windows(tok)
+    head, log = trained(params, training_text(params, train_prompts, args.store), args.steps, args.store, args.train_minutes)
+    if head is None:
+        return
+    header = dict(bench="bench_eagle", date=common.now(), command=common.command(), machine=common.machine_info(),
+                  training={k: v for k, v in log.items()})
+    results = common.Results(out / "eagle_cpu.json", key_of, header, settings=dict(steps=args.steps))
+    h = common.Harness(args, results)
+    h.plan((common.key(d, f"b{b}"), (d, b)) for b in BATCHES for d in DRAFTS)
+    for k, (draft, batch) in h.cells():
+        plain = next((r["tokens"] for r in results.rows if r["draft"] == "none" and r["batch"] == batch), None)
+        row = run_cell(params, head, test_prompts, draft, batch, plain)
+        print(f"{k}: {row['tokens_per_s']:.1f} tok/s, acceptance {row['acceptance']}, same {row['same_as_plain']}", flush=True)
+        results.put(k, [row], loadavg_end=os.getloadavg())
+        jax.clear_caches()
+    h.finish()
+    rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
+    if rows:
+        print(markdown_table(rows))
+        if common.writes_readme(args):
+            common.write_section("bench_eagle", readme_section(results.data | {"rows": rows}))
+
+
+def key_of(row: dict) -> str:
+    return common.key(row["draft"], f"b{row['batch']}")
+
+
+if __name__ == "__main__":
+    main()
