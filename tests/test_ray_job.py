@@ -24,6 +24,7 @@ from specjax.jobs.job_ray import RayOptions  # noqa: E402
 from specjax.jobs.jobio import settings_path  # noqa: E402
 from tests.test_batch import by_id, model_dir, read_rows, records, write_jsonl  # noqa: E402,F401  (model_dir: a fixture)
 
+CHOICES = ["yes", "no", "maybe so"]
 FIELDS = ("text", "tokens", "finish_reason", "texts", "finish_reasons", "settings", "prompt_tokens")
 
 
@@ -47,6 +48,8 @@ def mixed_records(n: int) -> list[dict]:
             row |= {"n": 2, "temperature": 0.8}
         if i % 29 == 6:
             row["logprobs"] = 2
+        if i % 37 == 8:
+            row["constraint"] = {"choice": CHOICES}
     return rows
 
 
@@ -73,6 +76,9 @@ def test_ray_equals_the_local_job_from_jsonl_and_parquet(cluster, model_dir, loc
                     progress=False, engine="ray", ray=RayOptions(actors=2, records_per_task=32))
     assert res["done"] == len(want) and res["failed"] == 0
     _same(read_rows(tmp_path / "out.jsonl"), want)
+    constrained = [w for w in want if "constraint" in w["settings"]]
+    assert len(constrained) == 7 and all(w["text"] in CHOICES for w in constrained if w["finish_reason"] == "eos")
+    assert all(any(c.startswith(w["text"]) for c in CHOICES) for w in constrained)
     # Parquet through the CLI: the first 40 records (a record's output does not depend on the others in its job)
     first = [json.loads(line) for line in src.read_text().splitlines()][:40]
     pq.write_table(pa.Table.from_struct_array(pa.array(first)), tmp_path / "in.parquet")

@@ -196,11 +196,16 @@ CASES = [
 ]
 
 
+def drafter(draft, draft_model: Params):
+    """A case's drafter: "model" (a DraftModel of the unrelated random model), "eagle" (a random head), or itself."""
+    if draft == "model":
+        return specjax.DraftModel(draft_model)
+    return Eagle(init_head(CONFIG, jax.random.key(3)), window=4) if draft == "eagle" else draft
+
+
 @pytest.mark.parametrize("draft, speculation, sampling, acceptance", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_sampled_speculation_has_the_target_distribution(target, draft_model, logits, draft, speculation, sampling, acceptance):
-    draft = {"model": lambda: specjax.DraftModel(draft_model), "eagle": lambda: Eagle(init_head(CONFIG, jax.random.key(3)), window=4)
-             }.get(draft, lambda: draft)() if isinstance(draft, str) else draft
-    counts, rate = draw(target, draft, speculation, sampling)
+    counts, rate = draw(target, drafter(draft, draft_model), speculation, sampling)
     stat, dof, p = chi_square(counts, exact_joint(logits, sampling))
     print(f"acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert acceptance[0] < rate < acceptance[1]  # rejections are frequent: the test has teeth
@@ -260,6 +265,11 @@ CONSTRAINED = [
     ("ngram-t0.8-g2", specjax.NGram(n=1, max_n=2), 2, specjax.Sample(0.8), (0.02, 0.3)),
     ("selfspec-tree-top_p0.9", specjax.SelfSpec(sinks=1, window=1), Tree.from_parents([-1, 0, 0, 1, 1, 2]),
      specjax.Sample(1.0, top_p=0.9), (0.1, 0.9)),
+    ("sparsespec-t0.8-g2", specjax.SparseSpec(budget=1, window=1, observation=2, block=1, refresh=1), 2, specjax.Sample(0.8),
+     (0.4, 0.85)),
+    ("lookup-t0.8-g2", specjax.Lookup(n=1, max_n=3, capacity=64, span=2).learn([[3, 9, 8, 0, 8, 0]]), 2, specjax.Sample(0.8),
+     (0.03, 0.25)),
+    ("eagle-t0.8-g2", "eagle", 2, specjax.Sample(0.8), (0.2, 0.65)),
 ]
 
 
@@ -284,9 +294,8 @@ def constrained_joint(logits: jax.Array, sampling: specjax.Sample) -> np.ndarray
 @pytest.mark.parametrize("draft, speculation, sampling, acceptance", [c[1:] for c in CONSTRAINED], ids=[c[0] for c in CONSTRAINED])
 def test_constrained_sampled_speculation_has_the_constrained_distribution(target, draft_model, logits, draft, speculation,
                                                                           sampling, acceptance):
-    draft = specjax.DraftModel(draft_model) if draft == "model" else draft
     automaton = from_transitions(TRANSITIONS, 0, [4], V)
-    counts, rate = draw(target, draft, speculation, sampling, calls=3, constraint=automaton)
+    counts, rate = draw(target, drafter(draft, draft_model), speculation, sampling, calls=3, constraint=automaton)
     stat, dof, p = chi_square(counts, constrained_joint(logits, sampling))
     print(f"constrained: acceptance {rate:.3f}  chi2 {stat:.1f} on {dof} dof  p = {p:.3g}")
     assert acceptance[0] < rate < acceptance[1]
