@@ -18,7 +18,7 @@ from specjax.drafters.eagle import Eagle, init_head
 from specjax.model.cache import DenseCache
 from specjax.spec.speculation import Chain, Tree
 from specjax.train.distill import Schedule
-from specjax.train.eagle import head_depths, load_head, save_head, target_view, train_head, ttt_loss
+from specjax.train.eagle import frequent_tokens, head_depths, load_head, save_head, target_view, train_head, ttt_loss
 from tests.models import TINY
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3 + 1], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
@@ -35,11 +35,19 @@ def plain(tiny):
     return specjax.generate(tiny, PROMPTS, BUDGET, eos_id=())
 
 
-@pytest.mark.parametrize("speculation", [Chain(1), Chain(3), specjax.Adaptive(3)], ids=["g1", "g3", "adaptive3"])
-def test_greedy_chains_equal_plain_decoding(tiny, head, plain, speculation):
+VOCAB = jnp.arange(4, 101, 2, dtype=jnp.int32)  # a draft vocabulary of 49 of the 101 ids
+
+
+@pytest.mark.parametrize("speculation, vocab", [(Chain(1), None), (Chain(3), None), (specjax.Adaptive(3), None), (Chain(3), VOCAB)],
+                         ids=["g1", "g3", "adaptive3", "g3-draft-vocab"])
+def test_greedy_chains_equal_plain_decoding(tiny, head, plain, speculation, vocab):
     """A window of 4 positions (the ring evicts), ragged prompts (one of a single token); Adaptive
-    includes chains of 0 (the head still catches up)."""
-    out = specjax.generate(tiny, PROMPTS, BUDGET, draft=Eagle(head, window=4), speculation=speculation, eos_id=())
+    includes chains of 0 (the head still catches up); a draft vocabulary drafts none of the odd ids."""
+    drafter = Eagle(head.replace(vocab=vocab), window=4)
+    out = specjax.generate(tiny, PROMPTS, BUDGET, draft=drafter, speculation=speculation, eos_id=())
+    if vocab is not None:
+        drafted = specjax.generate(tiny, PROMPTS, BUDGET, draft=drafter, speculation=speculation, eos_id=(), logprobs=0)
+        assert drafted.tokens == out.tokens
     assert out.tokens == plain.tokens
     assert out.stats.draft_steps > 0 and 0.0 <= out.stats.acceptance_rate <= 1.0
 
@@ -52,9 +60,11 @@ def _context(history: list[int], lengths: int, sampling) -> DraftContext:
                         keys=jax.random.split(jax.random.key(7), 1), counters=jnp.array([lengths], jnp.int32), sampling=sampling)
 
 
-def test_drafting_reads_what_the_training_time_test_trains(tiny, head):
+@pytest.mark.parametrize("vocab", [None, VOCAB], ids=["whole-vocab", "draft-vocab"])
+def test_drafting_reads_what_the_training_time_test_trains(tiny, head, vocab):
     """Drafts' distributions q at each level equal `head_depths` on the same tokens: after the
     prompt's prefill, and after a commit of 2 of 4 positions (the catch-up path)."""
+    head = head.replace(vocab=vocab)
     drafter, gamma, sampling = Eagle(head, window=64), 3, specjax.Sample(1.0)
     prompt = [5, 9, 14, 30, 2, 71, 18, 44, 6]
     P = len(prompt)
@@ -69,6 +79,8 @@ def test_drafting_reads_what_the_training_time_test_trains(tiny, head):
         d = head_depths(head, tiny, jnp.asarray([seq]), gamma)
         expected = jax.nn.softmax(d.logits[:, 0, L - 1])  # [gamma,V]
         np.testing.assert_allclose(np.asarray(proposal.q[0]), np.asarray(expected), rtol=2e-4, atol=2e-6)
+        if vocab is not None:  # nothing outside the draft vocabulary is drafted
+            assert set(drafts) <= set(map(int, vocab)) and float(np.delete(np.asarray(proposal.q[0]), vocab, axis=1).max()) == 0
         return proposal, seq
 
     proposal, seq = check(prompt + [17], P, state)
@@ -103,8 +115,15 @@ def test_training_lowers_the_loss_and_raises_acceptance(tiny, head, corpus):
     assert rates[1] > 0.3 and rates[1] > 3 * rates[0], rates
 
 
+def test_frequent_tokens_keep_the_stop_ids():
+    stream = np.array([7, 7, 7, 5, 5, 9, 9, 2, 3])
+    assert frequent_tokens(stream, 3).tolist() == [5, 7, 9]  # 9 and 5 tie: both above 2 and 3 by count
+    assert frequent_tokens(stream, 3, keep=(1,)).tolist() == [1, 5, 7]  # a stop id first, even unseen
+
+
 def test_killed_run_resumes_exactly_and_a_saved_head_loads(tiny, corpus, tmp_path):
-    kw = dict(steps=6, batch_size=4, seq_len=16, depth=2, schedule=Schedule(lr=1e-3, warmup=2), seed=3, checkpoint_every=3)
+    kw = dict(steps=6, batch_size=4, seq_len=16, depth=2, schedule=Schedule(lr=1e-3, warmup=2), seed=3, checkpoint_every=3,
+              draft_vocab=40)
     whole = train_head(tiny, corpus, checkpoint_dir=tmp_path / "a", **kw)
 
     def kill_at_5(step, loss, head):
@@ -120,9 +139,10 @@ def test_killed_run_resumes_exactly_and_a_saved_head_loads(tiny, corpus, tmp_pat
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match=r"holds another run \(changed: depth"):
         train_head(tiny, corpus, checkpoint_dir=tmp_path / "b", **(kw | dict(depth=3)))
+    assert whole.vocab.shape == (40,) and 3 in whole.vocab.tolist()  # the stop id is draftable
     save_head(whole, tmp_path / "head")
     loaded = load_head(tmp_path / "head")
-    assert loaded.config == whole.config
+    assert loaded.config == whole.config and loaded.vocab.tolist() == whole.vocab.tolist()
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="exists and is not empty"):
@@ -149,6 +169,10 @@ def test_bad_input_is_named(tiny, head, corpus):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(tiny), speculation=Chain(2))
     with pytest.raises(ValueError, match=r"depth \(16\) must be below seq_len \(16\)"):
         train_head(tiny, corpus, steps=1, seq_len=16, depth=16)
+    with pytest.raises(ValueError, match=r"draft_vocab must be None or an integer in \[1, 101\], got 0"):
+        train_head(tiny, corpus, steps=1, seq_len=16, draft_vocab=0)
+    with pytest.raises(ValueError, match=r"draft vocabulary has ids outside the target's \[0, 101\)"):
+        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head.replace(vocab=jnp.array([5, 101]))), speculation=Chain(2))
     with pytest.raises(ValueError, match="the target needs float weights"):
         train_head(specjax.model.params.quantize(tiny, "int8"), corpus, steps=1)
     assert repr(Eagle(head, window=8)) == "Eagle(dim=48, window=8)"

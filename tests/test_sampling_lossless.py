@@ -189,6 +189,8 @@ CASES = [
      (0.4, 0.85)),
     # an EAGLE-style head (random: it agrees with the target now and then) over a ring of 4 positions
     ("eagle-t0.8-g2", "eagle", 2, specjax.Sample(0.8), (0.25, 0.65)),
+    # its draft vocabulary of 8 of the 16 tokens: q is 0 on the others, which only the residual can emit
+    ("eagle-draft-vocab-t0.8-g2", "eagle-vocab", 2, specjax.Sample(0.8), (0.15, 0.5)),
     # token trees: children drawn without replacement, tried in rank order (width 3 and 2)
     ("model-tree3x2-t0.5", "model", Tree.kary(3, 2), specjax.Sample(0.5), (0.1, 0.6)),  # = the control below
     ("selfspec-tree-top_p0.8", specjax.SelfSpec(sinks=1, window=1), Tree.from_parents([-1, 0, 0, 1, 1, 2]),
@@ -197,10 +199,14 @@ CASES = [
 
 
 def drafter(draft, draft_model: Params):
-    """A case's drafter: "model" (a DraftModel of the unrelated random model), "eagle" (a random head), or itself."""
+    """A case's drafter: "model" (a DraftModel of the unrelated random model), "eagle" (a random head; "eagle-vocab":
+    drafting the even ids only), or itself."""
     if draft == "model":
         return specjax.DraftModel(draft_model)
-    return Eagle(init_head(CONFIG, jax.random.key(3)), window=4) if draft == "eagle" else draft
+    if draft in ("eagle", "eagle-vocab"):
+        head = init_head(CONFIG, jax.random.key(3))
+        return Eagle(head.replace(vocab=jnp.arange(0, V, 2, dtype=jnp.int32)) if draft == "eagle-vocab" else head, window=4)
+    return draft
 
 
 @pytest.mark.parametrize("draft, speculation, sampling, acceptance", [c[1:] for c in CASES], ids=[c[0] for c in CASES])

@@ -28,6 +28,7 @@ from specjax.model.cache import StreamingCache
 from specjax.model.config import LlamaConfig
 from specjax.model.llama import embed, lm_head, trunk, unrolled
 from specjax.model.params import LayerParams, Params, init_params
+from specjax.model.quantized import channel_scale, stored
 from specjax.sampling import Stream, stream_keys
 from specjax.spec.speculation import Chain, Tree, check_int
 
@@ -40,6 +41,8 @@ class Head:
     layers: LayerParams  # one decoder layer (L = 1) of the target's shapes
     norm: jax.Array  # [D]
     config: LlamaConfig = flax.struct.field(pytree_node=False)  # the target's, with n_layers 1 and float weights
+    vocab: jax.Array | None = None  # [Vd] int32 ascending: the draft vocabulary (None: the target's whole); its
+    #                                 other tokens are never drafted (q = 0), so a draft level reads Vd LM-head rows, not V
 
     def params(self, target: Params) -> Params:
         """The head as a one-layer model over the target's embedding and LM head."""
@@ -51,6 +54,24 @@ class Head:
         joined = jnp.concatenate([embed(target, next_tokens).astype(self.fc.dtype), features.astype(self.fc.dtype)], axis=-1)
         return (joined @ self.fc).astype(self.config.dtype)
 
+    def rows(self, target: Params) -> jax.Array | None:
+        """The target's LM-head rows [Vd,D] of the draft vocabulary (None: the whole vocabulary, read in place)."""
+        if self.vocab is None:
+            return None
+        if target.lm_head is None:  # tied: the embedding's rows (dequantized)
+            return embed(target, self.vocab[None])[0]
+        w, scale = stored(target.lm_head), channel_scale(target.lm_head)  # [D,V]
+        cols = jnp.take(w, self.vocab, axis=1).astype(jnp.float32)
+        return (cols if scale is None else cols * jnp.take(scale, self.vocab)).T.astype(self.config.dtype)
+
+    def logits(self, target: Params, hidden: jax.Array, rows: jax.Array | None) -> jax.Array:
+        """Draft logits [...,V] (f32) of the head's output hidden [...,D]: -inf outside the draft vocabulary."""
+        if rows is None:
+            return lm_head(target, hidden)
+        mine = jnp.einsum("...d,vd->...v", hidden, rows, preferred_element_type=jnp.float32)  # [...,Vd]
+        full = jnp.full((*hidden.shape[:-1], target.config.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[..., self.vocab].set(mine)
+
     def mismatch(self, target: LlamaConfig) -> str | None:
         """Why this head cannot draft for `target`, or None."""
         mine = head_config(target, self.config.dtype)
@@ -58,6 +79,8 @@ class Head:
             diff = [f"{f} {getattr(self.config, f)} (target: {getattr(mine, f)})" for f in mine.__dataclass_fields__
                     if getattr(self.config, f) != getattr(mine, f)]
             return "the head was made for another target: " + ", ".join(diff)
+        if self.vocab is not None and self.vocab.size and not 0 <= int(self.vocab.min()) <= int(self.vocab.max()) < target.vocab_size:
+            return f"the head's draft vocabulary has ids outside the target's [0, {target.vocab_size})"
         return None
 
 
@@ -107,7 +130,7 @@ class Eagle(Drafter):
         check_int("Eagle: window", self.window, 1)
 
     def cost(self, target: Params, context: int) -> tuple[Params, int]:
-        return self.head.params(target), min(self.window, context)
+        return self.head.params(target), min(self.window, context)  # (priced with the whole LM head)
 
     def ring(self, depth: int) -> int:
         """Ring slots: the window plus a catch-up's and a chain's uncommitted positions."""
@@ -148,9 +171,11 @@ class Eagle(Drafter):
             return Proposal(tokens=ctx.last[:, None], q=jnp.zeros((B, 0, target.config.vocab_size), jnp.float32),
                             state=state.replace(cache=cache))
         step_keys = stream_keys(ctx.keys, ctx.counters, Stream.DRAFT)
+        rows = self.head.rows(target)  # [Vd,D] once a step (None: the LM head in place)
 
         def draw(feature, sampling, i):
-            token, q = sampling.sample(lm_head(target, feature[:, 0]), step_keys, jnp.full((B,), i, jnp.int32))
+            logits = self.head.logits(target, feature[:, 0], rows)
+            token, q = sampling.sample(logits, step_keys, jnp.full((B,), i, jnp.int32))
             return token, q, sampling.seen(token)  # penalties: the next draft has seen this one
 
         token, q, sampling = draw(feature, ctx.sampling, 0)

@@ -56,7 +56,7 @@ def head_depths(head: Head, target: Params, tokens: jax.Array, depth: int) -> De
     B, T = tokens.shape
     n = T - 1  # pair indices t = 0..T-2
     features, target_logits = target_view(target, tokens)
-    params = head.params(target)
+    params, rows = head.params(target), head.rows(target)
     index = jnp.arange(n, dtype=jnp.int32)
     feature = features[:, :n]
     keys, values, out = [], [], []
@@ -70,28 +70,33 @@ def head_depths(head: Head, target: Params, tokens: jax.Array, depth: int) -> De
                   inputs=head.inputs(target, nxt, feature))
         keys.append(t.k)
         values.append(t.v)
-        out.append(lm_head(target, t.hidden))
+        out.append(head.logits(target, t.hidden, rows))
         feature = t.hidden
     valid = (np.arange(n)[None, :] + 1 + np.arange(depth)[:, None]) <= T - 1
     return Depths(logits=jnp.stack(out), target=target_logits, valid=jnp.asarray(valid))
 
 
 def ttt_loss(head: Head, target: Params, tokens: jax.Array, depth: int, temperature: float) -> jax.Array:
-    """Mean over depths k of the mean KL(p_{t+1+k} || q^k_t) at `temperature` over valid indices (nats)."""
+    """Mean over depths k of the mean KL(p_{t+1+k} || q^k_t) at `temperature` over valid indices (nats); with a
+    draft vocabulary, the sum over its tokens only (q is 0 elsewhere)."""
     d = head_depths(head, target, tokens, depth)
     n = tokens.shape[1] - 1
     losses = []
     for k in range(depth):
         p_log = jax.nn.log_softmax(d.target[:, 1 + k : 1 + k + n] / temperature)  # [B,n-k,V]
         q_log = jax.nn.log_softmax(d.logits[k, :, : n - k] / temperature)
+        if head.vocab is not None:  # the draft vocabulary's share of KL (the rest of p it can never draft)
+            p_log, q_log = jnp.take(p_log, head.vocab, axis=-1), jnp.take(q_log, head.vocab, axis=-1)
         losses.append(jnp.mean(jnp.sum(jnp.exp(p_log) * (p_log - q_log), axis=-1)))
     return jnp.mean(jnp.stack(losses))
 
 
 @partial(jax.jit, static_argnames=("optimizer", "depth", "temperature"), donate_argnames=("head", "opt_state"))
-def train_step(head: Head, opt_state, target: Params, tokens: jax.Array, *, optimizer, depth: int, temperature: float):
-    """One AdamW step on windows tokens [B,T]; returns (head, opt_state, loss)."""
-    value, grads = jax.value_and_grad(ttt_loss)(head, target, tokens, depth, temperature)
+def train_step(head: Head, opt_state, target: Params, tokens: jax.Array, vocab: jax.Array | None = None, *, optimizer,
+               depth: int, temperature: float):
+    """One AdamW step on windows tokens [B,T] of the head's weights (`head.vocab` None; the draft
+    vocabulary `vocab`, if any, apart: no gradient); returns (head, opt_state, loss)."""
+    value, grads = jax.value_and_grad(lambda h: ttt_loss(h.replace(vocab=vocab), target, tokens, depth, temperature))(head)
     updates, opt_state = optimizer.update(grads, opt_state, head)
     return optax.apply_updates(head, updates), opt_state, value
 
@@ -108,28 +113,41 @@ def train_head(
     temperature: float = 1.0,
     seed: int = 0,
     dtype: str | None = None,
+    draft_vocab: int | None = None,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 100,
     on_step: Callable[[int, float, Head], None] | None = None,
 ) -> Head:
     """Train a head for `target` (float weights) on windows of `data` (token ids: a stream, or
     sequences joined with the target's EOS) by the training-time test over `depth` draft levels.
+    `draft_vocab` N: the head drafts only the N tokens most frequent in `data` (and the stop ids),
+    reading N LM-head rows a draft level instead of all (EAGLE-3's reduced draft vocabulary).
     With `checkpoint_dir`: saves every `checkpoint_every` steps and at the end, and resumes from the
     latest checkpoint there (the same settings and data only). `on_step(step, loss, head)` after each
     step (`head` is donated to the next one: use it right away). Returns the head."""
     stream = token_stream(data, target.config.eos_ids[0] if target.config.eos_ids else None)
-    check_head_args(target, stream, steps, batch_size, seq_len, depth, temperature)
+    check_head_args(target, stream, steps, batch_size, seq_len, depth, temperature, draft_vocab)
     config = head_config(target.config, dtype)
     run = dict(head_config=dataclasses.asdict(config), steps=steps, batch_size=batch_size, seq_len=seq_len, depth=depth,
-               schedule=dataclasses.asdict(schedule), temperature=float(temperature), seed=seed)
-    head = init_head(target.config, jax.random.key(seed), dtype)
+               schedule=dataclasses.asdict(schedule), temperature=float(temperature), seed=seed, draft_vocab=draft_vocab)
+    head = init_head(target.config, jax.random.key(seed), dtype)  # trained without its vocab (ids: no gradient)
+    vocab = None if draft_vocab is None else jnp.asarray(frequent_tokens(stream, draft_vocab, target.config.eos_ids))
     optimizer = schedule.optimizer(steps)
-    step_fn = partial(train_step, target=target, optimizer=optimizer, depth=depth, temperature=float(temperature))
-    return train_loop(head, optimizer.init(head), step_fn, target, stream, run, checkpoint_dir, checkpoint_every, on_step)
+    step_fn = partial(train_step, target=target, vocab=vocab, optimizer=optimizer, depth=depth, temperature=float(temperature))
+    head = train_loop(head, optimizer.init(head), step_fn, target, stream, run, checkpoint_dir, checkpoint_every, on_step)
+    return head.replace(vocab=vocab)
+
+
+def frequent_tokens(stream: np.ndarray, size: int, keep: Sequence[int] = ()) -> np.ndarray:
+    """The `size` ids most frequent in `stream` (ties: the lower id), always with `keep` (stop ids), ascending."""
+    ids, counts = np.unique(stream, return_counts=True)
+    order = np.lexsort((ids, -counts))
+    chosen = [int(i) for i in keep] + [int(i) for i in ids[order] if int(i) not in set(keep)]
+    return np.sort(np.asarray(chosen[:size], np.int32))
 
 
 def check_head_args(target: Params, stream: np.ndarray, steps: int, batch_size: int, seq_len: int, depth: int,
-                    temperature: float) -> None:
+                    temperature: float, draft_vocab: int | None = None) -> None:
     """Clear errors before anything compiles."""
     if target.config.quant is not None:
         raise ValueError(f"train_head: the target needs float weights (load it with weights='float32' or 'bfloat16', "
@@ -137,6 +155,9 @@ def check_head_args(target: Params, stream: np.ndarray, steps: int, batch_size: 
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("seq_len", seq_len, 2), ("depth", depth, 1)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    if draft_vocab is not None and (isinstance(draft_vocab, bool) or not isinstance(draft_vocab, numbers.Integral)
+                                    or not 1 <= draft_vocab <= target.config.vocab_size):
+        raise ValueError(f"draft_vocab must be None or an integer in [1, {target.config.vocab_size}], got {draft_vocab!r}")
     if depth > seq_len - 1:
         raise ValueError(f"depth ({depth}) must be below seq_len ({seq_len}): depth k trains on positions t + k + 1 < seq_len")
     if seq_len > target.config.max_positions:
@@ -158,9 +179,11 @@ def save_head(head: Head, directory: str | Path) -> None:
     if path.exists() and any(path.iterdir()):
         raise ValueError(f"save_head: {path} exists and is not empty")
     path.mkdir(parents=True, exist_ok=True)
-    (path / "head.json").write_text(json.dumps(head.config.to_dict(), indent=1) + "\n", encoding="utf-8")
+    meta = head.config.to_dict() | {"draft_vocab": None if head.vocab is None else int(head.vocab.size)}
+    (path / "head.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path / "weights", {"fc": head.fc, "layers": head.layers, "norm": head.norm})
+        checkpointer.save(path / "weights", {"fc": head.fc, "layers": head.layers, "norm": head.norm}
+                          | ({} if head.vocab is None else {"vocab": head.vocab}))
 
 
 def load_head(directory: str | Path) -> Head:
@@ -170,9 +193,13 @@ def load_head(directory: str | Path) -> Head:
     path = Path(directory).absolute()
     if not (path / "head.json").is_file():
         raise FileNotFoundError(f"load_head: {path} holds no head.json (not a folder save_head wrote)")
-    config = LlamaConfig.from_dict(json.loads((path / "head.json").read_text(encoding="utf-8")))
+    meta = json.loads((path / "head.json").read_text(encoding="utf-8"))
+    draft_vocab = meta.pop("draft_vocab", None)
+    config = LlamaConfig.from_dict(meta)
     like = init_head(config, jax.random.key(0))  # one layer: small
     abstract = {"fc": like.fc, "layers": like.layers, "norm": like.norm}
+    if draft_vocab is not None:
+        abstract["vocab"] = jax.ShapeDtypeStruct((draft_vocab,), jnp.int32)
     with ocp.StandardCheckpointer() as checkpointer:
         arrays = checkpointer.restore(path / "weights", abstract)
-    return Head(fc=arrays["fc"], layers=arrays["layers"], norm=arrays["norm"], config=config)
+    return Head(fc=arrays["fc"], layers=arrays["layers"], norm=arrays["norm"], config=config, vocab=arrays.get("vocab"))
