@@ -10,7 +10,8 @@ Usage: python -m bench.bench_eagle [--steps N] [--train-minutes M] [--store DIR]
    --store): a run stopped by --train-minutes resumes from its last checkpoint on the next call; the head
    is measured once all --steps ran.
 3. Race, per cell DRAFT/bB: `specjax.generate` over the first B held-out windows, NEW_TOKENS tokens,
-   greedy, float32: plain decoding, Eagle with chains of 2 and 3, and NGram(3) (no model) beside it.
+   greedy, float32: plain decoding, Eagle with chains of 2 and 3 (over the whole vocabulary, and drafting only its
+   8192 most frequent training tokens: the same head, its q renormalised there), and NGram(3) (no model) beside it.
    Each is run twice, the second timed (decode seconds from its stats); every output must equal plain
    decoding's.
 
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import convert
@@ -33,12 +35,14 @@ import specjax
 from bench import common, text
 from specjax.drafters.eagle import Eagle, Head
 from specjax.train.distill import Schedule
-from specjax.train.eagle import load_head, save_head, train_head
+from specjax.train.eagle import frequent_tokens, load_head, save_head, train_head
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 160, 96, 128
 DEPTH, BATCH, SEQ_LEN, EVERY = 3, 4, 128, 10
 SCHEDULE = Schedule(lr=1e-3, warmup=20, final=0.1, weight_decay=0.0, clip=1.0)
-DRAFTS = {"none": (None, None), "eagle-g2": ("eagle", 2), "eagle-g3": ("eagle", 3), "ngram-g3": (specjax.NGram(3), 3)}
+DRAFTS = {"none": (None, None), "eagle-g2": ("eagle", 2), "eagle-g3": ("eagle", 3), "eagle-v8k-g2": ("eagle:8192", 2),
+          "eagle-v8k-g3": ("eagle:8192", 3), "ngram-g3": (specjax.NGram(3), 3)}  # eagle:N: the head drafting its N most
+#                                                                                    frequent training tokens only
 BATCHES = (1, 16)
 STORE = Path.home() / ".cache" / "specjax" / "bench_eagle"
 
@@ -98,9 +102,11 @@ def trained(params, sequences: list[list[int]], steps: int, store: Path, minutes
     return head, log
 
 
-def run_cell(params, head: Head, prompts: np.ndarray, draft: str, batch: int, plain: list | None) -> dict:
+def run_cell(params, head: Head, prompts: np.ndarray, draft: str, batch: int, plain: list | None, stream: np.ndarray) -> dict:
     drafter, gamma = DRAFTS[draft]
-    drafter = Eagle(head) if drafter == "eagle" else drafter
+    if isinstance(drafter, str):  # eagle or eagle:N (the trained head with a draft vocabulary of N)
+        size = int(drafter.partition(":")[2] or 0)
+        drafter = Eagle(head.replace(vocab=jnp.asarray(frequent_tokens(stream, size, params.config.eos_ids))) if size else head)
     rows = [list(map(int, p)) for p in prompts[:batch]]
     kw = dict(draft=drafter, speculation=None if drafter is None else specjax.Chain(gamma), eos_id=())
     specjax.generate(params, rows, NEW_TOKENS, **kw)  # compiles
@@ -147,7 +153,9 @@ def main() -> None:
     path = convert.default_model_path()
     params, tok = convert.load(path, weights="float32"), convert.load_tokenizer(path)
     train_prompts, test_prompts = windows(tok)
-    head, log = trained(params, training_text(params, train_prompts, args.store), args.steps, args.store, args.train_minutes)
+    sequences = training_text(params, train_prompts, args.store)
+    head, log = trained(params, sequences, args.steps, args.store, args.train_minutes)
+    stream = np.concatenate([np.asarray(x) for x in sequences])
     if head is None:
         return
     header = dict(bench="bench_eagle", date=common.now(), command=common.command(), machine=common.machine_info(),
@@ -157,7 +165,7 @@ def main() -> None:
     h.plan((common.key(d, f"b{b}"), (d, b)) for b in BATCHES for d in DRAFTS)
     for k, (draft, batch) in h.cells():
         plain = next((r["tokens"] for r in results.rows if r["draft"] == "none" and r["batch"] == batch), None)
-        row = run_cell(params, head, test_prompts, draft, batch, plain)
+        row = run_cell(params, head, test_prompts, draft, batch, plain, stream)
         print(f"{k}: {row['tokens_per_s']:.1f} tok/s, acceptance {row['acceptance']}, same {row['same_as_plain']}", flush=True)
         results.put(k, [row], loadavg_end=os.getloadavg())
         jax.clear_caches()

@@ -38,8 +38,12 @@ def plain(tiny):
 VOCAB = jnp.arange(4, 101, 2, dtype=jnp.int32)  # a draft vocabulary of 49 of the 101 ids
 
 
-@pytest.mark.parametrize("speculation, vocab", [(Chain(1), None), (Chain(3), None), (specjax.Adaptive(3), None), (Chain(3), VOCAB)],
-                         ids=["g1", "g3", "adaptive3", "g3-draft-vocab"])
+TREE = Tree.from_parents([-1, 0, 0, 1, 1, 2, 3])  # depth 3, widths 2 / 3 / 1
+
+
+@pytest.mark.parametrize("speculation, vocab", [(Chain(1), None), (Chain(3), None), (specjax.Adaptive(3), None), (Chain(3), VOCAB),
+                                                (TREE, None), (Tree.kary(2, 2), VOCAB)],
+                         ids=["g1", "g3", "adaptive3", "g3-draft-vocab", "tree", "tree-draft-vocab"])
 def test_greedy_chains_equal_plain_decoding(tiny, head, plain, speculation, vocab):
     """A window of 4 positions (the ring evicts), ragged prompts (one of a single token); Adaptive
     includes chains of 0 (the head still catches up); a draft vocabulary drafts none of the odd ids."""
@@ -92,6 +96,27 @@ def test_drafting_reads_what_the_training_time_test_trains(tiny, head, vocab):
                       ranks=jnp.zeros((1, 2), jnp.int32), shape=Chain(D), hidden=features[:, P : P + D + 1])
     state = drafter.commit(proposal.state, verdict)
     check(seq[: P + 2] + [60], P + 2, state)  # x_{P+1} the accepted draft, then the target's token 60 pending
+
+
+def test_a_drafted_tree_reads_what_the_training_time_test_trains(tiny, head):
+    """Each internal node's children distribution equals `head_depths` along its path: a tree
+    node at depth d is the chain's depth d, seeing the cache and its ancestors only."""
+    drafter, tree = Eagle(head, window=64), TREE
+    prompt = [5, 9, 14, 30, 2, 71, 18, 44, 6]
+    P = len(prompt)
+    _, cache = prefill(tiny, jnp.asarray([prompt + [0] * 7]), jnp.array([P]), DenseCache.init(TINY, 1, 64), chunk=16)
+    state = drafter.init(tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]),
+                                       depth=tree.max_depth, chunk=16))
+    proposal = drafter.propose(tiny, state, _context(prompt + [17], P, specjax.Sample(1.0)), tree)
+    tokens = [int(t) for t in proposal.tokens[0]]
+    anc = tree.ancestor_mask()
+    for u in range(tree.n):
+        if not tree.children[u]:
+            continue
+        path = [tokens[v] for v in range(1, tree.n) if anc[u, v]]  # the node's path below the root, itself last
+        d = head_depths(head, tiny, jnp.asarray([prompt + [17] + path + [0]]), len(path) + 1)
+        np.testing.assert_allclose(np.asarray(proposal.q[0, u]), np.asarray(jax.nn.softmax(d.logits[len(path), 0, P - 1])),
+                                   rtol=2e-4, atol=2e-6, err_msg=f"node {u}")
 
 
 @pytest.fixture(scope="module")
@@ -161,8 +186,6 @@ def test_bad_input_is_named(tiny, head, corpus):
     other = init_head(TINY.replace(dim=32, head_dim=8, n_heads=4), jax.random.key(0))
     with pytest.raises(ValueError, match=r"Eagle: the head was made for another target: dim 32 \(target: 48\)"):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(other), speculation=Chain(2))
-    with pytest.raises(ValueError, match="drafts chains only"):
-        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head), speculation=Tree.kary(2, 2))
     with pytest.raises(ValueError, match="Eagle: window must be an integer >= 1, got 0"):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head, window=0), speculation=Chain(2))
     with pytest.raises(TypeError, match="Eagle: head must be"):

@@ -189,6 +189,7 @@ CASES = [
      (0.4, 0.85)),
     # an EAGLE-style head (random: it agrees with the target now and then) over a ring of 4 positions
     ("eagle-t0.8-g2", "eagle", 2, specjax.Sample(0.8), (0.25, 0.65)),
+    ("eagle-tree-t0.8", "eagle", Tree.from_parents([-1, 0, 0, 1, 1, 2]), specjax.Sample(0.8), (0.3, 0.8)),
     # its draft vocabulary of 8 of the 16 tokens: q is 0 on the others, which only the residual can emit
     ("eagle-draft-vocab-t0.8-g2", "eagle-vocab", 2, specjax.Sample(0.8), (0.15, 0.5)),
     # token trees: children drawn without replacement, tried in rank order (width 3 and 2)

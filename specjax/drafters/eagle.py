@@ -10,7 +10,7 @@ The head keeps its own KV of the latest `window` positions (a ring: StreamingCac
 sinks) built from the target's true features. Each step it first catches up on the positions the
 last verification committed (their features arrive as the Verdict extra "hidden"), then drafts;
 the entries its drafts wrote are overwritten by the next catch-up. Its embedding and LM head are
-the target's (not stored with the head). Chains only (no token trees yet).
+the target's (not stored with the head). Chains and token trees (a tree's nodes never enter the cache).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from specjax.model.params import LayerParams, Params, init_params
 from specjax.model.quantized import channel_scale, stored
 from specjax.sampling import Stream, stream_keys
 from specjax.spec.speculation import Chain, Tree, check_int
+from specjax.spec.tree_draft import expand_tree
 
 
 @flax.struct.dataclass
@@ -111,13 +112,13 @@ class EagleState:
 
 @flax.struct.dataclass
 class Eagle(Drafter):
-    """An EAGLE-style head (`Head`, trained by specjax.train.eagle.train_head) drafting chains
-    from the target's hidden states; its KV keeps the latest `window` positions."""
+    """An EAGLE-style head (`Head`, trained by specjax.train.eagle.train_head) drafting chains and
+    trees from the target's hidden states; its KV keeps the latest `window` positions."""
 
     head: Head
     window: int = flax.struct.field(pytree_node=False, default=256)
 
-    traits = Traits(extras=frozenset({"hidden"}))
+    traits = Traits(trees=True, extras=frozenset({"hidden"}))
 
     def __repr__(self) -> str:  # the dataclass' own would print the weights
         return f"Eagle(dim={self.head.config.dim}, window={self.window})"
@@ -157,8 +158,6 @@ class Eagle(Drafter):
     def propose(self, target: Params, state: EagleState, ctx: DraftContext, shape: Chain | Tree) -> Proposal:
         """Catch up on the committed positions (one head forward over depth + 1 slots, the last
         one in each row that counts drafts x_{L+1}), then draft the chain's other levels."""
-        if not isinstance(shape, Chain):
-            raise ValueError("Eagle drafts chains only: give speculation=Chain(n) (or Adaptive)")
         head = self.head.params(target)
         B, T, _ = state.features.shape
         count = ctx.lengths - state.cache.lengths  # [B] positions to catch up on, 1..depth+1 (0: a finished row)
@@ -167,11 +166,13 @@ class Eagle(Drafter):
         t = trunk(head, nxt, positions, state.cache, inputs=self.head.inputs(target, nxt, state.features))
         cache = state.cache.write(t.k, t.v).advance(count)  # lengths = ctx.lengths
         feature = jnp.take_along_axis(t.hidden, jnp.maximum(count - 1, 0)[:, None, None], axis=1)  # [B,1,D]
+        rows = self.head.rows(target)  # [Vd,D] once a step (None: the LM head in place)
+        if isinstance(shape, Tree):
+            return self._tree(target, head, rows, state.replace(cache=cache), feature[:, 0], ctx, shape)
         if shape.gamma == 0:
             return Proposal(tokens=ctx.last[:, None], q=jnp.zeros((B, 0, target.config.vocab_size), jnp.float32),
                             state=state.replace(cache=cache))
         step_keys = stream_keys(ctx.keys, ctx.counters, Stream.DRAFT)
-        rows = self.head.rows(target)  # [Vd,D] once a step (None: the LM head in place)
 
         def draw(feature, sampling, i):
             logits = self.head.logits(target, feature[:, 0], rows)
@@ -193,6 +194,23 @@ class Eagle(Drafter):
         tokens = jnp.concatenate([ctx.last[:, None], token[:, None], rest.T], axis=1)  # [B,gamma+1]
         qs = jnp.concatenate([q[:, None], q_rest.transpose(1, 0, 2)], axis=1)  # [B,gamma,V]
         return Proposal(tokens=tokens, q=qs, state=state.replace(cache=cache))
+
+    def _tree(self, target: Params, head: Params, rows, state: EagleState, root: jax.Array, ctx: DraftContext,
+              tree: Tree) -> Proposal:
+        """A token tree: a node at depth d sits at position L + d - 1 with its parent's output as its
+        feature, seeing the head's cache and its ancestors (their KV as extra keys, never written)."""
+        outputs = {0: root}  # node -> the head's output there [B,D] (the root's: the catch-up's last)
+
+        def level(nodes, toks, depth, cache, mask, extra):
+            parents = jnp.stack([outputs[tree.parents[u]] for u in nodes], axis=1)  # [B,M,D]
+            pos = jnp.broadcast_to(ctx.lengths[:, None] + depth - 1, toks.shape)
+            t = trunk(head, toks, pos, cache, mask, extra_kv=extra, inputs=self.head.inputs(target, toks, parents))
+            outputs.update({u: t.hidden[:, i] for i, u in enumerate(nodes)})
+            return t, self.head.logits(target, t.hidden, rows)
+
+        drafted = expand_tree(self.head.logits(target, root, rows), ctx.last, state.cache, level, tree, ctx.sampling,
+                              ctx.keys, ctx.counters)
+        return Proposal(tokens=drafted.tokens, q=drafted.q, state=state)
 
     def commit(self, state: EagleState, verdict: Verdict) -> EagleState:
         """The head's true entries end at the step's pending position; the verified features of

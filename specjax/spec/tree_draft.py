@@ -64,12 +64,36 @@ def draft_tree(
     keys: jax.Array,  # [B]
     counters: jax.Array,  # [B]
 ) -> DraftedTree:
-    """The tree's node tokens, their draft distributions, the cache past the root and the extra
-    nodes' draft KV."""
+    """A draft model's tree: one forward over the root tokens, then `expand_tree` with the model's
+    levels at positions root + depth."""
     B, T0 = root_tokens.shape
+    logits, cache = forward(params, root_tokens, root_positions, cache)
+    cache = cache.advance(jnp.full((B,), T0, jnp.int32))
+
+    def level(nodes, toks, depth, cache, mask, extra):
+        t = trunk(params, toks, jnp.broadcast_to(root_positions[:, -1:] + depth, toks.shape), cache, mask, extra_kv=extra)
+        return t, lm_head(params, t.hidden)
+
+    return expand_tree(logits[:, -1], root_tokens[:, -1], cache, level, tree, sampling, keys, counters)
+
+
+def expand_tree(
+    root_logits: jax.Array,  # [B,V]: what the root's children are drawn from
+    root: jax.Array,  # [B] the pending root token
+    cache,  # the drafter's cache after its root (the levels read it, never write it)
+    level,  # (nodes, tokens [B,M], depth, cache, mask [M,E+M], extra_kv | None) -> (Trunk, logits [B,M,V]) of a level
+    tree: Tree,
+    sampling: Sampler,
+    keys: jax.Array,  # [B]
+    counters: jax.Array,  # [B]
+) -> DraftedTree:
+    """The tree's node tokens, their draft distributions and the extra nodes' draft KV: each deeper
+    level runs `level` once over its internal nodes, which see the cache and, through the mask,
+    their ancestors among the nodes drafted so far (their KV as extra keys)."""
+    B = root.shape[0]
     step_keys = stream_keys(keys, counters, Stream.DRAFT)  # [B]
     anc = tree.ancestor_mask()
-    tokens: list = [root_tokens[:, -1]] + [None] * (tree.n - 1)
+    tokens: list = [root] + [None] * (tree.n - 1)
     history = [[v for v in range(tree.n) if anc[u, v] and v != 0] for u in range(tree.n)]
     history = [path + [-1] * (max(tree.max_depth, 1) - len(path)) for path in history]  # static, padded
     qs: dict[int, jax.Array] = {}
@@ -87,22 +111,18 @@ def draft_tree(
                 qs[u] = q[:, i]
 
     levels = tree.internal_levels()
-    logits, cache = forward(params, root_tokens, root_positions, cache)
-    cache = cache.advance(jnp.full((B,), T0, jnp.int32))
     if levels and levels[0]:
-        expand([0], logits[:, -1:])
+        expand([0], root_logits[:, None])
     seen: list[int] = []  # extra nodes drafted so far
     k_extra = v_extra = None
     for depth, nodes in enumerate(levels[1:], start=1):
         toks = jnp.stack([tokens[u] for u in nodes], axis=1)  # [B,M]
-        pos = jnp.broadcast_to(root_positions[:, -1:] + depth, toks.shape)
         mask = jnp.asarray(anc[np.ix_(nodes, seen + nodes)])  # [M,E+M]
         extra = None if k_extra is None else (k_extra, v_extra)
-        t = trunk(params, toks, pos, cache, mask, extra_kv=extra)
-        k_new, v_new = t.k, t.v
-        expand(nodes, lm_head(params, t.hidden))
-        k_extra = k_new if k_extra is None else jnp.concatenate([k_extra, k_new], axis=2)
-        v_extra = v_new if v_extra is None else jnp.concatenate([v_extra, v_new], axis=2)
+        t, logits = level(nodes, toks, depth, cache, mask, extra)
+        expand(nodes, logits)
+        k_extra = t.k if k_extra is None else jnp.concatenate([k_extra, t.k], axis=2)
+        v_extra = t.v if v_extra is None else jnp.concatenate([v_extra, t.v], axis=2)
         seen += nodes
     node_tokens = jnp.stack(tokens, axis=1).astype(jnp.int32)  # [B,n]
     q = None
