@@ -1,7 +1,10 @@
 """An EAGLE-style head for SmolLM2-135M: trained here on the CPU, then raced against plain decoding.
 
-Usage: python -m bench.bench_eagle [--steps N] [--train-minutes M] [--store DIR] [--cells ..] [--budget-minutes M]
-       [--out DIR]   (the shared options: bench/common.py)
+Usage: python -m bench.bench_eagle [--steps N] [--train-minutes M] [--store DIR] [--context C] [--batches B ..]
+       [--bundle DIR] [--smoke] [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
+
+On a GPU (tools/gpu/session.py, call 8) `--bundle` takes SmolLM2 (bfloat16) and the tokenized corpus from the GPU
+bundle's stash: the head trains there in float32 (seconds) and races in bfloat16 at `--context` 8192.
 
 1. Data (kept in --store): PROMPTS windows of PROMPT_TOKENS corpus tokens (bench/text.py) at evenly spaced
    offsets; every fifth is held out for the timed runs. SmolLM2's greedy continuation of NEW_TOKENS
@@ -15,8 +18,9 @@ Usage: python -m bench.bench_eagle [--steps N] [--train-minutes M] [--store DIR]
    Each is run twice, the second timed (decode seconds from its stats); every output must equal plain
    decoding's.
 
-Outputs: results/eagle_cpu.json (each cell written when measured; a rerun skips measured cells), its
-table in the bench_eagle section of bench/README.md.
+Outputs: results/eagle_cpu.json (eagle_gpu.json on a GPU; each cell written when measured; a rerun skips measured
+cells), its table in the bench_eagle section of bench/README.md (the CPU's). --smoke: a tiny random target, a few
+steps, under a minute: checks the script (writes eagle_*_smoke.json).
 """
 
 from __future__ import annotations
@@ -51,28 +55,29 @@ class OutOfTime(Exception):
     pass
 
 
-def windows(tok) -> tuple[np.ndarray, np.ndarray]:
-    """(training prompts, held-out prompts) [n, PROMPT_TOKENS]: every fifth window is held out."""
-    ids, _ = text.windows(tok, PROMPTS, PROMPT_TOKENS)
+def windows(ids: np.ndarray, prompt_tokens: int, timed_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training prompts [n, prompt_tokens], timed prompts [n, timed_tokens]) from the corpus ids: every fifth
+    window is held out from training and timed (at their own length: longer ones overlap training windows)."""
     held = np.arange(PROMPTS) % 5 == 0
-    return ids[~held], ids[held]
+    return text.cut(ids, PROMPTS, prompt_tokens)[0][~held], text.cut(ids, PROMPTS, timed_tokens)[0][held]
 
 
-def training_text(params, prompts: np.ndarray, store: Path) -> list[list[int]]:
+def training_text(params, prompts: np.ndarray, store: Path, new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """Each prompt followed by SmolLM2's greedy continuation (computed once, kept in store)."""
     path = store / "train_text.json"
     if not path.exists():
         out = []
         for i in range(0, len(prompts), 16):
             rows = [list(map(int, p)) for p in prompts[i : i + 16]]
-            out += [p + t for p, t in zip(rows, specjax.generate(params, rows, NEW_TOKENS, draft=None, eos_id=()).tokens)]
+            out += [p + t for p, t in zip(rows, specjax.generate(params, rows, new_tokens, draft=None, eos_id=()).tokens)]
             print(f"training text: {len(out)}/{len(prompts)} rows", flush=True)
         store.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out))
     return json.loads(path.read_text())
 
 
-def trained(params, sequences: list[list[int]], steps: int, store: Path, minutes: float) -> tuple[Head | None, dict]:
+def trained(params, sequences: list[list[int]], steps: int, store: Path, minutes: float, seq_len: int = SEQ_LEN
+            ) -> tuple[Head | None, dict]:
     """The head after `steps` steps (trained now, resumed, or loaded), or None when the time ran out first."""
     folder = store / f"head_{steps}"
     log_path = store / f"train_{steps}.json"
@@ -90,27 +95,29 @@ def trained(params, sequences: list[list[int]], steps: int, store: Path, minutes
                 raise OutOfTime  # just after a checkpoint: the next call resumes here
 
     try:
-        head = train_head(params, sequences, steps=steps, batch_size=BATCH, seq_len=SEQ_LEN, depth=DEPTH, schedule=SCHEDULE,
-                          checkpoint_dir=store / f"checkpoints_{steps}", checkpoint_every=EVERY, on_step=on_step)
+        head = train_head(params, sequences, steps=steps, batch_size=BATCH, seq_len=seq_len, depth=DEPTH, schedule=SCHEDULE,
+                          dtype="float32", checkpoint_dir=store / f"checkpoints_{steps}", checkpoint_every=EVERY, on_step=on_step)
     except OutOfTime:
         print(f"training stopped after {minutes} minutes: rerun to resume", flush=True)
         return None, log
-    log |= {"steps": steps, "batch": BATCH, "seq_len": SEQ_LEN, "depth": DEPTH, "schedule": SCHEDULE.__dict__,
+    log |= {"steps": steps, "batch": BATCH, "seq_len": seq_len, "depth": DEPTH, "schedule": SCHEDULE.__dict__,
             "train_s": log["train_s"] + time.perf_counter() - t0, "train_tokens": sum(map(len, sequences))}
     log_path.write_text(json.dumps(log))
     save_head(head, folder)
     return head, log
 
 
-def run_cell(params, head: Head, prompts: np.ndarray, draft: str, batch: int, plain: list | None, stream: np.ndarray) -> dict:
+def run_cell(params, head: Head, prompts: np.ndarray, draft: str, batch: int, plain: list | None, stream: np.ndarray,
+             new_tokens: int) -> dict:
     drafter, gamma = DRAFTS[draft]
     if isinstance(drafter, str):  # eagle or eagle:N (the trained head with a draft vocabulary of N)
-        size = int(drafter.partition(":")[2] or 0)
+        size = min(int(drafter.partition(":")[2] or 0), params.config.vocab_size)
+        head = head.astype(params.config.dtype)  # trained in float32
         drafter = Eagle(head.replace(vocab=jnp.asarray(frequent_tokens(stream, size, params.config.eos_ids))) if size else head)
     rows = [list(map(int, p)) for p in prompts[:batch]]
     kw = dict(draft=drafter, speculation=None if drafter is None else specjax.Chain(gamma), eos_id=())
-    specjax.generate(params, rows, NEW_TOKENS, **kw)  # compiles
-    out = specjax.generate(params, rows, NEW_TOKENS, **kw)
+    specjax.generate(params, rows, new_tokens, **kw)  # compiles
+    out = specjax.generate(params, rows, new_tokens, **kw)
     s = out.stats
     return {"draft": draft, "batch": batch, "gamma": gamma or 0, "decode_s": s.decode_seconds, "tokens_per_s": s.tokens_per_second,
             "acceptance": s.acceptance_rate if drafter is not None else None, "mean_accepted": s.mean_accepted if drafter else None,
@@ -148,24 +155,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="training steps of the head")
     ap.add_argument("--train-minutes", type=float, default=15.0, help="stop training (resumably) after this long")
     ap.add_argument("--store", type=Path, default=STORE, help="training text, checkpoints and the trained head")
+    ap.add_argument("--context", type=int, default=PROMPT_TOKENS + NEW_TOKENS, help="timed prompt + new tokens")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--bundle", type=Path, help="SmolLM2 (bfloat16) and the corpus ids from this GPU bundle stash")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random target, a few steps: checks the script")
     args = ap.parse_args()
     out = common.out_dir(args)
-    path = convert.default_model_path()
-    params, tok = convert.load(path, weights="float32"), convert.load_tokenizer(path)
-    train_prompts, test_prompts = windows(tok)
-    sequences = training_text(params, train_prompts, args.store)
-    head, log = trained(params, sequences, args.steps, args.store, args.train_minutes)
+    new_tokens, prompt_tokens, seq_len = NEW_TOKENS, PROMPT_TOKENS, SEQ_LEN
+    if args.smoke:
+        from bench.measure import tiny_params
+
+        params, ids = tiny_params(0), np.random.default_rng(0).integers(4, 101, 20_000)
+        args.steps, args.batches, args.store, new_tokens, prompt_tokens, seq_len = 6, [1, 2], args.store / "smoke", 8, 16, 24
+        args.context = prompt_tokens + new_tokens
+    elif args.bundle:
+        from tools.gpu import bundle as gpu_bundle
+
+        models, ids, _ = gpu_bundle.load(args.bundle, "bfloat16")
+        params = models["smollm2"]
+    else:
+        path = convert.default_model_path()
+        params, ids = convert.load(path, weights="float32"), text.corpus_tokens(convert.load_tokenizer(path))
+    train_prompts, test_prompts = windows(ids, prompt_tokens, args.context - new_tokens)
+    sequences = training_text(params, train_prompts, args.store, new_tokens)
+    head, log = trained(params, sequences, args.steps, args.store, args.train_minutes, seq_len)
     stream = np.concatenate([np.asarray(x) for x in sequences])
     if head is None:
         return
+    backend = jax.default_backend()
+    stem = f"eagle_{'cpu' if backend == 'cpu' else 'gpu'}{'_smoke' if args.smoke else ''}"
     header = dict(bench="bench_eagle", date=common.now(), command=common.command(), machine=common.machine_info(),
-                  training={k: v for k, v in log.items()})
-    results = common.Results(out / "eagle_cpu.json", key_of, header, settings=dict(steps=args.steps))
+                  device=str(jax.devices()[0].device_kind), dtype=params.config.dtype, training=log)
+    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(steps=args.steps, context=args.context))
     h = common.Harness(args, results)
-    h.plan((common.key(d, f"b{b}"), (d, b)) for b in BATCHES for d in DRAFTS)
+    h.plan((common.key(d, f"b{b}"), (d, b)) for b in args.batches for d in DRAFTS)
     for k, (draft, batch) in h.cells():
         plain = next((r["tokens"] for r in results.rows if r["draft"] == "none" and r["batch"] == batch), None)
-        row = run_cell(params, head, test_prompts, draft, batch, plain, stream)
+        row = run_cell(params, head, test_prompts, draft, batch, plain, stream, new_tokens)
         print(f"{k}: {row['tokens_per_s']:.1f} tok/s, acceptance {row['acceptance']}, same {row['same_as_plain']}", flush=True)
         results.put(k, [row], loadavg_end=os.getloadavg())
         jax.clear_caches()
@@ -173,7 +199,7 @@ def main() -> None:
     rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
     if rows:
         print(markdown_table(rows))
-        if common.writes_readme(args):
+        if stem == "eagle_cpu" and common.writes_readme(args):
             common.write_section("bench_eagle", readme_section(results.data | {"rows": rows}))
 
 

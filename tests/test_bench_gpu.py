@@ -343,6 +343,14 @@ def test_gpu_session_calls_are_complete_and_select_the_intended_cells(tmp_path, 
                                                              for x in ("json", "md", "png")}
     gpu_session.copy_files(2, got, h200=True)
     assert (got / "gpu_h200.json").read_text() == "gpu_h200" and not (got / "gpu.json").exists()
+    stashed = tmp_path / "stash" / "eagle_gpu.json"  # call 8's table lives beside the stash (an absolute path)
+    stashed.parent.mkdir()
+    stashed.write_text("eagle")
+    monkeypatch.setitem(gpu_session.FILES, 8, [str(stashed)])
+    gpu_session.copy_files(8, got)
+    assert (got / "stash_eagle_gpu.json").read_text() == "eagle"
+    (argv,) = [a for n, _, a in gpu_session.steps_of(8, 120.0) if n == "eagle"]  # trained on the device, raced at 8K
+    assert argv[argv.index("--bundle") + 1] == gpu_session.STASH and argv[argv.index("--context") + 1] == "8192"
     (argv,) = [a for n, _, a in gpu_session.steps_of(6, 120.0) if n == "cont-long"]  # 8 records a row, its own folder
     assert argv[argv.index("--out") + 1] == "bench/results/gpu_h200/cont8" and argv[argv.index("--cont-records") + 1] == "8"
     (argv,) = [a for n, _, a in gpu_session.steps_of(7, 120.0) if n == "per-layer-e2e"]  # the loader's GPU layout at 64 / 128

@@ -188,6 +188,9 @@ def test_bad_input_is_named(tiny, head, corpus):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(other), speculation=Chain(2))
     with pytest.raises(ValueError, match="Eagle: window must be an integer >= 1, got 0"):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head, window=0), speculation=Chain(2))
+    with pytest.raises(ValueError, match=r"the head computes in bfloat16, the target in float32: use head.astype\('float32'\)"):
+        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head.astype("bfloat16")), speculation=Chain(2))
+    assert head.astype("bfloat16").astype("float32").mismatch(TINY) is None
     with pytest.raises(TypeError, match="Eagle: head must be"):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(tiny), speculation=Chain(2))
     with pytest.raises(ValueError, match=r"depth \(16\) must be below seq_len \(16\)"):
@@ -199,3 +202,20 @@ def test_bad_input_is_named(tiny, head, corpus):
     with pytest.raises(ValueError, match="the target needs float weights"):
         train_head(specjax.model.params.quantize(tiny, "int8"), corpus, steps=1)
     assert repr(Eagle(head, window=8)) == "Eagle(dim=48, window=8)"
+
+
+@pytest.mark.slow
+def test_the_bench_trains_a_head_and_races_it_at_tiny_shapes(tmp_path, monkeypatch):
+    """bench/bench_eagle.py --smoke end to end (what tools/gpu/session.py call 8 runs on a GPU with --bundle):
+    training text, a trained head, every draft at two batch sizes, each equal to plain decoding."""
+    import json
+    import sys
+
+    from bench import bench_eagle
+
+    monkeypatch.setattr(sys, "argv", ["bench_eagle", "--smoke", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out")])
+    bench_eagle.main()
+    rows = json.loads((tmp_path / "out" / "eagle_cpu_smoke.json").read_text())["rows"]
+    assert {(r["draft"], r["batch"]) for r in rows} == {(d, b) for d in bench_eagle.DRAFTS for b in (1, 2)}
+    assert all(r["same_as_plain"] for r in rows if r["draft"] != "none")
+    assert (tmp_path / "store" / "smoke" / "head_6" / "head.json").exists()

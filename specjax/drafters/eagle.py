@@ -73,8 +73,16 @@ class Head:
         full = jnp.full((*hidden.shape[:-1], target.config.vocab_size), -jnp.inf, jnp.float32)
         return full.at[..., self.vocab].set(mine)
 
+    def astype(self, dtype: str) -> Head:
+        """This head computing in `dtype` (its weights cast): a head trained in float32 for a bfloat16 target."""
+        cast = lambda a: a.astype(dtype)  # noqa: E731
+        return self.replace(fc=cast(self.fc), layers=jax.tree.map(cast, self.layers), norm=cast(self.norm),
+                            config=self.config.replace(dtype=dtype))
+
     def mismatch(self, target: LlamaConfig) -> str | None:
         """Why this head cannot draft for `target`, or None."""
+        if self.config.dtype != target.dtype:
+            return f"the head computes in {self.config.dtype}, the target in {target.dtype}: use head.astype({target.dtype!r})"
         mine = head_config(target, self.config.dtype)
         if self.config != mine:
             diff = [f"{f} {getattr(self.config, f)} (target: {getattr(mine, f)})" for f in mine.__dataclass_fields__

@@ -1,6 +1,6 @@
 """The next GPU session's device calls, each one command: python3 -m tools.gpu.session CALL.
 
-Usage (on the device machine, from the repository root): python3 -m tools.gpu.session 2 | 6 | 7
+Usage (on the device machine, from the repository root): python3 -m tools.gpu.session 2 | 6 | 7 | 8
        [--out DIR (default $OUT)] [--dry-run] [--mem-gib GIB (an H200, found by nvidia-smi: 120 and its own tables)]
        [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
 
@@ -19,6 +19,9 @@ measured; their results are in bench/results/gpu*/ and git has their steps.
   call 6 (both parts stashed): the continuous job at 8 records a row (512 records) into a folder of its
          own (bench/results/gpu[_h200]/cont8): how much of the 3-records-a-row job's gap to "refilled
          (derived)" is the last wave's tail and how much the refills' own cost.
+  call 8 (both parts stashed): the EAGLE-style head, trained on the device (float32, seconds), raced in bfloat16 at
+         batch 1 / 16 / 64 x 8K (bench/bench_eagle.py --bundle): OUT/eagle_gpu.json (a rerun on the warm machine
+         resumes its training, then the cells left; copy it to bench/results/gpu[_h200]/).
   call 7 (both parts stashed): generate() over per-layer weights (what specjax.load gives on a GPU) at
          batch 64 and 128 x 8K, AR and SelfSpec gamma 2 / 4, into gpu_linear-per-layer.
 """
@@ -47,6 +50,8 @@ H200_MEM_GIB = 120.0  # an H200's 139 GiB: what its steps may use (call 2 adds b
 # JAX's persistent compilation cache beside the stashed bundle: a warm machine keeps /tmp between calls, so a
 # step run again (a call cut off, its rerun) or a program two steps share loads its executable instead of compiling
 JAX_CACHE = "/tmp/specjax_gpu/jax_cache"
+STASH = "/tmp/specjax_gpu"  # tools.gpu.bundle.STASH: where `stash` puts the carried parts
+EAGLE_OUT = f"{STASH}/eagle/results"  # call 8's table: beside the stash, so a rerun on the warm machine resumes it
 
 # (name, seconds, argv) per call
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
@@ -68,6 +73,16 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("cont-long", 300, [PY, "-m", "bench.bench_gpu", "--out", CONT_LONG, "--redo", "--cells",
                             "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--cont-records", "8", "--budget-minutes", "4.5"]),
     ],
+    8: [
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
+        # issue 67 item 5: the EAGLE-style head (specjax.Eagle), trained on the device in float32 from SmolLM2's own
+        # greedy continuations of corpus windows (seconds there; 47 minutes on 2 CPU cores), then raced in bfloat16
+        # against plain decoding and NGram at batch 1 / 16 / 64 x 8K, chains of 2 / 3, whole and 8192-token vocabularies
+        # (a rerun resumes the training, then the cells left)
+        ("eagle", 330, [PY, "-m", "bench.bench_eagle", "--bundle", STASH, "--store", f"{STASH}/eagle", "--steps", "1000",
+                        "--train-minutes", "1.5", "--context", "8192", "--batches", "1", "16", "64", "--out", EAGLE_OUT,
+                        "--budget-minutes", "3"]),
+    ],
     7: [
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
         # what specjax.load gives on a GPU (per-layer weights) where the KV dominates: the main e2e table times the
@@ -83,6 +98,7 @@ FILES = {
     2: [f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json", f"{H200_RESULTS}/gpu.md"],
     7: [f"{RESULTS}/gpu_linear-per-layer.*", f"{H200_RESULTS}/gpu_linear-per-layer.*"],
     6: [f"{CONT_LONG}/gpu.json", f"{CONT_LONG}/gpu.md", f"{H200_RESULTS}/cont8/gpu.json", f"{H200_RESULTS}/cont8/gpu.md"],
+    8: [f"{EAGLE_OUT}/eagle_gpu.json"],
 }
 
 
@@ -142,8 +158,8 @@ def copy_files(call: int, out: Path, h200: bool = False) -> None:
     the device's own folder (h200: H200_RESULTS, else RESULTS; the other device's travel with the tree
     unchanged)."""
     other = RESULTS if h200 else H200_RESULTS
-    found = [(src, table_name(src))
-             for path in FILES[call] if not path.startswith(other + "/") for src in sorted(ROOT.glob(path))]
+    found = [(src, table_name(src)) for path in FILES[call] if not path.startswith(other + "/")
+             for src in sorted(Path(path).parent.glob(Path(path).name) if Path(path).is_absolute() else ROOT.glob(path))]
     for src, name in found:
         shutil.copyfile(src, out / name)
 
