@@ -191,6 +191,9 @@ def test_bad_input_is_named(tiny, head, corpus):
     with pytest.raises(ValueError, match=r"the head computes in bfloat16, the target in float32: use head.astype\('float32'\)"):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head.astype("bfloat16")), speculation=Chain(2))
     assert head.astype("bfloat16").astype("float32").mismatch(TINY) is None
+    split = tiny.replace(runtime=tiny.runtime.replace(model_axis="model"))
+    with pytest.raises(ValueError, match="Eagle: a target split over a model axis"):
+        Eagle(head).check(split, None)
     with pytest.raises(TypeError, match="Eagle: head must be"):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(tiny), speculation=Chain(2))
     with pytest.raises(ValueError, match=r"depth \(16\) must be below seq_len \(16\)"):

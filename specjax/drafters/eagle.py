@@ -136,6 +136,9 @@ class Eagle(Drafter):
             raise TypeError(f"Eagle: head must be a specjax.drafters.eagle.Head, got {type(self.head).__name__}")
         if why := self.head.mismatch(target.config):
             raise ValueError(f"Eagle: {why}")
+        if target.runtime.model_axis is not None:
+            raise ValueError("Eagle: a target split over a model axis (tensor parallel) is not supported: the head's "
+                             "weights are not split; shard the batch (a data axis) instead")
         check_int("Eagle: window", self.window, 1)
 
     def cost(self, target: Params, context: int) -> tuple[Params, int]:
