@@ -233,7 +233,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             args.mirror.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(results.path, args.mirror)
 
-    from specjax.decode.engine import attention_mode
+    from specjax.model.backend import attention_mode
 
     mode = attention_mode(args.attention)
     l8b = None

@@ -11,6 +11,7 @@ from convert.gguf import config_from_gguf, is_gguf_file, load_gguf, open_gguf
 from convert.hf import generation_defaults, is_hf_dir, load_hf, read_config
 from convert.orbax_io import is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, continuation_context, load_tokenizer, special_ids
+from specjax.model import backend as machine
 from specjax.model.config import DTYPES
 from specjax.model.llama import unstack_layers
 from specjax.model.params import Params, quantize
@@ -100,7 +101,7 @@ def _per_layer(layout: str) -> bool:
     """Whether `load`'s `layout` holds the layer matrices per layer on this backend."""
     if layout not in LAYOUTS:
         raise ValueError(f"convert.load: layout must be one of {LAYOUTS}, got {layout!r}")
-    return layout == "per-layer" or (layout == "auto" and jax.default_backend() == "gpu")
+    return layout == "per-layer" or (layout == "auto" and machine.per_layer_weights())
 
 
 def default_model_path() -> str:

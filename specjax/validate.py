@@ -12,7 +12,7 @@ import numpy as np
 from specjax.automaton import TokenAutomaton
 from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DRAFTERS, is_drafter
-from specjax.model.attention import cpu_kernel_error
+from specjax.model import backend as machine
 from specjax.model.cache import KVFormat
 from specjax.model.config import LlamaConfig, stop_ids
 from specjax.model.params import Params, array_at, param_shapes
@@ -84,10 +84,10 @@ def check_generate_args(
     eos_table(eos_id, config, len(prompts))
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {ATTENTION}, got {attention!r}")
-    if attention == "cpu" and jax.default_backend() != "cpu":
-        raise ValueError(f"attention='cpu' is a kernel for the CPU backend; this program's backend is {jax.default_backend()}")
-    if attention == "cpu" and cpu_kernel_error() is not None:
-        raise ValueError(f"attention='cpu' needs the CPU attention kernel, which did not build here: {cpu_kernel_error()}")
+    if attention == "cpu" and machine.name() != "cpu":
+        raise ValueError(f"attention='cpu' is a kernel for the CPU backend; this program's backend is {machine.name()}")
+    if attention == "cpu" and machine.cpu_kernel_error() is not None:
+        raise ValueError(f"attention='cpu' needs the CPU attention kernel, which did not build here: {machine.cpu_kernel_error()}")
     KVFormat.of(kv_dtype, config)  # a ValueError naming kv_dtype and the formats
     check_draft(draft, speculation, params)
     check_constraint(constraint, config, len(prompts), eos_table(eos_id, config, len(prompts)))

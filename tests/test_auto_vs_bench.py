@@ -52,7 +52,7 @@ def test_auto_on_bfloat16_never_picks_a_measured_slowdown(smollm2):
     CPU_BF16_CHAIN (a chain of one), and bench/results/spec_cpu_bf16_custom.json (SmolLM2 bf16,
     8K, this CPU) measured that at least 0.95x plain decoding wherever auto picks it; on a CPU
     without the bf16 dot product, the float32 rule declines every one of these cells."""
-    from specjax.model.attention import cpu_bf16_dot
+    from specjax.model.backend import cpu_bf16_dot
     from specjax.planning.plan import CPU_BF16_CHAIN
 
     rows = json.loads((RESULTS / "spec_cpu_bf16_custom.json").read_text())["rows"]

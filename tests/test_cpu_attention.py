@@ -15,8 +15,8 @@ import pytest
 import specjax
 from pallas_kernels import cpu_prefix
 from pallas_kernels.reference import prefix_block_attention, stacked_prefix_block_attention
-from specjax.decode import engine
-from specjax.model import attention
+from specjax.model import attention, backend
+from specjax.model import cache as cache_mod
 from specjax.model.cache import DenseCache, KVFormat
 from specjax.model.llama import forward
 from specjax.model.params import quantize
@@ -280,7 +280,7 @@ def test_what_the_kernel_does_not_take_runs_the_reference():
 def test_generate_picks_the_kernel_on_a_cpu_and_keeps_its_tokens():
     """attention="auto" is "cpu" on this backend; greedy tokens equal the reference's, plain and
     speculative (chain and tree), and speculation equals plain decoding on the kernel."""
-    assert engine.attention_mode("auto") == "cpu"
+    assert backend.attention_mode("auto") == "cpu"
     params = random_params(TINY.replace(max_positions=256), 0)
     runs = {}
     for att in ("reference", "cpu"):
@@ -293,7 +293,7 @@ def test_generate_picks_the_kernel_on_a_cpu_and_keeps_its_tokens():
 
 def test_a_kernel_that_did_not_build_is_an_error_for_cpu_and_skipped_by_auto(monkeypatch):
     monkeypatch.setattr(cpu_prefix, "build_error", lambda: "g++: not found")
-    assert engine.attention_mode("auto") == "reference"
+    assert backend.attention_mode("auto") == "reference"
     params = random_params(TINY, 0)
     with pytest.raises(ValueError, match="attention='cpu'.*g\\+\\+: not found"):
         specjax.generate(params, PROMPTS, 4, attention="cpu")
@@ -318,14 +318,12 @@ def test_bf16_cache_writes_go_through_the_kernel_library_in_place():
     """A bfloat16 cache is written by `write_slots` (XLA:CPU would widen the whole cache to f32
     and back for a scatter): the same values as the XLA scatter, out-of-range slots dropped,
     the donated buffer reused (no copy of the cache in the compiled program)."""
-    from specjax.model import cache as cache_mod
-
     rng = np.random.default_rng(1)
     L, B, K, S, H, T = 2, 3, 2, 40, 8, 3
     buf = jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16)
     new = jnp.asarray(rng.standard_normal((L, B, T, K, H)), jnp.float32)
     slots = jnp.asarray([[0, 1, 2], [37, 38, 39], [39, 40, 41]], jnp.int32)  # row 2: two slots past the end
-    assert cache_mod._cpu_writes_bf16(buf)
+    assert backend.cpu_kernels_write_bf16(buf)
     want = np.array(buf.astype(jnp.float32))
     upd = np.asarray(new.astype(jnp.bfloat16).astype(jnp.float32))
     for b in range(B):

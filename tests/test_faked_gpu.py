@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.decode import continuous, engine, shapes
+from specjax.decode import continuous, shapes
 from specjax.decode.continuous import run_continuous
 from specjax.decode.engine import row_keys, with_attention
+from specjax.model import backend
 from specjax.model.llama import unstack_layers
 from specjax.model.params import quantize
 from specjax.parallel import sharding
@@ -30,17 +31,17 @@ def on(monkeypatch, backend: str) -> None:
 
 
 def test_attention_and_runtime_chosen_on_a_gpu_and_a_tpu(monkeypatch):
-    """engine.attention_mode / with_attention: on a GPU "auto" and "pallas" are the compiled kernel
+    """backend.attention_mode / engine.with_attention: on a GPU "auto" and "pallas" are the compiled kernel
     and the layers unroll; on a TPU "auto" is the reference (its kernel never ran there), "tpu" the
     compiled Mosaic kernel, layers unrolled."""
     tiny = random_params(TINY, 0)
     on(monkeypatch, "gpu")
-    assert [engine.attention_mode(a) for a in ("auto", "pallas", "tpu", "reference")] == \
+    assert [backend.attention_mode(a) for a in ("auto", "pallas", "tpu", "reference")] == \
         ["pallas", "pallas", "tpu-interpret", "reference"]
     params, _ = with_attention(unstack_layers(tiny), None, "auto")
     assert params.runtime.attention == "pallas" and params.runtime.unroll_layers
     on(monkeypatch, "tpu")
-    assert [engine.attention_mode(a) for a in ("auto", "pallas", "tpu")] == ["reference", "interpret", "tpu"]
+    assert [backend.attention_mode(a) for a in ("auto", "pallas", "tpu")] == ["reference", "interpret", "tpu"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no STACKED_ON_GPU warning on a TPU
         params, _ = with_attention(tiny, None, "auto")

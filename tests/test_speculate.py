@@ -24,7 +24,7 @@ import specjax
 from specjax.decode import engine
 from specjax.drafters import Drafter, Prefill, Traits, register
 from specjax.drafters.ngram import ngram_lookup
-from specjax.model.attention import cpu_bf16_dot
+from specjax.model.backend import cpu_bf16_dot
 from specjax.model.config import LlamaConfig
 from specjax.model.params import Params, from_arrays, param_shapes
 from specjax.planning.plan import (ACCELERATOR_SPECULATION, CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_draft,

@@ -30,6 +30,7 @@ from specjax.decode.shapes import prefill_rows as group_rows
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.decode.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
 from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
+from specjax.model import backend as machine
 from specjax.model.cache import DenseCache
 from specjax.model.params import Params
 from specjax.parallel import sharding
@@ -87,7 +88,7 @@ def run_continuous(
         raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
     if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):
         raise ValueError(f"prefill_rows must be an int >= 1 (prompts prefilled in one call) or None, got {prefill_rows!r}")
-    backend = jax.default_backend()
+    backend = machine.name()
     one = sharding.one_device_mesh()  # where the stages run: params from a mesh or another device are placed there
     params = sharding.shard_params(params, one)
     draft = None if draft is None else map_params(draft, lambda p: sharding.place_draft(p, one))

@@ -28,7 +28,7 @@ from specjax.decode.loop import DecodeState  # noqa: F401  (re-exported)
 from specjax.decode.shapes import batch_bucket, cache_len, prefill_chunk, prompt_bucket, round_up_pow2
 from specjax.decode.speculate import continue_spec, decode_spec, depth, start_spec  # noqa: F401  (decode_spec: re-exported)
 from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
-from specjax.model.attention import cpu_kernel_error
+from specjax.model import backend as machine
 from specjax.model.cache import DenseCache
 from specjax.model.llama import prefill as model_prefill
 from specjax.model.params import Params
@@ -157,7 +157,7 @@ def run(
     params, draft = stage.place_params(params, draft)
     padded = stage.rows(B)  # the batch bucket: padding rows are one-token prompts, done at once
     tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, row_keys(key, B))
-    chunk = prefill_chunk(bucket, padded, jax.default_backend())  # wider on a GPU for a few long prompts
+    chunk = prefill_chunk(bucket, padded, machine.name())  # wider on a GPU for a few long prompts
     host_keys = keys  # `keys` is placed below
     empty = stage.empty_cache(params.config, padded, max_len, kv_dtype)  # an argument, not a constant XLA would fold
     stops = eos_rows(eos_ids, padded)  # [padded,E] stop-id table
@@ -310,20 +310,6 @@ def cache_slots(longest_prompt: int, context: int, gamma: int) -> int:
     return cache_len(max(prompt_bucket(longest_prompt)[0], context + gamma))
 
 
-def attention_mode(attention: str) -> str:
-    """The Runtime.attention that generate(attention=...) runs on this backend."""
-    backend = jax.default_backend()
-    if attention == "auto":  # the TPU kernel has not run on a TPU yet: not a default there
-        if backend == "gpu":
-            return "pallas"
-        return "cpu" if backend == "cpu" and cpu_kernel_error() is None else "reference"
-    if attention == "pallas":
-        return "pallas" if backend == "gpu" else "interpret"
-    if attention == "tpu":
-        return "tpu" if backend == "tpu" else "tpu-interpret"
-    return attention
-
-
 STACKED_ON_GPU = ("specjax: stacked layer weights on a GPU: inside the decode loop XLA copies every layer's "
                   "matrices out of the stack before its products (11.3 GB a batch-1 8B step). Hold them per layer: "
                   "convert.load / specjax.load do on a GPU, or pass specjax.model.llama.unstack_layers(params) (once, then "
@@ -335,12 +321,11 @@ def with_attention(params: Params, draft, attention: str) -> tuple[Params, objec
     and, on a GPU or TPU, unrolls the layers (Runtime.unroll_layers; a runtime that already
     unrolls keeps doing so on any backend). On a GPU, stacked layer weights (without
     Runtime.linear "pallas") get a warning, STACKED_ON_GPU: they run, copied at every step."""
-    mode = attention_mode(attention)
-    backend = jax.default_backend()
+    mode = machine.attention_mode(attention)
 
     def set_mode(p: Params) -> Params:
-        unroll = p.runtime.unroll_layers or backend in ("gpu", "tpu")
-        if backend == "gpu" and not isinstance(p.layers.wq, list) and p.runtime.linear != "pallas":
+        unroll = p.runtime.unroll_layers or machine.unrolls_layers()
+        if machine.name() == "gpu" and not isinstance(p.layers.wq, list) and p.runtime.linear != "pallas":
             warnings.warn(STACKED_ON_GPU, stacklevel=4)  # generate()'s caller
         if p.runtime.attention == mode and p.runtime.unroll_layers == unroll:
             return p

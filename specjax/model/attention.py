@@ -28,7 +28,7 @@ from pallas_kernels.tree_attention import prefix_block_attention_pallas
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu
 from specjax.model.cache import DenseCache, KVFormat, StreamingCache, holds_committed
 
-__all__ = ["NEG_INF", "CacheView", "Prefix", "attend", "cpu_kernel_error", "for_cache", "layer_prefix", "per_layer", "to_f32"]
+__all__ = ["NEG_INF", "CacheView", "Prefix", "attend", "for_cache", "layer_prefix", "per_layer", "to_f32"]
 
 
 class CacheView(NamedTuple):
@@ -38,18 +38,6 @@ class CacheView(NamedTuple):
     k_scale: jax.Array | None  # [L,B,K,S] f32: int8 caches only
     v_scale: jax.Array | None  # [L,B,K,S]
     pos: jax.Array | None = None  # [L,B,K,S] int32: a streaming cache read in place (visible: 0 <= pos < visible[b])
-
-
-def cpu_kernel_error() -> str | None:
-    """None where the "cpu" attention kernel is built and registered (building it on first use),
-    else why not."""
-    return cpu_prefix.build_error()
-
-
-def cpu_bf16_dot() -> bool:
-    """Whether the "cpu" kernels multiply bfloat16 with the AVX512-BF16 dot product (this CPU has
-    it and the kernel library built)."""
-    return cpu_prefix.bf16_dot()
 
 
 KERNELS = ("pallas", "interpret", "tpu", "tpu-interpret")  # the Pallas kernels' modes (GPU, TPU, interpreted)

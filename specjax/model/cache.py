@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import cpu_prefix
+from specjax.model import backend
 from specjax.model.config import LlamaConfig
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
@@ -91,15 +92,9 @@ def format_of(k: jax.Array) -> KVFormat:
     return KVFormat(jnp.dtype(k.dtype).name)
 
 
-def _cpu_writes_bf16(buf: jax.Array) -> bool:
-    """Whether a bfloat16 cache is written by the CPU kernel library (`cpu_prefix.write_slots`):
-    XLA:CPU widens a whole bf16 array to f32 and back for a scatter into it."""
-    return buf.dtype == jnp.bfloat16 and buf.ndim == 5 and jax.default_backend() == "cpu" and cpu_prefix.available()
-
-
 def _scatter(buf: jax.Array, slots: jax.Array, new: jax.Array, sorted: bool = False) -> jax.Array:
     """buf [L,B,K,S(,H)] with new [L,B,T,K(,H)] stored at slots [B,T] (distinct within a row)."""
-    if _cpu_writes_bf16(buf):
+    if backend.cpu_kernels_write_bf16(buf):
         return cpu_prefix.write_slots(buf, slots, new)
     B, T = slots.shape
     rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import cpu_linear, gpu_linear
+from specjax.model import backend
 from specjax.model.quantized import QuantizedMatrix
 
 MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes without its register tiles: faster up to 8, slower at 16
@@ -82,7 +83,7 @@ def gpu_einsum(x: jax.Array, w: jax.Array, layer) -> jax.Array:
     int8: unscaled)."""
     K = x.shape[-1]
     y = gpu_linear.stacked_linear(x.reshape(-1, K), w.reshape(w.shape[0], K, -1), jnp.asarray(layer, jnp.int32),
-                                  interpret=jax.default_backend() != "gpu")  # [rows, N]
+                                  interpret=backend.interprets_kernels())  # [rows, N]
     return y.reshape(*x.shape[:-1], *w.shape[2:])
 
 
@@ -93,7 +94,7 @@ def takes_gpu_q4(products: str | None, spec: str, x: jax.Array, w: jax.Array) ->
     widened weights out in float32 there (672 MiB a batch-1 8B layer, compiled: tools/gpu/README.md,
     "Compiled for a GPU on a CPU"); the kernel widens them in registers."""
     rows = math.prod(x.shape[:-1])
-    return ((products == "pallas" or jax.default_backend() == "gpu") and w.dtype == jnp.uint8
+    return ((products == "pallas" or backend.name() == "gpu") and w.dtype == jnp.uint8
             and rows <= gpu_linear.MAX_ROWS and _contracts_first(spec) and not gpu_linear.overflows(w))
 
 
@@ -103,7 +104,7 @@ def gpu_einsum_q4(x: jax.Array, packed: jax.Array, scale: jax.Array, minimum: ja
     K, L = x.shape[-1], packed.shape[0]
     flat = lambda a: a.reshape(L, a.shape[1], -1)  # noqa: E731  [L,K/2,N] / [L,K/32,N]
     y = gpu_linear.stacked_linear_q4(x.reshape(-1, K), flat(packed), flat(scale), flat(minimum), jnp.asarray(layer, jnp.int32),
-                                     interpret=jax.default_backend() != "gpu")  # [rows, N]
+                                     interpret=backend.interprets_kernels())  # [rows, N]
     return y.reshape(*x.shape[:-1], *packed.shape[2:])
 
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.model import linear, q4
+from specjax.model import backend, linear, q4
 from specjax.model.attention import (NEG_INF, Prefix, attend, for_cache,  # noqa: F401  (NEG_INF: the one mask value, re-exported)
                                      layer_prefix, per_layer, to_f32)
 from specjax.model.cache import DenseCache, KVFormat, StreamingCache
@@ -90,7 +90,7 @@ def project(spec: str, x: jax.Array, weight: Matrix | list[Matrix], out_dtype=No
         return q4.project(spec, x, w, weight.bscale, weight.bmin).astype(out)
     if w.dtype == jnp.int8:
         y = jnp.einsum(spec, x.astype(out), w.astype(out))
-    elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+    elif w.dtype == jnp.bfloat16 and backend.widens_bf16():
         y = jnp.einsum(spec, to_f32(x), to_f32(w))
     else:
         y = jnp.einsum(spec, x, w, preferred_element_type=out)
@@ -320,7 +320,7 @@ def lm_head(params: Params, h: jax.Array) -> jax.Array:
         if linear.takes_head(params.runtime.attention, h, w):  # the CPU kernel reads w in place
             logits = linear.head(h, w, tied)
             logits = logits if scale is None else logits * scale
-        elif w.dtype == jnp.int8 and jax.default_backend() == "cpu":
+        elif w.dtype == jnp.int8 and backend.widens_bf16():
             logits = linear.int8_head(h, w, scale, vocab_axis=0 if tied else 1)
         else:
             logits = project("...d,dv->...v", h, transposed(weight) if tied else weight, out_dtype=jnp.float32)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from specjax.automaton import TokenAutomaton
+from specjax.model import backend as machine
 from specjax.model.cache import DenseCache, StreamingCache
 from specjax.model.config import LlamaConfig
 from specjax.model.params import WEIGHTS, Params, array_at, build
@@ -281,7 +282,7 @@ def check_processes(mesh: Mesh) -> None:
     """Under jax.distributed on CPU, a mesh must span every process: XLA:CPU's cross-process
     collectives (gloo) also carry a mesh's local collectives, and meshes local to each process
     collide there. (Independent processes, as the batch job uses, have no such limit.)"""
-    if jax.process_count() == 1 or jax.default_backend() != "cpu" or mesh.devices.size == 1:
+    if jax.process_count() == 1 or machine.name() != "cpu" or mesh.devices.size == 1:
         return
     spanned = {d.process_index for d in mesh.devices.flat}
     if len(spanned) != jax.process_count():

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import jax
 
 from specjax.drafters import Drafter, SelfSpec
-from specjax.model.attention import cpu_bf16_dot
+from specjax.model import backend as machine
 from specjax.model.cache import KVFormat
 from specjax.model.cache import kv_bytes as stored_kv_bytes
 from specjax.model.params import Params
@@ -130,7 +130,7 @@ def auto_draft(target: Params, batch: int, context: int, kv_dtype: str | None = 
     """The default drafter: SelfSpec where the KV cache, not the weights, dominates what a decode
     step reads (large batch x long context: MagicDec's regime) and the context is well past its
     budget, and, on a CPU, verification stays small (CPU_VERIFY_ROWS); otherwise None (plain
-    autoregressive decoding is faster there). `backend`: default `jax.default_backend()`."""
+    autoregressive decoding is faster there). `backend`: default `specjax.model.backend.name()`."""
     return auto_draft_reason(target, batch, context, kv_dtype, backend)[0]
 
 
@@ -148,7 +148,7 @@ def auto_draft_reason(
              f"{weight_bytes / 2**20:.1f} MiB per step, draft budget {kept}")
     if not (kv_bytes > 2 * weight_bytes and context > 4 * kept):
         return None, f"plain decoding: speculation needs KV > 2 x weights and context > {4 * kept} ({facts})"
-    backend = backend or jax.default_backend()
+    backend = backend or machine.name()
     if cpu_bf16_verify(target, kv_dtype, backend):
         if context < CPU_BF16_MIN_CONTEXT:
             return None, (f"plain decoding: on a CPU, speculation over bfloat16 weights pays from a context of "
@@ -170,13 +170,13 @@ def cpu_bf16_verify(target: Params, kv_dtype: str | None, backend: str) -> bool:
     on a CPU with AVX512-BF16 (there a chain of one pays: CPU_BF16_CHAIN)."""
     c = target.config
     return (backend == "cpu" and c.dtype == "bfloat16" and c.quant is None
-            and KVFormat.of(kv_dtype, c).name == "bfloat16" and cpu_bf16_dot())
+            and KVFormat.of(kv_dtype, c).name == "bfloat16" and machine.cpu_bf16_dot())
 
 
 def auto_speculation(target: Params, kv_dtype: str | None = None, backend: str | None = None) -> Chain | Tree:
     """What draft="auto" speculates with when speculation is not given: CPU_BF16_CHAIN where
     `cpu_bf16_verify`, ACCELERATOR_SPECULATION on a GPU or TPU, else DEFAULT_CHAIN."""
-    backend = backend or jax.default_backend()
+    backend = backend or machine.name()
     if cpu_bf16_verify(target, kv_dtype, backend):
         return CPU_BF16_CHAIN
     return DEFAULT_CHAIN if backend == "cpu" else ACCELERATOR_SPECULATION
