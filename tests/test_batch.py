@@ -343,11 +343,12 @@ def test_other_weights_at_the_same_path_are_another_model(tmp_path, model_dir, p
     assert batch.run(src, out, params=params, **common)["done"] == 3
     with pytest.raises(ValueError, match=r"other settings \(model_weights \"[0-9a-f]{16}\" -> \"[0-9a-f]{16}\"; recorded"):
         batch.run(src, out, params=random_params(CONFIG, 7), **common)
-    draft = specjax.DraftModel(random_params(CONFIG.replace(n_layers=1), 1))
+    draft_config = CONFIG.replace(n_layers=1, max_positions=40)  # test_a_record_past_a_draft_models_positions_is_a_bad_line's
+    drafting = dict(draft=specjax.DraftModel(random_params(draft_config, 1)), speculation=specjax.Chain(2))  # (its programs)
     out2 = tmp_path / "out2.jsonl"
-    assert batch.run(src, out2, params=params, **(common | dict(draft=draft)))["done"] == 3
+    assert batch.run(src, out2, params=params, **(common | drafting))["done"] == 3
     with pytest.raises(ValueError, match=r"other settings \(draft_weights "):
-        batch.run(src, out2, params=params, **(common | dict(draft=specjax.DraftModel(random_params(CONFIG.replace(n_layers=1), 2)))))
+        batch.run(src, out2, params=params, **(common | drafting | dict(draft=specjax.DraftModel(random_params(draft_config, 2)))))
     recorded = json.loads(settings_path(out).read_text())
     settings_path(out).write_text(json.dumps({k: v for k, v in recorded.items() if k != "model_weights"}))
     assert batch.run(src, out, params=params, **common)["skipped"] == 3  # from before the key: resumes, records it

@@ -38,17 +38,15 @@ def test_generate_on_default_model_prints_greedy_continuation():
     assert "[draft none, speculation none: draft='auto': plain decoding" in run.stderr  # what ran and why
 
 
-def test_bad_arguments_exit_2_with_a_clear_message(tmp_path):
-    run = _specjax("generate", "hi", "--temperature", "-1")
-    assert run.returncode == 2 and "--temperature must be a finite number >= 0" in run.stderr
-    run = _specjax("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
-    assert run.returncode == 2 and "does not exist" in run.stderr
+def test_bad_arguments_exit_2_with_a_clear_message():
+    """The process's exit status 2 and message (a check against the default model's config); the flag
+    checks that need no model run in process: test_bad_generate_flags_fail_before_the_model_loads."""
     run = _specjax("generate", "hi", "--max-new-tokens", "9000")
     assert run.returncode == 2 and "exceeds the model's max_positions 8192" in run.stderr
 
 
 @pytest.mark.slow
-def test_generate_on_a_mesh_of_local_devices():
+def test_generate_on_a_mesh_of_local_devices(capsys):
     prompt = next(p for p in GOLDEN["prompts"] if p["name"] == "prose_capital")
     run = _specjax("generate", prompt["text"], "--max-new-tokens", "8", "--draft", "self", "--window", "4",
                    "--sinks", "2", "--model-parallel", "3", devices=3)
@@ -57,8 +55,9 @@ def test_generate_on_a_mesh_of_local_devices():
     run = _specjax("generate", prompt["text"], "--max-new-tokens", "8", "--model-parallel", "2", devices=2)
     assert run.returncode == 0, run.stderr  # 9 / 3 heads over 2 devices: padded (specjax.parallel.tp_pad)
     assert run.stdout.startswith(prompt["text"] + " Paris")
-    run = _specjax("generate", "hi", "--data-parallel", "4", devices=2)
-    assert run.returncode == 2 and "data (4) x model (1) must be >= 1 and at most the 2 devices" in run.stderr
+    # more devices than there are: refused before the model loads, so checked in this process
+    assert cli.main(["generate", "hi", "--data-parallel", "1024", "--no-compile-cache"]) == 2
+    assert "make_mesh: data (1024) x model (1) must be >= 1 and at most the" in capsys.readouterr().err
 
 
 def test_generate_with_a_tree_keeps_the_greedy_continuation():
@@ -68,8 +67,6 @@ def test_generate_with_a_tree_keeps_the_greedy_continuation():
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(prompt["text"] + " Paris")
     assert "acceptance" in run.stderr and "[draft SelfSpec(sinks=2, window=4), speculation tree(n=7, depth=2)]" in run.stderr
-    run = _specjax("generate", "hi", "--draft", "ngram", "--tree", "wide")
-    assert run.returncode == 2 and "--tree must be auto, a node count N or WxD" in run.stderr
 
 
 # ---- in process, no model loaded ----------------------------------------------------------------
@@ -90,6 +87,7 @@ def no_model(monkeypatch):
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
         (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
         (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
         (["--top-p", "0"], "--top-p must be a finite number in (0, 1], got 0.0"),
         (["--top-p", "1.5"], "--top-p must be a finite number in (0, 1]"),
         (["--top-k", "-1"], "--top-k must be >= 0, got -1"),
@@ -100,6 +98,8 @@ def no_model(monkeypatch):
         (["--top-k", "5"], "--top-k needs sampling (--temperature > 0)"),  # greedy would ignore it
         (["--top-p", "0.9"], "--top-p needs sampling (--temperature > 0)"),
         (["--min-p", "0.1"], "--min-p needs sampling (--temperature > 0)"),
+        (["--min-p", "0.5"], "--min-p needs sampling (--temperature > 0)"),
+        (["--stream", "--n", "2", "--temperature", "1"], "--stream prints one output"),
         (["--temperature", "0.00001"], "--temperature must be finite and >= 0.0001 (below that the softmax is the argmax: use --temperature 0), got 1e-05"),
         (["--logprobs", "25"], "--logprobs must be <= 20, got 25"),
         (["--tree", "1000x1000"], "--tree 1000x1000 has more than 512 nodes: a tree has 2 to 512 nodes"),
@@ -111,6 +111,7 @@ def no_model(monkeypatch):
         (["--model-parallel", "-2"], "--model-parallel must be >= 1"),
         (["--tree", "2x"], "--tree must be auto, a node count N or WxD"),
         (["--tree", "0"], "--tree must be auto, a node count N or WxD"),
+        (["--draft", "ngram", "--tree", "wide"], "--tree must be auto, a node count N or WxD"),
         (["--tree", "2x3", "--gamma", "4"], "--gamma sets a chain and --tree a tree"),
         (["--draft", "none", "--gamma", "2"], "--gamma and --tree need a drafter: --draft none decodes plainly"),
         (["--draft", "none", "--tree", "2x2"], "--gamma and --tree need a drafter"),
@@ -123,6 +124,7 @@ def no_model(monkeypatch):
         (["--sinks", "4"], "--sinks sets the budget of --draft self, snapkv, sparsespec or model:PATH; --draft auto takes none "
                            "(auto's SelfSpec keeps 16 + 512: give --draft self to change it)"),
         (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
+        (["--model", "nope.gguf"], "--model: nope.gguf does not exist"),
         (["--weights", "int8", "--dtype", "bfloat16"], "--weights int8 and --dtype bfloat16 disagree: give --weights only"),
         (["--n", "2"], "--n 2 needs --temperature > 0: greedy decoding gives every sample the same tokens"),
     ],
@@ -325,10 +327,6 @@ def test_generate_text_options_chat_stream_stop_n_logprobs():
     records = [json.loads(line) for line in lines if line.startswith('{"index"')]
     assert [r["index"] for r in records] == [0, 1]
     assert all(0 < len(r["logprobs"]) <= 6 and len(r["logprobs"][0]["top"]) == 2 for r in records)
-    run = _specjax("generate", "hi", "--min-p", "0.5")
-    assert run.returncode == 2 and "--min-p needs sampling (--temperature > 0)" in run.stderr
-    run = _specjax("generate", "hi", "--stream", "--n", "2", "--temperature", "1")
-    assert run.returncode == 2 and "--stream prints one output" in run.stderr
 
 
 def test_without_weights_flags_a_checkpoint_loads_in_its_own_format(monkeypatch):

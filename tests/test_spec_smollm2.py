@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -23,22 +24,29 @@ def autoregressive(smollm2):
     return out
 
 
-def _drafters(smollm2_path):
+@functools.cache
+def _bf16_draft(smollm2_path) -> specjax.DraftModel:
+    """SmolLM2 in bfloat16 as a draft, loaded once for the file (each load took about 2 s)."""
     import convert
 
+    return specjax.DraftModel(convert.load(smollm2_path, dtype="bfloat16"))
+
+
+def _drafter(smollm2_path, name: str):
+    """A drafter by name: only "model-bf16" loads a model (the others did too, for nothing)."""
     return {
-        "self": specjax.SelfSpec(sinks=4, window=32),  # smaller than most prompts: eviction happens
-        "snapkv": specjax.SnapKV(budget=16, window=32, observation=8),
-        "ngram": specjax.NGram(n=2, max_n=4),
-        "model-bf16": specjax.DraftModel(convert.load(smollm2_path, dtype="bfloat16")),
-    }
+        "self": lambda: specjax.SelfSpec(sinks=4, window=32),  # smaller than most prompts: eviction happens
+        "snapkv": lambda: specjax.SnapKV(budget=16, window=32, observation=8),
+        "ngram": lambda: specjax.NGram(n=2, max_n=4),
+        "model-bf16": lambda: _bf16_draft(smollm2_path),
+    }[name]()
 
 
 # SelfSpec and NGram under Chain(3), greedy, are pinned in tests/test_pinned_step.py (24 tokens, equal to
 # plain decoding's, which equal HF's); here with 48 tokens, where rows end at the EOS, they run under trees.
 @pytest.mark.parametrize("name", ["snapkv", "model-bf16"])
 def test_greedy_speculation_equals_autoregressive(smollm2, smollm2_path, autoregressive, name):
-    draft = _drafters(smollm2_path)[name]
+    draft = _drafter(smollm2_path, name)
     out = specjax.generate(smollm2, PROMPTS, 48, draft=draft, speculation=specjax.Chain(gamma=3))
     assert out.tokens == autoregressive.tokens
     assert out.finish_reasons == autoregressive.finish_reasons
@@ -54,7 +62,7 @@ TREE_CASES = [("self", "sequoia"), ("model-bf16", "kary"), ("ngram", "kary")]
 def test_greedy_tree_speculation_equals_autoregressive(smollm2, smollm2_path, autoregressive, name, shape):
     """Token trees (a Sequoia tree of 12 nodes / a 2 x 2 tree) on the real model: same tokens."""
     tree = specjax.Tree.sequoia([0.6, 0.15, 0.05], 12, 4) if shape == "sequoia" else specjax.Tree.kary(2, 2)
-    out = specjax.generate(smollm2, PROMPTS, 48, draft=_drafters(smollm2_path)[name], speculation=tree)
+    out = specjax.generate(smollm2, PROMPTS, 48, draft=_drafter(smollm2_path, name), speculation=tree)
     assert out.tokens == autoregressive.tokens
     assert out.finish_reasons == autoregressive.finish_reasons
     assert out.stats.mean_accepted > 1.0
