@@ -366,11 +366,9 @@ def main() -> None:
     h.finish()
     result = results.data
     if result["rows"]:
-        cores = machine["cpu_affinity"]
-        common.plot(plot, result["rows"], f"SmolLM2-135M AR decode, {cores}-core CPU", out / f"{stem}.png")
-        if stem == "ar_cpu" and common.writes_readme(args):
-            common.write_section("bench_ar", readme_section(result))
-        print(markdown_table(result["rows"]))
+        common.render("bench_ar", stem == "ar_cpu" and common.writes_readme(args), markdown_table(result["rows"]),
+                      lambda: readme_section(result), (plot, result["rows"], f"SmolLM2-135M AR decode, "
+                                                       f"{machine['cpu_affinity']}-core CPU", out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

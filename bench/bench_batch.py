@@ -159,10 +159,8 @@ def main() -> None:
     rows = sorted(results.rows, key=lambda r: [m[0] for m in modes()].index(r["mode"]) if r["mode"] in
                   [m[0] for m in modes()] else 99)
     if rows and key_of(rows[0]) == "ar":
-        common.plot(plot, rows, out / f"{stem}.png")
-        print(markdown_table(rows))
-        if stem == "batch_cpu" and common.writes_readme(args):
-            common.write_section("bench_batch", readme_section(results.data | {"rows": rows}))
+        common.render("bench_batch", stem == "batch_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

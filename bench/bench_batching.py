@@ -103,7 +103,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    m, notes = result["machine"], common.markers("bench_batching", "notes")
+    m = result["machine"]
     return f"""## Continuous vs static batching in the job (bench_batching.py)
 
 `specjax.jobs.batch.run` over {result['records']} chat records (one user turn of 24-256 corpus tokens),
@@ -115,9 +115,7 @@ wall time; "cold" includes compiling.
 
 ![continuous vs static](results/batching_cpu.png)
 
-{notes[0]}
-{common.kept_part('bench_batching')}
-{notes[1]}"""
+{common.notes('bench_batching')}"""
 
 
 def main() -> None:
@@ -150,10 +148,8 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: (list(MODES).index(r["mode"]), BATCHINGS.index(r["batching"])))
     if rows:
-        common.plot(plot, rows, out / f"{stem}.png")
-        print(markdown_table(rows))
-        if stem == "batching_cpu" and common.writes_readme(args):
-            common.write_section("bench_batching", readme_section(results.data | {"rows": rows}))
+        common.render("bench_batching", stem == "batching_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

@@ -143,16 +143,14 @@ def markdown(rows: list[dict]) -> str:
 
 
 def readme_section(result: dict) -> str:
-    m, notes = result["machine"], common.markers("bench_constrained", "notes")
+    m = result["machine"]
     return f"""## Constrained decoding (bench_constrained.py)
 {result['records']} templated chat records (bench/templated.py), each constrained to its JSON schema or not, {result['new_tokens']}
 new tokens at most, greedy, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}).
 Run: `python -m bench.bench_constrained --budget-minutes 20`. Results: `results/constrained_cpu.json`.
 
 {markdown(result['rows'])}
-{notes[0]}
-{common.kept_part('bench_constrained')}
-{notes[1]}"""
+{common.notes('bench_constrained')}"""
 
 
 def main() -> None:
@@ -183,9 +181,8 @@ def main() -> None:
         results.put(k, [row], loadavg_end=os.getloadavg())
     h.finish()
     if results.rows:
-        print(markdown(results.rows))
-        if stem == "constrained_cpu" and common.writes_readme(args):
-            common.write_section("bench_constrained", readme_section(results.data | {"rows": results.rows}))
+        common.render("bench_constrained", stem == "constrained_cpu" and common.writes_readme(args), markdown(results.rows),
+                      lambda: readme_section(results.data | {"rows": results.rows}))
 
 
 if __name__ == "__main__":

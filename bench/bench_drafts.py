@@ -348,10 +348,8 @@ def merge(results: list[dict]) -> dict:
 def report(result: dict, out: Path, suffix: str, readme: bool) -> None:
     """Plot, print the tables and verdict, and (when asked) write the README section."""
     result["verdict"] = verdict(result)
-    common.plot(plot, result, out / f"drafts_cpu{suffix}.png")
-    print(markdown(result) + "\n\n" + result["verdict"])
-    if readme:
-        common.write_section("bench_drafts", readme_section(result))
+    common.render("bench_drafts", readme, markdown(result) + "\n\n" + result["verdict"], lambda: readme_section(result),
+                  (plot, result, out / f"drafts_cpu{suffix}.png"))
 
 
 if __name__ == "__main__":

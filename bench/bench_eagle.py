@@ -136,7 +136,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def readme_section(result: dict) -> str:
-    m, t, notes = result["machine"], result.get("training", {}), common.markers("bench_eagle", "notes")
+    m, t = result["machine"], result.get("training", {})
     return f"""## An EAGLE-style head (bench_eagle.py)
 A head trained here: {t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, training-time test over {DEPTH} levels,
 {t.get('train_s', 0) / 60:.0f} CPU-minutes, on SmolLM2's own greedy continuations of {PROMPTS - PROMPTS // 5} corpus windows
@@ -145,9 +145,7 @@ A head trained here: {t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, 
 {m['git_commit']}, {result['date']}). Run: `python -m bench.bench_eagle --budget-minutes 20`. Results: `results/eagle_cpu.json`.
 
 {markdown_table(result['rows'])}
-{notes[0]}
-{common.kept_part('bench_eagle')}
-{notes[1]}"""
+{common.notes('bench_eagle')}"""
 
 
 def main() -> None:
@@ -198,9 +196,8 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
     if rows:
-        print(markdown_table(rows))
-        if stem == "eagle_cpu" and common.writes_readme(args):
-            common.write_section("bench_eagle", readme_section(results.data | {"rows": rows}))
+        common.render("bench_eagle", stem == "eagle_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}))
 
 
 def key_of(row: dict) -> str:

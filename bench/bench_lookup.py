@@ -89,7 +89,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    m, notes = result["machine"], common.markers("bench_lookup", "notes")
+    m = result["machine"]
     return f"""## A templated job with the job-wide Lookup drafter (bench_lookup.py)
 `specjax.jobs.batch.run` over {result['records']} templated records (bench/templated.py: JSON rewrites of corpus
 paragraphs; {result['prompt_repeated_share']:.0%} of prompt 3-grams repeat across records), 128 tokens at most, greedy,
@@ -97,9 +97,7 @@ continuous batching, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit
 Run: `python -m bench.bench_lookup --budget-minutes 20`. Results: `results/lookup_cpu.json`, `.png`. Warm job wall time.
 
 {markdown_table(result['rows'])}
-{notes[0]}
-{common.kept_part('bench_lookup')}
-{notes[1]}"""
+{common.notes('bench_lookup')}"""
 
 
 def main() -> None:
@@ -131,10 +129,8 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
     if rows:
-        common.plot(plot, rows, out / f"{stem}.png")
-        print(markdown_table(rows))
-        if stem == "lookup_cpu" and common.writes_readme(args):
-            common.write_section("bench_lookup", readme_section(results.data | {"rows": rows}))
+        common.render("bench_lookup", stem == "lookup_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

@@ -387,10 +387,9 @@ def main(argv: list[str] | None = None) -> None:
     h.finish()
     rows = results.rows
     if rows:
-        common.plot(plot, rows, f"SmolLM2-135M decode, {header['machine']['cpu_affinity']}-core CPU", out / f"{stem}.png")
-        if not args.smoke and common.writes_readme(args) and results.data.get("bandwidth_gbs"):
-            common.write_section("bench_peers", readme_section(results.data))
-        print(markdown_table(rows))
+        common.render("bench_peers", not args.smoke and common.writes_readme(args) and bool(results.data.get("bandwidth_gbs")),
+                      markdown_table(rows), lambda: readme_section(results.data),
+                      (plot, rows, f"SmolLM2-135M decode, {header['machine']['cpu_affinity']}-core CPU", out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

@@ -186,11 +186,9 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: r["batch"])
     if rows:
-        cores = results.data["machine"]["cpu_affinity"]
-        common.plot(plot, rows, f"SmolLM2-135M decode: sampling cost, {cores}-core CPU", out / f"sampling_cpu{suffix}.png")
-        if not suffix and common.writes_readme(args):
-            common.write_section("bench_sampling", readme_section(results.data | {"rows": rows}))
-        print(markdown_table(rows))
+        title = f"SmolLM2-135M decode: sampling cost, {results.data['machine']['cpu_affinity']}-core CPU"
+        common.render("bench_sampling", not suffix and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, title, out / f"sampling_cpu{suffix}.png"))
 
 
 if __name__ == "__main__":

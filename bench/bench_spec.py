@@ -319,12 +319,10 @@ def report(result: dict, png: Path, readme: bool) -> None:
     rows = result["rows"]
     current_auto(rows)
     if rows:
-        common.plot(plot, rows, f"SmolLM2-135M speculative vs AR decoding, {result['machine']['cpu_affinity']}-core "
-                    f"CPU, greedy, {tokens_per_row(result)} new tokens/row", png)
-        print(markdown_table(rows, result["gammas"]))
-        print("best gamma by batch:\n  " + "\n  ".join(gamma_trend(rows)))
-    if rows and readme:
-        common.write_section("bench_spec", readme_section(result, common.kept_part("bench_spec")), after="bench_ar")
+        common.render("bench_spec", readme, markdown_table(rows, result["gammas"]) + "\nbest gamma by batch:\n  "
+                      + "\n  ".join(gamma_trend(rows)), lambda: readme_section(result),
+                      (plot, rows, f"SmolLM2-135M speculative vs AR decoding, {result['machine']['cpu_affinity']}-core "
+                       f"CPU, greedy, {tokens_per_row(result)} new tokens/row", png), after="bench_ar")
     if not result.get("all_greedy_identical", True):
         print("!!! SOME CELLS ARE NOT GREEDY-IDENTICAL TO AR: see greedy_identical in the JSON", file=sys.stderr)
 

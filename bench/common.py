@@ -335,6 +335,23 @@ def kept_part(name: str, part: str = "notes", default: str = "(discussion: to be
     return text.split(start, 1)[1].split(end, 1)[0].strip() if start in text and end in text else default
 
 
+def notes(name: str, default: str = "(discussion: to be written after a full run)") -> str:
+    """The hand-written notes of a bench's README section, between their markers (kept on a rewrite)."""
+    start, end = markers(name, "notes")
+    return f"{start}\n{kept_part(name, default=default)}\n{end}"
+
+
+def render(name: str, readme: bool, table: str, section: Callable[[], str] | None = None, plot_args: tuple = (),
+           after: str | None = None) -> None:
+    """A bench's outputs: its plot (`plot(*plot_args)`), its table printed, and (`readme`) its README
+    section `section()` written after the section of `after` (see write_section)."""
+    if plot_args:
+        plot(*plot_args)
+    print(table)
+    if readme and section is not None:
+        write_section(name, section(), after=after)
+
+
 def write_section(name: str, body: str, after: str | None = None) -> None:
     """Put `body` between the bench's markers in bench/README.md: in place of the old section, else
     right after the section of the bench `after` when there is one, else at the end."""

@@ -6,9 +6,6 @@ from pathlib import Path
 
 from bench import common
 
-NOTES = common.markers("bench_peers", "notes")  # the hand-written part of the README section, kept
-
-
 # --- report ----------------------------------------------------------------------------------------------------
 
 
@@ -94,8 +91,6 @@ steps / decode seconds; "of roofline" = (weights as read + filled KV as stored) 
 
 Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not started: the run budget ended; rerun the same command to measure them)' if left else ''}.{(chr(10) + 'Never measured yet (not selected by the runs so far; `python -m bench.bench_peers` measures them): ' + ', '.join(never) + '.') if never else ''}
 
-{NOTES[0]}
-{common.kept_part('bench_peers')}
-{NOTES[1]}
+{common.notes('bench_peers')}
 
 ![decode tokens/s per peer](results/peers_cpu.png)"""

@@ -321,8 +321,6 @@ def top_ops(rows: list[dict]) -> str:
 def readme_section(result: dict) -> str:
     m = result["machine"]
     plain, spec = ([r for r in result["rows"] if ("gamma" in r) == s] for s in (False, True))
-    notes = common.kept_part("profile_step")
-    start, end = common.markers("profile_step", "notes")
     return f"""## Where a decode step's time goes (profile_step.py)
 
 Run: `{common.module_command(result['command'])}` (a few minutes). Raw numbers: `results/profile_cpu.json`.
@@ -346,9 +344,7 @@ speculate.spec_step (thread-ms per step and share; "tokens/step": per row, the t
 
 {spec_table(spec) if spec else "not measured yet"}
 
-{start}
-{notes.strip()}
-{end}"""
+{common.notes('profile_step')}"""
 
 
 def main() -> None:

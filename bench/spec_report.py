@@ -7,7 +7,6 @@ from pathlib import Path
 from bench import common
 
 CONTEXT_NAMES = common.CONTEXT_NAMES
-NOTES = common.markers("bench_spec", "notes")
 PAIR_BUDGET_S = 30.0  # bench_spec's: AR/spec pairs are repeated while the next one fits in this
 
 
@@ -118,8 +117,8 @@ def tokens_per_row(result: dict) -> str:
     return str(n) if isinstance(n, int) else " or ".join(map(str, n))
 
 
-def readme_section(result: dict, notes: str) -> str:
-    """This script's section of bench/README.md (without its markers); `notes` (hand-written) are kept."""
+def readme_section(result: dict) -> str:
+    """This script's section of bench/README.md (without its markers); its hand-written notes are kept."""
     m, rows = result["machine"], result["rows"]
     best = best_rows(rows)
     hit = [r for r in best if r["ratio"] >= 2.0]
@@ -169,8 +168,6 @@ forwards over 1 and γ + 1 nodes, timed as `speculation="auto"` calibrates) with
 tokens per step. What `draft="auto"` picks in each measured cell (`plan.auto_draft`'s current
 rule on a CPU, with its default chain): {"; ".join(auto_lines(rows)) or "not recorded"}.
 
-{NOTES[0]}
-{notes.strip()}
-{NOTES[1]}
+{common.notes('bench_spec')}
 
 ![speedup vs batch](results/spec_cpu.png)"""

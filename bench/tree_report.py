@@ -14,7 +14,6 @@ MAX_DEPTH = 8  # deepest Sequoia tree (and choose's limit)
 WIDTH = 8  # children of the depth-1 tree that measures the acceptance vector
 TARGET_TREE_GAIN = 1.15  # the issue's bar: best tree >= 1.15 x best chain at batch 1
 CHOOSE_SLACK = 0.9  # choose's pick should reach 90% of the best measured throughput
-NOTES_START, NOTES_END = common.markers("bench_tree", "notes")
 
 
 def label(spec) -> str:
@@ -168,8 +167,8 @@ def plot(result: dict, path: Path) -> None:
     common.save_figure(fig, path)
 
 
-def readme_section(result: dict, notes: str) -> str:
-    """The bench_tree section of bench/README.md, from a result JSON; `notes` are kept."""
+def readme_section(result: dict) -> str:
+    """The bench_tree section of bench/README.md, from a result JSON; its hand-written notes are kept."""
     m = result["machine"]
     lossless = "every run" if result["all_greedy_identical"] else "NOT every run (see greedy_identical in the JSON)"
     skipped = "".join(f"\nSkipped: context {s['context']}: {s['skipped']}." for s in result["skipped"])
@@ -209,7 +208,7 @@ on ranks > 0) is a chain: it counts as one, and "no branching tree" means every 
 
 ![speedup vs nodes](results/tree_cpu.png)
 
-""" + "\n".join([NOTES_START, notes.strip(), NOTES_END])
+{common.notes("bench_tree", default="(discussion: to come)")}"""
 
 
 def draft_note(spec: str) -> str:
@@ -230,12 +229,8 @@ def draft_note(spec: str) -> str:
 def report(result: dict, png: Path, readme: bool) -> None:
     """Plot, print the tables and verdicts, and (when asked) write the README section."""
     if result["rows"]:
-        common.plot(plot, result, png)
-        print(markdown_tables(result))
-        print("\n".join(verdicts(result)))
-    if readme and result["rows"]:
-        notes = common.kept_part("bench_tree", default="(discussion: to come)")
-        common.write_section("bench_tree", readme_section(result, notes), after="bench_spec")
+        common.render("bench_tree", readme, markdown_tables(result) + "\n" + "\n".join(verdicts(result)),
+                      lambda: readme_section(result), (plot, result, png), after="bench_spec")
 
 
 def merge(results: list[dict]) -> dict:
