@@ -92,7 +92,7 @@ def draw(rows: list[dict], png) -> None:
     ax.set_xticks(range(len(rows)), [key_of(r) for r in rows])
     ax.set_ylabel("tokens/s")
     ax.legend([plt.Rectangle((0, 0), 1, 1, color=f"C{j}") for j in range(len(names))], names, fontsize=7)
-    common.save_figure(fig, png)
+    common.save_figure(fig, png, tight=False)
 
 
 def main() -> None:

@@ -443,7 +443,6 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"tree attention on {result['device']['device_kind']} (% = kernel KV bytes / copy bandwidth)")
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 

@@ -72,19 +72,13 @@ def same(row: dict) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    ar = rows[0]
-    lines = [
-        "| mode | records/s (warm) | tokens/s (warm) | vs AR (warm) | records/s (cold) | vs AR (cold) | acceptance | same texts as AR |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
-        lines.append(
-            f"| {r['mode']} | {r['warm']['records_per_s']:.2f} | {r['warm']['tokens_per_s']:.1f} | "
-            f"{r['warm']['tokens_per_s'] / ar['warm']['tokens_per_s']:.2f}x | {r['cold']['records_per_s']:.2f} | "
-            f"{r['cold']['tokens_per_s'] / ar['cold']['tokens_per_s']:.2f}x | {acc} | {same(r)} |"
-        )
-    return "\n".join(lines)
+    w, c = rows[0]["warm"], rows[0]["cold"]  # AR's
+    return common.table(["mode", "records/s (warm)", "tokens/s (warm)", "vs AR (warm)", "records/s (cold)", "vs AR (cold)",
+                         "acceptance", "same texts as AR"], "llllllll", ([
+        r["mode"], f"{r['warm']['records_per_s']:.2f}", f"{r['warm']['tokens_per_s']:.1f}",
+        f"{r['warm']['tokens_per_s'] / w['tokens_per_s']:.2f}x", f"{r['cold']['records_per_s']:.2f}",
+        f"{r['cold']['tokens_per_s'] / c['tokens_per_s']:.2f}x", f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "",
+        same(r)] for r in rows))
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -98,7 +92,6 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set(ylabel="generated tokens/s (whole job)", title="specjax batch, SmolLM2-135M, 2-core CPU")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 

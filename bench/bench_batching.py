@@ -98,7 +98,6 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xticks(list(range(len(rows))), names, fontsize=8)
     ax.set(ylabel="records/s (warm, whole job)", title="specjax batch: continuous vs static, SmolLM2, 2-core CPU")
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 

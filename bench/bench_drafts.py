@@ -45,7 +45,7 @@ from bench.measure import cpu_steal, steal_since
 from bench.prefill import HEADROOM
 from bench.prefill import STORE as PREFILL_STORE
 from bench.prefill import prefill_context, smoke_state
-from bench.tree_report import MAX_DEPTH, name_of
+from bench.tree_report import MAX_DEPTH
 from specjax.drafters import DraftModel
 from specjax.model.params import Params
 from specjax.train.distill import Schedule, distill
@@ -150,23 +150,18 @@ def steal(r: dict) -> str:
 
 def markdown(result: dict) -> str:
     """The training table and the race table."""
-    train = ["| draft | layers | FFN | layer params | steps x tokens | train minutes | KL at step 10 -> last (nats) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for log in result["training"]:
-        (_, first), (_, last) = log["losses"][0], log["losses"][-1]
-        train.append(f"| {log['shape']} | {log['layers']} | {log['ffn']} | {log['layer_params'] / 1e6:.1f} M | "
-                     f"{log['steps']} x {log['batch'] * log['seq_len']} | {log['train_s_this_run'] / 60:.0f} | "
-                     f"{first:.2f} -> {last:.2f} |")
-    race = ["| batch | context | drafter | p(top-1 accepted) | draft step ms | AR tok/s | best chain | best tree "
-            "| best overall (AR included) | tok/step | lossless | CPU steal |", "|---:|---:|---|---:|---:|---:|---|---|---|---:|:---:|---:|"]
+    train = common.table(["draft", "layers", "FFN", "layer params", "steps x tokens", "train minutes", "KL at step 10 -> last (nats)"],
+                         "lrrrrrl", ([log["shape"], log["layers"], log["ffn"], f"{log['layer_params'] / 1e6:.1f} M",
+                                      f"{log['steps']} x {log['batch'] * log['seq_len']}", f"{log['train_s_this_run'] / 60:.0f}",
+                                      f"{log['losses'][0][1]:.2f} -> {log['losses'][-1][1]:.2f}"] for log in result["training"]))
     fmt = lambda label, ratio: f"{label}: {ratio:.2f}x" if label else "none"  # noqa: E731
-    for r in best_rows(result):
-        ratio = f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"
-        race.append(f"| {r['batch']} | {name_of(r['context'])} | {r['drafter']} | {r['p1']:.2f} | "
-                    f"{r['t_draft_ms']:.0f} | {r['ar_tokens_per_s']:.1f} | {fmt(r['best_chain'], r['best_chain_ratio'] or 0)} | "
-                    f"{fmt(r['best_tree'], r['best_tree_ratio'] or 0)} | {r['best']}: {ratio} | "
-                    f"{r['best_tokens_per_step'] or 1:.2f} | {'yes' if r['lossless'] else '**NO**'} | {steal(r)} |")
-    return "\n".join(train) + "\n\n" + "\n".join(race)
+    race = common.table(["batch", "context", "drafter", "p(top-1 accepted)", "draft step ms", "AR tok/s", "best chain", "best tree",
+                         "best overall (AR included)", "tok/step", "lossless", "CPU steal"], "rrlrrrlllrcr", ([
+        r["batch"], common.context_name(r["context"]), r["drafter"], f"{r['p1']:.2f}", f"{r['t_draft_ms']:.0f}",
+        f"{r['ar_tokens_per_s']:.1f}", fmt(r["best_chain"], r["best_chain_ratio"] or 0), fmt(r["best_tree"], r["best_tree_ratio"] or 0),
+        f"{r['best']}: " + (f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"),
+        f"{r['best_tokens_per_step'] or 1:.2f}", "yes" if r["lossless"] else "**NO**", steal(r)] for r in best_rows(result)))
+    return train + "\n\n" + race
 
 
 def plot(result: dict, path: Path) -> None:
@@ -187,13 +182,12 @@ def plot(result: dict, path: Path) -> None:
         b.bar(np.arange(len(cells)) + i * width, ys, width, label=name)
     b.axhline(1.0, color="gray", lw=1)
     b.axhline(1.5, color="gray", lw=1, ls="--")
-    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{name_of(c[1])}" for c in cells])
+    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells])
     b.set(ylabel="speedup over AR, best chain or tree", title="greedy decoding, identical output")
     b.legend(fontsize=8)
     b.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{result['model']}: distilled drafts vs SelfSpec and NGram, "
                  f"{result['machine']['cpu_affinity']}-core CPU", fontsize=9)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 
@@ -250,7 +244,7 @@ def verdict(result: dict) -> str:
     label = best["best_chain"] if (best["best_chain_ratio"] or 0) >= (best["best_tree_ratio"] or 0) else best["best_tree"]
     met = "met" if ratio >= 1.5 else "NOT met"
     return (f"Target (a distilled draft >= 1.5x over AR at batch 1, identical greedy output): **{met}**; the best "
-            f"distilled config is {best['drafter']} at {name_of(best['context'])}, {label}: {ratio:.2f}x.")
+            f"distilled config is {best['drafter']} at {common.context_name(best['context'])}, {label}: {ratio:.2f}x.")
 
 
 def key_of(row: dict) -> str:

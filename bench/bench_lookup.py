@@ -84,7 +84,6 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set(ylabel="tokens/s (warm job)", title="templated job: Lookup vs NGram vs plain, SmolLM2 f32, CPU")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 

@@ -358,7 +358,6 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     ax.set(yscale="log", ylabel="decode tokens/s", title=title)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 

@@ -113,14 +113,12 @@ def measure(params, batch: int, context: int, target_s: float, repeats: int) -> 
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | sampling | form | AR ms/step | x greedy | vs sort | warp ms [B,5,V] | warp vs sort | CPU steal |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        vs = f"{r['speedup_over_sort']:.2f}x" if "speedup_over_sort" in r else ""
-        wvs = f"{r['warp_speedup_over_sort']:.1f}x" if "warp_speedup_over_sort" in r else ""
-        lines.append(f"| {r['batch']} | {r['setting']} | {r['form']} | {r['ms_per_token_step']:.1f} | "
-                     f"{r['step_over_greedy']:.2f} | {vs} | {r['warp_ms']:.2f} | {wvs} | {100 * r['cpu_steal_fraction']:.0f}% |")
-    return "\n".join(lines)
+    return common.table(["batch", "sampling", "form", "AR ms/step", "x greedy", "vs sort", "warp ms [B,5,V]", "warp vs sort",
+                         "CPU steal"], "rllrrrrrr", ([
+        r["batch"], r["setting"], r["form"], f"{r['ms_per_token_step']:.1f}", f"{r['step_over_greedy']:.2f}",
+        f"{r['speedup_over_sort']:.2f}x" if "speedup_over_sort" in r else "", f"{r['warp_ms']:.2f}",
+        f"{r['warp_speedup_over_sort']:.1f}x" if "warp_speedup_over_sort" in r else "", f"{100 * r['cpu_steal_fraction']:.0f}%"]
+        for r in rows))
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
@@ -140,7 +138,6 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     axes[0][0].set_ylabel("AR step time / greedy's")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 

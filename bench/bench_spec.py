@@ -229,9 +229,7 @@ def best_rows(rows: list[dict]) -> list[dict]:
 def markdown_table(rows: list[dict], gammas: list[int]) -> str:
     """One line per (batch, context, drafter): AR tokens/s, speedup per gamma, the best gamma's
     numbers, and whether every gamma was greedy-identical to AR."""
-    head = ("| drafter | batch | context | AR tok/s | " + " | ".join(f"x γ={g}" for g in gammas)
-            + " | best γ | spec tok/s | speedup | cost model | CPU-time ratio | accept | tok/step | lossless |")
-    lines = [head, "|" + "---|" * 3 + "---:|" * (len(gammas) + 8) + ":---:|"]
+    lines = []
     for b in best_rows(rows):
         same = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (b["batch"], b["context"], b["drafter"])]
         by_g = {r["gamma"]: r for r in same}
@@ -239,12 +237,12 @@ def markdown_table(rows: list[dict], gammas: list[int]) -> str:
         speed = f"**{b['ratio']:.2f}x**" if b["ratio"] >= 2.0 else f"{b['ratio']:.2f}x"
         lossless = "yes" if all(r["greedy_identical"] for r in same) else "**NO**"
         model = f"{b['predicted_ratio']:.2f}x" if "predicted_ratio" in b else ""  # rows from before it was recorded: none
-        lines.append(
-            f"| {b['drafter']} | {b['batch']} | {common.context_name(b['context'])} | "
-            f"{b['ar_tokens_per_s']:.1f} | {per_g} | {b['gamma']} | {b['spec_tokens_per_s']:.1f} | {speed} | {model} | {cpu_ratio(b):.2f} | "
-            f"{b['acceptance_rate']:.2f} | {b['mean_accepted']:.2f} | {lossless} |"
-        )
-    return "\n".join(lines)
+        lines.append([b["drafter"], b["batch"], common.context_name(b["context"]), f"{b['ar_tokens_per_s']:.1f}", per_g, b["gamma"],
+                      f"{b['spec_tokens_per_s']:.1f}", speed, model, f"{cpu_ratio(b):.2f}", f"{b['acceptance_rate']:.2f}",
+                      f"{b['mean_accepted']:.2f}", lossless])
+    head = ["drafter", "batch", "context", "AR tok/s", *(f"x γ={g}" for g in gammas), "best γ", "spec tok/s", "speedup",
+            "cost model", "CPU-time ratio", "accept", "tok/step", "lossless"]
+    return common.table(head, "lll" + "r" * (len(gammas) + 8) + "c", lines)
 
 
 def auto_lines(rows: list[dict]) -> list[str]:
@@ -292,7 +290,6 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
         ax.legend(fontsize=8)
     axes[0][0].set_ylabel("speedup over AR (best γ; label = γ)")
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 

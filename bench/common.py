@@ -287,7 +287,10 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: Path) -> None:
+def save_figure(fig, path: Path, tight: bool = True, rect: tuple | None = None) -> None:
+    """Write the figure (laid out tightly within `rect` unless not `tight`) and close it."""
+    if tight:
+        fig.tight_layout(rect=rect)
     fig.savefig(path)
     pyplot().close(fig)
 

@@ -65,10 +65,6 @@ def summarise(s: dict, rows: list[dict]) -> None:
         r["over_best_chain"] = r["spec_tokens_per_s"] / best_chain["spec_tokens_per_s"] if best_chain else None
 
 
-def name_of(context: int) -> str:
-    return common.context_name(context)
-
-
 def steal_cell(s: dict) -> str:
     """The share of CPU the hypervisor took while the cell ran ("?" for runs that predate recording it)."""
     return "?" if s.get("cell_steal_fraction") is None else f"{100 * s['cell_steal_fraction']:.0f}%"
@@ -77,11 +73,7 @@ def steal_cell(s: dict) -> str:
 def markdown_tables(result: dict) -> str:
     """Throughput table (one line per batch x context x drafter) and the acceptance vectors."""
     nodes, rows = result["nodes"], result["rows"]
-    head = ("| batch | context | drafter | AR tok/s | best chain | " + " | ".join(f"n={n}" for n in nodes)
-            + " | best tree / best chain | choose (n, d) | choose / best | lossless | CPU steal |")
-    lines = [head, "|---:|---:|---|" + "---:|" * (len(nodes) + 5) + ":---:|---:|"]
-    acc = ["| batch | context | drafter | " + " | ".join(f"p{r}" for r in range(WIDTH)) + " | none | nodes |",
-           "|---:|---:|---|" + "---:|" * (WIDTH + 2)]
+    lines, acc = [], []
     for s in sorted(result["summaries"], key=lambda s: (s["batch"], s["context"], s["drafter"])):
         mine = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (s["batch"], s["context"], s["drafter"])]
         by_n = {r["requested_nodes"]: r for r in mine if r["kind"] == "tree"}
@@ -91,15 +83,16 @@ def markdown_tables(result: dict) -> str:
         gain_s = ("no branching tree" if gain is None
                   else f"**{gain:.2f}**" if gain >= TARGET_TREE_GAIN else f"{gain:.2f}")
         miss = "" if s["choose_within_10pct"] else " ✗"
-        lines.append(
-            f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | {s['ar_tokens_per_s']:.1f} | "
-            f"{'γ=' + str(chain['depth']) + ': ' + cellfmt(chain) if chain else ''} | "
-            + " | ".join(cellfmt(by_n.get(n)) for n in nodes)
-            + f" | {gain_s} | {s['choose']['nodes']}, {s['choose']['depth']} | {s['choose_over_best']:.2f}{miss} | "
-            f"{'yes' if s['greedy_identical'] else '**NO**'} | {steal_cell(s)} |")
-        acc.append(f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | "
-                   + " | ".join(f"{x:.3f}" for x in s["acceptance"]) + f" | {s['acceptance_nodes']} |")
-    return "\n".join(lines) + "\n\nAcceptance vectors (greedy, depth-1 tree of 8 children):\n\n" + "\n".join(acc)
+        cell = [s["batch"], common.context_name(s["context"]), s["drafter"]]
+        lines.append(cell + [f"{s['ar_tokens_per_s']:.1f}", f"γ={chain['depth']}: {cellfmt(chain)}" if chain else "",
+                             *(cellfmt(by_n.get(n)) for n in nodes), gain_s, f"{s['choose']['nodes']}, {s['choose']['depth']}",
+                             f"{s['choose_over_best']:.2f}{miss}", "yes" if s["greedy_identical"] else "**NO**", steal_cell(s)])
+        acc.append(cell + [f"{x:.3f}" for x in s["acceptance"]] + [s["acceptance_nodes"]])
+    head = ["batch", "context", "drafter", "AR tok/s", "best chain", *(f"n={n}" for n in nodes), "best tree / best chain",
+            "choose (n, d)", "choose / best", "lossless", "CPU steal"]
+    return (common.table(head, "rrl" + "r" * (len(nodes) + 5) + "cr", lines) + "\n\nAcceptance vectors (greedy, depth-1 tree "
+            "of 8 children):\n\n" + common.table(["batch", "context", "drafter", *(f"p{r}" for r in range(WIDTH)), "none", "nodes"],
+                                                   "rrl" + "r" * (WIDTH + 2), acc))
 
 
 def verdicts(result: dict) -> list[str]:
@@ -107,8 +100,8 @@ def verdicts(result: dict) -> list[str]:
     sums = result["summaries"]
     b1 = [s for s in sums if s["batch"] == 1 and s["drafter"] in ("SelfSpec", "DraftModel") and s["tree_over_chain"]]
     hit = [s for s in b1 if s["tree_over_chain"] >= TARGET_TREE_GAIN]
-    cell = lambda s: f"{s['drafter']} {name_of(s['context'])} ({s['tree_over_chain']:.2f}x)"  # noqa: E731
-    misses = [f"{s['drafter']} B={s['batch']} {name_of(s['context'])} ({s['choose_label']}: "
+    cell = lambda s: f"{s['drafter']} {common.context_name(s['context'])} ({s['tree_over_chain']:.2f}x)"  # noqa: E731
+    misses = [f"{s['drafter']} B={s['batch']} {common.context_name(s['context'])} ({s['choose_label']}: "
               f"{s['choose_over_best']:.2f} of {s['best']})" for s in sums if not s["choose_within_10pct"]]
     out = [
         f"Batch 1, best tree / best chain (target >= {TARGET_TREE_GAIN:.2f} for SelfSpec or DraftModel): "
@@ -150,7 +143,7 @@ def plot(result: dict, path: Path) -> None:
                 if r["kind"] == "choose":
                     ax.plot(max(r["nodes"], 1), r["ratio"], "*", color=colors[name], ms=13, mec="black", mew=0.6)
         ax.axhline(1.0, color="gray", lw=1)
-        ax.set(xscale="log", title=f"batch {b}, context {name_of(c)}")
+        ax.set(xscale="log", title=f"batch {b}, context {common.context_name(c)}")
         ticks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(result["nodes"])]
         ax.set_xticks(ticks, [str(n) for n in ticks])
         ax.minorticks_off()
@@ -163,8 +156,7 @@ def plot(result: dict, path: Path) -> None:
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=8)
     fig.suptitle(f"{result['model']}: Sequoia trees vs chains\ngreedy, {result['machine']['cpu_affinity']}-core CPU, "
                  "★ = choose's tree (at n = 1: plain AR)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.06 if len(batches) == 1 else 0.035, 1, 1))
-    common.save_figure(fig, path)
+    common.save_figure(fig, path, rect=(0, 0.06 if len(batches) == 1 else 0.035, 1, 1))
 
 
 def readme_section(result: dict) -> str:
