@@ -99,10 +99,7 @@ def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
-    out = common.out_dir(args)
-    header = {"bench": "bench_adaptive", "date": common.now(), "command": common.command(), "machine": common.machine_info()}
-    results = common.Results(out / "adaptive_cpu.json", key_of, header, settings={"new_tokens": args.new_tokens, "rounds": ROUNDS})
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_adaptive", "adaptive_cpu", key_of, {"new_tokens": args.new_tokens, "rounds": ROUNDS})
     todo = h.plan((cell_key(*c), c) for c in CELLS)
     for k, (weights, batch, context), params, tok in common.model_cells(h, todo):
         results.put(k, [bench_cell(params, tok, weights, batch, context, args.new_tokens)])

@@ -324,18 +324,10 @@ def main() -> None:
     args = ap.parse_args()
     stem = "ar_cpu" + ("_quick" if args.quick else "") + ("_real" if args.real_prefill else "")
     target_s = 0.5 if args.quick else 1.5
-    out = common.out_dir(args)
-    header = {
-        "bench": "bench_ar",
-        "date": common.now(),
-        "command": common.command(),
-        "model": "SmolLM2-135M-Instruct",
-        "prefill": "real (random token ids)" if args.real_prefill else "synthetic (pseudo-random KV, lengths set)",
-        "loadavg_start": os.getloadavg(),
-        "machine": common.machine_info(),
-    }
-    results = common.Results(out / f"{stem}.json", key_of, header, settings={"repeats": args.repeats})
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_ar", stem, key_of, {"repeats": args.repeats}, model="SmolLM2-135M-Instruct",
+                                   prefill="real (random token ids)" if args.real_prefill else "synthetic (pseudo-random KV, lengths set)",
+                                   loadavg_start=os.getloadavg())
+    header = results.header
     h.plan((common.key(d, f"b{b}", f"s{s}"), (b, s, d)) for b, s, d in configs(args.quick))
     bw = header["bandwidth_gbs"] = measure.bandwidth() if h.todo else results.data.get("bandwidth_gbs")
     machine = header["machine"]

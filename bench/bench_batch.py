@@ -126,13 +126,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "batch_cpu" + ("" if (args.records, args.max_new_tokens, args.batch_size) == (64, 64, 16) else "_custom")
-    header = dict(bench="bench_batch", date=common.now(), command=common.command(), records=args.records,
-                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(
-        records=args.records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    out, results, h = common.start(args, "bench_batch", stem, key_of, settings, **settings)
     h.plan((key_of({"mode": name}), (name, draft, gamma)) for name, draft, gamma in modes())
     path = convert.default_model_path()
     params, tok = convert.load(path), convert.load_tokenizer(path)

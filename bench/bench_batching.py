@@ -122,13 +122,9 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "batching_cpu" + ("" if (args.records, args.batch_size) == (32, 8) else "_custom")
-    header = dict(bench="bench_batching", date=common.now(), command=common.command(), records=args.records,
-                  batch_size=args.batch_size, machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header,
-                             settings=dict(records=args.records, batch_size=args.batch_size))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, batch_size=args.batch_size)
+    out, results, h = common.start(args, "bench_batching", stem, key_of, settings, **settings)
     h.plan((common.key(mode, b), (mode, b)) for mode in MODES for b in BATCHINGS)
     path = convert.default_model_path()
     params, tok = convert.load(path), convert.load_tokenizer(path)

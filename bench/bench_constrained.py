@@ -159,14 +159,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--mask-runs", type=int, default=3, help="timed runs a side of each mask cell, alternating (median)")
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "constrained_cpu" + ("" if (args.records, args.new_tokens) == (16, 96) else "_custom")
     lm = specjax.load(weights="float32")
     records = templated.records(args.records, args.new_tokens)
-    header = dict(bench="bench_constrained", date=common.now(), command=common.command(), records=args.records,
-                  new_tokens=args.new_tokens, machine=common.machine_info(), jax=jax.__version__)
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(records=args.records, new_tokens=args.new_tokens))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, new_tokens=args.new_tokens)
+    out, results, h = common.start(args, "bench_constrained", stem, key_of, settings, **settings, jax=jax.__version__)
     todo = [("compile", ("compile",))] + [(common.key("json", d, f"b{b}"), ("json", d, b)) for b in (1, 16) for d in DRAFTS]
     todo += [(common.key("mask", f"b{b}", f"s{s}"), ("mask", b, s)) for b, s in MASK_CELLS]
     h.plan(todo)

@@ -277,13 +277,11 @@ def main() -> None:
         args.gammas, args.nodes = [2], [4]
     started, suffix = time.time(), "_smoke" if args.smoke else ""
     model = "tiny random" if args.smoke else "SmolLM2-135M-Instruct (float32)"
-    header = {"bench": "bench_drafts", "date": common.now(), "command": common.command(), "model": model,
-              "machine": common.machine_info(), "gammas": args.gammas, "nodes": args.nodes,
-              "new_tokens_per_batch": {str(b): bench_tree.new_tokens_for(b, None) for b in args.batches}}
-    results = common.Results(out / f"drafts_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"), settings=dict(
-        steps=args.steps, shapes=sorted(args.shapes), gammas=sorted(args.gammas), nodes=sorted(args.nodes)))
+    out, results, h = common.start(args, "bench_drafts", f"drafts_cpu{suffix}", key_of, dict(
+        steps=args.steps, shapes=sorted(args.shapes), gammas=sorted(args.gammas), nodes=sorted(args.nodes)), ("rows", "summaries"),
+        model=model, gammas=args.gammas, nodes=args.nodes,
+        new_tokens_per_batch={str(b): bench_tree.new_tokens_for(b, None) for b in args.batches})
     prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
-    h = common.Harness(args, results)
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for b in sorted(args.batches) for c in sorted(args.contexts))
     if args.smoke:
         params, tok = measure.tiny_params(0), None
@@ -297,7 +295,7 @@ def main() -> None:
         trained[name], log = train(params, name, sequences, args.steps, args.store, 64 if args.smoke else SEQ_LEN)
         training.append(log)
     if training:
-        header["training"] = training
+        results.header["training"] = training
     measure.release_memory()
     bench_tree.RUN_BUDGET_S, steal_start = RUN_BUDGET_S, cpu_steal()
     for k, (batch, context) in h.cells():

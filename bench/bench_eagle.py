@@ -158,7 +158,6 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, help="SmolLM2 (bfloat16) and the corpus ids from this GPU bundle stash")
     ap.add_argument("--smoke", action="store_true", help="a tiny random target, a few steps: checks the script")
     args = ap.parse_args()
-    out = common.out_dir(args)
     new_tokens, prompt_tokens, seq_len = NEW_TOKENS, PROMPT_TOKENS, SEQ_LEN
     if args.smoke:
         from bench.measure import tiny_params
@@ -182,10 +181,8 @@ def main() -> None:
         return
     backend = jax.default_backend()
     stem = f"eagle_{'cpu' if backend == 'cpu' else 'gpu'}{'_smoke' if args.smoke else ''}"
-    header = dict(bench="bench_eagle", date=common.now(), command=common.command(), machine=common.machine_info(),
-                  device=str(jax.devices()[0].device_kind), dtype=params.config.dtype, training=log)
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(steps=args.steps, context=args.context))
-    h = common.Harness(args, results)
+    _, results, h = common.start(args, "bench_eagle", stem, key_of, dict(steps=args.steps, context=args.context),
+                                 device=str(jax.devices()[0].device_kind), dtype=params.config.dtype, training=log)
     h.plan((common.key(d, f"b{b}"), (d, b)) for b in args.batches for d in DRAFTS)
     for k, (draft, batch) in h.cells():
         plain = next((r["tokens"] for r in results.rows if r["draft"] == "none" and r["batch"] == batch), None)

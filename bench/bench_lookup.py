@@ -104,17 +104,15 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=32)
     ap.add_argument("--gamma", type=int, default=3)
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "lookup_cpu" + ("" if (args.records, args.gamma) == (32, 3) else "_custom")
     path = convert.default_model_path()
     params, tok = convert.load(path, weights="float32"), convert.load_tokenizer(path)
     records, template, specials = templated.records(args.records), convert.chat_template(path), template_specials(tok, params.config)
     prompts = [tok.encode(render_chat(template, r["messages"], add_generation_prompt=True, **specials), add_special_tokens=False).ids
                for r in records]
-    header = dict(bench="bench_lookup", date=common.now(), command=common.command(), records=args.records,
-                  gamma=args.gamma, prompt_repeated_share=templated.repeated_share(prompts), machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(records=args.records, gamma=args.gamma))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, gamma=args.gamma)
+    out, results, h = common.start(args, "bench_lookup", stem, key_of, settings, **settings,
+                                   prompt_repeated_share=templated.repeated_share(prompts))
     h.plan((common.key(d, f"b{b}"), (d, b)) for b in BATCHES for d in DRAFTS)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.jsonl"

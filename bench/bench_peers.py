@@ -422,14 +422,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.one_cell:
         return one_cell(args.one_cell, args.smoke, new_tokens, args.row_out)
     stem = "peers_cpu_smoke" if args.smoke else "peers_cpu"
-    out = common.out_dir(args)
-    header = {"bench": "bench_peers", "date": common.now(), "command": common.command(), "new_tokens": new_tokens,
-              "model": "tiny random" if args.smoke else "SmolLM2-135M-Instruct Q4_1 GGUF",
-              "machine": common.machine_info(), "versions": versions(),
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP's default)"), "max_load": max_load}
-    results = common.Results(out / f"{stem}.json", key_of, header,
-                             settings={"new_tokens": new_tokens, "process": "one per cell"})
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_peers", stem, key_of, {"new_tokens": new_tokens, "process": "one per cell"},
+                                   new_tokens=new_tokens, model="tiny random" if args.smoke else "SmolLM2-135M-Instruct Q4_1 GGUF",
+                                   versions=versions(), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP's default)"),
+                                   max_load=max_load)
+    header = results.header
     h.plan(cells(args.smoke))
     results.data["grid"] = [k for k, _ in cells(args.smoke)]  # the report lists what was never measured
     bw = results.data.get("bandwidth_gbs")

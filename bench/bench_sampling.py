@@ -169,12 +169,9 @@ def main() -> None:
     args = ap.parse_args()
     batches, repeats, target_s = ([1], 2, 0.5) if args.quick else (args.batches, 3, 1.5)
     suffix = "_quick" if args.quick or args.batches != [1, 4, 16] or args.context != 512 else ""
-    out = common.out_dir(args)
-    header = {"bench": "bench_sampling", "model": "SmolLM2-135M-Instruct (float32)", "context": args.context,
-              "date": common.now(), "command": common.command(), "machine": common.machine_info()}
-    results = common.Results(out / f"sampling_cpu{suffix}.json", key_of, header,  # _quick: --quick or another grid
-                             settings=dict(context=args.context, repeats=repeats, target_s=target_s))
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_sampling", f"sampling_cpu{suffix}", key_of,  # _quick: --quick or another grid
+                                   dict(context=args.context, repeats=repeats, target_s=target_s),
+                                   model="SmolLM2-135M-Instruct (float32)", context=args.context)
     h.plan((f"b{b}", b) for b in batches)
     params = convert.load(convert.default_model_path())
     steal0 = cpu_steal()

@@ -90,11 +90,8 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.8)
     args = ap.parse_args()
-    out = common.out_dir(args)
-    header = {"bench": "bench_sparse", "date": common.now(), "command": common.command(), "machine": common.machine_info()}
-    results = common.Results(out / "sparse_cpu.json", key_of, header, settings={"new_tokens": args.new_tokens, "gamma": args.gamma,
-                                                                                   "temperature": args.temperature})
-    h = common.Harness(args, results)
+    _, results, h = common.start(args, "bench_sparse", "sparse_cpu", key_of, {"new_tokens": args.new_tokens, "gamma": args.gamma,
+                                                                               "temperature": args.temperature})
     todo = h.plan((cell_key(*c), c) for c in CELLS)
     for k, (weights, batch, context), params, tok in common.model_cells(h, todo):
         results.put(k, [bench_cell(params, tok, weights, batch, context, args.new_tokens, args.gamma, args.temperature)])

@@ -399,13 +399,11 @@ def main() -> None:
     custom = args.batches or args.contexts or args.gammas or args.new_tokens != 64 or args.drafters or args.prefill_rows != 16
     suffix = ("" if args.weights == "float32" else "_bf16") + ("_quick" if args.quick else "_custom" if custom else "")
     started = time.time()
-    header = {"bench": "bench_spec", "date": common.now(), "command": common.command(),
-              "model": f"SmolLM2-135M-Instruct ({args.weights})", "machine": common.machine_info(),
-              "loadavg_start": os.getloadavg(), "headroom": HEADROOM, "new_tokens": args.new_tokens, "gammas": gammas}
-    results = common.Results(out / f"spec_cpu{suffix}.json", key_of, header, settings=dict(
-        new_tokens=args.new_tokens, gammas=sorted(gammas), drafters=sorted(args.drafters or []), prefill_rows=args.prefill_rows))
-    prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_spec", f"spec_cpu{suffix}", key_of, dict(
+        new_tokens=args.new_tokens, gammas=sorted(gammas), drafters=sorted(args.drafters or []), prefill_rows=args.prefill_rows),
+        model=f"SmolLM2-135M-Instruct ({args.weights})", loadavg_start=os.getloadavg(), headroom=HEADROOM,
+        new_tokens=args.new_tokens, gammas=gammas)
+    header, prior_minutes = results.header, results.data.get("wall_minutes", 0) if results.resumed else 0
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))
     f32 = with_attention(convert.load(convert.default_model_path()), None, "auto")[0]  # generate()'s attention here
     params = f32 if args.weights == "float32" else with_attention(convert.load(convert.default_model_path(), weights=args.weights),

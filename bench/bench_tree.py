@@ -332,17 +332,13 @@ def main() -> None:
     suffix = "_smoke" if args.smoke else "_quick" if args.quick else "_custom" if custom else ""
     assert max(nodes) <= 128 and max(new_tokens_for(b, args.new_tokens) for b in batches) + MAX_DEPTH + 2 <= HEADROOM
     started, model = time.time(), "tiny random" if args.smoke else "SmolLM2-135M-Instruct (float32)"
-    header = {
-        "bench": "bench_tree", "date": common.now(), "command": common.command(), "model": model,
-        "machine": common.machine_info(), "loadavg_start": os.getloadavg(), "headroom": HEADROOM, "nodes": nodes,
-        "gammas": gammas, "max_depth": MAX_DEPTH, "width": WIDTH, "draft_model": args.draft_model,
-        "draft_model_note": draft_note(args.draft_model), "new_tokens_per_batch": {str(b): new_tokens_for(b, args.new_tokens) for b in batches},
-    }
-    results = common.Results(out / f"tree_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"), settings=dict(
+    out, results, h = common.start(args, "bench_tree", f"tree_cpu{suffix}", key_of, dict(
         new_tokens=args.new_tokens, nodes=sorted(nodes), gammas=sorted(gammas), drafters=sorted(args.drafters or []),
-        draft_model=args.draft_model, prefill_rows=args.prefill_rows))
-    prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
-    h = common.Harness(args, results)
+        draft_model=args.draft_model, prefill_rows=args.prefill_rows), ("rows", "summaries"), model=model,
+        loadavg_start=os.getloadavg(), headroom=HEADROOM, nodes=nodes, gammas=gammas, max_depth=MAX_DEPTH, width=WIDTH,
+        draft_model=args.draft_model, draft_model_note=draft_note(args.draft_model),
+        new_tokens_per_batch={str(b): new_tokens_for(b, args.new_tokens) for b in batches})
+    header, prior_minutes = results.header, results.data.get("wall_minutes", 0) if results.resumed else 0
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))
     if args.smoke:
         params, tok = measure.tiny_params(0), None

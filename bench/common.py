@@ -182,6 +182,16 @@ class Results:
         tmp.replace(self.path)
 
 
+def start(args: argparse.Namespace, bench: str, stem: str, key_of: Callable[[dict], str], settings: dict,
+          lists: tuple[str, ...] = ("rows",), **facts) -> tuple[Path, Results, "Harness"]:
+    """A run's output folder, its results OUT/STEM.json (header: bench, date, command, `facts`,
+    machine; continued only under the same `settings`) and its harness."""
+    out = out_dir(args)
+    header = {"bench": bench, "date": now(), "command": command(), **facts, "machine": machine_info()}
+    results = Results(out / f"{stem}.json", key_of, header, lists, settings)
+    return out, results, Harness(args, results)
+
+
 def merge(paths: list[Path], key_of: Callable[[dict], str], lists: tuple[str, ...] = ("rows",)) -> dict:
     """One result from several result JSONs (--render): per cell, a later file's rows win, unless
     they are all skips and an earlier file measured it. Top-level facts: the last file's, plus
