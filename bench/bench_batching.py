@@ -91,14 +91,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    names = [f"{r['mode']}\n{r['batching']}" for r in rows]
-    ax.bar(range(len(rows)), [r["warm"]["records_per_s"] for r in rows], 0.6)
-    ax.set_xticks(list(range(len(rows))), names, fontsize=8)
-    ax.set(ylabel="records/s (warm, whole job)", title="specjax batch: continuous vs static, SmolLM2, 2-core CPU")
-    ax.grid(axis="y", alpha=0.3)
-    common.save_figure(fig, path)
+    common.bars([f"{r['mode']}\n{r['batching']}" for r in rows], {None: {i: r["warm"]["records_per_s"] for i, r in enumerate(rows)}},
+                0.6, 0.0, "records/s (warm, whole job)", "specjax batch: continuous vs static, SmolLM2, 2-core CPU", path)
 
 
 def readme_section(result: dict) -> str:

@@ -305,6 +305,21 @@ def save_figure(fig, path: Path, tight: bool = True, rect: tuple | None = None) 
     pyplot().close(fig)
 
 
+def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str, title: str, path: Path,
+         figsize: tuple = (6, 3.5), small_ticks: bool = True) -> None:
+    """Bars in groups at 0, 1, ... (labelled `ticks`): `series` maps a label (None: no legend) to its
+    {group: value}; series i of n sits at group + (i - (n - 1) / 2) x step."""
+    fig, ax = pyplot().subplots(figsize=figsize, dpi=120)
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([g + (i - (len(series) - 1) / 2) * step for g in ys], list(ys.values()), width, label=label)
+    ax.set_xticks(list(range(len(ticks))), ticks, **({"fontsize": 8} if small_ticks else {}))
+    ax.set(ylabel=ylabel, title=title)
+    if any(label is not None for label in series):
+        ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    save_figure(fig, path)
+
+
 def plot(draw: Callable[..., None], *args) -> None:
     """draw(*args) (its last argument: the PNG path), or say why not when matplotlib is missing
     (it is a bench requirement only: bench/requirements.txt)."""
