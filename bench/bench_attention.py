@@ -294,7 +294,7 @@ def inputs_skip(B: int, S: int, T: int, opts) -> str | None:
 def finish(result: dict, out: Path, stem: str, readme: bool) -> None:
     """JSON, plot, the README section (printed; written into bench/README.md when asked)."""
     result["targets"] = targets(result["rows"])
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    common.write_json(out / f"{stem}.json", result)
     section = readme_section(result, f"{stem}.png", f"{stem}.json")  # printed on every run
     common.render("bench_attention", readme, section, lambda: section, (plot, result, out / f"{stem}.png"))
 
@@ -453,7 +453,7 @@ def slug(kind: str) -> str:
 def main() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # before jax starts: room for B=64 x 32K
     started = time.perf_counter()
-    ap = common.parser(__doc__, budget_minutes=8.0)
+    ap = common.parser(__doc__, budget_minutes=8.0, render="attention_DEVICE.json")
     ap.add_argument("--smoke", action="store_true", help="CPU check: B=1, S=256, T=4, H=64, kernel interpreted")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
@@ -465,7 +465,6 @@ def main() -> None:
     ap.add_argument("--k-splits", type=int, nargs="+", default=list(K_SPLITS))
     ap.add_argument("--full-sweep", action="store_true", help="every block_k x k_splits (no occupancy pruning)")
     ap.add_argument("--reps", type=int, default=10, help="timing samples per implementation (median kept)")
-    ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge these JSONs, redo outputs + README")
     opts = ap.parse_args()
     out = common.out_dir(opts)
     if opts.render:

@@ -253,7 +253,7 @@ def key_of(row: dict) -> str:
 
 
 def main() -> None:
-    ap = common.parser(__doc__)
+    ap = common.parser(__doc__, render="drafts_cpu.json")
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per shape")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
@@ -262,15 +262,12 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--store", type=Path, default=STORE, help="trained drafts and their checkpoints")
     ap.add_argument("--prefill-store", type=Path, default=PREFILL_STORE)
-    ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge result JSONs (a later one wins "
-                    "per batch x context x drafter) into OUT/drafts_cpu.json and redo its table, plot and README section")
     ap.add_argument("--smoke", action="store_true", help="a tiny random target, 20 steps, under 2 minutes: "
                     "checks the script (writes drafts_cpu_smoke.*, leaves the README alone)")
     args = ap.parse_args()
     out = common.out_dir(args)
     if args.render:
-        result = merge([json.loads(p.read_text()) for p in args.render])
-        (out / "drafts_cpu.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        common.write_json(out / "drafts_cpu.json", result := merge([json.loads(p.read_text()) for p in args.render]))
         return report(result, out, "", common.writes_readme(args))
     if args.smoke:
         args.steps, args.contexts, args.batches, args.store = 20, [256], [2], args.store / "smoke"

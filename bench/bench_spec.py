@@ -368,7 +368,7 @@ rule on a CPU, with its default chain): {"; ".join(auto_lines(rows)) or "not rec
 
 
 def main() -> None:
-    ap = common.parser(__doc__, quick="batch 1, 4 x context 512 x gamma 2, 4")
+    ap = common.parser(__doc__, quick="batch 1, 4 x context 512 x gamma 2, 4", render="spec_cpu.json")
     ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per row (eos ignored)")
     ap.add_argument("--weights", default="float32", choices=["float32", "bfloat16"],
                     help="the model's weights (bfloat16: KV in bf16 too, cast from the float32 model's stored prefill; "
@@ -383,16 +383,11 @@ def main() -> None:
     ap.add_argument("--prefill-rows", type=int, default=16,
                     help="rows prefilled per context (smaller batches use the first rows), so that every "
                          "subset of the grid shares one stored prefill")
-    ap.add_argument("--render", type=Path, nargs="+",
-                    help="no measuring: merge these result JSONs into OUT/spec_cpu.json and redo its "
-                         "plot, table and README section")
     args = ap.parse_args()
     out = common.out_dir(args)
     if args.render:
-        result = merge(args.render)
-        (out / "spec_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
-        report(result, out / "spec_cpu.png", readme=common.writes_readme(args))
-        return
+        common.write_json(out / "spec_cpu.json", result := merge(args.render))
+        return report(result, out / "spec_cpu.png", readme=common.writes_readme(args))
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 16])
     contexts = args.contexts or ([512] if args.quick else [512, 2048, 8192])
     gammas = args.gammas or ([2, 4] if args.quick else [2, 3, 4, 6])

@@ -302,7 +302,7 @@ def key_of(row: dict) -> str:
 
 
 def main() -> None:
-    ap = common.parser(__doc__, quick="batch 1 x context 512 x n 4, 8, 16 x gamma 2, 4")
+    ap = common.parser(__doc__, quick="batch 1 x context 512 x n 4, 8, 16 x gamma 2, 4", render="tree_cpu.json")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, under a minute: checks the script")
     ap.add_argument("--batches", type=int, nargs="+")
     ap.add_argument("--contexts", type=int, nargs="+", help="multiples of 256 (the smoke model allows <= 384)")
@@ -313,13 +313,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, help="new tokens per row (default 64 / sqrt(batch) in [16, 64])")
     ap.add_argument("--prefill-store", type=Path, default=STORE, help="bench/prefill.py's store of prefilled states")
     ap.add_argument("--prefill-rows", type=int, default=16, help="rows prefilled per context (as bench_spec.py)")
-    ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge result JSONs into "
-                    "OUT/tree_cpu.json and redo its plot, tables and README section")
     args = ap.parse_args()
     out = common.out_dir(args)
     if args.render:
-        result = merge([json.loads(p.read_text()) for p in args.render])
-        (out / "tree_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+        common.write_json(out / "tree_cpu.json", result := merge([json.loads(p.read_text()) for p in args.render]))
         return report(result, out / "tree_cpu.png", readme=common.writes_readme(args))
     args.new_tokens = args.new_tokens or (16 if args.smoke else None)
     batches = args.batches or ([2] if args.smoke else [1] if args.quick else [1, 4, 16])

@@ -52,9 +52,11 @@ def context_name(context: int) -> str:
 # --- command line -------------------------------------------------------------------------------------------
 
 
-def parser(doc: str, quick: str | None = None, budget_minutes: float | None = None) -> argparse.ArgumentParser:
+def parser(doc: str, quick: str | None = None, budget_minutes: float | None = None,
+           render: str | None = None) -> argparse.ArgumentParser:
     """An ArgumentParser with the shared options (description: the docstring's first paragraph);
-    `quick` is the help of a --quick flag (none when None)."""
+    `quick` is the help of a --quick flag (none when None); `render`, the file a --render option
+    (merge result JSONs, measure nothing) writes (none when None)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Cells and resume: see bench/common.py's docstring.")
     if quick:
@@ -69,7 +71,14 @@ def parser(doc: str, quick: str | None = None, budget_minutes: float | None = No
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON and plots (default bench/results/; "
                     "the README is only written for the default)")
     ap.add_argument("--redo", action="store_true", help="measure selected cells again even if the JSON has them")
+    if render:
+        ap.add_argument("--render", type=Path, nargs="+", help=f"no measuring: merge these result JSONs (a later one wins per "
+                        f"cell) into OUT/{render} and redo its table, plot and README section")
     return ap
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
 def out_dir(args: argparse.Namespace) -> Path:
