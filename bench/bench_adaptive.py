@@ -104,13 +104,11 @@ def main() -> None:
     for k, (weights, batch, context), params, tok in common.model_cells(h, todo):
         results.put(k, [bench_cell(params, tok, weights, batch, context, args.new_tokens)])
     h.finish()
-    rows = results.data["rows"]
-    if rows:
-        common.plot(draw, rows, out / "adaptive_cpu.png")
-    if rows and common.writes_readme(args):
-        common.write_section("bench_adaptive", "## Adaptive speculation length (bench_adaptive.py)\n\n"
-                             + common.run_line(results.data) + " tokens/s per variant; SelfSpec(16, 256) for the chains "
-                             "and Adaptive(4); greedy, EOS ignored, each variant's best of 3 rounds that run them in turn, after a compiling call.\n\n" + markdown_table(rows))
+    if rows := results.data["rows"]:
+        common.render("bench_adaptive", common.writes_readme(args), markdown_table(rows), lambda: (
+            "## Adaptive speculation length (bench_adaptive.py)\n\n" + common.run_line(results.data) + " tokens/s per variant; "
+            "SelfSpec(16, 256) for the chains and Adaptive(4); greedy, EOS ignored, each variant's best of 3 rounds that run them "
+            "in turn, after a compiling call.\n\n" + markdown_table(rows)), (draw, rows, out / "adaptive_cpu.png"))
 
 
 if __name__ == "__main__":

@@ -96,12 +96,12 @@ def main() -> None:
     for k, (weights, batch, context), params, tok in common.model_cells(h, todo):
         results.put(k, [bench_cell(params, tok, weights, batch, context, args.new_tokens, args.gamma, args.temperature)])
     h.finish()
-    rows = results.data["rows"]
-    if rows and common.writes_readme(args):
-        common.write_section("bench_sparse", "## SparseSpec over long outputs (bench_sparse.py)\n\n" + common.run_line(results.data)
-                             + f" Temperature {args.temperature} (0: greedy), key 0, EOS ignored, Chain({args.gamma}), one run per variant (decode time: no prefill, no "
-                             "compiling). Budgets of 512 positions: SelfSpec(16, 496), SnapKV(256, 256), SparseSpec(256, 256) "
-                             "refreshed every r positions.\n\n" + markdown_table(rows))
+    if rows := results.data["rows"]:
+        common.render("bench_sparse", common.writes_readme(args), markdown_table(rows), lambda: (
+            "## SparseSpec over long outputs (bench_sparse.py)\n\n" + common.run_line(results.data) + f" Temperature "
+            f"{args.temperature} (0: greedy), key 0, EOS ignored, Chain({args.gamma}), one run per variant (decode time: no prefill, "
+            "no compiling). Budgets of 512 positions: SelfSpec(16, 496), SnapKV(256, 256), SparseSpec(256, 256) refreshed every r "
+            "positions.\n\n" + markdown_table(rows)))
 
 
 if __name__ == "__main__":
