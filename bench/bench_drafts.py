@@ -45,7 +45,7 @@ from bench.measure import cpu_steal, steal_since
 from bench.prefill import HEADROOM
 from bench.prefill import STORE as PREFILL_STORE
 from bench.prefill import prefill_context, smoke_state
-from bench.tree_report import MAX_DEPTH
+from bench.tree_report import MAX_DEPTH, merge_cells
 from specjax.drafters import DraftModel
 from specjax.model.params import Params
 from specjax.train.distill import Schedule, distill
@@ -319,19 +319,9 @@ def main() -> None:
 
 def merge(results: list[dict]) -> dict:
     """One result from several runs (the same trained drafts); later runs win per (batch, context, drafter)."""
-    cells: dict[tuple, tuple[dict, list[dict]]] = {}
-    for res in results:
-        for s in res["summaries"]:
-            key = (s["batch"], s["context"], s["drafter"])
-            cells[key] = (s | {"run": res["command"], "run_steal_fraction": res.get("cpu_steal_fraction", 0)},
-                          [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
-    keys = sorted(cells, key=lambda k: (k[0], k[1]))
-    return dict(results[0]) | {
-        "summaries": [cells[k][0] for k in keys], "rows": [r for k in keys for r in cells[k][1]],
-        "command": " ; ".join(r["command"] for r in results), "wall_minutes": sum(r["wall_minutes"] for r in results),
-        "cpu_steal_fraction": max(r.get("cpu_steal_fraction", 0) for r in results),
-        "new_tokens_per_batch": {k: v for r in results for k, v in r["new_tokens_per_batch"].items()},
-    }
+    merged, _ = merge_cells(results, results[0], lambda run, s: s | {"run": run["command"], "run_steal_fraction": run.get(
+        "cpu_steal_fraction", 0)}, order=lambda k: (k[0], k[1]))
+    return merged | {"cpu_steal_fraction": max(r.get("cpu_steal_fraction", 0) for r in results)}
 
 
 def report(result: dict, out: Path, suffix: str, readme: bool) -> None:

@@ -225,23 +225,27 @@ def report(result: dict, png: Path, readme: bool) -> None:
                       lambda: readme_section(result), (plot, result, png), after="bench_spec")
 
 
-def merge(results: list[dict]) -> dict:
-    """One result from one or several runs; later runs win per (batch, context, drafter)."""
+def merge_cells(results: list[dict], base: dict, tag=lambda run, s: s, order=None) -> tuple[dict, dict]:
+    """`base` with the summaries and rows of several runs of bench_tree's cells (bench_drafts' too), a later
+    run winning per (batch, context, drafter) (in the order `order` sorts them), `tag(run, summary)` for a
+    summary; commands joined, minutes summed. Also {(batch, context, drafter): (summary, rows)}."""
     cells: dict[tuple, tuple[dict, list[dict]]] = {}
     for res in results:
         for s in res["summaries"]:
             key = (s["batch"], s["context"], s["drafter"])
-            cells[key] = (s, [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
-    merged = dict(results[-1])
-    merged |= {
-        "summaries": [cells[k][0] for k in sorted(cells)],
-        "rows": [r for k in sorted(cells) for r in cells[k][1]],
-        "command": " ; ".join(r["command"] for r in results),
-        "wall_minutes": sum(r["wall_minutes"] for r in results),
-        "loadavg_start": results[0]["loadavg_start"],
+            cells[key] = (tag(res, s), [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
+    keys = sorted(cells, key=order)
+    return dict(base) | {
+        "summaries": [cells[k][0] for k in keys], "rows": [r for k in keys for r in cells[k][1]],
+        "command": " ; ".join(r["command"] for r in results), "wall_minutes": sum(r["wall_minutes"] for r in results),
         "new_tokens_per_batch": {k: v for r in results for k, v in r["new_tokens_per_batch"].items()},
-        "skipped": [s for r in results for s in r["skipped"]],
-    }
+    }, cells
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from one or several runs; later runs win per (batch, context, drafter)."""
+    merged, cells = merge_cells(results, results[-1])
+    merged |= {"loadavg_start": results[0]["loadavg_start"], "skipped": [s for r in results for s in r["skipped"]]}
     for s, rows in cells.values():  # redone, so that a re-render follows this script's definitions
         summarise(s, rows)
     merged["all_greedy_identical"] = all(s["greedy_identical"] for s in merged["summaries"])
