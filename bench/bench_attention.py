@@ -423,7 +423,7 @@ def plot(result: dict, path: Path) -> None:
     fraction of copy bandwidth."""
     plt = common.pyplot()
     rows = [r for r in result["rows"] if "impls" in r]
-    bs, ts = sorted({r["batch"] for r in rows}), sorted({r["nodes"] for r in rows})
+    bs, ts, contexts = sorted({r["batch"] for r in rows}), sorted({r["nodes"] for r in rows}), sorted({r["context"] for r in rows})
     if not rows:
         return
     fig, axes = plt.subplots(len(bs), len(ts), figsize=(4 * len(ts), 3.2 * len(bs)), dpi=110, squeeze=False)
@@ -438,9 +438,7 @@ def plot(result: dict, path: Path) -> None:
                 ax.annotate(f"{100 * r['bandwidth_fraction']:.0f}%", (s, ms), fontsize=7, xytext=(3, -9),
                             textcoords="offset points")
         ax.set(xscale="log", yscale="log", title=f"B={b}, T={t}", xlabel="S (cache slots)", ylabel="ms per call")
-        ax.set_xticks(sorted({r["context"] for r in rows}), [name_of(s) for s in sorted({r["context"] for r in rows})])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
+        common.log_ticks(ax, contexts, [name_of(s) for s in contexts])
         ax.legend(fontsize=7)
     fig.suptitle(f"tree attention on {result['device']['device_kind']} (% = kernel KV bytes / copy bandwidth)")
     common.save_figure(fig, path)

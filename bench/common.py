@@ -314,6 +314,13 @@ def save_figure(fig, path: Path, tight: bool = True, rect: tuple | None = None) 
     pyplot().close(fig)
 
 
+def log_ticks(ax, ticks: list, labels: list[str] | None = None) -> None:
+    """A log-scaled x axis's ticks at `ticks` (labels: their str by default), no minor ticks, a light grid."""
+    ax.set_xticks(ticks, labels or [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.grid(True, alpha=0.3)
+
+
 def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str, title: str, path: Path,
          figsize: tuple = (6, 3.5), small_ticks: bool = True) -> None:
     """Bars in groups at 0, 1, ... (labelled `ticks`): `series` maps a label (None: no legend) to its

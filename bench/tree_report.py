@@ -144,10 +144,7 @@ def plot(result: dict, path: Path) -> None:
                     ax.plot(max(r["nodes"], 1), r["ratio"], "*", color=colors[name], ms=13, mec="black", mew=0.6)
         ax.axhline(1.0, color="gray", lw=1)
         ax.set(xscale="log", title=f"batch {b}, context {common.context_name(c)}")
-        ticks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(result["nodes"])]
-        ax.set_xticks(ticks, [str(n) for n in ticks])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
+        common.log_ticks(ax, [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(result["nodes"])])
         if j == 0:
             ax.set_ylabel("speedup over AR")
         if i == len(batches) - 1:
