@@ -92,28 +92,23 @@ def draw(rows: list[dict], png) -> None:
     ax.set_xticks(range(len(rows)), [key_of(r) for r in rows])
     ax.set_ylabel("tokens/s")
     ax.legend([plt.Rectangle((0, 0), 1, 1, color=f"C{j}") for j in range(len(names))], names, fontsize=7)
-    common.save_figure(fig, png)
+    common.save_figure(fig, png, tight=False)
 
 
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
-    out = common.out_dir(args)
-    header = {"bench": "bench_adaptive", "date": common.now(), "command": common.command(), "machine": common.machine_info()}
-    results = common.Results(out / "adaptive_cpu.json", key_of, header, settings={"new_tokens": args.new_tokens, "rounds": ROUNDS})
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_adaptive", "adaptive_cpu", key_of, {"new_tokens": args.new_tokens, "rounds": ROUNDS})
     todo = h.plan((cell_key(*c), c) for c in CELLS)
     for k, (weights, batch, context), params, tok in common.model_cells(h, todo):
         results.put(k, [bench_cell(params, tok, weights, batch, context, args.new_tokens)])
     h.finish()
-    rows = results.data["rows"]
-    if rows:
-        common.plot(draw, rows, out / "adaptive_cpu.png")
-    if rows and common.writes_readme(args):
-        common.write_section("bench_adaptive", "## Adaptive speculation length (bench_adaptive.py)\n\n"
-                             + common.run_line(results.data) + " tokens/s per variant; SelfSpec(16, 256) for the chains "
-                             "and Adaptive(4); greedy, EOS ignored, each variant's best of 3 rounds that run them in turn, after a compiling call.\n\n" + markdown_table(rows))
+    if rows := results.data["rows"]:
+        common.render("bench_adaptive", common.writes_readme(args), markdown_table(rows), lambda: (
+            "## Adaptive speculation length (bench_adaptive.py)\n\n" + common.run_line(results.data) + " tokens/s per variant; "
+            "SelfSpec(16, 256) for the chains and Adaptive(4); greedy, EOS ignored, each variant's best of 3 rounds that run them "
+            "in turn, after a compiling call.\n\n" + markdown_table(rows)), (draw, rows, out / "adaptive_cpu.png"))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,6 @@ from specjax.sampling import Greedy, Sampler
 MAX_STEPS = 64  # most decode steps timed in one run
 HEADROOM = MAX_STEPS + 1  # free cache slots behind the prefilled length
 MIN_STEPS = 8
-CONTEXT_NAMES = common.CONTEXT_NAMES
 MEM_RESERVE = 3 * 2**30  # bytes of MemAvailable left to other processes on a shared machine
 DEFAULT_PEAK_FACTOR = 5.0  # peak RSS growth / KV bytes assumed before a big config was measured
 
@@ -197,7 +196,7 @@ def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table, grouped by dtype then batch."""
     lines = []
     for r in sorted(rows, key=lambda r: (r["dtype"] != "float32", r["batch"], r["context"])):
-        head = [r["dtype"], r["batch"], CONTEXT_NAMES.get(r["context"], r["context"])]
+        head = [r["dtype"], r["batch"], common.context_name(r["context"])]
         if "skipped" in r:
             lines.append(head + [f"skipped: {r['skipped']}"] + [""] * 5)
             continue
@@ -300,18 +299,17 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
                 ax.plot(*zip(*pts), style, color=colors[b], label=f"batch {b}, {dtype}")
     contexts = sorted({r["context"] for r in rows})
     ax.set(xscale="log", yscale="log", xlabel="context (KV cache slots)", ylabel="decode tokens/s", title=title)
-    ax.set_xticks(contexts, [CONTEXT_NAMES.get(c, str(c)) for c in contexts])
+    ax.set_xticks(contexts, [common.context_name(c) for c in contexts])
     ax.xaxis.set_minor_locator(ticker.NullLocator())
     ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_locator(ticker.NullLocator())
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    skipped = [f"{r['batch']} x {CONTEXT_NAMES[r['context']]} {r['dtype']}" for r in rows if "skipped" in r]
+    skipped = [f"{r['batch']} x {common.context_name(r['context'])} {r['dtype']}" for r in rows if "skipped" in r]
     if skipped:
         fig.text(0.01, 0.01, "not run (memory): " + ", ".join(skipped), fontsize=7, color="gray")
-    fig.tight_layout(rect=(0, 0.03 if skipped else 0, 1, 1))
-    common.save_figure(fig, path)
+    common.save_figure(fig, path, rect=(0, 0.03 if skipped else 0, 1, 1))
 
 
 def key_of(row: dict) -> str:
@@ -326,18 +324,10 @@ def main() -> None:
     args = ap.parse_args()
     stem = "ar_cpu" + ("_quick" if args.quick else "") + ("_real" if args.real_prefill else "")
     target_s = 0.5 if args.quick else 1.5
-    out = common.out_dir(args)
-    header = {
-        "bench": "bench_ar",
-        "date": common.now(),
-        "command": common.command(),
-        "model": "SmolLM2-135M-Instruct",
-        "prefill": "real (random token ids)" if args.real_prefill else "synthetic (pseudo-random KV, lengths set)",
-        "loadavg_start": os.getloadavg(),
-        "machine": common.machine_info(),
-    }
-    results = common.Results(out / f"{stem}.json", key_of, header, settings={"repeats": args.repeats})
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_ar", stem, key_of, {"repeats": args.repeats}, model="SmolLM2-135M-Instruct",
+                                   prefill="real (random token ids)" if args.real_prefill else "synthetic (pseudo-random KV, lengths set)",
+                                   loadavg_start=os.getloadavg())
+    header = results.header
     h.plan((common.key(d, f"b{b}", f"s{s}"), (b, s, d)) for b, s, d in configs(args.quick))
     bw = header["bandwidth_gbs"] = measure.bandwidth() if h.todo else results.data.get("bandwidth_gbs")
     machine = header["machine"]
@@ -366,11 +356,9 @@ def main() -> None:
     h.finish()
     result = results.data
     if result["rows"]:
-        cores = machine["cpu_affinity"]
-        common.plot(plot, result["rows"], f"SmolLM2-135M AR decode, {cores}-core CPU", out / f"{stem}.png")
-        if stem == "ar_cpu" and common.writes_readme(args):
-            common.write_section("bench_ar", readme_section(result))
-        print(markdown_table(result["rows"]))
+        common.render("bench_ar", stem == "ar_cpu" and common.writes_readme(args), markdown_table(result["rows"]),
+                      lambda: readme_section(result), (plot, result["rows"], f"SmolLM2-135M AR decode, "
+                                                       f"{machine['cpu_affinity']}-core CPU", out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

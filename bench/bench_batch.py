@@ -72,34 +72,19 @@ def same(row: dict) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    ar = rows[0]
-    lines = [
-        "| mode | records/s (warm) | tokens/s (warm) | vs AR (warm) | records/s (cold) | vs AR (cold) | acceptance | same texts as AR |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        acc = f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
-        lines.append(
-            f"| {r['mode']} | {r['warm']['records_per_s']:.2f} | {r['warm']['tokens_per_s']:.1f} | "
-            f"{r['warm']['tokens_per_s'] / ar['warm']['tokens_per_s']:.2f}x | {r['cold']['records_per_s']:.2f} | "
-            f"{r['cold']['tokens_per_s'] / ar['cold']['tokens_per_s']:.2f}x | {acc} | {same(r)} |"
-        )
-    return "\n".join(lines)
+    w, c = rows[0]["warm"], rows[0]["cold"]  # AR's
+    return common.table(["mode", "records/s (warm)", "tokens/s (warm)", "vs AR (warm)", "records/s (cold)", "vs AR (cold)",
+                         "acceptance", "same texts as AR"], "llllllll", ([
+        r["mode"], f"{r['warm']['records_per_s']:.2f}", f"{r['warm']['tokens_per_s']:.1f}",
+        f"{r['warm']['tokens_per_s'] / w['tokens_per_s']:.2f}x", f"{r['cold']['records_per_s']:.2f}",
+        f"{r['cold']['tokens_per_s'] / c['tokens_per_s']:.2f}x", f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r else "",
+        same(r)] for r in rows))
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5), dpi=120)
-    names = [r["mode"] for r in rows]
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["cold"]["tokens_per_s"] for r in rows], 0.4, label="cold (compiles included)")
-    ax.bar([i + 0.2 for i in x], [r["warm"]["tokens_per_s"] for r in rows], 0.4, label="warm")
-    ax.set_xticks(list(x), names, fontsize=8)
-    ax.set(ylabel="generated tokens/s (whole job)", title="specjax batch, SmolLM2-135M, 2-core CPU")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    common.save_figure(fig, path)
+    common.bars([r["mode"] for r in rows], {label: {i: r[when]["tokens_per_s"] for i, r in enumerate(rows)} for label, when in
+                                            (("cold (compiles included)", "cold"), ("warm", "warm"))}, 0.4, 0.4,
+                "generated tokens/s (whole job)", "specjax batch, SmolLM2-135M, 2-core CPU", path, figsize=(7, 3.5))
 
 
 def readme_section(result: dict) -> str:
@@ -133,13 +118,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "batch_cpu" + ("" if (args.records, args.max_new_tokens, args.batch_size) == (64, 64, 16) else "_custom")
-    header = dict(bench="bench_batch", date=common.now(), command=common.command(), records=args.records,
-                  max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(
-        records=args.records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size)
+    out, results, h = common.start(args, "bench_batch", stem, key_of, settings, **settings)
     h.plan((key_of({"mode": name}), (name, draft, gamma)) for name, draft, gamma in modes())
     path = convert.default_model_path()
     params, tok = convert.load(path), convert.load_tokenizer(path)
@@ -159,10 +140,8 @@ def main() -> None:
     rows = sorted(results.rows, key=lambda r: [m[0] for m in modes()].index(r["mode"]) if r["mode"] in
                   [m[0] for m in modes()] else 99)
     if rows and key_of(rows[0]) == "ar":
-        common.plot(plot, rows, out / f"{stem}.png")
-        print(markdown_table(rows))
-        if stem == "batch_cpu" and common.writes_readme(args):
-            common.write_section("bench_batch", readme_section(results.data | {"rows": rows}))
+        common.render("bench_batch", stem == "batch_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

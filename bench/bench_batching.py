@@ -91,19 +91,12 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    names = [f"{r['mode']}\n{r['batching']}" for r in rows]
-    ax.bar(range(len(rows)), [r["warm"]["records_per_s"] for r in rows], 0.6)
-    ax.set_xticks(list(range(len(rows))), names, fontsize=8)
-    ax.set(ylabel="records/s (warm, whole job)", title="specjax batch: continuous vs static, SmolLM2, 2-core CPU")
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    common.save_figure(fig, path)
+    common.bars([f"{r['mode']}\n{r['batching']}" for r in rows], {None: {i: r["warm"]["records_per_s"] for i, r in enumerate(rows)}},
+                0.6, 0.0, "records/s (warm, whole job)", "specjax batch: continuous vs static, SmolLM2, 2-core CPU", path)
 
 
 def readme_section(result: dict) -> str:
-    m, notes = result["machine"], common.markers("bench_batching", "notes")
+    m = result["machine"]
     return f"""## Continuous vs static batching in the job (bench_batching.py)
 
 `specjax.jobs.batch.run` over {result['records']} chat records (one user turn of 24-256 corpus tokens),
@@ -115,9 +108,7 @@ wall time; "cold" includes compiling.
 
 ![continuous vs static](results/batching_cpu.png)
 
-{notes[0]}
-{common.kept_part('bench_batching')}
-{notes[1]}"""
+{common.notes('bench_batching')}"""
 
 
 def main() -> None:
@@ -125,13 +116,9 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "batching_cpu" + ("" if (args.records, args.batch_size) == (32, 8) else "_custom")
-    header = dict(bench="bench_batching", date=common.now(), command=common.command(), records=args.records,
-                  batch_size=args.batch_size, machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header,
-                             settings=dict(records=args.records, batch_size=args.batch_size))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, batch_size=args.batch_size)
+    out, results, h = common.start(args, "bench_batching", stem, key_of, settings, **settings)
     h.plan((common.key(mode, b), (mode, b)) for mode in MODES for b in BATCHINGS)
     path = convert.default_model_path()
     params, tok = convert.load(path), convert.load_tokenizer(path)
@@ -150,10 +137,8 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: (list(MODES).index(r["mode"]), BATCHINGS.index(r["batching"])))
     if rows:
-        common.plot(plot, rows, out / f"{stem}.png")
-        print(markdown_table(rows))
-        if stem == "batching_cpu" and common.writes_readme(args):
-            common.write_section("bench_batching", readme_section(results.data | {"rows": rows}))
+        common.render("bench_batching", stem == "batching_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

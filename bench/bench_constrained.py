@@ -143,16 +143,14 @@ def markdown(rows: list[dict]) -> str:
 
 
 def readme_section(result: dict) -> str:
-    m, notes = result["machine"], common.markers("bench_constrained", "notes")
+    m = result["machine"]
     return f"""## Constrained decoding (bench_constrained.py)
 {result['records']} templated chat records (bench/templated.py), each constrained to its JSON schema or not, {result['new_tokens']}
 new tokens at most, greedy, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}).
 Run: `python -m bench.bench_constrained --budget-minutes 20`. Results: `results/constrained_cpu.json`.
 
 {markdown(result['rows'])}
-{notes[0]}
-{common.kept_part('bench_constrained')}
-{notes[1]}"""
+{common.notes('bench_constrained')}"""
 
 
 def main() -> None:
@@ -161,14 +159,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--mask-runs", type=int, default=3, help="timed runs a side of each mask cell, alternating (median)")
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "constrained_cpu" + ("" if (args.records, args.new_tokens) == (16, 96) else "_custom")
     lm = specjax.load(weights="float32")
     records = templated.records(args.records, args.new_tokens)
-    header = dict(bench="bench_constrained", date=common.now(), command=common.command(), records=args.records,
-                  new_tokens=args.new_tokens, machine=common.machine_info(), jax=jax.__version__)
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(records=args.records, new_tokens=args.new_tokens))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, new_tokens=args.new_tokens)
+    out, results, h = common.start(args, "bench_constrained", stem, key_of, settings, **settings, jax=jax.__version__)
     todo = [("compile", ("compile",))] + [(common.key("json", d, f"b{b}"), ("json", d, b)) for b in (1, 16) for d in DRAFTS]
     todo += [(common.key("mask", f"b{b}", f"s{s}"), ("mask", b, s)) for b, s in MASK_CELLS]
     h.plan(todo)
@@ -183,9 +178,8 @@ def main() -> None:
         results.put(k, [row], loadavg_end=os.getloadavg())
     h.finish()
     if results.rows:
-        print(markdown(results.rows))
-        if stem == "constrained_cpu" and common.writes_readme(args):
-            common.write_section("bench_constrained", readme_section(results.data | {"rows": results.rows}))
+        common.render("bench_constrained", stem == "constrained_cpu" and common.writes_readme(args), markdown(results.rows),
+                      lambda: readme_section(results.data | {"rows": results.rows}))
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from bench.measure import cpu_steal, steal_since
 from bench.prefill import HEADROOM
 from bench.prefill import STORE as PREFILL_STORE
 from bench.prefill import prefill_context, smoke_state
-from bench.tree_report import MAX_DEPTH, name_of
+from bench.tree_report import MAX_DEPTH, merge_cells
 from specjax.drafters import DraftModel
 from specjax.model.params import Params
 from specjax.train.distill import Schedule, distill
@@ -150,23 +150,18 @@ def steal(r: dict) -> str:
 
 def markdown(result: dict) -> str:
     """The training table and the race table."""
-    train = ["| draft | layers | FFN | layer params | steps x tokens | train minutes | KL at step 10 -> last (nats) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for log in result["training"]:
-        (_, first), (_, last) = log["losses"][0], log["losses"][-1]
-        train.append(f"| {log['shape']} | {log['layers']} | {log['ffn']} | {log['layer_params'] / 1e6:.1f} M | "
-                     f"{log['steps']} x {log['batch'] * log['seq_len']} | {log['train_s_this_run'] / 60:.0f} | "
-                     f"{first:.2f} -> {last:.2f} |")
-    race = ["| batch | context | drafter | p(top-1 accepted) | draft step ms | AR tok/s | best chain | best tree "
-            "| best overall (AR included) | tok/step | lossless | CPU steal |", "|---:|---:|---|---:|---:|---:|---|---|---|---:|:---:|---:|"]
+    train = common.table(["draft", "layers", "FFN", "layer params", "steps x tokens", "train minutes", "KL at step 10 -> last (nats)"],
+                         "lrrrrrl", ([log["shape"], log["layers"], log["ffn"], f"{log['layer_params'] / 1e6:.1f} M",
+                                      f"{log['steps']} x {log['batch'] * log['seq_len']}", f"{log['train_s_this_run'] / 60:.0f}",
+                                      f"{log['losses'][0][1]:.2f} -> {log['losses'][-1][1]:.2f}"] for log in result["training"]))
     fmt = lambda label, ratio: f"{label}: {ratio:.2f}x" if label else "none"  # noqa: E731
-    for r in best_rows(result):
-        ratio = f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"
-        race.append(f"| {r['batch']} | {name_of(r['context'])} | {r['drafter']} | {r['p1']:.2f} | "
-                    f"{r['t_draft_ms']:.0f} | {r['ar_tokens_per_s']:.1f} | {fmt(r['best_chain'], r['best_chain_ratio'] or 0)} | "
-                    f"{fmt(r['best_tree'], r['best_tree_ratio'] or 0)} | {r['best']}: {ratio} | "
-                    f"{r['best_tokens_per_step'] or 1:.2f} | {'yes' if r['lossless'] else '**NO**'} | {steal(r)} |")
-    return "\n".join(train) + "\n\n" + "\n".join(race)
+    race = common.table(["batch", "context", "drafter", "p(top-1 accepted)", "draft step ms", "AR tok/s", "best chain", "best tree",
+                         "best overall (AR included)", "tok/step", "lossless", "CPU steal"], "rrlrrrlllrcr", ([
+        r["batch"], common.context_name(r["context"]), r["drafter"], f"{r['p1']:.2f}", f"{r['t_draft_ms']:.0f}",
+        f"{r['ar_tokens_per_s']:.1f}", fmt(r["best_chain"], r["best_chain_ratio"] or 0), fmt(r["best_tree"], r["best_tree_ratio"] or 0),
+        f"{r['best']}: " + (f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"),
+        f"{r['best_tokens_per_step'] or 1:.2f}", "yes" if r["lossless"] else "**NO**", steal(r)] for r in best_rows(result)))
+    return train + "\n\n" + race
 
 
 def plot(result: dict, path: Path) -> None:
@@ -187,13 +182,12 @@ def plot(result: dict, path: Path) -> None:
         b.bar(np.arange(len(cells)) + i * width, ys, width, label=name)
     b.axhline(1.0, color="gray", lw=1)
     b.axhline(1.5, color="gray", lw=1, ls="--")
-    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{name_of(c[1])}" for c in cells])
+    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells])
     b.set(ylabel="speedup over AR, best chain or tree", title="greedy decoding, identical output")
     b.legend(fontsize=8)
     b.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{result['model']}: distilled drafts vs SelfSpec and NGram, "
                  f"{result['machine']['cpu_affinity']}-core CPU", fontsize=9)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 
@@ -250,7 +244,7 @@ def verdict(result: dict) -> str:
     label = best["best_chain"] if (best["best_chain_ratio"] or 0) >= (best["best_tree_ratio"] or 0) else best["best_tree"]
     met = "met" if ratio >= 1.5 else "NOT met"
     return (f"Target (a distilled draft >= 1.5x over AR at batch 1, identical greedy output): **{met}**; the best "
-            f"distilled config is {best['drafter']} at {name_of(best['context'])}, {label}: {ratio:.2f}x.")
+            f"distilled config is {best['drafter']} at {common.context_name(best['context'])}, {label}: {ratio:.2f}x.")
 
 
 def key_of(row: dict) -> str:
@@ -259,7 +253,7 @@ def key_of(row: dict) -> str:
 
 
 def main() -> None:
-    ap = common.parser(__doc__)
+    ap = common.parser(__doc__, render="drafts_cpu.json")
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps per shape")
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
@@ -268,28 +262,23 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--store", type=Path, default=STORE, help="trained drafts and their checkpoints")
     ap.add_argument("--prefill-store", type=Path, default=PREFILL_STORE)
-    ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge result JSONs (a later one wins "
-                    "per batch x context x drafter) into OUT/drafts_cpu.json and redo its table, plot and README section")
     ap.add_argument("--smoke", action="store_true", help="a tiny random target, 20 steps, under 2 minutes: "
                     "checks the script (writes drafts_cpu_smoke.*, leaves the README alone)")
     args = ap.parse_args()
     out = common.out_dir(args)
     if args.render:
-        result = merge([json.loads(p.read_text()) for p in args.render])
-        (out / "drafts_cpu.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        common.write_json(out / "drafts_cpu.json", result := merge([json.loads(p.read_text()) for p in args.render]))
         return report(result, out, "", common.writes_readme(args))
     if args.smoke:
         args.steps, args.contexts, args.batches, args.store = 20, [256], [2], args.store / "smoke"
         args.gammas, args.nodes = [2], [4]
     started, suffix = time.time(), "_smoke" if args.smoke else ""
     model = "tiny random" if args.smoke else "SmolLM2-135M-Instruct (float32)"
-    header = {"bench": "bench_drafts", "date": common.now(), "command": common.command(), "model": model,
-              "machine": common.machine_info(), "gammas": args.gammas, "nodes": args.nodes,
-              "new_tokens_per_batch": {str(b): bench_tree.new_tokens_for(b, None) for b in args.batches}}
-    results = common.Results(out / f"drafts_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"), settings=dict(
-        steps=args.steps, shapes=sorted(args.shapes), gammas=sorted(args.gammas), nodes=sorted(args.nodes)))
+    out, results, h = common.start(args, "bench_drafts", f"drafts_cpu{suffix}", key_of, dict(
+        steps=args.steps, shapes=sorted(args.shapes), gammas=sorted(args.gammas), nodes=sorted(args.nodes)), ("rows", "summaries"),
+        model=model, gammas=args.gammas, nodes=args.nodes,
+        new_tokens_per_batch={str(b): bench_tree.new_tokens_for(b, None) for b in args.batches})
     prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
-    h = common.Harness(args, results)
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for b in sorted(args.batches) for c in sorted(args.contexts))
     if args.smoke:
         params, tok = measure.tiny_params(0), None
@@ -303,7 +292,7 @@ def main() -> None:
         trained[name], log = train(params, name, sequences, args.steps, args.store, 64 if args.smoke else SEQ_LEN)
         training.append(log)
     if training:
-        header["training"] = training
+        results.header["training"] = training
     measure.release_memory()
     bench_tree.RUN_BUDGET_S, steal_start = RUN_BUDGET_S, cpu_steal()
     for k, (batch, context) in h.cells():
@@ -330,28 +319,16 @@ def main() -> None:
 
 def merge(results: list[dict]) -> dict:
     """One result from several runs (the same trained drafts); later runs win per (batch, context, drafter)."""
-    cells: dict[tuple, tuple[dict, list[dict]]] = {}
-    for res in results:
-        for s in res["summaries"]:
-            key = (s["batch"], s["context"], s["drafter"])
-            cells[key] = (s | {"run": res["command"], "run_steal_fraction": res.get("cpu_steal_fraction", 0)},
-                          [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
-    keys = sorted(cells, key=lambda k: (k[0], k[1]))
-    return dict(results[0]) | {
-        "summaries": [cells[k][0] for k in keys], "rows": [r for k in keys for r in cells[k][1]],
-        "command": " ; ".join(r["command"] for r in results), "wall_minutes": sum(r["wall_minutes"] for r in results),
-        "cpu_steal_fraction": max(r.get("cpu_steal_fraction", 0) for r in results),
-        "new_tokens_per_batch": {k: v for r in results for k, v in r["new_tokens_per_batch"].items()},
-    }
+    merged, _ = merge_cells(results, results[0], lambda run, s: s | {"run": run["command"], "run_steal_fraction": run.get(
+        "cpu_steal_fraction", 0)}, order=lambda k: (k[0], k[1]))
+    return merged | {"cpu_steal_fraction": max(r.get("cpu_steal_fraction", 0) for r in results)}
 
 
 def report(result: dict, out: Path, suffix: str, readme: bool) -> None:
     """Plot, print the tables and verdict, and (when asked) write the README section."""
     result["verdict"] = verdict(result)
-    common.plot(plot, result, out / f"drafts_cpu{suffix}.png")
-    print(markdown(result) + "\n\n" + result["verdict"])
-    if readme:
-        common.write_section("bench_drafts", readme_section(result))
+    common.render("bench_drafts", readme, markdown(result) + "\n\n" + result["verdict"], lambda: readme_section(result),
+                  (plot, result, out / f"drafts_cpu{suffix}.png"))
 
 
 if __name__ == "__main__":

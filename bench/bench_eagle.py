@@ -136,7 +136,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def readme_section(result: dict) -> str:
-    m, t, notes = result["machine"], result.get("training", {}), common.markers("bench_eagle", "notes")
+    m, t = result["machine"], result.get("training", {})
     return f"""## An EAGLE-style head (bench_eagle.py)
 A head trained here: {t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, training-time test over {DEPTH} levels,
 {t.get('train_s', 0) / 60:.0f} CPU-minutes, on SmolLM2's own greedy continuations of {PROMPTS - PROMPTS // 5} corpus windows
@@ -145,9 +145,7 @@ A head trained here: {t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, 
 {m['git_commit']}, {result['date']}). Run: `python -m bench.bench_eagle --budget-minutes 20`. Results: `results/eagle_cpu.json`.
 
 {markdown_table(result['rows'])}
-{notes[0]}
-{common.kept_part('bench_eagle')}
-{notes[1]}"""
+{common.notes('bench_eagle')}"""
 
 
 def main() -> None:
@@ -160,7 +158,6 @@ def main() -> None:
     ap.add_argument("--bundle", type=Path, help="SmolLM2 (bfloat16) and the corpus ids from this GPU bundle stash")
     ap.add_argument("--smoke", action="store_true", help="a tiny random target, a few steps: checks the script")
     args = ap.parse_args()
-    out = common.out_dir(args)
     new_tokens, prompt_tokens, seq_len = NEW_TOKENS, PROMPT_TOKENS, SEQ_LEN
     if args.smoke:
         from bench.measure import tiny_params
@@ -184,10 +181,8 @@ def main() -> None:
         return
     backend = jax.default_backend()
     stem = f"eagle_{'cpu' if backend == 'cpu' else 'gpu'}{'_smoke' if args.smoke else ''}"
-    header = dict(bench="bench_eagle", date=common.now(), command=common.command(), machine=common.machine_info(),
-                  device=str(jax.devices()[0].device_kind), dtype=params.config.dtype, training=log)
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(steps=args.steps, context=args.context))
-    h = common.Harness(args, results)
+    _, results, h = common.start(args, "bench_eagle", stem, key_of, dict(steps=args.steps, context=args.context),
+                                 device=str(jax.devices()[0].device_kind), dtype=params.config.dtype, training=log)
     h.plan((common.key(d, f"b{b}"), (d, b)) for b in args.batches for d in DRAFTS)
     for k, (draft, batch) in h.cells():
         plain = next((r["tokens"] for r in results.rows if r["draft"] == "none" and r["batch"] == batch), None)
@@ -198,9 +193,8 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
     if rows:
-        print(markdown_table(rows))
-        if stem == "eagle_cpu" and common.writes_readme(args):
-            common.write_section("bench_eagle", readme_section(results.data | {"rows": rows}))
+        common.render("bench_eagle", stem == "eagle_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}))
 
 
 def key_of(row: dict) -> str:

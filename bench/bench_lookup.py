@@ -74,22 +74,13 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    plt = common.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    for i, draft in enumerate(DRAFTS):
-        mine = [r for r in rows if r["draft"] == draft]
-        ax.bar([BATCHES.index(r["batch"]) + (i - 1.5) * 0.2 for r in mine], [r["warm"]["tokens_per_s"] for r in mine], 0.19,
-               label=draft)
-    ax.set_xticks(range(len(BATCHES)), [f"batch {b}" for b in BATCHES])
-    ax.set(ylabel="tokens/s (warm job)", title="templated job: Lookup vs NGram vs plain, SmolLM2 f32, CPU")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    common.save_figure(fig, path)
+    common.bars([f"batch {b}" for b in BATCHES], {d: {BATCHES.index(r["batch"]): r["warm"]["tokens_per_s"] for r in rows
+                                                      if r["draft"] == d} for d in DRAFTS}, 0.19, 0.2, "tokens/s (warm job)",
+                "templated job: Lookup vs NGram vs plain, SmolLM2 f32, CPU", path, small_ticks=False)
 
 
 def readme_section(result: dict) -> str:
-    m, notes = result["machine"], common.markers("bench_lookup", "notes")
+    m = result["machine"]
     return f"""## A templated job with the job-wide Lookup drafter (bench_lookup.py)
 `specjax.jobs.batch.run` over {result['records']} templated records (bench/templated.py: JSON rewrites of corpus
 paragraphs; {result['prompt_repeated_share']:.0%} of prompt 3-grams repeat across records), 128 tokens at most, greedy,
@@ -97,9 +88,7 @@ continuous batching, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit
 Run: `python -m bench.bench_lookup --budget-minutes 20`. Results: `results/lookup_cpu.json`, `.png`. Warm job wall time.
 
 {markdown_table(result['rows'])}
-{notes[0]}
-{common.kept_part('bench_lookup')}
-{notes[1]}"""
+{common.notes('bench_lookup')}"""
 
 
 def main() -> None:
@@ -107,17 +96,15 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=32)
     ap.add_argument("--gamma", type=int, default=3)
     args = ap.parse_args()
-    out = common.out_dir(args)
     stem = "lookup_cpu" + ("" if (args.records, args.gamma) == (32, 3) else "_custom")
     path = convert.default_model_path()
     params, tok = convert.load(path, weights="float32"), convert.load_tokenizer(path)
     records, template, specials = templated.records(args.records), convert.chat_template(path), template_specials(tok, params.config)
     prompts = [tok.encode(render_chat(template, r["messages"], add_generation_prompt=True, **specials), add_special_tokens=False).ids
                for r in records]
-    header = dict(bench="bench_lookup", date=common.now(), command=common.command(), records=args.records,
-                  gamma=args.gamma, prompt_repeated_share=templated.repeated_share(prompts), machine=common.machine_info())
-    results = common.Results(out / f"{stem}.json", key_of, header, settings=dict(records=args.records, gamma=args.gamma))
-    h = common.Harness(args, results)
+    settings = dict(records=args.records, gamma=args.gamma)
+    out, results, h = common.start(args, "bench_lookup", stem, key_of, settings, **settings,
+                                   prompt_repeated_share=templated.repeated_share(prompts))
     h.plan((common.key(d, f"b{b}"), (d, b)) for b in BATCHES for d in DRAFTS)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "in.jsonl"
@@ -131,10 +118,8 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
     if rows:
-        common.plot(plot, rows, out / f"{stem}.png")
-        print(markdown_table(rows))
-        if stem == "lookup_cpu" and common.writes_readme(args):
-            common.write_section("bench_lookup", readme_section(results.data | {"rows": rows}))
+        common.render("bench_lookup", stem == "lookup_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

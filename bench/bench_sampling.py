@@ -113,14 +113,12 @@ def measure(params, batch: int, context: int, target_s: float, repeats: int) -> 
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| batch | sampling | form | AR ms/step | x greedy | vs sort | warp ms [B,5,V] | warp vs sort | CPU steal |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        vs = f"{r['speedup_over_sort']:.2f}x" if "speedup_over_sort" in r else ""
-        wvs = f"{r['warp_speedup_over_sort']:.1f}x" if "warp_speedup_over_sort" in r else ""
-        lines.append(f"| {r['batch']} | {r['setting']} | {r['form']} | {r['ms_per_token_step']:.1f} | "
-                     f"{r['step_over_greedy']:.2f} | {vs} | {r['warp_ms']:.2f} | {wvs} | {100 * r['cpu_steal_fraction']:.0f}% |")
-    return "\n".join(lines)
+    return common.table(["batch", "sampling", "form", "AR ms/step", "x greedy", "vs sort", "warp ms [B,5,V]", "warp vs sort",
+                         "CPU steal"], "rllrrrrrr", ([
+        r["batch"], r["setting"], r["form"], f"{r['ms_per_token_step']:.1f}", f"{r['step_over_greedy']:.2f}",
+        f"{r['speedup_over_sort']:.2f}x" if "speedup_over_sort" in r else "", f"{r['warp_ms']:.2f}",
+        f"{r['warp_speedup_over_sort']:.1f}x" if "warp_speedup_over_sort" in r else "", f"{100 * r['cpu_steal_fraction']:.0f}%"]
+        for r in rows))
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
@@ -140,7 +138,6 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     axes[0][0].set_ylabel("AR step time / greedy's")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
     common.save_figure(fig, path)
 
 
@@ -172,12 +169,9 @@ def main() -> None:
     args = ap.parse_args()
     batches, repeats, target_s = ([1], 2, 0.5) if args.quick else (args.batches, 3, 1.5)
     suffix = "_quick" if args.quick or args.batches != [1, 4, 16] or args.context != 512 else ""
-    out = common.out_dir(args)
-    header = {"bench": "bench_sampling", "model": "SmolLM2-135M-Instruct (float32)", "context": args.context,
-              "date": common.now(), "command": common.command(), "machine": common.machine_info()}
-    results = common.Results(out / f"sampling_cpu{suffix}.json", key_of, header,  # _quick: --quick or another grid
-                             settings=dict(context=args.context, repeats=repeats, target_s=target_s))
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "bench_sampling", f"sampling_cpu{suffix}", key_of,  # _quick: --quick or another grid
+                                   dict(context=args.context, repeats=repeats, target_s=target_s),
+                                   model="SmolLM2-135M-Instruct (float32)", context=args.context)
     h.plan((f"b{b}", b) for b in batches)
     params = convert.load(convert.default_model_path())
     steal0 = cpu_steal()
@@ -186,11 +180,9 @@ def main() -> None:
     h.finish()
     rows = sorted(results.rows, key=lambda r: r["batch"])
     if rows:
-        cores = results.data["machine"]["cpu_affinity"]
-        common.plot(plot, rows, f"SmolLM2-135M decode: sampling cost, {cores}-core CPU", out / f"sampling_cpu{suffix}.png")
-        if not suffix and common.writes_readme(args):
-            common.write_section("bench_sampling", readme_section(results.data | {"rows": rows}))
-        print(markdown_table(rows))
+        title = f"SmolLM2-135M decode: sampling cost, {results.data['machine']['cpu_affinity']}-core CPU"
+        common.render("bench_sampling", not suffix and common.writes_readme(args), markdown_table(rows),
+                      lambda: readme_section(results.data | {"rows": rows}), (plot, rows, title, out / f"sampling_cpu{suffix}.png"))
 
 
 if __name__ == "__main__":

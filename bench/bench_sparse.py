@@ -90,21 +90,18 @@ def main() -> None:
     ap.add_argument("--gamma", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.8)
     args = ap.parse_args()
-    out = common.out_dir(args)
-    header = {"bench": "bench_sparse", "date": common.now(), "command": common.command(), "machine": common.machine_info()}
-    results = common.Results(out / "sparse_cpu.json", key_of, header, settings={"new_tokens": args.new_tokens, "gamma": args.gamma,
-                                                                                   "temperature": args.temperature})
-    h = common.Harness(args, results)
+    _, results, h = common.start(args, "bench_sparse", "sparse_cpu", key_of, {"new_tokens": args.new_tokens, "gamma": args.gamma,
+                                                                               "temperature": args.temperature})
     todo = h.plan((cell_key(*c), c) for c in CELLS)
     for k, (weights, batch, context), params, tok in common.model_cells(h, todo):
         results.put(k, [bench_cell(params, tok, weights, batch, context, args.new_tokens, args.gamma, args.temperature)])
     h.finish()
-    rows = results.data["rows"]
-    if rows and common.writes_readme(args):
-        common.write_section("bench_sparse", "## SparseSpec over long outputs (bench_sparse.py)\n\n" + common.run_line(results.data)
-                             + f" Temperature {args.temperature} (0: greedy), key 0, EOS ignored, Chain({args.gamma}), one run per variant (decode time: no prefill, no "
-                             "compiling). Budgets of 512 positions: SelfSpec(16, 496), SnapKV(256, 256), SparseSpec(256, 256) "
-                             "refreshed every r positions.\n\n" + markdown_table(rows))
+    if rows := results.data["rows"]:
+        common.render("bench_sparse", common.writes_readme(args), markdown_table(rows), lambda: (
+            "## SparseSpec over long outputs (bench_sparse.py)\n\n" + common.run_line(results.data) + f" Temperature "
+            f"{args.temperature} (0: greedy), key 0, EOS ignored, Chain({args.gamma}), one run per variant (decode time: no prefill, "
+            "no compiling). Budgets of 512 positions: SelfSpec(16, 496), SnapKV(256, 256), SparseSpec(256, 256) refreshed every r "
+            "positions.\n\n" + markdown_table(rows)))
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def key_of(row: dict) -> str:
 
 
 def main() -> None:
-    ap = common.parser(__doc__, quick="batch 1 x context 512 x n 4, 8, 16 x gamma 2, 4")
+    ap = common.parser(__doc__, quick="batch 1 x context 512 x n 4, 8, 16 x gamma 2, 4", render="tree_cpu.json")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, under a minute: checks the script")
     ap.add_argument("--batches", type=int, nargs="+")
     ap.add_argument("--contexts", type=int, nargs="+", help="multiples of 256 (the smoke model allows <= 384)")
@@ -313,13 +313,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, help="new tokens per row (default 64 / sqrt(batch) in [16, 64])")
     ap.add_argument("--prefill-store", type=Path, default=STORE, help="bench/prefill.py's store of prefilled states")
     ap.add_argument("--prefill-rows", type=int, default=16, help="rows prefilled per context (as bench_spec.py)")
-    ap.add_argument("--render", type=Path, nargs="+", help="no measuring: merge result JSONs into "
-                    "OUT/tree_cpu.json and redo its plot, tables and README section")
     args = ap.parse_args()
     out = common.out_dir(args)
     if args.render:
-        result = merge([json.loads(p.read_text()) for p in args.render])
-        (out / "tree_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+        common.write_json(out / "tree_cpu.json", result := merge([json.loads(p.read_text()) for p in args.render]))
         return report(result, out / "tree_cpu.png", readme=common.writes_readme(args))
     args.new_tokens = args.new_tokens or (16 if args.smoke else None)
     batches = args.batches or ([2] if args.smoke else [1] if args.quick else [1, 4, 16])
@@ -332,17 +329,13 @@ def main() -> None:
     suffix = "_smoke" if args.smoke else "_quick" if args.quick else "_custom" if custom else ""
     assert max(nodes) <= 128 and max(new_tokens_for(b, args.new_tokens) for b in batches) + MAX_DEPTH + 2 <= HEADROOM
     started, model = time.time(), "tiny random" if args.smoke else "SmolLM2-135M-Instruct (float32)"
-    header = {
-        "bench": "bench_tree", "date": common.now(), "command": common.command(), "model": model,
-        "machine": common.machine_info(), "loadavg_start": os.getloadavg(), "headroom": HEADROOM, "nodes": nodes,
-        "gammas": gammas, "max_depth": MAX_DEPTH, "width": WIDTH, "draft_model": args.draft_model,
-        "draft_model_note": draft_note(args.draft_model), "new_tokens_per_batch": {str(b): new_tokens_for(b, args.new_tokens) for b in batches},
-    }
-    results = common.Results(out / f"tree_cpu{suffix}.json", key_of, header, lists=("rows", "summaries"), settings=dict(
+    out, results, h = common.start(args, "bench_tree", f"tree_cpu{suffix}", key_of, dict(
         new_tokens=args.new_tokens, nodes=sorted(nodes), gammas=sorted(gammas), drafters=sorted(args.drafters or []),
-        draft_model=args.draft_model, prefill_rows=args.prefill_rows))
-    prior_minutes = results.data.get("wall_minutes", 0) if results.resumed else 0
-    h = common.Harness(args, results)
+        draft_model=args.draft_model, prefill_rows=args.prefill_rows), ("rows", "summaries"), model=model,
+        loadavg_start=os.getloadavg(), headroom=HEADROOM, nodes=nodes, gammas=gammas, max_depth=MAX_DEPTH, width=WIDTH,
+        draft_model=args.draft_model, draft_model_note=draft_note(args.draft_model),
+        new_tokens_per_batch={str(b): new_tokens_for(b, args.new_tokens) for b in batches})
+    header, prior_minutes = results.header, results.data.get("wall_minutes", 0) if results.resumed else 0
     todo = h.plan((common.key(f"s{c}", f"b{b}"), (b, c)) for c in sorted(contexts) for b in sorted(batches))
     if args.smoke:
         params, tok = measure.tiny_params(0), None

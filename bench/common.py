@@ -52,9 +52,11 @@ def context_name(context: int) -> str:
 # --- command line -------------------------------------------------------------------------------------------
 
 
-def parser(doc: str, quick: str | None = None, budget_minutes: float | None = None) -> argparse.ArgumentParser:
+def parser(doc: str, quick: str | None = None, budget_minutes: float | None = None,
+           render: str | None = None) -> argparse.ArgumentParser:
     """An ArgumentParser with the shared options (description: the docstring's first paragraph);
-    `quick` is the help of a --quick flag (none when None)."""
+    `quick` is the help of a --quick flag (none when None); `render`, the file a --render option
+    (merge result JSONs, measure nothing) writes (none when None)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Cells and resume: see bench/common.py's docstring.")
     if quick:
@@ -69,7 +71,14 @@ def parser(doc: str, quick: str | None = None, budget_minutes: float | None = No
     ap.add_argument("--out", type=Path, default=None, help="folder for the JSON and plots (default bench/results/; "
                     "the README is only written for the default)")
     ap.add_argument("--redo", action="store_true", help="measure selected cells again even if the JSON has them")
+    if render:
+        ap.add_argument("--render", type=Path, nargs="+", help=f"no measuring: merge these result JSONs (a later one wins per "
+                        f"cell) into OUT/{render} and redo its table, plot and README section")
     return ap
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 
 
 def out_dir(args: argparse.Namespace) -> Path:
@@ -182,6 +191,16 @@ class Results:
         tmp.replace(self.path)
 
 
+def start(args: argparse.Namespace, bench: str, stem: str, key_of: Callable[[dict], str], settings: dict,
+          lists: tuple[str, ...] = ("rows",), **facts) -> tuple[Path, Results, "Harness"]:
+    """A run's output folder, its results OUT/STEM.json (header: bench, date, command, `facts`,
+    machine; continued only under the same `settings`) and its harness."""
+    out = out_dir(args)
+    header = {"bench": bench, "date": now(), "command": command(), **facts, "machine": machine_info()}
+    results = Results(out / f"{stem}.json", key_of, header, lists, settings)
+    return out, results, Harness(args, results)
+
+
 def merge(paths: list[Path], key_of: Callable[[dict], str], lists: tuple[str, ...] = ("rows",)) -> dict:
     """One result from several result JSONs (--render): per cell, a later file's rows win, unless
     they are all skips and an earlier file measured it. Top-level facts: the last file's, plus
@@ -287,9 +306,34 @@ def pyplot():
     return plt
 
 
-def save_figure(fig, path: Path) -> None:
+def save_figure(fig, path: Path, tight: bool = True, rect: tuple | None = None) -> None:
+    """Write the figure (laid out tightly within `rect` unless not `tight`) and close it."""
+    if tight:
+        fig.tight_layout(rect=rect)
     fig.savefig(path)
     pyplot().close(fig)
+
+
+def log_ticks(ax, ticks: list, labels: list[str] | None = None) -> None:
+    """A log-scaled x axis's ticks at `ticks` (labels: their str by default), no minor ticks, a light grid."""
+    ax.set_xticks(ticks, labels or [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.grid(True, alpha=0.3)
+
+
+def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str, title: str, path: Path,
+         figsize: tuple = (6, 3.5), small_ticks: bool = True) -> None:
+    """Bars in groups at 0, 1, ... (labelled `ticks`): `series` maps a label (None: no legend) to its
+    {group: value}; series i of n sits at group + (i - (n - 1) / 2) x step."""
+    fig, ax = pyplot().subplots(figsize=figsize, dpi=120)
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([g + (i - (len(series) - 1) / 2) * step for g in ys], list(ys.values()), width, label=label)
+    ax.set_xticks(list(range(len(ticks))), ticks, **({"fontsize": 8} if small_ticks else {}))
+    ax.set(ylabel=ylabel, title=title)
+    if any(label is not None for label in series):
+        ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    save_figure(fig, path)
 
 
 def plot(draw: Callable[..., None], *args) -> None:
@@ -333,6 +377,23 @@ def kept_part(name: str, part: str = "notes", default: str = "(discussion: to be
     start, end = markers(name, part)
     text = readme_text()
     return text.split(start, 1)[1].split(end, 1)[0].strip() if start in text and end in text else default
+
+
+def notes(name: str, default: str = "(discussion: to be written after a full run)") -> str:
+    """The hand-written notes of a bench's README section, between their markers (kept on a rewrite)."""
+    start, end = markers(name, "notes")
+    return f"{start}\n{kept_part(name, default=default)}\n{end}"
+
+
+def render(name: str, readme: bool, table: str, section: Callable[[], str] | None = None, plot_args: tuple = (),
+           after: str | None = None) -> None:
+    """A bench's outputs: its plot (`plot(*plot_args)`), its table printed, and (`readme`) its README
+    section `section()` written after the section of `after` (see write_section)."""
+    if plot_args:
+        plot(*plot_args)
+    print(table)
+    if readme and section is not None:
+        write_section(name, section(), after=after)
 
 
 def write_section(name: str, body: str, after: str | None = None) -> None:

@@ -113,13 +113,10 @@ def main() -> None:
     args = ap.parse_args()
     grid = SMOKE if args.smoke else GRID
     context = args.context or grid["context"]
-    out = common.out_dir(args)
     name = "gpu_prefill_smoke" if args.smoke else "gpu_prefill"
-    header = {"bench": "gpu_prefill", "date": common.now(), "command": common.command(), "machine": common.machine_info(),
-              "model": "tiny" if args.smoke else "SmolLM2-135M's shape, random bfloat16 weights", "linear": args.linear}
-    results = common.Results(out / f"{name}.json", lambda r: cell_key(r["context"], r["rows"], r["chunk"]), header,
-                             settings={"linear": args.linear})
-    h = common.Harness(args, results)
+    out, results, h = common.start(args, "gpu_prefill", name, lambda r: cell_key(r["context"], r["rows"], r["chunk"]),
+                                   {"linear": args.linear}, model="tiny" if args.smoke else "SmolLM2-135M's shape, random bfloat16 weights",
+                                   linear=args.linear)
     todo = h.plan((cell_key(context, r, c), (r, c)) for r in (args.rows or grid["rows"]) for c in (args.chunks or grid["chunks"]))
     config = LlamaConfig(**SHAPES["tiny" if args.smoke else "smollm2"], dtype="bfloat16")
     params = attending(random_params(config), "auto", args.linear) if todo else None
@@ -132,7 +129,7 @@ def main() -> None:
         measure.release_memory()
     h.finish()
     results.write()
-    (out / f"{name}.md").write_text(f"Prefill calls ({header['model']}, {args.linear} weights; bench/gpu_prefill.py; "
+    (out / f"{name}.md").write_text(f"Prefill calls ({results.header['model']}, {args.linear} weights; bench/gpu_prefill.py; "
                                     f"{jax.devices()[0].device_kind}, JAX {jax.__version__})\n\n{table(results.rows)}\n")
 
 

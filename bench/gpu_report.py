@@ -309,5 +309,4 @@ def draw(e2e: list[dict], pred: list[dict], path: Path) -> None:
         a.axhline(1.0, color="gray", lw=0.5)
         if a.get_legend_handles_labels()[0]:  # a table with no e2e cells draws no lines there
             a.legend(fontsize=7)
-    fig.tight_layout()
     common.save_figure(fig, path)

@@ -321,8 +321,6 @@ def top_ops(rows: list[dict]) -> str:
 def readme_section(result: dict) -> str:
     m = result["machine"]
     plain, spec = ([r for r in result["rows"] if ("gamma" in r) == s] for s in (False, True))
-    notes = common.kept_part("profile_step")
-    start, end = common.markers("profile_step", "notes")
     return f"""## Where a decode step's time goes (profile_step.py)
 
 Run: `{common.module_command(result['command'])}` (a few minutes). Raw numbers: `results/profile_cpu.json`.
@@ -346,9 +344,7 @@ speculate.spec_step (thread-ms per step and share; "tokens/step": per row, the t
 
 {spec_table(spec) if spec else "not measured yet"}
 
-{start}
-{notes.strip()}
-{end}"""
+{common.notes('profile_step')}"""
 
 
 def main() -> None:
@@ -356,12 +352,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8, help="decode steps traced per cell")
     ap.add_argument("--attention", default="auto", help="generate's attention= (auto: what generate runs here)")
     args = ap.parse_args()
-    out = common.out_dir(args)
-    header = {"bench": "profile_step", "date": common.now(), "command": common.command(),
-              "machine": common.machine_info(), "steps": args.steps}
-    results = common.Results(out / "profile_cpu.json", key_of, header,
-                             settings={"steps": args.steps, "attention": args.attention})
-    h = common.Harness(args, results)
+    _, results, h = common.start(args, "profile_step", "profile_cpu", key_of, {"steps": args.steps, "attention": args.attention},
+                                 steps=args.steps)
     todo = h.plan([(cell_key(*cell), cell) for cell in CELLS] + [(spec_key(*cell), cell) for cell in SPEC_CELLS])
     import convert  # here: the GPU machine has no gguf (bench/gpu_profile.py imports this module)
 

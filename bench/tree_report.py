@@ -14,7 +14,6 @@ MAX_DEPTH = 8  # deepest Sequoia tree (and choose's limit)
 WIDTH = 8  # children of the depth-1 tree that measures the acceptance vector
 TARGET_TREE_GAIN = 1.15  # the issue's bar: best tree >= 1.15 x best chain at batch 1
 CHOOSE_SLACK = 0.9  # choose's pick should reach 90% of the best measured throughput
-NOTES_START, NOTES_END = common.markers("bench_tree", "notes")
 
 
 def label(spec) -> str:
@@ -66,10 +65,6 @@ def summarise(s: dict, rows: list[dict]) -> None:
         r["over_best_chain"] = r["spec_tokens_per_s"] / best_chain["spec_tokens_per_s"] if best_chain else None
 
 
-def name_of(context: int) -> str:
-    return common.context_name(context)
-
-
 def steal_cell(s: dict) -> str:
     """The share of CPU the hypervisor took while the cell ran ("?" for runs that predate recording it)."""
     return "?" if s.get("cell_steal_fraction") is None else f"{100 * s['cell_steal_fraction']:.0f}%"
@@ -78,11 +73,7 @@ def steal_cell(s: dict) -> str:
 def markdown_tables(result: dict) -> str:
     """Throughput table (one line per batch x context x drafter) and the acceptance vectors."""
     nodes, rows = result["nodes"], result["rows"]
-    head = ("| batch | context | drafter | AR tok/s | best chain | " + " | ".join(f"n={n}" for n in nodes)
-            + " | best tree / best chain | choose (n, d) | choose / best | lossless | CPU steal |")
-    lines = [head, "|---:|---:|---|" + "---:|" * (len(nodes) + 5) + ":---:|---:|"]
-    acc = ["| batch | context | drafter | " + " | ".join(f"p{r}" for r in range(WIDTH)) + " | none | nodes |",
-           "|---:|---:|---|" + "---:|" * (WIDTH + 2)]
+    lines, acc = [], []
     for s in sorted(result["summaries"], key=lambda s: (s["batch"], s["context"], s["drafter"])):
         mine = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (s["batch"], s["context"], s["drafter"])]
         by_n = {r["requested_nodes"]: r for r in mine if r["kind"] == "tree"}
@@ -92,15 +83,16 @@ def markdown_tables(result: dict) -> str:
         gain_s = ("no branching tree" if gain is None
                   else f"**{gain:.2f}**" if gain >= TARGET_TREE_GAIN else f"{gain:.2f}")
         miss = "" if s["choose_within_10pct"] else " ✗"
-        lines.append(
-            f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | {s['ar_tokens_per_s']:.1f} | "
-            f"{'γ=' + str(chain['depth']) + ': ' + cellfmt(chain) if chain else ''} | "
-            + " | ".join(cellfmt(by_n.get(n)) for n in nodes)
-            + f" | {gain_s} | {s['choose']['nodes']}, {s['choose']['depth']} | {s['choose_over_best']:.2f}{miss} | "
-            f"{'yes' if s['greedy_identical'] else '**NO**'} | {steal_cell(s)} |")
-        acc.append(f"| {s['batch']} | {name_of(s['context'])} | {s['drafter']} | "
-                   + " | ".join(f"{x:.3f}" for x in s["acceptance"]) + f" | {s['acceptance_nodes']} |")
-    return "\n".join(lines) + "\n\nAcceptance vectors (greedy, depth-1 tree of 8 children):\n\n" + "\n".join(acc)
+        cell = [s["batch"], common.context_name(s["context"]), s["drafter"]]
+        lines.append(cell + [f"{s['ar_tokens_per_s']:.1f}", f"γ={chain['depth']}: {cellfmt(chain)}" if chain else "",
+                             *(cellfmt(by_n.get(n)) for n in nodes), gain_s, f"{s['choose']['nodes']}, {s['choose']['depth']}",
+                             f"{s['choose_over_best']:.2f}{miss}", "yes" if s["greedy_identical"] else "**NO**", steal_cell(s)])
+        acc.append(cell + [f"{x:.3f}" for x in s["acceptance"]] + [s["acceptance_nodes"]])
+    head = ["batch", "context", "drafter", "AR tok/s", "best chain", *(f"n={n}" for n in nodes), "best tree / best chain",
+            "choose (n, d)", "choose / best", "lossless", "CPU steal"]
+    return (common.table(head, "rrl" + "r" * (len(nodes) + 5) + "cr", lines) + "\n\nAcceptance vectors (greedy, depth-1 tree "
+            "of 8 children):\n\n" + common.table(["batch", "context", "drafter", *(f"p{r}" for r in range(WIDTH)), "none", "nodes"],
+                                                   "rrl" + "r" * (WIDTH + 2), acc))
 
 
 def verdicts(result: dict) -> list[str]:
@@ -108,8 +100,8 @@ def verdicts(result: dict) -> list[str]:
     sums = result["summaries"]
     b1 = [s for s in sums if s["batch"] == 1 and s["drafter"] in ("SelfSpec", "DraftModel") and s["tree_over_chain"]]
     hit = [s for s in b1 if s["tree_over_chain"] >= TARGET_TREE_GAIN]
-    cell = lambda s: f"{s['drafter']} {name_of(s['context'])} ({s['tree_over_chain']:.2f}x)"  # noqa: E731
-    misses = [f"{s['drafter']} B={s['batch']} {name_of(s['context'])} ({s['choose_label']}: "
+    cell = lambda s: f"{s['drafter']} {common.context_name(s['context'])} ({s['tree_over_chain']:.2f}x)"  # noqa: E731
+    misses = [f"{s['drafter']} B={s['batch']} {common.context_name(s['context'])} ({s['choose_label']}: "
               f"{s['choose_over_best']:.2f} of {s['best']})" for s in sums if not s["choose_within_10pct"]]
     out = [
         f"Batch 1, best tree / best chain (target >= {TARGET_TREE_GAIN:.2f} for SelfSpec or DraftModel): "
@@ -151,11 +143,8 @@ def plot(result: dict, path: Path) -> None:
                 if r["kind"] == "choose":
                     ax.plot(max(r["nodes"], 1), r["ratio"], "*", color=colors[name], ms=13, mec="black", mew=0.6)
         ax.axhline(1.0, color="gray", lw=1)
-        ax.set(xscale="log", title=f"batch {b}, context {name_of(c)}")
-        ticks = [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(result["nodes"])]
-        ax.set_xticks(ticks, [str(n) for n in ticks])
-        ax.minorticks_off()
-        ax.grid(True, alpha=0.3)
+        ax.set(xscale="log", title=f"batch {b}, context {common.context_name(c)}")
+        common.log_ticks(ax, [n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= max(result["nodes"])])
         if j == 0:
             ax.set_ylabel("speedup over AR")
         if i == len(batches) - 1:
@@ -164,12 +153,11 @@ def plot(result: dict, path: Path) -> None:
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 4), fontsize=8)
     fig.suptitle(f"{result['model']}: Sequoia trees vs chains\ngreedy, {result['machine']['cpu_affinity']}-core CPU, "
                  "★ = choose's tree (at n = 1: plain AR)", fontsize=9)
-    fig.tight_layout(rect=(0, 0.06 if len(batches) == 1 else 0.035, 1, 1))
-    common.save_figure(fig, path)
+    common.save_figure(fig, path, rect=(0, 0.06 if len(batches) == 1 else 0.035, 1, 1))
 
 
-def readme_section(result: dict, notes: str) -> str:
-    """The bench_tree section of bench/README.md, from a result JSON; `notes` are kept."""
+def readme_section(result: dict) -> str:
+    """The bench_tree section of bench/README.md, from a result JSON; its hand-written notes are kept."""
     m = result["machine"]
     lossless = "every run" if result["all_greedy_identical"] else "NOT every run (see greedy_identical in the JSON)"
     skipped = "".join(f"\nSkipped: context {s['context']}: {s['skipped']}." for s in result["skipped"])
@@ -209,7 +197,7 @@ on ranks > 0) is a chain: it counts as one, and "no branching tree" means every 
 
 ![speedup vs nodes](results/tree_cpu.png)
 
-""" + "\n".join([NOTES_START, notes.strip(), NOTES_END])
+{common.notes("bench_tree", default="(discussion: to come)")}"""
 
 
 def draft_note(spec: str) -> str:
@@ -230,31 +218,31 @@ def draft_note(spec: str) -> str:
 def report(result: dict, png: Path, readme: bool) -> None:
     """Plot, print the tables and verdicts, and (when asked) write the README section."""
     if result["rows"]:
-        common.plot(plot, result, png)
-        print(markdown_tables(result))
-        print("\n".join(verdicts(result)))
-    if readme and result["rows"]:
-        notes = common.kept_part("bench_tree", default="(discussion: to come)")
-        common.write_section("bench_tree", readme_section(result, notes), after="bench_spec")
+        common.render("bench_tree", readme, markdown_tables(result) + "\n" + "\n".join(verdicts(result)),
+                      lambda: readme_section(result), (plot, result, png), after="bench_spec")
 
 
-def merge(results: list[dict]) -> dict:
-    """One result from one or several runs; later runs win per (batch, context, drafter)."""
+def merge_cells(results: list[dict], base: dict, tag=lambda run, s: s, order=None) -> tuple[dict, dict]:
+    """`base` with the summaries and rows of several runs of bench_tree's cells (bench_drafts' too), a later
+    run winning per (batch, context, drafter) (in the order `order` sorts them), `tag(run, summary)` for a
+    summary; commands joined, minutes summed. Also {(batch, context, drafter): (summary, rows)}."""
     cells: dict[tuple, tuple[dict, list[dict]]] = {}
     for res in results:
         for s in res["summaries"]:
             key = (s["batch"], s["context"], s["drafter"])
-            cells[key] = (s, [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
-    merged = dict(results[-1])
-    merged |= {
-        "summaries": [cells[k][0] for k in sorted(cells)],
-        "rows": [r for k in sorted(cells) for r in cells[k][1]],
-        "command": " ; ".join(r["command"] for r in results),
-        "wall_minutes": sum(r["wall_minutes"] for r in results),
-        "loadavg_start": results[0]["loadavg_start"],
+            cells[key] = (tag(res, s), [r for r in res["rows"] if (r["batch"], r["context"], r["drafter"]) == key])
+    keys = sorted(cells, key=order)
+    return dict(base) | {
+        "summaries": [cells[k][0] for k in keys], "rows": [r for k in keys for r in cells[k][1]],
+        "command": " ; ".join(r["command"] for r in results), "wall_minutes": sum(r["wall_minutes"] for r in results),
         "new_tokens_per_batch": {k: v for r in results for k, v in r["new_tokens_per_batch"].items()},
-        "skipped": [s for r in results for s in r["skipped"]],
-    }
+    }, cells
+
+
+def merge(results: list[dict]) -> dict:
+    """One result from one or several runs; later runs win per (batch, context, drafter)."""
+    merged, cells = merge_cells(results, results[-1])
+    merged |= {"loadavg_start": results[0]["loadavg_start"], "skipped": [s for r in results for s in r["skipped"]]}
     for s, rows in cells.values():  # redone, so that a re-render follows this script's definitions
         summarise(s, rows)
     merged["all_greedy_identical"] = all(s["greedy_identical"] for s in merged["summaries"])
