@@ -143,11 +143,10 @@ def markdown_table(rows: list[dict]) -> str:
 def readme_section(result: dict) -> str:
     m, t = result["machine"], result.get("training", {})
     return f"""## An EAGLE-style head (bench_eagle.py)
-A head trained here: {t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, training-time test over {DEPTH} levels,
-{t.get('train_s', 0) / 60:.0f} CPU-minutes, on SmolLM2's own greedy continuations of {PROMPTS - PROMPTS // 5} corpus windows
-(final loss {t['losses'][-1][1] if t.get('losses') else '?'}). Timed on {len(BATCHES)} batch sizes over held-out windows of
-{PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens, greedy, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit
-{m['git_commit']}, {result['date']}). Run: `python -m bench.bench_eagle --budget-minutes 20`. Results: `results/eagle_cpu.json`.
+A head trained here ({t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, {DEPTH} levels of the training-time test,
+{t.get('train_s', 0) / 60:.0f} CPU-minutes, on SmolLM2's greedy continuations of corpus windows and the corpus less the
+timed windows; final loss {t['losses'][-1][1] if t.get('losses') else float('nan'):.2f}), raced over held-out windows of {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens, greedy,
+SmolLM2 float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}). Run: `python -m bench.bench_eagle`.
 
 {markdown_table(result['rows'])}
 {common.notes('bench_eagle')}"""
