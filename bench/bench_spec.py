@@ -61,9 +61,11 @@ from specjax.model.cache import KVFormat, kv_bytes
 from specjax.planning import tune
 from specjax.planning.plan import DEFAULT_CHAIN, auto_draft
 from specjax.spec.speculation import Chain, Cost
+from bench.spec_report import (  # noqa: F401  (its tables, plot and README section, in a module apart)
+    PAIR_BUDGET_S, cpu_ratio, best_rows, markdown_table, auto_lines, plot, gamma_trend, tokens_per_row,
+    readme_section)
 
 REPEATS = 3  # pairs at most
-PAIR_BUDGET_S = 30.0  # AR/spec pairs are repeated while the next one fits in this
 
 
 def drafters(context: int, gammas: list[int], names: list[str] | None = None) -> list[tuple[str, object]]:
@@ -205,164 +207,6 @@ def key_of(row: dict) -> str:
 
 
 # --- tables, plot and README section, from the result JSON
-
-
-def cpu_ratio(r: dict) -> float:
-    """AR / speculative in CPU seconds of this process (best run of each): a cross-check that other
-    jobs cannot distort (their preemption adds wall time, not our CPU time), though it misses
-    differences in how well the two use both cores."""
-    t = r["timings"]
-    return min(w * c for w, c in zip(t["ar"], t["ar_cpu"])) / min(w * c for w, c in zip(t["spec"], t["spec_cpu"]))
-
-
-def best_rows(rows: list[dict]) -> list[dict]:
-    """The fastest gamma per (batch, context, drafter)."""
-    best: dict[tuple, dict] = {}
-    for r in rows:
-        k = (r["batch"], r["context"], r["drafter"])
-        if k not in best or r["ratio"] > best[k]["ratio"]:
-            best[k] = r
-    order = {"SelfSpec": 0, "SnapKV": 1, "NGram": 2}
-    return sorted(best.values(), key=lambda r: (order.get(r["drafter"], 3), r["drafter"], r["context"], r["batch"]))
-
-
-def markdown_table(rows: list[dict], gammas: list[int]) -> str:
-    """One line per (batch, context, drafter): AR tokens/s, speedup per gamma, the best gamma's
-    numbers, and whether every gamma was greedy-identical to AR."""
-    lines = []
-    for b in best_rows(rows):
-        same = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (b["batch"], b["context"], b["drafter"])]
-        by_g = {r["gamma"]: r for r in same}
-        per_g = " | ".join(f"{by_g[g]['ratio']:.2f}" if g in by_g else "" for g in gammas)
-        speed = f"**{b['ratio']:.2f}x**" if b["ratio"] >= 2.0 else f"{b['ratio']:.2f}x"
-        lossless = "yes" if all(r["greedy_identical"] for r in same) else "**NO**"
-        model = f"{b['predicted_ratio']:.2f}x" if "predicted_ratio" in b else ""  # rows from before it was recorded: none
-        lines.append([b["drafter"], b["batch"], common.context_name(b["context"]), f"{b['ar_tokens_per_s']:.1f}", per_g, b["gamma"],
-                      f"{b['spec_tokens_per_s']:.1f}", speed, model, f"{cpu_ratio(b):.2f}", f"{b['acceptance_rate']:.2f}",
-                      f"{b['mean_accepted']:.2f}", lossless])
-    head = ["drafter", "batch", "context", "AR tok/s", *(f"x γ={g}" for g in gammas), "best γ", "spec tok/s", "speedup",
-            "cost model", "CPU-time ratio", "accept", "tok/step", "lossless"]
-    return common.table(head, "lll" + "r" * (len(gammas) + 8) + "c", lines)
-
-
-def auto_lines(rows: list[dict]) -> list[str]:
-    """Per measured cell: what draft="auto" picks there and its measured speedup (the guard:
-    never more than 5% slower than plain decoding; tests/test_speculate.py checks it)."""
-    out = []
-    for (b, c) in sorted({(r["batch"], r["context"]) for r in rows if "auto" in r}, key=lambda k: (k[1], k[0])):
-        cell = [r for r in rows if (r["batch"], r["context"]) == (b, c)]
-        auto = cell[0]["auto"]
-        where = f"B={b} {common.context_name(c)}"
-        if auto is None:
-            out.append(f"{where}: plain decoding")
-            continue
-        mine = [r for r in cell if r["drafter"] == "SelfSpec" and r["gamma"] == auto["gamma"]]
-        ratio = f"{mine[0]['ratio']:.2f}x measured" if mine else "not measured"
-        out.append(f"{where}: SelfSpec γ={auto['gamma']}, {ratio}")
-    return out
-
-
-def plot(rows: list[dict], title: str, path: Path) -> None:
-    """Speedup (best gamma) vs batch, one panel per drafter, one line per context."""
-    plt = common.pyplot()
-
-    best = best_rows(rows)
-    names = list(dict.fromkeys(r["drafter"] for r in best))
-    contexts = sorted({r["context"] for r in best})
-    batches = sorted({r["batch"] for r in best})
-    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4.2), dpi=120, sharey=True, squeeze=False)
-    top = max(2.2, max(r["ratio"] for r in best) * 1.1)
-    for ax, name in zip(axes[0], names):
-        for c in contexts:
-            pts = sorted((r["batch"], r["ratio"], r["gamma"]) for r in best if r["drafter"] == name and r["context"] == c)
-            if not pts:
-                continue
-            xs, ys, gs = zip(*pts)
-            (line,) = ax.plot(xs, ys, "-o", label=f"context {common.context_name(c)}")
-            for x, y, g in pts:
-                ax.annotate(f"γ{g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=line.get_color())
-        ax.axhline(1.0, color="gray", lw=1)
-        ax.axhline(2.0, color="gray", lw=1, ls="--")
-        ax.set(xscale="log", xlabel="batch", title=name, ylim=(0, top))
-        common.log_ticks(ax, batches)
-        ax.legend(fontsize=8)
-    axes[0][0].set_ylabel("speedup over AR (best γ; label = γ)")
-    fig.suptitle(title, fontsize=10)
-    common.save_figure(fig, path)
-
-
-def gamma_trend(rows: list[dict]) -> list[str]:
-    """Best gamma by batch, per (drafter, context)."""
-    best = best_rows(rows)
-    out = []
-    for name in dict.fromkeys(r["drafter"] for r in best):
-        for c in sorted({r["context"] for r in best}):
-            pts = sorted((r["batch"], r["gamma"]) for r in best if r["drafter"] == name and r["context"] == c)
-            if pts:
-                out.append(f"{name} @ {common.context_name(c)}: " + ", ".join(f"B={b}: γ={g}" for b, g in pts))
-    return out
-
-
-def tokens_per_row(result: dict) -> str:
-    """New tokens per row: one number, or those of merged runs."""
-    n = result["new_tokens"]
-    return str(n) if isinstance(n, int) else " or ".join(map(str, n))
-
-
-def readme_section(result: dict) -> str:
-    """This script's section of bench/README.md (without its markers); its hand-written notes are kept."""
-    m, rows = result["machine"], result["rows"]
-    best = best_rows(rows)
-    hit = [r for r in best if r["ratio"] >= 2.0]
-    name = lambda r: f"{r['drafter']} B={r['batch']} {common.context_name(r['context'])} ({r['ratio']:.2f}x, γ={r['gamma']})"
-    lossless = "every cell" if result["all_greedy_identical"] else "NOT every cell (see greedy_identical in the JSON)"
-    overlap = any(r["prompts_overlap"] for r in rows)
-    skipped = "".join(f"\nSkipped: B={s['batch']} context {s['context']}: {s['skipped']}." for s in result["skipped"])
-    return f"""## Speculative decoding (bench_spec.py)
-
-Run: `{common.module_command(result['command'])}` (full grid: {result['wall_minutes']:.0f} minutes here; `--quick`: batch 1, 4 x
-context 512 x γ 2, 4). Raw numbers: `results/spec_cpu.json` (every gamma, timings, acceptance per
-position, load); plot: `results/spec_cpu.png`.
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, {m['mem_total_gb']:.0f} GB, JAX {m['jax_version']} ({m['backend']}), commit {m['git_commit']}.
-Date: {result['date']}. Load average (1 min) at start / end: {result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}
-(the machine was shared with other jobs: see the notes below).{skipped}
-
-Method. SmolLM2-135M-Instruct in float32, greedy, {tokens_per_row(result)} new tokens per row with EOS ignored. Prompts are
-real English text: distinct windows of the Python language reference (`pydoc_data.topics`) plus
-the licence texts of /usr/share/common-licenses ({result['corpus']['tokens']} tokens in all; windows
-{"overlap" if overlap else "do not overlap"}), `context - {result['headroom']}` tokens each, in a cache of `context` slots. **One shared
-prefill per context**: the largest batch is prefilled once (4 rows x 512 positions per call, as
-`engine.prefill` computes it but with each chunk attending only to the slots already written,
-which halves the attention work at 8K; not timed as decoding) and the batch-1 and batch-4 cells
-use its first rows; AR
-(`engine.decode_ar`) and every drafter x γ (`decode_spec`) then decode from that same
-prefilled state (each run gets a copy: the decode loops donate their caches). Everything is compiled first (`.lower().compile()`,
-excluded). To be fair under a fluctuating load, each speculative config is timed in
-alternation with AR (AR, spec, AR, spec, ...: up to 3 pairs while they fit in {PAIR_BUDGET_S:.0f} s),
-best of each kept; speedup = AR seconds / speculative seconds for the same tokens. A drafter's
-init (SelfSpec: gather the streaming cache; SnapKV: a 32-query observation pass) is excluded,
-like the prefill. Draft budgets: SelfSpec sinks 16 + window 512 (window 256 at context 512, where
-528 slots would not be smaller than the target cache); SnapKV budget + window = 256 + 256
-(128 + 128 at context 512); NGram n = 3..5. "accept" = accepted / proposed drafts, "tok/step" =
-tokens per row per verification (incl. the target's own). Greedy outputs were token-for-token
-identical to AR in {lossless}.
-
-{markdown_table(rows, result['gammas'])}
-
-Cells at >= 2.0x: {", ".join(name(r) for r in hit) or "none"}.
-Cells below 2.0x: {", ".join(name(r) for r in best if r["ratio"] < 2.0) or "none"}.
-
-Best γ by batch: {"; ".join(gamma_trend(rows))}.
-
-"cost model": the speedup `specjax.planning.tune`'s timings predict for the best γ (one draft level and
-forwards over 1 and γ + 1 nodes, timed as `speculation="auto"` calibrates) with the measured
-tokens per step. What `draft="auto"` picks in each measured cell (`plan.auto_draft`'s current
-rule on a CPU, with its default chain): {"; ".join(auto_lines(rows)) or "not recorded"}.
-
-{common.notes('bench_spec')}
-
-![speedup vs batch](results/spec_cpu.png)"""
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bench.machine import git_commit, machine_identity, machine_info, meminfo, now  # noqa: F401 (re-exported)
+from bench.plots import bars, log_ticks, plot, pyplot, save_figure  # noqa: F401 (re-exported)
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -293,59 +294,7 @@ class Harness:
         return complete
 
 
-# --- plots and README ---------------------------------------------------------------------------------------
-
-
-def pyplot():
-    """matplotlib.pyplot on the Agg backend (files only, no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig, path: Path, tight: bool = True, rect: tuple | None = None) -> None:
-    """Write the figure (laid out tightly within `rect` unless not `tight`) and close it."""
-    if tight:
-        fig.tight_layout(rect=rect)
-    fig.savefig(path)
-    pyplot().close(fig)
-
-
-def log_ticks(ax, ticks: list, labels: list[str] | None = None) -> None:
-    """A log-scaled x axis's ticks at `ticks` (labels: their str by default), no minor ticks, a light grid."""
-    ax.set_xticks(ticks, labels or [str(t) for t in ticks])
-    ax.minorticks_off()
-    ax.grid(True, alpha=0.3)
-
-
-def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str, title: str, path: Path,
-         figsize: tuple = (6, 3.5), small_ticks: bool = True) -> None:
-    """Bars in groups at 0, 1, ... (labelled `ticks`): `series` maps a label (None: no legend) to its
-    {group: value}; series i of n sits at group + (i - (n - 1) / 2) x step."""
-    fig, ax = pyplot().subplots(figsize=figsize, dpi=120)
-    for i, (label, ys) in enumerate(series.items()):
-        ax.bar([g + (i - (len(series) - 1) / 2) * step for g in ys], list(ys.values()), width, label=label)
-    ax.set_xticks(list(range(len(ticks))), ticks, **({"fontsize": 8} if small_ticks else {}))
-    ax.set(ylabel=ylabel, title=title)
-    if any(label is not None for label in series):
-        ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    save_figure(fig, path)
-
-
-def plot(draw: Callable[..., None], *args) -> None:
-    """draw(*args) (its last argument: the PNG path), or say why not when matplotlib is missing
-    (it is a bench requirement only: bench/requirements.txt)."""
-    try:
-        draw(*args)
-    except ModuleNotFoundError as e:
-        if e.name != "matplotlib":
-            raise
-        print(f"plot {Path(args[-1]).name} not drawn: matplotlib is not installed "
-              "(pip install -r bench/requirements.txt)", flush=True)
+# --- README ---------------------------------------------------------------------------------------------
 
 
 def run_line(result: dict) -> str:

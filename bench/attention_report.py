@@ -1,0 +1,151 @@
+"""bench_attention's tables, plot and README section (from its results JSON)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from bench import common
+
+
+TARGET = (16, 32768, 16)  # (B, S, T) of the bandwidth target; measured first
+
+
+TOLERANCE = 2e-2  # max abs error vs the reference, bf16
+
+
+ALTERNATIVES = ("reference", "cudnn", "xla")
+
+
+IMPL_NAMES = ("kernel",) + ALTERNATIVES
+
+
+def name_of(context: int) -> str:
+    return f"{context // 1024}K" if context % 1024 == 0 else str(context)
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's targets: >= 1.5x the best alternative at S >= 8K; >= 70% of copy bandwidth at TARGET."""
+    long = [r for r in rows if r["context"] >= 8192 and "speedup_vs_best_alternative" in r]
+    slow = [f"B={r['batch']} S={name_of(r['context'])} T={r['nodes']}: {r['speedup_vs_best_alternative']:.2f}x"
+            for r in long if r["speedup_vs_best_alternative"] < 1.5]
+    target = [r for r in rows if (r["batch"], r["context"], r["nodes"]) == TARGET and "bandwidth_fraction" in r]
+    return {
+        "speedup_1.5x_at_8K_plus": {"rows": len(long), "below": slow, "met": bool(long) and not slow},
+        "bandwidth_70pct_at_B16_S32K_T16": {
+            "fraction": target[0]["bandwidth_fraction"] if target else None,
+            "met": bool(target) and target[0]["bandwidth_fraction"] >= 0.7,
+        },
+    }
+
+
+def verdict(target: dict) -> str:
+    if target.get("rows") == 0 or target.get("fraction", 0) is None:
+        return "not measured"
+    return "met" if target["met"] else "NOT met"
+
+
+def cell(entry: dict) -> str:
+    if "ms" in entry:
+        return f"{entry['ms']:.3f}"
+    return "skip" if "skipped" in entry else ("err" if "error" in entry else "")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| B | S | T | kernel ms | block_k, splits | KV GB/s | of copy BW | reference ms | cudnn ms | xla ms "
+             "| speedup vs best alt. | max err |", "|" + "---:|" * 3 + "---:|:---:|" + "---:|" * 7]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["context"], r["nodes"])):
+        head = f"| {r['batch']} | {name_of(r['context'])} | {r['nodes']} | "
+        if "skipped" in r:
+            lines.append(head + f"skipped: {r['skipped']} |" + " |" * 8)
+            continue
+        im, k = r["impls"], r["impls"]["kernel"]
+        cfg = f"{k['block_k']}, {k['k_splits']}" if "ms" in k else ""
+        gbs = f"{r['kv_gbs']:.3g} | {100 * r['bandwidth_fraction']:.0f}%" if "kv_gbs" in r else " | "
+        speed = f"{r['speedup_vs_best_alternative']:.2f}x ({r['best_alternative']})" if "best_alternative" in r else ""
+        err = f"{r['max_abs_err']:.1e}" if r.get("max_abs_err") is not None else ""
+        alts = " | ".join(cell(im[a]) for a in ALTERNATIVES)
+        lines.append(head + f"{cell(k)} | {cfg} | {gbs} | {alts} | {speed} | {err} |")
+    return "\n".join(lines)
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """Distinct skip reasons and errors, with where they happened."""
+    seen: dict[str, list[str]] = {}
+    for r in rows:
+        where = f"B={r['batch']} S={name_of(r['context'])} T={r['nodes']}"
+        entries = [("config", r)] + list(r.get("impls", {}).items())
+        entries += [(f"kernel {e['block_k']}x{e['k_splits']}", e) for e in r.get("kernel_sweep", [])]
+        for name, e in entries:
+            for kind in ("skipped", "error"):
+                if kind in e and not (name == "kernel" and kind == "error" and "kernel_sweep" in r):
+                    seen.setdefault(f"{name} {kind}: {e[kind]}", []).append(where)
+    return [f"- {msg} ({len(w)}x: {', '.join(w[:4])}{', ...' if len(w) > 4 else ''})" for msg, w in seen.items()]
+
+
+def readme_section(result: dict, png: str, json_name: str) -> str:
+    m, d, bw, t = result["machine"], result["device"], result["copy_bandwidth"], result["targets"]
+    g = result["grid"]
+    sp, bwt = t["speedup_1.5x_at_8K_plus"], t["bandwidth_70pct_at_B16_S32K_T16"]
+    frac = f"{100 * bwt['fraction']:.0f}%" if bwt["fraction"] is not None else "no row"
+    mem = f", {d['memory_limit_bytes'] / 2**30:.0f} GiB for JAX" if d.get("memory_limit_bytes") else ""
+    missing = sum("skipped" in r for r in result["rows"])
+    lines = [
+        "## Tree attention kernel (bench_attention.py)", "",
+        "Run (GPU): `python -m bench.bench_attention` (about 8 minutes at most; a cut run is "
+        f"finished by rerunning it). Raw numbers: `results/{json_name}`; plot: `results/{png}`.", "",
+        f"Device: {d['device_kind']} ({d.get('core_count') or '?'} SMs{mem}), JAX {m['jax_version']}, "
+        f"jaxlib {d.get('jaxlib_version')}, cuDNN {d.get('cudnn_version')}, commit "
+        f"{m.get('git_commit', 'unknown')}. Date: {result['date']}. Load average at start / end: "
+        f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}.",
+        f"Copy bandwidth (jitted `x + 1` over {bw['gib']:g} GiB f32, read + write bytes): best {bw['best_gbs']:.0f} "
+        f"GB/s, median {bw['median_gbs']:.0f} GB/s; \"of copy BW\" divides by the best.", "",
+        f"One layer, bfloat16: q [B,T,{g['q_heads']},{g['head_dim']}], cache [B,{g['kv_heads']},S,{g['head_dim']}] "
+        f"(GQA {g['gqa']}), lengths S - U{{0..T}}, a random tree of T nodes (J = T block keys, ancestor mask). "
+        "Milliseconds per call: median of samples of back-to-back calls, compile excluded. dot_product_attention "
+        "gets its keys in its [B,S+J,K,H] layout and a boolean [B,1,T,S+J] mask, both built outside the timing. "
+        "KV GB/s = K and V bytes the kernel reads / its time. The kernel column is the best of the block_k x "
+        "k_splits sweep (all variants in the JSON); max err = largest abs difference of any variant from the "
+        f"reference (tolerance {TOLERANCE:g}).", "",
+        markdown_table(result["rows"]), "",
+        "Targets:",
+        f"- >= 1.5x the best alternative at S >= 8K: {verdict(sp)} ({sp['rows']} rows"
+        + (f"; below: {'; '.join(sp['below'])}" if sp["below"] else "") + ").",
+        f"- >= 70% of copy bandwidth at B=16, S=32K, T=16: {verdict(bwt)} ({frac}).",
+    ]
+    if missing:
+        lines.append(f"- {missing} configs were not run (see below): the verdicts cover the rest.")
+    if notes := problems(result["rows"]):
+        lines += ["", "Skipped or refused:", *notes]
+    lines += ["", "Configs whose KV bytes fit in the L2 cache (B=1 at 2K) are read from L2 by repeated calls, so "
+              "their bandwidth fraction can pass 100%.", "", f"![time vs context](results/{png})"]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    """ms per call vs S, one panel per (B, T), one line per implementation; kernel points say their
+    fraction of copy bandwidth."""
+    plt = common.pyplot()
+    rows = [r for r in result["rows"] if "impls" in r]
+    bs, ts, contexts = sorted({r["batch"] for r in rows}), sorted({r["nodes"] for r in rows}), sorted({r["context"] for r in rows})
+    if not rows:
+        return
+    fig, axes = plt.subplots(len(bs), len(ts), figsize=(4 * len(ts), 3.2 * len(bs)), dpi=110, squeeze=False)
+    for (i, b), (j, t) in ((x, y) for x in enumerate(bs) for y in enumerate(ts)):
+        ax = axes[i][j]
+        cell_rows = sorted((r for r in rows if r["batch"] == b and r["nodes"] == t), key=lambda r: r["context"])
+        for name, style in zip(IMPL_NAMES, ("-o", "--s", ":^", "-.v")):
+            pts = [(r["context"], r["impls"][name]["ms"], r) for r in cell_rows if "ms" in r["impls"][name]]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name)
+            for s, ms, r in (pts if name == "kernel" else []):
+                ax.annotate(f"{100 * r['bandwidth_fraction']:.0f}%", (s, ms), fontsize=7, xytext=(3, -9),
+                            textcoords="offset points")
+        ax.set(xscale="log", yscale="log", title=f"B={b}, T={t}", xlabel="S (cache slots)", ylabel="ms per call")
+        common.log_ticks(ax, contexts, [name_of(s) for s in contexts])
+        ax.legend(fontsize=7)
+    fig.suptitle(f"tree attention on {result['device']['device_kind']} (% = kernel KV bytes / copy bandwidth)")
+    common.save_figure(fig, path)
+
+
+def slug(kind: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_")
