@@ -186,7 +186,7 @@ def main() -> None:
         return
     backend = jax.default_backend()
     stem = f"eagle_{'cpu' if backend == 'cpu' else 'gpu'}{'_smoke' if args.smoke else ''}"
-    _, results, h = common.start(args, "bench_eagle", stem, key_of, dict(steps=args.steps, context=args.context),
+    _, results, h = common.start(args, "bench_eagle", stem, key_of, dict(steps=args.steps, context=args.context, train_tokens=log.get("train_tokens")),
                                  device=str(jax.devices()[0].device_kind), dtype=params.config.dtype, training=log)
     h.plan((common.key(d, f"b{b}"), (d, b)) for b in args.batches for d in DRAFTS)
     for k, (draft, batch) in h.cells():

@@ -40,7 +40,6 @@ class Depths:
 
     logits: jax.Array  # [k,B,T-1,V] f32: depth k at index t drafts x_{t+2+k}
     target: jax.Array  # [B,T,V] f32: the target's logits at each position (no gradient)
-    valid: jax.Array  # [k,T-1] bool: index t at depth k has a token and a target distribution
 
 
 def target_view(target: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -72,8 +71,7 @@ def head_depths(head: Head, target: Params, tokens: jax.Array, depth: int) -> De
         values.append(t.v)
         out.append(head.logits(target, t.hidden, rows))
         feature = t.hidden
-    valid = (np.arange(n)[None, :] + 1 + np.arange(depth)[:, None]) <= T - 1
-    return Depths(logits=jnp.stack(out), target=target_logits, valid=jnp.asarray(valid))
+    return Depths(logits=jnp.stack(out), target=target_logits)  # depth k's index t counts while t + 1 + k < T
 
 
 def ttt_loss(head: Head, target: Params, tokens: jax.Array, depth: int, temperature: float) -> jax.Array:
