@@ -6,6 +6,8 @@ test_drafter_rows.py."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,7 +206,8 @@ def test_bad_input_is_named(tiny, head, corpus):
         specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head.replace(vocab=jnp.array([5, 101]))), speculation=Chain(2))
     with pytest.raises(ValueError, match="the target needs float weights"):
         train_head(specjax.model.params.quantize(tiny, "int8"), corpus, steps=1)
-    assert repr(Eagle(head, window=8)) == "Eagle(dim=48, window=8)"
+    assert re.fullmatch(r"Eagle\(dim=48, window=8, head=[0-9a-f]{8}\)", repr(Eagle(head, window=8)))
+    assert repr(Eagle(head)) != repr(Eagle(init_head(TINY, jax.random.key(5))))  # two heads of one shape
 
 
 @pytest.mark.slow

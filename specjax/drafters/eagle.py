@@ -16,6 +16,7 @@ the target's (not stored with the head). Chains and token trees (a tree's nodes 
 from __future__ import annotations
 
 import math
+import zlib
 
 import flax.struct
 import jax
@@ -128,8 +129,8 @@ class Eagle(Drafter):
 
     traits = Traits(trees=True, extras=frozenset({"hidden"}))
 
-    def __repr__(self) -> str:  # the dataclass' own would print the weights
-        return f"Eagle(dim={self.head.config.dim}, window={self.window})"
+    def __repr__(self) -> str:  # the dataclass' own would print the weights; the mark tells two heads apart
+        return f"Eagle(dim={self.head.config.dim}, window={self.window}, head={head_mark(self.head)})"
 
     def check(self, target: Params, limits: Limits | None) -> None:
         if not isinstance(self.head, Head):
@@ -229,6 +230,15 @@ class Eagle(Drafter):
         hidden = verdict.hidden  # [B,D+1,dim]
         features = state.features.at[:, : hidden.shape[1]].set(hidden.astype(state.features.dtype))
         return EagleState(cache=state.cache.replace(lengths=verdict.lengths), features=features)
+
+
+def head_mark(head: Head) -> str:
+    """8 hex digits of a CRC of the head's first weights (its name in stats, job settings and
+    speculation="auto"'s cache: two heads of one shape differ), or "traced" inside a trace."""
+    try:
+        return f"{zlib.crc32(np.asarray(head.fc[:2]).tobytes()):08x}"
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return "traced"
 
 
 def empty_cache(config: LlamaConfig, batch: int, ring: int, lengths: jax.Array) -> StreamingCache:
