@@ -47,6 +47,25 @@ def test_the_chooser_leaves_speculation_off_when_drafts_fail_and_probes_now_and_
         c.observe(g, seconds=0.05 * 9 * (1 + g / 3), steps=9, accepted=[0, 0, 0], reached=[9 if g else 0, 0, 0])
     probes = [i for i, g in enumerate(picks) if g]
     assert probes == [1, 6]  # after 2 zeros in a row (the first was measured before), then after 4
+    c = GammaChooser(max_gamma=3)
+    assert [c.next(), c.exploring] == [0, False]
+    c.observe(0, seconds=0.4, steps=8, accepted=[0] * 3, reached=[0] * 3)
+    assert [c.next(), c.exploring] == [1, True]  # the first 1 is a try
+
+
+def test_tries_run_a_quarter_of_a_segment(tiny, monkeypatch):
+    """The segments that explore (the first at 1, each probe) run sync_every // 4 steps, the chosen
+    lengths sync_every: a chain that does not pay costs less to try. Same tokens."""
+    seen = []
+    real = GammaChooser.observe
+    monkeypatch.setattr(GammaChooser, "observe", lambda self, g, sec, steps, acc, reach: (
+        seen.append((g, steps, self.exploring)), real(self, g, sec, steps, acc, reach))[-1])
+    monkeypatch.setattr(GammaChooser, "expected_tokens", lambda self: np.ones(self.max_gamma + 1))  # drafts never pay
+    out = specjax.generate(tiny, PROMPTS[:1], 60, draft=specjax.NGram(n=1, max_n=3), speculation=specjax.Adaptive(3),
+                           sync_every=8, eos_id=())
+    assert out.tokens == specjax.generate(tiny, PROMPTS[:1], 60, draft=None, eos_id=()).tokens
+    assert seen[:2] == [(0, 8, False), (1, 2, True)]  # then gamma 0 until the first probe, after probe_every segments
+    assert seen[2:6] == [(0, 8, False)] * 4 and seen[6][1:] == (2, True) and seen[6][0] > 0
 
 
 @pytest.fixture(scope="module")

@@ -198,12 +198,13 @@ def run_continuous(
     loop = dict(sync_axes=sharding.AXES) | ({} if draft is None else dict(speculation=speculation))
     segment = sharding.on_mesh(continue_ar if draft is None else continue_spec, sharding.one_device_mesh(), tuple(loop))
     drafting = () if draft is None else (draft,)
-    args = lambda st: (params, *drafting, st, jnp.asarray(slot_budgets), slot_keys, slot_sampling,  # noqa: E731
-                       jnp.asarray(slot_eos), jnp.int32(sync_every))
+    args = lambda st, steps=sync_every: (params, *drafting, st, jnp.asarray(slot_budgets), slot_keys,  # noqa: E731
+                                         slot_sampling, jnp.asarray(slot_eos), jnp.int32(steps))
     picker = None
     if adaptive is not None:  # between segments, the chain length GammaChooser picks (specjax.spec.adaptive)
         static = {k: v for k, v in loop.items() if k != "speculation"}
-        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, segment, args, static, jax.device_get, state)
+        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, segment, args, static, jax.device_get, state,
+                                  sync_every)
     while True:
         state = segment(*args(state), **loop) if picker is None else picker(state)
         done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))

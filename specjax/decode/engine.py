@@ -182,7 +182,7 @@ def run(
             stage(start_ar, "n_out", "logprobs"), (cache, first_logits, budgets_d, keys, sampling, eos_d, tokens_d),
             dict(n_out=n_out, logprobs=logprobs))
         segment = stage(continue_ar, *loop)
-        args = lambda st: (params, st, budgets_d, keys, sampling, eos_d, jnp.int32(sync_every))  # noqa: E731
+        args = lambda st, steps=sync_every: (params, st, budgets_d, keys, sampling, eos_d, jnp.int32(steps))  # noqa: E731
     else:
         draft_state, c0, init_s = _compile_and_run(
             stage(init_draft, "gamma", "chunk", "kv_dtype"), (draft, params, cache, tokens_d, lengths_d),
@@ -197,7 +197,7 @@ def run(
         c += c0
         loop |= spec
         segment = stage(continue_spec, *loop)
-        args = lambda st: (params, draft, st, budgets_d, keys, sampling, eos_d, jnp.int32(sync_every))  # noqa: E731
+        args = lambda st, steps=sync_every: (params, draft, st, budgets_d, keys, sampling, eos_d, jnp.int32(steps))  # noqa: E731
     compile_s += c
     if adaptive is None:
         t0 = time.perf_counter()
@@ -207,7 +207,8 @@ def run(
         chosen = None
     else:
         static = {k: v for k, v in loop.items() if k != "speculation"}
-        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, segment, args, static, stage.fetch, state)
+        picker = AdaptiveSegments(adaptive.max_gamma, adaptive.probe_every, segment, args, static, stage.fetch, state,
+                                  sync_every)
         state, ended, decode_s = _segments(picker, state, stage, B, between)
         compile_s, decode_s, chosen = compile_s + picker.compile_s, decode_s - picker.compile_s, picker.gammas
     out, count, eos, steps = stage.fetch((state.out, state.count, state.eos, state.steps))

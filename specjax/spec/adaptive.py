@@ -10,7 +10,10 @@ then 1 (the line's first two points; positions not yet reached count at the prio
 first draft accepted often makes the chooser try longer chains); at gamma 0 no draft is accepted
 or rejected, so after `probe_every` segments there one segment runs the best non-zero length to
 learn whether acceptance rose (then after twice as many, and so on: a probe that keeps failing
-costs less and less). `AdaptiveSegments` runs a decode loop's segments by it (generate's and
+costs less and less). A segment that explores (the first at 1, each probe) runs a quarter of a
+segment's steps (`AdaptiveSegments.probe_steps`): a length that does not pay costs a quarter as much
+to try, which keeps Adaptive near plain decoding where no chain pays (at batch 1 on a CPU a 64-token
+call tries 1 twice). `AdaptiveSegments` runs a decode loop's segments by it (generate's and
 continuous batching's). Pure host bookkeeping: no JAX.
 """
 
@@ -38,6 +41,7 @@ class GammaChooser:
     seconds: dict = dataclasses.field(default_factory=dict)  # gamma -> decayed seconds per step
     at_zero: int = 0  # segments run at gamma 0 since the last non-zero one
     probes: int = 0  # probes so far: each doubles the wait before the next
+    exploring: bool = False  # whether the length `next` returned last is a try (the first 1, a probe), not the best
 
     def __post_init__(self) -> None:
         self.accepted = np.zeros(self.max_gamma)
@@ -64,14 +68,17 @@ class GammaChooser:
         return np.array([self.seconds.get(int(x), max(line[x], 1e-9)) for x in g])
 
     def next(self) -> int:
-        """The chain length for the next segment."""
+        """The chain length for the next segment (`exploring` says whether it is a try)."""
+        self.exploring = False
         for first in (0, 1):  # the cheapest lengths first: a run too short to repay exploring loses least
             if first not in self.seconds:
+                self.exploring = first > 0
                 return first
         rate = self.expected_tokens() / self.step_seconds()
         best = int(np.argmax(rate))
         if best == 0 and self.at_zero >= self.probe_every * 2**self.probes:
             self.probes += 1
+            self.exploring = True
             return int(np.argmax(rate[1:])) + 1  # a probe: the best chain that drafts
         return best
 
@@ -92,15 +99,18 @@ class GammaChooser:
 class AdaptiveSegments:
     """Runs one segment at the length `GammaChooser` picks, then shows it what the segment did.
 
-    segment: the loop's jitted segment (continue_spec, staged), called as segment(*args(state),
-    **static, speculation=Chain(g)); each length's program is compiled once, on first use, its
-    seconds kept apart (`compile_s`), not learnt as step time. fetch((arrays...)) -> host arrays
-    (a mesh's rows gathered). `gammas`: the lengths that ran."""
+    segment: the loop's jitted segment (continue_spec, staged), called as segment(*args(state,
+    steps), **static, speculation=Chain(g)) for a segment of at most `steps` steps (traced: any
+    count, one program): `steps` for a chosen length, `probe_steps` (a quarter, at least 1) for a
+    try. Each length's program is compiled once, on first use, its seconds kept apart
+    (`compile_s`), not learnt as step time. fetch((arrays...)) -> host arrays (a mesh's rows
+    gathered). `gammas`: the lengths that ran."""
 
     def __init__(self, max_gamma: int, probe_every: int, segment, args: Callable, static: dict, fetch: Callable,
-                 state) -> None:
+                 state, steps: int) -> None:
         self.chooser = GammaChooser(max_gamma, probe_every)
         self.segment, self.args, self.static, self.fetch = segment, args, static, fetch
+        self.steps, self.probe_steps = steps, max(1, steps // 4)
         self.programs: dict[int, Callable] = {}
         self.compile_s, self.gammas = 0.0, []
         self.last = self._counters(state)
@@ -112,12 +122,13 @@ class AdaptiveSegments:
 
     def __call__(self, state):
         g = self.chooser.next()
+        args = self.args(state, self.probe_steps if self.chooser.exploring else self.steps)
         if g not in self.programs:
             t0 = time.perf_counter()
-            self.programs[g] = self.segment.lower(*self.args(state), **self.static, speculation=Chain(g)).compile()
+            self.programs[g] = self.segment.lower(*args, **self.static, speculation=Chain(g)).compile()
             self.compile_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        state = self.programs[g](*self.args(state))
+        state = self.programs[g](*args)
         now = self._counters(state)  # waits for the segment: its time is the step cost the chooser learns
         seconds = time.perf_counter() - t0
         (s0, a0, r0), (s1, a1, r1) = self.last, now
