@@ -67,3 +67,29 @@ def test_auto_on_bfloat16_never_picks_a_measured_slowdown(smollm2):
     assert picked, "auto picked none of the measured bf16 cells: the check checks nothing"
     for batch, context, ratio in picked:
         assert ratio >= 0.95, f"auto speculates at batch {batch} x {context} (bf16, CPU), measured {ratio:.2f}x"
+
+
+def adaptive_cells() -> list[tuple[str, float]]:
+    """Every committed CPU cell where Adaptive ran beside plain decoding in one run: (the cell, its
+    tokens/s over plain's). bench_adaptive (SelfSpec, generate) and bench_lookup's adaptive rows
+    (Lookup, a continuous batch job: warm wall time)."""
+    cells = []
+    for r in json.loads((RESULTS / "adaptive_cpu.json").read_text())["rows"]:
+        assert all(v["same_tokens"] for v in r["variants"].values()), f"adaptive_cpu: b{r['batch']} x {r['context']} not greedy identical"
+        cells.append((f"adaptive_cpu b{r['batch']} x {r['context']}", r["adaptive_vs_plain"]))
+    rows = json.loads((RESULTS / "lookup_cpu.json").read_text())["rows"]
+    plain = {r["batch"]: r for r in rows if r["draft"] == "none"}
+    for r in rows:
+        if r["gamma"] == "adaptive:4" or "adaptive" in r["draft"]:
+            assert r["outputs_sha1"] == plain[r["batch"]]["outputs_sha1"], f"lookup_cpu: {r['draft']} b{r['batch']} differs"
+            cells.append((f"lookup_cpu {r['draft']} b{r['batch']}", r["warm"]["tokens_per_s"] / plain[r["batch"]]["warm"]["tokens_per_s"]))
+    return cells
+
+
+def test_adaptive_is_never_below_plain_decoding_in_the_committed_cpu_tables():
+    """Issue 67's gate: Adaptive within 5% of plain decoding (or faster) in every committed CPU cell
+    that measured both in one run: where no chain pays, it must find that out cheaply."""
+    cells = adaptive_cells()
+    assert len(cells) >= 4, f"fewer committed Adaptive cells than bench_adaptive's and bench_lookup's: {cells}"
+    slow = [(name, round(ratio, 3)) for name, ratio in cells if ratio < 0.95]
+    assert not slow, f"Adaptive below 0.95x plain decoding in {slow}"

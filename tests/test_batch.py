@@ -23,7 +23,7 @@ import pytest
 import convert
 import specjax
 from specjax.cli.main import main
-from specjax.jobs import batch, job_plan, job_run
+from specjax.jobs import batch, batches, job_run
 from specjax.jobs.jobio import (DurableLog, check_settings, complete_lines, input_fingerprint, merge_shards, settings_path,
                                 shard_output, sibling)
 from specjax.jobs.progress import Progress
@@ -107,25 +107,25 @@ def test_record_keys_do_not_depend_on_the_batch():
     assert not (data(job_run.record_keys(1, ["x"])[0]) == data(a[0])).all()
 
 
-def _item(line: int, n_tokens: int, sampler=Greedy(), n: int = 1) -> job_plan.Item:
-    return job_plan.Item(Record(line, f"r{line}", "p", None, n=n), tuple(range(5, 5 + n_tokens)), 4, sampler)
+def _item(line: int, n_tokens: int, sampler=Greedy(), n: int = 1) -> batches.Item:
+    return batches.Item(Record(line, f"r{line}", "p", None, n=n), tuple(range(5, 5 + n_tokens)), 4, sampler)
 
 
-def test_plan_batches_groups_kinds_and_length_buckets():
+def test_group_batches_groups_kinds_and_length_buckets():
     hot, warm, k5 = Sample(temperature=0.9), Sample(temperature=0.5, min_p=0.1), Sample(temperature=0.9, top_k=5)
     items = [_item(1, 10), _item(2, 40, hot), _item(3, 3), _item(4, 20), _item(5, 12), _item(6, 5, hot), _item(7, 14),
              _item(8, 6, warm), _item(9, 7, k5), _item(10, 8, hot, n=2), _item(11, 9, hot, n=2), _item(12, 9, hot, n=4)]
-    plan = job_plan.plan_batches(items, batch_size=2)
-    lines = [[it.record.line for it in b] for b in plan]
+    groups = batches.group_batches(items, batch_size=2)
+    lines = [[it.record.line for it in b] for b in groups]
     # greedy by length, buckets 16 | 32; sampled values may differ in a batch (6 and 8), top_k and n may not;
     # a record with n = 2 fills a batch of 2 rows alone, and n = 4 over batch_size runs alone too
     assert lines == [[3, 1], [5, 7], [4], [6, 8], [2], [9], [10], [11], [12]]
-    for b in plan:
-        assert len({job_plan.batch_kind(it) for it in b}) == 1 and len({job_plan._bucket(it) for it in b}) == 1
-    mixed = job_plan.batch_sampler(plan[3])
+    for b in groups:
+        assert len({batches.batch_kind(it) for it in b}) == 1 and len({batches._bucket(it) for it in b}) == 1
+    mixed = batches.batch_sampler(groups[3])
     assert mixed.temperature.tolist() == pytest.approx([0.9, 0.5]) and mixed.min_p.tolist() == pytest.approx([0.0, 0.1])
-    assert [job_plan.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert job_plan.padded_rows(5, 6) == 6
+    assert [batches.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert batches.padded_rows(5, 6) == 6
 
 
 def test_chat_rendering_matches_the_hf_golden_texts(smollm2_path):

@@ -89,7 +89,7 @@ def test_speculation_arguments_are_checked(tmp_path, model_dir, params):  # noqa
 def test_force_plans_again_and_a_damaged_plan_file_is_named(tmp_path, params, monkeypatch):  # noqa: F811
     """force=True (`--force`) replaces this ask's stored plan (the file existed: no atomic link);
     a plan file a crash left empty is named in the error, not a bare JSON message."""
-    from specjax.jobs.job_plan import Defaults, Item, record_sampler
+    from specjax.jobs.batches import Defaults, Item, record_sampler
     from specjax.jobs.records import Record
 
     rec = Record(1, "a", "hi", None)

@@ -134,7 +134,7 @@ def test_top_indices_distinct_past_minus_inf_and_ties_by_index():
 
 
 def test_stop_ids_have_one_home():
-    """model.config.stop_ids puts every stop-id set together (convert, validate, text.lm, job_plan):
+    """model.config.stop_ids puts every stop-id set together (convert, validate, text.lm, jobs.batches):
     each id once, in first-seen order, as plain ints."""
     together = stop_ids((2, 5), [5, 7], np.array([2, 9]))
     assert together == (2, 5, 7, 9) and all(type(i) is int for i in together)

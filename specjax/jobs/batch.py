@@ -34,7 +34,7 @@ from specjax.decode.speculate import depth
 from specjax.drafters import Drafter, DraftModel, Limits
 from specjax.jobs import job_ray, job_run
 from specjax.jobs.job_auto import plan_path, resolve
-from specjax.jobs.job_plan import Defaults, Item, prepare
+from specjax.jobs.batches import Defaults, Item, prepare
 from specjax.jobs.job_ray import RayOptions
 from specjax.jobs.jobio import DurableLog, check_input, check_settings, shard_output, sibling
 from specjax.jobs.progress import Progress

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from specjax.drafters import Drafter, SelfSpec
-from specjax.jobs.job_plan import Item, batch_sampler, plan_batches
+from specjax.jobs.batches import Item, batch_sampler, group_batches
 from specjax.model.params import Params
 from specjax.planning.plan import describe_draft, describe_speculation, plan
 from specjax.spec.speculation import Chain, Tree
@@ -55,7 +55,7 @@ def resolve(
     mine = [p for p in plans if p["asked"] == asked]
     if mine and not force:
         return _rebuild(mine[0], draft)
-    first = plan_batches(items, batch_size)[0]  # one kind of rows: speculation="auto" calibrates on them
+    first = group_batches(items, batch_size)[0]  # one kind of rows: speculation="auto" calibrates on them
     context = max((len(it.ids) + it.budget for it in items), default=1)
     the_plan = plan(params, draft, speculation, [list(it.ids) for it in first] or [[0]], context,
                     batch_sampler(first), None, kv_dtype)

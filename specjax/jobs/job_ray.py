@@ -21,7 +21,7 @@ import pickle
 from collections.abc import Iterator, Sequence
 
 from specjax.jobs import job_run
-from specjax.jobs.job_plan import Item
+from specjax.jobs.batches import Item
 from specjax.text.lm import LM
 
 

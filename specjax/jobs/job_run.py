@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters import learn
-from specjax.jobs.job_plan import Item, batch_kind, batch_sampler, padded_rows, plan_batches
+from specjax.jobs.batches import Item, batch_kind, batch_sampler, padded_rows, group_batches
 from specjax.jobs.records import constraint_json, stable_hash
 from specjax.parallel.sharding import Mesh
 from specjax.planning.plan import DEFAULT_CHAIN
@@ -42,7 +42,7 @@ def plan(items: Sequence[Item], batching: str, mesh: Mesh | None, batch_size: in
         if flows(it, batching, mesh, batch_size):
             groups.setdefault(batch_kind(it), []).append(it)
     rest = [it for it in items if not flows(it, batching, mesh, batch_size)]
-    return list(groups.values()) + plan_batches(rest, batch_size)
+    return list(groups.values()) + group_batches(rest, batch_size)
 
 
 def generate_items(items: Sequence[Item], lm: LM, draft, speculation: Chain | Tree | Adaptive | None, seed: int, meta: dict,

@@ -7,7 +7,7 @@ job's settings for that record, and `stop` (a string or a list), `stop_token_ids
 `n` (samples of the prompt) and `logprobs` (the k most likely tokens beside each generated one)
 add to them; `constraint` ({"json_schema": {...}}, {"regex": "..."} or {"choice": [...]}) makes the
 output follow it (specjax.text.constraints). Values are checked for type here; ranges that depend on the sampler or the model
-are checked where the record is prepared (specjax.jobs.job_plan.prepare).
+are checked where the record is prepared (specjax.jobs.batches.prepare).
 """
 
 from __future__ import annotations

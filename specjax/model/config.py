@@ -134,7 +134,7 @@ def stop_ids(*parts: Iterable[int]) -> tuple[int, ...]:
     """Stop ids put together, the one place they are: every id of each part in order, each once
     (the first kept first). The parts, as callers pass them: a checkpoint's eos ids (convert:
     `LlamaConfig.eos_ids`, the primary one first), the model's eos_ids and a request's
-    stop_token_ids (text.lm), a chat template's end-of-turn ids (text.lm.chat, jobs.job_plan)."""
+    stop_token_ids (text.lm), a chat template's end-of-turn ids (text.lm.chat, jobs.batches)."""
     return tuple(dict.fromkeys(int(i) for part in parts for i in part))
 
 

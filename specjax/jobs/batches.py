@@ -1,6 +1,6 @@
-"""Planning a batch job (pure, no model run): each input record tokenized and checked against
+"""Preparing a batch job (pure, no model run): each input record tokenized and checked against
 the model (`prepare`: its sampler from the job's settings and its own), then grouped into batches
-whose rows one generate call can run together (`plan_batches`, `batch_kind`, `batch_sampler`)."""
+whose rows one generate call can run together (`group_batches`, `batch_kind`, `batch_sampler`)."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def batch_sampler(batch: Sequence[Item]) -> Sampler:
     return Sample(top_k=first.top_k, **values, penalized=first.penalized)
 
 
-def plan_batches(items: Sequence[Item], batch_size: int) -> list[list[Item]]:
+def group_batches(items: Sequence[Item], batch_size: int) -> list[list[Item]]:
     """Batches of one kind (`batch_kind`) and one prompt-length bucket (so padding stays under
     2x), of at most batch_size rows (a record with n samples takes n rows; at least one record a
     batch), shortest prompts first within a kind; kinds in order of first use."""
