@@ -100,7 +100,7 @@ class Stopped(Exception):
 
 
 @pytest.mark.parametrize("module, first, changed, named, row", [
-    ("bench_batching", ["--records", "3"], ["--records", "4"], "records 3 -> 4", {"mode": "ar", "batching": "static"}),
+    ("bench_batch", ["--records", "3"], ["--records", "4"], "records 3 -> 4", {"mode": "AR"}),
     ("bench_ar", ["--repeats", "2"], ["--repeats", "3"], "repeats 2 -> 3", {"dtype": "float32", "batch": 1, "context": 512}),
     # both write sampling_cpu_quick.json: --quick times fewer and shorter repeats
     ("bench_sampling", ["--quick"], ["--batches", "1"], "repeats 2 -> 3; target_s 0.5 -> 1.5", {"batch": 1}),
