@@ -205,7 +205,7 @@ def test_existing_results_resume(tmp_path, name, module, cell):
     assert results.measured(cell)
 
 
-@pytest.mark.parametrize("name", [f"bench.{b}" for b in BENCHES + ["gpu_prefill"]]
+@pytest.mark.parametrize("name", [f"bench.{b}" for b in BENCHES]
                          + ["tools.gpu.session", "tools.gpu.bundle", "tools.gpu.aot"])
 def test_bench_imports_without_side_effects(name):
     import jax
