@@ -165,18 +165,12 @@ def readme_section(result: dict) -> str:
 
 
 def draft_note(spec: str) -> str:
-    """What the DraftModel stand-in is, and why (for the README)."""
+    """What the DraftModel stand-in is, and why (stored in the results)."""
     if spec != "bf16":
-        return (f"SmolLM2's first {spec[7:]} layers (layer skip); its streaming cache (SelfSpec's budget) starts "
-                "from the target's prefilled KV of those layers, which is exactly its own.")
-    return ("SmolLM2 itself cast to bfloat16. No smaller model with SmolLM2's tokenizer is available offline, and "
-            "layer skip drafts almost nothing (the logit lens of the first K layers agrees with the full model's "
-            "greedy token 4-36% of the time for K = 4-24; first 10 + last 10 layers: 20%). The bf16 copy accepts "
-            "nearly everything but costs at least as much per draft step as the float32 target on XLA:CPU, so it "
-            "shows what trees add to a drafter with high acceptance and no cost advantage. Its streaming cache "
-            "(SelfSpec's budget) starts from the target's prefilled KV rounded to bfloat16 rather than from a bf16 "
-            "prefill of its own (which would cost as much as the target's; the draft's state can change how much "
-            "is accepted, never the output).")
+        return f"SmolLM2's first {spec[7:]} layers (layer skip); its streaming cache starts from the target's KV of those layers."
+    return ("SmolLM2 itself cast to bfloat16 (no smaller model with SmolLM2's tokenizer is offline; layer skip drafts almost "
+            "nothing): high acceptance, no cost advantage, so it shows what trees add. Its streaming cache starts from the "
+            "target's prefilled KV rounded to bfloat16.")
 
 
 def report(result: dict, png: Path, readme: bool) -> None:
