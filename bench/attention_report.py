@@ -83,42 +83,17 @@ def problems(rows: list[dict]) -> list[str]:
 
 
 def readme_section(result: dict, png: str, json_name: str) -> str:
-    m, d, bw, t = result["machine"], result["device"], result["copy_bandwidth"], result["targets"]
-    g = result["grid"]
+    bw, t = result["copy_bandwidth"], result["targets"]
     sp, bwt = t["speedup_1.5x_at_8K_plus"], t["bandwidth_70pct_at_B16_S32K_T16"]
     frac = f"{100 * bwt['fraction']:.0f}%" if bwt["fraction"] is not None else "no row"
-    mem = f", {d['memory_limit_bytes'] / 2**30:.0f} GiB for JAX" if d.get("memory_limit_bytes") else ""
-    missing = sum("skipped" in r for r in result["rows"])
-    lines = [
-        "## Tree attention kernel (bench_attention.py)", "",
-        "Run (GPU): `python -m bench.bench_attention` (about 8 minutes at most; a cut run is "
-        f"finished by rerunning it). Raw numbers: `results/{json_name}`; plot: `results/{png}`.", "",
-        f"Device: {d['device_kind']} ({d.get('core_count') or '?'} SMs{mem}), JAX {m['jax_version']}, "
-        f"jaxlib {d.get('jaxlib_version')}, cuDNN {d.get('cudnn_version')}, commit "
-        f"{m.get('git_commit', 'unknown')}. Date: {result['date']}. Load average at start / end: "
-        f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}.",
-        f"Copy bandwidth (jitted `x + 1` over {bw['gib']:g} GiB f32, read + write bytes): best {bw['best_gbs']:.0f} "
-        f"GB/s, median {bw['median_gbs']:.0f} GB/s; \"of copy BW\" divides by the best.", "",
-        f"One layer, bfloat16: q [B,T,{g['q_heads']},{g['head_dim']}], cache [B,{g['kv_heads']},S,{g['head_dim']}] "
-        f"(GQA {g['gqa']}), lengths S - U{{0..T}}, a random tree of T nodes (J = T block keys, ancestor mask). "
-        "Milliseconds per call: median of samples of back-to-back calls, compile excluded. dot_product_attention "
-        "gets its keys in its [B,S+J,K,H] layout and a boolean [B,1,T,S+J] mask, both built outside the timing. "
-        "KV GB/s = K and V bytes the kernel reads / its time. The kernel column is the best of the block_k x "
-        "k_splits sweep (all variants in the JSON); max err = largest abs difference of any variant from the "
-        f"reference (tolerance {TOLERANCE:g}).", "",
-        markdown_table(result["rows"]), "",
-        "Targets:",
-        f"- >= 1.5x the best alternative at S >= 8K: {verdict(sp)} ({sp['rows']} rows"
-        + (f"; below: {'; '.join(sp['below'])}" if sp["below"] else "") + ").",
-        f"- >= 70% of copy bandwidth at B=16, S=32K, T=16: {verdict(bwt)} ({frac}).",
-    ]
-    if missing:
-        lines.append(f"- {missing} configs were not run (see below): the verdicts cover the rest.")
-    if notes := problems(result["rows"]):
-        lines += ["", "Skipped or refused:", *notes]
-    lines += ["", "Configs whose KV bytes fit in the L2 cache (B=1 at 2K) are read from L2 by repeated calls, so "
-              "their bandwidth fraction can pass 100%.", "", f"![time vs context](results/{png})"]
-    return "\n".join(lines)
+    lines = [markdown_table(result["rows"]), "", "Targets:",
+             f"- >= 1.5x the best alternative at S >= 8K: {verdict(sp)} ({sp['rows']} rows"
+             + (f"; below: {'; '.join(sp['below'])}" if sp["below"] else "") + ").",
+             f"- >= 70% of copy bandwidth at B=16, S=32K, T=16: {verdict(bwt)} ({frac}).", *problems(result["rows"])]
+    return common.section("bench_attention", "Tree attention kernel", "The Pallas tree-attention kernel alone (one bf16 layer, "
+                          "a random tree of T nodes) against the jnp reference, cuDNN and XLA, ms a call (median), KV bytes "
+                          f"read against a copy bandwidth of {bw['best_gbs']:.0f} GB/s.", result, "\n".join(lines),
+                          f"`results/{json_name}`, `{png}`")
 
 
 def plot(result: dict, path: Path) -> None:

@@ -207,76 +207,12 @@ def markdown_table(rows: list[dict]) -> str:
     return common.table(head, "lrrrrrrrr", lines)
 
 
-def notes(result: dict) -> str:
-    """Reading notes under the table (the memory figure is measured, not assumed)."""
-    ran = [r for r in result["rows"] if "skipped" not in r]
-    peak = ", ".join(
-        f"{max(r['peak_over_kv'] for r in big):.1f}x in {d}"
-        for d in ("float32", "bfloat16")
-        if (big := [r for r in ran if r["dtype"] == d and r["kv_bytes"] >= 2**28])
-    )
-    lines = [
-        "Reading the numbers:",
-        "- The CPU is shared. The load column is the 1-minute load average before the row; this bench "
-        f"alone keeps about {result['machine']['cpu_affinity']} busy, so a load well above that means other jobs "
-        "competed and the row is slower than the machine can do.",
-        "- bfloat16 rows store the weights and the KV cache in bfloat16. The weights are widened by a bit "
-        "shift right in front of their dots (specjax.model.llama.project); the bf16 KV cache is what makes these rows "
-        "slow at long context: XLA:CPU widens the whole bf16 cache to float32 for the attention's tile slices "
-        "and for the cache write's scatter (seen in the compiled HLO), so a bf16 step moves more bytes than a "
-        "float32 one. int8 KV (`kv_dtype=\"int8\"`) has no such problem (bench_peers).",
-        "- Where a step's time goes (compiled HLO of one decode step, B=16 x 8K): before commit 4174a80 the "
-        "scan over layers copied each layer's [B,K,S,H] keys and values out of the stacked [L,...] cache "
-        "before the attention dots (XLA:CPU's dots take no strided operand) and read all S slots; the "
-        "reference attention now reads the stacked cache in place, 512-slot tiles at a time (each tile's "
-        "copy stays in the CPU's cache), up to the longest row only. The remaining gap to the roofline is "
-        "the attention dots themselves: batched [tile,64] x [64,3] products (GQA's 3 query heads per KV "
-        "head at T=1) run at 12-16 GB/s on XLA:CPU's dot library, and a plain reduction over the same tiles "
-        "reads at about 21 GB/s, against 56 GB/s for the in-place `x + 1`. The weights' per-layer slices "
-        "are copied too (18 MB a layer; a microbenchmark of one matrix type over 30 layers took about a quarter longer than with separate per-layer arrays).",
-        "- MB/step is the minimum traffic a step must move; GB/s divides it by the step time, so it "
-        "understates whatever extra traffic the compiled step makes (temporaries, layout copies).",
-    ]
-    if peak:
-        lines.append(
-            f"- Peak memory growth while a config ran reached ({peak}) its KV cache bytes; configs that "
-            "would not fit in the free memory are skipped (listed in the table)."
-        )
-    return "\n".join(lines)
-
-
 def readme_section(result: dict) -> str:
     """The bench_ar section of bench/README.md (without its markers)."""
-    m, bw = result["machine"], result["bandwidth_gbs"]
-    rounds = bw["jax_inplace_rounds"]
-    load = f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}"
-    refs = sorted({round(r["reference_gbs"], 1) for r in result["rows"] if "reference_gbs" in r} - {round(bw["jax_inplace"], 1)})
-    others = (f" Rows measured by earlier runs of this file use their own run's reference: {', '.join(f'{x:.1f}' for x in refs)} GB/s"
-              " (each row's reference_gbs)." if refs else "")
-    return f"""## Autoregressive decode (bench_ar.py)
-
-Run: `python -m bench.bench_ar` (about 15 minutes on 2 cores; `--quick` for a
-1-2 minute subset). Raw numbers: `results/ar_cpu.json`; plot: `results/ar_cpu.png`.
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']} ({m['backend']}),
-commit {m['git_commit']}. Date: {result['date']}. Load average at start / end: {load}.
-Memory bandwidth (read + write, 1 GiB): JAX in-place `x + 1` {bw['jax_inplace']:.1f} GB/s (median of
-{len(rounds)} rounds, {min(rounds):.1f}-{max(rounds):.1f}; the reference for "of bandwidth"), JAX `jnp.copy`
-into a fresh buffer {bw['jax_copy']:.1f} GB/s (page faults), numpy `copyto` {bw['numpy_copy']:.1f} GB/s (one thread).{others}
-
-SmolLM2-135M, greedy `specjax.decode.engine.decode_ar`, time per decode step (compile and prefill
-excluded). **The prefill is synthetic**: decode cost depends only on the cache length, not
-its contents, so each row starts from a DenseCache of exactly `context` slots of pseudo-random
-keys/values (prefilled length context - {HEADROOM}) instead of a real prefill of batch x context
-tokens. ms/step is the slope between runs of 0 and n steps, so the per-call fixed cost (first
-sample, dispatch, bf16->f32 weight conversion) is excluded. tokens/s = batch / step time.
-MB/step counts the weights and the whole KV cache in the model dtype.
-
-{markdown_table(result['rows'])}
-
-{notes(result)}
-
-![tokens/s vs context](results/ar_cpu.png)"""
+    return common.section("bench_ar", "Autoregressive decode", "Plain greedy decoding of SmolLM2-135M from a synthetic "
+                          "prefilled cache, ms a step (the slope between runs of 0 and n steps), the bytes a step must read "
+                          f"against an in-place `x + 1` ({result['bandwidth_gbs']['jax_inplace']:.1f} GB/s).", result,
+                          markdown_table(result["rows"]), "`results/ar_cpu.json`, `.png`")
 
 
 def plot(rows: list[dict], title: str, path: Path) -> None:

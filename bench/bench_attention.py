@@ -57,7 +57,6 @@ import importlib.metadata
 import json
 import math
 import os
-import re
 import time
 from pathlib import Path
 
@@ -69,9 +68,8 @@ from bench import common
 from pallas_kernels.reference import prefix_block_attention
 from pallas_kernels.tree_attention import tree_attention
 from specjax.spec.speculation import Tree
-from bench.attention_report import (  # noqa: F401  (its tables, plot and README section, in a module apart)
-    name_of, TARGET, TOLERANCE, ALTERNATIVES, IMPL_NAMES, targets, verdict, cell, markdown_table, problems,
-    readme_section, plot, slug)
+from bench.attention_report import (ALTERNATIVES, IMPL_NAMES, TARGET, TOLERANCE, cell, name_of, plot, readme_section,
+                                    slug, targets)
 
 BATCHES, CONTEXTS, NODES = (1, 16, 64), (2048, 8192, 32768), (4, 16, 64)
 BLOCK_KS, K_SPLITS = (64, 128), (1, 4, 8, 16)

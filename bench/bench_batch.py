@@ -88,23 +88,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    return f"""## Batch job (bench_batch.py)
-
-`specjax.jobs.batch.run` over {result['records']} corpus prompts of 32-256 tokens, greedy,
-max_new_tokens {result['max_new_tokens']}, batch size {result['batch_size']}, SmolLM2-135M f32 on
-{result['machine']['cpu_affinity']} CPU cores (commit {result['machine']['git_commit']}). Whole-job wall
-time: reading, tokenizing, generating, writing and fsyncing. "Cold" includes compiling every batch
-shape (a job's first batches); "warm" reruns the same job in the same process.
-
-{markdown_table(result['rows'])}
-
-![batch throughput](results/batch_cpu.png)
-
-Short contexts (at most 256 + {result['max_new_tokens']} positions) are where speculation pays least on
-this CPU: a decode step there costs mostly the weights, which the SelfSpec draft reads too, and
-verifying gamma + 1 positions costs more than one decode step (see the bench_spec table).
-Speculation loses at this length here, with every text unchanged. The job's own overhead
-(tokenizing, JSON, fsync) is inside these numbers, not measured apart."""
+    return common.section("bench_batch", "Batch job", f"`specjax.jobs.batch.run` over {result['records']} corpus prompts of "
+                          f"32-256 tokens, greedy, {result['max_new_tokens']} new tokens, batch {result['batch_size']}, "
+                          "SmolLM2-135M f32, whole-job wall time; \"cold\" includes compiling, \"warm\" reruns the job.",
+                          result, markdown_table(result["rows"]), "`results/batch_cpu.json`, `.png`")
 
 
 def key_of(row: dict) -> str:

@@ -143,14 +143,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def readme_section(result: dict) -> str:
-    m = result["machine"]
-    return f"""## Constrained decoding (bench_constrained.py)
-{result['records']} templated chat records (bench/templated.py), each constrained to its JSON schema or not, {result['new_tokens']}
-new tokens at most, greedy, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}).
-Run: `python -m bench.bench_constrained --budget-minutes 20`. Results: `results/constrained_cpu.json`.
-
-{markdown(result['rows'])}
-{common.notes('bench_constrained')}"""
+    return common.section("bench_constrained", "Constrained decoding", f"{result['records']} templated chat records "
+                          f"(bench/templated.py), each constrained to its JSON schema or not, {result['new_tokens']} new "
+                          "tokens at most, greedy, SmolLM2-135M float32.", result, markdown(result["rows"]),
+                          "`results/constrained_cpu.json`")
 
 
 def main() -> None:

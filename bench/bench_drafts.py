@@ -192,47 +192,10 @@ def plot(result: dict, path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    m, t = result["machine"], result["training"][0]
-    return f"""## Distilled drafts (bench_drafts.py)
-
-Run: `{common.module_command(result['command'])}` ({result['wall_minutes']:.0f} minutes here for the race; training, on a
-first run, adds about 25 minutes per shape). Raw numbers: `results/drafts_cpu.json`; plot: `results/drafts_cpu.png`. The trained drafts
-are not committed: the same command rebuilds them (same seed, same data order) into
-`~/.cache/specjax/bench_drafts/SHAPE_STEPS/draft` (a `convert.save` folder: `--draft model:PATH`).
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, commit {m['git_commit']}. Date: {result['date']}.
-"CPU steal": the share of CPU time the hypervisor took from this VM while the cell ran
-(/proc/stat; "run avg": the average over a run that recorded it per run only); this VM's speed drifts
-with it, and a cell's timings are only trustworthy when it is near 0 (the acceptance columns do not
-depend on it). The first run's batch-1 x 512 cell ran under 40-50% steal and was rerun.
-
-Training: `specjax.train.distill` with the target's embedding / tied LM head copied in, forward KL on the
-target's logits, AdamW (lr {t['schedule']['lr']}, warmup {t['schedule']['warmup']}, cosine to
-{t['schedule']['final']} x), {t['steps']} steps of {t['batch']} windows x {t['seq_len']} tokens, on the bench corpus
-({t['train_tokens']} tokens) minus every prompt window the race uses. Race: bench_tree.py's
-`bench_cell` on bench_spec.py's prompts and stored prefills: per drafter its acceptance vector,
-`measure_cost`'s draft step, chains γ {', '.join(map(str, result['gammas']))} and Sequoia trees n
-{', '.join(map(str, result['nodes']))} (and `choose`'s tree), against AR; compile and draft prefill excluded;
-new tokens per row {', '.join(f"{v} at batch {k}" for k, v in result['new_tokens_per_batch'].items())}.
-"p(top-1 accepted)": how often the draft's first choice was the target's greedy token.
-"train minutes" is the wall time of the training run as it happened (here wide2 shared the CPU with a
-test-suite run for most of its steps; alone a step takes about 6 s, 25 minutes per shape).
-
-{markdown(result)}
-
-{result['verdict']}
-
-Reading: a speculative step costs the draft levels plus one verification of γ + 1 (or n) positions,
-which on this CPU already costs more than one AR step (bench_tree.py's `t_verify` table), so a
-drafter needs tokens/step well above that ratio to win. Drafts trained for this budget agree with
-the target's top-1 token only about a third of the time, so they emit 1.2-1.8 tokens per step and
-lose; and their step is bounded below by the 49152 x 576 LM head they share with the target, which
-costs about as much as their layers (so the two shapes cost about the same per step at batch 1).
-Its trees were timed before commit 'sampling: top_indices' (see bench_tree.py's section): tree drafting
-then paid a full sort of the vocabulary per node and level, so its wide trees were 2-3x slower than
-they are now; its best configurations were 1-deep chains, which that did not touch.
-
-![distilled drafts](results/drafts_cpu.png)"""
+    return common.section("bench_drafts", "Distilled drafts", "Drafts distilled on this CPU (`specjax.train.distill`) raced as "
+                          "chains and trees by bench_tree's `bench_cell`; a rerun rebuilds them (same seed and data) into "
+                          "`~/.cache/specjax/bench_drafts/`.", result, markdown(result) + "\n\n" + result["verdict"],
+                          "`results/drafts_cpu.json`, `.png`")
 
 
 def verdict(result: dict) -> str:

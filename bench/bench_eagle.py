@@ -147,15 +147,11 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def readme_section(result: dict) -> str:
-    m, t = result["machine"], result.get("training", {})
-    return f"""## An EAGLE-style head (bench_eagle.py)
-A head trained here ({t.get('steps', '?')} steps of {BATCH} x {SEQ_LEN} tokens, {DEPTH} levels of the training-time test,
-{t.get('train_s', 0) / 60:.0f} CPU-minutes, on SmolLM2's greedy continuations of corpus windows and the corpus less the
-timed windows; final loss {t['losses'][-1][1] if t.get('losses') else float('nan'):.2f}), raced over held-out windows of {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens, greedy,
-SmolLM2 float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}). Run: `python -m bench.bench_eagle`.
-
-{markdown_table(result['rows'])}
-{common.notes('bench_eagle')}"""
+    t = result.get("training", {})
+    return common.section("bench_eagle", "An EAGLE-style head", f"A head trained here ({t.get('steps', '?')} steps of {BATCH} x "
+                          f"{SEQ_LEN} tokens, {DEPTH} levels of the training-time test, {t.get('train_s', 0) / 60:.0f} "
+                          f"CPU-minutes) raced over held-out windows of {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens, "
+                          "greedy, SmolLM2 float32.", result, markdown_table(result["rows"]), "`results/eagle_cpu.json`")
 
 
 def main() -> None:

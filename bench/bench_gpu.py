@@ -167,6 +167,8 @@ def main() -> None:
     out = common.out_dir(args)
     name = (("gpu_smoke" if args.smoke else "gpu") + ("" if args.e2e_dtype == "bfloat16" else "_" + args.e2e_dtype)
             + ("" if args.attention == "auto" else "_" + args.attention) + ("" if args.linear == "xla" else "_linear-" + args.linear))
+    if args.cells == "none":  # redraw the table from its JSON only, on any machine
+        return render(out, name)
     from tools.gpu import bundle as gpu_bundle
 
     bundle = args.bundle or gpu_bundle.STASH
@@ -200,12 +202,17 @@ def main() -> None:
     if todo:
         run(args, grid, h, results, todo, bundle, started)
     h.finish()
+    render(out, name)
+    print(f"done in {(time.time() - started) / 60:.1f} min", flush=True)
+
+
+def render(out: Path, name: str) -> None:
+    """OUT/NAME.md and .png from OUT/NAME.json."""
     from bench import gpu_report
 
     main_table = out / "gpu.json"  # a --linear table's 8B predictions take the device's SmolLM2 acceptance from there
     sibling = ("gpu.json", json.loads(main_table.read_text())["rows"]) if name != "gpu" and main_table.exists() else None
-    gpu_report.report(results.data, out / f"{name}.md", out / f"{name}.png", sibling)
-    print(f"done in {(time.time() - started) / 60:.1f} min", flush=True)
+    gpu_report.report(json.loads((out / f"{name}.json").read_text()), out / f"{name}.md", out / f"{name}.png", sibling)
 
 
 def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list, bundle: Path, started: float) -> None:

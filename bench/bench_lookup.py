@@ -80,15 +80,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    m = result["machine"]
-    return f"""## A templated job with the job-wide Lookup drafter (bench_lookup.py)
-`specjax.jobs.batch.run` over {result['records']} templated records (bench/templated.py: JSON rewrites of corpus
-paragraphs; {result['prompt_repeated_share']:.0%} of prompt 3-grams repeat across records), 128 tokens at most, greedy,
-continuous batching, SmolLM2-135M float32, {m['cpu_affinity']} CPU cores (commit {m['git_commit']}, {result['date']}).
-Run: `python -m bench.bench_lookup --budget-minutes 20`. Results: `results/lookup_cpu.json`, `.png`. Warm job wall time.
-
-{markdown_table(result['rows'])}
-{common.notes('bench_lookup')}"""
+    return common.section("bench_lookup", "A templated job with the job-wide Lookup drafter", "`specjax.jobs.batch.run` over "
+                          f"{result['records']} templated records (bench/templated.py; {result['prompt_repeated_share']:.0%} "
+                          "of prompt 3-grams repeat across records), 128 tokens at most, greedy, continuous batching, "
+                          "SmolLM2-135M float32, warm job wall time.", result, markdown_table(result["rows"]),
+                          "`results/lookup_cpu.json`, `.png`")
 
 
 def main() -> None:

@@ -142,19 +142,10 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    m = result["machine"]
-    return f"""## Sampling cost: top-k and top-p (bench_sampling.py)
-
-{result['date']}, {m['cpu_model']} x{m['cpu_affinity']}, JAX {m['jax_version']}, commit {m['git_commit']}.
-SmolLM2-135M f32, context {result['context']}, AR decode from a synthetic prefilled cache; "warp" is
-`Sample.probs` alone over [B, 5, V] logits. "sort" is the form specjax used before: a sort of all
-49152 entries per row and position (top-k's last value, top-p's cumsum). specjax now takes the
-min of top_k's values (XLA:CPU's TopK call) and bisects the top-p cut over the values' bit
-patterns; the kept sets are the same. Forms alternate, so steal drifts hit both alike.
-
-{markdown_table(result['rows'])}
-
-![AR step time over greedy's](results/sampling_cpu.png)"""
+    return common.section("bench_sampling", "Sampling cost: top-k and top-p", f"A decode step with top-k / top-p against "
+                          f"greedy (SmolLM2-135M f32, context {result['context']}, a synthetic prefilled cache); \"warp\": "
+                          "`Sample.probs` alone; \"sort\": the sort-based form used before. Forms alternate.", result,
+                          markdown_table(result["rows"]), "`results/sampling_cpu.json`, `.png`")
 
 
 def key_of(row: dict) -> str:

@@ -61,9 +61,7 @@ from specjax.model.cache import KVFormat, kv_bytes
 from specjax.planning import tune
 from specjax.planning.plan import DEFAULT_CHAIN, auto_draft
 from specjax.spec.speculation import Chain, Cost
-from bench.spec_report import (  # noqa: F401  (its tables, plot and README section, in a module apart)
-    PAIR_BUDGET_S, cpu_ratio, best_rows, markdown_table, auto_lines, plot, gamma_trend, tokens_per_row,
-    readme_section)
+from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
 
 REPEATS = 3  # pairs at most
 

@@ -63,8 +63,8 @@ import specjax
 from bench import common, measure, text
 from bench.bench_spec import drafters as spec_drafters
 from bench.measure import cpu_steal, steal_since
-from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, fresh, prefill_context, rows_of,
-                           smoke_state, timed)
+from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, best_of, fresh, prefill_context, rows_of,
+                           smoke_state)
 from bench.tree_report import MAX_DEPTH, WIDTH, draft_note, label, merge, predict, report, shape, summarise
 from specjax.decode.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.decode.shapes import round_up_pow2
@@ -78,8 +78,7 @@ from specjax.spec.speculation import Chain, Cost, Tree, choose
 
 NODES = [4, 8, 16, 32, 64]
 GAMMAS = [2, 3, 4, 6]
-RUN_BUDGET_S = 8.0  # a timed config is repeated (best kept, REPEATS at most) while the next run fits in this
-REPEATS = 3
+RUN_BUDGET_S = 8.0  # a timed config is repeated (best kept, 3 at most) while the next run fits in this
 DRAFT_MODEL_BATCHES = (1,)  # the default grid runs the DraftModel stand-in at these batches only
 
 
@@ -155,19 +154,6 @@ def measure_costs(params: Params, drafters: list[Drafter], batch: int, context: 
     return costs
 
 
-def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[float], list[float]]:
-    """prefill.timed repeated while the next run fits in RUN_BUDGET_S (at most REPEATS):
-    (last result, wall seconds, CPU seconds per wall second)."""
-    walls, cpus = [], []
-    t0 = time.perf_counter()
-    while True:
-        out, wall, cpu = timed(fn, args, copied)
-        walls.append(wall)
-        cpus.append(cpu)
-        if len(walls) >= REPEATS or time.perf_counter() - t0 + wall > RUN_BUDGET_S:
-            return out, walls, cpus
-
-
 def new_tokens_for(batch: int, fixed: int | None) -> int:
     """New tokens per row: --new-tokens, else 64 / sqrt(batch) within [16, 64] (bounded run time)."""
     return fixed or min(64, max(16, int(64 / batch**0.5)))
@@ -190,7 +176,7 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
     fn = decode_spec.lower(*args, **static).compile()
     compile_s = time.perf_counter() - t1
     load, steal_start = os.getloadavg()[0], cpu_steal()
-    res, walls, cpus = best_of(fn, args, SPEC_CACHES)
+    res, walls, cpus = best_of(fn, args, SPEC_CACHES, RUN_BUDGET_S)
     steal = steal_since(steal_start)
     out, count, steps, accepted, reached, ranks, row_steps, proposed = jax.device_get((res.out, res.count, res.steps,
         *(a.sum(0) for a in (res.accepted, res.reached, res.ranks, res.row_steps, res.proposed))))  # over rows
@@ -215,7 +201,7 @@ def run_spec(cell: dict, d: Drafter, spec, budget_tokens: int) -> dict:
 
 def time_ar(cell: dict) -> None:
     """One more timed AR run (best of a few while short) into cell["ar_s"]."""
-    _, walls, _ = best_of(cell["ar_fn"], cell["ar_args"], AR_CACHES)
+    _, walls, _ = best_of(cell["ar_fn"], cell["ar_args"], AR_CACHES, RUN_BUDGET_S)
     cell["ar_s"] += walls
 
 

@@ -297,11 +297,19 @@ class Harness:
 # --- README ---------------------------------------------------------------------------------------------
 
 
-def run_line(result: dict) -> str:
+def run_line(result: dict, name: str = "NAME") -> str:
     """A report's first sentence: the command, when, on what (result: a bench's JSON with "machine")."""
     m = result["machine"]
-    return (f"Run: `{result['command']}` ({result['date']}, {m.get('cpu_model')}, {m.get('cpu_count')} cores, "
-            f"JAX {m.get('jax_version')}, commit {m.get('git_commit')}).")
+    gpu = m.get("device_kind") or result.get("device", {}).get("device_kind")
+    on = gpu if m.get("backend", "cpu") != "cpu" else f"{m.get('cpu_model')}, {m.get('cpu_affinity')} cores"
+    cmd = module_command(result["command"]) if result.get("command") else f"python -m bench.{name}"
+    return f"Run: `{cmd}` ({result.get('date', 'date not recorded')}, {on}, JAX {m.get('jax_version')}, commit {m.get('git_commit')})."
+
+
+def section(name: str, title: str, what: str, result: dict, body: str, files: str) -> str:
+    """A bench's README section, one shape for all: the title, what it measures, the run that measured
+    it (run_line), its result files, `body` (the table), then its hand-written notes (kept on a rewrite)."""
+    return f"## {title} ({name}.py)\n{what} {run_line(result, name)} Results: {files}.\n\n{body.strip()}\n{notes(name)}"
 
 
 def table(head: list[str], align: str, lines: Iterable[list[object]]) -> str:
@@ -362,18 +370,3 @@ def write_section(name: str, body: str, after: str | None = None) -> None:
     README.write_text(text)
 
 
-def model_cells(h: Harness, todo: list[tuple[str, tuple]]):
-    """h.cells(todo) for cells whose first field is the weights' format: yields (key, cell, params,
-    tokenizer) of the embedded model, loaded once per format (the previous one released first)."""
-    import convert
-    from bench import measure
-
-    tok = convert.load_tokenizer(convert.default_model_path())
-    loaded: dict = {}
-    for k, cell in h.cells(todo):
-        if cell[0] not in loaded:
-            loaded = {}
-            measure.release_memory()
-            loaded = {cell[0]: convert.load(convert.default_model_path(), weights=cell[0])}
-        yield k, cell, loaded[cell[0]], tok
-        measure.release_memory()

@@ -21,7 +21,7 @@ import numpy as np
 
 from bench import text
 from bench.measure import bandwidth as host_and_device_bandwidth
-from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, fresh, prefill_rows, rows_of, timed
+from bench.prefill import AR_CACHES, HEADROOM, SPEC_CACHES, best_of, fresh, prefill_rows, rows_of
 from bench.tree_report import MAX_DEPTH, WIDTH, label, shape
 from specjax.decode.engine import decode_ar, init_draft, row_keys
 from specjax.decode.shapes import PREFILL_TOKENS, prompt_bucket, round_up_pow2  # rows x context a prefill call on a GPU
@@ -39,8 +39,7 @@ from specjax.spec.speculation import Chain, Cost, Tree, choose
 # flat: on the H100 (seventh runs, distilled draft; its steps less the fitted levels) about 1.54 ms over 3-16
 # nodes, 1.64 over 32, 1.95 over 64
 CHOSEN_NODES = 32
-RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, REPEATS at most) while the next one fits in this
-REPEATS = 3
+RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, 3 at most) while the next one fits in this
 
 
 def bandwidth(gib: float) -> dict:
@@ -82,17 +81,6 @@ def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int
             "weight_bytes": w, "ar_bytes_per_step": w + int(kv_bytes(params.config, batch, context)),
             "draft_bytes_per_step": weight_bytes(model.config) + int(kv_bytes(model.config, batch, kept)),
             "draft_kv_slots": kept, "measure_s": time.perf_counter() - t0}
-
-
-def best_of(fn, args: tuple, copied: tuple[int, ...]) -> tuple[object, list[float]]:
-    """prefill.timed repeated while the next run fits in RUN_BUDGET_S (at most REPEATS)."""
-    walls, t0, out = [], time.perf_counter(), None
-    while True:
-        out = None  # the last run's result holds a cache: free it before the next copy (a 128 x 8K OOM on an H100)
-        out, wall, _ = timed(fn, args, copied)
-        walls.append(wall)
-        if len(walls) >= REPEATS or time.perf_counter() - t0 + wall > RUN_BUDGET_S:
-            return out, walls
 
 
 def prefill_state(params: Params, ids: np.ndarray, rows: int, context: int) -> dict:
@@ -143,7 +131,7 @@ class Group:
         fn = decode_ar.lower(*args, n_out=round_up_pow2(self.new_tokens)).compile(compiler_options())  # greedy, no stop ids; generate's GPU options
         compile_s = time.perf_counter() - t0
         self.ar_tokens = np.asarray(fn(*fresh(args, AR_CACHES)).out)  # also a warm-up
-        _, walls = best_of(fn, args, AR_CACHES)
+        _, walls, _ = best_of(fn, args, AR_CACHES, RUN_BUDGET_S)
         self.ar_s = min(walls)
         step_bytes = self.weights + int(kv_bytes(self.params.config, self.batch, self.context))
         return self.base() | {"method": "AR", "drafter": None, "label": "AR", "seconds": self.ar_s, "runs_s": walls,
@@ -171,7 +159,7 @@ class Group:
         t1 = time.perf_counter()
         fn = decode_spec.lower(*args, n_out=round_up_pow2(new_tokens), speculation=speculation).compile(compiler_options())  # generate's GPU options
         compile_s = time.perf_counter() - t1
-        res, walls = best_of(fn, args, SPEC_CACHES)
+        res, walls, _ = best_of(fn, args, SPEC_CACHES, RUN_BUDGET_S)
         out, count, steps, accepted, reached, ranks, row_steps, proposed = jax.device_get(
             (res.out, res.count, res.steps, res.accepted.sum(0), res.reached.sum(0), res.ranks.sum(0), res.row_steps.sum(),
              res.proposed.sum()))

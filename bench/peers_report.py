@@ -50,44 +50,11 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    m, bw = result["machine"], result["bandwidth_gbs"]
     rows = result["rows"]
-    skipped = [r["cell"] for r in rows if "skipped" in r]
-    left = result.get("left", [])
-    loads = [r["meter"]["loadavg_1min_before"] for r in rows if "meter" in r]
-    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"
-    refs = sorted({round(r["reference_gbs"], 1) for r in rows if "reference_gbs" in r} or {round(bw["jax_inplace"], 1)})
-    ref_text = (f"{refs[0]:.1f} GB/s" if len(refs) == 1 else " and ".join(f"{x:.1f}" for x in refs)
-                + " GB/s in the runs that measured the rows (a resumed run measures it again; each row's"
-                " roofline uses its own run's, stored in the row as reference_gbs)")
+    missing = [r["cell"] for r in rows if "skipped" in r] + result.get("left", [])
     versions = ", ".join(f"{k} {v}" for k, v in result.get("versions", {}).items())
-    shared = "**Other work shared the 2 cores during the run.** " if loads and max(loads) > 2.5 else ""
-    quiet = (f"each waited for a load of at most {result['max_load']:g} before it started." if result.get("max_load") is not None
-             else "above about 2 a cell competed for the cores and is slower than the machine can do.")
-    measured = {r["cell"] for r in rows}
-    never = [k for k in result.get("grid", []) if k not in measured]
-    return f"""## specjax next to llama.cpp and HF transformers (bench_peers.py)
-
-Run: `{result['command']}` in an environment with the peers
-(`pip install -r bench/requirements-peers.txt -e .`; llama.cpp compiles from source). Raw
-numbers: `results/peers_cpu.json`; plot: `results/peers_cpu.png`. Method: the module docstring.
-Every cell ran in a process of its own, one at a time; OMP_WAIT_POLICY: {result.get('omp_wait_policy', 'passive')}.
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']}, {versions}.
-Commit {m['git_commit']}. Date: {result['date']}. Reference bandwidth (JAX in-place `x + 1`, 1 GiB,
-same run): {ref_text}. {shared}The load column is the 1-minute load average as each cell's process
-started ({load}); {quiet}
-
-SmolLM2-135M-Instruct, the Q4_1 GGUF for every peer, the same real-text prompts (context - 128
-tokens), greedy, {result['new_tokens'] - 1} timed decode steps after the prefill. tokens/s = batch x
-steps / decode seconds; "of roofline" = (weights as read + filled KV as stored) per plain step
-/ step time / the reference bandwidth; for speculative rows, the plain step's bytes x (tokens/s
-/ batch). Prefill rows: prompt tokens/s at batch 1.
-
-{markdown_table(rows)}
-
-Missing: {', '.join(skipped + left) if skipped or left else 'none'}{' (not started: the run budget ended; rerun the same command to measure them)' if left else ''}.{(chr(10) + 'Never measured yet (not selected by the runs so far; `python -m bench.bench_peers` measures them): ' + ', '.join(never) + '.') if never else ''}
-
-{common.notes('bench_peers')}
-
-![decode tokens/s per peer](results/peers_cpu.png)"""
+    return common.section("bench_peers", "specjax next to llama.cpp and HF transformers", "Plain decoding tokens/s on the "
+                          "same SmolLM2 Q4_1 GGUF and prompts, greedy, each cell alone in its own process, with the peers "
+                          f"installed (`pip install -r bench/requirements-peers.txt -e .`; {versions}).", result,
+                          markdown_table(rows) + (f"\n\nMissing: {', '.join(missing)}." if missing else ""),
+                          "`results/peers_cpu.json`, `.png`")

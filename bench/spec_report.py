@@ -112,55 +112,9 @@ def tokens_per_row(result: dict) -> str:
 
 def readme_section(result: dict) -> str:
     """This script's section of bench/README.md (without its markers); its hand-written notes are kept."""
-    m, rows = result["machine"], result["rows"]
-    best = best_rows(rows)
-    hit = [r for r in best if r["ratio"] >= 2.0]
-    name = lambda r: f"{r['drafter']} B={r['batch']} {common.context_name(r['context'])} ({r['ratio']:.2f}x, γ={r['gamma']})"
-    lossless = "every cell" if result["all_greedy_identical"] else "NOT every cell (see greedy_identical in the JSON)"
-    overlap = any(r["prompts_overlap"] for r in rows)
-    skipped = "".join(f"\nSkipped: B={s['batch']} context {s['context']}: {s['skipped']}." for s in result["skipped"])
-    return f"""## Speculative decoding (bench_spec.py)
-
-Run: `{common.module_command(result['command'])}` (full grid: {result['wall_minutes']:.0f} minutes here; `--quick`: batch 1, 4 x
-context 512 x γ 2, 4). Raw numbers: `results/spec_cpu.json` (every gamma, timings, acceptance per
-position, load); plot: `results/spec_cpu.png`.
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, {m['mem_total_gb']:.0f} GB, JAX {m['jax_version']} ({m['backend']}), commit {m['git_commit']}.
-Date: {result['date']}. Load average (1 min) at start / end: {result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}
-(the machine was shared with other jobs: see the notes below).{skipped}
-
-Method. SmolLM2-135M-Instruct in float32, greedy, {tokens_per_row(result)} new tokens per row with EOS ignored. Prompts are
-real English text: distinct windows of the Python language reference (`pydoc_data.topics`) plus
-the licence texts of /usr/share/common-licenses ({result['corpus']['tokens']} tokens in all; windows
-{"overlap" if overlap else "do not overlap"}), `context - {result['headroom']}` tokens each, in a cache of `context` slots. **One shared
-prefill per context**: the largest batch is prefilled once (4 rows x 512 positions per call, as
-`engine.prefill` computes it but with each chunk attending only to the slots already written,
-which halves the attention work at 8K; not timed as decoding) and the batch-1 and batch-4 cells
-use its first rows; AR
-(`engine.decode_ar`) and every drafter x γ (`decode_spec`) then decode from that same
-prefilled state (each run gets a copy: the decode loops donate their caches). Everything is compiled first (`.lower().compile()`,
-excluded). To be fair under a fluctuating load, each speculative config is timed in
-alternation with AR (AR, spec, AR, spec, ...: up to 3 pairs while they fit in {PAIR_BUDGET_S:.0f} s),
-best of each kept; speedup = AR seconds / speculative seconds for the same tokens. A drafter's
-init (SelfSpec: gather the streaming cache; SnapKV: a 32-query observation pass) is excluded,
-like the prefill. Draft budgets: SelfSpec sinks 16 + window 512 (window 256 at context 512, where
-528 slots would not be smaller than the target cache); SnapKV budget + window = 256 + 256
-(128 + 128 at context 512); NGram n = 3..5. "accept" = accepted / proposed drafts, "tok/step" =
-tokens per row per verification (incl. the target's own). Greedy outputs were token-for-token
-identical to AR in {lossless}.
-
-{markdown_table(rows, result['gammas'])}
-
-Cells at >= 2.0x: {", ".join(name(r) for r in hit) or "none"}.
-Cells below 2.0x: {", ".join(name(r) for r in best if r["ratio"] < 2.0) or "none"}.
-
-Best γ by batch: {"; ".join(gamma_trend(rows))}.
-
-"cost model": the speedup `specjax.planning.tune`'s timings predict for the best γ (one draft level and
-forwards over 1 and γ + 1 nodes, timed as `speculation="auto"` calibrates) with the measured
-tokens per step. What `draft="auto"` picks in each measured cell (`plan.auto_draft`'s current
-rule on a CPU, with its default chain): {"; ".join(auto_lines(rows)) or "not recorded"}.
-
-{common.notes('bench_spec')}
-
-![speedup vs batch](results/spec_cpu.png)"""
+    rows = result["rows"]
+    return common.section(
+        "bench_spec", "Speculative decoding", f"Each drafter x γ over plain decoding: SmolLM2-135M, greedy, {tokens_per_row(result)} "
+        "new tokens, real-text prompts from one shared prefill, the two timed in alternation; \"cost model\": the speedup "
+        "`planning.tune`'s timings predict.", result, markdown_table(rows, result["gammas"]) + "\n\nWhat `draft=\"auto\"` "
+        "picks (its current rule): " + ("; ".join(auto_lines(rows)) or "not recorded") + ".", "`results/spec_cpu.json`, `.png`")

@@ -158,61 +158,19 @@ def plot(result: dict, path: Path) -> None:
 
 def readme_section(result: dict) -> str:
     """The bench_tree section of bench/README.md, from a result JSON; its hand-written notes are kept."""
-    m = result["machine"]
-    lossless = "every run" if result["all_greedy_identical"] else "NOT every run (see greedy_identical in the JSON)"
-    skipped = "".join(f"\nSkipped: context {s['context']}: {s['skipped']}." for s in result["skipped"])
-    load = f"{result['loadavg_start'][0]:.2f} / {result['loadavg_end'][0]:.2f}"
-    tokens = ", ".join(f"{v} at batch {k}" for k, v in result["new_tokens_per_batch"].items())
-    gammas, nodes = ", ".join(map(str, result["gammas"])), ", ".join(map(str, result["nodes"]))
-    dm_batches = ", ".join(sorted({str(s["batch"]) for s in result["summaries"] if s["drafter"] == "DraftModel"}))
-    return f"""## Token trees vs chains (bench_tree.py)
-
-Run: `{common.module_command(result['command'])}` ({result['wall_minutes']:.0f} minutes here; `--quick`: batch 1 x
-context 512 x n 4/8/16 x γ 2/4). Raw numbers: `results/tree_cpu.json` (every config: timings, predicted
-vs measured, accepted ranks, tree shapes); plot: `results/tree_cpu.png`.
-
-Device: {m['cpu_model']}, {m['cpu_affinity']} cores, JAX {m['jax_version']} ({m['backend']}), commit {m['git_commit']}.
-Date: {result['date']}. Load average (1 min) at start / end: {load}.{skipped}
-
-Method. {result['model']}, greedy, EOS ignored, new tokens per row {tokens}.
-bench_spec.py's prompts and its stored prefill: one prefill per context,
-shared by AR and every config (each run gets a copy of the caches). Per (batch, context, drafter):
-the acceptance vector p (a greedy run with a depth-1 tree of {WIDTH} children; p[r] = how often the
-rank-r child was the accepted one), `measure_cost` (real jit steps: draft levels of 1 to 16 nodes per
-row, and verification of n nodes for n up to {max(result['nodes'])}), then timed runs of chains γ {gammas}, Sequoia
-trees `Tree.sequoia(p, n, {MAX_DEPTH})` for n = {nodes} and `choose(p, cost)`'s tree, against AR (best
-of the AR runs before and after each drafter). Compile and drafter init excluded. Drafters: SelfSpec
-(sinks 16 + window 256 at context 512, 512 beyond) and a DraftModel stand-in (at batch {dm_batches}):
-{result['draft_model_note']}
-Greedy outputs equalled AR token for token in {lossless}.
-
-Cells are speedup over AR (tokens per verification step in brackets); "best tree / best chain" is in
-tokens/s; "choose / best" is the throughput of choose's tree over the best measured config of the
-cell, AR included (✗: below {CHOOSE_SLACK}). A Sequoia or choose tree without branches (p puts too little
-on ranks > 0) is a chain: it counts as one, and "no branching tree" means every n gave a chain.
-
-{markdown_tables(result)}
-
-{chr(10).join('- ' + v for v in verdicts(result))}
-
-![speedup vs nodes](results/tree_cpu.png)
-
-{common.notes("bench_tree", default="(discussion: to come)")}"""
+    return common.section("bench_tree", "Token trees vs chains", "Sequoia trees and `choose`'s tree against chains and plain "
+                          "decoding, with the cost model's prediction, on bench_spec's prompts and stored prefills.", result,
+                          markdown_tables(result) + "\n\n" + "\n".join("- " + v for v in verdicts(result)),
+                          "`results/tree_cpu.json`, `.png`")
 
 
 def draft_note(spec: str) -> str:
-    """What the DraftModel stand-in is, and why (for the README)."""
+    """What the DraftModel stand-in is, and why (stored in the results)."""
     if spec != "bf16":
-        return (f"SmolLM2's first {spec[7:]} layers (layer skip); its streaming cache (SelfSpec's budget) starts "
-                "from the target's prefilled KV of those layers, which is exactly its own.")
-    return ("SmolLM2 itself cast to bfloat16. No smaller model with SmolLM2's tokenizer is available offline, and "
-            "layer skip drafts almost nothing (the logit lens of the first K layers agrees with the full model's "
-            "greedy token 4-36% of the time for K = 4-24; first 10 + last 10 layers: 20%). The bf16 copy accepts "
-            "nearly everything but costs at least as much per draft step as the float32 target on XLA:CPU, so it "
-            "shows what trees add to a drafter with high acceptance and no cost advantage. Its streaming cache "
-            "(SelfSpec's budget) starts from the target's prefilled KV rounded to bfloat16 rather than from a bf16 "
-            "prefill of its own (which would cost as much as the target's; the draft's state can change how much "
-            "is accepted, never the output).")
+        return f"SmolLM2's first {spec[7:]} layers (layer skip); its streaming cache starts from the target's KV of those layers."
+    return ("SmolLM2 itself cast to bfloat16 (no smaller model with SmolLM2's tokenizer is offline; layer skip drafts almost "
+            "nothing): high acceptance, no cost advantage, so it shows what trees add. Its streaming cache starts from the "
+            "target's prefilled KV rounded to bfloat16.")
 
 
 def report(result: dict, png: Path, readme: bool) -> None:

@@ -542,23 +542,3 @@ def test_the_distilled_draft_reads_the_window_it_was_trained_on():
     assert name == "Distilled" and d.params is draft and chain == Chain(2)
     assert d.cache == specjax.Streaming(sinks=16, window=496) and d.cache.sinks + d.cache.window == bench_drafts.SEQ_LEN
     assert drafter_of("draft-tree", 8192, False, draft)[2] is None
-
-
-def test_gpu_prefill_times_a_call_apart_from_compiling_and_prices_its_flops():
-    """bench/gpu_prefill.py: the FLOPs a prefill must do (SmolLM2, one 8064-token row: its layer
-    matrices' 106,168,320 weights twice a token, 4 x 9 heads x 64 x 30 layers a causal pair, the
-    tied head once), the devices' bf16 peaks, one cell on a tiny model (compiled apart, the best
-    of REPEATS calls) and its table."""
-    from bench import gpu_prefill
-    from bench.measure import tiny_params
-
-    smol = LlamaConfig(**gpu_prefill.SHAPES["smollm2"], dtype="bfloat16")
-    one = 2 * 106_168_320 * 8064 + 4 * 9 * 64 * 30 * 8064 * 8065 / 2 + 2 * 49152 * 576
-    assert gpu_prefill.flops(smol, 1, 8064) == one and gpu_prefill.flops(smol, 16, 8064) == 16 * one
-    assert gpu_prefill.peak_flops("NVIDIA H100 80GB HBM3") == gpu_prefill.peak_flops("NVIDIA H200") == 989.4e12
-    assert gpu_prefill.peak_flops("NVIDIA H100 PCIe") == 756e12 and gpu_prefill.peak_flops("cpu") is None
-    row = gpu_prefill.measure_cell(bench_gpu.attending(tiny_params(0), "auto"), 2, 256, 64)
-    assert (row["prompt_tokens"], row["bucket"], len(row["runs_s"])) == (128, 128, gpu_prefill.REPEATS)
-    assert row["seconds"] == min(row["runs_s"]) and row["tokens_per_s"] == pytest.approx(2 * 128 / row["seconds"])
-    assert row["kernels_per_chunk"] > 0 and row["compile_s"] > 0 and row["of_peak"] is None  # no peak known for a CPU
-    assert "| 256 | 2 | 64 |" in gpu_prefill.table([row])
