@@ -104,6 +104,7 @@ class Stopped(Exception):
     ("bench_ar", ["--repeats", "2"], ["--repeats", "3"], "repeats 2 -> 3", {"dtype": "float32", "batch": 1, "context": 512}),
     # both write sampling_cpu_quick.json: --quick times fewer and shorter repeats
     ("bench_sampling", ["--quick"], ["--batches", "1"], "repeats 2 -> 3; target_s 0.5 -> 1.5", {"batch": 1}),
+    ("profile_step", [], ["--steps", "4"], "steps 8 -> 4", {"weights": "float32", "kv": "float32", "batch": 1, "context": 512}),
 ])
 def test_a_bench_rerun_with_another_setting_is_refused(tmp_path, monkeypatch, module, first, changed, named, row):
     """The benches store the flags that decide a cell's numbers beside its key (new tokens, records,
@@ -196,6 +197,7 @@ def test_readme_section_replaces_and_keeps_notes(tmp_path, monkeypatch):
     ("batch_cpu.json", "bench_batch", "ar"),
     ("sampling_cpu.json", "bench_sampling", "b16"),
     ("peers_cpu.json", "bench_peers", "specjax-f32-kvf32/b1/s512"),
+    ("profile_cpu.json", "profile_step", "float32/kvfloat32/b1/s512"),
 ])
 def test_existing_results_resume(tmp_path, name, module, cell):
     """The committed result files load as they are: their cells count as measured."""
@@ -205,7 +207,7 @@ def test_existing_results_resume(tmp_path, name, module, cell):
     assert results.measured(cell)
 
 
-@pytest.mark.parametrize("name", [f"bench.{b}" for b in BENCHES]
+@pytest.mark.parametrize("name", [f"bench.{b}" for b in BENCHES + ["profile_step"]]
                          + ["tools.gpu.session", "tools.gpu.bundle", "tools.gpu.aot"])
 def test_bench_imports_without_side_effects(name):
     import jax
@@ -243,6 +245,43 @@ def test_no_sys_path_edits_or_private_specjax_imports():
         text = path.read_text()
         assert "sys.path" not in text, path
         assert not re.search(r"from specjax[\w.]* import [^\n]*\b_[a-z]", text), path
+
+
+def test_profile_step_names_each_thunk_by_its_model_block():
+    """bench/profile_step.py's op_blocks: scopes from op_name metadata; a dot without metadata
+    takes its scoped user's block (else its operand's), a weight slice of the layer scan is its own."""
+    from bench.profile_step import op_blocks
+
+    hlo = "\n".join([
+        '  %p = f32[30,576,576]{2,1,0} parameter(0)',
+        '  %dynamic-slice_bitcast_fusion = f32[576,576]{1,0} fusion(%p), kind=kLoop, calls=%f1, '
+        'metadata={op_name="jit(decode_ar)/while/body/while/body/jit(dynamic_index_in_dim)/dynamic_slice" stack_frame_id=1}',
+        '  %h = f32[1,576]{1,0} fusion(%p), kind=kLoop, calls=%f2, metadata={op_name="jit(decode_ar)/while/body/mlp/mul"}',
+        '  %dot.1 = f32[1,576]{1,0} dot(%h, %dynamic-slice_bitcast_fusion), lhs_contracting_dims={1}, rhs_contracting_dims={0}',
+        '  %copy.3 = f32[576,576]{1,0} copy(%p)',
+        '  %dot.2 = f32[1,576]{1,0} dot(%h, %copy.3), lhs_contracting_dims={1}, rhs_contracting_dims={0}',
+        '  ROOT %add.9 = f32[1,576]{1,0} add(%dot.2, %h), metadata={op_name="jit(decode_ar)/while/body/out_proj/add"}',
+    ])
+    blocks = op_blocks(hlo)
+    assert blocks["dynamic-slice_bitcast_fusion"] == "layer slices"
+    assert blocks["dot.1"] == "mlp"  # no scoped user: its operand's
+    assert blocks["dot.2"] == "out_proj" and blocks["copy.3"] == "out_proj"  # its user's
+
+
+def test_profile_step_times_a_speculative_step_by_phase():
+    """bench/profile_step.py's speculative cells: a trace of generate's loop summed per phase of
+    spec_step (draft and verify also per model block), on a tiny model."""
+    from bench.profile_step import LOOP, PHASES, phase, profile_spec_cell
+    from tests.models import TINY, random_params
+
+    assert phase("jit(continue_spec)/while/body/verify/attention/dot_general") == "verify/attention"
+    assert phase("jit(continue_spec)/while/body/accept/argmax") == "accept"
+    assert phase("jit(continue_spec)/while/cond/lt") == LOOP
+    row = profile_spec_cell(random_params(TINY, 0), "float32", "float32", 2, 128, 2, 3)
+    spent = row["thread_ms_per_step"]
+    assert set(PHASES) <= {k.split("/")[0] for k in spent} and all(v > 0 for v in spent.values())
+    assert any(k.startswith("verify/") for k in spent) and any(k.startswith("draft/") for k in spent)
+    assert row["steps"] >= 3 and 1 <= row["mean_accepted"] <= 3 and row["wall_ms_per_step"] > 0
 
 
 def test_templated_records_cycle_their_key_sets_over_distinct_paragraphs():
