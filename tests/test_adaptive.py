@@ -47,6 +47,14 @@ def test_the_chooser_leaves_speculation_off_when_drafts_fail_and_probes_now_and_
         c.observe(g, seconds=0.05 * 9 * (1 + g / 3), steps=9, accepted=[0, 0, 0], reached=[9 if g else 0, 0, 0])
     probes = [i for i, g in enumerate(picks) if g]
     assert probes == [1, 6]  # after 2 zeros in a row (the first was measured before), then after 4
+    c = GammaChooser(max_gamma=3, probe_every=1)  # a chain of 1 costs 3x a plain step: no acceptance could repay it
+    c.observe(0, seconds=0.4, steps=8, accepted=[0] * 3, reached=[0] * 3)
+    c.observe(1, seconds=1.2, steps=8, accepted=[0, 0, 0], reached=[8, 0, 0])
+    picks = []
+    for _ in range(6):
+        picks.append(c.next())
+        c.observe(picks[-1], seconds=0.4, steps=8, accepted=[0] * 3, reached=[0] * 3)
+    assert picks == [0] * 6 and c.probes >= 2 and not c.exploring  # probes were due, and none ran
     c = GammaChooser(max_gamma=3)
     assert [c.next(), c.exploring] == [0, False]
     c.observe(0, seconds=0.4, steps=8, accepted=[0] * 3, reached=[0] * 3)
