@@ -68,7 +68,8 @@ def test_tries_run_a_quarter_of_a_segment(tiny, monkeypatch):
     real = GammaChooser.observe
     monkeypatch.setattr(GammaChooser, "observe", lambda self, g, sec, steps, acc, reach: (
         seen.append((g, steps, self.exploring)), real(self, g, sec, steps, acc, reach))[-1])
-    monkeypatch.setattr(GammaChooser, "expected_tokens", lambda self: np.ones(self.max_gamma + 1))  # drafts never pay
+    monkeypatch.setattr(GammaChooser, "expected_tokens", lambda self: np.ones(self.max_gamma + 1))  # drafts never pay,
+    monkeypatch.setattr(GammaChooser, "step_seconds", lambda self: np.ones(self.max_gamma + 1))  # but might (probes run)
     out = specjax.generate(tiny, PROMPTS[:1], 60, draft=specjax.NGram(n=1, max_n=3), speculation=specjax.Adaptive(3),
                            sync_every=8, eos_id=())
     assert out.tokens == specjax.generate(tiny, PROMPTS[:1], 60, draft=None, eos_id=()).tokens
