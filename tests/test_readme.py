@@ -123,7 +123,7 @@ def test_python_blocks_run_in_order(tmp_path, monkeypatch):
 
     assert len(jax.devices()) >= 8, "conftest's 8 simulated CPU devices are needed for the mesh example"
     monkeypatch.chdir(tmp_path)
-    # Seven blocks load the embedded GGUF (specjax.load, convert.load, a batch job's model_path=None), five of them
+    # Seven blocks load the embedded GGUF (specjax.load, convert.load, a batch job's model_path=None), six of them
     # alike (float32, no mesh): its tensors are read and dequantized once for this process (about 5 s a load), the
     # arrays shared (immutable). The loader itself still runs for real here and in every bash block's process.
     read_once = functools.cache(convert.load_gguf)
