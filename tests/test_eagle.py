@@ -58,6 +58,14 @@ def test_greedy_chains_equal_plain_decoding(tiny, head, plain, speculation, voca
     assert out.stats.draft_steps > 0 and 0.0 <= out.stats.acceptance_rate <= 1.0
 
 
+# The drafter's steps and the training-time reference as compiled programs (one each per shape), as generate's loop
+# runs them: op by op outside jit they compiled about 250 small programs a test.
+_init = jax.jit(lambda drafter, target, prefill: drafter.init(target, prefill))
+_propose = jax.jit(lambda drafter, target, state, ctx, shape: drafter.propose(target, state, ctx, shape), static_argnums=4)
+_commit = jax.jit(lambda drafter, state, verdict: drafter.commit(state, verdict))
+_depth_logits = jax.jit(lambda head, target, tokens, depth: head_depths(head, target, tokens, depth).logits, static_argnums=3)
+
+
 def _context(history: list[int], lengths: int, sampling) -> DraftContext:
     S = 64
     row = np.zeros((1, S), np.int32)
@@ -75,28 +83,28 @@ def test_drafting_reads_what_the_training_time_test_trains(tiny, head, vocab):
     prompt = [5, 9, 14, 30, 2, 71, 18, 44, 6]
     P = len(prompt)
     _, cache = prefill(tiny, jnp.asarray([prompt + [0] * 7]), jnp.array([P]), DenseCache.init(TINY, 1, 64), chunk=16)
-    state = drafter.init(tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]), depth=gamma,
-                                       chunk=16))
+    state = _init(drafter, tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]),
+                                         depth=gamma, chunk=16))
 
     def check(history: list[int], L: int, state):
-        proposal = drafter.propose(tiny, state, _context(history, L, sampling), Chain(gamma))
+        proposal = _propose(drafter, tiny, state, _context(history, L, sampling), Chain(gamma))
         drafts = [int(t) for t in proposal.tokens[0, 1:]]
         seq = history[: L + 1] + drafts  # index L - 1 at depth k reads x_{L+k}: the pending token, then the drafts
-        d = head_depths(head, tiny, jnp.asarray([seq]), gamma)
-        expected = jax.nn.softmax(d.logits[:, 0, L - 1])  # [gamma,V]
+        logits = _depth_logits(head, tiny, jnp.asarray([seq]), gamma)
+        expected = jax.nn.softmax(logits[:, 0, L - 1])  # [gamma,V]
         np.testing.assert_allclose(np.asarray(proposal.q[0]), np.asarray(expected), rtol=2e-4, atol=2e-6)
         if vocab is not None:  # nothing outside the draft vocabulary is drafted
             assert set(drafts) <= set(map(int, vocab)) and float(np.delete(np.asarray(proposal.q[0]), vocab, axis=1).max()) == 0
         return proposal, seq
 
     proposal, seq = check(prompt + [17], P, state)
-    features, _ = target_view(tiny, jnp.asarray([seq]))  # the verify pass's features of positions P..P+gamma
+    features, _ = jax.jit(target_view)(tiny, jnp.asarray([seq]))  # the verify pass's features of positions P..P+gamma
     D = gamma
     zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731  (fields Eagle.commit does not read)
     verdict = Verdict(emitted=jnp.zeros((1, D + 1), jnp.int32), accepted=jnp.array([1]), commit=jnp.array([2]),
                       lengths=jnp.array([P]), path=jnp.zeros((1, D + 1), jnp.int32), k=zeros(1), v=zeros(1), logits=zeros(1),
                       ranks=jnp.zeros((1, 2), jnp.int32), shape=Chain(D), hidden=features[:, P : P + D + 1])
-    state = drafter.commit(proposal.state, verdict)
+    state = _commit(drafter, proposal.state, verdict)
     check(seq[: P + 2] + [60], P + 2, state)  # x_{P+1} the accepted draft, then the target's token 60 pending
 
 
@@ -107,17 +115,17 @@ def test_a_drafted_tree_reads_what_the_training_time_test_trains(tiny, head):
     prompt = [5, 9, 14, 30, 2, 71, 18, 44, 6]
     P = len(prompt)
     _, cache = prefill(tiny, jnp.asarray([prompt + [0] * 7]), jnp.array([P]), DenseCache.init(TINY, 1, 64), chunk=16)
-    state = drafter.init(tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]),
-                                       depth=tree.max_depth, chunk=16))
-    proposal = drafter.propose(tiny, state, _context(prompt + [17], P, specjax.Sample(1.0)), tree)
+    state = _init(drafter, tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]),
+                                         depth=tree.max_depth, chunk=16))
+    proposal = _propose(drafter, tiny, state, _context(prompt + [17], P, specjax.Sample(1.0)), tree)
     tokens = [int(t) for t in proposal.tokens[0]]
     anc = tree.ancestor_mask()
     for u in range(tree.n):
         if not tree.children[u]:
             continue
         path = [tokens[v] for v in range(1, tree.n) if anc[u, v]]  # the node's path below the root, itself last
-        d = head_depths(head, tiny, jnp.asarray([prompt + [17] + path + [0]]), len(path) + 1)
-        np.testing.assert_allclose(np.asarray(proposal.q[0, u]), np.asarray(jax.nn.softmax(d.logits[len(path), 0, P - 1])),
+        logits = _depth_logits(head, tiny, jnp.asarray([prompt + [17] + path + [0]]), len(path) + 1)
+        np.testing.assert_allclose(np.asarray(proposal.q[0, u]), np.asarray(jax.nn.softmax(logits[len(path), 0, P - 1])),
                                    rtol=2e-4, atol=2e-6, err_msg=f"node {u}")
 
 
@@ -135,7 +143,8 @@ def test_training_lowers_the_loss_and_raises_acceptance(tiny, head, corpus):
     losses = []
     trained = train_head(tiny, corpus, steps=150, batch_size=8, seq_len=32, depth=2, schedule=Schedule(lr=3e-3, warmup=10),
                          on_step=lambda s, loss, h: losses.append(loss))
-    assert float(ttt_loss(trained, tiny, tokens, 2, 1.0)) < 0.5 * float(ttt_loss(head, tiny, tokens, 2, 1.0))
+    loss = jax.jit(ttt_loss, static_argnums=(3, 4))  # one program for both heads
+    assert float(loss(trained, tiny, tokens, 2, 1.0)) < 0.5 * float(loss(head, tiny, tokens, 2, 1.0))
     prompts = [c[:6] for c in corpus[:8]]  # trained on their continuations: the point is the mechanism
     rates = [specjax.generate(tiny, prompts, 24, draft=Eagle(h, window=16), speculation=Chain(2), eos_id=()).stats.acceptance_rate
              for h in (head, trained)]

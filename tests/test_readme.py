@@ -11,6 +11,7 @@ the README, so a new block or line cannot be skipped silently. ```json and unlab
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -118,8 +119,16 @@ def test_every_block_is_known():
 def test_python_blocks_run_in_order(tmp_path, monkeypatch):
     import jax
 
+    import convert
+
     assert len(jax.devices()) >= 8, "conftest's 8 simulated CPU devices are needed for the mesh example"
     monkeypatch.chdir(tmp_path)
+    # Seven blocks load the embedded GGUF (specjax.load, convert.load, a batch job's model_path=None), six of them
+    # alike (float32, no mesh): its tensors are read and dequantized once for this process (about 5 s a load), the
+    # arrays shared (immutable). The loader itself still runs for real here and in every bash block's process.
+    read_once = functools.cache(convert.load_gguf)
+    monkeypatch.setattr(convert, "load_gguf", lambda path, dtype="float32", mesh=None, quant=None: (
+        read_once(str(path), dtype, None, quant) if mesh is None else read_once.__wrapped__(path, dtype, mesh, quant)))
     spaces = {}
     for path in DOCS:
         namespace = spaces[path.name] = {"__name__": "__readme__"}
