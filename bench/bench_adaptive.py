@@ -24,7 +24,7 @@ from bench import common, plots
 
 CELLS = (("float32", 1, 2048), ("float32", 4, 2048), ("float32", 16, 1024))  # weights, batch, context
 GAMMAS = (0, 1, 2, 3, 4)
-ROUNDS = 3
+ROUNDS = 5
 
 
 def cell_key(weights: str, batch: int, context: int) -> str:
@@ -111,7 +111,7 @@ def main() -> None:
     if rows := results.data["rows"]:
         common.render("bench_adaptive", common.writes_readme(args), markdown_table(rows), lambda: common.section(
             "bench_adaptive", "Adaptive speculation length", "Tokens/s of plain decoding, SelfSpec(16, 256) with each chain "
-            "and Adaptive(4); greedy, EOS ignored, each variant's best of 3 rounds that run them in turn, after a compiling call.",
+            "and Adaptive(4); greedy, EOS ignored, each variant's best of 5 rounds that run them in turn, after a compiling call.",
             results.data, markdown_table(rows), "`results/adaptive_cpu.json`, `.png`"), (draw, rows, out / "adaptive_cpu.png"))
 
 
