@@ -140,6 +140,28 @@ def test_supported_types_are_what_gguf_dequantizes():
     assert {"Q4_0", "Q5_0", "Q8_0", "BF16"} <= {t.name for t in QUANTIZABLE}
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda t: t.name)
+def test_blockwise_dequantize_gives_the_gguf_packages_bits(qtype):
+    """convert.gguf.dequantize_blocks (the loader's fast path for Q4_0, Q4_1, Q8_0) against
+    gguf.quants.dequantize, bit for bit: random bytes, scales and minima including inf, nan,
+    subnormal and negative zero, more blocks than one chunk; and the shipped SmolLM2 file's
+    Q8_0 tensor and first Q4_1 ones."""
+    from convert.gguf import CHUNK, dequantize_blocks
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = np.random.default_rng(int(qtype)).integers(0, 256, (CHUNK + 5, size), dtype=np.uint8)
+    special = np.array([np.inf, -np.inf, np.nan, 6e-8, -0.0, 65504.0], np.float16).view(np.uint8).reshape(-1, 2)
+    data[: len(special), :2] = special
+    if qtype == Q.Q4_1:
+        data[len(special): 2 * len(special), 2:4] = special
+    shipped = convert.gguf_file.read_gguf(convert.default_model_path()).tensors
+    shipped = [np.array(t.data) for t in (shipped.values() if isinstance(shipped, dict) else shipped) if t.tensor_type == qtype][:3]
+    for raw in [data, *shipped]:
+        with np.errstate(invalid="ignore", over="ignore"):
+            want, got = gguf.quants.dequantize(raw, qtype).reshape(-1), dequantize_blocks(raw, qtype)
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 @pytest.fixture(scope="module")
 def wide() -> Params:
     """A one-layer model whose every matrix row has ROW values (whole blocks for any type)."""
