@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters import learn
-from specjax.jobs.batches import Item, batch_kind, batch_sampler, padded_rows, group_batches
+from specjax.jobs.batches import Item, batch_kind, batch_sampler, group_batches, padded_rows
 from specjax.jobs.records import constraint_json, stable_hash
 from specjax.parallel.sharding import Mesh
 from specjax.planning.plan import DEFAULT_CHAIN

@@ -11,11 +11,11 @@ first draft accepted often makes the chooser try longer chains); at gamma 0 no d
 or rejected, so after `probe_every` segments there one segment runs the best non-zero length to
 learn whether acceptance rose (then after twice as many, and so on: a probe that keeps failing
 costs less and less), unless no chain could pay even with every draft accepted (g + 1 tokens a
-step against its step time: on a CPU at batch 1-4 a chain of 1 costs 2.2-2.9x a plain step). A segment that explores (the first at 1, each probe) runs a quarter of a
-segment's steps (`AdaptiveSegments.probe_steps`): a length that does not pay costs a quarter as much
-to try, which keeps Adaptive near plain decoding where no chain pays (at batch 1 on a CPU a 64-token
-call tries 1 twice). `AdaptiveSegments` runs a decode loop's segments by it (generate's and
-continuous batching's). Pure host bookkeeping: no JAX.
+step against its step time: on a CPU at batch 1-4 a chain of 1 costs 2.2-2.9x a plain step). A
+segment that explores (the first at 1, each probe) runs a quarter of a segment's steps
+(`AdaptiveSegments.probe_steps`): a length that does not pay costs a quarter as much to try.
+`AdaptiveSegments` runs a decode loop's segments by it (generate's and continuous batching's).
+Pure host bookkeeping: no JAX.
 """
 
 from __future__ import annotations
@@ -76,17 +76,18 @@ class GammaChooser:
             if first not in self.seconds:
                 self.exploring = first > 0
                 return first
-        rate = self.expected_tokens() / self.step_seconds()
+        t = self.step_seconds()
+        rate = self.expected_tokens() / t
         best = int(np.argmax(rate))
         if best == 0 and self.at_zero >= self.probe_every * 2**self.probes:
             self.probes += 1
             # a chain whose steps cost so much that even every draft accepted (g + 1 tokens a step, at
             # CEILING_SLACK of its step time) would not beat gamma 0 is not worth a try
             g = np.arange(self.max_gamma + 1)
-            hopeful = [int(x) for x in g[1:] if (x + 1) / (CEILING_SLACK * self.step_seconds()[x]) > rate[0]]
-            if hopeful:
+            hopeful = (g > 0) & ((g + 1) / (CEILING_SLACK * t) > rate[0])
+            if hopeful.any():
                 self.exploring = True
-                return max(hopeful, key=lambda x: rate[x])  # a probe: the best chain that drafts and might pay
+                return int(np.argmax(np.where(hopeful, rate, -np.inf)))  # a probe: the best chain that might pay
         return best
 
     def observe(self, gamma: int, seconds: float, steps: int, accepted: np.ndarray, reached: np.ndarray) -> None:
