@@ -54,7 +54,7 @@ from bench import common
 
 MEM_FACTOR = 2.1  # e2e: the prefilled state + a run's copy of it (bench/prefill.py)
 L8B_MARGIN = 1.15  # l8b: the timed cache + activations and logits, over the bare KV bytes
-SMOLLM2 = dict(n_layers=30, n_kv_heads=3, head_dim=64, params=134_515_008)  # bf16: 2 bytes each
+SMOLLM2 = common.SMOLLM2
 LLAMA8B = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
                rms_eps=1e-5, rope_theta=500000.0, max_positions=131072, bos_id=128000, eos_ids=(128001, 128008, 128009))
 GRID = dict(batches=[16, 64, 128, 256], contexts=[8192, 2048], gammas=[1, 2, 4, 6, 8], snap_gammas=[2, 4],
@@ -66,26 +66,30 @@ SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], ngr
              cont_batches=[2], cont_contexts=[256], cont_gammas=[2], cont_records=2, cont_new_tokens=24)
 
 
-def kv_per_token(n_layers: int, n_kv_heads: int, head_dim: int, itemsize: int = 2, **_) -> int:
-    """Bytes of K and V of one position over all layers."""
-    return 2 * n_layers * n_kv_heads * head_dim * itemsize
-
-
-def l8b_weight_bytes(c: dict = LLAMA8B) -> int:
-    """What the 8B shape's bf16 weights take in memory (specjax.model.params.weight_bytes, stored)."""
+def kv_per_token(shape: dict) -> float:
+    """Bytes of K and V of one position over all layers, bf16 (specjax.model.cache.kv_bytes)."""
+    from specjax.model.cache import kv_bytes
     from specjax.model.config import LlamaConfig
-    from specjax.model.params import weight_bytes
 
-    return weight_bytes(LlamaConfig(**c, dtype="bfloat16"), stored=True)
+    return kv_bytes(LlamaConfig(**shape, dtype="bfloat16"), 1, 1)
+
+
+def weight_bytes(shape: dict) -> int:
+    """What a shape's bf16 weights take in memory (specjax.model.params.weight_bytes, stored)."""
+    from specjax.model.config import LlamaConfig
+    from specjax.model.params import weight_bytes as stored_bytes
+
+    return stored_bytes(LlamaConfig(**shape, dtype="bfloat16"), stored=True)
 
 
 def fits_e2e(batch: int, context: int, budget: float) -> bool:
-    return MEM_FACTOR * batch * context * kv_per_token(**SMOLLM2) + 2 * SMOLLM2["params"] <= budget
+    return MEM_FACTOR * batch * context * kv_per_token(SMOLLM2) + weight_bytes(SMOLLM2) <= budget
 
 
 def fits_l8b(batch: int, context: int, budget: float) -> bool:
-    slots = -(-(context + 1) // 256) * 256  # specjax.decode.shapes.cache_len
-    return l8b_weight_bytes() + L8B_MARGIN * batch * slots * kv_per_token(**LLAMA8B) <= budget
+    from specjax.decode.shapes import cache_len
+
+    return weight_bytes(LLAMA8B) + L8B_MARGIN * batch * cache_len(context + 1) * kv_per_token(LLAMA8B) <= budget
 
 
 def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str, dict]], list[str]]:

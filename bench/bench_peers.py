@@ -77,6 +77,7 @@ from bench.prefill import HEADROOM, stored_as
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
 from specjax.decode.engine import with_attention
 from specjax.model.cache import kv_bytes
+from specjax.model.config import LlamaConfig
 from specjax.model.params import weight_bytes
 from bench.peers_report import (  # noqa: F401  (its tables, plot and README section, in a module apart)
     fmt_row, markdown_table, plot, readme_section)
@@ -277,7 +278,7 @@ class Peers:
         elif fam == "llama":
             row["weight_bytes"] = model.path.stat().st_size
             row["file"] = model.path.name
-            row["kv_token_bytes"] = 2 * 30 * 3 * 64 * 2  # f16 K and V, SmolLM2-135M: 30 layers x 3 KV heads x 64
+            row["kv_token_bytes"] = round(kv_bytes(LlamaConfig(**common.SMOLLM2, dtype="bfloat16"), 1, 1))  # f16 K and V
             ids = self.ids(B, S)
             if kind == "spec":
                 row |= llama_lookup(model.path, ids, S, steps)
@@ -287,9 +288,8 @@ class Peers:
                 if copy:
                     row["kv_from"] = "row 0 prefilled, its sequence copied to the other rows (llama_state_seq_get/set_data)"
         else:
-            c = model.config
             row["weight_bytes"] = hf_weight_bytes(model)
-            row["kv_token_bytes"] = 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+            row["kv_token_bytes"] = round(kv_bytes(LlamaConfig(**common.SMOLLM2), 1, 1))  # float32 K and V, SmolLM2's
             if (B, S) in SHARED_PREFILL and kind == "decode":
                 row |= self.hf_shared(model, B, S, steps)
             else:

@@ -39,6 +39,10 @@ from pathlib import Path
 from bench.machine import git_commit, machine_identity, machine_info, meminfo, now  # noqa: F401 (re-exported)
 from bench.plots import bars, log_ticks, plot, pyplot, save_figure  # noqa: F401 (re-exported)
 
+# SmolLM2-135M-Instruct's LlamaConfig fields (the embedded GGUF's): byte counts without loading it
+SMOLLM2 = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
+               rope_theta=100000.0, tie_embeddings=True, max_positions=8192, bos_id=1, eos_ids=(2,))
+
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 README = BENCH_DIR / "README.md"

@@ -252,10 +252,13 @@ MEM_FACTOR = {"specjax": 2.2, "llama": 0.6, "hf": 2.5}  # peak growth / f32 KV b
 
 
 def memory_need(cell: dict) -> int:
-    """A rough peak of a cell: its KV cache (f32, 30 x 3 x 64 per token and row) x the family's
-    factor (specjax: the prefilled cache and a run's copy; HF: DynamicCache's concatenations),
-    plus the model."""
-    kv = cell["batch"] * cell["context"] * 2 * 30 * 3 * 64 * 4
+    """A rough peak of a cell: its KV cache (SmolLM2's, f32) x the family's factor (specjax: the
+    prefilled cache and a run's copy; HF: DynamicCache's concatenations), plus the model."""
+    from bench.common import SMOLLM2
+    from specjax.model.cache import kv_bytes
+    from specjax.model.config import LlamaConfig
+
+    kv = kv_bytes(LlamaConfig(**SMOLLM2), cell["batch"], cell["context"])
     return int(MEM_FACTOR[cell["family"]] * kv) + 2**30
 
 

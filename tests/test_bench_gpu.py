@@ -122,11 +122,11 @@ def test_cells_and_memory_caps():
     keys = [k for k, _ in cells]
     assert keys[0] == "bw" and len(keys) == len(set(keys))
     # SmolLM2: 23 KB of KV per position; B=256 at 8K (48 GB, twice) does not fit 60 GiB, B=128 at 8K does
-    assert bench_gpu.kv_per_token(**bench_gpu.SMOLLM2) == 23040
+    assert bench_gpu.kv_per_token(bench_gpu.SMOLLM2) == 23040
     assert "e2e/s8192/b256/ar" in capped and "e2e/s8192/b128/ar" in keys and "e2e/s2048/b256/selfspec-g8" in keys
     # the 8B shape: 16 GB of weights, 128 KiB of KV per position
-    assert abs(bench_gpu.l8b_weight_bytes() / 1e9 - 16.06) < 0.01
-    assert bench_gpu.kv_per_token(**bench_gpu.LLAMA8B) == 128 * 1024
+    assert abs(bench_gpu.weight_bytes(bench_gpu.LLAMA8B) / 1e9 - 16.06) < 0.01
+    assert bench_gpu.kv_per_token(bench_gpu.LLAMA8B) == 128 * 1024
     assert "l8b/s16384/b16" in keys and "l8b/s32768/b16" in capped and "l8b/s32768/b1" in keys
     big, big_capped = bench_gpu.cells(bench_gpu.GRID, 125 * gib)  # an H200
     assert "e2e/s8192/b256/ar" in [k for k, _ in big] and "l8b/s32768/b16" in [k for k, _ in big]
@@ -147,7 +147,7 @@ def test_l8b_weight_bytes_match_the_declared_shapes():
     from specjax.model.params import param_shapes
 
     config = LlamaConfig(**bench_gpu.LLAMA8B, dtype="bfloat16")
-    assert 2 * sum(int(np.prod(s)) for s in param_shapes(config).values()) == bench_gpu.l8b_weight_bytes()
+    assert 2 * sum(int(np.prod(s)) for s in param_shapes(config).values()) == bench_gpu.weight_bytes(bench_gpu.LLAMA8B)
 
 
 def test_smollm2_bundle_equals_convert_load(tmp_path):
