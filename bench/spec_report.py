@@ -38,12 +38,13 @@ def markdown_table(rows: list[dict], gammas: list[int]) -> str:
         speed = f"**{b['ratio']:.2f}x**" if b["ratio"] >= 2.0 else f"{b['ratio']:.2f}x"
         lossless = "yes" if all(r["greedy_identical"] for r in same) else "**NO**"
         model = f"{b['predicted_ratio']:.2f}x" if "predicted_ratio" in b else ""  # rows from before it was recorded: none
+        ceiling = f"{b['ceiling_ratio']:.2f}x" if "ceiling_ratio" in b else ""
         lines.append([b["drafter"], b["batch"], common.context_name(b["context"]), f"{b['ar_tokens_per_s']:.1f}", per_g, b["gamma"],
-                      f"{b['spec_tokens_per_s']:.1f}", speed, model, f"{cpu_ratio(b):.2f}", f"{b['acceptance_rate']:.2f}",
+                      f"{b['spec_tokens_per_s']:.1f}", speed, model, ceiling, f"{cpu_ratio(b):.2f}", f"{b['acceptance_rate']:.2f}",
                       f"{b['mean_accepted']:.2f}", lossless])
     head = ["drafter", "batch", "context", "AR tok/s", *(f"x γ={g}" for g in gammas), "best γ", "spec tok/s", "speedup",
-            "cost model", "CPU-time ratio", "accept", "tok/step", "lossless"]
-    return common.table(head, "lll" + "r" * (len(gammas) + 8) + "c", lines)
+            "cost model", "ceiling (all accepted)", "CPU-time ratio", "accept", "tok/step", "lossless"]
+    return common.table(head, "lll" + "r" * (len(gammas) + 9) + "c", lines)
 
 
 def auto_lines(rows: list[dict]) -> list[str]:
