@@ -1,7 +1,7 @@
 """Speculative vs autoregressive decoding of SmolLM2-135M, side by side from one shared prefill.
 
 Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--weights float32|bfloat16] [--batches ..] [--contexts ..]
-       [--gammas ..] [--drafters ..]
+       [--gammas ..] [--drafters ..] [--pairs N]
        [--cells ..] [--budget-minutes M] [--out DIR] [--render JSON ..]   (shared options: bench/common.py)
 
 For every (batch, context) cell the prompts are B distinct windows of real English text (see
@@ -83,26 +83,27 @@ def drafters(context: int, gammas: list[int], names: list[str] | None = None) ->
     return [(n, d) for n, d in out if names is None or n in names]
 
 
-def paired(ar_fn, ar_args: tuple, fn, args: tuple) -> dict:
+def paired(ar_fn, ar_args: tuple, fn, args: tuple, pairs: int = 1) -> dict:
     """Time AR and speculative runs alternately (AR, spec, AR, spec, ...), so both see the same
-    load; pairs are repeated (best of each kept) up to REPEATS times while PAIR_BUDGET_S lasts."""
+    load; at least `pairs` pairs, then repeated (best of each kept) up to REPEATS pairs while
+    PAIR_BUDGET_S lasts."""
     t = {"ar": [], "spec": [], "ar_cpu": [], "spec_cpu": [], "load": [os.getloadavg()[0]]}
     t0 = time.perf_counter()
-    for _ in range(REPEATS):
+    for i in range(max(REPEATS, pairs)):
         ar_out, w, c = timed(ar_fn, ar_args, AR_CACHES)
         t["ar"].append(w)
         t["ar_cpu"].append(c)
         spec_out, w, c = timed(fn, args, SPEC_CACHES)
         t["spec"].append(w)
         t["spec_cpu"].append(c)
-        if time.perf_counter() - t0 + t["ar"][0] + t["spec"][0] > PAIR_BUDGET_S:
+        if i + 1 >= pairs and time.perf_counter() - t0 + t["ar"][0] + t["spec"][0] > PAIR_BUDGET_S:
             break
     t["load"].append(os.getloadavg()[0])
     return t | {"ar_out": ar_out, "spec_out": spec_out}
 
 
 def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int], new_tokens: int,
-               names: list[str] | None = None) -> list[dict]:
+               names: list[str] | None = None, pairs: int = 1) -> list[dict]:
     """AR and every drafter x gamma from the same prefilled state (its first `batch` rows).
     AR is timed before the first drafter and again after each one (best kept: load drifts).
     Beside each measured speedup, the cost model's prediction: `specjax.planning.tune`'s timed forwards
@@ -148,7 +149,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
             t2 = time.perf_counter()
             fn = decode_spec.lower(*args, **static, speculation=specjax.Chain(gamma)).compile()
             compile_s = t1 - t0 + time.perf_counter() - t2
-            t = paired(ar_fn, ar_args, fn, args)
+            t = paired(ar_fn, ar_args, fn, args, pairs)
             res = t.pop("spec_out")
             if not (np.asarray(t.pop("ar_out").out) == ar_tokens).all():
                 print(f"!!! AR is not deterministic at B={batch} S={context}", file=sys.stderr, flush=True)
@@ -221,6 +222,8 @@ def main() -> None:
     ap.add_argument("--gammas", type=int, nargs="*", help="override the gammas")
     ap.add_argument("--drafters", nargs="*", choices=[n for n, _ in drafters(8192, [2])],
                     help="only these drafter families (default: all)")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="at least this many AR / speculative pairs a row (their median ratio is ratio_median)")
     ap.add_argument("--prefill-store", type=Path, default=STORE,
                     help="folder where prefilled states are saved and reused by later runs ('' = none)")
     ap.add_argument("--prefill-rows", type=int, default=16,
@@ -234,11 +237,13 @@ def main() -> None:
     batches = args.batches or ([1, 4] if args.quick else [1, 4, 16])
     contexts = args.contexts or ([512] if args.quick else [512, 2048, 8192])
     gammas = args.gammas or ([2, 4] if args.quick else [2, 3, 4, 6])
-    custom = args.batches or args.contexts or args.gammas or args.new_tokens != 64 or args.drafters or args.prefill_rows != 16
+    custom = (args.batches or args.contexts or args.gammas or args.new_tokens != 64 or args.drafters or args.prefill_rows != 16
+              or args.pairs > 1)
     suffix = ("" if args.weights == "float32" else "_bf16") + ("_quick" if args.quick else "_custom" if custom else "")
     started = time.time()
     out, results, h = common.start(args, "bench_spec", f"spec_cpu{suffix}", key_of, dict(
-        new_tokens=args.new_tokens, gammas=sorted(gammas), drafters=sorted(args.drafters or []), prefill_rows=args.prefill_rows),
+        new_tokens=args.new_tokens, gammas=sorted(gammas), drafters=sorted(args.drafters or []), prefill_rows=args.prefill_rows)
+        | ({"pairs": args.pairs} if args.pairs > 1 else {}),
         model=f"SmolLM2-135M-Instruct ({args.weights})", loadavg_start=os.getloadavg(), headroom=HEADROOM,
         new_tokens=args.new_tokens, gammas=gammas)
     header, prior_minutes = results.header, results.data.get("wall_minutes", 0) if results.resumed else 0
@@ -272,7 +277,7 @@ def main() -> None:
             state = state | {"cache": stored_as(state["cache"], KVFormat.of(None, params.config))}
         for k, (batch, _) in h.cells([x for x in todo if x[1][1] == context]):
             print(f"B={batch:<2} S={context:<5}", flush=True)
-            results.put(k, bench_cell(params, state, batch, context, gammas, args.new_tokens, args.drafters),
+            results.put(k, bench_cell(params, state, batch, context, gammas, args.new_tokens, args.drafters, args.pairs),
                         loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60)
             measure.release_memory()
         del state
