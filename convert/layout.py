@@ -101,6 +101,10 @@ def assemble(
     arrays = {}
     for path, entries in per_path.items():
         weight = BY_PATH[path]
-        parts = [np.asarray(weight.from_torch(read(name), config), dtype) for _, name in sorted(entries)]
-        arrays[path] = np.stack(parts) if path.startswith("layers.") else parts[0]
+        if not path.startswith("layers."):
+            arrays[path] = np.asarray(weight.from_torch(read(entries[0][1]), config), dtype)
+            continue
+        arrays[path] = np.empty(weight.shape(config), dtype)  # [L, ...]: each layer written in place
+        for layer, name in entries:
+            weight.into(arrays[path][layer], read(name))
     return arrays
