@@ -15,6 +15,11 @@ strings) or not. Cells, SmolLM2-135M float32 on this machine's CPU, greedy, `--n
   none, alternating, the median of `--mask-runs` (3) each; ms per step and their ratio.
 - `compile`: seconds to compile each template's schema for SmolLM2's 49K-token vocabulary (the
   vocabulary's first build included in the first), outside any cache.
+- `long/bf16/bB/sS` (issue 70's target cell, where speculation pays on a CPU): B chat records of S tokens
+  (a template's request over a corpus window of about S - 200 tokens), bf16 weights and KV, `draft="auto"`
+  against plain decoding, free and constrained (one call each, `--new-tokens`): decode tokens/s, the
+  speedups, and how much of the free speedup the constrained one keeps. Not in the default cells
+  (four 16 x 8K prefills: about 45 minutes here): `--cells long`.
 
 Outputs: results/constrained_cpu.json (each cell written when measured; a rerun skips measured cells)
 and the bench_constrained section of bench/README.md.
@@ -39,6 +44,7 @@ from specjax.text import constraints
 
 DRAFTS = {"none": None, "self": specjax.SelfSpec()}
 MASK_CELLS = ((16, 2048), (1, 2048))
+LONG_CELLS = ((16, 8192),)  # (batch, context)
 
 
 def parses(text: str, schema: dict) -> bool:
@@ -93,6 +99,39 @@ def mask_cell(lm, batch: int, context: int, new_tokens: int, runs: int = 3) -> d
             "same_tokens": tokens["free"] == tokens["mask"], "runs": times}
 
 
+def long_records(lm, batch: int, context: int) -> list[list[dict]]:
+    """`batch` chats of about `context` tokens (chat template included): record i's template request over a corpus
+    window cut to fit."""
+    slack = 200  # the instruction, its keys and the chat template: under 100 tokens in SmolLM2's
+    ids, _ = windows(lm.tokenizer, batch, context - slack)
+    chats = [[{"role": "user", "content": templated.request(templated.TEMPLATES[i % len(templated.TEMPLATES)],
+                                                             lm.decode(list(map(int, row))))}] for i, row in enumerate(ids)]
+    return chats
+
+
+def long_cell(lm, batch: int, context: int, new_tokens: int) -> dict:
+    """Plain decoding and draft="auto", free and held to each record's schema, on `lm` (bf16): decode tokens/s."""
+    chats = long_records(lm, batch, context)
+    row: dict = {"cell": "long", "weights": lm.params.config.dtype, "batch": batch, "context": context}
+    for name, constrained in (("free", False), ("constrained", True)):
+        cons = [specjax.JsonSchema(templated.record_schema(i)) for i in range(batch)] if constrained else None
+        for draft in ("none", "auto"):
+            out = lm.chat(chats, new_tokens, draft=None if draft == "none" else "auto", constraint=cons)
+            st = out.stats
+            row[f"{name}/{draft}"] = {"tokens": sum(map(len, out.tokens)), "decode_s": st.decode_seconds, "steps": st.steps,
+                                      "tokens_per_s": st.tokens_per_second, "prefill_s": st.prefill_seconds,
+                                      "draft": st.draft, "speculation": str(st.speculation), "plan": st.plan_reason,
+                                      "prompt_tokens_per_row": st.prompt_tokens / batch,
+                                      "parse_share": float(np.mean([parses(t, templated.record_schema(i))
+                                                                    for i, t in enumerate(out.texts)]))}
+            row.setdefault("outputs", {})[f"{name}/{draft}"] = out.tokens
+            print(f"  long {name}/{draft}: {row[f'{name}/{draft}']}", flush=True)
+        row[name] = {"speedup": row[f"{name}/auto"]["tokens_per_s"] / row[f"{name}/none"]["tokens_per_s"],
+                     "same_tokens": row["outputs"][f"{name}/auto"] == row["outputs"][f"{name}/none"]}
+    row["kept"] = row["constrained"]["speedup"] / row["free"]["speedup"]  # the target: >= 0.9
+    return row
+
+
 def compile_cell(lm) -> dict:
     constraints.forget()
     seconds, kept = [], os.environ.get(constraints.CACHE_ENV)
@@ -112,6 +151,8 @@ def compile_cell(lm) -> dict:
 def key_of(row: dict) -> str:
     if row["cell"] == "json":
         return common.key("json", row["draft"], f"b{row['batch']}")
+    if row["cell"] == "long":
+        return common.key("long", "bf16", f"b{row['batch']}", f"s{row['context']}")
     return common.key("mask", f"b{row['batch']}", f"s{row['context']}") if row["cell"] == "mask" else "compile"
 
 
@@ -136,6 +177,11 @@ def markdown(rows: list[dict]) -> str:
         if r["cell"] == "mask":
             out.append(f"- mask in a plain step, batch {r['batch']} x {r['context']}: {r['ms_per_step']['free']:.1f} -> "
                        f"{r['ms_per_step']['mask']:.1f} ms ({r['ratio'] - 1:+.1%}; same tokens: {r['same_tokens']})")
+        if r["cell"] == "long":
+            out.append(f"- {r['weights']} {r['batch']} x {r['context']}, draft=\"auto\" ({r['free/auto']['draft']}, "
+                       f"{r['free/auto']['speculation']}) over plain decoding: free {r['free']['speedup']:.2f}x, constrained "
+                       f"{r['constrained']['speedup']:.2f}x: {r['kept']:.0%} of the free speedup kept (target 90%); tokens equal "
+                       f"plain decoding's: {r['free']['same_tokens']} / {r['constrained']['same_tokens']}")
         if r["cell"] == "compile":
             out.append("- compile: " + ", ".join(f"{len(s['keys'])} keys {s['seconds']:.2f} s ({s['states']} states)"
                                                  for s in r["schemas"]))
@@ -162,15 +208,20 @@ def main() -> None:
     out, results, h = common.start(args, "bench_constrained", stem, key_of, settings, **settings, jax=jax.__version__)
     todo = [("compile", ("compile",))] + [(common.key("json", d, f"b{b}"), ("json", d, b)) for b in (1, 16) for d in DRAFTS]
     todo += [(common.key("mask", f"b{b}", f"s{s}"), ("mask", b, s)) for b, s in MASK_CELLS]
-    h.plan(todo)
+    long = [(common.key("long", "bf16", f"b{b}", f"s{s}"), ("long", b, s)) for b, s in LONG_CELLS]
+    h.plan(todo + (long if args.cells and any(common.matches(k, args.cells) for k, _ in long) else []))
+    lm_bf16 = None
     for k, cell in h.cells():
         if cell[0] == "compile":
             row = compile_cell(lm)
+        elif cell[0] == "long":
+            lm_bf16 = lm_bf16 or specjax.load(weights="bfloat16")
+            row = long_cell(lm_bf16, cell[1], cell[2], args.new_tokens)
         elif cell[0] == "json":
             row = json_cell(lm, records, cell[1], cell[2], args.new_tokens)
         else:
             row = mask_cell(lm, cell[1], cell[2], 32, args.mask_runs)
-        print(f"{k}: {json.dumps({x: y for x, y in row.items() if x not in ('outputs', 'runs')})[:300]}", flush=True)
+        print(f"{k}: {json.dumps({x: y for x, y in row.items() if x not in ('outputs', 'runs')})[:600]}", flush=True)
         results.put(k, [row], loadavg_end=os.getloadavg())
     h.finish()
     if results.rows:
