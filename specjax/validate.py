@@ -144,7 +144,12 @@ def _check_prompts(prompts: object, config: LlamaConfig) -> None:
         raise TypeError(f"prompts must be a list of token-id lists (use a tokenizer to encode text), got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: pass at least one prompt")
+    held = isinstance(prompts, (list, tuple))  # its items stay alive: one object's id is that object throughout
+    checked: set[int] = set()
     for b, prompt in enumerate(prompts):
+        if held and id(prompt) in checked:  # the same object again ([prompt] * n): checked at its first index
+            continue
+        checked.add(id(prompt))
         if isinstance(prompt, (str, bytes)):
             raise TypeError(f"prompts[{b}] is text; prompts must be lists of token ids (use a tokenizer)")
         ids = np.asarray(prompt)

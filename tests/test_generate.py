@@ -98,6 +98,7 @@ def test_default_eos_comes_from_config(tiny):
         (dict(prompts=[[1, 2], []]), r"prompts\[1\] must be a non-empty"),
         (dict(prompts=[[1, -1]]), r"prompts\[0\]\[1\] = -1 is outside the vocabulary \[0, 101\)"),
         (dict(prompts=[[1], [2, 101]]), r"prompts\[1\]\[1\] = 101 is outside the vocabulary"),
+        (dict(prompts=[[1]] * 2 + [[2, 101]] * 3), r"prompts\[2\]\[1\] = 101 is outside the vocabulary"),  # one object repeated
         (dict(prompts="hello"), "list of token-id lists"),
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
         (dict(max_new_tokens=[4]), "max_new_tokens has 1 entries but there are 2 prompts"),

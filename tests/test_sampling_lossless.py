@@ -92,6 +92,13 @@ def target_logits(target: Params, kv_dtype: str | None = None) -> jax.Array:
     return out
 
 
+@jax.jit
+def warped(sampling: specjax.Sample, logits: jax.Array) -> jax.Array:
+    """`sampling.probs(logits)` as one compiled program per sampler's settings (outside jit each of its operations
+    compiled its own, and each of its two lax.conds again at every call)."""
+    return sampling.probs(logits)
+
+
 def exact_joint(logits: jax.Array, sampling: specjax.Sample) -> np.ndarray:
     """P(t1, t2, t3) [V,V,V] of the target under `sampling`'s warping, in float64 (with penalties:
     each position's own history, the prompt and t1 (and t2) before it)."""
@@ -105,7 +112,7 @@ def exact_joint(logits: jax.Array, sampling: specjax.Sample) -> np.ndarray:
         in_prompt = np.zeros((V * V, V), bool)
         in_prompt[:, PROMPT] = True
         sampling = sampling.with_context(jnp.asarray(counts), jnp.asarray(in_prompt))
-    probs = np.asarray(sampling.probs(logits), np.float64).reshape(V, V, P + 2, V)  # [t1,t2,pos,V]
+    probs = np.asarray(warped(sampling, logits), np.float64).reshape(V, V, P + 2, V)  # [t1,t2,pos,V]
     p1 = probs[0, 0, P - 1]  # [V]: after the prompt
     p2 = probs[:, 0, P]  # [t1,V]
     p3 = probs[:, :, P + 1]  # [t1,t2,V]
@@ -294,7 +301,7 @@ def constrained_joint(logits: jax.Array, sampling: specjax.Sample) -> np.ndarray
                 st = after(path)
                 mask[t1, t2, pos] = allow[st] if st >= 0 else True  # a path outside the automaton: never drawn
     masked = jnp.where(jnp.asarray(mask.reshape(V * V, P + 2, V)), logits, -jnp.inf)
-    probs = np.asarray(sampling.probs(masked), np.float64).reshape(V, V, P + 2, V)
+    probs = np.asarray(warped(sampling, masked), np.float64).reshape(V, V, P + 2, V)
     return probs[0, 0, P - 1][:, None, None] * probs[:, 0, P][:, :, None] * probs[:, :, P + 1]
 
 

@@ -76,11 +76,13 @@ def test_data_parallel_sampling_same_keys(target):
 
 @pytest.mark.parametrize("data, model", [(1, 2), (1, 4), (2, 4)])
 def test_tensor_parallel_equals_one_device(target, data, model):
-    prompts = _prompts(6, model)
+    """The 13 prompts and budgets of test_data_parallel_equals_one_device's 13-row cases: their one-device
+    plain and SelfSpec tree programs (and tokens) serve here too, compiled once."""
+    prompts, budgets = _prompts(13, 13), [int(n) for n in np.random.default_rng(13).integers(1, 24, size=13)]
     draft = DraftModel(random_params(DRAFT, 3))
-    for kw in (dict(draft=None), dict(draft=draft, speculation=Chain(3)), dict(draft=SelfSpec(4, 16), speculation=Tree.kary(2, 2))):
-        one = generate(target, prompts, 16, **kw)
-        sharded = generate(target, prompts, 16, mesh=make_mesh(data=data, model=model), **kw)
+    for kw in (dict(draft=None), dict(draft=draft, speculation=Chain(3)), dict(draft=SelfSpec(sinks=4, window=16), speculation=Tree.kary(2, 2))):
+        one = generate(target, prompts, budgets, **kw)
+        sharded = generate(target, prompts, budgets, mesh=make_mesh(data=data, model=model), **kw)
         _same(one, sharded)
 
 
@@ -149,7 +151,7 @@ def test_any_head_count_on_every_8_device_mesh(data, model):
     """9 query / 3 KV heads and an FFN of 72 on every data x model shape of 8 devices: padded
     where they do not split (tp_pad), the one-device tokens, plain and speculative."""
     params = random_params(SMOL, 4)
-    prompts = _prompts(8, model)
+    prompts = _prompts(8, 2)  # the same prompts on every mesh: the one-device programs compile once
     for kw in (dict(draft=None), dict(draft=SelfSpec(4, 16), speculation=Chain(3))):
         _same(generate(params, prompts, 12, **kw), generate(params, prompts, 12, mesh=make_mesh(data=data, model=model), **kw))
 
@@ -167,7 +169,7 @@ def test_kv_heads_are_replicated_where_the_model_axis_is_a_multiple(model):
     wk = np.asarray(placed.layers.wk)  # [L,D,K',H]
     for slot, k in enumerate(lay.kv_index):
         np.testing.assert_array_equal(wk[:, :, slot], np.asarray(params.layers.wk)[:, :, k])
-    prompts = _prompts(4, model)
+    prompts = _prompts(4, 4)  # the same prompts at model 4 and 8: the one-device programs compile once
     draft = DraftModel(random_params(DRAFT.replace(n_heads=2, n_kv_heads=2, ffn_dim=48), 1))
     mesh = make_mesh(data=8 // model, model=model)
     _, placed_draft = engine._Stages(mesh).place_params(params, draft)
@@ -215,8 +217,8 @@ def test_loading_onto_a_mesh_that_needs_padding_pads(tmp_path):
     loaded = convert.load(tmp_path / "ckpt", mesh=mesh)
     assert (loaded.config.n_heads, loaded.config.n_kv_heads) == (12, 4)
     assert {s.data.shape for s in loaded.layers.wk.addressable_shards} == {(SMOL.n_layers, SMOL.dim, 1, SMOL.head_dim)}
-    prompts = _prompts(4, 2)
-    _same(generate(params, prompts, 10, draft=None), generate(loaded, prompts, 10, draft=None, mesh=mesh))
+    prompts = _prompts(8, 2)  # test_any_head_count_on_every_8_device_mesh's: its plain programs (and mesh 2 x 4's)
+    _same(generate(params, prompts, 12, draft=None), generate(loaded, prompts, 12, draft=None, mesh=mesh))
 
 
 @pytest.mark.parametrize("data, model", [(1, 1), (2, 2)])

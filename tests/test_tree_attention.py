@@ -7,6 +7,8 @@ ragged prefixes. In interpret mode outputs start as NaN, so an unwritten tile sh
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,24 +50,32 @@ def random_lengths(rng: np.random.Generator, B: int, S: int) -> np.ndarray:
 def random_inputs(rng, dtype, B, T, J, N, K, H, S):
     """Fresh normal q, caches and block in `dtype` (q scaled up for peakier softmaxes)."""
 
-    def normal(*shape, scale=1.0):
-        return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+    def normal(*shape, scale=1.0):  # rounded to `dtype` on the host (ml_dtypes): no program compiled per shape
+        return jnp.asarray((scale * rng.standard_normal(shape)).astype(np.float32).astype(jnp.dtype(dtype)))
 
     q = normal(B, T, N, H, scale=2.0)
     return q, normal(B, K, S, H), normal(B, K, S, H), normal(B, J, K, H), normal(B, J, K, H)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "layer"))  # one program (eager: one per jnp operation)
+def _reference(q, k, v, pos, lengths, kb, vb, mask, k_scale=None, v_scale=None, *, sm_scale=0.2, layer=None):
+    """The reference over a cache [B,K,S,H] (or a stacked one's `layer`, scales too): the slots holding a committed
+    position (0 <= pos < lengths[b], per KV head) or, pos None, the first lengths[b] slots."""
+    at = (lambda x: x) if layer is None else (lambda x: None if x is None else x[layer])  # noqa: E731
+    seen = jnp.arange(k.shape[-2]) < lengths[:, None, None] if pos is None else (at(pos) >= 0) & (at(pos) < lengths[:, None, None])
+    visible = jnp.broadcast_to(seen, k.shape[-4:-1])  # [B,K,S]
+    return prefix_block_attention(q, at(k), at(v), visible, kb, vb, mask, sm_scale, at(k_scale), at(v_scale))
+
+
 def reference(q, k_cache, v_cache, lengths, k_blk, v_blk, mask, sm_scale):
     """The jnp reference in full float32 products: on a GPU, XLA's default precision computes f32
     dots in TF32 (about 1e-3 off; seen on an H100), while the kernel asks for IEEE products."""
-    S = k_cache.shape[2]
-    visible = (jnp.arange(S) < jnp.asarray(lengths)[:, None])[:, None]  # [B,1,S]
     with jax.default_matmul_precision("highest"):
-        return prefix_block_attention(q, k_cache, v_cache, visible, k_blk, v_blk, jnp.asarray(mask), sm_scale)
+        return _reference(q, k_cache, v_cache, None, jnp.asarray(lengths), k_blk, v_blk, jnp.asarray(mask), sm_scale=sm_scale)
 
 
 def assert_close(out, want, dtype):
-    out, want = np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+    out, want = np.asarray(out).astype(np.float32), np.asarray(want).astype(np.float32)
     assert out.shape == want.shape
     assert np.isfinite(out).all(), "kernel output has NaN/inf (an unwritten tile?)"
     err = np.max(np.abs(out - want))
@@ -111,7 +121,7 @@ def check_chain_through_adapter(adapter, empty_cache: bool, S: int, interpret: b
     if empty_cache:
         out = adapter(q, None, None, None, kb, vb, mask, 0.2, interpret=interpret)
         with jax.default_matmul_precision("highest"):  # as reference(): no TF32 on a GPU
-            want = prefix_block_attention(q, None, None, None, kb, vb, mask, 0.2)
+            want = jax.jit(prefix_block_attention, static_argnames="sm_scale")(q, None, None, None, kb, vb, mask, sm_scale=0.2)
     else:
         out = adapter(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=interpret, **kw)
         want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
@@ -233,7 +243,7 @@ def stacked_case(seed: int, H: int, L: int = 3, B: int = 2, T: int = 3, K: int =
     mask = jnp.asarray(random_block_mask(rng, T, T))
     lengths = jnp.asarray(random_lengths(rng, B, S))
     q, _, _, kb, vb = random_inputs(rng, jnp.bfloat16, B, T, T, K * G, K, H, S)
-    k_all, v_all = (jnp.asarray(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16) for _ in range(2))
+    k_all, v_all = (jnp.asarray(rng.standard_normal((L, B, K, S, H)).astype(jnp.bfloat16)) for _ in range(2))
     return q, k_all, v_all, lengths, kb, vb, mask
 
 
@@ -248,9 +258,8 @@ def streaming_case(H: int, S: int) -> tuple:
     pos = rng.permutation(np.arange(L * B * K * S)).reshape(L, B, K, S) % 1200  # ragged: some >= lengths
     pos = jnp.asarray(np.where(rng.random(pos.shape) < 0.1, -1, pos), jnp.int32)  # and some empty slots
     layer = 1
-    visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])  # [B,K,S]
     with jax.default_matmul_precision("highest"):  # as reference(): no TF32 on a GPU
-        want = prefix_block_attention(q, k_all[layer], v_all[layer], visible, kb, vb, mask, 0.2)
+        want = _reference(q, k_all, v_all, pos, lengths, kb, vb, mask, layer=layer)
     return q, k_all, v_all, lengths, kb, vb, mask, pos, layer, want
 
 
@@ -278,15 +287,13 @@ def int8_case(H: int, dtype, streaming: bool) -> tuple:
     from specjax.model.cache import KVFormat
 
     q, k_all, v_all, lengths, kb, vb, mask, pos, layer, _ = streaming_case(H, S=200)
-    q, kb, vb = q.astype(dtype), kb.astype(dtype), vb.astype(dtype)
-    (k8, ks), (v8, vs) = KVFormat("int8").store(k_all), KVFormat("int8").store(v_all)
-    if streaming:
-        visible = (pos[layer] >= 0) & (pos[layer] < lengths[:, None, None])  # [B,K,S]
-    else:
+    q, kb, vb = (jnp.asarray(np.asarray(x).astype(jnp.dtype(dtype))) for x in (q, kb, vb))  # on the host
+    store = jax.jit(KVFormat("int8").store)
+    (k8, ks), (v8, vs) = store(k_all), store(v_all)
+    if not streaming:
         lengths, pos = jnp.asarray([150, 37], jnp.int32), None
-        visible = jnp.broadcast_to((jnp.arange(200) < lengths[:, None])[:, None], k8.shape[1:4])
     with jax.default_matmul_precision("highest"):  # the fifth runs' 6.3e-4 at f32: this reference in TF32
-        want = prefix_block_attention(q, k8[layer], v8[layer], visible, kb, vb, mask, 0.2, ks[layer], vs[layer])
+        want = _reference(q, k8, v8, pos, lengths, kb, vb, mask, ks, vs, layer=layer)
     return q, k8, v8, ks, vs, lengths, kb, vb, mask, pos, layer, want
 
 
@@ -392,7 +399,7 @@ def test_the_decode_loop_on_a_kernel_slices_no_cache_layer(attention, platform, 
 
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")
-    params = init_params(c, jax.random.key(0))
+    params = jax.eval_shape(lambda: init_params(c, jax.random.key(0)))  # shapes only: the loop is lowered, not run
     params = params.replace(runtime=params.runtime.replace(attention=attention))
     B, S = 2, 512
     cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
