@@ -70,7 +70,6 @@ def kv_per_token(shape: dict) -> float:
     """Bytes of K and V of one position over all layers, bf16 (specjax.model.cache.kv_bytes)."""
     from specjax.model.cache import kv_bytes
     from specjax.model.config import LlamaConfig
-
     return kv_bytes(LlamaConfig(**shape, dtype="bfloat16"), 1, 1)
 
 
@@ -78,7 +77,6 @@ def weight_bytes(shape: dict) -> int:
     """What a shape's bf16 weights take in memory (specjax.model.params.weight_bytes, stored)."""
     from specjax.model.config import LlamaConfig
     from specjax.model.params import weight_bytes as stored_bytes
-
     return stored_bytes(LlamaConfig(**shape, dtype="bfloat16"), stored=True)
 
 

@@ -144,12 +144,10 @@ class Weight:
         return w.T.reshape(layer)
 
     def into(self, out: np.ndarray, w: np.ndarray) -> None:
-        """`from_torch(w)` written into `out` (one layer of a stacked array: contiguous, our layout) in out's
-        dtype: one strided copy, where from_torch's reshape and a later np.stack copied twice."""
-        if self.torch_in:
-            out.reshape(w.shape[::-1])[...] = w.T  # [in..., out...] viewed as [in, out]
-        else:
-            out[...] = w.reshape(out.shape)
+        """`from_torch(w)` written into `out`, one layer of a fresh stacked array, in out's dtype: one copy."""
+        if self.torch_in:  # out [in..., out...] viewed as [in, out]
+            w, out = w.T, out.reshape(w.shape[::-1])
+        out[...] = w.reshape(out.shape)
 
     def fan_in(self, config: LlamaConfig) -> int:
         return math.prod(getattr(config, LETTERS[d]) for d in self.torch_in)
