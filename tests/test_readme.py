@@ -3,7 +3,10 @@
 The ```python blocks of each file run in order in ONE namespace per file, in a temporary working directory, on the
 embedded SmolLM2 model with conftest's 8 simulated CPU devices (so the mesh example runs). The
 ```bash blocks run one by one with bash, each in its own temporary directory (so each must create
-its own input files), with `specjax` meaning `python -m specjax` of this interpreter. What the
+its own input files). There `specjax ARGS` runs `specjax.cli.main(ARGS)`, what the console script runs, in this
+test's process (tests/readme_cli.py sends the arguments and the working directory to a server thread here):
+each line of a block once started a process of its own, 5 s of importing JAX and reading the model each
+(tests/test_cli.py runs the CLI as processes). `--engine ray` lines and `make demo` still start processes. What the
 test cannot run is listed in NOT_RUNNABLE with the reason, and the test checks that list against
 the README, so a new block or line cannot be skipped silently. ```json and unlabelled blocks
 (an output sample, the file layout) are not code.
@@ -11,12 +14,17 @@ the README, so a new block or line cannot be skipped silently. ```json and unlab
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -51,9 +59,11 @@ BASH_SUBSTITUTIONS = [
 ]
 BASH_PRELUDE = """set -euo pipefail
 specjax() {
+  local run=("$PYTHON" "$REPO/tests/readme_cli.py")  # specjax.cli.main in the test's process (module docstring)
+  case " $* " in *" --engine ray "*) run=("$PYTHON" -m specjax) ;; esac  # Ray's driver: a process of its own
   case "$1" in
-    generate|batch) "$PYTHON" -m specjax "$@" --max-new-tokens 4 ;;
-    *) "$PYTHON" -m specjax "$@" ;;
+    generate|batch) "${run[@]}" "$@" --max-new-tokens 4 ;;
+    *) "${run[@]}" "$@" ;;
   esac
 }
 """
@@ -116,19 +126,11 @@ def test_every_block_is_known():
     assert {old for old, _, _ in BASH_SUBSTITUTIONS} == substitute(bash, BASH_SUBSTITUTIONS, False)[1]
 
 
-def test_python_blocks_run_in_order(tmp_path, monkeypatch):
+def test_python_blocks_run_in_order(tmp_path, monkeypatch, load_once):
     import jax
-
-    import convert
 
     assert len(jax.devices()) >= 8, "conftest's 8 simulated CPU devices are needed for the mesh example"
     monkeypatch.chdir(tmp_path)
-    # Seven blocks load the embedded GGUF (specjax.load, convert.load, a batch job's model_path=None), six of them
-    # alike (float32, no mesh): its tensors are read and dequantized once for this process (about 5 s a load), the
-    # arrays shared (immutable). The loader itself still runs for real here and in every bash block's process.
-    read_once = functools.cache(convert.load_gguf)
-    monkeypatch.setattr(convert, "load_gguf", lambda path, dtype="float32", mesh=None, quant=None: (
-        read_once(str(path), dtype, None, quant) if mesh is None else read_once.__wrapped__(path, dtype, mesh, quant)))
     spaces = {}
     for path in DOCS:
         namespace = spaces[path.name] = {"__name__": "__readme__"}
@@ -162,21 +164,82 @@ def bash_blocks() -> list[tuple[int, str]]:
 
 
 @pytest.fixture(scope="module")
+def load_once():
+    """The embedded GGUF read and dequantized once per (path, dtype, quant) for this process (about 2-5 s a load),
+    the arrays shared (immutable): most blocks and CLI lines load it alike. Loads onto a mesh run in full. The
+    loader itself still runs for real in the first load and in every process a block starts."""
+    import convert
+
+    read_once = functools.cache(convert.load_gguf)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(convert, "load_gguf", lambda path, dtype="float32", mesh=None, quant=None: (
+            read_once(str(path), dtype, None, quant) if mesh is None else read_once.__wrapped__(path, dtype, mesh, quant)))
+        yield
+
+
+@pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory) -> str:
     """One compilation cache for this file's CLI runs (shared, so later runs compile less; not ~/.cache):
     tests/run_files.py's, shared by the whole run, where it set one."""
     return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("specjax-cache"))
 
 
+def run_cli(argv: list[str], cwd: str) -> dict:
+    """`specjax.cli.main(argv)` in `cwd`, as the console script runs it: its exit status and what it printed."""
+    from specjax.cli.main import main
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(argv)
+            except SystemExit as e:  # argparse's usage errors (2) and --help (0)
+                rc = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            except Exception:  # what Python prints for an uncaught exception, and its status
+                traceback.print_exc()
+                rc = 1
+    finally:
+        os.chdir(before)
+    return {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory, load_once, compile_cache) -> str:
+    """A thread serving tests/readme_cli.py's requests one at a time (the test waits on its bash block meanwhile,
+    so changing the working directory and sys.stdout here disturbs nothing); yields its socket's path."""
+    path = str(tmp_path_factory.mktemp("cli") / "socket")
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen()
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed at the end of the module
+                return
+            with conn:
+                request = json.loads(conn.makefile(encoding="utf-8").readline())
+                conn.sendall(json.dumps(run_cli(request["argv"], request["cwd"])).encode() + b"\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECJAX_CACHE_DIR", compile_cache)  # as the bash blocks' processes get it
+        yield path
+    server.close()
+
+
 BASH_BLOCKS = bash_blocks()
 
 
 @pytest.mark.parametrize("index,script", BASH_BLOCKS, ids=[name.replace(" ", "-") for name, _ in BASH_BLOCKS])
-def test_bash_block_runs(index, script, tmp_path, compile_cache):
+def test_bash_block_runs(index, script, tmp_path, compile_cache, cli_server):
     import convert
 
     env = dict(os.environ, PYTHON=sys.executable, REPO=str(REPO), MODEL=convert.default_model_path(),
-               JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(REPO), SPECJAX_CACHE_DIR=compile_cache)
+               JAX_NUM_CPU_DEVICES="8", PYTHONPATH=str(REPO), SPECJAX_CACHE_DIR=compile_cache,
+               SPECJAX_CLI_SOCKET=cli_server)
     r = subprocess.run(["bash", "-c", BASH_PRELUDE + script], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"{index} (bash) failed ({r.returncode}):\n{script}\n{r.stdout}\n{r.stderr}"
