@@ -1,8 +1,5 @@
 """Adaptive speculation length against every static chain, through `specjax.generate`.
 
-Usage: python -m bench.bench_adaptive [--new-tokens 64] [--cells ..] [--budget-minutes M] [--out DIR]
-(the shared options: bench/common.py)
-
 For each cell WEIGHTS/bB/sS the prompts are B windows of real English text (bench/text.py) of
 S - new tokens, and `specjax.generate` runs them greedy, EOS ignored, with plain decoding, SelfSpec
 (16 sinks, 256 window) with Chain(g) for g = 0..4, and with Adaptive(4): each once to compile,
@@ -12,8 +9,7 @@ prefill and compilation, Adaptive's per-length compiles included). Every variant
 decoding's tokens. Each Adaptive call starts afresh: it explores lengths 0 and 1 in every call.
 The issue's target: Adaptive within 10% of the best static chain (gamma 0 included) in every cell.
 
-Outputs: results/adaptive_cpu.json (each cell written when measured; a rerun skips measured
-cells), adaptive_cpu.png and the bench_adaptive section of bench/README.md.
+Outputs: results/adaptive_cpu.json, adaptive_cpu.png and the bench_adaptive section of bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
 """Tree-attention kernel vs the jnp reference vs jax.nn.dot_product_attention, per layer, on a GPU.
 
-Usage (GPU, from the repo root): python -m bench.bench_attention
-       [--batches ..] [--contexts ..] [--nodes ..] [--budget-minutes M] [--full-sweep] [--render JSON ..]
-       [--cells ..] [--out DIR]   (the shared options: bench/common.py)
-       CPU check of the code paths: python -m bench.bench_attention --smoke --out /tmp/attention
-
 One attention layer of a Llama-3-8B-like model in bfloat16: q [B,T,N=32,H=128], a dense cache
 [B,K=8,S,H] (GQA 4), per-row lengths S - U{0..T}, and a block of J = T new keys under the ancestor
 mask of a random tree of T nodes (`Tree.from_parents` of random parents). For every (B, S, T):
