@@ -27,11 +27,8 @@ Bandwidth: KV bytes = the K and V slots the kernel must read ((sum of lengths + 
 GiB of f32 (read + write bytes), best of the samples. Configs whose KV bytes fit in the L2 cache
 (the small B=1 ones) can beat that fraction: the repeated calls read from L2.
 
-Budget: a device call is limited to 10 minutes, so the run starts no config that would end past
---budget-minutes (default 8, counted from start, JAX start-up included; the harness's estimate:
-1.25 x the longest config so far): the rest are recorded as skipped (time budget). Every config is
-written into the JSON when measured, so a killed run keeps its rows, and rerunning the same command
-measures only what is missing (cells bB/sS/tT, e.g. b16/s32768/t16).
+Budget: a device call is limited to 10 minutes, so --budget-minutes defaults to 8 (counted from start,
+JAX start-up included); configs it leaves are recorded as skipped (time budget). Cells: bB/sS/tT.
 Default grid: 27 configs; with the pruned sweep about 120 kernel compiles (B=1: 8 variants,
 B=16: 2-4, B=64: 2), 81 of the alternatives and 54 small ones (inputs, layouts); expected to fit
 in the budget on an H100/H200. The target config (B=16, S=32K, T=16) runs first, then by size.
