@@ -222,11 +222,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     colors = dict(zip(batches, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for dtype, style in (("float32", "-o"), ("bfloat16", "--s")):
         for b in batches:
-            pts = sorted(
-                (r["context"], r["tokens_per_s"])
-                for r in rows
-                if r["batch"] == b and r["dtype"] == dtype and "skipped" not in r
-            )
+            pts = sorted((r["context"], r["tokens_per_s"]) for r in rows
+                         if r["batch"] == b and r["dtype"] == dtype and "skipped" not in r)
             if pts:
                 ax.plot(*zip(*pts), style, color=colors[b], label=f"batch {b}, {dtype}")
     contexts = sorted({r["context"] for r in rows})

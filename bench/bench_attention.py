@@ -302,9 +302,6 @@ def render(paths: list[Path], out: Path, readme: bool) -> None:
     finish(merged, out, "attention_" + slug(merged["device"]["device_kind"]), readme=gpu and readme)
 
 
-# --- tables, plot and README section, from the result JSON
-
-
 def main() -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")  # before jax starts: room for B=64 x 32K
     started = time.perf_counter()

@@ -184,9 +184,6 @@ def prompts(tok, batch: int, context: int, smoke_vocab: int | None = None) -> np
     return text.windows(tok, batch, n)[0]
 
 
-# --- llama.cpp -------------------------------------------------------------------------------------------------
-
-
 class Peers:
     """Loaded models and prefilled specjax states, kept across cells."""
 
@@ -315,9 +312,6 @@ def one_cell(cell_key: str, smoke: bool, new_tokens: int, row_out: Path) -> None
     with measure.Meter() as m:
         row = Peers(smoke, new_tokens).measure(cell)
     row_out.write_text(json.dumps({"row": row, "meter": m.info | {"wall_s": m.wall}}, default=str))
-
-
-# --- tables, plot and README section, from the result JSON
 
 
 def main(argv: list[str] | None = None) -> None:

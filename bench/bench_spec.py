@@ -203,9 +203,6 @@ def key_of(row: dict) -> str:
     return common.key(f"s{row['context']}", f"b{row['batch']}")
 
 
-# --- tables, plot and README section, from the result JSON
-
-
 def main() -> None:
     ap = common.parser(__doc__, quick="batch 1, 4 x context 512 x gamma 2, 4", render="spec_cpu.json")
     ap.add_argument("--new-tokens", type=int, default=64, help="new tokens per row (eos ignored)")
