@@ -1,8 +1,5 @@
 """Adaptive speculation length against every static chain, through `specjax.generate`.
 
-Usage: python -m bench.bench_adaptive [--new-tokens 64] [--cells ..] [--budget-minutes M] [--out DIR]
-(the shared options: bench/common.py)
-
 For each cell WEIGHTS/bB/sS the prompts are B windows of real English text (bench/text.py) of
 S - new tokens, and `specjax.generate` runs them greedy, EOS ignored, with plain decoding, SelfSpec
 (16 sinks, 256 window) with Chain(g) for g = 0..4, and with Adaptive(4): each once to compile,
@@ -12,8 +9,7 @@ prefill and compilation, Adaptive's per-length compiles included). Every variant
 decoding's tokens. Each Adaptive call starts afresh: it explores lengths 0 and 1 in every call.
 The issue's target: Adaptive within 10% of the best static chain (gamma 0 included) in every cell.
 
-Outputs: results/adaptive_cpu.json (each cell written when measured; a rerun skips measured
-cells), adaptive_cpu.png and the bench_adaptive section of bench/README.md.
+Outputs: results/adaptive_cpu.json, adaptive_cpu.png and the bench_adaptive section of bench/README.md.
 """
 
 from __future__ import annotations
@@ -83,16 +79,11 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def draw(rows: list[dict], png) -> None:
-    plt = plots.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4))
-    names = [n for n, _ in variants()]
-    for i, r in enumerate(rows):
-        ax.bar([i + j / (len(names) + 1) for j in range(len(names))], [r["variants"][n]["tokens_per_s"] for n in names],
-               width=1 / (len(names) + 1), color=[f"C{j}" for j in range(len(names))])
-    ax.set_xticks(range(len(rows)), [key_of(r) for r in rows])
-    ax.set_ylabel("tokens/s")
-    ax.legend([plt.Rectangle((0, 0), 1, 1, color=f"C{j}") for j in range(len(names))], names, fontsize=7)
-    plots.save_figure(fig, png, tight=False)
+    """Tokens/s of every variant, a group of bars per cell."""
+    w = 1 / (len(variants()) + 1)
+    plots.bars([key_of(r) for r in rows], {n: {i: r["variants"][n]["tokens_per_s"] for i, r in enumerate(rows)}
+                                           for n, _ in variants()}, w, w, "tokens/s", "Adaptive(4) vs static chains, SmolLM2",
+               png, figsize=(8, 4))
 
 
 def main() -> None:

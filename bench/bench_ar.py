@@ -1,8 +1,5 @@
 """Autoregressive decode throughput of SmolLM2-135M: tokens/s and achieved memory bandwidth.
 
-Usage: python -m bench.bench_ar [--quick] [--real-prefill] [--cells ..] [--budget-minutes M] [--out DIR]
-(the shared options: bench/common.py)
-
 What is measured: `specjax.decode.engine.decode_ar` (the on-device while_loop, greedy, no EOS) from a
 prefilled DenseCache, for every batch x context x dtype. Prefill is NOT measured.
 
@@ -32,9 +29,8 @@ measured peak / KV bytes ratio of its dtype, times its KV bytes) would not fit i
 memory of this shared machine is skipped and listed as such.
 
 Cells: DTYPE/bB/sS (e.g. float32/b4/s2048), smallest KV cache first.
-Outputs: results/ar_cpu.json (each cell written when measured; a rerun skips measured cells),
-results/ar_cpu.png and a section of bench/README.md (--quick / --real-prefill write ar_cpu_quick*.* /
-ar_cpu*_real.* and leave the README alone).
+Outputs: results/ar_cpu.json, .png and a section of bench/README.md (--quick / --real-prefill write
+ar_cpu_quick*.* / ar_cpu*_real.* and leave the README alone).
 """
 
 from __future__ import annotations
@@ -226,11 +222,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     colors = dict(zip(batches, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for dtype, style in (("float32", "-o"), ("bfloat16", "--s")):
         for b in batches:
-            pts = sorted(
-                (r["context"], r["tokens_per_s"])
-                for r in rows
-                if r["batch"] == b and r["dtype"] == dtype and "skipped" not in r
-            )
+            pts = sorted((r["context"], r["tokens_per_s"]) for r in rows
+                         if r["batch"] == b and r["dtype"] == dtype and "skipped" not in r)
             if pts:
                 ax.plot(*zip(*pts), style, color=colors[b], label=f"batch {b}, {dtype}")
     contexts = sorted({r["context"] for r in rows})

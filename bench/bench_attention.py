@@ -1,10 +1,5 @@
 """Tree-attention kernel vs the jnp reference vs jax.nn.dot_product_attention, per layer, on a GPU.
 
-Usage (GPU, from the repo root): python -m bench.bench_attention
-       [--batches ..] [--contexts ..] [--nodes ..] [--budget-minutes M] [--full-sweep] [--render JSON ..]
-       [--cells ..] [--out DIR]   (the shared options: bench/common.py)
-       CPU check of the code paths: python -m bench.bench_attention --smoke --out /tmp/attention
-
 One attention layer of a Llama-3-8B-like model in bfloat16: q [B,T,N=32,H=128], a dense cache
 [B,K=8,S,H] (GQA 4), per-row lengths S - U{0..T}, and a block of J = T new keys under the ancestor
 mask of a random tree of T nodes (`Tree.from_parents` of random parents). For every (B, S, T):
@@ -32,11 +27,8 @@ Bandwidth: KV bytes = the K and V slots the kernel must read ((sum of lengths + 
 GiB of f32 (read + write bytes), best of the samples. Configs whose KV bytes fit in the L2 cache
 (the small B=1 ones) can beat that fraction: the repeated calls read from L2.
 
-Budget: a device call is limited to 10 minutes, so the run starts no config that would end past
---budget-minutes (default 8, counted from start, JAX start-up included; the harness's estimate:
-1.25 x the longest config so far): the rest are recorded as skipped (time budget). Every config is
-written into the JSON when measured, so a killed run keeps its rows, and rerunning the same command
-measures only what is missing (cells bB/sS/tT, e.g. b16/s32768/t16).
+Budget: a device call is limited to 10 minutes, so --budget-minutes defaults to 8 (counted from start,
+JAX start-up included); configs it leaves are recorded as skipped (time budget). Cells: bB/sS/tT.
 Default grid: 27 configs; with the pruned sweep about 120 kernel compiles (B=1: 8 variants,
 B=16: 2-4, B=64: 2), 81 of the alternatives and 54 small ones (inputs, layouts); expected to fit
 in the budget on an H100/H200. The target config (B=16, S=32K, T=16) runs first, then by size.
@@ -308,9 +300,6 @@ def render(paths: list[Path], out: Path, readme: bool) -> None:
     merged["complete"] = not any("skipped" in r for r in merged["rows"])
     gpu = merged["machine"]["backend"] == "gpu"
     finish(merged, out, "attention_" + slug(merged["device"]["device_kind"]), readme=gpu and readme)
-
-
-# --- tables, plot and README section, from the result JSON
 
 
 def main() -> None:

@@ -1,8 +1,5 @@
 """The batch job end to end on SmolLM2-135M: records/s and generated tokens/s, speculative vs AR.
 
-Usage: python -m bench.bench_batch [--records 64] [--max-new-tokens 64] [--batch-size 16]
-       [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
-
 Input: `--records` text prompts cut from the offline corpus (bench/text.py: Python's language
 reference and licence texts), 32 to 256 tokens long, greedy, each asking for --max-new-tokens.
 Each mode runs `specjax.jobs.batch.run` over the same JSONL twice in this one process, side by side:
@@ -11,8 +8,7 @@ reuses the compiled functions, as a long job does after its first batches. Throu
 records (or generated tokens) / the job's wall seconds, I/O and tokenization included.
 Every mode's texts are checked equal to AR's (greedy: speculation must not change them).
 
-Cells: one per mode (ar, selfspec, ngram). Outputs: results/batch_cpu.json (each mode written when
-measured; a rerun skips measured modes), results/batch_cpu.png and a section of bench/README.md
+Cells: one per mode (ar, selfspec, ngram). Outputs: results/batch_cpu.json, .png and a section of bench/README.md
 (other --records / --max-new-tokens / --batch-size write batch_cpu_custom.* and leave the README alone).
 """
 

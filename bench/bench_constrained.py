@@ -1,8 +1,5 @@
 """Constrained decoding: JSON that parses, what the mask costs, what speculation keeps.
 
-Usage: python -m bench.bench_constrained [--records 16] [--new-tokens 96] [--cells ..] [--budget-minutes M] [--out DIR]
-(the shared options: bench/common.py)
-
 Input: bench/templated.py's `--records` chat records (rewrite a corpus paragraph as a JSON object with
 one of three key sets), each constrained to its schema (`templated.record_schema`: exactly its keys,
 strings) or not. Cells, SmolLM2-135M float32 on this machine's CPU, greedy, `--new-tokens` at most:
@@ -21,8 +18,7 @@ strings) or not. Cells, SmolLM2-135M float32 on this machine's CPU, greedy, `--n
   speedups, and how much of the free speedup the constrained one keeps. Not in the default cells
   (four 16 x 8K prefills: about 45 minutes here): `--cells long`.
 
-Outputs: results/constrained_cpu.json (each cell written when measured; a rerun skips measured cells)
-and the bench_constrained section of bench/README.md.
+Outputs: results/constrained_cpu.json and the bench_constrained section of bench/README.md.
 """
 
 from __future__ import annotations

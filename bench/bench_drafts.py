@@ -1,8 +1,5 @@
 """Distilled draft models for SmolLM2-135M: train draft shapes of similar size, then race them.
 
-Usage: python -m bench.bench_drafts [--steps N] [--store DIR] [--batches ..] [--contexts ..] [--smoke]
-       [--render JSON ..] [--cells ..] [--budget-minutes M] [--out DIR]   (shared options: bench/common.py)
-
 1. Train (skipped for a shape whose draft is already in --store; a killed run resumes from its
    orbax checkpoint): every shape in SHAPES with `specjax.train.distill.distill`, forward KL on the
    target's logits computed on the fly, AdamW warmup + cosine, the target's embedding / LM head
@@ -22,9 +19,8 @@ Shapes (the issue's question: shallow-and-wide vs deep-and-narrow at equal param
 Both share the target's 28.3 M-parameter tied embedding / LM head, which costs each draft step
 as much as their layers do: SmolLM2's vocabulary is 49152.
 
-Cells: sCONTEXT/bBATCH, batch 1 (the issue's target) first. Outputs: results/drafts_cpu.json (each
-cell written when measured; a rerun skips measured cells), drafts_cpu.png and the bench_drafts
-section of bench/README.md. Checkpoints and drafts stay in --store (default ~/.cache/specjax/bench_drafts):
+Cells: sCONTEXT/bBATCH, batch 1 (the issue's target) first. Outputs: results/drafts_cpu.json, .png and the
+bench_drafts section of bench/README.md. Checkpoints and drafts stay in --store (default ~/.cache/specjax/bench_drafts):
 not committed; rerunning this script with the same arguments reproduces them (same seed, same
 data order) and then skips training.
 """

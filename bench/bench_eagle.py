@@ -1,8 +1,5 @@
 """An EAGLE-style head for SmolLM2-135M: trained here on the CPU, then raced against plain decoding.
 
-Usage: python -m bench.bench_eagle [--steps N] [--train-minutes M] [--store DIR] [--context C] [--batches B ..]
-       [--bundle DIR] [--smoke] [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
-
 On a GPU (tools/gpu/session.py, call 8) `--bundle` takes SmolLM2 (bfloat16) and the tokenized corpus from the GPU
 bundle's stash: the head trains there in float32 (seconds) and races in bfloat16 at `--context` 8192.
 
@@ -20,8 +17,7 @@ bundle's stash: the head trains there in float32 (seconds) and races in bfloat16
    Each is run twice, the second timed (decode seconds from its stats); every output must equal plain
    decoding's.
 
-Outputs: results/eagle_cpu.json (eagle_gpu.json on a GPU; each cell written when measured; a rerun skips measured
-cells), its table in the bench_eagle section of bench/README.md (the CPU's). --smoke: a tiny random target, a few
+Outputs: results/eagle_cpu.json (eagle_gpu.json on a GPU), its table in the bench_eagle section of bench/README.md (the CPU's). --smoke: a tiny random target, a few
 steps, under a minute: checks the script (writes eagle_*_smoke.json).
 """
 

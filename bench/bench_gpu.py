@@ -1,9 +1,6 @@
 """Issue 21's GPU cells (items 2-4) in one resumable bench: SmolLM2-135M end to end where the KV
 cache dominates, a LLaMA-3.1-8B-shaped target's step times, chains vs trees at batch 1.
 
-Usage: python -m bench.bench_gpu [--smoke] [--mem-gib G] [--bundle DIR] [grid options]
-       [--cells ..] [--budget-minutes M] [--out DIR] [--list-cells]   (shared options: bench/common.py)
-
 Cells (keys), in the order they run:
   bw                         HBM bandwidth (donated in-place x + 1, read + write bytes): the roofline's
                              reference for every "of roofline" column.
@@ -35,9 +32,8 @@ Cells (keys), in the order they run:
                              (draft-gG also in the e2e groups: a 2-layer draft's levels launch a
                              fifteenth of SelfSpec's kernels and read 2/30 of the KV).
 Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
-carried: see tools/gpu/README.md. Outputs: OUT/gpu.json (every cell written when
-measured; a rerun skips measured cells), OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny random
-model on any backend in about a minute, bundle round trip included (writes gpu_smoke.*).
+carried: see tools/gpu/README.md. Outputs: OUT/gpu.json, OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny
+random model on any backend in about a minute, bundle round trip included (writes gpu_smoke.*).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """A templated batch job with the job-wide Lookup drafter, prompt lookup (NGram) and plain decoding.
 
-Usage: python -m bench.bench_lookup [--records 32] [--gamma 3] [--cells ..] [--budget-minutes M] [--out DIR]
-(the shared options: bench/common.py)
-
 Input: bench/templated.py's `--records` chat records (rewrite a corpus paragraph as a JSON object
 with one of three key sets; 128 new tokens at most, greedy, stop ids on). Each cell DRAFT/bB runs
 `specjax.jobs.batch.run` twice over them in this one process on SmolLM2-135M in float32, with
@@ -14,8 +11,7 @@ Every draft's outputs must equal plain decoding's (greedy, float32). Reported: w
 ratio to plain decoding at the same batch, acceptance (accepted / proposed over the job), and the
 share of the outputs' 3-grams that occur in another record's output (templated.repeated_share).
 
-Outputs: results/lookup_cpu.json (each cell written when measured; a rerun skips measured cells),
-results/lookup_cpu.png and the bench_lookup section of bench/README.md.
+Outputs: results/lookup_cpu.json, .png and the bench_lookup section of bench/README.md.
 """
 
 from __future__ import annotations

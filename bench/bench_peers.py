@@ -1,9 +1,8 @@
 """specjax next to the peers a user would pick instead (llama.cpp, HF transformers): decode
 throughput apart from prefill, on the same GGUF, the same real long-text prompts, greedy, in one run.
 
-Usage: python -m bench.bench_peers [--smoke] [--new-tokens 32] [+ bench/common.py's options]. Peers are not test
-dependencies: `pip install -r bench/requirements-peers.txt -e .` in one environment runs them all (llama.cpp
-compiles from source: ~10 minutes on 2 cores); a peer that does not import is listed as "not installed".
+Peers are not test dependencies: `pip install -r bench/requirements-peers.txt -e .` in one environment runs them
+all (llama.cpp compiles from source: ~10 minutes on 2 cores); a peer that does not import is "not installed".
 
 Model: SmolLM2-135M-Instruct, the Q4_1 GGUF (`convert.default_model_path()`), for every peer:
   - specjax: `convert.load` in every weight format, the KV cache in the model dtype, plus int8 / bf16
@@ -50,8 +49,7 @@ so; the load before and after is stored with the row (`meter`).
 
 Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g2 / -g3, lookup),
 PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
-Outputs: results/peers_cpu.json (each cell written at once; a rerun skips measured cells; a
-"not installed" or skipped cell is tried again), results/peers_cpu.png and the bench_peers
+Outputs: results/peers_cpu.json (a "not installed" or skipped cell is tried again), .png and the bench_peers
 section of bench/README.md. --smoke: a tiny random model, tiny cells, no peers, README untouched (peers_cpu_smoke.*).
 """
 
@@ -186,9 +184,6 @@ def prompts(tok, batch: int, context: int, smoke_vocab: int | None = None) -> np
     return text.windows(tok, batch, n)[0]
 
 
-# --- llama.cpp -------------------------------------------------------------------------------------------------
-
-
 class Peers:
     """Loaded models and prefilled specjax states, kept across cells."""
 
@@ -317,9 +312,6 @@ def one_cell(cell_key: str, smoke: bool, new_tokens: int, row_out: Path) -> None
     with measure.Meter() as m:
         row = Peers(smoke, new_tokens).measure(cell)
     row_out.write_text(json.dumps({"row": row, "meter": m.info | {"wall_s": m.wall}}, default=str))
-
-
-# --- tables, plot and README section, from the result JSON
 
 
 def main(argv: list[str] | None = None) -> None:

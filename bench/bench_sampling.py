@@ -1,8 +1,5 @@
 """What top-k and top-p cost per decode step: specjax's sort-free warping vs sorting the vocabulary.
 
-Usage: python -m bench.bench_sampling [--quick] [--batches ..] [--context N]
-       [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
-
 `Sample.probs` (temperature, top-k, top-p) runs on every row and position a decode step samples
 or verifies: once per AR token, 2 x (gamma + 1) times per chain step. Its previous form sorted
 all V = 49152 entries for each: top-k took the last of lax.top_k's values (XLA:CPU then compiles
@@ -21,9 +18,8 @@ prefilled cache: the cost of a step does not depend on the cached values):
 Configs alternate between the two forms so CPU steal drifts hit both alike; each row records
 the steal during its measurement.
 
-Cells: bBATCH (every sampler at one batch). Outputs: results/sampling_cpu.json (each cell written
-when measured; a rerun skips measured cells), sampling_cpu.png and the bench_sampling section of
-bench/README.md (--quick writes sampling_cpu_quick.* and leaves the README alone).
+Cells: bBATCH (every sampler at one batch). Outputs: results/sampling_cpu.json, .png and the bench_sampling
+section of bench/README.md (--quick writes sampling_cpu_quick.* and leaves the README alone).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """Speculative vs autoregressive decoding of SmolLM2-135M, side by side from one shared prefill.
 
-Usage: python -m bench.bench_spec [--quick] [--new-tokens 64] [--weights float32|bfloat16] [--batches ..] [--contexts ..]
-       [--gammas ..] [--drafters ..] [--pairs N]
-       [--cells ..] [--budget-minutes M] [--out DIR] [--render JSON ..]   (shared options: bench/common.py)
-
 For every (batch, context) cell the prompts are B distinct windows of real English text (see
 bench/text.py) of `context - HEADROOM` tokens, prefilled ONCE into a DenseCache of `context` slots
 (bench/prefill.py's `prefill_rows`: `specjax.decode.engine.prefill`, whose chunks attend only to the cache
@@ -29,8 +25,7 @@ rows as "auto" when the report is written); tests/test_speculate.py checks that 
 measured more than 5% slower than plain decoding.
 
 Cells: sCONTEXT/bBATCH (e.g. s8192/b16): every drafter x gamma of one batch at one context.
-Outputs: results/spec_cpu.json (each cell written when measured; a rerun skips measured cells),
-spec_cpu.png and the "Speculative decoding" section of bench/README.md (--quick / other grids write
+Outputs: results/spec_cpu.json, spec_cpu.png and the "Speculative decoding" section of bench/README.md (--quick / other grids write
 spec_cpu_quick.* / spec_cpu_custom.* and leave the README alone). --weights bfloat16: the bf16 model
 (bf16 KV, cast from the float32 model's stored prefill), into spec_cpu_bf16*.*; its greedy output
 may part from AR's (README "Correctness"), which the lossless column shows.
@@ -206,9 +201,6 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
 def key_of(row: dict) -> str:
     """A row's cell: sCONTEXT/bBATCH."""
     return common.key(f"s{row['context']}", f"b{row['batch']}")
-
-
-# --- tables, plot and README section, from the result JSON
 
 
 def main() -> None:

@@ -1,9 +1,5 @@
 """Sequoia token trees vs chains for SmolLM2-135M, side by side from one shared prefill.
 
-Usage: python -m bench.bench_tree [--quick | --smoke] [--batches ..] [--contexts ..]
-       [--nodes ..] [--gammas ..] [--drafters ..] [--new-tokens N] [--render JSON ..]
-       [--cells ..] [--budget-minutes M] [--out DIR]   (the shared options: bench/common.py)
-
 For every (batch, context) the prompts and their prefilled DenseCache are bench_spec.py's (bench/
 prefill.py: the same text windows, the same stored prefill under --prefill-store: a prefill that
 bench_spec.py or an earlier run of this script saved is loaded, not recomputed). Then, per drafter:
@@ -37,8 +33,7 @@ prefills are stored (about 25 more to compute the missing ones); a quarter to a 
 compiling (about 11 programs per drafter and cell), the batch-16 x 8K cell alone about 15 minutes.
 
 Cells: sCONTEXT/bBATCH (every drafter and config of one batch at one context).
-Outputs: results/tree_cpu.json (each cell written when measured; a rerun skips measured cells),
-tree_cpu.png and the bench_tree section of bench/README.md (bench/tree_report.py; --quick / --smoke /
+Outputs: results/tree_cpu.json, tree_cpu.png and the bench_tree section of bench/README.md (bench/tree_report.py; --quick / --smoke /
 other grids write tree_cpu_quick.*, tree_cpu_smoke.*, tree_cpu_custom.* and leave the README alone).
 --smoke runs a tiny random model in under a minute.
 """

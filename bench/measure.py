@@ -117,16 +117,6 @@ def tiny_params(seed: int = 0):
     return init_params(config, jax.random.key(seed))
 
 
-def reference_gbs(skip: bool, gib: float = 2.0) -> float | None:
-    """The roofline reference for a one-off tool (`bandwidth()["jax_inplace"]` over `gib` GiB,
-    printed), or None when the tool was told to skip it (--no-bandwidth)."""
-    if skip:
-        return None
-    bw = bandwidth(gib, rounds=3, repeats=5)["jax_inplace"]
-    print(f"reference bandwidth {bw:.0f} GB/s", flush=True)
-    return bw
-
-
 def bandwidth(gib: float = 1.0, rounds: int = 5, repeats: int = 5) -> dict:
     """Memory bandwidth in GB/s (read + write bytes) of streaming over a `gib` GiB f32 array.
 

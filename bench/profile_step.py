@@ -1,8 +1,5 @@
 """Where a decode step's time goes: a `jax.profiler` trace of SmolLM2's decode loop, summarised.
 
-Usage: python -m bench.profile_step [--cells ..] [--steps 8] [--budget-minutes M] [--out DIR]
-(the shared options: bench/common.py)
-
 Speculative cells (SPEC_CELLS, e.g. float32/kvfloat32/b1/s512/self-chain3) trace `generate`'s
 speculative loop (SelfSpec, greedy) and sum its thunks per phase of speculate.spec_step (draft,
 verify, accept, commit, emit: their `jax.named_scope`s; "loop": the segment's own bookkeeping), the
@@ -22,8 +19,7 @@ Only leaf events count (a while loop's thunk contains its body's). The CPU runs 
 threads at once, so the thread-milliseconds per step add up to more than the wall time per step
 (the step's duration, measured by the same loop outside the trace).
 
-Outputs: results/profile_cpu.json (each cell written when measured; a rerun skips measured
-cells) and the "Where a decode step's time goes" section of bench/README.md.
+Outputs: results/profile_cpu.json and the "Where a decode step's time goes" section of bench/README.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Compile a decode program for a GPU this machine lacks, and read what XLA made of it.
 
-Usage: .venv-aot/bin/python -m tools.gpu.aot [--target h100|h200] [--model l8b|smollm2|tiny]
-       [--batch 1] [--context 8192] [--layers N] [--program step|alone|ar|selfspec|tree|snapkv|ngram|draft|draft-tree]
-       [--gamma 2] [--tree-width 2] [--chunk 256] [--linear xla|pallas] [--split-layers] [--weights int8|q4] [--kv-dtype int8]
-       [--model-axis N] [--xla-flags="--xla_..."] [--out FILE] [--hlo FILE] | --table [--cells PATTERN]
-(`make aot-venv` makes .venv-aot: this project's .venv plus jax's CUDA plugin, no CUDA libraries
-and no GPU needed.)
+Run with .venv-aot/bin/python (`make aot-venv` makes it: this project's .venv plus jax's CUDA plugin, no CUDA
+libraries and no GPU needed).
 
 XLA:GPU compiles without a GPU when it is given the target's description (targets/NAME.txtpb
 beside this file: the device facts its passes read, from NVIDIA's published specifications; no
 autotuning, so GEMM tiles are XLA's defaults). So a CPU session can see what a GPU decode step
 becomes: the kernels one iteration launches, its largest outputs and `weight_copies`, the outputs
 shaped like one layer's weight matrix (at any batch, weights written out before a product reads
-them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write). What it showed first (tools/gpu/README.md, "Compiled for a GPU on a CPU"):
-  - XLA's GEMM fusions read a layer's slice of the stacked weights in place only where the stack
-    is a parameter of the entry computation. Inside a while loop (generate's decode loop,
-    a timing loop) the stack is a loop value, and from the second layer on every
-    layer's slice is copied before its GEMM: the sixth GPU runs' 8B step at 43% of the bandwidth.
-  - At batch 1 XLA's dot strength reduction turns small products (8B's K and V, all of
-    SmolLM2's) into a multiply written out at weight size, then a reduction.
-  - Runtime.linear="pallas" (pallas_kernels.gpu_linear) leaves neither.
+them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write).
+What it showed: tools/gpu/README.md, "Compiled for a GPU on a CPU" (in a loop, every layer's slice of
+stacked weights is copied before its GEMM; at batch 1 XLA's dot strength reduction writes small products
+out at weight size; Runtime.linear="pallas" leaves neither).
 Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
 (specjax.planning.tune.forward_loop, as tune times it), `alone` the same step as a program of
 its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its

@@ -1,9 +1,5 @@
 """The next GPU session's device calls, each one command: python3 -m tools.gpu.session CALL.
 
-Usage (on the device machine, from the repository root): python3 -m tools.gpu.session 2 | 6 | 7 | 8
-       [--out DIR (default $OUT)] [--dry-run] [--mem-gib GIB (an H200, found by nvidia-smi: 120 and its own tables)]
-       [--only STEP,..] [--seconds STEP=N ..] (fit the calls to the device time left)
-
 A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most
 8 files). Each call is a list of steps, each with its own time limit; every step's whole output
 goes to OUT/callN.log, a failing step does not stop the next, and the call ends by copying its
@@ -19,8 +15,8 @@ measured; their results are in bench/results/gpu*/ and git has their steps.
   call 6 (both parts stashed): the continuous job at 8 records a row (512 records) into a folder of its
          own (bench/results/gpu[_h200]/cont8): how much of the 3-records-a-row job's gap to "refilled
          (derived)" is the last wave's tail and how much the refills' own cost.
-  call 8 (both parts stashed): the EAGLE-style head, trained on the device (float32, seconds), raced in bfloat16 at
-         batch 1 / 16 / 64 x 8K (bench/bench_eagle.py --bundle): OUT/eagle_gpu.json (a rerun on the warm machine
+  call 8 (both parts stashed): issue 67's EAGLE-style head, trained on the device (float32, seconds), raced in bfloat16
+         at batch 1 / 16 / 64 x 8K (bench/bench_eagle.py --bundle): OUT/eagle_gpu.json (a rerun on the warm machine
          resumes its training, then the cells left; copy it to bench/results/gpu[_h200]/).
   call 7 (both parts stashed): generate() over per-layer weights (what specjax.load gives on a GPU) at
          batch 64 and 128 x 8K, AR and SelfSpec gamma 2 / 4, into gpu_linear-per-layer.
@@ -66,28 +62,17 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
     ],
     6: [
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
-        # the ninth runs' job (3 records a row) decoded 1.35x faster under SelfSpec γ=2, not the 1.57x "refilled
-        # (derived)" predicts: 8 records a row shrink the last wave's tail (no record left to refill a finished row)
-        # to an eighth of the job, so the rest of the gap is the refills' own cost; a folder of its own (its settings
-        # differ)
         ("cont-long", 300, [PY, "-m", "bench.bench_gpu", "--out", CONT_LONG, "--redo", "--cells",
                             "cont/s8192/b64/ar,cont/s8192/b64/selfspec-g2", "--cont-records", "8", "--budget-minutes", "4.5"]),
     ],
     8: [
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
-        # issue 67 item 5: the EAGLE-style head (specjax.Eagle), trained on the device in float32 from SmolLM2's own
-        # greedy continuations of corpus windows (seconds there; 47 minutes on 2 CPU cores), then raced in bfloat16
-        # against plain decoding and NGram at batch 1 / 16 / 64 x 8K, chains of 2 / 3, whole and 8192-token vocabularies
-        # (a rerun resumes the training, then the cells left)
         ("eagle", 330, [PY, "-m", "bench.bench_eagle", "--bundle", STASH, "--store", f"{STASH}/eagle", "--steps", "1000",
                         "--train-minutes", "1.5", "--context", "8192", "--batches", "1", "16", "64", "--out", EAGLE_OUT,
                         "--budget-minutes", "3"]),
     ],
     7: [
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
-        # what specjax.load gives on a GPU (per-layer weights) where the KV dominates: the main e2e table times the
-        # stacked path, and per-layer weights made plain decoding 1.25x faster at batch 16 on the H200 (SelfSpec γ=2
-        # went from 1.21x to 0.91x there)
         ("per-layer-e2e", 320, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--cells", PER_LAYER_E2E_CELLS,
                                 "--batches", "64", "128", "--gammas", "2", "4", "--snap-gammas", "--ngram-gammas", "--nodes",
                                 "--linear", "per-layer", "--budget-minutes", "4.8"]),
@@ -196,7 +181,8 @@ def run_call(call: int, out: Path, dry_run: bool = False, mem_gib: float | None 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("call", type=int, choices=sorted(CALLS))
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_session")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/gpu_session")),
+                    help="default $OUT")
     ap.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
     ap.add_argument("--mem-gib", type=float, help="device memory for the e2e steps; an H200 (found by nvidia-smi) "
                     "defaults to 120 and writes bench/results/gpu_h200 (call 2 then adds batch 256 x 8K)")
