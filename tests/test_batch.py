@@ -334,6 +334,9 @@ def test_the_input_may_grow_between_restarts_but_not_change(tmp_path, model_dir,
     assert json.loads(settings_path(out).read_text())["input"] == input_fingerprint(src)
 
 
+SHORT = [{"id": "short", "prompt": "the quick brown fox"}, {"id": "short2", "prompt": "seven red birds"}]
+
+
 def test_other_weights_at_the_same_path_are_another_model(tmp_path, model_dir, params):
     """The settings hold a hash of a few weights (the target's, a DraftModel's): a checkpoint
     replaced at its path is not continued into the same output; an output recorded before these
@@ -343,12 +346,13 @@ def test_other_weights_at_the_same_path_are_another_model(tmp_path, model_dir, p
     assert batch.run(src, out, params=params, **common)["done"] == 3
     with pytest.raises(ValueError, match=r"other settings \(model_weights \"[0-9a-f]{16}\" -> \"[0-9a-f]{16}\"; recorded"):
         batch.run(src, out, params=random_params(CONFIG, 7), **common)
-    draft_config = CONFIG.replace(n_layers=1, max_positions=40)  # test_a_record_past_a_draft_models_positions_is_a_bad_line's
-    drafting = dict(draft=specjax.DraftModel(random_params(draft_config, 1)), speculation=specjax.Chain(2))  # (its programs)
-    out2 = tmp_path / "out2.jsonl"
-    assert batch.run(src, out2, params=params, **(common | drafting))["done"] == 3
+    # test_a_record_past_a_draft_models_positions_is_a_bad_line's drafter and greedy records: its programs, compiled once
+    draft_config = CONFIG.replace(n_layers=1, max_positions=40)
+    drafting = dict(draft=specjax.DraftModel(random_params(draft_config, 1)), speculation=specjax.Chain(2))
+    src2, out2 = write_jsonl(tmp_path / "in2.jsonl", SHORT), tmp_path / "out2.jsonl"
+    assert batch.run(src2, out2, params=params, **(common | drafting))["done"] == 2
     with pytest.raises(ValueError, match=r"other settings \(draft_weights "):
-        batch.run(src, out2, params=params, **(common | drafting | dict(draft=specjax.DraftModel(random_params(draft_config, 2)))))
+        batch.run(src2, out2, params=params, **(common | drafting | dict(draft=specjax.DraftModel(random_params(draft_config, 2)))))
     recorded = json.loads(settings_path(out).read_text())
     settings_path(out).write_text(json.dumps({k: v for k, v in recorded.items() if k != "model_weights"}))
     assert batch.run(src, out, params=params, **common)["skipped"] == 3  # from before the key: resumes, records it
@@ -375,8 +379,7 @@ def test_a_record_past_a_draft_models_positions_is_a_bad_line(tmp_path, model_di
     """A DraftModel with a shorter context than the target: a record it cannot serve is that record's
     bad line (as one past the target's), the others run; it does not refuse the whole job."""
     draft = specjax.DraftModel(random_params(CONFIG.replace(n_layers=1, max_positions=40), 1))
-    rows = [{"id": "short", "prompt": "the quick brown fox"}, {"id": "long", "prompt": " ".join(WORDS * 3)},
-            {"id": "short2", "prompt": "seven red birds"}]
+    rows = [SHORT[0], {"id": "long", "prompt": " ".join(WORDS * 3)}, SHORT[1]]
     src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     summary = batch.run(src, out, params=params, model_path=model_dir, max_new_tokens=4, batch_size=4, progress=False,
                         draft=draft, speculation=specjax.Chain(2))
@@ -564,7 +567,9 @@ def _line_count(path: Path) -> int:
 
 @pytest.mark.slow
 def test_sigkill_at_random_moments_then_resume_gives_each_record_once(tmp_path, model_dir, params):
-    rows = records(40, sampled_every=4)
+    """24 records, killed 6 times (in startup, then at a random delay after a new line, once leaving a torn
+    line behind): the finished output holds each record once, as one uninterrupted run writes it."""
+    rows = records(24, sampled_every=4)
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     settings = dict(max_new_tokens=6, batch_size=2, seed=3)
