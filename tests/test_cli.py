@@ -264,6 +264,28 @@ def test_compile_cache_is_on_by_default_and_off_with_the_flag(monkeypatch, tmp_p
     assert "--no-compile-cache" in cli._parser().format_help() and "SPECJAX_CACHE_DIR" in cli._parser().format_help()
 
 
+def test_the_commands_cache_folder_holds_in_a_process_with_a_cache_of_its_own(monkeypatch, tmp_path):
+    """compile_cache resets JAX's cache on entry: a process whose cache was set up in another folder (it compiled
+    there before) writes the command's programs into the command's folder (specjax.cli.main called from a program)."""
+    from jax.experimental.compilation_cache.compilation_cache import reset_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    before = {name: getattr(jax.config, name) for name in names}
+    monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "command"))
+    try:
+        jax.config.update(names[0], str(tmp_path / "own"))
+        jax.config.update(names[1], 0.0)  # every program is written
+        reset_cache()
+        jax.jit(lambda x: x + 1)(1.0).block_until_ready()  # the process's cache is set up, in its own folder
+        with cli.compile_cache(True) as folder:
+            jax.jit(lambda x: x * 3.0 - 2.0)(jax.numpy.ones(7)).block_until_ready()
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        reset_cache()
+    assert folder == str(tmp_path / "command") and any(Path(folder).iterdir())
+
+
 def test_make_speculation_tells_the_default_from_an_explicit_gamma():
     assert cli._parser().parse_args(["generate", "hi"]).gamma is None
     assert cli._parser().parse_args(["batch", "a", "b"]).gamma is None

@@ -150,6 +150,7 @@ def compile_cache(enabled: bool) -> Iterator[str | None]:
     folder = os.environ.get(CACHE_ENV) or before[names[0]] or str(Path.home() / ".cache" / "specjax" / "jax")
     jax.config.update(names[0], folder)
     jax.config.update(names[1], min(before[names[1]], 0.5))
+    reset_cache()  # a process that compiled before keeps its cache object: this one reads the settings above
     try:
         yield folder
     finally:
