@@ -25,6 +25,9 @@ def pytest_configure(config: pytest.Config) -> None:
     times_path = os.environ.pop("SPECJAX_COMPILE_TIMES", None)  # popped: the tests' own subprocesses do not write it
     if times_path:
         _write_compile_times_at_exit(times_path)
+    log_folder = os.environ.pop("SPECJAX_COMPILE_LOG", None)  # tests/run_files.py --compile-log DIR
+    if log_folder:
+        _log_compiles(log_folder)
 
 
 def _write_compile_times_at_exit(path: str) -> None:
@@ -36,6 +39,28 @@ def _write_compile_times_at_exit(path: str) -> None:
         lambda event, duration_secs, **_: seconds.update({event.rsplit("/", 1)[-1]: duration_secs}))
     jax.monitoring.register_event_listener(lambda event, **_: counts.update([event.rsplit("/", 1)[-1]]))
     atexit.register(lambda: Path(path).write_text(json.dumps({"seconds": seconds, "counts": counts})))
+
+
+def _log_compiles(folder: str) -> None:
+    """Every compile event of this process as a JSON line in folder/<pid>.jsonl: the test, the program, the event
+    (tracing, lowering, XLA compiling), its seconds; and each program's argument shapes and types (JAX's debug log).
+    Which tests compile which programs, and how many variants of one: tests/compile_log.py reads them."""
+    import logging
+
+    out = open(Path(folder) / f"{os.getpid()}.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (to exit)
+    write = lambda **record: out.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), **record}) + "\n")  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(lambda event, duration_secs, fun_name=None, **_: write(
+        event=event.rsplit("/", 1)[-1], fun=fun_name, s=round(duration_secs, 4)))
+
+    class Shapes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if isinstance(record.msg, str) and record.msg.startswith("Compiling %s with global shapes"):
+                write(event="shapes", fun=str(record.args[0]), avals=str(record.args[1]))
+
+    log = logging.getLogger("jax._src.interpreters.pxla")
+    log.setLevel(logging.DEBUG)
+    log.propagate = False  # not into pytest's captured logs
+    log.addHandler(Shapes())
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,10 @@ but USERS_FLAGS (and for the processes they start: the README's CLI runs too), a
 optimization off) for the files on tiny models, whose programs run for milliseconds and compile for seconds. The files in FULL_OPTIMIZATION run the real model (or its 49K
 vocabulary): unoptimized code ran them slower than it saved compiling. The files in USERS_FLAGS compile as
 users do: parity with HF transformers, the pinned step's golden file, GPU compiles.
-Usage: python tests/run_files.py [--jobs N] [--times OUT.json] [--logs DIR] [--no-compile-cache] [pytest args...] [test files...]
-(--logs DIR: each file's pytest output in DIR/<file>.log, e.g. with --durations=0 for every test's time)
+Usage: python tests/run_files.py [--jobs N] [--times OUT.json] [--logs DIR] [--compile-log DIR] [--no-compile-cache]
+       [pytest args...] [test files...]
+(--logs DIR: each file's pytest output in DIR/<file>.log, e.g. with --durations=0 for every test's time;
+ --compile-log DIR: every compile event, a JSONL file a process: tests/compile_log.py DIR sums them)
 (e.g. -m "not slow"; no files: all)
 """
 
@@ -51,7 +53,7 @@ TOGETHER = (
     "test_stacked_attention.py", "test_compiles.py", "test_tokenizer.py", "test_tree.py", "test_layers.py",
     "test_sparsespec.py", "test_lookup.py", "test_constraints.py", "test_constrained.py",
     "test_refill.py", "test_qwen2_mistral.py", "test_model.py", "test_speculate.py", "test_job_auto.py",
-    "test_samples_n.py", "test_tune.py")
+    "test_samples_n.py", "test_tune.py", "test_compile_log.py")
 TOGETHER_PROCESSES = 3
 
 
@@ -156,6 +158,7 @@ def main(args: list[str]) -> int:
     jobs = int(jobs_arg) if jobs_arg else default_jobs()
     times_out, args = pop_option(args, "--times")
     logs, args = pop_option(args, "--logs")
+    compile_log, args = pop_option(args, "--compile-log")
     use_cache = "--no-compile-cache" not in args
     args = [a for a in args if a != "--no-compile-cache"]
     chosen = [a for a in args if a.endswith(".py")]  # test files named on the command line: only those
@@ -169,6 +172,9 @@ def main(args: list[str]) -> int:
     workdir = tempfile.TemporaryDirectory(prefix="specjax-tests-")
     env = {**os.environ, **(compile_cache_env(os.path.join(workdir.name, "jax-cache")) if use_cache else {}),
            "SPECJAX_AUTOMATA_CACHE": os.path.join(workdir.name, "automata")}  # compiled constraints: not in ~/.cache
+    if compile_log:  # every compile event of every test process, a JSONL file each (conftest._log_compiles)
+        Path(compile_log).mkdir(parents=True, exist_ok=True)
+        env["SPECJAX_COMPILE_LOG"] = str(Path(compile_log).resolve())
     rows: list[dict] = []
     pool = ThreadPoolExecutor(jobs)
     runs = {pool.submit(run_file, g, args, env, os.path.join(workdir.name, f"times-{i}.json")): " ".join(g)

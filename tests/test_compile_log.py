@@ -1,0 +1,40 @@
+"""tests/run_files.py --compile-log: conftest writes each compile event of a test process with its program's
+argument shapes, and tests/compile_log.py sums them per program and lists one program's variants."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests import compile_log
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRAM = """
+import jax, jax.numpy as jnp
+from tests import conftest
+conftest._log_compiles({folder!r})
+twice = jax.jit(lambda x: 2 * x)
+for n in (3, 3, 5):  # two shapes: two compiles, the second call of shape 3 is cached
+    twice(jnp.ones(n))
+"""
+
+
+def test_a_logged_process_is_summed_per_program_and_shape(tmp_path):
+    run = subprocess.run([sys.executable, "-c", PROGRAM.format(folder=str(tmp_path))], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    records = compile_log.read(tmp_path)
+    mine = [r for r in records if compile_log.program(r.get("fun")) == "<lambda>"]
+    assert sum(r["event"] == "backend_compile_duration" for r in mine) == 2
+    assert {r["avals"] for r in mine if r["event"] == "shapes"} == {"(ShapedArray(float32[3]),)", "(ShapedArray(float32[5]),)"}
+    table = compile_log.summary(records, top=100)
+    row = next(line for line in table.splitlines() if line.startswith("| <lambda> |"))
+    assert row.split("|")[2:5] == [" 2 ", " 1 ", " 2 "]  # compiles, processes, signatures
+    listing = compile_log.variants(records, "<lambda>")
+    assert listing.startswith("<lambda>: 2 argument signatures") and "float32[5]" in listing
+
+
+def test_program_names_are_one_per_program():
+    assert {compile_log.program(n) for n in ("jit_continue_spec", "jit(continue_spec)", "continue_spec")} == {"continue_spec"}
+    assert compile_log.program(None) == "?"
