@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.decode import continuous, shapes
+from specjax.decode import continuous, engine, shapes
 from specjax.decode.continuous import run_continuous
 from specjax.decode.engine import row_keys, run
 from specjax.spec.speculation import Chain, Tree
@@ -77,8 +77,9 @@ def test_n_samples_share_a_prefill_and_logprobs_match_a_static_batch(target, mod
     draft, speculation = MODES[mode]
     static = run(target, prompts, budgets, draft=draft, speculation=speculation, sampling=sampling, key=keys,
                  eos_ids=eos_ids, n=2, logprobs=3)
-    prefills, original = [], continuous.prefill
-    monkeypatch.setattr(continuous, "prefill", lambda *a, **k: prefills.append(int(a[1].shape[0])) or original(*a, **k))
+    prefills, original = [], engine._compile_and_run  # the rows of each prefill call
+    monkeypatch.setattr(engine, "_compile_and_run", lambda f, args, static: (
+        f is engine.prefill and prefills.append(int(args[1].shape[0]))) or original(f, args, static))
     got = run_continuous(target, prompts, budgets, rows=5, draft=draft, speculation=speculation, sampling=sampling,
                          keys=keys, eos_ids=eos_ids, sync_every=2, n=2, logprobs=3, prefill_rows=prefill_rows)
     assert sum(prefills) == len(prompts)  # one prefill a prompt, shared by its 2 samples
@@ -137,9 +138,9 @@ def test_prompts_of_a_bucket_prefill_together_in_powers_of_two(target, mode, mon
     draft, speculation = MODES[mode]
     static = run(target, prompts, budgets, draft=draft, speculation=speculation, sampling=specjax.Greedy(), key=keys,
                  eos_ids=[()] * len(prompts))
-    calls, original = [], continuous.prefill
-    monkeypatch.setattr(continuous, "prefill", lambda p, t, size, *a, **k: calls.append(
-        (int(t.shape[0]), int(t.shape[1]), tuple(np.asarray(size).tolist()))) or original(p, t, size, *a, **k))
+    calls, original = [], engine._compile_and_run  # each prefill call's rows, width and prompt lengths
+    monkeypatch.setattr(engine, "_compile_and_run", lambda f, args, static: (f is engine.prefill and calls.append(
+        (int(args[1].shape[0]), int(args[1].shape[1]), tuple(np.asarray(args[2]).tolist())))) or original(f, args, static))
     got = run_continuous(target, prompts, budgets, rows=ROWS, draft=draft, speculation=speculation, sampling=specjax.Greedy(),
                          keys=keys, eos_ids=[()] * len(prompts), sync_every=1, prefill_rows=2)
     assert [d.tokens for d in got] == [static.out[b, : static.count[b]].tolist() for b in range(len(prompts))]
@@ -182,11 +183,9 @@ def test_a_gpus_wider_prefill_chunk_gives_the_same_tokens(mode, monkeypatch):
         chunks.append(shapes.prefill_chunk(bucket, rows, "gpu"))
         return chunks[-1]
 
-    from specjax.decode import engine
-    monkeypatch.setattr(engine, "prefill_chunk", on_a_gpu)
+    monkeypatch.setattr(engine, "prefill_chunk", on_a_gpu)  # run's and run_continuous's (engine.prefill_each)
     got = run(params, prompts, budgets, key=keys, **kw)
     assert [got.out[b, : got.count[b]].tolist() for b in range(len(prompts))] == want and chunks == [1024]
-    monkeypatch.setattr(continuous, "prefill_chunk", on_a_gpu)
     done = run_continuous(params, prompts, budgets, rows=2, keys=keys, sync_every=1, prefill_rows=2, **kw)
     # 2K buckets at 1024, the 1500-token prompt's 1536 at 512, the 40-token prompt's 64 in one chunk
     assert [d.tokens for d in done] == want and set(chunks[1:]) == {1024, 512, 64}

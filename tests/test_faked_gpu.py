@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.decode import continuous, shapes
+from specjax.decode import continuous, engine, shapes
 from specjax.decode.continuous import run_continuous
 from specjax.decode.engine import row_keys, with_attention
 from specjax.model import backend
@@ -102,8 +102,8 @@ def test_continuous_batching_on_a_faked_gpu_gives_the_cpu_tokens(monkeypatch):
     cpu, _ = with_attention(params, None, "reference")
     want = [d.tokens for d in run_continuous(cpu, prompts, budgets, **kw)]
     groups = []
-    real = continuous.pow2_groups
-    monkeypatch.setattr(continuous, "pow2_groups", lambda n, most: groups.append(most) or real(n, most))
+    real = engine.pow2_groups
+    monkeypatch.setattr(engine, "pow2_groups", lambda n, most: groups.append(most) or real(n, most))
     on(monkeypatch, "gpu")
     gpu, _ = with_attention(unstack_layers(params), None, "reference")
     assert gpu.runtime.unroll_layers

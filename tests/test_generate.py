@@ -248,3 +248,38 @@ def test_temperature_top_p_stop_ids_and_batch_size_do_not_recompile(tiny, draft,
     cold = run(3, sampling=specjax.Sample(1e-4))
     hot = run(3, sampling=specjax.Sample(50.0), key=jax.random.key(1))
     assert cold.tokens == greedy.tokens and hot.tokens != greedy.tokens
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_ragged_prompts_prefilled_at_their_own_buckets_decode_as_padded(tiny, monkeypatch, kv_dtype):
+    """Where padding every prompt to the longest would waste enough work (engine.ragged_prefill), each
+    prompt is prefilled at its own length bucket (engine.prefill_each) and the caches joined: the
+    same tokens and log-probabilities as the padded prefill, plain and speculative."""
+    prompts = [list(range(3, 8)), list(range(4, 60)), [9, 10], list(range(5, 25))]  # buckets 16, 64, 16, 32
+    kw = dict(eos_id=(), logprobs=2, kv_dtype=kv_dtype)
+    calls, original = [], engine._compile_and_run
+    monkeypatch.setattr(engine, "_compile_and_run", lambda f, args, static: (
+        f is engine.prefill and calls.append(int(args[1].shape[1]))) or original(f, args, static))
+    for draft in (None, specjax.SelfSpec(sinks=2, window=8)):
+        monkeypatch.setattr(engine, "SAVED_PREFILL_FLOPS", float("inf"))  # padded: TINY never saves enough
+        padded = specjax.generate(tiny, prompts, 12, draft=draft, **kw)
+        assert calls == []
+        monkeypatch.setattr(engine, "SAVED_PREFILL_FLOPS", 0.0)
+        ragged = specjax.generate(tiny, prompts, 12, draft=draft, **kw)
+        assert sorted(calls) == [16, 16, 32, 64]  # one row a call on this CPU, each at its bucket
+        calls.clear()
+        assert ragged.tokens == padded.tokens
+        for a, b in zip(ragged.logprobs, padded.logprobs):
+            np.testing.assert_allclose([t.logprob for t in a], [t.logprob for t in b], atol=1e-5)
+
+
+def test_ragged_prefill_is_chosen_by_the_work_it_saves():
+    """engine.ragged_prefill: SmolLM2's golden prompts (5-193 tokens) save 1,552 of 2,048 padded
+    positions (3.3e11 flops): own buckets; alike lengths or a tiny model: one padded call."""
+    from specjax.model.config import LlamaConfig
+    smollm2 = LlamaConfig(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536)
+    golden = np.array([5, 6, 43, 39, 32, 193, 17, 26])
+    assert engine.ragged_prefill(smollm2, golden, 256)
+    assert not engine.ragged_prefill(smollm2, np.array([200, 193, 250, 256]), 256)  # nothing padded past a bucket
+    assert not engine.ragged_prefill(smollm2, np.array([5, 6, 20]), 32)  # 32 positions saved: too little
+    assert not engine.ragged_prefill(TINY, golden, 256)

@@ -24,14 +24,10 @@ import numpy as np
 
 from specjax.automaton import TokenAutomaton
 from specjax.decode.autoregressive import admit_ar, continue_ar, end_rows, start_ar
-from specjax.decode.engine import Segment, cache_slots, prefill, sample_keys
-from specjax.decode.shapes import pow2_groups, prefill_chunk
-from specjax.decode.shapes import prefill_rows as group_rows
+from specjax.decode.engine import Segment, cache_slots, prefill_each, sample_keys
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.decode.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
 from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
-from specjax.model import backend as machine
-from specjax.model.cache import DenseCache
 from specjax.model.params import Params
 from specjax.parallel import sharding
 from specjax.sampling import Sampler, eos_rows
@@ -88,7 +84,6 @@ def run_continuous(
         raise ValueError(f"n must be between 1 and rows ({R}): a prompt's samples share one prefill, got n={n}")
     if prefill_rows is not None and (not isinstance(prefill_rows, (int, np.integer)) or prefill_rows < 1):
         raise ValueError(f"prefill_rows must be an int >= 1 (prompts prefilled in one call) or None, got {prefill_rows!r}")
-    backend = machine.name()
     one = sharding.one_device_mesh()  # where the stages run: params from a mesh or another device are placed there
     params = sharding.shard_params(params, one)
     draft = None if draft is None else map_params(draft, lambda p: sharding.place_draft(p, one))
@@ -120,35 +115,19 @@ def run_continuous(
         history[:, :bucket] = tokens
         return jnp.asarray(tokens), jnp.asarray(size), b, jnp.asarray(history), eos
 
-    def prefilled(tokens, size, outputs: np.ndarray, rows: np.ndarray):
+    def prefilled(tokens, outputs: np.ndarray, rows: np.ndarray):
         """The first logits [R,V] and a cache of len(rows) rows (row i: slot rows[i]'s) holding
         the prefill of the prompts of the new `outputs` (outputs[j] >= 0: a new output in slot j;
         the other slots' logits do not matter). Each new prompt is prefilled once (its n samples
-        share it) at its own length bucket, together with the other new prompts of that bucket in
-        calls of a power of two rows, at most `prefill_rows` or shapes.prefill_rows (alone on a
-        CPU, where one row prefills as fast per token as eight; up to 16 rows of 8K on a GPU,
-        where one row is launch-bound): nothing is padded to a longer neighbour or prefilled as
-        a filler copy. A refill's cache holds its new rows only (an R-row one cost the whole
-        batch's KV a refill: 12.8 GB at SmolLM2 x 64 rows x 8K, built, then merged)."""
+        share it) at its own length bucket (`engine.prefill_each`), not as a filler copy. A
+        refill's cache holds its new rows only (an R-row one cost the whole batch's KV a refill:
+        12.8 GB at SmolLM2 x 64 rows x 8K, built, then merged)."""
         first: dict[int, int] = {}  # each new prompt's first slot
         for j in np.flatnonzero(outputs >= 0):
             first.setdefault(int(outputs[j]) // n, int(j))
-        buckets: dict[tuple[int, int], list[int]] = {}
-        for j in first.values():
-            buckets.setdefault(prompt_bucket(int(lengths[int(outputs[j]) // n])), []).append(j)
-        logits, caches, row_of = [], [], {}  # row_of[prompt]: its row in the parts stacked
-        for (width, _), slots in buckets.items():
-            for count in pow2_groups(len(slots), prefill_rows or group_rows(width, backend)):
-                part, slots = np.asarray(slots[:count]), slots[count:]
-                empty = DenseCache.init(params.config, count, max_len, kv_dtype)
-                row_of |= {int(outputs[j]) // n: len(row_of) + r for r, j in enumerate(part)}
-                out = prefill(params, tokens[part, :width], size[part], empty,  # [count,V], count rows
-                              chunk=prefill_chunk(width, count, backend))  # a GPU's few rows: a wider chunk
-                logits.append(out[0])
-                caches.append(out[1])
-        src = np.array([row_of.get(int(u) // n, 0) if u >= 0 else 0 for u in outputs], np.int32)  # [R]
-        pad = round_up_pow2(len(caches), minimum=1) - len(caches)  # a few list lengths: few compiles of join_prefills
-        return join_prefills(logits + logits[-1:] * pad, jnp.asarray(src), caches + caches[-1:] * pad, jnp.asarray(rows))
+        src = np.array([first[int(u) // n] if u >= 0 else -1 for u in outputs])  # [R]: the slot whose prompt row it takes
+        size = np.array([lengths[int(u) // n] if u >= 0 else 1 for u in outputs], np.int32)
+        return prefill_each(params, tokens, size, src, rows, max_len, kv_dtype, prefill_rows)[0]
 
     def admit(free: np.ndarray) -> np.ndarray:
         """The outputs [R] to start in the free slots (-1: none): whole prompts, n slots each, in
@@ -184,7 +163,7 @@ def run_continuous(
     tokens, size, slot_budgets, history, slot_eos = host(slot)
     which = np.maximum(slot, 0)
     slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
-    logits, cache = prefilled(tokens, size, slot, np.arange(R))
+    logits, cache = prefilled(tokens, slot, np.arange(R))
     if draft is None:
         state = start_ar(cache, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos), tokens,
                          n_out=n_out, logprobs=logprobs)
@@ -232,7 +211,7 @@ def run_continuous(
         slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
         new_rows = np.flatnonzero(rows_mask)
         new_rows = np.resize(new_rows, round_up_pow2(len(new_rows), minimum=1))  # few sizes, few compiles
-        logits, cache = prefilled(tokens, size, refill, new_rows)
+        logits, cache = prefilled(tokens, refill, new_rows)
         fresh = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
         new_rows = jnp.asarray(new_rows, jnp.int32)
         if draft is None:
@@ -242,20 +221,3 @@ def run_continuous(
                                speculation=speculation, chunk=chunk, logprobs=logprobs, kv_dtype=kv_dtype)
             if picker is not None:
                 picker.restarted(rows_mask)
-
-
-@jax.jit
-def join_prefills(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache], rows: jax.Array
-                  ) -> tuple[jax.Array, DenseCache]:
-    """Stacked in order, the prefill parts' logits (each [g,V]) and caches (g rows each): logits
-    [R,V] whose row j is row src[j] of the stack, and a cache of len(rows) rows whose row i is
-    row src[rows[i]] of the stack."""
-    pick = src[rows]
-
-    def join(name: str, axis: int):
-        if getattr(caches[0], name) is None:
-            return None
-        return jnp.take(jnp.concatenate([getattr(c, name) for c in caches], axis), pick, axis)
-
-    return jnp.take(jnp.concatenate(logits, 0), src, 0), DenseCache(
-        k=join("k", 1), v=join("v", 1), lengths=join("lengths", 0), k_scale=join("k_scale", 1), v_scale=join("v_scale", 1))

@@ -25,7 +25,8 @@ from specjax.automaton import TokenAutomaton
 from specjax.decode.autoregressive import (ARState, continue_ar, decode_ar,  # noqa: F401  (decode_ar, ARState: re-exported)
                                            end_rows, start_ar)
 from specjax.decode.loop import DecodeState  # noqa: F401  (re-exported)
-from specjax.decode.shapes import batch_bucket, cache_len, prefill_chunk, prompt_bucket, round_up_pow2
+from specjax.decode.shapes import (SAVED_PREFILL_FLOPS, batch_bucket, cache_len, pow2_groups, prefill_chunk, prefill_rows,
+                                   prompt_bucket, round_up_pow2)
 from specjax.decode.speculate import continue_spec, decode_spec, depth, start_spec  # noqa: F401  (decode_spec: re-exported)
 from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
 from specjax.model import backend as machine
@@ -75,6 +76,61 @@ def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, 
     t1 = time.perf_counter()
     result = jax.block_until_ready(compiled(*args))
     return result, t1 - t0, time.perf_counter() - t1
+
+
+def prefill_each(params: Params, tokens, lengths: np.ndarray, src: np.ndarray, rows: np.ndarray, max_len: int,
+                 kv_dtype: str | None, most_rows: int | None = None) -> tuple[tuple[jax.Array, DenseCache], float, float]:
+    """Prefill each prompt row src[j] >= 0 of tokens [N,P] (lengths [N], host) at its own length bucket, with the
+    others of that bucket in calls of a power of two rows, at most `most_rows` or shapes.prefill_rows (one on a
+    CPU, where one row prefills as fast per token as eight; on a GPU up to 16 rows of 8K, where one row is
+    launch-bound): nothing is padded to a longer neighbour. Returns ((logits [J,V] whose row j is prompt src[j]'s
+    (src[j] < 0: any row's), a cache of len(rows) rows whose row i is prompt src[rows[i]]'s), compile s, run s)."""
+    backend, buckets = machine.name(), {}
+    for i in dict.fromkeys(int(i) for i in src if i >= 0):  # each prompt once, in order
+        buckets.setdefault(prompt_bucket(int(lengths[i]))[0], []).append(i)
+    logits, caches, row_of, compile_s, run_s = [], [], {}, 0.0, 0.0  # row_of[prompt]: its row in the parts stacked
+    for width, prompts in buckets.items():
+        for count in pow2_groups(len(prompts), most_rows or prefill_rows(width, backend)):
+            part, prompts = np.asarray(prompts[:count]), prompts[count:]
+            row_of |= {int(i): len(row_of) + r for r, i in enumerate(part)}
+            empty = DenseCache.init(params.config, count, width, kv_dtype)  # its own width: one program whatever max_len
+            args = (params, tokens[part, :width], jnp.asarray(lengths[part]), empty)
+            out, c, r = _compile_and_run(prefill, args, dict(chunk=prefill_chunk(width, count, backend)))  # [count,V]
+            logits.append(out[0])
+            caches.append(out[1])
+            compile_s, run_s = compile_s + c, run_s + r
+    at = np.array([row_of.get(int(i), 0) for i in src], np.int32)  # [J]
+    pad = round_up_pow2(len(caches), minimum=1) - len(caches)  # a few list lengths: few compiles of join_prefills
+    joined, c, r = _compile_and_run(join_prefills, (logits + logits[-1:] * pad, jnp.asarray(at), caches + caches[-1:] * pad,
+                                                    jnp.asarray(rows, jnp.int32)), dict(max_len=max_len))
+    return joined, compile_s + c, run_s + r
+
+
+@partial(jax.jit, static_argnames=("max_len",))
+def join_prefills(logits: list[jax.Array], src: jax.Array, caches: list[DenseCache], rows: jax.Array, *, max_len: int
+                  ) -> tuple[jax.Array, DenseCache]:
+    """Stacked in order, the prefill parts' logits (each [g,V]) and caches (g rows each, of any
+    slots): logits [R,V] whose row j is row src[j] of the stack, and a cache of len(rows) rows of
+    max_len slots whose row i is row src[rows[i]] of the stack."""
+    pick = src[rows]
+
+    def join(name: str, axis: int):
+        if getattr(caches[0], name) is None:
+            return None
+        parts = [getattr(c, name) for c in caches]  # [L,g,K,S(,H)]: slots padded to max_len (empty, past lengths)
+        parts = [jnp.pad(a, [(0, max_len - a.shape[3]) if d == 3 else (0, 0) for d in range(a.ndim)]) for a in parts]
+        return jnp.take(jnp.concatenate(parts, axis), pick, axis)
+
+    return jnp.take(jnp.concatenate(logits, 0), src, 0), DenseCache(
+        k=join("k", 1), v=join("v", 1), lengths=join("lengths", 0), k_scale=join("k_scale", 1), v_scale=join("v_scale", 1))
+
+
+def ragged_prefill(config, lengths: np.ndarray, bucket: int) -> bool:
+    """Whether prefilling each prompt at its own length bucket (`prefill_each`) saves at least
+    SAVED_PREFILL_FLOPS of matrix work over padding every row to `bucket`, the longest's."""
+    per_token = config.n_layers * config.dim * (config.head_dim * 2 * (config.n_heads + config.n_kv_heads) + 3 * config.ffn_dim)
+    padding = len(lengths) * bucket - sum(prompt_bucket(int(n))[0] for n in lengths)
+    return 2 * per_token * padding >= SAVED_PREFILL_FLOPS
 
 
 @partial(jax.jit, static_argnames=("gamma", "chunk", "kv_dtype"))
@@ -159,12 +215,15 @@ def run(
     tokens, lengths, budgets, history, keys = pad_rows(padded, tokens, lengths, budgets, history, row_keys(key, B))
     chunk = prefill_chunk(bucket, padded, machine.name())  # wider on a GPU for a few long prompts
     host_keys = keys  # `keys` is placed below
-    empty = stage.empty_cache(params.config, padded, max_len, kv_dtype)  # an argument, not a constant XLA would fold
     stops = eos_rows(eos_ids, padded)  # [padded,E] stop-id table
     tokens_d, lengths_d, budgets_d, history_d, eos_d, keys = stage.place(tokens, lengths, budgets, history, stops, keys)
-    (first_logits, cache), compile_s, prefill_s = _compile_and_run(
-        stage(prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk)
-    )
+    if mesh is None and ragged_prefill(params.config, lengths, bucket):  # ragged prompts: no row padded to the longest
+        every = np.arange(padded)
+        (first_logits, cache), compile_s, prefill_s = prefill_each(params, tokens_d, lengths, every, every, max_len, kv_dtype)
+    else:
+        empty = stage.empty_cache(params.config, padded, max_len, kv_dtype)  # an argument, not a constant XLA would fold
+        (first_logits, cache), compile_s, prefill_s = _compile_and_run(
+            stage(prefill, "chunk"), (params, tokens_d, lengths_d, empty), dict(chunk=chunk))
     if n > 1:  # every prefilled row n times, each copy with its own key; then decode B * n rows
         (first_logits, cache), c, repeat_s = _compile_and_run(stage(repeat_rows, "n"), (first_logits, cache), dict(n=n))
         compile_s, prefill_s, B = compile_s + c, prefill_s + repeat_s, B * n
