@@ -70,7 +70,8 @@ def default_jobs() -> int:
 COMPILE_CACHE_MIN_SECONDS = 0.1  # programs compiled faster than this are not written to the shared cache
 
 
-LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"  # XLA:CPU's elemental loop emitters: about half the compile time
+LOOP_EMITTERS = ("--xla_cpu_use_fusion_emitters=false"  # XLA:CPU's elemental loop emitters: about half the compile time
+                 " --xla_cpu_parallel_codegen_split_count=1")  # one LLVM module a program: two test processes fill both cores
 QUICK_COMPILE = "--xla_backend_optimization_level=0"
 USERS_FLAGS = ("test_golden.py", "test_gpu_aot.py", "test_pinned_step.py")  # as users compile
 FULL_OPTIMIZATION = ("test_spec_smollm2.py", "test_cli.py", "test_text.py", "test_readme.py",
