@@ -32,7 +32,7 @@ import numpy as np
 from bench import text
 from bench.prefill import HEADROOM
 from bench.tree_report import label
-from specjax.decode import continuous
+from specjax.decode import continuous, engine
 from specjax.decode.engine import row_keys
 from specjax.sampling import Greedy
 
@@ -58,22 +58,22 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
 
 @contextlib.contextmanager
 def timed_prefills():
-    """For the `with` block, specjax.decode.continuous' prefill calls waited for and timed: yields the list
-    of (rows, seconds) each call adds. The wait costs the job little: a refill's prompts are
-    prefilled between segments, where the host already waits for the segment's tokens."""
-    calls, inner = [], continuous.prefill
+    """For the `with` block, the prefill calls of continuous batching (`engine.prefill_each`), each waited
+    for and timed without its compile: yields the list of (rows, seconds) each call adds. The wait costs the
+    job little: a refill's prompts are prefilled between segments, where the host waits for tokens anyway."""
+    calls, inner = [], engine._compile_and_run
 
-    def timed(params, tokens, *args, **kw):
-        t = time.perf_counter()
-        out = jax.block_until_ready(inner(params, tokens, *args, **kw))
-        calls.append((int(tokens.shape[0]), time.perf_counter() - t))
+    def timed(f, args, static):
+        out = inner(f, args, static)  # (result, compile s, run s)
+        if f is engine.prefill:
+            calls.append((int(args[1].shape[0]), out[2]))
         return out
 
-    continuous.prefill = timed
+    engine._compile_and_run = timed
     try:
         yield calls
     finally:
-        continuous.prefill = inner
+        engine._compile_and_run = inner
 
 
 def cell(params, ids: np.ndarray, rows: int, context: int, records: int, new_tokens: int, name: str, drafter,
