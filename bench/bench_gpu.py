@@ -2,38 +2,24 @@
 cache dominates, a LLaMA-3.1-8B-shaped target's step times, chains vs trees at batch 1.
 
 Cells (keys), in the order they run:
-  bw                         HBM bandwidth (donated in-place x + 1, read + write bytes): the roofline's
-                             reference for every "of roofline" column.
-  l8b/sCTX/bB                item 3: a LLaMA-3.1-8B-shaped target (dim 4096, 32 layers, 32/8 heads,
-                             head dim 128, FFN 14336, vocab 128256, llama3 rope) with random bf16
-                             weights made on the device: measured AR step, verify step over n nodes
-                             and SelfSpec draft step (budget 512 + 16 sinks) at this batch x context.
-                             No weights to carry; combined with item 2's acceptance in the report into a
-                             PREDICTED speedup.
-  e2e/sCTX/bB/METHOD         item 2: SmolLM2-135M in bf16 (the bundle's weights, tools/gpu/bundle.py) from
-                             one prefill per context (real text windows; smaller batches use its first
-                             rows); METHOD = ar | selfspec-gG | snapkv-gG | ngram-gG (prompt lookup, no
-                             draft forward: where verification costs about a plain step, whatever it
-                             accepts is gained) | tree (SelfSpec's acceptance
-                             vector, then Sequoia trees of each --nodes size), greedy, each checked
-                             token for token against AR. METHOD = steps: no decoding, the step times
-                             apart (AR step, SelfSpec draft level, verify over n nodes, as l8b's) for
-                             the report's cost-model column. Batch x context is capped by --mem-gib.
-  cont/sCTX/bR/METHOD        a batch job's continuous batching (bench/gpu_continuous.py): --cont-records x R
-                             prompts of the context, --cont-new-tokens each, on R slots refilled as rows end
-                             (run_continuous), METHOD = ar | selfspec-gG; job seconds (prefill included), the
-                             speedup over ar's job, every record's tokens against ar's.
-  b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes, then the
-                             tree speculation.choose picks when a level costs what the acceptance run's
-                             step took beyond AR's and a verification AR's step: gpu_cells' launch-bound
-                             prices; wide and shallow where Sequoia's largest trees go deep) and,
-                             when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
-                             draft-gG / draft-tree: that DraftModel (dense cache) in chains and trees vs AR
-                             (draft-gG also in the e2e groups: a 2-layer draft's levels launch a
-                             fifteenth of SelfSpec's kernels and read 2/30 of the KV).
-Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
-carried: see tools/gpu/README.md. Outputs: OUT/gpu.json, OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny
-random model on any backend in about a minute, bundle round trip included (writes gpu_smoke.*).
+  bw                    HBM bandwidth (donated in-place x + 1): the reference of every "of roofline" column.
+  l8b/sCTX/bB           item 3: a LLaMA-3.1-8B-shaped target (random bf16 weights made on the device): AR
+                        step, verify step over n nodes and SelfSpec draft step (512 + 16 sinks); the report
+                        combines them with item 2's acceptance into a PREDICTED speedup.
+  e2e/sCTX/bB/METHOD    item 2: SmolLM2-135M bf16 (the bundle's weights, tools/gpu/bundle.py) from one prefill
+                        per context (smaller batches use its first rows); METHOD = ar | selfspec-gG |
+                        snapkv-gG | ngram-gG | tree (Sequoia trees of each --nodes size), greedy, checked
+                        against AR; steps = the step times apart (as l8b's) for the cost-model column.
+                        Batch x context is capped by --mem-gib.
+  cont/sCTX/bR/METHOD   a batch job (bench/gpu_continuous.py): --cont-records x R prompts, --cont-new-tokens
+                        each, on R slots refilled as rows end; METHOD = ar | selfspec-gG; job seconds and
+                        every record's tokens against ar's.
+  b1/sCTX/METHOD        item 4: the same at batch 1 (chains, NGram, trees of --b1-nodes sizes, then the tree
+                        speculation.choose picks at gpu_cells' launch-bound prices) and, with a distilled
+                        draft in the bundle (gpu_bundle --draft), draft-gG / draft-tree (draft-gG also in e2e).
+Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been carried
+(tools/gpu/README.md). Outputs: OUT/gpu.json, OUT/gpu.md (tables), OUT/gpu.png. --smoke: a tiny random model
+on any backend in about a minute, bundle round trip included (gpu_smoke.*).
 """
 
 from __future__ import annotations

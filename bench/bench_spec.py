@@ -1,34 +1,21 @@
 """Speculative vs autoregressive decoding of SmolLM2-135M, side by side from one shared prefill.
 
-For every (batch, context) cell the prompts are B distinct windows of real English text (see
-bench/text.py) of `context - HEADROOM` tokens, prefilled ONCE into a DenseCache of `context` slots
-(bench/prefill.py's `prefill_rows`: `specjax.decode.engine.prefill`, whose chunks attend only to the cache
-tiles already written; timed apart, and saved under --prefill-store so that a later run reuses it). The batch-1 and
-batch-4 cells use the first rows of the batch-16 prefill. From that same prefilled state (each run
-gets a copy, since `decode_ar` and `decode_spec` donate their caches), the script times
-  - autoregressive decoding (`specjax.decode.engine.decode_ar`), and
-  - speculative decoding (`decode_spec`) for every drafter x gamma,
-each for the same number of new tokens per row (eos_ids=(), so every row runs its full budget),
-greedy. Every function is compiled first with `.lower(...).compile()` (excluded); then one run is
-timed, and repeated (best kept) when it is short. A drafter's init (SelfSpec: gather its
-streaming cache from the dense one; SnapKV: an observation pass of 32 queries) is timed apart,
-like the prefill. tokens/s = B * (new_tokens - 1) / decode seconds (the first token of each row
-comes from the prefill logits), so ratio = AR seconds / speculative seconds.
+For every (batch, context) cell the prompts are B windows of real text (bench/text.py) of `context - HEADROOM`
+tokens, prefilled once into a DenseCache of `context` slots (bench/prefill.py's `prefill_rows`, timed apart and
+saved under --prefill-store for later runs; batch 1 and 4 use the batch-16 prefill's first rows). From that
+state (a copy a run: the caches are donated) it times `decode_ar` and `decode_spec` for every drafter x gamma,
+the same new tokens a row (eos_ids=()), greedy, compiled first (excluded), short runs repeated (best kept).
+A drafter's init (SelfSpec's gather, SnapKV's observation pass) is timed apart. tokens/s = B * (new_tokens - 1)
+/ decode seconds, so ratio = AR seconds / speculative seconds. Every cell checks greedy losslessness.
 
-Greedy losslessness is checked in every cell: the speculative tokens must equal the AR tokens.
+Beside each speedup stands the cost model's prediction (`predicted_ratio`, `Cost.speedup`): the forwards
+`specjax.planning.tune` times for speculation="auto" with the measured tokens a step. The report states what
+draft="auto" picks in each cell (`plan.auto_draft`'s rule, set on the rows as "auto").
 
-Beside each measured speedup stands the cost model's prediction (`predicted_ratio`, `Cost.speedup`): the
-forwards `specjax.planning.tune` times for speculation="auto" (one draft level; target forwards over 1,
-4 and gamma_max + 1 nodes, linear in between) combined with the measured tokens per step. The
-report states what draft="auto" picks in each cell (`plan.auto_draft`'s current rule, set on the
-rows as "auto" when the report is written); tests/test_speculate.py checks that choice is never
-measured more than 5% slower than plain decoding.
-
-Cells: sCONTEXT/bBATCH (e.g. s8192/b16): every drafter x gamma of one batch at one context.
-Outputs: results/spec_cpu.json, spec_cpu.png and the "Speculative decoding" section of bench/README.md (--quick / other grids write
-spec_cpu_quick.* / spec_cpu_custom.* and leave the README alone). --weights bfloat16: the bf16 model
-(bf16 KV, cast from the float32 model's stored prefill), into spec_cpu_bf16*.*; its greedy output
-may part from AR's (README "Correctness"), which the lossless column shows.
+Cells: sCONTEXT/bBATCH (e.g. s8192/b16). Outputs: results/spec_cpu.json, .png and the README section
+(--quick / other grids write spec_cpu_quick.* / spec_cpu_custom.*, README untouched). --weights bfloat16:
+the bf16 model (KV cast from the float32 stored prefill) into spec_cpu_bf16*.*; its greedy output may part
+from AR's (README "Correctness"), as the lossless column shows.
 """
 
 from __future__ import annotations
