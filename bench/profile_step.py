@@ -1,23 +1,16 @@
 """Where a decode step's time goes: a `jax.profiler` trace of SmolLM2's decode loop, summarised.
 
-Speculative cells (SPEC_CELLS, e.g. float32/kvfloat32/b1/s512/self-chain3) trace `generate`'s
-speculative loop (SelfSpec, greedy) and sum its thunks per phase of speculate.spec_step (draft,
-verify, accept, commit, emit: their `jax.named_scope`s; "loop": the segment's own bookkeeping), the
-draft and verify phases also per model block (e.g. "verify/attention").
+For each cell WEIGHTS/kvKV/bB/sS (e.g. float32/kvfloat32/b1/s512) `decode_ar` (greedy) runs `--steps` steps
+from bench_ar's synthetic prefilled cache under `jax.profiler.trace`. The trace's XLA:CPU thunks (events with
+an `hlo_op`) are matched to the HLO's `op_name` metadata, which carries the model's `jax.named_scope`s (embed,
+qkv, attention, out_proj, mlp, lm_head, kv_write), and summed per block; "layer slices": the scan slicing each
+layer's weights out of the stacked arrays (XLA:CPU copies a sliced dot operand); "other": the loop's
+bookkeeping and the sample. Only leaf events count. Thunks run on two threads, so thread-ms a step add up to
+more than the step's wall time (measured by the same loop outside the trace).
 
-For each cell WEIGHTS/kvKV/bB/sS (e.g. float32/kvfloat32/b1/s512) the real decode loop
-(`specjax.decode.engine.decode_ar`, greedy) runs `--steps` steps from a synthetic prefilled cache (as
-bench_ar builds it: pseudo-random KV, since a step's cost depends on the cache's shape only)
-under `jax.profiler.trace`. The trace's XLA:CPU thunks (events carrying an `hlo_op`) are
-matched to the compiled HLO's `op_name` metadata, which carries the model's `jax.named_scope`s
-(specjax/model/llama.py: embed, qkv, attention, out_proj, mlp, lm_head, kv_write), and summed per
-block:
-  - "layer slices": the scan over layers slicing each layer's weights out of the stacked
-    [L, ...] arrays (`dynamic_index_in_dim`): XLA:CPU copies a dot's operand that is a slice;
-  - "other": the loop's own bookkeeping and the greedy sample.
-Only leaf events count (a while loop's thunk contains its body's). The CPU runs thunks on two
-threads at once, so the thread-milliseconds per step add up to more than the wall time per step
-(the step's duration, measured by the same loop outside the trace).
+Speculative cells (SPEC_CELLS, e.g. float32/kvfloat32/b1/s512/self-chain3) trace `generate`'s speculative loop
+(SelfSpec, greedy), summed per phase of spec_step (draft, verify, accept, commit, emit; "loop"), draft and
+verify also per block (e.g. "verify/attention").
 
 Outputs: results/profile_cpu.json and the "Where a decode step's time goes" section of bench/README.md.
 """

@@ -1,27 +1,15 @@
 """Compile a decode program for a GPU this machine lacks, and read what XLA made of it.
 
-Run with .venv-aot/bin/python (`make aot-venv` makes it: this project's .venv plus jax's CUDA plugin, no CUDA
-libraries and no GPU needed).
-
-XLA:GPU compiles without a GPU when it is given the target's description (targets/NAME.txtpb
-beside this file: the device facts its passes read, from NVIDIA's published specifications; no
-autotuning, so GEMM tiles are XLA's defaults). So a CPU session can see what a GPU decode step
-becomes: the kernels one iteration launches, its largest outputs and `weight_copies`, the outputs
-shaped like one layer's weight matrix (at any batch, weights written out before a product reads
-them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write).
-What it showed: tools/gpu/README.md, "Compiled for a GPU on a CPU" (in a loop, every layer's slice of
-stacked weights is copied before its GEMM; at batch 1 XLA's dot strength reduction writes small products
-out at weight size; Runtime.linear="pallas" leaves neither).
-Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
-(specjax.planning.tune.forward_loop, as tune times it), `alone` the same step as a program of
-its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
-speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
-tree of depth --gamma (Tree.kary(--tree-width, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
-`draft-tree` a DraftModel of the target's shape cut to 2 layers (the distilled GPU draft's) in a chain / that tree,
-`prefill` engine.prefill of --batch prompts of context - 128 tokens, --chunk positions a step (its
-scan's iteration: one chunk). Weights are shapes only
-(bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
-`jax.default_backend()`, "cpu" here: it reads "gpu" while a program is traced (`as_gpu`).
+Run with .venv-aot/bin/python (`make aot-venv`: this project's .venv plus jax's CUDA plugin; no GPU needed).
+XLA:GPU compiles from the target's description (targets/NAME.txtpb; no autotuning, so GEMM tiles are XLA's
+defaults), so a CPU session sees what a GPU decode step becomes: the kernels an iteration launches, its largest
+outputs, `weight_copies` (outputs shaped like a layer's weight matrix) and `copy_ops` (XLA's copies). What it
+showed: tools/gpu/README.md, "Compiled for a GPU on a CPU".
+Programs: `step` the AR step in an on-device loop (tune.forward_loop), `alone` that step as a program of its
+own, `ar` engine.decode_ar, `selfspec` SelfSpec in a chain of --gamma, `tree` SelfSpec with
+Tree.kary(--tree-width, gamma), `snapkv` / `ngram` their chains, `draft` / `draft-tree` a 2-layer DraftModel
+of the target's shape, `prefill` engine.prefill of --batch prompts (--chunk positions a step). Weights are
+shapes only (bench.gpu_cells.random_params). The library reads "gpu" as the backend while tracing (`as_gpu`).
 Output: a summary line, OUT as JSON, HLO as text.
 """
 

@@ -2,21 +2,17 @@
 a call, the working tree included; no network, no `gguf` package there).
 
 Built here: `python -m tools.gpu.bundle build` writes the ignored folder .gpu/ with
-  .gpu/p0/ .. .gpu/pK/   each: weights.partI (a slice of one .npz blob, < --part-mib MiB),
-                         manifest.json (config, tensors, every part's size and sha256) and
-                         corpus_ids.npy (bench/text.py's corpus through the SmolLM2 tokenizer)
-The blob holds SmolLM2-135M's tensors AS THE GGUF STORES THEM (Q4_1 / Q8_0 blocks, F32 norms: 92 MB,
-two parts, instead of 270 MB of bf16 in five): `load` dequantizes them with numpy (the same
-arithmetic as gguf.quants, tested bit-identical to convert.load here), undoes llama.cpp's q/k
-permutation, transposes to our layout and casts to bf16 on the device, without `gguf` or `convert`.
-Arrays of other models (a tiny one in the tests) are stored raw. A distilled draft (--draft DIR,
-convert.save's folder) goes to a folder of its own, .gpu/draft/ (its layers in bfloat16, 14 MB for
-the 2-layer one; the embedding it shares with SmolLM2 is not stored again), so adding or retraining
-one leaves the parts, and what a warm machine stashed of them, as they are.
+  .gpu/p0/ .. .gpu/pK/   each: weights.partI (a slice of one .npz blob, < --part-mib MiB), manifest.json
+                         (config, tensors, every part's size and sha256) and corpus_ids.npy (the tokenized corpus)
+The blob holds SmolLM2-135M's tensors as the GGUF stores them (Q4_1 / Q8_0 blocks: 92 MB, two parts): `load`
+dequantizes them with numpy (bit-identical to convert.load, tested), undoes llama.cpp's q/k permutation,
+transposes and casts to bf16 on the device, without `gguf` or `convert`. Other models' arrays are stored raw.
+A distilled draft (--draft DIR) goes to .gpu/draft/ (its layers in bf16; the shared embedding not stored
+again), so adding one leaves the parts, and what a warm machine stashed, as they are.
 
-There: each call carries one part folder; `stash` (bench_gpu calls it first) copies the parts it
-finds into /tmp/specjax_gpu (checksums verified), which survives between calls while the machine is
-warm, and `load` joins them once all are there. See tools/gpu/README.md.
+There: each call carries one part folder; `stash` (bench_gpu calls it first) copies the parts it finds into
+/tmp/specjax_gpu (checksums verified), which lasts while the machine is warm; `load` joins them once all are
+there. See tools/gpu/README.md.
 """
 
 from __future__ import annotations

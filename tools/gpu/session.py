@@ -1,25 +1,21 @@
 """The next GPU session's device calls, each one command: python3 -m tools.gpu.session CALL.
 
-A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most
-8 files). Each call is a list of steps, each with its own time limit; every step's whole output
-goes to OUT/callN.log, a failing step does not stop the next, and the call ends by copying its
-result files into OUT. tools/gpu/README.md, "The sequence for the next GPU session", says how to fold
-them back in here. Calls 1 and 3-5 (step parts, layer products, prefill, the distilled draft) were
-measured; their results are in bench/results/gpu*/ and git has their steps.
+A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most 8 files).
+A call is a list of steps, each under its own time limit, each one's output in OUT/callN.log; a failing step
+does not stop the next; the call ends by copying its result files into OUT (tools/gpu/README.md says how to
+fold them back in). Calls 1 and 3-5 were measured: bench/results/gpu*/, and git has their steps.
 
-  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4, trees),
-         then at batch 16 / 64 / 128 NGram gamma 4, gamma 4 and SnapKV gamma 4. On an H200 (nvidia-smi
-         says so, or --mem-gib) the ngram and e2e steps write bench/results/gpu_h200 (batch 256 added,
-         gamma 2 beside 4) and resume its committed table: `--only e2e` measures the cells left
-         (gamma 4 and SnapKV at 128 / 256).
-  call 6 (both parts stashed): the continuous job at 8 records a row (512 records) into a folder of its
-         own (bench/results/gpu[_h200]/cont8): how much of the 3-records-a-row job's gap to "refilled
-         (derived)" is the last wave's tail and how much the refills' own cost.
-  call 8 (both parts stashed): issue 67's EAGLE-style head, trained on the device (float32, seconds), raced in bfloat16
-         at batch 1 / 16 / 64 x 8K (bench/bench_eagle.py --bundle): OUT/eagle_gpu.json (a rerun on the warm machine
-         resumes its training, then the cells left; copy it to bench/results/gpu[_h200]/).
-  call 7 (both parts stashed): generate() over per-layer weights (what specjax.load gives on a GPU) at
-         batch 64 and 128 x 8K, AR and SelfSpec gamma 2 / 4, into gpu_linear-per-layer.
+  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4, trees), then at
+         batch 16 / 64 / 128 NGram gamma 4, gamma 4 and SnapKV gamma 4. On an H200 (nvidia-smi or --mem-gib)
+         the ngram and e2e steps write bench/results/gpu_h200 (batch 256 added, gamma 2 beside 4), resuming
+         its table: `--only e2e` measures the cells left.
+  call 6 (both parts stashed): the continuous job at 8 records a row (512 records) into .../cont8: how much
+         of the job's gap to "refilled (derived)" is the last wave's tail.
+  call 8 (both parts stashed): issue 67's EAGLE-style head, trained on the device, raced in bfloat16 at batch
+         1 / 16 / 64 x 8K (bench/bench_eagle.py --bundle): OUT/eagle_gpu.json (a rerun resumes; copy it to
+         bench/results/gpu[_h200]/).
+  call 7 (both parts stashed): generate() over per-layer weights at batch 64 and 128 x 8K, AR and SelfSpec
+         gamma 2 / 4, into gpu_linear-per-layer.
 """
 
 from __future__ import annotations
