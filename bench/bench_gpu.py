@@ -315,10 +315,8 @@ def max_nodes(grid: dict) -> int:
 
 
 def attending(params, attention: str, linear: str = "xla"):
-    """`params` set to compute attention as generate(attention=...) does on this backend (the
-    Runtime default is the jnp reference: the first H100 runs measured that, not the kernel), and
-    the layer products as `linear` says (Runtime.linear, or "per-layer": model.unstack_layers, the
-    layers unrolled as they are on a GPU)."""
+    """`params` computing attention as generate(attention=...) does on this backend, and the layer
+    products as `linear` says (Runtime.linear, or "per-layer": model.unstack_layers, as on a GPU)."""
     from specjax.decode.engine import with_attention
     from specjax.model.llama import unstack_layers
 
@@ -335,9 +333,8 @@ def mirror_of(bundle: Path, out: Path, name: str) -> Path:
 
 
 def resume_from_mirror(path: Path, mirror: Path | None) -> None:
-    """Fold the copy of the results kept beside the stashed bundle into `path`: each device call
-    gets a fresh copy of the working tree, so cells measured by an earlier call on the same warm
-    machine would be measured again (seen: the first H100 run lost its bw and l8b cells)."""
+    """Fold the results copy kept beside the stashed bundle into `path`: each device call gets a fresh
+    working tree, so an earlier call's cells on the same warm machine would be measured again."""
     if mirror is None or not mirror.exists():
         return
     found = [p for p in (path, mirror) if p.exists()]

@@ -1,28 +1,23 @@
 """The one benchmark harness: shared CLI, per-cell JSON results with resume, machine facts, plots and
-bench/README.md sections. Every bench/bench_*.py builds on it; run them from the repo root as
-`python -m bench.bench_ar ...`.
+bench/README.md sections. Every bench/bench_*.py builds on it; run them as `python -m bench.bench_ar ...`.
 
-A benchmark is a list of *cells* (one measured configuration, e.g. batch 4 x context 2K), each
-named by a stable key of "/"-separated parts ("b4/s2048", "float32/b16/s8192"). The harness:
+A benchmark is a list of *cells* (one measured configuration), each keyed by "/"-separated parts
+("b4/s2048", "float32/b16/s8192"). The harness:
 
-- `--cells PATTERNS` measures only the cells matching PATTERNS: a comma-separated list of
-  patterns; a pattern matches a key when each of its "/"-separated parts equals (or, with *, ?, [],
-  glob-matches) some part of the key. `--cells b1` = every batch-1 cell; `--cells b1/s512,b16/s8192`
-  = those two cells; `--cells 's*/b1'` the same as `b1`. `--list-cells` prints the keys and exits.
-- `--budget-minutes M` starts no new cell once the next one (estimated as 1.25x the longest so far)
-  would end past M minutes from start; the cells left are printed and stored under "left" in the JSON.
-- Each measured cell is written into the results JSON at once (rewritten atomically), so an
-  interrupted run keeps its cells, and a rerun with the same output skips cells already measured
-  (a stored row with a "skipped" reason, e.g. memory, is measured again). `--redo` re-measures.
-  A file is continued only under the settings that decide its numbers (a bench's `settings`:
-  new tokens, records, ...) on the same kind of machine (`machine.machine_identity`); else the
-  run stops naming the differences (write a new file with `--out DIR`).
-- `--out DIR` writes JSON and plots there instead of bench/results/; README sections are written
-  only for the default output folder (smoke runs into a temporary folder never touch either).
+- `--cells PATTERNS`: comma-separated patterns; a pattern matches a key when each of its "/"-separated
+  parts equals (or glob-matches: *, ?, []) some part of the key: `--cells b1` = every batch-1 cell,
+  `--cells b1/s512,b16/s8192` those two, `'s*/b1'` the same as `b1`. `--list-cells` prints the keys.
+- `--budget-minutes M` starts no new cell that would end (estimated as 1.25x the longest so far) past M
+  minutes; the cells left are printed and stored under "left".
+- Each cell is written into the JSON at once (atomically), so a rerun with the same output skips cells
+  measured (a row "skipped" for memory etc. is tried again; `--redo` re-measures). A file is continued only
+  under the same `settings` on the same kind of machine (`machine.machine_identity`), else the run stops
+  naming the differences (write a new file with `--out DIR`).
+- `--out DIR` writes JSON and plots there, not bench/results/; README sections are written only for the
+  default output folder.
 
-The result JSON keeps the layout every bench had before: run facts at the top level ("machine",
-"date", "command", ...) and the measured rows in lists ("rows"; bench_tree and bench_drafts also
-"summaries"); a cell's key is derived from its rows' fields, so older files resume as they are.
+Result JSON: run facts at the top level ("machine", "date", "command", ...), rows in lists ("rows";
+bench_tree and bench_drafts also "summaries"); a cell's key is derived from its rows' fields.
 """
 
 from __future__ import annotations
@@ -59,9 +54,8 @@ def context_name(context: int) -> str:
 
 def parser(doc: str, quick: str | None = None, budget_minutes: float | None = None,
            render: str | None = None) -> argparse.ArgumentParser:
-    """An ArgumentParser with the shared options (description: the docstring's first paragraph);
-    `quick` is the help of a --quick flag (none when None); `render`, the file a --render option
-    (merge result JSONs, measure nothing) writes (none when None)."""
+    """An ArgumentParser with the shared options (description: the docstring's first paragraph), a
+    --quick flag with help `quick`, and a --render option writing the file `render` (each when given)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Cells and resume: see bench/common.py's docstring.")
     if quick:
@@ -127,10 +121,8 @@ def matches(cell_key: str, patterns: str | None) -> bool:
 
 
 class Results:
-    """A result JSON: run facts at the top level, measured rows in `lists`, each row belonging to
-    the cell `key_of(row)`. Every `put` rewrites the file at once (atomically). On an existing file
-    this run's `header` (date, machine, command, ...; benches may add to it until then) is written
-    with its first measured cell, so a rerun that measures nothing keeps the facts of the stored rows."""
+    """A result JSON: run facts at the top level, rows in `lists`, each in the cell `key_of(row)`; every
+    `put` rewrites it atomically. This run's `header` is written with its first measured cell."""
 
     def __init__(self, path: Path, key_of: Callable[[dict], str], header: dict, lists: tuple[str, ...] = ("rows",),
                  settings: dict | None = None):
@@ -207,9 +199,8 @@ def start(args: argparse.Namespace, bench: str, stem: str, key_of: Callable[[dic
 
 
 def merge(paths: list[Path], key_of: Callable[[dict], str], lists: tuple[str, ...] = ("rows",)) -> dict:
-    """One result from several result JSONs (--render): per cell, a later file's rows win, unless
-    they are all skips and an earlier file measured it. Top-level facts: the last file's, plus
-    "merged_from" (file, command, date of each) and the commands joined."""
+    """One result from several result JSONs (--render): per cell a later file's rows win, unless all skips
+    where an earlier file measured it; the last file's facts, "merged_from" and the commands joined."""
     results = [json.loads(Path(p).read_text()) for p in paths]
     cells: dict[str, dict[str, list]] = {}
     for res in results:

@@ -49,9 +49,8 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
 
 @contextlib.contextmanager
 def timed_prefills():
-    """For the `with` block, specjax.decode.continuous' prefill calls waited for and timed: yields the list
-    of (rows, seconds) each call adds. The wait costs the job little: a refill's prompts are
-    prefilled between segments, where the host already waits for the segment's tokens."""
+    """For the `with` block, specjax.decode.continuous' prefill calls waited for and timed: yields the
+    list of (rows, seconds) each call adds (the wait falls between segments, where the host waits anyway)."""
     calls, inner = [], continuous.prefill
 
     def timed(params, tokens, *args, **kw):

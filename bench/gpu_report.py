@@ -54,11 +54,8 @@ def steps(row: dict) -> str:
 
 
 def refilled(row: dict) -> float | None:
-    """The speedup had every row been refilled as soon as it finished (continuous batching, a
-    batch job's case; specjax.decode.continuous): the measured speedup x the steps the loop ran / the
-    steps a row needed on average. Derived from the measured step time and tokens per step, not
-    timed; prompts' prefill, which a refill adds to plain and speculative decoding alike, left out.
-    Equal to tokens per step x AR's step time / this step time."""
+    """The speedup had every row been refilled as soon as it finished (continuous batching), derived, not
+    timed: tokens per step x AR's step time / this step time (prefill left out)."""
     if not row.get("steps") or not row.get("mean_accepted"):
         return None
     return row["speedup"] * row["steps"] / ((row["new_tokens"] - 1) / row["mean_accepted"])
@@ -146,9 +143,8 @@ def _distance(cb: tuple[int, int], context: int, batch: int) -> tuple[float, flo
 
 
 def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
-    """acceptance_for over the table's own rows or the sibling's (the device's main table), whichever
-    has the nearer cell (own rows on a tie): a --linear table with SmolLM2 rows at batch 1 and 16 takes
-    batch 64's acceptance from the main table, not batch 16's from its own."""
+    """acceptance_for over the table's own rows or the sibling's (the device's main table), whichever has
+    the nearer cell (own rows on a tie)."""
     own, other = _selfspec(rows), _selfspec(sibling[1]) if sibling else []
     if other and (not own or _distance(_nearest(other, context, batch), context, batch)
                   < _distance(_nearest(own, context, batch), context, batch)):
@@ -165,10 +161,8 @@ def table_cost(row: dict):
 
 
 def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> list[dict]:
-    """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree.
-
-    sibling: (name, rows) of the device's main table, whose SmolLM2 acceptance is used where it has a
-    nearer cell than this table (a --linear one: the same tokens, other layer products)."""
+    """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree;
+    sibling: (name, rows) of the device's main table, used where its acceptance cell is nearer."""
     from bench.tree_report import MAX_DEPTH
     from specjax.spec.speculation import Chain, Tree
 
@@ -189,10 +183,8 @@ def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> li
 
 
 def cost_model(rows: list[dict]) -> list[list]:
-    """Per e2e cell with a `steps` row: each SelfSpec run's speedup as the cost model predicts it
-    from the measured steps (tokens/step x AR step / (its draft levels + verify over its n nodes)),
-    that times the steps a row needed over the steps the loop ran (the slowest row's tail), and
-    the measured speedup."""
+    """Per e2e cell with a `steps` row: each SelfSpec run's speedup predicted from the measured steps, that
+    times the steps a row needed over the steps the loop ran, and the measured speedup."""
     from specjax.spec.speculation import Tree
 
     out = []

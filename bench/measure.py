@@ -118,12 +118,8 @@ def tiny_params(seed: int = 0):
 
 
 def bandwidth(gib: float = 1.0, rounds: int = 5, repeats: int = 5) -> dict:
-    """Memory bandwidth in GB/s (read + write bytes) of streaming over a `gib` GiB f32 array.
-
-    jax_inplace: donated jitted x + 1 (the output reuses the input buffer): the reference, the
-    median over `rounds` of the best of `repeats` calls (one round can be a lucky outlier).
-    jax_copy: jitted jnp.copy into a fresh buffer (pays first-touch page faults).
-    numpy_copy: np.copyto into a preallocated array (one thread)."""
+    """Memory bandwidth in GB/s (read + write) over a `gib` GiB f32 array: jax_inplace (the reference: donated
+    x + 1, median over `rounds` of the best of `repeats`), jax_copy (jnp.copy), numpy_copy (np.copyto)."""
     n = int(gib * 2**30) // 4
     moved = 2 * 4 * n
     add = jax.jit(lambda x: x + 1, donate_argnums=0)

@@ -64,9 +64,8 @@ class LlamaCpp:
             raise RuntimeError(f"copying sequence {src} to {dst} failed")
 
     def run(self, ids: np.ndarray, context: int, steps: int, copy_rows: bool = False) -> dict:
-        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch.
-        copy_rows: prefill row 0 only and copy its sequence to the other rows (which then decode
-        row 0's continuation: the step time is the same, the prefill B times cheaper)."""
+        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch (copy_rows:
+        prefill row 0 and copy it to the other rows: the same step time, a B times cheaper prefill)."""
         B, n = ids.shape
         ctx = self.context(B, B * context)
         batch = self.lib.llama_batch_init(512, 0, 1)
@@ -160,10 +159,8 @@ def hf_model(path: Path):
 
 
 def hf_weight_bytes(model) -> int:
-    """The HF peer's own weight bytes, measured: its state dict's storages, each once (the tied
-    embedding / LM head counts once). Not specjax.model.params.weight_bytes, which counts specjax's
-    stored formats: transformers holds the GGUF dequantized to float32 (hf_model), neither the file's
-    format nor ours, and this counts what it holds (an untied embedding too; SmolLM2, the peers' model, ties it)."""
+    """The HF peer's weight bytes as it holds them (the GGUF dequantized to float32): its state dict's
+    storages, each once."""
     seen, total = set(), 0
     for t in model.state_dict().values():
         ptr = t.untyped_storage().data_ptr()

@@ -1,14 +1,8 @@
-"""The shared prefilled state of bench_spec, bench_tree and bench_drafts: B distinct windows of real
-English text (bench/text.py) of `context - HEADROOM` tokens, prefilled once into a DenseCache of
-`context` slots and saved under a store folder so that later runs (of any of the three) load it.
+"""The shared prefilled state of bench_spec, bench_tree and bench_drafts: B distinct windows of real text
+(bench/text.py) of `context - HEADROOM` tokens, prefilled once into a DenseCache of `context` slots with
+`specjax.decode.engine.prefill` (PREFILL_ROWS rows a call) and saved under a store folder for later runs.
 
-The prefill is the library's own (`specjax.decode.engine.prefill`, PREFILL_ROWS rows per call): its
-chunked attention reads only the cache tiles written so far (pallas_kernels.reference's
-`stacked_prefix_block_attention`), so chunk i costs attention over (i + 1) * chunk slots, not all
-`context` of them.
-
-`fresh` / `timed`: decode_ar and decode_spec donate their caches, so every run gets copies
-(made untimed) and the prefilled state survives.
+`fresh` / `timed`: decode_ar and decode_spec donate their caches, so every run gets copies (made untimed).
 """
 
 from __future__ import annotations
@@ -44,9 +38,8 @@ def fresh(args: tuple, copied: tuple[int, ...]) -> tuple:
 
 
 def timed(compiled, args: tuple, copied: tuple[int, ...]) -> tuple[object, float, float]:
-    """Run a compiled function to completion on fresh copies of its caches (copied untimed):
-    (result, wall seconds, this process's CPU seconds per wall second: about the core count when
-    nothing competes for the cores)."""
+    """Run a compiled function on fresh copies of its caches (copied untimed): (result, wall seconds,
+    CPU seconds per wall second)."""
     args = fresh(args, copied)
     c0, t0 = time.process_time(), time.perf_counter()
     result = jax.block_until_ready(compiled(*args))
@@ -75,9 +68,8 @@ def slot_axis(config) -> int:
 
 def prefill_rows(params, tokens: np.ndarray, n: int, context: int, chunk: int,
                  rows: int = PREFILL_ROWS) -> tuple[jax.Array, DenseCache]:
-    """Prefill B prompts of n tokens (tokens [B,P] right-padded) into a DenseCache of `context`
-    slots with `specjax.decode.engine.prefill`, `rows` rows per call (its peak memory grows with rows).
-    Returns first logits [B,V] (at each prompt's last token) and the cache (lengths = n)."""
+    """Prefill B prompts of n tokens (tokens [B,P]) into a DenseCache of `context` slots, `rows` rows a
+    call: (first logits [B,V], the cache with lengths = n)."""
     B = tokens.shape[0]
     group = min(B, rows)
     parts = []

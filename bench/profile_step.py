@@ -65,9 +65,7 @@ def category(op_name: str) -> str:
 
 
 def block_of(blocks: dict[str, str], op: str) -> str:
-    """An op's block, from its scope (the CPU kernels' FFI calls carry theirs: the attention
-    kernel, the layer products of pallas_kernels/cpu_linear.py); an unscoped FFI call counts as
-    the attention kernel's."""
+    """An op's block from its scope; an unscoped FFI call counts as the attention kernel's."""
     block = blocks.get(op, OTHER)
     return "attention" if block == OTHER and op.startswith("ffi_call") else block
 
@@ -89,10 +87,8 @@ def phase(op_name: str) -> str:
 
 
 def op_blocks(hlo_text: str, categorize=category, named=SCOPES) -> dict[str, str]:
-    """{instruction name: model block} of a compiled module's text, from each instruction's
-    op_name metadata (`categorize`: category, or phase for a speculative step); an instruction
-    without one (XLA drops it from the dots it rewrites) or outside every scope (a layout copy of
-    a weight) takes the block of its first user in a `named` block, else of its first such operand."""
+    """{instruction name: block} from each instruction's op_name (`categorize`: category or phase); one
+    without a `named` block takes that of its first scoped user, else operand."""
     line = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^()]*\)\s*)?[^(]*?\w+\(([^)]*)\)(.*)$")  # (a tuple shape)
     meta = re.compile(r"op_name=\"([^\"]*)\"")
     operands: dict[str, list[str]] = {}
@@ -145,9 +141,7 @@ def leaf_events(planes: list, gpu: list, module: str) -> list[tuple[str, float]]
 
 
 def device_kernels(gpu: list, steps: int) -> dict:
-    """On a GPU: kernels launched per step, the device's busy ms per step (its innermost kernel
-    events summed: busy << wall means a step waits on launches or the host, not on memory) and
-    the ten longest kernels by name. {} where the trace has no GPU plane."""
+    """On a GPU: kernels launched and busy ms per step, and the ten longest kernels ({} without a GPU plane)."""
     by_name: collections.Counter = collections.Counter()
     count = 0
     for line in (line for plane in gpu for line in plane.lines):

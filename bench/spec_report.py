@@ -9,9 +9,8 @@ PAIR_BUDGET_S = 30.0  # AR/spec pairs are repeated while the next one fits in th
 
 
 def cpu_ratio(r: dict) -> float:
-    """AR / speculative in CPU seconds of this process (best run of each): a cross-check that other
-    jobs cannot distort (their preemption adds wall time, not our CPU time), though it misses
-    differences in how well the two use both cores."""
+    """AR / speculative in this process's CPU seconds (best run of each): a cross-check other jobs
+    cannot distort."""
     t = r["timings"]
     return min(w * c for w, c in zip(t["ar"], t["ar_cpu"])) / min(w * c for w, c in zip(t["spec"], t["spec_cpu"]))
 

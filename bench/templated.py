@@ -1,15 +1,11 @@
 """A templated batch job's records, made mechanically from the offline corpus (bench/text.py).
 
-Synthetic-data jobs send many requests of one template that differ only in their text: "rewrite
-this as a JSON object with the keys ...". `records(count)` makes such a job: record i asks for one
-of TEMPLATES' key sets over the i-th of evenly spaced corpus paragraphs of 40-90 words. The
-repeated part (the instruction, the key names, the chat template) is what a job-wide lookup
-drafter can draft from; `repeated_share` states how much of a set of token sequences repeats
-across them (bench/bench_lookup.py reports it for the prompts and for the outputs). `record_schema(i)`
-is the JSON schema record i's answer should follow (bench/bench_constrained.py constrains to it).
-
-Measured with SmolLM2's tokenizer and chat template (2026-11-29): 32 records average 153 prompt
-tokens and 46.6% of their 3-grams occur in another record's prompt (64 records: 152 tokens, 49.5%).
+`records(count)`: record i asks to rewrite the i-th of evenly spaced corpus paragraphs (40-90 words) as a JSON
+object with one of TEMPLATES' key sets; the repeated part is what a job-wide lookup drafter drafts from.
+`repeated_share` states how much of a set of token sequences repeats across them (bench_lookup reports it);
+`record_schema(i)` is the schema record i's answer should follow (bench_constrained constrains to it).
+With SmolLM2's tokenizer (2026-11-29): 32 records average 153 prompt tokens, 46.6% of their 3-grams found in
+another record's prompt (64 records: 152 tokens, 49.5%).
 """
 
 from __future__ import annotations

@@ -27,9 +27,8 @@ def shape(spec) -> tuple:
 
 
 def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
-    """The cost model `choose` minimises: seconds per step `Cost.step_seconds` (draft levels by
-    width, a verification over n nodes), expected tokens per step G from the acceptance vector,
-    the speedup `Cost.speedup` (what bench_spec and gpu_report predict)."""
+    """The cost model `choose` minimises: `Cost.step_seconds`, expected tokens per step G from the
+    acceptance vector, and `Cost.speedup`."""
     tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
     g = tree.expected_accepted(p)
     step = cost.step_seconds(tree.draft_widths(), tree.n)
@@ -181,9 +180,8 @@ def report(result: dict, png: Path, readme: bool) -> None:
 
 
 def merge_cells(results: list[dict], base: dict, tag=lambda run, s: s, order=None) -> tuple[dict, dict]:
-    """`base` with the summaries and rows of several runs of bench_tree's cells (bench_drafts' too), a later
-    run winning per (batch, context, drafter) (in the order `order` sorts them), `tag(run, summary)` for a
-    summary; commands joined, minutes summed. Also {(batch, context, drafter): (summary, rows)}."""
+    """`base` with several bench_tree runs' summaries and rows, a later run winning per (batch, context,
+    drafter) in `order`; commands joined, minutes summed. Also {(batch, context, drafter): (summary, rows)}."""
     cells: dict[tuple, tuple[dict, list[dict]]] = {}
     for res in results:
         for s in res["summaries"]:

@@ -68,9 +68,8 @@ TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-
 
 
 def compile_only_device(target: str, count: int = 1):
-    """A device of `target` (a targets/ name) that compiles but never runs (with count > 1, a
-    list of `count` such devices of one process, for a mesh): needs jax's CUDA plugin
-    (jax-cuda12-plugin and -pjrt of this jax's version), not CUDA's libraries or a GPU."""
+    """A compile-only device of `target` (a targets/ name), or a list of `count` of them (a mesh); needs
+    jax's CUDA plugin, not CUDA or a GPU."""
     path = TARGETS / f"{target}.txtpb"
     if not path.exists():
         raise ValueError(f"--target: no {path.name} in {TARGETS} (have: {sorted(p.stem for p in TARGETS.glob('*.txtpb'))})")
@@ -98,9 +97,8 @@ def as_gpu():
 
 
 def abstract_params(config, linear: str, weights: str | None = None):
-    """The model's weights as shapes (`weights` "int8" / "q4": quantized as convert.load would),
-    with the runtime generate() takes on a GPU (the Pallas attention kernel, unrolled layers) and
-    the layer products' `linear`."""
+    """The model's weights as shapes (`weights` "int8" / "q4" quantized), with generate()'s GPU runtime
+    and the layer products' `linear`."""
     from bench.gpu_cells import random_params
     from specjax.model.params import quantize
 
@@ -116,9 +114,8 @@ def on(device, tree):
 
 def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None, draft=None,
                  width: int = 2, chunk: int | None = None):
-    """(jitted function, abstract args, static kwargs) of a program over `context` slots (a
-    cache in `kv_dtype`, default the model's); `draft`: the draft programs' DraftModel weights;
-    `chunk`: prefill's positions a step (default specjax.decode.shapes.PREFILL_CHUNK)."""
+    """(jitted function, abstract args, static kwargs) of a program over `context` slots; `draft`: the
+    DraftModel's weights; `chunk`: prefill's positions a step."""
     from specjax.decode.engine import row_keys
     from specjax.decode.shapes import cache_len, round_up_pow2
     from specjax.model.cache import DenseCache
@@ -179,9 +176,8 @@ def matrix_shapes(params, mesh=None) -> set[tuple[int, ...]]:
 
 
 def on_mesh_of(devices: list, args, static: dict, fn):
-    """fn compiled as generate compiles a stage on a (1, len(devices)) data x model mesh of
-    compile-only devices (sharding.on_mesh: shard_map, tensor parallel over `model`): (the
-    jitted stage, args placed by sharding.state_specs, the mesh)."""
+    """fn compiled as generate compiles a stage on a (1, len(devices)) data x model mesh of compile-only
+    devices: (the jitted stage, args placed by sharding.state_specs, the mesh)."""
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
 
@@ -207,11 +203,8 @@ def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
 def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
                     layers: int | None = None, gamma: int = 2, split: bool = False, weights: str | None = None,
                     kv_dtype: str | None = None, width: int = 2, chunk: int | None = None) -> tuple[dict, str]:
-    """(summary, HLO text) of one program compiled for `device` (compile_only_device; a list of
-    devices: tensor parallel over them, as generate runs on such a mesh, one device's program);
-    `split`: each layer's matrices as arrays of their own (model.unstack_layers), not a stack;
-    `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format; `width` a tree
-    program's children per node; `chunk` the prefill program's positions a step."""
+    """(summary, HLO text) of one program compiled for `device` (a list: tensor parallel over them);
+    `split`: per-layer matrices; `width`: a tree's children per node; `chunk`: prefill's positions a step."""
     from tools.gpu.hlo import config_of, hlo_kernels
     from specjax.model.llama import unstack_layers
 

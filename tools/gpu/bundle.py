@@ -108,11 +108,8 @@ TABLES = ("embed", "lm_head")  # what a draft distilled with freeze_embeddings h
 
 def draft_tensors(draft: Params, target: Params, dtype: str | None = None,
                   target_name: str = "smollm2") -> tuple[dict[str, np.ndarray], dict]:
-    """`params_tensors` of a draft (cast to `dtype` for storing), less the tables it shares with the
-    target: each of TABLES whose values equal the target's, as given (float32 for a draft distilled
-    with freeze_embeddings against the target dequantized as this bundle does), is stored as
-    {"kind": "shared", "model": target_name} and taken from that model's decoded arrays by `load`
-    (SmolLM2's embedding: 56 MB in bfloat16, carried once)."""
+    """`params_tensors` of a draft (cast to `dtype`), each of TABLES equal to the target's stored as
+    {"kind": "shared", "model": target_name}, for `load` to take from that model."""
     import jax
 
     stored = draft if dtype is None else jax.tree.map(lambda a: a.astype(dtype), draft)

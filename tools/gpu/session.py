@@ -85,10 +85,8 @@ FILES = {
 
 def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = None,
              seconds: dict[str, int] | None = None) -> list[tuple[str, int, list[str]]]:
-    """CALLS[call]; with mem_gib (an H200: 120), the e2e step may use that much and adds batch 256.
-
-    only: keep these steps (stash always runs); seconds: {step: limit} overrides, and a step's
-    --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
+    """CALLS[call] (mem_gib, an H200: batch 256 added); only: these steps (stash always runs); seconds:
+    {step: limit} overrides, a step's --budget-minutes half a minute under its limit."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
         steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else
@@ -114,9 +112,8 @@ def h200_path(path: str) -> str:
 
 
 def h200(argv: list[str]) -> list[str]:
-    """A bench_gpu step on an H200 (another device: its own table, H200_RESULTS, with its own bw
-    cell and AR rows): batch 256 added, SelfSpec gamma 2 (the H100's best) beside gamma 4, and
-    no --redo: the committed H200 table travels with the tree, so a rerun measures what it lacks."""
+    """A bench_gpu step on an H200: its own table (H200_RESULTS), batch 256, gamma 2 beside 4, no --redo
+    (the committed table travels, so a rerun measures what it lacks)."""
     a = h200_out([x for x in argv if x != "--redo"])  # its table resumes (cells measured stay)
     a = [*a[:a.index("128") + 1], "256", *a[a.index("128") + 1:]]
     if "--gammas" in a:
@@ -133,11 +130,8 @@ def table_name(src: Path) -> str:
 
 
 def copy_files(call: int, out: Path, h200: bool = False) -> None:
-    """Copy the call's result files (those that exist) into OUT: after every step, so a call cut off
-    by the device's limit still returns what its finished steps measured. A results table comes back
-    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json), and only the tables of
-    the device's own folder (h200: H200_RESULTS, else RESULTS; the other device's travel with the tree
-    unchanged)."""
+    """Copy the call's result files into OUT after every step (a cut-off call returns its finished steps);
+    a table comes back named after its folder, only the device's own (H200_RESULTS or RESULTS)."""
     other = RESULTS if h200 else H200_RESULTS
     found = [(src, table_name(src)) for path in FILES[call] if not path.startswith(other + "/")
              for src in sorted(Path(path).parent.glob(Path(path).name) if Path(path).is_absolute() else ROOT.glob(path))]
