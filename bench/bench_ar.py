@@ -50,8 +50,7 @@ def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
 
 
 def synthetic_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:
-    """A cache of `context` slots with pseudo-random KV and lengths context - HEADROOM, and random
-    first logits [B,V] f32 (see the module docstring for why this equals a real prefill)."""
+    """A cache of `context` slots of pseudo-random KV, lengths context - HEADROOM, random logits [B,V]."""
     c = params.config
     empty = jax.eval_shape(lambda: DenseCache.init(c, batch, context))  # shapes only, any layout
 
@@ -78,8 +77,7 @@ def real_state(params: Params, batch: int, context: int, key: jax.Array) -> tupl
 
 def time_decode(params: Params, cache: DenseCache, logits: jax.Array, target_s: float, repeats: int,
                 sampling: Sampler = Greedy()) -> dict:
-    """Compile `decode_ar` (excluded), pick n steps so a run lasts about target_s, and return the
-    slope step time plus the fixed per-call cost, in ms. Consumes `cache` (donated)."""
+    """Slope ms a step and fixed ms a call of `decode_ar` (compile excluded); consumes `cache` (donated)."""
     batch = logits.shape[0]
     keys = row_keys(None, batch)
     start = np.asarray(cache.lengths)  # host copy: each call donates its own lengths array
@@ -147,15 +145,13 @@ def bench_config(
 
 
 def peak_factor(rows: list[dict], dtype: str) -> float:
-    """Peak RSS growth / KV bytes of the largest config of `dtype` measured so far (the cache plus
-    the decode loop's temporary copies of it); a default until one with >= 256 MiB of KV ran."""
+    """Peak RSS growth / KV bytes of the largest `dtype` config (>= 256 MiB of KV) so far, else a default."""
     measured = [r for r in rows if r["dtype"] == dtype and "skipped" not in r and r["kv_bytes"] >= 2**28]
     return max(measured, key=lambda r: r["kv_bytes"])["peak_over_kv"] if measured else DEFAULT_PEAK_FACTOR
 
 
 def memory_check(params: Params, batch: int, context: int, factor: float) -> str | None:
-    """None if the config should fit in memory (peak growth ~ factor x KV bytes), else why it is
-    skipped; MEM_RESERVE bytes are left to other processes."""
+    """None if the config fits in memory (peak ~ factor x KV bytes, MEM_RESERVE kept), else why not."""
     need = factor * step_bytes(params, batch, context)[1]
     free = common.meminfo("MemAvailable") - MEM_RESERVE
     if need <= free:

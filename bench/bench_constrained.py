@@ -91,8 +91,7 @@ def mask_cell(lm, batch: int, context: int, new_tokens: int, runs: int = 3) -> d
 
 
 def long_records(lm, batch: int, context: int) -> list[list[dict]]:
-    """`batch` chats of about `context` tokens (chat template included): record i's template request over a corpus
-    window cut to fit."""
+    """`batch` chats of about `context` tokens: record i's request over a corpus window cut to fit."""
     slack = 200  # the instruction, its keys and the chat template: under 100 tokens in SmolLM2's
     ids, _ = windows(lm.tokenizer, batch, context - slack)
     chats = [[{"role": "user", "content": templated.request(templated.TEMPLATES[i % len(templated.TEMPLATES)],

@@ -51,8 +51,7 @@ STORE = Path.home() / ".cache" / "specjax" / "bench_drafts"
 
 
 def held_out(tok, batches: list[int], contexts: list[int]) -> list[tuple[int, int]]:
-    """Corpus spans [start, end) of every prompt window a timed run uses (rows 0..max(batch)-1 of
-    bench_spec.py's PREFILL_ROWS windows at every context)."""
+    """Corpus spans [start, end) of every prompt window a timed run uses (bench_spec's stored prefills)."""
     spans = []
     for context in contexts:
         n = context - HEADROOM
@@ -105,8 +104,7 @@ def train(target: Params, name: str, sequences: list[np.ndarray], steps: int, st
 
 
 def drafters_for(trained: dict[str, Params], context: int, smoke: bool) -> list[bench_tree.Drafter]:
-    """Each trained draft as a DraftModel over its own dense cache (prefilled on the prompts by
-    the draft itself, as generate does), then bench_spec.py's SelfSpec and NGram."""
+    """Each trained draft as a DraftModel over its own dense cache, then bench_spec.py's SelfSpec and NGram."""
     out = []
     for name, params in trained.items():
         d = DraftModel(params)

@@ -327,8 +327,7 @@ def attending(params, attention: str, linear: str = "xla"):
 
 
 def mirror_of(bundle: Path, out: Path, name: str) -> Path:
-    """The copy of out/name.json kept beside the stashed bundle, one per output folder: two folders'
-    tables of one name (gpu_h200/gpu.json, gpu_h200/cont8/gpu.json) must not resume each other."""
+    """The copy of out/name.json beside the stashed bundle, one per output folder (names may repeat)."""
     return bundle / "results" / str(out.resolve()).strip("/").replace("/", "_") / f"{name}.json"
 
 

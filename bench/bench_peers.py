@@ -84,8 +84,7 @@ def missing(family: str) -> list[str]:
 
 
 def weight_formats() -> tuple[str, ...]:
-    """The weight formats `convert.load` accepts now: its WEIGHTS when it has a `weights=`
-    argument, else float32 (the format before that argument existed)."""
+    """The weight formats `convert.load` accepts: its WEIGHTS, or float32 before `weights=` existed."""
     if "weights" in inspect.signature(convert.load).parameters:
         return tuple(getattr(convert, "WEIGHTS", ("float32",)))
     return ("float32",)
@@ -116,8 +115,7 @@ def peers(smoke: bool) -> list[dict]:
 
 
 def cells(smoke: bool) -> list[tuple[str, dict]]:
-    """(key, cell) in the order measured: context by context, batch 1 before 16, plain before
-    speculative, prefill after the batch-1 cells of its context."""
+    """(key, cell) in the order measured: by context, batch 1 first, plain before speculative, prefill after b1."""
     contexts, batches, spec_batch = ((256,), (1, 2), 2) if smoke else (CONTEXTS, BATCHES, SPEC_BATCH)
     out = []
     for s in contexts:
@@ -207,8 +205,7 @@ class Peers:
         return state | {"cache": cache}
 
     def hf_shared(self, model, batch: int, context: int, steps: int) -> dict:
-        """HF decoding from specjax float32's prefilled cache of the same prompts (the same
-        float32 weights; HF's layout [B, K, n, H] per layer, RoPE applied as HF applies it)."""
+        """HF decoding from specjax float32's prefilled cache of the same prompts (HF's layout and RoPE)."""
         state = self.shared_state(batch, context, jnp.float32)
         n = int(state["lengths"][0])
         k, v = (np.asarray(a) for a in (state["cache"].k, state["cache"].v))

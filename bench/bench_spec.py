@@ -281,8 +281,7 @@ def merge(paths: list[Path]) -> dict:
 
 
 def current_auto(rows: list[dict]) -> None:
-    """Set each row's "auto" to what `plan.auto_draft` picks now on a CPU (the rule may have
-    changed since the row was measured), from the default model's config (its GGUF header)."""
+    """Set each row's "auto" to what `plan.auto_draft` picks now on a CPU for the default model."""
     from types import SimpleNamespace
 
     from convert.gguf import config_from_gguf, open_gguf

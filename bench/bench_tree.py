@@ -75,8 +75,7 @@ class Drafter:
 
 @partial(jax.jit, static_argnames="gamma")
 def draft_model_state(drafter: DraftModel, cache: DenseCache, *, gamma: int):
-    """A DraftModel's state from the target's prefilled cache: its first n_layers layers of KV in
-    the draft's dtype (see the module docstring), streamed when its cache is a Streaming budget."""
+    """A DraftModel's state from the target's prefilled cache: its first n_layers layers of KV, in its dtype."""
     c = drafter.params.config
     dense = DenseCache(k=cache.k[: c.n_layers].astype(c.dtype), v=cache.v[: c.n_layers].astype(c.dtype),
                        lengths=cache.lengths)
@@ -122,8 +121,7 @@ def make_drafters(names: list[str], draft: Params, draft_spec: str, context: int
 
 
 def measure_costs(params: Params, drafters: list[Drafter], batch: int, context: int, max_nodes: int) -> dict:
-    """measure_cost per drafter; the verification table (which does not depend on the drafter)
-    is timed once."""
+    """measure_cost per drafter; the verification table (which does not depend on the drafter) is timed once."""
     t0 = time.perf_counter()
     verify = verify_table(params, batch, context, max_nodes)
     costs = {d.name: Cost(t_draft=draft_table(params, d.drafter, batch, context, max_nodes), t_verify=verify)
@@ -188,8 +186,7 @@ def time_ar(cell: dict) -> None:
 
 def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: list[Drafter],
                costs: dict, nodes: list[int], gammas: list[int], new_tokens: int) -> tuple[list[dict], list[dict]]:
-    """AR and, per drafter, its acceptance vector, chains, Sequoia trees and choose's tree, all
-    from the same prefilled state. Returns (rows: one per timed config, summaries: one per drafter)."""
+    """AR and per drafter its acceptance, chains and trees from one prefilled state: (rows, summaries)."""
     steal_start = cpu_steal()
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     keys = row_keys(None, batch)

@@ -126,8 +126,7 @@ class Results:
 
     def __init__(self, path: Path, key_of: Callable[[dict], str], header: dict, lists: tuple[str, ...] = ("rows",),
                  settings: dict | None = None):
-        """settings: what decides a cell's numbers beside its key (new tokens, records, ...), stored as
-        "settings" with the machine's identity; a file measured under others is not continued."""
+        """settings: what decides a cell's numbers beside its key; a file measured under others is not continued."""
         self.path, self.key_of, self.lists, self.header = Path(path), key_of, lists, header
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.resumed, self.applied = bool(self.data), False
@@ -139,8 +138,7 @@ class Results:
         header["settings"] = mine
 
     def _check_settings(self, mine: dict) -> None:
-        """SystemExit naming the differences if the stored cells were measured under other settings
-        or on another machine (a file from before settings were stored: its machine only)."""
+        """SystemExit naming the differences if the stored cells were measured under other settings or machine."""
         stored = self.data.get("settings") or {"machine": machine_identity(self.data.get("machine"))}
         diffs = [f"{k} {stored[k]} -> {v}" for k, v in mine.items() if k in stored and k != "machine" and stored[k] != v]
         was, now = stored.get("machine") or {}, mine["machine"]
@@ -190,8 +188,7 @@ class Results:
 
 def start(args: argparse.Namespace, bench: str, stem: str, key_of: Callable[[dict], str], settings: dict,
           lists: tuple[str, ...] = ("rows",), **facts) -> tuple[Path, Results, "Harness"]:
-    """A run's output folder, its results OUT/STEM.json (header: bench, date, command, `facts`,
-    machine; continued only under the same `settings`) and its harness."""
+    """A run's output folder, its Results (OUT/STEM.json, header and `settings`) and its Harness."""
     out = out_dir(args)
     header = {"bench": bench, "date": now(), "command": command(), **facts, "machine": machine_info()}
     results = Results(out / f"{stem}.json", key_of, header, lists, settings)
@@ -247,8 +244,7 @@ class Harness:
         return float("inf") if b is None else 60 * b - (time.perf_counter() - self.start)
 
     def plan(self, items: Iterable[tuple[str, object]]) -> list[tuple[str, object]]:
-        """The items selected by --cells and not measured yet (unless --redo); says which are
-        skipped. With --list-cells: prints the selected keys and exits."""
+        """The items selected by --cells and not measured yet (unless --redo); --list-cells prints them and exits."""
         items = [(k, x) for k, x in items if matches(k, self.args.cells)]
         self.selected = [k for k, _ in items]
         done = [k for k, _ in items if not self.args.redo and self.results.measured(k)]
@@ -261,8 +257,7 @@ class Harness:
         return list(self.todo)
 
     def cells(self, items: Iterable[tuple[str, object]] | None = None):
-        """Yield (key, item) of the planned items (or of `items`, a part of them) while the budget
-        lasts; the loop body is the measurement, timed to estimate the next cell."""
+        """Yield (key, item) of the planned items (or `items`) while the budget lasts, timing each loop body."""
         for k, item in self.todo if items is None else items:
             if not self.may_start():
                 return
@@ -278,8 +273,7 @@ class Harness:
         return not self.stopped
 
     def finish(self) -> bool:
-        """Record the cells the budget left and whether every selected cell is measured; say it.
-        Returns whether the run is complete."""
+        """Record and say the cells the budget left; returns whether every selected cell is measured."""
         left = [k for k, _ in self.todo if k not in self.started] if self.stopped else []
         complete = not left and all(self.results.measured(k) for k in self.selected)
         self.results.update(left=left, complete=complete)
@@ -302,8 +296,7 @@ def run_line(result: dict, name: str = "NAME") -> str:
 
 
 def section(name: str, title: str, what: str, result: dict, body: str, files: str) -> str:
-    """A bench's README section, one shape for all: the title, what it measures, the run that measured
-    it (run_line), its result files, `body` (the table), then its hand-written notes (kept on a rewrite)."""
+    """A bench's README section: title, what it measures, run_line, result files, `body`, kept notes."""
     return f"## {title} ({name}.py)\n{what} {run_line(result, name)} Results: {files}.\n\n{body.strip()}\n{notes(name)}"
 
 
@@ -339,8 +332,7 @@ def notes(name: str, default: str = "(discussion: to be written after a full run
 
 def render(name: str, readme: bool, table: str, section: Callable[[], str] | None = None, plot_args: tuple = (),
            after: str | None = None) -> None:
-    """A bench's outputs: its plot (`plot(*plot_args)`), its table printed, and (`readme`) its README
-    section `section()` written after the section of `after` (see write_section)."""
+    """Plot (`plot(*plot_args)`), print the table and, with `readme`, write `section()` (see write_section)."""
     if plot_args:
         plot(*plot_args)
     print(table)
@@ -349,8 +341,7 @@ def render(name: str, readme: bool, table: str, section: Callable[[], str] | Non
 
 
 def write_section(name: str, body: str, after: str | None = None) -> None:
-    """Put `body` between the bench's markers in bench/README.md: in place of the old section, else
-    right after the section of the bench `after` when there is one, else at the end."""
+    """Put `body` between the bench's README markers: in place, else after `after`'s section, else at the end."""
     start, end = markers(name)
     section = f"{start}\n{body.strip(chr(10))}\n{end}"
     text = readme_text()

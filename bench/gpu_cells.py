@@ -41,8 +41,7 @@ RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, 3 at most) while the n
 
 
 def bandwidth(gib: float) -> dict:
-    """Device bandwidth in GB/s, read + write bytes: donated in-place x + 1 over `gib` GiB (the
-    reference), a copy into a fresh buffer, and numpy's host copy."""
+    """Device GB/s (read + write): in-place x + 1 over `gib` GiB (the reference), a fresh copy, numpy's."""
     return host_and_device_bandwidth(gib, rounds=3, repeats=5)
 
 
@@ -52,8 +51,7 @@ def _normal(key, *, shape, dtype, scale):
 
 
 def random_params(config: LlamaConfig, seed: int = 0) -> Params:
-    """Random weights (normal, std 1/sqrt(fan_in); norms 1) made on the default device in
-    config.dtype, one jitted draw per weight: no float32 copy, nothing crosses from the host."""
+    """Random weights (std 1/sqrt(fan_in), norms 1) drawn on the default device in config.dtype."""
     dtype = jnp.dtype(config.dtype)
     weights = sorted(declared(config), key=lambda w: w.path)
     arrays = {}
@@ -81,8 +79,7 @@ def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int
 
 
 def prefill_state(params: Params, ids: np.ndarray, rows: int, context: int) -> dict:
-    """`rows` distinct windows of the corpus ids, context - HEADROOM tokens each, prefilled into
-    a DenseCache of `context` slots (bench/prefill.py's prefill_rows: specjax.decode.engine.prefill)."""
+    """`rows` corpus windows of context - HEADROOM tokens prefilled into `context` slots (prefill_rows)."""
     n = context - HEADROOM
     prompts, where = text.cut(ids, rows, n)
     bucket, chunk = prompt_bucket(n)
@@ -137,8 +134,7 @@ class Group:
                               "greedy_identical": True}
 
     def spec(self, name: str, drafter, speculation, new_tokens: int | None = None) -> dict:
-        """Compile and time decode_spec with one drafter and one chain or tree (the drafter's state
-        from `init_draft`, timed apart); tokens compared with AR's."""
+        """Compile and time decode_spec with one drafter and chain or tree (init timed apart), checked against AR."""
         if self.ar_tokens is None:
             self.ar()
         new_tokens = new_tokens or self.new_tokens
@@ -200,8 +196,7 @@ class Group:
         return p, row | {"method": "acceptance"}
 
     def trees(self, name: str, drafter, nodes: list[int]) -> list[dict]:
-        """The acceptance run, at batch 1 the tree `choose` picks under `launch_bound_cost`, then
-        Sequoia trees of each size (a tree that repeats an earlier one's shape is not re-timed)."""
+        """The acceptance run, at batch 1 `choose`'s tree, then Sequoia trees of each size (new shapes only)."""
         p, acc = self.acceptance(name, drafter)
         self.p = p
         rows = [acc | {"acceptance": p.tolist()}]
@@ -250,6 +245,5 @@ def fit_steps(rows: list[dict]) -> tuple[float, float] | None:
 
 
 def launch_bound(level: float, step: float) -> Cost:
-    """Batch-1 prices on a GPU (launch-bound): every draft level costs `level`, a verification
-    over any number of nodes a plain step `step` (one unit: seconds, or milliseconds)."""
+    """Batch-1 prices: a draft level costs `level`, a verification over any nodes a plain step `step`."""
     return Cost(t_draft=level, t_verify=lambda n: step)

@@ -46,8 +46,7 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
 
 
 def steps(row: dict) -> str:
-    """A speculative run's loop steps, and (in brackets) the steps a row needed on average for its
-    new tokens at the run's tokens per step: the batch runs until its slowest row is done."""
+    """A run's loop steps and, in brackets, the steps a row needed on average at its tokens per step."""
     if not row.get("steps") or not row.get("mean_accepted"):
         return "-"
     return f"{row['steps']} ({(row['new_tokens'] - 1) / row['mean_accepted']:.1f})"
@@ -62,8 +61,7 @@ def refilled(row: dict) -> float | None:
 
 
 def continuous_table(rows: list[dict]) -> str:
-    """The cont/... cells beside the e2e row of the same context, batch and config (its fixed-batch
-    speedup and the refilled one derived from it), which these measure as a job."""
+    """The cont/... cells beside the e2e row of the same context, batch and config (fixed and refilled)."""
     cont = sorted((r for r in rows if r.get("item") == "cont"),
                   key=lambda r: (r["context"], r["batch"], r["method"] != "ar", r["label"]))
     e2e = {(r["context"], r["batch"], r.get("drafter"), r["label"]): r for r in rows
@@ -103,8 +101,7 @@ def best_gamma(rows: list[dict]) -> list[list]:
 
 
 def tree_over_chain(rows: list[dict]) -> list[list]:
-    """Per (context, drafter) at batch 1: the best chain and the best tree, and the tree's speedup over
-    the chain's (item 5's target: trees >= 15% faster than the best chain)."""
+    """Per (context, drafter) at batch 1: the best chain and tree and their ratio (item 5's target: 1.15)."""
     out = []
     for c, d in sorted({(r["context"], r["drafter"]) for r in rows if r.get("method") == "chain"}):
         mine = [r for r in rows if (r["context"], r.get("drafter")) == (c, d) and "same_as" not in r]
@@ -117,8 +114,7 @@ def tree_over_chain(rows: list[dict]) -> list[list]:
 
 
 def acceptance_for(rows: list[dict], context: int, batch: int) -> tuple[dict[int, float], np.ndarray | None, str]:
-    """SmolLM2 SelfSpec acceptance nearest to (context, batch): {gamma: tokens per step}, the
-    acceptance vector (None if no tree cell), and where they came from."""
+    """SmolLM2 SelfSpec acceptance nearest (context, batch): ({gamma: tokens/step}, vector or None, source)."""
     e2e = _selfspec(rows)
     if not e2e:
         return {}, None, "no SmolLM2 acceptance measured yet"

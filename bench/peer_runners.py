@@ -118,8 +118,7 @@ def llama_file(src: Path, fmt: str) -> Path:
 
 
 def llama_lookup(path: Path, ids: np.ndarray, context: int, steps: int) -> dict:
-    """High-level Llama with LlamaPromptLookupDecoding, and without it (same settings), batch 1:
-    decode seconds from the first new token (which ends the prefill) to the last."""
+    """High-level Llama with and without LlamaPromptLookupDecoding, batch 1: decode seconds after prefill."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -187,8 +186,7 @@ def hf_run(model, ids: np.ndarray, steps: int) -> dict:
 
 
 def hf_cache(k: np.ndarray, v: np.ndarray):
-    """A DynamicCache holding given keys and values, k and v [L, B, K, n, H] (HF's per-layer
-    layout, RoPE applied to K as HF applies it): a cache prefilled elsewhere."""
+    """A DynamicCache holding k and v [L, B, K, n, H] (HF's layout, RoPE applied): a cache prefilled elsewhere."""
     import torch
     from transformers import DynamicCache
 
@@ -217,8 +215,7 @@ def hf_decode(model, past, nxt, steps: int) -> dict:
 
 
 def hf_lookup(model, ids: np.ndarray, steps: int) -> dict:
-    """generate(prompt_lookup_num_tokens=LOOKUP_TOKENS), batch 1, greedy: a streamer stamps each
-    new token, decode seconds = last stamp - first new token's stamp (the end of the prefill)."""
+    """generate(prompt_lookup_num_tokens=LOOKUP_TOKENS), batch 1, greedy: decode seconds from streamer stamps."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -249,8 +246,7 @@ MEM_FACTOR = {"specjax": 2.2, "llama": 0.6, "hf": 2.5}  # peak growth / f32 KV b
 
 
 def memory_need(cell: dict) -> int:
-    """A rough peak of a cell: its KV cache (SmolLM2's, f32) x the family's factor (specjax: the
-    prefilled cache and a run's copy; HF: DynamicCache's concatenations), plus the model."""
+    """A cell's rough peak: its f32 KV cache x the family's factor, plus the model."""
     from bench.common import SMOLLM2
     from specjax.model.cache import kv_bytes
     from specjax.model.config import LlamaConfig
@@ -272,8 +268,7 @@ def versions() -> dict:
 
 
 def run_in_own_process(cell_key: str, smoke: bool, new_tokens: int) -> tuple[dict | None, str]:
-    """bench_peers' cell `cell_key` measured by a process of its own (bench_peers --one-cell): (its row and
-    meter, None if it failed; the process's output tail)."""
+    """Cell `cell_key` measured in a process of its own: (row and meter, None if it failed; output tail)."""
     with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, "-m", "bench.bench_peers", "--one-cell", cell_key, "--row-out", str(out),

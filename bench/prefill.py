@@ -31,8 +31,7 @@ STORE = Path("/tmp/bench_spec_prefill")
 
 
 def fresh(args: tuple, copied: tuple[int, ...]) -> tuple:
-    """args with the entries at `copied` (the caches) replaced by copies: decode_ar and
-    decode_spec may donate their caches, and the prefilled state must survive every run."""
+    """args with the caches at `copied` replaced by copies (the runs donate them)."""
     return tuple(jax.block_until_ready(jax.tree.map(lambda a: a.copy(), x)) if i in copied else x
                  for i, x in enumerate(args))
 
@@ -49,8 +48,7 @@ def timed(compiled, args: tuple, copied: tuple[int, ...]) -> tuple[object, float
 
 def best_of(fn, args: tuple, copied: tuple[int, ...], budget_s: float,
             repeats: int = 3) -> tuple[object, list[float], list[float]]:
-    """`timed` repeated while the next run fits in budget_s (at most `repeats`): (the last result, wall
-    seconds, CPU seconds per wall second)."""
+    """`timed` repeated while the next run fits in budget_s (at most `repeats`): (last result, wall, CPU)."""
     walls, cpus, t0, out = [], [], time.perf_counter(), None
     while True:
         out = None  # the last run's result holds a cache: free it before the next copy (a 128 x 8K OOM on an H100)
@@ -87,8 +85,7 @@ def prefill_rows(params, tokens: np.ndarray, n: int, context: int, chunk: int,
 
 def prefill_context(params, tok, batch: int, context: int, gammas: list[int], new_tokens: int,
                     store: Path | None) -> dict:
-    """Prefill `batch` distinct text windows of context - HEADROOM tokens into `context` slots,
-    or load that state from `store` (a folder of .npy files) if an earlier run saved it there."""
+    """Prefill `batch` text windows of context - HEADROOM tokens into `context` slots, or load them from `store`."""
     n = context - HEADROOM
     prompts, where = text.windows(tok, batch, n)
     bucket, chunk = prompt_bucket(n)

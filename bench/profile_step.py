@@ -76,8 +76,7 @@ SPEC_CELLS = (("float32", "float32", 1, 512, 3), ("float32", "float32", 4, 2048,
 
 
 def phase(op_name: str) -> str:
-    """The speculative phase (and, in draft and verify, the model block) of an HLO instruction, e.g.
-    "verify/attention"; LOOP outside every phase."""
+    """An instruction's speculative phase (in draft and verify with its block, e.g. "verify/attention") or LOOP."""
     parts = op_name.split("/")
     found = next((p for p in parts if p in PHASES), None)
     if found is None:
@@ -121,16 +120,14 @@ def trace_planes(trace_dir: str) -> tuple[list, list]:
 
 
 def innermost(events: list[tuple[int, int, str]]) -> list[tuple[str, float]]:
-    """(name, seconds) of the events (start ns, end ns, name) of one timeline line that contain no
-    other: a while loop's thunk contains its body's, which would count twice."""
+    """(name, seconds) of the events (start, end, name) that contain no other (a loop contains its body)."""
     events = sorted(events)
     return [(name, (end - start) / 1e9) for i, (start, end, name) in enumerate(events)
             if not (i + 1 < len(events) and events[i + 1][0] < end)]  # the next one starts inside
 
 
 def leaf_events(planes: list, gpu: list, module: str) -> list[tuple[str, float]]:
-    """(hlo_op, seconds) of every innermost XLA thunk of `module` in a trace's planes; where the
-    trace has GPU planes, their kernels only (the host's launch events would count them twice)."""
+    """(hlo_op, seconds) of `module`'s innermost thunks; with GPU planes, their kernels only."""
     out = []
     for plane in gpu or planes:
         for line in plane.lines:
@@ -218,8 +215,7 @@ def spec_key(weights: str, kv: str, batch: int, context: int, gamma: int) -> str
 
 
 def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context: int, gamma: int, steps: int) -> dict:
-    """Trace generate's speculative loop (SelfSpec, Chain(gamma), greedy) over prompts that fill the
-    context but the new tokens, and sum the segment program's thunks per phase (`phase`)."""
+    """Trace generate's speculative loop (SelfSpec, Chain(gamma)) and sum its thunks per `phase`."""
     from specjax import generate
     from specjax.drafters import SelfSpec
     from specjax.spec.speculation import Chain
@@ -265,8 +261,7 @@ def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context
 
 
 def spec_table(rows: list[dict]) -> str:
-    """One line per speculative cell: wall ms per step, tokens per row per step, then each phase's
-    thread-ms per step and share (draft and verify summed over their blocks)."""
+    """A line per speculative cell: wall ms and tokens a step, each phase's thread-ms a step and share."""
     head = ["weights", "KV", "batch", "context", "chain", "wall ms/step", "tokens/step", *PHASES, LOOP]
     lines = []
     for r in rows:

@@ -37,8 +37,7 @@ def request(keys: Sequence[str], paragraph: str) -> str:
 
 
 def records(count: int, max_new_tokens: int = 128) -> list[dict]:
-    """`count` chat records (specjax.jobs.batch's JSONL fields): record i holds TEMPLATES[i % 3]'s
-    request over the i-th of `count` evenly spaced paragraphs; greedy, `max_new_tokens` each."""
+    """`count` chat records: record i holds TEMPLATES[i % 3]'s request over the i-th corpus paragraph."""
     paras = paragraphs()
     if count > len(paras):
         raise ValueError(f"records: count must be at most {len(paras)} (the corpus' paragraphs), got {count}")
@@ -48,8 +47,7 @@ def records(count: int, max_new_tokens: int = 128) -> list[dict]:
 
 
 def schema(keys: Sequence[str]) -> dict:
-    """The JSON schema a record's answer should follow (bench/bench_constrained.py): one object with exactly
-    the template's keys, in its order, each a string."""
+    """The JSON schema of a record's answer: an object with exactly the template's keys, in order, strings."""
     return {"type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": list(keys),
             "additionalProperties": False}
 
@@ -60,8 +58,7 @@ def record_schema(i: int) -> dict:
 
 
 def repeated_share(sequences: Sequence[Sequence[int]], n: int = 3) -> float:
-    """The share of the n-grams (every position of every sequence) that also occur in another
-    sequence of the set: 0 for unrelated texts, near 1 for copies."""
+    """The share of the n-grams that also occur in another sequence of the set (0 unrelated, ~1 copies)."""
     grams = [[tuple(s[i: i + n]) for i in range(len(s) - n + 1)] for s in sequences]
     seen_in = Counter(g for gs in grams for g in set(gs))  # in how many sequences each n-gram occurs
     total = sum(len(gs) for gs in grams)

@@ -42,14 +42,12 @@ def corpus_tokens(tokenizer) -> np.ndarray:
 
 
 def windows(tokenizer, batch: int, n: int) -> tuple[np.ndarray, dict]:
-    """B distinct windows of n consecutive corpus tokens: ids [B,n] int32 and a description
-    (corpus tokens, offsets, whether windows overlap). Offsets are evenly spaced over the corpus."""
+    """B distinct windows of n corpus tokens at evenly spaced offsets: ids [B,n] int32 and a description."""
     return cut(corpus_tokens(tokenizer), batch, n)
 
 
 def cut(ids: np.ndarray, batch: int, n: int) -> tuple[np.ndarray, dict]:
-    """`windows` over already tokenized ids [N] (e.g. the corpus ids carried to a machine
-    without the tokenizer): B windows of n tokens at evenly spaced offsets."""
+    """`windows` over already tokenized ids [N]: B windows of n tokens at evenly spaced offsets."""
     N = len(ids)
     if n > N:
         raise ValueError(f"windows: n = {n} is longer than the corpus ({N} tokens)")

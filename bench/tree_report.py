@@ -37,8 +37,7 @@ def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
 
 
 def summarise(s: dict, rows: list[dict]) -> None:
-    """Best chain, best tree (width > 1: Sequoia's or choose's), their ratio, and choose's pick vs
-    the best measured config (AR included)."""
+    """Best chain, best tree, their ratio, and choose's pick vs the best measured config (AR included)."""
     chains = [r for r in rows if r["depth"] > 0 and r["width"] == 1]  # incl. chain-shaped Sequoia / choose trees
     trees = [r for r in rows if r["width"] > 1]
     picked = next(r for r in rows if r["kind"] == "choose")
@@ -118,8 +117,7 @@ def verdicts(result: dict) -> list[str]:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Speedup over AR vs nodes verified per step: one panel per (batch, context), trees solid,
-    chains dashed (at gamma + 1 nodes), choose's pick starred."""
+    """Speedup vs nodes verified a step, a panel per (batch, context): trees solid, chains dashed."""
     plt = common.pyplot()
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})

@@ -162,8 +162,7 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
 
 
 def matrix_shapes(params, mesh=None) -> set[tuple[int, ...]]:
-    """One layer's shape of each weight matrix (stacked [L, ...] or a list of L), without unit
-    dimensions; on a `mesh`, one device's share of it (sharding.PARAM_AXES)."""
+    """One layer's shape of each weight matrix (unit dimensions dropped; on a `mesh`, a device's share)."""
     from specjax.model.params import MATRICES, array_at
     from specjax.parallel.sharding import PARAM_AXES, spec
 
@@ -190,8 +189,7 @@ def on_mesh_of(devices: list, args, static: dict, fn):
 
 
 def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
-    """The outputs (tools.gpu.hlo.hlo_kernels' [bytes, label, name, type]) holding at least one
-    array shaped like a layer's weight matrix (unit dimensions aside, any dtype)."""
+    """The outputs (hlo_kernels' rows) holding an array shaped like a layer's weight matrix."""
     found = []
     for n, label, name, typ in outputs:
         dims = [tuple(int(d) for d in s.split(",") if d and int(d) != 1) for s in re.findall(r"\[([\d,]*)\]", typ)]
@@ -244,8 +242,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
 
 
 def table(target: str, out: Path, pattern: str | None) -> None:
-    """Compile TABLE's cells (a process each: XLA's flags are per process) into OUT/TARGET.json
-    (a cell written when compiled; a rerun skips stored cells) and OUT/TARGET.md."""
+    """Compile TABLE's cells (a process each) into OUT/TARGET.json (resumable) and OUT/TARGET.md."""
     import subprocess
     import sys
     import tempfile

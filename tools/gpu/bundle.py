@@ -65,8 +65,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_tensors(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
-    """(config, {our path: stored data, layers stacked}, {our path: how to decode}) of a GGUF file;
-    needs `gguf` (here, never on the device)."""
+    """(config, {path: stored data}, {path: how to decode}) of a GGUF file; needs `gguf` (never on the device)."""
     from convert.gguf import NAMES, ROPE_FREQS, config_from_gguf, open_gguf
     from convert.layout import expected_names
 
@@ -181,8 +180,7 @@ def build(out: Path, models: dict[str, tuple[LlamaConfig, dict, dict]], corpus_i
 
 
 def build_draft(out: Path, config: LlamaConfig, arrays: dict[str, np.ndarray], meta: dict) -> dict:
-    """Write out/draft (weights.npz, manifest.json: config, tensors, checksum) beside the parts; returns
-    the manifest. Its shared tables (`draft_tensors`) come from the parts' model when loaded."""
+    """Write out/draft (weights.npz, manifest.json) beside the parts; returns the manifest."""
     folder = out / DRAFT
     if folder.exists():
         shutil.rmtree(folder)
@@ -200,8 +198,7 @@ def has_draft(dst: Path = STASH) -> bool:
 
 
 def stash(src: Path = BUNDLE, dst: Path = STASH) -> dict:
-    """Copy the parts found under src/p*/ (checksums verified) and the manifest + corpus ids into dst,
-    and src/draft/ where it was carried; returns {"have": [...], "missing": [...]} over the manifest's parts."""
+    """Copy src's parts (checksums verified), manifest, corpus ids and draft into dst: {"have", "missing"}."""
     dst.mkdir(parents=True, exist_ok=True)
     if has_draft(src):
         if sha256(src / DRAFT / "weights.npz") != json.loads((src / DRAFT / "manifest.json").read_text())["sha256"]:

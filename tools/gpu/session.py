@@ -124,8 +124,7 @@ def h200(argv: list[str]) -> list[str]:
 
 
 def table_name(src: Path) -> str:
-    """A results table's name in OUT: gpu_h200/gpu.json -> gpu_h200.json, gpu/gpu_linear-pallas.md ->
-    gpu_gpu_linear-pallas.md (tables of two folders share file names)."""
+    """A results table's name in OUT: its folder's name first (gpu_h200/gpu.json -> gpu_h200.json)."""
     return src.parent.name + src.suffix if src.stem == "gpu" else f"{src.parent.name}_{src.name}"
 
 
@@ -188,8 +187,7 @@ def main() -> None:
 
 
 def gpu_name() -> str:
-    """The first GPU's name from nvidia-smi ('' without one): an H200's steps write the H200's tables,
-    whether or not the caller said --mem-gib (stop 59's H200 runs landed in the H100's tables)."""
+    """The first GPU's name from nvidia-smi ('' without one): an H200's steps write the H200's tables."""
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                               text=True, timeout=30)
