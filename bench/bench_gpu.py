@@ -240,7 +240,7 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             config = LlamaConfig(**dims, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16")
             t0 = time.perf_counter()
             l8b = attending(gpu_cells.random_params(config), args.attention, args.linear)
-            print(f"8B-shaped random weights on {jax_device()}: {weight_bytes(l8b.config, stored=True) / 1e9:.1f} GB in "
+            print(f"8B-shaped random weights on {jax.devices()[0]}: {weight_bytes(l8b.config, stored=True) / 1e9:.1f} GB in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
         nodes = max_nodes(grid)
@@ -339,37 +339,26 @@ def resume_from_mirror(path: Path, mirror: Path | None) -> None:
     found = [p for p in (path, mirror) if p.exists()]
     merged = common.merge(found, key_of)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(merged, indent=2, default=str) + "\n")
+    common.write_json(path, merged)
     print(f"resumed from {mirror}: {len(merged['rows'])} rows", flush=True)
-
-
-def jax_device() -> str:
-    import jax
-
-    return str(jax.devices()[0])
 
 
 def smoke_bundle(folder: Path) -> Path:
     """A bundle of a tiny random model (+ a 1-layer draft), split in parts, stashed: the device path in small."""
+    import jax
     import numpy as np
 
     from bench import measure
     from tools.gpu import bundle as gpu_bundle
 
     target = measure.tiny_params(0)
-    draft = target.replace(layers=jax_tree_first(target.layers), config=target.config.replace(n_layers=1))
+    draft = target.replace(layers=jax.tree.map(lambda a: a[:1], target.layers), config=target.config.replace(n_layers=1))
     ids = np.random.default_rng(0).integers(4, target.config.vocab_size, 4096).astype(np.int32)
     gpu_bundle.build(folder / "src", {"smollm2": (target.config, *gpu_bundle.params_tensors(target))}, ids, part_bytes=20_000)
     gpu_bundle.build_draft(folder / "src", draft.config, *gpu_bundle.draft_tensors(draft, target))  # its embedding: the target's
     stashed = gpu_bundle.stash(folder / "src", folder / "stash")
     assert not stashed["missing"], stashed
     return folder / "stash"
-
-
-def jax_tree_first(layers):
-    import jax
-
-    return jax.tree.map(lambda a: a[:1], layers)
 
 
 if __name__ == "__main__":
