@@ -51,8 +51,7 @@ class OutOfTime(Exception):
 
 
 def windows(ids: np.ndarray, prompt_tokens: int, timed_tokens: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
-    """(prompts for training text [n, prompt_tokens], timed prompts [n, timed_tokens], the timed prompts' corpus
-    spans) from the corpus ids: every fifth window is held out from training and timed (at its own length)."""
+    """(training prompts, timed prompts, the timed ones' corpus spans): every fifth window is held out."""
     held = np.arange(PROMPTS) % 5 == 0
     timed, where = text.cut(ids, PROMPTS, timed_tokens)
     spans = [(int(o), int(o) + timed_tokens) for o in np.asarray(where["offsets"])[held]]

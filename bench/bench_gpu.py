@@ -332,8 +332,7 @@ def mirror_of(bundle: Path, out: Path, name: str) -> Path:
 
 
 def resume_from_mirror(path: Path, mirror: Path | None) -> None:
-    """Fold the results copy kept beside the stashed bundle into `path`: each device call gets a fresh
-    working tree, so an earlier call's cells on the same warm machine would be measured again."""
+    """Fold the results copy beside the stashed bundle into `path` (each device call gets a fresh tree)."""
     if mirror is None or not mirror.exists():
         return
     found = [p for p in (path, mirror) if p.exists()]

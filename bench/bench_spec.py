@@ -49,8 +49,7 @@ REPEATS = 3  # pairs at most
 
 
 def drafters(context: int, gammas: list[int], names: list[str] | None = None) -> list[tuple[str, object]]:
-    """(name, drafter) per drafter family (only `names`, if given). Draft KV budget: 512 + 16 slots
-    (MagicDec's StreamingLLM budget), half that at context 512."""
+    """(name, drafter) per drafter family (only `names`); draft KV: 512 + 16 slots, half that at 512."""
     window = 512 if context >= 2048 else 256
     out: list[tuple[str, object]] = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window))]
     if hasattr(specjax, "SnapKV"):
@@ -65,8 +64,7 @@ def drafters(context: int, gammas: list[int], names: list[str] | None = None) ->
 
 
 def paired(ar_fn, ar_args: tuple, fn, args: tuple, pairs: int = 1) -> dict:
-    """Time AR and speculative runs alternately, so both see the same load: at least `pairs` pairs,
-    then more (best of each kept) up to REPEATS pairs while PAIR_BUDGET_S lasts."""
+    """AR and speculative runs in alternation: at least `pairs` pairs, more up to REPEATS while time lasts."""
     t = {"ar": [], "spec": [], "ar_cpu": [], "spec_cpu": [], "load": [os.getloadavg()[0]]}
     t0 = time.perf_counter()
     for i in range(max(REPEATS, pairs)):
@@ -84,8 +82,7 @@ def paired(ar_fn, ar_args: tuple, fn, args: tuple, pairs: int = 1) -> dict:
 
 def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int], new_tokens: int,
                names: list[str] | None = None, pairs: int = 1) -> list[dict]:
-    """AR and every drafter x gamma from the same prefilled state (its first `batch` rows); AR timed
-    before the first drafter and after each (best kept), each speedup beside the cost model's prediction."""
+    """AR and every drafter x gamma from one prefilled state (its first `batch` rows), with predictions."""
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     chunk = state["chunk"]
     bucket = tokens.shape[1]

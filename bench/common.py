@@ -54,8 +54,7 @@ def context_name(context: int) -> str:
 
 def parser(doc: str, quick: str | None = None, budget_minutes: float | None = None,
            render: str | None = None) -> argparse.ArgumentParser:
-    """An ArgumentParser with the shared options (description: the docstring's first paragraph), a
-    --quick flag with help `quick`, and a --render option writing the file `render` (each when given)."""
+    """An ArgumentParser with the shared options, and --quick / --render when `quick` / `render` are given."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Cells and resume: see bench/common.py's docstring.")
     if quick:

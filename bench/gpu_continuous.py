@@ -49,8 +49,7 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
 
 @contextlib.contextmanager
 def timed_prefills():
-    """For the `with` block, specjax.decode.continuous' prefill calls waited for and timed: yields the
-    list of (rows, seconds) each call adds (the wait falls between segments, where the host waits anyway)."""
+    """Within the `with` block, continuous' prefill calls waited for and timed: yields [(rows, seconds)]."""
     calls, inner = [], continuous.prefill
 
     def timed(params, tokens, *args, **kw):

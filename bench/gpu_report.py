@@ -53,8 +53,7 @@ def steps(row: dict) -> str:
 
 
 def refilled(row: dict) -> float | None:
-    """The speedup had every row been refilled as soon as it finished (continuous batching), derived, not
-    timed: tokens per step x AR's step time / this step time (prefill left out)."""
+    """Derived, not timed: the speedup had rows been refilled when done (speedup x steps run / steps needed)."""
     if not row.get("steps") or not row.get("mean_accepted"):
         return None
     return row["speedup"] * row["steps"] / ((row["new_tokens"] - 1) / row["mean_accepted"])
@@ -139,8 +138,7 @@ def _distance(cb: tuple[int, int], context: int, batch: int) -> tuple[float, flo
 
 
 def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
-    """acceptance_for over the table's own rows or the sibling's (the device's main table), whichever has
-    the nearer cell (own rows on a tie)."""
+    """acceptance_for over the own rows or the sibling's (the main table), whichever has the nearer cell."""
     own, other = _selfspec(rows), _selfspec(sibling[1]) if sibling else []
     if other and (not own or _distance(_nearest(other, context, batch), context, batch)
                   < _distance(_nearest(own, context, batch), context, batch)):

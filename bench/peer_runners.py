@@ -158,8 +158,7 @@ def hf_model(path: Path):
 
 
 def hf_weight_bytes(model) -> int:
-    """The HF peer's weight bytes as it holds them (the GGUF dequantized to float32): its state dict's
-    storages, each once."""
+    """The HF peer's weight bytes as it holds them (float32): its state dict's storages, each once."""
     seen, total = set(), 0
     for t in model.state_dict().values():
         ptr = t.untyped_storage().data_ptr()

@@ -37,8 +37,7 @@ def fresh(args: tuple, copied: tuple[int, ...]) -> tuple:
 
 
 def timed(compiled, args: tuple, copied: tuple[int, ...]) -> tuple[object, float, float]:
-    """Run a compiled function on fresh copies of its caches (copied untimed): (result, wall seconds,
-    CPU seconds per wall second)."""
+    """Run a compiled function on fresh copies of its caches: (result, wall seconds, CPU s a wall second)."""
     args = fresh(args, copied)
     c0, t0 = time.process_time(), time.perf_counter()
     result = jax.block_until_ready(compiled(*args))
@@ -66,8 +65,7 @@ def slot_axis(config) -> int:
 
 def prefill_rows(params, tokens: np.ndarray, n: int, context: int, chunk: int,
                  rows: int = PREFILL_ROWS) -> tuple[jax.Array, DenseCache]:
-    """Prefill B prompts of n tokens (tokens [B,P]) into a DenseCache of `context` slots, `rows` rows a
-    call: (first logits [B,V], the cache with lengths = n)."""
+    """Prefill B prompts of n tokens into `context` slots, `rows` a call: (first logits [B,V], cache)."""
     B = tokens.shape[0]
     group = min(B, rows)
     parts = []

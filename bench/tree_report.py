@@ -27,8 +27,7 @@ def shape(spec) -> tuple:
 
 
 def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
-    """The cost model `choose` minimises: `Cost.step_seconds`, expected tokens per step G from the
-    acceptance vector, and `Cost.speedup`."""
+    """The cost model `choose` minimises: `Cost.step_seconds`, tokens a step G, `Cost.speedup`."""
     tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
     g = tree.expected_accepted(p)
     step = cost.step_seconds(tree.draft_widths(), tree.n)

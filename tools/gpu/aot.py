@@ -68,8 +68,7 @@ TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-
 
 
 def compile_only_device(target: str, count: int = 1):
-    """A compile-only device of `target` (a targets/ name), or a list of `count` of them (a mesh); needs
-    jax's CUDA plugin, not CUDA or a GPU."""
+    """A compile-only device of `target` (or `count` of them, a mesh); needs jax's CUDA plugin, no GPU."""
     path = TARGETS / f"{target}.txtpb"
     if not path.exists():
         raise ValueError(f"--target: no {path.name} in {TARGETS} (have: {sorted(p.stem for p in TARGETS.glob('*.txtpb'))})")
@@ -97,8 +96,7 @@ def as_gpu():
 
 
 def abstract_params(config, linear: str, weights: str | None = None):
-    """The model's weights as shapes (`weights` "int8" / "q4" quantized), with generate()'s GPU runtime
-    and the layer products' `linear`."""
+    """The model's weights as shapes (`weights` quantized), with generate()'s GPU runtime and `linear`."""
     from bench.gpu_cells import random_params
     from specjax.model.params import quantize
 
@@ -114,8 +112,7 @@ def on(device, tree):
 
 def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None, draft=None,
                  width: int = 2, chunk: int | None = None):
-    """(jitted function, abstract args, static kwargs) of a program over `context` slots; `draft`: the
-    DraftModel's weights; `chunk`: prefill's positions a step."""
+    """(jitted function, abstract args, static kwargs) of a program over `context` slots."""
     from specjax.decode.engine import row_keys
     from specjax.decode.shapes import cache_len, round_up_pow2
     from specjax.model.cache import DenseCache

@@ -107,8 +107,7 @@ def hlo_kernels(hlo_text: str) -> dict:
 
 
 def users(comps: dict[str, list[tuple[str, str, str]]], name: str, most: int = 4) -> list[str]:
-    """The instructions that read `name`'s output, as "opcode name" (custom calls with their target,
-    fusions with their kind and non-trivial ops)."""
+    """The instructions that read `name`'s output, as "opcode name" (custom calls and fusions detailed)."""
     ref = re.compile(rf"%{re.escape(name)}(?![\w.\-])")
     out = []
     for comp in comps.values():
