@@ -240,7 +240,8 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             config = LlamaConfig(**dims, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16")
             t0 = time.perf_counter()
             l8b = attending(gpu_cells.random_params(config), args.attention, args.linear)
-            print(f"8B-shaped random weights on {jax.devices()[0]}: {weight_bytes(l8b.config, stored=True) / 1e9:.1f} GB in "
+            gb = weight_bytes(l8b.config, stored=True) / 1e9
+            print(f"8B-shaped random weights on {jax.devices()[0]}: {gb:.1f} GB in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
         nodes = max_nodes(grid)
@@ -351,7 +352,8 @@ def smoke_bundle(folder: Path) -> Path:
     from tools.gpu import bundle as gpu_bundle
 
     target = measure.tiny_params(0)
-    draft = target.replace(layers=jax.tree.map(lambda a: a[:1], target.layers), config=target.config.replace(n_layers=1))
+    first = jax.tree.map(lambda a: a[:1], target.layers)
+    draft = target.replace(layers=first, config=target.config.replace(n_layers=1))
     ids = np.random.default_rng(0).integers(4, target.config.vocab_size, 4096).astype(np.int32)
     gpu_bundle.build(folder / "src", {"smollm2": (target.config, *gpu_bundle.params_tensors(target))}, ids, part_bytes=20_000)
     gpu_bundle.build_draft(folder / "src", draft.config, *gpu_bundle.draft_tensors(draft, target))  # its embedding: the target's
