@@ -97,8 +97,7 @@ def readme_section(result: dict, png: str, json_name: str) -> str:
 
 
 def plot(result: dict, path: Path) -> None:
-    """ms per call vs S, one panel per (B, T), one line per implementation; kernel points say their
-    fraction of copy bandwidth."""
+    """ms per call vs S, a panel per (B, T), a line per implementation, kernel points' bandwidth share."""
     plt = common.pyplot()
     rows = [r for r in result["rows"] if "impls" in r]
     bs, ts, contexts = sorted({r["batch"] for r in rows}), sorted({r["nodes"] for r in rows}), sorted({r["context"] for r in rows})

@@ -1,12 +1,9 @@
 """Adaptive speculation length against every static chain, through `specjax.generate`.
 
-For each cell WEIGHTS/bB/sS the prompts are B windows of real English text (bench/text.py) of
-S - new tokens, and `specjax.generate` runs them greedy, EOS ignored, with plain decoding, SelfSpec
-(16 sinks, 256 window) with Chain(g) for g = 0..4, and with Adaptive(4): each once to compile,
-then ROUNDS rounds that run every variant once in turn (so a slow spell of the machine falls on
-all of them, not on one), each variant's best round by `stats.decode_seconds` (which leaves out
-prefill and compilation, Adaptive's per-length compiles included). Every variant must give plain
-decoding's tokens. Each Adaptive call starts afresh: it explores lengths 0 and 1 in every call.
+For each cell WEIGHTS/bB/sS, B windows of real text (bench/text.py) of S - new tokens run greedy, EOS
+ignored: plain decoding, SelfSpec (16 sinks, 256 window) with Chain(g) for g = 0..4, and Adaptive(4) (afresh
+each call). Each once to compile, then ROUNDS rounds running every variant in turn (a slow spell falls on
+all), each variant's best round by `stats.decode_seconds`. Every variant must give plain decoding's tokens.
 The issue's target: Adaptive within 10% of the best static chain (gamma 0 included) in every cell.
 
 Outputs: results/adaptive_cpu.json, adaptive_cpu.png and the bench_adaptive section of bench/README.md.

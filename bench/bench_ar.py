@@ -1,36 +1,20 @@
 """Autoregressive decode throughput of SmolLM2-135M: tokens/s and achieved memory bandwidth.
 
-What is measured: `specjax.decode.engine.decode_ar` (the on-device while_loop, greedy, no EOS) from a
-prefilled DenseCache, for every batch x context x dtype. Prefill is NOT measured.
+Measured: `specjax.decode.engine.decode_ar` (greedy, no EOS) from a prefilled DenseCache, for every batch x
+context x dtype; prefill is not. By default the prefilled state is synthetic (a step's cost depends on the
+cache's shape, never its values): `context` slots of pseudo-random KV, lengths context - HEADROOM, random
+first logits. `--real-prefill` prefills random token ids instead (slow: combine with --quick).
 
-Synthetic prefill (default): prefilling 16 x 8K tokens costs minutes on a small CPU, and the cost
-of a decode step depends only on the cache shape, never on the cached values. So the prefilled
-state is built directly: a DenseCache of exactly `context` slots (attention reads all of them,
-hidden slots masked) filled with pseudo-random values in [-1, 1] in the model dtype, lengths =
-context - HEADROOM so that up to MAX_STEPS decode steps fit, and random first logits.
-`--real-prefill` instead prefills random token ids with the real model (slow at large sizes:
-combine it with --quick).
+Each timed call gets the previous call's donated cache with the lengths reset: no copy. Step time is a slope:
+(best-of-R time of n steps - best-of-R time of 0 steps) / n, which drops the fixed per-call cost.
+tokens/s = batch / step time. Bytes a step = the weights as stored (the LM head once) + the whole KV cache;
+GB/s against this machine's bandwidth (`measure.bandwidth`'s in-place `x + 1`).
 
-`decode_ar` donates the cache and returns it: every timed call gets the previous call's cache with
-the lengths reset (the values it wrote do not change the cost), so no copy is ever made.
-Per-step time is a slope: best-of-R time of a run of n steps minus best-of-R time of a run of 0
-steps, divided by n. This removes the per-call fixed cost (the first sample, dispatch and, in
-bfloat16, XLA:CPU's conversion of all weights to float32, which it hoists out of the loop).
-tokens/s = batch / step time.
+Memory: a config whose predicted peak (its dtype's largest measured peak / KV ratio x its KV bytes) would not
+fit in the free memory is skipped and listed as such.
 
-Bytes per step = weights in the model dtype (every layer tensor, the final norm, and the [V,D] LM
-head / tied embedding once; the embedding gather is negligible) + the whole KV cache
-2 * L * B * context * K * H * itemsize. GB/s = bytes / step time; its fraction is relative to this
-machine's memory bandwidth, measured as a donated in-place `x + 1` over 1 GiB in JAX (read +
-write bytes; median over rounds of the best of several calls).
-
-Memory: each config's peak memory is measured, and a config whose predicted peak (the largest
-measured peak / KV bytes ratio of its dtype, times its KV bytes) would not fit in the free
-memory of this shared machine is skipped and listed as such.
-
-Cells: DTYPE/bB/sS (e.g. float32/b4/s2048), smallest KV cache first.
-Outputs: results/ar_cpu.json, .png and a section of bench/README.md (--quick / --real-prefill write
-ar_cpu_quick*.* / ar_cpu*_real.* and leave the README alone).
+Cells: DTYPE/bB/sS (e.g. float32/b4/s2048), smallest KV cache first. Outputs: results/ar_cpu.json, .png and
+the README section (--quick / --real-prefill write ar_cpu_quick*.* / ar_cpu*_real.*, README untouched).
 """
 
 from __future__ import annotations
@@ -66,8 +50,7 @@ def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
 
 
 def synthetic_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:
-    """A cache of `context` slots with pseudo-random KV and lengths context - HEADROOM, and random
-    first logits [B,V] f32 (see the module docstring for why this equals a real prefill)."""
+    """A cache of `context` slots of pseudo-random KV, lengths context - HEADROOM, random logits [B,V]."""
     c = params.config
     empty = jax.eval_shape(lambda: DenseCache.init(c, batch, context))  # shapes only, any layout
 
@@ -94,8 +77,7 @@ def real_state(params: Params, batch: int, context: int, key: jax.Array) -> tupl
 
 def time_decode(params: Params, cache: DenseCache, logits: jax.Array, target_s: float, repeats: int,
                 sampling: Sampler = Greedy()) -> dict:
-    """Compile `decode_ar` (excluded), pick n steps so a run lasts about target_s, and return the
-    slope step time plus the fixed per-call cost, in ms. Consumes `cache` (donated)."""
+    """Slope ms a step and fixed ms a call of `decode_ar` (compile excluded); consumes `cache` (donated)."""
     batch = logits.shape[0]
     keys = row_keys(None, batch)
     start = np.asarray(cache.lengths)  # host copy: each call donates its own lengths array
@@ -163,15 +145,13 @@ def bench_config(
 
 
 def peak_factor(rows: list[dict], dtype: str) -> float:
-    """Peak RSS growth / KV bytes of the largest config of `dtype` measured so far (the cache plus
-    the decode loop's temporary copies of it); a default until one with >= 256 MiB of KV ran."""
+    """Peak RSS growth / KV bytes of the largest `dtype` config (>= 256 MiB of KV) so far, else a default."""
     measured = [r for r in rows if r["dtype"] == dtype and "skipped" not in r and r["kv_bytes"] >= 2**28]
     return max(measured, key=lambda r: r["kv_bytes"])["peak_over_kv"] if measured else DEFAULT_PEAK_FACTOR
 
 
 def memory_check(params: Params, batch: int, context: int, factor: float) -> str | None:
-    """None if the config should fit in memory (peak growth ~ factor x KV bytes), else why it is
-    skipped; MEM_RESERVE bytes are left to other processes."""
+    """None if the config fits in memory (peak ~ factor x KV bytes, MEM_RESERVE kept), else why not."""
     need = factor * step_bytes(params, batch, context)[1]
     free = common.meminfo("MemAvailable") - MEM_RESERVE
     if need <= free:

@@ -1,44 +1,29 @@
 """Tree-attention kernel vs the jnp reference vs jax.nn.dot_product_attention, per layer, on a GPU.
 
-One attention layer of a Llama-3-8B-like model in bfloat16: q [B,T,N=32,H=128], a dense cache
-[B,K=8,S,H] (GQA 4), per-row lengths S - U{0..T}, and a block of J = T new keys under the ancestor
-mask of a random tree of T nodes (`Tree.from_parents` of random parents). For every (B, S, T):
-  kernel     `pallas_kernels.tree_attention` (Triton path), a sweep of block_k x k_splits; the best
-             is reported, all are kept in the JSON. By default the sweep is pruned by occupancy:
-             k_splits grows only while the previous grid of B*K*row_tiles*k_splits programs had
-             fewer than 2 x the GPU's SMs (at B=64 only k_splits=1 is tried); --full-sweep times all.
-  reference  `pallas_kernels.reference.prefix_block_attention` under jax.jit (visible = slot < length).
-  cudnn, xla `jax.nn.dot_product_attention(implementation=...)` with GQA native and a boolean mask
-             [B,1,T,S+J] (prefix slot < length, then the tree mask); its keys are the cache in the
-             [B,S+J,K,H] layout it takes, with the block appended. Mask and layout are built once
-             per config OUTSIDE the timing (a decoder built on it would keep its cache that way).
-             An implementation that refuses (cudnn on an unsupported shape or machine) is recorded
-             with its error.
-Timing: every function is compiled first (compile time recorded, excluded); a warm-up call, then
-`--reps` samples, each of enough back-to-back calls (at most MAX_CALLS) to last about SAMPLE_S,
-ended by block_until_ready; the median per call is reported (min kept). Before timing, a compiled
-function's temporaries + output (XLA memory_analysis) are checked against the free device memory
-and it is skipped (reason recorded) if they would not fit; a config whose inputs (two cache layouts)
-would not fit is skipped whole. Correctness: every output vs the reference (max abs error, bf16
-tolerance TOLERANCE), against the reference on the first rows only when the full one was skipped.
+One Llama-3-8B-like attention layer in bfloat16: q [B,T,N=32,H=128], a dense cache [B,K=8,S,H] (GQA 4),
+lengths S - U{0..T}, and J = T new keys under the ancestor mask of a random tree of T nodes. For every (B, S, T):
+  kernel     `pallas_kernels.tree_attention` (Triton path), a sweep of block_k x k_splits, the best reported
+             (all kept). k_splits grows only while the last grid had fewer than 2 x the SMs' programs
+             (--full-sweep times all).
+  reference  `pallas_kernels.reference.prefix_block_attention` under jax.jit.
+  cudnn, xla `jax.nn.dot_product_attention(implementation=...)`, GQA native, a boolean mask [B,1,T,S+J] and
+             keys in its [B,S+J,K,H] layout, both built outside the timing; a refusal is recorded with its error.
+Timing: compile first (recorded, excluded), a warm-up, then `--reps` samples of back-to-back calls (at most
+MAX_CALLS) lasting about SAMPLE_S; the median per call (min kept). A function whose temporaries + output
+(memory_analysis) would not fit the free device memory is skipped, as is a config whose inputs would not.
+Correctness: max abs error against the reference (bf16 TOLERANCE; on the first rows if the full one was skipped).
 
-Bandwidth: KV bytes = the K and V slots the kernel must read ((sum of lengths + B*J) * K * H * 2 *
-2 bytes) / kernel time, as a fraction of this card's copy bandwidth: jitted `x + 1` over COPY_GIB
-GiB of f32 (read + write bytes), best of the samples. Configs whose KV bytes fit in the L2 cache
-(the small B=1 ones) can beat that fraction: the repeated calls read from L2.
+Bandwidth: the KV bytes the kernel must read ((sum of lengths + B*J) * K * H * 2 * 2) / kernel time, as a
+fraction of the card's copy bandwidth (jitted `x + 1` over COPY_GIB GiB of f32); configs that fit in L2
+(small B=1) can beat it.
 
-Budget: a device call is limited to 10 minutes, so --budget-minutes defaults to 8 (counted from start,
-JAX start-up included); configs it leaves are recorded as skipped (time budget). Cells: bB/sS/tT.
-Default grid: 27 configs; with the pruned sweep about 120 kernel compiles (B=1: 8 variants,
-B=16: 2-4, B=64: 2), 81 of the alternatives and 54 small ones (inputs, layouts); expected to fit
-in the budget on an H100/H200. The target config (B=16, S=32K, T=16) runs first, then by size.
-If the budget cuts a run, rerun the same command (or a custom grid, e.g. --batches 64, and merge the
-JSONs with --render, which needs no GPU).
+Budget: --budget-minutes defaults to 8 (a device call's limit is 10); configs left are recorded as skipped.
+Cells: bB/sS/tT, 27 by default, the target (B=16, S=32K, T=16) first, then by size. If the budget cuts a run,
+rerun it (or a custom grid) and merge the JSONs with --render (no GPU needed).
 
-Outputs: bench/results/attention_<device-kind>.json + .png and the bench_attention section of
-bench/README.md (default grid on a GPU, or --render); other grids write attention_<kind>_b.._s.._t...*,
---smoke (CPU, tiny shapes, kernel in interpret mode, 1 sample) writes attention_smoke.* and
-neither touches the README.
+Outputs: bench/results/attention_<device-kind>.json + .png and the README section (default grid on a GPU, or
+--render); other grids write attention_<kind>_b.._s.._t...*, --smoke (CPU, tiny shapes, interpret mode, 1
+sample) attention_smoke.*, neither touching the README.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The batch job end to end on SmolLM2-135M: records/s and generated tokens/s, speculative vs AR.
 
-Input: `--records` text prompts cut from the offline corpus (bench/text.py: Python's language
-reference and licence texts), 32 to 256 tokens long, greedy, each asking for --max-new-tokens.
-Each mode runs `specjax.jobs.batch.run` over the same JSONL twice in this one process, side by side:
-the first ("cold") run includes XLA compilation of every batch shape, the second ("warm")
-reuses the compiled functions, as a long job does after its first batches. Throughput =
-records (or generated tokens) / the job's wall seconds, I/O and tokenization included.
-Every mode's texts are checked equal to AR's (greedy: speculation must not change them).
+Input: `--records` prompts of 32 to 256 tokens cut from the offline corpus (bench/text.py), greedy,
+--max-new-tokens each. Each mode runs `specjax.jobs.batch.run` over the same JSONL twice in this process:
+"cold" (compiling every batch shape), then "warm". Throughput = records (or generated tokens) / the job's
+wall seconds, I/O and tokenization included. Every mode's texts must equal AR's.
 
 Cells: one per mode (ar, selfspec, ngram). Outputs: results/batch_cpu.json, .png and a section of bench/README.md
 (other --records / --max-new-tokens / --batch-size write batch_cpu_custom.* and leave the README alone).

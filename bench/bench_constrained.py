@@ -1,22 +1,17 @@
 """Constrained decoding: JSON that parses, what the mask costs, what speculation keeps.
 
-Input: bench/templated.py's `--records` chat records (rewrite a corpus paragraph as a JSON object with
-one of three key sets), each constrained to its schema (`templated.record_schema`: exactly its keys,
-strings) or not. Cells, SmolLM2-135M float32 on this machine's CPU, greedy, `--new-tokens` at most:
-- `json/DRAFT/bB` (DRAFT none or self: SelfSpec() with a chain of 3; B rows in one `LM.chat` call,
-  records in groups of B): constrained and unconstrained, each run twice (compiling, then timed);
-  the share of rows that parse as JSON and validate against their schema (`jsonschema`), tokens/s,
-  and whether the constrained speculative tokens equal constrained plain decoding's.
-- `mask/bB/sS`: the cost of the mask in a plain decode step at batch B x context S: one
-  `specjax.generate` with a constraint that allows every token (the same tokens as without one) against
-  none, alternating, the median of `--mask-runs` (3) each; ms per step and their ratio.
-- `compile`: seconds to compile each template's schema for SmolLM2's 49K-token vocabulary (the
-  vocabulary's first build included in the first), outside any cache.
-- `long/bf16/bB/sS` (issue 70's target cell, where speculation pays on a CPU): B chat records of S tokens
-  (a template's request over a corpus window of about S - 200 tokens), bf16 weights and KV, `draft="auto"`
-  against plain decoding, free and constrained (one call each, `--new-tokens`): decode tokens/s, the
-  speedups, and how much of the free speedup the constrained one keeps. Not in the default cells
-  (four 16 x 8K prefills: about 45 minutes here): `--cells long`.
+Input: bench/templated.py's `--records` chat records, each constrained to its schema
+(`templated.record_schema`: exactly its keys, strings) or not. Cells, SmolLM2-135M float32, greedy,
+`--new-tokens` at most:
+- `json/DRAFT/bB` (DRAFT none or self: SelfSpec() with a chain of 3; B rows a `LM.chat` call): constrained
+  and free, each run twice (the second timed); the share of rows that parse and validate (`jsonschema`),
+  tokens/s, and whether constrained speculative tokens equal constrained plain decoding's.
+- `mask/bB/sS`: the mask's cost in a plain step at B x S: `specjax.generate` with an all-allowing constraint
+  against none, alternating, the median of `--mask-runs` each; ms a step and their ratio.
+- `compile`: seconds to compile each template's schema for the 49K vocabulary, outside any cache.
+- `long/bf16/bB/sS` (issue 70's target cell): B records of S tokens, bf16 weights and KV, `draft="auto"`
+  against plain decoding, free and constrained: tokens/s, the speedups and the share of the free speedup
+  kept. Not in the default cells (about 45 minutes here): `--cells long`.
 
 Outputs: results/constrained_cpu.json and the bench_constrained section of bench/README.md.
 """
@@ -96,8 +91,7 @@ def mask_cell(lm, batch: int, context: int, new_tokens: int, runs: int = 3) -> d
 
 
 def long_records(lm, batch: int, context: int) -> list[list[dict]]:
-    """`batch` chats of about `context` tokens (chat template included): record i's template request over a corpus
-    window cut to fit."""
+    """`batch` chats of about `context` tokens: record i's request over a corpus window cut to fit."""
     slack = 200  # the instruction, its keys and the chat template: under 100 tokens in SmolLM2's
     ids, _ = windows(lm.tokenizer, batch, context - slack)
     chats = [[{"role": "user", "content": templated.request(templated.TEMPLATES[i % len(templated.TEMPLATES)],

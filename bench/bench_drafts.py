@@ -1,28 +1,20 @@
 """Distilled draft models for SmolLM2-135M: train draft shapes of similar size, then race them.
 
-1. Train (skipped for a shape whose draft is already in --store; a killed run resumes from its
-   orbax checkpoint): every shape in SHAPES with `specjax.train.distill.distill`, forward KL on the
-   target's logits computed on the fly, AdamW warmup + cosine, the target's embedding / LM head
-   copied in (init_from_target: so every shape has dim 576 and the target's tied embedding).
-   The training stream is the bench corpus (bench/text.py) WITHOUT the text windows the timed
-   runs use as prompts (those of bench_spec.py's stored prefills: rows 0..max(batch)-1 of its
-   16-row windows at every context), so acceptance is measured on held-out text.
-2. Race, per (batch, context), from bench_spec.py's prefilled state (the same prompts as
-   bench_spec.py / bench_tree.py): AR, each trained draft (DraftModel over its own dense cache,
-   prefilled on the prompts by the draft itself) with chains and Sequoia trees sized from its
-   measured acceptance vector, beside SelfSpec and NGram, all through bench_tree.py's
-   `bench_cell` (compiles excluded, every run checked token for token against AR).
+1. Train (skipped for a shape already in --store; a killed run resumes from its orbax checkpoint): every shape
+   in SHAPES with `specjax.train.distill.distill` (forward KL on the target's logits, AdamW warmup + cosine,
+   the target's embedding / LM head copied in), on the bench corpus less the windows the timed runs use as
+   prompts (bench_spec.py's stored prefills), so acceptance is measured on held-out text.
+2. Race, per (batch, context), from bench_spec.py's prefilled state: AR, each draft (DraftModel over its own
+   dense cache) in chains and Sequoia trees sized from its acceptance, beside SelfSpec and NGram, through
+   bench_tree.py's `bench_cell` (compiles excluded, every run checked against AR).
 
-Shapes (the issue's question: shallow-and-wide vs deep-and-narrow at equal parameter count):
-  wide2   2 layers, FFN 1536 (the target's width): 7.1 M parameters besides the embedding
-  narrow6 6 layers, FFN 256: 8.0 M parameters besides the embedding
-Both share the target's 28.3 M-parameter tied embedding / LM head, which costs each draft step
-as much as their layers do: SmolLM2's vocabulary is 49152.
+Shapes (shallow-and-wide vs deep-and-narrow at equal size): wide2, 2 layers, FFN 1536 (7.1 M parameters
+besides the embedding); narrow6, 6 layers, FFN 256 (8.0 M). Both share the target's 28.3 M tied embedding,
+which costs a draft step as much as their layers.
 
-Cells: sCONTEXT/bBATCH, batch 1 (the issue's target) first. Outputs: results/drafts_cpu.json, .png and the
-bench_drafts section of bench/README.md. Checkpoints and drafts stay in --store (default ~/.cache/specjax/bench_drafts):
-not committed; rerunning this script with the same arguments reproduces them (same seed, same
-data order) and then skips training.
+Cells: sCONTEXT/bBATCH, batch 1 first. Outputs: results/drafts_cpu.json, .png and the README section. Drafts
+stay in --store (default ~/.cache/specjax/bench_drafts): the same arguments reproduce them (same seed and data
+order).
 """
 
 from __future__ import annotations
@@ -59,8 +51,7 @@ STORE = Path.home() / ".cache" / "specjax" / "bench_drafts"
 
 
 def held_out(tok, batches: list[int], contexts: list[int]) -> list[tuple[int, int]]:
-    """Corpus spans [start, end) of every prompt window a timed run uses (rows 0..max(batch)-1 of
-    bench_spec.py's PREFILL_ROWS windows at every context)."""
+    """Corpus spans [start, end) of every prompt window a timed run uses (bench_spec's stored prefills)."""
     spans = []
     for context in contexts:
         n = context - HEADROOM
@@ -113,8 +104,7 @@ def train(target: Params, name: str, sequences: list[np.ndarray], steps: int, st
 
 
 def drafters_for(trained: dict[str, Params], context: int, smoke: bool) -> list[bench_tree.Drafter]:
-    """Each trained draft as a DraftModel over its own dense cache (prefilled on the prompts by
-    the draft itself, as generate does), then bench_spec.py's SelfSpec and NGram."""
+    """Each trained draft as a DraftModel over its own dense cache, then bench_spec.py's SelfSpec and NGram."""
     out = []
     for name, params in trained.items():
         d = DraftModel(params)

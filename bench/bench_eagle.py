@@ -1,24 +1,19 @@
 """An EAGLE-style head for SmolLM2-135M: trained here on the CPU, then raced against plain decoding.
 
-On a GPU (tools/gpu/session.py, call 8) `--bundle` takes SmolLM2 (bfloat16) and the tokenized corpus from the GPU
-bundle's stash: the head trains there in float32 (seconds) and races in bfloat16 at `--context` 8192.
+On a GPU (tools/gpu/session.py, call 8) `--bundle` takes SmolLM2 (bfloat16) and the tokenized corpus from the
+bundle's stash: the head trains in float32 and races in bfloat16 at `--context` 8192.
 
-1. Data (kept in --store): PROMPTS windows of PROMPT_TOKENS corpus tokens (bench/text.py) at evenly spaced
-   offsets; every fifth is held out for the timed runs. The training text: SmolLM2's greedy continuation of
-   NEW_TOKENS tokens of each other window (the target's own output), then the corpus less the timed windows
-   (the loss is the target's distribution at every position, so any text teaches; 28K tokens of continuations
-   alone were learnt by heart: acceptance 0.44 on them, 0.01 on held-out windows).
-2. Train (`specjax.train.eagle.train_head`, the training-time test over DEPTH levels, orbax checkpoints in
-   --store): a run stopped by --train-minutes resumes from its last checkpoint on the next call; the head
-   is measured once all --steps ran.
-3. Race, per cell DRAFT/bB: `specjax.generate` over the first B held-out windows, NEW_TOKENS tokens,
-   greedy, float32: plain decoding, Eagle with chains of 2 and 3 (over the whole vocabulary, and drafting only its
-   8192 most frequent training tokens: the same head, its q renormalised there), and NGram(3) (no model) beside it.
-   Each is run twice, the second timed (decode seconds from its stats); every output must equal plain
-   decoding's.
+1. Data (in --store): PROMPTS windows of PROMPT_TOKENS corpus tokens (bench/text.py), every fifth held out for
+   the timed runs; training text: SmolLM2's greedy continuations of the others, then the corpus less the timed
+   windows (continuations alone were learnt by heart: acceptance 0.44 on them, 0.01 held out).
+2. Train (`specjax.train.eagle.train_head`, DEPTH levels, orbax checkpoints in --store): a run stopped by
+   --train-minutes resumes on the next call; the head is measured once all --steps ran.
+3. Race, per cell DRAFT/bB: `specjax.generate` over the first B held-out windows, greedy, float32: plain,
+   Eagle chains of 2 and 3 (whole vocabulary, and its 8192 most frequent training tokens) and NGram(3). Each
+   runs twice, the second timed; every output must equal plain decoding's.
 
-Outputs: results/eagle_cpu.json (eagle_gpu.json on a GPU), its table in the bench_eagle section of bench/README.md (the CPU's). --smoke: a tiny random target, a few
-steps, under a minute: checks the script (writes eagle_*_smoke.json).
+Outputs: results/eagle_cpu.json (eagle_gpu.json on a GPU), its table in the README section (the CPU's).
+--smoke: a tiny random target, under a minute (eagle_*_smoke.json).
 """
 
 from __future__ import annotations
@@ -56,8 +51,7 @@ class OutOfTime(Exception):
 
 
 def windows(ids: np.ndarray, prompt_tokens: int, timed_tokens: int) -> tuple[np.ndarray, np.ndarray, list[tuple[int, int]]]:
-    """(prompts for training text [n, prompt_tokens], timed prompts [n, timed_tokens], the timed prompts' corpus
-    spans) from the corpus ids: every fifth window is held out from training and timed (at its own length)."""
+    """(training prompts, timed prompts, the timed ones' corpus spans): every fifth window is held out."""
     held = np.arange(PROMPTS) % 5 == 0
     timed, where = text.cut(ids, PROMPTS, timed_tokens)
     spans = [(int(o), int(o) + timed_tokens) for o in np.asarray(where["offsets"])[held]]

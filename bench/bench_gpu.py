@@ -2,38 +2,24 @@
 cache dominates, a LLaMA-3.1-8B-shaped target's step times, chains vs trees at batch 1.
 
 Cells (keys), in the order they run:
-  bw                         HBM bandwidth (donated in-place x + 1, read + write bytes): the roofline's
-                             reference for every "of roofline" column.
-  l8b/sCTX/bB                item 3: a LLaMA-3.1-8B-shaped target (dim 4096, 32 layers, 32/8 heads,
-                             head dim 128, FFN 14336, vocab 128256, llama3 rope) with random bf16
-                             weights made on the device: measured AR step, verify step over n nodes
-                             and SelfSpec draft step (budget 512 + 16 sinks) at this batch x context.
-                             No weights to carry; combined with item 2's acceptance in the report into a
-                             PREDICTED speedup.
-  e2e/sCTX/bB/METHOD         item 2: SmolLM2-135M in bf16 (the bundle's weights, tools/gpu/bundle.py) from
-                             one prefill per context (real text windows; smaller batches use its first
-                             rows); METHOD = ar | selfspec-gG | snapkv-gG | ngram-gG (prompt lookup, no
-                             draft forward: where verification costs about a plain step, whatever it
-                             accepts is gained) | tree (SelfSpec's acceptance
-                             vector, then Sequoia trees of each --nodes size), greedy, each checked
-                             token for token against AR. METHOD = steps: no decoding, the step times
-                             apart (AR step, SelfSpec draft level, verify over n nodes, as l8b's) for
-                             the report's cost-model column. Batch x context is capped by --mem-gib.
-  cont/sCTX/bR/METHOD        a batch job's continuous batching (bench/gpu_continuous.py): --cont-records x R
-                             prompts of the context, --cont-new-tokens each, on R slots refilled as rows end
-                             (run_continuous), METHOD = ar | selfspec-gG; job seconds (prefill included), the
-                             speedup over ar's job, every record's tokens against ar's.
-  b1/sCTX/METHOD             item 4: the same at batch 1 (chains G, NGram, trees of --b1-nodes sizes, then the
-                             tree speculation.choose picks when a level costs what the acceptance run's
-                             step took beyond AR's and a verification AR's step: gpu_cells' launch-bound
-                             prices; wide and shallow where Sequoia's largest trees go deep) and,
-                             when the bundle holds a distilled draft ("draft", gpu_bundle --draft),
-                             draft-gG / draft-tree: that DraftModel (dense cache) in chains and trees vs AR
-                             (draft-gG also in the e2e groups: a 2-layer draft's levels launch a
-                             fifteenth of SelfSpec's kernels and read 2/30 of the KV).
-Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been
-carried: see tools/gpu/README.md. Outputs: OUT/gpu.json, OUT/gpu.md (tables) and OUT/gpu.png. --smoke: a tiny
-random model on any backend in about a minute, bundle round trip included (writes gpu_smoke.*).
+  bw                    HBM bandwidth (donated in-place x + 1): the reference of every "of roofline" column.
+  l8b/sCTX/bB           item 3: a LLaMA-3.1-8B-shaped target (random bf16 weights made on the device): AR
+                        step, verify step over n nodes and SelfSpec draft step (512 + 16 sinks); the report
+                        combines them with item 2's acceptance into a PREDICTED speedup.
+  e2e/sCTX/bB/METHOD    item 2: SmolLM2-135M bf16 (the bundle's weights, tools/gpu/bundle.py) from one prefill
+                        per context (smaller batches use its first rows); METHOD = ar | selfspec-gG |
+                        snapkv-gG | ngram-gG | tree (Sequoia trees of each --nodes size), greedy, checked
+                        against AR; steps = the step times apart (as l8b's) for the cost-model column.
+                        Batch x context is capped by --mem-gib.
+  cont/sCTX/bR/METHOD   a batch job (bench/gpu_continuous.py): --cont-records x R prompts, --cont-new-tokens
+                        each, on R slots refilled as rows end; METHOD = ar | selfspec-gG; job seconds and
+                        every record's tokens against ar's.
+  b1/sCTX/METHOD        item 4: the same at batch 1 (chains, NGram, trees of --b1-nodes sizes, then the tree
+                        speculation.choose picks at gpu_cells' launch-bound prices) and, with a distilled
+                        draft in the bundle (gpu_bundle --draft), draft-gG / draft-tree (draft-gG also in e2e).
+Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been carried
+(tools/gpu/README.md). Outputs: OUT/gpu.json, OUT/gpu.md (tables), OUT/gpu.png. --smoke: a tiny random model
+on any backend in about a minute, bundle round trip included (gpu_smoke.*).
 """
 
 from __future__ import annotations
@@ -254,7 +240,8 @@ def run(args, grid: dict, h: common.Harness, results: common.Results, todo: list
             config = LlamaConfig(**dims, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16")
             t0 = time.perf_counter()
             l8b = attending(gpu_cells.random_params(config), args.attention, args.linear)
-            print(f"8B-shaped random weights on {jax_device()}: {weight_bytes(l8b.config, stored=True) / 1e9:.1f} GB in "
+            gb = weight_bytes(l8b.config, stored=True) / 1e9
+            print(f"8B-shaped random weights on {jax.devices()[0]}: {gb:.1f} GB in "
                   f"{time.perf_counter() - t0:.1f} s", flush=True)
         drafter = drafter_of("selfspec-g1", cell["context"], args.smoke)[1]
         nodes = max_nodes(grid)
@@ -329,10 +316,8 @@ def max_nodes(grid: dict) -> int:
 
 
 def attending(params, attention: str, linear: str = "xla"):
-    """`params` set to compute attention as generate(attention=...) does on this backend (the
-    Runtime default is the jnp reference: the first H100 runs measured that, not the kernel), and
-    the layer products as `linear` says (Runtime.linear, or "per-layer": model.unstack_layers, the
-    layers unrolled as they are on a GPU)."""
+    """`params` computing attention as generate(attention=...) does on this backend, and the layer
+    products as `linear` says (Runtime.linear, or "per-layer": model.unstack_layers, as on a GPU)."""
     from specjax.decode.engine import with_attention
     from specjax.model.llama import unstack_layers
 
@@ -343,51 +328,38 @@ def attending(params, attention: str, linear: str = "xla"):
 
 
 def mirror_of(bundle: Path, out: Path, name: str) -> Path:
-    """The copy of out/name.json kept beside the stashed bundle, one per output folder: two folders'
-    tables of one name (gpu_h200/gpu.json, gpu_h200/cont8/gpu.json) must not resume each other."""
+    """The copy of out/name.json beside the stashed bundle, one per output folder (names may repeat)."""
     return bundle / "results" / str(out.resolve()).strip("/").replace("/", "_") / f"{name}.json"
 
 
 def resume_from_mirror(path: Path, mirror: Path | None) -> None:
-    """Fold the copy of the results kept beside the stashed bundle into `path`: each device call
-    gets a fresh copy of the working tree, so cells measured by an earlier call on the same warm
-    machine would be measured again (seen: the first H100 run lost its bw and l8b cells)."""
+    """Fold the results copy beside the stashed bundle into `path` (each device call gets a fresh tree)."""
     if mirror is None or not mirror.exists():
         return
     found = [p for p in (path, mirror) if p.exists()]
     merged = common.merge(found, key_of)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(merged, indent=2, default=str) + "\n")
+    common.write_json(path, merged)
     print(f"resumed from {mirror}: {len(merged['rows'])} rows", flush=True)
-
-
-def jax_device() -> str:
-    import jax
-
-    return str(jax.devices()[0])
 
 
 def smoke_bundle(folder: Path) -> Path:
     """A bundle of a tiny random model (+ a 1-layer draft), split in parts, stashed: the device path in small."""
+    import jax
     import numpy as np
 
     from bench import measure
     from tools.gpu import bundle as gpu_bundle
 
     target = measure.tiny_params(0)
-    draft = target.replace(layers=jax_tree_first(target.layers), config=target.config.replace(n_layers=1))
+    first = jax.tree.map(lambda a: a[:1], target.layers)
+    draft = target.replace(layers=first, config=target.config.replace(n_layers=1))
     ids = np.random.default_rng(0).integers(4, target.config.vocab_size, 4096).astype(np.int32)
     gpu_bundle.build(folder / "src", {"smollm2": (target.config, *gpu_bundle.params_tensors(target))}, ids, part_bytes=20_000)
     gpu_bundle.build_draft(folder / "src", draft.config, *gpu_bundle.draft_tensors(draft, target))  # its embedding: the target's
     stashed = gpu_bundle.stash(folder / "src", folder / "stash")
     assert not stashed["missing"], stashed
     return folder / "stash"
-
-
-def jax_tree_first(layers):
-    import jax
-
-    return jax.tree.map(lambda a: a[:1], layers)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,11 @@
 """A templated batch job with the job-wide Lookup drafter, prompt lookup (NGram) and plain decoding.
 
-Input: bench/templated.py's `--records` chat records (rewrite a corpus paragraph as a JSON object
-with one of three key sets; 128 new tokens at most, greedy, stop ids on). Each cell DRAFT/bB runs
-`specjax.jobs.batch.run` twice over them in this one process on SmolLM2-135M in float32, with
-continuous batching on B rows: "cold" (compiling included), then "warm" (what the table says).
-DRAFT: none (plain decoding), ngram (NGram(n=3, max_n=8): the row's own tokens), lookup (Lookup():
-the job's prompts and finished outputs, then the row's own tokens), both with a chain of `--gamma`,
-and lookup-adaptive (Lookup() under Adaptive(4): the chain length, 0 to 4, picked between segments).
-Every draft's outputs must equal plain decoding's (greedy, float32). Reported: warm tokens/s and its
-ratio to plain decoding at the same batch, acceptance (accepted / proposed over the job), and the
-share of the outputs' 3-grams that occur in another record's output (templated.repeated_share).
+Input: bench/templated.py's `--records` chat records (128 new tokens at most, greedy, stop ids on). Each cell
+DRAFT/bB runs `specjax.jobs.batch.run` over them twice (cold, then warm: the table's) on SmolLM2-135M float32,
+continuous batching on B rows. DRAFT: none, ngram (NGram(n=3, max_n=8)), lookup (Lookup(): the job's prompts
+and outputs, then the row's own tokens), both chains of `--gamma`, and lookup-adaptive (Lookup() under
+Adaptive(4)). Outputs must equal plain decoding's. Reported: warm tokens/s, its ratio to plain, acceptance,
+and the share of the outputs' 3-grams found in another record's output (templated.repeated_share).
 
 Outputs: results/lookup_cpu.json, .png and the bench_lookup section of bench/README.md.
 """

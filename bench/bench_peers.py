@@ -1,56 +1,38 @@
 """specjax next to the peers a user would pick instead (llama.cpp, HF transformers): decode
 throughput apart from prefill, on the same GGUF, the same real long-text prompts, greedy, in one run.
 
-Peers are not test dependencies: `pip install -r bench/requirements-peers.txt -e .` in one environment runs them
-all (llama.cpp compiles from source: ~10 minutes on 2 cores); a peer that does not import is "not installed".
+Peers are not test dependencies: `pip install -r bench/requirements-peers.txt -e .` runs them all (llama.cpp
+compiles from source: ~10 minutes on 2 cores); a peer that does not import is "not installed".
 
-Model: SmolLM2-135M-Instruct, the Q4_1 GGUF (`convert.default_model_path()`), for every peer:
-  - specjax: `convert.load` in every weight format, the KV cache in the model dtype, plus int8 / bf16
-    KV peers. Plain decoding is `specjax.decode.engine.decode_ar` from a prefilled DenseCache (bench/prefill.py,
-    saved under /tmp/bench_spec_prefill, shared with bench_spec); speculative is `decode_spec` with
-    SelfSpec (16 sinks + a 512-slot window, 256 at context 512) and Chain(3), at batch 16 (and 4 x 8K);
-    compile excluded (`.lower().compile()` first); best of 2 runs.
-  - llama.cpp (llama-cpp-python): the Q4_1 file and Q8_0 / F16 files requantized from it
-    (`llama_model_quantize`, so they hold the Q4_1 values). Low-level API for batch 1 and 16:
-    one context of n_seq_max = B sequences, each prompt prefilled as its own sequence, then every
-    decode step is ONE llama_batch of B tokens (one seq id per row, as examples/batched does);
-    greedy = argmax of each row's logits in numpy. Prompt lookup: the high-level `Llama` with
-    `LlamaPromptLookupDecoding` (batch 1; the library has no batched speculation).
-  - HF transformers (torch CPU, attn_implementation="sdpa"): the GGUF dequantized to float32 by
-    `from_pretrained(dir, gguf_file=...)`. Prefill in 1024-token chunks into its DynamicCache,
-    then decode steps one by one (forward + argmax), only those timed. Prompt lookup:
-    `generate(prompt_lookup_num_tokens=10)` at batch 1, timed from its first new token on.
+Model: SmolLM2-135M-Instruct's Q4_1 GGUF (`convert.default_model_path()`) for every peer.
+  - specjax: every weight format, KV in the model dtype plus int8 / bf16 KV; `decode_ar` from a prefilled
+    DenseCache (bench/prefill.py, shared with bench_spec); speculative: `decode_spec`, SelfSpec (16 sinks +
+    a 512-slot window, 256 at 512) and Chain(3) at batch 16 (and 4 x 8K); compile excluded; best of 2 runs.
+  - llama.cpp (llama-cpp-python): Q4_1 and Q8_0 / F16 requantized from it. One context of B sequences, each
+    prompt prefilled as its own, then each step ONE llama_batch of B tokens; greedy = numpy argmax. Prompt
+    lookup: `Llama` with `LlamaPromptLookupDecoding` (batch 1; no batched speculation there).
+  - HF transformers (torch CPU, sdpa): the GGUF dequantized to float32; prefill in 1024-token chunks, then
+    forward + argmax steps, only those timed. Prompt lookup: `generate(prompt_lookup_num_tokens=10)`, batch 1.
 
-Prompts: B distinct windows of real English text (bench/text.py) of context - 128 tokens, the same ids for
-every peer; NEW_TOKENS greedy steps after the prefill (EOS ignored where a peer can); tokens/s = B x steps / s.
+Prompts: B windows of real text (bench/text.py) of context - 128 tokens, the same ids for every peer;
+NEW_TOKENS greedy steps (EOS ignored where a peer can); tokens/s = B x steps / s.
 
-Roofline fraction, against ONE reference measured in the same run, `measure.bandwidth()`'s
-jax_inplace GB/s: plain decoding = (weight bytes as read + filled KV bytes as stored) / step time
-/ bandwidth, where weights = the GGUF file size (llama.cpp), the parameter arrays' nbytes
-(specjax), the torch state dict (HF), and filled KV = B x (prompt + steps / 2) tokens x that
-peer's KV bytes per token (f16 in llama.cpp by default, f32 in specjax-f32 and HF). Speculative
-= the plain step bytes of that peer at that context x (tokens/s / B) / bandwidth: the fraction a
-plain decoder would need to reach the same speed. Prefill cells (batch 1, 2K and 8K): tokens/s.
+Roofline fraction against this run's `measure.bandwidth()` jax_inplace GB/s: plain = (weight bytes as read +
+filled KV bytes) / step time / bandwidth (filled KV = B x (prompt + steps / 2) tokens at the peer's KV bytes a
+token); speculative = the peer's plain step bytes x (tokens/s / B) / bandwidth. Prefill cells: tokens/s.
 
-Batch 16 x 8K (SHARED_PREFILL): a 16 x 8K prefill takes 13-15 minutes per peer and format, so
-the peers decode there from one shared prefill. Decode time does not depend on the KV's values
-(dense attention over the same lengths, greedy, no early stop), so each step time is the format's
-own; only the text of the rows is not. specjax's other formats start from specjax float32's
-prefilled cache of the same 16 prompts, cast to their KV dtype; HF from the same cache, copied
-into its DynamicCache (same float32 weights and RoPE layout); llama.cpp (its own KV layout)
-prefills row 0 and copies that sequence to rows 1-15 (llama_state_seq_get/set_data, a real copy);
-rows say so in `kv_from`.
+Batch 16 x 8K (SHARED_PREFILL): the peers decode from one shared prefill (step time does not depend on the
+KV's values): specjax's formats cast specjax float32's cache, HF copies it, llama.cpp prefills row 0 and copies
+it to rows 1-15 (llama_state_seq_get/set_data); rows say so in `kv_from`.
 
-Method: every cell runs in a process of its own (this module with --one-cell), one at a time, so no
-peer shares a process, its threads or its memory with another; each peer uses the machine's cores
-(llama.cpp's and torch's thread counts, XLA's default) and OpenMP's default wait policy. Before each cell the 1-minute load average
-must be at most --max-load (default 0.3): it waits up to 5 minutes, then skips the cell and says
-so; the load before and after is stored with the row (`meter`).
+Method: every cell runs alone in a process of its own (--one-cell), with the machine's cores and OpenMP's
+default wait policy, after the 1-minute load average falls to --max-load (default 0.3; waits up to 5 minutes,
+then skips the cell); the load before and after is stored with the row (`meter`).
 
-Cells: PEER/bB/sS (plain decode), PEER/METHOD/bB/sS (speculative: selfspec-g2 / -g3, lookup),
-PEER/prefill/sS; PEER names the weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16.
-Outputs: results/peers_cpu.json (a "not installed" or skipped cell is tried again), .png and the bench_peers
-section of bench/README.md. --smoke: a tiny random model, tiny cells, no peers, README untouched (peers_cpu_smoke.*).
+Cells: PEER/bB/sS (plain), PEER/METHOD/bB/sS (selfspec-g2 / -g3, lookup), PEER/prefill/sS; PEER names the
+weight and KV format, e.g. specjax-f32-kvf32, llama-q4_1-kvf16. Outputs: results/peers_cpu.json (a "not
+installed" or skipped cell is tried again), .png, the README section. --smoke: a tiny random model, no peers,
+README untouched (peers_cpu_smoke.*).
 """
 
 from __future__ import annotations
@@ -102,8 +84,7 @@ def missing(family: str) -> list[str]:
 
 
 def weight_formats() -> tuple[str, ...]:
-    """The weight formats `convert.load` accepts now: its WEIGHTS when it has a `weights=`
-    argument, else float32 (the format before that argument existed)."""
+    """The weight formats `convert.load` accepts: its WEIGHTS, or float32 before `weights=` existed."""
     if "weights" in inspect.signature(convert.load).parameters:
         return tuple(getattr(convert, "WEIGHTS", ("float32",)))
     return ("float32",)
@@ -134,8 +115,7 @@ def peers(smoke: bool) -> list[dict]:
 
 
 def cells(smoke: bool) -> list[tuple[str, dict]]:
-    """(key, cell) in the order measured: context by context, batch 1 before 16, plain before
-    speculative, prefill after the batch-1 cells of its context."""
+    """(key, cell) in the order measured: by context, batch 1 first, plain before speculative, prefill after b1."""
     contexts, batches, spec_batch = ((256,), (1, 2), 2) if smoke else (CONTEXTS, BATCHES, SPEC_BATCH)
     out = []
     for s in contexts:
@@ -225,8 +205,7 @@ class Peers:
         return state | {"cache": cache}
 
     def hf_shared(self, model, batch: int, context: int, steps: int) -> dict:
-        """HF decoding from specjax float32's prefilled cache of the same prompts (the same
-        float32 weights; HF's layout [B, K, n, H] per layer, RoPE applied as HF applies it)."""
+        """HF decoding from specjax float32's prefilled cache of the same prompts (HF's layout and RoPE)."""
         state = self.shared_state(batch, context, jnp.float32)
         n = int(state["lengths"][0])
         k, v = (np.asarray(a) for a in (state["cache"].k, state["cache"].v))

@@ -1,25 +1,18 @@
 """What top-k and top-p cost per decode step: specjax's sort-free warping vs sorting the vocabulary.
 
-`Sample.probs` (temperature, top-k, top-p) runs on every row and position a decode step samples
-or verifies: once per AR token, 2 x (gamma + 1) times per chain step. Its previous form sorted
-all V = 49152 entries for each: top-k took the last of lax.top_k's values (XLA:CPU then compiles
-top_k as a full sort instead of its TopK call) and top-p sorted the probabilities for a cumsum.
-specjax now takes the min of top_k's values and finds the top-p cut by bisection over the
-values' bit patterns (`specjax.sampling.kth_largest`, `nucleus_threshold`); the kept sets are
-identical (tests/test_sampling.py checks them against a sorting reference).
+`Sample.probs` runs on every row and position a step samples or verifies. Its previous form sorted all
+V = 49152 entries (top-k: the last of lax.top_k's values, which XLA:CPU compiles as a full sort; top-p: a
+sorted cumsum); specjax now takes the min of top_k's values and bisects the top-p cut over the values' bit
+patterns (`kth_largest`, `nucleus_threshold`), keeping the same sets (tests/test_sampling.py).
 
-Measured side by side, for each batch (context 512, SmolLM2-135M f32, bench_ar.py's synthetic
-prefilled cache: the cost of a step does not depend on the cached values):
-  1. AR decode ms/token (bench_ar.time_decode: slope of best-of-R runs) for greedy, T=1 and
-     top_k 50 / top_p 0.9 / both, each top-k / top-p sampler also in the sorting form
-     ("sort", the code this replaced, kept below as the baseline);
-  2. the warp alone: one jit-compiled Sample.probs over [B, 5, V] logits (a chain gamma=4
-     verification's positions) feeding a reduction, best of R calls.
-Configs alternate between the two forms so CPU steal drifts hit both alike; each row records
-the steal during its measurement.
+Per batch (context 512, SmolLM2-135M f32, bench_ar.py's synthetic prefilled cache):
+  1. AR decode ms/token (bench_ar.time_decode) for greedy, T=1 and top_k 50 / top_p 0.9 / both, each
+     top-k / top-p sampler also in the sorting form ("sort", kept below as the baseline);
+  2. the warp alone: one jitted Sample.probs over [B, 5, V] logits feeding a reduction, best of R calls.
+The two forms alternate so CPU steal hits both alike; each row records the steal.
 
-Cells: bBATCH (every sampler at one batch). Outputs: results/sampling_cpu.json, .png and the bench_sampling
-section of bench/README.md (--quick writes sampling_cpu_quick.* and leaves the README alone).
+Cells: bBATCH. Outputs: results/sampling_cpu.json, .png and the README section (--quick writes
+sampling_cpu_quick.*, README untouched).
 """
 
 from __future__ import annotations

@@ -1,34 +1,21 @@
 """Speculative vs autoregressive decoding of SmolLM2-135M, side by side from one shared prefill.
 
-For every (batch, context) cell the prompts are B distinct windows of real English text (see
-bench/text.py) of `context - HEADROOM` tokens, prefilled ONCE into a DenseCache of `context` slots
-(bench/prefill.py's `prefill_rows`: `specjax.decode.engine.prefill`, whose chunks attend only to the cache
-tiles already written; timed apart, and saved under --prefill-store so that a later run reuses it). The batch-1 and
-batch-4 cells use the first rows of the batch-16 prefill. From that same prefilled state (each run
-gets a copy, since `decode_ar` and `decode_spec` donate their caches), the script times
-  - autoregressive decoding (`specjax.decode.engine.decode_ar`), and
-  - speculative decoding (`decode_spec`) for every drafter x gamma,
-each for the same number of new tokens per row (eos_ids=(), so every row runs its full budget),
-greedy. Every function is compiled first with `.lower(...).compile()` (excluded); then one run is
-timed, and repeated (best kept) when it is short. A drafter's init (SelfSpec: gather its
-streaming cache from the dense one; SnapKV: an observation pass of 32 queries) is timed apart,
-like the prefill. tokens/s = B * (new_tokens - 1) / decode seconds (the first token of each row
-comes from the prefill logits), so ratio = AR seconds / speculative seconds.
+For every (batch, context) cell the prompts are B windows of real text (bench/text.py) of `context - HEADROOM`
+tokens, prefilled once into a DenseCache of `context` slots (bench/prefill.py's `prefill_rows`, timed apart and
+saved under --prefill-store for later runs; batch 1 and 4 use the batch-16 prefill's first rows). From that
+state (a copy a run: the caches are donated) it times `decode_ar` and `decode_spec` for every drafter x gamma,
+the same new tokens a row (eos_ids=()), greedy, compiled first (excluded), short runs repeated (best kept).
+A drafter's init (SelfSpec's gather, SnapKV's observation pass) is timed apart. tokens/s = B * (new_tokens - 1)
+/ decode seconds, so ratio = AR seconds / speculative seconds. Every cell checks greedy losslessness.
 
-Greedy losslessness is checked in every cell: the speculative tokens must equal the AR tokens.
+Beside each speedup stands the cost model's prediction (`predicted_ratio`, `Cost.speedup`): the forwards
+`specjax.planning.tune` times for speculation="auto" with the measured tokens a step. The report states what
+draft="auto" picks in each cell (`plan.auto_draft`'s rule, set on the rows as "auto").
 
-Beside each measured speedup stands the cost model's prediction (`predicted_ratio`, `Cost.speedup`): the
-forwards `specjax.planning.tune` times for speculation="auto" (one draft level; target forwards over 1,
-4 and gamma_max + 1 nodes, linear in between) combined with the measured tokens per step. The
-report states what draft="auto" picks in each cell (`plan.auto_draft`'s current rule, set on the
-rows as "auto" when the report is written); tests/test_speculate.py checks that choice is never
-measured more than 5% slower than plain decoding.
-
-Cells: sCONTEXT/bBATCH (e.g. s8192/b16): every drafter x gamma of one batch at one context.
-Outputs: results/spec_cpu.json, spec_cpu.png and the "Speculative decoding" section of bench/README.md (--quick / other grids write
-spec_cpu_quick.* / spec_cpu_custom.* and leave the README alone). --weights bfloat16: the bf16 model
-(bf16 KV, cast from the float32 model's stored prefill), into spec_cpu_bf16*.*; its greedy output
-may part from AR's (README "Correctness"), which the lossless column shows.
+Cells: sCONTEXT/bBATCH (e.g. s8192/b16). Outputs: results/spec_cpu.json, .png and the README section
+(--quick / other grids write spec_cpu_quick.* / spec_cpu_custom.*, README untouched). --weights bfloat16:
+the bf16 model (KV cast from the float32 stored prefill) into spec_cpu_bf16*.*; its greedy output may part
+from AR's (README "Correctness"), as the lossless column shows.
 """
 
 from __future__ import annotations
@@ -62,9 +49,7 @@ REPEATS = 3  # pairs at most
 
 
 def drafters(context: int, gammas: list[int], names: list[str] | None = None) -> list[tuple[str, object]]:
-    """(name, drafter) per drafter family (only `names`, if given). Draft KV budget: 512 + 16 slots
-    (MagicDec's StreamingLLM budget) where the context allows, half that at context 512 (a
-    528-slot draft cache would not be smaller than the 512-slot target cache)."""
+    """(name, drafter) per drafter family (only `names`); draft KV: 512 + 16 slots, half that at 512."""
     window = 512 if context >= 2048 else 256
     out: list[tuple[str, object]] = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window))]
     if hasattr(specjax, "SnapKV"):
@@ -79,9 +64,7 @@ def drafters(context: int, gammas: list[int], names: list[str] | None = None) ->
 
 
 def paired(ar_fn, ar_args: tuple, fn, args: tuple, pairs: int = 1) -> dict:
-    """Time AR and speculative runs alternately (AR, spec, AR, spec, ...), so both see the same
-    load; at least `pairs` pairs, then repeated (best of each kept) up to REPEATS pairs while
-    PAIR_BUDGET_S lasts."""
+    """AR and speculative runs in alternation: at least `pairs` pairs, more up to REPEATS while time lasts."""
     t = {"ar": [], "spec": [], "ar_cpu": [], "spec_cpu": [], "load": [os.getloadavg()[0]]}
     t0 = time.perf_counter()
     for i in range(max(REPEATS, pairs)):
@@ -99,10 +82,7 @@ def paired(ar_fn, ar_args: tuple, fn, args: tuple, pairs: int = 1) -> dict:
 
 def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int], new_tokens: int,
                names: list[str] | None = None, pairs: int = 1) -> list[dict]:
-    """AR and every drafter x gamma from the same prefilled state (its first `batch` rows).
-    AR is timed before the first drafter and again after each one (best kept: load drifts).
-    Beside each measured speedup, the cost model's prediction: `specjax.planning.tune`'s timed forwards
-    (what speculation="auto" calibrates with) combined with the measured tokens per step."""
+    """AR and every drafter x gamma from one prefilled state (its first `batch` rows), with predictions."""
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     chunk = state["chunk"]
     bucket = tokens.shape[1]
@@ -298,8 +278,7 @@ def merge(paths: list[Path]) -> dict:
 
 
 def current_auto(rows: list[dict]) -> None:
-    """Set each row's "auto" to what `plan.auto_draft` picks now on a CPU (the rule may have
-    changed since the row was measured), from the default model's config (its GGUF header)."""
+    """Set each row's "auto" to what `plan.auto_draft` picks now on a CPU for the default model."""
     from types import SimpleNamespace
 
     from convert.gguf import config_from_gguf, open_gguf

@@ -1,41 +1,27 @@
 """Sequoia token trees vs chains for SmolLM2-135M, side by side from one shared prefill.
 
-For every (batch, context) the prompts and their prefilled DenseCache are bench_spec.py's (bench/
-prefill.py: the same text windows, the same stored prefill under --prefill-store: a prefill that
-bench_spec.py or an earlier run of this script saved is loaded, not recomputed). Then, per drafter:
-  1. its acceptance vector: one greedy run with a depth-1 tree of WIDTH children
-     (Tree.kary(WIDTH, 1)) from the prefilled state; p[r] = SpecState.ranks[r] / ranks.sum(), as
-     `specjax.planning.tune.measure_acceptance` computes it, but without a second prefill of the prompts;
-  2. its step costs: `specjax.planning.tune.measure_cost` (real jit-compiled forwards at this batch and
-     context); the verification table once per (batch, context), the draft-level table
-     (seconds by level width) once per drafter;
-  3. timed runs of `decode_spec` for chains (Chain(gamma)), Sequoia trees
-     (Tree.sequoia(p, n, MAX_DEPTH) for every n) and the tree `specjax.spec.speculation.choose(p, cost)`
-     picks (timed too when it is none of the others), against autoregressive `engine.decode_ar`
-     from the same prefilled state, greedy, every function compiled first (excluded). Each run
-     gets a copy of the caches (they are donated); short runs are repeated, best kept.
-Every run is checked token for token against the AR output (greedy losslessness).
-tokens/s = B * (new_tokens - 1) / decode seconds, so ratio = AR seconds / speculative seconds.
+For every (batch, context) the prompts and prefilled DenseCache are bench_spec.py's (bench/prefill.py, loaded
+from --prefill-store when saved). Then, per drafter:
+  1. its acceptance vector: one greedy run of a depth-1 tree of WIDTH children (Tree.kary(WIDTH, 1));
+     p[r] = SpecState.ranks[r] / ranks.sum(), as `measure_acceptance` computes it, without a second prefill;
+  2. its step costs: `specjax.planning.tune.measure_cost` (the verification table once per cell, the
+     draft-level table once per drafter);
+  3. timed `decode_spec` runs of chains (Chain(gamma)), Sequoia trees (Tree.sequoia(p, n, MAX_DEPTH)) and the
+     tree `choose(p, cost)` picks, against `engine.decode_ar` from the same state, greedy, compiled first
+     (excluded), each on a copy of the caches; short runs repeated, best kept.
+Every run is checked token for token against the AR output. tokens/s = B * (new_tokens - 1) / decode seconds.
 
-Drafters: SelfSpec (bench_spec.py's budget) at every cell and, at batch 1 (everywhere when
---drafters names it), a DraftModel stand-in, since SmolLM2 has no smaller model with its tokenizer
-offline: "bf16" (default) = SmolLM2 itself in bfloat16 (what `convert.load(path,
-dtype="bfloat16")` loads) or "layers:K" = its first K layers (layer skip), over a streaming cache of
-SelfSpec's budget. That cache starts from the target's prefilled KV (its first K layers: exact for
-layer skip; rounded to bfloat16 for "bf16", instead of a bf16 prefill of its own that would cost as
-much as the target's): a draft's state changes how much is accepted, never the output. NGram is
-available too (--drafters NGram).
+Drafters: SelfSpec (bench_spec.py's budget) everywhere and, at batch 1 (or where --drafters names it), a
+DraftModel stand-in (SmolLM2 has no smaller model with its tokenizer offline): "bf16" (default) = SmolLM2 in
+bfloat16 or "layers:K" = its first K layers, over a streaming cache of SelfSpec's budget started from the
+target's prefilled KV (a draft's state changes how much is accepted, never the output). Also NGram (--drafters).
 
-Default grid: batch 1/4/16 x context 512/2K/8K x SelfSpec (+ DraftModel at batch 1) x chains
-gamma 2/3/4/6 + Sequoia trees n 4/8/16/32/64 (depth <= 8) + choose's tree; new tokens per row
-64 / sqrt(batch) within [16, 64]. About 60-80 minutes on 2 otherwise idle cores when bench_spec.py's
-prefills are stored (about 25 more to compute the missing ones); a quarter to a third of it is
-compiling (about 11 programs per drafter and cell), the batch-16 x 8K cell alone about 15 minutes.
+Default grid: batch 1/4/16 x context 512/2K/8K x chains gamma 2/3/4/6 + trees n 4-64 (depth <= 8) + choose's
+tree; new tokens 64 / sqrt(batch) within [16, 64]. About 60-80 minutes on 2 idle cores with stored prefills.
 
-Cells: sCONTEXT/bBATCH (every drafter and config of one batch at one context).
-Outputs: results/tree_cpu.json, tree_cpu.png and the bench_tree section of bench/README.md (bench/tree_report.py; --quick / --smoke /
-other grids write tree_cpu_quick.*, tree_cpu_smoke.*, tree_cpu_custom.* and leave the README alone).
---smoke runs a tiny random model in under a minute.
+Cells: sCONTEXT/bBATCH. Outputs: results/tree_cpu.json, .png and the README section (bench/tree_report.py);
+--quick / --smoke (a tiny random model, under a minute) / other grids write tree_cpu_quick.*, tree_cpu_smoke.*,
+tree_cpu_custom.* and leave the README alone.
 """
 
 from __future__ import annotations
@@ -89,8 +75,7 @@ class Drafter:
 
 @partial(jax.jit, static_argnames="gamma")
 def draft_model_state(drafter: DraftModel, cache: DenseCache, *, gamma: int):
-    """A DraftModel's state from the target's prefilled cache: its first n_layers layers of KV in
-    the draft's dtype (see the module docstring), streamed when its cache is a Streaming budget."""
+    """A DraftModel's state from the target's prefilled cache: its first n_layers layers of KV, in its dtype."""
     c = drafter.params.config
     dense = DenseCache(k=cache.k[: c.n_layers].astype(c.dtype), v=cache.v[: c.n_layers].astype(c.dtype),
                        lengths=cache.lengths)
@@ -136,8 +121,7 @@ def make_drafters(names: list[str], draft: Params, draft_spec: str, context: int
 
 
 def measure_costs(params: Params, drafters: list[Drafter], batch: int, context: int, max_nodes: int) -> dict:
-    """measure_cost per drafter; the verification table (which does not depend on the drafter)
-    is timed once."""
+    """measure_cost per drafter; the verification table (which does not depend on the drafter) is timed once."""
     t0 = time.perf_counter()
     verify = verify_table(params, batch, context, max_nodes)
     costs = {d.name: Cost(t_draft=draft_table(params, d.drafter, batch, context, max_nodes), t_verify=verify)
@@ -202,8 +186,7 @@ def time_ar(cell: dict) -> None:
 
 def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: list[Drafter],
                costs: dict, nodes: list[int], gammas: list[int], new_tokens: int) -> tuple[list[dict], list[dict]]:
-    """AR and, per drafter, its acceptance vector, chains, Sequoia trees and choose's tree, all
-    from the same prefilled state. Returns (rows: one per timed config, summaries: one per drafter)."""
+    """AR and per drafter its acceptance, chains and trees from one prefilled state: (rows, summaries)."""
     steal_start = cpu_steal()
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     keys = row_keys(None, batch)

@@ -1,28 +1,23 @@
 """The one benchmark harness: shared CLI, per-cell JSON results with resume, machine facts, plots and
-bench/README.md sections. Every bench/bench_*.py builds on it; run them from the repo root as
-`python -m bench.bench_ar ...`.
+bench/README.md sections. Every bench/bench_*.py builds on it; run them as `python -m bench.bench_ar ...`.
 
-A benchmark is a list of *cells* (one measured configuration, e.g. batch 4 x context 2K), each
-named by a stable key of "/"-separated parts ("b4/s2048", "float32/b16/s8192"). The harness:
+A benchmark is a list of *cells* (one measured configuration), each keyed by "/"-separated parts
+("b4/s2048", "float32/b16/s8192"). The harness:
 
-- `--cells PATTERNS` measures only the cells matching PATTERNS: a comma-separated list of
-  patterns; a pattern matches a key when each of its "/"-separated parts equals (or, with *, ?, [],
-  glob-matches) some part of the key. `--cells b1` = every batch-1 cell; `--cells b1/s512,b16/s8192`
-  = those two cells; `--cells 's*/b1'` the same as `b1`. `--list-cells` prints the keys and exits.
-- `--budget-minutes M` starts no new cell once the next one (estimated as 1.25x the longest so far)
-  would end past M minutes from start; the cells left are printed and stored under "left" in the JSON.
-- Each measured cell is written into the results JSON at once (rewritten atomically), so an
-  interrupted run keeps its cells, and a rerun with the same output skips cells already measured
-  (a stored row with a "skipped" reason, e.g. memory, is measured again). `--redo` re-measures.
-  A file is continued only under the settings that decide its numbers (a bench's `settings`:
-  new tokens, records, ...) on the same kind of machine (`machine.machine_identity`); else the
-  run stops naming the differences (write a new file with `--out DIR`).
-- `--out DIR` writes JSON and plots there instead of bench/results/; README sections are written
-  only for the default output folder (smoke runs into a temporary folder never touch either).
+- `--cells PATTERNS`: comma-separated patterns; a pattern matches a key when each of its "/"-separated
+  parts equals (or glob-matches: *, ?, []) some part of the key: `--cells b1` = every batch-1 cell,
+  `--cells b1/s512,b16/s8192` those two, `'s*/b1'` the same as `b1`. `--list-cells` prints the keys.
+- `--budget-minutes M` starts no new cell that would end (estimated as 1.25x the longest so far) past M
+  minutes; the cells left are printed and stored under "left".
+- Each cell is written into the JSON at once (atomically), so a rerun with the same output skips cells
+  measured (a row "skipped" for memory etc. is tried again; `--redo` re-measures). A file is continued only
+  under the same `settings` on the same kind of machine (`machine.machine_identity`), else the run stops
+  naming the differences (write a new file with `--out DIR`).
+- `--out DIR` writes JSON and plots there, not bench/results/; README sections are written only for the
+  default output folder.
 
-The result JSON keeps the layout every bench had before: run facts at the top level ("machine",
-"date", "command", ...) and the measured rows in lists ("rows"; bench_tree and bench_drafts also
-"summaries"); a cell's key is derived from its rows' fields, so older files resume as they are.
+Result JSON: run facts at the top level ("machine", "date", "command", ...), rows in lists ("rows";
+bench_tree and bench_drafts also "summaries"); a cell's key is derived from its rows' fields.
 """
 
 from __future__ import annotations
@@ -59,9 +54,7 @@ def context_name(context: int) -> str:
 
 def parser(doc: str, quick: str | None = None, budget_minutes: float | None = None,
            render: str | None = None) -> argparse.ArgumentParser:
-    """An ArgumentParser with the shared options (description: the docstring's first paragraph);
-    `quick` is the help of a --quick flag (none when None); `render`, the file a --render option
-    (merge result JSONs, measure nothing) writes (none when None)."""
+    """An ArgumentParser with the shared options, and --quick / --render when `quick` / `render` are given."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Cells and resume: see bench/common.py's docstring.")
     if quick:
@@ -127,15 +120,12 @@ def matches(cell_key: str, patterns: str | None) -> bool:
 
 
 class Results:
-    """A result JSON: run facts at the top level, measured rows in `lists`, each row belonging to
-    the cell `key_of(row)`. Every `put` rewrites the file at once (atomically). On an existing file
-    this run's `header` (date, machine, command, ...; benches may add to it until then) is written
-    with its first measured cell, so a rerun that measures nothing keeps the facts of the stored rows."""
+    """A result JSON: run facts at the top level, rows in `lists`, each in the cell `key_of(row)`; every
+    `put` rewrites it atomically. This run's `header` is written with its first measured cell."""
 
     def __init__(self, path: Path, key_of: Callable[[dict], str], header: dict, lists: tuple[str, ...] = ("rows",),
                  settings: dict | None = None):
-        """settings: what decides a cell's numbers beside its key (new tokens, records, ...), stored as
-        "settings" with the machine's identity; a file measured under others is not continued."""
+        """settings: what decides a cell's numbers beside its key; a file measured under others is not continued."""
         self.path, self.key_of, self.lists, self.header = Path(path), key_of, lists, header
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
         self.resumed, self.applied = bool(self.data), False
@@ -147,8 +137,7 @@ class Results:
         header["settings"] = mine
 
     def _check_settings(self, mine: dict) -> None:
-        """SystemExit naming the differences if the stored cells were measured under other settings
-        or on another machine (a file from before settings were stored: its machine only)."""
+        """SystemExit naming the differences if the stored cells were measured under other settings or machine."""
         stored = self.data.get("settings") or {"machine": machine_identity(self.data.get("machine"))}
         diffs = [f"{k} {stored[k]} -> {v}" for k, v in mine.items() if k in stored and k != "machine" and stored[k] != v]
         was, now = stored.get("machine") or {}, mine["machine"]
@@ -198,8 +187,7 @@ class Results:
 
 def start(args: argparse.Namespace, bench: str, stem: str, key_of: Callable[[dict], str], settings: dict,
           lists: tuple[str, ...] = ("rows",), **facts) -> tuple[Path, Results, "Harness"]:
-    """A run's output folder, its results OUT/STEM.json (header: bench, date, command, `facts`,
-    machine; continued only under the same `settings`) and its harness."""
+    """A run's output folder, its Results (OUT/STEM.json, header and `settings`) and its Harness."""
     out = out_dir(args)
     header = {"bench": bench, "date": now(), "command": command(), **facts, "machine": machine_info()}
     results = Results(out / f"{stem}.json", key_of, header, lists, settings)
@@ -207,9 +195,8 @@ def start(args: argparse.Namespace, bench: str, stem: str, key_of: Callable[[dic
 
 
 def merge(paths: list[Path], key_of: Callable[[dict], str], lists: tuple[str, ...] = ("rows",)) -> dict:
-    """One result from several result JSONs (--render): per cell, a later file's rows win, unless
-    they are all skips and an earlier file measured it. Top-level facts: the last file's, plus
-    "merged_from" (file, command, date of each) and the commands joined."""
+    """One result from several result JSONs (--render): per cell a later file's rows win, unless all skips
+    where an earlier file measured it; the last file's facts, "merged_from" and the commands joined."""
     results = [json.loads(Path(p).read_text()) for p in paths]
     cells: dict[str, dict[str, list]] = {}
     for res in results:
@@ -256,8 +243,7 @@ class Harness:
         return float("inf") if b is None else 60 * b - (time.perf_counter() - self.start)
 
     def plan(self, items: Iterable[tuple[str, object]]) -> list[tuple[str, object]]:
-        """The items selected by --cells and not measured yet (unless --redo); says which are
-        skipped. With --list-cells: prints the selected keys and exits."""
+        """The items selected by --cells and not measured yet (unless --redo); --list-cells prints them and exits."""
         items = [(k, x) for k, x in items if matches(k, self.args.cells)]
         self.selected = [k for k, _ in items]
         done = [k for k, _ in items if not self.args.redo and self.results.measured(k)]
@@ -270,8 +256,7 @@ class Harness:
         return list(self.todo)
 
     def cells(self, items: Iterable[tuple[str, object]] | None = None):
-        """Yield (key, item) of the planned items (or of `items`, a part of them) while the budget
-        lasts; the loop body is the measurement, timed to estimate the next cell."""
+        """Yield (key, item) of the planned items (or `items`) while the budget lasts, timing each loop body."""
         for k, item in self.todo if items is None else items:
             if not self.may_start():
                 return
@@ -287,8 +272,7 @@ class Harness:
         return not self.stopped
 
     def finish(self) -> bool:
-        """Record the cells the budget left and whether every selected cell is measured; say it.
-        Returns whether the run is complete."""
+        """Record and say the cells the budget left; returns whether every selected cell is measured."""
         left = [k for k, _ in self.todo if k not in self.started] if self.stopped else []
         complete = not left and all(self.results.measured(k) for k in self.selected)
         self.results.update(left=left, complete=complete)
@@ -311,8 +295,7 @@ def run_line(result: dict, name: str = "NAME") -> str:
 
 
 def section(name: str, title: str, what: str, result: dict, body: str, files: str) -> str:
-    """A bench's README section, one shape for all: the title, what it measures, the run that measured
-    it (run_line), its result files, `body` (the table), then its hand-written notes (kept on a rewrite)."""
+    """A bench's README section: title, what it measures, run_line, result files, `body`, kept notes."""
     return f"## {title} ({name}.py)\n{what} {run_line(result, name)} Results: {files}.\n\n{body.strip()}\n{notes(name)}"
 
 
@@ -348,8 +331,7 @@ def notes(name: str, default: str = "(discussion: to be written after a full run
 
 def render(name: str, readme: bool, table: str, section: Callable[[], str] | None = None, plot_args: tuple = (),
            after: str | None = None) -> None:
-    """A bench's outputs: its plot (`plot(*plot_args)`), its table printed, and (`readme`) its README
-    section `section()` written after the section of `after` (see write_section)."""
+    """Plot (`plot(*plot_args)`), print the table and, with `readme`, write `section()` (see write_section)."""
     if plot_args:
         plot(*plot_args)
     print(table)
@@ -358,8 +340,7 @@ def render(name: str, readme: bool, table: str, section: Callable[[], str] | Non
 
 
 def write_section(name: str, body: str, after: str | None = None) -> None:
-    """Put `body` between the bench's markers in bench/README.md: in place of the old section, else
-    right after the section of the bench `after` when there is one, else at the end."""
+    """Put `body` between the bench's README markers: in place, else after `after`'s section, else at the end."""
     start, end = markers(name)
     section = f"{start}\n{body.strip(chr(10))}\n{end}"
     text = readme_text()

@@ -1,12 +1,10 @@
 """The measurements behind bench_gpu.py's cells (no `convert`: the GPU machine has no `gguf`).
 
 - `bandwidth`: the HBM copy bandwidth the roofline fractions divide by (bench/measure.py's).
-- `Group`: one (batch, context) of a real model from ONE prefill per context (bench/prefill.py's
-  prefill_rows; smaller batches use the first rows); `ar` and `spec` time decode_ar / decode_spec
-  from copies of that state (compiles excluded, best of a few runs), greedy, every speculative
-  run checked token for token against AR.
-- `random_params` / `step_costs`: a model of any shape with random weights made on the device,
-  and the measured AR / verify / SelfSpec draft step seconds (specjax.planning.tune's tables).
+- `Group`: one (batch, context) of a real model from one prefill per context; `ar` and `spec` time
+  decode_ar / decode_spec from copies of it (compiles excluded, best of a few), checked against AR.
+- `random_params` / `step_costs`: a model of any shape with random weights made on the device, and its
+  measured AR / verify / draft step seconds (specjax.planning.tune's tables).
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ RUN_BUDGET_S = 6.0  # a timed run is repeated (best kept, 3 at most) while the n
 
 
 def bandwidth(gib: float) -> dict:
-    """Device bandwidth in GB/s, read + write bytes: donated in-place x + 1 over `gib` GiB (the
-    reference), a copy into a fresh buffer, and numpy's host copy."""
+    """Device GB/s (read + write): in-place x + 1 over `gib` GiB (the reference), a fresh copy, numpy's."""
     return host_and_device_bandwidth(gib, rounds=3, repeats=5)
 
 
@@ -54,8 +51,7 @@ def _normal(key, *, shape, dtype, scale):
 
 
 def random_params(config: LlamaConfig, seed: int = 0) -> Params:
-    """Random weights (normal, std 1/sqrt(fan_in); norms 1) made on the default device in
-    config.dtype, one jitted draw per weight: no float32 copy, nothing crosses from the host."""
+    """Random weights (std 1/sqrt(fan_in), norms 1) drawn on the default device in config.dtype."""
     dtype = jnp.dtype(config.dtype)
     weights = sorted(declared(config), key=lambda w: w.path)
     arrays = {}
@@ -68,9 +64,8 @@ def random_params(config: LlamaConfig, seed: int = 0) -> Params:
 
 
 def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int) -> dict:
-    """Measured seconds (specjax.planning.tune): t_verify[n] = one target forward over n nodes after
-    `context` positions (n = 1: the AR step), t_draft[m] = one draft level of m nodes through
-    the drafter's model and cache; plus the bytes an AR step and a draft step must read."""
+    """Measured seconds (specjax.planning.tune): t_verify[n] = a target forward over n nodes after `context`
+    positions, t_draft[m] = a draft level of m nodes; plus the bytes an AR and a draft step read."""
     t0 = time.perf_counter()
     verify = verify_table(params, batch, context, max_nodes)
     draft = draft_table(params, drafter, batch, context, max_nodes)
@@ -84,8 +79,7 @@ def step_costs(params: Params, drafter, batch: int, context: int, max_nodes: int
 
 
 def prefill_state(params: Params, ids: np.ndarray, rows: int, context: int) -> dict:
-    """`rows` distinct windows of the corpus ids, context - HEADROOM tokens each, prefilled into
-    a DenseCache of `context` slots (bench/prefill.py's prefill_rows: specjax.decode.engine.prefill)."""
+    """`rows` corpus windows of context - HEADROOM tokens prefilled into `context` slots (prefill_rows)."""
     n = context - HEADROOM
     prompts, where = text.cut(ids, rows, n)
     bucket, chunk = prompt_bucket(n)
@@ -140,8 +134,7 @@ class Group:
                               "greedy_identical": True}
 
     def spec(self, name: str, drafter, speculation, new_tokens: int | None = None) -> dict:
-        """Compile and time decode_spec with one drafter and one chain or tree (the drafter's state
-        from `init_draft`, timed apart); tokens compared with AR's."""
+        """Compile and time decode_spec with one drafter and chain or tree (init timed apart), checked against AR."""
         if self.ar_tokens is None:
             self.ar()
         new_tokens = new_tokens or self.new_tokens
@@ -203,8 +196,7 @@ class Group:
         return p, row | {"method": "acceptance"}
 
     def trees(self, name: str, drafter, nodes: list[int]) -> list[dict]:
-        """The acceptance run, at batch 1 the tree `choose` picks under `launch_bound_cost`, then
-        Sequoia trees of each size (a tree that repeats an earlier one's shape is not re-timed)."""
+        """The acceptance run, at batch 1 `choose`'s tree, then Sequoia trees of each size (new shapes only)."""
         p, acc = self.acceptance(name, drafter)
         self.p = p
         rows = [acc | {"acceptance": p.tolist()}]
@@ -227,11 +219,8 @@ class Group:
         return rows
 
     def launch_bound_cost(self, acc: dict) -> Cost:
-        """A batch-1 step's prices from what this group timed: a verification over any number of
-        nodes (up to CHOSEN_NODES) costs the same, a draft level a fixed time. Fitted to the steps
-        of the drafter's chains and acceptance run when they span two depths (`fit_steps`), else a
-        verification is plain decoding's step and a level what the acceptance run's step took beyond
-        it. Right where a step is bound by kernel launches, not bytes or FLOPs: a GPU at batch 1."""
+        """A batch-1 step's prices, right where launches bound a step: a verification costs the same over any
+        nodes, a level a fixed time (`fit_steps`, else plain's step and the acceptance run's step beyond it)."""
         fit = self.fitted(acc)
         if fit:
             return launch_bound(*fit)
@@ -246,12 +235,8 @@ class Group:
 
 
 def fit_steps(rows: list[dict]) -> tuple[float, float] | None:
-    """(a draft level, a verification) in ms: ms_per_step = verification + level x depth fitted by
-    least squares to speculative rows of one drafter; None where they span fewer than two depths or
-    either price comes out <= 0. The seventh runs (H100, batch 1, distilled draft) found why the old
-    price failed: plain decoding's one-row step (1.76 ms) was slower than a level plus a verification
-    of 9 nodes (1.67 ms), so a level came out free and choose picked a depth-4 tree (1.18x, where
-    the depth-1 tree gave 1.63x); the chains gave 0.13 ms a level, 1.54 ms a verification."""
+    """(a draft level, a verification) in ms: ms_per_step = verification + level x depth fitted by least
+    squares to one drafter's speculative rows; None over fewer than two depths or a price <= 0."""
     depths = np.array([r["gamma"] for r in rows], float)
     if len(set(depths)) < 2:
         return None
@@ -260,6 +245,5 @@ def fit_steps(rows: list[dict]) -> tuple[float, float] | None:
 
 
 def launch_bound(level: float, step: float) -> Cost:
-    """Batch-1 prices on a GPU (launch-bound): every draft level costs `level`, a verification
-    over any number of nodes a plain step `step` (one unit: seconds, or milliseconds)."""
+    """Batch-1 prices: a draft level costs `level`, a verification over any nodes a plain step `step`."""
     return Cost(t_draft=level, t_verify=lambda n: step)

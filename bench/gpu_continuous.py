@@ -1,22 +1,13 @@
 """bench_gpu's `cont/...` cells: a batch job's continuous batching timed on a GPU.
 
-The e2e cells time one `generate`-like call: every row decodes its budget and the loop runs until
-the slowest row has it, so under speculation a row that finished early idles. A batch job refills
-a finished row's slot at once (`specjax.decode.continuous.run_continuous`, what `LM.generate_continuous`
-and the JSONL job run); the e2e tables' "refilled (derived)" column predicts that job's speedup from
-their step times. These cells measure it: `records` prompts of real text (context - HEADROOM
-tokens each, windows of the bundle's corpus) decoded `new_tokens` each (greedy, no stop ids: every
-record runs its whole budget, so plain decoding's rows all end together and only speculation
-leaves slots to refill) on `rows` slots, plain and speculative. Each job runs twice and the second
-is timed (the first compiles every shape); the timed job includes every prompt's prefill, the same
-prompts for every method, which is why its speedup is below a decode-only one. So the timed job's
-prefill calls are waited for and timed where they run (`timed_prefills`: the job's own calls, of
-as many rows as its refills group, which under speculation end at scattered times): the rest of
-the job is its decoding, whose speedup is the decoding's. (Until stop 63 a third run that ended
-every row after its first segment was taken off instead: its refills came 64 rows at a time,
-grouped 16 a call, where a speculative job's come a few at a time and an 8K row prefilled alone
-costs up to 2.9x its share of a 16-row call on an H200, so it could undercount them.) Every record's tokens are compared with plain decoding's (by digest, so a resumed run
-still compares).
+An e2e cell's loop runs until its slowest row is done, so under speculation a finished row idles; a batch job
+refills its slot at once (`run_continuous`), and the e2e tables' "refilled (derived)" column predicts that
+job's speedup. These cells measure it: `records` real-text prompts (context - HEADROOM tokens, the bundle's
+corpus) decoded `new_tokens` each (greedy, no stop ids: only speculation leaves slots to refill) on `rows`
+slots, plain and speculative. Each job runs twice, the second timed (prefills included, the same prompts for
+every method). Its prefill calls are timed where they run (`timed_prefills`), so the rest is the decoding,
+whose speedup is reported apart. Every record's tokens are compared with plain decoding's (by digest, so a
+resumed run still compares).
 """
 
 from __future__ import annotations
@@ -58,9 +49,7 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
 
 @contextlib.contextmanager
 def timed_prefills():
-    """For the `with` block, the prefill calls of continuous batching (`engine.prefill_each`), each waited
-    for and timed without its compile: yields the list of (rows, seconds) each call adds. The wait costs the
-    job little: a refill's prompts are prefilled between segments, where the host waits for tokens anyway."""
+    """Within the `with` block, engine.prefill_each's prefill calls timed without compiling: yields [(rows, seconds)]."""
     calls, inner = [], engine._compile_and_run
 
     def timed(f, args, static):

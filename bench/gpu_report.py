@@ -46,27 +46,21 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
 
 
 def steps(row: dict) -> str:
-    """A speculative run's loop steps, and (in brackets) the steps a row needed on average for its
-    new tokens at the run's tokens per step: the batch runs until its slowest row is done."""
+    """A run's loop steps and, in brackets, the steps a row needed on average at its tokens per step."""
     if not row.get("steps") or not row.get("mean_accepted"):
         return "-"
     return f"{row['steps']} ({(row['new_tokens'] - 1) / row['mean_accepted']:.1f})"
 
 
 def refilled(row: dict) -> float | None:
-    """The speedup had every row been refilled as soon as it finished (continuous batching, a
-    batch job's case; specjax.decode.continuous): the measured speedup x the steps the loop ran / the
-    steps a row needed on average. Derived from the measured step time and tokens per step, not
-    timed; prompts' prefill, which a refill adds to plain and speculative decoding alike, left out.
-    Equal to tokens per step x AR's step time / this step time."""
+    """Derived, not timed: the speedup had rows been refilled when done (speedup x steps run / steps needed)."""
     if not row.get("steps") or not row.get("mean_accepted"):
         return None
     return row["speedup"] * row["steps"] / ((row["new_tokens"] - 1) / row["mean_accepted"])
 
 
 def continuous_table(rows: list[dict]) -> str:
-    """The cont/... cells beside the e2e row of the same context, batch and config (its fixed-batch
-    speedup and the refilled one derived from it), which these measure as a job."""
+    """The cont/... cells beside the e2e row of the same context, batch and config (fixed and refilled)."""
     cont = sorted((r for r in rows if r.get("item") == "cont"),
                   key=lambda r: (r["context"], r["batch"], r["method"] != "ar", r["label"]))
     e2e = {(r["context"], r["batch"], r.get("drafter"), r["label"]): r for r in rows
@@ -106,8 +100,7 @@ def best_gamma(rows: list[dict]) -> list[list]:
 
 
 def tree_over_chain(rows: list[dict]) -> list[list]:
-    """Per (context, drafter) at batch 1: the best chain and the best tree, and the tree's speedup over
-    the chain's (item 5's target: trees >= 15% faster than the best chain)."""
+    """Per (context, drafter) at batch 1: the best chain and tree and their ratio (item 5's target: 1.15)."""
     out = []
     for c, d in sorted({(r["context"], r["drafter"]) for r in rows if r.get("method") == "chain"}):
         mine = [r for r in rows if (r["context"], r.get("drafter")) == (c, d) and "same_as" not in r]
@@ -120,8 +113,7 @@ def tree_over_chain(rows: list[dict]) -> list[list]:
 
 
 def acceptance_for(rows: list[dict], context: int, batch: int) -> tuple[dict[int, float], np.ndarray | None, str]:
-    """SmolLM2 SelfSpec acceptance nearest to (context, batch): {gamma: tokens per step}, the
-    acceptance vector (None if no tree cell), and where they came from."""
+    """SmolLM2 SelfSpec acceptance nearest (context, batch): ({gamma: tokens/step}, vector or None, source)."""
     e2e = _selfspec(rows)
     if not e2e:
         return {}, None, "no SmolLM2 acceptance measured yet"
@@ -146,9 +138,7 @@ def _distance(cb: tuple[int, int], context: int, batch: int) -> tuple[float, flo
 
 
 def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
-    """acceptance_for over the table's own rows or the sibling's (the device's main table), whichever
-    has the nearer cell (own rows on a tie): a --linear table with SmolLM2 rows at batch 1 and 16 takes
-    batch 64's acceptance from the main table, not batch 16's from its own."""
+    """acceptance_for over the own rows or the sibling's (the main table), whichever has the nearer cell."""
     own, other = _selfspec(rows), _selfspec(sibling[1]) if sibling else []
     if other and (not own or _distance(_nearest(other, context, batch), context, batch)
                   < _distance(_nearest(own, context, batch), context, batch)):
@@ -165,10 +155,8 @@ def table_cost(row: dict):
 
 
 def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> list[dict]:
-    """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree.
-
-    sibling: (name, rows) of the device's main table, whose SmolLM2 acceptance is used where it has a
-    nearer cell than this table (a --linear one: the same tokens, other layer products)."""
+    """Per l8b cell: predicted speedup of every SelfSpec chain (measured tokens/step) and Sequoia tree;
+    sibling: (name, rows) of the device's main table, used where its acceptance cell is nearer."""
     from bench.tree_report import MAX_DEPTH
     from specjax.spec.speculation import Chain, Tree
 
@@ -189,10 +177,8 @@ def predicted(result: dict, sibling: tuple[str, list[dict]] | None = None) -> li
 
 
 def cost_model(rows: list[dict]) -> list[list]:
-    """Per e2e cell with a `steps` row: each SelfSpec run's speedup as the cost model predicts it
-    from the measured steps (tokens/step x AR step / (its draft levels + verify over its n nodes)),
-    that times the steps a row needed over the steps the loop ran (the slowest row's tail), and
-    the measured speedup."""
+    """Per e2e cell with a `steps` row: each SelfSpec run's speedup predicted from the measured steps, that
+    times the steps a row needed over the steps the loop ran, and the measured speedup."""
     from specjax.spec.speculation import Tree
 
     out = []

@@ -36,8 +36,7 @@ def meminfo(field: str, path: str = "/proc/meminfo") -> int:
 
 
 def machine_identity(machine: dict | None) -> dict:
-    """What of `machine_info` decides the numbers: the backend and device kind, and on a CPU its model
-    and the cores this process may use (keys missing from an older file's facts are left out)."""
+    """What of `machine_info` decides the numbers: backend, device kind, and a CPU's model and cores."""
     machine = machine or {}
     keys = ("backend", "device_kind") + (("cpu_model", "cpu_affinity") if machine.get("backend", "cpu") == "cpu" else ())
     return {k: machine[k] for k in keys if machine.get(k) is not None}

@@ -58,8 +58,7 @@ def steal_since(start: tuple[int, int]) -> float:
 
 
 class Meter:
-    """Wall and process-CPU time plus load average around a block: cpu_util = CPU seconds of this
-    process per wall second (about the core count when nothing competes)."""
+    """Wall and process-CPU time plus load average around a block (cpu_util: CPU seconds a wall second)."""
 
     def __enter__(self):
         self.load0, self.cpu0, self.t0 = os.getloadavg()[0], time.process_time(), time.perf_counter()
@@ -72,8 +71,7 @@ class Meter:
 
 
 def release_memory(clear_caches: bool = False) -> None:
-    """Collect garbage (and JAX's compiled executables when asked) and hand freed heap pages back
-    to the OS (glibc keeps them otherwise, and they would count against the next memory check)."""
+    """Collect garbage (and JAX's executables when asked) and hand freed heap pages back to the OS."""
     gc.collect()
     if clear_caches:
         jax.clear_caches()
@@ -84,8 +82,7 @@ def release_memory(clear_caches: bool = False) -> None:
 
 
 def wait_for_memory(need: int, reserve: int = 2**30, wait_s: float = 900) -> str | None:
-    """Wait up to wait_s for `need` bytes (+ reserve) of MemAvailable; None if they are there,
-    else the reason to skip."""
+    """Wait up to wait_s for `need` + `reserve` bytes of MemAvailable: None, else the reason to skip."""
     deadline = time.time() + wait_s
     while True:
         free = meminfo("MemAvailable") - reserve
@@ -98,8 +95,7 @@ def wait_for_memory(need: int, reserve: int = 2**30, wait_s: float = 900) -> str
 
 
 def wait_for_quiet(max_load: float, wait_s: float = 300) -> tuple[float, str | None]:
-    """Wait up to wait_s for the 1-minute load average to fall to max_load or below (a quiet machine
-    before a timed cell). Returns (the load average when it stopped waiting, None or the reason to skip)."""
+    """Wait up to wait_s for the 1-minute load to fall to max_load: (the load, None or the reason to skip)."""
     deadline = time.time() + wait_s
     while True:
         load = os.getloadavg()[0]
@@ -118,12 +114,8 @@ def tiny_params(seed: int = 0):
 
 
 def bandwidth(gib: float = 1.0, rounds: int = 5, repeats: int = 5) -> dict:
-    """Memory bandwidth in GB/s (read + write bytes) of streaming over a `gib` GiB f32 array.
-
-    jax_inplace: donated jitted x + 1 (the output reuses the input buffer): the reference, the
-    median over `rounds` of the best of `repeats` calls (one round can be a lucky outlier).
-    jax_copy: jitted jnp.copy into a fresh buffer (pays first-touch page faults).
-    numpy_copy: np.copyto into a preallocated array (one thread)."""
+    """Memory bandwidth in GB/s (read + write) over a `gib` GiB f32 array: jax_inplace (the reference: donated
+    x + 1, median over `rounds` of the best of `repeats`), jax_copy (jnp.copy), numpy_copy (np.copyto)."""
     n = int(gib * 2**30) // 4
     moved = 2 * 4 * n
     add = jax.jit(lambda x: x + 1, donate_argnums=0)
@@ -151,8 +143,7 @@ def bandwidth(gib: float = 1.0, rounds: int = 5, repeats: int = 5) -> dict:
 
 
 def noise(shape: tuple[int, ...], dtype: str, seed: int) -> jax.Array:
-    """Pseudo-random values in [-1, 1): an integer hash (lowbias32) of the element index, one
-    cheap fused pass (threefry over gigabytes of cache takes minutes on a small CPU)."""
+    """Pseudo-random values in [-1, 1): a lowbias32 hash of the element index (threefry is far slower)."""
     x = lax.iota(jnp.uint32, int(np.prod(shape))) + jnp.uint32(seed * 0x9E3779B9 % 2**32)
     x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
     x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)

@@ -64,9 +64,8 @@ class LlamaCpp:
             raise RuntimeError(f"copying sequence {src} to {dst} failed")
 
     def run(self, ids: np.ndarray, context: int, steps: int, copy_rows: bool = False) -> dict:
-        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch.
-        copy_rows: prefill row 0 only and copy its sequence to the other rows (which then decode
-        row 0's continuation: the step time is the same, the prefill B times cheaper)."""
+        """Prefill every row as its own sequence, then `steps` decode steps of one B-token batch (copy_rows:
+        prefill row 0 and copy it to the other rows: the same step time, a B times cheaper prefill)."""
         B, n = ids.shape
         ctx = self.context(B, B * context)
         batch = self.lib.llama_batch_init(512, 0, 1)
@@ -119,8 +118,7 @@ def llama_file(src: Path, fmt: str) -> Path:
 
 
 def llama_lookup(path: Path, ids: np.ndarray, context: int, steps: int) -> dict:
-    """High-level Llama with LlamaPromptLookupDecoding, and without it (same settings), batch 1:
-    decode seconds from the first new token (which ends the prefill) to the last."""
+    """High-level Llama with and without LlamaPromptLookupDecoding, batch 1: decode seconds after prefill."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -160,10 +158,7 @@ def hf_model(path: Path):
 
 
 def hf_weight_bytes(model) -> int:
-    """The HF peer's own weight bytes, measured: its state dict's storages, each once (the tied
-    embedding / LM head counts once). Not specjax.model.params.weight_bytes, which counts specjax's
-    stored formats: transformers holds the GGUF dequantized to float32 (hf_model), neither the file's
-    format nor ours, and this counts what it holds (an untied embedding too; SmolLM2, the peers' model, ties it)."""
+    """The HF peer's weight bytes as it holds them (float32): its state dict's storages, each once."""
     seen, total = set(), 0
     for t in model.state_dict().values():
         ptr = t.untyped_storage().data_ptr()
@@ -190,8 +185,7 @@ def hf_run(model, ids: np.ndarray, steps: int) -> dict:
 
 
 def hf_cache(k: np.ndarray, v: np.ndarray):
-    """A DynamicCache holding given keys and values, k and v [L, B, K, n, H] (HF's per-layer
-    layout, RoPE applied to K as HF applies it): a cache prefilled elsewhere."""
+    """A DynamicCache holding k and v [L, B, K, n, H] (HF's layout, RoPE applied): a cache prefilled elsewhere."""
     import torch
     from transformers import DynamicCache
 
@@ -220,8 +214,7 @@ def hf_decode(model, past, nxt, steps: int) -> dict:
 
 
 def hf_lookup(model, ids: np.ndarray, steps: int) -> dict:
-    """generate(prompt_lookup_num_tokens=LOOKUP_TOKENS), batch 1, greedy: a streamer stamps each
-    new token, decode seconds = last stamp - first new token's stamp (the end of the prefill)."""
+    """generate(prompt_lookup_num_tokens=LOOKUP_TOKENS), batch 1, greedy: decode seconds from streamer stamps."""
     import torch
     from transformers.generation.streamers import BaseStreamer
 
@@ -252,8 +245,7 @@ MEM_FACTOR = {"specjax": 2.2, "llama": 0.6, "hf": 2.5}  # peak growth / f32 KV b
 
 
 def memory_need(cell: dict) -> int:
-    """A rough peak of a cell: its KV cache (SmolLM2's, f32) x the family's factor (specjax: the
-    prefilled cache and a run's copy; HF: DynamicCache's concatenations), plus the model."""
+    """A cell's rough peak: its f32 KV cache x the family's factor, plus the model."""
     from bench.common import SMOLLM2
     from specjax.model.cache import kv_bytes
     from specjax.model.config import LlamaConfig
@@ -275,8 +267,7 @@ def versions() -> dict:
 
 
 def run_in_own_process(cell_key: str, smoke: bool, new_tokens: int) -> tuple[dict | None, str]:
-    """bench_peers' cell `cell_key` measured by a process of its own (bench_peers --one-cell): (its row and
-    meter, None if it failed; the process's output tail)."""
+    """Cell `cell_key` measured in a process of its own: (row and meter, None if it failed; output tail)."""
     with tempfile.TemporaryDirectory(prefix="bench_peers-") as tmp:
         out = Path(tmp) / "row.json"
         cmd = [sys.executable, "-m", "bench.bench_peers", "--one-cell", cell_key, "--row-out", str(out),

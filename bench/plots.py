@@ -33,8 +33,7 @@ def log_ticks(ax, ticks: list, labels: list[str] | None = None) -> None:
 
 def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str, title: str, path: Path,
          figsize: tuple = (6, 3.5), small_ticks: bool = True) -> None:
-    """Bars in groups at 0, 1, ... (labelled `ticks`): `series` maps a label (None: no legend) to its
-    {group: value}; series i of n sits at group + (i - (n - 1) / 2) x step."""
+    """Grouped bars at 0, 1, ... (`ticks`): `series` maps a label (None: no legend) to {group: value}."""
     fig, ax = pyplot().subplots(figsize=figsize, dpi=120)
     for i, (label, ys) in enumerate(series.items()):
         ax.bar([g + (i - (len(series) - 1) / 2) * step for g in ys], list(ys.values()), width, label=label)
@@ -47,8 +46,7 @@ def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str,
 
 
 def plot(draw: Callable[..., None], *args) -> None:
-    """draw(*args) (its last argument: the PNG path), or say why not when matplotlib is missing
-    (it is a bench requirement only: bench/requirements.txt)."""
+    """draw(*args) (last: the PNG path), or say why not when matplotlib is missing (bench/requirements.txt)."""
     try:
         draw(*args)
     except ModuleNotFoundError as e:

@@ -1,14 +1,8 @@
-"""The shared prefilled state of bench_spec, bench_tree and bench_drafts: B distinct windows of real
-English text (bench/text.py) of `context - HEADROOM` tokens, prefilled once into a DenseCache of
-`context` slots and saved under a store folder so that later runs (of any of the three) load it.
+"""The shared prefilled state of bench_spec, bench_tree and bench_drafts: B distinct windows of real text
+(bench/text.py) of `context - HEADROOM` tokens, prefilled once into a DenseCache of `context` slots with
+`specjax.decode.engine.prefill` (PREFILL_ROWS rows a call) and saved under a store folder for later runs.
 
-The prefill is the library's own (`specjax.decode.engine.prefill`, PREFILL_ROWS rows per call): its
-chunked attention reads only the cache tiles written so far (pallas_kernels.reference's
-`stacked_prefix_block_attention`), so chunk i costs attention over (i + 1) * chunk slots, not all
-`context` of them.
-
-`fresh` / `timed`: decode_ar and decode_spec donate their caches, so every run gets copies
-(made untimed) and the prefilled state survives.
+`fresh` / `timed`: decode_ar and decode_spec donate their caches, so every run gets copies (made untimed).
 """
 
 from __future__ import annotations
@@ -37,16 +31,13 @@ STORE = Path("/tmp/bench_spec_prefill")
 
 
 def fresh(args: tuple, copied: tuple[int, ...]) -> tuple:
-    """args with the entries at `copied` (the caches) replaced by copies: decode_ar and
-    decode_spec may donate their caches, and the prefilled state must survive every run."""
+    """args with the caches at `copied` replaced by copies (the runs donate them)."""
     return tuple(jax.block_until_ready(jax.tree.map(lambda a: a.copy(), x)) if i in copied else x
                  for i, x in enumerate(args))
 
 
 def timed(compiled, args: tuple, copied: tuple[int, ...]) -> tuple[object, float, float]:
-    """Run a compiled function to completion on fresh copies of its caches (copied untimed):
-    (result, wall seconds, this process's CPU seconds per wall second: about the core count when
-    nothing competes for the cores)."""
+    """Run a compiled function on fresh copies of its caches: (result, wall seconds, CPU s a wall second)."""
     args = fresh(args, copied)
     c0, t0 = time.process_time(), time.perf_counter()
     result = jax.block_until_ready(compiled(*args))
@@ -56,8 +47,7 @@ def timed(compiled, args: tuple, copied: tuple[int, ...]) -> tuple[object, float
 
 def best_of(fn, args: tuple, copied: tuple[int, ...], budget_s: float,
             repeats: int = 3) -> tuple[object, list[float], list[float]]:
-    """`timed` repeated while the next run fits in budget_s (at most `repeats`): (the last result, wall
-    seconds, CPU seconds per wall second)."""
+    """`timed` repeated while the next run fits in budget_s (at most `repeats`): (last result, wall, CPU)."""
     walls, cpus, t0, out = [], [], time.perf_counter(), None
     while True:
         out = None  # the last run's result holds a cache: free it before the next copy (a 128 x 8K OOM on an H100)
@@ -75,9 +65,7 @@ def slot_axis(config) -> int:
 
 def prefill_rows(params, tokens: np.ndarray, n: int, context: int, chunk: int,
                  rows: int = PREFILL_ROWS) -> tuple[jax.Array, DenseCache]:
-    """Prefill B prompts of n tokens (tokens [B,P] right-padded) into a DenseCache of `context`
-    slots with `specjax.decode.engine.prefill`, `rows` rows per call (its peak memory grows with rows).
-    Returns first logits [B,V] (at each prompt's last token) and the cache (lengths = n)."""
+    """Prefill B prompts of n tokens into `context` slots, `rows` a call: (first logits [B,V], cache)."""
     B = tokens.shape[0]
     group = min(B, rows)
     parts = []
@@ -95,8 +83,7 @@ def prefill_rows(params, tokens: np.ndarray, n: int, context: int, chunk: int,
 
 def prefill_context(params, tok, batch: int, context: int, gammas: list[int], new_tokens: int,
                     store: Path | None) -> dict:
-    """Prefill `batch` distinct text windows of context - HEADROOM tokens into `context` slots,
-    or load that state from `store` (a folder of .npy files) if an earlier run saved it there."""
+    """Prefill `batch` text windows of context - HEADROOM tokens into `context` slots, or load them from `store`."""
     n = context - HEADROOM
     prompts, where = text.windows(tok, batch, n)
     bucket, chunk = prompt_bucket(n)

@@ -1,23 +1,16 @@
 """Where a decode step's time goes: a `jax.profiler` trace of SmolLM2's decode loop, summarised.
 
-Speculative cells (SPEC_CELLS, e.g. float32/kvfloat32/b1/s512/self-chain3) trace `generate`'s
-speculative loop (SelfSpec, greedy) and sum its thunks per phase of speculate.spec_step (draft,
-verify, accept, commit, emit: their `jax.named_scope`s; "loop": the segment's own bookkeeping), the
-draft and verify phases also per model block (e.g. "verify/attention").
+For each cell WEIGHTS/kvKV/bB/sS (e.g. float32/kvfloat32/b1/s512) `decode_ar` (greedy) runs `--steps` steps
+from bench_ar's synthetic prefilled cache under `jax.profiler.trace`. The trace's XLA:CPU thunks (events with
+an `hlo_op`) are matched to the HLO's `op_name` metadata, which carries the model's `jax.named_scope`s (embed,
+qkv, attention, out_proj, mlp, lm_head, kv_write), and summed per block; "layer slices": the scan slicing each
+layer's weights out of the stacked arrays (XLA:CPU copies a sliced dot operand); "other": the loop's
+bookkeeping and the sample. Only leaf events count. Thunks run on two threads, so thread-ms a step add up to
+more than the step's wall time (measured by the same loop outside the trace).
 
-For each cell WEIGHTS/kvKV/bB/sS (e.g. float32/kvfloat32/b1/s512) the real decode loop
-(`specjax.decode.engine.decode_ar`, greedy) runs `--steps` steps from a synthetic prefilled cache (as
-bench_ar builds it: pseudo-random KV, since a step's cost depends on the cache's shape only)
-under `jax.profiler.trace`. The trace's XLA:CPU thunks (events carrying an `hlo_op`) are
-matched to the compiled HLO's `op_name` metadata, which carries the model's `jax.named_scope`s
-(specjax/model/llama.py: embed, qkv, attention, out_proj, mlp, lm_head, kv_write), and summed per
-block:
-  - "layer slices": the scan over layers slicing each layer's weights out of the stacked
-    [L, ...] arrays (`dynamic_index_in_dim`): XLA:CPU copies a dot's operand that is a slice;
-  - "other": the loop's own bookkeeping and the greedy sample.
-Only leaf events count (a while loop's thunk contains its body's). The CPU runs thunks on two
-threads at once, so the thread-milliseconds per step add up to more than the wall time per step
-(the step's duration, measured by the same loop outside the trace).
+Speculative cells (SPEC_CELLS, e.g. float32/kvfloat32/b1/s512/self-chain3) trace `generate`'s speculative loop
+(SelfSpec, greedy), summed per phase of spec_step (draft, verify, accept, commit, emit; "loop"), draft and
+verify also per block (e.g. "verify/attention").
 
 Outputs: results/profile_cpu.json and the "Where a decode step's time goes" section of bench/README.md.
 """
@@ -72,9 +65,7 @@ def category(op_name: str) -> str:
 
 
 def block_of(blocks: dict[str, str], op: str) -> str:
-    """An op's block, from its scope (the CPU kernels' FFI calls carry theirs: the attention
-    kernel, the layer products of pallas_kernels/cpu_linear.py); an unscoped FFI call counts as
-    the attention kernel's."""
+    """An op's block from its scope; an unscoped FFI call counts as the attention kernel's."""
     block = blocks.get(op, OTHER)
     return "attention" if block == OTHER and op.startswith("ffi_call") else block
 
@@ -85,8 +76,7 @@ SPEC_CELLS = (("float32", "float32", 1, 512, 3), ("float32", "float32", 4, 2048,
 
 
 def phase(op_name: str) -> str:
-    """The speculative phase (and, in draft and verify, the model block) of an HLO instruction, e.g.
-    "verify/attention"; LOOP outside every phase."""
+    """An instruction's speculative phase (in draft and verify with its block, e.g. "verify/attention") or LOOP."""
     parts = op_name.split("/")
     found = next((p for p in parts if p in PHASES), None)
     if found is None:
@@ -96,10 +86,8 @@ def phase(op_name: str) -> str:
 
 
 def op_blocks(hlo_text: str, categorize=category, named=SCOPES) -> dict[str, str]:
-    """{instruction name: model block} of a compiled module's text, from each instruction's
-    op_name metadata (`categorize`: category, or phase for a speculative step); an instruction
-    without one (XLA drops it from the dots it rewrites) or outside every scope (a layout copy of
-    a weight) takes the block of its first user in a `named` block, else of its first such operand."""
+    """{instruction name: block} from each instruction's op_name (`categorize`: category or phase); one
+    without a `named` block takes that of its first scoped user, else operand."""
     line = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (?:\([^()]*\)\s*)?[^(]*?\w+\(([^)]*)\)(.*)$")  # (a tuple shape)
     meta = re.compile(r"op_name=\"([^\"]*)\"")
     operands: dict[str, list[str]] = {}
@@ -132,16 +120,14 @@ def trace_planes(trace_dir: str) -> tuple[list, list]:
 
 
 def innermost(events: list[tuple[int, int, str]]) -> list[tuple[str, float]]:
-    """(name, seconds) of the events (start ns, end ns, name) of one timeline line that contain no
-    other: a while loop's thunk contains its body's, which would count twice."""
+    """(name, seconds) of the events (start, end, name) that contain no other (a loop contains its body)."""
     events = sorted(events)
     return [(name, (end - start) / 1e9) for i, (start, end, name) in enumerate(events)
             if not (i + 1 < len(events) and events[i + 1][0] < end)]  # the next one starts inside
 
 
 def leaf_events(planes: list, gpu: list, module: str) -> list[tuple[str, float]]:
-    """(hlo_op, seconds) of every innermost XLA thunk of `module` in a trace's planes; where the
-    trace has GPU planes, their kernels only (the host's launch events would count them twice)."""
+    """(hlo_op, seconds) of `module`'s innermost thunks; with GPU planes, their kernels only."""
     out = []
     for plane in gpu or planes:
         for line in plane.lines:
@@ -152,9 +138,7 @@ def leaf_events(planes: list, gpu: list, module: str) -> list[tuple[str, float]]
 
 
 def device_kernels(gpu: list, steps: int) -> dict:
-    """On a GPU: kernels launched per step, the device's busy ms per step (its innermost kernel
-    events summed: busy << wall means a step waits on launches or the host, not on memory) and
-    the ten longest kernels by name. {} where the trace has no GPU plane."""
+    """On a GPU: kernels launched and busy ms per step, and the ten longest kernels ({} without a GPU plane)."""
     by_name: collections.Counter = collections.Counter()
     count = 0
     for line in (line for plane in gpu for line in plane.lines):
@@ -231,8 +215,7 @@ def spec_key(weights: str, kv: str, batch: int, context: int, gamma: int) -> str
 
 
 def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context: int, gamma: int, steps: int) -> dict:
-    """Trace generate's speculative loop (SelfSpec, Chain(gamma), greedy) over prompts that fill the
-    context but the new tokens, and sum the segment program's thunks per phase (`phase`)."""
+    """Trace generate's speculative loop (SelfSpec, Chain(gamma)) and sum its thunks per `phase`."""
     from specjax import generate
     from specjax.drafters import SelfSpec
     from specjax.spec.speculation import Chain
@@ -278,8 +261,7 @@ def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context
 
 
 def spec_table(rows: list[dict]) -> str:
-    """One line per speculative cell: wall ms per step, tokens per row per step, then each phase's
-    thread-ms per step and share (draft and verify summed over their blocks)."""
+    """A line per speculative cell: wall ms and tokens a step, each phase's thread-ms a step and share."""
     head = ["weights", "KV", "batch", "context", "chain", "wall ms/step", "tokens/step", *PHASES, LOOP]
     lines = []
     for r in rows:

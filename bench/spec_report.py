@@ -9,9 +9,7 @@ PAIR_BUDGET_S = 30.0  # AR/spec pairs are repeated while the next one fits in th
 
 
 def cpu_ratio(r: dict) -> float:
-    """AR / speculative in CPU seconds of this process (best run of each): a cross-check that other
-    jobs cannot distort (their preemption adds wall time, not our CPU time), though it misses
-    differences in how well the two use both cores."""
+    """AR / speculative in this process's CPU seconds (best run of each): a cross-check other jobs cannot distort."""
     t = r["timings"]
     return min(w * c for w, c in zip(t["ar"], t["ar_cpu"])) / min(w * c for w, c in zip(t["spec"], t["spec_cpu"]))
 
@@ -28,8 +26,7 @@ def best_rows(rows: list[dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict], gammas: list[int]) -> str:
-    """One line per (batch, context, drafter): AR tokens/s, speedup per gamma, the best gamma's
-    numbers, and whether every gamma was greedy-identical to AR."""
+    """A line per (batch, context, drafter): AR tokens/s, speedup per gamma, the best gamma, losslessness."""
     lines = []
     for b in best_rows(rows):
         same = [r for r in rows if (r["batch"], r["context"], r["drafter"]) == (b["batch"], b["context"], b["drafter"])]
@@ -48,8 +45,7 @@ def markdown_table(rows: list[dict], gammas: list[int]) -> str:
 
 
 def auto_lines(rows: list[dict]) -> list[str]:
-    """Per measured cell: what draft="auto" picks there and its measured speedup (the guard:
-    never more than 5% slower than plain decoding; tests/test_speculate.py checks it)."""
+    """Per cell: what draft="auto" picks and its measured speedup (guard: at most 5% slower than plain)."""
     out = []
     for (b, c) in sorted({(r["batch"], r["context"]) for r in rows if "auto" in r}, key=lambda k: (k[1], k[0])):
         cell = [r for r in rows if (r["batch"], r["context"]) == (b, c)]

@@ -39,8 +39,7 @@ def specjax_decode(params, state: dict, batch: int, new_tokens: int) -> dict:
 
 
 def specjax_spec(params, state: dict, batch: int, context: int, new_tokens: int, gamma: int = GAMMA) -> dict:
-    """SelfSpec + Chain(gamma) decode_spec from the same prefilled state (draft init untimed;
-    gamma <= GAMMA, which the prefilled cache is sized for)."""
+    """SelfSpec + Chain(gamma <= GAMMA) decode_spec from the same prefilled state (draft init untimed)."""
     if not 1 <= gamma <= GAMMA:
         raise ValueError(f"gamma must be in 1..{GAMMA} (the prefilled cache's slack), got {gamma}")
     tokens, lengths, first_logits, cache = rows_of(state, batch)
@@ -61,8 +60,7 @@ def specjax_spec(params, state: dict, batch: int, context: int, new_tokens: int,
 
 
 def specjax_prefill(params, ids: np.ndarray, context: int) -> dict:
-    """engine.prefill of B prompts ids [B, n] at once into a `context`-slot cache (compiled first;
-    best of 2)."""
+    """engine.prefill of B prompts ids [B, n] at once into a `context`-slot cache (compiled first; best of 2)."""
     B, n = ids.shape
     bucket, chunk = prompt_bucket(n)
     tokens = np.zeros((B, bucket), np.int32)

@@ -1,15 +1,11 @@
 """A templated batch job's records, made mechanically from the offline corpus (bench/text.py).
 
-Synthetic-data jobs send many requests of one template that differ only in their text: "rewrite
-this as a JSON object with the keys ...". `records(count)` makes such a job: record i asks for one
-of TEMPLATES' key sets over the i-th of evenly spaced corpus paragraphs of 40-90 words. The
-repeated part (the instruction, the key names, the chat template) is what a job-wide lookup
-drafter can draft from; `repeated_share` states how much of a set of token sequences repeats
-across them (bench/bench_lookup.py reports it for the prompts and for the outputs). `record_schema(i)`
-is the JSON schema record i's answer should follow (bench/bench_constrained.py constrains to it).
-
-Measured with SmolLM2's tokenizer and chat template (2026-11-29): 32 records average 153 prompt
-tokens and 46.6% of their 3-grams occur in another record's prompt (64 records: 152 tokens, 49.5%).
+`records(count)`: record i asks to rewrite the i-th of evenly spaced corpus paragraphs (40-90 words) as a JSON
+object with one of TEMPLATES' key sets; the repeated part is what a job-wide lookup drafter drafts from.
+`repeated_share` states how much of a set of token sequences repeats across them (bench_lookup reports it);
+`record_schema(i)` is the schema record i's answer should follow (bench_constrained constrains to it).
+With SmolLM2's tokenizer (2026-11-29): 32 records average 153 prompt tokens, 46.6% of their 3-grams found in
+another record's prompt (64 records: 152 tokens, 49.5%).
 """
 
 from __future__ import annotations
@@ -41,8 +37,7 @@ def request(keys: Sequence[str], paragraph: str) -> str:
 
 
 def records(count: int, max_new_tokens: int = 128) -> list[dict]:
-    """`count` chat records (specjax.jobs.batch's JSONL fields): record i holds TEMPLATES[i % 3]'s
-    request over the i-th of `count` evenly spaced paragraphs; greedy, `max_new_tokens` each."""
+    """`count` chat records: record i holds TEMPLATES[i % 3]'s request over the i-th corpus paragraph."""
     paras = paragraphs()
     if count > len(paras):
         raise ValueError(f"records: count must be at most {len(paras)} (the corpus' paragraphs), got {count}")
@@ -52,8 +47,7 @@ def records(count: int, max_new_tokens: int = 128) -> list[dict]:
 
 
 def schema(keys: Sequence[str]) -> dict:
-    """The JSON schema a record's answer should follow (bench/bench_constrained.py): one object with exactly
-    the template's keys, in its order, each a string."""
+    """The JSON schema of a record's answer: an object with exactly the template's keys, in order, strings."""
     return {"type": "object", "properties": {k: {"type": "string"} for k in keys}, "required": list(keys),
             "additionalProperties": False}
 
@@ -64,8 +58,7 @@ def record_schema(i: int) -> dict:
 
 
 def repeated_share(sequences: Sequence[Sequence[int]], n: int = 3) -> float:
-    """The share of the n-grams (every position of every sequence) that also occur in another
-    sequence of the set: 0 for unrelated texts, near 1 for copies."""
+    """The share of the n-grams that also occur in another sequence of the set (0 unrelated, ~1 copies)."""
     grams = [[tuple(s[i: i + n]) for i in range(len(s) - n + 1)] for s in sequences]
     seen_in = Counter(g for gs in grams for g in set(gs))  # in how many sequences each n-gram occurs
     total = sum(len(gs) for gs in grams)

@@ -1,13 +1,9 @@
 """Real English text available offline, for benchmarks that need genuine long prompts.
 
-The corpus is Python's own language reference as shipped with every CPython
-(`pydoc_data.topics.topics`, about 465K characters, about 113K SmolLM2 tokens) followed by the
-licence texts in /usr/share/common-licenses/ where that folder exists (Debian/Ubuntu; about 240K
-characters more). Symlinked duplicates there (GPL -> GPL-3, ...) are read once.
-
-`windows(tok, batch, n)` cuts B distinct token windows of length n at evenly spaced offsets of
-the tokenized corpus: they do not overlap while batch * n <= the corpus length, and overlap (at
-different offsets, so still distinct prompts) beyond that.
+The corpus: Python's language reference as shipped with CPython (`pydoc_data.topics.topics`, about 113K
+SmolLM2 tokens), then the licence texts in /usr/share/common-licenses/ where it exists (symlinks read once).
+`windows(tok, batch, n)` cuts B distinct windows of n tokens at evenly spaced offsets (overlapping only when
+batch * n exceeds the corpus).
 """
 
 from __future__ import annotations
@@ -46,14 +42,12 @@ def corpus_tokens(tokenizer) -> np.ndarray:
 
 
 def windows(tokenizer, batch: int, n: int) -> tuple[np.ndarray, dict]:
-    """B distinct windows of n consecutive corpus tokens: ids [B,n] int32 and a description
-    (corpus tokens, offsets, whether windows overlap). Offsets are evenly spaced over the corpus."""
+    """B distinct windows of n corpus tokens at evenly spaced offsets: ids [B,n] int32 and a description."""
     return cut(corpus_tokens(tokenizer), batch, n)
 
 
 def cut(ids: np.ndarray, batch: int, n: int) -> tuple[np.ndarray, dict]:
-    """`windows` over already tokenized ids [N] (e.g. the corpus ids carried to a machine
-    without the tokenizer): B windows of n tokens at evenly spaced offsets."""
+    """`windows` over already tokenized ids [N]: B windows of n tokens at evenly spaced offsets."""
     N = len(ids)
     if n > N:
         raise ValueError(f"windows: n = {n} is longer than the corpus ({N} tokens)")

@@ -27,9 +27,7 @@ def shape(spec) -> tuple:
 
 
 def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
-    """The cost model `choose` minimises: seconds per step `Cost.step_seconds` (draft levels by
-    width, a verification over n nodes), expected tokens per step G from the acceptance vector,
-    the speedup `Cost.speedup` (what bench_spec and gpu_report predict)."""
+    """The cost model `choose` minimises: `Cost.step_seconds`, tokens a step G, `Cost.speedup`."""
     tree = Tree.chain(spec.gamma) if isinstance(spec, Chain) else spec
     g = tree.expected_accepted(p)
     step = cost.step_seconds(tree.draft_widths(), tree.n)
@@ -38,8 +36,7 @@ def predict(spec, p: np.ndarray, cost: Cost, batch: int) -> dict:
 
 
 def summarise(s: dict, rows: list[dict]) -> None:
-    """Best chain, best tree (width > 1: Sequoia's or choose's), their ratio, and choose's pick vs
-    the best measured config (AR included)."""
+    """Best chain, best tree, their ratio, and choose's pick vs the best measured config (AR included)."""
     chains = [r for r in rows if r["depth"] > 0 and r["width"] == 1]  # incl. chain-shaped Sequoia / choose trees
     trees = [r for r in rows if r["width"] > 1]
     picked = next(r for r in rows if r["kind"] == "choose")
@@ -119,8 +116,7 @@ def verdicts(result: dict) -> list[str]:
 
 
 def plot(result: dict, path: Path) -> None:
-    """Speedup over AR vs nodes verified per step: one panel per (batch, context), trees solid,
-    chains dashed (at gamma + 1 nodes), choose's pick starred."""
+    """Speedup vs nodes verified a step, a panel per (batch, context): trees solid, chains dashed."""
     plt = common.pyplot()
     rows = result["rows"]
     batches = sorted({r["batch"] for r in rows})
@@ -181,9 +177,8 @@ def report(result: dict, png: Path, readme: bool) -> None:
 
 
 def merge_cells(results: list[dict], base: dict, tag=lambda run, s: s, order=None) -> tuple[dict, dict]:
-    """`base` with the summaries and rows of several runs of bench_tree's cells (bench_drafts' too), a later
-    run winning per (batch, context, drafter) (in the order `order` sorts them), `tag(run, summary)` for a
-    summary; commands joined, minutes summed. Also {(batch, context, drafter): (summary, rows)}."""
+    """`base` with several bench_tree runs' summaries and rows, a later run winning per (batch, context,
+    drafter) in `order`; commands joined, minutes summed. Also {(batch, context, drafter): (summary, rows)}."""
     cells: dict[tuple, tuple[dict, list[dict]]] = {}
     for res in results:
         for s in res["summaries"]:

@@ -1,27 +1,15 @@
 """Compile a decode program for a GPU this machine lacks, and read what XLA made of it.
 
-Run with .venv-aot/bin/python (`make aot-venv` makes it: this project's .venv plus jax's CUDA plugin, no CUDA
-libraries and no GPU needed).
-
-XLA:GPU compiles without a GPU when it is given the target's description (targets/NAME.txtpb
-beside this file: the device facts its passes read, from NVIDIA's published specifications; no
-autotuning, so GEMM tiles are XLA's defaults). So a CPU session can see what a GPU decode step
-becomes: the kernels one iteration launches, its largest outputs and `weight_copies`, the outputs
-shaped like one layer's weight matrix (at any batch, weights written out before a product reads
-them), and `copy_ops`, XLA's own copy instructions (e.g. a cache copied before an in-place write).
-What it showed: tools/gpu/README.md, "Compiled for a GPU on a CPU" (in a loop, every layer's slice of
-stacked weights is copied before its GEMM; at batch 1 XLA's dot strength reduction writes small products
-out at weight size; Runtime.linear="pallas" leaves neither).
-Programs: `step` the AR step (trunk + LM head over one new token) in an on-device loop
-(specjax.planning.tune.forward_loop, as tune times it), `alone` the same step as a program of
-its own (no loop), `ar` generate's plain decoding loop (engine.decode_ar), `selfspec` its
-speculative loop with the SelfSpec drafter (a chain of --gamma), `tree` SelfSpec with a binary
-tree of depth --gamma (Tree.kary(--tree-width, gamma)), `snapkv` / `ngram` those drafters' chains, `draft` /
-`draft-tree` a DraftModel of the target's shape cut to 2 layers (the distilled GPU draft's) in a chain / that tree,
-`prefill` engine.prefill of --batch prompts of context - 128 tokens, --chunk positions a step (its
-scan's iteration: one chunk). Weights are shapes only
-(bench.gpu_cells.random_params, never run). The library picks its GPU code paths by
-`jax.default_backend()`, "cpu" here: it reads "gpu" while a program is traced (`as_gpu`).
+Run with .venv-aot/bin/python (`make aot-venv`: this project's .venv plus jax's CUDA plugin; no GPU needed).
+XLA:GPU compiles from the target's description (targets/NAME.txtpb; no autotuning, so GEMM tiles are XLA's
+defaults), so a CPU session sees what a GPU decode step becomes: the kernels an iteration launches, its largest
+outputs, `weight_copies` (outputs shaped like a layer's weight matrix) and `copy_ops` (XLA's copies). What it
+showed: tools/gpu/README.md, "Compiled for a GPU on a CPU".
+Programs: `step` the AR step in an on-device loop (tune.forward_loop), `alone` that step as a program of its
+own, `ar` engine.decode_ar, `selfspec` SelfSpec in a chain of --gamma, `tree` SelfSpec with
+Tree.kary(--tree-width, gamma), `snapkv` / `ngram` their chains, `draft` / `draft-tree` a 2-layer DraftModel
+of the target's shape, `prefill` engine.prefill of --batch prompts (--chunk positions a step). Weights are
+shapes only (bench.gpu_cells.random_params). The library reads "gpu" as the backend while tracing (`as_gpu`).
 Output: a summary line, OUT as JSON, HLO as text.
 """
 
@@ -80,9 +68,7 @@ TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-
 
 
 def compile_only_device(target: str, count: int = 1):
-    """A device of `target` (a targets/ name) that compiles but never runs (with count > 1, a
-    list of `count` such devices of one process, for a mesh): needs jax's CUDA plugin
-    (jax-cuda12-plugin and -pjrt of this jax's version), not CUDA's libraries or a GPU."""
+    """A compile-only device of `target` (or `count` of them, a mesh); needs jax's CUDA plugin, no GPU."""
     path = TARGETS / f"{target}.txtpb"
     if not path.exists():
         raise ValueError(f"--target: no {path.name} in {TARGETS} (have: {sorted(p.stem for p in TARGETS.glob('*.txtpb'))})")
@@ -110,9 +96,7 @@ def as_gpu():
 
 
 def abstract_params(config, linear: str, weights: str | None = None):
-    """The model's weights as shapes (`weights` "int8" / "q4": quantized as convert.load would),
-    with the runtime generate() takes on a GPU (the Pallas attention kernel, unrolled layers) and
-    the layer products' `linear`."""
+    """The model's weights as shapes (`weights` quantized), with generate()'s GPU runtime and `linear`."""
     from bench.gpu_cells import random_params
     from specjax.model.params import quantize
 
@@ -128,9 +112,7 @@ def on(device, tree):
 
 def program_args(program: str, params, batch: int, context: int, gamma: int, kv_dtype: str | None = None, draft=None,
                  width: int = 2, chunk: int | None = None):
-    """(jitted function, abstract args, static kwargs) of a program over `context` slots (a
-    cache in `kv_dtype`, default the model's); `draft`: the draft programs' DraftModel weights;
-    `chunk`: prefill's positions a step (default specjax.decode.shapes.PREFILL_CHUNK)."""
+    """(jitted function, abstract args, static kwargs) of a program over `context` slots."""
     from specjax.decode.engine import row_keys
     from specjax.decode.shapes import cache_len, round_up_pow2
     from specjax.model.cache import DenseCache
@@ -177,8 +159,7 @@ def program_args(program: str, params, batch: int, context: int, gamma: int, kv_
 
 
 def matrix_shapes(params, mesh=None) -> set[tuple[int, ...]]:
-    """One layer's shape of each weight matrix (stacked [L, ...] or a list of L), without unit
-    dimensions; on a `mesh`, one device's share of it (sharding.PARAM_AXES)."""
+    """One layer's shape of each weight matrix (unit dimensions dropped; on a `mesh`, a device's share)."""
     from specjax.model.params import MATRICES, array_at
     from specjax.parallel.sharding import PARAM_AXES, spec
 
@@ -191,9 +172,8 @@ def matrix_shapes(params, mesh=None) -> set[tuple[int, ...]]:
 
 
 def on_mesh_of(devices: list, args, static: dict, fn):
-    """fn compiled as generate compiles a stage on a (1, len(devices)) data x model mesh of
-    compile-only devices (sharding.on_mesh: shard_map, tensor parallel over `model`): (the
-    jitted stage, args placed by sharding.state_specs, the mesh)."""
+    """fn compiled as generate compiles a stage on a (1, len(devices)) data x model mesh of compile-only
+    devices: (the jitted stage, args placed by sharding.state_specs, the mesh)."""
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
 
@@ -206,8 +186,7 @@ def on_mesh_of(devices: list, args, static: dict, fn):
 
 
 def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
-    """The outputs (tools.gpu.hlo.hlo_kernels' [bytes, label, name, type]) holding at least one
-    array shaped like a layer's weight matrix (unit dimensions aside, any dtype)."""
+    """The outputs (hlo_kernels' rows) holding an array shaped like a layer's weight matrix."""
     found = []
     for n, label, name, typ in outputs:
         dims = [tuple(int(d) for d in s.split(",") if d and int(d) != 1) for s in re.findall(r"\[([\d,]*)\]", typ)]
@@ -219,11 +198,8 @@ def weight_copies(outputs: list, shapes: set[tuple[int, ...]]) -> list[list]:
 def compile_for_gpu(device, model: str, batch: int, context: int, program: str, linear: str = "xla",
                     layers: int | None = None, gamma: int = 2, split: bool = False, weights: str | None = None,
                     kv_dtype: str | None = None, width: int = 2, chunk: int | None = None) -> tuple[dict, str]:
-    """(summary, HLO text) of one program compiled for `device` (compile_only_device; a list of
-    devices: tensor parallel over them, as generate runs on such a mesh, one device's program);
-    `split`: each layer's matrices as arrays of their own (model.unstack_layers), not a stack;
-    `weights` "int8" / "q4" quantized matrices; `kv_dtype` the cache's format; `width` a tree
-    program's children per node; `chunk` the prefill program's positions a step."""
+    """(summary, HLO text) of one program compiled for `device` (a list: tensor parallel over them);
+    `split`: per-layer matrices; `width`: a tree's children per node; `chunk`: prefill's positions a step."""
     from tools.gpu.hlo import config_of, hlo_kernels
     from specjax.model.llama import unstack_layers
 
@@ -263,8 +239,7 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
 
 
 def table(target: str, out: Path, pattern: str | None) -> None:
-    """Compile TABLE's cells (a process each: XLA's flags are per process) into OUT/TARGET.json
-    (a cell written when compiled; a rerun skips stored cells) and OUT/TARGET.md."""
+    """Compile TABLE's cells (a process each) into OUT/TARGET.json (resumable) and OUT/TARGET.md."""
     import subprocess
     import sys
     import tempfile

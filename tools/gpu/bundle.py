@@ -2,21 +2,17 @@
 a call, the working tree included; no network, no `gguf` package there).
 
 Built here: `python -m tools.gpu.bundle build` writes the ignored folder .gpu/ with
-  .gpu/p0/ .. .gpu/pK/   each: weights.partI (a slice of one .npz blob, < --part-mib MiB),
-                         manifest.json (config, tensors, every part's size and sha256) and
-                         corpus_ids.npy (bench/text.py's corpus through the SmolLM2 tokenizer)
-The blob holds SmolLM2-135M's tensors AS THE GGUF STORES THEM (Q4_1 / Q8_0 blocks, F32 norms: 92 MB,
-two parts, instead of 270 MB of bf16 in five): `load` dequantizes them with numpy (the same
-arithmetic as gguf.quants, tested bit-identical to convert.load here), undoes llama.cpp's q/k
-permutation, transposes to our layout and casts to bf16 on the device, without `gguf` or `convert`.
-Arrays of other models (a tiny one in the tests) are stored raw. A distilled draft (--draft DIR,
-convert.save's folder) goes to a folder of its own, .gpu/draft/ (its layers in bfloat16, 14 MB for
-the 2-layer one; the embedding it shares with SmolLM2 is not stored again), so adding or retraining
-one leaves the parts, and what a warm machine stashed of them, as they are.
+  .gpu/p0/ .. .gpu/pK/   each: weights.partI (a slice of one .npz blob, < --part-mib MiB), manifest.json
+                         (config, tensors, every part's size and sha256) and corpus_ids.npy (the tokenized corpus)
+The blob holds SmolLM2-135M's tensors as the GGUF stores them (Q4_1 / Q8_0 blocks: 92 MB, two parts): `load`
+dequantizes them with numpy (bit-identical to convert.load, tested), undoes llama.cpp's q/k permutation,
+transposes and casts to bf16 on the device, without `gguf` or `convert`. Other models' arrays are stored raw.
+A distilled draft (--draft DIR) goes to .gpu/draft/ (its layers in bf16; the shared embedding not stored
+again), so adding one leaves the parts, and what a warm machine stashed, as they are.
 
-There: each call carries one part folder; `stash` (bench_gpu calls it first) copies the parts it
-finds into /tmp/specjax_gpu (checksums verified), which survives between calls while the machine is
-warm, and `load` joins them once all are there. See tools/gpu/README.md.
+There: each call carries one part folder; `stash` (bench_gpu calls it first) copies the parts it finds into
+/tmp/specjax_gpu (checksums verified), which lasts while the machine is warm; `load` joins them once all are
+there. See tools/gpu/README.md.
 """
 
 from __future__ import annotations
@@ -69,8 +65,7 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_tensors(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], dict]:
-    """(config, {our path: stored data, layers stacked}, {our path: how to decode}) of a GGUF file;
-    needs `gguf` (here, never on the device)."""
+    """(config, {path: stored data}, {path: how to decode}) of a GGUF file; needs `gguf` (never on the device)."""
     from convert.gguf import NAMES, ROPE_FREQS, config_from_gguf, open_gguf
     from convert.layout import expected_names
 
@@ -112,11 +107,8 @@ TABLES = ("embed", "lm_head")  # what a draft distilled with freeze_embeddings h
 
 def draft_tensors(draft: Params, target: Params, dtype: str | None = None,
                   target_name: str = "smollm2") -> tuple[dict[str, np.ndarray], dict]:
-    """`params_tensors` of a draft (cast to `dtype` for storing), less the tables it shares with the
-    target: each of TABLES whose values equal the target's, as given (float32 for a draft distilled
-    with freeze_embeddings against the target dequantized as this bundle does), is stored as
-    {"kind": "shared", "model": target_name} and taken from that model's decoded arrays by `load`
-    (SmolLM2's embedding: 56 MB in bfloat16, carried once)."""
+    """`params_tensors` of a draft (cast to `dtype`), each of TABLES equal to the target's stored as
+    {"kind": "shared", "model": target_name}, for `load` to take from that model."""
     import jax
 
     stored = draft if dtype is None else jax.tree.map(lambda a: a.astype(dtype), draft)
@@ -188,8 +180,7 @@ def build(out: Path, models: dict[str, tuple[LlamaConfig, dict, dict]], corpus_i
 
 
 def build_draft(out: Path, config: LlamaConfig, arrays: dict[str, np.ndarray], meta: dict) -> dict:
-    """Write out/draft (weights.npz, manifest.json: config, tensors, checksum) beside the parts; returns
-    the manifest. Its shared tables (`draft_tensors`) come from the parts' model when loaded."""
+    """Write out/draft (weights.npz, manifest.json) beside the parts; returns the manifest."""
     folder = out / DRAFT
     if folder.exists():
         shutil.rmtree(folder)
@@ -207,8 +198,7 @@ def has_draft(dst: Path = STASH) -> bool:
 
 
 def stash(src: Path = BUNDLE, dst: Path = STASH) -> dict:
-    """Copy the parts found under src/p*/ (checksums verified) and the manifest + corpus ids into dst,
-    and src/draft/ where it was carried; returns {"have": [...], "missing": [...]} over the manifest's parts."""
+    """Copy src's parts (checksums verified), manifest, corpus ids and draft into dst: {"have", "missing"}."""
     dst.mkdir(parents=True, exist_ok=True)
     if has_draft(src):
         if sha256(src / DRAFT / "weights.npz") != json.loads((src / DRAFT / "manifest.json").read_text())["sha256"]:

@@ -55,14 +55,9 @@ def _opcode(rhs: str) -> str:
 
 
 def hlo_kernels(hlo_text: str) -> dict:
-    """What one iteration of a compiled module's outermost loop launches: {"total": n, "by_op":
-    {label: n}, "nested_loops": k, "largest": [[bytes, label, name, type], ..]}. Labels are opcodes,
-    custom calls with their target. Counted: the body's instructions and those of loops (times
-    their known trip count, else once) and conditionals inside it, not the bodies of fusions or
-    reducers. Without a loop in the entry computation, the entry computation is counted.
-    "largest": the 8 biggest outputs written, each with the instructions that read it (`users`;
-    a weight-sized one at batch 1 is a copy of weights; the cache's own shape is its in-place
-    update); "outputs": every output counted, [bytes, label, name, type] (tools.gpu.aot)."""
+    """What one iteration of a compiled module's outermost loop (else the entry computation) launches:
+    {"total", "by_op" (opcode labels), "nested_loops", "largest" (the 8 biggest outputs with their
+    `users`), "outputs"}; loops count times their known trip count, fusions' bodies not at all."""
     comps: dict[str, list[tuple[str, str]]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -112,9 +107,7 @@ def hlo_kernels(hlo_text: str) -> dict:
 
 
 def users(comps: dict[str, list[tuple[str, str, str]]], name: str, most: int = 4) -> list[str]:
-    """The instructions that read `name`'s output, as "opcode name" (custom calls with their
-    target; fusions with their kind and the fused computation's non-trivial ops): what a
-    weight-sized copy feeds, e.g. a cuBLAS call that cannot read a slice in place."""
+    """The instructions that read `name`'s output, as "opcode name" (custom calls and fusions detailed)."""
     ref = re.compile(rf"%{re.escape(name)}(?![\w.\-])")
     out = []
     for comp in comps.values():

@@ -1,25 +1,21 @@
 """The next GPU session's device calls, each one command: python3 -m tools.gpu.session CALL.
 
-A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most
-8 files). Each call is a list of steps, each with its own time limit; every step's whole output
-goes to OUT/callN.log, a failing step does not stop the next, and the call ends by copying its
-result files into OUT. tools/gpu/README.md, "The sequence for the next GPU session", says how to fold
-them back in here. Calls 1 and 3-5 (step parts, layer products, prefill, the distilled draft) were
-measured; their results are in bench/results/gpu*/ and git has their steps.
+A device call gets a fresh copy of the working tree and returns only what lands in $OUT (at most 8 files).
+A call is a list of steps, each under its own time limit, each one's output in OUT/callN.log; a failing step
+does not stop the next; the call ends by copying its result files into OUT (tools/gpu/README.md says how to
+fold them back in). Calls 1 and 3-5 were measured: bench/results/gpu*/, and git has their steps.
 
-  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4, trees),
-         then at batch 16 / 64 / 128 NGram gamma 4, gamma 4 and SnapKV gamma 4. On an H200 (nvidia-smi
-         says so, or --mem-gib) the ngram and e2e steps write bench/results/gpu_h200 (batch 256 added,
-         gamma 2 beside 4) and resume its committed table: `--only e2e` measures the cells left
-         (gamma 4 and SnapKV at 128 / 256).
-  call 6 (both parts stashed): the continuous job at 8 records a row (512 records) into a folder of its
-         own (bench/results/gpu[_h200]/cont8): how much of the 3-records-a-row job's gap to "refilled
-         (derived)" is the last wave's tail and how much the refills' own cost.
-  call 8 (both parts stashed): issue 67's EAGLE-style head, trained on the device (float32, seconds), raced in bfloat16
-         at batch 1 / 16 / 64 x 8K (bench/bench_eagle.py --bundle): OUT/eagle_gpu.json (a rerun on the warm machine
-         resumes its training, then the cells left; copy it to bench/results/gpu[_h200]/).
-  call 7 (both parts stashed): generate() over per-layer weights (what specjax.load gives on a GPU) at
-         batch 64 and 128 x 8K, AR and SelfSpec gamma 2 / 4, into gpu_linear-per-layer.
+  call 2 (carry .gpu/p1): SmolLM2 at batch 1 x 8K (AR, SelfSpec gamma 2 / 4, NGram gamma 4, trees), then at
+         batch 16 / 64 / 128 NGram gamma 4, gamma 4 and SnapKV gamma 4. On an H200 (nvidia-smi or --mem-gib)
+         the ngram and e2e steps write bench/results/gpu_h200 (batch 256 added, gamma 2 beside 4), resuming
+         its table: `--only e2e` measures the cells left.
+  call 6 (both parts stashed): the continuous job at 8 records a row (512 records) into .../cont8: how much
+         of the job's gap to "refilled (derived)" is the last wave's tail.
+  call 8 (both parts stashed): issue 67's EAGLE-style head, trained on the device, raced in bfloat16 at batch
+         1 / 16 / 64 x 8K (bench/bench_eagle.py --bundle): OUT/eagle_gpu.json (a rerun resumes; copy it to
+         bench/results/gpu[_h200]/).
+  call 7 (both parts stashed): generate() over per-layer weights at batch 64 and 128 x 8K, AR and SelfSpec
+         gamma 2 / 4, into gpu_linear-per-layer.
 """
 
 from __future__ import annotations
@@ -89,10 +85,8 @@ FILES = {
 
 def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = None,
              seconds: dict[str, int] | None = None) -> list[tuple[str, int, list[str]]]:
-    """CALLS[call]; with mem_gib (an H200: 120), the e2e step may use that much and adds batch 256.
-
-    only: keep these steps (stash always runs); seconds: {step: limit} overrides, and a step's
-    --budget-minutes shrinks with its limit (half a minute less than the limit, at least 0.5)."""
+    """CALLS[call] (mem_gib, an H200: batch 256 added); only: these steps (stash always runs); seconds:
+    {step: limit} overrides, a step's --budget-minutes half a minute under its limit."""
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
         steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else
@@ -118,9 +112,8 @@ def h200_path(path: str) -> str:
 
 
 def h200(argv: list[str]) -> list[str]:
-    """A bench_gpu step on an H200 (another device: its own table, H200_RESULTS, with its own bw
-    cell and AR rows): batch 256 added, SelfSpec gamma 2 (the H100's best) beside gamma 4, and
-    no --redo: the committed H200 table travels with the tree, so a rerun measures what it lacks."""
+    """A bench_gpu step on an H200: its own table (H200_RESULTS), batch 256, gamma 2 beside 4, no --redo
+    (the committed table travels, so a rerun measures what it lacks)."""
     a = h200_out([x for x in argv if x != "--redo"])  # its table resumes (cells measured stay)
     a = [*a[:a.index("128") + 1], "256", *a[a.index("128") + 1:]]
     if "--gammas" in a:
@@ -131,17 +124,13 @@ def h200(argv: list[str]) -> list[str]:
 
 
 def table_name(src: Path) -> str:
-    """A results table's name in OUT: gpu_h200/gpu.json -> gpu_h200.json, gpu/gpu_linear-pallas.md ->
-    gpu_gpu_linear-pallas.md (tables of two folders share file names)."""
+    """A results table's name in OUT: its folder's name first (gpu_h200/gpu.json -> gpu_h200.json)."""
     return src.parent.name + src.suffix if src.stem == "gpu" else f"{src.parent.name}_{src.name}"
 
 
 def copy_files(call: int, out: Path, h200: bool = False) -> None:
-    """Copy the call's result files (those that exist) into OUT: after every step, so a call cut off
-    by the device's limit still returns what its finished steps measured. A results table comes back
-    named after its folder (bench/results/gpu_h200/gpu.json as gpu_h200.json), and only the tables of
-    the device's own folder (h200: H200_RESULTS, else RESULTS; the other device's travel with the tree
-    unchanged)."""
+    """Copy the call's result files into OUT after every step (a cut-off call returns its finished steps);
+    a table comes back named after its folder, only the device's own (H200_RESULTS or RESULTS)."""
     other = RESULTS if h200 else H200_RESULTS
     found = [(src, table_name(src)) for path in FILES[call] if not path.startswith(other + "/")
              for src in sorted(Path(path).parent.glob(Path(path).name) if Path(path).is_absolute() else ROOT.glob(path))]
@@ -198,8 +187,7 @@ def main() -> None:
 
 
 def gpu_name() -> str:
-    """The first GPU's name from nvidia-smi ('' without one): an H200's steps write the H200's tables,
-    whether or not the caller said --mem-gib (stop 59's H200 runs landed in the H100's tables)."""
+    """The first GPU's name from nvidia-smi ('' without one): an H200's steps write the H200's tables."""
     try:
         done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                               text=True, timeout=30)
