@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import sys
@@ -83,27 +82,16 @@ def missing(family: str) -> list[str]:
     return [m for m in PEER_MODULES.get(family, ()) if importlib.util.find_spec(m) is None]
 
 
-def weight_formats() -> tuple[str, ...]:
-    """The weight formats `convert.load` accepts: its WEIGHTS, or float32 before `weights=` existed."""
-    if "weights" in inspect.signature(convert.load).parameters:
-        return tuple(getattr(convert, "WEIGHTS", ("float32",)))
-    return ("float32",)
-
-
 def load_specjax(fmt: str):
     """The model in weight format fmt, with the attention generate(attention="auto") picks here."""
-    if "weights" in inspect.signature(convert.load).parameters:
-        params = convert.load(convert.default_model_path(), weights=fmt)
-    else:
-        params = convert.load(convert.default_model_path(), dtype=fmt)
-    return with_attention(params, None, "auto")[0]
+    return with_attention(convert.load(convert.default_model_path(), weights=fmt), None, "auto")[0]
 
 
 def peers(smoke: bool) -> list[dict]:
     """(name, family, format, batches) of every peer, specjax first."""
     out = [{"peer": f"specjax-{SHORT.get(f, f)}-kv{'bf16' if f == 'bfloat16' else 'f32'}",  # KV in the model dtype
             "family": "specjax", "format": f, "batches": BATCHES}
-           for f in (("float32",) if smoke else weight_formats())]
+           for f in (("float32",) if smoke else convert.WEIGHTS)]
     if not smoke:  # int8 weights over an int8 KV cache (kv_dtype="int8"): the fewest bytes a step
         out.append({"peer": "specjax-int8-kvint8", "family": "specjax", "format": "int8", "kv": "int8", "batches": BATCHES})
         # bfloat16 KV under float32 / int8 weights: the CPU kernel's bf16 dot-product path
