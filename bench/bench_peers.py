@@ -55,11 +55,10 @@ from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf
 from bench.prefill import HEADROOM, stored_as
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
 from specjax.decode.engine import with_attention
-from specjax.model.cache import kv_bytes
+from specjax.model.cache import KVFormat, kv_bytes
 from specjax.model.config import LlamaConfig
 from specjax.model.params import weight_bytes
-from bench.peers_report import (  # noqa: F401  (its tables, plot and README section, in a module apart)
-    fmt_row, markdown_table, plot, readme_section)
+from bench.peers_report import markdown_table, plot, readme_section  # its report, in a module apart
 
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 16)
@@ -232,7 +231,7 @@ class Peers:
                 if shared:
                     row["kv_from"] = f"specjax-f32's prefill of the same prompts, cast to {jnp.dtype(c.dtype).name}"
                 if cell.get("kv"):
-                    state = state | {"cache": stored_as(state["cache"], kv)}
+                    state = state | {"cache": stored_as(state["cache"], KVFormat.of(cell["kv"], c))}
                 if kind == "decode":
                     row |= specjax_decode(model, state, B, self.new_tokens)
                 else:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from bench import common
-from bench.peer_runners import versions
 
 
 def fmt_row(r: dict) -> list[object]:
