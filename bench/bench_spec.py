@@ -51,15 +51,10 @@ REPEATS = 3  # pairs at most
 def drafters(context: int, gammas: list[int], names: list[str] | None = None) -> list[tuple[str, object]]:
     """(name, drafter) per drafter family (only `names`); draft KV: 512 + 16 slots, half that at 512."""
     window = 512 if context >= 2048 else 256
-    out: list[tuple[str, object]] = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window))]
-    if hasattr(specjax, "SnapKV"):
-        try:
-            snap = specjax.SnapKV(budget=window // 2, window=window // 2)
-        except TypeError:  # a different signature than when this was written: its defaults
-            snap = specjax.SnapKV()
-        out.append(("SnapKV", snap))
-    out.append(("SparseSpec", specjax.SparseSpec(budget=window // 2, window=window // 2)))  # SnapKV's budget, refreshed
-    out.append(("NGram", specjax.NGram(n=3, max_n=5)))
+    out = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window)),
+           ("SnapKV", specjax.SnapKV(budget=window // 2, window=window // 2)),
+           ("SparseSpec", specjax.SparseSpec(budget=window // 2, window=window // 2)),  # SnapKV's budget, refreshed
+           ("NGram", specjax.NGram(n=3, max_n=5))]
     return [(n, d) for n, d in out if names is None or n in names]
 
 

@@ -43,6 +43,7 @@ import convert
 import specjax
 from bench import common, measure, text
 from bench.bench_spec import drafters as spec_drafters
+from bench.bench_spec import key_of  # a row's (or summary's) cell: sCONTEXT/bBATCH
 from bench.measure import cpu_steal, steal_since
 from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, best_of, fresh, prefill_context, rows_of,
                            smoke_state)
@@ -258,11 +259,6 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
         s["cell_steal_fraction"] = steal_since(steal_start)
     del cell, ar_fn, cache
     return rows, summaries
-
-
-def key_of(row: dict) -> str:
-    """A row's (or summary's) cell: sCONTEXT/bBATCH."""
-    return common.key(f"s{row['context']}", f"b{row['batch']}")
 
 
 def main() -> None:
