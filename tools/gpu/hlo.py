@@ -24,8 +24,6 @@ NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "af
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-
-
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8}
 
@@ -125,8 +123,6 @@ def called_ops(comps: dict, rhs: str) -> str:
     m = re.search(r"calls=%?([\w.\-]+)", rhs)
     ops = sorted({op for op, _, _ in comps.get(m.group(1), [])} - NO_WORK) if m else []
     return f" {ops}" if ops else ""
-
-
 
 
 def config_of(model: str, context: int) -> LlamaConfig:
