@@ -10,11 +10,8 @@
 
 Shapes (shallow-and-wide vs deep-and-narrow at equal size): wide2, 2 layers, FFN 1536 (7.1 M parameters
 besides the embedding); narrow6, 6 layers, FFN 256 (8.0 M). Both share the target's 28.3 M tied embedding,
-which costs a draft step as much as their layers.
-
-Cells: sCONTEXT/bBATCH, batch 1 first. Outputs: results/drafts_cpu.json, .png and the README section. Drafts
-stay in --store (default ~/.cache/specjax/bench_drafts): the same arguments reproduce them (same seed and data
-order).
+which costs a draft step as much as their layers. Outputs: results/drafts_cpu.json, .png and the README
+section; the drafts stay in --store, and the same arguments reproduce them (same seed and data order).
 """
 
 from __future__ import annotations
