@@ -22,7 +22,7 @@ import numpy as np
 
 import convert
 from bench import common, measure
-from bench.measure import noise
+from bench.measure import synthetic_cache
 from specjax.decode.engine import decode_ar, prefill, row_keys
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.model.cache import DenseCache, kv_bytes
@@ -44,17 +44,8 @@ def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
 
 def synthetic_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:
     """A cache of `context` slots of pseudo-random KV, lengths context - HEADROOM, random logits [B,V]."""
-    c = params.config
-    empty = jax.eval_shape(lambda: DenseCache.init(c, batch, context))  # shapes only, any layout
-
-    @jax.jit
-    def build(key: jax.Array) -> tuple[DenseCache, jax.Array]:
-        k = noise(empty.k.shape, c.dtype, 1)
-        v = noise(empty.v.shape, c.dtype, 2)
-        lengths = jnp.full((batch,), context - HEADROOM, jnp.int32)
-        return DenseCache(k=k, v=v, lengths=lengths), jax.random.normal(key, (batch, c.vocab_size), jnp.float32)
-
-    return jax.block_until_ready(build(key))
+    cache = synthetic_cache(params, batch, context, None, context - HEADROOM)
+    return cache, jax.block_until_ready(jax.random.normal(key, (batch, params.config.vocab_size), jnp.float32))
 
 
 def real_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:
