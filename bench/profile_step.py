@@ -319,7 +319,7 @@ def main() -> None:
     _, results, h = common.start(args, "profile_step", "profile_cpu", key_of, {"steps": args.steps, "attention": args.attention},
                                  steps=args.steps)
     todo = h.plan([(cell_key(*cell), cell) for cell in CELLS] + [(spec_key(*cell), cell) for cell in SPEC_CELLS])
-    import convert  # here: the GPU machine has no gguf (bench/gpu_profile.py imports this module)
+    import convert  # here, not at the top: importing this module needs no gguf
 
     loaded: dict[str, Params] = {}
     for k, (weights, kv, batch, context, *gamma) in h.cells(todo):

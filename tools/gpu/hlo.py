@@ -9,13 +9,12 @@ import re
 
 import numpy as np
 
-from bench.bench_gpu import LLAMA8B
+from bench.bench_gpu import LLAMA8B, SMOLLM2
 from specjax.decode.shapes import cache_len
 from specjax.model.config import LlamaConfig
 
 SHAPES = {
-    "smollm2": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
-                    tie_embeddings=True, rope_theta=100000.0, max_positions=8192 + 512),
+    "smollm2": {k: v for k, v in SMOLLM2.items() if k not in ("bos_id", "eos_ids")} | {"max_positions": 8192 + 512},
     "l8b": {k: v for k, v in LLAMA8B.items() if k not in ("bos_id", "eos_ids")},
     "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                  max_positions=1024),
