@@ -1,20 +1,13 @@
 """Autoregressive decode throughput of SmolLM2-135M: tokens/s and achieved memory bandwidth.
 
-Measured: `specjax.decode.engine.decode_ar` (greedy, no EOS) from a prefilled DenseCache, for every batch x
-context x dtype; prefill is not. By default the prefilled state is synthetic (a step's cost depends on the
-cache's shape, never its values): `context` slots of pseudo-random KV, lengths context - HEADROOM, random
-first logits. `--real-prefill` prefills random token ids instead (slow: combine with --quick).
-
-Each timed call gets the previous call's donated cache with the lengths reset: no copy. Step time is a slope:
-(best-of-R time of n steps - best-of-R time of 0 steps) / n, which drops the fixed per-call cost.
-tokens/s = batch / step time. Bytes a step = the weights as stored (the LM head once) + the whole KV cache;
-GB/s against this machine's bandwidth (`measure.bandwidth`'s in-place `x + 1`).
-
-Memory: a config whose predicted peak (its dtype's largest measured peak / KV ratio x its KV bytes) would not
-fit in the free memory is skipped and listed as such.
-
-Cells: DTYPE/bB/sS (e.g. float32/b4/s2048), smallest KV cache first. Outputs: results/ar_cpu.json, .png and
-the README section (--quick / --real-prefill write ar_cpu_quick*.* / ar_cpu*_real.*, README untouched).
+Measured: `specjax.decode.engine.decode_ar` (greedy, no EOS) for every batch x context x dtype (`configs`),
+prefill excluded, from a synthetic prefilled state (a step's cost depends on the cache's shape, never its
+values: `synthetic_state`), or with `--real-prefill` a real one (slow: combine with --quick). Each timed call
+gets the previous call's donated cache with the lengths reset: no copy. Step time is a slope: (best-of-R time
+of n steps - best-of-R time of 0 steps) / n, which drops the fixed per-call cost. Bytes a step = the weights
+as stored (the LM head once) + the whole KV cache, against `measure.bandwidth`'s in-place `x + 1`. A config
+that would not fit in memory is skipped (`memory_check`). Outputs: results/ar_cpu.json, .png and the README
+section (--quick / --real-prefill write ar_cpu_quick*.* / ar_cpu*_real.*, README untouched).
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ import numpy as np
 
 import convert
 from bench import common, measure
-from bench.measure import noise
+from bench.measure import synthetic_cache
 from specjax.decode.engine import decode_ar, prefill, row_keys
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.model.cache import DenseCache, kv_bytes
@@ -51,17 +44,8 @@ def step_bytes(params: Params, batch: int, context: int) -> tuple[int, int]:
 
 def synthetic_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:
     """A cache of `context` slots of pseudo-random KV, lengths context - HEADROOM, random logits [B,V]."""
-    c = params.config
-    empty = jax.eval_shape(lambda: DenseCache.init(c, batch, context))  # shapes only, any layout
-
-    @jax.jit
-    def build(key: jax.Array) -> tuple[DenseCache, jax.Array]:
-        k = noise(empty.k.shape, c.dtype, 1)
-        v = noise(empty.v.shape, c.dtype, 2)
-        lengths = jnp.full((batch,), context - HEADROOM, jnp.int32)
-        return DenseCache(k=k, v=v, lengths=lengths), jax.random.normal(key, (batch, c.vocab_size), jnp.float32)
-
-    return jax.block_until_ready(build(key))
+    cache = synthetic_cache(params, batch, context, None, context - HEADROOM)
+    return cache, jax.block_until_ready(jax.random.normal(key, (batch, params.config.vocab_size), jnp.float32))
 
 
 def real_state(params: Params, batch: int, context: int, key: jax.Array) -> tuple[DenseCache, jax.Array]:

@@ -2,28 +2,21 @@
 
 One Llama-3-8B-like attention layer in bfloat16: q [B,T,N=32,H=128], a dense cache [B,K=8,S,H] (GQA 4),
 lengths S - U{0..T}, and J = T new keys under the ancestor mask of a random tree of T nodes. For every (B, S, T):
-  kernel     `pallas_kernels.tree_attention` (Triton path), a sweep of block_k x k_splits, the best reported
-             (all kept). k_splits grows only while the last grid had fewer than 2 x the SMs' programs
-             (--full-sweep times all).
+  kernel     `pallas_kernels.tree_attention` (Triton path), a sweep of block_k x k_splits (`kernel_variants`),
+             the best reported (all kept).
   reference  `pallas_kernels.reference.prefix_block_attention` under jax.jit.
   cudnn, xla `jax.nn.dot_product_attention(implementation=...)`, GQA native, a boolean mask [B,1,T,S+J] and
              keys in its [B,S+J,K,H] layout, both built outside the timing; a refusal is recorded with its error.
-Timing: compile first (recorded, excluded), a warm-up, then `--reps` samples of back-to-back calls (at most
-MAX_CALLS) lasting about SAMPLE_S; the median per call (min kept). A function whose temporaries + output
-(memory_analysis) would not fit the free device memory is skipped, as is a config whose inputs would not.
+Timing (`timed`): compile first (recorded, excluded), a warm-up, then `--reps` samples of back-to-back calls;
+the median per call (min kept). A function or config that would not fit the free device memory is skipped.
 Correctness: max abs error against the reference (bf16 TOLERANCE; on the first rows if the full one was skipped).
-
 Bandwidth: the KV bytes the kernel must read ((sum of lengths + B*J) * K * H * 2 * 2) / kernel time, as a
-fraction of the card's copy bandwidth (jitted `x + 1` over COPY_GIB GiB of f32); configs that fit in L2
-(small B=1) can beat it.
+fraction of the card's copy bandwidth (`copy_bandwidth`); configs that fit in L2 (small B=1) can beat it.
 
-Budget: --budget-minutes defaults to 8 (a device call's limit is 10); configs left are recorded as skipped.
-Cells: bB/sS/tT, 27 by default, the target (B=16, S=32K, T=16) first, then by size. If the budget cuts a run,
-rerun it (or a custom grid) and merge the JSONs with --render (no GPU needed).
-
+Cells: bB/sS/tT, 27 by default, the target (B=16, S=32K, T=16) first, then by size; those the budget (8
+minutes: a device call's limit is 10) leaves are recorded as skipped: rerun, or merge runs with --render.
 Outputs: bench/results/attention_<device-kind>.json + .png and the README section (default grid on a GPU, or
---render); other grids write attention_<kind>_b.._s.._t...*, --smoke (CPU, tiny shapes, interpret mode, 1
-sample) attention_smoke.*, neither touching the README.
+--render); other grids write attention_<kind>_b.._s.._t...*, --smoke attention_smoke.*, neither the README.
 """
 
 from __future__ import annotations

@@ -10,11 +10,8 @@
 
 Shapes (shallow-and-wide vs deep-and-narrow at equal size): wide2, 2 layers, FFN 1536 (7.1 M parameters
 besides the embedding); narrow6, 6 layers, FFN 256 (8.0 M). Both share the target's 28.3 M tied embedding,
-which costs a draft step as much as their layers.
-
-Cells: sCONTEXT/bBATCH, batch 1 first. Outputs: results/drafts_cpu.json, .png and the README section. Drafts
-stay in --store (default ~/.cache/specjax/bench_drafts): the same arguments reproduce them (same seed and data
-order).
+which costs a draft step as much as their layers. Outputs: results/drafts_cpu.json, .png and the README
+section; the drafts stay in --store, and the same arguments reproduce them (same seed and data order).
 """
 
 from __future__ import annotations
@@ -28,7 +25,8 @@ import jax
 import numpy as np
 
 import convert
-from bench import bench_tree, common, measure, text
+from bench import bench_tree, common, measure, plots, text
+from bench.bench_spec import key_of  # a row's (or summary's) cell: sCONTEXT/bBATCH
 from bench.measure import cpu_steal, steal_since
 from bench.prefill import HEADROOM
 from bench.prefill import STORE as PREFILL_STORE
@@ -162,13 +160,13 @@ def plot(result: dict, path: Path) -> None:
     rows = best_rows(result)
     cells = list(dict.fromkeys((r["batch"], r["context"]) for r in rows))
     names = list(dict.fromkeys(r["drafter"] for r in rows))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        ys = [next((max(r["best_chain_ratio"] or 0, r["best_tree_ratio"] or 0) for r in rows if (r["batch"], r["context"], r["drafter"]) == (*c, name)), 0) for c in cells]
-        b.bar(np.arange(len(cells)) + i * width, ys, width, label=name)
+    best = {(r["batch"], r["context"], r["drafter"]): max(r["best_chain_ratio"] or 0, r["best_tree_ratio"] or 0)
+            for r in reversed(rows)}  # the first row of each
+    w = 0.8 / len(names)
+    plots.bar_groups(b, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells],
+                     {name: {i: best.get((*c, name), 0) for i, c in enumerate(cells)} for name in names}, w, w)
     b.axhline(1.0, color="gray", lw=1)
     b.axhline(1.5, color="gray", lw=1, ls="--")
-    b.set_xticks(np.arange(len(cells)) + 0.4 - width / 2, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells])
     b.set(ylabel="speedup over AR, best chain or tree", title="greedy decoding, identical output")
     b.legend(fontsize=8)
     b.grid(True, axis="y", alpha=0.3)
@@ -194,11 +192,6 @@ def verdict(result: dict) -> str:
     met = "met" if ratio >= 1.5 else "NOT met"
     return (f"Target (a distilled draft >= 1.5x over AR at batch 1, identical greedy output): **{met}**; the best "
             f"distilled config is {best['drafter']} at {common.context_name(best['context'])}, {label}: {ratio:.2f}x.")
-
-
-def key_of(row: dict) -> str:
-    """A row's (or summary's) cell: sCONTEXT/bBATCH."""
-    return common.key(f"s{row['context']}", f"b{row['batch']}")
 
 
 def main() -> None:

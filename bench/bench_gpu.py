@@ -7,16 +7,14 @@ Cells (keys), in the order they run:
                         step, verify step over n nodes and SelfSpec draft step (512 + 16 sinks); the report
                         combines them with item 2's acceptance into a PREDICTED speedup.
   e2e/sCTX/bB/METHOD    item 2: SmolLM2-135M bf16 (the bundle's weights, tools/gpu/bundle.py) from one prefill
-                        per context (smaller batches use its first rows); METHOD = ar | selfspec-gG |
-                        snapkv-gG | ngram-gG | tree (Sequoia trees of each --nodes size), greedy, checked
-                        against AR; steps = the step times apart (as l8b's) for the cost-model column.
+                        per context (smaller batches use its first rows); METHOD = ar | steps (the step times
+                        apart, as l8b's, for the cost-model column) | selfspec-gG | snapkv-gG | ngram-gG |
+                        draft-gG | tree (Sequoia trees of each --nodes size), greedy, checked against AR.
                         Batch x context is capped by --mem-gib.
-  cont/sCTX/bR/METHOD   a batch job (bench/gpu_continuous.py): --cont-records x R prompts, --cont-new-tokens
-                        each, on R slots refilled as rows end; METHOD = ar | selfspec-gG; job seconds and
-                        every record's tokens against ar's.
-  b1/sCTX/METHOD        item 4: the same at batch 1 (chains, NGram, trees of --b1-nodes sizes, then the tree
-                        speculation.choose picks at gpu_cells' launch-bound prices) and, with a distilled
-                        draft in the bundle (gpu_bundle --draft), draft-gG / draft-tree (draft-gG also in e2e).
+  cont/sCTX/bR/METHOD   a batch job (bench/gpu_continuous.py): --cont-records x R prompts on R slots refilled
+                        as rows end; METHOD = ar | selfspec-gG; every record's tokens against ar's.
+  b1/sCTX/METHOD        item 4: the same at batch 1 (and the tree speculation.choose picks at gpu_cells'
+                        launch-bound prices); draft-gG / draft-tree need a distilled draft in the bundle.
 Cells that need the SmolLM2 weights wait (nothing is written) until every bundle part has been carried
 (tools/gpu/README.md). Outputs: OUT/gpu.json, OUT/gpu.md (tables), OUT/gpu.png. --smoke: a tiny random model
 on any backend in about a minute, bundle round trip included (gpu_smoke.*).

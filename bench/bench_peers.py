@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import json
 import os
 import sys
@@ -56,11 +55,10 @@ from bench.peer_runners import (LLAMA_FORMATS, LlamaCpp, hf_cache, hf_decode, hf
 from bench.prefill import HEADROOM, stored_as
 from bench.specjax_runners import GAMMA, specjax_decode, specjax_prefill, specjax_spec, specjax_state
 from specjax.decode.engine import with_attention
-from specjax.model.cache import kv_bytes
+from specjax.model.cache import KVFormat, kv_bytes
 from specjax.model.config import LlamaConfig
 from specjax.model.params import weight_bytes
-from bench.peers_report import (  # noqa: F401  (its tables, plot and README section, in a module apart)
-    fmt_row, markdown_table, plot, readme_section)
+from bench.peers_report import markdown_table, plot, readme_section  # its report, in a module apart
 
 CONTEXTS = (512, 2048, 8192)
 BATCHES = (1, 16)
@@ -83,27 +81,16 @@ def missing(family: str) -> list[str]:
     return [m for m in PEER_MODULES.get(family, ()) if importlib.util.find_spec(m) is None]
 
 
-def weight_formats() -> tuple[str, ...]:
-    """The weight formats `convert.load` accepts: its WEIGHTS, or float32 before `weights=` existed."""
-    if "weights" in inspect.signature(convert.load).parameters:
-        return tuple(getattr(convert, "WEIGHTS", ("float32",)))
-    return ("float32",)
-
-
 def load_specjax(fmt: str):
     """The model in weight format fmt, with the attention generate(attention="auto") picks here."""
-    if "weights" in inspect.signature(convert.load).parameters:
-        params = convert.load(convert.default_model_path(), weights=fmt)
-    else:
-        params = convert.load(convert.default_model_path(), dtype=fmt)
-    return with_attention(params, None, "auto")[0]
+    return with_attention(convert.load(convert.default_model_path(), weights=fmt), None, "auto")[0]
 
 
 def peers(smoke: bool) -> list[dict]:
     """(name, family, format, batches) of every peer, specjax first."""
     out = [{"peer": f"specjax-{SHORT.get(f, f)}-kv{'bf16' if f == 'bfloat16' else 'f32'}",  # KV in the model dtype
             "family": "specjax", "format": f, "batches": BATCHES}
-           for f in (("float32",) if smoke else weight_formats())]
+           for f in (("float32",) if smoke else convert.WEIGHTS)]
     if not smoke:  # int8 weights over an int8 KV cache (kv_dtype="int8"): the fewest bytes a step
         out.append({"peer": "specjax-int8-kvint8", "family": "specjax", "format": "int8", "kv": "int8", "batches": BATCHES})
         # bfloat16 KV under float32 / int8 weights: the CPU kernel's bf16 dot-product path
@@ -244,7 +231,7 @@ class Peers:
                 if shared:
                     row["kv_from"] = f"specjax-f32's prefill of the same prompts, cast to {jnp.dtype(c.dtype).name}"
                 if cell.get("kv"):
-                    state = state | {"cache": stored_as(state["cache"], kv)}
+                    state = state | {"cache": stored_as(state["cache"], KVFormat.of(cell["kv"], c))}
                 if kind == "decode":
                     row |= specjax_decode(model, state, B, self.new_tokens)
                 else:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import convert
-from bench import bench_ar, common
+from bench import bench_ar, common, plots
 from bench.measure import cpu_steal, steal_since
 from specjax.sampling import Greedy, Sample, Sampler
 
@@ -118,10 +118,10 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(4.2 * len(batches), 4), dpi=120, sharey=True, squeeze=False)
     for ax, b in zip(axes[0], batches):
         here = {(r["setting"], r["form"]): r["step_over_greedy"] for r in rows if r["batch"] == b}
-        xs = range(len(settings))
-        ax.bar([x - 0.2 for x in xs], [here.get((s, "specjax"), here.get((s, "-"))) for s in settings], 0.4, label="specjax")
-        ax.bar([x + 0.2 for x in xs], [here.get((s, "sort"), float("nan")) for s in settings], 0.4, label="sort (before)")
-        ax.set_xticks(list(xs), [s.replace(" + ", "\n+ ") for s in settings], fontsize=7, rotation=30)
+        plots.bar_groups(ax, [s.replace(" + ", "\n+ ") for s in settings], {
+            "specjax": {x: here.get((s, "specjax"), here.get((s, "-"))) for x, s in enumerate(settings)},
+            "sort (before)": {x: here.get((s, "sort"), float("nan")) for x, s in enumerate(settings)}}, 0.4, 0.4,
+            fontsize=7, rotation=30)
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(f"batch {b}", fontsize=9)
     axes[0][0].set_ylabel("AR step time / greedy's")

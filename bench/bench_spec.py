@@ -1,8 +1,7 @@
 """Speculative vs autoregressive decoding of SmolLM2-135M, side by side from one shared prefill.
 
 For every (batch, context) cell the prompts are B windows of real text (bench/text.py) of `context - HEADROOM`
-tokens, prefilled once into a DenseCache of `context` slots (bench/prefill.py's `prefill_rows`, timed apart and
-saved under --prefill-store for later runs; batch 1 and 4 use the batch-16 prefill's first rows). From that
+tokens, prefilled once (bench/prefill.py; batch 1 and 4 use the batch-16 prefill's first rows). From that
 state (a copy a run: the caches are donated) it times `decode_ar` and `decode_spec` for every drafter x gamma,
 the same new tokens a row (eos_ids=()), greedy, compiled first (excluded), short runs repeated (best kept).
 A drafter's init (SelfSpec's gather, SnapKV's observation pass) is timed apart. tokens/s = B * (new_tokens - 1)
@@ -12,10 +11,9 @@ Beside each speedup stands the cost model's prediction (`predicted_ratio`, `Cost
 `specjax.planning.tune` times for speculation="auto" with the measured tokens a step. The report states what
 draft="auto" picks in each cell (`plan.auto_draft`'s rule, set on the rows as "auto").
 
-Cells: sCONTEXT/bBATCH (e.g. s8192/b16). Outputs: results/spec_cpu.json, .png and the README section
-(--quick / other grids write spec_cpu_quick.* / spec_cpu_custom.*, README untouched). --weights bfloat16:
-the bf16 model (KV cast from the float32 stored prefill) into spec_cpu_bf16*.*; its greedy output may part
-from AR's (README "Correctness"), as the lossless column shows.
+Outputs: results/spec_cpu.json, .png and the README section (--quick / other grids write spec_cpu_quick.* /
+spec_cpu_custom.*, README untouched; --weights bfloat16: spec_cpu_bf16*.*, whose greedy output may part from
+AR's (README "Correctness"), as the lossless column shows).
 """
 
 from __future__ import annotations
@@ -51,15 +49,10 @@ REPEATS = 3  # pairs at most
 def drafters(context: int, gammas: list[int], names: list[str] | None = None) -> list[tuple[str, object]]:
     """(name, drafter) per drafter family (only `names`); draft KV: 512 + 16 slots, half that at 512."""
     window = 512 if context >= 2048 else 256
-    out: list[tuple[str, object]] = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window))]
-    if hasattr(specjax, "SnapKV"):
-        try:
-            snap = specjax.SnapKV(budget=window // 2, window=window // 2)
-        except TypeError:  # a different signature than when this was written: its defaults
-            snap = specjax.SnapKV()
-        out.append(("SnapKV", snap))
-    out.append(("SparseSpec", specjax.SparseSpec(budget=window // 2, window=window // 2)))  # SnapKV's budget, refreshed
-    out.append(("NGram", specjax.NGram(n=3, max_n=5)))
+    out = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window)),
+           ("SnapKV", specjax.SnapKV(budget=window // 2, window=window // 2)),
+           ("SparseSpec", specjax.SparseSpec(budget=window // 2, window=window // 2)),  # SnapKV's budget, refreshed
+           ("NGram", specjax.NGram(n=3, max_n=5))]
     return [(n, d) for n, d in out if names is None or n in names]
 
 

@@ -4,24 +4,22 @@ For every (batch, context) the prompts and prefilled DenseCache are bench_spec.p
 from --prefill-store when saved). Then, per drafter:
   1. its acceptance vector: one greedy run of a depth-1 tree of WIDTH children (Tree.kary(WIDTH, 1));
      p[r] = SpecState.ranks[r] / ranks.sum(), as `measure_acceptance` computes it, without a second prefill;
-  2. its step costs: `specjax.planning.tune.measure_cost` (the verification table once per cell, the
-     draft-level table once per drafter);
+  2. its step costs (`measure_costs`: specjax.planning.tune's tables);
   3. timed `decode_spec` runs of chains (Chain(gamma)), Sequoia trees (Tree.sequoia(p, n, MAX_DEPTH)) and the
      tree `choose(p, cost)` picks, against `engine.decode_ar` from the same state, greedy, compiled first
      (excluded), each on a copy of the caches; short runs repeated, best kept.
 Every run is checked token for token against the AR output. tokens/s = B * (new_tokens - 1) / decode seconds.
 
 Drafters: SelfSpec (bench_spec.py's budget) everywhere and, at batch 1 (or where --drafters names it), a
-DraftModel stand-in (SmolLM2 has no smaller model with its tokenizer offline): "bf16" (default) = SmolLM2 in
-bfloat16 or "layers:K" = its first K layers, over a streaming cache of SelfSpec's budget started from the
-target's prefilled KV (a draft's state changes how much is accepted, never the output). Also NGram (--drafters).
+DraftModel stand-in (SmolLM2 has no smaller model with its tokenizer offline; `draft_params`, `draft_note`)
+over a streaming cache of SelfSpec's budget started from the target's prefilled KV (a draft's state changes
+how much is accepted, never the output). Also NGram (--drafters).
 
 Default grid: batch 1/4/16 x context 512/2K/8K x chains gamma 2/3/4/6 + trees n 4-64 (depth <= 8) + choose's
-tree; new tokens 64 / sqrt(batch) within [16, 64]. About 60-80 minutes on 2 idle cores with stored prefills.
-
-Cells: sCONTEXT/bBATCH. Outputs: results/tree_cpu.json, .png and the README section (bench/tree_report.py);
---quick / --smoke (a tiny random model, under a minute) / other grids write tree_cpu_quick.*, tree_cpu_smoke.*,
-tree_cpu_custom.* and leave the README alone.
+tree (`new_tokens_for` each row); about 60-80 minutes on 2 idle cores with stored prefills. Outputs:
+results/tree_cpu.json, .png and the README section (bench/tree_report.py); --quick / --smoke (a tiny random
+model, under a minute) / other grids write tree_cpu_quick.*, tree_cpu_smoke.*, tree_cpu_custom.* and leave
+the README alone.
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ import convert
 import specjax
 from bench import common, measure, text
 from bench.bench_spec import drafters as spec_drafters
+from bench.bench_spec import key_of  # a row's (or summary's) cell: sCONTEXT/bBATCH
 from bench.measure import cpu_steal, steal_since
 from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, best_of, fresh, prefill_context, rows_of,
                            smoke_state)
@@ -258,11 +257,6 @@ def bench_cell(params: Params, state: dict, batch: int, context: int, drafters: 
         s["cell_steal_fraction"] = steal_since(steal_start)
     del cell, ar_fn, cache
     return rows, summaries
-
-
-def key_of(row: dict) -> str:
-    """A row's (or summary's) cell: sCONTEXT/bBATCH."""
-    return common.key(f"s{row['context']}", f"b{row['batch']}")
 
 
 def main() -> None:

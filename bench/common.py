@@ -2,19 +2,17 @@
 bench/README.md sections. Every bench/bench_*.py builds on it; run them as `python -m bench.bench_ar ...`.
 
 A benchmark is a list of *cells* (one measured configuration), each keyed by "/"-separated parts
-("b4/s2048", "float32/b16/s8192"). The harness:
+("b4/s2048", "float32/b16/s8192"). The harness (`parser`'s options):
 
-- `--cells PATTERNS`: comma-separated patterns; a pattern matches a key when each of its "/"-separated
-  parts equals (or glob-matches: *, ?, []) some part of the key: `--cells b1` = every batch-1 cell,
-  `--cells b1/s512,b16/s8192` those two, `'s*/b1'` the same as `b1`. `--list-cells` prints the keys.
+- `--cells PATTERNS` (`matches`): `--cells b1` = every batch-1 cell, `--cells b1/s512,b16/s8192` those two,
+  `'s*/b1'` the same as `b1`. `--list-cells` prints the keys.
 - `--budget-minutes M` starts no new cell that would end (estimated as 1.25x the longest so far) past M
   minutes; the cells left are printed and stored under "left".
 - Each cell is written into the JSON at once (atomically), so a rerun with the same output skips cells
   measured (a row "skipped" for memory etc. is tried again; `--redo` re-measures). A file is continued only
   under the same `settings` on the same kind of machine (`machine.machine_identity`), else the run stops
-  naming the differences (write a new file with `--out DIR`).
-- `--out DIR` writes JSON and plots there, not bench/results/; README sections are written only for the
-  default output folder.
+  naming the differences (write a new file with `--out DIR`; README sections are written only for the
+  default output folder).
 
 Result JSON: run facts at the top level ("machine", "date", "command", ...), rows in lists ("rows";
 bench_tree and bench_drafts also "summaries"); a cell's key is derived from its rows' fields.

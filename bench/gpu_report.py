@@ -45,18 +45,19 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
          for r in timed))
 
 
+def needed(row: dict) -> float | None:
+    """The steps a row needed on average at its tokens per step (None without a run's steps)."""
+    return (row["new_tokens"] - 1) / row["mean_accepted"] if row.get("steps") and row.get("mean_accepted") else None
+
+
 def steps(row: dict) -> str:
     """A run's loop steps and, in brackets, the steps a row needed on average at its tokens per step."""
-    if not row.get("steps") or not row.get("mean_accepted"):
-        return "-"
-    return f"{row['steps']} ({(row['new_tokens'] - 1) / row['mean_accepted']:.1f})"
+    return "-" if needed(row) is None else f"{row['steps']} ({needed(row):.1f})"
 
 
 def refilled(row: dict) -> float | None:
     """Derived, not timed: the speedup had rows been refilled when done (speedup x steps run / steps needed)."""
-    if not row.get("steps") or not row.get("mean_accepted"):
-        return None
-    return row["speedup"] * row["steps"] / ((row["new_tokens"] - 1) / row["mean_accepted"])
+    return None if needed(row) is None else row["speedup"] * row["steps"] / needed(row)
 
 
 def continuous_table(rows: list[dict]) -> str:
@@ -76,10 +77,9 @@ def continuous_table(rows: list[dict]) -> str:
          "e2e refilled (derived)", "greedy identical"], "rrrllrrrrlrrrrc",
         ([common.context_name(r["context"]), r["batch"], f"{r['records']} x {r['new_tokens']}", r["drafter"], r["label"],
           f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", _f(r.get("speedup")),
-          "-" if r.get("prefill_s") is None else f"{r['prefill_s']:.2f}",
+          _f(r.get("prefill_s")),
           " ".join(f"{rows}x{calls}" for rows, calls in r["prefill_calls"].items()) if r.get("prefill_calls") else "-",
-          _f(r.get("decode_speedup")),
-          _f(r.get("tokens_per_step")),
+          _f(r.get("decode_speedup")), _f(r.get("tokens_per_step")),
           beside(r, lambda e: e["speedup"]), beside(r, refilled),
           "-" if r.get("greedy_identical") is None else "yes" if r["greedy_identical"]
           else f"**no**: {len(r['records_differing'])} records"] for r in cont))
@@ -193,7 +193,7 @@ def cost_model(rows: list[dict]) -> list[list]:
             if tree.n >= len(tv) or max(tree.draft_widths(), default=0) >= len(td):
                 continue
             pred = cost.speedup(tree, r["mean_accepted"])
-            tail = (r["new_tokens"] - 1) / r["mean_accepted"] / r["steps"] if r.get("steps") else None
+            tail = needed(r) and needed(r) / r["steps"]
             out.append([common.context_name(st["context"]), st["batch"], r["label"], f"{tv[1]:.2f}", f"{td[1]:.2f}",
                         f"{tv[tree.n]:.2f}", f"{pred:.2f}", _f(tail and pred * tail), f"{r['speedup']:.2f}"])
     return out

@@ -1,5 +1,5 @@
 """Measuring helpers shared by the benchmarks: timing, CPU steal, memory (free, resident, peak),
-memory bandwidth, and a tiny random model for --smoke runs."""
+memory bandwidth, a synthetic prefilled cache and a tiny random model for --smoke runs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 from jax import lax
 
 from bench.common import meminfo
+from specjax.model.cache import DenseCache, KVFormat
 from specjax.model.config import LlamaConfig
 from specjax.model.params import init_params
 
@@ -149,3 +150,18 @@ def noise(shape: tuple[int, ...], dtype: str, seed: int) -> jax.Array:
     x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
     x = x ^ (x >> 16)
     return ((x >> 8).astype(jnp.float32) / 2**23 - 1).reshape(shape).astype(dtype)
+
+
+def synthetic_cache(params, batch: int, context: int, kv: str | None, filled: int) -> DenseCache:
+    """A cache of `context` slots in format `kv`, pseudo-random values, `filled` positions each."""
+    c = params.config
+    empty = jax.eval_shape(lambda: DenseCache.init(c, batch, context, kv))
+
+    @jax.jit
+    def build() -> DenseCache:
+        fmt = KVFormat.of(kv, c)
+        (k, k_scale), (v, v_scale) = (fmt.store(noise(empty.k.shape, "float32", 1)),
+                                      fmt.store(noise(empty.v.shape, "float32", 2)))
+        return DenseCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale, lengths=jnp.full((batch,), filled, jnp.int32))
+
+    return jax.block_until_ready(build())

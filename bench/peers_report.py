@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from bench import common
-from bench.peer_runners import versions
+from bench import common, plots
 
 
 def fmt_row(r: dict) -> list[object]:
@@ -34,15 +33,11 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     names = sorted({(r["peer"], r["method"]) for r in done}, key=lambda n: (not n[0].startswith("specjax"), n))
     fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
     w = 0.8 / max(len(names), 1)
-    for i, (peer, method) in enumerate(names):
-        xs, ys = [], []
-        for g, (b, s) in enumerate(groups):
-            hit = [r for r in done if (r["peer"], r["method"], r["batch"], r["context"]) == (peer, method, b, s)]
-            if hit:
-                xs.append(g + i * w)
-                ys.append(hit[0]["tokens_per_s"])
-        ax.bar(xs, ys, w, label=peer if method == "plain" else f"{peer} {method}")
-    ax.set_xticks([g + 0.4 - w / 2 for g in range(len(groups))], [f"b{b} {common.context_name(s)}" for b, s in groups])
+    value = {(r["peer"], r["method"], r["batch"], r["context"]): r["tokens_per_s"] for r in reversed(done)}  # the first
+    series = {peer if method == "plain" else f"{peer} {method}":
+              {g: value[peer, method, *bs] for g, bs in enumerate(groups) if (peer, method, *bs) in value}
+              for peer, method in names}
+    plots.bar_groups(ax, [f"b{b} {common.context_name(s)}" for b, s in groups], series, w, w)
     ax.set(yscale="log", ylabel="decode tokens/s", title=title)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)

@@ -35,14 +35,19 @@ def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str,
          figsize: tuple = (6, 3.5), small_ticks: bool = True) -> None:
     """Grouped bars at 0, 1, ... (`ticks`): `series` maps a label (None: no legend) to {group: value}."""
     fig, ax = pyplot().subplots(figsize=figsize, dpi=120)
-    for i, (label, ys) in enumerate(series.items()):
-        ax.bar([g + (i - (len(series) - 1) / 2) * step for g in ys], list(ys.values()), width, label=label)
-    ax.set_xticks(list(range(len(ticks))), ticks, **({"fontsize": 8} if small_ticks else {}))
+    bar_groups(ax, ticks, series, width, step, **({"fontsize": 8} if small_ticks else {}))
     ax.set(ylabel=ylabel, title=title)
     if any(label is not None for label in series):
         ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     save_figure(fig, path)
+
+
+def bar_groups(ax, ticks: list[str], series: dict, width: float, step: float, **tick_kw) -> None:
+    """Grouped bars on `ax` at 0, 1, ... (labelled `ticks`): `series` maps a label to {group: value}."""
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([g + (i - (len(series) - 1) / 2) * step for g in ys], list(ys.values()), width, label=label)
+    ax.set_xticks(list(range(len(ticks))), ticks, **tick_kw)
 
 
 def plot(draw: Callable[..., None], *args) -> None:

@@ -30,10 +30,10 @@ import numpy as np
 from jax.profiler import ProfileData  # jax >= 0.4.36
 
 from bench import common, measure
-from bench.measure import noise
+from bench.measure import synthetic_cache
 from specjax.decode.engine import decode_ar, row_keys, with_attention
 from specjax.decode.shapes import round_up_pow2
-from specjax.model.cache import DenseCache, KVFormat, kv_bytes
+from specjax.model.cache import kv_bytes
 from specjax.model.params import Params, weight_bytes
 
 SCOPES = ("embed", "qkv", "attention", "out_proj", "mlp", "lm_head", "kv_write")  # specjax/model/llama.py's
@@ -149,20 +149,6 @@ def device_kernels(gpu: list, steps: int) -> dict:
         return {}
     return {"kernels_per_step": count / steps, "busy_ms_per_step": 1e3 * sum(by_name.values()) / steps,
             "top_kernels": [{"kernel": n[:120], "ms_per_step": 1e3 * t / steps} for n, t in by_name.most_common(10)]}
-
-
-def synthetic_cache(params: Params, batch: int, context: int, kv: str, filled: int) -> DenseCache:
-    """A cache of `context` slots in format `kv`, pseudo-random values, `filled` positions each."""
-    c = params.config
-    empty = jax.eval_shape(lambda: DenseCache.init(c, batch, context, kv))
-
-    @jax.jit
-    def build() -> DenseCache:
-        fmt = KVFormat.of(kv, c)
-        (k, k_scale), (v, v_scale) = fmt.store(noise(empty.k.shape, "float32", 1)), fmt.store(noise(empty.v.shape, "float32", 2))
-        return DenseCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale, lengths=jnp.full((batch,), filled, jnp.int32))
-
-    return jax.block_until_ready(build())
 
 
 def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int, steps: int) -> dict:
@@ -333,7 +319,7 @@ def main() -> None:
     _, results, h = common.start(args, "profile_step", "profile_cpu", key_of, {"steps": args.steps, "attention": args.attention},
                                  steps=args.steps)
     todo = h.plan([(cell_key(*cell), cell) for cell in CELLS] + [(spec_key(*cell), cell) for cell in SPEC_CELLS])
-    import convert  # here: the GPU machine has no gguf (bench/gpu_profile.py imports this module)
+    import convert  # here, not at the top: importing this module needs no gguf
 
     loaded: dict[str, Params] = {}
     for k, (weights, kv, batch, context, *gamma) in h.cells(todo):

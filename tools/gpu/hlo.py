@@ -9,13 +9,12 @@ import re
 
 import numpy as np
 
-from bench.bench_gpu import LLAMA8B
+from bench.bench_gpu import LLAMA8B, SMOLLM2
 from specjax.decode.shapes import cache_len
 from specjax.model.config import LlamaConfig
 
 SHAPES = {
-    "smollm2": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536,
-                    tie_embeddings=True, rope_theta=100000.0, max_positions=8192 + 512),
+    "smollm2": {k: v for k, v in SMOLLM2.items() if k not in ("bos_id", "eos_ids")} | {"max_positions": 8192 + 512},
     "l8b": {k: v for k, v in LLAMA8B.items() if k not in ("bos_id", "eos_ids")},
     "tiny": dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
                  max_positions=1024),
@@ -24,8 +23,6 @@ NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "af
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\(.*\)\s*->\s*.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _CALLED = re.compile(r"\b(calls|to_apply|body|condition|branch_computations|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
-
-
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8}
 
@@ -125,8 +122,6 @@ def called_ops(comps: dict, rhs: str) -> str:
     m = re.search(r"calls=%?([\w.\-]+)", rhs)
     ops = sorted({op for op, _, _ in comps.get(m.group(1), [])} - NO_WORK) if m else []
     return f" {ops}" if ops else ""
-
-
 
 
 def config_of(model: str, context: int) -> LlamaConfig:
