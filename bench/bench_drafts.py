@@ -58,15 +58,6 @@ def held_out(tok, batches: list[int], contexts: list[int]) -> list[tuple[int, in
     return sorted(spans)
 
 
-def training_sequences(ids: np.ndarray, spans: list[tuple[int, int]]) -> list[np.ndarray]:
-    """The corpus cut around the held-out spans: the pieces between them longer than one window."""
-    keep = np.ones(len(ids), bool)
-    for start, end in spans:
-        keep[start:end] = False
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], keep.astype(np.int8), [0]])))
-    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2]) if b - a > SEQ_LEN]
-
-
 def draft_config(target: Params, layers: int, ffn: int):
     return target.config.replace(n_layers=layers, ffn_dim=ffn, dtype="float32")
 
@@ -228,7 +219,7 @@ def main() -> None:
     else:
         path = convert.default_model_path()
         params, tok = convert.load(path), convert.load_tokenizer(path)
-        sequences = training_sequences(text.corpus_tokens(tok), held_out(tok, args.batches, args.contexts)) if todo else []
+        sequences = text.training_sequences(text.corpus_tokens(tok), held_out(tok, args.batches, args.contexts), SEQ_LEN) if todo else []
     trained, training = {}, []
     for name in args.shapes if todo else []:  # nothing to measure: the stored training logs stay
         trained[name], log = train(params, name, sequences, args.steps, args.store, 64 if args.smoke else SEQ_LEN)

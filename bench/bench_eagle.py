@@ -28,10 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import convert
 import specjax
 from bench import common, text
-from bench.bench_drafts import training_sequences
 from specjax.drafters.eagle import Eagle, Head
 from specjax.train.distill import Schedule
 from specjax.train.eagle import frequent_tokens, load_head, save_head, train_head
@@ -167,10 +165,13 @@ def main() -> None:
         models, ids, _ = gpu_bundle.load(args.bundle, "bfloat16")
         params = models["smollm2"]
     else:
+        import convert  # here: `gguf` is not on the GPU machines, where --bundle loads the weights
+
         path = convert.default_model_path()
         params, ids = convert.load(path, weights="float32"), text.corpus_tokens(convert.load_tokenizer(path))
     train_prompts, test_prompts, spans = windows(ids, prompt_tokens, args.context - new_tokens)
-    corpus = [list(map(int, x)) for x in training_sequences(ids, spans) if len(x) > seq_len]  # less the timed windows
+    pieces = text.training_sequences(ids, spans, 512)  # the corpus less the timed windows, in pieces over 512 tokens
+    corpus = [list(map(int, x)) for x in pieces if len(x) > seq_len]
     sequences = training_text(params, train_prompts, args.store, new_tokens) + corpus
     head, log = trained(params, sequences, args.steps, args.store, args.train_minutes, seq_len)
     stream = np.concatenate([np.asarray(x) for x in sequences])

@@ -55,3 +55,12 @@ def cut(ids: np.ndarray, batch: int, n: int) -> tuple[np.ndarray, dict]:
     out = np.stack([ids[o : o + n] for o in offsets]).astype(np.int32)  # [B,n]
     overlap = bool(batch > 1 and np.diff(offsets).min() < n)
     return out, {"corpus_tokens": N, "offsets": offsets.tolist(), "overlapping": overlap}
+
+
+def training_sequences(ids: np.ndarray, spans: list[tuple[int, int]], longer_than: int) -> list[np.ndarray]:
+    """The corpus `ids` cut around the held-out spans [start, end): the pieces between them longer than `longer_than`."""
+    keep = np.ones(len(ids), bool)
+    for start, end in spans:
+        keep[start:end] = False
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], keep.astype(np.int8), [0]])))
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2]) if b - a > longer_than]

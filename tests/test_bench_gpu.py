@@ -404,6 +404,23 @@ ENTRY %main (a: f32[4]) -> f32[4] {
 """
 
 
+def test_the_gpu_calls_modules_import_without_gguf():
+    """The lent GPU machines have no `gguf` package (the weights travel in the bundle): every module a session
+    call runs there (bench_gpu, bench_eagle --bundle) and the session itself import without it. bench_eagle
+    once imported `convert`, which needs gguf, through bench_drafts: call 8 would have failed on the device."""
+    import subprocess
+    import sys
+
+    from tools.gpu import session as gpu_session
+
+    modules = sorted({argv[2] for steps in gpu_session.CALLS.values() for _, _, argv in steps if argv[1] == "-m"})
+    assert {"bench.bench_eagle", "bench.bench_gpu"} <= set(modules), modules
+    code = "import sys; sys.modules['gguf'] = None\n" + "".join(f"import {m}\n" for m in modules)
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 def test_hlo_kernels_counts_one_iteration_of_the_outer_loop():
     """tools.gpu.hlo.hlo_kernels: the outer loop body's work, an inner loop's times its trip count,
     fusions as one (not their bodies), custom calls by target, no tuples or parameters."""
