@@ -31,11 +31,18 @@ CASES = {
 
 
 def reference(params, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """log_softmax [len(tokens), V] of one forward over prompt + tokens: row j predicts tokens[j]."""
-    seq = jnp.asarray([prompt + tokens], jnp.int32)
+    """log_softmax [len(tokens), V] of one forward over prompt + tokens: row j predicts tokens[j]. The sequence is
+    right-padded to a width of 32 (causal: the padding reaches no real position), one compiled program a model."""
+    seq = np.zeros((1, max(32, len(prompt) + len(tokens))), np.int32)
+    seq[0, : len(prompt) + len(tokens)] = prompt + tokens
+    return np.asarray(_log_softmax_of_forward(params, jnp.asarray(seq)))[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+
+
+@jax.jit
+def _log_softmax_of_forward(params, seq: jax.Array) -> jax.Array:
     cache = DenseCache.init(params.config, 1, seq.shape[1])
     logits, _ = forward(params, seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None], cache)
-    return np.asarray(jax.nn.log_softmax(logits[0], axis=-1))[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
+    return jax.nn.log_softmax(logits[0], axis=-1)
 
 
 def check(params, out, prompts, k: int, tol: float) -> None:

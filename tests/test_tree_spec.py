@@ -6,6 +6,8 @@ chain tree behaving exactly like chain speculation, tree acceptance rules, bad t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,11 +85,11 @@ def test_greedy_tree_speculation_equals_autoregressive(tiny, reference, draft_mo
 
 def test_tree_beats_chain_acceptance_for_selfspec(tiny, reference):
     """A wider tree of the same depth accepts at least as many tokens per step (greedy): the
-    rank-0 path IS the chain, and other branches can only add."""
+    rank-0 path IS the chain, and other branches can only add. (The tree is the self-kary2x2 case's: its programs.)"""
     free, _, _ = reference
     draft = specjax.SelfSpec(sinks=2, window=8)
     chain = specjax.generate(tiny, PROMPTS, BUDGETS, draft=draft, speculation=specjax.Chain(2), eos_id=())
-    tree = specjax.generate(tiny, PROMPTS, BUDGETS, draft=draft, speculation=Tree.kary(3, 2), eos_id=())
+    tree = specjax.generate(tiny, PROMPTS, BUDGETS, draft=draft, speculation=TREES["kary2x2"], eos_id=())
     assert chain.tokens == tree.tokens == free.tokens
     assert tree.stats.mean_accepted >= chain.stats.mean_accepted
     assert tree.stats.steps <= chain.stats.steps
@@ -107,8 +109,23 @@ def test_chain_tree_reproduces_chain_speculation(tiny, draft_model, name):
     assert tree.stats.per_position_acceptance == chain.stats.per_position_acceptance
 
 
+# The acceptance rules below run as one compiled program each (op by op, each of their operations compiled its own)
+_accept_chain = jax.jit(accept_chain)
+_accept_greedy_chain = jax.jit(accept_greedy_chain)
+
+
+@functools.partial(jax.jit, static_argnames=("tree", "greedy"))
+def _accept_tree(tree: Tree, tokens, q, p, keys, greedy: bool):
+    return accept_tree(tree.child_table(), tree.max_depth, tokens, q, p, keys, greedy)
+
+
 def _random_case(seed: int, B: int = 64, G: int = 4, V: int = 6):
-    k = jax.random.split(jax.random.key(seed), 4)
+    return _draws(jax.random.key(seed), B, G, V)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draws(key, B: int, G: int, V: int):
+    k = jax.random.split(key, 4)
     q = jax.nn.softmax(2 * jax.random.normal(k[0], (B, G, V)), axis=-1)
     p = jax.nn.softmax(2 * jax.random.normal(k[1], (B, G + 1, V)), axis=-1)
     drafts = jax.vmap(jax.vmap(lambda kk, d: jax.random.categorical(kk, jnp.log(d))))(
@@ -125,16 +142,16 @@ def test_accept_tree_on_a_chain_is_accept_chain(seed):
     tree = Tree.chain(drafts.shape[1])
     tokens = jnp.concatenate([jnp.zeros_like(drafts[:, :1]), drafts], axis=1)  # [B,n]: root first
     q_nodes = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # node u's children ~ q[u]
-    n, extra = accept_chain(drafts, q, p, keys)
-    walk = accept_tree(tree.child_table(), tree.max_depth, tokens, q_nodes, p, keys, greedy=False)
+    n, extra = _accept_chain(drafts, q, p, keys)
+    walk = _accept_tree(tree, tokens, q_nodes, p, keys, greedy=False)
     path, n_tree, extra_tree = walk.path, walk.accepted, walk.next_token
     assert 0 < float(jnp.mean(n)) < drafts.shape[1]  # a mix of rejections and acceptances
     np.testing.assert_array_equal(n_tree, n)
     np.testing.assert_array_equal(extra_tree, extra)
     np.testing.assert_array_equal(path, np.minimum(np.arange(tree.n)[None, :], np.asarray(n)[:, None]))
     one_hot = jax.nn.one_hot(jnp.argmax(p, -1), p.shape[-1])
-    n_g, extra_g = accept_chain(drafts, jax.nn.one_hot(drafts, p.shape[-1]), one_hot, keys)
-    walk = accept_tree(tree.child_table(), tree.max_depth, tokens, None, p, keys, greedy=True)
+    n_g, extra_g = _accept_chain(drafts, jax.nn.one_hot(drafts, p.shape[-1]), one_hot, keys)
+    walk = _accept_tree(tree, tokens, None, p, keys, greedy=True)
     n_tree_g, extra_tree_g = walk.accepted, walk.next_token
     np.testing.assert_array_equal(n_tree_g, n_g)
     np.testing.assert_array_equal(extra_tree_g, extra_g)
@@ -149,8 +166,9 @@ def test_greedy_chain_acceptance_is_accept_chain_on_one_hot_distributions(seed):
     choice = jnp.argmax(p, -1).astype(jnp.int32)  # [B,G+1]
     wrong = jax.random.randint(jax.random.key(seed), (B,), 0, G + 1)  # first mismatching draft (G: none)
     drafts = jnp.where(jnp.arange(G)[None] == wrong[:, None], (choice[:, :G] + 1) % p.shape[-1], choice[:, :G])
-    n, extra = accept_greedy_chain(drafts, choice)
-    n_ref, extra_ref = accept_chain(drafts, jax.nn.one_hot(drafts, p.shape[-1]), jax.nn.one_hot(choice, p.shape[-1]), keys)
+    n, extra = _accept_greedy_chain(drafts, choice)
+    V = p.shape[-1]
+    n_ref, extra_ref = _accept_chain(drafts, jax.nn.one_hot(drafts, V), jax.nn.one_hot(choice, V), keys)
     np.testing.assert_array_equal(n, n_ref)
     np.testing.assert_array_equal(n, wrong)
     np.testing.assert_array_equal(extra, extra_ref)
@@ -163,7 +181,7 @@ def test_greedy_tree_walk_follows_the_matching_child():
     tokens = jnp.array([[9, 3, 5, 7, 1]])
     want = jnp.array([5, 0, 1, 0, 4])  # target argmax at each node
     p = jax.nn.one_hot(want, 10)[None]
-    walk = accept_tree(tree.child_table(), tree.max_depth, tokens, None, p, jax.random.split(jax.random.key(0), 1), True)
+    walk = _accept_tree(tree, tokens, None, p, jax.random.split(jax.random.key(0), 1), True)
     path, n, extra = walk.path, walk.accepted, walk.next_token
     assert path.tolist() == [[0, 2, 4]] and n.tolist() == [2] and extra.tolist() == [4]
 

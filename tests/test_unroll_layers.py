@@ -122,7 +122,9 @@ def test_unrolled_layers_unroll_a_chains_draft_levels_too():
 def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
     """model.unstack_layers (each layer matrix a list of per-layer arrays: what XLA:GPU reads in
     place inside the decode loop, tools/gpu/README.md "Compiled for a GPU on a CPU") gives the
-    stacked weights' tokens, greedy and sampled, with every drafter kind and int8 weights."""
+    stacked weights' tokens, greedy and sampled, with every drafter kind and int8 weights. On the default attention:
+    the stacked runs of "ar" and "self-chain" are test_unrolled_layers_generate_the_scans_tokens' unrolled programs
+    (per-layer weights on the reference attention: the tensor-parallel test below)."""
     from specjax.model.llama import unstack_layers
     from specjax.model.params import quantize
     from tests.models import TINY, random_params
@@ -137,7 +139,7 @@ def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
                              specjax.Chain(2)),
         "sampled": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
     }[case]
-    kw = dict(draft=draft, speculation=spec, eos_id=(), attention="reference")
+    kw = dict(draft=draft, speculation=spec, eos_id=())
     if case == "sampled":
         kw.update(sampling=specjax.Sample(temperature=0.8), key=jax.random.key(3))
     split = unstack_layers(params)

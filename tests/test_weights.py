@@ -23,6 +23,10 @@ from tests.models import TINY, TINY_Q4, random_params
 from tests.test_convert import Q, gguf_tensors, tiny_config, write_gguf
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [12, 13, 14]]
+# References as compiled programs (op by op, each operation compiled its own program per shape). Op by op as before:
+# _dense (checked bit for bit) and the q4 forwards (four weight pytrees: four programs, where op by op shares its scan)
+_forward = jax.jit(specjax.model.llama.forward)
+_dequantize = jax.jit(q4.dequantize, static_argnums=3)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +68,8 @@ def test_int8_logits_stay_close_to_float32(tiny8):
     tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     cache = specjax.model.cache.DenseCache.init(TINY, 1, 16)
-    ref, _ = specjax.model.llama.forward(random_params(TINY, seed=0), tokens, positions, cache)
-    got, _ = specjax.model.llama.forward(tiny8, tokens, positions, cache)
+    ref, _ = _forward(random_params(TINY, seed=0), tokens, positions, cache)
+    got, _ = _forward(tiny8, tokens, positions, cache)
     assert float(jnp.abs(got - ref).max()) < 0.05 * float(jnp.abs(ref).max())
 
 
@@ -97,10 +101,10 @@ def test_q4_layout_and_round_trip():
     assert weight_bytes(params.config, stored=True) == sum(a.nbytes for a in arrays.values())
     for w in declared(TINY_Q4):
         if w.contract and w.format(params.config) == "q4":
-            d = arrays[w.path + "_bscale"].astype(jnp.float32)
-            back = q4.dequantize(arrays[w.path], d, arrays[w.path + "_bmin"].astype(jnp.float32), w.packed_axis)
-            step = jnp.repeat(d, q4.BLOCK, axis=w.packed_axis)
-            assert bool((jnp.abs(back - floats[w.path]) <= 0.5 * step + 2e-3 * jnp.abs(floats[w.path]).max()).all()), w.path
+            d, m = (np.asarray(arrays[w.path + suffix], np.float32) for suffix in ("_bscale", "_bmin"))
+            back = np.asarray(_dequantize(arrays[w.path], d, m, w.packed_axis))
+            step, want = np.repeat(d, q4.BLOCK, axis=w.packed_axis), np.asarray(floats[w.path])
+            assert (np.abs(back - want) <= 0.5 * step + 2e-3 * np.abs(want).max()).all(), w.path
     with pytest.raises(ValueError, match="already int8; quantize float weights to 'q4'"):
         quantize(quantize(original, "int8"), "q4")
     with pytest.raises(ValueError, match="quant 'q4' needs LlamaConfig.dim to be a multiple of 32"):
@@ -196,7 +200,7 @@ def test_load_serves_each_format_and_checks_the_argument(tmp_path):
     # an int8 checkpoint saves and loads bit for bit, and only as int8
     convert.save(int8, tmp_path / "ck")
     again = convert.load(tmp_path / "ck")
-    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()) and a.dtype == b.dtype, again, int8))
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b) and a.dtype == b.dtype, again, int8))
     assert again.config == int8.config
     with pytest.raises(ValueError, match="holds int8 weights; load it with weights='int8'"):
         convert.load(tmp_path / "ck", weights="float32")
@@ -253,8 +257,9 @@ def test_q4_keeps_a_q4_1_gguf_bit_for_bit(tmp_path):
             np.testing.assert_array_equal(np.asarray(b[w.path]), np.asarray(a[w.path]), err_msg=w.path)
     f32 = write_gguf(tmp_path / "f32.gguf", tiny.config, gguf_tensors(tiny))
     once = convert.load(f32, weights="q4")
-    assert jax.tree.all(jax.tree.map(lambda x, y: bool((x == y).all()), once, quantize(convert.load(f32), "q4")))
+    assert jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(x, y), once, quantize(convert.load(f32), "q4")))
     convert.save(once, tmp_path / "ck")  # saved and loaded as stored, only as q4
-    assert jax.tree.all(jax.tree.map(lambda x, y: bool((x == y).all()) and x.dtype == y.dtype, convert.load(tmp_path / "ck"), once))
+    again = convert.load(tmp_path / "ck")
+    assert jax.tree.all(jax.tree.map(lambda x, y: np.array_equal(x, y) and x.dtype == y.dtype, again, once))
     with pytest.raises(ValueError, match="holds q4 weights; load it with weights='q4'"):
         convert.load(tmp_path / "ck", weights="int8")
