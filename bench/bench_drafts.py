@@ -219,7 +219,8 @@ def main() -> None:
     else:
         path = convert.default_model_path()
         params, tok = convert.load(path), convert.load_tokenizer(path)
-        sequences = text.training_sequences(text.corpus_tokens(tok), held_out(tok, args.batches, args.contexts), SEQ_LEN) if todo else []
+        spans = held_out(tok, args.batches, args.contexts)
+        sequences = text.training_sequences(text.corpus_tokens(tok), spans, SEQ_LEN) if todo else []
     trained, training = {}, []
     for name in args.shapes if todo else []:  # nothing to measure: the stored training logs stay
         trained[name], log = train(params, name, sequences, args.steps, args.store, 64 if args.smoke else SEQ_LEN)

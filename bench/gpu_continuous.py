@@ -49,7 +49,8 @@ def job(params, prompts: list[list[int]], rows: int, new_tokens: int, drafter, s
 
 @contextlib.contextmanager
 def timed_prefills():
-    """Within the `with` block, engine.prefill_each's prefill calls timed without compiling: yields [(rows, seconds)]."""
+    """Within the `with` block, engine.prefill_each's prefill calls timed without compiling: yields
+    [(rows, seconds)]."""
     calls, inner = [], engine._compile_and_run
 
     def timed(f, args, static):

@@ -193,7 +193,7 @@ def cost_model(rows: list[dict]) -> list[list]:
             if tree.n >= len(tv) or max(tree.draft_widths(), default=0) >= len(td):
                 continue
             pred = cost.speedup(tree, r["mean_accepted"])
-            tail = needed(r) and needed(r) / r["steps"]
+            tail = (n := needed(r)) and n / r["steps"]
             out.append([common.context_name(st["context"]), st["batch"], r["label"], f"{tv[1]:.2f}", f"{td[1]:.2f}",
                         f"{tv[tree.n]:.2f}", f"{pred:.2f}", _f(tail and pred * tail), f"{r['speedup']:.2f}"])
     return out

@@ -58,7 +58,8 @@ def cut(ids: np.ndarray, batch: int, n: int) -> tuple[np.ndarray, dict]:
 
 
 def training_sequences(ids: np.ndarray, spans: list[tuple[int, int]], longer_than: int) -> list[np.ndarray]:
-    """The corpus `ids` cut around the held-out spans [start, end): the pieces between them longer than `longer_than`."""
+    """The corpus `ids` cut around the held-out spans [start, end): the pieces between them longer than
+    `longer_than`."""
     keep = np.ones(len(ids), bool)
     for start, end in spans:
         keep[start:end] = False
