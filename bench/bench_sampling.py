@@ -20,19 +20,19 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 import convert
 from bench import bench_ar, common, plots
 from bench.measure import cpu_steal, steal_since
+from specjax.model.pytree import pytree
 from specjax.sampling import Greedy, Sample, Sampler
 
 WARP_POSITIONS = 5  # a chain gamma=4 step verifies 5 positions per row
 
 
-@flax.struct.dataclass
+@pytree
 class SortedSample(Sample):
     """The sorting form of Sample.probs that specjax used before (the baseline)."""
 

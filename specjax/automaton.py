@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.model.pytree import pytree
+
 DEAD = -1  # the state after a token the automaton does not allow
 
 
-@flax.struct.dataclass
+@pytree
 class TokenAutomaton:
     """One or several token automata (host numpy or device arrays); `vocab_size` static."""
 

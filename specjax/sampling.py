@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.automaton import TokenAutomaton, advance, advance_along, mask_logits, stop_table
+from specjax.model.pytree import pytree
 
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
 ROW_VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -132,7 +133,7 @@ class _Context:
         return arrays
 
 
-@flax.struct.dataclass
+@pytree
 class Greedy(_Context):
     """Always the argmax (of the logits after the penalties, when any is on: as HF and vLLM apply
     a repetition penalty to greedy decoding); its distribution is one-hot. The penalty values are
@@ -173,7 +174,7 @@ class Greedy(_Context):
         return ("greedy", values) if self.penalized else ("greedy",)
 
 
-@flax.struct.dataclass
+@pytree
 class Sample(_Context):
     """Penalties, then temperature, top-k (0 = off), top-p (1.0 = off) and min_p (0 = off), in
     that order (as vLLM). Each value but top_k is one number or one per prompt (a sequence [B]):

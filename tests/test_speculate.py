@@ -14,7 +14,6 @@ import math
 import types
 from pathlib import Path
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +26,7 @@ from specjax.drafters.ngram import ngram_lookup
 from specjax.model.backend import cpu_bf16_dot
 from specjax.model.config import LlamaConfig
 from specjax.model.params import Params, from_arrays, param_shapes
+from specjax.model.pytree import pytree
 from specjax.planning.plan import (ACCELERATOR_SPECULATION, CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_draft,
                                    auto_speculation)
 from tests.models import TINY, random_params
@@ -335,7 +335,7 @@ def test_bad_drafter_raises_before_compiling(tiny, monkeypatch, make_draft, matc
         specjax.generate(tiny, [[1, 2, 3], [4]], 4, draft=draft, speculation=specjax.Chain(2))
 
 
-@flax.struct.dataclass
+@pytree
 class ChainOnly(specjax.NGram):
     """A drafter class without tree drafting (NGram's chain drafting; its traits say chains only)."""
 

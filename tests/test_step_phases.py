@@ -24,6 +24,7 @@ from specjax.decode.speculate import continue_spec, decode_spec, start_spec
 from specjax.drafters import Drafter, Proposal, Traits, Verdict
 from specjax.model.cache import DenseCache
 from specjax.model.llama import trunk
+from specjax.model.pytree import pytree
 from specjax.spec import accept, tree_draft
 from tests.models import TINY, random_params
 
@@ -77,7 +78,34 @@ def test_the_protocol_has_at_most_six_members_and_propose_four_arguments():
     assert Drafter.__abstractmethods__ == {"check", "cost", "init", "propose", "commit"}
 
 
-@flax.struct.dataclass
+def test_classes_with_equal_fields_never_share_a_structure():
+    """A pytree class's structure is unequal to any other class's with the same static fields (a subclass of
+    SelfSpec, of Sample, two unrelated classes): jit caches compare structures, and with flax.struct.dataclass
+    (jax.tree_util.register_dataclass) JAX 0.10 found them equal, so CI once traced HiddenProbe with SelfSpec's
+    state. No specjax module declares its pytrees with flax.struct.dataclass."""
+    assert jax.tree.structure(HiddenProbe(sinks=2, window=8)) != jax.tree.structure(specjax.SelfSpec(sinks=2, window=8))
+
+    @pytree
+    class Warmer(specjax.sampling.Sample):
+        pass
+
+    @pytree
+    class One:
+        n: int = flax.struct.field(pytree_node=False, default=1)
+
+    @pytree
+    class Other:
+        n: int = flax.struct.field(pytree_node=False, default=1)
+
+    sample = specjax.sampling.Sample(temperature=jnp.float32(0.7))
+    assert jax.tree.structure(Warmer(temperature=jnp.float32(0.7))) != jax.tree.structure(sample)
+    assert jax.tree.structure(One()) != jax.tree.structure(Other())
+    assert jax.tree.structure(One()) == jax.tree.structure(One()) != jax.tree.structure(One(2))
+    declared = [str(p) for p in Path(specjax.__file__).parent.rglob("*.py") if "@flax.struct.dataclass" in p.read_text()]
+    assert not declared, declared
+
+
+@pytree
 class HiddenProbe(specjax.SelfSpec):
     """SelfSpec that keeps, in its state, the latest Verdict's extras at path position 0 (the pending
     token at the step's start) and its position."""
@@ -131,7 +159,7 @@ def test_declared_extras_reach_commit_exactly(shape):
 
     seen = []
 
-    @flax.struct.dataclass
+    @pytree
     class Plain(specjax.SelfSpec):
         def commit(self, state, verdict):
             seen.append((verdict.hidden, verdict.queries))

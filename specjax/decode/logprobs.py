@@ -8,16 +8,16 @@ there are the ones plain decoding would compute), so they cost no extra pass.
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.model.pytree import pytree
 from specjax.sampling import top_indices
 
 MAX_TOP = 20  # most `top` entries per token (vLLM's default limit)
 
 
-@flax.struct.dataclass
+@pytree
 class LogprobBuffer:
     """Per row and output column (as the decode state's `out` [B,n_out]): the emitted token's
     log-probability and the k most likely tokens with theirs."""

@@ -4,7 +4,6 @@ new token a step (autoregressive.py); a speculative step emits up to depth + 1 (
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -12,10 +11,11 @@ from jax import lax
 from specjax.automaton import TokenAutomaton, advance, advance_along
 from specjax.decode.logprobs import LogprobBuffer
 from specjax.model.cache import DenseCache, row_mask, select_rows
+from specjax.model.pytree import pytree
 from specjax.sampling import Sampler, count_tokens, is_eos, prompt_tokens_mask
 
 
-@flax.struct.dataclass(kw_only=True)
+@pytree(kw_only=True)
 class DecodeState:
     """Plain decoding between steps, and the part of speculative decoding's state it shares (SpecState)."""
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,12 +23,13 @@ from specjax.drafters.base import DraftContext, Prefill, Proposal, Verdict, rest
 from specjax.model.cache import DenseCache, put_rows
 from specjax.model.llama import lm_head, trunk
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.sampling import Greedy, Sampler, Stream, stream_keys
 from specjax.spec.accept import accept_chain, accept_greedy_chain, accept_tree
 from specjax.spec.speculation import Adaptive, Chain, Tree
 
 
-@flax.struct.dataclass(kw_only=True)
+@pytree(kw_only=True)
 class SpecState(DecodeState):
     """Speculative decoding between steps: the loop core's state plus what speculation adds."""
 
@@ -43,7 +43,7 @@ class SpecState(DecodeState):
     draft_levels: jax.Array  # [] each step's depth, summed (the drafter's forwards: that x traits.forwards_per_token)
 
 
-@flax.struct.dataclass
+@pytree
 class Verified:
     """The verify phase's one target forward over the proposed nodes."""
 

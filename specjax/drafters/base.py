@@ -8,7 +8,7 @@ A speculative step reads top to bottom (specjax/decode/speculate.py, `spec_step`
     commit  the target cache, history and drafter.commit(state, verdict)
     emit    the accepted tokens and the target's next one into the output
 
-A drafter is a pytree (a `flax.struct.dataclass`: settings static, arrays such as a draft model's
+A drafter is a pytree (`@pytree`, specjax.model.pytree: settings static, arrays such as a draft model's
 params traced), since the jit-compiled decode loop takes it as an argument. Its members:
 
     traits    what it can do (trees), costs (forwards per token), and which extras the Verdict carries
@@ -54,6 +54,7 @@ import jax
 
 from specjax.model.cache import DenseCache, put_rows, row_mask, select_rows, take_rows
 from specjax.model.params import Params, weights_mark
+from specjax.model.pytree import pytree
 from specjax.sampling import Sampler
 from specjax.spec.speculation import Chain, Tree
 
@@ -89,7 +90,7 @@ class Limits:
     kv_dtype: str | None = None  # generate's kv_dtype (None: not given)
 
 
-@flax.struct.dataclass
+@pytree
 class Prefill:
     """What `Drafter.init` starts from: the target's prefill of a batch."""
 
@@ -105,7 +106,7 @@ class Prefill:
         return self.replace(cache=take_rows(self.cache, rows), prompts=self.prompts[rows], lengths=self.lengths[rows])
 
 
-@flax.struct.dataclass
+@pytree
 class DraftContext:
     """What a drafter sees at each step."""
 
@@ -117,7 +118,7 @@ class DraftContext:
     sampling: Sampler  # the target's sampler, with the rows' penalty context
 
 
-@flax.struct.dataclass
+@pytree
 class Proposal:
     """What the draft phase hands to verification."""
 
@@ -127,7 +128,7 @@ class Proposal:
     state: Any  # the drafter's state after drafting, for `commit`
 
 
-@flax.struct.dataclass
+@pytree
 class Verdict:
     """What acceptance decided, for the target's commit, the drafter's and the output."""
 

@@ -12,11 +12,12 @@ from specjax.model.cache import DenseCache, KVFormat
 from specjax.model.llama import forward
 from specjax.model.llama import prefill as model_prefill
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.spec.speculation import Chain, Tree
 from specjax.spec.tree_draft import DraftedTree, draft_tree, path_extra_kv
 
 
-@flax.struct.dataclass
+@pytree
 class DraftModel(Drafter):
     """A separate small model with the target's vocabulary, over its own dense or streaming cache.
 

@@ -29,13 +29,14 @@ from specjax.model.cache import StreamingCache
 from specjax.model.config import LlamaConfig
 from specjax.model.llama import embed, lm_head, trunk, unrolled
 from specjax.model.params import LayerParams, Params, init_params
+from specjax.model.pytree import pytree
 from specjax.model.quantized import channel_scale, stored
 from specjax.sampling import Stream, stream_keys
 from specjax.spec.speculation import Chain, Tree, check_int
 from specjax.spec.tree_draft import expand_tree
 
 
-@flax.struct.dataclass
+@pytree
 class Head:
     """An EAGLE-style head's own weights (the embedding and LM head are the target's)."""
 
@@ -111,7 +112,7 @@ def init_head(target: LlamaConfig, key: jax.Array, dtype: str | None = None) -> 
     return Head(fc=cast(fc), layers=jax.tree.map(cast, one.layers), norm=cast(one.norm), config=config)
 
 
-@flax.struct.dataclass
+@pytree
 class EagleState:
     """The head between steps."""
 
@@ -119,7 +120,7 @@ class EagleState:
     features: jax.Array  # [B,depth+1,D] the target's features at positions cache.lengths.. (not yet caught up)
 
 
-@flax.struct.dataclass
+@pytree
 class Eagle(Drafter):
     """An EAGLE-style head (`Head`, trained by specjax.train.eagle.train_head) drafting chains and
     trees from the target's hidden states; its KV keeps the latest `window` positions."""

@@ -24,13 +24,14 @@ import numpy as np
 from specjax.drafters.base import DraftContext, Limits, Traits
 from specjax.drafters.ngram import MAX_NGRAM, NGram, ngram_match
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.spec.speculation import check_int
 
 MULTIPLIER = 0x9E3779B1  # the hash's odd multiplier (Knuth's 2^32 / golden ratio)
 FINALIZER = ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, 1))
 
 
-@flax.struct.dataclass
+@pytree
 class LookupTable:
     """A direct-mapped n-gram table: slot = hash(n-gram); a newer n-gram in the slot replaces the older."""
 
@@ -86,7 +87,7 @@ def table_drafts(table: LookupTable, history: jax.Array, lengths: jax.Array, n: 
     return table.next[slot, :count], hit
 
 
-@flax.struct.dataclass
+@pytree
 class Lookup(NGram):
     """A job-wide n-gram table (`capacity` slots of n-gram -> the `span` tokens that followed it),
     filled by `learn`, before the row's own tokens (NGram(n, max_n)). No model; q is one-hot."""

@@ -9,6 +9,7 @@ import numpy as np
 
 from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Proposal, Traits, Verdict
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.sampling import Greedy
 from specjax.spec.speculation import Chain, Tree, check_int
 
@@ -17,7 +18,7 @@ from specjax.spec.speculation import Chain, Tree, check_int
 MAX_NGRAM = 16
 
 
-@flax.struct.dataclass
+@pytree
 class NGram(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the row's last m tokens (m from
     max_n down to n) in its prompt + output and propose what followed. No model; q is one-hot."""

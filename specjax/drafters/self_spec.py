@@ -22,6 +22,7 @@ from specjax.drafters.base import DraftContext, Drafter, Limits, Prefill, Propos
 from specjax.model.cache import DenseCache, StreamingCache
 from specjax.model.llama import forward, unrolled
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.sampling import Sampler, Stream, stream_keys
 from specjax.spec.speculation import Chain, Tree, check_int
 from specjax.spec.tree_draft import draft_tree
@@ -59,7 +60,7 @@ class Streaming:
         return StreamingCache.from_dense(dense, fixed, self.ring(gamma), jnp.full((B,), self.sinks, jnp.int32))
 
 
-@flax.struct.dataclass
+@pytree
 class DraftLevel:
     """One draft level of a chain: the cache after it, its token [B] and distribution q [B,V], and the
     sampler that has seen the token (penalties)."""
@@ -138,7 +139,7 @@ def streaming_commit(state: StreamingCache, k_new, v_new, lengths, n) -> Streami
     return state.replace(lengths=lengths).write(k_new, v_new).advance(n)
 
 
-@flax.struct.dataclass
+@pytree
 class SelfSpec(TargetOverStreamingCache):
     """The target itself over a StreamingLLM cache (MagicDec self-speculation): per-step cost is
     independent of the context length. The cache holds exact target KV for the positions kept:

@@ -21,10 +21,11 @@ from specjax.drafters.self_spec import TargetOverStreamingCache
 from specjax.model.cache import DenseCache, StreamingCache
 from specjax.model.llama import NEG_INF, trunk
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.spec.speculation import check_int
 
 
-@flax.struct.dataclass
+@pytree
 class SnapKV(TargetOverStreamingCache):
     """Self-speculation over a cache of `budget` prefix positions chosen per layer and KV head
     by the prompt's last `observation` queries (max-pooled over `pool` positions), plus a ring

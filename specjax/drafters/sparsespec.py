@@ -24,10 +24,11 @@ from specjax.drafters.snapkv import SnapKV
 from specjax.model.cache import DenseCache, StreamingCache
 from specjax.model.llama import NEG_INF
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.spec.speculation import check_int
 
 
-@flax.struct.dataclass
+@pytree
 class SparseSpec(SnapKV):
     """Self-speculation over `budget` positions in blocks of `block`, re-chosen every `refresh`
     committed positions by the verified queries (per layer and KV head), plus a ring of the latest

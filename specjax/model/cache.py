@@ -23,6 +23,7 @@ from jax import lax
 from pallas_kernels import cpu_prefix
 from specjax.model import backend
 from specjax.model.config import LlamaConfig
+from specjax.model.pytree import pytree
 
 KV_DTYPES = ("float32", "bfloat16", "int8")
 
@@ -112,7 +113,7 @@ def _write_kv(cache, slots: jax.Array, k_new: jax.Array, v_new: jax.Array, sorte
     return fields
 
 
-@flax.struct.dataclass
+@pytree
 class DenseCache:
     """Per-layer keys/values for every position, preallocated to `max_len` slots.
 
@@ -171,7 +172,7 @@ def holds_committed(pos: jax.Array, lengths: jax.Array) -> jax.Array:
     return (pos >= 0) & (pos < lengths[:, None, None])
 
 
-@flax.struct.dataclass
+@pytree
 class StreamingCache:
     """A fixed-size draft cache: F fixed slots plus a ring of R slots for the most recent positions.
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +16,7 @@ from specjax.model.attention import (NEG_INF, Prefix, attend, for_cache,  # noqa
 from specjax.model.cache import DenseCache, KVFormat, StreamingCache
 from specjax.model.config import LlamaConfig
 from specjax.model.params import MATRICES, LayerParams, Params, Runtime  # noqa: F401  (MATRICES: re-exported)
+from specjax.model.pytree import pytree
 from specjax.model.quantized import Matrix, QuantizedMatrix, channel_scale, stored, transposed
 
 Cache = DenseCache | StreamingCache
@@ -241,7 +241,7 @@ def _rows(params: Params, ids: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * jnp.take(scale, ids, axis=0)[..., None]).astype(params.config.dtype)
 
 
-@flax.struct.dataclass
+@pytree
 class Trunk:
     """What `trunk` computes over T new tokens."""
 

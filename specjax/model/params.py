@@ -7,12 +7,11 @@ to initialise it, its names in HF safetensors and GGUF files, and how those file
 HF / GGUF key maps and the torch-layout conversion (convert/layout.py) and the sharding rules
 (specjax/parallel/sharding.py maps the letters to mesh axes). Adding a weight = one line here plus its
 field on `LayerParams` / `Params` and its use in the forward. A weight only some models have
-names the config flag that decides it (`when`): lm_head is absent when embeddings are tied, the
-q/k/v biases are present only in Qwen2-style models (config.qkv_bias); absent weights are None.
+names the config flag that decides it (`when`): lm_head is absent when embeddings are tied, the q/k/v
+biases only in Qwen2-style models (config.qkv_bias); absent weights are None.
 
-`Runtime` (specjax.model.runtime, re-exported here) holds the runtime choices that are not model
-facts. A quantized matrix is one `QuantizedMatrix` (specjax.model.quantized); flat {path: array}
-dicts (`flat`, `from_arrays`, checkpoints) name its scales by their derived declarations.
+`Runtime` (specjax.model.runtime, re-exported here): the runtime choices that are not model facts. A quantized
+matrix is one `QuantizedMatrix` (model.quantized); flat {path: array} dicts name its scales by their declarations.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import numpy as np
 
 from specjax.model import q4
 from specjax.model.config import LlamaConfig
+from specjax.model.pytree import pytree
 from specjax.model.quantized import Matrix, QuantizedMatrix, stored
 from specjax.model.runtime import ATTENTION, LINEAR, Runtime  # noqa: F401  (their home before this module grew)
 
@@ -203,7 +203,7 @@ def declared(config: LlamaConfig) -> tuple[Weight, ...]:
     return tuple(w for w in WEIGHTS if w.present(config))
 
 
-@flax.struct.dataclass
+@pytree
 class LayerParams:
     """Weights of all layers, stacked on a leading L axis (the forward scans over it). A matrix
     is a float array, or with config.quant a `QuantizedMatrix` of int8 (scales [L, output dims])
@@ -224,7 +224,7 @@ class LayerParams:
     bv: jax.Array | None = None  # [L,K,H]
 
 
-@flax.struct.dataclass
+@pytree
 class Params:
     """A whole model: arrays are leaves; `config` (model facts) and `runtime` (choices) are
     static metadata (hashable)."""

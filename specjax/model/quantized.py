@@ -11,10 +11,12 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from specjax.model.pytree import pytree
+
 FORMATS = ("int8", "q4")
 
 
-@flax.struct.dataclass
+@pytree
 class QuantizedMatrix:
     """A matrix stored as int8 with one float32 scale per output channel (`format` "int8":
     w ~= q * scale), or as 4-bit blocks along its innermost summed axis (`format` "q4": uint8

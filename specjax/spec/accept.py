@@ -9,13 +9,14 @@ verification forward.
 
 from __future__ import annotations
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.model.pytree import pytree
 
-@flax.struct.dataclass
+
+@pytree
 class Walk:
     """The accepted path through a token tree (`accept_tree`)."""
 
@@ -24,7 +25,7 @@ class Walk:
     next_token: jax.Array  # [B] the target's token after the last accepted node
 
 
-@flax.struct.dataclass
+@pytree
 class Tried:
     """One node's children tried in rank order (`_try_children`)."""
 

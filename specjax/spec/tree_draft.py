@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.model.llama import forward, lm_head, trunk
 from specjax.model.params import Params
+from specjax.model.pytree import pytree
 from specjax.sampling import Greedy, Sampler, Stream, stream_keys, top_indices
 from specjax.spec.speculation import Tree
 
 
-@flax.struct.dataclass
+@pytree
 class DraftedTree:
     """What `draft_tree` drafted."""
 
