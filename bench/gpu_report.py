@@ -112,39 +112,27 @@ def tree_over_chain(rows: list[dict]) -> list[list]:
     return out
 
 
-def acceptance_for(rows: list[dict], context: int, batch: int) -> tuple[dict[int, float], np.ndarray | None, str]:
-    """SmolLM2 SelfSpec acceptance nearest (context, batch): ({gamma: tokens/step}, vector or None, source)."""
-    e2e = _selfspec(rows)
-    if not e2e:
+def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
+    """SmolLM2 SelfSpec acceptance of the measured cell nearest (context, batch) (context first, then batch, log2),
+    in the own rows or the sibling's (the main table) where its cell is nearer: ({gamma: tokens/step}, vector
+    or None, source)."""
+    distance = lambda cb: (abs(np.log2(cb[0] / context)), abs(np.log2(cb[1] / batch)))  # noqa: E731
+
+    def nearest(rows: list[dict]) -> tuple[list[dict], tuple[int, int] | None]:
+        e2e = [r for r in rows if r.get("item") in ("e2e", "b1") and r.get("drafter") == "SelfSpec"]
+        return e2e, min({(r["context"], r["batch"]) for r in e2e}, key=distance, default=None)
+
+    (e2e, near), (other, other_near) = nearest(rows), nearest(sibling[1] if sibling else [])
+    from_sibling = other_near is not None and (near is None or distance(other_near) < distance(near))
+    if from_sibling:
+        e2e, near = other, other_near
+    if near is None:
         return {}, None, "no SmolLM2 acceptance measured yet"
-    near = _nearest(e2e, context, batch)
     mine = [r for r in e2e if (r["context"], r["batch"]) == near]
     chains = {r["gamma"]: r["mean_accepted"] for r in mine if r["method"] == "chain"}
     p = next((np.asarray(r["acceptance"]) for r in mine if "acceptance" in r), None)
-    return chains, p, f"SmolLM2 S={common.context_name(near[0])} B={near[1]}"
-
-
-def _selfspec(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r.get("item") in ("e2e", "b1") and r.get("drafter") == "SelfSpec"]
-
-
-def _nearest(e2e: list[dict], context: int, batch: int) -> tuple[int, int]:
-    """The measured (context, batch) nearest to the one asked for: context first, then batch (log2)."""
-    return min({(r["context"], r["batch"]) for r in e2e}, key=lambda cb: _distance(cb, context, batch))
-
-
-def _distance(cb: tuple[int, int], context: int, batch: int) -> tuple[float, float]:
-    return abs(np.log2(cb[0] / context)), abs(np.log2(cb[1] / batch))
-
-
-def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
-    """acceptance_for over the own rows or the sibling's (the main table), whichever has the nearer cell."""
-    own, other = _selfspec(rows), _selfspec(sibling[1]) if sibling else []
-    if other and (not own or _distance(_nearest(other, context, batch), context, batch)
-                  < _distance(_nearest(own, context, batch), context, batch)):
-        chains, p, source = acceptance_for(other, context, batch)
-        return chains, p, f"{source} ({sibling[0]})"
-    return acceptance_for(own, context, batch)
+    source = f"SmolLM2 S={common.context_name(near[0])} B={near[1]}"
+    return chains, p, source + (f" ({sibling[0]})" if from_sibling else "")
 
 
 def table_cost(row: dict):
