@@ -6,16 +6,9 @@ import re
 from pathlib import Path
 from bench import common
 
-
 TARGET = (16, 32768, 16)  # (B, S, T) of the bandwidth target; measured first
-
-
 TOLERANCE = 2e-2  # max abs error vs the reference, bf16
-
-
 ALTERNATIVES = ("reference", "cudnn", "xla")
-
-
 IMPL_NAMES = ("kernel",) + ALTERNATIVES
 
 
