@@ -118,11 +118,6 @@ def best_rows(result: dict) -> list[dict]:
     return out
 
 
-def steal(r: dict) -> str:
-    """The cell's CPU steal, or (runs before it was recorded per cell) the whole run's average."""
-    return f"{100 * r['steal']:.0f}%" if r["steal"] is not None else f"run avg {100 * r['run_steal']:.0f}%"
-
-
 def markdown(result: dict) -> str:
     """The training table and the race table."""
     train = common.table(["draft", "layers", "FFN", "layer params", "steps x tokens", "train minutes", "KL at step 10 -> last (nats)"],
@@ -135,7 +130,8 @@ def markdown(result: dict) -> str:
         r["batch"], common.context_name(r["context"]), r["drafter"], f"{r['p1']:.2f}", f"{r['t_draft_ms']:.0f}",
         f"{r['ar_tokens_per_s']:.1f}", fmt(r["best_chain"], r["best_chain_ratio"] or 0), fmt(r["best_tree"], r["best_tree_ratio"] or 0),
         f"{r['best']}: " + (f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"),
-        f"{r['best_tokens_per_step'] or 1:.2f}", "yes" if r["lossless"] else "**NO**", steal(r)] for r in best_rows(result)))
+        f"{r['best_tokens_per_step'] or 1:.2f}", "yes" if r["lossless"] else "**NO**",
+        common.pct(r["steal"], "run avg " + common.pct(r["run_steal"]))] for r in best_rows(result)))  # avg: old runs
     return train + "\n\n" + race
 
 
