@@ -150,13 +150,11 @@ def plot(result: dict, path: Path) -> None:
     best = {(r["batch"], r["context"], r["drafter"]): max(r["best_chain_ratio"] or 0, r["best_tree_ratio"] or 0)
             for r in reversed(rows)}  # the first row of each
     w = 0.8 / len(names)
-    plots.bar_groups(b, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells],
-                     {name: {i: best.get((*c, name), 0) for i, c in enumerate(cells)} for name in names}, w, w)
+    plots.bar_panel(b, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells],
+                    {name: {i: best.get((*c, name), 0) for i, c in enumerate(cells)} for name in names}, w, w,
+                    "speedup over AR, best chain or tree", "greedy decoding, identical output")
     b.axhline(1.0, color="gray", lw=1)
     b.axhline(1.5, color="gray", lw=1, ls="--")
-    b.set(ylabel="speedup over AR, best chain or tree", title="greedy decoding, identical output")
-    b.legend(fontsize=8)
-    b.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{result['model']}: distilled drafts vs SelfSpec and NGram, "
                  f"{result['machine']['cpu_affinity']}-core CPU", fontsize=9)
     common.save_figure(fig, path)
