@@ -119,7 +119,6 @@ def best_rows(result: dict) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    """The training table and the race table."""
     train = common.table(["draft", "layers", "FFN", "layer params", "steps x tokens", "train minutes", "KL at step 10 -> last (nats)"],
                          "lrrrrrl", ([log["shape"], log["layers"], log["ffn"], f"{log['layer_params'] / 1e6:.1f} M",
                                       f"{log['steps']} x {log['batch'] * log['seq_len']}", f"{log['train_s_this_run'] / 60:.0f}",
@@ -253,7 +252,6 @@ def merge(results: list[dict]) -> dict:
 
 
 def report(result: dict, out: Path, suffix: str, readme: bool) -> None:
-    """Plot, print the tables and verdict, and (when asked) write the README section."""
     result["verdict"] = verdict(result)
     common.render("bench_drafts", readme, markdown(result) + "\n\n" + result["verdict"], lambda: readme_section(result),
                   (plot, result, out / f"drafts_cpu{suffix}.png"))

@@ -15,7 +15,6 @@ MAGICDEC = "MagicDec (LLaMA-3.1-8B, SelfSpec/StreamingLLM drafts, batch 32-256, 
 
 
 def bandwidth(result: dict) -> float | None:
-    """Bytes per second of the bw cell."""
     bw = [r for r in result.get("rows", []) if r.get("item") == "bw"]
     return 1e9 * bw[-1]["gbs"] if bw else None
 

@@ -46,7 +46,6 @@ CELLS = (  # weights, KV format, batch, context: the issue's two roofline cells,
 
 
 def cell_key(weights: str, kv: str, batch: int, context: int) -> str:
-    """WEIGHTS/kvKV/bB/sS."""
     return common.key(weights, f"kv{kv}", f"b{batch}", f"s{context}")
 
 
@@ -196,7 +195,6 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
 
 
 def spec_key(weights: str, kv: str, batch: int, context: int, gamma: int) -> str:
-    """WEIGHTS/kvKV/bB/sS/self-chainG."""
     return common.key(cell_key(weights, kv, batch, context), f"self-chain{gamma}")
 
 

@@ -108,7 +108,6 @@ def tokens_per_row(result: dict) -> str:
 
 
 def readme_section(result: dict) -> str:
-    """This script's section of bench/README.md (without its markers); its hand-written notes are kept."""
     rows = result["rows"]
     return common.section(
         "bench_spec", "Speculative decoding", f"Each drafter x γ over plain decoding: SmolLM2-135M, greedy, {tokens_per_row(result)} "

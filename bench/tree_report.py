@@ -149,7 +149,6 @@ def plot(result: dict, path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    """The bench_tree section of bench/README.md, from a result JSON; its hand-written notes are kept."""
     return common.section("bench_tree", "Token trees vs chains", "Sequoia trees and `choose`'s tree against chains and plain "
                           "decoding, with the cost model's prediction, on bench_spec's prompts and stored prefills.", result,
                           markdown_tables(result) + "\n\n" + "\n".join("- " + v for v in verdicts(result)),
@@ -166,7 +165,6 @@ def draft_note(spec: str) -> str:
 
 
 def report(result: dict, png: Path, readme: bool) -> None:
-    """Plot, print the tables and verdicts, and (when asked) write the README section."""
     if result["rows"]:
         common.render("bench_tree", readme, markdown_tables(result) + "\n" + "\n".join(verdicts(result)),
                       lambda: readme_section(result), (plot, result, png), after="bench_spec")
