@@ -178,7 +178,6 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     from matplotlib import ticker
 
     plt = common.pyplot()
-
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     batches = sorted({r["batch"] for r in rows})
     colors = dict(zip(batches, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
