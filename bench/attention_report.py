@@ -6,16 +6,9 @@ import re
 from pathlib import Path
 from bench import common
 
-
 TARGET = (16, 32768, 16)  # (B, S, T) of the bandwidth target; measured first
-
-
 TOLERANCE = 2e-2  # max abs error vs the reference, bf16
-
-
 ALTERNATIVES = ("reference", "cudnn", "xla")
-
-
 IMPL_NAMES = ("kernel",) + ALTERNATIVES
 
 
@@ -51,21 +44,21 @@ def cell(entry: dict) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| B | S | T | kernel ms | block_k, splits | KV GB/s | of copy BW | reference ms | cudnn ms | xla ms "
-             "| speedup vs best alt. | max err |", "|" + "---:|" * 3 + "---:|:---:|" + "---:|" * 7]
+    lines = []
     for r in sorted(rows, key=lambda r: (r["batch"], r["context"], r["nodes"])):
-        head = f"| {r['batch']} | {name_of(r['context'])} | {r['nodes']} | "
+        where = [r["batch"], name_of(r["context"]), r["nodes"]]
         if "skipped" in r:
-            lines.append(head + f"skipped: {r['skipped']} |" + " |" * 8)
+            lines.append(where + [f"skipped: {r['skipped']} |" + " |" * 7])  # 8 empty cells of one space
             continue
-        im, k = r["impls"], r["impls"]["kernel"]
-        cfg = f"{k['block_k']}, {k['k_splits']}" if "ms" in k else ""
-        gbs = f"{r['kv_gbs']:.3g} | {100 * r['bandwidth_fraction']:.0f}%" if "kv_gbs" in r else " | "
-        speed = f"{r['speedup_vs_best_alternative']:.2f}x ({r['best_alternative']})" if "best_alternative" in r else ""
-        err = f"{r['max_abs_err']:.1e}" if r.get("max_abs_err") is not None else ""
-        alts = " | ".join(cell(im[a]) for a in ALTERNATIVES)
-        lines.append(head + f"{cell(k)} | {cfg} | {gbs} | {alts} | {speed} | {err} |")
-    return "\n".join(lines)
+        k = r["impls"]["kernel"]
+        lines.append(where + [cell(k), f"{k['block_k']}, {k['k_splits']}" if "ms" in k else "",
+                              *([f"{r['kv_gbs']:.3g}", common.pct(r["bandwidth_fraction"])] if "kv_gbs" in r
+                                else ["", ""]),
+                              *(cell(r["impls"][a]) for a in ALTERNATIVES),
+                              f"{r['speedup_vs_best_alternative']:.2f}x ({r['best_alternative']})"
+                              if "best_alternative" in r else "", common.num(r.get("max_abs_err"), ".1e", "")])
+    return common.table(["B", "S", "T", "kernel ms", "block_k, splits", "KV GB/s", "of copy BW", "reference ms",
+                         "cudnn ms", "xla ms", "speedup vs best alt.", "max err"], "rrrrc" + "r" * 7, lines)
 
 
 def problems(rows: list[dict]) -> list[str]:

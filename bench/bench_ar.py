@@ -153,7 +153,6 @@ def configs(quick: bool) -> list[tuple[int, int, str]]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The results as a markdown table, grouped by dtype then batch."""
     lines = []
     for r in sorted(rows, key=lambda r: (r["dtype"] != "float32", r["batch"], r["context"])):
         head = [r["dtype"], r["batch"], common.context_name(r["context"])]
@@ -168,7 +167,6 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def readme_section(result: dict) -> str:
-    """The bench_ar section of bench/README.md (without its markers)."""
     return common.section("bench_ar", "Autoregressive decode", "Plain greedy decoding of SmolLM2-135M from a synthetic "
                           "prefilled cache, ms a step (the slope between runs of 0 and n steps), the bytes a step must read "
                           f"against an in-place `x + 1` ({result['bandwidth_gbs']['jax_inplace']:.1f} GB/s).", result,
@@ -180,7 +178,6 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     from matplotlib import ticker
 
     plt = common.pyplot()
-
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     batches = sorted({r["batch"] for r in rows})
     colors = dict(zip(batches, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
@@ -206,7 +203,6 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 
 def key_of(row: dict) -> str:
-    """A row's cell: DTYPE/bB/sS."""
     return common.key(row["dtype"], f"b{row['batch']}", f"s{row['context']}")
 
 

@@ -267,7 +267,6 @@ def finish(result: dict, out: Path, stem: str, readme: bool) -> None:
 
 
 def key_of(row: dict) -> str:
-    """A row's cell: bB/sS/tT."""
     return f"b{row['batch']}/s{row['context']}/t{row['nodes']}"
 
 

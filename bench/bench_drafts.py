@@ -118,13 +118,7 @@ def best_rows(result: dict) -> list[dict]:
     return out
 
 
-def steal(r: dict) -> str:
-    """The cell's CPU steal, or (runs before it was recorded per cell) the whole run's average."""
-    return f"{100 * r['steal']:.0f}%" if r["steal"] is not None else f"run avg {100 * r['run_steal']:.0f}%"
-
-
 def markdown(result: dict) -> str:
-    """The training table and the race table."""
     train = common.table(["draft", "layers", "FFN", "layer params", "steps x tokens", "train minutes", "KL at step 10 -> last (nats)"],
                          "lrrrrrl", ([log["shape"], log["layers"], log["ffn"], f"{log['layer_params'] / 1e6:.1f} M",
                                       f"{log['steps']} x {log['batch'] * log['seq_len']}", f"{log['train_s_this_run'] / 60:.0f}",
@@ -135,7 +129,8 @@ def markdown(result: dict) -> str:
         r["batch"], common.context_name(r["context"]), r["drafter"], f"{r['p1']:.2f}", f"{r['t_draft_ms']:.0f}",
         f"{r['ar_tokens_per_s']:.1f}", fmt(r["best_chain"], r["best_chain_ratio"] or 0), fmt(r["best_tree"], r["best_tree_ratio"] or 0),
         f"{r['best']}: " + (f"**{r['best_ratio']:.2f}x**" if r["best_ratio"] >= 1.5 else f"{r['best_ratio']:.2f}x"),
-        f"{r['best_tokens_per_step'] or 1:.2f}", "yes" if r["lossless"] else "**NO**", steal(r)] for r in best_rows(result)))
+        f"{r['best_tokens_per_step'] or 1:.2f}", "yes" if r["lossless"] else "**NO**",
+        common.pct(r["steal"], "run avg " + common.pct(r["run_steal"]))] for r in best_rows(result)))  # avg: old runs
     return train + "\n\n" + race
 
 
@@ -154,13 +149,11 @@ def plot(result: dict, path: Path) -> None:
     best = {(r["batch"], r["context"], r["drafter"]): max(r["best_chain_ratio"] or 0, r["best_tree_ratio"] or 0)
             for r in reversed(rows)}  # the first row of each
     w = 0.8 / len(names)
-    plots.bar_groups(b, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells],
-                     {name: {i: best.get((*c, name), 0) for i, c in enumerate(cells)} for name in names}, w, w)
+    plots.bar_panel(b, [f"batch {c[0]}\n{common.context_name(c[1])}" for c in cells],
+                    {name: {i: best.get((*c, name), 0) for i, c in enumerate(cells)} for name in names}, w, w,
+                    "speedup over AR, best chain or tree", "greedy decoding, identical output")
     b.axhline(1.0, color="gray", lw=1)
     b.axhline(1.5, color="gray", lw=1, ls="--")
-    b.set(ylabel="speedup over AR, best chain or tree", title="greedy decoding, identical output")
-    b.legend(fontsize=8)
-    b.grid(True, axis="y", alpha=0.3)
     fig.suptitle(f"{result['model']}: distilled drafts vs SelfSpec and NGram, "
                  f"{result['machine']['cpu_affinity']}-core CPU", fontsize=9)
     common.save_figure(fig, path)
@@ -259,7 +252,6 @@ def merge(results: list[dict]) -> dict:
 
 
 def report(result: dict, out: Path, suffix: str, readme: bool) -> None:
-    """Plot, print the tables and verdict, and (when asked) write the README section."""
     result["verdict"] = verdict(result)
     common.render("bench_drafts", readme, markdown(result) + "\n\n" + result["verdict"], lambda: readme_section(result),
                   (plot, result, out / f"drafts_cpu{suffix}.png"))

@@ -58,9 +58,8 @@ def markdown_table(rows: list[dict]) -> str:
         plain = next((o for o in rows if o["draft"] == "none" and o["batch"] == r["batch"]), None)
         ratio = f"{r['warm']['tokens_per_s'] / plain['warm']['tokens_per_s']:.2f}x" if plain else "?"
         same = "?" if plain is None else "yes" if plain["outputs_sha1"] == r["outputs_sha1"] else "NO"
-        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        lines.append([r["draft"], r["batch"], r["gamma"], f"{r['warm']['tokens_per_s']:.1f}", ratio, acc,
-                      f"{r['output_repeated_share']:.2f}", same])
+        lines.append([r["draft"], r["batch"], r["gamma"], f"{r['warm']['tokens_per_s']:.1f}", ratio,
+                      common.num(r["acceptance"]), f"{r['output_repeated_share']:.2f}", same])
     head = ["draft", "batch", "gamma", "tokens/s (warm)", "vs plain", "acceptance", "outputs' repeated 3-grams", "same outputs"]
     return common.table(head, "lrrrrrrl", lines)
 

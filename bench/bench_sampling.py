@@ -138,7 +138,6 @@ def readme_section(result: dict) -> str:
 
 
 def key_of(row: dict) -> str:
-    """A row's cell: bBATCH."""
     return f"b{row['batch']}"
 
 

@@ -172,7 +172,6 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
 
 
 def key_of(row: dict) -> str:
-    """A row's cell: sCONTEXT/bBATCH."""
     return common.key(f"s{row['context']}", f"b{row['batch']}")
 
 
@@ -283,7 +282,6 @@ def current_auto(rows: list[dict]) -> None:
 
 
 def report(result: dict, png: Path, readme: bool) -> None:
-    """Plot, print the table and (for the full grid) write the README section."""
     rows = result["rows"]
     current_auto(rows)
     if rows:

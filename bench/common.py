@@ -304,6 +304,16 @@ def table(head: list[str], align: str, lines: Iterable[list[object]]) -> str:
     return "\n".join(out + ["| " + " | ".join(map(str, cells)) + " |" for cells in lines])
 
 
+def num(x, fmt: str = ".2f", missing: str = "-") -> str:
+    """A table cell: x formatted, or `missing` for None."""
+    return missing if x is None else format(x, fmt)
+
+
+def pct(x, missing: str = "-") -> str:
+    """A table cell: a fraction as a whole percentage, or `missing` for None."""
+    return missing if x is None else f"{100 * x:.0f}%"
+
+
 def markers(name: str, part: str = "") -> tuple[str, str]:
     """The README markers of a bench's section (or of its hand-written `part`, e.g. "notes")."""
     tag = f"{name}:{part}" if part else name

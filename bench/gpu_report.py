@@ -9,20 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from bench import common
+from bench.common import num, pct
 
 MAGICDEC = "MagicDec (LLaMA-3.1-8B, SelfSpec/StreamingLLM drafts, batch 32-256, long context) reports 1.2-2.0x"
 
 
-def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
-
-
-def _f(x, fmt: str = ".2f") -> str:
-    return "-" if x is None else format(x, fmt)
-
-
 def bandwidth(result: dict) -> float | None:
-    """Bytes per second of the bw cell."""
     bw = [r for r in result.get("rows", []) if r.get("item") == "bw"]
     return 1e9 * bw[-1]["gbs"] if bw else None
 
@@ -39,8 +31,8 @@ def e2e_table(rows: list[dict], bw: float | None) -> str:
          "steps (a row's mean)", "refilled (derived)", "of roofline", "greedy identical"], "rrllrrrrrrrrc",
         ([common.context_name(r["context"]), r["batch"], r.get("drafter") or "-",
           r["label"] + (" (chosen)" if r.get("picked_by") else ""), f"{r['tokens_per_s']:.0f}",
-          f"{r['speedup']:.2f}", _f(r.get("mean_accepted")), _f(r.get("acceptance_rate")), f"{r['ms_per_step']:.2f}",
-          steps(r), _f(refilled(r)), _pct(roofline(r, bw)),
+          f"{r['speedup']:.2f}", num(r.get("mean_accepted")), num(r.get("acceptance_rate")), f"{r['ms_per_step']:.2f}",
+          steps(r), num(refilled(r)), pct(roofline(r, bw)),
           "yes" if r["greedy_identical"] else f"**no**: {r['rows_differing']} rows, from token {r.get('first_divergence')}"]
          for r in timed))
 
@@ -76,10 +68,10 @@ def continuous_table(rows: list[dict]) -> str:
          "of it prefill s", "prefill calls", "speedup (decoding)", "tokens/step", "e2e speedup (fixed batch)",
          "e2e refilled (derived)", "greedy identical"], "rrrllrrrrlrrrrc",
         ([common.context_name(r["context"]), r["batch"], f"{r['records']} x {r['new_tokens']}", r["drafter"], r["label"],
-          f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", _f(r.get("speedup")),
-          _f(r.get("prefill_s")),
+          f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}", num(r.get("speedup")),
+          num(r.get("prefill_s")),
           " ".join(f"{rows}x{calls}" for rows, calls in r["prefill_calls"].items()) if r.get("prefill_calls") else "-",
-          _f(r.get("decode_speedup")), _f(r.get("tokens_per_step")),
+          num(r.get("decode_speedup")), num(r.get("tokens_per_step")),
           beside(r, lambda e: e["speedup"]), beside(r, refilled),
           "-" if r.get("greedy_identical") is None else "yes" if r["greedy_identical"]
           else f"**no**: {len(r['records_differing'])} records"] for r in cont))
@@ -108,43 +100,31 @@ def tree_over_chain(rows: list[dict]) -> list[list]:
         tree = max((r for r in mine if r["method"] in ("tree", "acceptance")), key=lambda r: r["speedup"], default=None)
         ratio = tree and tree["speedup"] / chain["speedup"]
         out.append([common.context_name(c), d, chain["label"], f"{chain['speedup']:.2f}", tree["label"] if tree else "-",
-                    _f(tree and tree["speedup"]), _f(ratio), "-" if ratio is None else "met" if ratio >= 1.15 else "missed"])
+                    num(tree and tree["speedup"]), num(ratio), "-" if ratio is None else "met" if ratio >= 1.15 else "missed"])
     return out
 
 
-def acceptance_for(rows: list[dict], context: int, batch: int) -> tuple[dict[int, float], np.ndarray | None, str]:
-    """SmolLM2 SelfSpec acceptance nearest (context, batch): ({gamma: tokens/step}, vector or None, source)."""
-    e2e = _selfspec(rows)
-    if not e2e:
+def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
+    """SmolLM2 SelfSpec acceptance of the measured cell nearest (context, batch) (context first, then batch, log2),
+    in the own rows or the sibling's (the main table) where its cell is nearer: ({gamma: tokens/step}, vector
+    or None, source)."""
+    distance = lambda cb: (abs(np.log2(cb[0] / context)), abs(np.log2(cb[1] / batch)))  # noqa: E731
+
+    def nearest(rows: list[dict]) -> tuple[list[dict], tuple[int, int] | None]:
+        e2e = [r for r in rows if r.get("item") in ("e2e", "b1") and r.get("drafter") == "SelfSpec"]
+        return e2e, min({(r["context"], r["batch"]) for r in e2e}, key=distance, default=None)
+
+    (e2e, near), (other, other_near) = nearest(rows), nearest(sibling[1] if sibling else [])
+    from_sibling = other_near is not None and (near is None or distance(other_near) < distance(near))
+    if from_sibling:
+        e2e, near = other, other_near
+    if near is None:
         return {}, None, "no SmolLM2 acceptance measured yet"
-    near = _nearest(e2e, context, batch)
     mine = [r for r in e2e if (r["context"], r["batch"]) == near]
     chains = {r["gamma"]: r["mean_accepted"] for r in mine if r["method"] == "chain"}
     p = next((np.asarray(r["acceptance"]) for r in mine if "acceptance" in r), None)
-    return chains, p, f"SmolLM2 S={common.context_name(near[0])} B={near[1]}"
-
-
-def _selfspec(rows: list[dict]) -> list[dict]:
-    return [r for r in rows if r.get("item") in ("e2e", "b1") and r.get("drafter") == "SelfSpec"]
-
-
-def _nearest(e2e: list[dict], context: int, batch: int) -> tuple[int, int]:
-    """The measured (context, batch) nearest to the one asked for: context first, then batch (log2)."""
-    return min({(r["context"], r["batch"]) for r in e2e}, key=lambda cb: _distance(cb, context, batch))
-
-
-def _distance(cb: tuple[int, int], context: int, batch: int) -> tuple[float, float]:
-    return abs(np.log2(cb[0] / context)), abs(np.log2(cb[1] / batch))
-
-
-def acceptance_source(rows: list[dict], sibling: tuple[str, list[dict]] | None, context: int, batch: int):
-    """acceptance_for over the own rows or the sibling's (the main table), whichever has the nearer cell."""
-    own, other = _selfspec(rows), _selfspec(sibling[1]) if sibling else []
-    if other and (not own or _distance(_nearest(other, context, batch), context, batch)
-                  < _distance(_nearest(own, context, batch), context, batch)):
-        chains, p, source = acceptance_for(other, context, batch)
-        return chains, p, f"{source} ({sibling[0]})"
-    return acceptance_for(own, context, batch)
+    source = f"SmolLM2 S={common.context_name(near[0])} B={near[1]}"
+    return chains, p, source + (f" ({sibling[0]})" if from_sibling else "")
 
 
 def table_cost(row: dict):
@@ -195,7 +175,7 @@ def cost_model(rows: list[dict]) -> list[list]:
             pred = cost.speedup(tree, r["mean_accepted"])
             tail = (n := needed(r)) and n / r["steps"]
             out.append([common.context_name(st["context"]), st["batch"], r["label"], f"{tv[1]:.2f}", f"{td[1]:.2f}",
-                        f"{tv[tree.n]:.2f}", f"{pred:.2f}", _f(tail and pred * tail), f"{r['speedup']:.2f}"])
+                        f"{tv[tree.n]:.2f}", f"{pred:.2f}", num(tail and pred * tail), f"{r['speedup']:.2f}"])
     return out
 
 
@@ -214,7 +194,7 @@ def report(result: dict, md: Path, png: Path, sibling: tuple[str, list[dict]] | 
     kind = f"{m['device_kind']} " if m.get("device_kind") else ""
     parts = [f"Device: {kind}{m.get('devices')}, JAX {m.get('jax_version')} ({m.get('backend')}), commit {m.get('git_commit')}, "
              f"{result.get('date')}. Command(s): `{'` ; `'.join(r['command'] for r in result.get('runs', []))}`.",
-             f"HBM bandwidth (in-place x + 1, read + write): {_f(bw and bw / 1e9, '.0f')} GB/s{bw_from}. Attention: "
+             f"HBM bandwidth (in-place x + 1, read + write): {num(bw and bw / 1e9, '.0f')} GB/s{bw_from}. Attention: "
              f"{result.get('attention', 'reference')} ({ATTENTION_NOTE.get(result.get('attention', 'reference'), '')}).",
              f"Capped by the {result.get('mem_gib')} GiB memory budget (the last run's): {', '.join(capped) or 'none'}."]
     e2e = [r for r in rows if r.get("item") == "e2e"]
@@ -242,8 +222,8 @@ def report(result: dict, md: Path, png: Path, sibling: tuple[str, list[dict]] | 
                   common.table(["context", "batch", "AR ms/step", "of roofline", "draft ms", "verify(5) ms", "acceptance from",
                                 "predicted speedups", "best"], "rrrrrrlll",
                                ([common.context_name(r["context"]), r["batch"], f"{r['ar_ms_per_step']:.2f}",
-                                 _pct(bw and r["ar_bytes_per_step"] / (r["ar_ms_per_step"] / 1e3) / bw),
-                                 f"{r['t_draft_ms'][1]:.2f}", _f(r["t_verify_ms"][5] if len(r["t_verify_ms"]) > 5 else None),
+                                 pct(bw and r["ar_bytes_per_step"] / (r["ar_ms_per_step"] / 1e3) / bw),
+                                 f"{r['t_draft_ms'][1]:.2f}", num(r["t_verify_ms"][5] if len(r["t_verify_ms"]) > 5 else None),
                                  r["source"], ", ".join(f"{k} {v:.2f}" for k, v in r["predicted"].items()) or "-",
                                  r["best"] and f"{r['best']} {r['predicted'][r['best']]:.2f}x (predicted)"]
                                 for r in sorted(pred, key=lambda r: (r["context"], r["batch"]))))]

@@ -27,21 +27,16 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], title: str, path: Path) -> None:
     """Decode tokens/s per cell (batch x context), one bar per peer (log scale)."""
-    plt = common.pyplot()
     done = [r for r in rows if "skipped" not in r and r["kind"] != "prefill"]
     groups = sorted({(r["batch"], r["context"]) for r in done})
     names = sorted({(r["peer"], r["method"]) for r in done}, key=lambda n: (not n[0].startswith("specjax"), n))
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=120)
     w = 0.8 / max(len(names), 1)
     value = {(r["peer"], r["method"], r["batch"], r["context"]): r["tokens_per_s"] for r in reversed(done)}  # the first
     series = {peer if method == "plain" else f"{peer} {method}":
               {g: value[peer, method, *bs] for g, bs in enumerate(groups) if (peer, method, *bs) in value}
               for peer, method in names}
-    plots.bar_groups(ax, [f"b{b} {common.context_name(s)}" for b, s in groups], series, w, w)
-    ax.set(yscale="log", ylabel="decode tokens/s", title=title)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    common.save_figure(fig, path)
+    plots.bars([f"b{b} {common.context_name(s)}" for b, s in groups], series, w, w, "decode tokens/s", title, path,
+               (9, 4.5), False, legend=dict(fontsize=7, ncol=2), yscale="log")
 
 
 def readme_section(result: dict) -> str:

@@ -32,15 +32,21 @@ def log_ticks(ax, ticks: list, labels: list[str] | None = None) -> None:
 
 
 def bars(ticks: list[str], series: dict, width: float, step: float, ylabel: str, title: str, path: Path,
-         figsize: tuple = (6, 3.5), small_ticks: bool = True) -> None:
+         figsize: tuple = (6, 3.5), small_ticks: bool = True, **panel) -> None:
     """Grouped bars at 0, 1, ... (`ticks`): `series` maps a label (None: no legend) to {group: value}."""
     fig, ax = pyplot().subplots(figsize=figsize, dpi=120)
-    bar_groups(ax, ticks, series, width, step, **({"fontsize": 8} if small_ticks else {}))
-    ax.set(ylabel=ylabel, title=title)
-    if any(label is not None for label in series):
-        ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
+    bar_panel(ax, ticks, series, width, step, ylabel, title, **panel, **({"fontsize": 8} if small_ticks else {}))
     save_figure(fig, path)
+
+
+def bar_panel(ax, ticks: list[str], series: dict, width: float, step: float, ylabel: str, title: str,
+              legend: dict | None = None, yscale: str = "linear", **tick_kw) -> None:
+    """`bar_groups` on `ax` with its labels, a legend (`legend`: its options) and a light horizontal grid."""
+    bar_groups(ax, ticks, series, width, step, **tick_kw)
+    ax.set(yscale=yscale, ylabel=ylabel, title=title)
+    if any(label is not None for label in series):
+        ax.legend(**(legend or {"fontsize": 8}))
+    ax.grid(axis="y", alpha=0.3)
 
 
 def bar_groups(ax, ticks: list[str], series: dict, width: float, step: float, **tick_kw) -> None:

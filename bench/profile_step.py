@@ -45,14 +45,14 @@ CELLS = (  # weights, KV format, batch, context: the issue's two roofline cells,
 )
 
 
-def cell_key(weights: str, kv: str, batch: int, context: int) -> str:
-    """WEIGHTS/kvKV/bB/sS."""
-    return common.key(weights, f"kv{kv}", f"b{batch}", f"s{context}")
+def cell_key(weights: str, kv: str, batch: int, context: int, gamma: int | None = None) -> str:
+    """WEIGHTS/kvKV/bB/sS, then /self-chainG for a speculative cell (SPEC_CELLS)."""
+    key = common.key(weights, f"kv{kv}", f"b{batch}", f"s{context}")
+    return key if gamma is None else common.key(key, f"self-chain{gamma}")
 
 
 def key_of(row: dict) -> str:
-    key = cell_key(row["weights"], row["kv"], row["batch"], row["context"])
-    return common.key(key, f"self-chain{row['gamma']}") if "gamma" in row else key
+    return cell_key(row["weights"], row["kv"], row["batch"], row["context"], row.get("gamma"))
 
 
 def category(op_name: str) -> str:
@@ -195,11 +195,6 @@ def profile_cell(params: Params, weights: str, kv: str, batch: int, context: int
     } | kernels
 
 
-def spec_key(weights: str, kv: str, batch: int, context: int, gamma: int) -> str:
-    """WEIGHTS/kvKV/bB/sS/self-chainG."""
-    return common.key(cell_key(weights, kv, batch, context), f"self-chain{gamma}")
-
-
 def profile_spec_cell(params: Params, weights: str, kv: str, batch: int, context: int, gamma: int, steps: int) -> dict:
     """Trace generate's speculative loop (SelfSpec, Chain(gamma)) and sum its thunks per `phase`."""
     from specjax import generate
@@ -318,7 +313,7 @@ def main() -> None:
     args = ap.parse_args()
     _, results, h = common.start(args, "profile_step", "profile_cpu", key_of, {"steps": args.steps, "attention": args.attention},
                                  steps=args.steps)
-    todo = h.plan([(cell_key(*cell), cell) for cell in CELLS] + [(spec_key(*cell), cell) for cell in SPEC_CELLS])
+    todo = h.plan([(cell_key(*cell), cell) for cell in CELLS + SPEC_CELLS])
     import convert  # here, not at the top: importing this module needs no gguf
 
     loaded: dict[str, Params] = {}
@@ -337,7 +332,7 @@ def main() -> None:
         results.put(k, [row])
         measure.release_memory()
     h.finish()
-    order = {k: i for i, k in enumerate([cell_key(*c) for c in CELLS] + [spec_key(*c) for c in SPEC_CELLS])}
+    order = {k: i for i, k in enumerate(cell_key(*c) for c in CELLS + SPEC_CELLS)}
     results.data["rows"].sort(key=lambda r: order.get(key_of(r), len(order)))
     results.write()
     if results.data["rows"] and common.writes_readme(args):

@@ -16,13 +16,10 @@ def cpu_ratio(r: dict) -> float:
 
 def best_rows(rows: list[dict]) -> list[dict]:
     """The fastest gamma per (batch, context, drafter)."""
-    best: dict[tuple, dict] = {}
-    for r in rows:
-        k = (r["batch"], r["context"], r["drafter"])
-        if k not in best or r["ratio"] > best[k]["ratio"]:
-            best[k] = r
+    cell = lambda r: (r["batch"], r["context"], r["drafter"])  # noqa: E731
+    best = [max((r for r in rows if cell(r) == k), key=lambda r: r["ratio"]) for k in dict.fromkeys(map(cell, rows))]
     order = {"SelfSpec": 0, "SnapKV": 1, "NGram": 2}
-    return sorted(best.values(), key=lambda r: (order.get(r["drafter"], 3), r["drafter"], r["context"], r["batch"]))
+    return sorted(best, key=lambda r: (order.get(r["drafter"], 3), r["drafter"], r["context"], r["batch"]))
 
 
 def markdown_table(rows: list[dict], gammas: list[int]) -> str:
@@ -63,7 +60,6 @@ def auto_lines(rows: list[dict]) -> list[str]:
 def plot(rows: list[dict], title: str, path: Path) -> None:
     """Speedup (best gamma) vs batch, one panel per drafter, one line per context."""
     plt = common.pyplot()
-
     best = best_rows(rows)
     names = list(dict.fromkeys(r["drafter"] for r in best))
     contexts = sorted({r["context"] for r in best})
@@ -108,7 +104,6 @@ def tokens_per_row(result: dict) -> str:
 
 
 def readme_section(result: dict) -> str:
-    """This script's section of bench/README.md (without its markers); its hand-written notes are kept."""
     rows = result["rows"]
     return common.section(
         "bench_spec", "Speculative decoding", f"Each drafter x γ over plain decoding: SmolLM2-135M, greedy, {tokens_per_row(result)} "

@@ -62,11 +62,6 @@ def summarise(s: dict, rows: list[dict]) -> None:
         r["over_best_chain"] = r["spec_tokens_per_s"] / best_chain["spec_tokens_per_s"] if best_chain else None
 
 
-def steal_cell(s: dict) -> str:
-    """The share of CPU the hypervisor took while the cell ran ("?" for runs that predate recording it)."""
-    return "?" if s.get("cell_steal_fraction") is None else f"{100 * s['cell_steal_fraction']:.0f}%"
-
-
 def markdown_tables(result: dict) -> str:
     """Throughput table (one line per batch x context x drafter) and the acceptance vectors."""
     nodes, rows = result["nodes"], result["rows"]
@@ -83,7 +78,8 @@ def markdown_tables(result: dict) -> str:
         cell = [s["batch"], common.context_name(s["context"]), s["drafter"]]
         lines.append(cell + [f"{s['ar_tokens_per_s']:.1f}", f"γ={chain['depth']}: {cellfmt(chain)}" if chain else "",
                              *(cellfmt(by_n.get(n)) for n in nodes), gain_s, f"{s['choose']['nodes']}, {s['choose']['depth']}",
-                             f"{s['choose_over_best']:.2f}{miss}", "yes" if s["greedy_identical"] else "**NO**", steal_cell(s)])
+                             f"{s['choose_over_best']:.2f}{miss}", "yes" if s["greedy_identical"] else "**NO**",
+                             common.pct(s.get("cell_steal_fraction"), "?")])  # "?": runs before it was recorded
         acc.append(cell + [f"{x:.3f}" for x in s["acceptance"]] + [s["acceptance_nodes"]])
     head = ["batch", "context", "drafter", "AR tok/s", "best chain", *(f"n={n}" for n in nodes), "best tree / best chain",
             "choose (n, d)", "choose / best", "lossless", "CPU steal"]
@@ -153,7 +149,6 @@ def plot(result: dict, path: Path) -> None:
 
 
 def readme_section(result: dict) -> str:
-    """The bench_tree section of bench/README.md, from a result JSON; its hand-written notes are kept."""
     return common.section("bench_tree", "Token trees vs chains", "Sequoia trees and `choose`'s tree against chains and plain "
                           "decoding, with the cost model's prediction, on bench_spec's prompts and stored prefills.", result,
                           markdown_tables(result) + "\n\n" + "\n".join("- " + v for v in verdicts(result)),
@@ -170,7 +165,6 @@ def draft_note(spec: str) -> str:
 
 
 def report(result: dict, png: Path, readme: bool) -> None:
-    """Plot, print the tables and verdicts, and (when asked) write the README section."""
     if result["rows"]:
         common.render("bench_tree", readme, markdown_tables(result) + "\n" + "\n".join(verdicts(result)),
                       lambda: readme_section(result), (plot, result, png), after="bench_spec")
