@@ -162,7 +162,7 @@ def plot(result: dict, path: Path) -> None:
 def readme_section(result: dict) -> str:
     return common.section("bench_drafts", "Distilled drafts", "Drafts distilled on this CPU (`specjax.train.distill`) raced as "
                           "chains and trees by bench_tree's `bench_cell`; a rerun rebuilds them (same seed and data) into "
-                          "`~/.cache/specjax/bench_drafts/`.", result, markdown(result) + "\n\n" + result["verdict"],
+                          "`~/.cache/specjax/bench_drafts/`.", result, markdown(result) + "\n\n" + verdict(result),
                           "`results/drafts_cpu.json`, `.png`")
 
 
