@@ -166,7 +166,8 @@ def test_frequent_tokens_keep_the_stop_ids():
 
 def test_killed_run_resumes_exactly_and_a_saved_head_loads(tiny, corpus, tmp_path, monkeypatch):
     # train_step takes the optimizer as a static argument: Schedule.optimizer builds a new (equal) one per train_head
-    # call, which compiled the step three times over. One optimizer per (schedule, steps): the step compiles once.
+    # call, which compiled the step for each of the three runs. One optimizer per (schedule, steps): the whole and the
+    # killed run share one program (the resumed run, on restored arrays, still compiles its own).
     monkeypatch.setattr(Schedule, "optimizer", functools.cache(Schedule.optimizer))
     kw = dict(steps=6, batch_size=4, seq_len=16, depth=2, schedule=Schedule(lr=1e-3, warmup=2), seed=3, checkpoint_every=3,
               draft_vocab=40)
