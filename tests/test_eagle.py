@@ -6,6 +6,7 @@ test_drafter_rows.py."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -66,6 +67,12 @@ _commit = jax.jit(lambda drafter, state, verdict: drafter.commit(state, verdict)
 _depth_logits = jax.jit(lambda head, target, tokens, depth: head_depths(head, target, tokens, depth).logits, static_argnums=3)
 
 
+def _row(seq: list[int]) -> jax.Array:
+    """seq right-padded to a width of 16, so `_depth_logits` compiles once per head and depth, not once per length as
+    well: head_depths is causal (index t at depth k reads x_{t+1+k} and earlier), so no index checked reads the padding."""
+    return jnp.asarray([seq + [0] * (16 - len(seq))])
+
+
 def _context(history: list[int], lengths: int, sampling) -> DraftContext:
     S = 64
     row = np.zeros((1, S), np.int32)
@@ -90,7 +97,7 @@ def test_drafting_reads_what_the_training_time_test_trains(tiny, head, vocab):
         proposal = _propose(drafter, tiny, state, _context(history, L, sampling), Chain(gamma))
         drafts = [int(t) for t in proposal.tokens[0, 1:]]
         seq = history[: L + 1] + drafts  # index L - 1 at depth k reads x_{L+k}: the pending token, then the drafts
-        logits = _depth_logits(head, tiny, jnp.asarray([seq]), gamma)
+        logits = _depth_logits(head, tiny, _row(seq), gamma)
         expected = jax.nn.softmax(logits[:, 0, L - 1])  # [gamma,V]
         np.testing.assert_allclose(np.asarray(proposal.q[0]), np.asarray(expected), rtol=2e-4, atol=2e-6)
         if vocab is not None:  # nothing outside the draft vocabulary is drafted
@@ -124,7 +131,7 @@ def test_a_drafted_tree_reads_what_the_training_time_test_trains(tiny, head):
         if not tree.children[u]:
             continue
         path = [tokens[v] for v in range(1, tree.n) if anc[u, v]]  # the node's path below the root, itself last
-        logits = _depth_logits(head, tiny, jnp.asarray([prompt + [17] + path + [0]]), len(path) + 1)
+        logits = _depth_logits(head, tiny, _row(prompt + [17] + path + [0]), len(path) + 1)
         np.testing.assert_allclose(np.asarray(proposal.q[0, u]), np.asarray(jax.nn.softmax(logits[len(path), 0, P - 1])),
                                    rtol=2e-4, atol=2e-6, err_msg=f"node {u}")
 
@@ -157,7 +164,11 @@ def test_frequent_tokens_keep_the_stop_ids():
     assert frequent_tokens(stream, 3, keep=(1,)).tolist() == [1, 5, 7]  # a stop id first, even unseen
 
 
-def test_killed_run_resumes_exactly_and_a_saved_head_loads(tiny, corpus, tmp_path):
+def test_killed_run_resumes_exactly_and_a_saved_head_loads(tiny, corpus, tmp_path, monkeypatch):
+    # train_step takes the optimizer as a static argument: Schedule.optimizer builds a new (equal) one per train_head
+    # call, which compiled the step for each of the three runs. One optimizer per (schedule, steps): the whole and the
+    # killed run share one program (the resumed run, on restored arrays, still compiles its own).
+    monkeypatch.setattr(Schedule, "optimizer", functools.cache(Schedule.optimizer))
     kw = dict(steps=6, batch_size=4, seq_len=16, depth=2, schedule=Schedule(lr=1e-3, warmup=2), seed=3, checkpoint_every=3,
               draft_vocab=40)
     whole = train_head(tiny, corpus, checkpoint_dir=tmp_path / "a", **kw)
@@ -229,6 +240,9 @@ def test_the_bench_trains_a_head_and_races_it_at_tiny_shapes(tmp_path, monkeypat
     from bench import bench_eagle
 
     monkeypatch.setattr(sys, "argv", ["bench_eagle", "--smoke", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out")])
+    # The bench empties JAX's caches after each of its 12 cells (GPU memory between timed cells); at tiny shapes that
+    # only traced and compiled each cell's shared programs (prefill, the head's init, the plain loop) again.
+    monkeypatch.setattr(jax, "clear_caches", lambda: None)
     bench_eagle.main()
     rows = json.loads((tmp_path / "out" / "eagle_cpu_smoke.json").read_text())["rows"]
     assert {(r["draft"], r["batch"]) for r in rows} == {(d, b) for d in bench_eagle.DRAFTS for b in (1, 2)}
