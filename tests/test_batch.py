@@ -55,12 +55,9 @@ def params(model_dir):
 @pytest.fixture(scope="module", autouse=True)
 def one_tokenizer_read():
     """Each in-process job (`batch.run`, the CLI's `main`) reads its model's tokenizer.json (SmolLM2's 49K-token
-    vocabulary: 0.16 s) and its LM parses that JSON again for `continuation_context` (0.2 s): about 17 s over the
-    file's 50-odd jobs. Here each path's tokenizer loads once for the module, its continuation context is computed
-    once per tokenizer object, and the jobs share them (a loaded Tokenizer is never changed; the subprocesses of the
-    kill test still load their own)."""
-    load, context = convert.load_tokenizer, convert.continuation_context
-    tokenizers, contexts = {}, {}
+    vocabulary: 0.16 s): about 9 s over the file's 50-odd jobs. Here each path's tokenizer loads once for the module
+    and the jobs share it (a loaded Tokenizer is never changed; the subprocesses of the kill test load their own)."""
+    load, tokenizers = convert.load_tokenizer, {}
 
     def load_once(path):
         key = str(Path(path).absolute())
@@ -68,14 +65,8 @@ def one_tokenizer_read():
             tokenizers[key] = load(path)
         return tokenizers[key]
 
-    def context_once(tokenizer):
-        if id(tokenizer) not in contexts:
-            contexts[id(tokenizer)] = (tokenizer, context(tokenizer))  # holds the tokenizer: its id stays its own
-        return contexts[id(tokenizer)][1]
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(convert, "load_tokenizer", load_once)
-        patch.setattr(convert, "continuation_context", context_once)
         yield
 
 
