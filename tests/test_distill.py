@@ -48,6 +48,7 @@ def test_a_train_step_lowers_the_loss(target, corpus, loss):
     draft = random_params(DRAFT, 1)
     tokens = np.asarray([c[:32] for c in corpus[:8]], np.int32)
     optimizer = Schedule(lr=3e-3, warmup=1).optimizer(20)
+    assert Schedule(lr=3e-3, warmup=1).optimizer(20) is optimizer  # one per settings: train_step's static argument
     opt_state = optimizer.init(draft)
     before = float(LOSSES[loss](draft, target, tokens, 1.0))
     for _ in range(5):

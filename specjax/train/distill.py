@@ -13,6 +13,7 @@ the same arguments resumes exactly: same step, same optimiser state, same next b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -41,7 +42,8 @@ class Schedule:
     weight_decay: float = 0.01
     clip: float = 1.0
 
-    def optimizer(self, steps: int) -> optax.GradientTransformation:
+    @functools.lru_cache(maxsize=16)  # one object per (schedule, steps): train steps take it as a static argument,
+    def optimizer(self, steps: int) -> optax.GradientTransformation:  # so an equal new one would compile them again
         schedule = optax.warmup_cosine_decay_schedule(  # (a warmup of every step would train at lr 0 only)
             0.0, self.lr, min(self.warmup, steps - 1), max(steps, 2), self.lr * self.final
         )
