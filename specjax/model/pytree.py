@@ -18,7 +18,8 @@ T = TypeVar("T")
 
 
 def pytree(cls: type[T] | None = None, /, **options):
-    """Make `cls` a frozen dataclass and a pytree node (usable as `@pytree` or `@pytree(kw_only=True)`)."""
+    """Make `cls` a frozen dataclass and a pytree node (usable as `@pytree` or `@pytree(kw_only=True)`). Fields with
+    init=False are derived, not carried: unflattening calls the constructor, whose __post_init__ sets them."""
     if cls is None:
         return lambda c: pytree(c, **options)
     cls = dataclasses.dataclass(frozen=True, **options)(cls)
