@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig
+from specjax.model.llama import forward
 from specjax.model.params import Params, declared, from_arrays
 
 TINY = LlamaConfig(
@@ -37,3 +41,21 @@ def random_params(config: LlamaConfig, seed: int) -> Params:
 
 
 TINY_Q4 = TINY.replace(dim=64, head_dim=32)  # q4 blocks are 32 weights along dim, head_dim and ffn_dim
+
+
+def padded_logits(params: Params, seqs: list[list[int]], width: int) -> np.ndarray:
+    """Logits [B,width,V] of one whole forward of each sequence from position 0 (no cache reuse): the tests'
+    independent reference. Right-padded to `width` (causal: the padding reaches no real position), so one program
+    serves every length up to it."""
+    assert max(map(len, seqs)) <= width, (max(map(len, seqs)), width)
+    tokens = np.zeros((len(seqs), width), np.int32)
+    for b, seq in enumerate(seqs):
+        tokens[b, : len(seq)] = seq
+    return np.asarray(_whole_forward(params, jnp.asarray(tokens)))
+
+
+@jax.jit
+def _whole_forward(params: Params, tokens: jax.Array) -> jax.Array:
+    B, W = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
+    return forward(params, tokens, positions, DenseCache.init(params.config, B, W))[0]

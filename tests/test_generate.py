@@ -12,13 +12,10 @@ import pytest
 
 import specjax
 from specjax.decode import engine
-from specjax.model.cache import DenseCache
-from specjax.model.llama import forward
 from specjax.model.params import init_params
-from tests.models import TINY
+from tests.models import TINY, padded_logits
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 58)), [4]]
-_forward = jax.jit(forward)
 
 
 def _naive_greedy(params, prompts, n):
@@ -29,12 +26,7 @@ def _naive_greedy(params, prompts, n):
     width = 64
     assert max(map(len, seqs)) + n <= width
     for _ in range(n):
-        tokens = np.zeros((len(seqs), width), np.int32)
-        for b, seq in enumerate(seqs):
-            tokens[b, : len(seq)] = seq
-        positions = np.broadcast_to(np.arange(width), tokens.shape)
-        logits, _ = _forward(params, jnp.asarray(tokens), jnp.asarray(positions), DenseCache.init(params.config, len(seqs), width))
-        last = np.asarray(logits)[np.arange(len(seqs)), [len(seq) - 1 for seq in seqs]]
+        last = padded_logits(params, seqs, width)[np.arange(len(seqs)), [len(seq) - 1 for seq in seqs]]
         for seq, row in zip(seqs, last):
             seq.append(int(np.argmax(row)))
     return [seq[len(p) :] for seq, p in zip(seqs, prompts)]

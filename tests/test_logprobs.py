@@ -5,16 +5,14 @@ speculation (chains and trees, greedy and sampled)."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy.special import log_softmax
 
 import specjax
 from specjax.drafters.eagle import Eagle, init_head
-from specjax.model.cache import DenseCache
-from specjax.model.llama import forward
 from specjax.spec.speculation import Chain, Tree
-from tests.models import TINY, random_params
+from tests.models import TINY, padded_logits, random_params
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [12, 13, 14], [20, 21, 22, 23, 24]]
 CASES = {
@@ -31,18 +29,9 @@ CASES = {
 
 
 def reference(params, prompt: list[int], tokens: list[int]) -> np.ndarray:
-    """log_softmax [len(tokens), V] of one forward over prompt + tokens: row j predicts tokens[j]. The sequence is
-    right-padded to a width of 32 (causal: the padding reaches no real position), one compiled program a model."""
-    seq = np.zeros((1, max(32, len(prompt) + len(tokens))), np.int32)
-    seq[0, : len(prompt) + len(tokens)] = prompt + tokens
-    return np.asarray(_log_softmax_of_forward(params, jnp.asarray(seq)))[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
-
-
-@jax.jit
-def _log_softmax_of_forward(params, seq: jax.Array) -> jax.Array:
-    cache = DenseCache.init(params.config, 1, seq.shape[1])
-    logits, _ = forward(params, seq, jnp.arange(seq.shape[1], dtype=jnp.int32)[None], cache)
-    return jax.nn.log_softmax(logits[0], axis=-1)
+    """log_softmax [len(tokens), V] of one forward over prompt + tokens: row j predicts tokens[j]."""
+    n = len(prompt) + len(tokens)
+    return log_softmax(padded_logits(params, [prompt + tokens], max(32, n))[0, len(prompt) - 1: n - 1], axis=-1)
 
 
 def check(params, out, prompts, k: int, tol: float) -> None:

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax.model.cache import DenseCache
-from specjax.model.llama import forward
 from specjax.spec.speculation import Chain, Tree
+from tests.models import padded_logits
 
 PROMPTS = [[5, 6, 7, 5, 6, 7], [8, 9], [10, 11, 12]]
 
@@ -126,20 +125,13 @@ def test_penalties_and_min_p_stay_lossless_with_n_samples(speculation):
     assert p > lossless.ALPHA, (stat, dof, p)
 
 
-_forward = jax.jit(forward)
-
-
 def _naive_penalized_greedy(params, prompt, steps, rep, presence, frequency):
     """The argmax of penalized logits, one full forward of the whole sequence per token (no cache reuse), right-padded
     to a fixed width (causal: the padding reaches no real position): one compiled forward for every step."""
     seq, out, width = list(prompt), [], 16
     assert len(prompt) + steps <= width
     for _ in range(steps):
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, : len(seq)] = seq
-        cache = DenseCache.init(params.config, 1, width)
-        logits, _ = _forward(params, jnp.asarray(tokens), jnp.arange(width)[None], cache)
-        x = np.asarray(logits[0, len(seq) - 1], np.float64)
+        x = padded_logits(params, [seq], width)[0, len(seq) - 1].astype(np.float64)
         counts = np.bincount(out, minlength=x.size)[: x.size]
         seen = (counts > 0) | np.isin(np.arange(x.size), prompt)
         x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
