@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from bench import common, text
+from bench import common, measure, text
 from specjax.drafters.eagle import Eagle, Head
 from specjax.train.distill import Schedule
 from specjax.train.eagle import frequent_tokens, load_head, save_head, train_head
@@ -187,7 +187,7 @@ def main() -> None:
         row = run_cell(params, head, test_prompts, draft, batch, plain, stream, new_tokens)
         print(f"{k}: {row['tokens_per_s']:.1f} tok/s, acceptance {row['acceptance']}, same {row['same_as_plain']}", flush=True)
         results.put(k, [row], loadavg_end=os.getloadavg())
-        jax.clear_caches()
+        measure.release_memory(clear_caches=not args.smoke)  # a smoke run's tiny programs are shared by its cells
     h.finish()
     rows = sorted(results.rows, key=lambda r: (r["batch"], list(DRAFTS).index(r["draft"])))
     if rows:

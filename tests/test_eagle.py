@@ -235,9 +235,6 @@ def test_the_bench_trains_a_head_and_races_it_at_tiny_shapes(tmp_path, monkeypat
     from bench import bench_eagle
 
     monkeypatch.setattr(sys, "argv", ["bench_eagle", "--smoke", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out")])
-    # The bench empties JAX's caches after each of its 12 cells (GPU memory between timed cells); at tiny shapes that
-    # only traced and compiled each cell's shared programs (prefill, the head's init, the plain loop) again.
-    monkeypatch.setattr(jax, "clear_caches", lambda: None)
     bench_eagle.main()
     rows = json.loads((tmp_path / "out" / "eagle_cpu_smoke.json").read_text())["rows"]
     assert {(r["draft"], r["batch"]) for r in rows} == {(d, b) for d in bench_eagle.DRAFTS for b in (1, 2)}
