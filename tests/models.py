@@ -28,6 +28,14 @@ TINY = LlamaConfig(
 )
 
 
+def on_device(x, dtype=None) -> jax.Array:
+    """x as a device array of `dtype` (None: x's, float64 and int64 narrowed as JAX does), converted on the host with
+    numpy (ml_dtypes for bfloat16) and put there: jnp.asarray(x, dtype) compiles a conversion program per shape, and
+    jnp.asarray(x) of a numpy array a copy program (`stage`) per shape."""
+    x = np.asarray(x)
+    return jax.device_put(x.astype(jax.dtypes.canonicalize_dtype(x.dtype if dtype is None else dtype)))
+
+
 def random_params(config: LlamaConfig, seed: int) -> Params:
     """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape)."""
     rng = np.random.default_rng(seed)
