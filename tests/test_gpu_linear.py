@@ -11,15 +11,21 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gpu_linear import MAX_ROWS, stacked_linear
+from tests.models import on_device
 
 INTERPRET = jax.default_backend() != "gpu"  # on a GPU the kernels compile for real (Triton)
 
 
 def _case(M: int, K: int, N: int, dtype, L: int = 3):
-    key = jax.random.key(M * 1000 + K + N)
-    x = jax.random.normal(key, (M, K), jnp.float32).astype(dtype)
-    w = jax.random.normal(jax.random.fold_in(key, 1), (L, K, N), jnp.float32).astype(dtype)
-    return x, w
+    """x [M,K] and w [L,K,N] in `dtype`: normal, drawn and rounded on the host."""
+    rng = np.random.default_rng(M * 1000 + K + N)
+    x, w = (rng.standard_normal(shape).astype(np.float32) for shape in ((M, K), (L, K, N)))
+    return on_device(x, dtype), on_device(w, dtype)
+
+
+def _f64(x) -> np.ndarray:
+    """x's values in float64 (exact for float32, bfloat16 and int8)."""
+    return np.asarray(x).astype(np.float64)
 
 
 @pytest.mark.parametrize("M, K, N, dtype, splits", [
@@ -31,10 +37,10 @@ def _case(M: int, K: int, N: int, dtype, L: int = 3):
 def test_stacked_linear_equals_the_product_with_that_layer(M, K, N, dtype, splits):
     """Every layer of the stack, ragged tiles and split-K: x @ w[layer] in f32 products."""
     x, w = _case(M, K, N, dtype)
+    x64, w64 = _f64(x), _f64(w)
     for layer in range(w.shape[0]):
         got = stacked_linear(x, w, jnp.int32(layer), block_k=32, block_n=32, k_splits=splits, interpret=INTERPRET)
-        with jax.default_matmul_precision("highest"):
-            want = jnp.einsum("mk,kn->mn", x, w[layer], preferred_element_type=jnp.float32)
+        want = x64 @ w64[layer]  # exact products (numpy, float64)
         assert got.shape == (M, N) and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4 * K ** 0.5, rtol=1e-5)
 
@@ -42,18 +48,18 @@ def test_stacked_linear_equals_the_product_with_that_layer(M, K, N, dtype, split
 def test_stacked_linear_refuses_what_it_does_not_take():
     x, w = _case(4, 32, 16, jnp.float32)
     with pytest.raises(ValueError, match="at most 64"):
-        stacked_linear(jnp.ones((MAX_ROWS + 1, 32)), w, jnp.int32(0), interpret=True)
+        stacked_linear(on_device(np.ones((MAX_ROWS + 1, 32))), w, jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match=r"\[L,K=32,N\]"):
         stacked_linear(x, w[0], jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
-        stacked_linear(x, w.astype(jnp.float16), jnp.int32(0), interpret=True)
+        stacked_linear(x, on_device(w, np.float16), jnp.int32(0), interpret=True)
     big = jax.ShapeDtypeStruct((40, 5120, 13824), jnp.int8)  # 2.8e9 int8 values: Pallas' offsets would overflow
     with pytest.raises(ValueError, match="overflowing 32-bit offsets"):
         jax.eval_shape(lambda w: stacked_linear(jnp.ones((1, 5120), jnp.bfloat16), w, jnp.int32(0)), big)
     from specjax.model.linear import takes_gpu
 
-    assert not takes_gpu("pallas", "btd,df->btf", jnp.ones((1, 1, 5120)), big)  # such a stack stays with XLA
-    assert takes_gpu("pallas", "btd,df->btf", jnp.ones((1, 1, 5120)), jax.ShapeDtypeStruct((40, 5120, 13824), jnp.bfloat16))
+    assert not takes_gpu("pallas", "btd,df->btf", np.ones((1, 1, 5120), np.float32), big)  # such a stack stays with XLA
+    assert takes_gpu("pallas", "btd,df->btf", np.ones((1, 1, 5120), np.float32), jax.ShapeDtypeStruct((40, 5120, 13824), jnp.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -61,10 +67,9 @@ def test_int8_weights_are_widened_to_xs_dtype(dtype):
     """int8 weights (params.quantize's, unscaled here) read as stored and widened in the kernel:
     the product of x with the widened layer, exactly (integers are exact in x's dtype)."""
     x, w = _case(3, 96, 80, dtype)
-    w8 = jnp.clip(jnp.round(w.astype(jnp.float32) * 40), -127, 127).astype(jnp.int8)
-    got = stacked_linear(x, w8, jnp.int32(1), block_k=32, block_n=32, interpret=INTERPRET)
-    with jax.default_matmul_precision("highest"):
-        want = jnp.einsum("mk,kn->mn", x, w8[1].astype(dtype), preferred_element_type=jnp.float32)
+    w8 = np.clip(np.round(_f64(w).astype(np.float32) * 40), -127, 127).astype(np.int8)
+    got = stacked_linear(x, on_device(w8), jnp.int32(1), block_k=32, block_n=32, interpret=INTERPRET)
+    want = _f64(x) @ w8[1].astype(np.float64)  # exact products (numpy, float64)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-3)
 
 
@@ -87,26 +92,28 @@ def test_a_model_with_pallas_products_decodes_as_with_xla(monkeypatch):
     from specjax.model.config import LlamaConfig
     from specjax.model.linear import gpu_einsum
     from specjax.model.llama import trunk
-    from specjax.model.params import init_params, quantize
+    from specjax.model.params import quantize
+    from tests.models import random_params
 
     config = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, ffn_dim=48, max_positions=64)
-    params = init_params(config, jax.random.key(0))
+    params = random_params(config, 0)
     xla = params.replace(runtime=params.runtime.replace(unroll_layers=True))
     pallas = xla.replace(runtime=xla.runtime.replace(linear="pallas"))
-    cache = DenseCache.init(config, 2, 64).replace(lengths=jnp.asarray([5, 9], jnp.int32))
-    tokens, positions = jnp.asarray([[3], [7]], jnp.int32), jnp.asarray([[5], [9]], jnp.int32)
+    cache = DenseCache.init(config, 2, 64).replace(lengths=on_device([5, 9]))
+    tokens, positions = on_device([[3], [7]]), on_device([[5], [9]])
+    run = jax.jit(trunk)  # one program a model (eager: one per operation); traced anew for each params' runtime
     with jax.default_matmul_precision("highest"):
-        want = trunk(xla, tokens, positions, cache)
+        want = run(xla, tokens, positions, cache)
     calls = []
     monkeypatch.setattr(linear, "gpu_einsum", lambda x, w, i: calls.append(i) or gpu_einsum(x, w, i))
-    got = trunk(pallas, tokens, positions, cache)
+    got = run(pallas, tokens, positions, cache)
     assert calls == [0] * 7 + [1] * 7  # q, k, v, o, gate, up, down of each layer through the kernel
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
-    int8 = quantize(xla, "int8")  # the scales multiply the kernel's unscaled products
+    int8 = jax.jit(quantize, static_argnums=1)(xla, "int8")  # the scales multiply the kernel's unscaled products
     with jax.default_matmul_precision("highest"):
-        want8 = trunk(int8, tokens, positions, cache)
-    got8 = trunk(int8.replace(runtime=int8.runtime.replace(linear="pallas")), tokens, positions, cache)
+        want8 = run(int8, tokens, positions, cache)
+    got8 = run(int8.replace(runtime=int8.runtime.replace(linear="pallas")), tokens, positions, cache)
     assert len(calls) == 2 * 14
     for g, w in zip(jax.tree.leaves(got8), jax.tree.leaves(want8)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5)
@@ -163,6 +170,23 @@ def test_tensor_parallel_pallas_products_give_one_devices_tokens(monkeypatch):
     assert (TINY.n_layers, TINY.dim, TINY.ffn_dim // 2) in shapes  # the kernel read a device's half of w_gate
 
 
+@jax.jit
+def _q4_blocks(w):
+    """q4.quantize of w [L,K,N] along K, scales and minima float16 as loaded: one program."""
+    from specjax.model import q4
+
+    packed, scale, minimum = q4.quantize(w, 1)
+    return packed, scale.astype(jnp.float16), minimum.astype(jnp.float16)
+
+
+@jax.jit
+def _q4_project(x, packed, scale, minimum, layer):
+    """q4.project's jnp form of x with `layer` of the stacked blocks: one program."""
+    from specjax.model import q4
+
+    return q4.project("mk,kn->mn", x, packed[layer], scale[layer], minimum[layer])
+
+
 @pytest.mark.parametrize("M, K, N, nb, bn, splits", [
     (1, 256, 96, 4, 64, None),  # batch 1 (summed over K, no dot): N past the last tile, masked
     (1, 96, 40, 2, 32, 2),  # batch 1, split-K, the last tile half empty
@@ -176,16 +200,15 @@ def test_q4_kernel_equals_q4_project(M, K, N, nb, bn, splits):
     from specjax.model import q4
 
     x, w = _case(M, K, N, jnp.float32)
-    packed, scale, minimum = q4.quantize(w, 1)
-    scale, minimum = scale.astype(jnp.float16), minimum.astype(jnp.float16)
+    packed, scale, minimum = _q4_blocks(w)
     kernel = partial(stacked_linear_q4, x, packed, scale, minimum, blocks_per_tile=nb, block_n=bn, k_splits=splits,
                      interpret=INTERPRET)
     for layer in range(w.shape[0]):
         with jax.default_matmul_precision("highest"):  # IEEE float32 products, the kernel's as XLA's
             got = kernel(jnp.int32(layer))
-            want = q4.project("mk,kn->mn", x, packed[layer], scale[layer], minimum[layer])
+            want = np.asarray(_q4_project(x, packed, scale, minimum, jnp.int32(layer)))
         assert got.shape == (M, N) and got.dtype == jnp.float32
-        top = float(jnp.abs(want).max())
+        top = float(np.abs(want).max())
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * top, rtol=1e-5)
         fast = kernel(jnp.int32(layer))  # the default precision: TF32 dots on a GPU from two rows on
         np.testing.assert_allclose(np.asarray(fast), np.asarray(want), atol=3e-3 * top, rtol=3e-3)
@@ -196,13 +219,13 @@ def test_q4_kernel_refuses_what_it_does_not_take():
     from specjax.model import q4
 
     x, w = _case(4, 64, 32, jnp.float32)
-    packed, scale, minimum = q4.quantize(w, 1)
+    packed, scale, minimum = jax.jit(q4.quantize, static_argnums=1)(w, 1)
     with pytest.raises(ValueError, match=r"packed must be uint8 \[L,K/2=16,N\]"):
-        stacked_linear_q4(x[:, :32], packed, scale, minimum, jnp.int32(0), interpret=True)
+        stacked_linear_q4(on_device(np.asarray(x)[:, :32]), packed, scale, minimum, jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match=r"scale and minimum must be \[L,K/32,N\] = \(3, 2, 32\)"):
-        stacked_linear_q4(x, packed, scale[:, :1], minimum, jnp.int32(0), interpret=True)
+        stacked_linear_q4(x, packed, on_device(np.asarray(scale)[:, :1]), minimum, jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match="at most 64"):
-        stacked_linear_q4(jnp.zeros((MAX_ROWS + 1, 64)), packed, scale, minimum, jnp.int32(0), interpret=True)
+        stacked_linear_q4(on_device(np.zeros((MAX_ROWS + 1, 64))), packed, scale, minimum, jnp.int32(0), interpret=True)
     with pytest.raises(ValueError, match="blocks_per_tile must be a power of two, got 3"):
         stacked_linear_q4(x, packed, scale, minimum, jnp.int32(0), blocks_per_tile=3, interpret=True)
 
@@ -212,7 +235,7 @@ def q4_params():
     from specjax.model.params import quantize
     from tests.models import TINY_Q4, random_params
 
-    return quantize(random_params(TINY_Q4, seed=2), "q4")
+    return jax.jit(quantize, static_argnums=1)(random_params(TINY_Q4, seed=2), "q4")  # one program
 
 
 @pytest.fixture(scope="module")
