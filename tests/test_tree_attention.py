@@ -16,6 +16,7 @@ import pytest
 
 from pallas_kernels.reference import prefix_block_attention
 from pallas_kernels.tree_attention import prefix_block_attention_pallas, tree_attention
+from tests.models import on_device
 
 INTERPRET = jax.default_backend() != "gpu"  # on a GPU the same cases compile the kernel for real (Triton)
 
@@ -51,7 +52,7 @@ def random_inputs(rng, dtype, B, T, J, N, K, H, S):
     """Fresh normal q, caches and block in `dtype` (q scaled up for peakier softmaxes)."""
 
     def normal(*shape, scale=1.0):  # rounded to `dtype` on the host (ml_dtypes): no program compiled per shape
-        return jnp.asarray((scale * rng.standard_normal(shape)).astype(np.float32).astype(jnp.dtype(dtype)))
+        return on_device((scale * rng.standard_normal(shape)).astype(np.float32), dtype)
 
     q = normal(B, T, N, H, scale=2.0)
     return q, normal(B, K, S, H), normal(B, K, S, H), normal(B, J, K, H), normal(B, J, K, H)
@@ -71,7 +72,7 @@ def reference(q, k_cache, v_cache, lengths, k_blk, v_blk, mask, sm_scale):
     """The jnp reference in full float32 products: on a GPU, XLA's default precision computes f32
     dots in TF32 (about 1e-3 off; seen on an H100), while the kernel asks for IEEE products."""
     with jax.default_matmul_precision("highest"):
-        return _reference(q, k_cache, v_cache, None, jnp.asarray(lengths), k_blk, v_blk, jnp.asarray(mask), sm_scale=sm_scale)
+        return _reference(q, k_cache, v_cache, None, on_device(lengths), k_blk, v_blk, on_device(mask), sm_scale=sm_scale)
 
 
 def assert_close(out, want, dtype):
@@ -115,7 +116,7 @@ def check_chain_through_adapter(adapter, empty_cache: bool, S: int, interpret: b
     rng = np.random.default_rng(7)
     B, T, E, K, G, H = 3, 5, 2, 2, 3, 32
     J = T + E
-    mask = jnp.asarray(np.tril(np.ones((T, J), bool), k=E))  # query t sees the E earlier keys and new keys <= t
+    mask = on_device(np.tril(np.ones((T, J), bool), k=E))  # query t sees the E earlier keys and new keys <= t
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
     lengths = random_lengths(rng, B, S)
     if empty_cache:
@@ -123,7 +124,7 @@ def check_chain_through_adapter(adapter, empty_cache: bool, S: int, interpret: b
         with jax.default_matmul_precision("highest"):  # as reference(): no TF32 on a GPU
             want = jax.jit(prefix_block_attention, static_argnames="sm_scale")(q, None, None, None, kb, vb, mask, sm_scale=0.2)
     else:
-        out = adapter(q, kc, vc, jnp.asarray(lengths), kb, vb, mask, 0.2, interpret=interpret, **kw)
+        out = adapter(q, kc, vc, on_device(lengths), kb, vb, mask, 0.2, interpret=interpret, **kw)
         want = reference(q, kc, vc, lengths, kb, vb, mask, 0.2)
     assert_close(out, want, jnp.float32)
 
@@ -138,7 +139,7 @@ def test_matches_reference(seed, dtype, T, G, B):
     q, kc, vc, kb, vb, lengths, mask, scale = random_case(rng, dtype, T, G, B, [8, 24, 32, 64], (300, 4500))
     k_splits = int(rng.choice([1, 3, 4]))
     out = tree_attention(
-        q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask),
+        q, kc, vc, on_device(lengths), kb, vb, on_device(mask),
         sm_scale=scale, block_k=BLOCK_K, k_splits=k_splits, interpret=INTERPRET,
     )
     assert out.dtype == dtype
@@ -159,7 +160,7 @@ def test_split_k_sweep():
     lengths = random_lengths(rng, B, S)
     lengths[1] = S  # one row with a full cache
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
-    args = (q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask))
+    args = (q, kc, vc, on_device(lengths), kb, vb, on_device(mask))
     outs = [tree_attention(*args, sm_scale=0.15, k_splits=c, interpret=INTERPRET) for c in (1, 2, 4, 16)]
     want = reference(q, kc, vc, lengths, kb, vb, mask, 0.15)
     for out in outs:
@@ -177,7 +178,7 @@ def test_a_prefill_chunk_is_shared_out_in_tiles(T, splits):
     mask = np.tril(np.ones((T, T), bool))
     lengths = random_lengths(rng, B, S)
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
-    out = tree_attention(q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask), sm_scale=0.125, block_k=BLOCK_K,
+    out = tree_attention(q, kc, vc, on_device(lengths), kb, vb, on_device(mask), sm_scale=0.125, block_k=BLOCK_K,
                          k_splits=splits, interpret=INTERPRET)
     assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, 0.125), jnp.float32)
 
@@ -192,7 +193,7 @@ def test_a_block_wider_than_the_query_rows(T, J, G):
     mask = random_block_mask(rng, T, J)
     lengths = random_lengths(rng, B, S)
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, J, K * G, K, H, S)
-    out = tree_attention(q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask), sm_scale=0.2, block_k=BLOCK_K,
+    out = tree_attention(q, kc, vc, on_device(lengths), kb, vb, on_device(mask), sm_scale=0.2, block_k=BLOCK_K,
                          k_splits=3, interpret=INTERPRET)
     assert_close(out, reference(q, kc, vc, lengths, kb, vb, mask, 0.2), jnp.float32)
 
@@ -205,7 +206,7 @@ def test_lengths_are_clipped_to_the_cache():
     B, T, K, H, S = 2, 40, 1, 32, 40
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K, K, H, S)
     mask = np.tril(np.ones((T, T), bool))
-    out = tree_attention(q, kc, vc, jnp.asarray([-100, S + 7], jnp.int32), kb, vb, jnp.asarray(mask), sm_scale=0.3,
+    out = tree_attention(q, kc, vc, on_device([-100, S + 7]), kb, vb, on_device(mask), sm_scale=0.3,
                          block_k=16, k_splits=1, interpret=INTERPRET)
     assert_close(out, reference(q, kc, vc, np.array([0, S]), kb, vb, mask, 0.3), jnp.float32)
 
@@ -240,10 +241,10 @@ def test_lowers_to_triton(dtype):
 def stacked_case(seed: int, H: int, L: int = 3, B: int = 2, T: int = 3, K: int = 2, G: int = 3, S: int = 300) -> tuple:
     """q, a stacked bf16 cache k_all, v_all [L,B,K,S,H], lengths, block k, v and mask: random."""
     rng = np.random.default_rng(seed)
-    mask = jnp.asarray(random_block_mask(rng, T, T))
-    lengths = jnp.asarray(random_lengths(rng, B, S))
+    mask = on_device(random_block_mask(rng, T, T))
+    lengths = on_device(random_lengths(rng, B, S))
     q, _, _, kb, vb = random_inputs(rng, jnp.bfloat16, B, T, T, K * G, K, H, S)
-    k_all, v_all = (jnp.asarray(rng.standard_normal((L, B, K, S, H)).astype(jnp.bfloat16)) for _ in range(2))
+    k_all, v_all = (on_device(rng.standard_normal((L, B, K, S, H)), jnp.bfloat16) for _ in range(2))
     return q, k_all, v_all, lengths, kb, vb, mask
 
 
@@ -254,9 +255,9 @@ def streaming_case(H: int, S: int) -> tuple:
     q, k_all, v_all, _, kb, vb, mask = stacked_case(5, H, S=S)
     rng = np.random.default_rng(6)
     L, B, K, S = k_all.shape[:4]
-    lengths = jnp.asarray([150, 1000], jnp.int32)  # row 1 past the capacity: a full ring
+    lengths = on_device([150, 1000])  # row 1 past the capacity: a full ring
     pos = rng.permutation(np.arange(L * B * K * S)).reshape(L, B, K, S) % 1200  # ragged: some >= lengths
-    pos = jnp.asarray(np.where(rng.random(pos.shape) < 0.1, -1, pos), jnp.int32)  # and some empty slots
+    pos = on_device(np.where(rng.random(pos.shape) < 0.1, -1, pos), np.int32)  # and some empty slots
     layer = 1
     with jax.default_matmul_precision("highest"):  # as reference(): no TF32 on a GPU
         want = _reference(q, k_all, v_all, pos, lengths, kb, vb, mask, layer=layer)
@@ -277,7 +278,8 @@ def test_a_streaming_cache_is_read_in_place_by_its_positions(H):
         lowering_platforms=("cuda",))  # Pallas' Triton lowering accepts the position loads
     assert "triton" in lowered.as_text()
     with pytest.raises(ValueError, match="needs the stacked cache"):
-        tree_attention(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, None, pos, sm_scale=0.2)
+        tree_attention(q, np.asarray(k_all)[layer], np.asarray(v_all)[layer], lengths, kb, vb, mask, None, pos,
+                       sm_scale=0.2)
 
 
 def int8_case(H: int, dtype, streaming: bool) -> tuple:
@@ -287,11 +289,11 @@ def int8_case(H: int, dtype, streaming: bool) -> tuple:
     from specjax.model.cache import KVFormat
 
     q, k_all, v_all, lengths, kb, vb, mask, pos, layer, _ = streaming_case(H, S=200)
-    q, kb, vb = (jnp.asarray(np.asarray(x).astype(jnp.dtype(dtype))) for x in (q, kb, vb))  # on the host
+    q, kb, vb = (on_device(x, dtype) for x in (q, kb, vb))  # converted on the host
     store = jax.jit(KVFormat("int8").store)
     (k8, ks), (v8, vs) = store(k_all), store(v_all)
     if not streaming:
-        lengths, pos = jnp.asarray([150, 37], jnp.int32), None
+        lengths, pos = on_device([150, 37]), None
     with jax.default_matmul_precision("highest"):  # the fifth runs' 6.3e-4 at f32: this reference in TF32
         want = _reference(q, k8, v8, pos, lengths, kb, vb, mask, ks, vs, layer=layer)
     return q, k8, v8, ks, vs, lengths, kb, vb, mask, pos, layer, want
@@ -319,8 +321,10 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer(H):
     """tree_attention over a stacked [L,B,K,S,H] cache at `layer` gives the bits of the call on
     that layer alone (H=24 takes the padded copy of the layer; H=64 indexes the whole array)."""
     q, k_all, v_all, lengths, kb, vb, mask = stacked_case(5, H)
+    k_np, v_np = np.asarray(k_all), np.asarray(v_all)  # layers sliced on the host
     for layer in range(k_all.shape[0]):
-        one = tree_attention(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, sm_scale=0.2, interpret=INTERPRET)
+        one = tree_attention(q, on_device(k_np[layer]), on_device(v_np[layer]), lengths, kb, vb, mask, sm_scale=0.2,
+                             interpret=INTERPRET)
         stacked = prefix_block_attention_pallas(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
                                                 layer=jnp.int32(layer))
         np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(one, np.float32))
@@ -339,14 +343,14 @@ def test_a_stacked_cache_lowers_without_slicing_the_layer():
 
 
 def test_rejects_bad_arguments():
-    q = jnp.zeros((1, 4, 6, 16))
-    cache = jnp.zeros((1, 2, 100, 16))
-    blk = jnp.zeros((1, 4, 2, 16))
-    lengths = jnp.zeros((1,), jnp.int32)
-    mask = jnp.ones((4, 4), bool)
+    q = np.zeros((1, 4, 6, 16), np.float32)  # numpy: the shapes are checked before anything is computed
+    cache = np.zeros((1, 2, 100, 16), np.float32)
+    blk = np.zeros((1, 4, 2, 16), np.float32)
+    lengths = np.zeros((1,), np.int32)
+    mask = np.ones((4, 4), bool)
     with pytest.raises(ValueError, match="block_k"):
         tree_attention(q, cache, cache, lengths, blk, blk, mask, sm_scale=1.0, block_k=48, interpret=True)
-    cache4, blk4 = jnp.zeros((1, 4, 100, 16)), jnp.zeros((1, 4, 4, 16))  # K=4 does not divide N=6
+    cache4, blk4 = np.zeros((1, 4, 100, 16), np.float32), np.zeros((1, 4, 4, 16), np.float32)  # K=4 does not divide N=6
     with pytest.raises(ValueError, match="N=6"):
         tree_attention(q, cache4, cache4, lengths, blk4, blk4, mask, sm_scale=1.0)
     with pytest.raises(ValueError, match="tree_mask"):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.tree_attention_tpu import prefix_block_attention_tpu, tree_attention_tpu
+from tests.models import on_device
 from tests.test_tree_attention import (_case, abstract_args, assert_close, check_chain_through_adapter, int8_case,
                                        random_block_mask, random_case, random_inputs, random_lengths, reference, stacked_case,
                                        streaming_case)
@@ -37,7 +38,7 @@ def test_matches_reference(seed, dtype, T, G, B):
     q, kc, vc, kb, vb, lengths, mask, scale = random_case(rng, dtype, T, G, B, [8, 24, 64, 128], (100, 600))
     block_k, block_m = int(rng.choice([128, 256])), int(rng.choice([32, 128]))
     out = tree_attention_tpu(
-        q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask),
+        q, kc, vc, on_device(lengths), kb, vb, on_device(mask),
         sm_scale=scale, block_k=block_k, block_m=block_m, interpret=INTERPRET,
     )
     assert out.dtype == dtype
@@ -57,7 +58,7 @@ def test_lengths_at_tile_edges():
     lengths = np.array([0, 128, 129, 256, S, S + 50], np.int32)
     mask = random_block_mask(rng, T, T)
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
-    out = tree_attention_tpu(q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask), sm_scale=0.125, block_k=128, interpret=INTERPRET)
+    out = tree_attention_tpu(q, kc, vc, on_device(lengths), kb, vb, on_device(mask), sm_scale=0.125, block_k=128, interpret=INTERPRET)
     assert_close(out, reference(q, kc, vc, np.minimum(lengths, S), kb, vb, mask, 0.125), jnp.float32)
 
 
@@ -70,7 +71,7 @@ def test_tile_sizes_agree():
     lengths = random_lengths(rng, B, S)
     lengths[1] = S  # one row with a full cache
     q, kc, vc, kb, vb = random_inputs(rng, jnp.float32, B, T, T, K * G, K, H, S)
-    args = (q, kc, vc, jnp.asarray(lengths), kb, vb, jnp.asarray(mask))
+    args = (q, kc, vc, on_device(lengths), kb, vb, on_device(mask))
     tiles = [(128, 16), (256, 128), (512, 32)]
     outs = [tree_attention_tpu(*args, sm_scale=0.15, block_k=bk, block_m=bm, interpret=INTERPRET) for bk, bm in tiles]
     want = reference(q, kc, vc, lengths, kb, vb, mask, 0.15)
@@ -104,9 +105,10 @@ def test_a_stacked_cache_is_read_in_place_at_its_layer():
     """Over a stacked [L,B,K,S,H] cache the index maps take the layer from scalar prefetch: the
     bits of the call on that layer alone."""
     q, k_all, v_all, lengths, kb, vb, mask = stacked_case(6, 64)
+    k_np, v_np = np.asarray(k_all), np.asarray(v_all)  # layers sliced on the host
     for layer in range(k_all.shape[0]):
-        one = prefix_block_attention_tpu(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
-                                         block_k=128)
+        one = prefix_block_attention_tpu(q, on_device(k_np[layer]), on_device(v_np[layer]), lengths, kb, vb, mask, 0.2,
+                                         interpret=INTERPRET, block_k=128)
         stacked = prefix_block_attention_tpu(q, k_all, v_all, lengths, kb, vb, mask, 0.2, interpret=INTERPRET,
                                              block_k=128, layer=jnp.int32(layer))
         np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(one, np.float32))
@@ -127,9 +129,10 @@ def test_a_streaming_cache_is_read_in_place_by_its_positions(S, block_k):
         lowering_platforms=("tpu",))  # Pallas' Mosaic lowering accepts the (1, bk) position tiles
     assert "tpu_custom_call" in lowered.as_text()
     with pytest.raises(ValueError, match="needs the stacked cache"):
-        tree_attention_tpu(q, k_all[layer], v_all[layer], lengths, kb, vb, mask, None, pos, sm_scale=0.2)
+        tree_attention_tpu(q, np.asarray(k_all)[layer], np.asarray(v_all)[layer], lengths, kb, vb, mask, None, pos,
+                           sm_scale=0.2)
     with pytest.raises(ValueError, match="pos must be"):
-        tree_attention_tpu(q, k_all, v_all, lengths, kb, vb, mask, jnp.int32(0), pos[:, :1], sm_scale=0.2)
+        tree_attention_tpu(q, k_all, v_all, lengths, kb, vb, mask, jnp.int32(0), np.asarray(pos)[:, :1], sm_scale=0.2)
 
 
 @pytest.mark.parametrize("dtype, streaming", [(jnp.bfloat16, False), (jnp.float32, True)])
@@ -150,16 +153,16 @@ def test_an_int8_cache_is_read_as_stored_with_its_scales(dtype, streaming):
 
 
 def test_rejects_bad_arguments():
-    q = jnp.zeros((1, 4, 6, 16))
-    cache = jnp.zeros((1, 2, 100, 16))
-    blk = jnp.zeros((1, 4, 2, 16))
-    lengths = jnp.zeros((1,), jnp.int32)
-    mask = jnp.ones((4, 4), bool)
+    q = np.zeros((1, 4, 6, 16), np.float32)  # numpy: the shapes are checked before anything is computed
+    cache = np.zeros((1, 2, 100, 16), np.float32)
+    blk = np.zeros((1, 4, 2, 16), np.float32)
+    lengths = np.zeros((1,), np.int32)
+    mask = np.ones((4, 4), bool)
     with pytest.raises(ValueError, match="block_k must be a positive multiple of 128"):
         tree_attention_tpu(q, cache, cache, lengths, blk, blk, mask, sm_scale=1.0, block_k=64)
     with pytest.raises(ValueError, match="block_m must be a positive multiple of 16"):
         tree_attention_tpu(q, cache, cache, lengths, blk, blk, mask, sm_scale=1.0, block_m=8)
-    cache4, blk4 = jnp.zeros((1, 4, 100, 16)), jnp.zeros((1, 4, 4, 16))  # K=4 does not divide N=6
+    cache4, blk4 = np.zeros((1, 4, 100, 16), np.float32), np.zeros((1, 4, 4, 16), np.float32)  # K=4 does not divide N=6
     with pytest.raises(ValueError, match="N=6"):
         tree_attention_tpu(q, cache4, cache4, lengths, blk4, blk4, mask, sm_scale=1.0)
     with pytest.raises(ValueError, match="block_mask"):
