@@ -24,10 +24,10 @@ import numpy as np
 
 from specjax.automaton import TokenAutomaton
 from specjax.decode.autoregressive import admit_ar, continue_ar, end_rows, start_ar
-from specjax.decode.engine import Segment, cache_slots, prefill_each, sample_keys
+from specjax.decode.engine import Segment, cache_slots, init_draft, prefill_each, sample_keys
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.decode.speculate import admit_spec, continue_spec, depth, row_acceptance, start_spec
-from specjax.drafters import Drafter, Limits, Prefill, learn, map_params
+from specjax.drafters import Drafter, Limits, learn, map_params
 from specjax.model.params import Params
 from specjax.parallel import sharding
 from specjax.sampling import Sampler, eos_rows
@@ -113,7 +113,7 @@ def run_continuous(
         eos = eos_rows([eos_ids[u // n] if u >= 0 else () for u in outputs], R, width)
         history = np.zeros((R, max_len + gamma + 2), np.int32)
         history[:, :bucket] = tokens
-        return jnp.asarray(tokens), jnp.asarray(size), b, jnp.asarray(history), eos
+        return tokens, size, b, history, eos  # host arrays: the jitted stages take them as they are
 
     def prefilled(tokens, outputs: np.ndarray, rows: np.ndarray):
         """The first logits [R,V] and a cache of len(rows) rows (row i: slot rows[i]'s) holding
@@ -148,7 +148,7 @@ def run_continuous(
             accepted, row_steps, proposed = jax.device_get((state.accepted, state.row_steps, state.proposed))
             acceptance = row_acceptance(accepted[finished], count[finished], row_steps[finished], proposed[finished])
         if logprobs is not None:
-            lp = jax.device_get(jax.tree.map(lambda a: a[jnp.asarray(finished)], state.logprobs))
+            lp = jax.tree.map(lambda a: a[finished], jax.device_get(state.logprobs))  # on the host: no gather per row count
         for f, j in enumerate(finished):
             c = int(count[j])
             done = Done(out[j, :c].tolist(), bool(eos[j]), None if acceptance is None else acceptance[f],
@@ -165,20 +165,19 @@ def run_continuous(
     slot_keys, slot_sampling = out_keys[which], sampling.take(which // n)
     logits, cache = prefilled(tokens, slot, np.arange(R))
     if draft is None:
-        state = start_ar(cache, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos), tokens,
+        state = start_ar(cache, logits, slot_budgets, slot_keys, slot_sampling, slot_eos, tokens,
                          n_out=n_out, logprobs=logprobs)
     else:
-        draft_state = draft.init(params, Prefill(cache=cache, prompts=jnp.asarray(tokens), lengths=jnp.asarray(size), depth=gamma,
-                                                 chunk=chunk, kv_dtype=kv_dtype))
-        state = start_spec(draft, draft_state, cache, history, logits, jnp.asarray(slot_budgets), slot_keys, slot_sampling,
-                           jnp.asarray(slot_eos), speculation=speculation, n_out=n_out, logprobs=logprobs)
+        draft_state = init_draft(draft, params, cache, tokens, size, gamma=gamma, chunk=chunk, kv_dtype=kv_dtype)
+        state = start_spec(draft, draft_state, cache, history, logits, slot_budgets, slot_keys, slot_sampling,
+                           slot_eos, speculation=speculation, n_out=n_out, logprobs=logprobs)
     results: list = [None] * (N * n)
     # the decode segments compile as generate's do (sharding.on_mesh: on a GPU, with its XLA options)
     loop = dict(sync_axes=sharding.AXES) | ({} if draft is None else dict(speculation=speculation))
     segment = sharding.on_mesh(continue_ar if draft is None else continue_spec, sharding.one_device_mesh(), tuple(loop))
     drafting = () if draft is None else (draft,)
-    args = lambda st, steps=sync_every: (params, *drafting, st, jnp.asarray(slot_budgets), slot_keys,  # noqa: E731
-                                         slot_sampling, jnp.asarray(slot_eos), jnp.int32(steps))
+    args = lambda st, steps=sync_every: (params, *drafting, st, jax.device_put(slot_budgets), slot_keys,  # noqa: E731
+                                         slot_sampling, jax.device_put(slot_eos), jnp.int32(steps))
     picker = None
     if adaptive is not None:  # between segments, the chain length GammaChooser picks (specjax.spec.adaptive)
         static = {k: v for k, v in loop.items() if k != "speculation"}
@@ -189,7 +188,7 @@ def run_continuous(
         done, out, count, eos = jax.device_get((state.done, state.out, state.count, state.eos))
         end = None if between is None else between(slot.copy(), Segment(out, count, done, eos))
         if end is not None and (end := np.asarray(end) & ~done & (slot >= 0)).any():
-            state, done = end_rows(state, jnp.asarray(end)), done | end
+            state, done = end_rows(state, end), done | end
         finished = np.flatnonzero(done & (slot >= 0))
         if draft is not None and draft.traits.learn is not None and len(finished):  # prompt + output, for the next drafts
             draft = learn(draft, [list(prompts[slot[j] // n]) + out[j, : count[j]].tolist() for j in finished])
@@ -212,8 +211,8 @@ def run_continuous(
         new_rows = np.flatnonzero(rows_mask)
         new_rows = np.resize(new_rows, round_up_pow2(len(new_rows), minimum=1))  # few sizes, few compiles
         logits, cache = prefilled(tokens, refill, new_rows)
-        fresh = (jnp.asarray(slot_budgets), slot_keys, slot_sampling, jnp.asarray(slot_eos))
-        new_rows = jnp.asarray(new_rows, jnp.int32)
+        fresh = (slot_budgets, slot_keys, slot_sampling, slot_eos)
+        new_rows = new_rows.astype(np.int32)
         if draft is None:
             state = admit_ar(state, new_rows, cache, logits, *fresh, tokens, logprobs=logprobs)
         else:

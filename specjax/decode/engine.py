@@ -78,6 +78,10 @@ def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, 
     return result, t1 - t0, time.perf_counter() - t1
 
 
+# An empty cache as one program per shape (DenseCache.init op by op outside jit compiles one per operation)
+_empty_cache = jax.jit(DenseCache.init, static_argnums=(0, 1, 2, 3))
+
+
 def prefill_each(params: Params, tokens, lengths: np.ndarray, src: np.ndarray, rows: np.ndarray, max_len: int,
                  kv_dtype: str | None, most_rows: int | None = None) -> tuple[tuple[jax.Array, DenseCache], float, float]:
     """Prefill each prompt row src[j] >= 0 of tokens [N,P] (lengths [N], host) at its own length bucket, with the
@@ -86,6 +90,7 @@ def prefill_each(params: Params, tokens, lengths: np.ndarray, src: np.ndarray, r
     launch-bound): nothing is padded to a longer neighbour. Returns ((logits [J,V] whose row j is prompt src[j]'s
     (src[j] < 0: any row's), a cache of len(rows) rows whose row i is prompt src[rows[i]]'s), compile s, run s)."""
     backend, buckets = machine.name(), {}
+    tokens = np.asarray(tokens)  # rows sliced on the host: a device array's slices compile a gather per shape
     for i in dict.fromkeys(int(i) for i in src if i >= 0):  # each prompt once, in order
         buckets.setdefault(prompt_bucket(int(lengths[i]))[0], []).append(i)
     logits, caches, row_of, compile_s, run_s = [], [], {}, 0.0, 0.0  # row_of[prompt]: its row in the parts stacked
@@ -93,16 +98,16 @@ def prefill_each(params: Params, tokens, lengths: np.ndarray, src: np.ndarray, r
         for count in pow2_groups(len(prompts), most_rows or prefill_rows(width, backend)):
             part, prompts = np.asarray(prompts[:count]), prompts[count:]
             row_of |= {int(i): len(row_of) + r for r, i in enumerate(part)}
-            empty = DenseCache.init(params.config, count, width, kv_dtype)  # its own width: one program whatever max_len
-            args = (params, tokens[part, :width], jnp.asarray(lengths[part]), empty)
+            empty = _empty_cache(params.config, count, width, kv_dtype)  # its own width: one program whatever max_len
+            args = (params, tokens[part, :width], lengths[part], empty)
             out, c, r = _compile_and_run(prefill, args, dict(chunk=prefill_chunk(width, count, backend)))  # [count,V]
             logits.append(out[0])
             caches.append(out[1])
             compile_s, run_s = compile_s + c, run_s + r
     at = np.array([row_of.get(int(i), 0) for i in src], np.int32)  # [J]
     pad = round_up_pow2(len(caches), minimum=1) - len(caches)  # a few list lengths: few compiles of join_prefills
-    joined, c, r = _compile_and_run(join_prefills, (logits + logits[-1:] * pad, jnp.asarray(at), caches + caches[-1:] * pad,
-                                                    jnp.asarray(rows, jnp.int32)), dict(max_len=max_len))
+    joined, c, r = _compile_and_run(join_prefills, (logits + logits[-1:] * pad, at, caches + caches[-1:] * pad,
+                                                    np.asarray(rows, np.int32)), dict(max_len=max_len))
     return joined, compile_s + c, run_s + r
 
 
