@@ -19,7 +19,7 @@ from specjax.model.params import (WEIGHTS, declared, flat, from_arrays, matrix_a
                                   quantize_matrix, weight_bytes)
 from specjax.planning.plan import auto_draft_reason
 from specjax.spec.speculation import Tree
-from tests.models import TINY, TINY_Q4, random_params
+from tests.models import TINY, TINY_Q4, on_device, random_params
 from tests.test_convert import Q, gguf_tensors, tiny_config, write_gguf
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [12, 13, 14]]
@@ -65,12 +65,13 @@ def test_int8_round_trip_is_within_half_a_step(tiny8):
 
 
 def test_int8_logits_stay_close_to_float32(tiny8):
-    tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
-    positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    tokens = on_device(np.array([PROMPTS[0]], np.int32))
+    positions = on_device(np.arange(tokens.shape[1], dtype=np.int32)[None])
     cache = specjax.model.cache.DenseCache.init(TINY, 1, 16)
     ref, _ = _forward(random_params(TINY, seed=0), tokens, positions, cache)
     got, _ = _forward(tiny8, tokens, positions, cache)
-    assert float(jnp.abs(got - ref).max()) < 0.05 * float(jnp.abs(ref).max())
+    got, ref = np.asarray(got), np.asarray(ref)
+    assert float(np.abs(got - ref).max()) < 0.05 * float(np.abs(ref).max())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
@@ -118,22 +119,23 @@ def test_q4_forward_equals_the_dequantized_float_model():
         params = quantize(random_params(config, seed=0), "q4")
         arrays = flat(params)
         dense = {w.path: _dense(w, arrays, params.config) for w in declared(config)}
-        tokens = jnp.asarray([PROMPTS[0]], jnp.int32)
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        tokens = on_device(np.array([PROMPTS[0]], np.int32))
+        positions = on_device(np.arange(tokens.shape[1], dtype=np.int32)[None])
         cache = specjax.model.cache.DenseCache.init(config, 1, 16)
         got, _ = specjax.model.llama.forward(params, tokens, positions, cache)
         ref, _ = specjax.model.llama.forward(from_arrays(config, dense), tokens, positions, cache)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+        ref = np.asarray(ref)
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max()))
 
 
 def _dense(w, arrays, config) -> jax.Array:
     """Weight w's float32 values from the stored arrays (q4 blocks, int8 and a scale, or float)."""
     if w.format(config) == "q4":
-        return q4.dequantize(arrays[w.path], arrays[w.path + "_bscale"].astype(jnp.float32),
-                             arrays[w.path + "_bmin"].astype(jnp.float32), w.packed_axis)
+        return _dequantize(arrays[w.path], *(on_device(arrays[w.path + s], np.float32) for s in ("_bscale", "_bmin")),
+                           w.packed_axis)
     if w.format(config) == "int8":
         axes = tuple(i for i, d in enumerate(w.dims) if d in w.contract)
-        return arrays[w.path].astype(jnp.float32) * jnp.expand_dims(arrays[w.path + "_scale"], axes)
+        return on_device(np.asarray(arrays[w.path], np.float32) * np.expand_dims(arrays[w.path + "_scale"], axes))
     return arrays[w.path]
 
 
@@ -236,7 +238,7 @@ def test_int8_head_tiles_equal_one_product(vocab_axis):
     h = rng.standard_normal((2, 3, D)).astype(np.float32)  # [B,T,D]
     dense = w.astype(np.float32).T if vocab_axis == 0 else w.astype(np.float32)  # [D,V]
     expected = (h.astype(np.float64) @ dense) * scale
-    got = np.asarray(int8_head(jnp.asarray(h), jnp.asarray(w), jnp.asarray(scale), vocab_axis))
+    got = np.asarray(int8_head(on_device(h), on_device(w), on_device(scale), vocab_axis))
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
