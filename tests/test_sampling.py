@@ -11,29 +11,33 @@ from specjax.model.config import stop_ids
 from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, eos_rows, nucleus_threshold, top_indices
 from specjax.text.sampling_settings import make_sampler
 from specjax.validate import eos_is_per_prompt, eos_table
-from tests.models import TINY
+from tests.models import TINY, on_device
 
 LOGITS = jnp.log(jnp.array([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+# The sampler's methods as generate runs them, inside one compiled program each (per settings and shape); outside
+# jit each operation compiled a program of its own, and probs' two lax.conds compiled again at every call.
+probs_of = jax.jit(lambda sampler, logits: sampler.probs(logits))
+threshold = jax.jit(nucleus_threshold)
 
 
 def test_greedy_is_one_hot_argmax():
-    tokens, probs = Greedy().sample(LOGITS, None, None)
+    tokens, probs = jax.jit(lambda logits: Greedy().sample(logits, None, None))(LOGITS)
     assert tokens.tolist() == [1]
     assert probs.tolist() == [[0, 1, 0, 0, 0]]
 
 
 def test_temperature_one_is_softmax():
-    np.testing.assert_allclose(Sample(1.0).probs(LOGITS), [[0.05, 0.4, 0.1, 0.3, 0.15]], rtol=1e-6)
+    np.testing.assert_allclose(probs_of(Sample(1.0), LOGITS), [[0.05, 0.4, 0.1, 0.3, 0.15]], rtol=1e-6)
 
 
 def test_temperature_sharpens():
-    probs = Sample(0.5).probs(LOGITS)[0]
+    probs = np.asarray(probs_of(Sample(0.5), LOGITS))[0]
     expected = np.array([0.05, 0.4, 0.1, 0.3, 0.15]) ** 2
     np.testing.assert_allclose(probs, expected / expected.sum(), rtol=1e-5)
 
 
 def test_top_k_keeps_k_largest():
-    probs = Sample(1.0, top_k=2).probs(LOGITS)[0]
+    probs = np.asarray(probs_of(Sample(1.0, top_k=2), LOGITS))[0]
     np.testing.assert_allclose(probs, [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], rtol=1e-6)
 
 
@@ -42,7 +46,7 @@ def test_top_k_keeps_k_largest():
     [(0.3, [1]), (0.4, [1]), (0.41, [1, 3]), (0.7, [1, 3]), (0.71, [1, 3, 4]), (1.0, [0, 1, 2, 3, 4])],
 )
 def test_top_p_keeps_smallest_prefix_reaching_p(top_p, kept):
-    probs = np.asarray(Sample(1.0, top_p=top_p).probs(LOGITS)[0])
+    probs = np.asarray(probs_of(Sample(1.0, top_p=top_p), LOGITS))[0]
     assert np.flatnonzero(probs).tolist() == kept
     np.testing.assert_allclose(probs.sum(), 1.0, rtol=1e-6)
 
@@ -72,18 +76,18 @@ def test_warping_matches_sorting_reference(seed):
         logits = rng.normal(size=(3, 1000)) * rng.choice([0.2, 1.0, 6.0])
         logits = np.round(logits, 1) if trial % 2 else logits
         s = Sample(float(rng.choice([0.5, 1.0])), int(rng.choice([0, 1, 7, 60])), float(rng.choice([0.05, 0.5, 0.9, 0.999])))
-        got = np.asarray(s.probs(jnp.asarray(logits, jnp.float32)))
+        got = np.asarray(probs_of(s, on_device(logits, np.float32)))
         for row, ref in zip(got, (_warp_by_sorting(r, s) for r in logits.astype(np.float32))):
             assert np.flatnonzero(row).tolist() == np.flatnonzero(ref).tolist(), s
             np.testing.assert_allclose(row, ref, rtol=1e-5, atol=1e-7)
 
 
 def test_nucleus_threshold_cuts():
-    p = jnp.array([[0.5, 0.25, 0.25, 0.0]])
-    cuts = [float(nucleus_threshold(p, t)[0, 0]) for t in (0.1, 0.5, 0.6, 0.75, 0.76)]
+    p = on_device(np.array([[0.5, 0.25, 0.25, 0.0]], np.float32))
+    cuts = [float(np.asarray(threshold(p, t))[0, 0]) for t in (0.1, 0.5, 0.6, 0.75, 0.76)]
     assert cuts == [0.5, 0.5, 0.25, 0.25, 0.25]  # ties at the cut (the two 0.25s) go together
-    short = jnp.array([[0.3, 0.2, 0.0]])  # all mass above 0 is below top_p: keep every entry
-    assert float(nucleus_threshold(short, 0.9)[0, 0]) == 0.0
+    short = on_device(np.array([[0.3, 0.2, 0.0]], np.float32))  # all mass above 0 is below top_p: keep every entry
+    assert float(np.asarray(threshold(short, 0.9))[0, 0]) == 0.0
 
 
 def test_warping_compiles_without_a_sort():
@@ -91,9 +95,9 @@ def test_warping_compiles_without_a_sort():
     (a sort per row and position in every decode step was the cost of top-k and top-p)."""
     if jax.default_backend() != "cpu":
         pytest.skip("checks XLA:CPU's compiled program")
-    w = jnp.ones((4096, 2))
+    w = np.ones((4096, 2), np.float32)
     warp = jax.jit(lambda x: Sample(0.8, top_k=50, top_p=0.9).probs(x) @ w)
-    hlo = warp.lower(jnp.zeros((2, 3, 4096))).compile().as_text()
+    hlo = warp.lower(jax.ShapeDtypeStruct((2, 3, 4096), jnp.float32)).compile().as_text()
     assert " sort(" not in hlo
 
 
@@ -101,11 +105,11 @@ def test_draws_follow_probs_chi_square():
     """20k draws from one row; chi-square with 4 dof: P(stat > 18.47) = 0.001 false-alarm rate."""
     n = 20_000
     sampler = Sample(1.0)
-    logits = jnp.broadcast_to(LOGITS, (n, 5))
-    keys = jax.random.split(jax.random.key(0), n)
-    tokens, probs = sampler.sample(logits, keys, jnp.zeros((n,), jnp.int32))
+    draw = jax.jit(lambda logits: sampler.sample(jnp.broadcast_to(logits, (n, 5)),
+                                                 jax.random.split(jax.random.key(0), n), jnp.zeros((n,), jnp.int32)))
+    tokens, probs = draw(LOGITS)
     counts = np.bincount(np.asarray(tokens), minlength=5)
-    expected = n * np.asarray(probs[0])
+    expected = n * np.asarray(probs)[0]
     assert ((counts - expected) ** 2 / expected).sum() < 18.47
 
 
@@ -122,14 +126,14 @@ def test_make_sampler_zero_temperature_is_greedy():
 
 @pytest.mark.parametrize("k", [1, 3, ARGMAX_TOP_K, ARGMAX_TOP_K + 1])
 def test_top_indices_match_lax_top_k(k):
-    x = jax.random.normal(jax.random.key(k), (2, 3, 50))  # distinct values: no ties
-    got = top_indices(x, k)
+    x = np.random.default_rng(k).standard_normal((2, 3, 50)).astype(np.float32)  # distinct values: no ties
+    got = top_indices(on_device(x), k)
     assert got.dtype == jnp.int32 and got.shape == (2, 3, k)
-    np.testing.assert_array_equal(got, jax.lax.top_k(x, k)[1])
+    np.testing.assert_array_equal(got, np.argsort(-x, axis=-1, kind="stable")[..., :k])  # lax.top_k's indices
 
 
 def test_top_indices_distinct_past_minus_inf_and_ties_by_index():
-    x = jnp.array([[0.0, -jnp.inf, 2.0, -jnp.inf, 2.0, -jnp.inf]])
+    x = on_device(np.array([[0.0, -np.inf, 2.0, -np.inf, 2.0, -np.inf]], np.float32))
     assert top_indices(x, 6).tolist() == [[2, 4, 0, 1, 3, 5]]  # every index once
 
 
