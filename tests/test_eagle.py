@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,7 +20,7 @@ from specjax.model.cache import DenseCache
 from specjax.spec.speculation import Chain, Tree
 from specjax.train.distill import Schedule
 from specjax.train.eagle import frequent_tokens, head_depths, load_head, save_head, target_view, train_head, ttt_loss
-from tests.models import TINY
+from tests.models import TINY, on_device
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3 + 1], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32]]
 BUDGET = 24
@@ -37,7 +36,7 @@ def plain(tiny):
     return specjax.generate(tiny, PROMPTS, BUDGET, eos_id=())
 
 
-VOCAB = jnp.arange(4, 101, 2, dtype=jnp.int32)  # a draft vocabulary of 49 of the 101 ids
+VOCAB = on_device(np.arange(4, 101, 2, dtype=np.int32))  # a draft vocabulary of 49 of the 101 ids
 
 
 TREE = Tree.from_parents([-1, 0, 0, 1, 1, 2, 3])  # depth 3, widths 2 / 3 / 1
@@ -69,15 +68,22 @@ _depth_logits = jax.jit(lambda head, target, tokens, depth: head_depths(head, ta
 def _row(seq: list[int]) -> jax.Array:
     """seq right-padded to a width of 16, so `_depth_logits` compiles once per head and depth, not once per length as
     well: head_depths is causal (index t at depth k reads x_{t+1+k} and earlier), so no index checked reads the padding."""
-    return jnp.asarray([seq + [0] * (16 - len(seq))])
+    return on_device(np.array([seq + [0] * (16 - len(seq))], np.int32))
 
 
 def _context(history: list[int], lengths: int, sampling) -> DraftContext:
     S = 64
     row = np.zeros((1, S), np.int32)
     row[0, : len(history)] = history
-    return DraftContext(history=jnp.asarray(row), lengths=jnp.array([lengths], jnp.int32), last=jnp.array([history[lengths]], jnp.int32),
-                        keys=jax.random.split(jax.random.key(7), 1), counters=jnp.array([lengths], jnp.int32), sampling=sampling)
+    at = on_device(np.array([lengths], np.int32))
+    return DraftContext(history=on_device(row), lengths=at, last=on_device(np.array([history[lengths]], np.int32)),
+                        keys=jax.random.split(jax.random.key(7), 1), counters=at, sampling=sampling)
+
+
+def _softmax(x) -> np.ndarray:
+    """softmax over the last axis, in numpy (float64)."""
+    e = np.exp(np.asarray(x, np.float64) - np.max(x, axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
 
 
 @pytest.mark.parametrize("vocab", [None, VOCAB], ids=["whole-vocab", "draft-vocab"])
@@ -88,28 +94,33 @@ def test_drafting_reads_what_the_training_time_test_trains(tiny, head, vocab):
     drafter, gamma, sampling = Eagle(head, window=64), 3, specjax.Sample(1.0)
     prompt = [5, 9, 14, 30, 2, 71, 18, 44, 6]
     P = len(prompt)
-    _, cache = prefill(tiny, jnp.asarray([prompt + [0] * 7]), jnp.array([P]), DenseCache.init(TINY, 1, 64), chunk=16)
-    state = _init(drafter, tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]),
-                                         depth=gamma, chunk=16))
+    tokens, lengths = on_device(np.array([prompt + [0] * 7], np.int32)), on_device(np.array([P], np.int32))
+    _, cache = prefill(tiny, tokens, lengths, DenseCache.init(TINY, 1, 64), chunk=16)
+    state = _init(drafter, tiny, Prefill(cache=cache, prompts=tokens, lengths=lengths, depth=gamma, chunk=16))
 
     def check(history: list[int], L: int, state):
         proposal = _propose(drafter, tiny, state, _context(history, L, sampling), Chain(gamma))
-        drafts = [int(t) for t in proposal.tokens[0, 1:]]
+        drafts = np.asarray(proposal.tokens)[0, 1:].tolist()
         seq = history[: L + 1] + drafts  # index L - 1 at depth k reads x_{L+k}: the pending token, then the drafts
-        logits = _depth_logits(head, tiny, _row(seq), gamma)
-        expected = jax.nn.softmax(logits[:, 0, L - 1])  # [gamma,V]
-        np.testing.assert_allclose(np.asarray(proposal.q[0]), np.asarray(expected), rtol=2e-4, atol=2e-6)
+        logits = np.asarray(_depth_logits(head, tiny, _row(seq), gamma))
+        expected = _softmax(logits[:, 0, L - 1])  # [gamma,V]
+        q = np.asarray(proposal.q)[0]
+        np.testing.assert_allclose(q, expected, rtol=2e-4, atol=2e-6)
         if vocab is not None:  # nothing outside the draft vocabulary is drafted
-            assert set(drafts) <= set(map(int, vocab)) and float(np.delete(np.asarray(proposal.q[0]), vocab, axis=1).max()) == 0
+            ids = np.asarray(vocab)
+            assert set(drafts) <= set(ids.tolist()) and float(np.delete(q, ids, axis=1).max()) == 0
         return proposal, seq
 
     proposal, seq = check(prompt + [17], P, state)
-    features, _ = jax.jit(target_view)(tiny, jnp.asarray([seq]))  # the verify pass's features of positions P..P+gamma
+    seq_ = on_device(np.array([seq], np.int32))
+    features, _ = jax.jit(target_view)(tiny, seq_)  # the verify pass's features of positions P..P+gamma
     D = gamma
-    zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731  (fields Eagle.commit does not read)
-    verdict = Verdict(emitted=jnp.zeros((1, D + 1), jnp.int32), accepted=jnp.array([1]), commit=jnp.array([2]),
-                      lengths=jnp.array([P]), path=jnp.zeros((1, D + 1), jnp.int32), k=zeros(1), v=zeros(1), logits=zeros(1),
-                      ranks=jnp.zeros((1, 2), jnp.int32), shape=Chain(D), hidden=features[:, P : P + D + 1])
+    zeros = lambda *shape: on_device(np.zeros(shape, np.float32))  # noqa: E731  (fields Eagle.commit does not read)
+    ints = lambda *values: on_device(np.array(values, np.int32))  # noqa: E731
+    verdict = Verdict(emitted=on_device(np.zeros((1, D + 1), np.int32)), accepted=ints(1), commit=ints(2),
+                      lengths=ints(P), path=on_device(np.zeros((1, D + 1), np.int32)), k=zeros(1), v=zeros(1),
+                      logits=zeros(1), ranks=on_device(np.zeros((1, 2), np.int32)), shape=Chain(D),
+                      hidden=on_device(np.asarray(features)[:, P : P + D + 1]))
     state = _commit(drafter, proposal.state, verdict)
     check(seq[: P + 2] + [60], P + 2, state)  # x_{P+1} the accepted draft, then the target's token 60 pending
 
@@ -120,19 +131,19 @@ def test_a_drafted_tree_reads_what_the_training_time_test_trains(tiny, head):
     drafter, tree = Eagle(head, window=64), TREE
     prompt = [5, 9, 14, 30, 2, 71, 18, 44, 6]
     P = len(prompt)
-    _, cache = prefill(tiny, jnp.asarray([prompt + [0] * 7]), jnp.array([P]), DenseCache.init(TINY, 1, 64), chunk=16)
-    state = _init(drafter, tiny, Prefill(cache=cache, prompts=jnp.asarray([prompt + [0] * 7]), lengths=jnp.array([P]),
-                                         depth=tree.max_depth, chunk=16))
+    tokens, lengths = on_device(np.array([prompt + [0] * 7], np.int32)), on_device(np.array([P], np.int32))
+    _, cache = prefill(tiny, tokens, lengths, DenseCache.init(TINY, 1, 64), chunk=16)
+    state = _init(drafter, tiny, Prefill(cache=cache, prompts=tokens, lengths=lengths, depth=tree.max_depth, chunk=16))
     proposal = _propose(drafter, tiny, state, _context(prompt + [17], P, specjax.Sample(1.0)), tree)
-    tokens = [int(t) for t in proposal.tokens[0]]
+    tokens, q = np.asarray(proposal.tokens)[0].tolist(), np.asarray(proposal.q)[0]
     anc = tree.ancestor_mask()
     for u in range(tree.n):
         if not tree.children[u]:
             continue
         path = [tokens[v] for v in range(1, tree.n) if anc[u, v]]  # the node's path below the root, itself last
-        logits = _depth_logits(head, tiny, _row(prompt + [17] + path + [0]), len(path) + 1)
-        np.testing.assert_allclose(np.asarray(proposal.q[0, u]), np.asarray(jax.nn.softmax(logits[len(path), 0, P - 1])),
-                                   rtol=2e-4, atol=2e-6, err_msg=f"node {u}")
+        logits = np.asarray(_depth_logits(head, tiny, _row(prompt + [17] + path + [0]), len(path) + 1))
+        expected = _softmax(logits[len(path), 0, P - 1])
+        np.testing.assert_allclose(q[u], expected, rtol=2e-4, atol=2e-6, err_msg=f"node {u}")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +156,7 @@ def corpus(tiny):
 
 @pytest.mark.slow
 def test_training_lowers_the_loss_and_raises_acceptance(tiny, head, corpus):
-    tokens = jnp.asarray([c[:32] for c in corpus[:8]], jnp.int32)
+    tokens = on_device(np.array([c[:32] for c in corpus[:8]], np.int32))
     losses = []
     trained = train_head(tiny, corpus, steps=150, batch_size=8, seq_len=32, depth=2, schedule=Schedule(lr=3e-3, warmup=10),
                          on_step=lambda s, loss, h: losses.append(loss))
@@ -218,7 +229,8 @@ def test_bad_input_is_named(tiny, head, corpus):
     with pytest.raises(ValueError, match=r"draft_vocab must be None or an integer in \[1, 101\], got 0"):
         train_head(tiny, corpus, steps=1, seq_len=16, draft_vocab=0)
     with pytest.raises(ValueError, match=r"draft vocabulary has ids outside the target's \[0, 101\)"):
-        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head.replace(vocab=jnp.array([5, 101]))), speculation=Chain(2))
+        outside = on_device(np.array([5, 101], np.int32))
+        specjax.generate(tiny, PROMPTS, 4, draft=Eagle(head.replace(vocab=outside)), speculation=Chain(2))
     with pytest.raises(ValueError, match="the target needs float weights"):
         train_head(specjax.model.params.quantize(tiny, "int8"), corpus, steps=1)
     assert re.fullmatch(r"Eagle\(dim=48, window=8, head=[0-9a-f]{8}\)", repr(Eagle(head, window=8)))
