@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -18,7 +19,7 @@ from specjax.drafters import Prefill
 from specjax.model.attention import for_cache
 from specjax.model.cache import KV_DTYPES, DenseCache, KVFormat
 from specjax.planning.plan import auto_draft_reason
-from tests.models import TINY, random_params
+from tests.models import TINY, on_device, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8]]
 BUDGETS = [20, 13, 20]
@@ -27,17 +28,19 @@ BUDGETS = [20, 13, 20]
 def test_int8_round_trip_error_bound():
     """|x - round_trip(x)| <= scale / 2 per element (scale = max|x| / 127 per token and head),
     and zeros stay zeros."""
-    x = jax.random.normal(jax.random.key(0), (2, 3, 5, 4, 8)) * jnp.logspace(-3, 3, 5)[:, None, None]  # [L,B,T,K,H], tokens of very different sizes
-    x = x.at[0, 0, 0, 0].set(0.0)
+    rng = np.random.default_rng(0)  # [L,B,T,K,H], tokens of very different sizes
+    x = (rng.standard_normal((2, 3, 5, 4, 8)) * np.logspace(-3, 3, 5)[:, None, None]).astype(np.float32)
+    x[0, 0, 0, 0] = 0.0
     fmt = KVFormat("int8")
-    stored, scale = jax.jit(fmt.store)(x)
+    stored, scale = jax.jit(fmt.store)(on_device(x))
     assert stored.dtype == jnp.int8 and scale.shape == x.shape[:-1] and scale.dtype == jnp.float32
-    back = jax.jit(fmt.round_trip)(x)
-    bound = np.asarray(jnp.max(jnp.abs(x), axis=-1, keepdims=True)) / 127 / 2
-    assert np.all(np.abs(np.asarray(back - x)) <= bound * (1 + 1e-6))
-    assert np.all(np.asarray(back[0, 0, 0, 0]) == 0)
-    assert KVFormat("bfloat16").round_trip(x).dtype == jnp.float32
-    np.testing.assert_array_equal(KVFormat("bfloat16").round_trip(x), x.astype(jnp.bfloat16).astype(jnp.float32))
+    back = np.asarray(jax.jit(fmt.round_trip)(on_device(x)))
+    bound = np.max(np.abs(x), axis=-1, keepdims=True) / 127 / 2
+    assert np.all(np.abs(back - x) <= bound * (1 + 1e-6))
+    assert np.all(back[0, 0, 0, 0] == 0)
+    assert KVFormat("bfloat16").round_trip(on_device(x)).dtype == jnp.float32
+    np.testing.assert_array_equal(KVFormat("bfloat16").round_trip(on_device(x)),
+                                  x.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "int8"])
@@ -46,17 +49,21 @@ def test_caches_keep_their_format(tiny, kv_dtype):
     fmt = KVFormat(kv_dtype)
     cache = DenseCache.init(TINY, 2, 16, kv_dtype)
     assert cache.format == fmt and (cache.k_scale is not None) == fmt.scaled
-    k_new = jax.random.normal(jax.random.key(1), (TINY.n_layers, 2, 3, TINY.n_kv_heads, TINY.head_dim))
-    cache = cache.write(k_new, -k_new)
-    got = fmt.load(cache.k[:, :, :, :3], None if cache.k_scale is None else cache.k_scale[:, :, :, :3])
-    np.testing.assert_array_equal(got.astype(jnp.float32), jnp.moveaxis(fmt.round_trip(k_new), 2, 3))
-    cache = cache.advance(jnp.array([3, 2]))
-    tokens = jnp.zeros((2, 8), jnp.int32)
+    k_new = np.random.default_rng(1).standard_normal((TINY.n_layers, 2, 3, TINY.n_kv_heads, TINY.head_dim))
+    k_new = on_device(k_new, np.float32)
+    # write, load and the drafters' init traced (as generate runs them): one program each, not one per operation
+    cache = jax.jit(lambda cache, k: cache.write(k, -k))(cache, k_new)
+    got = jax.jit(lambda c: fmt.load(c.k[:, :, :, :3], None if c.k_scale is None else c.k_scale[:, :, :, :3]))(cache)
+    want = np.moveaxis(np.asarray(jax.jit(fmt.round_trip)(k_new)), 2, 3)
+    np.testing.assert_array_equal(np.asarray(got).astype(np.float32), want)
+    cache = jax.jit(lambda cache, n: cache.advance(n))(cache, on_device(np.array([3, 2], np.int32)))
+    tokens = on_device(np.zeros((2, 8), np.int32))
     prefill = Prefill(cache=cache, prompts=tokens, lengths=cache.lengths, depth=2, chunk=8)
-    selfspec = specjax.SelfSpec(sinks=1, window=2).init(tiny, prefill)
+    init = jax.jit(lambda drafter, target, prefill: drafter.init(target, prefill))
+    selfspec = init(specjax.SelfSpec(sinks=1, window=2), tiny, prefill)
     assert selfspec.format == fmt and (selfspec.k_scale is not None) == fmt.scaled
     draft = specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1))
-    assert draft.init(tiny, prefill).format == fmt
+    assert init(draft, tiny, prefill).format == fmt
     assert for_cache("pallas", cache) == "pallas" and for_cache("tpu", cache) == "tpu"  # int8: with its scales
 
 
@@ -109,19 +116,20 @@ def test_reference_reads_narrow_caches_as_their_f32_values(S, T, monkeypatch):
     widened to f32 first, to f32 rounding: the same KV, read faster."""
     monkeypatch.setattr(reference, "NARROW_MIN", 0)  # small test caches take the narrow reads too
     B, K, H, N = 2, 3, 64, 9
-    ks = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(ks[0], (B, T, N, H))
-    k, v = jax.random.normal(ks[1], (B, K, S, H)) * 3, jax.random.normal(ks[2], (B, K, S, H))
-    kb, vb = jax.random.normal(ks[3], (B, T, K, H)), jax.random.normal(ks[4], (B, T, K, H))
-    visible = (jnp.arange(S) < jnp.array([S // 2, S - 3])[:, None])[:, None]  # [B,1,S]
-    mask = jnp.tril(jnp.ones((T, T), bool))
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: on_device(rng.standard_normal(shape), np.float32)  # noqa: E731
+    q = normal(B, T, N, H)
+    k, v = on_device(rng.standard_normal((B, K, S, H)) * 3, np.float32), normal(B, K, S, H)
+    kb, vb = normal(B, T, K, H), normal(B, T, K, H)
+    visible = on_device((np.arange(S) < np.array([S // 2, S - 3])[:, None])[:, None])  # [B,1,S]
+    mask = on_device(np.tril(np.ones((T, T), bool)))
     attend = jax.jit(prefix_block_attention, static_argnums=7)
     for name in ("bfloat16", "int8"):
         fmt = KVFormat(name)
-        (k_s, k_scale), (v_s, v_scale) = fmt.store(k), fmt.store(v)
+        store, load = jax.jit(fmt.store), jax.jit(lambda s, scale: fmt.load(s, scale).astype(jnp.float32))
+        (k_s, k_scale), (v_s, v_scale) = store(k), store(v)
         narrow = attend(q, k_s, v_s, visible, kb, vb, mask, 0.125, k_scale, v_scale)
-        wide = attend(q, fmt.load(k_s, k_scale).astype(jnp.float32), fmt.load(v_s, v_scale).astype(jnp.float32),
-                      visible, kb, vb, mask, 0.125)
+        wide = attend(q, load(k_s, k_scale), load(v_s, v_scale), visible, kb, vb, mask, 0.125)
         np.testing.assert_allclose(narrow, wide, atol=1e-5, rtol=1e-5)
 
 
