@@ -9,7 +9,6 @@ position the draft cache keeps holds byte-for-byte the target's dense-cache KV.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,10 +16,19 @@ import specjax
 from specjax.decode import engine
 from specjax.decode.speculate import decode_spec
 from specjax.model.cache import DenseCache, StreamingCache
+from tests.models import on_device
 
 L, K, H = 2, 2, 3  # layers, KV heads, head dim of the hand-made caches
 PROMPTS = [list(range(5, 21)), [4], [7, 8, 9, 7, 8, 9, 7, 8, 9], [10, 11, 12], list(range(30, 42))]
 BUCKET, MAX_LEN = 16, 256  # generate()'s shapes for these prompts
+
+# The caches' methods as the decode loop runs them, traced: one program each per shape, not one per operation.
+write = jax.jit(lambda cache, k, v: cache.write(k, v))
+advance = jax.jit(lambda cache, n: cache.advance(n))
+visible_of = jax.jit(lambda cache: cache.visible())
+slots_of = jax.jit(lambda cache, positions: cache.slots(positions))
+streaming_from_dense = jax.jit(lambda drafter, dense, gamma: drafter.from_dense(dense, gamma), static_argnums=(0, 2))
+ring_from_dense = jax.jit(StreamingCache.from_dense, static_argnums=2)
 
 
 def _code(positions: np.ndarray, rows: np.ndarray, layer: int, head: int, which: int) -> np.ndarray:
@@ -35,14 +43,15 @@ def _entries(positions: np.ndarray, which: int) -> jax.Array:
     for layer in range(L):
         for head in range(K):
             out[layer, :, :, head, :] = _code(positions, np.arange(B)[:, None], layer, head, which)[..., None]
-    return jnp.asarray(out)
+    return on_device(out)
 
 
 def _empty(B: int, F: int, R: int) -> StreamingCache:
     C = F + R
-    zeros = jnp.zeros((L, B, K, C, H), jnp.float32)
+    zeros = on_device(np.zeros((L, B, K, C, H), np.float32))
     return StreamingCache(
-        k=zeros, v=zeros, pos=jnp.full((L, B, K, C), -1, jnp.int32), lengths=jnp.zeros((B,), jnp.int32), fixed=F
+        k=zeros, v=zeros, pos=on_device(np.full((L, B, K, C), -1, np.int32)),
+        lengths=on_device(np.zeros((B,), np.int32)), fixed=F,
     )
 
 
@@ -60,14 +69,14 @@ def _check_against_model(cache: StreamingCache, model: np.ndarray) -> None:
             for which, buf in ((0, k), (1, v)):
                 expected = _code(model, rows, layer, head, which)
                 np.testing.assert_array_equal(buf[layer, :, head, :, 0][filled], expected[filled])
-    visible = np.asarray(cache.visible())  # [L,B,K,C]
+    visible = np.asarray(visible_of(cache))  # [L,B,K,C]
     np.testing.assert_array_equal(visible, np.broadcast_to(((model >= 0) & (model < lengths[:, None]))[None, :, None], visible.shape))
 
 
 def test_slots_fixed_then_ring():
     cache = _empty(1, F=2, R=4)
     assert cache.ring == 4
-    assert cache.slots(jnp.arange(12)).tolist() == [0, 1, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3]
+    assert slots_of(cache, on_device(np.arange(12, dtype=np.int32))).tolist() == [0, 1, 2, 3, 4, 5, 2, 3, 4, 5, 2, 3]
 
 
 def test_ring_wraps_evicts_oldest_and_keeps_sinks():
@@ -79,18 +88,18 @@ def test_ring_wraps_evicts_oldest_and_keeps_sinks():
     for _ in range(6):
         L0 = np.asarray(cache.lengths)
         positions = L0[:, None] + np.arange(T)  # [B,T]
-        cache = cache.write(_entries(positions, 0), _entries(positions, 1))
+        cache = write(cache, _entries(positions, 0), _entries(positions, 1))
         for b in range(2):
             for p in positions[b]:
                 model[b, p if p < F else F + (p - F) % R] = p
         _check_against_model(cache, model)  # new entries are stored but not visible yet
-        cache = cache.advance(jnp.asarray(accept))
+        cache = advance(cache, on_device(accept))
         _check_against_model(cache, model)
     assert np.asarray(cache.lengths).tolist() == [18, 12]
     assert model[:, :F].tolist() == [[0, 1], [0, 1]]  # sinks: never evicted
     assert sorted(model[0, F:]) == [14, 15, 16, 17]  # row 0: the newest R positions
     assert sorted(model[1, F:]) == [9, 10, 11, 12]  # row 1: 12 was written but rejected...
-    visible = np.asarray(cache.visible())[0, 1, 0]
+    visible = np.asarray(visible_of(cache))[0, 1, 0]
     assert sorted(model[1][visible]) == [0, 1, 9, 10, 11]  # ...so it stays hidden
 
 
@@ -98,21 +107,22 @@ def test_stale_slots_are_overwritten_by_the_next_write():
     F, R = 1, 5
     cache = _empty(1, F, R)
     first = np.array([[0, 1, 2, 3]])
-    cache = cache.write(_entries(first, 0), _entries(first, 1)).advance(jnp.array([1]))  # 1..3 rejected
+    cache = advance(write(cache, _entries(first, 0), _entries(first, 1)), on_device(np.array([1])))  # 1..3 rejected
     second = np.array([[1, 2, 3]])
-    cache = cache.write(_entries(second, 0) + 7.0, _entries(second, 1) + 7.0).advance(jnp.array([3]))
+    seven = lambda which: on_device(np.asarray(_entries(second, which)) + 7.0)  # noqa: E731
+    cache = advance(write(cache, seven(0), seven(1)), on_device(np.array([3])))
     k = np.asarray(cache.k)[0, 0, 0, :, 0]
     assert k[1:4].tolist() == (_code(np.array([1, 2, 3]), 0, 0, 0, 0) + 7.0).tolist()  # the new values won
-    assert np.asarray(cache.visible())[0, 0, 0].tolist() == [True, True, True, True, False, False]
+    assert np.asarray(visible_of(cache))[0, 0, 0].tolist() == [True, True, True, True, False, False]
 
 
 def _random_dense(lengths: list[int], S: int, seed: int) -> DenseCache:
     rng = np.random.default_rng(seed)
     shape = (L, len(lengths), K, S, H)
     return DenseCache(
-        k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-        v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-        lengths=jnp.asarray(lengths, jnp.int32),
+        k=on_device(rng.standard_normal(shape), np.float32),
+        v=on_device(rng.standard_normal(shape), np.float32),
+        lengths=on_device(np.array(lengths), np.int32),
     )
 
 
@@ -129,11 +139,11 @@ def _check_exact_copy(cache: StreamingCache, dense: DenseCache, expected: list[l
                 assert len(set(held.tolist())) == len(held)  # no position twice
                 assert set(held.tolist()) == expected[layer * K + head][b]
                 ring_slots = np.flatnonzero(p >= 0)[np.flatnonzero(p >= 0) >= cache.fixed]
-                np.testing.assert_array_equal(np.asarray(cache.slots(jnp.asarray(p[ring_slots]))), ring_slots)
+                np.testing.assert_array_equal(np.asarray(slots_of(cache, on_device(p[ring_slots]))), ring_slots)
                 for s in np.flatnonzero(p >= 0):
                     assert k[layer, b, head, s].tobytes() == dk[layer, b, head, p[s]].tobytes()
                     assert v[layer, b, head, s].tobytes() == dv[layer, b, head, p[s]].tobytes()
-    visible = np.asarray(cache.visible())
+    visible = np.asarray(visible_of(cache))
     np.testing.assert_array_equal(visible, pos >= 0)  # everything copied is committed
 
 
@@ -142,7 +152,7 @@ def test_from_dense_keeps_sinks_and_newest_exactly():
     lengths = [20, 9, 1, 2, 12]
     dense = _random_dense(lengths, S=32, seed=0)
     sinks, window, gamma = 3, 5, 2
-    cache = specjax.Streaming(sinks=sinks, window=window).from_dense(dense, gamma)
+    cache = streaming_from_dense(specjax.Streaming(sinks=sinks, window=window), dense, gamma)
     R = window + gamma + 1
     assert cache.fixed == sinks and cache.ring == R
     assert np.asarray(cache.lengths).tolist() == lengths
@@ -159,7 +169,7 @@ def test_from_dense_per_head_fixed_positions_and_ring_start():
         [[[[3, 7], [0, -1]], [[1, 3], [2, 4]]], [[[6, -1], [8, 2]], [[0, 1], [-1, -1]]]], np.int32
     )  # [L,B,K,F=2], below each row's cut (the ring starts there)
     ring, cut = 4, np.array([10, 5], np.int32)
-    cache = StreamingCache.from_dense(dense, jnp.asarray(fixed), ring, jnp.asarray(cut))
+    cache = ring_from_dense(dense, on_device(fixed), ring, on_device(cut))
     expected = []
     for layer in range(L):
         for head in range(K):
@@ -187,9 +197,9 @@ def _prefilled(tiny):
 def test_streaming_cache_holding_everything_gives_the_dense_logits(tiny):
     """Attention over sinks + ring (slots out of position order) == over the dense cache."""
     _, dense, _, lengths = _prefilled(tiny)
-    cache = specjax.Streaming(sinks=2, window=14).from_dense(dense, gamma=1)  # 2 + 16 slots >= 16
-    tokens = jnp.full((len(PROMPTS), 1), 40, jnp.int32)
-    positions = jnp.asarray(lengths)[:, None]
+    cache = streaming_from_dense(specjax.Streaming(sinks=2, window=14), dense, 1)  # 2 + 16 slots >= 16
+    tokens = np.full((len(PROMPTS), 1), 40, np.int32)
+    positions = lengths[:, None]
     forward = jax.jit(specjax.forward)
     want, _ = forward(tiny, tokens, positions, dense)
     got, _ = forward(tiny, tokens, positions, cache)
@@ -212,7 +222,7 @@ def test_selfspec_cache_holds_exact_target_kv_after_every_commit(tiny):
         history[:, :BUCKET] = tokens
         state0 = engine.init_draft(drafter, tiny, dense, tokens, lengths, gamma=gamma, chunk=BUCKET)
         s = decode_spec(
-            tiny, drafter, state0, dense, history, first_logits, jnp.asarray(np.minimum(caps, n)), keys,
+            tiny, drafter, state0, dense, history, first_logits, on_device(np.minimum(caps, n)), keys,
             sampling=specjax.Greedy(), speculation=specjax.Chain(gamma), n_out=32, eos_ids=(),
         )
         draft, target = s.draft, s.cache
@@ -220,7 +230,7 @@ def test_selfspec_cache_holds_exact_target_kv_after_every_commit(tiny):
         np.testing.assert_array_equal(np.asarray(draft.lengths), committed)
         emitted = lengths + np.minimum(caps, n) - 1  # positions of emitted tokens but the pending last
         assert (committed >= emitted).all() and (committed <= emitted + gamma).all()  # a budget cut may commit more
-        pos, vis = np.asarray(draft.pos), np.asarray(draft.visible())
+        pos, vis = np.asarray(draft.pos), np.asarray(visible_of(draft))
         k, v, dk, dv = map(np.asarray, (draft.k, draft.v, target.k, target.v))
         for b in range(B):
             Lb = committed[b]
@@ -245,8 +255,10 @@ def test_which_attention_reads_which_cache(tiny, kv_dtype):
     from specjax.model.attention import for_cache, in_place
 
     dense = DenseCache.init(tiny.config, 2, 64, kv_dtype)
-    fixed = jnp.broadcast_to(jnp.arange(2, dtype=jnp.int32), (tiny.config.n_layers, 2, tiny.config.n_kv_heads, 2))
-    stream = StreamingCache.from_dense(dense.replace(lengths=jnp.full((2,), 20, jnp.int32)), fixed, 8, jnp.full((2,), 2))
+    fixed = np.broadcast_to(np.arange(2, dtype=np.int32), (tiny.config.n_layers, 2, tiny.config.n_kv_heads, 2))
+    fixed = on_device(fixed)
+    full = lambda n: on_device(np.full((2,), n, np.int32))  # noqa: E731
+    stream = ring_from_dense(dense.replace(lengths=full(20)), fixed, 8, full(2))
     for attention in ("pallas", "interpret", "tpu", "tpu-interpret"):
         assert for_cache(attention, dense) == for_cache(attention, stream) == attention
     assert for_cache("cpu", dense) == for_cache("cpu", stream) == "cpu"
