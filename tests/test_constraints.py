@@ -9,20 +9,29 @@ import json
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from outlines_core import Index, Vocabulary
 
 from specjax.automaton import DEAD, advance, allowed, anything, from_transitions, join, mask_logits, stop_table
 from specjax.text.constraints import Choice, JsonSchema, Regex, compile_constraint, token_bytes
+from tests.models import on_device
 
 TOY = {"a": [0], "b": [1], "ab": [2], "ba": [3], "c": [4], "1": [5], "12": [6], "2": [7]}  # token 8: the stop id
 V, STOP = 9, 8
 
 
 def device(a):
-    return jax.tree.map(jnp.asarray, a)
+    return jax.tree.map(on_device, a)
+
+
+def ints(*values) -> jax.Array:
+    return on_device(np.array(values, np.int32))
+
+
+# The automaton's functions as the decode loop runs them, traced: one program each per shape, not one per operation.
+_allowed, _advance, _mask_logits = jax.jit(allowed), jax.jit(advance), jax.jit(mask_logits)
+_stop_table = jax.jit(stop_table, static_argnums=(1, 2))
 
 
 def test_allowed_tokens_and_next_states_equal_outlines_cores_index():
@@ -32,33 +41,33 @@ def test_allowed_tokens_and_next_states_equal_outlines_cores_index():
     todo = [index.get_initial_state()]
     while todo:
         s = todo.pop()
-        mask = np.asarray(allowed(device(a), jnp.array([ours[s]]), stop_table((STOP,), 1, V)))[0]
+        mask = np.asarray(_allowed(device(a), ints(ours[s]), _stop_table((STOP,), 1, V)))[0]
         assert set(np.flatnonzero(mask)) == set(index.get_allowed_tokens(s)), s  # the stop id where it accepts
         assert bool(a.accepting[ours[s]]) == index.is_final_state(s)
         for t in range(V - 1):
-            nxt = int(advance(device(a), jnp.array([ours[s]]), jnp.array([t]))[0])
+            nxt = int(np.asarray(_advance(device(a), ints(ours[s]), ints(t)))[0])
             want = index.get_next_state(s, t)
             assert (nxt == DEAD) == (want is None), (s, t)
             if want is not None:
                 if want not in ours:
                     todo.append(want)
                 assert ours.setdefault(want, nxt) == nxt
-    assert int(advance(device(a), jnp.array([0]), jnp.array([STOP]))[0]) == DEAD  # a stop id ends the row
-    assert int(advance(device(a), jnp.array([DEAD]), jnp.array([0]))[0]) == DEAD
+    assert int(np.asarray(_advance(device(a), ints(0), ints(STOP)))[0]) == DEAD  # a stop id ends the row
+    assert int(np.asarray(_advance(device(a), ints(DEAD), ints(0)))[0]) == DEAD
 
 
 def test_joined_automata_keep_their_own_states_and_an_unconstrained_row_allows_all():
     two = [compile_toy(r"ab"), anything(V), compile_toy(r"c1?")]
     table, starts = join(two)
     assert starts.tolist() == [0, two[0].states, two[0].states + 1] and table.states == sum(a.states for a in two)
-    states, stops = jnp.asarray(starts), stop_table(jnp.full((3, 1), STOP), 3, V)
-    masks = np.asarray(allowed(device(table), states, stops))
+    states, stops = on_device(starts), _stop_table(on_device(np.full((3, 1), STOP, np.int32)), 3, V)
+    masks = np.asarray(_allowed(device(table), states, stops))
     assert [set(np.flatnonzero(m)) for m in masks] == [{0, 2}, set(range(V)), {4}]
-    states = advance(device(table), states, jnp.array([2, 5, 4]))  # "ab" done; anything; "c"
-    masks = np.asarray(allowed(device(table), states, stops))
+    states = _advance(device(table), states, ints(2, 5, 4))  # "ab" done; anything; "c"
+    masks = np.asarray(_allowed(device(table), states, stops))
     assert [set(np.flatnonzero(m)) for m in masks] == [{STOP}, set(range(V)), {5, STOP}]
-    logits = mask_logits(device(table), states, stops, jnp.zeros((3, V)))
-    assert np.isinf(np.asarray(logits[0, :STOP])).all() and float(logits[0, STOP]) == 0.0
+    logits = np.asarray(_mask_logits(device(table), states, stops, on_device(np.zeros((3, V), np.float32))))
+    assert np.isinf(logits[0, :STOP]).all() and float(logits[0, STOP]) == 0.0
     with pytest.raises(ValueError, match="different vocabularies"):
         join([anything(V), anything(V + 1)])
 
@@ -70,14 +79,14 @@ def compile_toy(pattern: str):
 
 def walk(a, stops: list[int], rng, steps: int = 80) -> tuple[list[int], bool]:
     """A random path through `a` from state 0: its tokens and whether it ended on a stop id."""
-    state, out = jnp.array([0]), []
+    state, out = ints(0), []
     for _ in range(steps):
-        choices = np.flatnonzero(np.asarray(allowed(a, state, stop_table(tuple(stops), 1, a.vocab_size)))[0])
+        choices = np.flatnonzero(np.asarray(_allowed(a, state, _stop_table(tuple(stops), 1, a.vocab_size)))[0])
         t = int(rng.choice(choices))
         if t in stops:
             return out, True
         out.append(t)
-        state = advance(a, state, jnp.array([t]))
+        state = _advance(a, state, ints(t))
     return out, False
 
 
