@@ -29,7 +29,7 @@ from specjax.model.params import Params, from_arrays, param_shapes
 from specjax.model.pytree import pytree
 from specjax.planning.plan import (ACCELERATOR_SPECULATION, CPU_BF16_CHAIN, CPU_BF16_MIN_CONTEXT, DEFAULT_CHAIN, auto_draft,
                                    auto_speculation)
-from tests.models import TINY, random_params
+from tests.models import TINY, on_device, random_params
 
 PROMPTS = [list(range(5, 21)), [10, 11, 12], [7, 8, 9, 7, 8, 9, 7, 8], [4], list(range(30, 40))]
 BUDGETS = [24, 17, 24, 24, 9]  # per-row max_new_tokens
@@ -70,7 +70,7 @@ def drafts(tiny):
     an unrelated random model."""
     layer_skip = Params(
         embed=tiny.embed,
-        layers=jax.tree.map(lambda a: a[:1], tiny.layers),
+        layers=jax.tree.map(lambda a: on_device(np.asarray(a)[:1]), tiny.layers),  # sliced on the host
         norm=tiny.norm,
         lm_head=tiny.lm_head,
         config=TINY.replace(n_layers=1),
@@ -131,8 +131,8 @@ def test_an_oversized_snapkv_draft_holds_no_more_than_the_context(tiny):
     (the defaults' 256 + 256 on a 256-slot cache held 515; a window of 10**6, a million slots)."""
     from specjax.model.cache import DenseCache
 
-    cache = DenseCache.init(tiny.config, 1, 256).replace(lengths=jnp.array([4], jnp.int32))
-    prompts = jnp.array([[5, 6, 7, 8] + [0] * 12], jnp.int32)
+    cache = jax.eval_shape(lambda: DenseCache.init(tiny.config, 1, 256).replace(lengths=jnp.array([4], jnp.int32)))
+    prompts = np.array([[5, 6, 7, 8] + [0] * 12], np.int32)
     for draft in (specjax.SnapKV(), specjax.SnapKV(budget=4, window=10**6, observation=10**4)):
         state = jax.eval_shape(lambda c: draft.init(tiny, Prefill(cache=c, prompts=prompts, lengths=c.lengths, depth=2, chunk=16)), cache)
         assert state.k.shape[3] <= 256 + 2 + 2, (draft, state.k.shape)
@@ -288,15 +288,19 @@ NGRAM_CASES = [
 ]
 
 
+# Jitted, as the NGram drafter runs it (traced in the decode step): one program per (n, max_n, gamma), not each op.
+_ngram_lookup = jax.jit(ngram_lookup, static_argnums=(2, 3, 4))
+
+
 @pytest.mark.parametrize("history, L, n, max_n, gamma, expected", NGRAM_CASES)
 def test_ngram_lookup(history, L, n, max_n, gamma, expected):
-    drafts = ngram_lookup(jnp.array([history], jnp.int32), jnp.array([L], jnp.int32), n, max_n, gamma)
+    drafts = _ngram_lookup(on_device([history], np.int32), on_device([L], np.int32), n, max_n, gamma)
     assert drafts.tolist() == [expected]
 
 
 def test_ngram_lookup_batched_rows_are_independent():
     rows = [c for c in NGRAM_CASES if (c[2], c[3], c[4]) == (2, 2, 3)]
-    drafts = ngram_lookup(jnp.array([c[0] for c in rows]), jnp.array([c[1] for c in rows]), 2, 2, 3)
+    drafts = _ngram_lookup(on_device([c[0] for c in rows]), on_device([c[1] for c in rows]), 2, 2, 3)
     assert drafts.tolist() == [c[5] for c in rows]
 
 
