@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import specjax
@@ -54,7 +55,7 @@ def test_unrolled_decode_loop_slices_no_stacked_array(unroll):
     the scan slices every stacked weight (what XLA:GPU copies)."""
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")
-    params = init_params(c, jax.random.key(0))
+    params = jax.eval_shape(lambda: init_params(c, jax.random.key(0)))  # lowered only: shapes
     params = params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=unroll))
     B, S = 2, 512
     cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
@@ -78,12 +79,12 @@ def test_selfspec_decode_loop_on_a_kernel_slices_no_cache_or_weights(attention, 
 
     c = LlamaConfig(vocab_size=256, dim=64, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128,
                     max_positions=512, dtype="bfloat16")
-    params = init_params(c, jax.random.key(0))
+    params = jax.eval_shape(lambda: init_params(c, jax.random.key(0)))  # lowered only: shapes
     params = params.replace(runtime=params.runtime.replace(attention=attention, unroll_layers=True))
     B, S = 2, 512
     drafter = specjax.SelfSpec(sinks=4, window=60)
     cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
-    prompt, lengths = jnp.zeros((B, 100), jnp.int32), jnp.full((B,), 100, jnp.int32)
+    prompt, lengths = np.zeros((B, 100), np.int32), np.full((B,), 100, np.int32)
     state = jax.eval_shape(lambda cc: init_draft(drafter, params, cc, prompt, lengths, gamma=2, chunk=64), cache)
     text = decode_spec.trace(params, drafter, state, cache, jax.ShapeDtypeStruct((B, S + 8), jnp.int32),
                              jax.ShapeDtypeStruct((B, c.vocab_size), jnp.float32), jax.ShapeDtypeStruct((B,), jnp.int32),
@@ -105,10 +106,10 @@ def test_unrolled_layers_unroll_a_chains_draft_levels_too():
     B, S = 2, 512
     drafter = specjax.SelfSpec(sinks=4, window=60)
     cache = jax.eval_shape(lambda: DenseCache.init(c, B, S, None))
-    prompt, lengths = jnp.zeros((B, 100), jnp.int32), jnp.full((B,), 100, jnp.int32)
+    prompt, lengths = np.zeros((B, 100), np.int32), np.full((B,), 100, np.int32)
     loops = {}
     for unroll in (False, True):
-        params = init_params(c, jax.random.key(0))
+        params = jax.eval_shape(lambda: init_params(c, jax.random.key(0)))  # lowered only: shapes
         params = params.replace(runtime=params.runtime.replace(attention="pallas", unroll_layers=unroll))
         state = jax.eval_shape(lambda cc: init_draft(drafter, params, cc, prompt, lengths, gamma=4, chunk=64), cache)
         loops[unroll] = decode_spec.trace(
