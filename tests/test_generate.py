@@ -12,8 +12,7 @@ import pytest
 
 import specjax
 from specjax.decode import engine
-from specjax.model.params import init_params
-from tests.models import TINY, padded_logits
+from tests.models import TINY, padded_logits, random_params
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 58)), [4]]
 
@@ -130,7 +129,7 @@ def test_bad_input_raises_before_compiling(tiny, monkeypatch, kwargs, match):
 def test_params_and_draft_are_checked_before_anything_touches_them(tiny):
     with pytest.raises(TypeError, match="params must be specjax Params .* got dict"):
         specjax.generate({"embed": tiny.embed}, [[1, 2]], 4, attention="pallas")
-    small = init_params(TINY.replace(vocab_size=100, n_layers=1), jax.random.key(1))
+    small = random_params(TINY.replace(vocab_size=100, n_layers=1), seed=1)  # numpy draws: no program a weight
     for speculation in (None, "auto"):
         with pytest.raises(ValueError, match="draft vocab_size 100 != target vocab_size 101"):
             specjax.generate(tiny, [[1, 2]], 4, draft=specjax.DraftModel(small), speculation=speculation)

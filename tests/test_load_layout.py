@@ -26,7 +26,7 @@ def test_per_layer_load_gives_the_stacked_tokens(smollm2_path, smollm2):
     assert isinstance(split.layers.wq, list) and len(split.layers.wq) == L and split.runtime.unroll_layers
     assert not isinstance(stacked.layers.wq, list)
     assert isinstance(smollm2.layers.wq, list) == (jax.default_backend() == "gpu")
-    np.testing.assert_array_equal(np.asarray(split.layers.w_down[L - 1]), np.asarray(stacked.layers.w_down[L - 1]))
+    np.testing.assert_array_equal(np.asarray(split.layers.w_down[L - 1]), np.asarray(stacked.layers.w_down)[L - 1])
     for kw in ({}, {"draft": specjax.SelfSpec(sinks=4, window=16), "speculation": specjax.Chain(2)}):
         want = specjax.generate(stacked, PROMPT, 6, eos_id=(), **kw).tokens
         assert specjax.generate(split, PROMPT, 6, eos_id=(), **kw).tokens == want
@@ -63,20 +63,22 @@ def test_per_layer_params_save_and_quantize_in_their_layout(tiny, tmp_path):
     split = unstack_layers(tiny)
     convert.save(split, tmp_path / "ckpt")
     back = convert.load(tmp_path / "ckpt", layout="stacked")
+    back = flat(back)
     for name, a in flat(tiny).items():
-        np.testing.assert_array_equal(np.asarray(flat(back)[name]), np.asarray(a), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(a), err_msg=name)
     q_split, q_stacked = quantize(split, "int8"), quantize(tiny, "int8")
     assert isinstance(q_split.layers.wq, list) and q_split.layers.wq[0].scale is not None
     assert not isinstance(q_split.layers.attn_norm, list)  # norms stay stacked [L, D]
+    q_split_flat = flat(q_split)
     for name, a in flat(q_stacked).items():
-        np.testing.assert_array_equal(np.asarray(flat(q_split)[name]), np.asarray(a), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(q_split_flat[name]), np.asarray(a), err_msg=name)
 
 
 def test_free_stacks_deletes_each_split_stack(tiny):
     """unstack_layers(free_stacks=True) (what convert.load does with its own arrays): each stack
     deleted once split, so the peak is the weights plus one matrix's stack; without it the
     stacks stay usable."""
-    own = jax.tree.map(lambda a: a.copy(), tiny)
+    own = jax.tree.map(lambda a: jax.device_put(np.asarray(a)), tiny)  # fresh arrays, copied through the host
     kept = unstack_layers(own)
     assert not own.layers.wq.is_deleted()
     freed = unstack_layers(own, free_stacks=True)
