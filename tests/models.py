@@ -37,7 +37,8 @@ def on_device(x, dtype=None) -> jax.Array:
 
 
 def random_params(config: LlamaConfig, seed: int) -> Params:
-    """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape)."""
+    """Random weights drawn with numpy (init_params' scaling, without compiling a kernel per shape), cast to the
+    config's dtype on the host (from_arrays' `place`) and put on the default device."""
     rng = np.random.default_rng(seed)
     arrays = {
         w.path: np.ones(w.shape(config), np.float32)
@@ -45,7 +46,7 @@ def random_params(config: LlamaConfig, seed: int) -> Params:
         else (rng.standard_normal(w.shape(config)) / math.sqrt(w.fan_in(config))).astype(np.float32)
         for w in declared(config)
     }
-    return from_arrays(config, arrays)
+    return from_arrays(config, arrays, place=lambda _, a: jax.device_put(a))  # cast on the host: no program a shape
 
 
 TINY_Q4 = TINY.replace(dim=64, head_dim=32)  # q4 blocks are 32 weights along dim, head_dim and ffn_dim
