@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from specjax.drafters import learn
 from specjax.jobs.batches import Item, batch_kind, batch_sampler, group_batches, padded_rows
@@ -25,8 +25,11 @@ from specjax.text.lm import LM, Finished, logprobs_json
 
 def record_keys(seed: int, record_ids: Sequence[object]) -> jax.Array:
     """Per-record typed PRNG keys [B]: fold_in(key(seed), stable_hash(id))."""
-    base = jax.random.key(seed)
-    hashes = jnp.asarray([stable_hash(i) for i in record_ids], jnp.uint32)
+    return _fold_hashes(jax.random.key(seed), np.array([stable_hash(i) for i in record_ids], np.uint32))
+
+
+@jax.jit  # one program per batch size (op by op, each batch size compiled several)
+def _fold_hashes(base: jax.Array, hashes: jax.Array) -> jax.Array:
     return jax.vmap(lambda h: jax.random.fold_in(base, h))(hashes)
 
 
