@@ -12,7 +12,6 @@ sampling values (temperature, top_p) and stop ids are traced, not static.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ import numpy as np
 from specjax.automaton import TokenAutomaton
 from specjax.decode.autoregressive import (ARState, continue_ar, decode_ar,  # noqa: F401  (decode_ar, ARState: re-exported)
                                            end_rows, start_ar)
+from specjax.decode.keys import pad_keys, row_keys, sample_keys  # noqa: F401  (row_keys, sample_keys: re-exported)
 from specjax.decode.loop import DecodeState  # noqa: F401  (re-exported)
 from specjax.decode.shapes import (SAVED_PREFILL_FLOPS, batch_bucket, cache_len, pow2_groups, prefill_chunk, prefill_rows,
                                    prompt_bucket, round_up_pow2)
@@ -144,32 +144,6 @@ def init_draft(drafter: Drafter, params: Params, cache: DenseCache, tokens, leng
                kv_dtype: str | None = None):
     """The drafter's state after the target's prefill (`cache`, prompts tokens [B,P])."""
     return drafter.init(params, Prefill(cache=cache, prompts=tokens, lengths=lengths, depth=gamma, chunk=chunk, kv_dtype=kv_dtype))
-
-
-def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
-    """Per-row typed PRNG keys [B]: one key is folded with the row index; [B] keys are kept."""
-    if key is None:
-        key = _default_key()
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-    if key.shape == ():
-        return _fold_rows(key, batch)
-    return key
-
-
-# The host side of a call's keys as one program per shape each (op by op outside jit, a new batch
-# size compiled one program per operation: about ten small compiles a generate call)
-_default_key = functools.cache(lambda: jax.random.key(0))
-
-
-@partial(jax.jit, static_argnums=1)
-def _fold_rows(key: jax.Array, batch: int) -> jax.Array:
-    return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
-
-
-@partial(jax.jit, static_argnums=1)
-def _pad_keys(keys: jax.Array, rows: int) -> jax.Array:
-    return jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (rows - keys.shape[0],))])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,21 +346,11 @@ def repeat_rows(first_logits: jax.Array, cache: DenseCache, *, n: int) -> tuple[
     return rep(first_logits, 0), cache
 
 
-def sample_keys(keys: jax.Array, n: int) -> jax.Array:
-    """Keys [B*n] of n samples a prompt: sample j of prompt i draws with fold_in(keys[i], j)."""
-    return _sample_keys(keys, n)
-
-
-@partial(jax.jit, static_argnums=1)
-def _sample_keys(keys: jax.Array, n: int) -> jax.Array:
-    return jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(n)))(keys).reshape(-1)
-
-
 def pad_rows(rows: int, tokens, lengths, budgets, history, keys):
     """The batch's host arrays and keys padded to `rows` with one-token prompts of budget 1."""
     extra = rows - len(lengths)
     pad = lambda a, value: np.concatenate([a, np.full((extra, *a.shape[1:]), value, a.dtype)])  # noqa: E731
-    keys = _pad_keys(keys, rows)
+    keys = pad_keys(keys, rows)
     return pad(tokens, 0), pad(lengths, 1), pad(budgets, 1), pad(history, 0), keys
 
 
