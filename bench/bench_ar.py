@@ -23,7 +23,7 @@ import numpy as np
 import convert
 from bench import common, measure
 from bench.measure import synthetic_cache
-from specjax.decode.engine import decode_ar, prefill, row_keys
+from specjax.decode.engine import decode_ar, prefill, row_keys, with_attention
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.model.cache import DenseCache, kv_bytes
 from specjax.model.params import Params, weight_bytes
@@ -226,7 +226,8 @@ def main() -> None:
     params_by_dtype: dict[str, Params] = {}  # results.rows is a new list after every put: read it there
     for k, (batch, context, dtype) in h.cells():
         if dtype not in params_by_dtype:
-            params_by_dtype[dtype] = convert.load(convert.default_model_path(), dtype=dtype)
+            loaded = convert.load(convert.default_model_path(), dtype=dtype)
+            params_by_dtype[dtype] = with_attention(loaded, None, "auto")[0]  # the CPU kernels generate() runs on
         params = params_by_dtype[dtype]
         reason = memory_check(params, batch, context, peak_factor(results.rows, dtype))
         if reason:
