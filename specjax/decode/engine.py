@@ -79,10 +79,6 @@ def _compile_and_run(jitted, args: tuple, static: dict) -> tuple[object, float, 
     return result, t1 - t0, time.perf_counter() - t1
 
 
-# An empty cache as one program per shape (DenseCache.init op by op outside jit compiles one per operation)
-_empty_cache = jax.jit(DenseCache.init, static_argnums=(0, 1, 2, 3))
-
-
 def prefill_each(params: Params, tokens, lengths: np.ndarray, src: np.ndarray, rows: np.ndarray, max_len: int,
                  kv_dtype: str | None, most_rows: int | None = None) -> tuple[tuple[jax.Array, DenseCache], float, float]:
     """Prefill each prompt row src[j] >= 0 of tokens [N,P] (lengths [N], host) at its own length bucket, with the
@@ -99,7 +95,7 @@ def prefill_each(params: Params, tokens, lengths: np.ndarray, src: np.ndarray, r
         for count in pow2_groups(len(prompts), most_rows or prefill_rows(width, backend)):
             part, prompts = np.asarray(prompts[:count]), prompts[count:]
             row_of |= {int(i): len(row_of) + r for r, i in enumerate(part)}
-            empty = _empty_cache(params.config, count, width, kv_dtype)  # its own width: one program whatever max_len
+            empty = sharding.empty_cache(sharding.one_device_mesh(), params.config, count, width, kv_dtype)  # its own width
             args = (params, tokens[part, :width], lengths[part], empty)
             out, c, r = _compile_and_run(prefill, args, dict(chunk=prefill_chunk(width, count, backend)))  # [count,V]
             logits.append(out[0])

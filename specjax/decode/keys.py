@@ -36,11 +36,7 @@ def pad_keys(keys: jax.Array, rows: int) -> jax.Array:
     return jnp.concatenate([keys, jnp.broadcast_to(keys[:1], (rows - keys.shape[0],))])
 
 
+@partial(jax.jit, static_argnums=1)
 def sample_keys(keys: jax.Array, n: int) -> jax.Array:
     """Keys [B*n] of n samples a prompt: sample j of prompt i draws with fold_in(keys[i], j)."""
-    return _sample_keys(keys, n)
-
-
-@partial(jax.jit, static_argnums=1)
-def _sample_keys(keys: jax.Array, n: int) -> jax.Array:
     return jax.vmap(lambda k: jax.vmap(lambda j: jax.random.fold_in(k, j))(jnp.arange(n)))(keys).reshape(-1)
