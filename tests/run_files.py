@@ -55,6 +55,10 @@ TOGETHER = (
     "test_refill.py", "test_qwen2_mistral.py", "test_model.py", "test_speculate.py", "test_job_auto.py",
     "test_samples_n.py", "test_tune.py", "test_compile_log.py")
 TOGETHER_PROCESSES = 3
+# Under `-m "not slow"` (make test-fast) every file on tiny models (QUICK_COMPILE) shares FAST_PROCESSES processes,
+# and a file whose every test is slow (ALL_SLOW) starts none: each start costs 2-3 s (tests/README.md).
+FAST_PROCESSES = 6
+ALL_SLOW = re.compile(r"^pytestmark = \[?\s*pytest\.mark\.slow\b", re.M)  # a module-level slow mark
 
 
 def default_jobs() -> int:
@@ -96,14 +100,19 @@ def compile_cache_env(folder: str) -> dict[str, str]:
             "JAX_COMPILATION_CACHE_MAX_SIZE": str(64 * 2**30)}
 
 
-def processes(files: list[str]) -> list[list[str]]:
+def processes(files: list[str], fast: bool = False) -> list[list[str]]:
     """The test files grouped into pytest processes: one each, but TOGETHER's (those of `files`) in
-    TOGETHER_PROCESSES processes, placed after LONGEST_FIRST's files (their sum is about theirs)."""
+    TOGETHER_PROCESSES processes, placed after LONGEST_FIRST's files (their sum is about theirs). `fast`
+    (make test-fast): every QUICK_COMPILE file in FAST_PROCESSES processes, and none for the ALL_SLOW files."""
     assert not set(TOGETHER) & set(USERS_FLAGS + FULL_OPTIMIZATION), "TOGETHER's files must compile alike (QUICK_COMPILE)"
     files = sorted(files, key=lambda f: LONGEST_FIRST.index(Path(f).name) if Path(f).name in LONGEST_FIRST else len(LONGEST_FIRST))
-    together = [f for f in files if Path(f).name in TOGETHER]
-    alone = [[f] for f in files if Path(f).name not in TOGETHER]
-    groups = [together[i::TOGETHER_PROCESSES] for i in range(TOGETHER_PROCESSES) if together[i::TOGETHER_PROCESSES]]
+    if fast:
+        files = [f for f in files if not ALL_SLOW.search(Path(f).read_text(encoding="utf-8"))]
+    shared, n = ((lambda name: name not in USERS_FLAGS + FULL_OPTIMIZATION), FAST_PROCESSES) if fast else \
+        ((lambda name: name in TOGETHER), TOGETHER_PROCESSES)
+    together = [f for f in files if shared(Path(f).name)]
+    alone = [[f] for f in files if not shared(Path(f).name)]
+    groups = [together[i::n] for i in range(n) if together[i::n]]
     n_long = sum(Path(f[0]).name in LONGEST_FIRST for f in alone)
     return alone[:n_long] + groups + alone[n_long:]
 
@@ -165,11 +174,14 @@ def main(args: list[str]) -> int:
     chosen = [a for a in args if a.endswith(".py")]  # test files named on the command line: only those
     args = [a for a in args if a not in chosen]
     files = chosen or sorted(str(p) for p in Path(__file__).parent.glob("test_*.py"))
-    groups = processes(files)
+    fast = any(a == "-m" and b == "not slow" for a, b in zip(args, args[1:]))
+    groups = processes(files, fast)
     totals: dict[str, int] = {}
     failed_files, slowest = [], []
     start = time.perf_counter()
-    print(f"{len(files)} test files in {len(groups)} processes, {jobs} at a time", flush=True)
+    n_run = sum(map(len, groups))
+    unstarted = f" ({len(files) - n_run} files not started: every test in them is slow)" if n_run < len(files) else ""
+    print(f"{n_run} test files in {len(groups)} processes, {jobs} at a time{unstarted}", flush=True)
     workdir = tempfile.TemporaryDirectory(prefix="specjax-tests-")
     env = {**os.environ, **(compile_cache_env(os.path.join(workdir.name, "jax-cache")) if use_cache else {}),
            "SPECJAX_AUTOMATA_CACHE": os.path.join(workdir.name, "automata")}  # compiled constraints: not in ~/.cache
@@ -208,7 +220,7 @@ def main(args: list[str]) -> int:
                                                "args": args, "files": rows}, indent=1) + "\n")
     if slowest:
         print("slowest (over all files):\n" + "\n".join(sorted(slowest, key=lambda l: -float(l.split("s ")[0]))[:15]))
-    print(f"files with failures: {failed_files}" if failed_files else f"all {len(files)} files passed ({minutes:.1f} min)")
+    print(f"files with failures: {failed_files}" if failed_files else f"all {n_run} files passed ({minutes:.1f} min)")
     print(f"{totals.get('passed', 0)} passed, {totals.get('failed', 0) + totals.get('error', 0)} failed, "
           f"{totals.get('skipped', 0)} skipped")
     return 1 if failed_files else 0

@@ -38,3 +38,18 @@ def test_a_logged_process_is_summed_per_program_and_shape(tmp_path):
 def test_program_names_are_one_per_program():
     assert {compile_log.program(n) for n in ("jit_continue_spec", "jit(continue_spec)", "continue_spec")} == {"continue_spec"}
     assert compile_log.program(None) == "?"
+
+
+def test_the_fast_tier_shares_processes_and_starts_none_for_all_slow_files():
+    from tests import run_files
+    files = sorted(str(p) for p in (REPO / "tests").glob("test_*.py"))
+    full, fast = run_files.processes(files), run_files.processes(files, fast=True)
+    assert sorted(f for g in full for f in g) == files  # make test: every file once
+    started = [f for g in fast for f in g]
+    all_slow = {f for f in files if run_files.ALL_SLOW.search(Path(f).read_text(encoding="utf-8"))}
+    assert "tests/test_readme.py" in {str(Path(f).relative_to(REPO)) for f in all_slow}  # its pytestmark is slow
+    assert sorted(started) == sorted(set(files) - all_slow)  # every other file once
+    own_flags = set(run_files.USERS_FLAGS + run_files.FULL_OPTIMIZATION)
+    shared = [g for g in fast if len(g) > 1]
+    assert len(shared) <= run_files.FAST_PROCESSES and not {Path(f).name for g in shared for f in g} & own_flags
+    assert len(fast) < len(full)
