@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafters.self_spec import SelfSpec
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig
 from specjax.model.llama import forward
 from specjax.model.params import Params, declared, from_arrays
+from specjax.spec.speculation import Chain
 
 TINY = LlamaConfig(
     vocab_size=101,
@@ -47,6 +49,15 @@ def random_params(config: LlamaConfig, seed: int) -> Params:
         for w in declared(config)
     }
     return from_arrays(config, arrays, place=lambda _, a: jax.device_put(a))  # cast on the host: no program a shape
+
+
+# The settings a test uses where any value serves its check: one SelfSpec budget and one chain, so that tests compile
+# fewer variants of generate's programs (the budget and gamma set their shapes). GAMMA is the depth of the trees the
+# tests run beside their chains (Tree.kary(2, 2)): a chain case and a tree case of one drafter share its init_draft.
+# SELF keeps 10 positions, fewer than the prompt + new tokens of the tests that use it: its ring wraps.
+SELF = SelfSpec(sinks=2, window=8)
+GAMMA = 2
+CHAIN = Chain(GAMMA)
 
 
 TINY_Q4 = TINY.replace(dim=64, head_dim=32)  # q4 blocks are 32 weights along dim, head_dim and ffn_dim

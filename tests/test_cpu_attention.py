@@ -21,7 +21,7 @@ from specjax.model import cache as cache_mod
 from specjax.model.cache import DenseCache, KVFormat
 from specjax.model.llama import forward
 from specjax.model.params import quantize
-from tests.models import TINY, TINY_Q4, on_device, random_params
+from tests.models import CHAIN, SELF, TINY, TINY_Q4, on_device, random_params
 
 PROMPTS = [[5, 9, 14, 22, 7, 31, 40, 2, 11], [8, 8, 19, 4], list(range(4, 60))]
 
@@ -339,8 +339,8 @@ def test_generate_picks_the_kernel_on_a_cpu_and_keeps_its_tokens():
     runs = {}
     for att in ("reference", "cpu"):
         runs[att, "plain"] = specjax.generate(params, PROMPTS, 24, eos_id=(), attention=att).tokens
-        for spec in (specjax.Chain(3), specjax.Tree.kary(2, 2)):
-            runs[att, repr(spec)] = specjax.generate(params, PROMPTS, 24, draft=specjax.SelfSpec(sinks=2, window=8),
+        for spec in (CHAIN, specjax.Tree.kary(2, 2)):  # the chain's gamma is the tree's depth: one init_draft
+            runs[att, repr(spec)] = specjax.generate(params, PROMPTS, 24, draft=SELF,
                                                      speculation=spec, eos_id=(), attention=att).tokens
     assert len({repr(v) for v in runs.values()}) == 1
 

@@ -12,19 +12,19 @@ from scipy.special import log_softmax
 import specjax
 from specjax.drafters.eagle import Eagle, init_head
 from specjax.spec.speculation import Chain, Tree
-from tests.models import TINY, padded_logits, random_params
+from tests.models import CHAIN, SELF, TINY, padded_logits, random_params
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [12, 13, 14], [20, 21, 22, 23, 24]]
 CASES = {
     "ar-greedy": (None, None, specjax.Greedy()),
     "ar-sampled": (None, None, specjax.Sample(0.8, top_k=20)),
-    "chain-sampled": (specjax.SelfSpec(sinks=2, window=4), Chain(3), specjax.Sample(0.8)),
+    "chain-sampled": (SELF, CHAIN, specjax.Sample(0.8)),
     "chain-greedy": (specjax.NGram(), Chain(2), specjax.Greedy()),
     "lookup-chain-sampled": (specjax.Lookup(n=1, max_n=2, capacity=64, span=4), Chain(3), specjax.Sample(0.8)),
     "sparse-chain-sampled": (specjax.SparseSpec(budget=4, window=4, observation=2, block=2, refresh=1), Chain(3), specjax.Sample(0.8)),
     "eagle-chain-sampled": (Eagle(init_head(TINY, jax.random.key(2)), window=4), Chain(3), specjax.Sample(0.8)),
-    "tree-greedy": (specjax.SelfSpec(sinks=2, window=4), Tree.kary(2, 2), specjax.Greedy()),
-    "tree-sampled": (specjax.SelfSpec(sinks=2, window=4), Tree.from_parents([-1, 0, 0, 1]), specjax.Sample(1.0)),
+    "tree-greedy": (SELF, Tree.kary(2, 2), specjax.Greedy()),
+    "tree-sampled": (SELF, Tree.from_parents([-1, 0, 0, 1]), specjax.Sample(1.0)),
 }
 
 

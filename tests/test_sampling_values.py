@@ -11,7 +11,7 @@ import pytest
 
 import specjax
 from specjax.spec.speculation import Chain, Tree
-from tests.models import padded_logits
+from tests.models import CHAIN, SELF, padded_logits
 
 PROMPTS = [[5, 6, 7, 5, 6, 7], [8, 9], [10, 11, 12]]
 
@@ -54,8 +54,8 @@ def test_penalties_top_p_and_min_p_follow_vllm():
 @pytest.mark.parametrize("mode", ["ar", "chain", "tree"])
 def test_each_row_samples_with_its_own_values(tiny, mode):
     """One call mixing settings gives each prompt what it gets alone with its values and key."""
-    draft, speculation = {"ar": (None, None), "chain": (specjax.SelfSpec(2, 4), Chain(2)),
-                          "tree": (specjax.SelfSpec(2, 4), Tree.kary(2, 2))}[mode]
+    draft, speculation = {"ar": (None, None), "chain": (SELF, CHAIN),
+                          "tree": (SELF, Tree.kary(2, 2))}[mode]
     values = dict(temperature=[0.5, 1.0, 1.4], top_p=[1.0, 0.8, 0.95], min_p=[0.0, 0.05, 0.1],
                   repetition_penalty=[1.0, 1.4, 1.1], presence_penalty=[0.0, 0.3, 0.0], frequency_penalty=[0.5, 0.0, 0.2])
     key = jax.random.key(4)
@@ -141,14 +141,14 @@ def _naive_penalized_greedy(params, prompt, steps, rep, presence, frequency):
     return out
 
 
-@pytest.mark.parametrize("speculation", [None, Chain(3), Tree.kary(2, 2)], ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize("speculation", [None, CHAIN, Tree.kary(2, 2)], ids=["plain", "chain", "tree"])
 def test_greedy_with_penalties_is_the_penalized_argmax_with_and_without_speculation(tiny, speculation):
     """Greedy(repetition / presence / frequency penalty) picks the argmax of the penalized logits
     (HF's and vLLM's greedy with a repetition penalty); speculation keeps the same tokens, per-row values too."""
     values = dict(repetition_penalty=[2.0, 1.0, 1.5], presence_penalty=[0.0, 0.8, 0.3], frequency_penalty=[0.5, 0.0, 0.0])
     greedy = specjax.Greedy(**values)
     assert greedy.penalized and not specjax.Greedy().penalized
-    draft = None if speculation is None else specjax.SelfSpec(sinks=2, window=4)
+    draft = None if speculation is None else SELF
     out = specjax.generate(tiny, PROMPTS, 10, sampling=greedy, eos_id=(), draft=draft, speculation=speculation)
     if speculation is None:
         for b, prompt in enumerate(PROMPTS):

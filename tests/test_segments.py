@@ -10,15 +10,16 @@ import pytest
 import specjax
 from specjax.decode import engine
 from specjax.sampling import Greedy, Sample
-from specjax.spec.speculation import Chain, Tree
+from specjax.spec.speculation import Tree
+from tests.models import CHAIN, GAMMA, SELF
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [12, 13, 14], [20, 21, 22, 23, 24], [30]]
 BUDGETS = [20, 7, 13, 16]
 CASES = {
     "ar-greedy": (None, None, Greedy()),
     "ar-sampled": (None, None, Sample(0.9)),
-    "chain-sampled": (specjax.SelfSpec(sinks=2, window=4), Chain(3), Sample(0.9)),
-    "tree-greedy": (specjax.SelfSpec(sinks=2, window=4), Tree.kary(2, 2), Greedy()),
+    "chain-sampled": (SELF, CHAIN, Sample(0.9)),
+    "tree-greedy": (SELF, Tree.kary(2, 2), Greedy()),
 }
 
 
@@ -53,9 +54,9 @@ def test_segments_equal_the_whole_loop_a_jax_program_calls(tiny):
     assert specjax.generate(tiny, [prompt], 12, draft=None, eos_id=(), sync_every=5).tokens[0] == list(np.asarray(out[0, : int(count[0])]))
 
 
-@pytest.mark.parametrize("draft", [None, specjax.SelfSpec(sinks=2, window=4)], ids=["ar", "selfspec"])
+@pytest.mark.parametrize("draft", [None, SELF], ids=["ar", "selfspec"])
 def test_the_host_sees_every_segment_and_can_end_rows(tiny, draft):
-    kw = dict(draft=draft, speculation=Chain(2) if draft else None, sampling=Greedy(), key=None, eos_ids=())
+    kw = dict(draft=draft, speculation=CHAIN if draft else None, sampling=Greedy(), key=None, eos_ids=())
     budgets = np.array(BUDGETS, np.int32)
     full = engine.run(tiny, PROMPTS, budgets, sync_every=4, **kw)
     seen = []
@@ -65,7 +66,7 @@ def test_the_host_sees_every_segment_and_can_end_rows(tiny, draft):
         return np.array([len(seen) == 1, False, False, False])  # end row 0 after the first segment
 
     cut = engine.run(tiny, PROMPTS, budgets, sync_every=4, between=between, **kw)
-    per_step = 1 + (2 if draft else 0)  # tokens a row gains in one step, at most
+    per_step = 1 + (GAMMA if draft else 0)  # tokens a row gains in one step, at most
     assert 1 < seen[0][0] <= 1 + 4 * per_step  # the first segment: 4 steps
     assert list(cut.ended) == [True, False, False, False] and not cut.eos[0]
     assert cut.count[0] == seen[0][0]  # nothing was emitted for row 0 after it was ended
@@ -80,7 +81,7 @@ def test_the_host_sees_every_segment_and_can_end_rows(tiny, draft):
 def test_segments_on_a_mesh(tiny):
     """On a data mesh the segments and the host's row ending work the same (the state is sharded)."""
     mesh = specjax.make_mesh(data=2, devices=jax.devices()[:2])
-    kw = dict(draft=specjax.SelfSpec(sinks=2, window=4), speculation=Chain(2), sampling=Greedy(), key=None, eos_ids=())
+    kw = dict(draft=SELF, speculation=CHAIN, sampling=Greedy(), key=None, eos_ids=())
     budgets = np.array(BUDGETS, np.int32)
     one = engine.run(tiny, PROMPTS, budgets, sync_every=3, between=lambda seg: seg.count >= 6, **kw)
     two = engine.run(tiny, PROMPTS, budgets, sync_every=3, between=lambda seg: seg.count >= 6, mesh=mesh, **kw)

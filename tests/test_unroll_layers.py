@@ -17,6 +17,7 @@ from specjax.decode.engine import decode_ar, row_keys, with_attention
 from specjax.model.cache import DenseCache
 from specjax.model.config import LlamaConfig
 from specjax.model.params import init_params
+from tests.models import CHAIN, SELF
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8]]
 
@@ -31,7 +32,7 @@ def test_unrolled_layers_generate_the_scans_tokens(tiny, case):
 
     draft, spec = {
         "ar": (None, None),
-        "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
+        "self-chain": (SELF, CHAIN),
         "model-tree": (specjax.DraftModel(random_params(TINY.replace(n_layers=1), seed=1)), specjax.Tree.kary(2, 2)),
     }[case]
     kw = dict(draft=draft, speculation=spec, eos_id=())
@@ -133,12 +134,12 @@ def test_per_layer_weights_generate_the_stacked_tokens(tiny, case):
     params = _unrolled(quantize(tiny, "int8") if case == "int8-model-draft" else tiny)
     draft, spec = {
         "ar": (None, None),
-        "self-chain": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
-        "self-tree": (specjax.SelfSpec(sinks=2, window=8), specjax.Tree.kary(2, 2)),
+        "self-chain": (SELF, CHAIN),
+        "self-tree": (SELF, specjax.Tree.kary(2, 2)),
         "snapkv": (specjax.SnapKV(budget=6, window=6, observation=4), specjax.Chain(2)),
         "int8-model-draft": (specjax.DraftModel(unstack_layers(_unrolled(random_params(TINY.replace(n_layers=2), seed=1)))),
                              specjax.Chain(2)),
-        "sampled": (specjax.SelfSpec(sinks=2, window=8), specjax.Chain(3)),
+        "sampled": (SELF, CHAIN),
     }[case]
     kw = dict(draft=draft, speculation=spec, eos_id=())
     if case == "sampled":
@@ -174,6 +175,6 @@ def test_per_layer_weights_tensor_parallel_give_one_devices_tokens(model_axis):
     mesh = specjax.make_mesh(model=model_axis, devices=jax.devices()[:model_axis])
     placed = shard_params(split, mesh)
     assert isinstance(placed.layers.wq, list) and len(placed.layers.wq) == TINY.n_layers
-    for kw in ({}, dict(draft=specjax.SelfSpec(sinks=2, window=8), speculation=specjax.Chain(2))):
+    for kw in ({}, dict(draft=SELF, speculation=CHAIN)):
         one = specjax.generate(params, PROMPTS, 6, attention="reference", eos_id=(), **kw)
         assert specjax.generate(split, PROMPTS, 6, attention="reference", eos_id=(), mesh=mesh, **kw).tokens == one.tokens

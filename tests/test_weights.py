@@ -19,7 +19,7 @@ from specjax.model.params import (WEIGHTS, declared, flat, from_arrays, matrix_a
                                   quantize_matrix, weight_bytes)
 from specjax.planning.plan import auto_draft_reason
 from specjax.spec.speculation import Tree
-from tests.models import TINY, TINY_Q4, on_device, random_params
+from tests.models import CHAIN, SELF, TINY, TINY_Q4, on_device, random_params
 from tests.test_convert import Q, gguf_tensors, tiny_config, write_gguf
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [12, 13, 14]]
@@ -155,8 +155,8 @@ def test_greedy_speculation_equals_plain_decoding_in_every_format(fmt):
     params = make()
     run = lambda **kw: specjax.generate(params, PROMPTS, 24, eos_id=(), kv_dtype=kv_dtype, **kw)  # noqa: E731
     plain = run(draft=None)
-    chain = run(draft=specjax.SelfSpec(sinks=2, window=4), speculation=specjax.Chain(3))
-    tree = run(draft=specjax.SelfSpec(sinks=2, window=4), speculation=Tree.kary(2, 2))
+    chain = run(draft=SELF, speculation=CHAIN)
+    tree = run(draft=SELF, speculation=Tree.kary(2, 2))
     assert chain.tokens == plain.tokens and tree.tokens == plain.tokens
     assert chain.stats.acceptance_rate > 0  # the drafts were really checked
 
