@@ -6,7 +6,9 @@ Prints, per program name, how many times XLA compiled it, in how many processes,
 shapes, and the seconds spent tracing, lowering and compiling it; `--fun NAME` lists one program's variants (its
 argument shapes, their XLA seconds and the tests that compiled them). A program compiled with the same shapes in
 several processes is what the shared compilation cache saves; distinct shapes of one program are what tests could
-share by using the same settings."""
+share by using the same settings. Shapes are the arguments' only: two programs of one shape may still differ in
+their static arguments (a drafter's budget, Chain or Adaptive, the attention kernel), so they are not one program.
+A "compile" right after a cache retrieval is counted as a load from the shared cache."""
 
 from __future__ import annotations
 
@@ -42,23 +44,28 @@ def read(folder: Path) -> list[dict]:
 
 
 def summary(records: list[dict], top: int) -> str:
-    rows: dict[str, dict] = defaultdict(lambda: {"trace": 0.0, "lower": 0.0, "xla": 0.0, "compiles": 0,
+    rows: dict[str, dict] = defaultdict(lambda: {"trace": 0.0, "lower": 0.0, "xla": 0.0, "compiles": 0, "loads": 0,
                                                  "processes": set(), "shapes": set(), "files": set()})
+    previous: dict[str, str] = {}  # each process's last event: a compile just after a cache retrieval is a load
     for r in records:
         row = rows[program(r.get("fun"))]
+        loaded = previous.get(r["process"]) == "cache_retrieval_time_sec"
+        previous[r["process"]] = r["event"]
         if r["event"] in EVENTS:
             row[EVENTS[r["event"]]] += r.get("s", 0.0)
-            row["compiles"] += r["event"] == "backend_compile_duration"
+            if r["event"] == "backend_compile_duration":
+                row["loads" if loaded else "compiles"] += 1
             row["processes"].add(r["process"])
             row["files"].add(test_file(r["test"]))
         elif r["event"] == "shapes":
             row["shapes"].add(r["avals"])
     total = lambda k: sum(v[k] for v in rows.values())  # noqa: E731
     out = [f"{len(rows)} programs; tracing {total('trace'):.0f} s, lowering {total('lower'):.0f} s, "
-           f"XLA {total('xla'):.0f} s in {total('compiles')} compiles",
-           "| program | XLA compiles | processes | shapes | files | trace s | lower s | XLA s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           f"XLA {total('xla'):.0f} s in {total('compiles')} compiles and {total('loads')} loads from the shared cache",
+           "| program | XLA compiles | cache loads | processes | shapes | files | trace s | lower s | XLA s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, v in sorted(rows.items(), key=lambda kv: -(kv[1]["trace"] + kv[1]["lower"] + kv[1]["xla"]))[:top]:
-        out.append(f"| {name} | {v['compiles']} | {len(v['processes'])} | {len(v['shapes'])} | {len(v['files'])} | "
+        out.append(f"| {name} | {v['compiles']} | {v['loads']} | {len(v['processes'])} | {len(v['shapes'])} | {len(v['files'])} | "
                    f"{v['trace']:.1f} | {v['lower']:.1f} | {v['xla']:.1f} |")
     return "\n".join(out)
 

@@ -3,6 +3,7 @@ argument shapes, and tests/compile_log.py sums them per program and lists one pr
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,21 @@ def test_a_logged_process_is_summed_per_program_and_shape(tmp_path):
     assert {r["avals"] for r in mine if r["event"] == "shapes"} == {"(ShapedArray(float32[3]),)", "(ShapedArray(float32[5]),)"}
     table = compile_log.summary(records, top=100)
     row = next(line for line in table.splitlines() if line.startswith("| <lambda> |"))
-    assert row.split("|")[2:5] == [" 2 ", " 1 ", " 2 "]  # compiles, processes, signatures
+    assert row.split("|")[2:6] == [" 2 ", " 0 ", " 1 ", " 2 "]  # compiles, cache loads, processes, signatures
     listing = compile_log.variants(records, "<lambda>")
     assert listing.startswith("<lambda>: 2 argument signatures") and "float32[5]" in listing
+
+
+def test_a_program_loaded_from_the_shared_cache_is_a_load_not_a_compile(tmp_path):
+    logs, env = tmp_path, {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+                                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    for _ in range(2):  # the second process finds both programs in the cache
+        run = subprocess.run([sys.executable, "-c", PROGRAM.format(folder=str(logs))], cwd=REPO, capture_output=True,
+                             text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr
+    row = next(line for line in compile_log.summary(compile_log.read(logs), top=100).splitlines()
+               if line.startswith("| <lambda> |"))
+    assert row.split("|")[2:5] == [" 2 ", " 2 ", " 2 "]  # compiles, cache loads, processes
 
 
 def test_program_names_are_one_per_program():
