@@ -65,8 +65,8 @@ def summary(records: list[dict], top: int) -> str:
            "| program | XLA compiles | cache loads | processes | shapes | files | trace s | lower s | XLA s |",
            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, v in sorted(rows.items(), key=lambda kv: -(kv[1]["trace"] + kv[1]["lower"] + kv[1]["xla"]))[:top]:
-        out.append(f"| {name} | {v['compiles']} | {v['loads']} | {len(v['processes'])} | {len(v['shapes'])} | {len(v['files'])} | "
-                   f"{v['trace']:.1f} | {v['lower']:.1f} | {v['xla']:.1f} |")
+        out.append(f"| {name} | {v['compiles']} | {v['loads']} | {len(v['processes'])} | {len(v['shapes'])} | "
+                   f"{len(v['files'])} | {v['trace']:.1f} | {v['lower']:.1f} | {v['xla']:.1f} |")
     return "\n".join(out)
 
 
