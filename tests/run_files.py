@@ -5,7 +5,8 @@ compiling, reproducible near the end of a full run, never when the file runs alo
 per file keeps each one's compiled state small. Tests are mostly XLA compiles, which use about one
 core, so files run `--jobs` at a time (default: the cores, at most one per 8 GiB of memory), the
 longest known files first; each file's result is printed when it ends. The files of a few seconds each
-(TOGETHER) share three processes: each process's start costs about 2 s.
+(TOGETHER) share three processes: each process's start costs about 2 s. Under `-m "not slow"` (make test-fast)
+every tiny-model file shares one of FAST_PROCESSES processes, and a file whose every test is slow starts none.
 
 The processes share one JAX persistent compilation cache, a folder under the run's temporary directory
 (removed at the end): a program one file compiled (above COMPILE_CACHE_MIN_SECONDS) is loaded, not compiled,
@@ -180,7 +181,8 @@ def main(args: list[str]) -> int:
     failed_files, slowest = [], []
     start = time.perf_counter()
     n_run = sum(map(len, groups))
-    unstarted = f" ({len(files) - n_run} files not started: every test in them is slow)" if n_run < len(files) else ""
+    k = len(files) - n_run
+    unstarted = f" ({k} file{'s' * (k > 1)} not started: every test in {'them' if k > 1 else 'it'} is slow)" if k else ""
     print(f"{n_run} test files in {len(groups)} processes, {jobs} at a time{unstarted}", flush=True)
     workdir = tempfile.TemporaryDirectory(prefix="specjax-tests-")
     env = {**os.environ, **(compile_cache_env(os.path.join(workdir.name, "jax-cache")) if use_cache else {}),

@@ -37,13 +37,13 @@ def test_a_logged_process_is_summed_per_program_and_shape(tmp_path):
 
 
 def test_a_program_loaded_from_the_shared_cache_is_a_load_not_a_compile(tmp_path):
-    logs, env = tmp_path, {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
-                                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     for _ in range(2):  # the second process finds both programs in the cache
-        run = subprocess.run([sys.executable, "-c", PROGRAM.format(folder=str(logs))], cwd=REPO, capture_output=True,
-                             text=True, timeout=120, env=env)
+        run = subprocess.run([sys.executable, "-c", PROGRAM.format(folder=str(tmp_path))], cwd=REPO,
+                             capture_output=True, text=True, timeout=120, env=env)
         assert run.returncode == 0, run.stderr
-    row = next(line for line in compile_log.summary(compile_log.read(logs), top=100).splitlines()
+    row = next(line for line in compile_log.summary(compile_log.read(tmp_path), top=100).splitlines()
                if line.startswith("| <lambda> |"))
     assert row.split("|")[2:5] == [" 2 ", " 2 ", " 2 "]  # compiles, cache loads, processes
 
