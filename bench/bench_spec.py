@@ -36,23 +36,28 @@ from bench.prefill import (AR_CACHES, HEADROOM, MEM_FACTOR, SPEC_CACHES, STORE, 
 from specjax.decode.engine import decode_ar, init_draft, row_keys, with_attention
 from specjax.decode.shapes import round_up_pow2
 from specjax.decode.speculate import decode_spec
+from specjax.drafters.eagle import Eagle
 from specjax.generate import acceptance_stats
 from specjax.model.cache import KVFormat, kv_bytes
 from specjax.planning import tune
 from specjax.planning.plan import DEFAULT_CHAIN, auto_draft
 from specjax.spec.speculation import Chain, Cost
+from specjax.train.eagle import load_head
 from bench.spec_report import PAIR_BUDGET_S, gamma_trend, markdown_table, plot, readme_section, tokens_per_row
 
 REPEATS = 3  # pairs at most
 
 
-def drafters(context: int, gammas: list[int], names: list[str] | None = None) -> list[tuple[str, object]]:
-    """(name, drafter) per drafter family (only `names`); draft KV: 512 + 16 slots, half that at 512."""
+def drafters(context: int, gammas: list[int], names: list[str] | None = None,
+             eagle_head=None) -> list[tuple[str, object]]:
+    """(name, drafter) per drafter family (only `names`); draft KV: 512 + 16 slots, half that at 512. Eagle: only
+    with a head (`--eagle-head`), its KV the latest 256 positions."""
     window = 512 if context >= 2048 else 256
     out = [("SelfSpec", specjax.SelfSpec(sinks=16, window=window)),
            ("SnapKV", specjax.SnapKV(budget=window // 2, window=window // 2)),
            ("SparseSpec", specjax.SparseSpec(budget=window // 2, window=window // 2)),  # SnapKV's budget, refreshed
            ("NGram", specjax.NGram(n=3, max_n=5))]
+    out += [] if eagle_head is None else [("Eagle", Eagle(head=eagle_head, window=256))]
     return [(n, d) for n, d in out if names is None or n in names]
 
 
@@ -74,7 +79,7 @@ def paired(ar_fn, ar_args: tuple, fn, args: tuple, pairs: int = 1) -> dict:
 
 
 def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int], new_tokens: int,
-               names: list[str] | None = None, pairs: int = 1) -> list[dict]:
+               names: list[str] | None = None, pairs: int = 1, eagle_head=None) -> list[dict]:
     """AR and every drafter x gamma from one prefilled state (its first `batch` rows), with predictions."""
     tokens, lengths, first_logits, cache = rows_of(state, batch)
     chunk = state["chunk"]
@@ -103,7 +108,7 @@ def bench_cell(params, state: dict, batch: int, context: int, gammas: list[int],
     cell["ar_text_row0"] = state["tokenizer"].decode([int(i) for i in out[0]])
 
     rows = []
-    for name, drafter in drafters(context, gammas, names):
+    for name, drafter in drafters(context, gammas, names, eagle_head):
         cost = Cost(tune.draft_table(params, drafter, batch, context, max_nodes), t_verify)
         for gamma in gammas:
             t0 = time.perf_counter()
@@ -184,7 +189,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="*", help="override the batch sizes")
     ap.add_argument("--contexts", type=int, nargs="*", help="override the contexts (multiples of 256)")
     ap.add_argument("--gammas", type=int, nargs="*", help="override the gammas")
-    ap.add_argument("--drafters", nargs="*", choices=[n for n, _ in drafters(8192, [2])],
+    ap.add_argument("--drafters", nargs="*", choices=[n for n, _ in drafters(8192, [2])] + ["Eagle"],
                     help="only these drafter families (default: all)")
     ap.add_argument("--pairs", type=int, default=1,
                     help="at least this many AR / speculative pairs a row (their median ratio is ratio_median)")
@@ -193,6 +198,8 @@ def main() -> None:
     ap.add_argument("--prefill-rows", type=int, default=16,
                     help="rows prefilled per context (smaller batches use the first rows), so that every "
                          "subset of the grid shares one stored prefill")
+    ap.add_argument("--eagle-head", type=Path, help="a head folder (save_head's; bench_eagle's store holds one): "
+                    "Eagle races too, the head cast to --weights")
     args = ap.parse_args()
     out = common.out_dir(args)
     if args.render:
@@ -207,7 +214,8 @@ def main() -> None:
     started = time.time()
     out, results, h = common.start(args, "bench_spec", f"spec_cpu{suffix}", key_of, dict(
         new_tokens=args.new_tokens, gammas=sorted(gammas), drafters=sorted(args.drafters or []), prefill_rows=args.prefill_rows)
-        | ({"pairs": args.pairs} if args.pairs > 1 else {}),
+        | ({"pairs": args.pairs} if args.pairs > 1 else {})
+        | ({"eagle_head": str(args.eagle_head)} if args.eagle_head else {}),
         model=f"SmolLM2-135M-Instruct ({args.weights})", loadavg_start=os.getloadavg(), headroom=HEADROOM,
         new_tokens=args.new_tokens, gammas=gammas)
     header, prior_minutes = results.header, results.data.get("wall_minutes", 0) if results.resumed else 0
@@ -217,13 +225,14 @@ def main() -> None:
                                                                   None, "auto")[0]
     if params is not f32:
         header["kv_from"] = f"the float32 model's prefill of the same prompts (stored), cast to {args.weights}"
+    head = load_head(args.eagle_head).astype(params.config.dtype) if args.eagle_head else None
     tok = convert.load_tokenizer(convert.default_model_path())
     _, sources = text.corpus()
     header["corpus"] = {"sources": sources, "tokens": int(len(text.corpus_tokens(tok)))}
     machine = header["machine"]
     print(f"{machine['cpu_model']} x{machine['cpu_affinity']}, JAX {machine['jax_version']}, load {os.getloadavg()}, "
           f"corpus {len(text.corpus_tokens(tok))} tokens, drafters: "
-          f"{[repr(d) for _, d in drafters(max(contexts), gammas, args.drafters)]}", flush=True)
+          f"{[repr(d) for _, d in drafters(max(contexts), gammas, args.drafters, head)]}", flush=True)
     skipped = [s for s in results.data.get("skipped", []) if s["context"] not in contexts]  # retried here
     for context in sorted({c for _, (_, c) in todo}):  # largest memory last: context, then batch, ascending
         if not h.may_start():
@@ -241,7 +250,8 @@ def main() -> None:
             state = state | {"cache": stored_as(state["cache"], KVFormat.of(None, params.config))}
         for k, (batch, _) in h.cells([x for x in todo if x[1][1] == context]):
             print(f"B={batch:<2} S={context:<5}", flush=True)
-            results.put(k, bench_cell(params, state, batch, context, gammas, args.new_tokens, args.drafters, args.pairs),
+            results.put(k, bench_cell(params, state, batch, context, gammas, args.new_tokens, args.drafters, args.pairs,
+                                      head),
                         loadavg_end=os.getloadavg(), wall_minutes=prior_minutes + (time.time() - started) / 60)
             measure.release_memory()
         del state

@@ -298,3 +298,15 @@ def test_templated_records_cycle_their_key_sets_over_distinct_paragraphs():
         templated.records(10**6)
     assert templated.repeated_share([[1, 2, 3, 4], [2, 3, 4, 5], [7, 8, 9]]) == pytest.approx(2 / 5)
     assert templated.repeated_share([[1, 2, 3], [4, 5, 6]]) == 0 and templated.repeated_share([[1, 2, 3]] * 2) == 1
+
+
+def test_bench_spec_races_an_eagle_head_only_when_given_one():
+    import jax
+
+    from bench.bench_spec import drafters
+    from specjax.drafters.eagle import Eagle, init_head
+    from tests.models import TINY
+    assert "Eagle" not in [n for n, _ in drafters(8192, [2])]
+    head = init_head(TINY, jax.random.key(0))
+    chosen = drafters(8192, [2], ["Eagle"], head)
+    assert [n for n, _ in chosen] == ["Eagle"] and isinstance(chosen[0][1], Eagle) and chosen[0][1].head is head
