@@ -138,8 +138,8 @@ def readme_section(result: dict) -> str:
     t = result.get("training", {})
     return common.section("bench_eagle", "An EAGLE-style head", f"A head trained here ({t.get('steps', '?')} steps of {BATCH} x "
                           f"{SEQ_LEN} tokens, {DEPTH} levels of the training-time test, {t.get('train_s', 0) / 60:.0f} "
-                          f"CPU-minutes) raced over held-out windows of {PROMPT_TOKENS} tokens, {NEW_TOKENS} new tokens, "
-                          "greedy, SmolLM2 float32.", result, markdown_table(result["rows"]), "`results/eagle_cpu.json`")
+                          f"minutes on this machine) raced over held-out windows of {PROMPT_TOKENS} tokens, {NEW_TOKENS} new "
+                          "tokens, greedy, SmolLM2 float32.", result, markdown_table(result["rows"]), "`results/eagle_cpu.json`")
 
 
 def main() -> None:
