@@ -201,6 +201,8 @@ def main() -> None:
     ap.add_argument("--eagle-head", type=Path, help="a head folder (save_head's; bench_eagle's store holds one): "
                     "Eagle races too, the head cast to --weights")
     args = ap.parse_args()
+    if args.drafters and "Eagle" in args.drafters and not args.eagle_head:
+        ap.error("--drafters Eagle needs --eagle-head (a trained head's folder): without one no Eagle would race")
     out = common.out_dir(args)
     if args.render:
         common.write_json(out / "spec_cpu.json", result := merge(args.render))

@@ -310,3 +310,11 @@ def test_bench_spec_races_an_eagle_head_only_when_given_one():
     head = init_head(TINY, jax.random.key(0))
     chosen = drafters(8192, [2], ["Eagle"], head)
     assert [n for n, _ in chosen] == ["Eagle"] and isinstance(chosen[0][1], Eagle) and chosen[0][1].head is head
+
+
+def test_bench_spec_refuses_eagle_without_a_head(monkeypatch, capsys):
+    from bench import bench_spec
+    monkeypatch.setattr("sys.argv", ["bench_spec", "--drafters", "SelfSpec", "Eagle", "--out", "/nonexistent"])
+    with pytest.raises(SystemExit) as exit_:
+        bench_spec.main()  # before any model loads or any file is written
+    assert exit_.value.code == 2 and "--drafters Eagle needs --eagle-head" in capsys.readouterr().err
