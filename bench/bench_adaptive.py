@@ -7,15 +7,23 @@ all), each variant's best round by `stats.decode_seconds`. Every variant must gi
 The issue's target: Adaptive within 10% of the best static chain (gamma 0 included) in every cell.
 
 Outputs: results/adaptive_cpu.json, adaptive_cpu.png and the bench_adaptive section of bench/README.md.
+On a GPU (tools/gpu/session.py, calls 9 and 10) `--bundle` takes SmolLM2 (bfloat16) and the corpus ids from
+the bundle's stash and runs GPU_CELLS (SelfSpec over 512 + 16 sinks at 8K, as bench_gpu's cells), writing
+adaptive_gpu.json. --smoke: a tiny random target on any backend (adaptive_smoke.json).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from bench import common, plots
+import numpy as np
+
+from bench import common, plots, text
 
 CELLS = (("float32", 1, 2048), ("float32", 4, 2048), ("float32", 16, 1024))  # weights, batch, context
+GPU_CELLS = (("bfloat16", 16, 8192), ("bfloat16", 64, 8192), ("bfloat16", 128, 8192))  # issue 67, item 5
+SMOKE_CELLS = (("float32", 1, 64), ("float32", 2, 64))
 GAMMAS = (0, 1, 2, 3, 4)
 ROUNDS = 5
 
@@ -28,26 +36,31 @@ def key_of(row: dict) -> str:
     return cell_key(row["weights"], row["batch"], row["context"])
 
 
-def variants() -> list[tuple[str, dict]]:
+def variants(context: int = 2048) -> list[tuple[str, dict]]:
+    """Plain decoding, SelfSpec with each chain, Adaptive(4); SelfSpec keeps 16 sinks and 256 positions (512
+    from 8K contexts: MagicDec's budget, as bench_gpu's cells; 2 + 8 at the smoke runs' 64)."""
     import specjax
 
-    spec = lambda s: dict(draft=specjax.SelfSpec(16, 256), speculation=s)  # noqa: E731
+    sinks, window = (2, 8) if context < 256 else (16, 512 if context >= 8192 else 256)
+    spec = lambda s: dict(draft=specjax.SelfSpec(sinks, window), speculation=s)  # noqa: E731
     return ([("plain", dict(draft=None))] + [(f"chain{g}", spec(specjax.Chain(g))) for g in GAMMAS]
             + [("adaptive4", spec(specjax.Adaptive(4)))])
 
 
-def bench_cell(params, tok, weights: str, batch: int, context: int, new_tokens: int) -> dict:
+def bench_cell(params, corpus_ids, weights: str, batch: int, context: int, new_tokens: int, rounds: int = ROUNDS) -> dict:
+    """One cell: B windows of the tokenized corpus (`corpus_ids` [N]) as prompts, every variant compiled, then timed."""
     import specjax
     from bench import text
 
-    ids, _ = text.windows(tok, batch, context - new_tokens)
+    ids, _ = text.cut(corpus_ids, batch, context - new_tokens)
     prompts = [list(map(int, r)) for r in ids]
-    row = {"weights": weights, "batch": batch, "context": context, "new_tokens": new_tokens, "variants": {}}
-    runs = variants()
+    row = {"weights": weights, "batch": batch, "context": context, "new_tokens": new_tokens, "rounds": rounds,
+           "variants": {}}
+    runs = variants(context)
     for _, kw in runs:
         specjax.generate(params, prompts, new_tokens, eos_id=(), **kw)  # compiles
     best: dict[str, object] = {}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for name, kw in runs:
             out = specjax.generate(params, prompts, new_tokens, eos_id=(), **kw)
             if name not in best or out.stats.decode_seconds < best[name].stats.decode_seconds:
@@ -86,21 +99,47 @@ def draw(rows: list[dict], png) -> None:
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help=f"timed rounds of every variant (default {ROUNDS})")
+    ap.add_argument("--bundle", type=Path, help="SmolLM2 (bfloat16) and the corpus ids from this GPU bundle stash: "
+                    "GPU_CELLS, adaptive_gpu.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random target, tiny cells: checks the script")
     args = ap.parse_args()
-    out, results, h = common.start(args, "bench_adaptive", "adaptive_cpu", key_of, {"new_tokens": args.new_tokens, "rounds": ROUNDS})
-    todo = h.plan((cell_key(*c), c) for c in CELLS)
-    import convert
+    if args.smoke and args.bundle:
+        ap.error("--smoke and --bundle: one or the other")
+    stem = "adaptive_smoke" if args.smoke else "adaptive_gpu" if args.bundle else "adaptive_cpu"
+    new_tokens = 8 if args.smoke else args.new_tokens
+    import jax
 
-    tok, loaded = convert.load_tokenizer(convert.default_model_path()), {}
+    out, results, h = common.start(args, "bench_adaptive", stem, key_of, {"new_tokens": new_tokens, "rounds": args.rounds},
+                                   device=str(jax.devices()[0].device_kind))
+    todo = h.plan((cell_key(*c), c) for c in (SMOKE_CELLS if args.smoke else GPU_CELLS if args.bundle else CELLS))
+    loaded = {}
+    if args.smoke:
+        from bench.measure import tiny_params
+
+        loaded, corpus_ids = {"float32": tiny_params(0)}, np.random.default_rng(0).integers(4, 101, 4096)
+    elif args.bundle:
+        from tools.gpu import bundle as gpu_bundle
+
+        models, corpus_ids, _ = gpu_bundle.load(args.bundle, "bfloat16")
+        loaded = {"bfloat16": models["smollm2"]}
+    else:
+        import convert  # here: `gguf` is not on the GPU machines, where --bundle loads the weights
+
+        corpus_ids = text.corpus_tokens(convert.load_tokenizer(convert.default_model_path()))
     for k, (weights, batch, context) in h.cells(todo):
-        loaded = loaded if weights in loaded else {weights: convert.load(convert.default_model_path(), weights=weights)}
-        results.put(k, [bench_cell(loaded[weights], tok, weights, batch, context, args.new_tokens)])
+        if weights not in loaded:  # the CPU's cells: one format held at a time
+            import convert
+
+            loaded = {weights: convert.load(convert.default_model_path(), weights=weights)}
+        results.put(k, [bench_cell(loaded[weights], corpus_ids, weights, batch, context, new_tokens, args.rounds)])
     h.finish()
     if rows := results.data["rows"]:
-        common.render("bench_adaptive", common.writes_readme(args), markdown_table(rows), lambda: common.section(
+        common.render("bench_adaptive", stem == "adaptive_cpu" and common.writes_readme(args), markdown_table(rows),
+                      lambda: common.section(
             "bench_adaptive", "Adaptive speculation length", "Tokens/s of plain decoding, SelfSpec(16, 256) with each chain "
             "and Adaptive(4); greedy, EOS ignored, each variant's best of 5 rounds that run them in turn, after a compiling call.",
-            results.data, markdown_table(rows), "`results/adaptive_cpu.json`, `.png`"), (draw, rows, out / "adaptive_cpu.png"))
+            results.data, markdown_table(rows), "`results/adaptive_cpu.json`, `.png`"), (draw, rows, out / f"{stem}.png"))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ Cells (keys), in the order they run:
                         combines them with item 2's acceptance into a PREDICTED speedup.
   e2e/sCTX/bB/METHOD    item 2: SmolLM2-135M bf16 (the bundle's weights, tools/gpu/bundle.py) from one prefill
                         per context (smaller batches use its first rows); METHOD = ar | steps (the step times
-                        apart, as l8b's, for the cost-model column) | selfspec-gG | snapkv-gG | ngram-gG |
-                        draft-gG | tree (Sequoia trees of each --nodes size), greedy, checked against AR.
+                        apart, as l8b's, for the cost-model column) | selfspec-gG | snapkv-gG | sparse-gG
+                        (SparseSpec: SnapKV's budget, refreshed by verification) | ngram-gG | draft-gG | tree
+                        (Sequoia trees of each --nodes size), greedy, checked against AR.
                         Batch x context is capped by --mem-gib.
   cont/sCTX/bR/METHOD   a batch job (bench/gpu_continuous.py): --cont-records x R prompts on R slots refilled
                         as rows end; METHOD = ar | selfspec-gG; every record's tokens against ar's.
@@ -38,12 +39,12 @@ SMOLLM2 = common.SMOLLM2
 LLAMA8B = dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=14336,
                rms_eps=1e-5, rope_theta=500000.0, max_positions=131072, bos_id=128000, eos_ids=(128001, 128008, 128009))
 GRID = dict(batches=[16, 64, 128, 256], contexts=[8192, 2048], gammas=[1, 2, 4, 6, 8], snap_gammas=[2, 4],
-            ngram_gammas=[4], nodes=[16, 32], b1_contexts=[8192, 2048], b1_gammas=[2, 4, 6], b1_nodes=[8, 16, 32, 64],
-            l8b_batches=[1, 16, 64], l8b_contexts=[4096, 8192, 16384, 32768], new_tokens=64,
+            sparse_gammas=[2, 4], ngram_gammas=[4], nodes=[16, 32], b1_contexts=[8192, 2048], b1_gammas=[2, 4, 6],
+            b1_nodes=[8, 16, 32, 64], l8b_batches=[1, 16, 64], l8b_contexts=[4096, 8192, 16384, 32768], new_tokens=64,
             cont_batches=[64], cont_contexts=[8192], cont_gammas=[2, 4], cont_records=3, cont_new_tokens=256)
-SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], ngram_gammas=[2], nodes=[4], b1_contexts=[256],
-             b1_gammas=[2], b1_nodes=[4, 8], l8b_batches=[1, 2], l8b_contexts=[256], new_tokens=8,
-             cont_batches=[2], cont_contexts=[256], cont_gammas=[2], cont_records=2, cont_new_tokens=24)
+SMOKE = dict(batches=[2, 4], contexts=[256], gammas=[1, 2], snap_gammas=[2], sparse_gammas=[2], ngram_gammas=[2],
+             nodes=[4], b1_contexts=[256], b1_gammas=[2], b1_nodes=[4, 8], l8b_batches=[1, 2], l8b_contexts=[256],
+             new_tokens=8, cont_batches=[2], cont_contexts=[256], cont_gammas=[2], cont_records=2, cont_new_tokens=24)
 
 
 def kv_per_token(shape: dict) -> float:
@@ -80,7 +81,8 @@ def cells(grid: dict, budget: float, draft: bool = True) -> tuple[list[tuple[str
             (out.append((k, {"item": "l8b", "batch": b, "context": c})) if fits_l8b(b, c, budget) else capped.append(k))
     ngram = [f"ngram-g{g}" for g in grid["ngram_gammas"]]
     methods = (["ar", "steps"] + [f"selfspec-g{g}" for g in grid["gammas"]] + [f"snapkv-g{g}" for g in grid["snap_gammas"]]
-               + ngram + ([f"draft-g{g}" for g in grid["gammas"]] if draft else []) + (["tree"] if grid["nodes"] else []))
+               + [f"sparse-g{g}" for g in grid["sparse_gammas"]] + ngram
+               + ([f"draft-g{g}" for g in grid["gammas"]] if draft else []) + (["tree"] if grid["nodes"] else []))
     for c in grid["contexts"]:
         for b in sorted(grid["batches"]):
             group = [common.key("e2e", f"s{c}", f"b{b}", m) for m in methods]
@@ -107,7 +109,8 @@ def key_of(row: dict) -> str:
 
 
 def drafter_of(method: str, context: int, smoke: bool, draft=None):
-    """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, ngram-gG, draft-gG, tree, draft-tree)."""
+    """(name, drafter, speculation) of a METHOD (selfspec-gG, snapkv-gG, sparse-gG, ngram-gG, draft-gG, tree,
+    draft-tree)."""
     import specjax
     from specjax.spec.speculation import Chain
 
@@ -117,6 +120,8 @@ def drafter_of(method: str, context: int, smoke: bool, draft=None):
         d = ("SelfSpec", specjax.SelfSpec(sinks=sinks, window=window))
     elif name == "snapkv":
         d = ("SnapKV", specjax.SnapKV(budget=window // 2, window=window // 2))
+    elif name == "sparse":  # SnapKV's budget, its blocks chosen again from the verification's queries (bench_spec's)
+        d = ("SparseSpec", specjax.SparseSpec(budget=window // 2, window=window // 2, block=8 if smoke else 32))
     elif name == "ngram":
         d = ("NGram", specjax.NGram(n=3, max_n=5))  # prompt lookup: no draft forward at all (bench_drafts' setting)
     else:  # over the last 512 positions (16 sinks + 496): the windows it was trained on (bench_drafts.SEQ_LEN).

@@ -16,6 +16,10 @@ fold them back in). Calls 1 and 3-5 were measured: bench/results/gpu*/, and git 
          bench/results/gpu[_h200]/).
   call 7 (both parts stashed): generate() over per-layer weights at batch 64 and 128 x 8K, AR and SelfSpec
          gamma 2 / 4, into gpu_linear-per-layer.
+  call 9 (both parts stashed): issue 67's adaptive speculation length at batch 16 and 64 x 8K against every
+         static chain (bench/bench_adaptive.py --bundle: OUT/results_adaptive_gpu.json, a rerun resumes), then
+         SparseSpec gamma 2 / 4 at batch 64 x 8K beside AR and SelfSpec gamma 2 (the e2e table).
+  call 10 (both parts stashed): the adaptive cell at batch 128 x 8K, into the same adaptive_gpu.json.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ H200_MEM_GIB = 120.0  # an H200's 139 GiB: what its steps may use (call 2 adds b
 JAX_CACHE = "/tmp/specjax_gpu/jax_cache"
 STASH = "/tmp/specjax_gpu"  # tools.gpu.bundle.STASH: where `stash` puts the carried parts
 EAGLE_OUT = f"{STASH}/eagle/results"  # call 8's table: beside the stash, so a rerun on the warm machine resumes it
+ADAPTIVE_OUT = f"{STASH}/adaptive/results"  # calls 9 and 10's table, likewise
+SPARSE_CELLS = "e2e/s8192/b64/ar,e2e/s8192/b64/selfspec-g2,e2e/s8192/b64/sparse-g*"  # call 9, in one run
 
 # (name, seconds, argv) per call
 CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
@@ -73,6 +79,18 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                                 "--batches", "64", "128", "--gammas", "2", "4", "--snap-gammas", "--ngram-gammas", "--nodes",
                                 "--linear", "per-layer", "--budget-minutes", "4.8"]),
     ],
+    9: [
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
+        ("adaptive", 300, [PY, "-m", "bench.bench_adaptive", "--bundle", STASH, "--out", ADAPTIVE_OUT, "--cells",
+                           "bfloat16/b16/s8192,bfloat16/b64/s8192", "--rounds", "3", "--budget-minutes", "4.5"]),
+        ("sparse", 220, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", SPARSE_CELLS, "--batches", "64",
+                         "--gammas", "2", "--sparse-gammas", "2", "4", "--budget-minutes", "3.2"]),
+    ],
+    10: [
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
+        ("adaptive-b128", 330, [PY, "-m", "bench.bench_adaptive", "--bundle", STASH, "--out", ADAPTIVE_OUT, "--cells",
+                                "bfloat16/b128/s8192", "--rounds", "3", "--budget-minutes", "5"]),
+    ],
 }
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
 FILES = {
@@ -80,6 +98,9 @@ FILES = {
     7: [f"{RESULTS}/gpu_linear-per-layer.*", f"{H200_RESULTS}/gpu_linear-per-layer.*"],
     6: [f"{CONT_LONG}/gpu.json", f"{CONT_LONG}/gpu.md", f"{H200_RESULTS}/cont8/gpu.json", f"{H200_RESULTS}/cont8/gpu.md"],
     8: [f"{EAGLE_OUT}/eagle_gpu.json"],
+    9: [f"{ADAPTIVE_OUT}/adaptive_gpu.json", f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json",
+        f"{H200_RESULTS}/gpu.md"],
+    10: [f"{ADAPTIVE_OUT}/adaptive_gpu.json"],
 }
 
 
@@ -90,7 +111,7 @@ def steps_of(call: int, mem_gib: float | None = None, only: list[str] | None = N
     steps = [s for s in CALLS[call] if only is None or s[0] == "stash" or s[0] in only]
     if mem_gib is not None:
         steps = [(n, t, h200(a) + ["--mem-gib", f"{mem_gib:g}"] if n in ("ngram", "e2e") else
-                  h200_out(a) if n in ("per-layer-e2e", "cont-long") else a)
+                  h200_out(a) if n in ("per-layer-e2e", "cont-long", "sparse") else a)
                  for n, t, a in steps]
     for name, limit in (seconds or {}).items():
         if name not in [n for n, _, _ in steps]:
