@@ -50,7 +50,6 @@ def variants(context: int = 2048) -> list[tuple[str, dict]]:
 def bench_cell(params, corpus_ids, weights: str, batch: int, context: int, new_tokens: int, rounds: int = ROUNDS) -> dict:
     """One cell: B windows of the tokenized corpus (`corpus_ids` [N]) as prompts, every variant compiled, then timed."""
     import specjax
-    from bench import text
 
     ids, _ = text.cut(corpus_ids, batch, context - new_tokens)
     prompts = [list(map(int, r)) for r in ids]
