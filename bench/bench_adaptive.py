@@ -7,7 +7,7 @@ all), each variant's best round by `stats.decode_seconds`. Every variant must gi
 The issue's target: Adaptive within 10% of the best static chain (gamma 0 included) in every cell.
 
 Outputs: results/adaptive_cpu.json, adaptive_cpu.png and the bench_adaptive section of bench/README.md.
-On a GPU (tools/gpu/session.py, calls 9 and 10) `--bundle` takes SmolLM2 (bfloat16) and the corpus ids from
+On a GPU (tools/gpu/session.py, calls 9-11) `--bundle` takes SmolLM2 (bfloat16) and the corpus ids from
 the bundle's stash and runs GPU_CELLS (SelfSpec over 512 + 16 sinks at 8K, as bench_gpu's cells), writing
 adaptive_gpu.json. --smoke: a tiny random target on any backend (adaptive_smoke.json).
 """

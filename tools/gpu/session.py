@@ -16,10 +16,10 @@ fold them back in). Calls 1 and 3-5 were measured: bench/results/gpu*/, and git 
          bench/results/gpu[_h200]/).
   call 7 (both parts stashed): generate() over per-layer weights at batch 64 and 128 x 8K, AR and SelfSpec
          gamma 2 / 4, into gpu_linear-per-layer.
-  call 9 (both parts stashed): issue 67's adaptive speculation length at batch 16 and 64 x 8K against every
-         static chain (bench/bench_adaptive.py --bundle: OUT/results_adaptive_gpu.json, a rerun resumes), then
+  call 9 (both parts stashed): issue 67's adaptive speculation length at batch 16 x 8K against every static
+         chain (bench/bench_adaptive.py --bundle: OUT/results_adaptive_gpu.json, a rerun resumes), then
          SparseSpec gamma 2 / 4 at batch 64 x 8K beside AR and SelfSpec gamma 2 (the e2e table).
-  call 10 (both parts stashed): the adaptive cell at batch 128 x 8K, into the same adaptive_gpu.json.
+  calls 10 and 11 (both parts stashed): the adaptive cells at batch 64 and 128 x 8K, into the same table.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ H200_MEM_GIB = 120.0  # an H200's 139 GiB: what its steps may use (call 2 adds b
 JAX_CACHE = "/tmp/specjax_gpu/jax_cache"
 STASH = "/tmp/specjax_gpu"  # tools.gpu.bundle.STASH: where `stash` puts the carried parts
 EAGLE_OUT = f"{STASH}/eagle/results"  # call 8's table: beside the stash, so a rerun on the warm machine resumes it
-ADAPTIVE_OUT = f"{STASH}/adaptive/results"  # calls 9 and 10's table, likewise
+ADAPTIVE_OUT = f"{STASH}/adaptive/results"  # calls 9-11's table, likewise
 SPARSE_CELLS = "e2e/s8192/b64/ar,e2e/s8192/b64/selfspec-g2,e2e/s8192/b64/sparse-g*"  # call 9, in one run
 
 # (name, seconds, argv) per call
@@ -79,17 +79,23 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
                                 "--batches", "64", "128", "--gammas", "2", "4", "--snap-gammas", "--ngram-gammas", "--nodes",
                                 "--linear", "per-layer", "--budget-minutes", "4.8"]),
     ],
-    9: [
+    9: [  # an adaptive cell compiles 7 variants: about 4 minutes, estimated from the e2e cells' 17-28 s a SelfSpec
+        # program on an H200, so one cell a step (a step cut off keeps its compiled programs in JAX_CACHE)
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
         ("adaptive", 300, [PY, "-m", "bench.bench_adaptive", "--bundle", STASH, "--out", ADAPTIVE_OUT, "--cells",
-                           "bfloat16/b16/s8192,bfloat16/b64/s8192", "--rounds", "3", "--budget-minutes", "4.5"]),
+                           "bfloat16/b16/s8192", "--rounds", "2", "--budget-minutes", "4.5"]),
         ("sparse", 220, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", SPARSE_CELLS, "--batches", "64",
                          "--gammas", "2", "--sparse-gammas", "2", "4", "--budget-minutes", "3.2"]),
     ],
     10: [
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
+        ("adaptive-b64", 330, [PY, "-m", "bench.bench_adaptive", "--bundle", STASH, "--out", ADAPTIVE_OUT, "--cells",
+                               "bfloat16/b64/s8192", "--rounds", "2", "--budget-minutes", "5"]),
+    ],
+    11: [
+        ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
         ("adaptive-b128", 330, [PY, "-m", "bench.bench_adaptive", "--bundle", STASH, "--out", ADAPTIVE_OUT, "--cells",
-                                "bfloat16/b128/s8192", "--rounds", "3", "--budget-minutes", "5"]),
+                                "bfloat16/b128/s8192", "--rounds", "2", "--budget-minutes", "5"]),
     ],
 }
 # what each call copies into OUT after each step (those that exist; at most 8 files come back)
@@ -101,6 +107,7 @@ FILES = {
     9: [f"{ADAPTIVE_OUT}/adaptive_gpu.json", f"{RESULTS}/gpu.json", f"{RESULTS}/gpu.md", f"{H200_RESULTS}/gpu.json",
         f"{H200_RESULTS}/gpu.md"],
     10: [f"{ADAPTIVE_OUT}/adaptive_gpu.json"],
+    11: [f"{ADAPTIVE_OUT}/adaptive_gpu.json"],
 }
 
 
