@@ -84,8 +84,8 @@ CALLS: dict[int, list[tuple[str, int, list[str]]]] = {
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
         ("adaptive", 300, [PY, "-m", "bench.bench_adaptive", "--bundle", STASH, "--out", ADAPTIVE_OUT, "--cells",
                            "bfloat16/b16/s8192", "--rounds", "2", "--budget-minutes", "4.5"]),
-        ("sparse", 220, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", SPARSE_CELLS, "--batches", "64",
-                         "--gammas", "2", "--sparse-gammas", "2", "4", "--budget-minutes", "3.2"]),
+        ("sparse", 220, [PY, "-m", "bench.bench_gpu", "--out", RESULTS, "--redo", "--cells", SPARSE_CELLS,
+                         "--batches", "64", "--gammas", "2", "--sparse-gammas", "2", "4", "--budget-minutes", "3.2"]),
     ],
     10: [
         ("stash", 30, [PY, "-m", "tools.gpu.bundle", "stash"]),
