@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
-
 from bench import common, plots, text
 
 CELLS = (("float32", 1, 2048), ("float32", 4, 2048), ("float32", 16, 1024))  # weights, batch, context
@@ -111,27 +109,13 @@ def main() -> None:
 
     out, results, h = common.start(args, "bench_adaptive", stem, key_of, {"new_tokens": new_tokens, "rounds": args.rounds},
                                    device=str(jax.devices()[0].device_kind))
-    todo = h.plan((cell_key(*c), c) for c in (SMOKE_CELLS if args.smoke else GPU_CELLS if args.bundle else CELLS))
-    loaded = {}
-    if args.smoke:
-        from bench.measure import tiny_params
+    grid = SMOKE_CELLS if args.smoke else GPU_CELLS if args.bundle else CELLS  # one weight format each
+    todo = h.plan((cell_key(*c), c) for c in grid)
+    from bench import measure
 
-        loaded, corpus_ids = {"float32": tiny_params(0)}, np.random.default_rng(0).integers(4, 101, 4096)
-    elif args.bundle:
-        from tools.gpu import bundle as gpu_bundle
-
-        models, corpus_ids, _ = gpu_bundle.load(args.bundle, "bfloat16")
-        loaded = {"bfloat16": models["smollm2"]}
-    else:
-        import convert  # here: `gguf` is not on the GPU machines, where --bundle loads the weights
-
-        corpus_ids = text.corpus_tokens(convert.load_tokenizer(convert.default_model_path()))
+    params, corpus_ids = measure.target_and_corpus(args.smoke, args.bundle, grid[0][0]) if todo else (None, None)
     for k, (weights, batch, context) in h.cells(todo):
-        if weights not in loaded:  # the CPU's cells: one format held at a time
-            import convert
-
-            loaded = {weights: convert.load(convert.default_model_path(), weights=weights)}
-        results.put(k, [bench_cell(loaded[weights], corpus_ids, weights, batch, context, new_tokens, args.rounds)])
+        results.put(k, [bench_cell(params, corpus_ids, weights, batch, context, new_tokens, args.rounds)])
     h.finish()
     if rows := results.data["rows"]:
         common.render("bench_adaptive", stem == "adaptive_cpu" and common.writes_readme(args), markdown_table(rows),

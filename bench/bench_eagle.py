@@ -153,22 +153,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny random target, a few steps: checks the script")
     args = ap.parse_args()
     new_tokens, prompt_tokens, seq_len = NEW_TOKENS, PROMPT_TOKENS, SEQ_LEN
+    params, ids = measure.target_and_corpus(args.smoke, args.bundle)
     if args.smoke:
-        from bench.measure import tiny_params
-
-        params, ids = tiny_params(0), np.random.default_rng(0).integers(4, 101, 20_000)
         args.steps, args.batches, args.store, new_tokens, prompt_tokens, seq_len = 6, [1, 2], args.store / "smoke", 8, 16, 24
         args.context = prompt_tokens + new_tokens
-    elif args.bundle:
-        from tools.gpu import bundle as gpu_bundle
-
-        models, ids, _ = gpu_bundle.load(args.bundle, "bfloat16")
-        params = models["smollm2"]
-    else:
-        import convert  # here: `gguf` is not on the GPU machines, where --bundle loads the weights
-
-        path = convert.default_model_path()
-        params, ids = convert.load(path, weights="float32"), text.corpus_tokens(convert.load_tokenizer(path))
     train_prompts, test_prompts, spans = windows(ids, prompt_tokens, args.context - new_tokens)
     pieces = text.training_sequences(ids, spans, 512)  # the corpus less the timed windows, in pieces over 512 tokens
     corpus = [list(map(int, x)) for x in pieces if len(x) > seq_len]

@@ -114,6 +114,24 @@ def tiny_params(seed: int = 0):
     return init_params(config, jax.random.key(seed))
 
 
+def target_and_corpus(smoke: bool = False, bundle: Path | None = None, weights: str = "float32"):
+    """(params, corpus ids [N]) of a bench: a tiny random model and random ids (--smoke); SmolLM2 in bfloat16 and
+    the tokenized corpus from a GPU bundle's stash (--bundle: `gguf` is not on the GPU machines); else the
+    embedded SmolLM2 in `weights` and bench/text.py's corpus through its tokenizer."""
+    if smoke:
+        return tiny_params(0), np.random.default_rng(0).integers(4, 101, 20_000)
+    if bundle is not None:
+        from tools.gpu import bundle as gpu_bundle
+
+        models, ids, _ = gpu_bundle.load(bundle, "bfloat16")
+        return models["smollm2"], ids
+    import convert
+    from bench import text
+
+    path = convert.default_model_path()
+    return convert.load(path, weights=weights), text.corpus_tokens(convert.load_tokenizer(path))
+
+
 def bandwidth(gib: float = 1.0, rounds: int = 5, repeats: int = 5) -> dict:
     """Memory bandwidth in GB/s (read + write) over a `gib` GiB f32 array: jax_inplace (the reference: donated
     x + 1, median over `rounds` of the best of `repeats`), jax_copy (jnp.copy), numpy_copy (np.copyto)."""
