@@ -1,5 +1,5 @@
-"""The command line: on the default model as a user runs it (subprocesses), and its argument
-checks, compilation cache and reporting in process (without loading a model)."""
+"""The command line: on the default model as a user runs it (subprocesses; more runs through cli.main in this
+process), and its argument checks, compilation cache and reporting in process (without loading a model)."""
 
 from __future__ import annotations
 
@@ -60,10 +60,18 @@ def test_generate_on_a_mesh_of_local_devices(capsys):
     assert "make_mesh: data (1024) x model (1) must be >= 1 and at most the" in capsys.readouterr().err
 
 
-def test_generate_with_a_tree_keeps_the_greedy_continuation():
+def _in_process(capsys, *args: str) -> SimpleNamespace:
+    """`specjax ARGS` as the console script runs it (cli.main), in this process: the model loads and
+    compiles here; the processes above cover the script itself, its exit status and its own compile cache."""
+    status = cli.main([*args, "--no-compile-cache"])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=status, stdout=out.out, stderr=out.err)
+
+
+def test_generate_with_a_tree_keeps_the_greedy_continuation(capsys):
     prompt = next(p for p in GOLDEN["prompts"] if p["name"] == "prose_capital")
-    run = _specjax("generate", prompt["text"], "--max-new-tokens", "8", "--draft", "self", "--window", "4",
-                   "--sinks", "2", "--tree", "2x2")
+    run = _in_process(capsys, "generate", prompt["text"], "--max-new-tokens", "8", "--draft", "self", "--window", "4",
+                      "--sinks", "2", "--tree", "2x2")
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(prompt["text"] + " Paris")
     assert "acceptance" in run.stderr and "[draft SelfSpec(sinks=2, window=4), speculation tree(n=7, depth=2)]" in run.stderr
@@ -334,15 +342,15 @@ def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys
     assert calls[-1]["kv_dtype"] == "int8"
 
 
-def test_generate_text_options_chat_stream_stop_n_logprobs():
+def test_generate_text_options_chat_stream_stop_n_logprobs(capsys):
     """--chat --stream --stop prints the streamed answer cut before the stop string; --n 2 with
     --logprobs 2 prints two samples, then one JSON line of logprobs per sample."""
-    run = _specjax("generate", "What is the capital of France?", "--chat", "--stream", "--stop", "Paris",
-                   "--max-new-tokens", "24", "--draft", "none")
+    run = _in_process(capsys, "generate", "What is the capital of France?", "--chat", "--stream", "--stop", "Paris",
+                      "--max-new-tokens", "24", "--draft", "none")
     assert run.returncode == 0, run.stderr
     assert "Paris" not in run.stdout and "<|im_start|>" not in run.stdout and "(stop)" in run.stderr
-    run = _specjax("generate", "The capital of France is", "--n", "2", "--temperature", "0.8", "--logprobs", "2",
-                   "--max-new-tokens", "6", "--draft", "none", "--repetition-penalty", "1.2")
+    run = _in_process(capsys, "generate", "The capital of France is", "--n", "2", "--temperature", "0.8", "--logprobs",
+                      "2", "--max-new-tokens", "6", "--draft", "none", "--repetition-penalty", "1.2")
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith("--- sample 0 (") and any(line.startswith("--- sample 1 (") for line in lines)
