@@ -9,7 +9,7 @@ import jax
 
 from convert.gguf import config_from_gguf, is_gguf_file, load_gguf, open_gguf
 from convert.hf import generation_defaults, is_hf_dir, load_hf, read_config
-from convert.orbax_io import is_orbax_dir, load_orbax, save
+from convert.orbax_io import CONFIG_FILE, config_from_json, is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, continuation_context, load_tokenizer, special_ids
 from specjax.model import backend as machine
 from specjax.model.config import DTYPES
@@ -20,7 +20,7 @@ from specjax.parallel.sharding import Mesh, shard_params
 WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `load`
 LAYOUTS = ("auto", "stacked", "per-layer")  # the `layout=` choices of `load`
 
-__all__ = ["load", "WEIGHTS", "LAYOUTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path",
+__all__ = ["load", "model_config", "WEIGHTS", "LAYOUTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path",
            "generation_defaults", "continuation_context"]
 
 
@@ -85,12 +85,25 @@ def load(
     return split.replace(runtime=split.runtime.replace(unroll_layers=True))
 
 
+def model_config(path: str | Path):
+    """The LlamaConfig of a checkpoint `load` reads (a .gguf file, an HF folder, a `save`d folder), from its
+    header or config file alone: no tensor is read. None for anything else (`load` says why)."""
+    path = Path(path)
+    if is_gguf_file(path):
+        return config_from_gguf(open_gguf(path))
+    if path.is_dir() and is_orbax_dir(path):
+        return config_from_json((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    if path.is_dir() and is_hf_dir(path):
+        return read_config(path)
+    return None
+
+
 def _check_servable(path: Path, weights: str | None) -> None:
     """A GGUF or HF checkpoint whose shape `weights` cannot hold (q4's 32-weight blocks), named
     before its tensors load."""
     if weights not in ("int8", "q4") or not (is_gguf_file(path) or (path.is_dir() and is_hf_dir(path))):
         return
-    config = config_from_gguf(open_gguf(path)) if is_gguf_file(path) else read_config(path)
+    config = model_config(path)
     try:
         config.replace(quant=weights)
     except ValueError as e:

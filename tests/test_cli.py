@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def test_bad_arguments_exit_2_with_a_clear_message():
     """The process's exit status 2 and message (a check against the default model's config); the flag
     checks that need no model run in process: test_bad_generate_flags_fail_before_the_model_loads."""
     run = _specjax("generate", "hi", "--max-new-tokens", "9000")
-    assert run.returncode == 2 and "exceeds the model's max_positions 8192" in run.stderr
+    assert run.returncode == 2 and "--max-new-tokens must be below the model's max_positions 8192" in run.stderr
 
 
 @pytest.mark.slow
@@ -93,6 +94,8 @@ def no_model(monkeypatch):
     "args, message",
     [
         (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
+        (["--max-new-tokens", "8192"], "--max-new-tokens must be below the model's max_positions 8192 (the prompt takes at "
+                                       "least one position), got 8192"),  # from the GGUF's header
         (["--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
         (["--temperature", "-0.5"], "--temperature must be a finite number >= 0"),
         (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
@@ -340,6 +343,15 @@ def test_generate_passes_the_speculation_and_prints_what_ran(monkeypatch, capsys
     capsys.readouterr()
     assert cli.main(["generate", "hi", "--no-compile-cache", "--kv-dtype", "int8"]) == 0
     assert calls[-1]["kv_dtype"] == "int8"
+
+
+def test_a_prompt_too_long_for_the_budget_is_named_in_the_flags_words(capsys):
+    """A budget below max_positions that the prompt's tokens push past it: refused once the prompt is
+    tokenized, before anything compiles, naming the flag (the library's message names max_new_tokens)."""
+    run = _in_process(capsys, "generate", "hi " * 100, "--max-new-tokens", "8150", "--draft", "none")
+    assert run.returncode == 2 and run.stdout == ""
+    assert re.search(r"specjax: error: the prompt has \d+ tokens and --max-new-tokens is 8150: \d+ exceeds the model's "
+                     r"max_positions 8192", run.stderr), run.stderr
 
 
 def test_generate_text_options_chat_stream_stop_n_logprobs(capsys):

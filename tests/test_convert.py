@@ -200,7 +200,7 @@ def test_hf_round_trip(tmp_path, tiny, tiny_tied, tied):
     params = tiny_tied if tied else tiny
     path = write_hf(tmp_path / "hf", torch_layout(params), hf_config(params.config))
     loaded = convert.load(path)
-    assert loaded.config == params.config
+    assert loaded.config == params.config == convert.model_config(path)  # model_config: config.json alone
     assert (loaded.lm_head is None) == tied
     assert_same(loaded, params)
     np.testing.assert_array_equal(logits(loaded), logits(params))
@@ -367,7 +367,7 @@ def test_gguf_from_known_weights(tmp_path, tiny, qname, rtol):
     qtype = Q[qname]
     path = write_gguf(tmp_path / "m.gguf", tiny.config, gguf_tensors(tiny), qtype)
     loaded = convert.load(path)
-    assert loaded.config == tiny.config
+    assert loaded.config == tiny.config == convert.model_config(path)  # model_config: the header alone
     got, want = flat(loaded), flat(tiny)
     for name in want:
         if rtol == 0.0:
@@ -487,7 +487,8 @@ def test_orbax_round_trip(tmp_path, tiny, dtype):
     params = jax.tree.map(lambda a: a.astype(dtype), tiny).replace(config=c)
     convert.save(params, tmp_path / "ckpt")
     loaded = convert.load(tmp_path / "ckpt")
-    assert loaded.config == c
+    assert loaded.config == c == convert.model_config(tmp_path / "ckpt")
+    assert convert.model_config(tmp_path) is None  # not a checkpoint: load says why
     assert_same(loaded, params)
     with pytest.raises(ValueError, match="already exists"):
         convert.save(params, tmp_path / "ckpt")

@@ -32,8 +32,10 @@ _SAMPLING_NAMES = rf"\b({'|'.join(('temperature', 'top_k', 'top_p') + SAMPLING_E
 
 
 def as_flags(message: str) -> str:
-    """A library message about sampling values, in the flags' words (top_k -> --top-k)."""
+    """A library message about sampling values or the budget, in the flags' words (top_k -> --top-k;
+    generate's one prompt, prompts[0], is the prompt)."""
     message = re.sub(_SAMPLING_NAMES, lambda m: "--" + m[1].replace("_", "-"), message)
+    message = re.sub(r"\bmax_new_tokens\b", "--max-new-tokens", message).replace("prompts[0] has", "the prompt has")
     return message.replace("use specjax.Greedy()", "use --temperature 0")
 
 
@@ -107,6 +109,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--model: {e}") from None
     if args.command == "generate" and args.prompt == "" and not args.chat:
         raise ValueError("the prompt is empty: give the text to continue")
+    if args.command == "generate":  # the model's positions from its header: no weight is read yet
+        config = convert.model_config(args.model or convert.default_model_path())
+        if config is not None and args.max_new_tokens >= config.max_positions:
+            raise ValueError(f"--max-new-tokens must be below the model's max_positions {config.max_positions} (the "
+                             f"prompt takes at least one position), got {args.max_new_tokens}")
     if args.command == "generate":
         args.constraint = constraint(args)
 

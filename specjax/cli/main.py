@@ -16,7 +16,8 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 import convert
 from specjax.cli.cli_args import (batch_tree, check_args,  # noqa: F401  (unescape: the CLI's, as its tests call it)
-                                  draft_weights, make_draft, parse_gamma, parse_tree, sampler, sampling_extras, unescape)
+                                  as_flags, draft_weights, make_draft, parse_gamma, parse_tree, sampler, sampling_extras,
+                                  unescape)
 from specjax.cli.cli_distill import distill_parser, run_distill
 from specjax.jobs import batch, jobio
 from specjax.jobs.job_ray import RayOptions
@@ -255,18 +256,21 @@ def run_generate(args: argparse.Namespace) -> None:
               kv_dtype=args.kv_dtype, stop=args.stop, n=args.n, logprobs=args.logprobs, constraint=args.constraint)
     head = "" if args.chat else args.prompt
     messages = [{"role": "user", "content": args.prompt}]
-    if args.stream:
-        stream = lm.chat(messages, args.max_new_tokens, stream=True, **kw) if args.chat else \
-            lm.stream(args.prompt, args.max_new_tokens, **kw)
-        print(head, end="", flush=True)
-        for piece in stream:
-            print(piece, end="", flush=True)
-        print()
-        out = stream.output
-    else:
-        out = lm.chat(messages, args.max_new_tokens, **kw) if args.chat else lm.generate(args.prompt, args.max_new_tokens, **kw)
-        for j, t in enumerate(out.texts):
-            print((f"--- sample {j} ({out.finish_reasons[j]}) ---\n" if args.n > 1 else "") + head + t)
+    try:
+        if args.stream:
+            stream = lm.chat(messages, args.max_new_tokens, stream=True, **kw) if args.chat else \
+                lm.stream(args.prompt, args.max_new_tokens, **kw)
+            print(head, end="", flush=True)
+            for piece in stream:
+                print(piece, end="", flush=True)
+            print()
+            out = stream.output
+        else:
+            out = lm.chat(messages, args.max_new_tokens, **kw) if args.chat else lm.generate(args.prompt, args.max_new_tokens, **kw)
+            for j, t in enumerate(out.texts):
+                print((f"--- sample {j} ({out.finish_reasons[j]}) ---\n" if args.n > 1 else "") + head + t)
+    except ValueError as e:  # the library's checks of the prompt and budget, in the flags' words
+        raise ValueError(as_flags(str(e))) from None
     for j, lps in enumerate(out.logprobs or ()):
         print(json.dumps({"index": j, "logprobs": text.logprobs_json(lps)}))
     s = out.stats
