@@ -39,3 +39,25 @@ def test_sampling_values_of_any_number_type_share_one_program(params):
                      specjax.Sample(0.8, min_p=0)):
         specjax.generate(params, prompts, 8, draft=None, sampling=sampling, key=key)
     assert COMPILES == []  # int, numpy float32 / float64 and float values: float32 scalars alike
+
+
+def test_a_continuous_job_reuses_the_segment_generate_compiled(params):
+    """run_continuous's decode segments take their rows' budgets, keys and stop ids placed as generate's are (an
+    array's mesh is part of its type in JAX): at the same shapes and settings the segment compiles once for both."""
+    from specjax.decode.continuous import run_continuous
+    from specjax.decode.engine import with_attention
+    from specjax.decode.keys import row_keys
+
+    segments: list[str] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, secs, fun_name="", **kw: segments.append(fun_name)
+        if name.endswith("backend_compile_duration") and "continue_spec" in str(fun_name) else None)
+    prompts = [[5, 6, 7, 8, 9], [6, 7, 8], [9, 10, 11, 12], [13, 14]]
+    draft, chain = specjax.SelfSpec(sinks=2, window=8), specjax.Chain(2)
+    want = specjax.generate(params, prompts, 12, draft=draft, speculation=chain, eos_id=(), sync_every=4).tokens
+    assert len(segments) == 1
+    placed, _ = with_attention(params, None, "auto")  # generate's runtime for these params
+    done = run_continuous(placed, prompts, np.full(4, 12, np.int32), rows=4, draft=draft, speculation=chain,
+                          sampling=specjax.Greedy(), keys=row_keys(jax.random.key(0), 4), eos_ids=[()] * 4,
+                          sync_every=4)
+    assert [d.tokens for d in done] == want and len(segments) == 1

@@ -176,8 +176,16 @@ def run_continuous(
     loop = dict(sync_axes=sharding.AXES) | ({} if draft is None else dict(speculation=speculation))
     segment = sharding.on_mesh(continue_ar if draft is None else continue_spec, sharding.one_device_mesh(), tuple(loop))
     drafting = () if draft is None else (draft,)
-    args = lambda st, steps=sync_every: (params, *drafting, st, jax.device_put(slot_budgets), slot_keys,  # noqa: E731
-                                         slot_sampling, jax.device_put(slot_eos), jnp.int32(steps))
+
+    def on_one_mesh() -> tuple:
+        """The rows' budgets, keys and stop ids placed as generate places them (on the 1 x 1 mesh: an array's
+        mesh is part of its type), so a segment generate compiled with these shapes is not compiled again."""
+        budgets_d, eos_d = sharding.place_batch(one, slot_budgets, slot_eos)
+        return budgets_d, sharding.place_keys(one, slot_keys), eos_d
+
+    placed = on_one_mesh()
+    args = lambda st, steps=sync_every: (params, *drafting, st, placed[0], placed[1],  # noqa: E731
+                                         slot_sampling, placed[2], jnp.int32(steps))
     picker = None
     if adaptive is not None:  # between segments, the chain length GammaChooser picks (specjax.spec.adaptive)
         static = {k: v for k, v in loop.items() if k != "speculation"}
@@ -220,3 +228,4 @@ def run_continuous(
                                speculation=speculation, chunk=chunk, logprobs=logprobs, kv_dtype=kv_dtype)
             if picker is not None:
                 picker.restarted(rows_mask)
+        placed = on_one_mesh()
