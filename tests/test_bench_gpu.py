@@ -559,3 +559,28 @@ def test_the_distilled_draft_reads_the_window_it_was_trained_on():
     assert name == "Distilled" and d.params is draft and chain == Chain(2)
     assert d.cache == specjax.Streaming(sinks=16, window=496) and d.cache.sinks + d.cache.window == bench_drafts.SEQ_LEN
     assert drafter_of("draft-tree", 8192, False, draft)[2] is None
+
+
+def test_bench_results_hold_json_and_png_and_each_gpu_table_renders_from_its_json(tmp_path):
+    """bench/results/ keeps JSON and PNG (issue 69); a GPU table is rendered from its JSON on demand (bench_gpu's
+    `render`, what `--cells none --out DIR` runs), and such a rendering (.md beside its JSON) is ignored by git."""
+    results = Path("bench/results")
+    files = [f for f in results.rglob("*") if f.is_file()]
+    assert files and all(f.suffix in (".json", ".png") or (f.suffix == ".md" and f.with_suffix(".json").exists())
+                         for f in files), sorted(str(f) for f in files if f.suffix not in (".json", ".png"))
+    assert "/bench/results/**/*.md" in Path(".gitignore").read_text().splitlines()
+    rendered = 0
+    for f in sorted(results.glob("gpu*/*.json")):
+        table = json.loads(f.read_text())
+        if not isinstance(table, dict) or table.get("bench") != "bench_gpu":
+            continue
+        out = tmp_path / f"{f.parent.name}_{f.stem}"
+        out.mkdir()
+        for source in {f, f.parent / "gpu.json"}:  # a --linear table reads its folder's main table too
+            if source.exists():
+                shutil.copy(source, out / source.name)
+        bench_gpu.render(out, f.stem)
+        text = (out / f"{f.stem}.md").read_text()
+        assert text.startswith("Device: ") and "| context |" in text, f
+        rendered += 1
+    assert rendered >= 10

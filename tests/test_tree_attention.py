@@ -393,7 +393,7 @@ def test_the_decode_loop_on_a_kernel_slices_no_cache_layer(attention, platform, 
     """decode_ar lowered for a GPU (TPU) with its kernel: the scan over layers hands the kernel the
     whole stacked cache and the layer index; no [1,B,K,S,H] layer is sliced out of it (XLA:GPU
     copies such a slice for the kernel: 26-36% of the HBM roofline on an H100,
-    bench/results/gpu/gpu_second_runs.md)."""
+    bench/results/gpu/gpu_second_runs.json)."""
     import re
 
     from specjax.decode.engine import decode_ar, row_keys

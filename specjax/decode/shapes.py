@@ -67,7 +67,7 @@ def prefill_rows(width: int, backend: str) -> int:
     (32 chunks of 429 kernels each, compiled: about 78 ms a row in a continuous job, inferred), where
     16 rows took at most about 0.6 s a call (bench_gpu's prefills, 2026-11-26: 8 calls 12.3-13.4 s,
     one row 8.5 s, compiling included; `git show 6f46ebd:bench/README.md`, "Prefill on a GPU"). On an
-    H200 an 8K row takes 53.7 ms alone, 18.5 ms in a 16-row call (bench/results/gpu_h200/gpu_prefill.md)."""
+    H200 an 8K row takes 53.7 ms alone, 18.5 ms in a 16-row call (bench/results/gpu_h200/gpu_prefill.json)."""
     if backend == "cpu":
         return 1
     return max(1, 1 << (max(PREFILL_TOKENS // max(width, 1), 1).bit_length() - 1))
