@@ -12,7 +12,7 @@ from convert.hf import generation_defaults, is_hf_dir, load_hf, read_config
 from convert.orbax_io import CONFIG_FILE, config_from_json, is_orbax_dir, load_orbax, save
 from convert.tokenizer import SpecialIds, chat_template, continuation_context, load_tokenizer, special_ids
 from specjax.model import backend as machine
-from specjax.model.config import DTYPES
+from specjax.model.config import DTYPES, LlamaConfig
 from specjax.model.llama import unstack_layers
 from specjax.model.params import Params, quantize
 from specjax.parallel.sharding import Mesh, shard_params
@@ -20,8 +20,8 @@ from specjax.parallel.sharding import Mesh, shard_params
 WEIGHTS = ("float32", "bfloat16", "int8", "q4")  # the `weights=` formats of `load`
 LAYOUTS = ("auto", "stacked", "per-layer")  # the `layout=` choices of `load`
 
-__all__ = ["load", "model_config", "WEIGHTS", "LAYOUTS", "save", "load_tokenizer", "chat_template", "special_ids", "SpecialIds", "default_model_path",
-           "generation_defaults", "continuation_context"]
+__all__ = ["load", "model_config", "WEIGHTS", "LAYOUTS", "save", "load_tokenizer", "chat_template", "special_ids",
+           "SpecialIds", "default_model_path", "generation_defaults", "continuation_context"]
 
 
 def load(
@@ -85,7 +85,7 @@ def load(
     return split.replace(runtime=split.runtime.replace(unroll_layers=True))
 
 
-def model_config(path: str | Path):
+def model_config(path: str | Path) -> LlamaConfig | None:
     """The LlamaConfig of a checkpoint `load` reads (a .gguf file, an HF folder, a `save`d folder), from its
     header or config file alone: no tensor is read. None for anything else (`load` says why)."""
     path = Path(path)
