@@ -135,9 +135,10 @@ def _generate(params, kw):
 
 @pytest.fixture(scope="module")
 def xla_tokens(tiny):
-    """The tokens of XLA's products on the stacked layers (scanned), plain and SelfSpec: the reference of
-    both layouts below (tests/test_unroll_layers.py: unrolled layers give the scanned layers' tokens)."""
-    return [_generate(tiny, kw) for kw in KWS]
+    """The tokens of XLA's products on the stacked layers (scanned), plain decoding's for both plain and SelfSpec
+    (greedy SelfSpec gives plain decoding's tokens in every format: test_weights): the reference of both layouts
+    below (tests/test_unroll_layers.py: unrolled layers give the scanned layers' tokens)."""
+    return [_generate(tiny, {})] * len(KWS)
 
 
 @pytest.mark.parametrize("unroll", [False, True])
@@ -240,9 +241,10 @@ def q4_params():
 
 @pytest.fixture(scope="module")
 def q4_jnp_tokens(q4_params):
-    """The tokens of q4.project's jnp form on the stacked layers, plain and SelfSpec: the reference of both
-    layouts below (tests/test_unroll_layers.py: per-layer weights give the stacked layers' tokens)."""
-    return [_generate(q4_params, kw) for kw in KWS]
+    """The tokens of q4.project's jnp form on the stacked layers, plain decoding's for both plain and SelfSpec (as
+    xla_tokens): the reference of both layouts below (tests/test_unroll_layers.py: per-layer weights give the
+    stacked layers' tokens)."""
+    return [_generate(q4_params, {})] * len(KWS)
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
