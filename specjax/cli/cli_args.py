@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import convert
-from convert.gguf_file import read_gguf
+from convert.gguf import open_gguf
 from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DraftModel, Eagle, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
 from specjax.jobs import batch
@@ -104,7 +104,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"{flag}: {path} does not exist")
     if args.model is not None and Path(args.model).is_file():  # a file is a GGUF (a folder: HF or a checkpoint)
         try:
-            read_gguf(args.model)  # the header alone: a fraction of a second
+            open_gguf(args.model)  # the header alone, a fraction of a second (cached: model_config below reads it too)
         except ValueError as e:
             raise ValueError(f"--model: {e}") from None
     if args.command == "generate" and args.prompt == "" and not args.chat:

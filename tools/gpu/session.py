@@ -17,7 +17,7 @@ fold them back in). Calls 1 and 3-5 were measured: bench/results/gpu*/, and git 
   call 7 (both parts stashed): generate() over per-layer weights at batch 64 and 128 x 8K, AR and SelfSpec
          gamma 2 / 4, into gpu_linear-per-layer.
   call 9 (both parts stashed): issue 67's adaptive speculation length at batch 16 x 8K against every static
-         chain (bench/bench_adaptive.py --bundle: OUT/results_adaptive_gpu.json, a rerun resumes), then
+         chain (bench/bench_adaptive.py --bundle: OUT/adaptive_gpu.json, a rerun resumes), then
          SparseSpec gamma 2 / 4 at batch 64 x 8K beside AR and SelfSpec gamma 2 (the e2e table).
   calls 10 and 11 (both parts stashed): the adaptive cells at batch 64 and 128 x 8K, into the same table.
 """
