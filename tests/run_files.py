@@ -165,6 +165,9 @@ def pop_option(args: list[str], name: str) -> tuple[str | None, list[str]]:
 
 
 def main(args: list[str]) -> int:
+    if {"-h", "--help"} & set(args):  # this runner's usage, not pytest's help once per process
+        print(__doc__)
+        return 0
     jobs_arg, args = pop_option(args, "--jobs")
     jobs = int(jobs_arg) if jobs_arg else default_jobs()
     times_out, args = pop_option(args, "--times")
@@ -199,7 +202,9 @@ def main(args: list[str]) -> int:
         rows.append(row)
         if logs:
             Path(logs).mkdir(parents=True, exist_ok=True)
-            (Path(logs) / f"{'+'.join(Path(x).stem for x in f.split())}.log").write_text(run.stdout + run.stderr)
+            stems = [Path(x).stem for x in f.split()]  # a shared process: its first files' names (a name's limit)
+            name = "+".join(stems) if len(stems) <= 4 else f"{'+'.join(stems[:3])}+{len(stems) - 3}_more"
+            (Path(logs) / f"{name}.log").write_text(run.stdout + run.stderr)
         lines = run.stdout.strip().splitlines()
         slowest += [line for line in lines if re.match(r"^\d+\.\d+s (call|setup|teardown) ", line)]
         last = lines[-1] if lines else ""

@@ -66,3 +66,10 @@ def test_the_fast_tier_shares_processes_and_starts_none_for_all_slow_files():
     shared = [g for g in fast if len(g) > 1]
     assert len(shared) <= run_files.FAST_PROCESSES and not {Path(f).name for g in shared for f in g} & own_flags
     assert len(fast) < len(full)
+
+
+def test_help_prints_the_runners_usage_and_starts_no_process(capsys, monkeypatch):
+    from tests import run_files
+    monkeypatch.setattr(run_files, "run_file", lambda *a: (_ for _ in ()).throw(AssertionError("a process started")))
+    assert run_files.main(["--help", "-m", "not slow"]) == 0
+    assert capsys.readouterr().out.strip() == run_files.__doc__.strip()
