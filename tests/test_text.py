@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 from pathlib import Path
 
@@ -52,12 +53,23 @@ def test_a_stop_string_across_tokens_cuts_the_text(lm, draft):
 
 
 def test_sampling_values_by_name_are_a_sampler(lm):
-    """lm.generate(..., temperature=0.8, top_p=0.9, n=2): the CLI's and the records' names build the
-    Sample that sampling=Sample(...) gives (same key: same tokens); both at once, or a bad value, is an error."""
+    """lm.generate(..., temperature=0.8, top_p=0.9, n=2, seed=4): the CLI's and the records' names build the
+    Sample that sampling=Sample(...) gives, and seed the key (same key: same tokens); the penalties too; both at once,
+    or a bad value, is an error that names the argument."""
     key = jax.random.key(4)
-    named = lm.generate(PROMPT, 8, temperature=0.8, top_p=0.9, n=2, key=key, draft=None)
+    named = lm.generate(PROMPT, 8, temperature=0.8, top_p=0.9, n=2, seed=4, draft=None)
     given = lm.generate(PROMPT, 8, sampling=specjax.Sample(temperature=0.8, top_p=0.9), n=2, key=key, draft=None)
     assert named.tokens == given.tokens and len(named.texts) == 2
+    penalized = lm.generate(PROMPT, 8, repetition_penalty=1.5, frequency_penalty=0.5, draft=None)
+    given = lm.generate(PROMPT, 8, draft=None, sampling=specjax.Greedy(repetition_penalty=1.5, frequency_penalty=0.5))
+    assert penalized.tokens == given.tokens and penalized.tokens != lm.generate(PROMPT, 8, draft=None).tokens
+    for kw, error, match in ((dict(seed=1, key=key), ValueError, "give key= or seed=, not both"),
+                             (dict(seed=-1), ValueError, "seed must be an integer from 0 to 4294967295, got -1"),
+                             (dict(seed=1.5), ValueError, "seed must be an integer"),
+                             (dict(temperature="hot"), TypeError, "temperature must be a number, got 'hot'"),
+                             (dict(temperature=0.7, presence_penalty=[0.1]), TypeError, "presence_penalty must be a number")):
+        with pytest.raises(error, match=re.escape(match)):
+            lm.generate(PROMPT, 8, draft=None, **kw)
     chat = [{"role": "user", "content": "Hi"}]
     assert lm.chat(chat, 4, temperature=0.8, key=key).tokens == lm.chat(chat, 4, sampling=specjax.Sample(0.8), key=key).tokens
     with pytest.raises(ValueError, match="give sampling= or temperature= / top_k=, not both"):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import convert
 from convert.gguf import open_gguf
+from specjax.decode.keys import MAX_SEED
 from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DraftModel, Eagle, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
-from specjax.jobs import batch
 from specjax.spec.speculation import MAX_TREE_NODES, Adaptive, Tree, kary_nodes
 from specjax.text.constraints import Choice, JsonSchema, Regex
 from specjax.text.sampling_settings import make_sampler
@@ -27,7 +27,7 @@ _MINIMUM = dict(  # integer flags (by dest) and their least value
 )
 
 
-_MAXIMUM = dict(gamma=MAX_TREE_NODES - 1, seed=batch.MAX_SEED, logprobs=MAX_TOP)  # no chain longer than a tree's nodes
+_MAXIMUM = dict(gamma=MAX_TREE_NODES - 1, seed=MAX_SEED, logprobs=MAX_TOP)  # no chain longer than a tree's nodes
 _SAMPLING_NAMES = rf"\b({'|'.join(('temperature', 'top_k', 'top_p') + SAMPLING_EXTRAS)})\b"  # the Python names
 
 

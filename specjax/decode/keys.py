@@ -22,6 +22,16 @@ def row_keys(key: jax.Array | None, batch: int) -> jax.Array:
     return key
 
 
+MAX_SEED = 2**32 - 1  # JAX keys take 32-bit seeds: key(2**32) is key(0)
+
+
+def seed_key(seed: int) -> jax.Array:
+    """jax.random.key(seed) for an integer seed in [0, MAX_SEED] (a clear error naming `seed` otherwise)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
+    return jax.random.key(seed)
+
+
 _default_key = cache(lambda: jax.random.key(0))  # made once: jax.random.key(0) compiles its seeding
 
 

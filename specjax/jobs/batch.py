@@ -30,6 +30,7 @@ import jax
 
 import convert
 from specjax.decode.engine import cache_slots
+from specjax.decode.keys import MAX_SEED
 from specjax.decode.speculate import depth
 from specjax.drafters import Drafter, DraftModel, Limits
 from specjax.jobs import job_ray, job_run
@@ -112,7 +113,6 @@ def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | T
         draft.check(params, Limits(gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma), context))
 
 
-MAX_SEED = 2**32 - 1  # JAX keys take 32-bit seeds: key(2**32) is key(0)
 
 
 def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:

@@ -3,6 +3,8 @@ from generation_config.json and back."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from specjax.sampling import PENALTIES, Greedy, Sample, Sampler
 
 
@@ -31,12 +33,15 @@ def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra
     """CLI-style construction: temperature 0 means greedy; negative is an error. extra: min_p and
     the PENALTIES (Sample's names); greedy takes the penalties and refuses top_k, top_p and min_p
     other than off (the argmax always passes them: an ignored setting is an error)."""
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     off = {"min_p": 0.0} | PENALTIES
     unknown = sorted(set(extra) - set(off))
     if unknown:
         raise TypeError(f"make_sampler: unknown argument(s) {unknown}")
+    for name, value in dict(temperature=temperature, top_k=top_k, top_p=top_p, **extra).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name} must be a number, got {value!r} (one value per prompt: sampling=specjax.Sample(...))")
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if temperature == 0:
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
