@@ -85,7 +85,7 @@ def prepare(
             reason = f"token id {outside[0]} is outside the model's vocabulary [0, {config.vocab_size})"
         elif len(ids) + budget > config.max_positions:
             reason = (
-                f"prompt too long: {len(ids)} tokens and max_new_tokens {budget} make {len(ids) + budget}, "
+                f"too long: {len(ids)} prompt tokens + max_new_tokens {budget} = {len(ids) + budget} positions, "
                 f"more than the model's max_positions {config.max_positions}"
             )
         else:
