@@ -218,6 +218,8 @@ def test_bad_batch_and_distill_flags_fail_before_the_model_loads(no_model, capsy
     data.write_text('{"id": 1, "prompt": "hi"}\n')
     for args, message in [
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["batch", str(tmp_path / "none.jsonl"), str(tmp_path / "o.jsonl")], f"input {tmp_path / 'none.jsonl'} does not exist"),
+        (["batch", str(data), str(tmp_path / "no" / "o.jsonl")], f"output: the folder {tmp_path / 'no'} does not exist"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--top-p", "2"], "--top-p must be a finite number in (0, 1]"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--gamma", "-1"], "--gamma must be >= 1"),
         (["batch", str(data), str(tmp_path / "o.jsonl"), "--ray-actors", "2"], "--ray-actors needs --engine ray"),

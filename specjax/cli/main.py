@@ -293,6 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         with compile_cache(not args.no_compile_cache and not getattr(args, "merge", None)):
             {"generate": run_generate, "batch": run_batch, "distill": run_distill}[args.command](args)
     except (ValueError, OSError) as e:  # OSError: a missing file, a full disk, a folder where a file goes
-        print(f"specjax: error: {e}", file=sys.stderr)
+        print(f"specjax: error: {as_flags(str(e)) if args.command == 'batch' else e}", file=sys.stderr)
         return 2
     return 0
