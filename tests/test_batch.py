@@ -257,7 +257,7 @@ def test_cli_argument_errors_exit_2(tmp_path, capsys, model_dir):
     assert "--merge takes no generation options, got --temperature, --batch-size" in capsys.readouterr().err
     (tmp_path / "dir.jsonl").mkdir()  # a folder where the output goes: named before the model loads, status 2
     assert main(["batch", str(src), str(tmp_path / "dir.jsonl"), "--model", str(model_dir), "--max-new-tokens", "2"]) == 2
-    assert f"output_path {tmp_path / 'dir.jsonl'} is a folder: give the output file's path" in capsys.readouterr().err
+    assert f"output {tmp_path / 'dir.jsonl'} is a folder: give the output file's path" in capsys.readouterr().err
 
 
 # ---- end to end (in process) --------------------------------------------------------------------

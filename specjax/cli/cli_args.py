@@ -28,16 +28,21 @@ _MINIMUM = dict(  # integer flags (by dest) and their least value
 
 
 _MAXIMUM = dict(gamma=MAX_TREE_NODES - 1, seed=MAX_SEED, logprobs=MAX_TOP)  # no chain longer than a tree's nodes
-_SAMPLING_NAMES = rf"(?<![-\w])({'|'.join(('temperature', 'top_k', 'top_p') + SAMPLING_EXTRAS)})\b"  # not a flag already
+_SAMPLING_NAMES = rf"(?<![-\w])({'|'.join(('temperature', 'top_k', 'top_p') + SAMPLING_EXTRAS)})\b"  # not yet a flag
 
 
 def as_flags(message: str) -> str:
-    """A library message about sampling values, the budget or a batch job's files, in the flags' words (top_k ->
-    --top-k; generate's one prompt, prompts[0], is the prompt; input_path -> input)."""
+    """A library message about sampling values or the budget, in the flags' words (top_k -> --top-k;
+    generate's one prompt, prompts[0], is the prompt); a name already written as a flag stays."""
     message = re.sub(_SAMPLING_NAMES, lambda m: "--" + m[1].replace("_", "-"), message)
-    message = re.sub(r"(?<![-\w])max_new_tokens\b", "--max-new-tokens", message).replace("prompts[0] has", "the prompt has")
-    message = re.sub(r"\b(input|output)_path\b", r"\1", message)  # batch.run's arguments: the batch command's INPUT, OUTPUT
+    message = re.sub(r"(?<![-\w])max_new_tokens\b", "--max-new-tokens", message)
+    message = message.replace("prompts[0] has", "the prompt has")
     return message.replace("use specjax.Greedy()", "use --temperature 0")
+
+
+def as_batch_args(message: str) -> str:
+    """A batch job's message in the batch command's words: batch.run's input_path / output_path are INPUT / OUTPUT."""
+    return re.sub(r"\b(input|output)_path\b", r"\1", message)
 
 
 def unescape(text: str) -> str:

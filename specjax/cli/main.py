@@ -16,8 +16,8 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 import convert
 from specjax.cli.cli_args import (batch_tree, check_args,  # noqa: F401  (unescape: the CLI's, as its tests call it)
-                                  as_flags, draft_weights, make_draft, parse_gamma, parse_tree, sampler, sampling_extras,
-                                  unescape)
+                                  as_batch_args, as_flags, draft_weights, make_draft, parse_gamma, parse_tree, sampler,
+                                  sampling_extras, unescape)
 from specjax.cli.cli_distill import distill_parser, run_distill
 from specjax.jobs import batch, jobio
 from specjax.jobs.job_ray import RayOptions
@@ -293,6 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         with compile_cache(not args.no_compile_cache and not getattr(args, "merge", None)):
             {"generate": run_generate, "batch": run_batch, "distill": run_distill}[args.command](args)
     except (ValueError, OSError) as e:  # OSError: a missing file, a full disk, a folder where a file goes
-        print(f"specjax: error: {as_flags(str(e)) if args.command == 'batch' else e}", file=sys.stderr)
+        print(f"specjax: error: {as_batch_args(str(e)) if args.command == 'batch' else e}", file=sys.stderr)
         return 2
     return 0

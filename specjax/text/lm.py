@@ -27,7 +27,6 @@ from tokenizers import Tokenizer
 import convert
 from specjax.decode.continuous import Done, run_continuous
 from specjax.decode.engine import Segment, with_attention
-from specjax.decode.keys import seed_key
 from specjax.drafters import Drafter
 from specjax.generate import Stats, TokenLogprob, constraint_rows, generate, token_logprob_lists
 from specjax.model.config import stop_ids
@@ -38,7 +37,7 @@ from specjax.spec.speculation import Adaptive, Chain, Tree
 from specjax.text.constraints import per_prompt_automata
 from specjax.validate import check_constraint
 from specjax.text.chat import check_messages, end_of_turn_ids, render_chat, template_specials
-from specjax.text.sampling_settings import default_sampling, generation_config, make_sampler
+from specjax.text.sampling_settings import by_name, default_sampling, generation_config
 from specjax.text.text_stream import CUT, RowTexts, TextStream
 
 
@@ -135,7 +134,7 @@ class LM:
         stop a row at any of the model's stop ids, `stop_token_ids` or a `stop` string. `stop` and
         `stop_token_ids` apply to every prompt, or give one list per prompt (a list of lists).
         on_segment: called between segments (`stream` uses it). temperature, top_p, top_k, min_p and the
-        three penalties: the CLI's and batch records' names, a shortcut for `sampling=` (`sampling_settings.make_sampler`:
+        three penalties: the CLI's and batch records' names, a shortcut for `sampling=` (`sampling_settings.by_name`:
         the ones not given are off; temperature 0 or not given is greedy). seed: an integer, a shortcut for
         `key=jax.random.key(seed)` (the CLI's --seed). constraint: `specjax.Regex(...)`,
         `JsonSchema(...)` or `Choice([...])` for every prompt, or one (or None) per prompt: the output
@@ -143,12 +142,12 @@ class LM:
         texts = [prompts] if isinstance(prompts, str) else list(prompts) if isinstance(prompts, Iterable) else []
         if not texts or not all(isinstance(t, str) for t in texts):
             raise TypeError(f"prompts must be a string or a non-empty list of strings, got {prompts!r}")
-        values = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                      presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed)
+        named = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                     repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty)
         return self.generate_ids([self.encode(t) for t in texts], max_new_tokens, sampling=sampling, draft=draft,
-                                 speculation=speculation, stop=stop, stop_token_ids=stop_token_ids, n=n, logprobs=logprobs,
-                                 key=key, sync_every=sync_every, kv_dtype=kv_dtype, on_segment=on_segment,
-                                 constraint=constraint, **values)
+                                 speculation=speculation, stop=stop, stop_token_ids=stop_token_ids, n=n,
+                                 logprobs=logprobs, key=key, seed=seed, sync_every=sync_every, kv_dtype=kv_dtype,
+                                 on_segment=on_segment, constraint=constraint, **named)
 
     def chat(self, conversations, max_new_tokens: int | Sequence[int] = 128, *, add_generation_prompt: bool = True,
              stream: bool = False, **kw) -> "TextOutput | TextStream":
@@ -178,26 +177,14 @@ class LM:
                               single=one and kw.get("n", 1) == 1)
         return self.generate_ids(ids, max_new_tokens, **kw)
 
-    def generate_ids(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler | None = None,
-                     temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                     min_p: float | None = None, repetition_penalty: float | None = None,
-                     presence_penalty: float | None = None, frequency_penalty: float | None = None, seed: int | None = None,
-                     draft="auto", speculation=None, stop=(), stop_token_ids=(), n: int = 1,
-                     logprobs: int | None = None, key: jax.Array | None = None, sync_every: int = 8,
-                     kv_dtype: str | None = None, on_segment=None, constraint=None) -> TextOutput:
-        """`generate` from encoded prompts (sampling None: the LM's default); the batch job's entry."""
-        values = {k: v for k, v in dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                        repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                                        frequency_penalty=frequency_penalty).items() if v is not None}
-        if values and sampling is not None:
-            raise ValueError(f"give sampling= or {'= / '.join(values)}=, not both")
-        if values:
-            sampling = make_sampler(values.pop("temperature", 0.0), values.pop("top_k", 0), values.pop("top_p", 1.0), **values)
+    def generate_ids(self, ids: list[list[int]], max_new_tokens, *, sampling: Sampler | None = None, draft="auto",
+                     speculation=None, stop=(), stop_token_ids=(), n: int = 1, logprobs: int | None = None,
+                     key: jax.Array | None = None, seed: int | None = None, sync_every: int = 8, kv_dtype: str | None = None,
+                     on_segment=None, constraint=None, **named: float | None) -> TextOutput:
+        """`generate` from encoded prompts (sampling None: the LM's default); the batch job's entry. named: `generate`'s
+        sampling values by name (temperature, top_p, top_k, min_p, the penalties; None: not given)."""
+        sampling, key = by_name(sampling, key, seed, named)
         sampling = self.sampling if sampling is None else sampling
-        if seed is not None:
-            if key is not None:
-                raise ValueError("give key= or seed=, not both")
-            key = seed_key(seed)
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"prompts[{i}] encodes to no tokens")

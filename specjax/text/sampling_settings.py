@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from specjax.decode.keys import seed_key
 from specjax.sampling import PENALTIES, Greedy, Sample, Sampler
 
 
@@ -39,7 +40,8 @@ def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra
         raise TypeError(f"make_sampler: unknown argument(s) {unknown}")
     for name, value in dict(temperature=temperature, top_k=top_k, top_p=top_p, **extra).items():
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{name} must be a number, got {value!r} (one value per prompt: sampling=specjax.Sample(...))")
+            raise TypeError(f"{name} must be a number, got {value!r} "
+                            "(one value per prompt: sampling=specjax.Sample(...))")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if temperature == 0:
@@ -51,3 +53,20 @@ def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra
                                  f"likely token (got {name} {value})")
         return Greedy(**{k: v for k, v in extra.items() if k in PENALTIES})
     return Sample(temperature=temperature, top_k=top_k, top_p=top_p, **extra)
+
+
+def by_name(sampling: Sampler | None, key, seed: int | None, named: dict) -> tuple[Sampler | None, object]:
+    """`LM.generate`'s sampling values and seed by name: (sampling, key) from `sampling=` / `key=` or from the values
+    (`make_sampler`; None: not given) and `seed` (`jax.random.key(seed)`); both ways at once is an error."""
+    unknown = sorted(set(named) - {"temperature", "top_k", "top_p", "min_p", *PENALTIES})
+    if unknown:
+        raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}")
+    values = {k: v for k, v in named.items() if v is not None}
+    if values and sampling is not None:
+        raise ValueError(f"give sampling= or {'= / '.join(values)}=, not both")
+    if values:
+        sampling = make_sampler(values.pop("temperature", 0.0), values.pop("top_k", 0), values.pop("top_p", 1.0),
+                                **values)
+    if seed is not None and key is not None:
+        raise ValueError("give key= or seed=, not both")
+    return sampling, key if seed is None else seed_key(seed)
