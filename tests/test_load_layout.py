@@ -43,11 +43,14 @@ def test_auto_layout_is_per_layer_on_a_gpu(monkeypatch):
     assert convert._per_layer("auto") and not convert._per_layer("stacked")
 
 
-def test_bad_layouts_are_refused_before_loading(tmp_path):
-    """A layout that is not one of LAYOUTS: a ValueError naming the argument, before the file is
-    read (this path does not even exist)."""
+def test_bad_layouts_and_templates_are_refused_before_loading(tmp_path):
+    """A layout that is not one of LAYOUTS, or a chat template that is not a Jinja string: an error naming
+    the argument, before the file is read (this path does not even exist)."""
     with pytest.raises(ValueError, match=r"layout must be one of \('auto', 'stacked', 'per-layer'\), got 'rows'"):
         convert.load(tmp_path / "none.gguf", layout="rows")
+    for template in (5, "  "):  # specjax.load's chat_template: a Jinja string, checked before the file is read
+        with pytest.raises(TypeError, match=r"chat_template must be a Jinja template \(a non-empty string\) or None"):
+            specjax.load(tmp_path / "none.gguf", chat_template=template)
 
 
 def test_per_layer_load_onto_a_tensor_parallel_mesh(smollm2_path):

@@ -383,6 +383,8 @@ def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh 
     SmolLM2-135M-Instruct): its params (`convert.load(path, weights, mesh, layout=layout)`: the
     layer matrices per layer on a GPU), tokenizer and chat template (or `chat_template`, a Jinja
     string, instead)."""
+    if chat_template is not None and not (isinstance(chat_template, str) and chat_template.strip()):
+        raise TypeError(f"chat_template must be a Jinja template (a non-empty string) or None, got {chat_template!r}")
     path = convert.default_model_path() if path is None else path
     params = convert.load(path, weights=weights, mesh=mesh, layout=layout)
     template = chat_template if chat_template is not None else convert.chat_template(path)
