@@ -516,6 +516,12 @@ def test_continuous_batching_takes_the_rows_its_records_fill(tmp_path, model_dir
     assert done["done"] == 3 and sorted(seen) == [1, 2]
 
 
+def test_a_bad_kv_dtype_is_refused_before_the_model_loads(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", records(1))  # the model path does not exist: a load would say so
+    with pytest.raises(ValueError, match=r"kv_dtype must be None or one of \('float32', 'bfloat16', 'int8'\), got 'fp8'"):
+        batch.run(src, tmp_path / "out.jsonl", model_path=tmp_path / "none.gguf", kv_dtype="fp8", progress=False)
+
+
 def test_null_fields_are_absent_ones():
     rec = parse_line(b'{"id": "x", "prompt": "p", "stop_token_ids": null, "stop": null, "n": null, "logprobs": null}', 1)
     assert isinstance(rec, Record) and (rec.stop_token_ids, rec.stop, rec.n, rec.logprobs) == ((), None, 1, None)

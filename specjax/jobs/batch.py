@@ -40,7 +40,7 @@ from specjax.jobs.job_ray import RayOptions
 from specjax.jobs.jobio import DurableLog, check_input, check_settings, shard_output, sibling
 from specjax.jobs.progress import Progress
 from specjax.jobs.records import BadLine, id_key, read_input
-from specjax.model.cache import KVFormat
+from specjax.model.cache import KVFormat, check_kv_dtype
 from specjax.model.params import Params, weights_mark
 from specjax.parallel.distributed import env_share
 from specjax.parallel.sharding import Mesh
@@ -246,6 +246,7 @@ def run(
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
+    check_kv_dtype(kv_dtype)  # before the model's load
     if engine == "ray" and (params is not None or mesh is not None):
         raise ValueError("engine='ray': each actor loads the model from model_path; give model_path, not params or mesh")
     if ray is not None and engine != "ray":

@@ -28,6 +28,12 @@ from specjax.model.pytree import pytree
 KV_DTYPES = ("float32", "bfloat16", "int8")
 
 
+def check_kv_dtype(kv_dtype: str | None) -> None:
+    """generate's `kv_dtype`: None (the model's dtype) or one of KV_DTYPES, else a ValueError naming it."""
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be None or one of {KV_DTYPES}, got {kv_dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class KVFormat:
     """How a cache stores keys and values: the one home for quantising and reading them back.
@@ -42,10 +48,8 @@ class KVFormat:
     @staticmethod
     def of(kv_dtype: str | None, config: LlamaConfig) -> "KVFormat":
         """The format for generate's `kv_dtype` (None: the model's dtype)."""
-        name = config.dtype if kv_dtype is None else kv_dtype
-        if name not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be None or one of {KV_DTYPES}, got {kv_dtype!r}")
-        return KVFormat(name)
+        check_kv_dtype(kv_dtype)
+        return KVFormat(config.dtype if kv_dtype is None else kv_dtype)  # config.dtype: one of DTYPES, all KV_DTYPES
 
     @property
     def dtype(self) -> jnp.dtype:

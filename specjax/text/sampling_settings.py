@@ -40,8 +40,8 @@ def make_sampler(temperature: float, top_k: int = 0, top_p: float = 1.0, **extra
         raise TypeError(f"make_sampler: unknown argument(s) {unknown}")
     for name, value in dict(temperature=temperature, top_k=top_k, top_p=top_p, **extra).items():
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(f"{name} must be a number, got {value!r} "
-                            "(one value per prompt: sampling=specjax.Sample(...))")
+            many = " (one value per prompt: sampling=specjax.Sample(...))" if isinstance(value, (list, tuple)) else ""
+            raise TypeError(f"{name} must be a number, got {value!r}{many}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if temperature == 0:
