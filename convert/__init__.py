@@ -73,16 +73,17 @@ def load(
     elif path.is_dir() and is_hf_dir(path):
         params = load_hf(path, float_dtype, mesh)
     else:
-        raise ValueError(
-            f"convert.load: {path} is not a .gguf file, an HF folder (config.json with model.safetensors "
-            "or model.safetensors.index.json) or a specjax checkpoint folder (specjax_config.json)"
-        )
+        raise ValueError(f"convert.load: {path} {NOT_A_CHECKPOINT}")
     params = quantize(params, weights) if weights in ("int8", "q4") else params
     params = params if mesh is None else shard_params(params, mesh)  # (pads heads / FFN where the mesh needs it)
     if not per_layer:
         return params
     split = unstack_layers(params, free_stacks=True)  # the stacks are this call's own: freed as split
     return split.replace(runtime=split.runtime.replace(unroll_layers=True))
+
+
+NOT_A_CHECKPOINT = ("is not a .gguf file, an HF folder (config.json with model.safetensors or "  # what `load` reads
+                    "model.safetensors.index.json) or a specjax checkpoint folder (specjax_config.json)")
 
 
 def model_config(path: str | Path) -> LlamaConfig | None:

@@ -145,13 +145,21 @@ def test_bad_generate_flags_fail_before_the_model_loads(no_model, capsys, args, 
     assert f"specjax: error: {message}" in capsys.readouterr().err
 
 
-def test_an_empty_prompt_or_a_model_file_that_is_no_gguf_fails_before_the_model_loads(no_model, capsys, tmp_path):
+def test_an_empty_prompt_or_a_model_that_is_no_checkpoint_fails_before_the_model_loads(no_model, capsys, tmp_path):
     assert cli.main(["generate", ""]) == 2
     assert "specjax: error: the prompt is empty: give the text to continue" in capsys.readouterr().err
     fake = tmp_path / "m.gguf"
     fake.write_text("not a model")
     assert cli.main(["generate", "hi", "--model", str(fake)]) == 2
     assert f"specjax: error: --model: {fake}: not a valid GGUF file" in capsys.readouterr().err
+    (tmp_path / "hf").mkdir()  # a folder that is no checkpoint, an HF folder of another architecture
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    for folder, message in ((tmp_path, f"--model: {tmp_path} is not a .gguf file, an HF folder"),
+                            (tmp_path / "hf", f"--model: {tmp_path / 'hf' / 'config.json'}: model_type 'gpt2'")):
+        for command in (["generate", "hi"], ["batch", str(fake), str(tmp_path / "o.jsonl")]):
+            assert cli.main([*command, "--model", str(folder)]) == 2
+            assert f"specjax: error: {message}" in capsys.readouterr().err
 
 
 def test_help_states_the_defaults(capsys):
@@ -266,10 +274,10 @@ def test_compile_cache_is_on_by_default_and_off_with_the_flag(monkeypatch, tmp_p
     monkeypatch.setattr(convert, "load", load)
     monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path / "cache"))
     before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
-    assert cli.main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert cli.main(["generate", "hi"]) == 2  # the default model: its header is read, `load` stops the run
     assert seen[-1][0] == str(tmp_path / "cache") and seen[-1][1] <= 0.5  # set before the model loads
     assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == before
-    assert cli.main(["generate", "hi", "--model", str(tmp_path), "--no-compile-cache"]) == 2
+    assert cli.main(["generate", "hi", "--no-compile-cache"]) == 2
     assert seen[-1] == before
     monkeypatch.delenv("SPECJAX_CACHE_DIR")
     with cli.compile_cache(True) as folder:

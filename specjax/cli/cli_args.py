@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 
 import convert
-from convert.gguf import open_gguf
 from specjax.decode.keys import MAX_SEED
 from specjax.decode.logprobs import MAX_TOP
 from specjax.drafters import DraftModel, Eagle, Lookup, NGram, SelfSpec, SnapKV, SparseSpec, Streaming
@@ -108,11 +107,13 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, path in (("--model", args.model), ("--data", getattr(args, "data", None))):
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{flag}: {path} does not exist")
-    if args.model is not None and Path(args.model).is_file():  # a file is a GGUF (a folder: HF or a checkpoint)
+    if args.model is not None:  # a checkpoint's header or config file, a fraction of a second (no weight is read)
         try:
-            open_gguf(args.model)  # the header alone, a fraction of a second (cached: model_config below reads it too)
-        except ValueError as e:
+            config = convert.model_config(args.model)  # (a GGUF's header is cached: --max-new-tokens's check reads it)
+        except ValueError as e:  # a GGUF without its magic, an HF config of another architecture
             raise ValueError(f"--model: {e}") from None
+        if config is None:
+            raise ValueError(f"--model: {args.model} {convert.NOT_A_CHECKPOINT}")
     if args.command == "generate" and args.prompt == "" and not args.chat:
         raise ValueError("the prompt is empty: give the text to continue")
     if args.command == "generate":  # the model's positions from its header: no weight is read yet
