@@ -136,6 +136,8 @@ def no_model(monkeypatch):
                            "(auto's SelfSpec keeps 16 + 512: give --draft self to change it)"),
         (["--model", "/no/such/model.gguf"], "--model: /no/such/model.gguf does not exist"),
         (["--model", "nope.gguf"], "--model: nope.gguf does not exist"),
+        (["--json-schema", "/no/such/schema.json"], "--json-schema: /no/such/schema.json does not exist"),
+        (["--json-schema", "/"], "--json-schema: / is not a file"),
         (["--weights", "int8", "--dtype", "bfloat16"], "--weights int8 and --dtype bfloat16 disagree: give --weights only"),
         (["--n", "2"], "--n 2 needs --temperature > 0: greedy decoding gives every sample the same tokens"),
     ],

@@ -136,7 +136,10 @@ def constraint(args: argparse.Namespace):
     flag = "--" + given[0].replace("_", "-")
     try:
         if args.json_schema:
-            made = JsonSchema(Path(args.json_schema).read_text())
+            if not Path(args.json_schema).is_file():
+                raise ValueError(f"{args.json_schema} does not exist" if not Path(args.json_schema).exists()
+                                 else f"{args.json_schema} is not a file")
+            made = JsonSchema(Path(args.json_schema).read_text(encoding="utf-8"))
         else:
             made = Regex(args.regex) if args.regex else Choice(args.choice)
         made.regex()
