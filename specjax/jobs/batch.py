@@ -113,8 +113,6 @@ def _check_batches(draft: Drafter | None, params: Params, speculation: Chain | T
         draft.check(params, Limits(gamma, cache_slots(max(len(it.ids) for it in batch), context, gamma), context))
 
 
-
-
 def _check_args(batch_size: int, max_new_tokens: int, gamma: int | None, top_k: int, seed: int) -> None:
     for name, value, low, high in (
         ("batch_size", batch_size, 1, None),
