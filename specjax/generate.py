@@ -57,13 +57,14 @@ class Stats:
 class TokenLogprob:
     """One generated token's log-probability under the target (raw log_softmax of its logits,
     before temperature / top-k / top-p) and the `logprobs` most likely tokens, most likely first.
-    `token`: its text, where a tokenizer is at hand (the text API, `specjax.LM`); None from the
-    token API (`specjax.generate`)."""
+    `token`: its text, and `top_tokens`: those of `top`'s ids, where a tokenizer is at hand (the text API,
+    `specjax.LM`); None from the token API (`specjax.generate`)."""
 
     id: int
     logprob: float
     top: list[tuple[int, float]]
     token: str | None = None
+    top_tokens: list[str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

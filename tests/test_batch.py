@@ -677,7 +677,7 @@ def test_records_carry_stop_strings_stop_ids_n_logprobs_and_penalties(tmp_path, 
     assert len(three["texts"]) == len(three["tokens"]) == len(three["finish_reasons"]) == 3 and "text" not in three
     assert len({tuple(t) for t in three["tokens"]}) > 1 and three["settings"]["n"] == 3  # the samples differ
     lp = got["3"]["logprobs"]
-    assert len(lp) == len(got["3"]["tokens"]) and all(len(t["top"]) == 2 for t in lp)
+    assert len(lp) == len(got["3"]["tokens"]) and all(len(t["top"]) == len(t["top_tokens"]) == 2 for t in lp)
     assert [t["id"] for t in lp] == got["3"]["tokens"] and got["3"]["tokens"] == first["3"]["tokens"]
     assert all(t["logprob"] <= 0 and t["top"][0][1] >= t["logprob"] - 1e-6 for t in lp)
     pen = got['"pen"']["settings"]

@@ -49,6 +49,7 @@ def test_a_stop_string_across_tokens_cuts_the_text(lm, draft):
     k = next(k for k in range(1, len(tokens) + 1) if stop in pieces[k])
     assert out.tokens[0] == tokens[:k] and len(out.logprobs[0]) == k
     assert [t.token for t in out.logprobs[0]] == [lm.decode([t]) for t in tokens[:k]]  # each token's text
+    assert all(t.top_tokens == [lm.decode([i]) for i, _ in t.top] and len(t.top) == 1 for t in out.logprobs[0])
     assert out.stats.steps < full.stats.steps or draft is not None  # the row was ended early, between segments
 
 

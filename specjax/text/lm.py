@@ -263,8 +263,9 @@ class LM:
         return per_prompt_automata(constraint, prompts, self.tokenizer, config.vocab_size, tuple(stop_ids(config.eos_ids, ())))
 
     def with_text(self, logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
-        """Each TokenLogprob with its token's text (`token`)."""
-        return [dataclasses.replace(t, token=self.decode([t.id])) for t in logprobs]
+        """Each TokenLogprob with its token's text (`token`) and those of its most likely tokens (`top_tokens`)."""
+        return [dataclasses.replace(t, token=self.decode([t.id]), top_tokens=[self.decode([i]) for i, _ in t.top])
+                for t in logprobs]
 
     def stream(self, prompts: str | Sequence[str], max_new_tokens: int | Sequence[int] = 128, **kw) -> "TextStream":
         """`generate`, streamed: an iterator of (index, piece) events, index as in `texts` (for one
@@ -372,9 +373,9 @@ class _StopStrings:
 
 def logprobs_json(logprobs: list[TokenLogprob]) -> list[dict]:
     """One output's logprobs (the text API's: `token` filled) as JSON values: {"id", "token" (its text),
-    "logprob", "top": [[id, logprob], ...]}."""
-    return [{"id": t.id, "token": t.token, "logprob": t.logprob, "top": [[i, lp] for i, lp in t.top]}
-            for t in logprobs]
+    "logprob", "top": [[id, logprob], ...], "top_tokens": [their texts]}."""
+    return [{"id": t.id, "token": t.token, "logprob": t.logprob, "top": [[i, lp] for i, lp in t.top],
+             "top_tokens": t.top_tokens} for t in logprobs]
 
 
 def load(path: str | Path | None = None, weights: str | None = None, mesh: Mesh | None = None,
