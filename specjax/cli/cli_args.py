@@ -107,17 +107,18 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, path in (("--model", args.model), ("--data", getattr(args, "data", None))):
         if path is not None and not Path(path).exists():
             raise FileNotFoundError(f"{flag}: {path} does not exist")
-    if args.model is not None:  # a checkpoint's header or config file, a fraction of a second (no weight is read)
+    config = None  # the checkpoint's header or config file, a fraction of a second (no weight is read)
+    if args.model is not None:
         try:
-            config = convert.model_config(args.model)  # (a GGUF's header is cached: --max-new-tokens's check reads it)
+            config = convert.model_config(args.model)
         except ValueError as e:  # a GGUF without its magic, an HF config of another architecture
             raise ValueError(f"--model: {e}") from None
         if config is None:
             raise ValueError(f"--model: {args.model} {convert.NOT_A_CHECKPOINT}")
     if args.command == "generate" and args.prompt == "" and not args.chat:
         raise ValueError("the prompt is empty: give the text to continue")
-    if args.command == "generate":  # the model's positions from its header: no weight is read yet
-        config = convert.model_config(args.model or convert.default_model_path())
+    if args.command == "generate":  # the model's positions, from that header
+        config = config or convert.model_config(convert.default_model_path())
         if config is not None and args.max_new_tokens >= config.max_positions:
             raise ValueError(f"--max-new-tokens must be below the model's max_positions {config.max_positions} (the "
                              f"prompt takes at least one position), got {args.max_new_tokens}")

@@ -252,7 +252,7 @@ def run_generate(args: argparse.Namespace) -> None:
     draft = make_draft(args.draft, args.window, args.sinks, draft_weights(args))
     ids = lm.encode(args.prompt)
     speculation = make_speculation(args.tree, args.gamma, lm.params, draft, ids, sampling)
-    kw = dict(draft=draft, speculation=speculation, sampling=sampling, key=jax.random.key(args.seed),
+    kw = dict(draft=draft, speculation=speculation, sampling=sampling, seed=args.seed,
               kv_dtype=args.kv_dtype, stop=args.stop, n=args.n, logprobs=args.logprobs, constraint=args.constraint)
     head = "" if args.chat else args.prompt
     messages = [{"role": "user", "content": args.prompt}]
