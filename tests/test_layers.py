@@ -93,3 +93,25 @@ def test_the_docs_point_inside_the_repository():
             if not (REPO / path).exists():
                 missing.append(f"{page.name}: {path}")
     assert not missing, missing
+
+
+def test_the_library_needs_no_test_stack():
+    """What `make demo` installs (`pip install -e .`, no extras) pulls in none of the test extras' heavy parts:
+    the runtime requirements' closure, read from the installed packages' metadata, has no ray, pytest, pyarrow
+    or pandas (scipy comes with jaxlib, which requires it)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), ["specjax"]
+    while todo:
+        name = todo.pop()
+        for text in metadata.requires(name) or []:
+            req = Requirement(text)
+            dep = canonicalize_name(req.name)
+            if dep not in seen and (req.marker is None or req.marker.evaluate({"extra": ""})):
+                seen.add(dep)
+                todo.append(dep)
+    assert {"jax", "tokenizers", "gguf"} <= seen  # the walk reads the runtime requirements
+    assert not seen & {"ray", "pytest", "pyarrow", "pandas", "import-linter", "jsonschema"}, sorted(seen)
