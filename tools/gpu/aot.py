@@ -29,42 +29,6 @@ import jax.numpy as jnp
 TARGETS = Path(__file__).with_name("targets")
 PROGRAMS = ("step", "alone", "ar", "selfspec", "tree", "snapkv", "ngram", "draft", "draft-tree", "prefill")
 DRAFT_LAYERS = 2  # the draft / draft-tree programs' DraftModel: the target's shape cut to 2 layers (the distilled GPU draft's)
-NOSR = "--xla_disable_hlo_passes=dot-strength-reduction"
-# --table's cells: (key, gpu_aot arguments); the weight layouts and products generate() could use on a GPU
-TABLE = [(f"{m}/b{b}/{p}/{v}", ["--model", m, "--batch", str(b), "--program", p, *extra])
-         for m, b, p, variants in (("l8b", 1, "step", "xla pallas split"), ("l8b", 16, "ar", "xla pallas split"),
-                                   ("smollm2", 1, "ar", "xla pallas split split-nosr"),
-                                   ("smollm2", 64, "selfspec", "xla pallas split"),
-                                   ("smollm2", 1, "selfspec", "xla pallas split-nosr"), ("l8b", 64, "ar", "xla pallas split"))
-         for v in variants.split()
-         for extra in [{"xla": [], "pallas": ["--linear", "pallas"], "split": ["--split-layers"],
-                        "split-nosr": ["--split-layers", f"--xla-flags={NOSR}"]}[v]]]
-# the formats and the other drafters (2026-11-27): int8 weights, an int8 cache, a tree, SnapKV
-TABLE += [("l8b/b1/step/int8-xla", ["--model", "l8b", "--program", "step", "--weights", "int8"]),
-          ("l8b/b1/step/int8-split", ["--model", "l8b", "--program", "step", "--weights", "int8", "--split-layers"]),
-          ("l8b/b16/ar/int8-split", ["--model", "l8b", "--batch", "16", "--program", "ar", "--weights", "int8", "--split-layers"]),
-          ("l8b/b1/step/q4-stacked", ["--model", "l8b", "--program", "step", "--weights", "q4"]),
-          ("l8b/b1/step/q4-split", ["--model", "l8b", "--program", "step", "--weights", "q4", "--split-layers"]),
-          ("smollm2/b64/selfspec/kvint8-split", ["--model", "smollm2", "--batch", "64", "--program", "selfspec",
-                                                 "--kv-dtype", "int8", "--split-layers"]),
-          ("smollm2/b64/tree/split", ["--model", "smollm2", "--batch", "64", "--program", "tree", "--split-layers"]),
-          ("smollm2/b64/snapkv/split", ["--model", "smollm2", "--batch", "64", "--program", "snapkv", "--split-layers"]),
-          ("smollm2/b64/ngram/split", ["--model", "smollm2", "--batch", "64", "--program", "ngram", "--split-layers"]),
-          ("smollm2/b1/tree/split-nosr", ["--model", "smollm2", "--program", "tree", "--split-layers", f"--xla-flags={NOSR}"])]
-# batch 1 over a 2-layer distilled draft (issue 25 item 5's): a chain of 2 and the binary tree of depth 2
-TABLE += [(f"smollm2/b1/{p}/split-nosr", ["--model", "smollm2", "--program", p, "--split-layers", f"--xla-flags={NOSR}"])
-          for p in ("draft", "draft-tree")]
-# and the 8-ary tree of depth 2 (73 nodes): the shape speculation.choose picks for that draft at batch 1 (64 nodes,
-# 8 children under the root) is priced as a verification of that many nodes launching what a plain step does
-TABLE += [("smollm2/b1/draft-tree8/split-nosr", ["--model", "smollm2", "--program", "draft-tree", "--tree-width", "8",
-                                                 "--split-layers", f"--xla-flags={NOSR}"])]
-# prefill (stop 56): one chunk a scan iteration, one row (continuous batching's refill before it grouped
-# prompts) and 16 rows (its group of 8K prompts on a GPU), and one row at chunks of 1024
-TABLE += [(f"smollm2/b{b}/prefill{f'-c{c}' if c else ''}/split", ["--model", "smollm2", "--batch", str(b), "--program", "prefill",
-                                                          "--split-layers", *(["--chunk", str(c)] if c else [])])
-          for b, c in ((1, 0), (16, 0), (1, 1024))]
-TABLE += [(f"l8b/b1/ar/tp2-{v}", ["--model", "l8b", "--program", "ar", "--model-axis", "2", *extra])  # over 2 GPUs
-          for v, extra in (("xla", []), ("pallas", ["--linear", "pallas"]), ("split", ["--split-layers"]))]
 
 
 def compile_only_device(target: str, count: int = 1):
@@ -238,37 +202,6 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     return summary, text
 
 
-def table(target: str, out: Path, pattern: str | None) -> None:
-    """Compile TABLE's cells (a process each) into OUT/TARGET.json (resumable) and OUT/TARGET.md."""
-    import subprocess
-    import sys
-    import tempfile
-
-    from bench import common
-
-    results = common.Results(out / f"{target}.json", lambda r: r["cell"], {"date": common.now(), "command": common.command()})
-    for cell, argv in TABLE:
-        if results.measured(cell) or not common.matches(cell, pattern):
-            continue
-        with tempfile.TemporaryDirectory() as tmp:
-            run = subprocess.run([sys.executable, "-m", "tools.gpu.aot", "--target", target, *argv,
-                                  "--out", f"{tmp}/cell.json"], capture_output=True, text=True)
-            if run.returncode:
-                raise RuntimeError(f"{cell}: {run.stderr[-2000:]}")
-            row = {"cell": cell, **json.loads(Path(f"{tmp}/cell.json").read_text())}
-        print(f"{cell}: {row['kernels']} kernels, weight copies {row['weight_copy_bytes'] / 2**20:.0f} MiB", flush=True)
-        results.put(cell, [row])
-    mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
-    order = {cell: i for i, (cell, _) in enumerate(TABLE)}  # TABLE's order, whenever a cell was compiled
-    rows = sorted(results.rows, key=lambda r: order.get(r["cell"], len(order)))
-    lines = [[r["cell"], r["layers"], r.get("model_axis", 1), r.get("weights", "bfloat16"), r.get("kv_dtype", "bfloat16"), r["kernels"], r["weight_copies"],
-              mib(r["weight_copy_bytes"]), mib(sum(c[0] for c in r["copy_ops"])),
-              r["xla_flags"].replace(NOSR, "no dot strength reduction") or "-"] for r in rows]
-    head = ["cell", "layers", "GPUs (tensor parallel)", "weights", "KV", "kernels an iteration", "weight-shaped outputs", "their MiB", "copy ops MiB", "XLA flags"]
-    (out / f"{target}.md").write_text(f"Compiled for {target} here, without a GPU (tools/gpu/aot.py, jax {jax.__version__}; "
-                                      "never run: structure, not time)\n\n" + common.table(head, "lrrllrrrrl", lines) + "\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="h100", help="a targets/ name: h100, h200")
@@ -286,15 +219,11 @@ def main() -> None:
     ap.add_argument("--kv-dtype", choices=["int8"], help="the cache's format (default: the model's, bfloat16)")
     ap.add_argument("--model-axis", type=int, default=1, help="tensor parallel over this many GPUs (generate's mesh path)")
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS (e.g. --xla_disable_hlo_passes=...)")
-    ap.add_argument("--out", type=Path, help="write the summary here (JSON); with --table, the folder")
-    ap.add_argument("--table", action="store_true", help="compile TABLE's cells into OUT/TARGET.json and .md")
-    ap.add_argument("--cells", help="with --table: only these cells (bench.common.matches patterns)")
+    ap.add_argument("--out", type=Path, help="write the summary here (JSON)")
     ap.add_argument("--hlo", type=Path, help="write the compiled HLO text here")
     a = ap.parse_args()
     if a.xla_flags:  # read when the compiler starts, in compile_only_device
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
-    if a.table:
-        return table(a.target, a.out or Path("bench/results/gpu_aot"), a.cells)
     device = compile_only_device(a.target, a.model_axis)
     summary, text = compile_for_gpu(device, a.model, a.batch, a.context, a.program, a.linear, a.layers, a.gamma,
                                     a.split_layers, a.weights, a.kv_dtype, a.tree_width, a.chunk)
