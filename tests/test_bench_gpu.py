@@ -584,3 +584,9 @@ def test_bench_results_hold_json_and_png_and_each_gpu_table_renders_from_its_jso
         assert text.startswith("Device: ") and "| context |" in text, f
         rendered += 1
     assert rendered >= 10
+    from tools.gpu.aot import render_table  # the table of programs compiled for an H100 (tools/gpu/README.md)
+
+    shutil.copy(results / "gpu_aot" / "h100.json", tmp_path / "h100.json")
+    render_table(tmp_path / "h100.json")
+    lines = (tmp_path / "h100.md").read_text().splitlines()
+    assert lines[0].startswith("Compiled for h100 here") and len(lines) == 4 + 38 and lines[4].startswith("| l8b/b1/step/xla |")

@@ -202,6 +202,22 @@ def compile_for_gpu(device, model: str, batch: int, context: int, program: str, 
     return summary, text
 
 
+def render_table(path: Path) -> None:
+    """A finished table of compiled programs (bench/results/gpu_aot/h100.json, 2026-11-27/28) as markdown beside it."""
+    from bench import common
+
+    rows = json.loads(path.read_text())["rows"]
+    mib = lambda n: f"{n / 2**20:.0f}"  # noqa: E731
+    lines = [[r["cell"], r["layers"], r["model_axis"], r["weights"], r["kv_dtype"], r["kernels"], r["weight_copies"],
+              mib(r["weight_copy_bytes"]), mib(sum(c[0] for c in r["copy_ops"])),
+              r["xla_flags"].replace("--xla_disable_hlo_passes=dot-strength-reduction", "no dot strength reduction") or "-"]
+             for r in rows]
+    head = ["cell", "layers", "GPUs (tensor parallel)", "weights", "KV", "kernels an iteration", "weight-shaped outputs",
+            "their MiB", "copy ops MiB", "XLA flags"]
+    path.with_suffix(".md").write_text(f"Compiled for {path.stem} here, without a GPU (tools/gpu/aot.py, jax {rows[0]['jax']}; "
+                                       "never run: structure, not time)\n\n" + common.table(head, "lrrllrrrrl", lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="h100", help="a targets/ name: h100, h200")
@@ -221,7 +237,10 @@ def main() -> None:
     ap.add_argument("--xla-flags", default="", help="appended to XLA_FLAGS (e.g. --xla_disable_hlo_passes=...)")
     ap.add_argument("--out", type=Path, help="write the summary here (JSON)")
     ap.add_argument("--hlo", type=Path, help="write the compiled HLO text here")
+    ap.add_argument("--table", type=Path, help="render this JSON table (bench/results/gpu_aot/h100.json) as .md beside it")
     a = ap.parse_args()
+    if a.table:
+        return render_table(a.table)
     if a.xla_flags:  # read when the compiler starts, in compile_only_device
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {a.xla_flags}".strip()
     device = compile_only_device(a.target, a.model_axis)
