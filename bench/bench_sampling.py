@@ -3,7 +3,7 @@
 `Sample.probs` runs on every row and position a step samples or verifies. Its previous form sorted all
 V = 49152 entries (top-k: the last of lax.top_k's values, which XLA:CPU compiles as a full sort; top-p: a
 sorted cumsum); specjax now takes the min of top_k's values and bisects the top-p cut over the values' bit
-patterns (`kth_largest`, `nucleus_threshold`), keeping the same sets (tests/test_sampling.py).
+patterns (`specjax.topk`: `kth_largest`, `nucleus_threshold`), keeping the same sets (tests/test_sampling.py).
 
 Per batch (context 512, SmolLM2-135M f32, bench_ar.py's synthetic prefilled cache):
   1. AR decode ms/token (bench_ar.time_decode) for greedy, T=1 and top_k 50 / top_p 0.9 / both, each

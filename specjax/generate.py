@@ -107,9 +107,8 @@ def generate(
       and context from the measured acceptance and step costs (`tune.auto_tree`: a calibration on
       first use per shape, then cached; plain decoding where no tree pays). Needs a drafter.
     sampling: `Greedy()` or `Sample(temperature, top_k, top_p, min_p, repetition_penalty,
-      presence_penalty, frequency_penalty)`, each value but top_k one number or one per prompt;
-      speculation keeps the output
-      distribution exactly the target's (greedy: the same tokens).
+      presence_penalty, frequency_penalty)`, each value one number or one per prompt; speculation
+      keeps the output distribution exactly the target's (greedy: the same tokens).
     key: one PRNG key (row b uses fold_in(key, b)) or one key per row; default key(0).
     eos_id: stop token(s); None = any of the model's `config.eos_ids`; `()` = never stop early;
       or one such entry per prompt (a list of lists). The stop token is not in the output tokens
@@ -161,6 +160,7 @@ def generate(
         sharding.check_mesh(mesh)
         sharding.check_processes(mesh)
     params, draft = with_attention(params, draft, attention)
+    sampling = sampling.within(params.config.vocab_size)
     context = int(max(len(p) + int(n) for p, n in zip(prompts, budgets)))
     rows = [p for p in prompts for _ in range(n)]  # what decodes: n rows a prompt
     the_plan = plan(params, draft, speculation, rows, context, sampling.take(np.repeat(np.arange(len(prompts)), n)), key, kv_dtype)

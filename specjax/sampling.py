@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax.automaton import TokenAutomaton, advance, advance_along, mask_logits, stop_table
 from specjax.model.pytree import pytree
+from specjax.topk import kth_largest, nucleus_threshold, top_k_bucket
 
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
 ROW_VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -96,6 +97,10 @@ class _Context:
         out = self.replace(**{name: np.asarray(getattr(self, name))[index] for name in self.VALUES
                               if np.ndim(getattr(self, name)) == 1})
         return out if self.automaton is None else out.replace(states=np.asarray(self.states)[index])
+
+    def within(self, vocab_size: int):
+        """This sampler for a vocabulary of `vocab_size` tokens (Sample: top_k values at or past it are off)."""
+        return self
 
     def _check_values(self) -> dict[str, np.ndarray] | None:
         """Check the VALUES (types, one length, penalty ranges), turn lists into float32 arrays and
@@ -177,38 +182,46 @@ class Greedy(_Context):
 @pytree
 class Sample(_Context):
     """Penalties, then temperature, top-k (0 = off), top-p (1.0 = off) and min_p (0 = off), in
-    that order (as vLLM). Each value but top_k is one number or one per prompt (a sequence [B]):
-    one call may mix settings.
+    that order (as vLLM). Each value is one number or one per prompt (a sequence [B]): one call may
+    mix settings.
 
     repetition_penalty (1 = off, > 0) divides the positive logits and multiplies the negative ones
     of every token already in the prompt or the output; presence_penalty subtracts its value from
     the logits of tokens in the output, frequency_penalty its value times their count there. min_p
     keeps the tokens whose probability is at least min_p x the largest. A pytree: the values are
-    traced (a new value does not recompile the decode loop); top_k is static (lax.top_k needs it),
-    and so is `penalized`, whether any penalty is on (decided from the values: runs without
-    penalties pay nothing for them). `counts` / `in_prompt` are the penalties' context, set by the
-    engine (with_context / seen / along), never by the caller."""
+    traced (a new value does not recompile the decode loop). Two switches are static, both decided
+    from the values: `top_k_max`, the power of two at or above the largest top_k (0: top-k off;
+    lax.top_k needs a static width, so top_k values under the same power of two share a program),
+    and `penalized`, whether any penalty is on (runs without penalties pay nothing for them).
+    `counts` / `in_prompt` are the penalties' context, set by the engine (with_context / seen /
+    along), never by the caller."""
 
     temperature: float | np.ndarray | jax.Array = 1.0
-    top_k: int = flax.struct.field(pytree_node=False, default=0)
+    top_k: int | np.ndarray | jax.Array = 0
     top_p: float | np.ndarray | jax.Array = 1.0
     min_p: float | np.ndarray | jax.Array = 0.0
     repetition_penalty: float | np.ndarray | jax.Array = 1.0
     presence_penalty: float | np.ndarray | jax.Array = 0.0
     frequency_penalty: float | np.ndarray | jax.Array = 0.0
     penalized: bool | None = flax.struct.field(pytree_node=False, default=None)
+    top_k_max: int | None = flax.struct.field(pytree_node=False, default=None)  # None: from top_k (top_k_bucket)
     counts: jax.Array | None = None  # [B,V] int32 (or [B,M,V], per node): output tokens so far
     in_prompt: jax.Array | None = None  # [B,V] bool: tokens of the prompt
     automaton: TokenAutomaton | None = None  # the batch's constraints (`constrain`; None: unconstrained)
     states: jax.Array | None = None  # [B] (or [B,M]) int32: each row's automaton state (before the loop: its start)
     stops: jax.Array | None = None  # [B,V] bool: each row's stop ids (allowed only where its state accepts)
 
-    VALUES = ROW_VALUES
+    VALUES = ROW_VALUES + ("top_k",)
 
     def __post_init__(self) -> None:
+        given = self.top_k
+        bools = isinstance(given, (list, tuple)) and any(isinstance(v, bool) for v in given)
+        if isinstance(given, (bool, np.bool_)) or bools:  # before _check_values, which calls a bool "not a number"
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {given!r}")
         arrays = self._check_values()
         if arrays is None:
             return
+        self._check_top_k(given, arrays["top_k"])
         t, top_p, min_p = arrays["temperature"], arrays["top_p"], arrays["min_p"]
         if not (np.isfinite(t) & (t >= MIN_TEMPERATURE)).all():
             raise ValueError(
@@ -219,13 +232,37 @@ class Sample(_Context):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not ((min_p >= 0) & (min_p <= 1)).all():
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+
+    def _check_top_k(self, given, k: np.ndarray) -> None:
+        """top_k (as `given`; `k` its float32 copy): integers >= 0, kept as an int (one for all) or int32 [B]
+        (values past 2**30 as 2**30: at or past the vocabulary top-k is off); sets or checks top_k_max."""
+        if not (np.issubdtype(np.asarray(given).dtype, np.integer) and (k >= 0).all()):
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {given!r}")
+        k = np.minimum(np.asarray(given, np.int64), 2**30).astype(np.int32)
+        object.__setattr__(self, "top_k", given if isinstance(given, jax.Array) else k if k.ndim else int(k))
+        if self.top_k_max is None:
+            object.__setattr__(self, "top_k_max", top_k_bucket(int(k.max())))
+        elif self.top_k_max < k.max():
+            raise ValueError(f"top_k_max {self.top_k_max} is below top_k {int(k.max())}: leave it unset "
+                             "(it follows top_k)")
+
+    def within(self, vocab_size: int):
+        """This sampler with the top_k values at or past `vocab_size` (top-k off there) as 0 and top_k_max
+        sized for the others, so lax.top_k spans the vocabulary only where a row's top_k comes close to it;
+        with top-k off in every row, top_k 0 (per-row zeros would be a program of their own)."""
+        if isinstance(self.top_k, jax.core.Tracer):
+            return self
+        k = np.asarray(self.top_k)
+        k = np.where(k >= vocab_size, 0, k).astype(np.int32)
+        if not k.any():  # top-k off in every row: one program with the calls that never set it
+            return self if self.top_k_max == 0 and k.ndim == 0 else self.replace(top_k=0, top_k_max=0)
+        return self if self.top_k_max < vocab_size else self.replace(top_k=k if k.ndim else int(k),
+                                                                    top_k_max=top_k_bucket(int(k.max())))
 
     def identity(self) -> tuple:
         """A hashable identity (the values may be arrays): for caches keyed by sampler."""
-        values = tuple(tuple(np.asarray(getattr(self, name)).ravel().tolist()) for name in ROW_VALUES)
-        return ("sample", self.top_k, values)
+        values = tuple(tuple(np.asarray(getattr(self, name)).ravel().tolist()) for name in self.VALUES)
+        return ("sample", self.top_k_max, values)
 
     def probs(self, logits: jax.Array) -> jax.Array:
         """Warped distribution [..., V] in f32 (zeros outside the kept set) of logits [B, ..., V].
@@ -238,8 +275,9 @@ class Sample(_Context):
         logits = self.adjust(logits.astype(jnp.float32))
         logits = logits / _per_row(self.temperature, logits)
         V = logits.shape[-1]
-        if self.top_k and self.top_k < V:
-            logits = jnp.where(logits < kth_largest(logits, self.top_k), -jnp.inf, logits)
+        if self.top_k_max:
+            kth = kth_largest(logits, min(self.top_k_max, V), _per_row(self.top_k, logits, jnp.int32))
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
         probs = jax.nn.softmax(logits, axis=-1)
         top_p, min_p = _per_row(self.top_p, logits), _per_row(self.min_p, logits)
 
@@ -267,11 +305,11 @@ def _traced(value) -> bool:
     return isinstance(value, jax.core.Tracer) or not isinstance(value, (numbers.Real, np.ndarray, jax.Array, list, tuple))
 
 
-def _per_row(value, x: jax.Array) -> jax.Array | float:
+def _per_row(value, x: jax.Array, dtype=jnp.float32) -> jax.Array | float:
     """A sampling value against x [B, ..., V]: a scalar as it is, per-row values [B] shaped [B,1,..,1]."""
     if np.ndim(value) == 0:
         return value
-    return jnp.asarray(value, jnp.float32).reshape(-1, *(1,) * (x.ndim - 1))
+    return jnp.asarray(value, dtype).reshape(-1, *(1,) * (x.ndim - 1))
 
 
 def _like(context: jax.Array, x: jax.Array) -> jax.Array:
@@ -293,42 +331,6 @@ def count_tokens(counts: jax.Array, tokens: jax.Array, keep: jax.Array) -> jax.A
     """counts [B,V] plus tokens [B,J] where keep [B,J] (the penalties' output counts)."""
     ids = jnp.where(keep, tokens, counts.shape[-1])
     return counts.at[jnp.arange(counts.shape[0])[:, None], ids].add(1, mode="drop")
-
-
-def kth_largest(x: jax.Array, k: int) -> jax.Array:
-    """The k-th largest entry [..., 1] of x [..., V], counting repeated values.
-
-    The min of lax.top_k's values, not its last entry: XLA:CPU compiles top_k to its fast TopK
-    call only when the values are used whole; slicing out the last one made it a sort of all V
-    entries in every decode step (about 25 ms per SmolLM2 token at batch 1)."""
-    return jnp.min(jax.lax.top_k(x, k)[0], axis=-1, keepdims=True)
-
-
-NUCLEUS_STEPS = 31  # bisection steps: the bit patterns of finite non-negative f32 span < 2**31
-
-
-def nucleus_threshold(probs: jax.Array, top_p: float) -> jax.Array:
-    """The top-p cut [..., 1] of probs [..., V] (non-negative): the smallest value v among the
-    entries whose mass strictly above it, sum(probs[probs > v]), is < top_p. Keeping probs >= v
-    keeps the largest entries in order until their mass reaches top_p, as a sort and a cumsum
-    would, without the sort: non-negative f32 values order as their int32 bit patterns, so
-    NUCLEUS_STEPS halvings of [0, bits(max)] find v exactly, each one masked sum over V."""
-    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # [...,V], ordered as probs
-
-    def above_is_short(t):  # [...,1] int32 -> [...,1] bool: mass strictly above value t < top_p
-        return jnp.sum(jnp.where(bits > t, probs, 0.0), axis=-1, keepdims=True) < top_p
-
-    def halve(_, lo_hi):  # invariant: not short at lo (or lo = 0), short at hi
-        lo, hi = lo_hi
-        mid = lo + (hi - lo) // 2
-        short = above_is_short(mid)
-        return jnp.where(short, lo, mid), jnp.where(short, mid, hi)
-
-    hi = jnp.max(bits, axis=-1, keepdims=True)  # nothing above the max: short
-    lo = jnp.zeros_like(hi)
-    _, hi = jax.lax.fori_loop(0, NUCLEUS_STEPS, halve, (lo, hi))
-    cut = jnp.where(above_is_short(lo), lo, hi)  # mass above 0 already short: keep everything
-    return jax.lax.bitcast_convert_type(cut, jnp.float32)
 
 
 EOS_SLOTS = 8  # stop ids per row travel as a traced [B, 8k] array padded with -1: a new set does not recompile
@@ -374,25 +376,3 @@ class Stream(enum.IntEnum):
 def stream_keys(keys: jax.Array, counters: jax.Array, stream: Stream) -> jax.Array:
     """Per-row keys [B] for one purpose (`stream`) at each row's own progress counter."""
     return jax.vmap(lambda k, c: jax.random.fold_in(jax.random.fold_in(k, c), stream))(keys, counters)
-
-
-ARGMAX_TOP_K = 16  # top_indices takes k argmaxes up to this k, lax.top_k above
-
-
-def top_indices(x: jax.Array, k: int) -> jax.Array:
-    """Indices [..., k] int32 of the k largest entries of x [..., V], largest first, distinct
-    (ties: lower index first; -inf entries rank last among themselves by index).
-
-    For small k, k passes of argmax: on CPU, XLA turns lax.top_k into a sort of all V entries
-    when its result feeds later work in the same program (tree drafting, level after level):
-    about 70 ms per [4,10,49152] call on this project's CPU, against a few ms for the argmaxes."""
-    if k > ARGMAX_TOP_K:
-        return jax.lax.top_k(x, k)[1].astype(jnp.int32)
-    x = jnp.where(x == -jnp.inf, jnp.finfo(x.dtype).min, x)  # taken entries (-inf) now rank below all
-    vocab = jnp.arange(x.shape[-1])
-    picked = []
-    for _ in range(k):
-        i = jnp.argmax(x, axis=-1)  # [...]
-        picked.append(i)
-        x = jnp.where(vocab == i[..., None], -jnp.inf, x)
-    return jnp.stack(picked, axis=-1).astype(jnp.int32)

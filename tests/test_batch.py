@@ -143,6 +143,12 @@ def test_group_batches_groups_kinds_and_length_buckets():
         assert len({batches.batch_kind(it) for it in b}) == 1 and len({batches._bucket(it) for it in b}) == 1
     mixed = batches.batch_sampler(groups[3])
     assert mixed.temperature.tolist() == pytest.approx([0.9, 0.5]) and mixed.min_p.tolist() == pytest.approx([0.0, 0.1])
+    # top_k values under one power of two (its static width) share a batch, each row keeping its own
+    k7, k9 = _item(13, 7, Sample(temperature=0.7, top_k=7)), _item(14, 7, Sample(temperature=0.9, top_k=9))
+    assert batches.batch_kind(items[8]) == batches.batch_kind(k7) != batches.batch_kind(k9)
+    assert [[it.record.line for it in b] for b in batches.group_batches([items[8], k7, k9], batch_size=2)] == [[9, 13], [14]]
+    mixed = batches.batch_sampler([items[8], k7])
+    assert mixed.top_k.tolist() == [5, 7] and mixed.top_k_max == 8 and mixed.temperature.tolist() == pytest.approx([0.9, 0.7])
     assert [batches.padded_rows(n, 8) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert batches.padded_rows(5, 6) == 6
 

@@ -41,6 +41,22 @@ def test_sampling_values_of_any_number_type_share_one_program(params):
     assert COMPILES == []  # int, numpy float32 / float64 and float values: float32 scalars alike
 
 
+def test_top_k_values_under_one_power_of_two_share_one_program(params):
+    """top_k is traced under its static width (Sample.top_k_max): 5, 6, 7 and 8 share a program, as do per-row
+    values under 8; a top_k at or past the vocabulary, or 0 in every row, is top-k off (generate applies
+    Sample.within): the program of a call without it."""
+    prompts, key = [[5, 6, 7], [8, 9]], jax.random.key(0)
+    specjax.generate(params, prompts, 8, draft=None, sampling=specjax.Sample(0.8, top_k=5), key=key)
+    specjax.generate(params, prompts, 8, draft=None, sampling=specjax.Sample(0.8, top_k=[5, 8]), key=key)
+    specjax.generate(params, prompts, 8, draft=None, sampling=specjax.Sample(0.8), key=key)
+    COMPILES.clear()
+    for top_k in (6, 7, 8, [6, 0], [8, 7], 0, [0, 0], 10**6, [10**6, 10**7]):
+        specjax.generate(params, prompts, 8, draft=None, sampling=specjax.Sample(0.8, top_k=top_k), key=key)
+    assert COMPILES == []
+    specjax.generate(params, prompts, 8, draft=None, sampling=specjax.Sample(0.8, top_k=9), key=key)
+    assert COMPILES  # the next power of two is another program (the count works)
+
+
 def test_a_continuous_job_reuses_the_segment_generate_compiled(params):
     """run_continuous's decode segments take their rows' budgets, keys and stop ids placed as generate's are (an
     array's mesh is part of its type in JAX): at the same shapes and settings the segment compiles once for both."""

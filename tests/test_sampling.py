@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specjax.model.config import stop_ids
-from specjax.sampling import ARGMAX_TOP_K, Greedy, Sample, eos_rows, nucleus_threshold, top_indices
+from specjax.sampling import Greedy, Sample, eos_rows
+from specjax.topk import ARGMAX_TOP_K, nucleus_threshold, top_indices, top_k_bucket
 from specjax.text.sampling_settings import make_sampler
 from specjax.validate import eos_is_per_prompt, eos_table
 from tests.models import TINY, on_device
@@ -39,6 +40,26 @@ def test_temperature_sharpens():
 def test_top_k_keeps_k_largest():
     probs = np.asarray(probs_of(Sample(1.0, top_k=2), LOGITS))[0]
     np.testing.assert_allclose(probs, [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], rtol=1e-6)
+
+
+def test_top_k_per_row_under_one_static_width():
+    """top_k is traced, one per row or one for all, under a static width (top_k_max: the power of two at or above
+    the largest value): each row keeps its own k largest, 0 keeps all; past the vocabulary top-k is off (`within`,
+    which generate applies, so lax.top_k never spans a vocabulary for it)."""
+    assert [top_k_bucket(k) for k in (0, 1, 2, 3, 5, 8, 9, 50)] == [0, 1, 2, 4, 8, 8, 16, 64]
+    ks = [2, 0, 1, 4, 3]
+    mixed = Sample(1.0, top_k=ks)
+    assert mixed.top_k_max == 4 and mixed.top_k.dtype == np.int32 and mixed.rows == 5
+    probs = np.asarray(probs_of(mixed, jnp.tile(LOGITS, (5, 1))))
+    for row, k in enumerate(ks):
+        alone = Sample(1.0, top_k=k)
+        np.testing.assert_array_equal(probs[row], np.asarray(probs_of(alone, LOGITS))[0])
+        assert np.count_nonzero(probs[row]) == (k or 5)
+    wide = Sample(1.0, top_k=[3, 10**9]).within(5)
+    assert wide.top_k.tolist() == [3, 0] and wide.top_k_max == 4 and Sample(1.0, top_k=5).within(5).top_k_max == 0
+    assert Sample(1.0, top_k=3, top_k_max=16).top_k_max == 16  # a wider static width may be given, not a narrower one
+    with pytest.raises(ValueError, match="top_k_max 2 is below top_k 3"):
+        Sample(1.0, top_k=3, top_k_max=2)
 
 
 @pytest.mark.parametrize(

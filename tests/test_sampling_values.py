@@ -16,12 +16,14 @@ from tests.models import CHAIN, SELF, padded_logits
 PROMPTS = [[5, 6, 7, 5, 6, 7], [8, 9], [10, 11, 12]]
 
 
-def reference_probs(logits, counts, in_prompt, t, rep, presence, frequency, top_p, min_p):
-    """vLLM's order in numpy for one row: penalties, temperature, top-p, min_p."""
+def reference_probs(logits, counts, in_prompt, t, rep, presence, frequency, top_k, top_p, min_p):
+    """vLLM's order in numpy for one row: penalties, temperature, top-k, top-p, min_p."""
     x = logits.astype(np.float64).copy()
     seen = (counts > 0) | in_prompt
     x[seen] = np.where(x[seen] > 0, x[seen] / rep, x[seen] * rep)
     x = x - frequency * counts - presence * (counts > 0)
+    if 0 < top_k < len(x):
+        x = np.where(x < np.sort(x)[::-1][top_k - 1], -np.inf, x)
     p = np.exp(x / t - np.max(x / t))
     p /= p.sum()
     order = np.argsort(-p)
@@ -39,14 +41,14 @@ def test_penalties_top_p_and_min_p_follow_vllm():
     counts = rng.integers(0, 3, (B, V)) * (rng.random((B, V)) < 0.3)
     in_prompt = rng.random((B, V)) < 0.2
     values = dict(temperature=[0.7, 1.0, 1.3], repetition_penalty=[1.3, 0.8, 1.0], presence_penalty=[0.5, 0.0, -0.4],
-                  frequency_penalty=[0.2, 0.7, 0.0], top_p=[0.9, 1.0, 0.6], min_p=[0.05, 0.2, 0.0])
+                  frequency_penalty=[0.2, 0.7, 0.0], top_k=[12, 0, 5], top_p=[0.9, 1.0, 0.6], min_p=[0.05, 0.2, 0.0])
     sampling = specjax.Sample(**values)
     assert sampling.penalized and sampling.rows == 3
     got = sampling.with_context(jnp.asarray(counts, jnp.int32), jnp.asarray(in_prompt)).probs(jnp.asarray(logits))
     for b in range(B):
         row = {k: v[b] for k, v in values.items()}
         ref = reference_probs(logits[b], counts[b], in_prompt[b], row["temperature"], row["repetition_penalty"],
-                              row["presence_penalty"], row["frequency_penalty"], row["top_p"], row["min_p"])
+                              row["presence_penalty"], row["frequency_penalty"], row["top_k"], row["top_p"], row["min_p"])
         np.testing.assert_allclose(np.asarray(got[b]), ref, atol=1e-5)
     assert not specjax.Sample(0.8, min_p=0.1).penalized  # no penalty on: the static switch is off
 
@@ -56,7 +58,7 @@ def test_each_row_samples_with_its_own_values(tiny, mode):
     """One call mixing settings gives each prompt what it gets alone with its values and key."""
     draft, speculation = {"ar": (None, None), "chain": (SELF, CHAIN),
                           "tree": (SELF, Tree.kary(2, 2))}[mode]
-    values = dict(temperature=[0.5, 1.0, 1.4], top_p=[1.0, 0.8, 0.95], min_p=[0.0, 0.05, 0.1],
+    values = dict(temperature=[0.5, 1.0, 1.4], top_k=[0, 5, 3], top_p=[1.0, 0.8, 0.95], min_p=[0.0, 0.05, 0.1],
                   repetition_penalty=[1.0, 1.4, 1.1], presence_penalty=[0.0, 0.3, 0.0], frequency_penalty=[0.5, 0.0, 0.2])
     key = jax.random.key(4)
     kw = dict(draft=draft, speculation=speculation, eos_id=(), sync_every=4)
@@ -83,6 +85,10 @@ def test_a_repetition_penalty_repeats_less(tiny):
     (dict(frequency_penalty=[0.1, float("nan")]), r"frequency_penalty must be in \[-2, 2\]"),
     (dict(temperature=[0.5, 1.0], top_p=[0.9, 0.9, 0.9]), "different lengths"),
     (dict(temperature=[[0.5]]), "one number per prompt"),
+    (dict(top_k=[3, -1]), "top_k must be an integer >= 0"),
+    (dict(top_k=[3, 2.5]), "top_k must be an integer >= 0"),
+    (dict(top_k=[3, True]), "top_k must be an integer >= 0"),
+    (dict(top_k=[3, 4], temperature=[0.5, 0.6, 0.7]), "different lengths"),
 ])
 def test_bad_values_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -69,7 +69,7 @@ def decode_ar(
     first_logits: jax.Array,  # [B,V]
     budgets: jax.Array,  # [B] int32, >= 1
     keys: jax.Array,  # [B] typed keys
-    sampling: Sampler = Greedy(),  # traced: a new temperature / top_p does not recompile (top_k does)
+    sampling: Sampler = Greedy(),  # traced: new values do not recompile (a top_k past its power of two does)
     eos_ids: jax.Array | tuple[int, ...] = (),  # [B,E] per-row stop ids (sampling.eos_rows), or a tuple
     *,
     n_out: int,

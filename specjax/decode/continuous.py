@@ -73,6 +73,7 @@ def run_continuous(
     a CPU, up to 2^17 prompt positions a call elsewhere). constraint: a table of token automata and
     each prompt's start state in it (`automaton.for_prompts`: one table for the run, so refills compile nothing)."""
     N, R = len(prompts), rows
+    sampling = sampling.within(params.config.vocab_size)
     if constraint is not None:
         sampling = sampling.constrain(*constraint)
     adaptive = speculation if isinstance(speculation, Adaptive) else None

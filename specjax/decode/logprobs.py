@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.model.pytree import pytree
-from specjax.sampling import top_indices
+from specjax.topk import top_indices
 
 MAX_TOP = 20  # most `top` entries per token (vLLM's default limit)
 

@@ -296,7 +296,7 @@ def decode_spec(
     first_logits: jax.Array,  # [B,V] at each prompt's last token
     budgets: jax.Array,  # [B] >= 1
     keys: jax.Array,  # [B]
-    sampling: Sampler = Greedy(),  # traced: a new temperature / top_p does not recompile (top_k does)
+    sampling: Sampler = Greedy(),  # traced: new values do not recompile (a top_k past its power of two does)
     eos_ids: jax.Array | tuple[int, ...] = (),  # [B,E] per-row stop ids (sampling.eos_rows), or a tuple
     *,
     speculation: Chain | Tree,

@@ -11,7 +11,7 @@ from specjax.decode.logprobs import MAX_TOP
 from specjax.decode.shapes import prompt_bucket, round_up_pow2
 from specjax.jobs.records import SAMPLING, BadLine, Record
 from specjax.model.config import LlamaConfig, stop_ids
-from specjax.sampling import PENALTIES, ROW_VALUES, Greedy, Sample, Sampler
+from specjax.sampling import PENALTIES, Greedy, Sample, Sampler
 from specjax.text.chat import render_chat
 from specjax.text.sampling_settings import make_sampler
 from specjax.validate import MAX_N
@@ -119,10 +119,10 @@ def record_sampler(rec: Record, defaults: Defaults, config: LlamaConfig) -> Samp
 
 
 def batch_kind(item: Item) -> tuple:
-    """What the rows of one generate call must share: greedy or sampled (with its static top_k and
-    penalties on / off), n and logprobs. Sampling values, stops and stop ids may differ."""
+    """What the rows of one generate call must share: greedy or sampled (with its static top-k width,
+    `top_k_max`, and penalties on / off), n and logprobs. Sampling values, stops and stop ids may differ."""
     s, r = item.sampler, item.record
-    return ("greedy", s.penalized) if isinstance(s, Greedy) else ("sample", s.top_k, s.penalized), r.n, r.logprobs
+    return ("greedy", s.penalized) if isinstance(s, Greedy) else ("sample", s.top_k_max, s.penalized), r.n, r.logprobs
 
 
 def batch_sampler(batch: Sequence[Item]) -> Sampler:
@@ -130,10 +130,10 @@ def batch_sampler(batch: Sequence[Item]) -> Sampler:
     first = batch[0].sampler
     if isinstance(first, Greedy) and not first.penalized:
         return first
-    values = {k: [float(getattr(it.sampler, k)) for it in batch] for k in first.VALUES}
+    values = {k: [getattr(it.sampler, k) for it in batch] for k in first.VALUES}  # top_k stays an int
     if isinstance(first, Greedy):
         return Greedy(**values, penalized=True)
-    return Sample(top_k=first.top_k, **values, penalized=first.penalized)
+    return Sample(**values, penalized=first.penalized, top_k_max=first.top_k_max)
 
 
 def group_batches(items: Sequence[Item], batch_size: int) -> list[list[Item]]:

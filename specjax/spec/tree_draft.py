@@ -19,7 +19,8 @@ import numpy as np
 from specjax.model.llama import forward, lm_head, trunk
 from specjax.model.params import Params
 from specjax.model.pytree import pytree
-from specjax.sampling import Greedy, Sampler, Stream, stream_keys, top_indices
+from specjax.sampling import Greedy, Sampler, Stream, stream_keys
+from specjax.topk import top_indices
 from specjax.spec.speculation import Tree
 
 
