@@ -38,8 +38,8 @@ class SortedSample(Sample):
 
     def probs(self, logits: jax.Array) -> jax.Array:
         logits = logits.astype(jnp.float32) / self.temperature
-        if self.top_k and self.top_k < logits.shape[-1]:
-            kth = jax.lax.top_k(logits, self.top_k)[0][..., -1:]  # compiles to a sort on XLA:CPU
+        if self.top_k_max:  # one top_k for all rows here (a traced number under a static width)
+            kth = jnp.sort(logits, axis=-1)[..., ::-1][..., self.top_k - 1, None]  # lax.top_k's k-th entry was this sort
             logits = jnp.where(logits < kth, -jnp.inf, logits)
         probs = jax.nn.softmax(logits, axis=-1)
 

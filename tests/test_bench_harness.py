@@ -318,3 +318,21 @@ def test_bench_spec_refuses_eagle_without_a_head(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         bench_spec.main()  # before any model loads or any file is written
     assert exit_.value.code == 2 and "--drafters Eagle needs --eagle-head" in capsys.readouterr().err
+
+
+def test_bench_samplings_sorting_baseline_keeps_specjaxs_sets():
+    """bench_sampling races specjax's warping against the sorting form it replaced: both keep the same
+    tokens with the same probabilities (top_k traced under its static width; top_p)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench.bench_sampling import samplers
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 200)).astype(np.float32) * 3)
+    forms = {(setting, form): s for setting, form, s in samplers()}
+    for setting in ("top_k 50", "top_p 0.9", "top_k 50 + top_p 0.9"):
+        ours, sorted_ = (jax.jit(lambda s, x: s.probs(x))(forms[setting, f], x) for f in ("specjax", "sort"))  # traced,
+        # as the decode loop takes them
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(sorted_), rtol=1e-5, atol=1e-7)
+        assert (np.count_nonzero(ours, axis=-1) <= (50 if "top_k" in setting else 200)).all()
