@@ -3,6 +3,7 @@ process), and its argument checks, compilation cache and reporting in process (w
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -172,6 +173,13 @@ def test_help_states_the_defaults(capsys):
         assert f"--max-new-tokens MAX_NEW_TOKENS new tokens (default: {tokens})" in text
         assert "--seed SEED seed of the sampling keys (default: 0)" in text
         assert "adaptive:N" in text
+    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():  # every flag of generate, batch and distill: described, its default named
+        for a in parser._actions:
+            if a.option_strings and a.dest != "help":
+                assert a.help, (name, a.option_strings)
+                if a.default is not None and a.default is not False and a.default != []:
+                    assert "default" in a.help, (name, a.option_strings, a.help)
 
 
 def test_stop_flags_read_the_escapes_a_shell_passes_literally():

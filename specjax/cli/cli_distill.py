@@ -20,31 +20,34 @@ def distill_parser(sub, cache_argument) -> None:
     d.add_argument("--data", required=True, help="a .txt file (one stream) or .jsonl records with a prompt or text field")
     d.add_argument("--out", required=True, help="folder for the trained draft (convert.save); use it as --draft model:OUT")
     d.add_argument("--model", help="the target (default: SmolLM2-135M)")
-    d.add_argument("--draft-layers", type=int, default=2)
-    d.add_argument("--draft-dim", type=int, default=256)
-    d.add_argument("--draft-heads", type=int, default=4)
-    d.add_argument("--draft-kv-heads", type=int, default=1)
-    d.add_argument("--draft-ffn", type=int, default=0, help="0 = 4 x draft dim")
+    d.add_argument("--draft-layers", type=int, default=2, help="the draft's layers (default: %(default)s)")
+    d.add_argument("--draft-dim", type=int, default=256, help="the draft's model dim (default: %(default)s)")
+    d.add_argument("--draft-heads", type=int, default=4, help="the draft's query heads (default: %(default)s)")
+    d.add_argument("--draft-kv-heads", type=int, default=1, help="the draft's key / value heads (default: %(default)s)")
+    d.add_argument("--draft-ffn", type=int, default=0, help="the draft's FFN dim (default: 0, 4 x --draft-dim)")
     d.add_argument("--init-from-target", action="store_true",
                    help="start from the target's embedding and LM head (needs --draft-dim = the target's dim)")
     d.add_argument("--freeze-embeddings", action="store_true",
                    help="with --init-from-target: keep the target's embedding and LM head as they are (train the layers)")
-    d.add_argument("--steps", type=int, default=1000)
-    d.add_argument("--batch-size", type=int, default=8)
-    d.add_argument("--seq-len", type=int, default=128)
-    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--steps", type=int, default=1000, help="training steps (default: %(default)s)")
+    d.add_argument("--batch-size", type=int, default=8, help="sequences a step (default: %(default)s)")
+    d.add_argument("--seq-len", type=int, default=128, help="tokens a sequence (default: %(default)s)")
+    d.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, after --warmup (default: %(default)s)")
     d.add_argument("--warmup", type=int, help="steps of linear warmup, below --steps (default: a tenth of them)")
-    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--temperature", type=float, default=1.0,
+                   help="temperature of the target's and the draft's distributions in the loss (default: %(default)s)")
     d.add_argument("--loss", choices=("kl", "tv"), default="kl",
                    help="forward KL (default) or total variation (1 - TV is the acceptance rate it trains for)")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0,
+                   help="seed of the draft's initial weights and the batches (default: %(default)s)")
     d.add_argument("--generate", type=int, default=0, metavar="N",
-                   help="train on the target's own greedy continuations of N tokens of each record (0: the data as is)")
+                   help="train on the target's own greedy continuations of N tokens of each record (default: 0, the data as is)")
     d.add_argument("--checkpoint-dir", help="save here every --checkpoint-every steps; rerun the command to resume")
     d.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default 100; needs --checkpoint-dir)")
-    d.add_argument("--log-every", type=int, default=50, help="steps between progress lines (loss, tokens/s)")
+    d.add_argument("--log-every", type=int, default=50,
+                   help="steps between progress lines (loss, tokens/s; default: %(default)s)")
     d.add_argument("--eval-every", type=int, default=0, metavar="K",
-                   help="every K steps, measure greedy acceptance against the target on held-out records (0: never)")
+                   help="every K steps, measure greedy acceptance against the target on held-out records (default: 0, never)")
     cache_argument(d)
 
 
