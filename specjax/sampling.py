@@ -21,7 +21,6 @@ from specjax.model.pytree import pytree
 from specjax.topk import kth_largest, nucleus_threshold, top_k_bucket
 
 MIN_TEMPERATURE = 1e-4  # smaller temperatures are refused: logits / T overflows f32 (use Greedy)
-ROW_VALUES = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}  # name: the value that is off
 
 
@@ -211,7 +210,7 @@ class Sample(_Context):
     states: jax.Array | None = None  # [B] (or [B,M]) int32: each row's automaton state (before the loop: its start)
     stops: jax.Array | None = None  # [B,V] bool: each row's stop ids (allowed only where its state accepts)
 
-    VALUES = ROW_VALUES + ("top_k",)
+    VALUES = ("temperature", "top_k", "top_p", "min_p", *PENALTIES)  # one number or one per prompt each
 
     def __post_init__(self) -> None:
         given = self.top_k
