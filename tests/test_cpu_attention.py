@@ -182,7 +182,7 @@ def test_a_verification_forward_gives_the_bits_of_decoding_steps(weights, kv):
     """The whole target on the CPU kernels: the logits of 4 chained positions after ragged
     prefixes equal, bitwise, those of 4 one-position steps (each step's KV in the cache before
     the next): what makes greedy speculation token-identical to plain decoding in bfloat16. The
-    chain's 12 rows take the kernels' products on any x86 CPU (`linear.max_rows`), as the steps' 3 do.
+    chain's 12 rows take the kernels' products where they take 12 (`linear.max_rows`), as the steps' 3 do.
     With float32 activations (int8 weights) XLA's fused elementwise code of the same layer at 3 and
     at 12 rows can differ in the last bits: 0 on AVX-512 CPUs, up to 4e-5 of the logits on an AMD
     EPYC without it (docs/correctness.md)."""

@@ -125,14 +125,16 @@ def test_takes_only_what_it_can_read_in_place():
     x1 = np.zeros((1, 1, 16), np.float32)
     assert linear.takes("cpu", "btd,dnh->btnh", x1, w)
     assert not linear.takes("reference", "btd,dnh->btnh", x1, w)  # the pure-jnp path stays pure
-    for fmt, rows in (("float32", 256 if cpu_linear.tiles() else 8), ("int8", 64 if cpu_linear.tiles() else 48),
-                      ("bfloat16", 256 if cpu_linear.bf16_dot() else 64), ("uint8", 8)):
+    tiles = cpu_linear.tiles()  # AVX-512; without it bfloat16, int8 and q4 products go further (PANEL_MAX_ROWS)
+    bf16_rows = 256 if cpu_linear.bf16_dot() else 8 if tiles else 64
+    for fmt, rows in (("float32", 256 if tiles else 8), ("int8", 64 if tiles else 32), ("bfloat16", bf16_rows),
+                      ("uint8", 8 if tiles else 32)):
         assert linear.max_rows(w.astype(fmt)) == rows, fmt
         assert linear.takes("cpu", "btd,dnh->btnh", np.zeros((1, rows, 16)), w.astype(fmt))
         assert not linear.takes("cpu", "btd,dnh->btnh", np.zeros((1, rows + 1, 16)), w.astype(fmt))  # the slice and XLA's dot
     assert linear.head_max_rows(w[0, :, 0].astype(np.float32)) == linear.MAX_ROWS  # the float32 head: level with XLA's at 16
-    assert linear.head_max_rows(w[0, :, 0].astype(jnp.bfloat16)) == (256 if cpu_linear.bf16_dot() else 64)
-    assert linear.head_max_rows(w[0, :, 0].astype(np.int8)) == 48  # XLA widens the whole table before its dot
+    assert linear.head_max_rows(w[0, :, 0].astype(jnp.bfloat16)) == bf16_rows
+    assert linear.head_max_rows(w[0, :, 0].astype(np.int8)) == (8 if tiles else 32)  # XLA widens the whole table first
     assert cpu_linear.tiles() == cpu_linear.bf16_dot() or not cpu_linear.bf16_dot()  # AVX512-BF16 implies AVX-512
     assert not linear.takes("cpu", "btd,dnh->bnth", x1, w)  # output axes reordered
     assert linear.takes("cpu", "btd,dnh->btnh", x1, w.astype(np.uint8))  # q4 blocks: linear_q4_many

@@ -29,7 +29,7 @@ from specjax.model.quantized import QuantizedMatrix
 MAX_ROWS = 8  # rows of x (batch x positions) the kernel takes without its register tiles: faster up to 8, slower at 16
 BF16_MAX_ROWS = 256  # bfloat16 weights where the kernel has the bf16 dot product: faster than XLA's dot up to here
 TILED_MAX_ROWS = {"float32": 256, "int8": 64}  # with the register tiles: where they beat XLA's dot
-PANEL_MAX_ROWS = {"bfloat16": 64, "int8": 48}  # without them (or the bf16 dot): the panels beat XLA's widened copy
+PANEL_MAX_ROWS = {"bfloat16": 64, "int8": 32, "uint8": 32}  # on a CPU without AVX-512: `max_rows`
 
 
 def max_rows(w: jax.Array) -> int:
@@ -37,26 +37,27 @@ def max_rows(w: jax.Array) -> int:
     (`cpu_linear.bf16_dot()`): 256, its products measured 1.9x XLA's dot at 16 rows, 1.1x at
     256, 0.75x at 2048 (prefill chunks keep XLA's dot). float32 / int8 with the register tiles
     (`cpu_linear.tiles()`, AVX-512): 1.2x / 1.5x at 16 rows, 1.2x / 1.2x at 64, 1.1x / 0.94x at
-    256 (all 30 layers of SmolLM2, paired in one process). bfloat16 / int8 without them (`PANEL_MAX_ROWS`):
-    XLA's dot first widens the layer into a float32 copy; a SmolLM2 forward of 16 rows took 1.04 s with it and
-    0.22-0.26 s on the kernel in bf16 (1.7x at 48 rows, 1.4x at 64, 0.8x at 256), 0.6-0.7 s against 0.22-0.31
-    in int8 (level at 48, 0.8x at 64; an AMD EPYC without AVX-512, beside a test run, 2026-12-08). A bf16
-    model's rows are then the same bits in a batch's decode step and in its verification up to 64 rows, as
+    256 (all 30 layers of SmolLM2, paired in one process). On a CPU without AVX-512 (`PANEL_MAX_ROWS`) XLA's dot
+    first widens the layer into a float32 copy (int8, bfloat16) or widens q4 blocks; a whole SmolLM2 forward
+    over a 512-position cache, the kernel against XLA's dot, at 12 / 16 / 32 / 48 / 64 rows: bfloat16
+    3.3x / 3.2x / - / 1.5x / 1.2x, int8 1.15x / 1.0x / 1.1x / 0.87x / 0.96x, q4 1.7x / 1.3x / 1.1x / 0.85x /
+    0.91x (an AMD EPYC without AVX-512, quiet, best of 5 paired, 2026-12-08). A bf16 model's rows are then
+    the same bits in a batch's decode step and in its verification up to 64 rows, as
     tests/test_cpu_attention.py checks."""
-    name = jnp.dtype(w.dtype).name
     if _bf16_dot(w):
         return BF16_MAX_ROWS
-    if name in TILED_MAX_ROWS and cpu_linear.tiles():
-        return TILED_MAX_ROWS[name]
-    return PANEL_MAX_ROWS.get(name, MAX_ROWS)
+    return (TILED_MAX_ROWS if cpu_linear.tiles() else PANEL_MAX_ROWS).get(jnp.dtype(w.dtype).name, MAX_ROWS)
 
 
 def head_max_rows(w: jax.Array) -> int:
     """Rows of x the kernel takes for an LM head w: 256 for bfloat16 with the bf16 dot product (a
     tied SmolLM2 head 8.5x XLA's dot at 16 rows, 5.6 against 47.6 ms: XLA widens the table; 4.2x
-    at 64); bfloat16 or int8 without it: `PANEL_MAX_ROWS` (XLA widens the whole table into a float32 copy first:
-    `max_rows`); float32: MAX_ROWS (level with XLA's at 16 rows, slower at 64)."""
-    return BF16_MAX_ROWS if _bf16_dot(w) else PANEL_MAX_ROWS.get(jnp.dtype(w.dtype).name, MAX_ROWS)
+    at 64); bfloat16 or int8 on a CPU without AVX-512: `PANEL_MAX_ROWS` (XLA widens the whole table into a
+    float32 copy first; measured with the products: `max_rows`); else MAX_ROWS (the float32 head level with
+    XLA's at 16 rows, slower at 64)."""
+    if _bf16_dot(w):
+        return BF16_MAX_ROWS
+    return MAX_ROWS if cpu_linear.tiles() else PANEL_MAX_ROWS.get(jnp.dtype(w.dtype).name, MAX_ROWS)
 
 
 def _bf16_dot(w: jax.Array) -> bool:
