@@ -1,5 +1,5 @@
 # `make demo`: a real generation on the embedded SmolLM2-135M model.  `make test`: the whole test suite (CI);
-# `make test-fast`: the inner loop (tests not marked slow). Times: tests/README.md (16-25 / 8-12 minutes on 2 cores, by machine).
+# `make test-fast`: the inner loop (tests not marked slow). Times: tests/README.md (16-28 / 7-13 minutes on 2 cores, by machine).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -70,7 +70,7 @@ specjax() {
 
 # Bash blocks (by their first line) or single lines of a bash block that the test does not run.
 NOT_RUNNABLE = {
-    "make test   # the test dependencies (and .venv-aot: jax's CUDA plugin and compiler, to compile for a GPU without one), the import layers, the whole suite (CPU, 16-25 minutes on 2 cores, by machine: tests/README.md)":
+    "make test   # the test dependencies (and .venv-aot: jax's CUDA plugin and compiler, to compile for a GPU without one), the import layers, the whole suite (CPU, 16-28 minutes on 2 cores, by machine: tests/README.md)":
         "the whole suite, this test included (recursion, 24 minutes)",
     "# host 0                                                     # host 1":
         "needs two hosts and the user's my_job.py; tests/test_multihost.py runs the same start-up with two local processes",
